@@ -1,0 +1,233 @@
+"""The `memcalc` command line: parse, call the engine, render. No arithmetic lives here."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+from . import render
+from .errors import InputError
+
+HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors (unknown option, missing value) as one line on stderr and exit code 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)  # fmt: skip
+        except Exception as e:  # click's UsageError; typer vendors click in some releases
+            if not (hasattr(e, "exit_code") and hasattr(e, "format_message")):
+                raise
+            print(f"error: {e.format_message()}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(cls=OneLineErrors, help=HELP, add_completion=False, no_args_is_help=True)
+
+# ---- options shared by the commands --------------------------------------------------------
+Params = Annotated[Optional[str], typer.Option("--params", help="Parameter count (8e9, 70B); the shape comes from the canonical table.", metavar="N")]  # fmt: skip
+ModelName = Annotated[Optional[str], typer.Option("--model", help="A preset: see `memcalc presets`.", metavar="NAME")]  # fmt: skip
+Config = Annotated[Optional[str], typer.Option("--config", help="A Hugging Face config.json, read offline.", metavar="PATH")]  # fmt: skip
+Layers = Annotated[Optional[str], typer.Option("--layers", help="Override the number of layers.", metavar="N")]
+Hidden = Annotated[Optional[str], typer.Option("--hidden", help="Override the hidden size.", metavar="N")]
+Heads = Annotated[Optional[str], typer.Option("--heads", help="Override the attention heads.", metavar="N")]
+KvHeads = Annotated[Optional[str], typer.Option("--kv-heads", help="Override the KV heads (GQA).", metavar="N")]
+Ffn = Annotated[Optional[str], typer.Option("--ffn", help="Override the MLP width.", metavar="N")]
+Vocab = Annotated[Optional[str], typer.Option("--vocab", help="Override the vocabulary size.", metavar="N")]
+Seq = Annotated[str, typer.Option("--seq", help="Sequence length in tokens.", metavar="N")]
+MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per forward/backward pass.", metavar="N")]
+GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
+TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, selective (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
+Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw, sgd (with momentum) or adam8bit.", metavar="NAME")]
+Gpus = Annotated[str, typer.Option("--gpus", help="Data-parallel GPUs that ZeRO shards over.", metavar="N")]
+Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", metavar="STAGE")]
+Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
+GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
+Mfu = Annotated[str, typer.Option("--mfu", help="Fraction of peak the GPU sustains (default 0.4: Llama 3 reached 38-43% on H100s).", metavar="X")]  # fmt: skip
+Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
+Units = Annotated[str, typer.Option("--units", help="gb (decimal, as vendors and the lesson) or gib.", metavar="UNITS")]
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def check_format(fmt: str) -> str:
+    key = fmt.strip().lower()
+    if key not in render.FORMATS:
+        raise InputError(f"unknown format {fmt!r}; choose {', '.join(render.FORMATS)}")
+    return key
+
+
+def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu):
+    from .estimate import MAX_BATCH, MAX_SEQ, Setup
+    from .model import parse_count
+    from .state import MAX_GPUS, OPTIMIZERS, Parallel
+
+    if optimizer.strip().lower() not in OPTIMIZERS:
+        raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+    if zero.strip() not in ("0", "1", "2", "3"):
+        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
+    return Setup(
+        seq_len=parse_count(seq, "seq", MAX_SEQ),
+        micro_batch=parse_count(micro_batch, "micro-batch", MAX_BATCH),
+        grad_accum=parse_count(grad_accum, "grad-accum", MAX_BATCH),
+        optimizer=optimizer.strip().lower(),
+        parallel=Parallel(parse_count(gpus, "gpus", MAX_GPUS), int(zero), offload),
+        mfu=parse_fraction(mfu, "mfu"),
+    )
+
+
+def parse_fraction(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"{name} must be a number, got {text!r}") from None
+    if not 0 < value <= 1:  # also rejects nan
+        raise InputError(f"{name} must be a fraction in (0, 1], got {text!r}")
+    return value
+
+
+@app.command()
+def estimate(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None,
+    seq: Seq = "4096", micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
+    optimizer: Optimizer = "adamw", gpus: Gpus = "1", zero: Zero = "0", offload: Offload = False,
+    gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
+    explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
+    fmt: Format = "table", units: Units = "gb",
+) -> None:  # fmt: skip
+    """Model state, activations (per trick), logits, FLOPs, step time, and whether it fits."""
+    try:
+        from .estimate import estimate as run_estimate
+        from .gpus import gpu as find_gpu
+        from .inputs import resolve_model, resolve_tricks
+        from .toolbox import toolbox
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu)
+        trick_sets = resolve_tricks(tricks)
+        the_gpu = find_gpu(gpu)
+        est = run_estimate(the_model, setup, the_gpu, trick_sets)
+        tb = toolbox(the_model, setup, the_gpu, trick_sets[0])
+    except InputError as e:
+        fail(str(e))
+    show_estimate(est, tb, fmt, units, explain)
+
+
+def render_units(units: str) -> str:
+    from .units import check_units
+
+    return check_units(units)
+
+
+def show_estimate(est, tb, fmt: str, units: str, explain: bool) -> None:
+    from . import report
+
+    if fmt == "json":
+        print(render.to_json({**render.to_jsonable(est), "toolbox": render.to_jsonable(tb)}))
+    elif fmt == "csv":
+        sys.stdout.write(render.to_csv(report.CSV_HEADERS, report.estimate_csv_rows(est)))
+    else:
+        sections = report.estimate_sections(est, tb, units)
+        if fmt == "markdown":
+            sys.stdout.write(render.to_markdown(sections, report.preamble(est)))
+        else:
+            render.print_tables(sections, report.preamble(est))
+        if explain:
+            print("\n".join([""] + report.explain_lines(est)))
+
+
+@app.command()
+def fit(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None,
+    seq: Seq = "4096", micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
+    optimizer: Optimizer = "adamw", gpus: Gpus = "1", zero: Zero = "0", offload: Offload = False,
+    gpu: GpuOpt = "h100-sxm", fmt: Format = "table", units: Units = "gb",
+) -> None:  # fmt: skip
+    """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
+    try:
+        from .gpus import gpu as find_gpu
+        from .inputs import resolve_model
+        from .toolbox import fit_limits
+        from .tricks import parse_tricks
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4")
+        limits = fit_limits(the_model, setup, find_gpu(gpu), parse_tricks(tricks))
+    except InputError as e:
+        fail(str(e))
+    from . import report
+
+    if fmt == "json":
+        print(render.to_json(limits))
+    elif fmt == "csv":
+        rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch,
+                 limits.max_seq_len, limits.max_micro_batch]]  # fmt: skip
+        sys.stdout.write(render.to_csv(["gpu", "tricks", "seq_len", "micro_batch", "max_seq_len", "max_micro_batch"], rows))
+    elif fmt == "markdown":
+        sys.stdout.write(render.to_markdown(report.fit_sections(limits, units), [f"Model: {the_model.origin}"]))
+    else:
+        render.print_tables(report.fit_sections(limits, units), [f"Model: {the_model.origin}"])
+
+
+@app.command()
+def presets(fmt: Format = "table") -> None:
+    """The model presets and the canonical shapes behind --params."""
+    show_reference("presets", fmt)
+
+
+@app.command()
+def gpus(fmt: Format = "table") -> None:
+    """The GPU table: dense peak rates, memory and bandwidth, with sources."""
+    show_reference("gpus", fmt)
+
+
+@app.command()
+def formats(fmt: Format = "table") -> None:
+    """FP32 / FP16 / BF16 (and TF32, FP8) from their bit layouts, and three demonstrations."""
+    show_reference("formats", fmt)
+
+
+def show_reference(name: str, fmt: str) -> None:
+    from . import catalog
+
+    try:
+        fmt = check_format(fmt)
+    except InputError as e:
+        fail(str(e))
+    sections, objects = catalog.REFERENCE[name]
+    show_sections(sections(), objects(), fmt)
+
+
+def show_sections(sections, json_obj, fmt: str) -> None:
+    """Reference tables: JSON gets the result objects, CSV the first table's cells."""
+    if fmt == "json":
+        print(render.to_json(json_obj))
+    elif fmt == "csv":
+        first = sections[0]
+        sys.stdout.write(render.to_csv(first.headers, [[render.cell_text(c) for c in row] for row in first.rows]))
+    elif fmt == "markdown":
+        sys.stdout.write(render.to_markdown(sections))
+    else:
+        render.print_tables(sections)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,207 @@
+"""The command line through typer's CliRunner, and once as a real process."""
+
+import csv
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+
+WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200", "NO_COLOR": "1"}
+MAIN_JOB = ["estimate", "--params", "8e9", "--seq", "8192"]
+
+
+def run(*args):
+    return CliRunner().invoke(app, list(args), env=WIDE)
+
+
+@pytest.fixture(scope="module")
+def main_table():
+    result = run(*MAIN_JOB)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.mark.parametrize("number", [
+    "128,000,000,000", "16,000,000,000", "32,000,000,000",  # model state and its parts
+    "134,217,728", "10,737,418,240", "11,878,268,928",  # one head, the s×s part, one layer
+    "427,617,681,408", "855,235,362,816",  # 36 layers bf16, fp32
+    "1,140,850,688", "41,070,624,768",  # flash
+    "67,108,864", "2,415,919,104", "3,556,769,792",  # ckpt, its peak
+    "48,000,000,000", "64,000,000,000", "+33.3%", "14.8x",  # 6N, 8N, BF16/FP32 on the H100
+])  # fmt: skip
+def test_main_job_shows_every_golden_number(main_table, number):
+    assert number in main_table
+
+
+def test_main_job_says_which_shape_it_assumed(main_table):
+    assert "canonical qwen3-8b shape (36 layers, hidden 4096, 32 heads" in main_table
+
+
+@pytest.fixture(scope="module")
+def main_json():
+    result = run(*MAIN_JOB, "--format", "json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_schema(main_json):
+    assert main_json["model_state"]["total_bytes"] == 128_000_000_000
+    assert main_json["flops"]["per_token"] == 48_000_000_000
+    rows = main_json["activations"]
+    assert [r["tricks"] for r in rows] == [["fp32"], ["bf16"], ["bf16", "flash"], ["bf16", "flash", "ckpt"],
+                                           ["bf16", "selective"]]  # fmt: skip
+    for row in rows:
+        assert {"per_layer_bytes", "total_bytes", "peak_bytes", "terms"} <= row.keys()
+    assert rows[3]["peak_bytes"] == 3_556_769_792
+    assert main_json["memory"][0]["fits"] is False
+    assert main_json["toolbox"]["steps"][0]["name"] == "bf16 mixed precision"
+
+
+def test_tricks_picks_one_combination():
+    result = run(*MAIN_JOB, "--tricks", "bf16,flash,ckpt", "--format", "json")
+    data = json.loads(result.stdout)
+    assert [r["tricks"] for r in data["activations"]] == [["bf16", "flash", "ckpt"]]
+    assert data["activations"][0]["total_bytes"] == 2_415_919_104
+
+
+def test_markdown_and_csv():
+    md = run(*MAIN_JOB, "--format", "markdown")
+    assert md.exit_code == 0
+    assert "| bf16+flash+ckpt |" in md.stdout and "### Model state" in md.stdout
+    out = run(*MAIN_JOB, "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(out.stdout)))
+    assert [r["tricks"] for r in rows] == ["fp32", "bf16", "bf16+flash", "bf16+flash+ckpt", "bf16+selective"]
+    assert rows[1]["activations_total_bytes"] == "427617681408"
+
+
+def test_units_gib():
+    out = run(*MAIN_JOB, "--tricks", "bf16", "--units", "gib")
+    assert "398.2 GiB" in out.stdout  # 427,617,681,408 B = 398.25 GiB
+
+
+def test_explain_shows_formulas_with_numbers():
+    out = run(*MAIN_JOB, "--explain", "--zero", "3", "--gpus", "8")
+    assert out.exit_code == 0, out.output
+    assert "s·b·h·(34 + 5·a·s/h)" in out.stdout
+    assert "MLP: 19·s·b·h = 19·8,192·1·4,096 = 637,534,208 B" in out.stdout
+    assert "weights: ⌈(2·N)/G⌉ = ⌈(2·8,000,000,000)/8⌉ = 2,000,000,000 B" in out.stdout
+    assert "6·N = 6·8,000,000,000 = 48,000,000,000 FLOPs" in out.stdout
+    assert "peak = 2,415,919,104 + one layer rebuilt" in out.stdout
+
+
+def test_fit_command():
+    out = run("fit", "--params", "8e9", "--seq", "8192", "--tricks", "bf16,flash,ckpt", "--gpu", "h200",
+              "--format", "json")  # fmt: skip
+    data = json.loads(out.stdout)
+    assert data["max_seq_len"] > 8192 and data["max_micro_batch"] >= 1
+    over = run("fit", "--model", "llama3-70b", "--gpu", "a100-40gb", "--format", "json")
+    assert json.loads(over.stdout)["max_seq_len"] == 0  # 70B of model state never fits 40 GB
+
+
+@pytest.mark.parametrize("command", ["formats", "gpus", "presets"])
+@pytest.mark.parametrize("fmt", ["table", "json", "markdown", "csv"])
+def test_reference_commands(command, fmt):
+    out = run(command, "--format", fmt)
+    assert out.exit_code == 0, out.output
+    assert out.stdout.strip()
+
+
+def test_formats_shows_the_demonstrations():
+    out = run("formats").stdout
+    assert "65504" in out and "0.0078125" in out and "448" in out and "57344" in out
+    data = json.loads(run("formats", "--format", "json").stdout)
+    assert data["rounding"]["bf16_sum"] == 1.0 and data["rounding"]["fp32_sum"] > 1.0
+    assert data["underflow"]["fp16_grad"] == 0.0 and data["underflow"]["fp16_scaled"] > 0
+    assert data["accumulation"]["bf16_rel_error"] > 1000 * data["accumulation"]["fp32_rel_error"]
+
+
+BAD_INPUT = [
+    (["estimate", "--params", "0"], "params must be positive"),
+    (["estimate", "--params", "-8e9"], "params must be positive"),
+    (["estimate", "--params", "nan"], "finite"),
+    (["estimate", "--params", "eight"], "must be a number"),
+    (["estimate", "--params", "1e30"], "absurdly large"),
+    (["estimate", "--params", "8e9", "--seq", "0"], "seq must be positive"),
+    (["estimate", "--params", "8e9", "--seq", "-1"], "seq must be positive"),
+    (["estimate", "--params", "8e9", "--seq", "lots"], "seq must be a number"),
+    (["estimate", "--params", "8e9", "--micro-batch", "0"], "micro-batch must be positive"),
+    (["estimate", "--params", "8e9", "--seq", "1e12"], "absurdly large"),
+    (["estimate", "--params", "8e9", "--heads", "33"], "must divide hidden"),
+    (["estimate", "--params", "8e9", "--kv-heads", "5"], "must divide heads"),
+    (["estimate", "--model", "gpt5"], "unknown model 'gpt5'"),
+    (["estimate", "--params", "8e9", "--tricks", "bf16,turbo"], "unknown trick 'turbo'"),
+    (["estimate", "--params", "8e9", "--tricks", "fp32,flash"], "flash needs 16-bit"),
+    (["estimate", "--params", "8e9", "--tricks", "fp32,bf16"], "choose one precision"),
+    (["estimate", "--params", "8e9", "--tricks", "ckpt,selective"], "drop selective or ckpt"),
+    (["estimate", "--params", "8e9", "--gpu", "tpu-v5"], "unknown GPU 'tpu-v5'"),
+    (["estimate", "--params", "8e9", "--optimizer", "lion"], "unknown optimizer 'lion'"),
+    (["estimate", "--params", "8e9", "--zero", "4"], "zero stage must be"),
+    (["estimate", "--params", "8e9", "--mfu", "1.5"], "mfu must be a fraction"),
+    (["estimate", "--params", "8e9", "--mfu", "nan"], "mfu must be a fraction"),
+    (["estimate", "--params", "8e9", "--format", "xml"], "unknown format"),
+    (["estimate", "--params", "8e9", "--units", "tb"], "unknown units"),
+    (["estimate", "--params", "8e9", "--model", "gpt2"], "give one of"),
+    (["estimate"], "say which model"),
+    (["estimate", "--config", "no/such/config.json"], "config file not found"),
+    (["estimate", "--config", "examples/configs/mixtral-8x7b.json"], "mixture-of-experts"),
+    (["estimate", "--params", "8e9", "--bogus"], "No such option"),
+    (["estimate", "--params"], "requires an argument"),
+    (["fit", "--params", "8e9", "--tricks", "bf16,warp"], "unknown trick"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0]
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("content", ["{", "[]", '"text"'])
+def test_malformed_config_is_one_line(tmp_path, content):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    result = run("estimate", "--config", str(path))
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_warnings_go_to_stderr():
+    result = run("estimate", "--params", "8e9", "--tricks", "bf16,flash,selective", "--format", "json")
+    json.loads(result.stdout)  # stdout stays parseable
+
+
+ENV = {**os.environ, **WIDE, "PYTHONPATH": os.getcwd()}
+
+
+def test_python_dash_m_from_a_checkout():
+    out = subprocess.run([sys.executable, "-m", "memcalc", *MAIN_JOB, "--tricks", "bf16,flash,ckpt"],
+                         capture_output=True, text=True, env=ENV, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "3,556,769,792" in out.stdout
+
+
+def test_estimate_never_imports_torch():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from memcalc.cli import app\n"
+        "r = CliRunner().invoke(app, ['estimate', '--params', '8e9', '--seq', '8192'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "r = CliRunner().invoke(app, ['estimate', '--params', '8e9', '--format', 'json'])\n"
+        "heavy = [m for m in ('torch', 'numpy', 'verify') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

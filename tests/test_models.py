@@ -1,0 +1,164 @@
+"""Presets against their published parameter counts; config.json reading; shape validation."""
+
+import json
+
+import pytest
+
+from memcalc.errors import InputError
+from memcalc.hfconfig import config_model, shape_from_config
+from memcalc.inputs import resolve_model
+from memcalc.model import ModelShape, n_params, override, param_counts, parse_count
+from memcalc.presets import CANONICAL, PRESETS, canonical_shape, preset
+
+EXAMPLES = "examples/configs"
+
+# Exact counts: the HF checkpoints' tensors (safetensors total_size / 2 for bf16 checkpoints).
+EXACT = {
+    "gpt2": 124_439_808,  # Radford et al. 2019, HF gpt2
+    "gpt2-medium": 354_823_168,  # HF gpt2-medium
+    "gpt2-large": 774_030_080,  # HF gpt2-large
+    "gpt2-xl": 1_557_611_200,  # HF gpt2-xl
+    "llama3-8b": 8_030_261_248,  # Meta-Llama-3-8B
+    "llama3-70b": 70_553_706_496,  # Meta-Llama-3-70B
+    "qwen3-8b": 8_190_735_360,  # Qwen3-8B
+}
+# Counts published only to 0.1B, (total, non-embedding) from the Qwen3 model cards.
+ROUNDED = {
+    "qwen3-0.6b": (0.6, 0.44),
+    "qwen3-1.7b": (1.7, 1.4),
+    "qwen3-4b": (4.0, 3.6),
+    "qwen3-14b": (14.8, 13.2),
+    "qwen3-32b": (32.8, 31.2),
+}
+
+
+@pytest.mark.parametrize("name,count", EXACT.items())
+def test_exact_published_counts(name, count):
+    assert n_params(preset(name)) == count
+
+
+@pytest.mark.parametrize("name,published", ROUNDED.items())
+def test_rounded_published_counts(name, published):
+    counts = param_counts(preset(name))
+    non_embedding = counts.total - counts.embedding - counts.lm_head
+    digits = 2 if published[1] < 1 else 1
+    assert (round(counts.total / 1e9, 1), round(non_embedding / 1e9, digits)) == published
+
+
+def test_gpt3_175b():
+    # Brown et al. 2020, Table 2.1 publishes only "175.0B"; the layers alone are 12·L·h² = 173.9B
+    total = n_params(preset("gpt3-175b"))
+    assert total == pytest.approx(175.0e9, rel=0.003)
+    assert param_counts(preset("gpt3-175b")).per_layer == 12 * 12288**2 + 13 * 12288
+
+
+def test_llama31_405b():
+    # Dubey et al. 2024 (Llama 3), Table 3: 405B
+    assert round(n_params(preset("llama3.1-405b")) / 1e9) == 406  # 405.85B: "405B" is truncated
+
+
+def test_canonical_table_is_monotone_and_nearest():
+    sizes = [n_params(PRESETS[k]) for k in CANONICAL]
+    assert sizes == sorted(sizes)
+    assert canonical_shape(8_000_000_000).name == "qwen3-8b"
+    assert canonical_shape(70_000_000_000).name == "llama3-70b"
+    assert canonical_shape(175_000_000_000).name == "gpt3-175b"
+    assert canonical_shape(1).name == "qwen3-0.6b"
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(InputError, match="known: gpt2"):
+        preset("gpt5")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(n_layers=0, hidden=64, n_heads=4), "n_layers must be positive"),
+    (dict(n_layers=2, hidden=100, n_heads=3), "must divide hidden"),
+    (dict(n_layers=2, hidden=64, n_heads=4, n_kv_heads=3), "must divide heads"),
+    (dict(n_layers=2, hidden=64, n_heads=4, norm="batchnorm"), "unknown norm"),
+    (dict(n_layers=2, hidden=1 << 30, n_heads=4), "absurdly large"),
+    (dict(n_layers=2.5, hidden=64, n_heads=4), "whole number"),
+])  # fmt: skip
+def test_shape_validation(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        ModelShape(**kwargs)
+
+
+def test_override_rederives_head_dim_and_kv():
+    gpt = preset("gpt2-medium")
+    wider = override(gpt, hidden=2048, n_heads=32)
+    assert (wider.head_dim, wider.n_kv_heads, wider.ffn) == (64, 32, 8192)
+    qwen = preset("qwen3-8b")
+    more_layers = override(qwen, n_layers=4)
+    assert (more_layers.head_dim, more_layers.n_kv_heads, more_layers.ffn) == (128, 8, 12288)
+    assert override(qwen) is qwen
+
+
+@pytest.mark.parametrize("text,value", [("8e9", 8_000_000_000), ("8B", 8_000_000_000), ("70b", 70_000_000_000),
+                                        ("1.5M", 1_500_000), ("8192", 8192), ("8k", 8000), ("1_024", 1024)])  # fmt: skip
+def test_parse_count(text, value):
+    assert parse_count(text, "x", 1e15) == value
+
+
+@pytest.mark.parametrize("text,message", [("0", "positive"), ("-5", "positive"), ("nan", "finite"), ("inf", "finite"),
+                                          ("abc", "a number"), ("1.5", "whole"), ("1e30", "absurdly")])  # fmt: skip
+def test_parse_count_rejects(text, message):
+    with pytest.raises(InputError, match=message):
+        parse_count(text, "x", 1e15)
+
+
+@pytest.mark.parametrize("name,preset_name", [("llama3-8b", "llama3-8b"), ("qwen3-8b", "qwen3-8b"),
+                                              ("gpt2-medium", "gpt2-medium")])  # fmt: skip
+def test_example_configs_match_presets(name, preset_name):
+    model = config_model(f"{EXAMPLES}/{name}.json")
+    assert model.n_params == n_params(preset(preset_name))
+    got, want = model.shape, preset(preset_name)
+    for field in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "gated_mlp", "norm",
+                  "vocab", "tied_embeddings", "qk_norm", "positions"):  # fmt: skip
+        assert getattr(got, field) == getattr(want, field), field
+
+
+def test_gated_mlp_comes_from_the_architecture_not_the_ratio():
+    base = {"hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 16, "vocab_size": 1000,
+            "intermediate_size": 4096}  # fmt: skip
+    assert shape_from_config({**base, "model_type": "llama"}).gated_mlp  # 4h, yet gated
+    plain = {"n_embd": 1024, "n_layer": 2, "n_head": 16, "vocab_size": 1000, "n_positions": 64}
+    assert not shape_from_config({**plain, "model_type": "gpt2", "n_inner": 2730}).gated_mlp  # 8/3 h, yet plain
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{", "not valid JSON"),
+    ("[1, 2]", "must hold a JSON object"),
+    ('{"model_type": "llama"}', "has no 'hidden_size'"),
+    ('{"model_type": "bert", "hidden_size": 8}', "unknown model_type 'bert'"),
+    ('{"model_type": "mixtral", "num_local_experts": 8}', "mixture-of-experts"),
+    ('{"model_type": "qwen3_moe"}', "mixture-of-experts"),
+    ('{"model_type": "llama", "hidden_size": "big", "num_hidden_layers": 2, "num_attention_heads": 2, '
+     '"vocab_size": 8, "intermediate_size": 8}', "must be a whole number"),
+])  # fmt: skip
+def test_bad_configs(tmp_path, content, message):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(InputError, match=message):
+        config_model(path)
+
+
+def test_missing_config():
+    with pytest.raises(InputError, match="not found"):
+        config_model("no/such/config.json")
+
+
+def test_resolve_model_rules(tmp_path):
+    assert resolve_model(params="8e9", layers="4").shape.n_layers == 4
+    assert resolve_model(params="8e9", layers="4").n_params == 8_000_000_000  # N stays as given
+    assert resolve_model(model="llama3-8b", layers="16").n_params < 8_030_261_248
+    custom = resolve_model(layers="2", hidden="256", heads="4")
+    assert custom.n_params == n_params(custom.shape)
+    with pytest.raises(InputError, match="give one of"):
+        resolve_model(params="8e9", model="gpt2")
+    with pytest.raises(InputError, match="say which model"):
+        resolve_model()
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100,
+                               "n_positions": 32}))  # fmt: skip
+    assert resolve_model(config=str(cfg)).shape.max_positions == 32

@@ -137,6 +137,8 @@ def render_units(units: str) -> str:
 def show_estimate(est, tb, fmt: str, units: str, explain: bool) -> None:
     from . import report
 
+    for warning in report.warnings(est):
+        print(f"warning: {warning}", file=sys.stderr)
     if fmt == "json":
         print(render.to_json({**render.to_jsonable(est), "toolbox": render.to_jsonable(tb)}))
     elif fmt == "csv":

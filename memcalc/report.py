@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from . import units as u
-from .activations import Activations
 from .estimate import Estimate
 from .flops import flop_terms, korthikanti_selective_overhead
 from .model import layer_params
@@ -83,14 +82,16 @@ def activations_section(est: Estimate, units: str) -> Section:
         f"{u.percent(d.scores_share)} of the layer; all attention (11·s·b·h + 5·a·s²·b): {u.percent(d.attention_share)}",
         "peak: kept bytes of all layers + one layer rebuilt while its backward runs (recompute)",
     ]
-    s.notes += [w for a in est.activations for w in recompute_warnings(a)]
     return s
 
 
-def recompute_warnings(a: Activations) -> list[str]:
-    if a.tricks.recompute == "selective" and a.tricks.flash:
-        return [f"{a.tricks.label}: selective recompute saves nothing: FlashAttention already keeps no s×s scores"]
-    return []
+def warnings(est: Estimate) -> list[str]:
+    """Things the user should know that are not numbers: printed to stderr in every format."""
+    return [
+        f"{t.label}: selective recompute saves nothing here: FlashAttention already keeps no s×s scores"
+        for t in est.trick_sets
+        if t.recompute == "selective" and t.flash
+    ]
 
 
 def logits_section(est: Estimate, units: str) -> Section:

@@ -179,6 +179,7 @@ def test_malformed_config_is_one_line(tmp_path, content):
 def test_warnings_go_to_stderr():
     result = run("estimate", "--params", "8e9", "--tricks", "bf16,flash,selective", "--format", "json")
     json.loads(result.stdout)  # stdout stays parseable
+    assert result.stderr.startswith("warning: bf16+flash+selective: selective recompute saves nothing")
 
 
 ENV = {**os.environ, **WIDE, "PYTHONPATH": os.getcwd()}

@@ -48,7 +48,16 @@ MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per fo
 GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
 TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, selective (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
 Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw, sgd (with momentum) or adam8bit.", metavar="NAME")]
-Gpus = Annotated[str, typer.Option("--gpus", help="Data-parallel GPUs that ZeRO shards over.", metavar="N")]
+Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs: data-parallel GPUs that ZeRO shards over; with --tp/--pp/--cp/--dp the world size. [default: 1]", metavar="N")]  # fmt: skip
+Tp = Annotated[Optional[str], typer.Option("--tp", help="Tensor-parallel GPUs per layer.", metavar="N")]
+Pp = Annotated[Optional[str], typer.Option("--pp", help="Pipeline stages.", metavar="N")]
+Cp = Annotated[Optional[str], typer.Option("--cp", help="Context-parallel GPUs per sequence (needs flash).", metavar="N")]  # fmt: skip
+Dp = Annotated[Optional[str], typer.Option("--dp", help="Data-parallel replicas (default: what --gpus leaves).", metavar="N")]  # fmt: skip
+Sp = Annotated[bool, typer.Option("--sp", help="Sequence parallel on the TP group.")]
+Vpp = Annotated[Optional[str], typer.Option("--vpp", help="Virtual pipeline stages per GPU (interleaved 1F1B).", metavar="N")]  # fmt: skip
+Hybrid = Annotated[bool, typer.Option("--hybrid", help="Shard inside a node, replicate across nodes (FSDP hybrid).")]
+OffloadParams = Annotated[bool, typer.Option("--offload-params", help="Weights and gradients in host memory too (ZeRO-3).")]  # fmt: skip
+GpusPerNode = Annotated[Optional[str], typer.Option("--gpus-per-node", help="GPUs behind one NVLink switch. [default: 8]", metavar="N")]  # fmt: skip
 Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", metavar="STAGE")]
 Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
@@ -104,28 +113,145 @@ def estimate(
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
-    optimizer: Optimizer = "adamw", gpus: Gpus = "1", zero: Zero = "0", offload: Offload = False,
+    optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
+    tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
+    hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
     explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
     fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
-    """Model state, activations (per trick), logits, FLOPs, step time, and whether it fits."""
+    """Model state, activations (per trick), logits, FLOPs, step time, and whether it fits.
+
+    With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
+    estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
+    """
+    layout_given = any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node)) or sp or hybrid or offload_params
     try:
         from .estimate import estimate as run_estimate
         from .gpus import gpu as find_gpu
         from .inputs import resolve_model, resolve_tricks
-        from .toolbox import toolbox
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
-        setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu)
         trick_sets = resolve_tricks(tricks)
         the_gpu = find_gpu(gpu)
-        est = run_estimate(the_model, setup, the_gpu, trick_sets)
-        tb = toolbox(the_model, setup, the_gpu, trick_sets[0])
+        if layout_given:
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu)
+            layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
+            ests = layout_estimates(the_model, setup, the_gpu, trick_sets, layout, explicit=tricks is not None)
+        else:
+            from .toolbox import toolbox
+
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu)
+            est = run_estimate(the_model, setup, the_gpu, trick_sets)
+            tb = toolbox(the_model, setup, the_gpu, trick_sets[0])
     except InputError as e:
         fail(str(e))
-    show_estimate(est, tb, fmt, units, explain)
+    if layout_given:
+        show_layout(ests, fmt, units, explain)
+    else:
+        show_estimate(est, tb, fmt, units, explain)
+
+
+def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node):
+    from .model import parse_count
+    from .parallel import layout_for
+    from .state import MAX_GPUS
+
+    def count(text, name, default):
+        return default if text is None else parse_count(text, name, MAX_GPUS)
+
+    if zero.strip() not in ("0", "1", "2", "3"):
+        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
+    return layout_for(
+        gpus=count(gpus, "gpus", None), tp=count(tp, "tp", 1), pp=count(pp, "pp", 1), cp=count(cp, "cp", 1),
+        dp=count(dp, "dp", None), zero=int(zero), sp=sp, vpp=count(vpp, "vpp", 1), hybrid=hybrid,
+        offload_optimizer=offload or offload_params, offload_params=offload_params,
+        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8),
+    )  # fmt: skip
+
+
+def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
+    """One estimate per trick set; the progression drops the sets a layout cannot run (CP needs flash)."""
+    from .plan import layout_estimate
+
+    if not explicit and layout.cp > 1:
+        trick_sets = tuple(t for t in trick_sets if t.flash)
+    return [layout_estimate(model, setup, gpu, t, layout) for t in trick_sets]
+
+
+def show_layout(ests, fmt: str, units: str, explain: bool) -> None:
+    from . import plan_report
+
+    for warning in dict.fromkeys(w for e in ests for w in plan_report.layout_warnings(e)):
+        print(f"warning: {warning}", file=sys.stderr)
+    one = ests[0] if len(ests) == 1 else None
+    if fmt == "json":
+        print(render.to_json(one if one else ests))
+        return
+    if fmt == "csv":
+        rows = [[e.tricks.label, *row] for e in ests for row in plan_report.layout_csv_rows(e)]
+        sys.stdout.write(render.to_csv(["tricks", *plan_report.LAYOUT_CSV_HEADERS], rows))
+        return
+    sections = plan_report.layout_sections(one, units) if one else [plan_report.tricks_section(ests, units)]
+    preamble = plan_report.layout_preamble(ests[0])
+    if fmt == "markdown":
+        sys.stdout.write(render.to_markdown(sections, preamble))
+    else:
+        render.print_tables(sections, preamble)
+    if explain:
+        for e in ests:
+            print("\n".join(["", f"== {e.tricks.label} =="] + plan_report.layout_explain_lines(e)))
+
+
+@app.command()
+def plan(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None,
+    gpus: Annotated[str, typer.Option("--gpus", help="GPUs in the job (the world size).", metavar="N")] = ...,
+    global_batch: Annotated[str, typer.Option("--global-batch", help="Sequences per optimizer step, all GPUs together.", metavar="N")] = ...,
+    seq: Seq = "4096", gpus_per_node: GpusPerNode = None,
+    tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
+    optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
+    top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
+    no_offload: Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")] = False,
+    fmt: Format = "table", units: Units = "gb",
+) -> None:  # fmt: skip
+    """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
+    try:
+        from .estimate import MAX_BATCH, MAX_SEQ
+        from .gpus import gpu as find_gpu
+        from .inputs import resolve_model
+        from .model import parse_count
+        from .plan import plan as run_plan
+        from .state import MAX_GPUS
+        from .tricks import parse_tricks
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        t = parse_tricks(tricks)
+        named = any(n in ("ckpt", "selective") for n in tricks.replace("+", ",").split(","))
+        result = run_plan(
+            the_model, find_gpu(gpu), parse_count(gpus, "gpus", MAX_GPUS), parse_count(seq, "seq", MAX_SEQ),
+            parse_count(global_batch, "global-batch", MAX_BATCH),
+            gpus_per_node=8 if gpus_per_node is None else parse_count(gpus_per_node, "gpus-per-node", MAX_GPUS),
+            tricks=t, optimizer=optimizer.strip().lower(), mfu=parse_fraction(mfu, "mfu"),
+            top=parse_count(top, "top", 1000), offload=not no_offload,
+            recomputes=(t.recompute,) if named else ("none", "selective", "full"),
+        )  # fmt: skip
+    except InputError as e:
+        fail(str(e))
+    from . import plan_report
+
+    if fmt == "json":
+        print(render.to_json(result))
+    elif fmt == "csv":
+        sys.stdout.write(render.to_csv(plan_report.PLAN_CSV_HEADERS, plan_report.plan_csv_rows(result)))
+    elif fmt == "markdown":
+        sys.stdout.write(render.to_markdown(plan_report.plan_sections(result, units), plan_report.plan_preamble(result)))
+    else:
+        render.print_tables(plan_report.plan_sections(result, units), plan_report.plan_preamble(result))
 
 
 def render_units(units: str) -> str:

@@ -9,8 +9,8 @@ from .activations import Activations, AttentionDetail, Logits, attention_detail,
 from .errors import InputError
 from .flops import Flops, StepFlops, flops, step_flops
 from .gpus import GPU
-from .model import Model, check_size
-from .state import ModelState, Parallel, model_state
+from .model import Model, check_size, layer_params
+from .state import ModelState, Parallel, model_state, zero3_gather_bytes
 from .tricks import PROGRESSION, Tricks
 
 MAX_SEQ = 1 << 27  # 134M tokens: beyond any context trained
@@ -48,19 +48,10 @@ class Setup:
         return self.tokens_per_micro_batch * self.grad_accum
 
 
-@dataclass(slots=True)
-class Memory:
-    """Peak GPU memory of one trick set: model state + activations at their peak + logits."""
+class Budget:
+    """For results with total_bytes and usable_bytes: does it fit, and by how much."""
 
-    tricks: Tricks
-    model_state_bytes: int
-    activation_peak_bytes: int
-    logits_bytes: int
-    usable_bytes: int  # the GPU's memory less the CUDA context reserve
-
-    @property
-    def total_bytes(self) -> int:
-        return self.model_state_bytes + self.activation_peak_bytes + self.logits_bytes
+    __slots__ = ()
 
     @property
     def fits(self) -> bool:
@@ -69,6 +60,22 @@ class Memory:
     @property
     def headroom_bytes(self) -> int:
         return self.usable_bytes - self.total_bytes
+
+
+@dataclass(slots=True)
+class Memory(Budget):
+    """Peak GPU memory of one trick set: model state + activations at their peak + logits."""
+
+    tricks: Tricks
+    model_state_bytes: int
+    activation_peak_bytes: int
+    logits_bytes: int
+    buffer_bytes: int  # ZeRO-3's gathered layers, when it shards over several GPUs
+    usable_bytes: int  # the GPU's memory less the CUDA context reserve
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_state_bytes + self.activation_peak_bytes + self.logits_bytes + self.buffer_bytes
 
 
 @dataclass(slots=True)
@@ -125,7 +132,8 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> tuple[Mo
     state = model_state(model.n_params, tricks.precision, setup.optimizer, setup.parallel)
     acts = textbook_activations(model.shape, setup.seq_len, setup.micro_batch, tricks)
     logits = logits_memory(model.shape, setup.seq_len, setup.micro_batch, tricks.precision)
-    memory = Memory(tricks, state.total_bytes, acts.peak_bytes, logits.total_bytes, gpu.usable_bytes)
+    buffers = zero3_gather_bytes(layer_params(model.shape), tricks.precision) if setup.parallel.gathers_layers else 0
+    memory = Memory(tricks, state.total_bytes, acts.peak_bytes, logits.total_bytes, buffers, gpu.usable_bytes)
     return state, acts, logits, memory
 
 

@@ -108,15 +108,20 @@ def logits_section(est: Estimate, units: str) -> Section:
 
 def memory_section(est: Estimate, units: str) -> Section:
     g = est.gpu
+    buffers = any(m.buffer_bytes for m in est.memory)
     s = Section(
         f"Peak memory per GPU on the {g.key} ({u.size(g.usable_bytes, units)} usable)",
-        ["tricks", "model state", "activations", "logits", "total", "fits?"],
-        align="lrrrrl",
+        ["tricks", "model state", "activations", "logits"] + (["ZeRO-3 buffers"] if buffers else []) + ["total", "fits?"],
+        align="lrrr" + ("r" if buffers else "") + "rl",
     )
     for m in est.memory:
         verdict = "yes" if m.fits else f"no, {u.size(-m.headroom_bytes, units)} over"
-        s.rows.append([m.tricks.label, u.size(m.model_state_bytes, units), u.size(m.activation_peak_bytes, units),
-                       u.size(m.logits_bytes, units), sized(m.total_bytes, units), verdict])  # fmt: skip
+        row = [m.tricks.label, u.size(m.model_state_bytes, units), u.size(m.activation_peak_bytes, units),
+               u.size(m.logits_bytes, units)]  # fmt: skip
+        s.rows.append(row + ([u.size(m.buffer_bytes, units)] if buffers else []) + [sized(m.total_bytes, units), verdict])
+    if buffers:
+        s.notes.append("ZeRO-3 buffers: two layers' weights gathered (running + prefetched) and one layer's "
+                       "gradients before their reduce-scatter, 3·w·P_layer")  # fmt: skip
     return s
 
 

@@ -30,6 +30,14 @@ class Parallel:
             raise InputError(f"gpus must be a whole number in [1, {MAX_GPUS}], got {self.gpus!r}")
         if self.zero not in (0, 1, 2, 3):
             raise InputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.offload and self.zero == 0 and self.gpus > 1:
+            raise InputError("optimizer offload over several data-parallel GPUs needs ZeRO >= 1 "
+                             "(DeepSpeed's offload_optimizer runs on ZeRO stages 1-3)")  # fmt: skip
+
+    @property
+    def gathers_layers(self) -> bool:
+        """ZeRO-3 over several GPUs all-gathers each layer's weights before it runs."""
+        return self.zero == 3 and self.gpus > 1
 
 
 @dataclass(slots=True)
@@ -107,3 +115,10 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", parallel:
             formula = "⌈(" + formula + ")/{G}⌉"
         parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula))
     return ModelState(params, precision, optimizer, parallel, tuple(parts))
+
+
+def zero3_gather_bytes(layer_params: int, precision: str) -> int:
+    """ZeRO-3/FSDP working memory: two layers' weights gathered (the one running and the one prefetched)
+    and one layer's unsharded gradients before their reduce-scatter (FSDP2 fully_shard prefetches one
+    module ahead; DeepSpeed's stage3_prefetch_bucket_size plays the same role)."""
+    return 3 * (4 if precision == "fp32" else 2) * layer_params

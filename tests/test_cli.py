@@ -206,3 +206,46 @@ def test_estimate_never_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_plan_ranks_layouts_that_fit():
+    out = run("plan", "--model", "llama3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--seq", "8192",
+              "--global-batch", "512", "--format", "json")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["fitting"] > 0 and len(data["best"]) == 5
+    speeds = [b["time"]["tokens_per_second"] for b in data["best"]]
+    assert speeds == sorted(speeds, reverse=True)
+    for best in data["best"]:
+        assert best["memory"]["fits"] and best["layout"]["tp"] * best["layout"]["pp"] * best["layout"]["cp"] * \
+            best["layout"]["dp"] == 64  # fmt: skip
+    table = run("plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-batch", "512")
+    assert "Why the obvious alternatives lose" in table.stdout and "out of memory" in table.stdout
+
+
+def test_estimate_with_a_layout():
+    out = run("estimate", "--model", "gpt3-175b", "--seq", "2048", "--tp", "8", "--sp", "--pp", "8", "--gpus", "64",
+              "--zero", "1", "--grad-accum", "16", "--tricks", "bf16,selective", "--format", "json")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["layout"]["dp"] == 1 and len(data["memory"]["stages"]) == 8
+    # Korthikanti et al. 2022 Table 2, TP+SP+selective: 34·s·b·h/t per layer
+    assert data["memory"]["stages"][0]["layer"]["per_layer_bytes"] == 34 * 2048 * 12288 // 8
+    table = run("estimate", "--params", "8e9", "--seq", "8192", "--tp", "2", "--gpus", "8")
+    assert table.exit_code == 0 and "bf16+flash+ckpt" in table.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["estimate", "--params", "8e9", "--tp", "3"], "must divide the 32 attention heads"),
+    (["estimate", "--params", "8e9", "--pp", "5"], "layers"),
+    (["estimate", "--params", "8e9", "--tp", "2", "--dp", "2", "--gpus", "8"], "world size"),
+    (["estimate", "--params", "8e9", "--sp"], "sequence parallel needs tensor parallel"),
+    (["estimate", "--params", "8e9", "--pp", "2", "--dp", "2", "--zero", "3"], "unsupported"),
+    (["estimate", "--params", "8e9", "--gpus", "8", "--offload"], "needs ZeRO >= 1"),
+    (["plan", "--params", "8e9", "--gpus", "0", "--global-batch", "8"], "gpus must be positive"),
+    (["plan", "--params", "8e9", "--gpus", "8"], "Missing option"),
+])  # fmt: skip
+def test_bad_layouts_are_one_line(args, message):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr

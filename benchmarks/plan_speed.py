@@ -1,0 +1,51 @@
+"""How fast `memcalc plan` searches.
+
+    python benchmarks/plan_speed.py
+
+For a few jobs: the layouts searched, and the wall time of the whole search (goal: under one second),
+with the engine's caches cleared before each run so that every run starts cold.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+RUNS = 5
+JOBS = [  # model, GPU, GPUs, seq, global batch
+    ("llama3-70b", "h100-sxm", 64, 8192, 512),  # the issue's job
+    ("gpt3-175b", "a100-80gb", 64, 2048, 64),  # Korthikanti et al. 2022, Table 5
+    ("llama3.1-405b", "h100-sxm", 1024, 8192, 2048),
+    ("llama3-8b", "h100-sxm", 8, 8192, 64),
+]
+
+
+def clear_caches() -> None:
+    from memcalc import comm, parallel
+
+    for fn in (parallel.gpu_params, parallel.sharded_state, parallel.layer_activations, parallel.zero3_buffers,
+               parallel.cp_buffers, parallel.logits_terms, comm.flops_per_token):  # fmt: skip
+        fn.cache_clear()
+
+
+def main() -> None:
+    from memcalc.gpus import gpu
+    from memcalc.plan import plan
+    from memcalc.presets import preset_model
+
+    for name, key, gpus, seq, batch in JOBS:
+        model, card = preset_model(name), gpu(key)
+        times = []
+        for _ in range(RUNS):
+            clear_caches()
+            start = time.perf_counter()
+            result = plan(model, card, gpus, seq, batch)
+            times.append(time.perf_counter() - start)
+        t = statistics.median(times)
+        rate = result.searched / t
+        print(f"{name} on {gpus} x {key}, seq {seq}, batch {batch}: {result.searched:,} layouts, "
+              f"{result.fitting:,} fit, {t * 1e3:.0f} ms ({rate:,.0f} layouts/s; goal < 1 s)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

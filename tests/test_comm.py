@@ -1,0 +1,165 @@
+"""Bytes per collective with the ring factors named, the link table, the bubble, step time and MFU."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc.comm import FABRICS, LINKS, Assumptions
+from memcalc.estimate import Setup, compute_for
+from memcalc.gpus import GPUS, gpu
+from memcalc.parallel import Layout
+from memcalc.plan import layout_estimate
+from memcalc.presets import preset_model
+from memcalc.tricks import Tricks
+
+H100 = gpu("h100-sxm")
+LLAMA8B = preset_model("llama3-8b")
+FLASH = Tricks(flash=True)
+ASSUME = Assumptions()
+
+
+def comms(est) -> dict[str, object]:
+    return {c.name: c for c in est.time.comms}
+
+
+def run(model=LLAMA8B, seq=4096, b=1, m=1, tricks=FLASH, assume=ASSUME, **layout):
+    return layout_estimate(
+        model, Setup(seq_len=seq, micro_batch=b, grad_accum=m), H100, tricks, Layout(**layout), assume
+    )
+
+
+# ---- the link table: vendor datasheets --------------------------------------------------------------
+
+
+def test_links_per_direction_from_the_datasheets():
+    # NVLink 4: 900 GB/s per H100/H200 GPU, both directions; NVLink 3: 600 GB/s per A100
+    assert LINKS["nvlink4"].gb_per_s == 900 / 2 and LINKS["nvlink3"].gb_per_s == 600 / 2
+    # InfiniBand NDR: 400 Gb/s per GPU (one ConnectX-7 each in a DGX H100) = 50 GB/s; HDR 200 Gb/s = 25 GB/s
+    assert LINKS["ndr"].gb_per_s == 400 / 8 and LINKS["hdr"].gb_per_s == 200 / 8
+    # PCIe Gen5 x16 128 GB/s, Gen4 64 GB/s, both directions
+    assert LINKS["pcie5"].gb_per_s == 64 and LINKS["pcie4"].gb_per_s == 32
+    assert all(link.source for link in LINKS.values())
+    assert set(FABRICS) == set(GPUS)  # every GPU memcalc knows has its links
+
+
+def test_groups_inside_a_node_use_nvlink_and_across_nodes_infiniband():
+    est = run(tp=8, dp=4, zero=1)  # tp fills the 8-GPU node; the dp group's ranks are 8 apart
+    c = comms(est)
+    assert c["TP all-reduce"].link == "nvlink4"
+    assert c["ZeRO-1 gradient reduce-scatter"].link == "ndr"
+    assert comms(run(tp=2, dp=4, zero=1))["ZeRO-1 gradient reduce-scatter"].link == "nvlink4"  # 2 x 4 = 8 GPUs
+
+
+# ---- bytes per collective: ring factors (nccl-tests doc/PERFORMANCE.md) -------------------------------
+
+
+def test_dp_all_reduce_is_2_n_minus_1_over_n():
+    est = run(dp=8)
+    p = est.memory.stages[0].params
+    ar = comms(est)["DP gradient all-reduce"]
+    assert ar.bytes == 2 * 7 * (2 * p) // 8 and ar.calls == 1
+
+
+def test_zero3_moves_1_5x_data_parallel():
+    # Rajbhandari et al. 2019, sec. 7.2: ZeRO-1/2 move 2Ψ per step as plain data parallel; ZeRO-3 3Ψ
+    plain = sum(c.bytes for c in run(dp=8).time.comms)
+    z1 = sum(c.bytes for c in run(dp=8, zero=1).time.comms)
+    z3 = sum(c.bytes for c in run(dp=8, zero=3).time.comms)
+    assert z1 == pytest.approx(plain, abs=8) and z3 == pytest.approx(1.5 * plain, abs=8)
+
+
+def test_zero2_and_zero3_pay_again_every_micro_batch():
+    one, four = run(dp=8, zero=3, m=1), run(dp=8, zero=3, m=4)
+    assert sum(c.bytes for c in four.time.comms) == 4 * sum(c.bytes for c in one.time.comms)
+    z1 = comms(run(dp=8, zero=1, m=4))["ZeRO-1 gradient reduce-scatter"]
+    z2 = comms(run(dp=8, zero=2, m=4))["ZeRO-2 gradient reduce-scatter"]
+    assert (z1.calls, z2.calls, z2.bytes) == (1, 4, 4 * z1.bytes)
+
+
+def test_tp_four_all_reduces_per_layer_and_sp_the_same_volume():
+    # Shoeybi et al. 2019: 2 all-reduces forward, 2 backward per layer; Korthikanti sec. 4.2.2: SP's
+    # reduce-scatter + all-gather pairs move the same bytes; full recompute adds the forward's two
+    shape = LLAMA8B.shape
+    s, h, t, L = 4096, shape.hidden, 8, shape.n_layers
+    ar = comms(run(tp=t))["TP all-reduce"]
+    assert ar.calls == 4 * L and ar.bytes == 4 * L * 2 * (t - 1) * (s * h * 2) // t
+    assert comms(run(tp=t, sp=True))["SP reduce-scatter + all-gather"].bytes == ar.bytes
+    assert comms(run(tp=t, tricks=Tricks(flash=True, recompute="full")))["TP all-reduce"].calls == 6 * L
+
+
+def test_pp_sends_activations_and_their_gradients():
+    est = run(pp=4, tp=2, m=8)
+    pp = comms(est)["PP send/recv"]
+    assert pp.bytes == 8 * 2 * (4096 * 4096 // 2 * 2)  # m micro-batches x (forward + backward) x s·b·h/t·2
+    assert comms(run(pp=4, vpp=2, m=8))["PP send/recv"].bytes == 2 * 8 * 2 * 4096 * 4096 * 2  # v crossings each way
+
+
+def test_cp_ring_passes_kv_cp_minus_1_times():
+    shape = LLAMA8B.shape
+    c = 4
+    chunk = 2 * (4096 // c) * shape.kv_dim * 2
+    ring = comms(run(cp=c))["CP ring K/V exchange"]
+    assert ring.bytes == 3 * shape.n_layers * (c - 1) * chunk  # K, V forward; K, V and their gradients backward
+
+
+# ---- time --------------------------------------------------------------------------------------------
+
+
+def test_one_gpu_is_the_single_gpu_estimate():
+    for tricks in (Tricks("fp32"), FLASH, Tricks(recompute="selective"), Tricks(flash=True, recompute="full")):
+        setup = Setup(seq_len=4096, micro_batch=2, grad_accum=3)
+        est = run(b=2, m=3, tricks=tricks)
+        single = compute_for(LLAMA8B, setup, H100, tricks)
+        assert est.time.comms == ()
+        assert est.time.step_seconds == pytest.approx(single.step_seconds, rel=1e-12)
+        assert est.time.mfu == pytest.approx(single.mfu, rel=1e-12)
+        assert est.time.hfu == pytest.approx(single.hfu, rel=1e-12)
+
+
+def test_bubble_is_p_minus_1_over_v_m_of_the_pipeline():
+    # Narayanan et al. 2021, sec. 2.2; with no other traffic on the critical path
+    quiet = Assumptions(overlap_pp=1.0)
+    for v in (1, 2, 4):
+        t = run(pp=8, vpp=v, m=16, assume=quiet).time
+        assert t.bubble_seconds / (t.compute_seconds + t.recompute_seconds) == pytest.approx(7 / (v * 16))
+
+
+def test_mfu_is_model_flops_over_time_and_peak():
+    t = run(tp=8, pp=2, dp=4, zero=1, m=8).time
+    assert t.mfu * t.step_seconds * 64 * t.peak_flops == pytest.approx(t.model_flops_per_step)
+    assert t.tokens_per_step == 4 * 8 * 4096
+    assert sum(t.breakdown.values()) == pytest.approx(t.step_seconds)
+
+
+def test_overlap_hides_at_most_the_window():
+    exposed = comms(run(dp=64, zero=3, assume=Assumptions(overlap_dp=0.0)))
+    assert all(c.exposed_seconds == c.seconds for c in exposed.values())
+
+
+def test_cpu_adam_is_the_shard_over_the_hosts_share():
+    a = Assumptions(cpu_adam_params_per_s=4e9)
+    est = run(dp=8, zero=1, offload_optimizer=True, assume=a)
+    shard = -(-est.memory.stages[0].params // 8)
+    assert est.time.cpu_optimizer_seconds == pytest.approx(shard / (4e9 / 8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2, 8]),
+       st.integers(0, 1), st.sampled_from(["none", "full"]), st.sampled_from([1, 4]))  # fmt: skip
+def test_exposed_traffic_is_never_negative_nor_more_than_sent(tp, pp, cp, dp, zero, recompute, m):
+    est = run(tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, m=m, tricks=Tricks(flash=True, recompute=recompute))
+    for c in est.time.comms:
+        assert 0 <= c.exposed_seconds <= c.seconds
+    assert est.time.step_seconds >= est.time.compute_seconds > 0
+
+
+def test_korthikanti_gpt3_layout_on_a100s_lands_near_the_published_time():
+    # Korthikanti et al. 2022, Table 5: GPT-3 175B on 64 A100s (t 8, p 8, SP + selective recompute), global
+    # batch 64: 13.75 s per iteration, MFU 51.4%. At a 55% sustained matmul rate the model predicts within 20%;
+    # it is a planner's estimate, not a simulation
+    model = preset_model("gpt3-175b")
+    setup = Setup(seq_len=2048, micro_batch=1, grad_accum=64, mfu=0.55)
+    est = layout_estimate(model, setup, gpu("a100-80gb"), Tricks(recompute="selective"), Layout(tp=8, pp=8, sp=True))
+    assert est.memory.fits
+    assert est.time.step_seconds == pytest.approx(13.75, rel=0.2)
+    assert est.time.mfu == pytest.approx(0.514, rel=0.2)

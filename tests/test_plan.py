@@ -1,0 +1,151 @@
+"""`memcalc plan`: the issue's job ranked, small and impossible jobs, and the Sections the CLI prints."""
+
+import io
+import json
+import time
+
+import pytest
+
+from memcalc import plan_report, render
+from memcalc.errors import InputError
+from memcalc.estimate import Setup
+from memcalc.gpus import gpu
+from memcalc.parallel import Layout
+from memcalc.plan import layout_estimate, plan
+from memcalc.presets import preset_model
+from memcalc.tricks import Tricks
+
+H100 = gpu("h100-sxm")
+
+
+@pytest.fixture(scope="module")
+def timed_plan():
+    # the issue's "done when": plan --model llama3-70b --gpu h100-sxm --gpus 64 --seq 8192 --global-batch 512
+    start = time.perf_counter()
+    result = plan(preset_model("llama3-70b"), H100, 64, 8192, 512, gpus_per_node=8)
+    return result, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def p70(timed_plan):
+    return timed_plan[0]
+
+
+def test_the_issue_job_ranks_layouts_that_fit(p70):
+    assert len(p70.best) == 5 and p70.fitting >= 5
+    speeds = [e.time.tokens_per_second for e in p70.best]
+    assert speeds == sorted(speeds, reverse=True)
+    for est in p70.best:
+        assert est.memory.fits and est.memory.total_bytes <= H100.usable_bytes
+        assert est.gpus == 64 and est.global_batch == 512 and est.time.tokens_per_step == 512 * 8192
+        assert len(est.memory.stages) == est.layout.pp  # every stage, for the breakdown and cluster totals
+
+
+def test_searches_thousands_of_layouts_quickly(timed_plan):
+    p, seconds = timed_plan
+    assert p.searched > 5000 and p.fitting < p.searched
+    assert seconds < 5  # benchmarks/plan_speed.py holds it to one second
+
+
+def test_the_winner_is_what_layout_estimate_says(p70):
+    best = p70.best[0]
+    again = layout_estimate(best.model, best.setup, H100, best.tricks, best.layout)
+    assert again.memory.total_bytes == best.memory.total_bytes
+    assert again.time.step_seconds == best.time.step_seconds
+
+
+def test_70b_needs_model_parallel_or_sharding(p70):
+    # 70.6B x 16 bytes = 1.13 TB of model state: plain data parallel cannot fit an 80 GB GPU
+    best = p70.best[0]
+    assert best.layout.tp * best.layout.pp > 1 or best.layout.zero == 3
+    alt = {a.name: a for a in p70.alternatives}
+    ddp = alt["data parallel only (DDP, ZeRO-0)"]
+    assert not ddp.fits and ddp.cause == "out of memory" and ddp.estimate.memory.total_bytes > 1_000_000_000_000
+    for a in p70.alternatives:
+        if a.fits:
+            assert a.estimate.time.tokens_per_second <= best.time.tokens_per_second
+            assert a.cause in ("tie",) + tuple(plan_report.CAUSES)
+
+
+def test_fsdp_alone_loses_to_recompute(p70):
+    # without TP the 70B's activations (34·s·b·h per layer, 2.3 GB) only fit with full recompute: +1/3 FLOPs
+    fsdp = next(a for a in p70.alternatives if a.name.startswith("FSDP"))
+    assert fsdp.fits and fsdp.cause == "recompute" and fsdp.estimate.tricks.recompute == "full"
+
+
+def test_small_model_wins_with_plain_data_parallel():
+    p = plan(preset_model("gpt2"), H100, 8, 1024, 64)
+    lay = p.best[0].layout
+    assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.zero) == (1, 1, 1, 8, 0)
+
+
+def test_nothing_fits():
+    p = plan(preset_model("llama3.1-405b"), gpu("a100-40gb"), 1, 8192, 1)
+    assert p.best == () and p.fitting == 0 and p.searched > 0
+    assert p.alternatives and all(not a.fits for a in p.alternatives)
+    text = tables(plan_report.plan_sections(p, "gb"))
+    assert "nothing fits" in text and "out of memory" in text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"gpus": 0}, "gpus must be positive"),
+    ({"global_batch": 0}, "global batch must be positive"),
+    ({"seq_len": 0}, "seq must be positive"),
+    ({"recomputes": ("selective",)}, "no recompute mode left"),
+])  # fmt: skip
+def test_bad_plan_input(kwargs, message):
+    args = {"model": preset_model("gpt2"), "gpu": H100, "gpus": 8, "seq_len": 1024, "global_batch": 8, **kwargs}
+    with pytest.raises(InputError, match=message):
+        plan(**args)
+
+
+# ---- what the CLI prints ----------------------------------------------------------------------------------
+
+
+def tables(sections, preamble=()) -> str:
+    out = io.StringIO()
+    render.print_tables(sections, list(preamble), file=out)
+    return out.getvalue()
+
+
+def test_plan_sections(p70):
+    text = tables(plan_report.plan_sections(p70, "gb"), plan_report.plan_preamble(p70))
+    best = p70.best[0]
+    assert "Fastest layouts that fit" in text and "Why the obvious alternatives lose" in text
+    assert f"{best.time.tokens_per_second:,.0f}" in text
+    assert f"{best.memory.total_bytes:,} B" in text
+    assert "Searched" in text and "64 x h100-sxm" in text
+    md = render.to_markdown(plan_report.plan_sections(p70, "gb"), plan_report.plan_preamble(p70))
+    assert md.count("### ") == 4
+    csv_text = render.to_csv(plan_report.PLAN_CSV_HEADERS, plan_report.plan_csv_rows(p70))
+    assert len(csv_text.splitlines()) == 6
+    data = json.loads(render.to_json(p70))
+    assert data["best"][0]["memory"]["total_bytes"] == best.memory.total_bytes
+    assert data["best"][0]["layout"]["world"] == 64
+
+
+def test_layout_sections_and_explain():
+    model = preset_model("llama3-70b")
+    est = layout_estimate(model, Setup(seq_len=8192, grad_accum=16), H100, Tricks(flash=True),
+                          Layout(tp=8, sp=True, pp=4, vpp=2, dp=2, zero=1))  # fmt: skip
+    text = tables(plan_report.layout_sections(est, "gb"), plan_report.layout_preamble(est))
+    for title in ("Model state", "Activations of one layer", "Peak memory per GPU, by pipeline stage",
+                  "Communication per step", "Step time", "Cluster totals over 64 GPUs"):  # fmt: skip
+        assert title in text
+    assert f"{est.cluster_bytes:,} B" in text
+    assert "SP reduce-scatter + all-gather" in text and "PP send/recv" in text
+    explain = "\n".join(plan_report.layout_explain_lines(est))
+    assert "24·s·b·h/t = 24·8,192·1·8,192/8 = 201,326,592 B" in explain
+    rows = plan_report.layout_csv_rows(est)
+    assert len(rows) == 4 and rows[0][7] == est.memory.stages[0].total_bytes
+    assert plan_report.layout_warnings(est) == []
+
+
+def test_tricks_section_lists_one_row_per_trick_set():
+    from memcalc.tricks import PROGRESSION
+
+    model, layout = preset_model("llama3-8b"), Layout(tp=2, sp=True, dp=4, zero=1)
+    ests = [layout_estimate(model, Setup(seq_len=8192), H100, t, layout) for t in PROGRESSION]
+    section = plan_report.tricks_section(ests, "gb")
+    assert [row[0] for row in section.rows] == [t.label for t in PROGRESSION]
+    assert "tp2 sp pp1 cp1 dp4 zero1" in section.title

@@ -117,6 +117,8 @@ def estimate(
     tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
+    tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
+    price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
     fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
@@ -135,22 +137,31 @@ def estimate(
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         trick_sets = resolve_tricks(tricks)
         the_gpu = find_gpu(gpu)
+        from . import training_run as tr
+        from .model import parse_count
+
+        run_tokens = None if tokens is None else parse_count(tokens, "tokens", tr.MAX_TOKENS)
+        run_price = None if price is None else parse_positive(price, "price-per-gpu-hour")
+        if run_price is not None and run_tokens is None:
+            raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
         if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu)
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
             ests = layout_estimates(the_model, setup, the_gpu, trick_sets, layout, explicit=tricks is not None)
+            runs = tr.runs_for_layouts(ests, run_tokens, run_price) if run_tokens else ()
         else:
             from .toolbox import toolbox
 
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu)
             est = run_estimate(the_model, setup, the_gpu, trick_sets)
             tb = toolbox(the_model, setup, the_gpu, trick_sets[0])
+            runs = tr.runs_for_estimate(est, run_tokens, run_price) if run_tokens else ()
     except InputError as e:
         fail(str(e))
     if layout_given:
-        show_layout(ests, fmt, units, explain)
+        show_layout(ests, runs, fmt, units, explain)
     else:
-        show_estimate(est, tb, fmt, units, explain)
+        show_estimate(est, tb, runs, fmt, units, explain)
 
 
 def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node):
@@ -180,20 +191,22 @@ def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
     return [layout_estimate(model, setup, gpu, t, layout) for t in trick_sets]
 
 
-def show_layout(ests, fmt: str, units: str, explain: bool) -> None:
-    from . import plan_report
+def show_layout(ests, runs, fmt: str, units: str, explain: bool) -> None:
+    from . import plan_report, report
 
     for warning in dict.fromkeys(w for e in ests for w in plan_report.layout_warnings(e)):
         print(f"warning: {warning}", file=sys.stderr)
     one = ests[0] if len(ests) == 1 else None
     if fmt == "json":
-        print(render.to_json(one if one else ests))
+        data = render.to_jsonable(one if one else ests)
+        print(render.to_json({**data, "runs": render.to_jsonable(runs)} if one else {"layouts": data, "runs": runs}))
         return
     if fmt == "csv":
         rows = [[e.tricks.label, *row] for e in ests for row in plan_report.layout_csv_rows(e)]
         sys.stdout.write(render.to_csv(["tricks", *plan_report.LAYOUT_CSV_HEADERS], rows))
         return
     sections = plan_report.layout_sections(one, units) if one else [plan_report.tricks_section(ests, units)]
+    sections += [report.runs_section(runs)] if runs else []
     preamble = plan_report.layout_preamble(ests[0])
     if fmt == "markdown":
         sys.stdout.write(render.to_markdown(sections, preamble))
@@ -260,17 +273,17 @@ def render_units(units: str) -> str:
     return check_units(units)
 
 
-def show_estimate(est, tb, fmt: str, units: str, explain: bool) -> None:
+def show_estimate(est, tb, runs, fmt: str, units: str, explain: bool) -> None:
     from . import report
 
     for warning in report.warnings(est):
         print(f"warning: {warning}", file=sys.stderr)
     if fmt == "json":
-        print(render.to_json({**render.to_jsonable(est), "toolbox": render.to_jsonable(tb)}))
+        print(render.to_json({**render.to_jsonable(est), "toolbox": render.to_jsonable(tb), "runs": render.to_jsonable(runs)}))
     elif fmt == "csv":
         sys.stdout.write(render.to_csv(report.CSV_HEADERS, report.estimate_csv_rows(est)))
     else:
-        sections = report.estimate_sections(est, tb, units)
+        sections = report.estimate_sections(est, tb, units) + ([report.runs_section(runs)] if runs else [])
         if fmt == "markdown":
             sys.stdout.write(render.to_markdown(sections, report.preamble(est)))
         else:
@@ -313,6 +326,63 @@ def fit(
         sys.stdout.write(render.to_markdown(report.fit_sections(limits, units), [f"Model: {the_model.origin}"]))
     else:
         render.print_tables(report.fit_sections(limits, units), [f"Model: {the_model.origin}"])
+
+
+@app.command()
+def mfu(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None, seq: Seq = "4096",
+    tokens_per_sec: Annotated[Optional[str], typer.Option("--tokens-per-sec", help="Measured tokens per second per GPU.", metavar="X")] = None,
+    step_time: Annotated[Optional[str], typer.Option("--step-time", help="Measured seconds per optimizer step (with --global-batch).", metavar="S")] = None,
+    global_batch: Annotated[Optional[str], typer.Option("--global-batch", help="Sequences per step, all GPUs together.", metavar="N")] = None,
+    gpus: Annotated[str, typer.Option("--gpus", help="GPUs the step ran on.", metavar="N")] = "1",
+    tricks: Annotated[str, typer.Option("--tricks", help="Precision (the peak it is held against) and recompute (for HFU).", metavar="LIST")] = "bf16",
+    gpu: GpuOpt = "h100-sxm", fmt: Format = "table",
+) -> None:  # fmt: skip
+    """MFU and HFU of a measured throughput under every FLOPs convention in use, side by side."""
+    try:
+        from .estimate import MAX_BATCH, MAX_SEQ
+        from .gpus import gpu as find_gpu
+        from .inputs import resolve_model
+        from .mfu import mfu_report, tokens_per_gpu_second
+        from .model import parse_count
+        from .state import MAX_GPUS
+        from .tricks import parse_tricks
+
+        fmt = check_format(fmt)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        t = parse_tricks(tricks)
+        seq_len = parse_count(seq, "seq", MAX_SEQ)
+        rate = tokens_per_gpu_second(
+            None if tokens_per_sec is None else parse_positive(tokens_per_sec, "tokens-per-sec"),
+            None if step_time is None else parse_positive(step_time, "step-time"),
+            None if global_batch is None else parse_count(global_batch, "global-batch", MAX_BATCH),
+            seq_len, parse_count(gpus, "gpus", MAX_GPUS),
+        )  # fmt: skip
+        result = mfu_report(the_model, find_gpu(gpu), t.precision, seq_len, t.recompute, rate)
+    except InputError as e:
+        fail(str(e))
+    from . import report
+
+    if fmt == "json":
+        print(render.to_json(result))
+    elif fmt == "csv":
+        sys.stdout.write(render.to_csv(report.MFU_CSV_HEADERS, report.mfu_csv_rows(result)))
+    elif fmt == "markdown":
+        sys.stdout.write(render.to_markdown(report.mfu_sections(result), report.mfu_preamble(result)))
+    else:
+        render.print_tables(report.mfu_sections(result), report.mfu_preamble(result))
+
+
+def parse_positive(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"{name} must be a number, got {text!r}") from None
+    if not 0 < value < float("inf"):  # also rejects nan
+        raise InputError(f"{name} must be a positive number, got {text!r}")
+    return value
 
 
 @app.command()

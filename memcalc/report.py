@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import units as u
 from .estimate import Estimate
 from .flops import flop_terms, korthikanti_selective_overhead
+from .mfu import MfuReport
 from .model import layer_params
 from .render import Section, sized
 from .state import ModelState
@@ -274,3 +275,49 @@ def fit_sections(limits: FitLimits, units: str) -> list[Section]:
     if not limits.max_seq_len:
         s.notes.append("model state alone does not fit: see `memcalc estimate` for the toolbox (ZeRO, offload)")
     return [s]
+
+
+# ---- memcalc mfu ----------------------------------------------------------------------------
+
+
+def mfu_preamble(r: MfuReport) -> list[str]:
+    return [
+        f"Model: {r.model.origin}; {r.model.n_params:,} parameters",
+        f"Measured: {r.tokens_per_second:,.1f} tokens/s per GPU at seq {r.seq_len:,}, against the {r.gpu}'s "
+        f"dense {r.precision} peak; recompute: {r.recompute}",
+    ]
+
+
+def mfu_sections(r: MfuReport) -> list[Section]:
+    s = Section("MFU and HFU under each FLOPs-per-token convention",
+                ["convention", "formula", "FLOPs/token", "TFLOP/s per GPU", "MFU", "HFU"], align="llrrrr")  # fmt: skip
+    for c in r.conventions:
+        s.rows.append([c.name, c.formula, f"{c.model_flops_per_token:,.0f}", f"{c.achieved_tflops:.1f}",
+                       u.percent(c.mfu), u.percent(c.hfu)])  # fmt: skip
+    s.notes = [
+        "non-causal conventions count every query against every key; a causal kernel does half that work, "
+        "so flash with a causal mask can show an MFU above what the GPU ran",
+        "HFU adds what recompute runs again; torchtitan leaves recompute out of its MFU altogether",
+    ]
+    return [s]
+
+
+MFU_CSV_HEADERS = ["convention", "formula", "model_flops_per_token", "hardware_flops_per_token", "tflops", "mfu", "hfu"]
+
+
+def mfu_csv_rows(r: MfuReport) -> list[list[object]]:
+    return [[c.convention, c.formula, f"{c.model_flops_per_token:.0f}", f"{c.hardware_flops_per_token:.0f}",
+             f"{c.achieved_tflops:.4g}", f"{c.mfu:.4f}", f"{c.hfu:.4f}"] for c in r.conventions]  # fmt: skip
+
+
+def runs_section(runs) -> Section:
+    first = runs[0]
+    s = Section(f"Training run: {first.tokens:,} tokens on {first.gpus:,} GPU{'s' if first.gpus > 1 else ''}",
+                ["tricks", "tokens/s (job)", "time", "GPU-hours", "cost"])  # fmt: skip
+    for r in runs:
+        cost = "-" if r.cost is None else f"${r.cost:,.0f}"
+        s.rows.append([r.tricks.label, u.rate(r.tokens_per_second), f"{r.days:,.1f} days", f"{r.gpu_hours:,.0f}", cost])
+    s.notes = [f"throughput: {first.scaling}"]
+    if first.price_per_gpu_hour is not None:
+        s.notes.append(f"at ${first.price_per_gpu_hour:g} per GPU-hour")
+    return s

@@ -249,3 +249,19 @@ def test_bad_layouts_are_one_line(args, message):
     result = run(*args)
     assert result.exit_code == 2, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_training_run_time_and_cost():
+    out = run("estimate", "--params", "8e9", "--seq", "8192", "--tricks", "bf16,flash", "--gpus", "1024",
+              "--zero", "3", "--tokens", "15e12", "--price-per-gpu-hour", "2", "--format", "json")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    (r,) = data["runs"]
+    per_gpu = data["compute"][0]["tokens_per_second"]
+    assert r["seconds"] == pytest.approx(15e12 / (per_gpu * 1024))
+    assert r["gpu_hours"] == pytest.approx(r["seconds"] * 1024 / 3600)
+    assert r["cost"] == pytest.approx(2 * r["gpu_hours"])
+    table = run("estimate", "--params", "8e9", "--tokens", "1e12")
+    assert "Training run: 1,000,000,000,000 tokens on 1 GPU" in table.stdout
+    bad = run("estimate", "--params", "8e9", "--price-per-gpu-hour", "2")
+    assert bad.exit_code == 2 and "needs --tokens" in bad.stderr

@@ -1,0 +1,63 @@
+"""`memcalc mfu`: the published conventions reproduce their published numbers."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.errors import InputError
+from memcalc.gpus import gpu
+from memcalc.inputs import resolve_model
+from memcalc.mfu import mfu_report, tokens_per_gpu_second
+
+
+def by_key(report):
+    return {c.convention: c for c in report.conventions}
+
+
+def test_korthikanti_table5_gpt3():
+    # Korthikanti et al. 2022, Table 5: GPT-3 175B on 64 A100s (312 TFLOP/s), global batch 64, seq 2048,
+    # vocab 51200, selective recompute, 13.75 s per iteration -> MFU 51.4%, HFU 52.8%
+    model = resolve_model(model="gpt3-175b", vocab="51200")
+    rate = tokens_per_gpu_second(None, 13.75, 64, 2048, 64)
+    row = by_key(mfu_report(model, gpu("a100-80gb"), "bf16", 2048, "selective", rate))["korthikanti"]
+    assert round(row.mfu * 100, 1) == 51.4
+    assert round(row.hfu * 100, 1) == 52.8
+
+
+def test_nanogpt_flops_per_token():
+    # nanoGPT model.py estimate_mfu: 6N + 12·L·H·Q·T with N less the position table; GPT-2 124M with
+    # nanoGPT's vocabulary padded to 50304: N = 123,689,472 -> 855,383,040 FLOPs per token at T = 1024
+    model = resolve_model(model="gpt2", vocab="50304")
+    row = by_key(mfu_report(model, gpu("a100-40gb"), "bf16", 1024, "none", 1.0))["palm"]
+    assert row.model_flops_per_token == 855_383_040
+
+
+def test_conventions_disagree_and_causal_is_lowest_with_attention():
+    model = resolve_model(params="8e9")
+    rows = by_key(mfu_report(model, gpu("h100-sxm"), "bf16", 8192, "full", 3000.0))
+    assert rows["causal"].mfu < rows["palm"].mfu
+    assert rows["6n"].hfu / rows["6n"].mfu == pytest.approx(8 / 6)
+    assert rows["torchtitan"].hfu == rows["torchtitan"].mfu  # torchtitan leaves recompute out
+
+
+def test_throughput_inputs():
+    assert tokens_per_gpu_second(None, 2.0, 8, 1024, 4) == 1024.0
+    with pytest.raises(InputError, match="not both"):
+        tokens_per_gpu_second(5.0, 2.0, 8, 1024, 4)
+    with pytest.raises(InputError, match="give --tokens-per-sec"):
+        tokens_per_gpu_second(None, 2.0, None, 1024, 4)
+
+
+def test_cli_mfu():
+    args = ["mfu", "--model", "gpt3-175b", "--vocab", "51200", "--seq", "2048", "--gpu", "a100-80gb",
+            "--step-time", "13.75", "--global-batch", "64", "--gpus", "64", "--tricks", "bf16,selective"]  # fmt: skip
+    out = CliRunner().invoke(app, args + ["--format", "json"])
+    assert out.exit_code == 0, out.output
+    rows = {c["convention"]: c for c in json.loads(out.stdout)["conventions"]}
+    assert round(rows["korthikanti"]["mfu"], 3) == 0.514
+    table = CliRunner().invoke(app, args)
+    assert "51.4%" in table.stdout and "52.8%" in table.stdout
+    bad = CliRunner().invoke(app, ["mfu", "--params", "8e9", "--tokens-per-sec", "-3"])
+    assert bad.exit_code == 2 and "positive" in bad.stderr

@@ -119,6 +119,8 @@ def estimate(
     gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1024:65536 or micro-batch=1:64 (doubling; A:B:STEP or A,B,C too): memory and step time against it.", metavar="SPEC")] = None,
+    png: Annotated[Optional[str], typer.Option("--png", help="With --sweep: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
     fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
@@ -144,7 +146,21 @@ def estimate(
         run_price = None if price is None else parse_positive(price, "price-per-gpu-hour")
         if run_price is not None and run_tokens is None:
             raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
-        if layout_given:
+        if png is not None and sweep is None:
+            raise InputError("--png draws a sweep: add --sweep seq=A:B or micro-batch=A:B")
+        if sweep is not None:
+            if layout_given:
+                raise InputError("--sweep works on one GPU's estimate; drop --tp, --pp, --cp, --dp")
+            from .sweep import parse_sweep
+            from .sweep import sweep as run_sweep
+
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu)
+            swept = run_sweep(the_model, setup, the_gpu, trick_sets, *parse_sweep(sweep))
+            if png is not None:
+                from .plot import save_png
+
+                save_png(swept, png)
+        elif layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu)
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
             ests = layout_estimates(the_model, setup, the_gpu, trick_sets, layout, explicit=tricks is not None)
@@ -158,7 +174,9 @@ def estimate(
             runs = tr.runs_for_estimate(est, run_tokens, run_price) if run_tokens else ()
     except InputError as e:
         fail(str(e))
-    if layout_given:
+    if sweep is not None:
+        show_sweep(swept, fmt, units)
+    elif layout_given:
         show_layout(ests, runs, fmt, units, explain)
     else:
         show_estimate(est, tb, runs, fmt, units, explain)
@@ -189,6 +207,19 @@ def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
     if not explicit and layout.cp > 1:
         trick_sets = tuple(t for t in trick_sets if t.flash)
     return [layout_estimate(model, setup, gpu, t, layout) for t in trick_sets]
+
+
+def show_sweep(swept, fmt: str, units: str) -> None:
+    from . import report
+
+    if fmt == "json":
+        print(render.to_json(swept))
+    elif fmt == "csv":
+        sys.stdout.write(render.to_csv(report.SWEEP_CSV_HEADERS, report.sweep_csv_rows(swept)))
+    elif fmt == "markdown":
+        sys.stdout.write(render.to_markdown(report.sweep_sections(swept, units)))
+    else:
+        render.print_tables(report.sweep_sections(swept, units))
 
 
 def show_layout(ests, runs, fmt: str, units: str, explain: bool) -> None:

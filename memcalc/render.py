@@ -36,6 +36,19 @@ def sized(n: int, units: str) -> Cell:
     return (u.size(n, units), u.exact_bytes(n))
 
 
+BLOCKS = " ▏▎▍▌▋▊▉█"
+
+
+def bar(value: float, scale: float, width: int, mark: float | None = None) -> str:
+    """A horizontal bar of value/scale of width cells, in eighths, with '│' at mark (a limit line)."""
+    eighths = round(8 * width * min(value, scale) / scale) if scale > 0 else 0
+    cells = list("█" * (eighths // 8) + (BLOCKS[eighths % 8] if eighths % 8 else ""))
+    cells += [" "] * (width - len(cells))
+    if mark is not None and 0 < mark <= scale:
+        cells[min(width - 1, int(width * mark / scale))] = "│"
+    return "".join(cells).rstrip()
+
+
 # ---- JSON -----------------------------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ from . import units as u
 from .estimate import Estimate
 from .flops import flop_terms, korthikanti_selective_overhead
 from .mfu import MfuReport
+from .sweep import Sweep
 from .model import layer_params
+from . import render
 from .render import Section, sized
 from .state import ModelState
 from .terms import Term
@@ -321,3 +323,30 @@ def runs_section(runs) -> Section:
     if first.price_per_gpu_hour is not None:
         s.notes.append(f"at ${first.price_per_gpu_hour:g} per GPU-hour")
     return s
+
+
+# ---- --sweep --------------------------------------------------------------------------------
+
+BAR_WIDTH = 40
+
+
+def sweep_sections(sw: Sweep, units: str) -> list[Section]:
+    biggest = max(max(p.memory_bytes for p in sw.points), sw.usable_bytes)
+    memory = Section(f"Peak memory per GPU against {sw.name} ({sw.gpu}: │ marks {u.size(sw.usable_bytes, units)} usable)",
+                     [sw.name, "tricks", "memory", "", "fits?"], align="rllrl")  # fmt: skip
+    slowest = max(p.step_seconds for p in sw.points)
+    time = Section(f"Step time against {sw.name}", [sw.name, "tricks", "step time", "", "tokens/s"], align="rllrr")
+    for p in sw.points:
+        memory.rows.append([f"{p.value:,}", p.tricks.label, render.bar(p.memory_bytes, biggest, BAR_WIDTH, sw.usable_bytes),
+                            u.size(p.memory_bytes, units), "yes" if p.fits else "no"])  # fmt: skip
+        time.rows.append([f"{p.value:,}", p.tricks.label, render.bar(p.step_seconds, slowest, BAR_WIDTH),
+                          u.seconds(p.step_seconds), u.rate(p.tokens_per_second)])  # fmt: skip
+    return [memory, time]
+
+
+SWEEP_CSV_HEADERS = ["value", "tricks", "memory_bytes", "fits", "step_seconds", "tokens_per_second"]
+
+
+def sweep_csv_rows(sw: Sweep) -> list[list[object]]:
+    return [[p.value, p.tricks.label, p.memory_bytes, p.fits, f"{p.step_seconds:.6g}", f"{p.tokens_per_second:.6g}"]
+            for p in sw.points]  # fmt: skip

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import units as u
 from .estimate import Estimate
 from .flops import flop_terms, korthikanti_selective_overhead
-from .mfu import MfuReport
-from .sweep import Sweep
 from .model import layer_params
 from . import render
 from .render import Section, sized
 from .state import ModelState
 from .terms import Term
 from .toolbox import FitLimits, Toolbox
+
+if TYPE_CHECKING:  # only for annotations: estimate need not import them
+    from .mfu import MfuReport
+    from .sweep import Sweep
 
 RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision + loss scaling"}
 

@@ -131,55 +131,73 @@ def estimate(
     """
     layout_given = any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node)) or sp or hybrid or offload_params
     try:
-        from .estimate import estimate as run_estimate
         from .gpus import gpu as find_gpu
         from .inputs import resolve_model, resolve_tricks
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
-        trick_sets = resolve_tricks(tricks)
-        the_gpu = find_gpu(gpu)
-        from . import training_run as tr
-        from .model import parse_count
-
-        run_tokens = None if tokens is None else parse_count(tokens, "tokens", tr.MAX_TOKENS)
-        run_price = None if price is None else parse_positive(price, "price-per-gpu-hour")
-        if run_price is not None and run_tokens is None:
-            raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
+        trick_sets, the_gpu = resolve_tricks(tricks), find_gpu(gpu)
+        run = parse_run(tokens, price)
         if png is not None and sweep is None:
             raise InputError("--png draws a sweep: add --sweep seq=A:B or micro-batch=A:B")
-        if sweep is not None:
-            if layout_given:
-                raise InputError("--sweep works on one GPU's estimate; drop --tp, --pp, --cp, --dp")
-            from .sweep import parse_sweep
-            from .sweep import sweep as run_sweep
-
-            setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu)
-            swept = run_sweep(the_model, setup, the_gpu, trick_sets, *parse_sweep(sweep))
-            if png is not None:
-                from .plot import save_png
-
-                save_png(swept, png)
-        elif layout_given:
+        if sweep is not None and layout_given:
+            raise InputError("--sweep works on one GPU's estimate; drop --tp, --pp, --cp, --dp")
+        if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu)
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
-            ests = layout_estimates(the_model, setup, the_gpu, trick_sets, layout, explicit=tricks is not None)
-            runs = tr.runs_for_layouts(ests, run_tokens, run_price) if run_tokens else ()
+            show = layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run)
         else:
-            from .toolbox import toolbox
-
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu)
-            est = run_estimate(the_model, setup, the_gpu, trick_sets)
-            tb = toolbox(the_model, setup, the_gpu, trick_sets[0])
-            runs = tr.runs_for_estimate(est, run_tokens, run_price) if run_tokens else ()
+            if sweep is not None:
+                show = sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png)
+            else:
+                show = single_view(the_model, setup, the_gpu, trick_sets, run)
     except InputError as e:
         fail(str(e))
-    if sweep is not None:
-        show_sweep(swept, fmt, units)
-    elif layout_given:
-        show_layout(ests, runs, fmt, units, explain)
-    else:
-        show_estimate(est, tb, runs, fmt, units, explain)
+    show(fmt, units, explain)
+
+
+def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None] | None:
+    """--tokens N [--price-per-gpu-hour X]: the length (and price) of the whole run, or None."""
+    from .model import parse_count
+    from .training_run import MAX_TOKENS
+
+    if tokens is None:
+        if price is not None:
+            raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
+        return None
+    return parse_count(tokens, "tokens", MAX_TOKENS), None if price is None else parse_positive(price, "price-per-gpu-hour")
+
+
+def single_view(model, setup, gpu, trick_sets, run):
+    """One GPU (data-parallel over --gpus): the estimate, its toolbox, and the run if --tokens."""
+    from .estimate import estimate as run_estimate
+    from .toolbox import toolbox
+    from .training_run import runs_for_estimate
+
+    est = run_estimate(model, setup, gpu, trick_sets)
+    tb = toolbox(model, setup, gpu, trick_sets[0])
+    runs = runs_for_estimate(est, *run) if run else ()
+    return lambda fmt, units, explain: show_estimate(est, tb, runs, fmt, units, explain)
+
+
+def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run):
+    from .training_run import runs_for_layouts
+
+    ests = layout_estimates(model, setup, gpu, trick_sets, layout, explicit)
+    runs = runs_for_layouts(ests, *run) if run else ()
+    return lambda fmt, units, explain: show_layout(ests, runs, fmt, units, explain)
+
+
+def sweep_view(model, setup, gpu, trick_sets, spec: str, png: str | None):
+    from .sweep import parse_sweep, sweep
+
+    swept = sweep(model, setup, gpu, trick_sets, *parse_sweep(spec))
+    if png is not None:
+        from .plot import save_png
+
+        save_png(swept, png)
+    return lambda fmt, units, explain: show_sweep(swept, fmt, units)
 
 
 def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node):

@@ -230,14 +230,8 @@ def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
 def show_sweep(swept, fmt: str, units: str) -> None:
     from . import report
 
-    if fmt == "json":
-        print(render.to_json(swept))
-    elif fmt == "csv":
-        sys.stdout.write(render.to_csv(report.SWEEP_CSV_HEADERS, report.sweep_csv_rows(swept)))
-    elif fmt == "markdown":
-        sys.stdout.write(render.to_markdown(report.sweep_sections(swept, units)))
-    else:
-        render.print_tables(report.sweep_sections(swept, units))
+    csv_table = (report.SWEEP_CSV_HEADERS, report.sweep_csv_rows(swept))
+    render.emit(fmt, swept, report.sweep_sections(swept, units), csv_table=csv_table)
 
 
 def show_layout(ests, runs, fmt: str, units: str, explain: bool) -> None:
@@ -304,16 +298,10 @@ def plan(
         )  # fmt: skip
     except InputError as e:
         fail(str(e))
-    from . import plan_report
+    from . import plan_report as pr
 
-    if fmt == "json":
-        print(render.to_json(result))
-    elif fmt == "csv":
-        sys.stdout.write(render.to_csv(plan_report.PLAN_CSV_HEADERS, plan_report.plan_csv_rows(result)))
-    elif fmt == "markdown":
-        sys.stdout.write(render.to_markdown(plan_report.plan_sections(result, units), plan_report.plan_preamble(result)))
-    else:
-        render.print_tables(plan_report.plan_sections(result, units), plan_report.plan_preamble(result))
+    csv_table = (pr.PLAN_CSV_HEADERS, pr.plan_csv_rows(result))
+    render.emit(fmt, result, pr.plan_sections(result, units), pr.plan_preamble(result), csv_table)
 
 
 def render_units(units: str) -> str:
@@ -365,16 +353,10 @@ def fit(
         fail(str(e))
     from . import report
 
-    if fmt == "json":
-        print(render.to_json(limits))
-    elif fmt == "csv":
-        rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch,
-                 limits.max_seq_len, limits.max_micro_batch]]  # fmt: skip
-        sys.stdout.write(render.to_csv(["gpu", "tricks", "seq_len", "micro_batch", "max_seq_len", "max_micro_batch"], rows))
-    elif fmt == "markdown":
-        sys.stdout.write(render.to_markdown(report.fit_sections(limits, units), [f"Model: {the_model.origin}"]))
-    else:
-        render.print_tables(report.fit_sections(limits, units), [f"Model: {the_model.origin}"])
+    rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch, limits.max_seq_len,
+             limits.max_micro_batch]]  # fmt: skip
+    headers = ["gpu", "tricks", "seq_len", "micro_batch", "max_seq_len", "max_micro_batch"]
+    render.emit(fmt, limits, report.fit_sections(limits, units), [f"Model: {the_model.origin}"], (headers, rows))
 
 
 @app.command()
@@ -414,14 +396,8 @@ def mfu(
         fail(str(e))
     from . import report
 
-    if fmt == "json":
-        print(render.to_json(result))
-    elif fmt == "csv":
-        sys.stdout.write(render.to_csv(report.MFU_CSV_HEADERS, report.mfu_csv_rows(result)))
-    elif fmt == "markdown":
-        sys.stdout.write(render.to_markdown(report.mfu_sections(result), report.mfu_preamble(result)))
-    else:
-        render.print_tables(report.mfu_sections(result), report.mfu_preamble(result))
+    csv_table = (report.MFU_CSV_HEADERS, report.mfu_csv_rows(result))
+    render.emit(fmt, result, report.mfu_sections(result), report.mfu_preamble(result), csv_table)
 
 
 def parse_positive(text: str, name: str) -> float:
@@ -460,20 +436,7 @@ def show_reference(name: str, fmt: str) -> None:
     except InputError as e:
         fail(str(e))
     sections, objects = catalog.REFERENCE[name]
-    show_sections(sections(), objects(), fmt)
-
-
-def show_sections(sections, json_obj, fmt: str) -> None:
-    """Reference tables: JSON gets the result objects, CSV the first table's cells."""
-    if fmt == "json":
-        print(render.to_json(json_obj))
-    elif fmt == "csv":
-        first = sections[0]
-        sys.stdout.write(render.to_csv(first.headers, [[render.cell_text(c) for c in row] for row in first.rows]))
-    elif fmt == "markdown":
-        sys.stdout.write(render.to_markdown(sections))
-    else:
-        render.print_tables(sections)
+    render.emit(fmt, objects(), sections())  # CSV: the first table's cells
 
 
 def main() -> None:

@@ -107,6 +107,24 @@ def to_csv(headers: list[str], rows: list[list[object]]) -> str:
     return out.getvalue()
 
 
+def emit(fmt: str, result: object, sections: list[Section], preamble: list[str] = (),
+         csv_table: tuple[list[str], list[list[object]]] | None = None) -> None:  # fmt: skip
+    """One result in the chosen format: JSON of the object itself, CSV rows, or its tables."""
+    if fmt == "json":
+        print(to_json(result))
+    elif fmt == "csv":
+        headers, rows = csv_table if csv_table else first_table(sections)
+        sys.stdout.write(to_csv(headers, rows))
+    elif fmt == "markdown":
+        sys.stdout.write(to_markdown(sections, preamble))
+    else:
+        print_tables(sections, preamble)
+
+
+def first_table(sections: list[Section]) -> tuple[list[str], list[list[str]]]:
+    return sections[0].headers, [[cell_text(c) for c in row] for row in sections[0].rows]
+
+
 def print_tables(sections: list[Section], preamble: list[str] = (), file: io.TextIOBase | None = None) -> None:
     """Plain aligned tables: first column left, numbers right, a cell's detail dim on the line under it.
 

@@ -96,9 +96,26 @@ def format_sections() -> list[Section]:
     return [table, demos]
 
 
-# command name -> (its tables, the result objects its JSON carries)
+def preset_csv() -> tuple[list[str], list[list[object]]]:
+    rows = preset_rows()
+    return list(rows[0]), [list(r.values()) for r in rows]
+
+
+def gpu_csv() -> tuple[list[str], list[list[object]]]:
+    headers = ["key", "name", "bf16_tflops", "fp16_tflops", "tf32_tflops", "fp32_tflops", "memory_bytes",
+               "bandwidth_gbps", "source"]  # fmt: skip
+    return headers, [[getattr(g, h) for h in headers] for g in GPUS.values()]
+
+
+def format_csv() -> tuple[list[str], list[list[object]]]:
+    headers = ["name", "bits", "exp_bits", "man_bits", "max_value", "eps", "min_normal", "min_subnormal"]
+    return headers, [[repr(v) if isinstance(v, float) else v for v in (getattr(f, h) for h in headers)]
+                     for f in fm.FORMATS.values()]  # fmt: skip
+
+
+# command name -> (its tables, the result objects its JSON carries, its CSV table of raw values)
 REFERENCE = {
-    "presets": (preset_sections, preset_rows),
-    "gpus": (gpu_sections, gpu_rows),
-    "formats": (format_sections, format_rows),
+    "presets": (preset_sections, preset_rows, preset_csv),
+    "gpus": (gpu_sections, gpu_rows, gpu_csv),
+    "formats": (format_sections, format_rows, format_csv),
 }

@@ -435,8 +435,8 @@ def show_reference(name: str, fmt: str) -> None:
         fmt = check_format(fmt)
     except InputError as e:
         fail(str(e))
-    sections, objects = catalog.REFERENCE[name]
-    render.emit(fmt, objects(), sections())  # CSV: the first table's cells
+    sections, objects, csv_table = catalog.REFERENCE[name]
+    render.emit(fmt, objects(), sections(), csv_table=csv_table())
 
 
 def main() -> None:

@@ -113,8 +113,7 @@ def emit(fmt: str, result: object, sections: list[Section], preamble: list[str] 
     if fmt == "json":
         print(to_json(result))
     elif fmt == "csv":
-        headers, rows = csv_table if csv_table else first_table(sections)
-        sys.stdout.write(to_csv(headers, rows))
+        sys.stdout.write(to_csv(*(csv_table or first_table(sections))))
     elif fmt == "markdown":
         sys.stdout.write(to_markdown(sections, preamble))
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -121,6 +122,7 @@ def estimate(
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1024:65536 or micro-batch=1:64 (doubling; A:B:STEP or A,B,C too): memory and step time against it.", metavar="SPEC")] = None,
     png: Annotated[Optional[str], typer.Option("--png", help="With --sweep: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
+    exact: Annotated[bool, typer.Option("--exact", help="Beside the textbook: what PyTorch saves for this architecture, simulated op by op (0.1-0.4 s per trick set).")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
     fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
@@ -142,6 +144,8 @@ def estimate(
             raise InputError("--png draws a sweep: add --sweep seq=A:B or micro-batch=A:B")
         if sweep is not None and layout_given:
             raise InputError("--sweep works on one GPU's estimate; drop --tp, --pp, --cp, --dp")
+        if exact and (layout_given or sweep is not None):
+            raise InputError("--exact simulates one GPU's step: drop --tp, --pp, --cp, --dp and --sweep")
         if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu)
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
@@ -151,7 +155,7 @@ def estimate(
             if sweep is not None:
                 show = sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png)
             else:
-                show = single_view(the_model, setup, the_gpu, trick_sets, run)
+                show = single_view(the_model, setup, the_gpu, trick_sets, run, exact)
     except InputError as e:
         fail(str(e))
     show(fmt, units, explain)
@@ -169,7 +173,7 @@ def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None]
     return parse_count(tokens, "tokens", MAX_TOKENS), None if price is None else parse_positive(price, "price-per-gpu-hour")
 
 
-def single_view(model, setup, gpu, trick_sets, run):
+def single_view(model, setup, gpu, trick_sets, run, exact: bool = False):
     """One GPU (data-parallel over --gpus): the estimate, its toolbox, and the run if --tokens."""
     from .estimate import estimate as run_estimate
     from .toolbox import toolbox
@@ -178,7 +182,17 @@ def single_view(model, setup, gpu, trick_sets, run):
     est = run_estimate(model, setup, gpu, trick_sets)
     tb = toolbox(model, setup, gpu, trick_sets[0])
     runs = runs_for_estimate(est, *run) if run else ()
-    return lambda fmt, units, explain: show_estimate(est, tb, runs, fmt, units, explain)
+    exacts = exact_steps(model, setup, trick_sets) if exact else None
+    return lambda fmt, units, explain: show_estimate(est, tb, runs, fmt, units, explain, exacts)
+
+
+def exact_steps(model, setup, trick_sets):
+    from .exact import exact_for
+
+    if setup.optimizer != "adamw" or setup.parallel.gpus > 1 or setup.parallel.offload:
+        print("warning: --exact simulates AdamW on one GPU; --optimizer, --gpus, --zero and --offload do not apply",
+              file=sys.stderr)  # fmt: skip
+    return [exact_for(model, setup, t) for t in trick_sets]
 
 
 def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run):
@@ -310,23 +324,22 @@ def render_units(units: str) -> str:
     return check_units(units)
 
 
-def show_estimate(est, tb, runs, fmt: str, units: str, explain: bool) -> None:
+def show_estimate(est, tb, runs, fmt: str, units: str, explain: bool, exacts=None) -> None:
     from . import report
 
     for warning in report.warnings(est):
         print(f"warning: {warning}", file=sys.stderr)
-    if fmt == "json":
-        print(render.to_json({**render.to_jsonable(est), "toolbox": render.to_jsonable(tb), "runs": render.to_jsonable(runs)}))
-    elif fmt == "csv":
-        sys.stdout.write(render.to_csv(report.CSV_HEADERS, report.estimate_csv_rows(est)))
-    else:
-        sections = report.estimate_sections(est, tb, units) + ([report.runs_section(runs)] if runs else [])
-        if fmt == "markdown":
-            sys.stdout.write(render.to_markdown(sections, report.preamble(est)))
-        else:
-            render.print_tables(sections, report.preamble(est))
-        if explain:
-            print("\n".join([""] + report.explain_lines(est)))
+    extra = {"toolbox": tb, "runs": runs} | ({"exact": exacts} if exacts else {})
+    sections = report.estimate_sections(est, tb, units) + ([report.runs_section(runs)] if runs else [])
+    if exacts:
+        sections.insert(2, report.exact_section(est, exacts, units))
+    result = {**render.to_jsonable(est), **render.to_jsonable(extra)}
+    render.emit(fmt, result, sections, report.preamble(est), (report.CSV_HEADERS, report.estimate_csv_rows(est)))
+    if explain and fmt in ("table", "markdown"):
+        lines = report.explain_lines(est)
+        if exacts:
+            lines += report.exact_explain_lines(exacts, report.symbols(est))
+        print("\n".join([""] + lines))
 
 
 @app.command()
@@ -408,6 +421,154 @@ def parse_positive(text: str, name: str) -> float:
     if not 0 < value < float("inf"):  # also rejects nan
         raise InputError(f"{name} must be a positive number, got {text!r}")
     return value
+
+
+@app.command()
+def verify(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="Depth to build (overrides the model's layers).", metavar="N")] = None,
+    hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None, ffn: Ffn = None, vocab: Vocab = None,
+    seq: Seq = "4096", micro_batch: MicroBatch = "1",
+    tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
+    matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
+    steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
+    device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta. [default: cuda when present, else meta]", metavar="DEV")] = None,
+    tol: Annotated[Optional[str], typer.Option("--tol", help="Relative tolerance per row. [default: 0.03 on cuda, 0.001 on meta]", metavar="X")] = None,
+    fsdp: Annotated[Optional[str], typer.Option("--fsdp", "--dp", help="Check one rank of FSDP2 (ZeRO-3) over N GPUs, on PyTorch's own engine.", metavar="N")] = None,
+    tp: Annotated[Optional[str], typer.Option("--tp", help="Check one rank of DTensor tensor parallelism over N GPUs.", metavar="N")] = None,
+    sp: Sp = False,
+    dist_device: Annotated[str, typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV")] = "meta",
+    save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
+    no_linearity: Annotated[bool, typer.Option("--no-linearity", help="Skip the second, shallower build that checks saved bytes are linear in depth.")] = False,
+    fmt: Format = "table", units: Units = "gb",
+) -> None:  # fmt: skip
+    """Build the real model in PyTorch, train a few steps, and hold every prediction against the measurement."""
+    try:
+        from .estimate import MAX_SEQ
+        from .inputs import resolve_model
+        from .model import parse_count
+        from .tricks import parse_tricks
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        setup = build_setup(seq, micro_batch, "1", "adamw", "1", "0", False, "0.4")
+        the_tricks = parse_tricks(tricks)
+        n_steps = parse_count(steps, "steps", 1000)
+        tolerance = None if tol is None else parse_fraction(tol, "tol")
+        if device is not None and device.strip().lower() not in ("cuda", "meta"):
+            raise InputError(f"unknown device {device!r}; choose cuda or meta")
+        if fsdp is not None or tp is not None or sp:
+            run = dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device)
+        else:
+            if save is not None and not matrix:
+                raise InputError("--save writes the runs of --matrix: add --matrix")
+            run = single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save, not no_linearity)
+        results = run()
+    except InputError as e:
+        fail(str(e))
+    show_verify(results, fmt, units)
+
+
+def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt: str, save: str | None = None,
+               linearity: bool = True):  # fmt: skip
+    """verify/ (torch) imported only now; a progress bar on a terminal for the table format."""
+    on_result = None if save is None else saver(save)
+
+    def run():
+        from verify.run import verify as run_verify
+        from verify.run import verify_matrix
+
+        with progress_bar(fmt == "table" and sys.stdout.isatty()) as progress:
+            dev = None if device is None else device.strip().lower()
+            if matrix:
+                return verify_matrix(model, setup, device=dev, steps=steps, tol=tol, progress=progress,
+                                     linearity=linearity, on_result=on_result)  # fmt: skip
+            return [run_verify(model, setup, tricks, device=dev, steps=steps, tol=tol, progress=progress,
+                               linearity=linearity)]  # fmt: skip
+
+    return run
+
+
+def saver(folder: str):
+    """on_result for --save: each run's JSON in folder/<tricks>.json."""
+    from pathlib import Path
+
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"cannot make {folder}: {e.strerror}") from None
+
+    def save(result) -> None:
+        from .verification import to_dict
+
+        (path / f"{result.tricks}.json").write_text(render.to_json(to_dict(result)) + "\n")
+
+    return save
+
+
+def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str):
+    """--fsdp/--tp: one rank of a (dp x tp) job on PyTorch's FSDP2 and DTensor, checked before torch loads."""
+    from .distcheck import check_dist
+    from .model import parse_count
+    from .parallel import Layout
+    from .state import MAX_GPUS
+
+    dp = 1 if fsdp is None else parse_count(fsdp, "fsdp", MAX_GPUS)
+    layout = Layout(tp=1 if tp is None else parse_count(tp, "tp", MAX_GPUS), dp=dp, zero=3 if dp > 1 else 0, sp=sp)
+    check_dist(model.shape, setup, tricks, layout, device.strip().lower())
+
+    def run():
+        from verify.distributed import verify_distributed
+
+        return verify_distributed(model, setup, tricks, layout, device.strip().lower())
+
+    return run
+
+
+class progress_bar:
+    """A rich progress bar fed by verify's progress(what, done, total) calls; a no-op when off."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.bar, self.task = on, None, None
+
+    def __enter__(self):
+        if not self.on:
+            return None
+        from rich.progress import Progress
+
+        self.bar = Progress(transient=True)
+        self.bar.__enter__()
+        self.task = self.bar.add_task("verify", total=1)
+        return self.update
+
+    def update(self, what: str, done: int, total: int) -> None:
+        self.bar.update(self.task, description=what, completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+def show_verify(results, fmt: str, units: str) -> None:
+    """One result's rows, the matrix summary, or the distributed table; exit 1 when a row fails."""
+    from . import verify_report as vr
+    from .verification import VerifyResult, to_dict
+
+    if isinstance(results, list) and len(results) == 1:
+        r = results[0]
+        render.emit(fmt, to_dict(r), vr.verify_sections(r, units), vr.verify_preamble(r))
+        passed = r.passed
+    elif isinstance(results, list):
+        render.emit(fmt, [to_dict(r) for r in results], vr.matrix_sections(results, units))
+        passed = all(r.passed for r in results)
+    else:
+        if os.environ.get("RANK", "0") != "0":  # torchrun: every rank holds the whole result; rank 0 prints
+            raise typer.Exit(0 if results.passed else 1)
+        render.emit(fmt, results, vr.dist_sections(results), vr.dist_preamble(results))
+        passed = results.passed
+    if not passed:
+        raise typer.Exit(1)
 
 
 @app.command()

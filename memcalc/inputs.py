@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .errors import InputError
 from .hfconfig import config_model
-from .model import MAX_SIZE, Model, ModelShape, n_params, override, parse_count
-from .presets import MAX_PARAMS, canonical_model, preset_model
+from .model import MAX_SIZE, Model, n_params, override, parse_count
+from .presets import MAX_PARAMS, canonical_model, gpt, preset_model
 from .tricks import PROGRESSION, Tricks, parse_tricks
 
 
@@ -49,8 +51,10 @@ def resolve_model(
         return Model(shape, n_params(shape), base.origin + overrides_note(sizes))
     if None in (sizes["n_layers"], sizes["hidden"], sizes["n_heads"]):
         raise InputError("say which model: --params N, --model NAME, --config PATH, or --layers --hidden --heads")
-    shape = ModelShape(**{k: v for k, v in sizes.items() if v is not None})
-    return Model(shape, n_params(shape), "custom GPT-style shape from --layers --hidden --heads")
+    base = gpt("custom", sizes["n_layers"], sizes["hidden"], sizes["n_heads"], 0)
+    shape = replace(base, positions="none", **{k: v for k, v in sizes.items() if v is not None})
+    origin = "custom GPT-style shape from --layers --hidden --heads (GPT-2/3 layer, no position table)"
+    return Model(shape, n_params(shape), origin)
 
 
 def overrides_note(sizes: dict[str, int | None]) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from .errors import InputError
 
 NORMS = ("layernorm", "rmsnorm")
-POSITIONS = ("learned", "rope")
+POSITIONS = ("learned", "rope", "none")
 MAX_SIZE = 1 << 24  # no real layer, head count, width or vocabulary comes near 16.7 million
 
 
@@ -30,7 +30,7 @@ class ModelShape:
     linear_bias: bool = False  # GPT-2/3: every linear layer has a bias
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections only
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
-    positions: str = "learned"  # learned: a position table; rope: rotary, no parameters
+    positions: str = "learned"  # learned: a position table; rope: rotary, no parameters; none: neither
     max_positions: int = 0  # rows of the learned position table
     name: str = "custom"
 

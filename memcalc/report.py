@@ -94,11 +94,15 @@ def activations_section(est: Estimate, units: str) -> Section:
 
 def warnings(est: Estimate) -> list[str]:
     """Things the user should know that are not numbers: printed to stderr in every format."""
-    return [
+    out = [
         f"{t.label}: selective recompute saves nothing here: FlashAttention already keeps no s×s scores"
         for t in est.trick_sets
         if t.recompute == "selective" and t.flash
     ]
+    shape = est.model.shape
+    if shape.positions == "learned" and est.setup.seq_len > shape.max_positions:
+        out.append(f"seq {est.setup.seq_len:,} exceeds the {shape.max_positions:,} learned positions of {shape.name}")
+    return out
 
 
 def logits_section(est: Estimate, units: str) -> Section:
@@ -354,3 +358,39 @@ SWEEP_CSV_HEADERS = ["value", "tricks", "memory_bytes", "fits", "step_seconds", 
 def sweep_csv_rows(sw: Sweep) -> list[list[object]]:
     return [[p.value, p.tricks.label, p.memory_bytes, p.fits, f"{p.step_seconds:.6g}", f"{p.tokens_per_second:.6g}"]
             for p in sw.points]  # fmt: skip
+
+
+# ---- --exact --------------------------------------------------------------------------------
+
+
+def exact_section(est: Estimate, exacts: list, units: str) -> Section:
+    """Textbook beside exact: what PyTorch saves for this architecture, op by op (memcalc.exact)."""
+    shape = est.model.shape
+    s = Section(
+        f"Textbook against exact for this {shape.family}-family model (simulated op by op; memcalc verify measures it)",
+        ["tricks", "per layer: textbook", "exact", "outside layers: textbook", "exact", "step peak: textbook", "exact"],
+    )
+    for a, lg, m, x in zip(est.activations, est.logits, est.memory, exacts):
+        xa = x.activations
+        s.rows.append([a.tricks.label, u.size(a.per_layer_bytes, units), sized(xa.per_layer_bytes, units),
+                       u.size(lg.total_bytes, units), sized(xa.outside_bytes, units), u.size(m.total_bytes, units),
+                       sized(x.peak_bytes, units)])  # fmt: skip
+    first = exacts[0]
+    s.notes = [
+        "outside the layers: textbook counts the logits and their fp32 copy; exact counts every tensor saved "
+        "outside the blocks (embeddings, RoPE tables, final norm, logits, loss)",
+        "step peak: textbook adds model state + activations at their peak + logits; exact replays the whole step "
+        "(backward's gradients, the optimizer's temporaries) as PyTorch's allocator sees it",
+        f"exact: {first.note}; model state for the shape's own {first.n_params:,} parameters",
+    ]
+    return s
+
+
+def exact_explain_lines(exacts: list, syms: dict[str, int]) -> list[str]:
+    lines = []
+    for x in exacts:
+        a = x.activations
+        lines += ["", f"Exact, {a.tricks.label}: saved per layer, op by op:"]
+        lines += [explain_term(t, syms, "B") for t in a.terms]
+        lines.append(f"  per layer = {a.per_layer_bytes:,} B; outside the layers = {a.outside_bytes:,} B")
+    return lines

@@ -265,3 +265,17 @@ def test_training_run_time_and_cost():
     assert "Training run: 1,000,000,000,000 tokens on 1 GPU" in table.stdout
     bad = run("estimate", "--params", "8e9", "--price-per-gpu-hour", "2")
     assert bad.exit_code == 2 and "needs --tokens" in bad.stderr
+
+
+def test_exact_beside_textbook():
+    out = run(*MAIN_JOB, "--exact", "--format", "json")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert [x["tricks"] for x in data["exact"]] == [a["tricks"] for a in data["activations"]]
+    flash = data["exact"][2]["activations"]
+    # the Qwen3-8B layer with flash saves more than the textbook's 34·s·b·h: SwiGLU and fp32 RMSNorm copies
+    assert flash["per_layer_bytes"] > data["activations"][2]["per_layer_bytes"]
+    assert all(t["source"] for t in flash["terms"])  # every exact term names its op
+    table = run(*MAIN_JOB, "--exact")
+    assert "Textbook against exact for this llama-family model" in table.stdout
+    assert "134,785,875,968 B" in table.stdout  # bf16+flash+ckpt's whole-step peak, as verify measures it

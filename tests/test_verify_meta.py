@@ -1,0 +1,181 @@
+"""The meta-device verification: memcalc.exact's prediction equals the measurement, to the byte.
+
+At full size (an 8B model, seq 8192) for both families and the trick sets the issue names, and on
+tiny models for every shape feature and trick set, allocation by allocation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from memcalc.errors import InputError  # noqa: E402
+from memcalc.estimate import Setup  # noqa: E402
+from memcalc.exact import exact_step  # noqa: E402
+from memcalc.mirror import Config, build as mirror_build, simulate  # noqa: E402
+from memcalc.model import Model, ModelShape, n_params  # noqa: E402
+from memcalc.presets import PRESETS, canonical_model  # noqa: E402
+from memcalc.sim import Graph, Memory  # noqa: E402
+from memcalc.tricks import Tricks, parse_tricks  # noqa: E402
+from verify.builder import Kernels, build  # noqa: E402
+from verify.meta import count_flops, measure_step, saved_at_depth  # noqa: E402
+from verify.run import verify  # noqa: E402
+
+LLAMA_8B = PRESETS["qwen3-8b"]  # what --params 8e9 picks
+# the textbook layer at 8B width
+GPT_8B = ModelShape(n_layers=36, hidden=4096, n_heads=32, vocab=50257, linear_bias=True, positions="learned",
+                    max_positions=8192, dropout=0.1, name="gpt-8b-width")  # fmt: skip
+REQUIRED = ("fp32", "bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective")
+FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes",
+          "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes")  # fmt: skip
+
+TINY = {
+    "llama": ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",
+                        vocab=200, tied_embeddings=False, positions="rope", qk_norm=True),
+    "gpt": ModelShape(n_layers=2, hidden=64, n_heads=4, vocab=200, linear_bias=True, positions="learned",
+                      max_positions=64, dropout=0.1),
+    "llama3-like": ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True,
+                              norm="rmsnorm", vocab=200, tied_embeddings=False, positions="rope"),
+    "mqa-tied-wide-heads": ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=1, head_dim=32, ffn=96,
+                                      gated_mlp=True, norm="rmsnorm", vocab=200, positions="rope", qk_norm=True),
+    "qkv-bias": ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",
+                           vocab=200, tied_embeddings=False, positions="rope", qkv_bias=True),
+    "gpt-no-dropout": ModelShape(n_layers=2, hidden=64, n_heads=4, vocab=200, linear_bias=True, positions="learned",
+                                 max_positions=32),
+    "mixed": ModelShape(n_layers=2, hidden=64, n_heads=8, n_kv_heads=4, vocab=200, positions="rope", norm="rmsnorm",
+                        tied_embeddings=False, dropout=0.2),
+}  # fmt: skip
+ALL_TRICKS = ("fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective", "bf16,flash,selective",
+              "bf16,ckpt")  # fmt: skip
+
+
+def sim_vs_meta(shape: ModelShape, seq: int, batch: int, tricks: Tricks, grad_accum: int = 1):
+    cfg = Config(shape, seq, batch, tricks.precision, tricks.flash, tricks.recompute, grad_accum)
+    phases, g, mem = simulate(cfg, timeline=True)
+    step, live = measure_step(shape, seq, batch, tricks, grad_accum=grad_accum, timeline=True)
+    return phases, g, mem, step, live
+
+
+@pytest.mark.parametrize("family,tricks", list(itertools.product(("llama", "gpt"), REQUIRED)))
+def test_full_size_exact_equals_meta(family, tricks):
+    """8B, seq 8192: every byte count of the step, predicted = measured (no tolerance needed)."""
+    shape, t = (LLAMA_8B if family == "llama" else GPT_8B), parse_tricks(tricks)
+    step, _ = measure_step(shape, 8192, 1, t)
+    e = exact_step(shape, 8192, 1, t)
+    for f in FIELDS:
+        assert getattr(e.phases, f) == getattr(step, f), f
+    assert e.activations.total_bytes == step.saved_bytes
+
+
+@pytest.mark.parametrize("family,tricks", [("llama", "bf16,flash,ckpt"), ("gpt", "bf16")])
+def test_verify_meta_end_to_end(family, tricks):
+    """The issue's done-when command: verify --device meta at 8B, seq 8192, every row passes."""
+    model = canonical_model(8_000_000_000) if family == "llama" else Model(GPT_8B, n_params(GPT_8B), "test")
+    stages = []
+    r = verify(model, Setup(8192), parse_tricks(tricks), device="meta", progress=lambda *a: stages.append(a))
+    assert r.passed, [(row.quantity, row.exact, row.measured) for row in r.failed]
+    assert r.device == "meta" and r.layers_built == r.layers_requested == 36
+    assert [s[1:] for s in stages] == [(0, 3), (1, 3), (2, 3)]
+    flops = next(row for row in r.rows if row.quantity.startswith("FLOPs, forward"))
+    assert flops.measured == flops.exact  # FlopCounterMode's count, exactly
+    assert any("causal" in row.quantity for row in r.rows)  # both conventions reported
+    assert all(row.textbook is not None for row in r.rows if row.quantity.startswith("saved for backward"))
+
+
+def test_full_size_flops_and_depths():
+    """FLOPs under FlopCounterMode, and per-layer saved bytes from depths 1 and 2, at 8B."""
+    for shape, tricks in ((LLAMA_8B, "bf16,flash,selective"), (GPT_8B, "bf16,ckpt")):
+        t = parse_tricks(tricks)
+        flops, _ = count_flops(shape, 8192, 1, t)
+        e = exact_step(shape, 8192, 1, t)
+        assert flops == e.flops.counted
+        one, two = saved_at_depth(shape, 8192, 1, t, 1), saved_at_depth(shape, 8192, 1, t, 2)
+        assert two - one == e.activations.per_layer_bytes
+        assert 2 * one - two == e.activations.outside_bytes
+
+
+def test_textbook_layer_is_exact_plus_layernorm_stats():
+    """The GPT layer at 8B saves the textbook's sbh(34 + 5as/h) plus LayerNorm's fp32 mean and rstd
+    (the feasibility probe's 11,878,400,000 bytes)."""
+    e = exact_step(GPT_8B, 8192, 1, parse_tricks("bf16"))
+    assert e.activations.per_layer_bytes == 11_878_268_928 + 131_072 == 11_878_400_000
+
+
+@pytest.mark.parametrize("name,batch", [(n, 1) for n in TINY] + [("llama", 2), ("gpt", 2), ("mqa-tied-wide-heads", 2)])
+def test_tiny_models_allocation_by_allocation(name, batch):
+    """Every allocation of forward, backward and the optimizer step, in order, with the live bytes
+    at each: the simulation replays the meta run exactly, for every shape feature and trick set."""
+    for tricks in ALL_TRICKS:
+        t = parse_tricks(tricks)
+        phases, g, mem, step, live = sim_vs_meta(TINY[name], 24, batch, t)
+        for f in FIELDS:
+            assert getattr(phases, f) == getattr(step, f), (tricks, f)
+        assert sum(x.nbytes for x in g.saved_terms) == step.saved_bytes, tricks
+        for phase in ("forward", "backward", "optimizer"):
+            a = [(op, d, lv - phases.state_bytes) for p, op, d, lv in mem.timeline if p == phase and d > 0]
+            b = [(op, d, lv - step.state_bytes) for p, op, d, lv in live.timeline if p == phase and d > 0]
+            assert a == b, (tricks, phase)
+
+
+@pytest.mark.parametrize("tricks", ["bf16", "fp16,flash", "bf16,flash,ckpt", "fp32,selective"])
+def test_grad_accumulation(tricks):
+    """Micro-batches after the first add into existing grads: a higher backward peak, also exact."""
+    for name in ("llama", "gpt"):
+        phases, _, _, step, _ = sim_vs_meta(TINY[name], 24, 1, parse_tricks(tricks), grad_accum=3)
+        for f in FIELDS:
+            assert getattr(phases, f) == getattr(step, f), (name, f)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_flops(name):
+    for tricks in ALL_TRICKS:
+        t = parse_tricks(tricks)
+        flops, _ = count_flops(TINY[name], 24, 2, t)
+        assert flops == exact_step(TINY[name], 24, 2, t).flops.counted, tricks
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_parameters_as_built(name):
+    """The builder makes memcalc.model's parameter count, in the order the mirror assumes."""
+    shape = TINY[name]
+    model = build(shape, Kernels(), 24, torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == n_params(shape)
+    sim = mirror_build(Graph(Memory()), Config(shape, 24, 1, "bf16", False, "none"))
+    assert [tuple(p.shape) for p in model.parameters()] == [p.shape for p in sim.params]
+    assert [n for n, _ in model.named_parameters()] == [p.name for p in sim.params]
+
+
+def test_presets_build_with_their_parameter_count():
+    for name in ("gpt2", "llama3-8b", "qwen3-0.6b", "qwen3-8b"):
+        shape = PRESETS[name]
+        model = build(shape, Kernels(attention="aten-flash"), 1024, torch.bfloat16)
+        assert sum(p.numel() for p in model.parameters()) == n_params(shape)
+
+
+def test_dropout_and_flash_routing_on_meta():
+    """Stock PyTorch on meta would save a 2-byte dropout mask and the s×s math path; the explicit
+    routing saves what CUDA saves: a bool mask, and flash's logsumexp instead of the scores."""
+    shape = replace(TINY["gpt"], n_layers=1)
+    native, _ = measure_step(shape, 24, 1, parse_tricks("bf16"), kernels=Kernels("eager", "native"))
+    stock, _ = measure_step(shape, 24, 1, parse_tricks("bf16"), kernels=Kernels("eager", "functional"))
+    masks = 4 * 24 * 24 + 2 * 24 * 64  # attention probabilities' mask and both residual branches'
+    assert stock.saved_bytes - native.saved_bytes == masks  # one byte more per element
+    flash, _ = measure_step(shape, 24, 1, parse_tricks("bf16,flash"))
+    assert ("_scaled_dot_product_flash_attention float32 [1, 4, 24]", 384) in flash.saved_by_op
+
+
+def test_bad_input():
+    with pytest.raises(InputError):
+        Kernels(attention="magic")
+    with pytest.raises(InputError):
+        build(replace(TINY["gpt"], max_positions=16), Kernels(), 24, torch.float32)
+    with pytest.raises(InputError):
+        exact_step(TINY["gpt"], 100, 1, parse_tricks("bf16"))
+    with pytest.raises(InputError):
+        verify(canonical_model(8_000_000_000), Setup(8192, optimizer="sgd"), parse_tricks("bf16"), device="meta")
+    with pytest.raises(InputError):
+        verify(canonical_model(8_000_000_000), Setup(8192), parse_tricks("bf16"), device="meta", layers=0)

@@ -1,0 +1,145 @@
+"""One rank of a (dp × tp) job, measured: the bytes it holds and the bytes one block saves.
+
+Every count is of local shards (a DTensor's _local_tensor) and of storages, once each: FSDP2's
+reduce-scattered gradients are views of one buffer per parameter group, its padded shards are
+views of a padded storage, and a tensor saved by several ops is kept once.
+The step is verify/recipes.py's Recipe (fp32 master, AdamW m and v per local shard): a warm-up step
+(FSDP2 sets up its buffers lazily), then the measured one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from memcalc.model import ModelShape
+from memcalc.parallel import Layout
+from memcalc.tricks import Tricks
+
+from .builder import build, init_weights
+from .dist_plan import parallelize
+from .meta import meta_kernels
+from .recipes import DTYPES, Recipe
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor as it is."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return local(t).untyped_storage()._cdata
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages under these tensors' local shards."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = local(t).untyped_storage()
+            seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+class BlockSaved:
+    """Bytes saved for backward by block k: from the end of block k−1's forward to the end of block
+    k's, so that full recompute's saved block input (torch.utils.checkpoint saves it just before the
+    block runs) is counted too. Parameters (sharded and all-gathered), buffers and the RoPE tables
+    every block shares are left out; storages are held until forward ends (no reuse of ids)."""
+
+    def __init__(self, model: torch.nn.Module, k: int):
+        self.k, self.done = k, 0
+        self.excluded = {storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
+        self.saved: dict[int, int] = {}
+        self.held: list[torch.UntypedStorage] = []
+        blocks = model.blocks
+        blocks[0].register_forward_pre_hook(self.shared_inputs)
+        blocks[k].register_forward_pre_hook(self.gathered_params)
+        for block in blocks:
+            block.register_forward_hook(self.finished)
+
+    def shared_inputs(self, module, args) -> None:
+        self.excluded.update(storage_key(t) for t in args[1:] if isinstance(t, torch.Tensor))  # cos, sin, mask
+
+    def gathered_params(self, module, args) -> None:
+        self.excluded.update(storage_key(p) for p in module.parameters())  # FSDP2's unsharded parameters
+
+    def finished(self, module, args, output) -> None:
+        self.done += 1
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.done == self.k:
+            s = local(t).untyped_storage()
+            if s._cdata not in self.excluded and s._cdata not in self.saved:
+                self.saved[s._cdata] = s.nbytes()
+                self.held.append(s)
+        return t
+
+    def hooks(self) -> saved_tensors_hooks:
+        self.done = 0
+        return saved_tensors_hooks(self.pack, lambda t: t)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.saved.values())
+
+
+def inputs(shape: ModelShape, seq_len: int, micro_batch: int, device: torch.device, seed: int):
+    """Token ids and targets; the ranks of one TP group must see the same batch (same seed)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    idx = torch.randint(0, shape.vocab, (micro_batch, seq_len + 1), generator=g).to(device)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def build_parallel(shape: ModelShape, seq_len: int, tricks: Tricks, layout: Layout, mesh, device: str,
+                   fake_mode=None) -> torch.nn.Module:  # fmt: skip
+    """The model on meta, split (TP, then FSDP2), then materialised: fake tensors or real, initialised."""
+    model = build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+    parallelize(model, layout, mesh)
+    if fake_mode is not None:
+        fake_mode.allow_non_fake_inputs = True
+        with fake_mode:
+            model.to_empty(device=device)
+        fake_mode.allow_non_fake_inputs = False
+    else:
+        model.to_empty(device=device)
+        init_weights(model)
+    return model
+
+
+def run_step(recipe: Recipe, idx, targets, tp: bool, hooks=None) -> None:
+    """Forward and backward (the logits vocab-parallel under TP), saved-tensor hooks on forward."""
+    with loss_parallel() if tp else contextlib.nullcontext():
+        with hooks if hooks is not None else contextlib.nullcontext():
+            loss = recipe.forward(idx, targets)
+        recipe.backward(loss)
+    del loss
+
+
+def measure_rank(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout, mesh,
+                 device: str, fake_mode=None) -> dict[str, int]:  # fmt: skip
+    """Per-rank bytes after a warm-up step: weights, grads after backward, optimizer state after
+    the update, and the bytes one block (the second) saves for backward."""
+    ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    model = build_parallel(shape, seq_len, tricks, layout, mesh, device, fake_mode)
+    k = 1 if shape.n_layers > 1 else 0
+    with ctx:
+        dp_rank = mesh["dp"].get_local_rank()
+        idx, targets = inputs(shape, seq_len, micro_batch, torch.device(device), seed=dp_rank)
+        recipe = Recipe(model, tricks.precision)
+        tp = layout.tp > 1
+        run_step(recipe, idx, targets, tp)
+        recipe.update()
+        weights = storage_bytes(model.parameters())
+        saved = BlockSaved(model, k)
+        run_step(recipe, idx, targets, tp, saved.hooks())
+        saved.held.clear()
+        grads = storage_bytes(p.grad for p in model.parameters())
+        recipe.update()
+        optimizer = storage_bytes(recipe.state_tensors())
+    return {"weights": weights, "grads": grads, "optimizer state": optimizer, "saved by one block": saved.total_bytes}

@@ -1,0 +1,214 @@
+"""memcalc verify --fsdp N --tp N: per-rank memory checked on PyTorch's own distributed engine.
+
+Three ways to run the same measurement (verify/dist_measure.py) of one rank:
+  meta      one process plays one rank of an N-rank job: PyTorch's fake process group (collectives
+            that move nothing) and FakeTensorMode on "cpu" (nothing allocated), N up to thousands.
+            FSDP2 refuses parameters on the meta device at its first forward, so fake tensors it is.
+  cpu-gloo  N real CPU processes (torch.multiprocessing, gloo), a small model: the fake process
+            group's numbers are those of real collectives.
+  cuda      real NCCL collectives: under torchrun each process measures its own rank; otherwise one
+            process per visible GPU is started here.
+The prediction side is memcalc.distcheck (torch-free); this module only measures and compares.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from memcalc.distcheck import (
+    BACKENDS,
+    DistResult,
+    check_dist,
+    compare,
+    default_ranks,
+    model_label,
+    padded_vocab,
+    predictions,
+    rank_coords,
+)
+from memcalc.errors import InputError
+from memcalc.estimate import Setup
+from memcalc.model import Model, n_params
+from memcalc.parallel import Layout
+from memcalc.tricks import Tricks
+
+from .dist_measure import measure_rank
+
+
+def verify_distributed(model: Model, setup: Setup, tricks: Tricks, layout: Layout, device: str = "meta",
+                       ranks: tuple[int, ...] | None = None) -> DistResult:  # fmt: skip
+    """Measure the given ranks (default: the first and the last on meta, every rank on gloo and
+    cuda) and compare each with memcalc's prediction. The model is built at its own shape
+    (model.shape; with --params N the shape's own parameters, not N), its vocabulary padded to a
+    multiple of tp."""
+    check_dist(model.shape, setup, tricks, layout, device)
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+        raise InputError(f"distributed verify needs torch >= 2.6 (FSDP2's fully_shard), found {torch.__version__}")
+    ranks = default_ranks(layout, device) if ranks is None else tuple(ranks)
+    for r in ranks:
+        rank_coords(layout, r)  # one line for a rank outside the world
+    shape = padded_vocab(model.shape, layout.tp)
+    start = time.perf_counter()
+    if device == "meta":
+        measured = {r: in_thread(fake_rank, shape, setup, tricks, layout, r) for r in ranks}
+    elif device == "cpu-gloo":
+        measured = spawn_ranks(shape, setup, tricks, layout, "gloo")
+    else:
+        measured = cuda_ranks(shape, setup, tricks, layout)
+    seconds = time.perf_counter() - start
+    checks = tuple(compare(predictions(shape, setup.seq_len, setup.micro_batch, tricks, layout, r, device),
+                           measured[r], layout, r) for r in ranks)  # fmt: skip
+    return DistResult(shape.name, n_params(shape), setup.seq_len, setup.micro_batch, tricks, layout, device,
+                      BACKENDS[device], layout.world, checks, torch.__version__, seconds,
+                      notes(model.shape, shape, layout))  # fmt: skip
+
+
+def notes(given, built, layout: Layout) -> tuple[str, ...]:
+    out = [
+        (f"{model_label(built)}: FSDP2 fully_shard per block + root over dp {layout.dp}, DTensor TP {layout.tp}"
+         f"{' + SP' if layout.sp else ''}; verify/recipes.py's AdamW (fp32 master, m, v of each local shard)"),
+        ("saved by one block: the second block's forward, local shards, one count per storage; parameters "
+         "(sharded and all-gathered) and the RoPE tables all blocks share are left out"),
+    ]  # fmt: skip
+    if built.vocab != given.vocab:
+        out.append(f"vocabulary padded from {given.vocab:,} to {built.vocab:,} rows, a multiple of tp {layout.tp} "
+                   "(Megatron-LM pads to 128·tp): each TP rank holds ⌈V/t⌉ rows, as memcalc charges")  # fmt: skip
+    return tuple(out)
+
+
+# ---- meta: the fake process group -----------------------------------------------------------------
+
+
+def in_thread(fn, *args):
+    """Run fn in a new thread. DTensor caches sharding decisions per thread, keyed by a mesh that
+    compares equal to the next rank's (same shape, names and thread): the cached specs would carry
+    the last process group's names. A fresh thread starts with an empty cache."""
+    import threading
+
+    out: list = []
+
+    def run():
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # re-raised in the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name="memcalc-fake-rank")
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def fake_rank(shape, setup: Setup, tricks: Tricks, layout: Layout, rank: int) -> dict[str, int]:
+    """One rank of a layout.world-rank job in this process: fake collectives, fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise InputError("a process group is already initialised in this process: the fake one cannot start")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
+    try:
+        mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+        return measure_rank(shape, setup.seq_len, setup.micro_batch, tricks, layout, mesh, "cpu", FakeTensorMode())
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- real processes: gloo on CPU, NCCL on GPUs ------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank: int, world: int, port: int, backend: str, job: tuple, queue) -> None:
+    """One spawned rank: join the group, measure, send (rank, bytes) home; an error goes home as
+    one line and is raised again, so that torch.multiprocessing stops the other ranks."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="DTensor random operators")  # init_weights on a CPU mesh
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    shape, setup, tricks, layout = job
+    torch.set_num_threads(1)
+    try:
+        device = "cpu"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+        mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (layout.dp, layout.tp),
+                                mesh_dim_names=("dp", "tp"))  # fmt: skip
+        queue.put((rank, measure_rank(shape, setup.seq_len, setup.micro_batch, tricks, layout, mesh, device)))
+    except Exception as e:
+        queue.put((rank, f"{type(e).__name__}: {e}".splitlines()[0][:300]))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(shape, setup: Setup, tricks: Tricks, layout: Layout, backend: str) -> dict[int, dict[str, int]]:
+    """layout.world processes on this machine; each measures its own rank."""
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    job = (shape, setup, tricks, layout)
+    try:
+        mp.start_processes(worker, args=(layout.world, free_port(), backend, job, queue), nprocs=layout.world,
+                           join=True, start_method="spawn")  # fmt: skip
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        pass  # the failing rank's line is in the queue
+    out: dict[int, dict[str, int]] = {}
+    while not queue.empty():
+        rank, result = queue.get()
+        if isinstance(result, str):
+            raise RuntimeError(f"{backend} rank {rank} failed: {result}")
+        out[rank] = result
+    if len(out) != layout.world:
+        raise RuntimeError(f"{backend}: {layout.world - len(out)} of {layout.world} ranks ended without a result")
+    return out
+
+
+def cuda_ranks(shape, setup: Setup, tricks: Tricks, layout: Layout) -> dict[int, dict[str, int]]:
+    """Under torchrun: this process's rank, gathered from all. Otherwise one process per GPU here."""
+    if not torch.cuda.is_available():
+        raise InputError("device cuda: no CUDA device is visible")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return torchrun_ranks(shape, setup, tricks, layout)
+    if torch.cuda.device_count() < layout.world:
+        raise InputError(f"device cuda: {layout.world} ranks need {layout.world} GPUs, "
+                         f"{torch.cuda.device_count()} visible (or start under torchrun)")  # fmt: skip
+    return spawn_ranks(shape, setup, tricks, layout, "nccl")
+
+
+def torchrun_ranks(shape, setup: Setup, tricks: Tricks, layout: Layout) -> dict[int, dict[str, int]]:
+    """torchrun --nproc-per-node N -m memcalc verify ...: every process measures its rank, all gather."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world != layout.world:
+        raise InputError(f"torchrun started {world} processes, the layout needs {layout.world}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl")
+    try:
+        mesh = init_device_mesh("cuda", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+        mine = measure_rank(shape, setup.seq_len, setup.micro_batch, tricks, layout, mesh, f"cuda:{local_rank}")
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, (dist.get_rank(), mine))
+        return dict(everyone)
+    finally:
+        if own:
+            dist.destroy_process_group()

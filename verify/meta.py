@@ -1,0 +1,205 @@
+"""Measuring a training step on the meta device: nothing is allocated, so an 8B model at seq 8192
+runs on a laptop in seconds.
+
+Three passes over the same model and recipe:
+  1. the step (a warm-up step, then the measured one) under LiveBytes, with SavedBytes hooks on
+     its forward: the bytes of every phase, exactly as the dispatcher allocates them;
+  2. the same at depth 1 and 2: per-layer saved bytes are the difference (and the full depth must
+     be linear in them);
+  3. FLOPs under FlopCounterMode, forward and backward, in a pass of its own (with non-reentrant
+     checkpointing it keeps recomputed tensors alive until it exits).
+Meta runs what CUDA runs because the builder is told to (Kernels): aten.native_dropout and
+aten._scaled_dot_product_flash_attention, never the CPU paths stock PyTorch takes on meta.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from memcalc.model import ModelShape
+from memcalc.tricks import Tricks
+
+from .builder import Kernels, build
+from .recipes import DTYPES, Recipe
+from .track import LiveBytes, SavedBytes
+
+
+def meta_kernels(tricks: Tricks) -> Kernels:
+    """What CUDA runs, called by name: see builder.py's docstring."""
+    return Kernels(attention="aten-flash" if tricks.flash else "eager", dropout="native", recompute=tricks.recompute)
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """One measured training step (the second); peaks are absolute live bytes on the device."""
+
+    layers: int
+    weights_bytes: int  # parameters and buffers after build
+    inputs_bytes: int
+    state_bytes: int  # live between steps, less the inputs
+    saved_bytes: int  # saved for backward in forward, one count per storage (hooks)
+    retained_bytes: int  # live after forward less live before it
+    grads_bytes: int  # live after the last backward (loss released) less live before forward
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    optimizer_peak_bytes: int
+    forward_peak_at: str
+    backward_peak_at: str
+    optimizer_peak_at: str
+    saved_by_op: tuple[tuple[str, int], ...]  # (creating op, dtype, shape) -> bytes
+
+    @property
+    def step_peak_bytes(self) -> int:
+        return max(self.forward_peak_bytes, self.backward_peak_bytes, self.optimizer_peak_bytes)
+
+
+def inputs_for(shape: ModelShape, seq_len: int, micro_batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if device == "meta":
+        idx = torch.empty(micro_batch, seq_len, dtype=torch.long, device=device)
+        return idx, torch.empty_like(idx)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    idx = torch.randint(0, shape.vocab, (micro_batch, seq_len + 1), generator=g).to(device)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, device: str = "meta",
+                 kernels: Kernels | None = None, model: torch.nn.Module | None = None, grad_accum: int = 1,
+                 timeline: bool = False) -> tuple[StepBytes, LiveBytes]:  # fmt: skip
+    """Build (unless a model is given), one warm-up step, then the measured step: grad_accum
+    forward-backward passes and the optimizer update. Phases are of its last micro-batch; the saved
+    bytes are of its first forward."""
+    kernels = kernels or meta_kernels(tricks)
+    if model is None:
+        model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
+    idx, targets = inputs_for(shape, seq_len, micro_batch, device)
+    fixed = list(model.parameters()) + list(model.buffers())
+    live = LiveBytes(torch.device(device).type, timeline=timeline)
+    saved = SavedBytes(fixed + [idx, targets], live)
+    with live:
+        live.track(fixed, "weights")
+        weights = live.live_bytes
+        live.track([idx, targets], "input")
+        inputs = live.live_bytes - weights
+        recipe = Recipe(model, tricks.precision)
+        train_step(recipe, idx, targets, grad_accum)
+        before = live.live_bytes
+        for k in range(grad_accum):
+            live.phase = "forward"
+            live.reset_peak()
+            with saved.hooks() if k == 0 else contextlib.nullcontext():
+                loss = recipe.forward(idx, targets)
+            saved.release()
+            retained = live.live_bytes - before if k == 0 else retained
+            fwd = (live.peak_bytes, live.peak_at)
+            live.phase = "backward"
+            live.reset_peak()
+            recipe.backward(loss)
+            del loss
+            bwd = (live.peak_bytes, live.peak_at)
+        grads = live.live_bytes - before
+        live.phase = "optimizer"
+        live.reset_peak()
+        recipe.update()
+        opt = (live.peak_bytes, live.peak_at)
+        live.phase = ""
+    by_op = tuple(sorted(saved.by_op().items(), key=lambda kv: -kv[1]))
+    step = StepBytes(shape.n_layers, weights, inputs, before - inputs, saved.total_bytes, retained, grads,
+                     fwd[0], bwd[0], opt[0], fwd[1], bwd[1], opt[1], by_op)  # fmt: skip
+    return step, live
+
+
+def train_step(recipe: Recipe, idx: torch.Tensor, targets: torch.Tensor, grad_accum: int = 1) -> bool:
+    """grad_accum forward-backward passes (grads add up in place), then the optimizer update
+    (False: fp16's loss scaler skipped it)."""
+    for _ in range(grad_accum):
+        loss = recipe.forward(idx, targets)
+        recipe.backward(loss)
+        del loss
+    return recipe.update()
+
+
+def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layers: int) -> int:
+    """Bytes saved for backward by one forward of the model built `layers` deep."""
+    model = build(replace(shape, n_layers=layers), meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+    idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
+    saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + [idx, targets])
+    with saved.hooks():
+        loss = model(idx, targets)
+    saved.release()
+    del loss
+    return saved.total_bytes
+
+
+# -- FLOPs ----------------------------------------------------------------------------------------
+
+
+def flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """QKᵀ and PV as two bmm's over the query heads (GQA key/value heads broadcast); the same count
+    torch >= 2.12's own formula gives, which older versions refuse for GQA."""
+    b, h, sq, d = query_shape
+    sk, dv = key_shape[2], value_shape[3]
+    return 2 * b * h * sq * sk * d + 2 * b * h * sq * sk * dv
+
+
+def flash_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """Five bmm's: QKᵀ recomputed, dP = dO Vᵀ, dV = Pᵀ dO, dQ = dS K, dK = dSᵀ Q (FlopCounterMode's)."""
+    b, h, sq, d = query_shape
+    sk, dv = key_shape[2], value_shape[3]
+    return 2 * b * h * (sq * d * sk + sq * dv * sk + sk * sq * dv + sq * sk * d + d * sq * sk)
+
+
+FLASH_FORMULAS = {
+    torch.ops.aten._scaled_dot_product_flash_attention: flash_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_backward: flash_backward_flops,
+}
+
+
+def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[int, dict[str, int]]:
+    """FLOPs of one forward and backward under FlopCounterMode (its conventions: matmuls only,
+    causal masking not discounted), on a fresh meta model; and the count per op."""
+    model = build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+    idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
+    recipe = Recipe(model, tricks.precision)
+    with FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
+        loss = recipe.forward(idx, targets)
+        recipe.backward(loss)
+    per_op = {str(k).removeprefix("aten."): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    return counter.get_total_flops(), per_op
+
+
+@dataclass(frozen=True)
+class MetaMeasurement:
+    """Everything measured on meta for one model, setup and trick set."""
+
+    step: StepBytes  # at full depth
+    saved_one_layer_bytes: int  # saved at depth 2 less depth 1
+    saved_outside_bytes: int  # saved at depth 1 less one layer: embedding, final norm, logits, loss
+    flops: int
+    flops_by_op: tuple[tuple[str, int], ...]
+    seconds: float
+
+    @property
+    def linear_in_depth(self) -> bool:
+        """The full-depth saved bytes equal outside + L × one layer."""
+        return self.step.saved_bytes == self.saved_outside_bytes + self.step.layers * self.saved_one_layer_bytes
+
+
+def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None) -> MetaMeasurement:
+    """The three passes; progress(what) is called before each."""
+    progress = progress or (lambda what: None)
+    start = time.perf_counter()
+    progress(f"meta: the step at {shape.n_layers} layers")
+    step, _ = measure_step(shape, seq_len, micro_batch, tricks)
+    progress("meta: saved bytes at depths 1 and 2")
+    one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1)
+    two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2)
+    progress("meta: FLOPs")
+    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks)
+    return MetaMeasurement(step, two - one, 2 * one - two, flops, tuple(sorted(by_op.items())),
+                           time.perf_counter() - start)  # fmt: skip
+

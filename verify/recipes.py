@@ -1,0 +1,111 @@
+"""Training recipes: what one optimizer step keeps, converts and frees, per precision.
+
+fp32  fp32 weights and grads; AdamW state in fp32.
+bf16  bf16 weights and grads (all compute in bf16, fp32 accumulation inside the matmuls); fp32
+      master weights and AdamW state (Micikevicius et al. 2018). Each grad is converted to fp32
+      and released one tensor at a time, never all at once, then the master is copied back.
+fp16  as bf16, with dynamic loss scaling as torch.amp.GradScaler does it (scale 2^16, growth x2
+      every 2000 clean steps, backoff x0.5 on inf/nan), a step skipped when any grad is not finite.
+
+AdamW is written out per tensor (adamw_) so its temporaries are known and do not change between
+PyTorch versions: one, the denominator. m and v are made at the first step, as torch.optim does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """Loshchilov & Hutter 2019; the values are GPT-3's (Brown et al. 2020, App. B) at a small lr."""
+
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@torch.no_grad()
+def adamw_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, hp: AdamW) -> None:
+    """One AdamW update of one fp32 tensor in place; the math of torch.optim.AdamW (foreach=False)."""
+    w.mul_(1 - hp.lr * hp.weight_decay)  # decoupled weight decay
+    m.lerp_(g, 1 - hp.beta1)  # m = b1·m + (1 - b1)·g
+    v.mul_(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)  # v = b2·v + (1 - b2)·g²
+    bias1, bias2 = 1 - hp.beta1**step, 1 - hp.beta2**step
+    denom = v.sqrt().div_(math.sqrt(bias2)).add_(hp.eps)  # the one temporary: 4 bytes per element
+    w.addcdiv_(m, denom, value=-hp.lr / bias1)
+
+
+class Recipe:
+    """A model and its optimizer state for one precision; step() = forward, backward, update."""
+
+    def __init__(self, model: torch.nn.Module, precision: str, hp: AdamW = AdamW()):
+        self.model, self.precision, self.hp = model, precision, hp
+        self.params = list(model.parameters())
+        device = self.params[0].device
+        with torch.no_grad():  # fp32 master weights for the 16-bit recipes, made once
+            self.masters = self.params if precision == "fp32" else [p.detach().float() for p in self.params]
+        self.m: list[torch.Tensor | None] = [None] * len(self.params)
+        self.v: list[torch.Tensor | None] = [None] * len(self.params)
+        self.steps = 0
+        self.skipped = 0
+        self.scale = self.growth = None
+        if precision == "fp16":  # GradScaler's two device tensors: fp32 scale, int32 growth tracker
+            self.scale = torch.full((), 2.0**16, dtype=torch.float32, device=device)
+            self.growth = torch.zeros((), dtype=torch.int32, device=device)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(idx, targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scale if self.scale is not None else loss).backward()
+
+    @torch.no_grad()
+    def update(self) -> bool:
+        """The optimizer step, one parameter tensor at a time; grads are released as they are used.
+        False when fp16's loss scaler skipped it (a gradient was inf or nan)."""
+        inv_scale = found_inf = None
+        if self.scale is not None:
+            found_inf, inv_scale = self.check_finite()
+            torch._amp_update_scale_(self.scale, self.growth, found_inf, 2.0, 0.5, 2000)  # GradScaler.update
+            if found_inf.device.type != "meta" and found_inf.item():  # meta has no values: never skipped
+                self.skipped += 1
+                for p in self.params:
+                    p.grad = None
+                return False
+        self.steps += 1
+        for i, (p, w) in enumerate(zip(self.params, self.masters)):
+            g = p.grad if self.precision == "fp32" else p.grad.float()  # (n,) fp32, this tensor only
+            p.grad = None
+            if inv_scale is not None:
+                g.mul_(inv_scale)
+            if self.m[i] is None:
+                self.m[i], self.v[i] = torch.zeros_like(w), torch.zeros_like(w)
+            adamw_(w, g, self.m[i], self.v[i], self.steps, self.hp)
+            del g
+            if w is not p:
+                p.copy_(w)  # the new 16-bit weights
+        return True
+
+    def check_finite(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """GradScaler's check: found_inf set if any 16-bit grad has an inf or nan (nothing unscaled here)."""
+        found_inf = torch.zeros((), dtype=torch.float32, device=self.scale.device)
+        inv_scale = self.scale.reciprocal()
+        one = torch.ones((), dtype=torch.float32, device=self.scale.device)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        return found_inf, inv_scale
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Everything the recipe keeps between steps, besides the model's own parameters."""
+        extra = [] if self.masters is self.params else list(self.masters)
+        extra += [t for t in self.m + self.v if t is not None]
+        extra += [t for t in (self.scale, self.growth) if t is not None]
+        return extra

@@ -1,0 +1,319 @@
+"""The entry points of `memcalc verify`: one trick set (verify) or all of them (verify_matrix).
+
+Each run builds the model verify/builder.py describes, trains it for a few steps on the device,
+and compares every measured quantity with memcalc.exact's prediction and the textbook's number.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from memcalc.activations import logits_memory, textbook_activations
+from memcalc.errors import InputError
+from memcalc.estimate import Setup
+from memcalc.exact import ExactStep, exact_step
+from memcalc.flops import step_flops
+from memcalc.gpus import GPU, GPUS
+from memcalc.model import Model, ModelShape, n_params
+from memcalc.state import model_state
+from memcalc.tricks import Tricks, parse_tricks
+from memcalc.verification import DEFAULT_TOL, Row, Timing, VerifyResult
+
+from .cuda import OOM, CpuStats, CudaStats, DeviceRun, deepest_fit, measure_device, measure_retained, median
+from .cuda import with_layers
+from .meta import measure_meta
+
+# The matrix: the field's progression, plus fp16 and the remaining recompute combinations.
+MATRIX = tuple(parse_tricks(t) for t in (
+    "fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective", "bf16,flash,selective", "bf16,ckpt",
+))  # fmt: skip
+FIT_MARGIN = 0.92  # of free memory the prediction may fill: allocator rounding, cuBLAS workspaces, kernels' scratch
+RETRIES = 4  # out-of-memory retries, each with 80% of the layers
+STAGES = {"meta": 3, "cuda": 2, "cpu": 2}  # progress calls per run (measure_meta's three passes; device_rows' two)
+Progress = Callable[[str, int, int], None]  # (what runs now, stages done, stages in all)
+
+
+def pick_device(device: str | None) -> tuple[str, str]:
+    """cuda when present, else meta; an explicit choice is checked. (cpu: the tests' stand-in.)"""
+    if device is None:
+        if torch.cuda.is_available():
+            return "cuda", "CUDA is available"
+        return "meta", "no CUDA device: the meta device (nothing allocated; every storage tracked)"
+    if device not in ("cuda", "meta", "cpu"):
+        raise InputError(f"unknown device {device!r}; choose cuda or meta")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device cuda, but torch {torch.__version__} sees no CUDA device")
+    return device, f"--device {device}"
+
+
+def check_setup(setup: Setup) -> None:
+    if setup.optimizer != "adamw":
+        raise InputError(f"verify trains with AdamW; --optimizer {setup.optimizer} is not measured")
+    p = setup.parallel
+    if p.gpus != 1 or p.zero or p.offload:
+        raise InputError("verify measures one GPU: drop --gpus, --zero and --offload")
+
+
+def gpu_for(name: str) -> GPU | None:
+    """The GPU table's entry for torch.cuda.get_device_name(), or None."""
+    n = name.upper()
+    if "H200" in n:
+        return GPUS["h200"]
+    if "H100" in n:
+        return GPUS["h100-pcie" if "PCIE" in n else "h100-sxm"]
+    if "A100" in n:
+        return GPUS["a100-40gb" if "40G" in n else "a100-80gb"]
+    return None
+
+
+def attention_name(tricks: Tricks, device: str, ops: tuple[str, ...] = ()) -> str:
+    if not tricks.flash:
+        return "eager: softmax(QKᵀ)V, the scores materialised"
+    if device == "meta":
+        return "aten._scaled_dot_product_flash_attention, called directly (what SDPA's flash backend runs on CUDA)"
+    return f"flash: {', '.join(ops) if ops else 'no attention op seen'}"
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+# -- rows ---------------------------------------------------------------------------------------------
+
+
+def textbook(shape: ModelShape, setup: Setup, tricks: Tricks) -> dict[str, int]:
+    """memcalc estimate's numbers for the model as built."""
+    state = model_state(n_params(shape), tricks.precision, setup.optimizer)
+    parts = {p.name: p.bytes for p in state.parts}
+    acts = textbook_activations(shape, setup.seq_len, setup.micro_batch, tricks)
+    logits = logits_memory(shape, setup.seq_len, setup.micro_batch, tricks.precision).total_bytes
+    return {
+        "weights": parts["weights"],
+        "state": state.total_bytes - parts["grads"],
+        "grads": parts["grads"],
+        "layer": acts.per_layer_bytes,
+        "outside": logits,
+        "saved": acts.total_bytes + logits,
+        "peak": state.total_bytes + acts.peak_bytes + logits,
+        "flops": step_flops(shape, setup.seq_len, tricks).hardware_per_token * setup.tokens_per_micro_batch,
+    }
+
+
+def step_rows(e: ExactStep, measured, tb: dict[str, int], tol: float, where: dict[str, str]) -> list[Row]:
+    """Forward, backward, optimizer-step and whole-step peaks: exact against measured."""
+    ph = e.phases
+    return [
+        Row("forward peak", "bytes", None, ph.forward_peak_bytes, measured.forward_peak_bytes, tol, where["forward"]),
+        Row("backward peak", "bytes", None, ph.backward_peak_bytes, measured.backward_peak_bytes, tol,
+            where["backward"]),
+        Row("optimizer-step peak", "bytes", None, ph.optimizer_peak_bytes, measured.optimizer_peak_bytes, tol,
+            where["optimizer"]),
+        Row("whole-step peak", "bytes", tb["peak"], ph.step_peak_bytes, measured.step_peak_bytes, tol,
+            "textbook: model state + activations + logits"),
+    ]  # fmt: skip
+
+
+def flop_rows(e: ExactStep, measured: int | None, tb: dict[str, int], tol: float) -> list[Row]:
+    f = e.flops
+    return [
+        Row("FLOPs, forward + backward (FlopCounterMode: non-causal, recompute counted)", "flops", tb["flops"],
+            f.counted, measured, tol if measured is not None else None),
+        Row("FLOPs, the same with causal attention halved", "flops", None, f.counted_causal, None),
+        Row("model FLOPs (6·W·tokens + 12·L·a·d·s·tokens), non-causal", "flops", None, f.model, None),
+        Row("model FLOPs, causal", "flops", None, f.model_causal, None),
+    ]  # fmt: skip
+
+
+def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progress) -> tuple[list[Row], tuple]:
+    m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress)
+    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks)
+    tb, s, ph, a, L = textbook(shape, setup, tricks), m.step, e.phases, e.activations, shape.n_layers
+    where = {"forward": s.forward_peak_at, "backward": s.backward_peak_at, "optimizer": s.optimizer_peak_at}
+    rows = [
+        Row("weights and buffers", "bytes", tb["weights"], ph.weights_bytes, s.weights_bytes, tol),
+        Row("model state between steps (weights, master, AdamW m and v)", "bytes", tb["state"], ph.state_bytes,
+            s.state_bytes, tol),
+        Row("gradients after backward", "bytes", tb["grads"], ph.grads_bytes, s.grads_bytes, tol),
+        Row("saved for backward, one layer", "bytes", tb["layer"], a.per_layer_bytes, m.saved_one_layer_bytes, tol,
+            "measured: depth 2 less depth 1"),
+        Row("saved for backward, outside the layers", "bytes", tb["outside"], a.outside_bytes, m.saved_outside_bytes,
+            tol, "textbook: the logits and their fp32 copy"),
+        Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], a.total_bytes, s.saved_bytes, tol),
+        Row("saved bytes linear in depth (outside + L × layer)", "bytes", None,
+            m.saved_outside_bytes + L * m.saved_one_layer_bytes, s.saved_bytes, 0.0),
+        Row("kept after forward (saved, checkpoint inputs, loss)", "bytes", None, ph.retained_bytes,
+            s.retained_bytes, tol),
+    ]  # fmt: skip
+    rows += step_rows(e, s, tb, tol, where) + flop_rows(e, m.flops, tb, tol)
+    return rows, (f"meta measured in {m.seconds:.1f} s", e.note)
+
+
+def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, stats, steps: int, linearity: bool,
+                gpu: GPU | None, progress) -> tuple[list[Row], DeviceRun, Timing, tuple]:  # fmt: skip
+    progress(f"training {shape.n_layers} layers on {stats.device}")
+    run = measure_device(shape, setup.seq_len, setup.micro_batch, tricks, stats, steps, setup.grad_accum)
+    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum)
+    tb, ph, d, L = textbook(shape, setup, tricks), e.phases, run.phases, shape.n_layers
+    where = {"forward": ph.forward_peak_at, "backward": ph.backward_peak_at, "optimizer": ph.optimizer_peak_at}
+    rows = [
+        Row("after build: weights and buffers (memory_allocated)", "bytes", tb["weights"], ph.weights_bytes,
+            d.after_build_bytes, tol),
+        Row("after the first optimizer step: model state and inputs", "bytes", tb["state"],
+            ph.state_bytes + ph.inputs_bytes, d.after_first_step_bytes, tol),
+        Row("kept after forward (saved, checkpoint inputs, loss)", "bytes", None, ph.retained_bytes,
+            d.retained_bytes, tol),
+    ]  # fmt: skip
+    rows += step_rows(e, d, tb, tol, {k: "exact: " + v for k, v in where.items()})
+    rows.append(Row("reserved by the caching allocator (max_memory_reserved)", "bytes", None, None,
+                    d.reserved_peak_bytes))  # fmt: skip
+    L2 = max(1, L // 2)
+    progress(f"second depth: {L2} layers" if linearity and L > 1 else "done")
+    if linearity and L > 1:
+        r2 = measure_retained(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, stats)
+        e2 = exact_step(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, setup.grad_accum)
+        exact, measured = (ph.retained_bytes - e2.phases.retained_bytes) / (L - L2), (d.retained_bytes - r2) / (L - L2)
+        rows.append(Row(f"kept after forward, per layer (depths {L} and {L2})", "bytes", tb["layer"], exact, measured,
+                        tol))  # fmt: skip
+    timing = timing_of(run, e, setup, tricks, gpu)
+    rows += flop_rows(e, None, tb, tol) + [
+        Row("step time (median)", "seconds", None, None, timing.step_seconds, None,
+            f"{timing.steps} steps after warm-up"),
+        Row("tokens/s", "tokens/s", None, None, timing.tokens_per_second),
+        Row("achieved TFLOP/s (model FLOPs)", "TFLOP/s", None, None, timing.model_tflops),
+        Row("MFU", "fraction", None, None, timing.mfu, None,
+            f"peak {timing.peak_tflops:g} TFLOP/s" if timing.peak_tflops else "GPU not in the table"),
+    ]  # fmt: skip
+    return rows, run, timing, (f"attention kernels seen: {', '.join(run.attention_ops) or 'none (eager)'}",)
+
+
+def timing_of(run: DeviceRun, e: ExactStep, setup: Setup, tricks: Tricks, gpu: GPU | None) -> Timing:
+    t = median(run.step_seconds)
+    tokens = setup.tokens_per_step
+    model_tf, hw_tf = e.flops.model * setup.grad_accum / t / 1e12, e.flops.counted * setup.grad_accum / t / 1e12
+    peak = gpu.peak_flops(tricks.precision) / 1e12 if gpu is not None else None
+    return Timing(len(run.step_seconds), t, run.step_seconds, tokens / t, model_tf, hw_tf, peak,
+                  model_tf / peak if peak else None, hw_tf / peak if peak else None)  # fmt: skip
+
+
+# -- entry points -----------------------------------------------------------------------------------
+
+
+def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None, steps: int = 3,
+           layers: int | None = None, tol: float | None = None, progress: Progress | None = None,
+           linearity: bool = True, cpu_limit_bytes: int | None = None) -> VerifyResult:  # fmt: skip
+    """Measure one trick set and compare it with memcalc's predictions.
+
+    device: cuda, meta, or None (cuda when present, else meta). cpu runs the CUDA path on CPU
+      tensors with the tracker for the allocator (for tests; cpu_limit_bytes plays a GPU's size).
+    steps: timed steps after the warm-up and the measured step (CUDA).
+    layers: build this many layers instead of the model's. On CUDA a model that the prediction says
+      will not fit is built as deep as fits, and an out-of-memory error retries shallower.
+    linearity: on CUDA, also measure at half the depth (per-layer bytes are linear in depth).
+    Out of memory and a missing flash kernel come back as the result's error; bad input raises
+    InputError.
+    """
+    check_setup(setup)
+    device, reason = pick_device(device)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InputError(f"steps must be a positive whole number, got {steps!r}")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise InputError(f"layers must be a positive whole number, got {layers!r}")
+    tol = DEFAULT_TOL[device] if tol is None else tol
+    if not 0 <= tol < 1:
+        raise InputError(f"tolerance must be a fraction in [0, 1), got {tol}")
+    shape = with_layers(model.shape, layers or model.shape.n_layers)
+    if shape.positions == "learned" and setup.seq_len > shape.max_positions:
+        raise InputError(f"seq {setup.seq_len} exceeds the {shape.max_positions} learned positions of {shape.name}")
+    report, start = stage_reporter(progress, device), time.perf_counter()
+    result = dict(model=shape.name, origin=model.origin, family=shape.family, tricks=tricks.label, device=device,
+                  device_reason=reason, torch_version=torch.__version__, seq_len=setup.seq_len,
+                  micro_batch=setup.micro_batch, grad_accum=setup.grad_accum, layers_requested=shape.n_layers,
+                  tolerance=tol)  # fmt: skip
+    if device == "meta":
+        rows, notes = meta_rows(shape, setup, tricks, tol, report)
+        result.update(attention=attention_name(tricks, "meta"), gpu_name=None, layers_built=shape.n_layers,
+                      layers_note="", rows=tuple(rows), phases=None, timing=None, error=None, notes=notes)  # fmt: skip
+    else:
+        result.update(verify_on_device(shape, setup, tricks, device, steps, tol, linearity, cpu_limit_bytes, report))
+    return VerifyResult(**result, seconds=time.perf_counter() - start)
+
+
+def verify_on_device(shape: ModelShape, setup: Setup, tricks: Tricks, device: str, steps: int, tol: float,
+                     linearity: bool, cpu_limit_bytes: int | None, report) -> dict:  # fmt: skip
+    """The deepest model that fits, measured; out of memory retried shallower, then reported."""
+    if tricks.flash and device == "cpu":
+        raise InputError("flash attention needs CUDA (or the meta device)")
+    stats = CudaStats() if device == "cuda" else CpuStats(cpu_limit_bytes)
+    gpu_name = torch.cuda.get_device_name() if device == "cuda" else None
+    gpu = gpu_for(gpu_name) if gpu_name else None
+    budget = stats.free_bytes() * FIT_MARGIN
+
+    def predicted(layers: int) -> int:
+        s = with_layers(shape, layers)
+        return exact_step(s, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum).peak_bytes
+
+    built, note = shape.n_layers, ""
+    if predicted(built) > budget:
+        built = deepest_fit(shape, lambda layers: predicted(layers) <= budget)
+        need = gib(predicted(shape.n_layers))
+        note = f"{shape.n_layers} layers need {need} (predicted); {built} fit in {gib(budget)}"
+    error, rows, run, timing, notes = None, [], None, None, ()
+    for _ in range(RETRIES):
+        if built < 1:
+            error = f"out of memory: not even one layer fits ({note or gib(budget) + ' free'})"
+            break
+        try:
+            rows, run, timing, notes = device_rows(with_layers(shape, built), setup, tricks, tol, stats, steps,
+                                                   linearity, gpu, report)  # fmt: skip
+            error = None
+            break
+        except OOM as exc:
+            stats.release()
+            first = (str(exc).strip().splitlines() or ["out of memory"])[0][:160]
+            smaller = min(built - 1, int(built * 0.8))
+            error = f"out of memory at {built} layers: {first}"
+            note = f"{built} layers ran out of memory ({first}); retried with {smaller}"
+            built = smaller
+        except RuntimeError as exc:  # no flash kernel for this GPU, dtype or head size; cuBLAS errors
+            stats.release()
+            error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+            break
+    return dict(attention=attention_name(tricks, device, run.attention_ops if run else ()), gpu_name=gpu_name,
+                layers_built=built if rows else 0, layers_note=note, rows=tuple(rows),
+                phases=run.phases if run else None, timing=timing, error=error, notes=notes)  # fmt: skip
+
+
+def verify_matrix(model: Model, setup: Setup, device: str | None = None, trick_sets: tuple[Tricks, ...] = MATRIX,
+                  steps: int = 3, layers: int | None = None, tol: float | None = None,
+                  progress: Progress | None = None, linearity: bool = True,
+                  cpu_limit_bytes: int | None = None,
+                  on_result: Callable[[VerifyResult], None] | None = None) -> list[VerifyResult]:  # fmt: skip
+    """verify() for every trick set in turn; a run that fails is a result (its error), the rest go on.
+    progress counts whole runs: (trick set: what runs now, runs done, runs in all); on_result gets
+    each result as soon as its run ends (so a run cut short by a time limit keeps what it finished)."""
+    results, n = [], len(trick_sets)
+    for i, tricks in enumerate(trick_sets):
+        sub = None
+        if progress is not None:
+            sub = lambda what, done, total, i=i, label=tricks.label: progress(f"{label}: {what}", i, n)  # noqa: E731
+        results.append(verify(model, setup, tricks, device, steps, layers, tol, sub, linearity, cpu_limit_bytes))
+        if on_result is not None:
+            on_result(results[-1])
+    if progress is not None:
+        progress("done", n, n)
+    return results
+
+
+def stage_reporter(progress: Progress | None, device: str) -> Callable[[str], None]:
+    """report(what) -> progress(what, stages done before it, stages in all)."""
+    count = [0]
+
+    def report(what: str) -> None:
+        if progress is not None:
+            progress(what, count[0], STAGES[device])
+        count[0] += 1
+
+    return report

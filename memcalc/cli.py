@@ -490,7 +490,7 @@ def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt:
 
 
 def saver(folder: str):
-    """on_result for --save: each run's JSON in folder/<tricks>.json."""
+    """on_result for --save: each run's JSON in folder/NN-<tricks>.json."""
     from pathlib import Path
 
     path = Path(folder)
@@ -499,10 +499,13 @@ def saver(folder: str):
     except OSError as e:
         raise InputError(f"cannot make {folder}: {e.strerror}") from None
 
+    count = [0]
+
     def save(result) -> None:
         from .verification import to_dict
 
-        (path / f"{result.tricks}.json").write_text(render.to_json(to_dict(result)) + "\n")
+        count[0] += 1  # numbered, so that the files sort in the order the runs ran
+        (path / f"{count[0]:02d}-{result.tricks}.json").write_text(render.to_json(to_dict(result)) + "\n")
 
     return save
 

@@ -1,6 +1,8 @@
-"""The `memcalc` command line: parse, call the engine, render. No arithmetic lives here."""
+"""The `memcalc` command line: parse, call the engine, render. No arithmetic lives here.
 
-from __future__ import annotations
+No `from __future__ import annotations` here: typer reads every option's annotation, and string
+annotations cost it an eval each, 10 ms at every start for the ~100 options of the commands.
+"""
 
 import os
 import sys
@@ -63,6 +65,8 @@ Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", me
 Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
 Mfu = Annotated[str, typer.Option("--mfu", help="Fraction of peak the GPU sustains (default 0.4: Llama 3 reached 38-43% on H100s).", metavar="X")]  # fmt: skip
+EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline (layouts: default 0.4).", metavar="X")]  # fmt: skip
+Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
 Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
 Units = Annotated[str, typer.Option("--units", help="gb (decimal, as vendors and the lesson) or gib.", metavar="UNITS")]
 
@@ -117,7 +121,7 @@ def estimate(
     optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
     tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
-    gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
+    gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1024:65536 or micro-batch=1:64 (doubling; A:B:STEP or A,B,C too): memory and step time against it.", metavar="SPEC")] = None,
@@ -128,6 +132,7 @@ def estimate(
 ) -> None:  # fmt: skip
     """Model state, activations (per trick), logits, FLOPs, step time, and whether it fits.
 
+    Step time comes from a roofline over every kernel of the step (--mfu X: from an assumed MFU).
     With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
     estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
     """
@@ -146,16 +151,21 @@ def estimate(
             raise InputError("--sweep works on one GPU's estimate; drop --tp, --pp, --cp, --dp")
         if exact and (layout_given or sweep is not None):
             raise InputError("--exact simulates one GPU's step: drop --tp, --pp, --cp, --dp and --sweep")
+        if layout_given and calibration is not None:
+            raise InputError("--calibration sets the roofline of one GPU's step; a layout (--tp, --pp, ...) uses --mfu")
+        if mfu is not None and calibration is not None:
+            raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         if layout_given:
-            setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu)
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4")
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
             show = layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run)
         else:
-            setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu)
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4")
+            cal = None if mfu is not None else roofline_calibration(the_gpu, calibration)
             if sweep is not None:
-                show = sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png)
+                show = sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
             else:
-                show = single_view(the_model, setup, the_gpu, trick_sets, run, exact)
+                show = single_view(the_model, setup, the_gpu, trick_sets, run, exact, cal)
     except InputError as e:
         fail(str(e))
     show(fmt, units, explain)
@@ -173,17 +183,34 @@ def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None]
     return parse_count(tokens, "tokens", MAX_TOKENS), None if price is None else parse_positive(price, "price-per-gpu-hour")
 
 
-def single_view(model, setup, gpu, trick_sets, run, exact: bool = False):
-    """One GPU (data-parallel over --gpus): the estimate, its toolbox, and the run if --tokens."""
+def roofline_calibration(gpu, spec: str | None):
+    """--calibration SPEC: a JSON file, NAME=X overrides, or both (file first), comma-separated."""
+    from .calibration import calibration_for
+
+    items = [x.strip() for x in (spec or "").split(",") if x.strip()]
+    paths, overrides = [x for x in items if "=" not in x], [x for x in items if "=" in x]
+    if len(paths) > 1:
+        raise InputError(f"--calibration takes one file, got {', '.join(paths)}")
+    return calibration_for(gpu.key, paths[0] if paths else None, ",".join(overrides) or None)
+
+
+def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=None):
+    """One GPU (data-parallel over --gpus): the estimate, its roofline step time (cal None: --mfu's),
+    its toolbox, and the run if --tokens."""
     from .estimate import estimate as run_estimate
     from .toolbox import toolbox
     from .training_run import runs_for_estimate
 
     est = run_estimate(model, setup, gpu, trick_sets)
+    roofline = None
+    if cal is not None:
+        from .roofline import step_times
+
+        roofline = step_times(model, setup, gpu, trick_sets, cal), cal
     tb = toolbox(model, setup, gpu, trick_sets[0])
-    runs = runs_for_estimate(est, *run) if run else ()
+    runs = runs_for_estimate(est, *run, roofline[0] if roofline else None) if run else ()
     exacts = exact_steps(model, setup, trick_sets) if exact else None
-    return lambda fmt, units, explain: show_estimate(est, tb, runs, fmt, units, explain, exacts)
+    return lambda fmt, units, explain: show_estimate(est, tb, runs, fmt, units, explain, exacts, roofline)
 
 
 def exact_steps(model, setup, trick_sets):
@@ -203,10 +230,10 @@ def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run):
     return lambda fmt, units, explain: show_layout(ests, runs, fmt, units, explain)
 
 
-def sweep_view(model, setup, gpu, trick_sets, spec: str, png: str | None):
+def sweep_view(model, setup, gpu, trick_sets, spec: str, png: str | None, cal=None):
     from .sweep import parse_sweep, sweep
 
-    swept = sweep(model, setup, gpu, trick_sets, *parse_sweep(spec))
+    swept = sweep(model, setup, gpu, trick_sets, *parse_sweep(spec), cal)
     if png is not None:
         from .plot import save_png
 
@@ -324,19 +351,30 @@ def render_units(units: str) -> str:
     return check_units(units)
 
 
-def show_estimate(est, tb, runs, fmt: str, units: str, explain: bool, exacts=None) -> None:
+def show_estimate(est, tb, runs, fmt: str, units: str, explain: bool, exacts=None, roofline=None) -> None:
+    """roofline: (step times, calibration), or None when --mfu times the step."""
     from . import report
 
     for warning in report.warnings(est):
         print(f"warning: {warning}", file=sys.stderr)
     extra = {"toolbox": tb, "runs": runs} | ({"exact": exacts} if exacts else {})
-    sections = report.estimate_sections(est, tb, units) + ([report.runs_section(runs)] if runs else [])
+    if roofline is not None:
+        extra |= {"roofline": roofline[0], "calibration": roofline[1]}
+    sections = report.estimate_sections(est, tb, units, roofline) + ([report.runs_section(runs)] if runs else [])
     if exacts:
         sections.insert(2, report.exact_section(est, exacts, units))
-    result = {**render.to_jsonable(est), **render.to_jsonable(extra)}
-    render.emit(fmt, result, sections, report.preamble(est), (report.CSV_HEADERS, report.estimate_csv_rows(est)))
+    result = None  # JSON only: converting every op of the roofline costs more than the estimate
+    if fmt == "json":
+        result = {**render.to_jsonable(est), **render.to_jsonable(extra)}
+        result["time_model"] = "mfu" if roofline is None else "roofline"
+    csv_rows = report.estimate_csv_rows(est, roofline[0] if roofline else None) if fmt == "csv" else []
+    render.emit(fmt, result, sections, report.preamble(est), (report.CSV_HEADERS, csv_rows))
     if explain and fmt in ("table", "markdown"):
-        lines = report.explain_lines(est)
+        lines = report.explain_lines(est, roofline is None)
+        if roofline is not None:
+            from .roofline_report import explain_lines
+
+            lines += explain_lines(*roofline)
         if exacts:
             lines += report.exact_explain_lines(exacts, report.symbols(est))
         print("\n".join([""] + lines))

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from .errors import InputError
+from .flops import model_flops
 from .mirror import Config, Phases, simulate
 from .model import ModelShape, n_params
 from .sim import ITEMSIZE
@@ -202,15 +203,6 @@ def flop_terms(flops: dict) -> tuple[Term, ...]:
     names = {"linear": "layer matmuls", "logits": "lm head matmul", "attention": "attention matmuls"}
     return tuple(Term(f"{phase}: {names[kind]}", n, "", "FlopCounterMode's count, replayed by " + SIM)
                  for (phase, kind), n in sorted(flops.items()))  # fmt: skip
-
-
-def model_flops(shape: ModelShape, seq_len: int, tokens: int) -> tuple[int, int]:
-    """6·W·tokens + 12·L·a·d·s·tokens (non-causal) and the causal variant: W the matmul weights."""
-    mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn
-    layer = 2 * shape.hidden * shape.q_dim + 2 * shape.hidden * shape.kv_dim + mlp
-    weights = shape.n_layers * layer + shape.vocab * shape.hidden  # lm head counted, tied or not
-    attention = 12 * shape.n_layers * shape.q_dim * seq_len * tokens  # PaLM App. B
-    return 6 * weights * tokens + attention, 6 * weights * tokens + attention // 2
 
 
 @functools.lru_cache(maxsize=64)

@@ -79,6 +79,16 @@ def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
     return StepFlops(tricks, model, hardware)
 
 
+def model_flops(shape: ModelShape, seq_len: int, tokens: int) -> tuple[int, int]:
+    """6·W·tokens + 12·L·a·d·s·tokens (non-causal) and the causal variant, W the matmul weights: the
+    model FLOPs memcalc.exact, verify and the roofline hold MFU against (PaLM App. B; Megatron halves)."""
+    mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn
+    layer = 2 * shape.hidden * shape.q_dim + 2 * shape.hidden * shape.kv_dim + mlp
+    weights = shape.n_layers * layer + shape.vocab * shape.hidden  # lm head counted, tied or not
+    attention = 12 * shape.n_layers * shape.q_dim * seq_len * tokens  # PaLM App. B
+    return 6 * weights * tokens + attention, 6 * weights * tokens + attention // 2
+
+
 def korthikanti_selective_overhead(shape: ModelShape, seq_len: int) -> float:
     """Selective recompute's cost as Korthikanti et al. 2022 publish it (sec. 6.3, +2.7% for GPT-3).
 

@@ -2,7 +2,9 @@
 
 Rates are dense tensor-core TFLOP/s from each vendor datasheet (sparse figures are 2x these);
 fp32 is the non-tensor-core rate, which PyTorch uses for fp32 matmuls unless TF32 is switched on
-(torch.backends.cuda.matmul.allow_tf32 defaults to False since PyTorch 1.12).
+(torch.backends.cuda.matmul.allow_tf32 defaults to False since PyTorch 1.12). It is also the
+vector rate memcalc.roofline gives elementwise kernels: ATen computes bf16/fp16 elementwise math in
+fp32 (at::opmath_type), so the datasheets' 16-bit non-tensor rates do not apply.
 memory_mib is the total that nvidia-smi reports for the card, not the marketing "GB".
 """
 

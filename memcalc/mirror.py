@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from . import aten
 from .model import ModelShape
-from .sim import Graph, Memory, Tensor
+from .sim import Graph, Kernel, Memory, Tensor
 
 
 @dataclass(frozen=True)
@@ -128,23 +128,30 @@ def rope_tables(g: Graph, T: int, hs: int, dtype: str) -> tuple[Tensor, Tensor]:
     """rope_tables: inv_freq (hs/2) and the angles (T, hs) in fp32, then cos and sin in dtype.
     Nothing here needs grad; the temporaries are tiny but counted."""
     half = hs // 2
-    a = g.empty((half,), "fp32", "arange")
-    d = g.empty((half,), "fp32", "div")  # arange / head_dim
+    a = made(g, (half,), "arange")
+    d = made(g, (half,), "div", a)  # arange / head_dim
     del a
-    pw = g.empty((half,), "fp32", "pow")  # theta ** (...)
+    pw = made(g, (half,), "pow", d)  # theta ** (...)
     del d
-    r = g.empty((half,), "fp32", "reciprocal")  # 1.0 / (...): reciprocal, then mul by 1.0
-    inv_freq = g.empty((half,), "fp32", "mul")
+    r = made(g, (half,), "reciprocal", pw)  # 1.0 / (...): reciprocal, then mul by 1.0
+    inv_freq = made(g, (half,), "mul", r)
     del r, pw
-    pos = g.empty((T,), "fp32", "arange")
-    angles = g.empty((T, half), "fp32", "mul")  # torch.outer
+    pos = made(g, (T,), "arange")
+    angles = made(g, (T, half), "mul", pos, inv_freq)  # torch.outer
     del pos
-    angles2 = g.empty((T, hs), "fp32", "cat")
+    angles2 = made(g, (T, hs), "cat", angles)
     del angles
-    cos = aten.to(g, g.empty((T, hs), "fp32", "cos"), dtype)
-    sin = aten.to(g, g.empty((T, hs), "fp32", "sin"), dtype)
+    cos = aten.to(g, made(g, (T, hs), "cos", angles2), dtype)
+    sin = aten.to(g, made(g, (T, hs), "sin", angles2), dtype)
     del inv_freq, angles2
     return cos, sin
+
+
+def made(g: Graph, shape, op: str, *inputs: Tensor, dtype: str = "fp32") -> Tensor:
+    """A tensor no gradient flows through, made by one kernel from inputs."""
+    t = g.empty(shape, dtype, op)
+    g.kernel(op, inputs, (t,))
+    return t
 
 
 def apply_rope(g: Graph, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -260,7 +267,7 @@ def forward(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
     with g.scoped("embedding"):
         x = aten.embedding(g, m.tok_emb, idx)  # (B, T, h)
         if m.pos_emb is not None:
-            x = aten.add(g, x, aten.embedding(g, m.pos_emb, g.empty((T,), "int64", "arange")))
+            x = aten.add(g, x, aten.embedding(g, m.pos_emb, made(g, (T,), "arange", dtype="int64")))
     cos = sin = None
     if s.positions == "rope":
         with g.scoped("rope tables"):
@@ -319,23 +326,62 @@ class Recipe:
 
     def update(self) -> None:
         """Per parameter tensor: its grad to fp32 (the 16-bit grad released), AdamW (one temporary,
-        the denominator), the fp32 grad released, the master copied back in place."""
+        the denominator), the fp32 grad released, the master copied back in place. Each kernel is
+        recorded against the parameter's layer (recipes.adamw_ line by line)."""
         g = self.g
+        g.stage = "optimizer"
         found_inf = inv_scale = None
         if self.scale is not None:
-            found_inf = g.empty((), "fp32", "zeros")
-            inv_scale = g.empty((), "fp32", "reciprocal")
-            one = g.empty((), "fp32", "ones")
-            del one  # _amp_foreach_non_finite_check_and_unscale_ and _amp_update_scale_ work in place
+            found_inf = made(g, (), "zeros")
+            inv_scale = made(g, (), "reciprocal", self.scale)
+            one = made(g, (), "ones")
+            self.check_finite(found_inf)
+            g.kernel("_amp_update_scale_", (self.scale, self.growth, found_inf), (self.scale, self.growth))
+            del one
         for i, (p, w) in enumerate(zip(self.params, self.masters)):
-            grad = p.grad if self.precision == "fp32" else g.empty(p.shape, "fp32", "_to_copy")
+            g.layer = layer_of(p.name)
+            if self.precision == "fp32":
+                grad = p.grad
+            else:  # p.grad.float()
+                grad = g.empty(p.shape, "fp32", "_to_copy")
+                g.kernel("_to_copy", (p.grad,), (grad,))
             p.grad = None
-            if self.m[i] is None:
+            if inv_scale is not None:
+                g.kernel("mul_", (grad, inv_scale), (grad,))
+            if self.m[i] is None:  # made at the first step only
                 self.m[i] = g.empty(w.shape, "fp32", "zeros_like", kind="state")
                 self.v[i] = g.empty(w.shape, "fp32", "zeros_like", kind="state")
+            m, v = self.m[i], self.v[i]
+            g.kernel("mul_", (w,), (w,))  # decoupled weight decay
+            g.kernel("lerp_", (m, grad), (m,))
+            g.kernel("mul_", (v,), (v,))
+            g.kernel("addcmul_", (v, grad), (v,))  # g·g: one operand read once
             denom = g.empty(w.shape, "fp32", "sqrt")  # v.sqrt().div_(...).add_(eps)
-            del denom, grad
+            g.kernel("sqrt", (v,), (denom,))
+            g.kernel("div_", (denom,), (denom,))
+            g.kernel("add_", (denom,), (denom,))
+            g.kernel("addcdiv_", (w, m, denom), (w,))
+            if w is not p:
+                g.kernel("copy_", (w,), (p,))  # the new 16-bit weights
+            del denom, grad, m, v
         del found_inf, inv_scale
+        g.layer, g.stage = None, "forward"
+
+    def check_finite(self, found_inf: Tensor) -> None:
+        """_amp_foreach_non_finite_check_and_unscale_: one foreach kernel over every 16-bit gradient,
+        recorded per layer (the grads of one block, then those outside) so that layers scale."""
+        layers: dict[int | None, list] = {}
+        for p in self.params:
+            layers.setdefault(layer_of(p.name), []).append(p.grad)
+        for layer, grads in layers.items():
+            self.g.layer = layer
+            self.g.kernel("_amp_foreach_non_finite_check_and_unscale_", tuple(grads), (found_inf,))
+        self.g.layer = None
+
+
+def layer_of(name: str) -> int | None:
+    """The block a parameter belongs to, from its name (blocks.3.attn.wq.weight -> 3)."""
+    return int(name.split(".")[1]) if name.startswith("blocks.") else None
 
 
 @dataclass(frozen=True)
@@ -368,6 +414,31 @@ def micro_step(g: Graph, model: Model, recipe: Recipe, idx: Tensor, targets: Ten
         recipe.backward(loss)
         del loss
     recipe.update()
+
+
+def trace(cfg: Config) -> list[Kernel]:
+    """The kernels of one steady-state training step: one micro-batch's forward and backward (and
+    checkpoint recompute), what each further micro-batch adds into the gradients (AccumulateGrad's
+    in-place add, phase "accumulate"), and the optimizer step. One step, no warm-up: a first step
+    runs the same kernels as any other, except making AdamW's m and v, which is not a kernel here."""
+    g = Graph(Memory())
+    g.kernels = []
+    model = build(g, cfg)
+    B, T = cfg.micro_batch, cfg.seq_len
+    idx = g.empty((B, T), "int64", "input", kind="input")
+    targets = g.empty((B, T), "int64", "input", kind="input")
+    recipe = Recipe(g, model)
+    loss = forward(g, model, idx, targets)
+    recipe.backward(loss)
+    del loss
+    g.stage = "accumulate"
+    for p in model.params:  # a later micro-batch's gradient, added into this one
+        if p.grad is not None:
+            g.layer = layer_of(p.name)
+            g.accumulate(p)
+    g.layer = None
+    recipe.update()
+    return g.kernels
 
 
 def simulate(cfg: Config, timeline: bool = False) -> tuple[Phases, Graph, Memory]:

@@ -196,11 +196,17 @@ def zero_text(step) -> str:
     return "".join(", " + x for x in parts)
 
 
-def estimate_sections(est: Estimate, toolbox: Toolbox | None, units: str) -> list[Section]:
+def estimate_sections(est: Estimate, toolbox: Toolbox | None, units: str, roofline=None) -> list[Section]:
+    """roofline: (step times, calibration) for the roofline's sections, or None for --mfu's compute section."""
     state = state_section(est.model_state, units)
     state.notes = other_recipes(est)
-    sections = [state, activations_section(est, units), logits_section(est, units), memory_section(est, units),
-                compute_section(est)]  # fmt: skip
+    sections = [state, activations_section(est, units), logits_section(est, units), memory_section(est, units)]
+    if roofline is None:
+        sections.append(compute_section(est))
+    else:
+        from .roofline_report import roofline_sections
+
+        sections += roofline_sections(est, *roofline)
     if toolbox is not None and toolbox.fits_at != -1:
         sections.append(toolbox_section(toolbox, units))
     return sections
@@ -209,17 +215,25 @@ def estimate_sections(est: Estimate, toolbox: Toolbox | None, units: str) -> lis
 CSV_HEADERS = [
     "tricks", "activations_per_layer_bytes", "activations_total_bytes", "activations_peak_bytes",
     "model_state_bytes", "logits_bytes", "memory_total_bytes", "fits", "model_flops_per_token",
-    "hardware_flops_per_token", "step_seconds", "tokens_per_second", "mfu", "hfu",
+    "hardware_flops_per_token", "time_model", "step_seconds", "tokens_per_second", "mfu", "hfu",
+    "mfu_causal", "hfu_causal", "recompute_seconds", "memory_bound_seconds",
 ]  # fmt: skip
 
 
-def estimate_csv_rows(est: Estimate) -> list[list[object]]:
-    return [
-        ["+".join(a.tricks.names), a.per_layer_bytes, a.total_bytes, a.peak_bytes, m.model_state_bytes,
-         m.logits_bytes, m.total_bytes, m.fits, c.flops.model_per_token, c.flops.hardware_per_token,
-         f"{c.step_seconds:.6g}", f"{c.tokens_per_second:.6g}", f"{c.mfu:.4f}", f"{c.hfu:.4f}"]  # fmt: skip
-        for a, m, c in zip(est.activations, est.memory, est.compute)
-    ]
+def estimate_csv_rows(est: Estimate, times=None) -> list[list[object]]:
+    """One row per trick set; step time, tokens/s, MFU and HFU from the roofline's times when given,
+    else from --mfu (whose rows leave the roofline-only columns empty)."""
+    from .roofline_report import csv_columns
+
+    rows = []
+    for i, (a, m, c) in enumerate(zip(est.activations, est.memory, est.compute)):
+        t = times[i] if times else None
+        shown = t or c
+        rows.append(["+".join(a.tricks.names), a.per_layer_bytes, a.total_bytes, a.peak_bytes, m.model_state_bytes,
+                     m.logits_bytes, m.total_bytes, m.fits, c.flops.model_per_token, c.flops.hardware_per_token,
+                     "roofline" if t else "mfu", f"{shown.step_seconds:.6g}", f"{shown.tokens_per_second:.6g}",
+                     f"{shown.mfu:.4f}", f"{shown.hfu:.4f}", *csv_columns(t)])  # fmt: skip
+    return rows
 
 
 # ---- --explain ------------------------------------------------------------------------------
@@ -238,8 +252,9 @@ def explain_term(t: Term, syms: dict[str, int], unit: str) -> str:
     return f"  {t.name}: {t.symbolic()} = {t.substituted(syms)} = {t.value:,} {unit}   [{t.source}]"
 
 
-def explain_lines(est: Estimate) -> list[str]:
-    """Each formula with this config's numbers substituted, as a course would show it."""
+def explain_lines(est: Estimate, mfu_time: bool = True) -> list[str]:
+    """Each formula with this config's numbers substituted, as a course would show it (with the
+    --mfu step time when mfu_time: the roofline explains its own)."""
     syms = symbols(est)
     legend = ", ".join(f"{k} = {v:,}" for k, v in syms.items())
     lines = [f"Symbols: {legend}", "", f"Model state ({RECIPES[est.model_state.precision]}, per GPU):"]
@@ -262,7 +277,7 @@ def explain_lines(est: Estimate) -> list[str]:
             lines += [explain_term(t, syms, "B") for t in logits.terms]
     lines += ["", "FLOPs per token:"]
     lines += [explain_term(t, syms, "FLOPs") for t in flop_terms(est.model.shape, est.model.n_params, est.setup.seq_len)]
-    for c in est.compute:
+    for c in est.compute if mfu_time else ():
         lines.append(f"  {c.tricks.label}: step = {c.tokens_per_step:,} tokens · {c.flops.hardware_per_token:,} FLOPs "
                      f"/ ({est.setup.mfu:g} · {c.peak_flops:.4g} FLOP/s) = {u.seconds(c.step_seconds)}")  # fmt: skip
     return lines
@@ -343,7 +358,9 @@ def sweep_sections(sw: Sweep, units: str) -> list[Section]:
     memory = Section(f"Peak memory per GPU against {sw.name} ({sw.gpu}: │ marks {u.size(sw.usable_bytes, units)} usable)",
                      [sw.name, "tricks", "memory", "", "fits?"], align="rllrl")  # fmt: skip
     slowest = max(p.step_seconds for p in sw.points)
-    time = Section(f"Step time against {sw.name}", [sw.name, "tricks", "step time", "", "tokens/s"], align="rllrr")
+    model = "every kernel against the roofs" if sw.time_model == "roofline" else "hardware FLOPs at --mfu"
+    time = Section(f"Step time against {sw.name} ({model})", [sw.name, "tricks", "step time", "", "tokens/s"],
+                   align="rllrr")  # fmt: skip
     for p in sw.points:
         memory.rows.append([f"{p.value:,}", p.tricks.label, render.bar(p.memory_bytes, biggest, BAR_WIDTH, sw.usable_bytes),
                             u.size(p.memory_bytes, units), "yes" if p.fits else "no"])  # fmt: skip

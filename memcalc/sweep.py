@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .calibration import Calibration
 from .errors import InputError
 from .estimate import MAX_BATCH, MAX_SEQ, Setup, compute_for, memory_for
 from .gpus import GPU
 from .model import Model, parse_count
+from .roofline import step_times
 from .tricks import Tricks
 
 SWEEPABLE = {"seq": ("seq_len", MAX_SEQ), "micro-batch": ("micro_batch", MAX_BATCH)}
@@ -31,6 +33,7 @@ class Sweep:
     gpu: str
     usable_bytes: int
     points: tuple[SweepPoint, ...]  # value-major: every trick set at the first value, then the next
+    time_model: str = "roofline"  # or --mfu
 
 
 def parse_sweep(spec: str) -> tuple[str, tuple[int, ...]]:
@@ -69,14 +72,18 @@ def stepping(start: int, stop: int, step: int) -> tuple[int, ...]:
 
 
 def sweep(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...], name: str,
-          values: tuple[int, ...]) -> Sweep:  # fmt: skip
+          values: tuple[int, ...], cal: Calibration | None = None) -> Sweep:  # fmt: skip
+    """Memory and step time at each value: the roofline's time under cal, else --mfu's."""
     field = SWEEPABLE[name][0]
     points = []
     for value in values:
         at = replace(setup, **{field: value})
-        for tricks in trick_sets:
+        if cal is None:
+            times = tuple(compute_for(model, at, gpu, tricks) for tricks in trick_sets)
+        else:
+            times = step_times(model, at, gpu, trick_sets, cal)
+        for tricks, time in zip(trick_sets, times):
             memory = memory_for(model, at, gpu, tricks)[3]
-            compute = compute_for(model, at, gpu, tricks)
-            points.append(SweepPoint(value, tricks, memory.total_bytes, memory.fits, compute.step_seconds,
-                                     compute.tokens_per_second))  # fmt: skip
-    return Sweep(name, values, gpu.key, gpu.usable_bytes, tuple(points))
+            points.append(SweepPoint(value, tricks, memory.total_bytes, memory.fits, time.step_seconds,
+                                     time.tokens_per_second))  # fmt: skip
+    return Sweep(name, values, gpu.key, gpu.usable_bytes, tuple(points), "--mfu" if cal is None else "roofline")

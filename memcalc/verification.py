@@ -68,6 +68,16 @@ class Timing:
     peak_tflops: float | None  # the GPU table's dense peak for the precision; None for an unknown GPU
     mfu: float | None  # model_tflops / peak_tflops
     hfu: float | None
+    predicted_seconds: float | None = None  # memcalc.roofline's step time for the model as built; None off the table
+    calibration: str = ""  # the efficiencies it ran at
+    predicted_ops: tuple = ()  # memcalc.roofline.OpTime per op: FLOPs, bytes, compute/memory/launch seconds
+
+    @property
+    def predicted_error(self) -> float | None:
+        """(measured - predicted) / predicted."""
+        if self.predicted_seconds is None:
+            return None
+        return (self.step_seconds - self.predicted_seconds) / self.predicted_seconds
 
 
 @dataclass(frozen=True)
@@ -111,5 +121,7 @@ def to_dict(result: VerifyResult) -> dict:
     out = asdict(result)
     for row, data in zip(result.rows, out["rows"]):
         data["error"], data["passed"] = row.error, row.passed
+    if result.timing is not None:
+        out["timing"]["predicted_error"] = result.timing.predicted_error
     out["passed"] = result.passed
     return out

@@ -84,6 +84,8 @@ def timing_section(r: VerifyResult) -> Section:
     s = Section(f"Step time: median of {t.steps} steps after warm-up (CUDA events)", ["quantity", "value"])
     s.rows = [
         ["step time", u.seconds(t.step_seconds)],
+        ["predicted by the roofline", "-" if t.predicted_seconds is None else
+         f"{u.seconds(t.predicted_seconds)} (measured {100 * t.predicted_error:+.1f}%)"],
         ["tokens/s", u.rate(t.tokens_per_second)],
         ["achieved model TFLOP/s", f"{t.model_tflops:.1f}"],
         ["achieved hardware TFLOP/s (recompute counted)", f"{t.hardware_tflops:.1f}"],
@@ -92,6 +94,9 @@ def timing_section(r: VerifyResult) -> Section:
     ]
     if t.peak_tflops is not None:
         s.notes.append(f"against the GPU table's dense peak of {t.peak_tflops:g} TFLOP/s")
+    if t.predicted_seconds is not None:
+        top = ", ".join(f"{op.name} {u.seconds(op.seconds)}" for op in t.predicted_ops[:3])
+        s.notes.append(f"roofline ({t.calibration}): slowest predicted ops {top}; every op in the JSON (timing.predicted_ops)")
     return s
 
 
@@ -102,14 +107,15 @@ def peak_row(r: VerifyResult) -> Row | None:
 def matrix_sections(results: list[VerifyResult], units: str) -> list[Section]:
     first = results[0]
     s = Section(f"Every trick set on {first.device}: the whole-step peak, predicted and measured",
-                ["tricks", "textbook", "exact prediction", "measured", "error", "reserved", "step time", "tokens/s",
-                 "MFU", "pass"], align="lrrrrrrrrl")  # fmt: skip
+                ["tricks", "textbook", "exact prediction", "measured", "error", "reserved", "step time", "predicted",
+                 "tokens/s", "MFU", "pass"], align="lrrrrrrrrrl")  # fmt: skip
     for r in results:
         row = peak_row(r)
         reserved = "-" if r.phases is None else u.size(r.phases.reserved_peak_bytes, units)
         t = r.timing
-        timing = ["-", "-", "-"] if t is None else [u.seconds(t.step_seconds), u.rate(t.tokens_per_second),
-                                                   "-" if t.mfu is None else u.percent(t.mfu)]  # fmt: skip
+        timing = ["-", "-", "-", "-"] if t is None else [
+            u.seconds(t.step_seconds), "-" if t.predicted_seconds is None else u.seconds(t.predicted_seconds),
+            u.rate(t.tokens_per_second), "-" if t.mfu is None else u.percent(t.mfu)]  # fmt: skip
         if row is None:
             s.rows.append([r.tricks, "-", "-", "-", "-", reserved, *timing, "FAIL" if not r.passed else ""])
             continue
@@ -119,6 +125,8 @@ def matrix_sections(results: list[VerifyResult], units: str) -> list[Section]:
     s.notes = [f"{r.tricks}: {r.error}" for r in results if r.error]
     s.notes += [f"{r.tricks}: failed rows: {', '.join(row.quantity for row in r.failed)}" for r in results if r.failed]
     s.notes.append("pass: every row of the run within tolerance (memcalc verify --tricks T for the rows)")
+    if any(r.timing is not None and r.timing.predicted_seconds is not None for r in results):
+        s.notes.append("predicted: the roofline's step time for the model as built (memcalc.roofline), not judged")
     return [s]
 
 

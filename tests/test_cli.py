@@ -257,7 +257,7 @@ def test_training_run_time_and_cost():
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     (r,) = data["runs"]
-    per_gpu = data["compute"][0]["tokens_per_second"]
+    per_gpu = data["roofline"][0]["tokens_per_second"]  # the roofline's rate, by default
     assert r["seconds"] == pytest.approx(15e12 / (per_gpu * 1024))
     assert r["gpu_hours"] == pytest.approx(r["seconds"] * 1024 / 3600)
     assert r["cost"] == pytest.approx(2 * r["gpu_hours"])
@@ -265,6 +265,10 @@ def test_training_run_time_and_cost():
     assert "Training run: 1,000,000,000,000 tokens on 1 GPU" in table.stdout
     bad = run("estimate", "--params", "8e9", "--price-per-gpu-hour", "2")
     assert bad.exit_code == 2 and "needs --tokens" in bad.stderr
+    legacy = json.loads(run("estimate", "--params", "8e9", "--tricks", "bf16,flash", "--mfu", "0.4", "--tokens", "1e12",
+                            "--format", "json").stdout)  # fmt: skip
+    assert legacy["time_model"] == "mfu"
+    assert legacy["runs"][0]["tokens_per_second"] == pytest.approx(legacy["compute"][0]["tokens_per_second"])
 
 
 def test_exact_beside_textbook():

@@ -4,6 +4,8 @@ tests marked `cuda` run only where a GPU is present and skip cleanly elsewhere."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -100,6 +102,36 @@ def test_devices_and_gpus():
             run.pick_device("cuda")
     with pytest.raises(InputError):
         run.verify(model_of(LLAMA), SETUP, parse_tricks("bf16,flash"), device="cpu")
+
+
+def test_timing_carries_the_roofline_prediction():
+    """On a GPU of the table, verify's timing holds the roofline's step time for the model as built,
+    every op of it in the JSON, and the table and the matrix show it beside the measurement."""
+    from dataclasses import replace
+
+    from memcalc import verify_report as vr
+    from memcalc.calibration import calibration_for
+    from memcalc.gpus import GPUS
+    from memcalc.render import to_json
+    from memcalc.roofline import step_time
+    from memcalc.verification import to_dict
+    from verify.cuda import DeviceRun
+
+    t, h100 = parse_tricks("bf16"), GPUS["h100-sxm"]
+    r = run.verify(model_of(LLAMA), SETUP, t, device="cpu", steps=1, linearity=False)
+    assert r.timing.predicted_seconds is None  # the CPU stand-in is no GPU of the table
+    device = DeviceRun(4, r.phases, (0.010, 0.012, 0.011), ())
+    timing = run.timing_of(device, run.exact_step(LLAMA, 32, 2, t), SETUP, t, h100, LLAMA)
+    predicted = step_time(LLAMA, 32, 2, 1, t, h100, calibration_for("h100-sxm"))
+    assert timing.predicted_seconds == predicted.step_seconds and timing.calibration == "h100-sxm.json"
+    assert timing.predicted_error == pytest.approx(0.011 / predicted.step_seconds - 1)
+    data = json.loads(to_json(to_dict(replace(r, timing=timing))))
+    assert data["timing"]["predicted_ops"][0]["op"] == predicted.ops[0].op
+    assert data["timing"]["predicted_error"] == pytest.approx(timing.predicted_error)
+    shown = replace(r, timing=timing)
+    assert "predicted by the roofline" in [row[0] for row in vr.timing_section(shown).rows]
+    matrix = vr.matrix_sections([shown], "gb")[0]
+    assert matrix.headers[6:8] == ["step time", "predicted"] and len(matrix.rows[0]) == len(matrix.headers)
 
 
 def test_cpu_stats_limit():

@@ -12,12 +12,14 @@ from typing import Callable
 import torch
 
 from memcalc.activations import logits_memory, textbook_activations
+from memcalc.calibration import calibration_for
 from memcalc.errors import InputError
 from memcalc.estimate import Setup
 from memcalc.exact import ExactStep, exact_step
 from memcalc.flops import step_flops
 from memcalc.gpus import GPU, GPUS
 from memcalc.model import Model, ModelShape, n_params
+from memcalc.roofline import step_time
 from memcalc.state import model_state
 from memcalc.tricks import Tricks, parse_tricks
 from memcalc.verification import DEFAULT_TOL, Row, Timing, VerifyResult
@@ -177,10 +179,11 @@ def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, sta
         exact, measured = (ph.retained_bytes - e2.phases.retained_bytes) / (L - L2), (d.retained_bytes - r2) / (L - L2)
         rows.append(Row(f"kept after forward, per layer (depths {L} and {L2})", "bytes", tb["layer"], exact, measured,
                         tol))  # fmt: skip
-    timing = timing_of(run, e, setup, tricks, gpu)
+    timing = timing_of(run, e, setup, tricks, gpu, shape)
+    predicted = f"; predicted by the roofline ({timing.calibration})" if timing.predicted_seconds else ""
     rows += flop_rows(e, None, tb, tol) + [
-        Row("step time (median)", "seconds", None, None, timing.step_seconds, None,
-            f"{timing.steps} steps after warm-up"),
+        Row("step time (median)", "seconds", None, timing.predicted_seconds, timing.step_seconds, None,
+            f"{timing.steps} steps after warm-up{predicted}"),
         Row("tokens/s", "tokens/s", None, None, timing.tokens_per_second),
         Row("achieved TFLOP/s (model FLOPs)", "TFLOP/s", None, None, timing.model_tflops),
         Row("MFU", "fraction", None, None, timing.mfu, None,
@@ -189,13 +192,22 @@ def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, sta
     return rows, run, timing, (f"attention kernels seen: {', '.join(run.attention_ops) or 'none (eager)'}",)
 
 
-def timing_of(run: DeviceRun, e: ExactStep, setup: Setup, tricks: Tricks, gpu: GPU | None) -> Timing:
+def timing_of(run: DeviceRun, e: ExactStep, setup: Setup, tricks: Tricks, gpu: GPU | None,
+              shape: ModelShape | None = None) -> Timing:  # fmt: skip
+    """Measured step time, throughput and utilisation; beside them the roofline's prediction for
+    the model as built (shape), op by op, on a GPU the table knows."""
     t = median(run.step_seconds)
     tokens = setup.tokens_per_step
     model_tf, hw_tf = e.flops.model * setup.grad_accum / t / 1e12, e.flops.counted * setup.grad_accum / t / 1e12
     peak = gpu.peak_flops(tricks.precision) / 1e12 if gpu is not None else None
+    predicted = None
+    if gpu is not None and shape is not None:
+        cal = calibration_for(gpu.key)
+        predicted = step_time(shape, setup.seq_len, setup.micro_batch, setup.grad_accum, tricks, gpu, cal)
     return Timing(len(run.step_seconds), t, run.step_seconds, tokens / t, model_tf, hw_tf, peak,
-                  model_tf / peak if peak else None, hw_tf / peak if peak else None)  # fmt: skip
+                  model_tf / peak if peak else None, hw_tf / peak if peak else None,
+                  predicted.step_seconds if predicted else None, predicted.calibration if predicted else "",
+                  predicted.ops if predicted else ())  # fmt: skip
 
 
 # -- entry points -----------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-COLUMNS = ["matrix", "tricks", "textbook", "exact", "measured", "reserved", "error", "step time", "tokens/s", "MFU",
-           "pass"]  # fmt: skip
+COLUMNS = ["matrix", "tricks", "textbook", "exact", "measured", "reserved", "error", "step time", "predicted",
+           "tokens/s", "MFU", "pass"]  # fmt: skip
 
 
 def load(run_dir: Path) -> dict:
@@ -39,7 +39,9 @@ def row(matrix: str, r: dict) -> list[str]:
     return [
         matrix, r["tricks"], gb(p and p["textbook"]), gb(p and p["exact"]), gb(p and p["measured"]),
         gb(ph and ph["reserved_peak_bytes"]), error,
-        "-" if not t else f"{t['step_seconds']:.3f} s", "-" if not t else f"{t['tokens_per_second']:,.0f}",
+        "-" if not t else f"{t['step_seconds']:.3f} s",
+        "-" if not t or t.get("predicted_seconds") is None else f"{t['predicted_seconds']:.3f} s",
+        "-" if not t else f"{t['tokens_per_second']:,.0f}",
         "-" if not t or t["mfu"] is None else f"{100 * t['mfu']:.1f}%",
         "pass" if r["passed"] else ("FAIL: " + r["error"] if r.get("error") else "FAIL"),
     ]  # fmt: skip

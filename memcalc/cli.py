@@ -482,7 +482,6 @@ def verify(
 ) -> None:  # fmt: skip
     """Build the real model in PyTorch, train a few steps, and hold every prediction against the measurement."""
     try:
-        from .estimate import MAX_SEQ
         from .inputs import resolve_model
         from .model import parse_count
         from .tricks import parse_tricks
@@ -594,7 +593,7 @@ class progress_bar:
 def show_verify(results, fmt: str, units: str) -> None:
     """One result's rows, the matrix summary, or the distributed table; exit 1 when a row fails."""
     from . import verify_report as vr
-    from .verification import VerifyResult, to_dict
+    from .verification import to_dict
 
     if isinstance(results, list) and len(results) == 1:
         r = results[0]

@@ -9,7 +9,6 @@ from .estimate import MAX_BATCH, MAX_SEQ, Memory, Setup, memory_for
 from .flops import step_flops
 from .gpus import GPU
 from .model import Model
-from .state import Parallel
 from .tricks import Tricks
 
 MAX_ZERO_GPUS = 4096  # the ZeRO search tries 2, 4, ... up to this many data-parallel GPUs

@@ -4,7 +4,6 @@ import csv
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 

@@ -12,6 +12,7 @@ nothing here fakes a device.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import statistics
 import time
@@ -223,7 +224,9 @@ def measure_device(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tr
             if recipe.skipped == phases[-1]:
                 break
         retained, fwd, bwd, opt, reserved, _ = phases
-        times = tuple(stats.time(lambda: train_step(recipe, idx, targets, grad_accum)) for _ in range(steps))
+        one_step = functools.partial(train_step, recipe, idx, targets, grad_accum)
+        times = tuple(stats.time(one_step) for _ in range(steps))
+        del one_step
         del model, recipe, idx, targets
     stats.release()
     phases = DevicePhases(after_build, after_first, retained, fwd, bwd, opt, reserved)

@@ -94,7 +94,8 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
             with saved.hooks() if k == 0 else contextlib.nullcontext():
                 loss = recipe.forward(idx, targets)
             saved.release()
-            retained = live.live_bytes - before if k == 0 else retained
+            if k == 0:
+                retained = live.live_bytes - before
             fwd = (live.peak_bytes, live.peak_at)
             live.phase = "backward"
             live.reset_peak()

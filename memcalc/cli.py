@@ -149,8 +149,8 @@ def estimate(
             raise InputError("--png draws a sweep: add --sweep seq=A:B or micro-batch=A:B")
         if sweep is not None and layout_given:
             raise InputError("--sweep works on one GPU's estimate; drop --tp, --pp, --cp, --dp")
-        if exact and (layout_given or sweep is not None):
-            raise InputError("--exact simulates one GPU's step: drop --tp, --pp, --cp, --dp and --sweep")
+        if exact and sweep is not None:
+            raise InputError("--exact simulates single steps: drop --sweep")
         if layout_given and calibration is not None:
             raise InputError("--calibration sets the roofline of one GPU's step; a layout (--tp, --pp, ...) uses --mfu")
         if mfu is not None and calibration is not None:
@@ -158,7 +158,7 @@ def estimate(
         if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4")
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
-            show = layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run)
+            show = layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
         else:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4")
             cal = None if mfu is not None else roofline_calibration(the_gpu, calibration)
@@ -222,12 +222,22 @@ def exact_steps(model, setup, trick_sets):
     return [exact_for(model, setup, t) for t in trick_sets]
 
 
-def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run):
+def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run, exact: bool = False):
     from .training_run import runs_for_layouts
 
     ests = layout_estimates(model, setup, gpu, trick_sets, layout, explicit)
     runs = runs_for_layouts(ests, *run) if run else ()
-    return lambda fmt, units, explain: show_layout(ests, runs, fmt, units, explain)
+    layers = exact_layers(model, setup, ests, layout) if exact else None
+    return lambda fmt, units, explain: show_layout(ests, runs, fmt, units, explain, layers)
+
+
+def exact_layers(model, setup, ests, layout):
+    """--exact with a layout: what one layer saves on one TP rank, op by op (memcalc.exact on the shard)."""
+    from .distcheck import block_terms
+
+    if layout.cp > 1:
+        raise InputError("--exact with --cp: ring attention's saved tensors are not simulated; drop --exact or --cp")
+    return [block_terms(model.shape, setup.seq_len, setup.micro_batch, e.tricks, layout) for e in ests]
 
 
 def sweep_view(model, setup, gpu, trick_sets, spec: str, png: str | None, cal=None):
@@ -275,7 +285,7 @@ def show_sweep(swept, fmt: str, units: str) -> None:
     render.emit(fmt, swept, report.sweep_sections(swept, units), csv_table=csv_table)
 
 
-def show_layout(ests, runs, fmt: str, units: str, explain: bool) -> None:
+def show_layout(ests, runs, fmt: str, units: str, explain: bool, layers=None) -> None:
     from . import plan_report, report
 
     for warning in dict.fromkeys(w for e in ests for w in plan_report.layout_warnings(e)):
@@ -283,7 +293,8 @@ def show_layout(ests, runs, fmt: str, units: str, explain: bool) -> None:
     one = ests[0] if len(ests) == 1 else None
     if fmt == "json":
         data = render.to_jsonable(one if one else ests)
-        print(render.to_json({**data, "runs": render.to_jsonable(runs)} if one else {"layouts": data, "runs": runs}))
+        extra = {"runs": runs} | ({"exact_layer_terms": layers} if layers else {})
+        print(render.to_json({**data, **render.to_jsonable(extra)} if one else {"layouts": data, **extra}))
         return
     if fmt == "csv":
         rows = [[e.tricks.label, *row] for e in ests for row in plan_report.layout_csv_rows(e)]
@@ -291,6 +302,7 @@ def show_layout(ests, runs, fmt: str, units: str, explain: bool) -> None:
         return
     sections = plan_report.layout_sections(one, units) if one else [plan_report.tricks_section(ests, units)]
     sections += [report.runs_section(runs)] if runs else []
+    sections += [plan_report.exact_layer_section(ests, layers, units)] if layers else []
     preamble = plan_report.layout_preamble(ests[0])
     if fmt == "markdown":
         sys.stdout.write(render.to_markdown(sections, preamble))

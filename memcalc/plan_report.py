@@ -356,3 +356,20 @@ def plan_csv_rows(plan: Plan) -> list[list[object]]:
                      est.memory.total_bytes, f"{t.tokens_per_second:.6g}", f"{t.step_seconds:.6g}",
                      f"{t.mfu:.4f}"])  # fmt: skip
     return rows
+
+
+def exact_layer_section(ests: list[LayoutEstimate], layers: list, units: str) -> Section:
+    """--exact: one layer on one TP rank, Korthikanti's Table 2 against memcalc.exact on the shard."""
+    lay = ests[0].layout
+    split = f"tp {lay.tp}" + (" + SP" if lay.sp else "")
+    s = Section(f"One layer, one micro-batch, one GPU ({split}): textbook against exact for this architecture",
+                ["tricks", "textbook (Table 2)", "exact (op by op)", "exact / textbook"])  # fmt: skip
+    for e, terms in zip(ests, layers):
+        textbook = e.memory.peak.layer.per_layer_bytes
+        exact = sum(t.value for t in terms)
+        s.rows.append([e.tricks.label, sized(textbook, units), sized(exact, units), f"{exact / textbook:.2f}x"])
+    s.notes = ["exact: memcalc.exact on the TP rank's shard (a/t heads, k/t KV heads, f/t MLP); with SP the norms "
+               "and dropouts hold s/t tokens and the all-gathered inputs are saved whole, as DTensor does "
+               "(memcalc verify --tp checks it on PyTorch's own engine)",
+               "the stage totals above use the textbook terms"]  # fmt: skip
+    return s

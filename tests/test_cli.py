@@ -282,3 +282,22 @@ def test_exact_beside_textbook():
     table = run(*MAIN_JOB, "--exact")
     assert "Textbook against exact for this llama-family model" in table.stdout
     assert "134,785,875,968 B" in table.stdout  # bf16+flash+ckpt's whole-step peak, as verify measures it
+
+
+def test_exact_with_a_layout_is_the_tp_shard_op_by_op():
+    from memcalc.distcheck import block_terms
+    from memcalc.inputs import resolve_model
+    from memcalc.parallel import Layout
+    from memcalc.tricks import parse_tricks
+
+    args = ["estimate", "--model", "llama3-8b", "--seq", "4096", "--tp", "4", "--sp", "--gpus", "4",
+            "--tricks", "bf16,flash", "--exact"]  # fmt: skip
+    out = run(*args, "--format", "json")
+    assert out.exit_code == 0, out.output
+    terms = json.loads(out.stdout)["exact_layer_terms"][0]
+    expected = block_terms(resolve_model(model="llama3-8b").shape, 4096, 1, parse_tricks("bf16,flash"),
+                           Layout(tp=4, sp=True))  # fmt: skip
+    assert sum(t["value"] for t in terms) == sum(t.value for t in expected)
+    assert "textbook against exact for this architecture" in run(*args).stdout
+    bad = run("estimate", "--params", "8e9", "--cp", "2", "--gpus", "2", "--tricks", "bf16,flash", "--exact")
+    assert bad.exit_code == 2 and "ring attention" in bad.stderr

@@ -4,6 +4,7 @@ No `from __future__ import annotations` here: typer reads every option's annotat
 annotations cost it an eval each, 10 ms at every start for the ~100 options of the commands.
 """
 
+import math
 import os
 import sys
 from typing import Annotated, Optional
@@ -84,7 +85,8 @@ def check_format(fmt: str) -> str:
 
 
 def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu):
-    from .estimate import MAX_BATCH, MAX_SEQ, Setup
+    from .estimate import Setup
+    from .model import MAX_BATCH, MAX_SEQ
     from .model import parse_count
     from .state import MAX_GPUS, OPTIMIZERS, Parallel
 
@@ -102,14 +104,20 @@ def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mf
     )
 
 
-def parse_fraction(text: str, name: str) -> float:
+def parse_positive(text: str, name: str, most: float = math.inf) -> float:
+    """A finite number in (0, most]: --mfu and --tol are fractions (most 1), times and rates are not."""
     try:
         value = float(text)
     except ValueError:
         raise InputError(f"{name} must be a number, got {text!r}") from None
-    if not 0 < value <= 1:  # also rejects nan
-        raise InputError(f"{name} must be a fraction in (0, 1], got {text!r}")
+    if not (0 < value <= most and math.isfinite(value)):  # also rejects nan
+        kind = "a fraction in (0, 1]" if most == 1 else "a positive number"
+        raise InputError(f"{name} must be {kind}, got {text!r}")
     return value
+
+
+def parse_fraction(text: str, name: str) -> float:
+    return parse_positive(text, name, most=1)
 
 
 @app.command()
@@ -329,7 +337,7 @@ def plan(
 ) -> None:  # fmt: skip
     """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
     try:
-        from .estimate import MAX_BATCH, MAX_SEQ
+        from .model import MAX_BATCH, MAX_SEQ
         from .gpus import gpu as find_gpu
         from .inputs import resolve_model
         from .model import parse_count
@@ -436,7 +444,7 @@ def mfu(
 ) -> None:  # fmt: skip
     """MFU and HFU of a measured throughput under every FLOPs convention in use, side by side."""
     try:
-        from .estimate import MAX_BATCH, MAX_SEQ
+        from .model import MAX_BATCH, MAX_SEQ
         from .gpus import gpu as find_gpu
         from .inputs import resolve_model
         from .mfu import mfu_report, tokens_per_gpu_second
@@ -461,16 +469,6 @@ def mfu(
 
     csv_table = (report.MFU_CSV_HEADERS, report.mfu_csv_rows(result))
     render.emit(fmt, result, report.mfu_sections(result), report.mfu_preamble(result), csv_table)
-
-
-def parse_positive(text: str, name: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise InputError(f"{name} must be a number, got {text!r}") from None
-    if not 0 < value < float("inf"):  # also rejects nan
-        raise InputError(f"{name} must be a positive number, got {text!r}")
-    return value
 
 
 @app.command()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .estimate import Setup
-from .flops import StepFlops, step_flops
+from .flops import StepFlops, attention_flops, logits_flops, step_flops
 from .gpus import A100_DATASHEET, GPU, H100_DATASHEET
 from .model import Model, ModelShape
 from .parallel import Layout, LayoutMemory
@@ -226,13 +226,13 @@ def micro_batch_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
     layer's 6·h·v per token, Korthikanti sec. 6.3), split over tp · cp; the slower of the end stages."""
     shape, s, L, p = model.shape, setup.seq_len, model.shape.n_layers, layout.pp
     f = flops_per_token(shape, s, tricks)
-    logits = 6 * shape.hidden * shape.vocab
+    logits = logits_flops(shape)
     layer_model = (f.model_per_token - logits) // L  # the layers' part is a multiple of L
     layer_extra = (f.hardware_per_token - f.model_per_token) // L
     layers = L // p
     tokens = setup.micro_batch * s
     rate = setup.mfu * gpu.peak_flops(tricks.precision) * layout.tp * layout.cp
-    attention = 12 * shape.q_dim * s * layers  # PaLM App. B: 12·H·Q·s per token per layer
+    attention = attention_flops(shape, s) // L * layers  # PaLM App. B: 12·H·Q·s per token per layer
     return MicroBatch(
         model_seconds=tokens * (layers * layer_model + logits) / rate,  # the last stage is the slowest
         extra_seconds=tokens * layers * layer_extra / rate,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from .errors import InputError
 from .estimate import Setup
-from .model import ModelShape, n_params
+from .model import ModelShape, check_positions, n_params
 from .parallel import Layout, check_layout, layer_activations, sharded_state, stage_shape_params
 from .terms import Term
 from .tricks import Tricks
@@ -63,8 +63,7 @@ def check_dist(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, 
         raise InputError("distributed verify measures the second block: the model needs at least 2 layers")
     if setup.grad_accum != 1:
         raise InputError("distributed verify runs one micro-batch per step: grad-accum must be 1")
-    if shape.positions == "learned" and setup.seq_len > shape.max_positions:
-        raise InputError(f"seq {setup.seq_len} exceeds the {shape.max_positions} learned positions of {shape.name}")
+    check_positions(shape, setup.seq_len)
     check_layout(layout, shape, setup.seq_len, tricks, 1)
 
 

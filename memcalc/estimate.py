@@ -9,12 +9,10 @@ from .activations import Activations, AttentionDetail, Logits, attention_detail,
 from .errors import InputError
 from .flops import Flops, StepFlops, flops, step_flops
 from .gpus import GPU
-from .model import Model, check_size, layer_params
+from .model import MAX_BATCH, MAX_SEQ, Model, check_size, layer_params
 from .state import ModelState, Parallel, model_state, zero3_gather_bytes
 from .tricks import PROGRESSION, Tricks
 
-MAX_SEQ = 1 << 27  # 134M tokens: beyond any context trained
-MAX_BATCH = 1 << 20
 # Default MFU: Llama 3 trained at 38-43% BF16 MFU on 16K H100s (Dubey et al. 2024, Table 4);
 # Korthikanti et al. 2022 Table 5 reports 41-56% on A100s. 0.4 sits at the low end of both.
 DEFAULT_MFU = 0.4

@@ -19,10 +19,9 @@ import functools
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from .errors import InputError
 from .flops import model_flops
 from .mirror import Config, Phases, simulate
-from .model import ModelShape, n_params
+from .model import MAX_BATCH, MAX_SEQ, ModelShape, check_positions, check_size, n_params
 from .sim import ITEMSIZE
 from .terms import Term
 from .tricks import Tricks
@@ -208,11 +207,10 @@ def flop_terms(flops: dict) -> tuple[Term, ...]:
 @functools.lru_cache(maxsize=64)
 def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1) -> ExactStep:
     """Simulate verify's step: the model built as verify/builder.py builds it, AdamW on one GPU."""
-    for name, value in (("seq", seq_len), ("micro-batch", micro_batch), ("grad-accum", grad_accum)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InputError(f"{name} must be a positive whole number, got {value!r}")
-    if shape.positions == "learned" and seq_len > shape.max_positions:
-        raise InputError(f"seq {seq_len} exceeds the {shape.max_positions} learned positions of {shape.name}")
+    check_size("seq", seq_len, limit=MAX_SEQ)
+    check_size("micro-batch", micro_batch, limit=MAX_BATCH)
+    check_size("grad-accum", grad_accum, limit=MAX_BATCH)
+    check_positions(shape, seq_len)
     phases, g, _ = simulate(config(shape, seq_len, micro_batch, tricks, grad_accum))
     saved = g.saved_terms
     if shape.n_layers == 1:  # split at two layers; the totals come from the real depth

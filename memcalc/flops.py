@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model import ModelShape, layer_params
+from .model import ModelShape
 from .terms import Term
 from .tricks import Tricks
 
@@ -33,8 +33,24 @@ class Flops:
         return self.per_token_full_recompute / self.per_token - 1
 
 
+def attention_flops(shape: ModelShape, seq_len: int) -> int:
+    """QKᵀ and attention over V, forward + backward, per token, every query against every key."""
+    return 12 * shape.n_layers * shape.q_dim * seq_len  # PaLM, Chowdhery et al. 2022, App. B: 12·L·H·Q·T
+
+
+def layer_weights(shape: ModelShape) -> int:
+    """The matmul weights of one block: W_q, W_k, W_v, W_o and the MLP (norms and biases do no matmul)."""
+    mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn
+    return 2 * shape.hidden * shape.q_dim + 2 * shape.hidden * shape.kv_dim + mlp
+
+
+def logits_flops(shape: ModelShape) -> int:
+    """The output projection, forward + backward, per token: 6·h·v (tied or not, it is a matmul)."""
+    return 6 * shape.hidden * shape.vocab  # Korthikanti et al. 2022, sec. 6.3: the v/12hL term
+
+
 def flops(shape: ModelShape, n_params: int, seq_len: int) -> Flops:
-    attention = 12 * shape.n_layers * shape.q_dim * seq_len  # PaLM App. B: 12·L·H·Q·T
+    attention = attention_flops(shape, seq_len)
     return Flops(
         n_params=n_params,
         per_token=6 * n_params,  # Kaplan et al. 2020: 2N forward + 4N backward
@@ -58,16 +74,16 @@ class StepFlops:
 
 
 def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
-    """Model and hardware FLOPs per token, with the shape's own layer parameters.
+    """Model and hardware FLOPs per token, with the shape's own matmul weights W per layer.
 
-    model      6·P_layers + 12·L·H·Q·s + 6·h·v     (Korthikanti sec. 6.3: 72Lh²(1 + s/6h + v/12hL))
-    full       + 2·P_layers + 4·L·H·Q·s            (the layers' forward again: 96Lh²(1 + s/6h + v/16hL))
+    model      6·L·W + 12·L·H·Q·s + 6·h·v          (Korthikanti sec. 6.3: 72Lh²(1 + s/6h + v/12hL))
+    full       + 2·L·W + 4·L·H·Q·s                 (the layers' forward again: 96Lh²(1 + s/6h + v/16hL))
     selective  + 4·L·H·Q·s                         (the forward of QKᵀ and attention over V again)
     flash      + 2·L·H·Q·s                         (its backward recomputes QKᵀ; Dao et al. 2022 sec. 3.1)
     """
-    layers = 6 * shape.n_layers * layer_params(shape)
-    attention = 12 * shape.n_layers * shape.q_dim * seq_len
-    logits = 6 * shape.hidden * shape.vocab
+    layers = 6 * shape.n_layers * layer_weights(shape)
+    attention = attention_flops(shape, seq_len)
+    logits = logits_flops(shape)
     model = layers + attention + logits
     hardware = model
     if tricks.flash:
@@ -80,13 +96,10 @@ def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
 
 
 def model_flops(shape: ModelShape, seq_len: int, tokens: int) -> tuple[int, int]:
-    """6·W·tokens + 12·L·a·d·s·tokens (non-causal) and the causal variant, W the matmul weights: the
-    model FLOPs memcalc.exact, verify and the roofline hold MFU against (PaLM App. B; Megatron halves)."""
-    mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn
-    layer = 2 * shape.hidden * shape.q_dim + 2 * shape.hidden * shape.kv_dim + mlp
-    weights = shape.n_layers * layer + shape.vocab * shape.hidden  # lm head counted, tied or not
-    attention = 12 * shape.n_layers * shape.q_dim * seq_len * tokens  # PaLM App. B
-    return 6 * weights * tokens + attention, 6 * weights * tokens + attention // 2
+    """step_flops' model FLOPs for `tokens` tokens, non-causal and causal (Megatron halves the attention):
+    what memcalc.exact, verify and the roofline hold MFU against."""
+    model = tokens * step_flops(shape, seq_len, Tricks()).model_per_token
+    return model, model - tokens * attention_flops(shape, seq_len) // 2
 
 
 def korthikanti_selective_overhead(shape: ModelShape, seq_len: int) -> float:
@@ -97,7 +110,7 @@ def korthikanti_selective_overhead(shape: ModelShape, seq_len: int) -> float:
     4·L·H·Q·s, which is what step_flops charges.
     """
     model = step_flops(shape, seq_len, Tricks()).model_per_token
-    return 12 * shape.n_layers * shape.q_dim * seq_len / model
+    return attention_flops(shape, seq_len) / model
 
 
 def flop_terms(shape: ModelShape, n_params: int, seq_len: int) -> tuple[Term, ...]:
@@ -110,5 +123,5 @@ def flop_terms(shape: ModelShape, n_params: int, seq_len: int) -> tuple[Term, ..
         Term("with full recompute (8N)", f.per_token_full_recompute, "8·{N}", kaplan + " + one more forward"),
         Term("attention matmuls per token, non-causal", f.attention_per_token, "12·{L}·{a}·{d}·{s}", palm),
         Term("attention matmuls per token, causal", f.attention_per_token_causal, "6·{L}·{a}·{d}·{s}", palm + ", halved"),
-        Term("model FLOPs per token", model, "6·{L}·{P} + 12·{L}·{a}·{d}·{s} + 6·{h}·{v}", korth),
+        Term("model FLOPs per token", model, "6·{L}·{W} + 12·{L}·{a}·{d}·{s} + 6·{h}·{v}", korth),
     )

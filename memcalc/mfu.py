@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import InputError
-from .flops import step_flops
+from .flops import attention_flops, step_flops
 from .model import Model, ModelShape, param_counts
 from .tricks import Tricks
 
@@ -27,8 +27,7 @@ def without_positions(shape: ModelShape, n_params: int) -> int:
 
 
 def attention(shape: ModelShape, seq_len: int) -> int:
-    """12·L·H·Q·T: QKᵀ and attention over V, forward + backward, every query against every key."""
-    return 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len  # PaLM, Chowdhery et al. 2022, App. B
+    return attention_flops(shape, seq_len)  # 12·L·H·Q·T, PaLM App. B
 
 
 def korthikanti(shape: ModelShape, seq_len: int, recompute: str) -> tuple[float, float]:

@@ -10,6 +10,8 @@ from .errors import InputError
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
 MAX_SIZE = 1 << 24  # no real layer, head count, width or vocabulary comes near 16.7 million
+MAX_SEQ = 1 << 27  # 134M tokens: beyond any context trained
+MAX_BATCH = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,20 @@ def check_size(name: str, value: int, allow_zero: bool = False, limit: int = MAX
         raise InputError(f"{name} must be positive, got {value}")
     if value > limit:
         raise InputError(f"{name} = {value} is absurdly large (limit {limit:,})")
+
+
+def positions_problem(shape: ModelShape, seq_len: int) -> str | None:
+    """Why a learned position table cannot embed seq_len tokens, or None when it can."""
+    if shape.positions == "learned" and seq_len > shape.max_positions:
+        return f"seq {seq_len:,} exceeds the {shape.max_positions:,} learned positions of {shape.name}"
+    return None
+
+
+def check_positions(shape: ModelShape, seq_len: int) -> None:
+    """What builds or replays the model refuses a sequence its position table cannot embed."""
+    problem = positions_problem(shape, seq_len)
+    if problem:
+        raise InputError(problem)
 
 
 @dataclass(slots=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from .comm import ASSUMPTIONS, Assumptions, StepTime, step_time
 from .errors import InputError
-from .estimate import DEFAULT_MFU, MAX_BATCH, Setup
+from .estimate import DEFAULT_MFU, Setup
 from .gpus import GPU
-from .model import Model, check_size
+from .model import MAX_BATCH, Model, check_size
 from .parallel import Layout, LayoutMemory, divisors, layout_memory
 from .state import MAX_GPUS
 from .tricks import Tricks

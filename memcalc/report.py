@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 from . import units as u
 from .estimate import Estimate
-from .flops import flop_terms, korthikanti_selective_overhead
-from .model import layer_params
+from .flops import flop_terms, korthikanti_selective_overhead, layer_weights
+from .model import positions_problem
 from . import render
 from .render import Section, sized
-from .state import ModelState
+from .state import ModelState, model_state
 from .terms import Term
 from .toolbox import FitLimits, Toolbox
 
@@ -57,8 +57,6 @@ def state_section(state: ModelState, units: str) -> Section:
 
 def other_recipes(est: Estimate) -> list[str]:
     """One line per other precision among the trick sets: its bytes per parameter and total."""
-    from .state import model_state
-
     seen, notes = {est.model_state.precision}, []
     for tricks in est.trick_sets:
         if tricks.precision in seen:
@@ -99,10 +97,8 @@ def warnings(est: Estimate) -> list[str]:
         for t in est.trick_sets
         if t.recompute == "selective" and t.flash
     ]
-    shape = est.model.shape
-    if shape.positions == "learned" and est.setup.seq_len > shape.max_positions:
-        out.append(f"seq {est.setup.seq_len:,} exceeds the {shape.max_positions:,} learned positions of {shape.name}")
-    return out
+    problem = positions_problem(est.model.shape, est.setup.seq_len)
+    return out + ([problem] if problem else [])
 
 
 def logits_section(est: Estimate, units: str) -> Section:
@@ -244,7 +240,7 @@ def symbols(est: Estimate) -> dict[str, int]:
     return {
         "s": s.seq_len, "b": s.micro_batch, "h": shape.hidden, "a": shape.n_heads, "d": shape.head_dim,
         "L": shape.n_layers, "v": shape.vocab, "N": est.model.n_params, "G": s.parallel.gpus,
-        "P": layer_params(shape),
+        "W": layer_weights(shape),
     }  # fmt: skip
 
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace
 
 from .calibration import Calibration
 from .errors import InputError
-from .estimate import MAX_BATCH, MAX_SEQ, Setup, compute_for, memory_for
+from .estimate import Setup, compute_for, memory_for
 from .gpus import GPU
-from .model import Model, parse_count
+from .model import MAX_BATCH, MAX_SEQ, Model, parse_count
 from .roofline import step_times
 from .tricks import Tricks
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .estimate import MAX_BATCH, MAX_SEQ, Memory, Setup, memory_for
+from .estimate import Memory, Setup, memory_for
 from .flops import step_flops
 from .gpus import GPU
-from .model import Model
+from .model import MAX_BATCH, MAX_SEQ, Model
 from .tricks import Tricks
 
 MAX_ZERO_GPUS = 4096  # the ZeRO search tries 2, 4, ... up to this many data-parallel GPUs

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from memcalc.errors import InputError
-from memcalc.model import ModelShape
+from memcalc.model import ModelShape, check_positions
 
 ATTENTION_KERNELS = ("eager", "sdpa-flash", "flash-attn", "aten-flash")
 DROPOUT_KERNELS = ("functional", "native")
@@ -235,8 +235,7 @@ class Transformer(nn.Module):
 
     def __init__(self, shape: ModelShape, kernels: Kernels, seq_len: int):
         super().__init__()
-        if shape.positions == "learned" and seq_len > shape.max_positions:
-            raise InputError(f"seq {seq_len} exceeds the {shape.max_positions} learned positions of {shape.name}")
+        check_positions(shape, seq_len)
         self.shape, self.kernels, self.seq_len = shape, kernels, seq_len
         self.tok_emb = nn.Embedding(shape.vocab, shape.hidden)
         self.pos_emb = nn.Embedding(shape.max_positions, shape.hidden) if shape.positions == "learned" else None

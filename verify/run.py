@@ -18,7 +18,7 @@ from memcalc.estimate import Setup
 from memcalc.exact import ExactStep, exact_step
 from memcalc.flops import step_flops
 from memcalc.gpus import GPU, GPUS
-from memcalc.model import Model, ModelShape, n_params
+from memcalc.model import Model, ModelShape, check_positions, n_params
 from memcalc.roofline import step_time
 from memcalc.state import model_state
 from memcalc.tricks import Tricks, parse_tricks
@@ -237,8 +237,7 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
     if not 0 <= tol < 1:
         raise InputError(f"tolerance must be a fraction in [0, 1), got {tol}")
     shape = with_layers(model.shape, layers or model.shape.n_layers)
-    if shape.positions == "learned" and setup.seq_len > shape.max_positions:
-        raise InputError(f"seq {setup.seq_len} exceeds the {shape.max_positions} learned positions of {shape.name}")
+    check_positions(shape, setup.seq_len)
     report, start = stage_reporter(progress, device), time.perf_counter()
     result = dict(model=shape.name, origin=model.origin, family=shape.family, tricks=tricks.label, device=device,
                   device_reason=reason, torch_version=torch.__version__, seq_len=setup.seq_len,

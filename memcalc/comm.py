@@ -24,7 +24,7 @@ from .estimate import Setup
 from .flops import StepFlops, attention_flops, logits_flops, step_flops
 from .gpus import A100_DATASHEET, GPU, H100_DATASHEET
 from .model import Model, ModelShape
-from .parallel import Layout, LayoutMemory
+from .parallel import Layout, LayoutMemory, bubble_fraction
 from .tricks import Tricks
 
 
@@ -247,7 +247,7 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
     step = m · (compute + exposed TP, CP, PP traffic per micro-batch) · (1 + (p − 1)/(v·m))
            + exposed data-parallel and offload traffic + the CPU optimizer
     """
-    m, p, v = setup.grad_accum, layout.pp, layout.vpp
+    m = setup.grad_accum
     fabric = FABRICS[gpu.key]
     mb = micro_batch_work(model, setup, gpu, tricks, layout)
     args = (layout, model, setup, tricks, fabric, assume, mb)
@@ -270,7 +270,7 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
         utilization=setup.mfu,
         compute_seconds=m * mb.model_seconds,
         recompute_seconds=m * mb.extra_seconds,
-        bubble_seconds=slowest * (p - 1) / v,  # Narayanan et al. 2021: (p − 1)/v micro-batch times idle
+        bubble_seconds=slowest * m * bubble_fraction(layout, m),  # (p − 1)/v micro-batch times idle
         comms=tuple(per_step + dp_comm(layout, params, w, m, fabric, assume, mb) + host),
         cpu_optimizer_seconds=cpu,
         assumptions=assume,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass
 
 
@@ -25,7 +24,3 @@ class Term:
 class _Symbols(dict):
     def __missing__(self, key: str) -> str:
         return key
-
-
-def symbols_in(template: str) -> list[str]:
-    return [field for _, field, _, _ in string.Formatter().parse(template) if field]

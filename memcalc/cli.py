@@ -5,14 +5,13 @@ annotations cost it an eval each, 10 ms at every start for the ~100 options of t
 """
 
 import math
-import os
 import sys
 from typing import Annotated, Optional
 
 import typer
 from typer.core import TyperGroup
 
-from . import render
+from . import render, verify_runs, views
 from .errors import InputError
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
@@ -166,14 +165,14 @@ def estimate(
         if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4")
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
-            show = layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
+            show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
         else:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4")
             cal = None if mfu is not None else roofline_calibration(the_gpu, calibration)
             if sweep is not None:
-                show = sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
+                show = views.sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
             else:
-                show = single_view(the_model, setup, the_gpu, trick_sets, run, exact, cal)
+                show = views.single_view(the_model, setup, the_gpu, trick_sets, run, exact, cal)
     except InputError as e:
         fail(str(e))
     show(fmt, units, explain)
@@ -202,63 +201,6 @@ def roofline_calibration(gpu, spec: str | None):
     return calibration_for(gpu.key, paths[0] if paths else None, ",".join(overrides) or None)
 
 
-def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=None):
-    """One GPU (data-parallel over --gpus): the estimate, its roofline step time (cal None: --mfu's),
-    its toolbox, and the run if --tokens."""
-    from .estimate import estimate as run_estimate
-    from .toolbox import toolbox
-    from .training_run import runs_for_estimate
-
-    est = run_estimate(model, setup, gpu, trick_sets)
-    roofline = None
-    if cal is not None:
-        from .roofline import step_times
-
-        roofline = step_times(model, setup, gpu, trick_sets, cal), cal
-    tb = toolbox(model, setup, gpu, trick_sets[0])
-    runs = runs_for_estimate(est, *run, roofline[0] if roofline else None) if run else ()
-    exacts = exact_steps(model, setup, trick_sets) if exact else None
-    return lambda fmt, units, explain: show_estimate(est, tb, runs, fmt, units, explain, exacts, roofline)
-
-
-def exact_steps(model, setup, trick_sets):
-    from .exact import exact_for
-
-    if setup.optimizer != "adamw" or setup.parallel.gpus > 1 or setup.parallel.offload:
-        print("warning: --exact simulates AdamW on one GPU; --optimizer, --gpus, --zero and --offload do not apply",
-              file=sys.stderr)  # fmt: skip
-    return [exact_for(model, setup, t) for t in trick_sets]
-
-
-def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run, exact: bool = False):
-    from .training_run import runs_for_layouts
-
-    ests = layout_estimates(model, setup, gpu, trick_sets, layout, explicit)
-    runs = runs_for_layouts(ests, *run) if run else ()
-    layers = exact_layers(model, setup, ests, layout) if exact else None
-    return lambda fmt, units, explain: show_layout(ests, runs, fmt, units, explain, layers)
-
-
-def exact_layers(model, setup, ests, layout):
-    """--exact with a layout: what one layer saves on one TP rank, op by op (memcalc.exact on the shard)."""
-    from .distcheck import block_terms
-
-    if layout.cp > 1:
-        raise InputError("--exact with --cp: ring attention's saved tensors are not simulated; drop --exact or --cp")
-    return [block_terms(model.shape, setup.seq_len, setup.micro_batch, e.tricks, layout) for e in ests]
-
-
-def sweep_view(model, setup, gpu, trick_sets, spec: str, png: str | None, cal=None):
-    from .sweep import parse_sweep, sweep
-
-    swept = sweep(model, setup, gpu, trick_sets, *parse_sweep(spec), cal)
-    if png is not None:
-        from .plot import save_png
-
-        save_png(swept, png)
-    return lambda fmt, units, explain: show_sweep(swept, fmt, units)
-
-
 def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node):
     from .model import parse_count
     from .parallel import layout_for
@@ -275,50 +217,6 @@ def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_p
         offload_optimizer=offload or offload_params, offload_params=offload_params,
         gpus_per_node=count(gpus_per_node, "gpus-per-node", 8),
     )  # fmt: skip
-
-
-def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
-    """One estimate per trick set; the progression drops the sets a layout cannot run (CP needs flash)."""
-    from .plan import layout_estimate
-
-    if not explicit and layout.cp > 1:
-        trick_sets = tuple(t for t in trick_sets if t.flash)
-    return [layout_estimate(model, setup, gpu, t, layout) for t in trick_sets]
-
-
-def show_sweep(swept, fmt: str, units: str) -> None:
-    from . import report
-
-    csv_table = (report.SWEEP_CSV_HEADERS, report.sweep_csv_rows(swept))
-    render.emit(fmt, swept, report.sweep_sections(swept, units), csv_table=csv_table)
-
-
-def show_layout(ests, runs, fmt: str, units: str, explain: bool, layers=None) -> None:
-    from . import plan_report, report
-
-    for warning in dict.fromkeys(w for e in ests for w in plan_report.layout_warnings(e)):
-        print(f"warning: {warning}", file=sys.stderr)
-    one = ests[0] if len(ests) == 1 else None
-    if fmt == "json":
-        data = render.to_jsonable(one if one else ests)
-        extra = {"runs": runs} | ({"exact_layer_terms": layers} if layers else {})
-        print(render.to_json({**data, **render.to_jsonable(extra)} if one else {"layouts": data, **extra}))
-        return
-    if fmt == "csv":
-        rows = [[e.tricks.label, *row] for e in ests for row in plan_report.layout_csv_rows(e)]
-        sys.stdout.write(render.to_csv(["tricks", *plan_report.LAYOUT_CSV_HEADERS], rows))
-        return
-    sections = plan_report.layout_sections(one, units) if one else [plan_report.tricks_section(ests, units)]
-    sections += [report.runs_section(runs)] if runs else []
-    sections += [plan_report.exact_layer_section(ests, layers, units)] if layers else []
-    preamble = plan_report.layout_preamble(ests[0])
-    if fmt == "markdown":
-        sys.stdout.write(render.to_markdown(sections, preamble))
-    else:
-        render.print_tables(sections, preamble)
-    if explain:
-        for e in ests:
-            print("\n".join(["", f"== {e.tricks.label} =="] + plan_report.layout_explain_lines(e)))
 
 
 @app.command()
@@ -369,35 +267,6 @@ def render_units(units: str) -> str:
     from .units import check_units
 
     return check_units(units)
-
-
-def show_estimate(est, tb, runs, fmt: str, units: str, explain: bool, exacts=None, roofline=None) -> None:
-    """roofline: (step times, calibration), or None when --mfu times the step."""
-    from . import report
-
-    for warning in report.warnings(est):
-        print(f"warning: {warning}", file=sys.stderr)
-    extra = {"toolbox": tb, "runs": runs} | ({"exact": exacts} if exacts else {})
-    if roofline is not None:
-        extra |= {"roofline": roofline[0], "calibration": roofline[1]}
-    sections = report.estimate_sections(est, tb, units, roofline) + ([report.runs_section(runs)] if runs else [])
-    if exacts:
-        sections.insert(2, report.exact_section(est, exacts, units))
-    result = None  # JSON only: converting every op of the roofline costs more than the estimate
-    if fmt == "json":
-        result = {**render.to_jsonable(est), **render.to_jsonable(extra)}
-        result["time_model"] = "mfu" if roofline is None else "roofline"
-    csv_rows = report.estimate_csv_rows(est, roofline[0] if roofline else None) if fmt == "csv" else []
-    render.emit(fmt, result, sections, report.preamble(est), (report.CSV_HEADERS, csv_rows))
-    if explain and fmt in ("table", "markdown"):
-        lines = report.explain_lines(est, roofline is None)
-        if roofline is not None:
-            from .roofline_report import explain_lines
-
-            lines += explain_lines(*roofline)
-        if exacts:
-            lines += report.exact_explain_lines(exacts, report.symbols(est))
-        print("\n".join([""] + lines))
 
 
 @app.command()
@@ -505,119 +374,15 @@ def verify(
         if device is not None and device.strip().lower() not in ("cuda", "meta"):
             raise InputError(f"unknown device {device!r}; choose cuda or meta")
         if fsdp is not None or tp is not None or sp:
-            run = dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device)
+            run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device)
         else:
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")
-            run = single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save, not no_linearity)
+            run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save, not no_linearity)
         results = run()
     except InputError as e:
         fail(str(e))
-    show_verify(results, fmt, units)
-
-
-def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt: str, save: str | None = None,
-               linearity: bool = True):  # fmt: skip
-    """verify/ (torch) imported only now; a progress bar on a terminal for the table format."""
-    on_result = None if save is None else saver(save)
-
-    def run():
-        from verify.run import verify as run_verify
-        from verify.run import verify_matrix
-
-        with progress_bar(fmt == "table" and sys.stdout.isatty()) as progress:
-            dev = None if device is None else device.strip().lower()
-            if matrix:
-                return verify_matrix(model, setup, device=dev, steps=steps, tol=tol, progress=progress,
-                                     linearity=linearity, on_result=on_result)  # fmt: skip
-            return [run_verify(model, setup, tricks, device=dev, steps=steps, tol=tol, progress=progress,
-                               linearity=linearity)]  # fmt: skip
-
-    return run
-
-
-def saver(folder: str):
-    """on_result for --save: each run's JSON in folder/NN-<tricks>.json."""
-    from pathlib import Path
-
-    path = Path(folder)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"cannot make {folder}: {e.strerror}") from None
-
-    count = [0]
-
-    def save(result) -> None:
-        from .verification import to_dict
-
-        count[0] += 1  # numbered, so that the files sort in the order the runs ran
-        (path / f"{count[0]:02d}-{result.tricks}.json").write_text(render.to_json(to_dict(result)) + "\n")
-
-    return save
-
-
-def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str):
-    """--fsdp/--tp: one rank of a (dp x tp) job on PyTorch's FSDP2 and DTensor, checked before torch loads."""
-    from .distcheck import check_dist
-    from .model import parse_count
-    from .parallel import Layout
-    from .state import MAX_GPUS
-
-    dp = 1 if fsdp is None else parse_count(fsdp, "fsdp", MAX_GPUS)
-    layout = Layout(tp=1 if tp is None else parse_count(tp, "tp", MAX_GPUS), dp=dp, zero=3 if dp > 1 else 0, sp=sp)
-    check_dist(model.shape, setup, tricks, layout, device.strip().lower())
-
-    def run():
-        from verify.distributed import verify_distributed
-
-        return verify_distributed(model, setup, tricks, layout, device.strip().lower())
-
-    return run
-
-
-class progress_bar:
-    """A rich progress bar fed by verify's progress(what, done, total) calls; a no-op when off."""
-
-    def __init__(self, on: bool) -> None:
-        self.on, self.bar, self.task = on, None, None
-
-    def __enter__(self):
-        if not self.on:
-            return None
-        from rich.progress import Progress
-
-        self.bar = Progress(transient=True)
-        self.bar.__enter__()
-        self.task = self.bar.add_task("verify", total=1)
-        return self.update
-
-    def update(self, what: str, done: int, total: int) -> None:
-        self.bar.update(self.task, description=what, completed=done, total=total)
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-
-
-def show_verify(results, fmt: str, units: str) -> None:
-    """One result's rows, the matrix summary, or the distributed table; exit 1 when a row fails."""
-    from . import verify_report as vr
-    from .verification import to_dict
-
-    if isinstance(results, list) and len(results) == 1:
-        r = results[0]
-        render.emit(fmt, to_dict(r), vr.verify_sections(r, units), vr.verify_preamble(r))
-        passed = r.passed
-    elif isinstance(results, list):
-        render.emit(fmt, [to_dict(r) for r in results], vr.matrix_sections(results, units))
-        passed = all(r.passed for r in results)
-    else:
-        if os.environ.get("RANK", "0") != "0":  # torchrun: every rank holds the whole result; rank 0 prints
-            raise typer.Exit(0 if results.passed else 1)
-        render.emit(fmt, results, vr.dist_sections(results), vr.dist_preamble(results))
-        passed = results.passed
-    if not passed:
+    if not verify_runs.show_verify(results, fmt, units):
         raise typer.Exit(1)
 
 

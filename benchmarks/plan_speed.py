@@ -21,7 +21,8 @@ JOBS = [  # model, GPU, GPUs, seq, global batch
 
 
 def clear_caches() -> None:
-    from memcalc import comm, parallel
+    from memcalc.parallel import comm
+    from memcalc.parallel import layout as parallel
 
     for fn in (parallel.gpu_params, parallel.sharded_state, parallel.layer_activations, parallel.zero3_buffers,
                parallel.cp_buffers, parallel.logits_terms, comm.flops_per_token):  # fmt: skip
@@ -29,9 +30,9 @@ def clear_caches() -> None:
 
 
 def main() -> None:
-    from memcalc.gpus import gpu
-    from memcalc.plan import plan
-    from memcalc.presets import preset_model
+    from memcalc.model.gpus import gpu
+    from memcalc.model.presets import preset_model
+    from memcalc.parallel.plan import plan
 
     for name, key, gpus, seq, batch in JOBS:
         model, card = preset_model(name), gpu(key)

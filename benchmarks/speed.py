@@ -42,10 +42,10 @@ def per_second(fn, seconds: float = 2.0) -> float:
 
 
 def main() -> None:
-    from memcalc.estimate import Setup, estimate
-    from memcalc.gpus import gpu
-    from memcalc.presets import canonical_model
-    from memcalc.tricks import PROGRESSION, parse_tricks
+    from memcalc.memory.estimate import Setup, estimate
+    from memcalc.model.gpus import gpu
+    from memcalc.model.presets import canonical_model
+    from memcalc.model.tricks import PROGRESSION, parse_tricks
 
     baseline = wall([sys.executable, "-c", "import typer, rich.console, rich.table"])
     ours = wall([sys.executable, "-m", "memcalc", "estimate", "--params", "8e9", "--seq", "8192"])

@@ -3,12 +3,7 @@
     python examples/engine.py
 """
 
-from memcalc.estimate import Setup, estimate
-from memcalc.gpus import gpu
-from memcalc.presets import canonical_model, preset_model
-from memcalc.state import Parallel
-from memcalc.toolbox import fit_limits, toolbox
-from memcalc.tricks import parse_tricks
+from memcalc import Parallel, Setup, canonical_model, estimate, fit_limits, gpu, parse_tricks, preset_model, toolbox
 
 # The lesson's 8B model at seq 8192: the whole progression of tricks.
 model = canonical_model(8_000_000_000)

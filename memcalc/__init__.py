@@ -1,6 +1,57 @@
 """memcalc: memory and compute of training a transformer, each number with the formula behind it.
 
-The engine is pure functions over frozen dataclasses; it never imports torch (see verify/ for that).
+The engine is pure functions over frozen dataclasses; it never imports torch (verify/ does that).
+Its packages, lowest first; each may import only those before it (tests/test_layering.py holds it):
+
+  errors, terms  the error type for bad input, and a number with the formula it came from
+  model          what is trained and on what: shapes, presets, config.json, tricks, GPUs, FLOPs
+  memory         bytes by formula: model state, textbook activations, the estimate, the toolbox
+  exact          bytes and kernels op by op: verify's step replayed under autograd's lifetimes
+  time           seconds: the roofline, calibrations, MFU conventions, training runs, sweeps
+  parallel       beyond one GPU: layouts, collectives, the planner
+  verification   the torch-free side of `memcalc verify`: rows, results, one rank's prediction
+  report         result objects formatted and laid out as tables, Markdown, CSV and JSON
+  cli            the `memcalc` command line
+
+The names below are the public Python API, imported on first use so that `import memcalc` stays cheap:
+
+    from memcalc import Setup, canonical_model, estimate, gpu
+    result = estimate(canonical_model(8_000_000_000), Setup(seq_len=8192), gpu("h100-sxm"))
 """
 
+import importlib
+
 __version__ = "0.1.0"
+
+API = {
+    "memcalc.errors": ("InputError",),
+    "memcalc.model.shape": ("Model", "ModelShape", "n_params", "param_counts"),
+    "memcalc.model.presets": ("PRESETS", "canonical_model", "preset_model"),
+    "memcalc.model.hfconfig": ("config_model",),
+    "memcalc.model.tricks": ("PROGRESSION", "Tricks", "parse_tricks"),
+    "memcalc.model.gpus": ("GPU", "GPUS", "gpu"),
+    "memcalc.model.flops": ("step_flops",),
+    "memcalc.memory.state": ("Parallel", "model_state"),
+    "memcalc.memory.activations": ("textbook_activations",),
+    "memcalc.memory.estimate": ("Estimate", "Setup", "estimate"),
+    "memcalc.memory.toolbox": ("fit_limits", "toolbox"),
+    "memcalc.exact.step": ("exact_step",),
+    "memcalc.time.calibration": ("calibration_for",),
+    "memcalc.time.roofline": ("step_time", "step_times"),
+    "memcalc.parallel.layout": ("Layout", "layout_for"),
+    "memcalc.parallel.plan": ("layout_estimate", "plan"),
+}
+WHERE = {name: module for module, names in API.items() for name in names}
+__all__ = sorted(WHERE)
+
+
+def __getattr__(name: str):
+    if name not in WHERE:
+        raise AttributeError(f"module 'memcalc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(WHERE[name]), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,5 +1,5 @@
 """`python -m memcalc`: the same CLI as the `memcalc` script, from a checkout."""
 
-from .cli import main
+from memcalc.cli import main
 
 main()

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import app
-from memcalc.verification import Row, VerifyResult
+from memcalc.verification.results import Row, VerifyResult
 
 pytest.importorskip("torch")
 

@@ -4,13 +4,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memcalc.comm import FABRICS, LINKS, Assumptions
-from memcalc.estimate import Setup, compute_for
-from memcalc.gpus import GPUS, gpu
-from memcalc.parallel import Layout
-from memcalc.plan import layout_estimate
-from memcalc.presets import preset_model
-from memcalc.tricks import Tricks
+from memcalc.memory.estimate import Setup, compute_for
+from memcalc.model.gpus import GPUS, gpu
+from memcalc.model.presets import preset_model
+from memcalc.model.tricks import Tricks
+from memcalc.parallel.comm import FABRICS, LINKS, Assumptions
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.plan import layout_estimate
 
 H100 = gpu("h100-sxm")
 LLAMA8B = preset_model("llama3-8b")

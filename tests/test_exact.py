@@ -12,12 +12,12 @@ import textwrap
 
 import pytest
 
-from memcalc.activations import textbook_activations
 from memcalc.errors import InputError
-from memcalc.exact import Sym, exact_activations, exact_step, formula, symbols
-from memcalc.model import ModelShape
-from memcalc.presets import PRESETS
-from memcalc.tricks import parse_tricks
+from memcalc.exact.step import Sym, exact_activations, exact_step, formula, symbols
+from memcalc.memory.activations import textbook_activations
+from memcalc.model.presets import PRESETS
+from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import parse_tricks
 
 LLAMA_8B = PRESETS["qwen3-8b"]
 GPT_8B = ModelShape(n_layers=36, hidden=4096, n_heads=32, vocab=50257, linear_bias=True, positions="learned",
@@ -56,10 +56,10 @@ def test_8b_numbers(key):
 def test_no_torch_needed():
     code = textwrap.dedent("""
         import sys
-        from memcalc.exact import exact_step
-        from memcalc.presets import PRESETS
-        from memcalc.tricks import parse_tricks
-        import memcalc.verification
+        from memcalc.exact.step import exact_step
+        from memcalc.model.presets import PRESETS
+        from memcalc.model.tricks import parse_tricks
+        import memcalc.verification.results
         exact_step(PRESETS["qwen3-0.6b"], 2048, 1, parse_tricks("bf16,flash,ckpt"))
         assert "torch" not in sys.modules
     """)

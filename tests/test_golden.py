@@ -2,14 +2,14 @@
 
 import pytest
 
-from memcalc.activations import attention_detail, logits_memory, textbook_activations
-from memcalc.estimate import Setup, estimate
-from memcalc.flops import flops, korthikanti_selective_overhead, step_flops
-from memcalc.gpus import gpu
-from memcalc.model import override
-from memcalc.presets import canonical_model, preset
-from memcalc.state import Parallel, model_state
-from memcalc.tricks import Tricks
+from memcalc.memory.activations import attention_detail, logits_memory, textbook_activations
+from memcalc.memory.estimate import Setup, estimate
+from memcalc.memory.state import Parallel, model_state
+from memcalc.model.flops import flops, korthikanti_selective_overhead, step_flops
+from memcalc.model.gpus import gpu
+from memcalc.model.presets import canonical_model, preset
+from memcalc.model.shape import override
+from memcalc.model.tricks import Tricks
 
 N_8B = 8_000_000_000
 SEQ = 8192

@@ -6,10 +6,10 @@ import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import app
+from memcalc.cli.inputs import resolve_model
 from memcalc.errors import InputError
-from memcalc.gpus import gpu
-from memcalc.inputs import resolve_model
-from memcalc.mfu import mfu_report, tokens_per_gpu_second
+from memcalc.model.gpus import gpu
+from memcalc.time.mfu import mfu_report, tokens_per_gpu_second
 
 
 def by_key(report):

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
+from memcalc.cli.inputs import resolve_model
 from memcalc.errors import InputError
-from memcalc.hfconfig import config_model, shape_from_config
-from memcalc.inputs import resolve_model
-from memcalc.model import ModelShape, n_params, override, param_counts, parse_count
-from memcalc.presets import CANONICAL, PRESETS, canonical_shape, preset
+from memcalc.model.hfconfig import config_model, shape_from_config
+from memcalc.model.presets import CANONICAL, PRESETS, canonical_shape, preset
+from memcalc.model.shape import ModelShape, n_params, override, param_counts, parse_count
 
 EXAMPLES = "examples/configs"
 

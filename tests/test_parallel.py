@@ -7,10 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memcalc.errors import InputError
-from memcalc.estimate import Setup, estimate
-from memcalc.gpus import gpu
-from memcalc.model import Model, ModelShape, layer_params, n_params
-from memcalc.parallel import (
+from memcalc.memory.estimate import Setup, estimate
+from memcalc.memory.state import Parallel
+from memcalc.model.gpus import gpu
+from memcalc.model.presets import preset, preset_model
+from memcalc.model.shape import Model, ModelShape, layer_params, n_params
+from memcalc.model.tricks import Tricks
+from memcalc.parallel.layout import (
     Layout,
     bubble_fraction,
     check_layout,
@@ -21,10 +24,7 @@ from memcalc.parallel import (
     stage_shape_params,
     tp_layer_params,
 )  # fmt: skip
-from memcalc.plan import layout_estimate
-from memcalc.presets import preset, preset_model
-from memcalc.state import Parallel
-from memcalc.tricks import Tricks
+from memcalc.parallel.plan import layout_estimate
 
 GPT3 = preset("gpt3-175b")  # a 96, h 12288, L 96 (Brown et al. 2020)
 H100 = gpu("h100-sxm")
@@ -215,7 +215,7 @@ tricks_sets = st.builds(
 @given(shapes(), st.integers(1, 1 << 14), st.integers(1, 8), st.integers(1, 8), tricks_sets,
        st.sampled_from([1, 2, 8, 64]), st.sampled_from([0, 1, 2, 3]), st.booleans())  # fmt: skip
 def test_one_gpu_layout_equals_the_single_gpu_estimate(shape, seq, b, m, tricks, dp, zero, offload):
-    # TP = PP = CP = 1: every byte as memcalc.estimate with Parallel(dp, zero, offload), and the same step time
+    # TP = PP = CP = 1: every byte as memcalc.memory.estimate with Parallel(dp, zero, offload), and the same step time
     offload = offload and (zero > 0 or dp == 1)
     model = Model(shape, n_params(shape), "test")
     setup = Setup(seq_len=seq, micro_batch=b, grad_accum=m, parallel=Parallel(dp, zero, offload))

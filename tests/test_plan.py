@@ -6,14 +6,15 @@ import time
 
 import pytest
 
-from memcalc import plan_report, render
 from memcalc.errors import InputError
-from memcalc.estimate import Setup
-from memcalc.gpus import gpu
-from memcalc.parallel import Layout
-from memcalc.plan import layout_estimate, plan
-from memcalc.presets import preset_model
-from memcalc.tricks import Tricks
+from memcalc.memory.estimate import Setup
+from memcalc.model.gpus import gpu
+from memcalc.model.presets import preset_model
+from memcalc.model.tricks import Tricks
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.plan import layout_estimate, plan
+from memcalc.report import layout as plan_report
+from memcalc.report import render
 
 H100 = gpu("h100-sxm")
 
@@ -142,7 +143,7 @@ def test_layout_sections_and_explain():
 
 
 def test_tricks_section_lists_one_row_per_trick_set():
-    from memcalc.tricks import PROGRESSION
+    from memcalc.model.tricks import PROGRESSION
 
     model, layout = preset_model("llama3-8b"), Layout(tp=2, sp=True, dp=4, zero=1)
     ests = [layout_estimate(model, Setup(seq_len=8192), H100, t, layout) for t in PROGRESSION]

@@ -13,19 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from memcalc import aten
-from memcalc.attention_io import attention_time
-from memcalc.calibration import PARAMETERS, calibration_for, defaults, from_dict
 from memcalc.cli import app
 from memcalc.errors import InputError
-from memcalc.exact import exact_step
-from memcalc.gpus import GPUS
-from memcalc.mirror import Config, trace
-from memcalc.model import ModelShape
-from memcalc.presets import PRESETS
-from memcalc.roofline import TRACES, kernels_of, step_time
-from memcalc.sim import Graph, Memory
-from memcalc.tricks import parse_tricks
+from memcalc.exact import aten
+from memcalc.exact.mirror import Config, trace
+from memcalc.exact.sim import Graph, Memory
+from memcalc.exact.step import exact_step
+from memcalc.model.gpus import GPUS
+from memcalc.model.presets import PRESETS
+from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import parse_tricks
+from memcalc.time.attention_io import attention_time
+from memcalc.time.calibration import PARAMETERS, calibration_for, defaults, from_dict
+from memcalc.time.roofline import TRACES, kernels_of, step_time
 
 QWEN_8B = PRESETS["qwen3-8b"]
 SMALL = ModelShape(n_layers=3, hidden=256, n_heads=8, n_kv_heads=2, ffn=704, gated_mlp=True, norm="rmsnorm",
@@ -348,9 +348,9 @@ def test_calibration_and_mfu_options(tmp_path):
 
 
 def test_sweep_uses_the_roofline():
-    from memcalc.estimate import Setup
-    from memcalc.presets import canonical_model
-    from memcalc.sweep import sweep
+    from memcalc.memory.estimate import Setup
+    from memcalc.model.presets import canonical_model
+    from memcalc.time.sweep import sweep
 
     model, cal = canonical_model(8_000_000_000), calibration_for("h100-sxm")
     sw = sweep(model, Setup(seq_len=8192), H100, (parse_tricks("bf16,flash"),), "seq", (2048, 8192), cal)

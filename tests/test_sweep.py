@@ -10,11 +10,11 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.errors import InputError
-from memcalc.estimate import Setup, estimate
-from memcalc.gpus import gpu
-from memcalc.presets import canonical_model
-from memcalc.sweep import parse_sweep, sweep
-from memcalc.tricks import PROGRESSION
+from memcalc.memory.estimate import Setup, estimate
+from memcalc.model.gpus import gpu
+from memcalc.model.presets import canonical_model
+from memcalc.model.tricks import PROGRESSION
+from memcalc.time.sweep import parse_sweep, sweep
 
 
 def test_parse_sweep():

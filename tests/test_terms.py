@@ -6,12 +6,12 @@ from fractions import Fraction
 
 import pytest
 
-from memcalc.estimate import Setup, estimate
-from memcalc.flops import flop_terms
-from memcalc.gpus import gpu
-from memcalc.inputs import resolve_model
-from memcalc.report import explain_lines, symbols
-from memcalc.state import Parallel
+from memcalc.cli.inputs import resolve_model
+from memcalc.memory.estimate import Setup, estimate
+from memcalc.memory.state import Parallel
+from memcalc.model.flops import flop_terms
+from memcalc.model.gpus import gpu
+from memcalc.report.estimate import explain_lines, symbols
 from memcalc.terms import Term
 
 

@@ -2,11 +2,11 @@
 
 from dataclasses import replace
 
-from memcalc.estimate import Setup, memory_for
-from memcalc.gpus import gpu
-from memcalc.presets import canonical_model, preset_model
-from memcalc.toolbox import fit_limits, largest, toolbox
-from memcalc.tricks import Tricks, parse_tricks
+from memcalc.memory.estimate import Setup, memory_for
+from memcalc.memory.toolbox import fit_limits, largest, toolbox
+from memcalc.model.gpus import gpu
+from memcalc.model.presets import canonical_model, preset_model
+from memcalc.model.tricks import Tricks, parse_tricks
 
 H100 = gpu("h100-sxm")
 MODEL_8B = canonical_model(8_000_000_000)

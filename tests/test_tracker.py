@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 from torch._C._profiler import _EventType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from memcalc.model import ModelShape  # noqa: E402
+from memcalc.model.shape import ModelShape  # noqa: E402
 from verify.builder import Kernels, build, materialise  # noqa: E402
 from verify.recipes import DTYPES, Recipe  # noqa: E402
 from verify.track import LiveBytes, SavedBytes  # noqa: E402

@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 
 import verify.run as run  # noqa: E402
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.estimate import Setup  # noqa: E402
-from memcalc.model import Model, ModelShape, n_params  # noqa: E402
-from memcalc.tricks import parse_tricks  # noqa: E402
+from memcalc.memory.estimate import Setup  # noqa: E402
+from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
+from memcalc.model.tricks import parse_tricks  # noqa: E402
 from verify.cuda import CpuStats, deepest_fit  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -109,12 +109,12 @@ def test_timing_carries_the_roofline_prediction():
     every op of it in the JSON, and the table and the matrix show it beside the measurement."""
     from dataclasses import replace
 
-    from memcalc import verify_report as vr
-    from memcalc.calibration import calibration_for
-    from memcalc.gpus import GPUS
-    from memcalc.render import to_json
-    from memcalc.roofline import step_time
-    from memcalc.verification import to_dict
+    from memcalc.model.gpus import GPUS
+    from memcalc.report import verify as vr
+    from memcalc.report.render import to_json
+    from memcalc.time.calibration import calibration_for
+    from memcalc.time.roofline import step_time
+    from memcalc.verification.results import to_dict
     from verify.cuda import DeviceRun
 
     t, h100 = parse_tricks("bf16"), GPUS["h100-sxm"]

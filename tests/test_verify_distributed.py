@@ -12,7 +12,14 @@ from dataclasses import replace
 
 import pytest
 
-from memcalc.distcheck import (
+from memcalc.errors import InputError
+from memcalc.memory.estimate import Setup
+from memcalc.model.presets import PRESETS
+from memcalc.model.shape import Model, ModelShape, n_params
+from memcalc.model.tricks import parse_tricks
+from memcalc.parallel.layout import Layout
+from memcalc.terms import Term
+from memcalc.verification.distributed import (
     Row,
     check_dist,
     chunk,
@@ -21,13 +28,6 @@ from memcalc.distcheck import (
     param_tensors,
     rank_coords,
 )  # fmt: skip
-from memcalc.errors import InputError
-from memcalc.estimate import Setup
-from memcalc.model import Model, ModelShape, n_params
-from memcalc.parallel import Layout
-from memcalc.presets import PRESETS
-from memcalc.terms import Term
-from memcalc.tricks import parse_tricks
 
 torch = pytest.importorskip("torch")
 from verify.distributed import verify_distributed
@@ -194,10 +194,10 @@ def test_param_tensors_are_the_built_model():
 def test_distcheck_needs_no_torch():
     code = textwrap.dedent("""
         import sys
-        from memcalc.distcheck import predictions
-        from memcalc.parallel import Layout
-        from memcalc.presets import PRESETS
-        from memcalc.tricks import Tricks
+        from memcalc.verification.distributed import predictions
+        from memcalc.parallel.layout import Layout
+        from memcalc.model.presets import PRESETS
+        from memcalc.model.tricks import Tricks
         predictions(PRESETS["qwen3-0.6b"], 1024, 1, Tricks(), Layout(dp=8, tp=2, zero=3, sp=True), 15, "meta")
         assert "torch" not in sys.modules
     """)

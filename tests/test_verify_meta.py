@@ -14,13 +14,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.estimate import Setup  # noqa: E402
-from memcalc.exact import exact_step  # noqa: E402
-from memcalc.mirror import Config, build as mirror_build, simulate  # noqa: E402
-from memcalc.model import Model, ModelShape, n_params  # noqa: E402
-from memcalc.presets import PRESETS, canonical_model  # noqa: E402
-from memcalc.sim import Graph, Memory  # noqa: E402
-from memcalc.tricks import Tricks, parse_tricks  # noqa: E402
+from memcalc.exact.mirror import Config, simulate  # noqa: E402
+from memcalc.exact.mirror import build as mirror_build
+from memcalc.exact.sim import Graph, Memory  # noqa: E402
+from memcalc.exact.step import exact_step  # noqa: E402
+from memcalc.memory.estimate import Setup  # noqa: E402
+from memcalc.model.presets import PRESETS, canonical_model  # noqa: E402
+from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
+from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402
 from verify.meta import count_flops, measure_step, saved_at_depth  # noqa: E402
 from verify.run import verify  # noqa: E402

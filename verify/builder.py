@@ -5,7 +5,7 @@ gpt    the textbook GPT-2/3 layer (Korthikanti et al. 2022, sec. 4.1): MHA, Laye
 llama  the Llama/Qwen layer: GQA, RMSNorm, SwiGLU, RoPE, no dropout.
 The family only picks the MLP (shape.gated_mlp); every other ModelShape field is honoured as given
 (norm, biases, qk_norm, tied embeddings, learned or rotary positions, dropout), so the parameter
-count equals memcalc.model.param_counts(shape) for any shape.
+count equals memcalc.model.shape.param_counts(shape) for any shape.
 
 The model is built on the meta device (nothing allocated) and materialised where it is measured.
 Which kernel runs attention and dropout is an explicit, documented switch (Kernels), because on
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from memcalc.errors import InputError
-from memcalc.model import ModelShape, check_positions
+from memcalc.model.shape import ModelShape, check_positions
 
 ATTENTION_KERNELS = ("eager", "sdpa-flash", "flash-attn", "aten-flash")
 DROPOUT_KERNELS = ("functional", "native")

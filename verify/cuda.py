@@ -22,9 +22,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memcalc.errors import InputError
-from memcalc.model import ModelShape
-from memcalc.tricks import Tricks
-from memcalc.verification import DevicePhases
+from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import Tricks
+from memcalc.verification.results import DevicePhases
 
 from .builder import Kernels, build, materialise
 from .meta import inputs_for, train_step

@@ -17,9 +17,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from memcalc.model import ModelShape
-from memcalc.parallel import Layout
-from memcalc.tricks import Tricks
+from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import Tricks
+from memcalc.parallel.layout import Layout
 
 from .builder import build, init_weights
 from .dist_plan import parallelize

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from memcalc.parallel import Layout
+from memcalc.parallel.layout import Layout
 
 
 def block_plan(block: nn.Module, sp: bool) -> dict:

@@ -8,7 +8,7 @@ Three ways to run the same measurement (verify/dist_measure.py) of one rank:
             group's numbers are those of real collectives.
   cuda      real NCCL collectives: under torchrun each process measures its own rank; otherwise one
             process per visible GPU is started here.
-The prediction side is memcalc.distcheck (torch-free); this module only measures and compares.
+The prediction side is memcalc.verification.distributed (torch-free); this module only measures and compares.
 """
 
 from __future__ import annotations
@@ -22,7 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from memcalc.distcheck import (
+from memcalc.errors import InputError
+from memcalc.memory.estimate import Setup
+from memcalc.model.shape import Model, n_params
+from memcalc.model.tricks import Tricks
+from memcalc.parallel.layout import Layout
+from memcalc.verification.distributed import (
     BACKENDS,
     DistResult,
     check_dist,
@@ -33,11 +38,6 @@ from memcalc.distcheck import (
     predictions,
     rank_coords,
 )
-from memcalc.errors import InputError
-from memcalc.estimate import Setup
-from memcalc.model import Model, n_params
-from memcalc.parallel import Layout
-from memcalc.tricks import Tricks
 
 from .dist_measure import measure_rank
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from memcalc.model import ModelShape
-from memcalc.tricks import Tricks
+from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build
 from .recipes import DTYPES, Recipe

@@ -11,21 +11,30 @@ from typing import Callable
 
 import torch
 
-from memcalc.activations import logits_memory, textbook_activations
-from memcalc.calibration import calibration_for
 from memcalc.errors import InputError
-from memcalc.estimate import Setup
-from memcalc.exact import ExactStep, exact_step
-from memcalc.flops import step_flops
-from memcalc.gpus import GPU, GPUS
-from memcalc.model import Model, ModelShape, check_positions, n_params
-from memcalc.roofline import step_time
-from memcalc.state import model_state
-from memcalc.tricks import Tricks, parse_tricks
-from memcalc.verification import DEFAULT_TOL, Row, Timing, VerifyResult
+from memcalc.exact.step import ExactStep, exact_step
+from memcalc.memory.activations import logits_memory, textbook_activations
+from memcalc.memory.estimate import Setup
+from memcalc.memory.state import model_state
+from memcalc.model.flops import step_flops
+from memcalc.model.gpus import GPU, GPUS
+from memcalc.model.shape import Model, ModelShape, check_positions, n_params
+from memcalc.model.tricks import Tricks, parse_tricks
+from memcalc.time.calibration import calibration_for
+from memcalc.time.roofline import step_time
+from memcalc.verification.results import DEFAULT_TOL, Row, Timing, VerifyResult
 
-from .cuda import OOM, CpuStats, CudaStats, DeviceRun, deepest_fit, measure_device, measure_retained, median
-from .cuda import with_layers
+from .cuda import (
+    OOM,
+    CpuStats,
+    CudaStats,
+    DeviceRun,
+    deepest_fit,
+    measure_device,
+    measure_retained,
+    median,
+    with_layers,
+)
 from .meta import measure_meta
 
 # The matrix: the field's progression, plus fp16 and the remaining recompute combinations.

@@ -1,0 +1,423 @@
+"""The `memcalc` command line: parse, call the engine, render. No arithmetic lives here.
+
+No `from __future__ import annotations` here: typer reads every option's annotation, and string
+annotations cost it an eval each, 10 ms at every start for the ~100 options of the commands.
+"""
+
+import math
+import sys
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+from memcalc.errors import InputError
+from memcalc.report import render
+
+from . import verify_runs, views
+
+HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors (unknown option, missing value) as one line on stderr and exit code 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)  # fmt: skip
+        except Exception as e:  # click's UsageError; typer vendors click in some releases
+            if not (hasattr(e, "exit_code") and hasattr(e, "format_message")):
+                raise
+            print(f"error: {e.format_message()}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(cls=OneLineErrors, help=HELP, add_completion=False, no_args_is_help=True)
+
+# ---- options shared by the commands --------------------------------------------------------
+Params = Annotated[Optional[str], typer.Option("--params", help="Parameter count (8e9, 70B); the shape comes from the canonical table.", metavar="N")]  # fmt: skip
+ModelName = Annotated[Optional[str], typer.Option("--model", help="A preset: see `memcalc presets`.", metavar="NAME")]  # fmt: skip
+Config = Annotated[Optional[str], typer.Option("--config", help="A Hugging Face config.json, read offline.", metavar="PATH")]  # fmt: skip
+Layers = Annotated[Optional[str], typer.Option("--layers", help="Override the number of layers.", metavar="N")]
+Hidden = Annotated[Optional[str], typer.Option("--hidden", help="Override the hidden size.", metavar="N")]
+Heads = Annotated[Optional[str], typer.Option("--heads", help="Override the attention heads.", metavar="N")]
+KvHeads = Annotated[Optional[str], typer.Option("--kv-heads", help="Override the KV heads (GQA).", metavar="N")]
+Ffn = Annotated[Optional[str], typer.Option("--ffn", help="Override the MLP width.", metavar="N")]
+Vocab = Annotated[Optional[str], typer.Option("--vocab", help="Override the vocabulary size.", metavar="N")]
+Seq = Annotated[str, typer.Option("--seq", help="Sequence length in tokens.", metavar="N")]
+MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per forward/backward pass.", metavar="N")]
+GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
+TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, selective (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
+Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw, sgd (with momentum) or adam8bit.", metavar="NAME")]
+Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs: data-parallel GPUs that ZeRO shards over; with --tp/--pp/--cp/--dp the world size. [default: 1]", metavar="N")]  # fmt: skip
+Tp = Annotated[Optional[str], typer.Option("--tp", help="Tensor-parallel GPUs per layer.", metavar="N")]
+Pp = Annotated[Optional[str], typer.Option("--pp", help="Pipeline stages.", metavar="N")]
+Cp = Annotated[Optional[str], typer.Option("--cp", help="Context-parallel GPUs per sequence (needs flash).", metavar="N")]  # fmt: skip
+Dp = Annotated[Optional[str], typer.Option("--dp", help="Data-parallel replicas (default: what --gpus leaves).", metavar="N")]  # fmt: skip
+Sp = Annotated[bool, typer.Option("--sp", help="Sequence parallel on the TP group.")]
+Vpp = Annotated[Optional[str], typer.Option("--vpp", help="Virtual pipeline stages per GPU (interleaved 1F1B).", metavar="N")]  # fmt: skip
+Hybrid = Annotated[bool, typer.Option("--hybrid", help="Shard inside a node, replicate across nodes (FSDP hybrid).")]
+OffloadParams = Annotated[bool, typer.Option("--offload-params", help="Weights and gradients in host memory too (ZeRO-3).")]  # fmt: skip
+GpusPerNode = Annotated[Optional[str], typer.Option("--gpus-per-node", help="GPUs behind one NVLink switch. [default: 8]", metavar="N")]  # fmt: skip
+Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", metavar="STAGE")]
+Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
+GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
+Mfu = Annotated[str, typer.Option("--mfu", help="Fraction of peak the GPU sustains (default 0.4: Llama 3 reached 38-43% on H100s).", metavar="X")]  # fmt: skip
+EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline (layouts: default 0.4).", metavar="X")]  # fmt: skip
+Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
+Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
+Units = Annotated[str, typer.Option("--units", help="gb (decimal, as vendors and the lesson) or gib.", metavar="UNITS")]
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def check_format(fmt: str) -> str:
+    key = fmt.strip().lower()
+    if key not in render.FORMATS:
+        raise InputError(f"unknown format {fmt!r}; choose {', '.join(render.FORMATS)}")
+    return key
+
+
+def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu):
+    from memcalc.memory.estimate import Setup
+    from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
+    from memcalc.model.shape import MAX_BATCH, MAX_SEQ, parse_count
+
+    if optimizer.strip().lower() not in OPTIMIZERS:
+        raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+    if zero.strip() not in ("0", "1", "2", "3"):
+        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
+    return Setup(
+        seq_len=parse_count(seq, "seq", MAX_SEQ),
+        micro_batch=parse_count(micro_batch, "micro-batch", MAX_BATCH),
+        grad_accum=parse_count(grad_accum, "grad-accum", MAX_BATCH),
+        optimizer=optimizer.strip().lower(),
+        parallel=Parallel(parse_count(gpus, "gpus", MAX_GPUS), int(zero), offload),
+        mfu=parse_fraction(mfu, "mfu"),
+    )
+
+
+def parse_positive(text: str, name: str, most: float = math.inf) -> float:
+    """A finite number in (0, most]: --mfu and --tol are fractions (most 1), times and rates are not."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"{name} must be a number, got {text!r}") from None
+    if not (0 < value <= most and math.isfinite(value)):  # also rejects nan
+        kind = "a fraction in (0, 1]" if most == 1 else "a positive number"
+        raise InputError(f"{name} must be {kind}, got {text!r}")
+    return value
+
+
+def parse_fraction(text: str, name: str) -> float:
+    return parse_positive(text, name, most=1)
+
+
+@app.command()
+def estimate(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None,
+    seq: Seq = "4096", micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
+    optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
+    tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
+    hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
+    gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
+    tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
+    price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1024:65536 or micro-batch=1:64 (doubling; A:B:STEP or A,B,C too): memory and step time against it.", metavar="SPEC")] = None,
+    png: Annotated[Optional[str], typer.Option("--png", help="With --sweep: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
+    exact: Annotated[bool, typer.Option("--exact", help="Beside the textbook: what PyTorch saves for this architecture, simulated op by op (0.1-0.4 s per trick set).")] = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
+    fmt: Format = "table", units: Units = "gb",
+) -> None:  # fmt: skip
+    """Model state, activations (per trick), logits, FLOPs, step time, and whether it fits.
+
+    Step time comes from a roofline over every kernel of the step (--mfu X: from an assumed MFU).
+    With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
+    estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
+    """
+    layout_given = any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node)) or sp or hybrid or offload_params
+    try:
+        from memcalc.model.gpus import gpu as find_gpu
+
+        from .inputs import resolve_model, resolve_tricks
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        trick_sets, the_gpu = resolve_tricks(tricks), find_gpu(gpu)
+        run = parse_run(tokens, price)
+        if png is not None and sweep is None:
+            raise InputError("--png draws a sweep: add --sweep seq=A:B or micro-batch=A:B")
+        if sweep is not None and layout_given:
+            raise InputError("--sweep works on one GPU's estimate; drop --tp, --pp, --cp, --dp")
+        if exact and sweep is not None:
+            raise InputError("--exact simulates single steps: drop --sweep")
+        if layout_given and calibration is not None:
+            raise InputError("--calibration sets the roofline of one GPU's step; a layout (--tp, --pp, ...) uses --mfu")
+        if mfu is not None and calibration is not None:
+            raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
+        if layout_given:
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4")
+            layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
+            show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
+        else:
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4")
+            cal = None if mfu is not None else roofline_calibration(the_gpu, calibration)
+            if sweep is not None:
+                show = views.sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
+            else:
+                show = views.single_view(the_model, setup, the_gpu, trick_sets, run, exact, cal)
+    except InputError as e:
+        fail(str(e))
+    show(fmt, units, explain)
+
+
+def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None] | None:
+    """--tokens N [--price-per-gpu-hour X]: the length (and price) of the whole run, or None."""
+    from memcalc.model.shape import parse_count
+    from memcalc.time.training_run import MAX_TOKENS
+
+    if tokens is None:
+        if price is not None:
+            raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
+        return None
+    return parse_count(tokens, "tokens", MAX_TOKENS), None if price is None else parse_positive(price, "price-per-gpu-hour")
+
+
+def roofline_calibration(gpu, spec: str | None):
+    """--calibration SPEC: a JSON file, NAME=X overrides, or both (file first), comma-separated."""
+    from memcalc.time.calibration import calibration_for
+
+    items = [x.strip() for x in (spec or "").split(",") if x.strip()]
+    paths, overrides = [x for x in items if "=" not in x], [x for x in items if "=" in x]
+    if len(paths) > 1:
+        raise InputError(f"--calibration takes one file, got {', '.join(paths)}")
+    return calibration_for(gpu.key, paths[0] if paths else None, ",".join(overrides) or None)
+
+
+def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node):
+    from memcalc.memory.state import MAX_GPUS
+    from memcalc.model.shape import parse_count
+    from memcalc.parallel.layout import layout_for
+
+    def count(text, name, default):
+        return default if text is None else parse_count(text, name, MAX_GPUS)
+
+    if zero.strip() not in ("0", "1", "2", "3"):
+        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
+    return layout_for(
+        gpus=count(gpus, "gpus", None), tp=count(tp, "tp", 1), pp=count(pp, "pp", 1), cp=count(cp, "cp", 1),
+        dp=count(dp, "dp", None), zero=int(zero), sp=sp, vpp=count(vpp, "vpp", 1), hybrid=hybrid,
+        offload_optimizer=offload or offload_params, offload_params=offload_params,
+        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8),
+    )  # fmt: skip
+
+
+@app.command()
+def plan(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None,
+    gpus: Annotated[str, typer.Option("--gpus", help="GPUs in the job (the world size).", metavar="N")] = ...,
+    global_batch: Annotated[str, typer.Option("--global-batch", help="Sequences per optimizer step, all GPUs together.", metavar="N")] = ...,
+    seq: Seq = "4096", gpus_per_node: GpusPerNode = None,
+    tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
+    optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
+    top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
+    no_offload: Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")] = False,
+    fmt: Format = "table", units: Units = "gb",
+) -> None:  # fmt: skip
+    """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
+    try:
+        from memcalc.memory.state import MAX_GPUS
+        from memcalc.model.gpus import gpu as find_gpu
+        from memcalc.model.shape import MAX_BATCH, MAX_SEQ, parse_count
+        from memcalc.model.tricks import parse_tricks
+        from memcalc.parallel.plan import plan as run_plan
+
+        from .inputs import resolve_model
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        t = parse_tricks(tricks)
+        named = any(n in ("ckpt", "selective") for n in tricks.replace("+", ",").split(","))
+        result = run_plan(
+            the_model, find_gpu(gpu), parse_count(gpus, "gpus", MAX_GPUS), parse_count(seq, "seq", MAX_SEQ),
+            parse_count(global_batch, "global-batch", MAX_BATCH),
+            gpus_per_node=8 if gpus_per_node is None else parse_count(gpus_per_node, "gpus-per-node", MAX_GPUS),
+            tricks=t, optimizer=optimizer.strip().lower(), mfu=parse_fraction(mfu, "mfu"),
+            top=parse_count(top, "top", 1000), offload=not no_offload,
+            recomputes=(t.recompute,) if named else ("none", "selective", "full"),
+        )  # fmt: skip
+    except InputError as e:
+        fail(str(e))
+    from memcalc.report import layout as pr
+
+    csv_table = (pr.PLAN_CSV_HEADERS, pr.plan_csv_rows(result))
+    render.emit(fmt, result, pr.plan_sections(result, units), pr.plan_preamble(result), csv_table)
+
+
+def render_units(units: str) -> str:
+    from memcalc.report.units import check_units
+
+    return check_units(units)
+
+
+@app.command()
+def fit(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None,
+    seq: Seq = "4096", micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
+    optimizer: Optimizer = "adamw", gpus: Gpus = "1", zero: Zero = "0", offload: Offload = False,
+    gpu: GpuOpt = "h100-sxm", fmt: Format = "table", units: Units = "gb",
+) -> None:  # fmt: skip
+    """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
+    try:
+        from memcalc.memory.toolbox import fit_limits
+        from memcalc.model.gpus import gpu as find_gpu
+        from memcalc.model.tricks import parse_tricks
+
+        from .inputs import resolve_model
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4")
+        limits = fit_limits(the_model, setup, find_gpu(gpu), parse_tricks(tricks))
+    except InputError as e:
+        fail(str(e))
+    from memcalc.report import estimate as report
+
+    rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch, limits.max_seq_len,
+             limits.max_micro_batch]]  # fmt: skip
+    headers = ["gpu", "tricks", "seq_len", "micro_batch", "max_seq_len", "max_micro_batch"]
+    render.emit(fmt, limits, report.fit_sections(limits, units), [f"Model: {the_model.origin}"], (headers, rows))
+
+
+@app.command()
+def mfu(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None, seq: Seq = "4096",
+    tokens_per_sec: Annotated[Optional[str], typer.Option("--tokens-per-sec", help="Measured tokens per second per GPU.", metavar="X")] = None,
+    step_time: Annotated[Optional[str], typer.Option("--step-time", help="Measured seconds per optimizer step (with --global-batch).", metavar="S")] = None,
+    global_batch: Annotated[Optional[str], typer.Option("--global-batch", help="Sequences per step, all GPUs together.", metavar="N")] = None,
+    gpus: Annotated[str, typer.Option("--gpus", help="GPUs the step ran on.", metavar="N")] = "1",
+    tricks: Annotated[str, typer.Option("--tricks", help="Precision (the peak it is held against) and recompute (for HFU).", metavar="LIST")] = "bf16",
+    gpu: GpuOpt = "h100-sxm", fmt: Format = "table",
+) -> None:  # fmt: skip
+    """MFU and HFU of a measured throughput under every FLOPs convention in use, side by side."""
+    try:
+        from memcalc.memory.state import MAX_GPUS
+        from memcalc.model.gpus import gpu as find_gpu
+        from memcalc.model.shape import MAX_BATCH, MAX_SEQ, parse_count
+        from memcalc.model.tricks import parse_tricks
+        from memcalc.time.mfu import mfu_report, tokens_per_gpu_second
+
+        from .inputs import resolve_model
+
+        fmt = check_format(fmt)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        t = parse_tricks(tricks)
+        seq_len = parse_count(seq, "seq", MAX_SEQ)
+        rate = tokens_per_gpu_second(
+            None if tokens_per_sec is None else parse_positive(tokens_per_sec, "tokens-per-sec"),
+            None if step_time is None else parse_positive(step_time, "step-time"),
+            None if global_batch is None else parse_count(global_batch, "global-batch", MAX_BATCH),
+            seq_len, parse_count(gpus, "gpus", MAX_GPUS),
+        )  # fmt: skip
+        result = mfu_report(the_model, find_gpu(gpu), t.precision, seq_len, t.recompute, rate)
+    except InputError as e:
+        fail(str(e))
+    from memcalc.report import estimate as report
+
+    csv_table = (report.MFU_CSV_HEADERS, report.mfu_csv_rows(result))
+    render.emit(fmt, result, report.mfu_sections(result), report.mfu_preamble(result), csv_table)
+
+
+@app.command()
+def verify(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="Depth to build (overrides the model's layers).", metavar="N")] = None,
+    hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None, ffn: Ffn = None, vocab: Vocab = None,
+    seq: Seq = "4096", micro_batch: MicroBatch = "1",
+    tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
+    matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
+    steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
+    device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta. [default: cuda when present, else meta]", metavar="DEV")] = None,
+    tol: Annotated[Optional[str], typer.Option("--tol", help="Relative tolerance per row. [default: 0.03 on cuda, 0.001 on meta]", metavar="X")] = None,
+    fsdp: Annotated[Optional[str], typer.Option("--fsdp", "--dp", help="Check one rank of FSDP2 (ZeRO-3) over N GPUs, on PyTorch's own engine.", metavar="N")] = None,
+    tp: Annotated[Optional[str], typer.Option("--tp", help="Check one rank of DTensor tensor parallelism over N GPUs.", metavar="N")] = None,
+    sp: Sp = False,
+    dist_device: Annotated[str, typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV")] = "meta",
+    save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
+    no_linearity: Annotated[bool, typer.Option("--no-linearity", help="Skip the second, shallower build that checks saved bytes are linear in depth.")] = False,
+    fmt: Format = "table", units: Units = "gb",
+) -> None:  # fmt: skip
+    """Build the real model in PyTorch, train a few steps, and hold every prediction against the measurement."""
+    try:
+        from memcalc.model.shape import parse_count
+        from memcalc.model.tricks import parse_tricks
+
+        from .inputs import resolve_model
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        setup = build_setup(seq, micro_batch, "1", "adamw", "1", "0", False, "0.4")
+        the_tricks = parse_tricks(tricks)
+        n_steps = parse_count(steps, "steps", 1000)
+        tolerance = None if tol is None else parse_fraction(tol, "tol")
+        if device is not None and device.strip().lower() not in ("cuda", "meta"):
+            raise InputError(f"unknown device {device!r}; choose cuda or meta")
+        if fsdp is not None or tp is not None or sp:
+            run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device)
+        else:
+            if save is not None and not matrix:
+                raise InputError("--save writes the runs of --matrix: add --matrix")
+            run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save, not no_linearity)
+        results = run()
+    except InputError as e:
+        fail(str(e))
+    if not verify_runs.show_verify(results, fmt, units):
+        raise typer.Exit(1)
+
+
+@app.command()
+def presets(fmt: Format = "table") -> None:
+    """The model presets and the canonical shapes behind --params."""
+    show_reference("presets", fmt)
+
+
+@app.command()
+def gpus(fmt: Format = "table") -> None:
+    """The GPU table: dense peak rates, memory and bandwidth, with sources."""
+    show_reference("gpus", fmt)
+
+
+@app.command()
+def formats(fmt: Format = "table") -> None:
+    """FP32 / FP16 / BF16 (and TF32, FP8) from their bit layouts, and three demonstrations."""
+    show_reference("formats", fmt)
+
+
+def show_reference(name: str, fmt: str) -> None:
+    from memcalc.report import reference as catalog
+
+    try:
+        fmt = check_format(fmt)
+    except InputError as e:
+        fail(str(e))
+    sections, objects, csv_table = catalog.REFERENCE[name]
+    render.emit(fmt, objects(), sections(), csv_table=csv_table())
+
+
+def main() -> None:
+    app()

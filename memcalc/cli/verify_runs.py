@@ -1,0 +1,111 @@
+"""How `memcalc verify` runs (verify/ and torch imported only once a run starts) and prints its results."""
+
+import os
+import sys
+
+from memcalc.errors import InputError
+from memcalc.report import render
+
+
+def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt: str, save: str | None = None,
+               linearity: bool = True):  # fmt: skip
+    """verify/ (torch) imported only now; a progress bar on a terminal for the table format."""
+    on_result = None if save is None else saver(save)
+
+    def run():
+        from verify.run import verify as run_verify
+        from verify.run import verify_matrix
+
+        with progress_bar(fmt == "table" and sys.stdout.isatty()) as progress:
+            dev = None if device is None else device.strip().lower()
+            if matrix:
+                return verify_matrix(model, setup, device=dev, steps=steps, tol=tol, progress=progress,
+                                     linearity=linearity, on_result=on_result)  # fmt: skip
+            return [run_verify(model, setup, tricks, device=dev, steps=steps, tol=tol, progress=progress,
+                               linearity=linearity)]  # fmt: skip
+
+    return run
+
+
+def saver(folder: str):
+    """on_result for --save: each run's JSON in folder/NN-<tricks>.json."""
+    from pathlib import Path
+
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"cannot make {folder}: {e.strerror}") from None
+
+    count = [0]
+
+    def save(result) -> None:
+        from memcalc.verification.results import to_dict
+
+        count[0] += 1  # numbered, so that the files sort in the order the runs ran
+        (path / f"{count[0]:02d}-{result.tricks}.json").write_text(render.to_json(to_dict(result)) + "\n")
+
+    return save
+
+
+def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str):
+    """--fsdp/--tp: one rank of a (dp x tp) job on PyTorch's FSDP2 and DTensor, checked before torch loads."""
+    from memcalc.memory.state import MAX_GPUS
+    from memcalc.model.shape import parse_count
+    from memcalc.parallel.layout import Layout
+    from memcalc.verification.distributed import check_dist
+
+    dp = 1 if fsdp is None else parse_count(fsdp, "fsdp", MAX_GPUS)
+    layout = Layout(tp=1 if tp is None else parse_count(tp, "tp", MAX_GPUS), dp=dp, zero=3 if dp > 1 else 0, sp=sp)
+    check_dist(model.shape, setup, tricks, layout, device.strip().lower())
+
+    def run():
+        from verify.distributed import verify_distributed
+
+        return verify_distributed(model, setup, tricks, layout, device.strip().lower())
+
+    return run
+
+
+class progress_bar:
+    """A rich progress bar fed by verify's progress(what, done, total) calls; a no-op when off."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.bar, self.task = on, None, None
+
+    def __enter__(self):
+        if not self.on:
+            return None
+        from rich.progress import Progress
+
+        self.bar = Progress(transient=True)
+        self.bar.__enter__()
+        self.task = self.bar.add_task("verify", total=1)
+        return self.update
+
+    def update(self, what: str, done: int, total: int) -> None:
+        self.bar.update(self.task, description=what, completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+def show_verify(results, fmt: str, units: str) -> bool:
+    """One result's rows, the matrix summary, or the distributed table; whether every row passed."""
+    from memcalc.report import verify as vr
+    from memcalc.verification.results import to_dict
+
+    if isinstance(results, list) and len(results) == 1:
+        r = results[0]
+        render.emit(fmt, to_dict(r), vr.verify_sections(r, units), vr.verify_preamble(r))
+        passed = r.passed
+    elif isinstance(results, list):
+        render.emit(fmt, [to_dict(r) for r in results], vr.matrix_sections(results, units))
+        passed = all(r.passed for r in results)
+    else:
+        if os.environ.get("RANK", "0") != "0":  # torchrun: every rank holds the whole result; rank 0 prints
+            return results.passed
+        render.emit(fmt, results, vr.dist_sections(results), vr.dist_preamble(results))
+        passed = results.passed
+    return passed

@@ -1,0 +1,140 @@
+"""What `memcalc estimate` computes and prints in each of its modes: one GPU, a layout, a sweep.
+
+cli.py parses the options; a view calls the engine and returns the function that prints the result.
+"""
+
+import sys
+
+from memcalc.errors import InputError
+from memcalc.report import render
+
+
+def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=None):
+    """One GPU (data-parallel over --gpus): the estimate, its roofline step time (cal None: --mfu's),
+    its toolbox, and the run if --tokens."""
+    from memcalc.memory.estimate import estimate as run_estimate
+    from memcalc.memory.toolbox import toolbox
+    from memcalc.time.training_run import runs_for_estimate
+
+    est = run_estimate(model, setup, gpu, trick_sets)
+    roofline = None
+    if cal is not None:
+        from memcalc.time.roofline import step_times
+
+        roofline = step_times(model, setup, gpu, trick_sets, cal), cal
+    tb = toolbox(model, setup, gpu, trick_sets[0])
+    runs = runs_for_estimate(est, *run, roofline[0] if roofline else None) if run else ()
+    exacts = exact_steps(model, setup, trick_sets) if exact else None
+    return lambda fmt, units, explain: show_estimate(est, tb, runs, fmt, units, explain, exacts, roofline)
+
+
+def exact_steps(model, setup, trick_sets):
+    from memcalc.exact.step import exact_for
+
+    if setup.optimizer != "adamw" or setup.parallel.gpus > 1 or setup.parallel.offload:
+        print("warning: --exact simulates AdamW on one GPU; --optimizer, --gpus, --zero and --offload do not apply",
+              file=sys.stderr)  # fmt: skip
+    return [exact_for(model, setup, t) for t in trick_sets]
+
+
+def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run, exact: bool = False):
+    from memcalc.time.training_run import runs_for_layouts
+
+    ests = layout_estimates(model, setup, gpu, trick_sets, layout, explicit)
+    runs = runs_for_layouts(ests, *run) if run else ()
+    layers = exact_layers(model, setup, ests, layout) if exact else None
+    return lambda fmt, units, explain: show_layout(ests, runs, fmt, units, explain, layers)
+
+
+def exact_layers(model, setup, ests, layout):
+    """--exact with a layout: what one layer saves on one TP rank, op by op (memcalc.exact on the shard)."""
+    from memcalc.verification.distributed import block_terms
+
+    if layout.cp > 1:
+        raise InputError("--exact with --cp: ring attention's saved tensors are not simulated; drop --exact or --cp")
+    return [block_terms(model.shape, setup.seq_len, setup.micro_batch, e.tricks, layout) for e in ests]
+
+
+def sweep_view(model, setup, gpu, trick_sets, spec: str, png: str | None, cal=None):
+    from memcalc.time.sweep import parse_sweep, sweep
+
+    swept = sweep(model, setup, gpu, trick_sets, *parse_sweep(spec), cal)
+    if png is not None:
+        from memcalc.report.plot import save_png
+
+        save_png(swept, png)
+    return lambda fmt, units, explain: show_sweep(swept, fmt, units)
+
+
+def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
+    """One estimate per trick set; the progression drops the sets a layout cannot run (CP needs flash)."""
+    from memcalc.parallel.plan import layout_estimate
+
+    if not explicit and layout.cp > 1:
+        trick_sets = tuple(t for t in trick_sets if t.flash)
+    return [layout_estimate(model, setup, gpu, t, layout) for t in trick_sets]
+
+
+def show_sweep(swept, fmt: str, units: str) -> None:
+    from memcalc.report import estimate as report
+
+    csv_table = (report.SWEEP_CSV_HEADERS, report.sweep_csv_rows(swept))
+    render.emit(fmt, swept, report.sweep_sections(swept, units), csv_table=csv_table)
+
+
+def show_layout(ests, runs, fmt: str, units: str, explain: bool, layers=None) -> None:
+    from memcalc.report import estimate as report
+    from memcalc.report import layout as plan_report
+
+    for warning in dict.fromkeys(w for e in ests for w in plan_report.layout_warnings(e)):
+        print(f"warning: {warning}", file=sys.stderr)
+    one = ests[0] if len(ests) == 1 else None
+    if fmt == "json":
+        data = render.to_jsonable(one if one else ests)
+        extra = {"runs": runs} | ({"exact_layer_terms": layers} if layers else {})
+        print(render.to_json({**data, **render.to_jsonable(extra)} if one else {"layouts": data, **extra}))
+        return
+    if fmt == "csv":
+        rows = [[e.tricks.label, *row] for e in ests for row in plan_report.layout_csv_rows(e)]
+        sys.stdout.write(render.to_csv(["tricks", *plan_report.LAYOUT_CSV_HEADERS], rows))
+        return
+    sections = plan_report.layout_sections(one, units) if one else [plan_report.tricks_section(ests, units)]
+    sections += [report.runs_section(runs)] if runs else []
+    sections += [plan_report.exact_layer_section(ests, layers, units)] if layers else []
+    preamble = plan_report.layout_preamble(ests[0])
+    if fmt == "markdown":
+        sys.stdout.write(render.to_markdown(sections, preamble))
+    else:
+        render.print_tables(sections, preamble)
+    if explain:
+        for e in ests:
+            print("\n".join(["", f"== {e.tricks.label} =="] + plan_report.layout_explain_lines(e)))
+
+
+def show_estimate(est, tb, runs, fmt: str, units: str, explain: bool, exacts=None, roofline=None) -> None:
+    """roofline: (step times, calibration), or None when --mfu times the step."""
+    from memcalc.report import estimate as report
+
+    for warning in report.warnings(est):
+        print(f"warning: {warning}", file=sys.stderr)
+    extra = {"toolbox": tb, "runs": runs} | ({"exact": exacts} if exacts else {})
+    if roofline is not None:
+        extra |= {"roofline": roofline[0], "calibration": roofline[1]}
+    sections = report.estimate_sections(est, tb, units, roofline) + ([report.runs_section(runs)] if runs else [])
+    if exacts:
+        sections.insert(2, report.exact_section(est, exacts, units))
+    result = None  # JSON only: converting every op of the roofline costs more than the estimate
+    if fmt == "json":
+        result = {**render.to_jsonable(est), **render.to_jsonable(extra)}
+        result["time_model"] = "mfu" if roofline is None else "roofline"
+    csv_rows = report.estimate_csv_rows(est, roofline[0] if roofline else None) if fmt == "csv" else []
+    render.emit(fmt, result, sections, report.preamble(est), (report.CSV_HEADERS, csv_rows))
+    if explain and fmt in ("table", "markdown"):
+        lines = report.explain_lines(est, roofline is None)
+        if roofline is not None:
+            from memcalc.report.roofline import explain_lines
+
+            lines += explain_lines(*roofline)
+        if exacts:
+            lines += report.exact_explain_lines(exacts, report.symbols(est))
+        print("\n".join([""] + lines))

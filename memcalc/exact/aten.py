@@ -1,0 +1,530 @@
+"""The aten ops verify/builder.py runs, in bytes: what each allocates, what its autograd node saves,
+and what its backward allocates, in order (derivatives.yaml's formulas, checked against the meta trace).
+
+Each op is written as autograd runs it: g.begin() makes the node and packs the saved inputs, the
+kernel allocates the outputs, g.end() attaches them and packs the saved outputs. Every begin/end
+names the tensors its node saves: these are the terms memcalc.exact counts.
+A backward rule returns one gradient per input; a (gradient, shape) pair is summed to the input's
+shape after the rule returns, as autograd's validate_outputs does for broadcast inputs.
+
+Each kernel, forward and backward, is also written down with g.kernel(op, reads, writes): what it
+reads and writes in HBM (each operand once) and, for matmuls, its FLOPs (2·m·k·n). Backward rules
+keep byte counts of the tensors they read, never the tensors: a reference would change lifetimes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .sim import ITEMSIZE, Graph, Tensor, nbytes
+
+
+def size(shape, dtype: str) -> int:
+    """Bytes of a contiguous tensor of that shape and dtype."""
+    return math.prod(shape) * ITEMSIZE[dtype]
+
+# -- views ----------------------------------------------------------------------------------------
+
+
+def broadcast(a: tuple, b: tuple) -> tuple:
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    return tuple(max(x, y) for x, y in zip(a, b))
+
+
+def view(g: Graph, t: Tensor, shape, grad_copies: bool = False) -> Tensor:
+    """A view (view, reshape without copy, transpose, unsqueeze): backward reshapes the gradient back,
+    a copy when it arrives non-contiguous (grad_copies)."""
+    in_shape = t.shape
+
+    def rule(gs):
+        if not grad_copies:
+            return [g.view(gs[0], in_shape)]
+        out = g.empty(in_shape, gs[0].dtype, "clone")
+        g.kernel("clone", (gs[0],), (out,))
+        return [out]
+
+    node = g.begin("view", [t], rule)
+    out = g.view(t, shape)
+    g.end(node, [out])
+    return out
+
+
+def reshape_copy(g: Graph, t: Tensor, shape) -> Tensor:
+    """reshape of a tensor that cannot be viewed: clone, then _unsafe_view (backward: views)."""
+    in_shape = t.shape
+    node = g.begin("clone", [t], lambda gs: [g.view(gs[0], in_shape)])
+    out = g.empty(shape, t.dtype, "clone")
+    g.kernel("clone", (t,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def expand(g: Graph, t: Tensor, shape) -> Tensor:
+    """expand: a view; its backward formula sums over the expanded dims (at::sum_to, a new tensor)."""
+    in_shape = t.shape
+
+    def rule(gs):
+        if gs[0].shape == in_shape:
+            return [gs[0]]
+        out = g.empty(in_shape, gs[0].dtype, "sum")
+        g.kernel("sum", (gs[0],), (out,))
+        return [out]
+
+    node = g.begin("expand", [t], rule)
+    out = g.view(t, shape)
+    g.end(node, [out])
+    return out
+
+
+def t(g: Graph, w: Tensor) -> Tensor:
+    """w.t(): a view; its gradient is a view too (mm lays it out so that no copy is needed)."""
+    shape = w.shape
+    node = g.begin("t", [w], lambda gs: [g.view(gs[0], shape)])
+    out = g.view(w, (w.shape[1], w.shape[0]))
+    g.end(node, [out])
+    return out
+
+
+# -- elementwise ----------------------------------------------------------------------------------
+
+
+def to(g: Graph, x: Tensor, dtype: str) -> Tensor:
+    """x.to(dtype): x itself when it has that dtype, else _to_copy (saves nothing)."""
+    if x.dtype == dtype:
+        return x
+    src = x.dtype
+
+    def rule(gs):
+        out = g.empty(gs[0].shape, src, "_to_copy")
+        g.kernel("_to_copy", (gs[0],), (out,))
+        return [out]
+
+    node = g.begin("_to_copy", [x], rule)
+    out = g.empty(x.shape, dtype, "_to_copy")
+    g.kernel("_to_copy", (x,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def add(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """a + b, broadcasting: saves nothing; the gradient passes through (summed where broadcast)."""
+    sa, sb = a.shape, b.shape
+    node = g.begin("add", [a, b], lambda gs: [(gs[0], sa), (gs[0], sb)])
+    out = g.empty(broadcast(a.shape, b.shape), a.dtype, "add")
+    g.kernel("add", (a, b), (out,))
+    g.end(node, [out])
+    return out
+
+
+def add_scalar(g: Graph, a: Tensor) -> Tensor:
+    """a + eps: saves nothing; the gradient passes through."""
+    node = g.begin("add", [a], lambda gs: [gs[0]])
+    out = g.empty(a.shape, a.dtype, "add")
+    g.kernel("add", (a,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def mul(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """a * b (MulBackward0): saves b when a needs grad and a when b does; each gradient is made at
+    the broadcast shape and summed to its input's."""
+    so = broadcast(a.shape, b.shape)
+    sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
+    a_bytes, b_bytes = nbytes(a), nbytes(b)
+
+    def rule(gs):
+        da = db = None
+        if ga:  # grad · b
+            da = g.empty(so, gs[0].dtype, "mul")
+            g.kernel("mul", (gs[0], b_bytes), (da,))
+            da = (da, sa)
+        if gb:  # grad · a
+            db = g.empty(so, gs[0].dtype, "mul")
+            g.kernel("mul", (gs[0], a_bytes), (db,))
+            db = (db, sb)
+        return [da, db]
+
+    node = g.begin("mul", [a, b], rule, ([(b, "other")] if ga else []) + ([(a, "self")] if gb else []))
+    out = g.empty(so, a.dtype, "mul")
+    g.kernel("mul", (a, b), (out,))
+    g.end(node, [out])
+    return out
+
+
+def mul_scalar(g: Graph, a: Tensor) -> Tensor:
+    """a * c for a Python number: saves nothing; backward makes grad · c."""
+    return pointwise(g, a, "mul", "mul")
+
+
+def pointwise(g: Graph, a: Tensor, op: str, backward_op: str) -> Tensor:
+    """An elementwise op that saves nothing: its backward reads the gradient and writes one."""
+
+    def rule(gs):
+        out = g.empty(gs[0].shape, gs[0].dtype, backward_op)
+        g.kernel(backward_op, (gs[0],), (out,))
+        return [out]
+
+    node = g.begin(op, [a], rule)
+    out = g.empty(a.shape, a.dtype, op)
+    g.kernel(op, (a,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def neg(g: Graph, a: Tensor) -> Tensor:
+    return pointwise(g, a, "neg", "neg")
+
+
+def pow2(g: Graph, x: Tensor) -> Tensor:
+    """x.pow(2) (PowBackward0): saves x. Backward: grad · (2 · x.pow(1)), three allocations."""
+    shape, dtype = x.shape, x.dtype
+
+    def rule(gs):
+        p1 = g.empty(shape, dtype, "pow")  # x.pow(1)
+        g.kernel("pow", (size(shape, dtype),), (p1,))
+        two = g.empty(shape, dtype, "mul")  # 2 · x.pow(1)
+        g.kernel("mul", (p1,), (two,))
+        grad = g.empty(shape, dtype, "mul")  # grad · that
+        g.kernel("mul", (gs[0], two), (grad,))
+        del p1, two
+        return [grad]
+
+    node = g.begin("pow", [x], rule, [(x, "self")])
+    out = g.empty(x.shape, x.dtype, "pow")
+    g.kernel("pow", (x,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def mean_last(g: Graph, x: Tensor) -> Tensor:
+    """x.mean(-1, keepdim=True): saves nothing; backward: grad.expand(x) / n, a full-size div."""
+    shape = x.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "div")
+        g.kernel("div", (gs[0],), (out,))
+        return [out]
+
+    node = g.begin("mean", [x], rule)
+    out = g.empty(x.shape[:-1] + (1,), x.dtype, "mean")
+    g.kernel("mean", (x,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def rsqrt(g: Graph, x: Tensor) -> Tensor:
+    """rsqrt (RsqrtBackward0): saves its result. Backward: -0.5 · grad · result.pow(3), three allocations."""
+    shape, dtype = x.shape, x.dtype
+
+    def rule(gs):
+        p3 = g.empty(shape, dtype, "pow")
+        g.kernel("pow", (size(shape, dtype),), (p3,))
+        half = g.empty(shape, dtype, "mul")
+        g.kernel("mul", (p3,), (half,))
+        grad = g.empty(shape, dtype, "mul")
+        g.kernel("mul", (gs[0], half), (grad,))
+        del p3, half
+        return [grad]
+
+    node = g.begin("rsqrt", [x], rule)
+    out = g.empty(x.shape, x.dtype, "rsqrt")
+    g.kernel("rsqrt", (x,), (out,))
+    g.end(node, [out], [(out, "result")])
+    return out
+
+
+def unary(g: Graph, x: Tensor, op: str, backward_op: str, saves: str) -> Tensor:
+    """An elementwise op whose node saves its input ('self') or its output ('result'); its backward
+    reads the gradient and what was saved (same size), and writes the input's gradient."""
+    saved_bytes = nbytes(x)
+
+    def rule(gs):
+        out = g.empty(gs[0].shape, gs[0].dtype, backward_op)
+        g.kernel(backward_op, (gs[0], saved_bytes), (out,))
+        return [out]
+
+    node = g.begin(op, [x], rule, [(x, "self")] if saves == "self" else [])
+    out = g.empty(x.shape, x.dtype, op)
+    g.kernel(op, (x,), (out,))
+    g.end(node, [out], [(out, "result")] if saves == "result" else [])
+    return out
+
+
+def gelu(g: Graph, x: Tensor) -> Tensor:
+    """F.gelu(approximate='tanh') (GeluBackward0): saves its input."""
+    return unary(g, x, "gelu", "gelu_backward", "self")
+
+
+def silu(g: Graph, x: Tensor) -> Tensor:
+    """F.silu (SiluBackward0): saves its input."""
+    return unary(g, x, "silu", "silu_backward", "self")
+
+
+def softmax(g: Graph, x: Tensor) -> Tensor:
+    """F.softmax(x, -1), aten._softmax (SoftmaxBackward0): saves its output."""
+    return unary(g, x, "_softmax", "_softmax_backward_data", "result")
+
+
+def log_softmax(g: Graph, x: Tensor) -> Tensor:
+    """aten._log_softmax(x, 1) (LogSoftmaxBackward0): saves its output."""
+    return unary(g, x, "_log_softmax", "_log_softmax_backward_data", "result")
+
+
+def native_dropout(g: Graph, x: Tensor) -> Tensor:
+    """aten.native_dropout, what F.dropout runs on CUDA (NativeDropoutBackward0): output and a
+    bool mask; saves the mask. Backward reads the gradient and the mask."""
+    mask_bytes = size(x.shape, "bool")
+
+    def rule(gs):
+        out = g.empty(gs[0].shape, gs[0].dtype, "native_dropout_backward")
+        g.kernel("native_dropout_backward", (gs[0], mask_bytes), (out,))
+        return [out]
+
+    node = g.begin("native_dropout", [x], rule)
+    out = g.empty(x.shape, x.dtype, "native_dropout")
+    mask = g.empty(x.shape, "bool", "native_dropout")
+    g.kernel("native_dropout", (x,), (out, mask))
+    g.end(node, [out, mask], [(mask, "mask")])
+    return out
+
+
+def masked_fill(g: Graph, x: Tensor, mask: Tensor) -> Tensor:
+    """x.masked_fill(mask, -inf) (MaskedFillBackward0): saves the mask (a view of the causal buffer).
+    The (T, T) mask broadcasts over batch and heads: read once (see memcalc.exact.sim.nbytes)."""
+    mask_bytes = nbytes(mask)
+
+    def rule(gs):
+        out = g.empty(gs[0].shape, gs[0].dtype, "masked_fill")
+        g.kernel("masked_fill", (gs[0], mask_bytes), (out,))
+        return [out]
+
+    node = g.begin("masked_fill", [x], rule, [(mask, "mask")])
+    out = g.empty(x.shape, x.dtype, "masked_fill")
+    g.kernel("masked_fill", (x, mask), (out,))
+    g.end(node, [out])
+    return out
+
+
+def cat_last(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """torch.cat((a, b), -1) (CatBackward0): saves nothing; backward narrows the gradient (views)."""
+    sa, sb = a.shape, b.shape
+    node = g.begin("cat", [a, b], lambda gs: [g.view(gs[0], sa), g.view(gs[0], sb)])
+    out = g.empty(a.shape[:-1] + (a.shape[-1] + b.shape[-1],), a.dtype, "cat")
+    g.kernel("cat", (a, b), (out,))
+    g.end(node, [out])
+    return out
+
+
+def chunk2(g: Graph, x: Tensor) -> tuple[Tensor, Tensor]:
+    """x.chunk(2, -1): two views; backward concatenates both gradients (a new tensor)."""
+    shape = x.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "cat")
+        g.kernel("cat", tuple(gs), (out,))
+        return [out]
+
+    node = g.begin("split", [x], rule)
+    half = x.shape[:-1] + (x.shape[-1] // 2,)
+    x1, x2 = g.view(x, half), g.view(x, half)
+    g.end(node, [x1, x2])
+    return x1, x2
+
+
+# -- matmuls --------------------------------------------------------------------------------------
+
+
+def mm(g: Graph, a: Tensor, b: Tensor, kind: str = "linear") -> Tensor:
+    """a @ b, 2-D (MmBackward0): saves a when b needs grad and b when a does; backward makes b's
+    gradient first, then a's."""
+    sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
+    a_bytes, b_bytes, dt = nbytes(a), nbytes(b), a.dtype
+
+    fl = 2 * sa[0] * sa[1] * sb[1]
+
+    def rule(gs):
+        db = da = None
+        if gb:  # aᵀ · grad
+            db = g.empty(sb, gs[0].dtype, "mm")
+            g.kernel("mm", (a_bytes, gs[0]), (db,), "tensor", fl, kind, dtype=dt)
+        if ga:  # grad · bᵀ
+            da = g.empty(sa, gs[0].dtype, "mm")
+            g.kernel("mm", (gs[0], b_bytes), (da,), "tensor", fl, kind, dtype=dt)
+        return [da, db]
+
+    node = g.begin("mm", [a, b], rule, ([(a, "self")] if gb else []) + ([(b, "mat2")] if ga else []))
+    out = g.empty((a.shape[0], b.shape[1]), a.dtype, "mm")
+    g.kernel("mm", (a, b), (out,), "tensor", fl, kind, dtype=dt)
+    g.end(node, [out])
+    return out
+
+
+def addmm(g: Graph, bias: Tensor, a: Tensor, b: Tensor, kind: str = "linear") -> Tensor:
+    """bias + a @ b (AddmmBackward0): saves a and b; backward: a's gradient, b's, then the bias's
+    (the incoming gradient, summed over rows by validate_outputs)."""
+    sa, sb, sc = a.shape, b.shape, bias.shape
+    ga, gb, gc = a.requires_grad, b.requires_grad, bias.requires_grad
+    a_bytes, b_bytes, dt = nbytes(a), nbytes(b), a.dtype
+
+    fl = 2 * sa[0] * sa[1] * sb[1]
+
+    def rule(gs):
+        da = db = None
+        if ga:  # grad · bᵀ
+            da = g.empty(sa, gs[0].dtype, "mm")
+            g.kernel("mm", (gs[0], b_bytes), (da,), "tensor", fl, kind, dtype=dt)
+        if gb:  # aᵀ · grad
+            db = g.empty(sb, gs[0].dtype, "mm")
+            g.kernel("mm", (a_bytes, gs[0]), (db,), "tensor", fl, kind, dtype=dt)
+        return [(gs[0], sc) if gc else None, da, db]
+
+    node = g.begin("addmm", [bias, a, b], rule, ([(a, "mat1")] if gb else []) + ([(b, "mat2")] if ga else []))
+    out = g.empty((a.shape[0], b.shape[1]), a.dtype, "addmm")
+    g.kernel("addmm", (bias, a, b), (out,), "tensor", fl, kind, dtype=dt)
+    g.end(node, [out])
+    return out
+
+
+def bmm(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """Batched a @ b (BmmBackward0): saves both; backward makes b's gradient, then a's."""
+    sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
+    a_bytes, b_bytes, dt = nbytes(a), nbytes(b), a.dtype
+
+    fl = 2 * sa[0] * sa[1] * sa[2] * sb[2]
+
+    def rule(gs):
+        db = da = None
+        if gb:  # aᵀ · grad
+            db = g.empty(sb, gs[0].dtype, "bmm")
+            g.kernel("bmm", (a_bytes, gs[0]), (db,), "tensor", fl, "attention", dtype=dt)
+        if ga:  # grad · bᵀ
+            da = g.empty(sa, gs[0].dtype, "bmm")
+            g.kernel("bmm", (gs[0], b_bytes), (da,), "tensor", fl, "attention", dtype=dt)
+        return [da, db]
+
+    node = g.begin("bmm", [a, b], rule, ([(a, "self")] if gb else []) + ([(b, "mat2")] if ga else []))
+    out = g.empty((a.shape[0], a.shape[1], b.shape[2]), a.dtype, "bmm")
+    g.kernel("bmm", (a, b), (out,), "tensor", fl, "attention", dtype=dt)
+    g.end(node, [out])
+    return out
+
+
+def linear(g: Graph, x: Tensor, w: Tensor, b: Tensor | None, kind: str = "linear") -> Tensor:
+    """F.linear on a contiguous (B, T, in) x: with a bias, reshape to 2-D + addmm + view
+    (_flatten_nd_linear); without, matmul's fold: reshape (a view) + mm + _unsafe_view."""
+    lead = x.shape[:-1]
+    if b is None:  # matmul(x, w.t()): w.t() is made first, then x folds inside matmul
+        wt = t(g, w)
+        x2 = view(g, x, (math.prod(lead), x.shape[-1]))
+        y2 = mm(g, x2, wt, kind)
+    else:  # _flatten_nd_linear: x reshaped first, then addmm(b, x2, w.t())
+        x2 = view(g, x, (math.prod(lead), x.shape[-1]))
+        wt = t(g, w)
+        y2 = addmm(g, b, x2, wt, kind)
+    return view(g, y2, lead + (w.shape[0],))
+
+
+def matmul4(g: Graph, a: Tensor, b: Tensor, a_copies: bool, b_copies: bool, grad_copies: bool) -> Tensor:
+    """a @ b on 4-D (B, H, m, k) @ (B, H, k, n): torch.matmul expands both, reshapes each to 3-D
+    (a copy where (B, H) cannot merge), bmm, and views the result back to 4-D."""
+    B, H = a.shape[0], a.shape[1]
+    a3 = (reshape_copy if a_copies else view)(g, expand(g, a, a.shape), (B * H,) + a.shape[2:])
+    b3 = (reshape_copy if b_copies else view)(g, expand(g, b, b.shape), (B * H,) + b.shape[2:])
+    y3 = bmm(g, a3, b3)
+    del a3, b3
+    return view(g, y3, (B, H, a.shape[2], b.shape[3]), grad_copies)
+
+
+# -- layers ---------------------------------------------------------------------------------------
+
+
+def embedding(g: Graph, w: Tensor, idx: Tensor) -> Tensor:
+    """F.embedding (EmbeddingBackward0): saves the indices; backward makes a dense (V, h) gradient.
+    Forward gathers one row per index; backward writes the whole table's gradient and adds the rows in."""
+    shape, idx_bytes = w.shape, nbytes(idx)
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "embedding_dense_backward")
+        g.kernel("embedding_dense_backward", (gs[0], idx_bytes), (out,))
+        return [out, None]
+
+    node = g.begin("embedding", [w, idx], rule, [(idx, "indices")])
+    out = g.empty(idx.shape + (w.shape[1],), w.dtype, "embedding")
+    g.kernel("embedding", (idx, nbytes(out)), (out,))  # the rows gathered: as many bytes as written
+    g.end(node, [out])
+    return out
+
+
+def layer_norm(g: Graph, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """aten.native_layer_norm (NativeLayerNormBackward0): output, and fp32 mean and rstd (B, T, 1);
+    saves input, weight, bias, mean, rstd. Backward: grad input, grad weight, grad bias."""
+    sx, sw = x.shape, w.shape
+    stat = x.shape[:-1] + (1,)
+    read = nbytes(x) + nbytes(w) + 2 * size(stat, "fp32")  # input, weight, mean, rstd
+
+    def rule(gs):
+        op = "native_layer_norm_backward"
+        dx, dw, db = g.empty(sx, gs[0].dtype, op), g.empty(sw, gs[0].dtype, op), g.empty(sw, gs[0].dtype, op)
+        g.kernel(op, (gs[0], read), (dx, dw, db))
+        return [dx, dw, db]
+
+    node = g.begin("native_layer_norm", [x, w, b], rule, [(x, "input"), (w, "weight"), (b, "bias")])
+    out = g.empty(x.shape, x.dtype, "native_layer_norm")
+    mean = g.empty(stat, "fp32", "native_layer_norm")
+    rstd = g.empty(stat, "fp32", "native_layer_norm")
+    g.kernel("native_layer_norm", (x, w, b), (out, mean, rstd))
+    g.end(node, [out, mean, rstd], [(mean, "mean"), (rstd, "rstd")])
+    return out
+
+
+def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """aten._scaled_dot_product_flash_attention (ScaledDotProductFlashAttentionBackward0): output
+    (laid out as q), logsumexp (B, nh, T) fp32, the Philox seed (2 x uint64) and offset (uint64);
+    saves q, k, v, output, logsumexp, seed, offset. Backward: grad q, k, v.
+
+    HBM traffic is Q, K, V, O and the logsumexp (forward), and Q, K, V, O, dO, logsumexp in, dQ, dK,
+    dV out (backward): the s×s scores stay on chip (Dao et al. 2022, sec. 3.1). The kernel is causal
+    (verify/builder.py): it skips the masked blocks, so it executes half the FLOPs FlopCounterMode counts."""
+    sq, sk, sv = q.shape, k.shape, v.shape
+    B, nh, Tq, d = q.shape
+    one = 2 * B * nh * Tq * k.shape[2] * d  # one (B·nh) x Tq x Tk matmul over d (GQA heads broadcast)
+    op = "_scaled_dot_product_flash_attention_backward"
+    qkv_bytes, dt = nbytes(q) + nbytes(k) + nbytes(v), q.dtype
+    o_bytes, lse_bytes = size(q.shape, q.dtype), size(q.shape[:3], "fp32")
+
+    def rule(gs):
+        grads = [g.empty(sq, gs[0].dtype, op), g.empty(sk, gs[0].dtype, op), g.empty(sv, gs[0].dtype, op)]
+        # QKᵀ recomputed, dP, dV, dQ, dK: FlopCounterMode counts 5 matmuls; the causal kernel runs half
+        g.kernel(op, (qkv_bytes, o_bytes, gs[0], lse_bytes), tuple(grads), "flash", 5 * one // 2, "attention",
+                 5 * one, dt)  # fmt: skip
+        return grads
+
+    node = g.begin("_scaled_dot_product_flash_attention", [q, k, v], rule, [(q, "query"), (k, "key"), (v, "value")])
+    name = "_scaled_dot_product_flash_attention"
+    out = g.empty(q.shape, q.dtype, name)
+    lse = g.empty(q.shape[:3], "fp32", name)
+    g.kernel(name, (q, k, v), (out, lse), "flash", one, "attention", 2 * one, dt)  # QKᵀ and PV, causal half
+    seed = g.empty((2,), "uint64", name)
+    offset = g.empty((), "uint64", name)
+    g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp"), (seed, "philox_seed"), (offset, "philox_offset")])
+    return out
+
+
+def nll_loss(g: Graph, logp: Tensor, target: Tensor) -> Tensor:
+    """aten.nll_loss_forward, mean (NllLossBackward0): the loss and total_weight (fp32 scalars);
+    saves target and total_weight. Backward: a dense (N, V) gradient, -1/N at each target, 0 elsewhere."""
+    shape, target_bytes = logp.shape, nbytes(target)
+    picked = shape[0] * ITEMSIZE[logp.dtype]  # forward reads one log-probability per row
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "nll_loss_backward")
+        g.kernel("nll_loss_backward", (gs[0], target_bytes), (out,))
+        return [out, None]
+
+    node = g.begin("nll_loss_forward", [logp, target], rule, [(target, "target")])
+    loss = g.empty((), logp.dtype, "nll_loss_forward")
+    total_weight = g.empty((), logp.dtype, "nll_loss_forward")
+    g.kernel("nll_loss_forward", (target, picked), (loss, total_weight))
+    g.end(node, [loss, total_weight], [(total_weight, "total_weight")])
+    return loss

@@ -1,0 +1,137 @@
+"""Textbook activation memory: Korthikanti et al. 2022 (arXiv 2205.05198), sec. 4.1.
+
+Per layer, with 16-bit activations and 1-byte dropout masks, bytes saved for backward:
+  attention  11·s·b·h + 5·a·s²·b   (QKV input 2sbh, Q and K 4sbh, softmax output 2as²b,
+                                    its dropout mask as²b, dropout output 2as²b, V 2sbh,
+                                    output-projection input 2sbh, output dropout mask sbh)
+  MLP        19·s·b·h              (input 2sbh, GeLU input 8sbh, GeLU output 8sbh, mask sbh)
+  LayerNorms  4·s·b·h              (the input of each of the two, 2sbh each)
+  total s·b·h·(34 + 5·a·s/h)       (eq. 1)
+This is the GPT-3 layer (MHA, 4h MLP, dropout). The exact, architecture-aware count for GQA and
+SwiGLU models lives in memcalc.exact; these numbers stay the textbook's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import Tricks
+from memcalc.terms import Term
+
+KORTHIKANTI = "Korthikanti et al. 2022, sec. 4.1"
+
+
+@dataclass(slots=True)
+class Activations:
+    """Activation memory of one trick set: per-layer terms, all layers, and the backward peak."""
+
+    tricks: Tricks
+    n_layers: int
+    terms: tuple[Term, ...]  # bytes kept per layer until backward
+    rebuilt: tuple[Term, ...]  # bytes one layer rebuilds during backward (recompute)
+
+    @property
+    def per_layer_bytes(self) -> int:
+        return sum(t.value for t in self.terms)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.per_layer_bytes * self.n_layers
+
+    @property
+    def rebuilt_bytes(self) -> int:
+        return sum(t.value for t in self.rebuilt)
+
+    @property
+    def peak_bytes(self) -> int:
+        """All layers' kept bytes plus one layer rebuilt while its backward runs."""
+        return self.total_bytes + self.rebuilt_bytes
+
+
+def layer_terms(shape: ModelShape, seq_len: int, micro_batch: int, factor: int) -> dict[str, Term]:
+    """Korthikanti's per-layer terms; factor 2 doubles every byte for fp32 activations."""
+    s, b, h, a = seq_len, micro_batch, shape.hidden, shape.n_heads
+    sbh = s * b * h
+    x = "2·" if factor == 2 else ""
+    return {
+        "attention": Term("attention (linear part)", factor * 11 * sbh, x + "11·{s}·{b}·{h}", KORTHIKANTI),
+        "scores": Term("attention s×s (softmax, mask, dropout)", factor * 5 * a * s * s * b,
+                       x + "5·{a}·{s}²·{b}", KORTHIKANTI),  # fmt: skip
+        "mlp": Term("MLP", factor * 19 * sbh, x + "19·{s}·{b}·{h}", KORTHIKANTI),
+        "norms": Term("LayerNorms", factor * 4 * sbh, x + "4·{s}·{b}·{h}", KORTHIKANTI),
+        "input": Term("layer input (checkpoint)", factor * 2 * sbh, x + "2·{s}·{b}·{h}",
+                      "Korthikanti et al. 2022, sec. 5 (full recompute keeps 2sbh)"),  # fmt: skip
+    }
+
+
+def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> Activations:
+    """What one trick set keeps per layer, and what backward rebuilds.
+
+    flash: the s×s part is never stored (Dao et al. 2022), leaving 34·s·b·h.
+    selective: the s×s part is recomputed in backward (Korthikanti sec. 5), also 34·s·b·h kept.
+    ckpt: only each layer's input, 2·s·b·h; backward rebuilds one whole layer at a time.
+    """
+    t = layer_terms(shape, seq_len, micro_batch, 2 if tricks.precision == "fp32" else 1)
+    linear = (t["attention"], t["mlp"], t["norms"])
+    full_layer = linear if tricks.flash else (t["attention"], t["scores"], t["mlp"], t["norms"])
+    if tricks.recompute == "full":
+        return Activations(tricks, shape.n_layers, (t["input"],), full_layer)
+    if tricks.recompute == "selective" and not tricks.flash:
+        return Activations(tricks, shape.n_layers, linear, (t["scores"],))
+    return Activations(tricks, shape.n_layers, full_layer, ())
+
+
+@dataclass(slots=True)
+class AttentionDetail:
+    """The numbers a course shows about the s×s matrix."""
+
+    score_one_head_bytes: int  # one head's s×s scores for the micro-batch, 16-bit
+    scores_per_layer_bytes: int  # 5·a·s²·b
+    attention_linear_bytes: int  # 11·s·b·h
+    layer_bytes: int  # s·b·h·(34 + 5as/h)
+
+    @property
+    def scores_share(self) -> float:
+        """Fraction of a layer's activations that is the s×s part."""
+        return self.scores_per_layer_bytes / self.layer_bytes
+
+    @property
+    def attention_share(self) -> float:
+        """Fraction of a layer's activations that the attention block keeps."""
+        return (self.attention_linear_bytes + self.scores_per_layer_bytes) / self.layer_bytes
+
+
+def attention_detail(shape: ModelShape, seq_len: int, micro_batch: int) -> AttentionDetail:
+    s, b, h, a = seq_len, micro_batch, shape.hidden, shape.n_heads
+    return AttentionDetail(
+        score_one_head_bytes=2 * s * s * b,  # one (s, s) bf16 matrix per sequence
+        scores_per_layer_bytes=5 * a * s * s * b,
+        attention_linear_bytes=11 * s * b * h,
+        layer_bytes=s * b * h * 34 + 5 * a * s * s * b,
+    )
+
+
+@dataclass(slots=True)
+class Logits:
+    """The output layer's big tensors, kept out of the per-layer textbook numbers."""
+
+    terms: tuple[Term, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.value for t in self.terms)
+
+
+def logits_memory(shape: ModelShape, seq_len: int, micro_batch: int, precision: str) -> Logits:
+    """Logits (b·s·v in the activation dtype) and, in mixed precision, their fp32 upcast for the loss."""
+    tokens_vocab = seq_len * micro_batch * shape.vocab
+    if precision == "fp32":
+        return Logits((Term("logits (fp32)", 4 * tokens_vocab, "4·{b}·{s}·{v}", "lm_head matmul output"),))
+    return Logits(
+        (
+            Term("logits (16-bit)", 2 * tokens_vocab, "2·{b}·{s}·{v}", "lm_head matmul output"),
+            Term("logits fp32 upcast for cross-entropy", 4 * tokens_vocab, "4·{b}·{s}·{v}",
+                 "logits.float() before F.cross_entropy"),  # fmt: skip
+        )
+    )

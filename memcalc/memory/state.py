@@ -1,0 +1,124 @@
+"""Model state: weights, gradients, master weights and optimizer state, per GPU.
+
+Mixed precision with Adam (Micikevicius et al. 2018; Rajbhandari et al. 2019, sec. 3.1):
+2 (16-bit weight) + 2 (16-bit grad) + 4 (fp32 master) + 4 (Adam m) + 4 (Adam v) = 16 bytes/param.
+ZeRO stage 1 shards optimizer state (master, m, v) over the data-parallel ranks, stage 2 adds the
+gradients, stage 3 the weights (Rajbhandari et al. 2019, sec. 5, Fig. 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.errors import InputError
+
+OPTIMIZERS = ("adamw", "sgd", "adam8bit")
+BNB_BLOCK = 256  # elements per absmax scale in bitsandbytes' block-wise 8-bit optimizers
+MAX_GPUS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How model state is spread: data-parallel GPUs, ZeRO stage, optimizer offload to host."""
+
+    gpus: int = 1
+    zero: int = 0  # 0 replicates everything; 1, 2, 3 as Rajbhandari et al. 2019
+    offload: bool = False  # ZeRO-Offload (Ren et al. 2021): master + moments live in host memory
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or not 0 < self.gpus <= MAX_GPUS:
+            raise InputError(f"gpus must be a whole number in [1, {MAX_GPUS}], got {self.gpus!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise InputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.offload and self.zero == 0 and self.gpus > 1:
+            raise InputError("optimizer offload over several data-parallel GPUs needs ZeRO >= 1 "
+                             "(DeepSpeed's offload_optimizer runs on ZeRO stages 1-3)")  # fmt: skip
+
+    @property
+    def gathers_layers(self) -> bool:
+        """ZeRO-3 over several GPUs all-gathers each layer's weights before it runs."""
+        return self.zero == 3 and self.gpus > 1
+
+
+@dataclass(slots=True)
+class StatePart:
+    name: str  # "weights", "grads", "master", "adam_m", ...
+    dtype: str  # what one element is stored as
+    bytes_per_param: float  # before sharding; 8-bit Adam adds its per-block scales
+    bytes: int  # held by one GPU (or, on host, by one GPU's share of host memory)
+    sharded_over: int  # how many ranks share this part (1: replicated)
+    on_host: bool  # moved to CPU memory by offload
+    formula: str  # template over {N} parameters and {G} GPUs, for --explain
+
+
+@dataclass(slots=True)
+class ModelState:
+    params: int
+    precision: str
+    optimizer: str
+    parallel: Parallel
+    parts: tuple[StatePart, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Per-GPU bytes in GPU memory."""
+        return sum(p.bytes for p in self.parts if not p.on_host)
+
+    @property
+    def host_bytes(self) -> int:
+        """Per-GPU bytes moved to host memory by offload."""
+        return sum(p.bytes for p in self.parts if p.on_host)
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Unsharded bytes per parameter, all parts together (16 for mixed-precision AdamW)."""
+        return sum(p.bytes_per_param for p in self.parts)
+
+
+def optimizer_elements(optimizer: str, params: int) -> list[tuple[str, str, int, str]]:
+    """(name, dtype, bytes, formula) of each optimizer state tensor, unsharded."""
+    if optimizer == "adamw":  # Loshchilov & Hutter 2019: first and second moments in fp32
+        return [("adam_m", "fp32", 4 * params, "4·{N}"), ("adam_v", "fp32", 4 * params, "4·{N}")]
+    if optimizer == "sgd":  # SGD with momentum: one fp32 buffer
+        return [("momentum", "fp32", 4 * params, "4·{N}")]
+    if optimizer == "adam8bit":  # Dettmers et al. 2022: uint8 states + one fp32 absmax per block
+        size = params + 4 * -(-params // BNB_BLOCK)
+        formula = "{N} + 4·⌈{N}/%d⌉" % BNB_BLOCK
+        return [("adam_m", "uint8", size, formula), ("adam_v", "uint8", size, formula)]
+    raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+
+
+def unsharded_parts(precision: str, optimizer: str, params: int) -> list[tuple[str, str, int, int, str]]:
+    """(name, dtype, bytes, ZeRO stage that shards it, formula) for every part of model state."""
+    if precision == "fp32":  # fp32 training: weights and grads in fp32, no separate master copy
+        parts = [("weights", "fp32", 4 * params, 3, "4·{N}"), ("grads", "fp32", 4 * params, 2, "4·{N}")]
+    else:  # mixed precision (Micikevicius et al. 2018): 16-bit copies + fp32 master
+        parts = [
+            ("weights", precision, 2 * params, 3, "2·{N}"),
+            ("grads", precision, 2 * params, 2, "2·{N}"),
+            ("master", "fp32", 4 * params, 1, "4·{N}"),
+        ]
+    parts += [(name, dtype, size, 1, f) for name, dtype, size, f in optimizer_elements(optimizer, params)]
+    if precision == "fp16":  # dynamic loss scaling: torch.amp.GradScaler's fp32 scale + int32 tracker
+        parts.append(("loss_scale", "fp32+int32", 8, 99, "8"))
+    return parts
+
+
+def model_state(params: int, precision: str, optimizer: str = "adamw", parallel: Parallel = Parallel()) -> ModelState:
+    """Per-GPU model state. A part is sharded (ceil-divided) when the ZeRO stage reaches it."""
+    parts = []
+    for name, dtype, size, stage, formula in unsharded_parts(precision, optimizer, params):
+        shards = parallel.gpus if parallel.zero >= stage else 1
+        on_host = parallel.offload and stage == 1  # optimizer state: master weights and moments
+        per_param = 0.0 if name == "loss_scale" else size / params
+        if shards > 1:
+            formula = "⌈(" + formula + ")/{G}⌉"
+        parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula))
+    return ModelState(params, precision, optimizer, parallel, tuple(parts))
+
+
+def zero3_gather_bytes(layer_params: int, precision: str) -> int:
+    """ZeRO-3/FSDP working memory: two layers' weights gathered (the one running and the one prefetched)
+    and one layer's unsharded gradients before their reduce-scatter (FSDP2 fully_shard prefetches one
+    module ahead; DeepSpeed's stage3_prefetch_bucket_size plays the same role)."""
+    return 3 * (4 if precision == "fp32" else 2) * layer_params

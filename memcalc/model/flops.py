@@ -1,0 +1,128 @@
+"""Training FLOPs per token, and what recompute adds.
+
+Conventions (all per token, one forward + backward):
+  6N            Kaplan et al. 2020, sec. 2.1: 2N forward + 4N backward.
+  attention     12·L·H·Q·s for the QKᵀ and attention-over-V matmuls (PaLM, Chowdhery et al. 2022,
+                App. B; non-causal: every query against every key). Causal kernels skip half: 6·L·H·Q·s.
+  Korthikanti   model FLOPs 72·B·L·s·h²·(1 + s/6h + v/12hL) per iteration (sec. 6.3), with full
+                recompute 96·B·L·s·h²·(1 + s/6h + v/16hL). Their 72·L·h² is 6 × a GPT layer's 12h²
+                parameters; memcalc uses 6 × the shape's own layer parameters, so GQA and SwiGLU count right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.terms import Term
+
+from .shape import ModelShape
+from .tricks import Tricks
+
+
+@dataclass(slots=True)
+class Flops:
+    """FLOPs per token of one training step under each named convention."""
+
+    n_params: int
+    per_token: int  # 6N
+    per_token_full_recompute: int  # 8N: one more forward pass
+    attention_per_token: int  # 12·L·H·Q·s, non-causal
+    attention_per_token_causal: int  # half of it
+
+    @property
+    def recompute_overhead(self) -> float:
+        return self.per_token_full_recompute / self.per_token - 1
+
+
+def attention_flops(shape: ModelShape, seq_len: int) -> int:
+    """QKᵀ and attention over V, forward + backward, per token, every query against every key."""
+    return 12 * shape.n_layers * shape.q_dim * seq_len  # PaLM, Chowdhery et al. 2022, App. B: 12·L·H·Q·T
+
+
+def layer_weights(shape: ModelShape) -> int:
+    """The matmul weights of one block: W_q, W_k, W_v, W_o and the MLP (norms and biases do no matmul)."""
+    mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn
+    return 2 * shape.hidden * shape.q_dim + 2 * shape.hidden * shape.kv_dim + mlp
+
+
+def logits_flops(shape: ModelShape) -> int:
+    """The output projection, forward + backward, per token: 6·h·v (tied or not, it is a matmul)."""
+    return 6 * shape.hidden * shape.vocab  # Korthikanti et al. 2022, sec. 6.3: the v/12hL term
+
+
+def flops(shape: ModelShape, n_params: int, seq_len: int) -> Flops:
+    attention = attention_flops(shape, seq_len)
+    return Flops(
+        n_params=n_params,
+        per_token=6 * n_params,  # Kaplan et al. 2020: 2N forward + 4N backward
+        per_token_full_recompute=8 * n_params,  # + 2N: the forward pass again
+        attention_per_token=attention,
+        attention_per_token_causal=attention // 2,
+    )
+
+
+@dataclass(slots=True)
+class StepFlops:
+    """Model FLOPs (what the algorithm needs) and hardware FLOPs (what the GPU runs) per token."""
+
+    tricks: Tricks
+    model_per_token: int
+    hardware_per_token: int
+
+    @property
+    def recompute_overhead(self) -> float:
+        return self.hardware_per_token / self.model_per_token - 1
+
+
+def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
+    """Model and hardware FLOPs per token, with the shape's own matmul weights W per layer.
+
+    model      6·L·W + 12·L·H·Q·s + 6·h·v          (Korthikanti sec. 6.3: 72Lh²(1 + s/6h + v/12hL))
+    full       + 2·L·W + 4·L·H·Q·s                 (the layers' forward again: 96Lh²(1 + s/6h + v/16hL))
+    selective  + 4·L·H·Q·s                         (the forward of QKᵀ and attention over V again)
+    flash      + 2·L·H·Q·s                         (its backward recomputes QKᵀ; Dao et al. 2022 sec. 3.1)
+    """
+    layers = 6 * shape.n_layers * layer_weights(shape)
+    attention = attention_flops(shape, seq_len)
+    logits = logits_flops(shape)
+    model = layers + attention + logits
+    hardware = model
+    if tricks.flash:
+        hardware += attention // 6  # one of the forward's two s² matmuls, in flash's backward
+    if tricks.recompute == "full":
+        hardware += layers // 3 + attention // 3  # the layers' forward again
+    elif tricks.recompute == "selective" and not tricks.flash:
+        hardware += attention // 3  # the attention core's forward again; with flash nothing is left to recompute
+    return StepFlops(tricks, model, hardware)
+
+
+def model_flops(shape: ModelShape, seq_len: int, tokens: int) -> tuple[int, int]:
+    """step_flops' model FLOPs for `tokens` tokens, non-causal and causal (Megatron halves the attention):
+    what memcalc.exact, verify and the roofline hold MFU against."""
+    model = tokens * step_flops(shape, seq_len, Tricks()).model_per_token
+    return model, model - tokens * attention_flops(shape, seq_len) // 2
+
+
+def korthikanti_selective_overhead(shape: ModelShape, seq_len: int) -> float:
+    """Selective recompute's cost as Korthikanti et al. 2022 publish it (sec. 6.3, +2.7% for GPT-3).
+
+    Their hardware FLOPs 72BLsh²(1 + s/3h + v/12hL) charge the recomputed attention core at its
+    forward + backward cost, 12·L·H·Q·s per token; what the recompute executes is its forward,
+    4·L·H·Q·s, which is what step_flops charges.
+    """
+    model = step_flops(shape, seq_len, Tricks()).model_per_token
+    return attention_flops(shape, seq_len) / model
+
+
+def flop_terms(shape: ModelShape, n_params: int, seq_len: int) -> tuple[Term, ...]:
+    """The per-token formulas behind Flops and StepFlops, for --explain."""
+    f = flops(shape, n_params, seq_len)
+    model = step_flops(shape, seq_len, Tricks()).model_per_token
+    kaplan, palm, korth = "Kaplan et al. 2020, sec. 2.1", "Chowdhery et al. 2022, App. B", "Korthikanti et al. 2022, sec. 6.3"
+    return (
+        Term("training FLOPs per token (6N)", f.per_token, "6·{N}", kaplan),
+        Term("with full recompute (8N)", f.per_token_full_recompute, "8·{N}", kaplan + " + one more forward"),
+        Term("attention matmuls per token, non-causal", f.attention_per_token, "12·{L}·{a}·{d}·{s}", palm),
+        Term("attention matmuls per token, causal", f.attention_per_token_causal, "6·{L}·{a}·{d}·{s}", palm + ", halved"),
+        Term("model FLOPs per token", model, "6·{L}·{W} + 12·{L}·{a}·{d}·{s} + 6·{h}·{v}", korth),
+    )

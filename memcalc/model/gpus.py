@@ -1,0 +1,75 @@
+"""Dense peak rates, memory and bandwidth of the GPUs memcalc knows.
+
+Rates are dense tensor-core TFLOP/s from each vendor datasheet (sparse figures are 2x these);
+fp32 is the non-tensor-core rate, which PyTorch uses for fp32 matmuls unless TF32 is switched on
+(torch.backends.cuda.matmul.allow_tf32 defaults to False since PyTorch 1.12). It is also the
+vector rate memcalc.time.roofline gives elementwise kernels: ATen computes bf16/fp16 elementwise math in
+fp32 (at::opmath_type), so the datasheets' 16-bit non-tensor rates do not apply.
+memory_mib is the total that nvidia-smi reports for the card, not the marketing "GB".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.errors import InputError
+
+MIB = 1 << 20
+# CUDA context + cuBLAS workspaces: a few hundred MB that PyTorch's allocator never sees
+# (pytorch/pytorch#107667: ~300 MB context with lazy loading). Kept out of the fit verdict's
+# usable memory; calibrated by `memcalc verify` on a real GPU.
+CUDA_RESERVE_BYTES = 512 * MIB
+
+
+@dataclass(frozen=True)
+class GPU:
+    key: str
+    name: str
+    bf16_tflops: float  # dense tensor-core peak
+    fp16_tflops: float
+    tf32_tflops: float
+    fp32_tflops: float  # non-tensor-core
+    memory_mib: int  # nvidia-smi memory.total
+    bandwidth_gbps: float  # HBM bandwidth, GB/s (decimal)
+    source: str
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * MIB
+
+    @property
+    def usable_bytes(self) -> int:
+        """What PyTorch's allocator can hand out: total less the CUDA context reserve."""
+        return self.memory_bytes - CUDA_RESERVE_BYTES
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense peak FLOP/s for matmuls in that precision recipe."""
+        tflops = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp32": self.fp32_tflops}[precision]
+        return tflops * 1e12
+
+
+H100_DATASHEET = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+A100_DATASHEET = (
+    "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+)
+
+GPUS: dict[str, GPU] = {
+    g.key: g
+    for g in (
+        GPU("a100-40gb", "NVIDIA A100 SXM 40GB", 312, 312, 156, 19.5, 40960, 1555, A100_DATASHEET),
+        GPU("a100-80gb", "NVIDIA A100 SXM 80GB", 312, 312, 156, 19.5, 81920, 2039, A100_DATASHEET),
+        GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989, 989, 494.5, 67, 81559, 3350, H100_DATASHEET),
+        GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756, 756, 378, 51, 81559, 2000, H100_DATASHEET),
+        GPU("h200", "NVIDIA H200 SXM 141GB", 989, 989, 494.5, 67, 143771, 4800,
+            "https://www.nvidia.com/en-us/data-center/h200/"),  # fmt: skip
+    )
+}
+DEFAULT_GPU = "h100-sxm"
+
+
+def gpu(key: str) -> GPU:
+    name = key.strip().lower()
+    if name not in GPUS:
+        raise InputError(f"unknown GPU {key!r}; known: {', '.join(GPUS)}")
+    return GPUS[name]

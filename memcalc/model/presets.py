@@ -1,0 +1,87 @@
+"""Named models with their published shapes, and the canonical shape behind --params N."""
+
+from __future__ import annotations
+
+import math
+
+from memcalc.errors import InputError
+
+from .shape import Model, ModelShape, n_params
+
+
+def gpt(name: str, n_layers: int, hidden: int, n_heads: int, max_positions: int) -> ModelShape:
+    """GPT-2/3 layer: MHA, LayerNorm, 4h GELU MLP, biases, learned positions, tied embeddings."""
+    return ModelShape(
+        n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=50257, norm="layernorm",
+        linear_bias=True, positions="learned", max_positions=max_positions, dropout=0.1, name=name,
+    )  # fmt: skip
+
+
+def llama(name: str, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, ffn: int,
+          vocab: int, tied: bool, head_dim: int | None = None, qk_norm: bool = False) -> ModelShape:  # fmt: skip
+    """Llama/Qwen layer: GQA, RMSNorm, SwiGLU, RoPE, no biases, no dropout."""
+    return ModelShape(
+        n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        ffn=ffn, gated_mlp=True, norm="rmsnorm", vocab=vocab, tied_embeddings=tied,
+        positions="rope", qk_norm=qk_norm, name=name,
+    )  # fmt: skip
+
+
+# Shapes from each model's published config.json; the comment is the published parameter count.
+PRESETS: dict[str, ModelShape] = {
+    "gpt2": gpt("gpt2", 12, 768, 12, 1024),  # 124,439,808 (Radford et al. 2019; HF gpt2)
+    "gpt2-medium": gpt("gpt2-medium", 24, 1024, 16, 1024),  # 354,823,168 (HF gpt2-medium)
+    "gpt2-large": gpt("gpt2-large", 36, 1280, 20, 1024),  # 774,030,080 (HF gpt2-large)
+    "gpt2-xl": gpt("gpt2-xl", 48, 1600, 25, 1024),  # 1,557,611,200 (HF gpt2-xl)
+    "gpt3-175b": gpt("gpt3-175b", 96, 12288, 96, 2048),  # 175.0B (Brown et al. 2020, Table 2.1)
+    "llama3-8b": llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, False),  # 8,030,261,248
+    "llama3-70b": llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, False),  # 70,553,706,496
+    "llama3.1-405b": llama("llama3.1-405b", 126, 16384, 128, 8, 53248, 128256, False),  # 405B
+    "qwen3-0.6b": llama("qwen3-0.6b", 28, 1024, 16, 8, 3072, 151936, True, 128, True),  # 0.6B
+    "qwen3-1.7b": llama("qwen3-1.7b", 28, 2048, 16, 8, 6144, 151936, True, 128, True),  # 1.7B
+    "qwen3-4b": llama("qwen3-4b", 36, 2560, 32, 8, 9728, 151936, True, 128, True),  # 4.0B
+    "qwen3-8b": llama("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, False, 128, True),  # 8.2B
+    "qwen3-14b": llama("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, False, 128, True),  # 14.8B
+    "qwen3-32b": llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, False, 128, True),  # 32.8B
+}
+
+# --params N alone takes the nearest of these (in log-parameters): one dense family per size,
+# the Qwen3 dense models from 0.6B to 32B, Llama 3 at 70B and 405B, GPT-3 at 175B.
+# At 8e9 this is Qwen3-8B's shape: 36 layers, hidden 4096, 32 heads (8 KV heads, SwiGLU 12288).
+CANONICAL = (
+    "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
+    "llama3-70b", "gpt3-175b", "llama3.1-405b",
+)  # fmt: skip
+
+MAX_PARAMS = 1e14  # a hundred trillion: beyond any dense model trained
+
+
+def preset(name: str) -> ModelShape:
+    """The preset of that name, or a one-line InputError listing the known names."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise InputError(f"unknown model {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+def preset_model(name: str) -> Model:
+    shape = preset(name)
+    return Model(shape=shape, n_params=n_params(shape), origin=f"preset {shape.name}")
+
+
+def canonical_shape(params: int) -> ModelShape:
+    """The canonical shape whose own parameter count is nearest to params, in log scale."""
+    if not 0 < params <= MAX_PARAMS:
+        raise InputError(f"parameter count {params:.3g} is out of range (0, {MAX_PARAMS:.0e}]")
+    return min((PRESETS[k] for k in CANONICAL), key=lambda s: abs(math.log(n_params(s) / params)))
+
+
+def canonical_model(params: int) -> Model:
+    """--params N: N parameters on the nearest canonical shape, and a note saying so."""
+    shape = canonical_shape(params)
+    origin = (
+        f"{params / 1e9:.3g}B parameters on the canonical {shape.name} shape "
+        f"({shape.n_layers} layers, hidden {shape.hidden}, {shape.n_heads} heads; "
+        f"its own count is {n_params(shape) / 1e9:.3g}B)"
+    )
+    return Model(shape=shape, n_params=params, origin=origin)

@@ -1,0 +1,399 @@
+"""Bytes each GPU moves per training step, their time on the interconnect, and the step time of a layout.
+
+Ring algorithms (NCCL; nccl-tests doc/PERFORMANCE.md, "bus bandwidth"): over n ranks each GPU sends
+  all-reduce      2(n − 1)/n · B
+  reduce-scatter   (n − 1)/n · B   (B: the full, unsharded buffer)
+  all-gather       (n − 1)/n · B
+and receives as much at the same time, so a collective takes factor · B / (link rate · efficiency).
+Latency (the α of α-β models) is left out: the messages here are megabytes and more.
+
+A group of n ranks `stride` apart spans stride·n consecutive GPUs (rank order tp, cp, dp, pp); inside one
+node it runs on NVLink, across nodes on each GPU's own InfiniBand NIC.
+
+Step time (Narayanan et al. 2021): a pipeline of p stages and m micro-batches takes (m + (p − 1)/v) times
+the slowest stage's time per micro-batch; (p − 1)/v of them are the bubble. Communication hides behind
+compute where the frameworks overlap it; how much is a named assumption below, not a measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from memcalc.memory.estimate import Setup
+from memcalc.model.flops import StepFlops, attention_flops, logits_flops, step_flops
+from memcalc.model.gpus import A100_DATASHEET, GPU, H100_DATASHEET
+from memcalc.model.shape import Model, ModelShape
+from memcalc.model.tricks import Tricks
+
+from .layout import Layout, LayoutMemory, bubble_fraction
+
+
+@dataclass(frozen=True)
+class Link:
+    key: str
+    name: str
+    gb_per_s: float  # per GPU, per direction, decimal GB/s
+    source: str
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gb_per_s * 1e9
+
+
+H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
+DGX_H100 = "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html"
+DGX_A100 = "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html"
+
+LINKS: dict[str, Link] = {
+    k.key: k
+    for k in (
+        Link("nvlink4", "NVLink 4 via NVSwitch", 450,
+             f"NVLink 900 GB/s per GPU, both directions: {H100_DATASHEET}; {H200_PAGE}"),
+        Link("nvlink3", "NVLink 3 via NVSwitch", 300, f"NVLink 600 GB/s per GPU, both directions: {A100_DATASHEET}"),
+        Link("pcie5", "PCIe Gen5 x16", 64, f"PCIe Gen5 128 GB/s, both directions: {H100_DATASHEET}"),
+        Link("pcie4", "PCIe Gen4 x16", 32, f"PCIe Gen4 64 GB/s, both directions: {A100_DATASHEET}"),
+        Link("ndr", "InfiniBand NDR, 400 Gb/s per GPU", 50,
+             f"DGX H100: 8 ConnectX-7 400 Gb/s NICs, one per GPU: {DGX_H100}"),
+        Link("hdr", "InfiniBand HDR, 200 Gb/s per GPU", 25,
+             f"DGX A100: 8 ConnectX-6 200 Gb/s HDR NICs, one per GPU: {DGX_A100}"),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The links a GPU type usually comes with: inside a node, between nodes, to its host."""
+
+    intra: Link
+    inter: Link
+    host: Link
+
+
+# H100 PCIe cards pair up over NVLink bridges at most; eight in a node talk over PCIe.
+FABRICS: dict[str, Fabric] = {
+    "h100-sxm": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
+    "h200": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
+    "h100-pcie": Fabric(LINKS["pcie5"], LINKS["ndr"], LINKS["pcie5"]),
+    "a100-80gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
+    "a100-40gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
+}
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the time model assumes. An overlap share s hides min(comm, s · window) of a transfer behind
+    the compute that can run beside it; what is left is exposed and adds to the step.
+    """
+
+    efficiency: float = 0.8  # busbw / link rate NCCL's rings reach on large messages (calibrate: nccl-tests)
+    overlap_dp: float = 1.0  # gradients reduced behind backward (DDP buckets, Li et al. 2020), gathers behind forward
+    overlap_tp: float = 0.0  # TP collectives sit between dependent matmuls (Megatron-LM without TP comm overlap)
+    overlap_pp: float = 0.0  # stage-to-stage sends on the critical path of 1F1B
+    overlap_cp: float = 1.0  # ring attention sends the next K/V chunk while computing this one (Liu et al. 2023)
+    overlap_offload: float = 1.0  # PCIe copies of gradients/weights behind backward/forward (ZeRO-Offload, sec. 4)
+    # CPU Adam: ~4e9 parameters/s on one host (ZeRO-Offload's CPU-Adam on a DGX-2's two 24-core Xeons,
+    # Ren et al. 2021, order of magnitude); the node's GPUs share it. Exposed: no delayed parameter update.
+    cpu_adam_params_per_s: float = 4e9
+
+
+ASSUMPTIONS = Assumptions()
+
+
+@dataclass(slots=True)
+class Comm:
+    """One kind of traffic in a step, as one GPU sees it."""
+
+    name: str
+    group: str  # "tp", "cp", "pp", "dp×cp", "host"
+    ranks: int
+    link: str  # LINKS key
+    calls: int  # per step
+    bytes: int  # sent by one GPU per step (ring factors applied)
+    formula: str
+    seconds: float  # at the link's rate × efficiency
+    exposed_seconds: float  # what overlap leaves on the critical path
+
+
+@dataclass(slots=True)
+class StepTime:
+    """One optimizer step of a layout: compute on the slowest stage, the bubble, exposed traffic, offload."""
+
+    layout: Layout
+    tricks: Tricks
+    tokens_per_step: int  # all GPUs: global batch × sequence
+    model_flops_per_step: int  # all GPUs (Korthikanti sec. 6.3 convention, memcalc.model.flops.step_flops)
+    hardware_flops_per_step: int  # with recompute
+    peak_flops: float  # one GPU, dense, this precision
+    utilization: float  # fraction of peak sustained while computing (--mfu)
+    compute_seconds: float  # model FLOPs of the slowest stage's GPU, all micro-batches
+    recompute_seconds: float  # its recompute FLOPs
+    bubble_seconds: float  # pipeline fill and drain
+    comms: tuple[Comm, ...]
+    cpu_optimizer_seconds: float  # Adam on the host (optimizer offload)
+    assumptions: Assumptions
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def exposed_comm_seconds(self) -> float:
+        return sum(c.exposed_seconds for c in self.comms)
+
+    @property
+    def step_seconds(self) -> float:
+        compute = self.compute_seconds + self.recompute_seconds
+        return compute + self.bubble_seconds + self.exposed_comm_seconds + self.cpu_optimizer_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_seconds
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs / (step time · GPUs · peak)."""
+        return self.model_flops_per_step / (self.step_seconds * self.world * self.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops_per_step / (self.step_seconds * self.world * self.peak_flops)
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """Seconds of the step by cause: compute, recompute, bubble, exposed traffic per group, CPU optimizer."""
+        out = {"compute": self.compute_seconds, "recompute": self.recompute_seconds, "bubble": self.bubble_seconds}
+        for c in self.comms:
+            out[c.group] = out.get(c.group, 0.0) + c.exposed_seconds
+        out["cpu optimizer"] = self.cpu_optimizer_seconds
+        return out
+
+
+def link_for(fabric: Fabric, span: int, gpus_per_node: int) -> Link:
+    """NVLink when the group's span of consecutive ranks fits in a node, else the NIC between nodes."""
+    return fabric.intra if span <= gpus_per_node else fabric.inter
+
+
+def exposed(seconds: float, share: float, window: float) -> float:
+    """What is left of a transfer after hiding up to share · window behind compute."""
+    return max(0.0, seconds - share * window)
+
+
+def ring(name: str, group: str, ranks: int, link: Link, calls: int, factor: int, message: int, formula: str,
+         assume: Assumptions, share: float, window: float) -> Comm:  # fmt: skip
+    """`calls` ring collectives of `message` bytes each: factor 2 for all-reduce, 1 for all-gather or
+    reduce-scatter, times (n − 1)/n (NCCL bus bytes). `window`: the compute all the calls can hide behind."""
+    sent = calls * factor * (ranks - 1) * message // ranks
+    seconds = sent / (link.bytes_per_s * assume.efficiency)
+    return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window))
+
+
+def send(name: str, group: str, ranks: int, link: Link, calls: int, sent: int, formula: str,
+         assume: Assumptions, share: float, window: float) -> Comm:  # fmt: skip
+    """Point-to-point traffic: `sent` bytes in all, sent while as much is received."""
+    seconds = sent / (link.bytes_per_s * assume.efficiency)
+    return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window))
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """Seconds one GPU of the slowest stage computes for one micro-batch."""
+
+    model_seconds: float  # model FLOPs
+    extra_seconds: float  # recompute FLOPs
+    attention_seconds: float  # the attention core (QKᵀ, attention over V), forward + backward
+
+    @property
+    def seconds(self) -> float:
+        return self.model_seconds + self.extra_seconds
+
+    @property
+    def forward(self) -> float:
+        return self.seconds / 3  # backward is twice the forward (Kaplan et al. 2020: 4N against 2N)
+
+    @property
+    def backward(self) -> float:
+        return 2 * self.seconds / 3
+
+
+@lru_cache(maxsize=256)
+def flops_per_token(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
+    """memcalc.model.flops.step_flops, remembered: the planner asks for the same few thousands of times."""
+    return step_flops(shape, seq_len, tricks)
+
+
+def micro_batch_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout) -> MicroBatch:
+    """FLOPs of one micro-batch on one GPU: the stage's layers (and, on the last stage, the output
+    layer's 6·h·v per token, Korthikanti sec. 6.3), split over tp · cp; the slower of the end stages."""
+    shape, s, L, p = model.shape, setup.seq_len, model.shape.n_layers, layout.pp
+    f = flops_per_token(shape, s, tricks)
+    logits = logits_flops(shape)
+    layer_model = (f.model_per_token - logits) // L  # the layers' part is a multiple of L
+    layer_extra = (f.hardware_per_token - f.model_per_token) // L
+    layers = L // p
+    tokens = setup.micro_batch * s
+    rate = setup.mfu * gpu.peak_flops(tricks.precision) * layout.tp * layout.cp
+    attention = attention_flops(shape, s) // L * layers  # PaLM App. B: 12·H·Q·s per token per layer
+    return MicroBatch(
+        model_seconds=tokens * (layers * layer_model + logits) / rate,  # the last stage is the slowest
+        extra_seconds=tokens * layers * layer_extra / rate,
+        attention_seconds=tokens * attention / rate,
+    )
+
+
+def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, memory: LayoutMemory,
+              assume: Assumptions = ASSUMPTIONS) -> StepTime:  # fmt: skip
+    """The step of one layout, with setup.micro_batch b and setup.grad_accum m micro-batches per pipeline.
+
+    step = m · (compute + exposed TP, CP, PP traffic per micro-batch) · (1 + (p − 1)/(v·m))
+           + exposed data-parallel and offload traffic + the CPU optimizer
+    """
+    m = setup.grad_accum
+    fabric = FABRICS[gpu.key]
+    mb = micro_batch_work(model, setup, gpu, tricks, layout)
+    args = (layout, model, setup, tricks, fabric, assume, mb)
+    per_mb = [x for x in (tp_comm(*args), cp_comm(*args), pp_comm(*args)) if x]
+    slowest = mb.seconds + sum(x.exposed_seconds for x in per_mb)  # one micro-batch through the slowest stage
+    per_step = [Comm(x.name, x.group, x.ranks, x.link, x.calls * m, x.bytes * m, x.formula, x.seconds * m,
+                     x.exposed_seconds * m) for x in per_mb]  # fmt: skip
+    params = max(st.params for st in memory.stages)  # the stage with the most weights syncs longest
+    w = 4 if tricks.precision == "fp32" else 2  # bytes of a weight and of a gradient
+    host, cpu = offload_comm(layout, params, w, m, fabric, assume, mb)
+    tokens = layout.dp * m * setup.micro_batch * setup.seq_len
+    f = flops_per_token(model.shape, setup.seq_len, tricks)
+    return StepTime(
+        layout=layout,
+        tricks=tricks,
+        tokens_per_step=tokens,
+        model_flops_per_step=tokens * f.model_per_token,
+        hardware_flops_per_step=tokens * f.hardware_per_token,
+        peak_flops=gpu.peak_flops(tricks.precision),
+        utilization=setup.mfu,
+        compute_seconds=m * mb.model_seconds,
+        recompute_seconds=m * mb.extra_seconds,
+        bubble_seconds=slowest * m * bubble_fraction(layout, m),  # (p − 1)/v micro-batch times idle
+        comms=tuple(per_step + dp_comm(layout, params, w, m, fabric, assume, mb) + host),
+        cpu_optimizer_seconds=cpu,
+        assumptions=assume,
+    )
+
+
+def tp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
+    """Megatron TP: 2 all-reduces forward and 2 backward per layer, of (s/c)·b·h (Shoeybi et al. 2019, sec. 3);
+    with SP each is a reduce-scatter + all-gather of the same volume (Korthikanti et al. 2022, sec. 4.2.2);
+    full recompute runs the forward's 2 again. Per micro-batch."""
+    t = layout.tp
+    if t == 1:
+        return None
+    per_layer = 4 + (2 if tricks.recompute == "full" else 0)
+    act = tricks.act_bytes
+    message = setup.seq_len // layout.cp * setup.micro_batch * model.shape.hidden * act
+    name = "SP reduce-scatter + all-gather" if layout.sp else "TP all-reduce"
+    calls = per_layer * (model.shape.n_layers // layout.pp)
+    link = link_for(fabric, t, layout.gpus_per_node)
+    formula = f"{per_layer}·L/p · 2(t−1)/t · (s/c)·b·h·{act}"
+    return ring(name, "tp", t, link, calls, 2, message, formula, assume, assume.overlap_tp, mb.seconds)
+
+
+def cp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
+    """Ring attention: per layer K and V go round the cp ranks (cp − 1 hops) in forward; K, V and their
+    gradients in backward; full recompute adds a forward (TransformerEngine's P2P context parallel).
+    Hidden behind the attention core's compute. Per micro-batch."""
+    c = layout.cp
+    if c == 1:
+        return None
+    passes = 3 + (1 if tricks.recompute == "full" else 0)
+    act, layers = tricks.act_bytes, model.shape.n_layers // layout.pp
+    chunk = 2 * (setup.seq_len // c) * setup.micro_batch * model.shape.kv_dim // layout.tp * act
+    calls = passes * layers * (c - 1)
+    link = link_for(fabric, layout.tp * c, layout.gpus_per_node)
+    formula = f"{passes}·L/p·(c−1) · 2·(s/c)·b·kv_dim/t·{act}"
+    return send("CP ring K/V exchange", "cp", c, link, calls, calls * chunk, formula, assume, assume.overlap_cp,
+                mb.attention_seconds)  # fmt: skip
+
+
+def pp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
+    """Each micro-batch crosses each GPU's stage boundary v times forward (activations) and v times
+    backward (their gradients), (s/c)·b·h/t per send: Megatron's scatter/gather optimisation
+    (Narayanan et al. 2021, sec. 4.1). Per micro-batch."""
+    p, v = layout.pp, layout.vpp
+    if p == 1:
+        return None
+    act = tricks.act_bytes
+    message = setup.seq_len // layout.cp * setup.micro_batch * model.shape.hidden // layout.tp * act
+    link = link_for(fabric, layout.tp * layout.cp * layout.dp * p, layout.gpus_per_node)
+    formula = f"2·v · (s/c)·b·h/t·{act}"
+    return send("PP send/recv", "pp", p, link, 2 * v, 2 * v * message, formula, assume, assume.overlap_pp, mb.seconds)
+
+
+def dp_comm(layout: Layout, params: int, w: int, m: int, fabric: Fabric, assume: Assumptions,
+            mb: MicroBatch) -> list[Comm]:  # fmt: skip
+    """Gradient and weight traffic over dp × cp, P the weights on one GPU (Rajbhandari et al. 2019, sec. 7):
+      ZeRO 0   all-reduce the gradients once per step (2Ψ)
+      ZeRO 1   reduce-scatter the gradients, all-gather the updated weights, once per step (2Ψ)
+      ZeRO 2   the reduce-scatter every micro-batch (gradients live sharded), the all-gather once
+      ZeRO 3   all-gather the weights in forward and again in backward, reduce-scatter the gradients,
+               every micro-batch (3Ψ per micro-batch)
+    Hybrid shard: these inside the node, then an all-reduce of each gradient shard across nodes.
+    Windows: gradient traffic hides behind backward, weight gathers behind forward.
+    """
+    n, z, d = layout.shard_ranks, layout.zero, assume.overlap_dp
+    if n == 1:
+        return []
+    size, g = params * w, "dp×cp"
+    if z == 0:
+        link = link_for(fabric, layout.tp * n, layout.gpus_per_node)
+        return [ring("DP gradient all-reduce", g, n, link, 1, 2, size, f"2(n−1)/n · P·{w}", assume, d, mb.backward)]
+    k = layout.shard_group
+    link = link_for(fabric, layout.tp * k, layout.gpus_per_node)
+    each = f"(n−1)/n · P·{w}"
+    if z == 3:
+        out = [
+            ring("ZeRO-3 weight all-gather, forward", g, k, link, m, 1, size, "m · " + each, assume, d,
+                 m * mb.forward),
+            ring("ZeRO-3 weight all-gather, backward", g, k, link, m, 1, size, "m · " + each, assume, d,
+                 m * mb.backward / 2),
+            ring("ZeRO-3 gradient reduce-scatter", g, k, link, m, 1, size, "m · " + each, assume, d,
+                 m * mb.backward / 2),
+        ]  # fmt: skip
+    else:
+        calls = m if z == 2 else 1
+        scatter = ("m · " if z == 2 else "") + each
+        out = [
+            ring(f"ZeRO-{z} gradient reduce-scatter", g, k, link, calls, 1, size, scatter, assume, d,
+                 calls * mb.backward),
+            ring(f"ZeRO-{z} weight all-gather", g, k, link, 1, 1, size, each, assume, d, mb.forward),
+        ]  # fmt: skip
+    if layout.hybrid and n > k:
+        calls = 1 if z == 1 else m
+        formula = ("m · " if calls > 1 else "") + f"2(r−1)/r · P·{w}/k"
+        out.append(ring("hybrid: gradient shard all-reduce across nodes", g, n // k, fabric.inter, calls, 2,
+                        size // k, formula, assume, d, calls * mb.backward))  # fmt: skip
+    return out
+
+
+def offload_comm(layout: Layout, params: int, w: int, m: int, fabric: Fabric, assume: Assumptions,
+                 mb: MicroBatch) -> tuple[list[Comm], float]:  # fmt: skip
+    """PCIe traffic and CPU Adam time of offload (Ren et al. 2021, ZeRO-Offload; FSDP CPUOffload).
+
+    Optimizer offload: once per step the gradient shard goes to the host and the updated weights come back.
+    Parameter offload: every micro-batch the weight shard comes up for forward and again for backward,
+    and the gradient shard goes down.
+    """
+    if not layout.offload_optimizer:
+        return [], 0.0
+    shard = -(-params // layout.shard_group)  # parameters this GPU updates
+    size, link, o = shard * w, fabric.host, assume.overlap_offload
+    if layout.offload_params:
+        out = [
+            send("weights host→GPU, forward and backward", "host", 1, link, 2 * m, 2 * m * size, f"2m · P/n·{w}",
+                 assume, o, m * mb.seconds),
+            send("gradients GPU→host", "host", 1, link, m, m * size, f"m · P/n·{w}", assume, o, m * mb.backward),
+        ]  # fmt: skip
+    else:
+        out = [
+            send("gradients GPU→host", "host", 1, link, 1, size, f"P/n·{w}", assume, o, mb.backward),
+            send("updated weights host→GPU", "host", 1, link, 1, size, f"P/n·{w}", assume, o, mb.forward),
+        ]
+    cpu_rate = assume.cpu_adam_params_per_s / layout.gpus_per_node  # the node's GPUs share one host
+    return out, shard / cpu_rate

@@ -1,0 +1,460 @@
+"""Per-GPU memory when one model is split over many GPUs.
+
+Five ways to split, composed as Megatron-LM composes them (rank order tp, cp, dp, pp: TP ranks are
+neighbours, pipeline stages farthest apart):
+  tp   tensor parallel: each layer's matmuls split by heads and MLP columns (Shoeybi et al. 2019)
+  sp   sequence parallel: with tp, the norms and dropouts split along the sequence (Korthikanti et al. 2022)
+  pp   pipeline parallel: layers in stages, micro-batches in flight (Narayanan et al. 2021)
+  cp   context parallel: each sequence split over cp GPUs, K/V passed round a ring (Liu et al. 2023)
+  dp   data parallel, with ZeRO stage 1/2/3 sharding (Rajbhandari et al. 2019); stage 3 is FSDP
+
+ZeRO/FSDP shards over dp × cp, not dp alone: context-parallel ranks hold the same weights and see
+other tokens of the same sequences, so their gradients are reduced together with the data-parallel
+ones. Megatron-LM's distributed optimizer shards over that group (its "data parallel group with
+context parallel"), and torchtitan's FSDP2 over the combined dp_shard × cp mesh dimension.
+Hybrid shard (FSDP HYBRID_SHARD; Megatron's distributed-optimizer instances) shards inside a node
+and replicates across nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from memcalc.errors import InputError
+from memcalc.memory.estimate import Budget, Setup
+from memcalc.memory.state import MAX_GPUS, ModelState, Parallel, model_state, zero3_gather_bytes
+from memcalc.model.gpus import GPU
+from memcalc.model.shape import Model, ModelShape, attention_params, mlp_params, n_params, norm_params
+from memcalc.model.tricks import Tricks
+from memcalc.terms import Term
+
+KORTHIKANTI_T2 = "Korthikanti et al. 2022, Table 2"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the GPUs of one job are arranged. world = tp · pp · cp · dp."""
+
+    tp: int = 1  # tensor-parallel GPUs per layer
+    pp: int = 1  # pipeline stages
+    cp: int = 1  # context-parallel GPUs per sequence
+    dp: int = 1  # data-parallel replicas
+    zero: int = 0  # ZeRO stage over dp × cp: 1 optimizer state, 2 + gradients, 3 + weights (FSDP full shard)
+    hybrid: bool = False  # shard inside a node, replicate across nodes (FSDP HYBRID_SHARD)
+    sp: bool = False  # sequence parallel on the tp group
+    vpp: int = 1  # virtual stages per GPU: the interleaved 1F1B schedule (Narayanan et al. 2021, sec. 2.2)
+    offload_optimizer: bool = False  # fp32 master + moments in host memory, Adam on the CPU (ZeRO-Offload)
+    offload_params: bool = False  # 16-bit weight and gradient shards in host memory too (FSDP CPUOffload)
+    gpus_per_node: int = 8  # GPUs behind one NVLink switch
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "dp", "vpp", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_GPUS:
+                raise InputError(f"{name} must be a whole number in [1, {MAX_GPUS}], got {value!r}")
+        if self.world > MAX_GPUS:
+            raise InputError(f"world size {self.world:,} is absurdly large (limit {MAX_GPUS:,})")
+        if self.zero not in (0, 1, 2, 3):
+            raise InputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.sp and self.tp == 1:
+            raise InputError("sequence parallel needs tensor parallel (tp > 1): it splits norms and dropouts over TP")
+        if self.vpp > 1 and self.pp == 1:
+            raise InputError("virtual pipeline stages (interleaving) need pipeline parallel (pp > 1)")
+        if self.zero >= 2 and self.pp > 1:
+            raise InputError(f"ZeRO-{self.zero} with pipeline parallel is unsupported (DeepSpeed's pipeline engine "
+                             "refuses stages 2 and 3): use ZeRO-1, Megatron's distributed optimizer")  # fmt: skip
+        if self.offload_params and self.zero != 3:
+            raise InputError("parameter offload needs ZeRO-3 / FSDP (DeepSpeed's offload_param is stage 3 only)")
+        if self.offload_params and not self.offload_optimizer:
+            raise InputError("parameter offload moves the gradients to the CPU too, so the optimizer must run "
+                             "there: add optimizer offload (FSDP CPUOffload(offload_params=True))")  # fmt: skip
+        if self.offload_optimizer and self.zero == 0 and self.shard_ranks > 1:
+            raise InputError("optimizer offload over several data-parallel ranks needs ZeRO >= 1 "
+                             "(DeepSpeed's offload_optimizer runs on ZeRO stages 1-3)")  # fmt: skip
+        if self.hybrid and self.zero == 0:
+            raise InputError("hybrid shard needs ZeRO >= 1: with ZeRO 0 nothing is sharded")
+        if self.hybrid and (self.tp > self.gpus_per_node or self.gpus_per_node % self.tp
+                            or self.shard_ranks % self.node_shard_ranks):  # fmt: skip
+            raise InputError(f"hybrid shard needs whole data-parallel groups inside a node: tp {self.tp}, "
+                             f"dp x cp {self.shard_ranks}, {self.gpus_per_node} GPUs per node")  # fmt: skip
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def shard_ranks(self) -> int:
+        """The dp × cp ranks that hold the same weights and reduce their gradients together."""
+        return self.dp * self.cp
+
+    @property
+    def node_shard_ranks(self) -> int:
+        """Of those, how many sit in one node (ranks go tp first, so a node holds gpus_per_node/tp)."""
+        return max(1, min(self.shard_ranks, self.gpus_per_node // self.tp))
+
+    @property
+    def shard_group(self) -> int:
+        """How many ranks ZeRO/FSDP shards over: dp × cp, or its part inside a node (hybrid)."""
+        if self.zero == 0:
+            return 1
+        return self.node_shard_ranks if self.hybrid else self.shard_ranks
+
+    @property
+    def label(self) -> str:
+        """'tp8 sp pp4 v2 cp1 dp2 zero1': every split in one short string."""
+        parts = [
+            f"tp{self.tp}" + (" sp" if self.sp else ""),
+            f"pp{self.pp}" + (f" v{self.vpp}" if self.vpp > 1 else ""),
+            f"cp{self.cp}",
+            f"dp{self.dp}",
+            f"zero{self.zero}" + (" hybrid" if self.hybrid else ""),
+        ]
+        if self.offload_params:
+            parts.append("offload params+optimizer")
+        elif self.offload_optimizer:
+            parts.append("offload optimizer")
+        return " ".join(parts)
+
+
+def layout_for(gpus: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, **rest) -> Layout:
+    """The layout for --gpus N --tp --pp --cp [--dp]: dp defaults to what is left; a given world must match."""
+    if dp is None:
+        if gpus is None:
+            dp = 1
+        elif gpus % (tp * pp * cp):
+            raise InputError(f"{gpus} GPUs do not split into tp {tp} x pp {pp} x cp {cp} x a whole dp")
+        else:
+            dp = gpus // (tp * pp * cp)
+    layout = Layout(tp=tp, pp=pp, cp=cp, dp=dp, **rest)
+    if gpus is not None:
+        check_world(layout, gpus)
+    return layout
+
+
+def check_world(layout: Layout, gpus: int) -> None:
+    if layout.world != gpus:
+        raise InputError(f"world size: tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp} = "
+                         f"{layout.world}, not the {gpus} GPUs given")  # fmt: skip
+
+
+def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks, micro_batches: int) -> None:
+    """What the model, the sequence and the schedule demand of a layout; one InputError line each."""
+    t, s = layout.tp, seq_len
+    if shape.n_heads % t:
+        raise InputError(f"tensor parallel {t} must divide the {shape.n_heads} attention heads")
+    if shape.n_kv_heads % t:
+        raise InputError(
+            f"tensor parallel {t} must divide the {shape.n_kv_heads} KV heads (each rank keeps whole KV heads)"
+        )
+    if shape.ffn % t:
+        raise InputError(f"tensor parallel {t} must divide the MLP width {shape.ffn}")
+    if shape.n_layers % (layout.pp * layout.vpp):
+        what = f"pipeline {layout.pp}" + (f" x virtual stages {layout.vpp}" if layout.vpp > 1 else "")
+        raise InputError(f"{what} must divide the {shape.n_layers} layers")
+    if layout.vpp > 1 and micro_batches % layout.pp:
+        raise InputError(f"the interleaved schedule needs the micro-batches per step ({micro_batches}) "
+                         f"to be a multiple of pp ({layout.pp}) (Megatron-LM)")  # fmt: skip
+    if layout.cp > 1 and not tricks.flash:
+        raise InputError("context parallel needs flash attention: ring attention runs on the flash kernels")
+    if layout.cp > 1 and s % (2 * layout.cp):
+        raise InputError(f"context parallel {layout.cp} needs the sequence ({s}) divisible by 2·cp "
+                         "(Megatron-LM splits it in 2·cp chunks to balance causal attention)")  # fmt: skip
+    if layout.sp and (s // layout.cp) % t:
+        raise InputError(f"sequence parallel needs the tokens per CP rank ({s // layout.cp}) divisible by tp ({t})")
+
+
+# ---- parameters on one GPU ------------------------------------------------------------------
+
+
+def tp_layer_params(shape: ModelShape, tp: int) -> int:
+    """One layer's parameters on one TP rank (Shoeybi et al. 2019, sec. 3).
+
+    Column-parallel, split by tp: W_q, W_k, W_v and their biases; the MLP's W_in (W_gate, W_up) and biases.
+    Row-parallel, split by tp: W_o, W_down; their biases are replicated. Norms and q/k-norms are replicated.
+    """
+    replicated = 2 * norm_params(shape) + (2 * shape.head_dim if shape.qk_norm else 0)
+    if shape.linear_bias:
+        replicated += 2 * shape.hidden  # output-projection and W_down biases
+    split = attention_params(shape) + mlp_params(shape) + 2 * norm_params(shape) - replicated
+    return split // tp + replicated
+
+
+def stage_shape_params(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
+    """The shape's parameters on one GPU of a pipeline stage.
+
+    Stage 0 holds the token embedding (vocab split over tp, Megatron's VocabParallelEmbedding) and the
+    learned positions (replicated); the last stage the final norm and the output layer, vocab split.
+    With tied embeddings and pp > 1 the last stage keeps its own copy of the embedding (Megatron-LM
+    all-reduces the two copies' gradients); with pp = 1 the one table serves both.
+    """
+    layers = shape.n_layers // pp * tp_layer_params(shape, tp)
+    vocab_rows = -(-shape.vocab // tp) * shape.hidden
+    first, last = stage == 0, stage == pp - 1
+    extra = 0
+    if first:
+        extra += vocab_rows + (shape.max_positions * shape.hidden if shape.positions == "learned" else 0)
+    if last:
+        extra += norm_params(shape)
+        if not shape.tied_embeddings or pp > 1:
+            extra += vocab_rows
+    return layers + extra
+
+
+@lru_cache(maxsize=4096)
+def gpu_params(model: Model, tp: int, pp: int, stage: int) -> int:
+    """Parameters one GPU holds before ZeRO sharding; with --params N the shape's share of N (rounded up)."""
+    own = n_params(model.shape)
+    return -(-stage_shape_params(model.shape, tp, pp, stage) * model.n_params // own)
+
+
+@lru_cache(maxsize=4096)
+def sharded_state(params: int, precision: str, optimizer: str, shard_group: int, zero: int,
+                  offload_optimizer: bool, offload_params: bool) -> ModelState:  # fmt: skip
+    """ZeRO over the shard group (Rajbhandari et al. 2019, sec. 5); offload marks parts as host memory.
+
+    Parameter offload (FSDP CPUOffload(offload_params=True)) puts the weight and gradient shards on the host.
+    """
+    state = model_state(params, precision, optimizer, Parallel(shard_group, zero, offload_optimizer))
+    if offload_params:
+        parts = tuple(replace(p, on_host=True) if p.name in ("weights", "grads") else p for p in state.parts)
+        state = ModelState(state.params, state.precision, state.optimizer, state.parallel, parts)
+    return state
+
+
+# ---- activations of one layer -----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LayerActivations:
+    """One layer, one micro-batch, one GPU: the bytes kept for backward and those rebuilt in it."""
+
+    tricks: Tricks
+    tp: int
+    sp: bool
+    cp: int
+    terms: tuple[Term, ...]
+    rebuilt: tuple[Term, ...]
+
+    @property
+    def per_layer_bytes(self) -> int:
+        return sum(t.value for t in self.terms)
+
+    @property
+    def rebuilt_bytes(self) -> int:
+        return sum(t.value for t in self.rebuilt)
+
+
+@lru_cache(maxsize=4096)
+def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks,
+                      tp: int = 1, sp: bool = False, cp: int = 1) -> LayerActivations:  # fmt: skip
+    """Korthikanti et al. 2022, Table 2, per layer, with the sequence split over cp.
+
+      TP          s·b·h·(10 + 24/t + 5·a·s/(h·t))
+      TP+SP       (s·b·h/t)·(34 + 5·a·s/h)
+      TP+selective   s·b·h·(10 + 24/t);   TP+SP+selective  34·s·b·h/t
+      full recompute 2·s·b·h (the layer input; /t with SP, where the input is sequence-split)
+    10·s·b·h are replicated on every TP rank without SP: both LayerNorm inputs (4), the QKV and MLP
+    inputs (2 + 2), the two dropout masks (1 + 1). 24·s·b·h split with the heads: Q, K (4), V (2),
+    the output-projection input (2), the GeLU input and output (8 + 8). FlashAttention drops the
+    5·a·s²·b/t scores as selective recompute does. With t = cp = 1 these are activations.py's terms.
+    """
+    x = 2 if tricks.precision == "fp32" else 1  # fp32 activations double every byte
+    s, b, h, a, t = seq_len // cp, micro_batch, shape.hidden, shape.n_heads, tp
+    sbh = s * b * h
+    rep = t if sp else 1
+    sym = "{s}·{b}·{h}" if cp == 1 else "({s}/{c})·{b}·{h}"
+    by_t, by_rep = ("/{t}" if t > 1 else ""), ("/{t}" if rep > 1 else "")
+    k = "2·" if x == 2 else ""
+    where = " (split by SP)" if sp else " (replicated on TP ranks)"
+    replicated = Term("norm inputs, QKV and MLP inputs, dropout masks", x * 10 * sbh // rep,
+                      f"{k}10·{sym}{by_rep}", KORTHIKANTI_T2 + where)  # fmt: skip
+    split = Term("Q, K, V, projection input, GeLU in/out", x * 24 * sbh // t, f"{k}24·{sym}{by_t}", KORTHIKANTI_T2)
+    s_sq = "{s}²" if cp == 1 else "({s}/{c})²"
+    scores = Term("attention s×s (softmax, mask, dropout)", x * 5 * a * s * s * b // t,
+                  f"{k}5·{{a}}·{s_sq}·{{b}}{by_t}", KORTHIKANTI_T2)  # fmt: skip
+    layer_input = Term("layer input (checkpoint)", x * 2 * sbh // rep, f"{k}2·{sym}{by_rep}",
+                       "Korthikanti et al. 2022, sec. 5 and Table 2")  # fmt: skip
+    linear = (replicated, split)
+    full_layer = linear if tricks.flash else (replicated, split, scores)
+    if tricks.recompute == "full":
+        return LayerActivations(tricks, tp, sp, cp, (layer_input,), full_layer)
+    if tricks.recompute == "selective" and not tricks.flash:
+        return LayerActivations(tricks, tp, sp, cp, linear, (scores,))
+    return LayerActivations(tricks, tp, sp, cp, full_layer, ())
+
+
+def held_layers(layout: Layout, stage: int, micro_batches: int, n_layers: int) -> int:
+    """Layer-micro-batches whose activations a stage keeps at its peak (Korthikanti et al. 2022, sec. 4.2.3).
+
+    1F1B: stage i runs min(p − i, m) forwards before its first backward, so stage 0 holds p micro-batches
+    of its L/p layers: L layers' worth, whatever p. Interleaved with v virtual stages: Megatron-LM's
+    warm-up of 2(p − i − 1) + (v − 1)·p chunks + 1, each of L/(p·v) layers; for stage 0 that is
+    L·(1 + (p − 1)/(p·v)) layers' worth, Korthikanti's interleaving factor.
+    """
+    p, v, m = layout.pp, layout.vpp, micro_batches
+    if v == 1:
+        return min(p - stage, m) * (n_layers // p)
+    chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
+    return min(chunks, m * v) * (n_layers // (p * v))
+
+
+# ---- transient buffers and logits ---------------------------------------------------------------
+
+
+@lru_cache(maxsize=1024)
+def zero3_buffers(shape: ModelShape, tp: int, precision: str) -> Term:
+    """ZeRO-3/FSDP working memory of one TP shard: see memcalc.memory.state.zero3_gather_bytes."""
+    return Term("ZeRO-3 gathered layers (2 weights + 1 gradient)", zero3_gather_bytes(tp_layer_params(shape, tp), precision),
+                "3·w·P_layer/{t}", "FSDP2 fully_shard: one module's all-gather prefetched ahead")  # fmt: skip
+
+
+@lru_cache(maxsize=1024)
+def cp_buffers(shape: ModelShape, seq_len: int, micro_batch: int, tp: int, cp: int, act_bytes: int) -> Term:
+    """Ring attention's K/V exchange buffers, one layer at a time (Liu et al. 2023; TransformerEngine's
+    AttnFuncWithCPAndKVP2P): in backward each rank holds a K/V chunk arriving and one leaving, and the same
+    for their gradients: 4 chunks of 2·(s/cp)·b·(kv heads·d)/t elements.
+    """
+    kv_chunk = 2 * (seq_len // cp) * micro_batch * shape.kv_dim // tp * act_bytes
+    formula = f"4·2·({{s}}/{{c}})·{{b}}·{{k}}·{{d}}/{{t}}·{act_bytes}"
+    return Term("CP ring K/V send + receive buffers (and their gradients)", 4 * kv_chunk, formula,
+                "Liu et al. 2023 (ring attention)")  # fmt: skip
+
+
+@lru_cache(maxsize=1024)
+def logits_terms(shape: ModelShape, seq_len: int, micro_batch: int, precision: str, tp: int,
+                 cp: int) -> tuple[Term, ...]:  # fmt: skip
+    """The last stage's logits for one micro-batch: vocab split over tp (Megatron's vocab-parallel
+    cross-entropy keeps its fp32 logits split too), tokens over cp. At tp = cp = 1: activations.logits_memory."""
+    tokens_vocab = (seq_len // cp) * micro_batch * -(-shape.vocab // tp)
+    v = "{v}" if tp == 1 else "⌈{v}/{t}⌉"
+    s = "{s}" if cp == 1 else "({s}/{c})"
+    if precision == "fp32":
+        return (Term("logits (fp32)", 4 * tokens_vocab, f"4·{{b}}·{s}·{v}", "lm_head output, vocab-parallel"),)
+    upcast = "logits fp32 upcast for cross-entropy"
+    return (
+        Term("logits (16-bit)", 2 * tokens_vocab, f"2·{{b}}·{s}·{v}", "lm_head output, vocab-parallel"),
+        Term(upcast, 4 * tokens_vocab, f"4·{{b}}·{s}·{v}", "vocab-parallel cross-entropy"),
+    )
+
+
+# ---- one GPU of one stage, and the whole layout ---------------------------------------------------
+
+
+@dataclass(slots=True)
+class StageMemory(Budget):
+    """The peak memory of one GPU in pipeline stage `stage`: every GPU of a stage holds the same."""
+
+    stage: int
+    layers: int  # transformer layers on this stage
+    params: int  # parameters this GPU holds before ZeRO sharding
+    state: ModelState
+    layer: LayerActivations  # one layer, one micro-batch
+    held: int  # layer-micro-batches of activations kept at the peak (pipeline in flight)
+    buffers: tuple[Term, ...]  # transient: ZeRO-3 gathered layers, CP ring buffers
+    logits: tuple[Term, ...]  # last stage only
+    usable_bytes: int
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.held * self.layer.per_layer_bytes
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        """Kept activations plus one layer rebuilt while its backward runs."""
+        return self.activation_bytes + self.layer.rebuilt_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(t.value for t in self.buffers)
+
+    @property
+    def logits_bytes(self) -> int:
+        return sum(t.value for t in self.logits)
+
+    @property
+    def total_bytes(self) -> int:
+        """Model state + activations at their peak + buffers + logits (written flat: the planner calls it most)."""
+        layer = self.layer
+        return (self.state.total_bytes + self.held * layer.per_layer_bytes + layer.rebuilt_bytes
+                + sum(t.value for t in self.buffers) + sum(t.value for t in self.logits))  # fmt: skip
+
+
+@dataclass(slots=True)
+class LayoutMemory:
+    """Per-GPU memory of a layout, stage by stage; the peak is the stage that holds the most."""
+
+    layout: Layout
+    tricks: Tricks
+    micro_batches: int  # m: micro-batches per step through each pipeline
+    stages: tuple[StageMemory, ...]  # every stage, or the first and last (which hold the peak)
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda st: st.total_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return max(st.total_bytes for st in self.stages)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per GPU (offload), at the stage that offloads the most."""
+        return max(st.state.host_bytes for st in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.fits
+
+
+def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage: int) -> StageMemory:
+    shape, p = model.shape, layout.pp
+    params = gpu_params(model, layout.tp, p, stage)
+    state = sharded_state(params, tricks.precision, setup.optimizer, layout.shard_group, layout.zero,
+                          layout.offload_optimizer, layout.offload_params)  # fmt: skip
+    layer = layer_activations(shape, setup.seq_len, setup.micro_batch, tricks, layout.tp, layout.sp, layout.cp)
+    buffers = []
+    if layout.zero == 3 and (layout.shard_group > 1 or layout.offload_params):
+        buffers.append(zero3_buffers(shape, layout.tp, tricks.precision))
+    if layout.cp > 1:
+        buffers.append(cp_buffers(shape, setup.seq_len, setup.micro_batch, layout.tp, layout.cp, tricks.act_bytes))
+    logits = ()
+    if stage == p - 1:
+        logits = logits_terms(shape, setup.seq_len, setup.micro_batch, tricks.precision, layout.tp, layout.cp)
+    return StageMemory(
+        stage=stage,
+        layers=shape.n_layers // p,
+        params=params,
+        state=state,
+        layer=layer,
+        held=held_layers(layout, stage, setup.grad_accum, shape.n_layers),
+        buffers=tuple(buffers),
+        logits=logits,
+        usable_bytes=gpu.usable_bytes,
+    )
+
+
+def layout_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
+                  ends_only: bool = False) -> LayoutMemory:  # fmt: skip
+    """Per-GPU memory of every pipeline stage (or only the first and last: one of them is the peak).
+
+    setup.micro_batch is b, setup.grad_accum the micro-batches m each pipeline runs per step;
+    setup.parallel is not read: the layout replaces it. With tp = pp = cp = 1 every number equals
+    memcalc.memory.estimate's with Parallel(dp, zero, offload) (ZeRO-3 adds its gathered-layer buffers).
+    """
+    check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum)
+    p = layout.pp
+    which = sorted({0, p - 1}) if ends_only else range(p)
+    stages = tuple(stage_memory(model, setup, gpu, tricks, layout, i) for i in which)
+    return LayoutMemory(layout, tricks, setup.grad_accum, stages)
+
+
+def bubble_fraction(layout: Layout, micro_batches: int) -> float:
+    """Pipeline idle over busy time: (p − 1)/m, and (p − 1)/(v·m) interleaved (Narayanan et al. 2021, sec. 2.2)."""
+    return (layout.pp - 1) / (layout.vpp * micro_batches)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

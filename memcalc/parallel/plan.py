@@ -1,0 +1,271 @@
+"""`memcalc plan`: every valid layout of a job on N GPUs, those that fit, ranked by predicted tokens/s.
+
+Searched: TP (inside a node, dividing the heads, KV heads and MLP width; Narayanan et al. 2021, sec. 3.3:
+TP across nodes is never worth it), sequence parallel on or off, PP dividing the layers, interleaving
+v dividing the layers per stage, CP (with flash), DP = the rest; ZeRO 0-3 (0-1 with PP), hybrid shard,
+optimizer and parameter offload; the micro-batch b (powers of two up to 16, dividing the batch per
+replica; m = global batch / (dp · b)) and the recompute mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from memcalc.errors import InputError
+from memcalc.memory.estimate import DEFAULT_MFU, Setup
+from memcalc.memory.state import MAX_GPUS
+from memcalc.model.gpus import GPU
+from memcalc.model.shape import MAX_BATCH, Model, check_size
+from memcalc.model.tricks import Tricks
+
+from .comm import ASSUMPTIONS, Assumptions, StepTime, step_time
+from .layout import Layout, LayoutMemory, divisors, layout_memory
+
+MAX_MICRO_BATCH = 16  # sequences per micro-batch the search tries, in powers of two
+MAX_VPP = 8  # virtual stages per GPU the search tries
+BF16_FLASH = Tricks("bf16", flash=True)  # the recipe the planner assumes unless told
+
+
+@dataclass(slots=True)
+class LayoutEstimate:
+    """One layout of one job: per-GPU memory stage by stage, and the step time."""
+
+    model: Model
+    gpu: GPU
+    setup: Setup  # seq_len, micro_batch b, grad_accum m (micro-batches per pipeline), optimizer, mfu
+    tricks: Tricks
+    layout: Layout
+    memory: LayoutMemory
+    time: StepTime
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.world
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: dp · b · m."""
+        return self.layout.dp * self.setup.micro_batch * self.setup.grad_accum
+
+    @property
+    def cluster_bytes(self) -> int:
+        """GPU memory of the whole job: each stage's per-GPU total on its tp · cp · dp GPUs."""
+        per_stage = self.layout.tp * self.layout.cp * self.layout.dp
+        return per_stage * sum(st.total_bytes for st in self.memory.stages)
+
+    @property
+    def cluster_host_bytes(self) -> int:
+        per_stage = self.layout.tp * self.layout.cp * self.layout.dp
+        return per_stage * sum(st.state.host_bytes for st in self.memory.stages)
+
+
+def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
+                    assume: Assumptions = ASSUMPTIONS, ends_only: bool = False) -> LayoutEstimate:  # fmt: skip
+    """Memory (every stage unless ends_only) and step time of one layout."""
+    memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)
+    return LayoutEstimate(
+        model, gpu, setup, tricks, layout, memory, step_time(model, setup, gpu, tricks, layout, memory, assume)
+    )
+
+
+@dataclass(slots=True)
+class Alternative:
+    """An obvious family of layouts and why its best member loses to the winner."""
+
+    name: str
+    estimate: LayoutEstimate  # its fastest layout that fits; if none fits, the one needing least memory
+    fits: bool
+    cause: str  # "out of memory", or the StepTime.breakdown key that costs it most against the winner
+    seconds: float  # that cause's seconds per step in this layout (0 when out of memory)
+    best_seconds: float  # the same cause in the winner
+
+
+@dataclass(slots=True)
+class Plan:
+    model: Model
+    gpu: GPU
+    gpus: int
+    gpus_per_node: int
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    tricks: Tricks  # precision and flash as given; recompute is searched
+    optimizer: str
+    mfu: float
+    searched: int  # valid layouts evaluated (each with one micro-batch size and recompute mode)
+    fitting: int  # of those, how many fit in memory
+    best: tuple[LayoutEstimate, ...]  # the fastest distinct layouts that fit, fastest first, every stage computed
+    alternatives: tuple[Alternative, ...]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+Family = Callable[[Layout, Tricks], bool]
+
+# The alternatives people reach for first; each one not containing the winner gets a line saying why it loses.
+FAMILIES: tuple[tuple[str, Family], ...] = (
+    ("data parallel only (DDP, ZeRO-0)", lambda lay, t: lay.tp == lay.pp == lay.cp == 1 and lay.zero == 0),
+    ("FSDP / ZeRO-3 only, no model parallel", lambda lay, t: lay.tp == lay.pp == lay.cp == 1 and lay.zero == 3),
+    ("tensor + data parallel, no pipeline", lambda lay, t: lay.tp > 1 and lay.pp == 1 and lay.cp == 1),
+    ("with pipeline parallel", lambda lay, t: lay.pp > 1),
+    ("without pipeline parallel", lambda lay, t: lay.pp == 1),
+    ("with context parallel", lambda lay, t: lay.cp > 1),
+    ("tensor parallel without sequence parallel", lambda lay, t: lay.tp > 1 and not lay.sp),
+    ("no activation recompute", lambda lay, t: t.recompute == "none"),
+    ("full activation recompute", lambda lay, t: t.recompute == "full"),
+    ("CPU offload", lambda lay, t: lay.offload_optimizer),
+)
+
+
+def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int = 8,
+         tricks: Tricks = BF16_FLASH, optimizer: str = "adamw", mfu: float = DEFAULT_MFU,
+         assume: Assumptions = ASSUMPTIONS, top: int = 5, recomputes: tuple[str, ...] = ("none", "selective", "full"),
+         offload: bool = True) -> Plan:  # fmt: skip
+    """Search every valid layout, keep those that fit, rank them by tokens/s."""
+    check_size("gpus", gpus, limit=MAX_GPUS)
+    check_size("gpus per node", gpus_per_node, limit=MAX_GPUS)
+    check_size("global batch", global_batch, limit=MAX_BATCH)
+    check_size("top", top, limit=1000)
+    Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu)  # validates seq and mfu
+    variants = recompute_variants(tricks, recomputes)
+    fitting, searched = [], 0
+    family_best: dict[str, tuple] = {}
+    family_small: dict[str, tuple] = {}
+    for layout, b, m in layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload):
+        setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu)
+        for t in variants:
+            searched += 1
+            memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
+            total = memory.total_bytes
+            if total <= gpu.usable_bytes:
+                time = step_time(model, setup, gpu, t, layout, memory, assume)
+                entry = (rank_key(time.tokens_per_second, layout, total), layout, setup, t, memory, time)
+                fitting.append(entry)
+                note(family_best, layout, t, entry)
+            else:
+                entry = (total, layout, setup, t, memory)
+                note(family_small, layout, t, entry)  # the least memory first
+    fitting.sort(key=lambda e: e[0])
+    best = tuple(layout_estimate(model, s, gpu, t, lay, assume) for _, lay, s, t, _, _ in distinct(fitting, top))
+    return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, mfu, searched,
+                len(fitting), best, alternatives(model, gpu, assume, best, family_best, family_small))  # fmt: skip
+
+
+def distinct(ranked: list[tuple], top: int) -> list[tuple]:
+    """The first `top` entries that differ in more than how dp, cp and the micro-batch split the batch."""
+    seen, out = set(), []
+    for entry in ranked:
+        lay, tricks = entry[1], entry[3]
+        kind = (lay.tp, lay.sp, lay.pp, lay.vpp, lay.zero, lay.hybrid, lay.offload_optimizer, lay.offload_params,
+                tricks.recompute)  # fmt: skip
+        if kind not in seen:
+            seen.add(kind)
+            out.append(entry)
+            if len(out) == top:
+                break
+    return out
+
+
+def rank_key(tokens_per_second: float, layout: Layout, total_bytes: int) -> tuple:
+    """Fastest first; on equal speed (6 digits) the simpler layout (no CP, then fewer stages), then less memory."""
+    return (-float(f"{tokens_per_second:.6g}"), layout.cp, layout.pp, layout.vpp, layout.zero, total_bytes)
+
+
+def note(table: dict[str, tuple], layout: Layout, tricks: Tricks, entry: tuple) -> None:
+    """Keep, per family, the entry whose key (entry[0]) is smallest."""
+    for name, member in FAMILIES:
+        if member(layout, tricks) and (name not in table or entry[0] < table[name][0]):
+            table[name] = entry
+
+
+def recompute_variants(tricks: Tricks, recomputes: tuple[str, ...]) -> tuple[Tricks, ...]:
+    """The trick sets to try; with flash, selective recompute has nothing left to recompute and is skipped."""
+    names = [r for r in recomputes if not (tricks.flash and r == "selective")]
+    if not names:
+        raise InputError("no recompute mode left to search")
+    return tuple(Tricks(tricks.precision, tricks.flash, r) for r in names)
+
+
+def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, flash: bool,
+            offload: bool) -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
+    """Every valid (layout, micro-batch b, micro-batches m) for this job."""
+    shape = model.shape
+    for tp in divisors(gpus):
+        if tp > gpus_per_node or shape.n_heads % tp or shape.n_kv_heads % tp or shape.ffn % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            if shape.n_layers % pp:
+                continue
+            for cp in divisors(gpus // (tp * pp)):
+                if cp > 1 and (not flash or seq_len % (2 * cp)):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                yield from splits(tp, pp, cp, dp, shape.n_layers, seq_len, global_batch // dp, gpus_per_node, offload)
+
+
+def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_replica: int, gpus_per_node: int,
+           offload: bool) -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
+    vpps = [v for v in divisors(n_layers // pp) if v <= MAX_VPP] if pp > 1 else [1]
+    sps = [False] + ([True] if tp > 1 and (seq_len // cp) % tp == 0 else [])
+    batches = [b for b in (1 << k for k in range(5)) if b <= MAX_MICRO_BATCH and per_replica % b == 0]
+    shardings = list(sharding_options(tp, pp, dp * cp, gpus_per_node, offload))
+    for v in vpps:
+        for sp in sps:
+            for b in batches:
+                m = per_replica // b
+                if v > 1 and m % pp:
+                    continue
+                for zero, hybrid, opt, params in shardings:
+                    layout = Layout(tp, pp, cp, dp, zero, hybrid, sp, v, opt, params, gpus_per_node)
+                    yield layout, b, m
+
+
+def sharding_options(
+    tp: int, pp: int, shard_ranks: int, gpus_per_node: int, offload: bool
+) -> Iterator[tuple[int, bool, bool, bool]]:
+    """(zero, hybrid, offload optimizer, offload params) that are valid and not duplicates of each other."""
+    stages = (0,) if shard_ranks == 1 else (0, 1) if pp > 1 else (0, 1, 2, 3)
+    node = gpus_per_node // tp if gpus_per_node % tp == 0 else 0
+    for zero in stages:
+        hybrids = [False] + ([True] if zero and 1 < node < shard_ranks and shard_ranks % node == 0 else [])
+        for hybrid in hybrids:
+            yield zero, hybrid, False, False
+            if offload and (zero or shard_ranks == 1):
+                yield zero, hybrid, True, False
+            if offload and zero == 3:
+                yield zero, hybrid, True, True
+    if offload and shard_ranks == 1 and pp == 1:
+        yield 3, False, True, True  # one rank: ZeRO-3 only to stream the offloaded weights in (ZeRO-Infinity)
+
+
+def alternatives(model: Model, gpu: GPU, assume: Assumptions, best: tuple[LayoutEstimate, ...],
+                 family_best: dict[str, tuple], family_small: dict[str, tuple]) -> tuple[Alternative, ...]:  # fmt: skip
+    """For each family the winner is not in: its fastest fitting layout and what costs it most, or OOM."""
+    winner = best[0] if best else None
+    out = []
+    for name, member in FAMILIES:
+        if winner and member(winner.layout, winner.tricks):
+            continue
+        if winner and name in family_best:
+            _, layout, setup, tricks, _, _ = family_best[name]
+            est = layout_estimate(model, setup, gpu, tricks, layout, assume)
+            cause, mine, theirs = worst_cause(est.time, winner.time)
+            out.append(Alternative(name, est, True, cause, mine, theirs))
+        elif name in family_small:
+            _, layout, setup, tricks, _ = family_small[name]
+            est = layout_estimate(model, setup, gpu, tricks, layout, assume)
+            out.append(Alternative(name, est, False, "out of memory", 0.0, 0.0))
+    return tuple(out)
+
+
+def worst_cause(time: StepTime, best: StepTime) -> tuple[str, float, float]:
+    """The part of the step that grew most against the winner's, with both values ("tie" within 0.5%)."""
+    mine, theirs = time.breakdown, best.breakdown
+    if time.step_seconds <= best.step_seconds * 1.005:
+        return "tie", time.step_seconds, best.step_seconds
+    key = max(mine, key=lambda k: mine[k] - theirs.get(k, 0.0))
+    return key, mine[key], theirs.get(key, 0.0)

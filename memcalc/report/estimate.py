@@ -1,0 +1,410 @@
+"""What `memcalc estimate` and `memcalc fit` show: result objects laid out as Sections and lines."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memcalc.memory.estimate import Estimate
+from memcalc.memory.state import ModelState, model_state
+from memcalc.memory.toolbox import FitLimits, Toolbox
+from memcalc.model.flops import flop_terms, korthikanti_selective_overhead, layer_weights
+from memcalc.model.shape import positions_problem
+from memcalc.terms import Term
+
+from . import render
+from . import units as u
+from .render import Section, sized
+
+if TYPE_CHECKING:  # only for annotations: estimate need not import them
+    from memcalc.time.mfu import MfuReport
+    from memcalc.time.sweep import Sweep
+
+RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision + loss scaling"}
+
+
+def preamble(est: Estimate) -> list[str]:
+    m, s, shape, g = est.model, est.setup, est.model.shape, est.gpu
+    mlp = f"SwiGLU {shape.ffn}" if shape.gated_mlp else f"GELU MLP {shape.ffn}"
+    p = s.parallel
+    return [
+        f"Model: {m.origin}",
+        f"  {shape.n_layers} layers, hidden {shape.hidden}, {shape.n_heads} heads ({shape.n_kv_heads} KV, "
+        f"head_dim {shape.head_dim}), {mlp}, {shape.norm}, vocab {shape.vocab:,}"
+        f"{', tied embeddings' if shape.tied_embeddings else ''}; {m.n_params:,} parameters",
+        f"Setup: seq {s.seq_len:,} x micro-batch {s.micro_batch} x grad-accum {s.grad_accum} = "
+        f"{s.tokens_per_step:,} tokens per GPU step; {s.optimizer}; {p.gpus} GPU(s), ZeRO {p.zero}"
+        f"{', optimizer offloaded to CPU' if p.offload else ''}",
+        f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes)} total, {u.size(g.usable_bytes)} usable "
+        f"after the CUDA context reserve",
+    ]
+
+
+def state_section(state: ModelState, units: str) -> Section:
+    recipe = RECIPES[state.precision]
+    s = Section(
+        f"Model state: {recipe}, {state.optimizer}: {state.bytes_per_param:g} bytes/param",
+        ["part", "dtype", "bytes/param", "per GPU", "where"],
+        align="llrrl",
+    )
+    for p in state.parts:
+        where = "host" if p.on_host else "GPU"
+        shard = f", 1/{p.sharded_over}" if p.sharded_over > 1 else ""
+        s.rows.append([p.name, p.dtype, f"{p.bytes_per_param:g}", sized(p.bytes, units), where + shard])
+    s.rows.append(["total on GPU", "", f"{state.bytes_per_param:g}", sized(state.total_bytes, units), ""])
+    if state.host_bytes:
+        s.rows.append(["total on host", "", "", sized(state.host_bytes, units), ""])
+    return s
+
+
+def other_recipes(est: Estimate) -> list[str]:
+    """One line per other precision among the trick sets: its bytes per parameter and total."""
+    seen, notes = {est.model_state.precision}, []
+    for tricks in est.trick_sets:
+        if tricks.precision in seen:
+            continue
+        seen.add(tricks.precision)
+        st = model_state(est.model.n_params, tricks.precision, est.setup.optimizer, est.setup.parallel)
+        parts = " + ".join(f"{p.name} {p.bytes_per_param:g}" for p in st.parts if p.bytes_per_param)
+        notes.append(f"{RECIPES[tricks.precision]}: {parts} = {st.bytes_per_param:g} bytes/param "
+                     f"-> {u.size(st.total_bytes)} per GPU")  # fmt: skip
+    return notes
+
+
+def activations_section(est: Estimate, units: str) -> Section:
+    L = est.model.shape.n_layers
+    plain = next((a for a in est.activations if a.tricks.label == "bf16"), est.activations[0])
+    s = Section(
+        "Activations, textbook (Korthikanti et al. 2022): s·b·h·(34 + 5·a·s/h) bytes per layer",
+        ["tricks", "kept per layer", f"all {L} layers", "backward peak", f"peak vs {plain.tricks.label}"],
+    )
+    for a in est.activations:
+        change = "" if a is plain else u.signed_percent(a.peak_bytes / plain.peak_bytes - 1)
+        s.rows.append([a.tricks.label, sized(a.per_layer_bytes, units), sized(a.total_bytes, units),
+                       sized(a.peak_bytes, units), change])  # fmt: skip
+    d = est.attention
+    s.notes = [
+        f"one head's s×s scores (2·s²·b): {u.exact_bytes(d.score_one_head_bytes)} ({u.size(d.score_one_head_bytes, units)})",
+        f"s×s part of one layer (5·a·s²·b): {u.exact_bytes(d.scores_per_layer_bytes)} = "
+        f"{u.percent(d.scores_share)} of the layer; all attention (11·s·b·h + 5·a·s²·b): {u.percent(d.attention_share)}",
+        "peak: kept bytes of all layers + one layer rebuilt while its backward runs (recompute)",
+    ]
+    return s
+
+
+def warnings(est: Estimate) -> list[str]:
+    """Things the user should know that are not numbers: printed to stderr in every format."""
+    out = [
+        f"{t.label}: selective recompute saves nothing here: FlashAttention already keeps no s×s scores"
+        for t in est.trick_sets
+        if t.recompute == "selective" and t.flash
+    ]
+    problem = positions_problem(est.model.shape, est.setup.seq_len)
+    return out + ([problem] if problem else [])
+
+
+def logits_section(est: Estimate, units: str) -> Section:
+    s = Section("Logits and loss (kept out of the per-layer numbers)", ["recipe", "tensor", "bytes"], align="llr")
+    seen = set()
+    for tricks, logits in zip(est.trick_sets, est.logits):
+        if tricks.precision in seen:
+            continue
+        seen.add(tricks.precision)
+        for t in logits.terms:
+            s.rows.append([tricks.precision, f"{t.name} ({t.symbolic()})", sized(t.value, units)])
+    return s
+
+
+def memory_section(est: Estimate, units: str) -> Section:
+    g = est.gpu
+    buffers = any(m.buffer_bytes for m in est.memory)
+    s = Section(
+        f"Peak memory per GPU on the {g.key} ({u.size(g.usable_bytes, units)} usable)",
+        ["tricks", "model state", "activations", "logits"] + (["ZeRO-3 buffers"] if buffers else []) + ["total", "fits?"],
+        align="lrrr" + ("r" if buffers else "") + "rl",
+    )
+    for m in est.memory:
+        verdict = "yes" if m.fits else f"no, {u.size(-m.headroom_bytes, units)} over"
+        row = [m.tricks.label, u.size(m.model_state_bytes, units), u.size(m.activation_peak_bytes, units),
+               u.size(m.logits_bytes, units)]  # fmt: skip
+        s.rows.append(row + ([u.size(m.buffer_bytes, units)] if buffers else []) + [sized(m.total_bytes, units), verdict])
+    if buffers:
+        s.notes.append("ZeRO-3 buffers: two layers' weights gathered (running + prefetched) and one layer's "
+                       "gradients before their reduce-scatter, 3·w·P_layer")  # fmt: skip
+    return s
+
+
+def compute_section(est: Estimate) -> Section:
+    f, g = est.flops, est.gpu
+    s = Section(
+        f"Compute at {u.percent(est.setup.mfu)} of peak (--mfu) on the {g.key}",
+        ["tricks", "model FLOPs/token", "hardware FLOPs/token", "recompute", "step time", "tokens/s", "MFU", "HFU"],
+    )
+    for c in est.compute:
+        s.rows.append([c.tricks.label, u.count(c.flops.model_per_token), u.count(c.flops.hardware_per_token),
+                       u.signed_percent(c.flops.recompute_overhead), u.seconds(c.step_seconds),
+                       u.rate(c.tokens_per_second), u.percent(c.mfu), u.percent(c.hfu)])  # fmt: skip
+    s.notes = [
+        f"6N = {f.per_token:,} FLOPs per token (6 per parameter: 2 forward + 4 backward); "
+        f"full recompute 8N = {f.per_token_full_recompute:,} ({u.signed_percent(f.recompute_overhead)})",
+        f"attention matmuls: {f.attention_per_token:,} FLOPs per token non-causal (12·L·H·Q·s), "
+        f"{f.attention_per_token_causal:,} causal",
+        "model/hardware FLOPs as Korthikanti et al. 2022 sec. 6.3, non-causal attention; "
+        "MFU = model FLOPs / time / peak, HFU counts recompute too",
+        f"peak {g.key}: bf16 {g.bf16_tflops:g}, fp16 {g.fp16_tflops:g}, tf32 {g.tf32_tflops:g}, "
+        f"fp32 {g.fp32_tflops:g} TFLOP/s dense: bf16/fp32 = {g.bf16_tflops / g.fp32_tflops:.1f}x",
+    ]
+    selective = next((c for c in est.compute if c.tricks.recompute == "selective" and not c.tricks.flash), None)
+    if selective:
+        paper = korthikanti_selective_overhead(est.model.shape, est.setup.seq_len)
+        s.notes.append(f"selective recompute: {u.signed_percent(selective.flops.recompute_overhead)} here (the attention "
+                       f"core's forward again); Korthikanti et al. charge {u.signed_percent(paper)} (s/3h in place of s/6h)")  # fmt: skip
+    return s
+
+
+def toolbox_section(tb: Toolbox, units: str) -> Section:
+    start = tb.start
+    s = Section(
+        f"Out of memory with {start.tricks.label} ({u.size(start.total_bytes, units)}): the toolbox, cheapest first",
+        ["step (on top of the ones above)", "saves on its own", "total after", "fits?", "costs"],
+        align="lrrll",
+    )
+    for step in tb.steps:
+        s.rows.append([step.name, u.size(step.saves_alone_bytes, units), u.size(step.memory.total_bytes, units),
+                       "yes" if step.memory.fits else "no", step.cost])  # fmt: skip
+    at = tb.fits_at
+    if at is None:
+        s.notes.append("nothing in the toolbox makes it fit one GPU: the activations alone are too large")
+    else:
+        chosen = tb.steps[at]
+        s.notes.append(f"cheapest combination that fits: {chosen.tricks.label}"
+                       f"{zero_text(chosen)} -> {u.size(chosen.memory.total_bytes, units)}")  # fmt: skip
+    return s
+
+
+def zero_text(step) -> str:
+    p = step.setup.parallel
+    parts = []
+    if step.setup.micro_batch == 1 and step.setup.grad_accum > 1:
+        parts.append(f"micro-batch 1 x {step.setup.grad_accum} accumulation")
+    if p.zero:
+        parts.append(f"ZeRO-{p.zero} over {p.gpus} GPUs")
+    if p.offload:
+        parts.append("optimizer offloaded to CPU")
+    return "".join(", " + x for x in parts)
+
+
+def estimate_sections(est: Estimate, toolbox: Toolbox | None, units: str, roofline=None) -> list[Section]:
+    """roofline: (step times, calibration) for the roofline's sections, or None for --mfu's compute section."""
+    state = state_section(est.model_state, units)
+    state.notes = other_recipes(est)
+    sections = [state, activations_section(est, units), logits_section(est, units), memory_section(est, units)]
+    if roofline is None:
+        sections.append(compute_section(est))
+    else:
+        from .roofline import roofline_sections
+
+        sections += roofline_sections(est, *roofline)
+    if toolbox is not None and toolbox.fits_at != -1:
+        sections.append(toolbox_section(toolbox, units))
+    return sections
+
+
+CSV_HEADERS = [
+    "tricks", "activations_per_layer_bytes", "activations_total_bytes", "activations_peak_bytes",
+    "model_state_bytes", "logits_bytes", "memory_total_bytes", "fits", "model_flops_per_token",
+    "hardware_flops_per_token", "time_model", "step_seconds", "tokens_per_second", "mfu", "hfu",
+    "mfu_causal", "hfu_causal", "recompute_seconds", "memory_bound_seconds",
+]  # fmt: skip
+
+
+def estimate_csv_rows(est: Estimate, times=None) -> list[list[object]]:
+    """One row per trick set; step time, tokens/s, MFU and HFU from the roofline's times when given,
+    else from --mfu (whose rows leave the roofline-only columns empty)."""
+    from .roofline import csv_columns
+
+    rows = []
+    for i, (a, m, c) in enumerate(zip(est.activations, est.memory, est.compute)):
+        t = times[i] if times else None
+        shown = t or c
+        rows.append(["+".join(a.tricks.names), a.per_layer_bytes, a.total_bytes, a.peak_bytes, m.model_state_bytes,
+                     m.logits_bytes, m.total_bytes, m.fits, c.flops.model_per_token, c.flops.hardware_per_token,
+                     "roofline" if t else "mfu", f"{shown.step_seconds:.6g}", f"{shown.tokens_per_second:.6g}",
+                     f"{shown.mfu:.4f}", f"{shown.hfu:.4f}", *csv_columns(t)])  # fmt: skip
+    return rows
+
+
+# ---- --explain ------------------------------------------------------------------------------
+
+
+def symbols(est: Estimate) -> dict[str, int]:
+    shape, s = est.model.shape, est.setup
+    return {
+        "s": s.seq_len, "b": s.micro_batch, "h": shape.hidden, "a": shape.n_heads, "d": shape.head_dim,
+        "L": shape.n_layers, "v": shape.vocab, "N": est.model.n_params, "G": s.parallel.gpus,
+        "W": layer_weights(shape),
+    }  # fmt: skip
+
+
+def explain_term(t: Term, syms: dict[str, int], unit: str) -> str:
+    return f"  {t.name}: {t.symbolic()} = {t.substituted(syms)} = {t.value:,} {unit}   [{t.source}]"
+
+
+def explain_lines(est: Estimate, mfu_time: bool = True) -> list[str]:
+    """Each formula with this config's numbers substituted, as a course would show it (with the
+    --mfu step time when mfu_time: the roofline explains its own)."""
+    syms = symbols(est)
+    legend = ", ".join(f"{k} = {v:,}" for k, v in syms.items())
+    lines = [f"Symbols: {legend}", "", f"Model state ({RECIPES[est.model_state.precision]}, per GPU):"]
+    for p in est.model_state.parts:
+        t = Term(p.name, p.bytes, p.formula, "Rajbhandari et al. 2019, sec. 3.1")
+        lines.append(explain_term(t, syms, "B"))
+    for a in est.activations:
+        lines += ["", f"Activations, {a.tricks.label}:"]
+        lines += [explain_term(t, syms, "B") for t in a.terms]
+        lines.append(f"  kept per layer = {' + '.join(f'{t.value:,}' for t in a.terms)} = {a.per_layer_bytes:,} B")
+        lines.append(f"  all layers = {a.per_layer_bytes:,} · {a.n_layers} = {a.total_bytes:,} B")
+        if a.rebuilt:
+            rebuilt = " + ".join(t.symbolic() for t in a.rebuilt)
+            lines.append(f"  peak = {a.total_bytes:,} + one layer rebuilt ({rebuilt} = {a.rebuilt_bytes:,}) = {a.peak_bytes:,} B")
+    lines += ["", "Logits and loss:"]
+    seen = set()
+    for tricks, logits in zip(est.trick_sets, est.logits):
+        if tricks.precision not in seen:
+            seen.add(tricks.precision)
+            lines += [explain_term(t, syms, "B") for t in logits.terms]
+    lines += ["", "FLOPs per token:"]
+    lines += [explain_term(t, syms, "FLOPs") for t in flop_terms(est.model.shape, est.model.n_params, est.setup.seq_len)]
+    for c in est.compute if mfu_time else ():
+        lines.append(f"  {c.tricks.label}: step = {c.tokens_per_step:,} tokens · {c.flops.hardware_per_token:,} FLOPs "
+                     f"/ ({est.setup.mfu:g} · {c.peak_flops:.4g} FLOP/s) = {u.seconds(c.step_seconds)}")  # fmt: skip
+    return lines
+
+
+# ---- memcalc fit ----------------------------------------------------------------------------
+
+
+def fit_sections(limits: FitLimits, units: str) -> list[Section]:
+    s = Section(
+        f"What fits one {limits.gpu} ({u.size(limits.usable_bytes, units)} usable) with {limits.tricks.label}",
+        ["limit", "value", "memory at the limit"],
+    )
+    seq_mem = limits.memory_at_max_seq
+    batch_mem = limits.memory_at_max_batch
+    s.rows.append([f"longest sequence at micro-batch {limits.micro_batch}", f"{limits.max_seq_len:,}",
+                   sized(seq_mem.total_bytes, units) if seq_mem else "-"])  # fmt: skip
+    s.rows.append([f"largest micro-batch at seq {limits.seq_len:,}", f"{limits.max_micro_batch:,}",
+                   sized(batch_mem.total_bytes, units) if batch_mem else "-"])  # fmt: skip
+    if not limits.max_seq_len:
+        s.notes.append("model state alone does not fit: see `memcalc estimate` for the toolbox (ZeRO, offload)")
+    return [s]
+
+
+# ---- memcalc mfu ----------------------------------------------------------------------------
+
+
+def mfu_preamble(r: MfuReport) -> list[str]:
+    return [
+        f"Model: {r.model.origin}; {r.model.n_params:,} parameters",
+        f"Measured: {r.tokens_per_second:,.1f} tokens/s per GPU at seq {r.seq_len:,}, against the {r.gpu}'s "
+        f"dense {r.precision} peak; recompute: {r.recompute}",
+    ]
+
+
+def mfu_sections(r: MfuReport) -> list[Section]:
+    s = Section("MFU and HFU under each FLOPs-per-token convention",
+                ["convention", "formula", "FLOPs/token", "TFLOP/s per GPU", "MFU", "HFU"], align="llrrrr")  # fmt: skip
+    for c in r.conventions:
+        s.rows.append([c.name, c.formula, f"{c.model_flops_per_token:,.0f}", f"{c.achieved_tflops:.1f}",
+                       u.percent(c.mfu), u.percent(c.hfu)])  # fmt: skip
+    s.notes = [
+        "non-causal conventions count every query against every key; a causal kernel does half that work, "
+        "so flash with a causal mask can show an MFU above what the GPU ran",
+        "HFU adds what recompute runs again; torchtitan leaves recompute out of its MFU altogether",
+    ]
+    return [s]
+
+
+MFU_CSV_HEADERS = ["convention", "formula", "model_flops_per_token", "hardware_flops_per_token", "tflops", "mfu", "hfu"]
+
+
+def mfu_csv_rows(r: MfuReport) -> list[list[object]]:
+    return [[c.convention, c.formula, f"{c.model_flops_per_token:.0f}", f"{c.hardware_flops_per_token:.0f}",
+             f"{c.achieved_tflops:.4g}", f"{c.mfu:.4f}", f"{c.hfu:.4f}"] for c in r.conventions]  # fmt: skip
+
+
+def runs_section(runs) -> Section:
+    first = runs[0]
+    s = Section(f"Training run: {first.tokens:,} tokens on {first.gpus:,} GPU{'s' if first.gpus > 1 else ''}",
+                ["tricks", "tokens/s (job)", "time", "GPU-hours", "cost"])  # fmt: skip
+    for r in runs:
+        cost = "-" if r.cost is None else f"${r.cost:,.0f}"
+        s.rows.append([r.tricks.label, u.rate(r.tokens_per_second), f"{r.days:,.1f} days", f"{r.gpu_hours:,.0f}", cost])
+    s.notes = [f"throughput: {first.scaling}"]
+    if first.price_per_gpu_hour is not None:
+        s.notes.append(f"at ${first.price_per_gpu_hour:g} per GPU-hour")
+    return s
+
+
+# ---- --sweep --------------------------------------------------------------------------------
+
+BAR_WIDTH = 40
+
+
+def sweep_sections(sw: Sweep, units: str) -> list[Section]:
+    biggest = max(max(p.memory_bytes for p in sw.points), sw.usable_bytes)
+    memory = Section(f"Peak memory per GPU against {sw.name} ({sw.gpu}: │ marks {u.size(sw.usable_bytes, units)} usable)",
+                     [sw.name, "tricks", "memory", "", "fits?"], align="rllrl")  # fmt: skip
+    slowest = max(p.step_seconds for p in sw.points)
+    model = "every kernel against the roofs" if sw.time_model == "roofline" else "hardware FLOPs at --mfu"
+    time = Section(f"Step time against {sw.name} ({model})", [sw.name, "tricks", "step time", "", "tokens/s"],
+                   align="rllrr")  # fmt: skip
+    for p in sw.points:
+        memory.rows.append([f"{p.value:,}", p.tricks.label, render.bar(p.memory_bytes, biggest, BAR_WIDTH, sw.usable_bytes),
+                            u.size(p.memory_bytes, units), "yes" if p.fits else "no"])  # fmt: skip
+        time.rows.append([f"{p.value:,}", p.tricks.label, render.bar(p.step_seconds, slowest, BAR_WIDTH),
+                          u.seconds(p.step_seconds), u.rate(p.tokens_per_second)])  # fmt: skip
+    return [memory, time]
+
+
+SWEEP_CSV_HEADERS = ["value", "tricks", "memory_bytes", "fits", "step_seconds", "tokens_per_second"]
+
+
+def sweep_csv_rows(sw: Sweep) -> list[list[object]]:
+    return [[p.value, p.tricks.label, p.memory_bytes, p.fits, f"{p.step_seconds:.6g}", f"{p.tokens_per_second:.6g}"]
+            for p in sw.points]  # fmt: skip
+
+
+# ---- --exact --------------------------------------------------------------------------------
+
+
+def exact_section(est: Estimate, exacts: list, units: str) -> Section:
+    """Textbook beside exact: what PyTorch saves for this architecture, op by op (memcalc.exact)."""
+    shape = est.model.shape
+    s = Section(
+        f"Textbook against exact for this {shape.family}-family model (simulated op by op; memcalc verify measures it)",
+        ["tricks", "per layer: textbook", "exact", "outside layers: textbook", "exact", "step peak: textbook", "exact"],
+    )
+    for a, lg, m, x in zip(est.activations, est.logits, est.memory, exacts):
+        xa = x.activations
+        s.rows.append([a.tricks.label, u.size(a.per_layer_bytes, units), sized(xa.per_layer_bytes, units),
+                       u.size(lg.total_bytes, units), sized(xa.outside_bytes, units), u.size(m.total_bytes, units),
+                       sized(x.peak_bytes, units)])  # fmt: skip
+    first = exacts[0]
+    s.notes = [
+        "outside the layers: textbook counts the logits and their fp32 copy; exact counts every tensor saved "
+        "outside the blocks (embeddings, RoPE tables, final norm, logits, loss)",
+        "step peak: textbook adds model state + activations at their peak + logits; exact replays the whole step "
+        "(backward's gradients, the optimizer's temporaries) as PyTorch's allocator sees it",
+        f"exact: {first.note}; model state for the shape's own {first.n_params:,} parameters",
+    ]
+    return s
+
+
+def exact_explain_lines(exacts: list, syms: dict[str, int]) -> list[str]:
+    lines = []
+    for x in exacts:
+        a = x.activations
+        lines += ["", f"Exact, {a.tricks.label}: saved per layer, op by op:"]
+        lines += [explain_term(t, syms, "B") for t in a.terms]
+        lines.append(f"  per layer = {a.per_layer_bytes:,} B; outside the layers = {a.outside_bytes:,} B")
+    return lines

@@ -1,0 +1,376 @@
+"""What `memcalc plan` and `memcalc estimate --tp --pp --cp --dp` show: Plans and LayoutEstimates as Sections."""
+
+from __future__ import annotations
+
+from memcalc.parallel.comm import FABRICS, LINKS
+from memcalc.parallel.layout import Layout, StageMemory
+from memcalc.parallel.plan import Alternative, LayoutEstimate, Plan
+
+from . import units as u
+from .estimate import RECIPES, explain_term, state_section
+from .render import Section, sized
+
+CAUSES = {
+    "compute": "compute (the last stage also runs the output layer)",
+    "recompute": "recompute",
+    "bubble": "pipeline bubble",
+    "tp": "exposed TP traffic",
+    "cp": "exposed CP traffic",
+    "pp": "exposed PP traffic",
+    "dp×cp": "exposed data-parallel traffic",
+    "host": "PCIe offload traffic",
+    "cpu optimizer": "Adam on the CPU",
+}
+
+
+def layout_text(layout: Layout) -> str:
+    """'tp 8 + SP x pp 4 (v 2) x cp 1 x dp 2 = 64 GPUs'."""
+    tp = f"tp {layout.tp}" + (" + SP" if layout.sp else "")
+    pp = f"pp {layout.pp}" + (f" (v {layout.vpp})" if layout.vpp > 1 else "")
+    return f"{tp} x {pp} x cp {layout.cp} x dp {layout.dp} = {layout.world} GPUs"
+
+
+def sharding_text(layout: Layout) -> str:
+    if layout.zero == 0:
+        text = "ZeRO 0 (replicated)"
+    else:
+        where = f"{layout.shard_group} ranks inside a node (hybrid)" if layout.hybrid else f"{layout.shard_group} ranks"
+        text = f"ZeRO-{layout.zero} over dp x cp = {where}"
+    if layout.offload_params:
+        text += ", weights, gradients and optimizer state offloaded to CPU"
+    elif layout.offload_optimizer:
+        text += ", optimizer state offloaded to CPU"
+    return text
+
+
+def batch_text(est: LayoutEstimate) -> str:
+    s = est.setup
+    return (f"micro-batch {s.micro_batch} x {s.grad_accum} micro-batches x dp {est.layout.dp} = global batch "
+            f"{est.global_batch:,} sequences of {s.seq_len:,} = {est.time.tokens_per_step:,} tokens "
+            "per step")  # fmt: skip
+
+
+# ---- memcalc estimate with a layout ---------------------------------------------------------
+
+
+def layout_preamble(est: LayoutEstimate) -> list[str]:
+    g, lay, fabric = est.gpu, est.layout, FABRICS[est.gpu.key]
+    return [
+        f"Model: {est.model.origin}",
+        f"Layout: {layout_text(lay)}, {lay.gpus_per_node} per node; {sharding_text(lay)}",
+        f"Batch: {batch_text(est)}",
+        f"Tricks: {est.tricks.label} ({RECIPES[est.tricks.precision]}), {est.setup.optimizer}",
+        f"GPU: {g.name} ({g.key}): {u.size(g.usable_bytes)} usable; {fabric.intra.name} in a node, "
+        f"{fabric.inter.name} between nodes, {fabric.host.name} to the host",
+    ]
+
+
+def layer_section(est: LayoutEstimate, units: str) -> Section:
+    layer = est.memory.peak.layer
+    split = f"tp {layer.tp}" + (" + SP" if layer.sp else "") + (f", cp {layer.cp}" if layer.cp > 1 else "")
+    title = f"Activations of one layer, one micro-batch, one GPU ({split}): Korthikanti et al. 2022, Table 2"
+    s = Section(title, ["term", "formula", "bytes"], align="llr")
+    for t in layer.terms:
+        s.rows.append([t.name, t.symbolic(), sized(t.value, units)])
+    s.rows.append(["kept per layer", "", sized(layer.per_layer_bytes, units)])
+    for t in layer.rebuilt:
+        s.rows.append([f"rebuilt in backward: {t.name}", t.symbolic(), sized(t.value, units)])
+    return s
+
+
+def stages_section(est: LayoutEstimate, units: str) -> Section:
+    mem = est.memory
+    s = Section(
+        f"Peak memory per GPU, by pipeline stage ({u.size(est.gpu.usable_bytes, units)} usable)",
+        ["stage", "layers", "params", "model state", "activations", "buffers", "logits", "total", "fits?"],
+        align="rrrrrrrrl",
+    )
+    for st in mem.stages:
+        s.rows.append([str(st.stage), str(st.layers), u.params(st.params), u.size(st.state.total_bytes, units),
+                       (u.size(st.activation_peak_bytes, units), held_text(st)), u.size(st.buffer_bytes, units),
+                       u.size(st.logits_bytes, units), sized(st.total_bytes, units), fit_text(st, units)])  # fmt: skip
+    peak = mem.peak
+    schedule = "interleaved 1F1B" if est.layout.vpp > 1 else "1F1B"
+    s.notes = [
+        f"activations: layer-micro-batches held x bytes per layer + one layer rebuilt; stage 0 holds "
+        f"{peak_factor(est)} x L layers' worth under {schedule} (Korthikanti et al. 2022, sec. 4.2.3)",
+        f"the peak is stage {peak.stage}: {u.exact_bytes(peak.total_bytes)}",
+    ]
+    for t in peak.buffers:
+        s.notes.append(f"buffer: {t.name} = {u.size(t.value, units)} [{t.source}]")
+    return s
+
+
+def held_text(st: StageMemory) -> str:
+    return f"{st.held} x {u.size(st.layer.per_layer_bytes)}"
+
+
+def fit_text(st: StageMemory, units: str) -> str:
+    return "yes" if st.fits else f"no, {u.size(-st.headroom_bytes, units)} over"
+
+
+def peak_factor(est: LayoutEstimate) -> str:
+    """Stage 0's held layer-micro-batches over L: 1 under 1F1B with m >= p, 1 + (p − 1)/(p·v) interleaved."""
+    first = est.memory.stages[0]
+    return f"{first.held / est.model.shape.n_layers:.3g}"
+
+
+def comm_section(est: LayoutEstimate, units: str) -> Section:
+    t = est.time
+    s = Section("Communication per step, as one GPU sees it (ring algorithms)",
+                ["traffic", "group", "link", "calls", "bytes sent", "time", "exposed"], align="llrrrrr")  # fmt: skip
+    for c in t.comms:
+        sent = (u.size(c.bytes, units), c.formula)
+        s.rows.append([c.name, f"{c.group} ({c.ranks})", LINKS[c.link].name, f"{c.calls:,}", sent,
+                       u.seconds(c.seconds), u.seconds(c.exposed_seconds)])  # fmt: skip
+    if not t.comms:
+        s.notes.append("no traffic: one GPU")
+    s.notes.append("ring bytes: all-reduce 2(n−1)/n, reduce-scatter and all-gather (n−1)/n of the buffer "
+                   "(nccl-tests PERFORMANCE.md); exposed: what the overlap assumptions leave on the critical "
+                   "path")  # fmt: skip
+    return s
+
+
+def time_section(est: LayoutEstimate) -> Section:
+    t = est.time
+    title = f"Step time at {u.percent(t.utilization)} of peak while computing (--mfu)"
+    s = Section(title, ["part", "seconds", "share"])
+    for key, seconds in t.breakdown.items():
+        if seconds or key == "compute":
+            s.rows.append([CAUSES.get(key, key), u.seconds(seconds), u.percent(seconds / t.step_seconds)])
+    s.rows.append(["step", u.seconds(t.step_seconds), "100.0%"])
+    lay = est.layout
+    bubble = "no pipeline, no bubble"
+    if lay.pp > 1:
+        bubble = (f"bubble (p − 1)/(v·m) = {lay.pp - 1}/({lay.vpp}·{est.setup.grad_accum}) of the pipeline's time "
+                  "(Narayanan et al. 2021)")  # fmt: skip
+    s.notes = [
+        f"{u.rate(t.tokens_per_second)} tokens/s; MFU {u.percent(t.mfu)}, HFU {u.percent(t.hfu)} "
+        f"(model FLOPs {u.count(t.model_flops_per_step)} per step, Korthikanti et al. 2022 sec. 6.3)",
+        bubble,
+    ]
+    s.notes += assumption_notes(est)
+    return s
+
+
+def assumption_notes(est: LayoutEstimate) -> list[str]:
+    a = est.time.assumptions
+    return [
+        f"assumed: links reach {u.percent(a.efficiency, 0)} of their rate; overlap shares dp {a.overlap_dp:g}, "
+        f"tp {a.overlap_tp:g}, pp {a.overlap_pp:g}, cp {a.overlap_cp:g}, offload {a.overlap_offload:g}; "
+        f"CPU Adam {a.cpu_adam_params_per_s:.0e} params/s per host"
+    ]
+
+
+def cluster_section(est: LayoutEstimate, units: str) -> Section:
+    s = Section(f"Cluster totals over {est.gpus} GPUs", ["quantity", "value"])
+    s.rows.append(["GPU memory, all GPUs at their peak", sized(est.cluster_bytes, units)])
+    if est.cluster_host_bytes:
+        s.rows.append(["host memory (offload)", sized(est.cluster_host_bytes, units)])
+    s.rows.append(["tokens per step", f"{est.time.tokens_per_step:,}"])
+    s.rows.append(["tokens per second", u.rate(est.time.tokens_per_second)])
+    s.rows.append(["model FLOPs per step", u.count(est.time.model_flops_per_step)])
+    return s
+
+
+def layout_sections(est: LayoutEstimate, units: str) -> list[Section]:
+    """Everything `memcalc estimate --tp --pp --cp --dp --zero` prints for one layout."""
+    peak = est.memory.peak
+    state = state_section(peak.state, units)
+    state.title += f" (one GPU of stage {peak.stage}: {peak.params:,} parameters before sharding)"
+    return [state, layer_section(est, units), stages_section(est, units), comm_section(est, units), time_section(est),
+            cluster_section(est, units)]  # fmt: skip
+
+
+def tricks_section(estimates: list[LayoutEstimate], units: str) -> Section:
+    """One layout under several trick sets (estimate's progression): per-GPU peak memory and speed of each."""
+    est = estimates[0]
+    s = Section(
+        f"Peak memory per GPU under {est.layout.label} ({u.size(est.gpu.usable_bytes, units)} usable)",
+        ["tricks", "model state", "activations", "buffers", "logits", "total", "fits?", "tokens/s", "MFU"],
+        align="lrrrrrlrr",
+    )
+    for e in estimates:
+        st, t = e.memory.peak, e.time
+        s.rows.append([e.tricks.label, u.size(st.state.total_bytes, units), u.size(st.activation_peak_bytes, units),
+                       u.size(st.buffer_bytes, units), u.size(st.logits_bytes, units), sized(st.total_bytes, units),
+                       fit_text(st, units), u.rate(t.tokens_per_second), u.percent(t.mfu)])  # fmt: skip
+    s.notes.append("each row at the pipeline stage that peaks; cluster totals, traffic and time: --tricks with one set")
+    return s
+
+
+def layout_warnings(est: LayoutEstimate) -> list[str]:
+    out = []
+    lay, t = est.layout, est.tricks
+    if lay.tp > lay.gpus_per_node:
+        out.append(f"tp {lay.tp} spans nodes: every layer's collectives cross InfiniBand")
+    if t.recompute == "selective" and t.flash:
+        out.append("selective recompute saves nothing here: FlashAttention already keeps no s×s scores")
+    if lay.zero == 3 and lay.shard_group == 1 and not lay.offload_params:
+        out.append("ZeRO-3 over one rank shards nothing")
+    return out
+
+
+LAYOUT_CSV_HEADERS = [
+    "stage", "layers", "params", "model_state_bytes", "activation_peak_bytes", "buffer_bytes", "logits_bytes",
+    "total_bytes", "fits", "step_seconds", "tokens_per_second", "mfu",
+]  # fmt: skip
+
+
+def layout_csv_rows(est: LayoutEstimate) -> list[list[object]]:
+    t = est.time
+    return [[st.stage, st.layers, st.params, st.state.total_bytes, st.activation_peak_bytes, st.buffer_bytes,
+             st.logits_bytes, st.total_bytes, st.fits, f"{t.step_seconds:.6g}", f"{t.tokens_per_second:.6g}",
+             f"{t.mfu:.4f}"] for st in est.memory.stages]  # fmt: skip
+
+
+def layout_symbols(est: LayoutEstimate) -> dict[str, int]:
+    shape, s, lay = est.model.shape, est.setup, est.layout
+    return {
+        "s": s.seq_len, "b": s.micro_batch, "h": shape.hidden, "a": shape.n_heads, "k": shape.n_kv_heads,
+        "d": shape.head_dim, "L": shape.n_layers, "v": shape.vocab, "t": lay.tp, "c": lay.cp, "p": lay.pp,
+        "m": s.grad_accum,
+    }  # fmt: skip
+
+
+def layout_explain_lines(est: LayoutEstimate) -> list[str]:
+    """The per-layer and logits formulas with this layout's numbers substituted."""
+    syms = layout_symbols(est)
+    peak = est.memory.peak
+    legend = ", ".join(f"{k} = {v:,}" for k, v in syms.items())
+    lines = [f"Symbols: {legend}", "", "One layer, one micro-batch, one GPU:"]
+    lines += [explain_term(t, syms, "B") for t in peak.layer.terms + peak.layer.rebuilt]
+    lines.append(f"  stage {peak.stage}: {peak.held} layer-micro-batches x {peak.layer.per_layer_bytes:,} + "
+                 f"{peak.layer.rebuilt_bytes:,} rebuilt = {peak.activation_peak_bytes:,} B")  # fmt: skip
+    last = est.memory.stages[-1]
+    if last.logits:
+        lines += ["", f"Logits on stage {last.stage}:"] + [explain_term(t, syms, "B") for t in last.logits]
+    buffers = [t for st in est.memory.stages for t in st.buffers]
+    if buffers:
+        unique = {t.name: t for t in buffers}.values()
+        lines += ["", "Buffers:"] + [explain_term(t, syms, "B") for t in unique]
+    return lines
+
+
+# ---- memcalc plan ---------------------------------------------------------------------------------
+
+
+def plan_preamble(plan: Plan) -> list[str]:
+    g, t = plan.gpu, plan.tricks
+    return [
+        f"Model: {plan.model.origin}",
+        f"Job: {plan.gpus} x {g.key} ({plan.gpus_per_node} per node), seq {plan.seq_len:,}, global batch "
+        f"{plan.global_batch:,} sequences = {plan.tokens_per_step:,} tokens per step; {t.precision}"
+        f"{' + flash' if t.flash else ''}, {plan.optimizer}, {u.percent(plan.mfu)} of peak while computing",
+        f"Searched {plan.searched:,} layouts (TP, SP, PP, interleaving, CP, DP, ZeRO 0-3, hybrid shard, offload, "
+        f"micro-batch, recompute): {plan.fitting:,} fit in {u.size(g.usable_bytes)}",
+    ]
+
+
+def ranking_section(plan: Plan, units: str) -> Section:
+    headers = ["#", "layout", "sharding", "b x m", "recompute", "memory/GPU", "tokens/s", "step", "MFU", "bubble"]
+    s = Section(f"Fastest layouts that fit, of {plan.fitting:,}", headers + ["exposed comm"], align="rllrlrrrrrr")
+    for i, est in enumerate(plan.best, 1):
+        t = est.time
+        s.rows.append([str(i), layout_text(est.layout), sharding_text(est.layout),
+                       f"{est.setup.micro_batch} x {est.setup.grad_accum}", est.tricks.recompute,
+                       u.size(est.memory.total_bytes, units), u.rate(t.tokens_per_second), u.seconds(t.step_seconds),
+                       u.percent(t.mfu), u.percent(t.bubble_seconds / t.step_seconds),
+                       u.seconds(t.exposed_comm_seconds)])  # fmt: skip
+    if not plan.best:
+        s.notes.append("nothing fits: more GPUs, a smaller global batch or a shorter sequence")
+    return s
+
+
+def best_memory_section(plan: Plan, units: str) -> Section:
+    s = Section("Memory per GPU of those layouts, at the stage that peaks",
+                ["#", "stage", "model state", "activations", "buffers", "logits", "total", "headroom"])  # fmt: skip
+    for i, est in enumerate(plan.best, 1):
+        st = est.memory.peak
+        s.rows.append([str(i), f"{st.stage} of {est.layout.pp}", u.size(st.state.total_bytes, units),
+                       (u.size(st.activation_peak_bytes, units), held_text(st)), u.size(st.buffer_bytes, units),
+                       u.size(st.logits_bytes, units), sized(st.total_bytes, units),
+                       u.size(st.headroom_bytes, units)])  # fmt: skip
+    return s
+
+
+def best_time_section(plan: Plan) -> Section:
+    keys = ["compute", "recompute", "bubble", "tp", "cp", "pp", "dp×cp", "host", "cpu optimizer"]
+    s = Section("Step time of those layouts, by part (seconds)", ["#"] + keys + ["step"])
+    for i, est in enumerate(plan.best, 1):
+        parts = est.time.breakdown
+        s.rows.append([str(i)] + [f"{parts.get(k, 0.0):.2f}" for k in keys] + [f"{est.time.step_seconds:.2f}"])
+    if plan.best:
+        s.notes += assumption_notes(plan.best[0])
+    return s
+
+
+def alternatives_section(plan: Plan, units: str) -> Section:
+    s = Section("Why the obvious alternatives lose", ["alternative", "its best layout", "tokens/s", "vs best", "why"],
+                align="llrrl")  # fmt: skip
+    best = plan.best[0].time.tokens_per_second if plan.best else None
+    for alt in plan.alternatives:
+        s.rows.append(alternative_row(alt, best, units))
+    return s
+
+
+def recompute_text(mode: str) -> str:
+    return "no recompute" if mode == "none" else f"{mode} recompute"
+
+
+def alternative_row(alt: Alternative, best: float | None, units: str) -> list[str]:
+    est = alt.estimate
+    where = f"{est.layout.label}, b {est.setup.micro_batch}, {recompute_text(est.tricks.recompute)}"
+    if not alt.fits:
+        need, usable = u.size(est.memory.total_bytes, units), u.size(est.gpu.usable_bytes, units)
+        return [alt.name, where, "-", "-", f"out of memory: needs {need} of {usable} at its smallest"]
+    tps = est.time.tokens_per_second
+    if alt.cause == "tie":
+        why = "as fast as the best (within 0.5%)"
+    else:
+        why = f"{CAUSES[alt.cause]}: {u.seconds(alt.seconds)} per step against {u.seconds(alt.best_seconds)}"
+    return [alt.name, where, u.rate(tps), u.signed_percent(tps / best - 1), why]
+
+
+def plan_sections(plan: Plan, units: str) -> list[Section]:
+    """Everything `memcalc plan` prints."""
+    sections = [ranking_section(plan, units)]
+    if plan.best:
+        sections += [best_memory_section(plan, units), best_time_section(plan)]
+    if plan.alternatives:
+        sections.append(alternatives_section(plan, units))
+    return sections
+
+
+PLAN_CSV_HEADERS = [
+    "rank", "tp", "sp", "pp", "vpp", "cp", "dp", "zero", "hybrid", "offload_optimizer", "offload_params",
+    "micro_batch", "micro_batches", "recompute", "memory_bytes", "tokens_per_second", "step_seconds", "mfu",
+]  # fmt: skip
+
+
+def plan_csv_rows(plan: Plan) -> list[list[object]]:
+    rows = []
+    for i, est in enumerate(plan.best, 1):
+        lay, t = est.layout, est.time
+        rows.append([i, lay.tp, lay.sp, lay.pp, lay.vpp, lay.cp, lay.dp, lay.zero, lay.hybrid, lay.offload_optimizer,
+                     lay.offload_params, est.setup.micro_batch, est.setup.grad_accum, est.tricks.recompute,
+                     est.memory.total_bytes, f"{t.tokens_per_second:.6g}", f"{t.step_seconds:.6g}",
+                     f"{t.mfu:.4f}"])  # fmt: skip
+    return rows
+
+
+def exact_layer_section(ests: list[LayoutEstimate], layers: list, units: str) -> Section:
+    """--exact: one layer on one TP rank, Korthikanti's Table 2 against memcalc.exact on the shard."""
+    lay = ests[0].layout
+    split = f"tp {lay.tp}" + (" + SP" if lay.sp else "")
+    s = Section(f"One layer, one micro-batch, one GPU ({split}): textbook against exact for this architecture",
+                ["tricks", "textbook (Table 2)", "exact (op by op)", "exact / textbook"])  # fmt: skip
+    for e, terms in zip(ests, layers):
+        textbook = e.memory.peak.layer.per_layer_bytes
+        exact = sum(t.value for t in terms)
+        s.rows.append([e.tricks.label, sized(textbook, units), sized(exact, units), f"{exact / textbook:.2f}x"])
+    s.notes = ["exact: memcalc.exact on the TP rank's shard (a/t heads, k/t KV heads, f/t MLP); with SP the norms "
+               "and dropouts hold s/t tokens and the all-gathered inputs are saved whole, as DTensor does "
+               "(memcalc verify --tp checks it on PyTorch's own engine)",
+               "the stage totals above use the textbook terms"]  # fmt: skip
+    return s

@@ -1,0 +1,38 @@
+"""--sweep ... --png PATH: the sweep as a PNG, where matplotlib is installed (pip install 'memcalc[plot]')."""
+
+from __future__ import annotations
+
+from memcalc.errors import InputError
+from memcalc.time.sweep import Sweep
+
+
+def save_png(sw: Sweep, path: str) -> None:
+    """Two panels against the swept value: peak memory per GPU (with the usable line) and step time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("--png needs matplotlib: pip install 'memcalc[plot]'") from None
+    fig, (mem, time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label in dict.fromkeys(p.tricks.label for p in sw.points):
+        points = [p for p in sw.points if p.tricks.label == label]
+        xs = [p.value for p in points]
+        mem.plot(xs, [p.memory_bytes / 1e9 for p in points], marker="o", label=label)
+        time.plot(xs, [p.step_seconds for p in points], marker="o", label=label)
+    mem.axhline(sw.usable_bytes / 1e9, color="black", linestyle="--", linewidth=1, label=f"{sw.gpu} usable")
+    for ax, ylabel in ((mem, "peak memory per GPU (GB)"), (time, "step time (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(sw.name)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    mem.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,67 @@
+"""Every number memcalc prints is formatted here, and only here."""
+
+from __future__ import annotations
+
+from memcalc.errors import InputError
+
+UNITS = {"gb": (1e9, "GB"), "gib": (float(1 << 30), "GiB")}  # decimal GB is what vendors and the lesson use
+
+
+def check_units(units: str) -> str:
+    key = units.strip().lower()
+    if key not in UNITS:
+        raise InputError(f"unknown units {units!r}; choose gb or gib")
+    return key
+
+
+def size(n: int | float, units: str = "gb") -> str:
+    """427617681408 -> '427.6 GB'; three or four significant digits."""
+    scale, label = UNITS[units]
+    x = n / scale
+    if abs(x) >= 100:
+        return f"{x:,.1f} {label}"
+    if abs(x) >= 10:
+        return f"{x:.2f} {label}"
+    return f"{x:.3f} {label}"
+
+
+def exact_bytes(n: int) -> str:
+    return f"{n:,} B"
+
+
+def count(n: int | float) -> str:
+    """48000000000 -> '48.0 G'; for FLOPs and parameters."""
+    for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {suffix}"
+    return f"{n:.0f}"
+
+
+def params(n: int) -> str:
+    """8000000000 -> '8.00B'."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M"
+
+
+def seconds(t: float) -> str:
+    if t >= 86400:
+        return f"{t / 86400:.1f} days"
+    if t >= 3600:
+        return f"{t / 3600:.1f} h"
+    if t >= 1:
+        return f"{t:.2f} s"
+    return f"{t * 1e3:.1f} ms"
+
+
+def rate(x: float) -> str:
+    """Tokens per second."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def percent(x: float, digits: int = 1) -> str:
+    return f"{x * 100:.{digits}f}%"
+
+
+def signed_percent(x: float) -> str:
+    return f"{x * 100:+.1f}%"

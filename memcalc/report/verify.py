@@ -1,0 +1,148 @@
+"""What `memcalc verify` shows: measured against predicted, row by row, and the matrix summary."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import units as u
+from .render import Cell, Section, sized
+
+if TYPE_CHECKING:  # the result types, only for annotations
+    from memcalc.verification.distributed import DistResult
+    from memcalc.verification.results import Row, VerifyResult
+
+
+def value(x: float | None, unit: str, units: str) -> Cell:
+    """A row's number in its unit: bytes with their exact count under them."""
+    if x is None:
+        return "-"
+    if unit == "bytes":
+        return sized(int(x), units)
+    if unit == "flops":
+        return (u.count(x), f"{int(x):,}")
+    if unit == "seconds":
+        return u.seconds(x)
+    if unit == "fraction":
+        return u.percent(x)
+    if unit == "tokens/s":
+        return u.rate(x)
+    return f"{x:,.4g}"
+
+
+def verdict(row: Row) -> str:
+    return {True: "pass", False: "FAIL", None: ""}[row.passed]
+
+
+def error_text(row: Row) -> str:
+    e = row.error
+    if e is None:
+        return ""
+    return "exact" if e == 0 else f"{100 * e:+.3f}%"
+
+
+def verify_preamble(r: VerifyResult) -> list[str]:
+    depth = f"{r.layers_built} layers" + (f" of {r.layers_requested}: {r.layers_note}" if r.layers_note else "")
+    gpu = f" ({r.gpu_name})" if r.gpu_name else ""
+    return [
+        f"Model: {r.origin} ({r.family} family), {depth}",
+        f"Step: {r.tricks}, seq {r.seq_len:,} x micro-batch {r.micro_batch}; attention: {r.attention}",
+        f"Device: {r.device}{gpu}: {r.device_reason}; torch {r.torch_version}; tolerance {u.percent(r.tolerance, 2)}",
+    ]
+
+
+def verify_sections(r: VerifyResult, units: str) -> list[Section]:
+    s = Section(f"{r.tricks}: textbook, exact prediction and measurement",
+                ["quantity", "textbook", "exact prediction", "measured", "error", "pass"], align="lrrrrl")  # fmt: skip
+    for row in r.rows:
+        s.rows.append([row.quantity, value(row.textbook, row.unit, units), value(row.exact, row.unit, units),
+                       value(row.measured, row.unit, units), error_text(row), verdict(row)])  # fmt: skip
+    s.notes = [f"{row.quantity}: {row.note}" for row in r.rows if row.note] + list(r.notes)
+    if r.error:
+        s.notes.insert(0, f"did not finish: {r.error}")
+    sections = [s]
+    if r.phases is not None:
+        sections.append(phases_section(r, units))
+    if r.timing is not None:
+        sections.append(timing_section(r))
+    return sections
+
+
+def phases_section(r: VerifyResult, units: str) -> Section:
+    p = r.phases
+    s = Section("The allocator, phase by phase (torch.cuda memory statistics)", ["phase", "bytes"])
+    for name, x in (("after building (memory_allocated)", p.after_build_bytes),
+                    ("after the first optimizer step", p.after_first_step_bytes),
+                    ("kept by forward", p.retained_bytes), ("forward peak (max_memory_allocated)", p.forward_peak_bytes),
+                    ("backward peak", p.backward_peak_bytes), ("optimizer-step peak", p.optimizer_peak_bytes),
+                    ("reserved peak (max_memory_reserved)", p.reserved_peak_bytes)):  # fmt: skip
+        s.rows.append([name, sized(x, units)])
+    return s
+
+
+def timing_section(r: VerifyResult) -> Section:
+    t = r.timing
+    s = Section(f"Step time: median of {t.steps} steps after warm-up (CUDA events)", ["quantity", "value"])
+    s.rows = [
+        ["step time", u.seconds(t.step_seconds)],
+        ["predicted by the roofline", "-" if t.predicted_seconds is None else
+         f"{u.seconds(t.predicted_seconds)} (measured {100 * t.predicted_error:+.1f}%)"],
+        ["tokens/s", u.rate(t.tokens_per_second)],
+        ["achieved model TFLOP/s", f"{t.model_tflops:.1f}"],
+        ["achieved hardware TFLOP/s (recompute counted)", f"{t.hardware_tflops:.1f}"],
+        ["MFU", "-" if t.mfu is None else u.percent(t.mfu)],
+        ["HFU", "-" if t.hfu is None else u.percent(t.hfu)],
+    ]
+    if t.peak_tflops is not None:
+        s.notes.append(f"against the GPU table's dense peak of {t.peak_tflops:g} TFLOP/s")
+    if t.predicted_seconds is not None:
+        top = ", ".join(f"{op.name} {u.seconds(op.seconds)}" for op in t.predicted_ops[:3])
+        s.notes.append(f"roofline ({t.calibration}): slowest predicted ops {top}; every op in the JSON (timing.predicted_ops)")
+    return s
+
+
+def peak_row(r: VerifyResult) -> Row | None:
+    return next((row for row in r.rows if row.quantity == "whole-step peak"), None)
+
+
+def matrix_sections(results: list[VerifyResult], units: str) -> list[Section]:
+    first = results[0]
+    s = Section(f"Every trick set on {first.device}: the whole-step peak, predicted and measured",
+                ["tricks", "textbook", "exact prediction", "measured", "error", "reserved", "step time", "predicted",
+                 "tokens/s", "MFU", "pass"], align="lrrrrrrrrrl")  # fmt: skip
+    for r in results:
+        row = peak_row(r)
+        reserved = "-" if r.phases is None else u.size(r.phases.reserved_peak_bytes, units)
+        t = r.timing
+        timing = ["-", "-", "-", "-"] if t is None else [
+            u.seconds(t.step_seconds), "-" if t.predicted_seconds is None else u.seconds(t.predicted_seconds),
+            u.rate(t.tokens_per_second), "-" if t.mfu is None else u.percent(t.mfu)]  # fmt: skip
+        if row is None:
+            s.rows.append([r.tricks, "-", "-", "-", "-", reserved, *timing, "FAIL" if not r.passed else ""])
+            continue
+        s.rows.append([r.tricks, value(row.textbook, "bytes", units), value(row.exact, "bytes", units),
+                       value(row.measured, "bytes", units), error_text(row), reserved, *timing,
+                       "pass" if r.passed else "FAIL"])  # fmt: skip
+    s.notes = [f"{r.tricks}: {r.error}" for r in results if r.error]
+    s.notes += [f"{r.tricks}: failed rows: {', '.join(row.quantity for row in r.failed)}" for r in results if r.failed]
+    s.notes.append("pass: every row of the run within tolerance (memcalc verify --tricks T for the rows)")
+    if any(r.timing is not None and r.timing.predicted_seconds is not None for r in results):
+        s.notes.append("predicted: the roofline's step time for the model as built (memcalc.time.roofline), not judged")
+    return [s]
+
+
+def dist_preamble(d: DistResult) -> list[str]:
+    return [
+        f"Model: {d.model}, {d.n_params:,} parameters; seq {d.seq_len:,} x micro-batch {d.micro_batch}; {d.tricks.label}",
+        f"Layout: {d.layout.label}, world {d.world}; device {d.device} (backend {d.backend}); torch {d.torch_version}; "
+        f"{d.seconds:.1f} s",
+    ]
+
+
+def dist_sections(d: DistResult) -> list[Section]:
+    from memcalc.verification.distributed import TABLE_HEADERS
+
+    s = Section("Per rank: memcalc's prediction (+ named differences) against PyTorch's own", TABLE_HEADERS,
+                align="rlrrrrll")  # fmt: skip
+    s.rows = [[f"{c:,}" if isinstance(c, int) else str(c) for c in row] for row in d.table()]
+    s.notes = list(d.notes)
+    return [s]

@@ -1,0 +1,136 @@
+"""How much of a GPU's datasheet peak real kernels reach: the roofline's named parameters.
+
+A calibration is one JSON file per GPU (memcalc/time/calibrations/<gpu>.json ships the measured ones):
+
+    {"format": "memcalc-calibration/1", "gpu": "h200", "note": "...",
+     "parameters": {"matmul": {"value": 0.79, "provenance": "where it comes from"}, ...}}
+
+A parameter the file leaves out takes memcalc's default, whose provenance says so. `memcalc estimate
+--calibration PATH` reads another file; `--calibration matmul=0.7,flash=0.4` overrides single values
+(`--calibration PATH,matmul=0.7`: both).
+`memcalc verify` on a GPU reports predicted beside measured step time, the evidence to refit from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from memcalc.errors import InputError
+
+FORMAT = "memcalc-calibration/1"
+FOLDER = Path(__file__).parent / "calibrations"
+H200_MATMUL = "torch.matmul bf16 8192³ at 769–798 TFLOP/s on one H200 (numbers.md), 783.5 / 989"
+H200_COPY = "device-to-device copy at ~4.3 TB/s on one H200 (numbers.md), 4.3 / 4.8"
+
+# name: (default, meaning, provenance of the default)
+PARAMETERS: dict[str, tuple[float, str, str]] = {
+    "matmul": (0.79, "fraction of the dtype's dense tensor-core peak (fp32: its CUDA-core peak) a cuBLAS matmul sustains",
+               "memcalc default, not measured on this GPU: the H200's " + H200_MATMUL),
+    "flash": (0.50, "fraction of the 16-bit dense peak the fused flash-attention kernel sustains on the FLOPs it executes",
+              "memcalc default: FlashAttention-2 reaches 50-73% of the A100's peak (Dao 2023, arXiv 2307.08691), the low end"),
+    "bandwidth": (0.90, "fraction of the datasheet HBM bandwidth a streaming kernel sustains",
+                  "memcalc default, not measured on this GPU: the H200's " + H200_COPY),
+    "vector": (1.0, "fraction of the FP32 CUDA-core peak elementwise kernels sustain on their arithmetic",
+               "memcalc default: the datasheet rate; elementwise kernels are bandwidth-bound here, so it seldom binds"),
+    "launch_us": (4.0, "microseconds a kernel takes at least: eager PyTorch's dispatch and launch",
+                  "memcalc assumption (a few microseconds per eager op), to be fitted from verify's measured steps"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The achievable fractions of peak (and the per-kernel floor) the roofline runs at."""
+
+    gpu: str
+    matmul: float
+    flash: float
+    bandwidth: float
+    vector: float
+    launch_us: float
+    origin: str  # the file read, or "memcalc defaults"
+    provenance: tuple[tuple[str, str], ...]  # (parameter, where its value comes from), in PARAMETERS order
+
+    def __post_init__(self) -> None:
+        for name in PARAMETERS:
+            check_value(name, getattr(self, name))
+
+    @property
+    def launch_seconds(self) -> float:
+        return self.launch_us * 1e-6
+
+    def source(self, name: str) -> str:
+        return dict(self.provenance)[name]
+
+
+def check_value(name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if name == "launch_us":
+        if not (ok and 0 <= value <= 1000):
+            raise InputError(f"calibration launch_us must be in [0, 1000] microseconds, got {value!r}")
+    elif not (ok and 0 < value <= 1):
+        raise InputError(f"calibration {name} must be a fraction in (0, 1], got {value!r}")
+
+
+def defaults(gpu: str) -> Calibration:
+    values = {name: d for name, (d, _, _) in PARAMETERS.items()}
+    return Calibration(gpu, **values, origin="memcalc defaults",
+                       provenance=tuple((n, p) for n, (_, _, p) in PARAMETERS.items()))  # fmt: skip
+
+
+def from_dict(data: object, origin: str, gpu: str) -> Calibration:
+    """A calibration file's contents over memcalc's defaults; anything malformed is an InputError."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise InputError(f"{origin}: not a calibration file (needs \"format\": \"{FORMAT}\")")
+    if data.get("gpu") != gpu:
+        raise InputError(f"{origin} calibrates {data.get('gpu')!r}, not {gpu!r}")
+    params = data.get("parameters", {})
+    if not isinstance(params, dict):
+        raise InputError(f"{origin}: \"parameters\" must be an object")
+    cal, sources = defaults(gpu), dict(defaults(gpu).provenance)
+    values = {}
+    for name, entry in params.items():
+        if name not in PARAMETERS:
+            raise InputError(f"{origin}: unknown parameter {name!r}; known: {', '.join(PARAMETERS)}")
+        if not isinstance(entry, dict) or "value" not in entry or not entry.get("provenance"):
+            raise InputError(f"{origin}: {name} needs a value and its provenance")
+        check_value(name, entry["value"])
+        values[name], sources[name] = float(entry["value"]), f"{entry['provenance']} [{Path(origin).name}]"
+    return replace(cal, **values, origin=origin, provenance=tuple(sources.items()))
+
+
+def load(path: str | Path, gpu: str) -> Calibration:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise InputError(f"cannot read calibration {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise InputError(f"calibration {path} is not valid JSON: {e}") from None
+    return from_dict(data, str(path), gpu)
+
+
+def calibration_for(gpu: str, path: str | None = None, overrides: str | None = None) -> Calibration:
+    """The file given, else the one shipped for this GPU, else the defaults; then NAME=X overrides."""
+    shipped = FOLDER / f"{gpu}.json"
+    cal = load(path, gpu) if path else load(shipped, gpu) if shipped.exists() else defaults(gpu)
+    return override(cal, overrides) if overrides else cal
+
+
+def override(cal: Calibration, text: str) -> Calibration:
+    """'matmul=0.7,bandwidth=0.85' on top of a calibration."""
+    values, sources = {}, dict(cal.provenance)
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip().lower()
+        if not sep or name not in PARAMETERS:
+            known = ", ".join(PARAMETERS)
+            raise InputError(f"--calibration takes NAME=X[,NAME=X] with NAME one of {known}; got {item!r}")
+        try:
+            values[name] = float(value)
+        except ValueError:
+            raise InputError(f"--calibration {name} must be a number, got {value!r}") from None
+        check_value(name, values[name])
+        sources[name] = "--calibration on the command line"
+    return replace(cal, **values, provenance=tuple(sources.items()))

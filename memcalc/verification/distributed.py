@@ -1,0 +1,421 @@
+"""Per-rank memory under FSDP2 and DTensor tensor parallelism: memcalc's prediction, the named
+differences PyTorch's own implementation adds, and the measured bytes side by side.
+
+What one rank of a (dp × tp) job holds, as memcalc.parallel predicts it and as torch does it:
+  weights, grads    ZeRO-3 over dp (Rajbhandari et al. 2019, sec. 5) of the TP shard (Shoeybi et al.
+                    2019): ⌈w·P/G⌉. FSDP2's fully_shard shards each tensor's dim 0 with torch.chunk
+                    and pads it to a multiple of G, so a rank holds Σ w·⌈d0/G⌉·rest. Without FSDP2,
+                    DTensor hands an untied token table's gradient back whole (embedding_grad).
+  optimizer state   fp32 master, m, v of the local shard, made by .float() / zeros_like of the
+                    unpadded view: Σ 4·chunk(d0, G, rank)·rest each.
+  saved by a block  the one-GPU layer of the TP rank's shape (a/t heads, k/t KV heads, f/t MLP),
+                    counted op by op by memcalc.exact; with sequence parallelism the norms, dropouts
+                    and (full recompute) the checkpointed input hold s/t tokens.
+This module is torch-free: verify/distributed.py measures, this predicts and compares.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from memcalc.errors import InputError
+from memcalc.memory.estimate import Setup
+from memcalc.model.shape import ModelShape, check_positions, n_params
+from memcalc.model.tricks import Tricks
+from memcalc.parallel.layout import Layout, check_layout, layer_activations, sharded_state, stage_shape_params
+from memcalc.terms import Term
+
+DEVICES = ("meta", "cpu-gloo", "cuda")  # meta: fake process group, fake tensors, one process per rank
+BACKENDS = {"meta": "fake", "cpu-gloo": "gloo", "cuda": "nccl"}
+TOLERANCE = 0.001  # a row passes within 0.1% when every byte of the difference is named
+MAX_GLOO_RANKS = 8  # real CPU processes on one machine
+SEQ_SPLIT_SCOPES = ("norm1", "norm2", "attention dropout", "mlp dropout")  # memcalc.exact scopes SP splits
+FSDP2 = "torch.distributed.fsdp.fully_shard (FSDP2)"
+DTENSOR = "torch.distributed.tensor.parallel (DTensor)"
+
+
+# ---- what can be verified ---------------------------------------------------------------------
+
+
+def check_dist(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, device: str) -> None:
+    """What the distributed check runs: FSDP2 (ZeRO-3) over dp, DTensor TP (+SP) over tp; one line each."""
+    if device not in DEVICES:
+        raise InputError(f"unknown verify device {device!r}; known: {', '.join(DEVICES)}")
+    if layout.pp > 1 or layout.cp > 1:
+        raise InputError("distributed verify covers data (FSDP2) and tensor parallelism: pp and cp must be 1")
+    if layout.zero not in (0, 3):
+        raise InputError(f"distributed verify runs FSDP2 (ZeRO-3), not ZeRO-{layout.zero}: use zero 3 with dp > 1")
+    if layout.dp > 1 and layout.zero == 0:
+        raise InputError("dp > 1 without sharding (DDP) is not verified: use zero 3 (FSDP2 fully_shard)")
+    if layout.hybrid or layout.offload_optimizer or layout.offload_params:
+        raise InputError("distributed verify covers full sharding on the GPU: no hybrid shard, no offload")
+    if device == "cpu-gloo" and layout.world > MAX_GLOO_RANKS:
+        raise InputError(f"cpu-gloo starts one process per rank: at most {MAX_GLOO_RANKS}, got {layout.world}")
+    if device == "cpu-gloo" and tricks.flash:
+        raise InputError("the CUDA flash-attention op verify runs has no CPU kernel: cpu-gloo runs without flash")
+    if tricks.precision == "fp16":
+        raise InputError("fp16: verify/recipes.py's loss scaler is not written for sharded (DTensor) gradients; "
+                         "use bf16 or fp32")  # fmt: skip
+    if setup.optimizer != "adamw":
+        raise InputError(f"distributed verify runs AdamW (verify/recipes.py), not {setup.optimizer}")
+    if shape.n_layers < 2:
+        raise InputError("distributed verify measures the second block: the model needs at least 2 layers")
+    if setup.grad_accum != 1:
+        raise InputError("distributed verify runs one micro-batch per step: grad-accum must be 1")
+    check_positions(shape, setup.seq_len)
+    check_layout(layout, shape, setup.seq_len, tricks, 1)
+
+
+def padded_vocab(shape: ModelShape, tp: int) -> ModelShape:
+    """The vocabulary padded to a multiple of tp, as Megatron-LM pads it (to 128·tp): every TP rank
+    holds ⌈V/t⌉ rows, memcalc's charge. DTensor shards an uneven vocabulary as torch.chunk does, and
+    its view of the unevenly sharded logits fails on the last rank."""
+    vocab = -(-shape.vocab // tp) * tp
+    if vocab == shape.vocab:
+        return shape
+    return replace(shape, vocab=vocab, name=f"{shape.name} (vocab padded to {vocab:,})")
+
+
+def rank_coords(layout: Layout, rank: int) -> tuple[int, int]:
+    """(dp rank, tp rank) on the (dp, tp) mesh: TP ranks are neighbours (Megatron-LM's order)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world:
+        raise InputError(f"rank must be a whole number in [0, {layout.world}), got {rank!r}")
+    return rank // layout.tp, rank % layout.tp
+
+
+# ---- the parameter tensors, as verify/builder.py registers them -------------------------------
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    name: str
+    dims: tuple[int, ...]
+    tp_dim: int | None  # 0: column-parallel (and its bias) or vocab-parallel; 1: row-parallel; None: replicated
+
+
+def linear(name: str, n_in: int, n_out: int, bias: bool, tp_dim: int | None) -> list[ParamTensor]:
+    """nn.Linear: weight (out, in); a row-parallel layer's bias is replicated (Shoeybi et al. 2019)."""
+    out = [ParamTensor(name + ".weight", (n_out, n_in), tp_dim)]
+    if bias:
+        out.append(ParamTensor(name + ".bias", (n_out,), 0 if tp_dim == 0 else None))
+    return out
+
+
+def norm(shape: ModelShape, name: str) -> list[ParamTensor]:
+    out = [ParamTensor(name + ".weight", (shape.hidden,), None)]
+    if shape.norm == "layernorm":
+        out.append(ParamTensor(name + ".bias", (shape.hidden,), None))
+    return out
+
+
+def block_tensors(shape: ModelShape, i: int) -> list[ParamTensor]:
+    h, q, kv, f = shape.hidden, shape.q_dim, shape.kv_dim, shape.ffn
+    n, qkv_bias = f"blocks.{i}.", shape.linear_bias or shape.qkv_bias
+    out = norm(shape, n + "norm1")
+    out += linear(n + "attn.wq", h, q, qkv_bias, 0) + linear(n + "attn.wk", h, kv, qkv_bias, 0)
+    out += linear(n + "attn.wv", h, kv, qkv_bias, 0) + linear(n + "attn.wo", q, h, shape.linear_bias, 1)
+    if shape.qk_norm:
+        out += [ParamTensor(n + "attn.q_norm.weight", (shape.head_dim,), None),
+                ParamTensor(n + "attn.k_norm.weight", (shape.head_dim,), None)]  # fmt: skip
+    out += norm(shape, n + "norm2")
+    if shape.gated_mlp:  # SwiGLU: gate and up column-parallel, down row-parallel
+        out += linear(n + "mlp.gate", h, f, shape.linear_bias, 0) + linear(n + "mlp.up", h, f, shape.linear_bias, 0)
+        out += linear(n + "mlp.down", f, h, shape.linear_bias, 1)
+    else:
+        out += linear(n + "mlp.fc", h, f, shape.linear_bias, 0) + linear(n + "mlp.proj", f, h, shape.linear_bias, 1)
+    return out
+
+
+def param_tensors(shape: ModelShape) -> list[ParamTensor]:
+    """Every parameter tensor of verify/builder.py's Transformer, with the dim TP splits."""
+    out = [ParamTensor("tok_emb.weight", (shape.vocab, shape.hidden), 0)]  # vocab-parallel
+    if shape.positions == "learned":
+        out.append(ParamTensor("pos_emb.weight", (shape.max_positions, shape.hidden), None))
+    for i in range(shape.n_layers):
+        out += block_tensors(shape, i)
+    out += norm(shape, "norm")
+    if not shape.tied_embeddings:
+        out.append(ParamTensor("lm_head.weight", (shape.vocab, shape.hidden), 0))
+    return out
+
+
+def chunk(n: int, k: int, i: int) -> int:
+    """Rows of piece i when torch.chunk splits n rows k ways: ⌈n/k⌉ each until they run out."""
+    c = -(-n // k)
+    return max(0, min(c, n - i * c))
+
+
+def tp_dims(t: ParamTensor, tp: int, tp_rank: int) -> tuple[int, ...]:
+    """The tensor on one TP rank: DTensor Shard(tp_dim) splits as torch.chunk does."""
+    if t.tp_dim is None or tp == 1:
+        return t.dims
+    dims = list(t.dims)
+    dims[t.tp_dim] = chunk(dims[t.tp_dim], tp, tp_rank)
+    return tuple(dims)
+
+
+def fsdp_numel(dims: tuple[int, ...], g: int, g_rank: int, padded: bool) -> int:
+    """FSDP2 shards dim 0 with torch.chunk; the padded shard is ⌈d0/G⌉ rows on every rank."""
+    rest = math.prod(dims[1:])
+    return (-(-dims[0] // g) if padded else chunk(dims[0], g, g_rank)) * rest
+
+
+@dataclass(slots=True)
+class LocalCounts:
+    """Elements one rank holds, counted tensor by tensor."""
+
+    shard_elements: int  # this rank's FSDP2 chunks (what .float() copies: master, m, v)
+    padded_elements: int  # the padded FSDP2 shards (what weights and reduce-scattered grads occupy)
+
+
+def local_counts(shape: ModelShape, layout: Layout, rank: int) -> LocalCounts:
+    dp_rank, tp_rank = rank_coords(layout, rank)
+    g = layout.shard_group
+    shard_n = padded_n = 0
+    for t in param_tensors(shape):
+        dims = tp_dims(t, layout.tp, tp_rank)
+        shard_n += fsdp_numel(dims, g, dp_rank, False) if g > 1 else math.prod(dims)
+        padded_n += fsdp_numel(dims, g, dp_rank, True) if g > 1 else math.prod(dims)
+    return LocalCounts(shard_n, padded_n)
+
+
+# ---- predictions --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Prediction:
+    """memcalc's number for one quantity and the differences PyTorch's implementation adds, named."""
+
+    quantity: str
+    predicted_bytes: int
+    differences: tuple[Term, ...]
+    checked: bool = True  # False: a reference row, shown beside the check, not judged
+    formula: str = ""  # where the predicted number comes from
+
+    @property
+    def expected_bytes(self) -> int:
+        return self.predicted_bytes + sum(d.value for d in self.differences)
+
+
+def state_differences(part_bytes: int, elem_bytes: int, n_parts: int, counts: LocalCounts, g: int,
+                      padded: bool) -> tuple[Term, ...]:  # fmt: skip
+    """memcalc's ⌈w·P/G⌉ per part to what FSDP2 allocates: per-tensor chunks, then their padding."""
+    w, k = elem_bytes, n_parts
+    per_tensor = k * w * counts.shard_elements
+    steps = [Term(f"FSDP2 shards each tensor's dim 0 (torch.chunk over {g}), not the flat state",
+                  per_tensor - part_bytes, "Σ w·chunk(d0, G, rank)·rest − ⌈w·P/G⌉", FSDP2)]  # fmt: skip
+    if padded:
+        steps.append(Term(f"FSDP2 pads each tensor's dim 0 to a multiple of {g} (equal all-gather shards)",
+                          k * w * counts.padded_elements - per_tensor, "Σ w·(⌈d0/G⌉ − chunk(d0, G, rank))·rest",
+                          FSDP2))  # fmt: skip
+    return tuple(t for t in steps if t.value)
+
+
+def state_predictions(shape: ModelShape, tricks: Tricks, layout: Layout, rank: int) -> list[Prediction]:
+    """Weights, grads and optimizer state of one rank: memcalc.parallel's sharded state, then FSDP2's."""
+    params = stage_shape_params(shape, layout.tp, 1, 0)  # Megatron-style TP shard, pp = 1
+    g = layout.shard_group
+    state = sharded_state(params, tricks.precision, "adamw", g, layout.zero, False, False)
+    parts = {p.name: p for p in state.parts}
+    counts = local_counts(shape, layout, rank)
+    w = 4 if tricks.precision == "fp32" else 2
+    out = []
+    for name, padded in (("weights", True), ("grads", True)):
+        part = parts[name]
+        diffs = state_differences(part.bytes, w, 1, counts, g, padded)
+        if name == "grads":
+            diffs += embedding_grad(shape, layout, w)
+        out.append(Prediction(name, part.bytes, diffs, formula=part.formula.replace("{N}", "P").replace("{G}", "G")))
+    fp32_parts = [p for p in state.parts if p.name in ("master", "adam_m", "adam_v")]
+    opt = sum(p.bytes for p in fp32_parts) + sum(p.bytes for p in state.parts if p.name == "loss_scale")
+    diffs = state_differences(sum(p.bytes for p in fp32_parts), 4, len(fp32_parts), counts, g, False)
+    names = " + ".join(p.name for p in state.parts if p.name in ("master", "adam_m", "adam_v", "loss_scale"))
+    out.append(Prediction("optimizer state", opt, diffs, formula=names))
+    return out
+
+
+def embedding_grad(shape: ModelShape, layout: Layout, w: int) -> tuple[Term, ...]:
+    """DTensor's embedding backward has no vocab-sharded strategy (torch/distributed/tensor/_ops/
+    _embedding_ops.py: column-wise, batch-wise or replicated only): the token table's gradient comes
+    back whole on every TP rank. A tied table also gets the lm head's vocab-sharded gradient, and the
+    sum is sharded again; FSDP2 redistributes it to the table's placement before its reduce-scatter."""
+    if layout.tp == 1 or layout.shard_group > 1 or shape.tied_embeddings:
+        return ()
+    rows = shape.vocab - shape.vocab // layout.tp
+    return (Term("DTensor's embedding backward returns the token table's gradient whole on every TP rank",
+                 w * rows * shape.hidden, "w·(V − V/t)·h", DTENSOR + ", aten.embedding_dense_backward"),)  # fmt: skip
+
+
+def tp_shape(shape: ModelShape, tp: int) -> ModelShape:
+    """The layer one TP rank runs: a/t heads, k/t KV heads, f/t MLP width, the full hidden size."""
+    return replace(shape, n_layers=2, n_heads=shape.n_heads // tp, n_kv_heads=shape.n_kv_heads // tp,
+                   ffn=shape.ffn // tp, name=f"{shape.name} (TP shard 1/{tp})")  # fmt: skip
+
+
+def scope(t: Term) -> str:
+    """memcalc.exact names a term 'scope: op saves what (dtype)'."""
+    return t.name.split(":", 1)[0]
+
+
+def block_terms(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout) -> tuple[Term, ...]:
+    """Bytes one block saves for backward on one TP rank, op by op (memcalc.exact on the TP shard).
+
+    Without SP a TP rank runs the one-GPU layer of its shard (Shoeybi et al. 2019). With SP the
+    norms and the residual dropouts see s/t tokens (Korthikanti et al. 2022, sec. 4.2.2), as does the
+    block input full recompute keeps; the all-gathered attention and MLP inputs are saved whole.
+    """
+    from memcalc.exact.step import exact_activations  # memcalc.sim: loaded only when a check runs
+
+    local = tp_shape(shape, layout.tp)
+    whole = exact_activations(local, seq_len, micro_batch, tricks).terms
+    if not layout.sp:
+        return whole
+    split = SEQ_SPLIT_SCOPES + (("checkpoint",) if tricks.recompute == "full" else ())
+    part = exact_activations(local, seq_len // layout.tp, micro_batch, tricks).terms
+    return tuple(t for t in whole if scope(t) not in split) + tuple(t for t in part if scope(t) in split)
+
+
+def cpu_norm_stats(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout,
+                   device: str) -> tuple[Term, ...]:  # fmt: skip
+    """On CPU, native_layer_norm keeps mean and rstd in the input dtype (fp32 on CUDA and meta)."""
+    if device == "cuda" or shape.norm != "layernorm" or tricks.precision == "fp32":
+        return ()
+    tokens = seq_len // (layout.tp if layout.sp else 1) * micro_batch
+    value = -2 * 2 * (4 - 2) * tokens  # two norms, mean and rstd, 2 bytes each instead of 4
+    return (Term("CPU LayerNorm keeps mean and rstd in 16 bits, not fp32 (two norms)", value,
+                 "−2·2·2·{b}·{s}" + ("/{t}" if layout.sp else ""), "aten.native_layer_norm, CPU kernel"),)  # fmt: skip
+
+
+def activation_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout,
+                           device: str) -> list[Prediction]:  # fmt: skip
+    exact = block_terms(shape, seq_len, micro_batch, tricks, layout)
+    exact_bytes = sum(t.value for t in exact)
+    cpu = cpu_norm_stats(shape, seq_len, micro_batch, tricks, layout, device)
+    checked = Prediction("saved by one block", exact_bytes, cpu,
+                         formula="memcalc.exact of the TP shard" + (", norms and dropouts over s/t" if layout.sp else ""))  # fmt: skip
+    textbook = layer_activations(shape, seq_len, micro_batch, tricks, layout.tp, layout.sp).per_layer_bytes
+    gap = Term("op by op (memcalc.exact on the TP shard) less the textbook", exact_bytes - textbook,
+               "", "memcalc.exact; Korthikanti et al. 2022, Table 2")  # fmt: skip
+    reference = Prediction("saved by one block, Korthikanti Table 2", textbook, (gap,) + cpu, checked=False,
+                           formula="memcalc.parallel.layout.layer_activations")  # fmt: skip
+    return [checked, reference]
+
+
+def predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout, rank: int,
+                device: str) -> list[Prediction]:  # fmt: skip
+    """Every row of one rank's check, before measuring."""
+    state = state_predictions(shape, tricks, layout, rank)
+    return state + activation_predictions(shape, seq_len, micro_batch, tricks, layout, device)
+
+
+# ---- results --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Row:
+    """One quantity on one rank: predicted | measured | error | pass."""
+
+    quantity: str
+    predicted_bytes: int
+    measured_bytes: int
+    differences: tuple[Term, ...]  # every byte between prediction and measurement, named
+    checked: bool  # False: a reference row (the textbook), shown, not judged
+    formula: str
+
+    @property
+    def error_bytes(self) -> int:
+        return self.measured_bytes - self.predicted_bytes
+
+    @property
+    def error(self) -> float:
+        """Relative error of memcalc's number against the measurement."""
+        return self.error_bytes / self.measured_bytes if self.measured_bytes else float(self.error_bytes != 0)
+
+    @property
+    def unexplained_bytes(self) -> int:
+        return self.error_bytes - sum(d.value for d in self.differences)
+
+    @property
+    def exact(self) -> bool:
+        """Prediction and named differences add up to the measurement, to the byte."""
+        return self.unexplained_bytes == 0
+
+    @property
+    def passed(self) -> bool | None:
+        """The prediction with its named differences within 0.1% of the measurement (to the byte so
+        far, everywhere); None: a reference row, not judged."""
+        if not self.checked:
+            return None
+        return abs(self.unexplained_bytes) <= TOLERANCE * self.measured_bytes
+
+
+@dataclass(slots=True)
+class RankCheck:
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    rows: tuple[Row, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed is not False for r in self.rows)
+
+
+@dataclass(slots=True)
+class DistResult:
+    """The distributed check of one model, setup and layout: one RankCheck per measured rank."""
+
+    model: str
+    n_params: int
+    seq_len: int
+    micro_batch: int
+    tricks: Tricks
+    layout: Layout
+    device: str  # meta (fake process group) | cpu-gloo | cuda
+    backend: str  # fake | gloo | nccl
+    world: int
+    ranks: tuple[RankCheck, ...]
+    torch_version: str
+    seconds: float
+    notes: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.ranks)
+
+    def table(self) -> list[list[object]]:
+        """rank | quantity | predicted | measured | error | pass | differences: the rows the CLI prints."""
+        out = []
+        for rc in self.ranks:
+            for r in rc.rows:
+                verdict = {True: "yes", False: "NO", None: "ref"}[r.passed]
+                named = "; ".join(f"{d.name}: {d.value:+,} B" for d in r.differences)
+                out.append([rc.rank, r.quantity, r.predicted_bytes, r.measured_bytes, r.error_bytes,
+                            f"{100 * r.error:+.4f}%", verdict, named])  # fmt: skip
+        return out
+
+
+TABLE_HEADERS = ["rank", "quantity", "predicted B", "measured B", "error B", "error", "pass", "named differences"]
+
+
+def compare(predicted: list[Prediction], measured: dict[str, int], layout: Layout, rank: int) -> RankCheck:
+    """Pair each prediction with its measurement (same quantity name)."""
+    dp_rank, tp_rank = rank_coords(layout, rank)
+    rows = []
+    for p in predicted:
+        key = "saved by one block" if p.quantity.startswith("saved by one block") else p.quantity
+        rows.append(Row(p.quantity, p.predicted_bytes, measured[key], p.differences, p.checked, p.formula))
+    return RankCheck(rank, dp_rank, tp_rank, tuple(rows))
+
+
+def default_ranks(layout: Layout, device: str) -> tuple[int, ...]:
+    """The fake process group plays the first and the last rank (the uneven shards sit there);
+    real backends measure every rank."""
+    if device == "meta":
+        return tuple(sorted({0, layout.world - 1}))
+    return tuple(range(layout.world))
+
+
+def model_label(shape: ModelShape) -> str:
+    return f"{shape.name} ({n_params(shape):,} parameters, {shape.n_layers} layers)"

@@ -1,0 +1,115 @@
+"""The package's layering, read from every import statement (those inside functions too).
+
+Each layer may import only the layers below it; the engine never imports the report or the CLI,
+nor typer or rich; nothing under memcalc/ imports torch (verify/ does, lazily, for `memcalc verify`).
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "memcalc"
+
+# Lowest first. A module may import its own layer and those listed before it.
+LAYERS = [
+    {"memcalc.errors", "memcalc.terms"},
+    {"memcalc.model"},
+    {"memcalc.memory", "memcalc.exact"},  # side by side: neither imports the other
+    {"memcalc.time"},
+    {"memcalc.parallel"},
+    {"memcalc.verification"},
+    {"memcalc.report"},
+    {"memcalc.cli"},
+]
+NEVER = {"torch", "transformers", "flash_attn", "numpy"}  # heavy: verify/ alone imports them
+ONLY_IN = {  # third-party or harness packages, and the one layer that may import each (lazily)
+    "typer": "memcalc.cli", "click": "memcalc.cli", "rich": "memcalc.cli", "verify": "memcalc.cli",
+    "matplotlib": "memcalc.report",  # --png, an optional extra
+}
+
+
+def unit_of(module: str) -> str:
+    """'memcalc.model.shape' -> 'memcalc.model'; 'memcalc.errors' -> itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def rank(unit: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if unit in layer)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports(name: str, source: str, is_package: bool = False) -> list[str]:
+    """Every module an import statement in the module `name` names, relative imports resolved."""
+    package = name if is_package else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            out.append(module)
+            out += [f"{module}.{a.name}" for a in node.names]  # from memcalc.report import render
+    return out
+
+
+def violations(name: str, source: str, is_package: bool = False) -> list[str]:
+    """What the module `name` imports against the layering."""
+    unit, found = unit_of(name), []
+    for imported in imports(name, source, is_package):
+        top = imported.split(".")[0]
+        if top in NEVER:
+            found.append(f"{name} imports {top}")
+        if top in ONLY_IN and ONLY_IN[top] != unit:
+            found.append(f"{name} imports {top}, which only {ONLY_IN[top]} may")
+        if top != "memcalc" or imported == "memcalc" or unit_of(imported) == unit:
+            continue
+        target = unit_of(imported)
+        if rank(target) >= rank(unit):
+            found.append(f"{name} (layer {rank(unit)}) imports {target} (layer {rank(target)})")
+    return list(dict.fromkeys(found))
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__main__.py")
+
+
+def test_every_module_sits_in_a_layer():
+    for path in MODULES:
+        name = module_name(path)
+        if name != "memcalc":
+            assert any(unit_of(name) in layer for layer in LAYERS), f"{name} is in no layer"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_follow_the_layers(path):
+    name = module_name(path)
+    if name == "memcalc":  # the public API: imports lazily from every layer
+        return
+    assert violations(name, path.read_text(), path.name == "__init__.py") == []
+
+
+def test_every_package_says_what_it_holds_and_may_import():
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import" in doc, f"{init.relative_to(ROOT)}: say what it may import"
+
+
+def test_the_checker_finds_each_kind_of_violation():
+    source = "import torch\nfrom rich.table import Table\n\ndef f():\n    from ..report import render\n"
+    found = violations("memcalc.model.probe", source)
+    assert len(found) == 3, found
+    assert violations("memcalc.memory.probe", "from memcalc.exact.step import exact_step\n")  # side by side
+    assert violations("memcalc.report.probe", "from ..cli import views\n")
+    assert not violations("memcalc.time.probe", "from ..exact import sim\nfrom .roofline import step_time\n")

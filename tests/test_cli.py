@@ -22,9 +22,36 @@ def run(*args):
 
 @pytest.fixture(scope="module")
 def main_table():
-    result = run(*MAIN_JOB)
+    result = run(*MAIN_JOB, "--detail")
     assert result.exit_code == 0, result.output
     return result.stdout
+
+
+@pytest.fixture(scope="module")
+def short():
+    result = CliRunner().invoke(app, MAIN_JOB, env={"COLUMNS": "100", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_the_default_answers_within_25_lines_of_100_columns(short):
+    lines = short.splitlines()
+    assert len(lines) <= 25 and max(len(x) for x in lines) <= 100, short
+    assert "Cheapest combination that fits: bf16+flash+ckpt, ZeRO-2 over 2 GPUs -> 83.02 GB per GPU." in \
+        " ".join(lines[-2:])  # the answer comes last, wrapped to the width
+    for row in ("fp32                128.0 GB     855.2 GB  4.979 GB  988.2 GB  no, 903.2 GB over    11.17 s  65.6%",
+                "bf16+flash+ckpt     128.0 GB     3.557 GB  7.468 GB  139.0 GB  no, 54.04 GB over     1.43 s  34.7%"):
+        assert row in short  # one row per trick set: state, activations at their peak, logits, total, fits, time, MFU
+    assert " B\n" not in short and "Where the step time goes" not in short  # exact bytes and detail on request
+
+
+def test_bytes_adds_exact_counts_and_detail_adds_every_section(short, main_table):
+    exact = run(*MAIN_JOB, "--bytes").stdout
+    assert "3,556,769,792" not in short and "139,024,728,064 B" in exact  # the total's exact bytes
+    assert len(exact.splitlines()) < len(main_table.splitlines())
+    for title in ("Model state:", "Activations, textbook", "Logits and loss", "Step time on the h100-sxm",
+                  "Where the step time goes", "slowest operations", "the toolbox, cheapest first"):
+        assert title in main_table and title not in short
 
 
 @pytest.mark.parametrize("number", [
@@ -71,7 +98,7 @@ def test_tricks_picks_one_combination():
 
 
 def test_markdown_and_csv():
-    md = run(*MAIN_JOB, "--format", "markdown")
+    md = run(*MAIN_JOB, "--format", "markdown", "--detail")
     assert md.exit_code == 0
     assert "| bf16+flash+ckpt |" in md.stdout and "### Model state" in md.stdout
     out = run(*MAIN_JOB, "--format", "csv")
@@ -88,7 +115,7 @@ def test_units_gib():
 def test_explain_shows_formulas_with_numbers():
     out = run(*MAIN_JOB, "--explain", "--zero", "3", "--gpus", "8")
     assert out.exit_code == 0, out.output
-    assert "s·b·h·(34 + 5·a·s/h)" in out.stdout
+    assert "kept per layer = 369,098,752 + 10,737,418,240 + 637,534,208 + 134,217,728 = 11,878,268,928 B" in out.stdout
     assert "MLP: 19·s·b·h = 19·8,192·1·4,096 = 637,534,208 B" in out.stdout
     assert "weights: ⌈(2·N)/G⌉ = ⌈(2·8,000,000,000)/8⌉ = 2,000,000,000 B" in out.stdout
     assert "6·N = 6·8,000,000,000 = 48,000,000,000 FLOPs" in out.stdout
@@ -185,7 +212,7 @@ ENV = {**os.environ, **WIDE, "PYTHONPATH": os.getcwd()}
 
 
 def test_python_dash_m_from_a_checkout():
-    out = subprocess.run([sys.executable, "-m", "memcalc", *MAIN_JOB, "--tricks", "bf16,flash,ckpt"],
+    out = subprocess.run([sys.executable, "-m", "memcalc", *MAIN_JOB, "--tricks", "bf16,flash,ckpt", "--detail"],
                          capture_output=True, text=True, env=ENV, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "3,556,769,792" in out.stdout
@@ -218,7 +245,7 @@ def test_plan_ranks_layouts_that_fit():
     for best in data["best"]:
         assert best["memory"]["fits"] and best["layout"]["tp"] * best["layout"]["pp"] * best["layout"]["cp"] * \
             best["layout"]["dp"] == 64  # fmt: skip
-    table = run("plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-batch", "512")
+    table = run("plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-batch", "512", "--detail")
     assert "Why the obvious alternatives lose" in table.stdout and "out of memory" in table.stdout
 
 
@@ -279,7 +306,7 @@ def test_exact_beside_textbook():
     # the Qwen3-8B layer with flash saves more than the textbook's 34·s·b·h: SwiGLU and fp32 RMSNorm copies
     assert flash["per_layer_bytes"] > data["activations"][2]["per_layer_bytes"]
     assert all(t["source"] for t in flash["terms"])  # every exact term names its op
-    table = run(*MAIN_JOB, "--exact")
+    table = run(*MAIN_JOB, "--exact", "--bytes")
     assert "Textbook against exact for this llama-family model" in table.stdout
     assert "134,785,875,968 B" in table.stdout  # bf16+flash+ckpt's whole-step peak, as verify measures it
 
@@ -301,3 +328,32 @@ def test_exact_with_a_layout_is_the_tp_shard_op_by_op():
     assert "textbook against exact for this architecture" in run(*args).stdout
     bad = run("estimate", "--params", "8e9", "--cp", "2", "--gpus", "2", "--tricks", "bf16,flash", "--exact")
     assert bad.exit_code == 2 and "ring attention" in bad.stderr
+
+
+def test_exact_explain_names_every_symbol_of_the_exact_terms():
+    """Issue 10, defect 6: the exact terms use k (KV heads) and f (MLP width), which --explain lacked (KeyError)."""
+    out = run("estimate", "--model", "llama3-8b", "--seq", "4096", "--tricks", "bf16,flash", "--exact", "--explain")
+    assert out.exit_code == 0, out.output
+    assert "k = 8, f = 14,336" in out.stdout
+    assert "saves key (bf16): 2·b·k·s·d = 2·1·8·4,096·128 = 8,388,608 B" in out.stdout
+
+
+@pytest.mark.parametrize("args", [
+    "estimate --params 8e9 --seq 8192 --detail --explain",
+    "estimate --params 8e9 --seq 8192 --bytes --mfu 0.4 --detail",
+    "estimate --model llama3-8b --seq 8192 --exact --detail --explain",
+    "estimate --model llama3-70b --seq 8192 --tp 8 --pp 2 --gpus 64 --sp --tricks bf16,flash --detail --explain --exact",
+    "estimate --model llama3-70b --seq 8192 --tp 8 --pp 2 --gpus 64 --sp",
+    "estimate --model gpt2 --seq 1024 --sweep seq=1024:8192 --tricks bf16,flash",
+    "estimate --params 70e9 --seq 4096 --tokens 15e12 --price-per-gpu-hour 2 --detail",
+    "plan --model llama3-70b --gpus 64 --global-batch 512 --seq 8192 --detail",
+    "fit --model llama3-8b --gpu h200 --detail",
+    "mfu --model llama3-8b --tokens-per-sec 4000 --seq 8192",
+    "presets", "gpus", "formats",
+    "verify --device meta --layers 2 --hidden 256 --heads 4 --seq 128 --detail",
+])  # fmt: skip
+def test_no_line_is_wider_than_a_100_column_terminal(args):
+    out = CliRunner().invoke(app, args.split(), env={"COLUMNS": "100", "NO_COLOR": "1"})
+    assert out.exit_code == 0, out.output
+    wide = [line for line in out.stdout.splitlines() if len(line) > 100]
+    assert not wide, "\n".join(wide)

@@ -84,8 +84,9 @@ def test_nothing_fits():
     p = plan(preset_model("llama3.1-405b"), gpu("a100-40gb"), 1, 8192, 1)
     assert p.best == () and p.fitting == 0 and p.searched > 0
     assert p.alternatives and all(not a.fits for a in p.alternatives)
-    text = tables(plan_report.plan_sections(p, "gb"))
-    assert "nothing fits" in text and "out of memory" in text
+    text = tables(plan_report.plan_sections(p, "gb"))  # the short output says why each alternative loses
+    assert "out of memory" in text and "Fastest layouts" not in text
+    assert plan_report.plan_verdict(p, "gb").startswith("Nothing fits")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -105,19 +106,21 @@ def test_bad_plan_input(kwargs, message):
 
 def tables(sections, preamble=()) -> str:
     out = io.StringIO()
-    render.print_tables(sections, list(preamble), file=out)
+    render.print_tables(sections, list(preamble), file=out, exact=True, cols=400)
     return out.getvalue()
 
 
 def test_plan_sections(p70):
-    text = tables(plan_report.plan_sections(p70, "gb"), plan_report.plan_preamble(p70))
+    text = tables(plan_report.plan_sections(p70, "gb", detail=True), plan_report.plan_preamble(p70))
     best = p70.best[0]
     assert "Fastest layouts that fit" in text and "Why the obvious alternatives lose" in text
     assert f"{best.time.tokens_per_second:,.0f}" in text
     assert f"{best.memory.total_bytes:,} B" in text
     assert "Searched" in text and "64 x h100-sxm" in text
-    md = render.to_markdown(plan_report.plan_sections(p70, "gb"), plan_report.plan_preamble(p70))
+    md = render.to_markdown(plan_report.plan_sections(p70, "gb", detail=True), plan_report.plan_preamble(p70))
     assert md.count("### ") == 4
+    short = tables(plan_report.plan_sections(p70, "gb"))
+    assert "Fastest layouts that fit" in short and "Why the obvious alternatives lose" not in short
     csv_text = render.to_csv(plan_report.PLAN_CSV_HEADERS, plan_report.plan_csv_rows(p70))
     assert len(csv_text.splitlines()) == 6
     data = json.loads(render.to_json(p70))
@@ -129,7 +132,7 @@ def test_layout_sections_and_explain():
     model = preset_model("llama3-70b")
     est = layout_estimate(model, Setup(seq_len=8192, grad_accum=16), H100, Tricks(flash=True),
                           Layout(tp=8, sp=True, pp=4, vpp=2, dp=2, zero=1))  # fmt: skip
-    text = tables(plan_report.layout_sections(est, "gb"), plan_report.layout_preamble(est))
+    text = tables(plan_report.layout_sections(est, "gb", detail=True), plan_report.layout_preamble(est))
     for title in ("Model state", "Activations of one layer", "Peak memory per GPU, by pipeline stage",
                   "Communication per step", "Step time", "Cluster totals over 64 GPUs"):  # fmt: skip
         assert title in text

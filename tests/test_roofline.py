@@ -317,7 +317,7 @@ def run(*args):
 
 
 def test_estimate_shows_the_roofline():
-    out = run("estimate", "--params", "8e9", "--seq", "8192")
+    out = run("estimate", "--params", "8e9", "--seq", "8192", "--detail")
     assert out.exit_code == 0, out.output
     for text in ("Step time on the h100-sxm", "MFU causal", "HFU causal", "Where the step time goes",
                  "attention core", "optimizer (AdamW)", "slowest operations", "calibration h100-sxm.json"):  # fmt: skip
@@ -337,7 +337,7 @@ def test_calibration_and_mfu_options(tmp_path):
     slow = json.loads(run("estimate", "--params", "8e9", "--tricks", "bf16,flash", "--calibration", "matmul=0.4",
                           "--format", "json").stdout)  # fmt: skip
     assert slow["roofline"][0]["step_seconds"] > base["roofline"][0]["step_seconds"]
-    legacy = run("estimate", "--params", "8e9", "--mfu", "0.4")
+    legacy = run("estimate", "--params", "8e9", "--mfu", "0.4", "--detail")
     assert "Compute at 40.0% of peak (--mfu)" in legacy.stdout and "Step time on the" not in legacy.stdout
     for args, message in [(["--mfu", "0.4", "--calibration", "matmul=0.5"], "--mfu replaces the roofline"),
                           (["--calibration", "matmul=2"], "fraction"), (["--calibration", "a.json,b.json"], "one file"),

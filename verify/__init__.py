@@ -2,3 +2,8 @@
 
 This package imports torch; memcalc/ never does. The entry points are in verify.run.
 """
+
+import warnings
+
+# torch warns at import when NumPy is absent; verify never needs NumPy, and the warning reads like a fault
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)

@@ -71,6 +71,8 @@ EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step
 Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
 Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
 Units = Annotated[str, typer.Option("--units", help="gb (decimal, as vendors and the lesson) or gib.", metavar="UNITS")]
+Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
+ExactBytes = Annotated[bool, typer.Option("--bytes", help="Exact byte counts under each value (JSON and CSV always carry them).")]  # fmt: skip
 
 
 def fail(message: str) -> None:
@@ -136,9 +138,9 @@ def estimate(
     png: Annotated[Optional[str], typer.Option("--png", help="With --sweep: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
     exact: Annotated[bool, typer.Option("--exact", help="Beside the textbook: what PyTorch saves for this architecture, simulated op by op (0.1-0.4 s per trick set).")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
-    fmt: Format = "table", units: Units = "gb",
+    detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
-    """Model state, activations (per trick), logits, FLOPs, step time, and whether it fits.
+    """Memory per GPU and step time for each trick set, whether it fits, and the cheapest way to fit.
 
     Step time comes from a roofline over every kernel of the step (--mfu X: from an assumed MFU).
     With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
@@ -177,7 +179,7 @@ def estimate(
                 show = views.single_view(the_model, setup, the_gpu, trick_sets, run, exact, cal)
     except InputError as e:
         fail(str(e))
-    show(fmt, units, explain)
+    show(render.Display(fmt, units, detail, detail or exact_bytes, explain))
 
 
 def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None] | None:
@@ -233,7 +235,7 @@ def plan(
     optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
     top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
     no_offload: Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")] = False,
-    fmt: Format = "table", units: Units = "gb",
+    detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
     try:
@@ -262,7 +264,8 @@ def plan(
     from memcalc.report import layout as pr
 
     csv_table = (pr.PLAN_CSV_HEADERS, pr.plan_csv_rows(result))
-    render.emit(fmt, result, pr.plan_sections(result, units), pr.plan_preamble(result), csv_table)
+    render.emit(fmt, result, pr.plan_sections(result, units, detail), pr.plan_preamble(result), csv_table,
+                exact=detail or exact_bytes, after=[pr.plan_verdict(result, units)])  # fmt: skip
 
 
 def render_units(units: str) -> str:
@@ -278,7 +281,8 @@ def fit(
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
     optimizer: Optimizer = "adamw", gpus: Gpus = "1", zero: Zero = "0", offload: Offload = False,
-    gpu: GpuOpt = "h100-sxm", fmt: Format = "table", units: Units = "gb",
+    gpu: GpuOpt = "h100-sxm", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
+    units: Units = "gb",
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
     try:
@@ -299,7 +303,8 @@ def fit(
     rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch, limits.max_seq_len,
              limits.max_micro_batch]]  # fmt: skip
     headers = ["gpu", "tricks", "seq_len", "micro_batch", "max_seq_len", "max_micro_batch"]
-    render.emit(fmt, limits, report.fit_sections(limits, units), [f"Model: {the_model.origin}"], (headers, rows))
+    render.emit(fmt, limits, report.fit_sections(limits, units, detail), [f"Model: {the_model.origin}"], (headers, rows),
+                exact=detail or exact_bytes, after=[report.fit_verdict(limits)])  # fmt: skip
 
 
 @app.command()
@@ -360,7 +365,7 @@ def verify(
     dist_device: Annotated[str, typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV")] = "meta",
     save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
     no_linearity: Annotated[bool, typer.Option("--no-linearity", help="Skip the second, shallower build that checks saved bytes are linear in depth.")] = False,
-    fmt: Format = "table", units: Units = "gb",
+    detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Build the real model in PyTorch, train a few steps, and hold every prediction against the measurement."""
     try:
@@ -386,7 +391,7 @@ def verify(
         results = run()
     except InputError as e:
         fail(str(e))
-    if not verify_runs.show_verify(results, fmt, units):
+    if not verify_runs.show_verify(results, render.Display(fmt, units, detail, detail or exact_bytes)):
         raise typer.Exit(1)
 
 

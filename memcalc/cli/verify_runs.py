@@ -91,21 +91,24 @@ class progress_bar:
             self.bar.__exit__(*exc)
 
 
-def show_verify(results, fmt: str, units: str) -> bool:
+def show_verify(results, d: render.Display) -> bool:
     """One result's rows, the matrix summary, or the distributed table; whether every row passed."""
     from memcalc.report import verify as vr
     from memcalc.verification.results import to_dict
 
     if isinstance(results, list) and len(results) == 1:
         r = results[0]
-        render.emit(fmt, to_dict(r), vr.verify_sections(r, units), vr.verify_preamble(r))
+        render.emit(d.fmt, to_dict(r), vr.verify_sections(r, d.units, d.detail), vr.verify_preamble(r),
+                    exact=d.exact, after=[vr.verify_verdict(results)])  # fmt: skip
         passed = r.passed
     elif isinstance(results, list):
-        render.emit(fmt, [to_dict(r) for r in results], vr.matrix_sections(results, units))
+        render.emit(d.fmt, [to_dict(r) for r in results], vr.matrix_sections(results, d.units), exact=d.exact,
+                    after=[vr.verify_verdict(results)])  # fmt: skip
         passed = all(r.passed for r in results)
     else:
         if os.environ.get("RANK", "0") != "0":  # torchrun: every rank holds the whole result; rank 0 prints
             return results.passed
-        render.emit(fmt, results, vr.dist_sections(results), vr.dist_preamble(results))
+        render.emit(d.fmt, results, vr.dist_sections(results), vr.dist_preamble(results), exact=d.exact,
+                    after=[vr.dist_verdict(results)])  # fmt: skip
         passed = results.passed
     return passed

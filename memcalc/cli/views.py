@@ -1,6 +1,7 @@
 """What `memcalc estimate` computes and prints in each of its modes: one GPU, a layout, a sweep.
 
-cli.py parses the options; a view calls the engine and returns the function that prints the result.
+commands.py parses the options; a view calls the engine and returns the function that prints the result
+in a Display (format, units, how much).
 """
 
 import sys
@@ -25,7 +26,7 @@ def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=Non
     tb = toolbox(model, setup, gpu, trick_sets[0])
     runs = runs_for_estimate(est, *run, roofline[0] if roofline else None) if run else ()
     exacts = exact_steps(model, setup, trick_sets) if exact else None
-    return lambda fmt, units, explain: show_estimate(est, tb, runs, fmt, units, explain, exacts, roofline)
+    return lambda display: show_estimate(est, tb, runs, display, exacts, roofline)
 
 
 def exact_steps(model, setup, trick_sets):
@@ -43,7 +44,7 @@ def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run, exac
     ests = layout_estimates(model, setup, gpu, trick_sets, layout, explicit)
     runs = runs_for_layouts(ests, *run) if run else ()
     layers = exact_layers(model, setup, ests, layout) if exact else None
-    return lambda fmt, units, explain: show_layout(ests, runs, fmt, units, explain, layers)
+    return lambda display: show_layout(ests, runs, display, layers)
 
 
 def exact_layers(model, setup, ests, layout):
@@ -63,7 +64,7 @@ def sweep_view(model, setup, gpu, trick_sets, spec: str, png: str | None, cal=No
         from memcalc.report.plot import save_png
 
         save_png(swept, png)
-    return lambda fmt, units, explain: show_sweep(swept, fmt, units)
+    return lambda display: show_sweep(swept, display)
 
 
 def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
@@ -75,43 +76,40 @@ def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
     return [layout_estimate(model, setup, gpu, t, layout) for t in trick_sets]
 
 
-def show_sweep(swept, fmt: str, units: str) -> None:
+def show_sweep(swept, d: render.Display) -> None:
     from memcalc.report import estimate as report
 
     csv_table = (report.SWEEP_CSV_HEADERS, report.sweep_csv_rows(swept))
-    render.emit(fmt, swept, report.sweep_sections(swept, units), csv_table=csv_table)
+    render.emit(d.fmt, swept, report.sweep_sections(swept, d.units), csv_table=csv_table, exact=d.exact)
 
 
-def show_layout(ests, runs, fmt: str, units: str, explain: bool, layers=None) -> None:
+def show_layout(ests, runs, d: render.Display, layers=None) -> None:
     from memcalc.report import estimate as report
     from memcalc.report import layout as plan_report
 
     for warning in dict.fromkeys(w for e in ests for w in plan_report.layout_warnings(e)):
         print(f"warning: {warning}", file=sys.stderr)
     one = ests[0] if len(ests) == 1 else None
-    if fmt == "json":
+    if d.fmt == "json":
         data = render.to_jsonable(one if one else ests)
         extra = {"runs": runs} | ({"exact_layer_terms": layers} if layers else {})
         print(render.to_json({**data, **render.to_jsonable(extra)} if one else {"layouts": data, **extra}))
         return
-    if fmt == "csv":
+    if d.fmt == "csv":
         rows = [[e.tricks.label, *row] for e in ests for row in plan_report.layout_csv_rows(e)]
         sys.stdout.write(render.to_csv(["tricks", *plan_report.LAYOUT_CSV_HEADERS], rows))
         return
-    sections = plan_report.layout_sections(one, units) if one else [plan_report.tricks_section(ests, units)]
+    sections = plan_report.layout_sections(one, d.units, d.detail) if one else [plan_report.tricks_section(ests, d.units)]
     sections += [report.runs_section(runs)] if runs else []
-    sections += [plan_report.exact_layer_section(ests, layers, units)] if layers else []
-    preamble = plan_report.layout_preamble(ests[0])
-    if fmt == "markdown":
-        sys.stdout.write(render.to_markdown(sections, preamble))
-    else:
-        render.print_tables(sections, preamble)
-    if explain:
+    sections += [plan_report.exact_layer_section(ests, layers, d.units)] if layers else []
+    render.emit(d.fmt, None, sections, plan_report.layout_preamble(ests[0]), exact=d.exact,
+                after=[plan_report.layout_verdict(ests, d.units)])  # fmt: skip
+    if d.explain:
         for e in ests:
-            print("\n".join(["", f"== {e.tricks.label} =="] + plan_report.layout_explain_lines(e)))
+            render.print_lines(["", f"== {e.tricks.label} =="] + plan_report.layout_explain_lines(e))
 
 
-def show_estimate(est, tb, runs, fmt: str, units: str, explain: bool, exacts=None, roofline=None) -> None:
+def show_estimate(est, tb, runs, d: render.Display, exacts=None, roofline=None) -> None:
     """roofline: (step times, calibration), or None when --mfu times the step."""
     from memcalc.report import estimate as report
 
@@ -120,21 +118,24 @@ def show_estimate(est, tb, runs, fmt: str, units: str, explain: bool, exacts=Non
     extra = {"toolbox": tb, "runs": runs} | ({"exact": exacts} if exacts else {})
     if roofline is not None:
         extra |= {"roofline": roofline[0], "calibration": roofline[1]}
-    sections = report.estimate_sections(est, tb, units, roofline) + ([report.runs_section(runs)] if runs else [])
+    sections = report.estimate_sections(est, tb, d.units, roofline, d.detail)
+    sections += [report.runs_section(runs)] if runs else []
     if exacts:
-        sections.insert(2, report.exact_section(est, exacts, units))
+        sections.insert(1, report.exact_section(est, exacts, d.units))
     result = None  # JSON only: converting every op of the roofline costs more than the estimate
-    if fmt == "json":
+    if d.fmt == "json":
         result = {**render.to_jsonable(est), **render.to_jsonable(extra)}
         result["time_model"] = "mfu" if roofline is None else "roofline"
-    csv_rows = report.estimate_csv_rows(est, roofline[0] if roofline else None) if fmt == "csv" else []
-    render.emit(fmt, result, sections, report.preamble(est), (report.CSV_HEADERS, csv_rows))
-    if explain and fmt in ("table", "markdown"):
+    csv_rows = report.estimate_csv_rows(est, roofline[0] if roofline else None) if d.fmt == "csv" else []
+    preamble = report.preamble(est) if d.detail else report.short_preamble(est)
+    render.emit(d.fmt, result, sections, preamble, (report.CSV_HEADERS, csv_rows), exact=d.exact,
+                after=[report.verdict(est, tb, d.units)])  # fmt: skip
+    if d.explain and d.fmt in ("table", "markdown"):
         lines = report.explain_lines(est, roofline is None)
         if roofline is not None:
             from memcalc.report.roofline import explain_lines
 
             lines += explain_lines(*roofline)
         if exacts:
-            lines += report.exact_explain_lines(exacts, report.symbols(est))
-        print("\n".join([""] + lines))
+            lines += report.exact_explain_lines(est, exacts)
+        render.print_lines([""] + lines)

@@ -39,6 +39,66 @@ def preamble(est: Estimate) -> list[str]:
     ]
 
 
+def short_preamble(est: Estimate) -> list[str]:
+    """The model line (which shape, its own count), and one line for the step and the GPU."""
+    s, p, g = est.setup, est.setup.parallel, est.gpu
+    accum = f" x grad-accum {s.grad_accum}" if s.grad_accum > 1 else ""
+    gpus = "one" if p.gpus == 1 else f"{p.gpus:,} x"
+    sharding = (f", ZeRO-{p.zero}" if p.zero else "") + (", optimizer offloaded to CPU" if p.offload else "")
+    shape = est.model.shape
+    mlp = f"SwiGLU {shape.ffn}" if shape.gated_mlp else f"GELU MLP {shape.ffn}"
+    return [
+        f"Model: {est.model.origin}",
+        f"  {shape.n_layers} layers, hidden {shape.hidden}, {shape.n_heads} heads ({shape.n_kv_heads} KV), {mlp}, "
+        f"vocab {shape.vocab:,}; {est.model.n_params:,} parameters",
+        f"Step: seq {s.seq_len:,} x micro-batch {s.micro_batch}{accum} = {s.tokens_per_step:,} tokens per GPU; "
+        f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(g.usable_bytes)} usable)"
+    ]
+
+
+def summary_section(est: Estimate, units: str, times=None) -> Section:
+    """One row per trick set: memory per GPU at its peak, whether it fits, step time and MFU.
+
+    times: the roofline's StepTimes, or None when --mfu times the step (est.compute)."""
+    buffers = any(m.buffer_bytes for m in est.memory)
+    s = Section(
+        "Peak memory per GPU and step time",
+        ["tricks", "model state", "activations", "logits"] + (["ZeRO-3 buffers"] if buffers else [])
+        + ["total", "fits?", "step time", "MFU"],
+        align="lrrr" + ("r" if buffers else "") + "rlrr",
+    )  # fmt: skip
+    for m, t in zip(est.memory, times or est.compute):
+        verdict = f"yes, {u.size(m.headroom_bytes, units)} free" if m.fits else f"no, {u.size(-m.headroom_bytes, units)} over"
+        row = [m.tricks.label, u.size(m.model_state_bytes, units), u.size(m.activation_peak_bytes, units),
+               u.size(m.logits_bytes, units)] + ([u.size(m.buffer_bytes, units)] if buffers else [])  # fmt: skip
+        # exact bytes under the total only: under every column the table would not fit 100 columns
+        s.rows.append(row + [sized(m.total_bytes, units), verdict, u.seconds(t.step_seconds), u.percent(t.mfu)])
+    model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
+    s.notes = [
+        f"model state {est.model_state.bytes_per_param:g} bytes/param ({RECIPES[est.model_state.precision]}, "
+        f"{est.setup.optimizer}); activations: textbook (Korthikanti 2022)",
+        f"step time: {model}; MFU: model FLOPs / step time / dense peak",
+    ]
+    return s
+
+
+def verdict(est: Estimate, tb: Toolbox, units: str) -> str:
+    """The answer in one sentence: it fits as it is, the cheapest combination that fits, or nothing does.
+    The toolbox starts from the first trick set (fp32 in the progression) and applies the cheapest tools first."""
+    g = f"{u.size(est.gpu.usable_bytes, units)} usable on one {est.gpu.key}"
+    start = f"{tb.start.tricks.label} needs {u.size(tb.start.total_bytes, units)} of the {g}"
+    if tb.fits_at == -1:
+        return f"Fits: {start}."
+    if tb.fits_at is None:
+        return f"Does not fit: {start}, and nothing in the toolbox makes it fit: the activations alone are too large."
+    chosen = tb.steps[tb.fits_at]
+    return (f"Does not fit as it is: {start}. Cheapest combination that fits: {chosen.tricks.label}"
+            f"{zero_text(chosen)} -> {u.size(chosen.memory.total_bytes, units)} per GPU.")  # fmt: skip
+
+
+DETAIL_HINT = "--detail: every part; --bytes: exact bytes; --explain: the formulas; --exact: what PyTorch saves"
+
+
 def state_section(state: ModelState, units: str) -> Section:
     recipe = RECIPES[state.precision]
     s = Section(
@@ -114,25 +174,6 @@ def logits_section(est: Estimate, units: str) -> Section:
     return s
 
 
-def memory_section(est: Estimate, units: str) -> Section:
-    g = est.gpu
-    buffers = any(m.buffer_bytes for m in est.memory)
-    s = Section(
-        f"Peak memory per GPU on the {g.key} ({u.size(g.usable_bytes, units)} usable)",
-        ["tricks", "model state", "activations", "logits"] + (["ZeRO-3 buffers"] if buffers else []) + ["total", "fits?"],
-        align="lrrr" + ("r" if buffers else "") + "rl",
-    )
-    for m in est.memory:
-        verdict = "yes" if m.fits else f"no, {u.size(-m.headroom_bytes, units)} over"
-        row = [m.tricks.label, u.size(m.model_state_bytes, units), u.size(m.activation_peak_bytes, units),
-               u.size(m.logits_bytes, units)]  # fmt: skip
-        s.rows.append(row + ([u.size(m.buffer_bytes, units)] if buffers else []) + [sized(m.total_bytes, units), verdict])
-    if buffers:
-        s.notes.append("ZeRO-3 buffers: two layers' weights gathered (running + prefetched) and one layer's "
-                       "gradients before their reduce-scatter, 3·w·P_layer")  # fmt: skip
-    return s
-
-
 def compute_section(est: Estimate) -> Section:
     f, g = est.flops, est.gpu
     s = Section(
@@ -171,13 +212,6 @@ def toolbox_section(tb: Toolbox, units: str) -> Section:
     for step in tb.steps:
         s.rows.append([step.name, u.size(step.saves_alone_bytes, units), u.size(step.memory.total_bytes, units),
                        "yes" if step.memory.fits else "no", step.cost])  # fmt: skip
-    at = tb.fits_at
-    if at is None:
-        s.notes.append("nothing in the toolbox makes it fit one GPU: the activations alone are too large")
-    else:
-        chosen = tb.steps[at]
-        s.notes.append(f"cheapest combination that fits: {chosen.tricks.label}"
-                       f"{zero_text(chosen)} -> {u.size(chosen.memory.total_bytes, units)}")  # fmt: skip
     return s
 
 
@@ -193,18 +227,28 @@ def zero_text(step) -> str:
     return "".join(", " + x for x in parts)
 
 
-def estimate_sections(est: Estimate, toolbox: Toolbox | None, units: str, roofline=None) -> list[Section]:
-    """roofline: (step times, calibration) for the roofline's sections, or None for --mfu's compute section."""
+def estimate_sections(est: Estimate, toolbox: Toolbox, units: str, roofline=None, detail: bool = False) -> list[Section]:
+    """The summary table; with detail, every section behind it.
+
+    roofline: (step times, calibration) for the roofline's sections, or None for --mfu's compute section."""
+    times = roofline[0] if roofline else None
+    summary = summary_section(est, units, times)
+    if any(m.buffer_bytes for m in est.memory):
+        summary.notes.append("ZeRO-3 buffers: two layers' weights gathered (running + prefetched) and one layer's "
+                             "gradients before their reduce-scatter, 3·w·P_layer")  # fmt: skip
+    if not detail:
+        summary.notes.append(DETAIL_HINT)
+        return [summary]
     state = state_section(est.model_state, units)
     state.notes = other_recipes(est)
-    sections = [state, activations_section(est, units), logits_section(est, units), memory_section(est, units)]
+    sections = [summary, state, activations_section(est, units), logits_section(est, units)]
     if roofline is None:
         sections.append(compute_section(est))
     else:
         from .roofline import roofline_sections
 
         sections += roofline_sections(est, *roofline)
-    if toolbox is not None and toolbox.fits_at != -1:
+    if toolbox.fits_at != -1:
         sections.append(toolbox_section(toolbox, units))
     return sections
 
@@ -283,7 +327,8 @@ def explain_lines(est: Estimate, mfu_time: bool = True) -> list[str]:
 # ---- memcalc fit ----------------------------------------------------------------------------
 
 
-def fit_sections(limits: FitLimits, units: str) -> list[Section]:
+def fit_sections(limits: FitLimits, units: str, detail: bool = False) -> list[Section]:
+    """The two limits; with detail, what memory holds at each."""
     s = Section(
         f"What fits one {limits.gpu} ({u.size(limits.usable_bytes, units)} usable) with {limits.tricks.label}",
         ["limit", "value", "memory at the limit"],
@@ -294,9 +339,26 @@ def fit_sections(limits: FitLimits, units: str) -> list[Section]:
                    sized(seq_mem.total_bytes, units) if seq_mem else "-"])  # fmt: skip
     s.rows.append([f"largest micro-batch at seq {limits.seq_len:,}", f"{limits.max_micro_batch:,}",
                    sized(batch_mem.total_bytes, units) if batch_mem else "-"])  # fmt: skip
+    if not detail:
+        return [s]
+    parts = Section("Memory per GPU at each limit",
+                    ["limit", "model state", "activations", "logits", "ZeRO-3 buffers", "total"])  # fmt: skip
+    for name, m in (("longest sequence", seq_mem), ("largest micro-batch", batch_mem)):
+        if m is not None:
+            parts.rows.append([name, sized(m.model_state_bytes, units), sized(m.activation_peak_bytes, units),
+                               sized(m.logits_bytes, units), sized(m.buffer_bytes, units), sized(m.total_bytes, units)])  # fmt: skip
+    parts.notes = ["activations: textbook (Korthikanti et al. 2022) at their backward peak, as `memcalc estimate`"]
+    return [s, parts]
+
+
+def fit_verdict(limits: FitLimits) -> str:
     if not limits.max_seq_len:
-        s.notes.append("model state alone does not fit: see `memcalc estimate` for the toolbox (ZeRO, offload)")
-    return [s]
+        return ("Nothing fits: model state alone is larger than the GPU; `memcalc estimate` shows the toolbox "
+                "(ZeRO, offload).")  # fmt: skip
+    batch = (f"the largest micro-batch at seq {limits.seq_len:,} is {limits.max_micro_batch:,}" if limits.max_micro_batch
+             else f"not one sequence of {limits.seq_len:,} tokens fits")  # fmt: skip
+    return (f"Longest sequence that fits: {limits.max_seq_len:,} tokens at micro-batch {limits.micro_batch}; "
+            f"{batch}.")
 
 
 # ---- memcalc mfu ----------------------------------------------------------------------------
@@ -400,8 +462,14 @@ def exact_section(est: Estimate, exacts: list, units: str) -> Section:
     return s
 
 
-def exact_explain_lines(exacts: list, syms: dict[str, int]) -> list[str]:
-    lines = []
+def exact_explain_lines(est: Estimate, exacts: list) -> list[str]:
+    """The exact terms with their numbers: they use the shape's own sizes (k KV heads, f MLP width) too."""
+    from memcalc.exact.step import symbols as exact_symbols
+
+    extra = exact_symbols(est.model.shape, est.setup.seq_len, est.setup.micro_batch)
+    syms = symbols(est) | extra
+    legend = ", ".join(f"{k} = {v:,}" for k, v in extra.items() if k not in symbols(est))
+    lines = ["", f"Exact symbols, besides those above: {legend}"]
     for x in exacts:
         a = x.activations
         lines += ["", f"Exact, {a.tricks.label}: saved per layer, op by op:"]

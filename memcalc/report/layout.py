@@ -118,11 +118,11 @@ def peak_factor(est: LayoutEstimate) -> str:
 def comm_section(est: LayoutEstimate, units: str) -> Section:
     t = est.time
     s = Section("Communication per step, as one GPU sees it (ring algorithms)",
-                ["traffic", "group", "link", "calls", "bytes sent", "time", "exposed"], align="llrrrrr")  # fmt: skip
+                ["traffic", "group", "link", "calls", "bytes sent", "formula", "time", "exposed"],
+                align="lllrrlrr")  # fmt: skip
     for c in t.comms:
-        sent = (u.size(c.bytes, units), c.formula)
-        s.rows.append([c.name, f"{c.group} ({c.ranks})", LINKS[c.link].name, f"{c.calls:,}", sent,
-                       u.seconds(c.seconds), u.seconds(c.exposed_seconds)])  # fmt: skip
+        s.rows.append([c.name, f"{c.group} ({c.ranks})", LINKS[c.link].name, f"{c.calls:,}", sized(c.bytes, units),
+                       c.formula, u.seconds(c.seconds), u.seconds(c.exposed_seconds)])  # fmt: skip
     if not t.comms:
         s.notes.append("no traffic: one GPU")
     s.notes.append("ring bytes: all-reduce 2(n−1)/n, reduce-scatter and all-gather (n−1)/n of the buffer "
@@ -173,13 +173,36 @@ def cluster_section(est: LayoutEstimate, units: str) -> Section:
     return s
 
 
-def layout_sections(est: LayoutEstimate, units: str) -> list[Section]:
-    """Everything `memcalc estimate --tp --pp --cp --dp --zero` prints for one layout."""
+def layout_sections(est: LayoutEstimate, units: str, detail: bool = False) -> list[Section]:
+    """What `memcalc estimate --tp --pp --cp --dp --zero` prints for one layout: memory by stage and the
+    step time; with detail, the model state, one layer's terms, traffic, the step by part, cluster totals."""
+    stages = stages_section(est, units)
+    t = est.time
+    stages.notes.insert(0, f"step {u.seconds(t.step_seconds)}: {u.rate(t.tokens_per_second)} tokens/s, MFU "
+                           f"{u.percent(t.mfu)} (at {u.percent(t.utilization)} of peak while computing, --mfu)")  # fmt: skip
+    if not detail:
+        return [stages]
     peak = est.memory.peak
     state = state_section(peak.state, units)
     state.title += f" (one GPU of stage {peak.stage}: {peak.params:,} parameters before sharding)"
-    return [state, layer_section(est, units), stages_section(est, units), comm_section(est, units), time_section(est),
+    return [stages, state, layer_section(est, units), comm_section(est, units), time_section(est),
             cluster_section(est, units)]  # fmt: skip
+
+
+def layout_verdict(estimates: list[LayoutEstimate], units: str) -> str:
+    """Whether each trick set's peak stage fits the GPU, in one sentence."""
+    usable = u.size(estimates[0].gpu.usable_bytes, units)
+    fit = [e.tricks.label for e in estimates if e.memory.peak.fits]
+    if len(estimates) == 1:
+        peak = estimates[0].memory.peak
+        where = f"stage {peak.stage}" if estimates[0].layout.pp > 1 else "each GPU"
+        if peak.fits:
+            return f"Fits: {where} needs {u.size(peak.total_bytes, units)} of the {usable} usable per GPU."
+        return (f"Does not fit: {where} needs {u.size(peak.total_bytes, units)} of the {usable} usable per GPU; "
+                "`memcalc plan` searches the layouts that fit.")  # fmt: skip
+    if not fit:
+        return f"Does not fit with any of these trick sets ({usable} usable per GPU); `memcalc plan` searches the layouts that fit."
+    return f"Fits ({usable} usable per GPU) with: {', '.join(fit)}."
 
 
 def tricks_section(estimates: list[LayoutEstimate], units: str) -> Section:
@@ -267,6 +290,31 @@ def plan_preamble(plan: Plan) -> list[str]:
     ]
 
 
+def short_ranking_section(plan: Plan, units: str) -> Section:
+    """The fastest layouts that fit, one line each."""
+    s = Section(f"Fastest layouts that fit, of {plan.fitting:,}",
+                ["#", "layout", "b x m", "recompute", "memory/GPU", "tokens/s", "step", "MFU"], align="llrlrrrr")  # fmt: skip
+    for i, est in enumerate(plan.best, 1):
+        t = est.time
+        s.rows.append([str(i), est.layout.label, f"{est.setup.micro_batch} x {est.setup.grad_accum}",
+                       est.tricks.recompute, sized(est.memory.total_bytes, units), u.rate(t.tokens_per_second),
+                       u.seconds(t.step_seconds), u.percent(t.mfu)])  # fmt: skip
+    s.notes.append("layout: tp (sp: sequence parallel), pp (v: interleaved stages), cp, dp, ZeRO stage; "
+                   "b x m: micro-batch x micro-batches per step; --detail: sharding, memory by part, step time "
+                   "by part, and why the obvious alternatives lose")  # fmt: skip
+    return s
+
+
+def plan_verdict(plan: Plan, units: str) -> str:
+    if not plan.best:
+        return "Nothing fits: more GPUs, a smaller global batch or a shorter sequence."
+    est, t = plan.best[0], plan.best[0].time
+    return (f"Fastest: {layout_text(est.layout)}, {sharding_text(est.layout)}, micro-batch {est.setup.micro_batch} x "
+            f"{est.setup.grad_accum}, {recompute_text(est.tricks.recompute)}: {u.rate(t.tokens_per_second)} tokens/s, "
+            f"{u.seconds(t.step_seconds)} per step, MFU {u.percent(t.mfu)}, "
+            f"{u.size(est.memory.total_bytes, units)} per GPU.")  # fmt: skip
+
+
 def ranking_section(plan: Plan, units: str) -> Section:
     headers = ["#", "layout", "sharding", "b x m", "recompute", "memory/GPU", "tokens/s", "step", "MFU", "bubble"]
     s = Section(f"Fastest layouts that fit, of {plan.fitting:,}", headers + ["exposed comm"], align="rllrlrrrrrr")
@@ -332,8 +380,10 @@ def alternative_row(alt: Alternative, best: float | None, units: str) -> list[st
     return [alt.name, where, u.rate(tps), u.signed_percent(tps / best - 1), why]
 
 
-def plan_sections(plan: Plan, units: str) -> list[Section]:
-    """Everything `memcalc plan` prints."""
+def plan_sections(plan: Plan, units: str, detail: bool = False) -> list[Section]:
+    """The fastest layouts that fit; with detail, their sharding, memory and time by part, and the alternatives."""
+    if not detail:  # the ranking; when nothing fits, why each obvious layout does not
+        return [short_ranking_section(plan, units)] if plan.best else [alternatives_section(plan, units)]
     sections = [ranking_section(plan, units)]
     if plan.best:
         sections += [best_memory_section(plan, units), best_time_section(plan)]

@@ -46,18 +46,22 @@ def gpu_rows() -> list:
 def gpu_sections() -> list[Section]:
     s = Section(
         "GPUs (--gpu KEY): dense peak TFLOP/s, memory, bandwidth",
-        ["key", "name", "bf16", "fp16", "tf32", "fp32", "memory", "bandwidth", "source"],
-        align="llrrrrrrl",
+        ["key", "name", "bf16", "fp16", "tf32", "fp32", "memory", "bandwidth"],
+        align="llrrrrrr",
     )
     for g in GPUS.values():
         s.rows.append([g.key + (" (default)" if g.key == DEFAULT_GPU else ""), g.name, f"{g.bf16_tflops:g}",
                        f"{g.fp16_tflops:g}", f"{g.tf32_tflops:g}", f"{g.fp32_tflops:g}",
-                       f"{g.memory_mib:,} MiB", f"{g.bandwidth_gbps / 1000:g} TB/s", g.source])  # fmt: skip
+                       f"{g.memory_mib:,} MiB", f"{g.bandwidth_gbps / 1000:g} TB/s"])  # fmt: skip
     s.notes = [
         "rates: vendor datasheets, dense (sparse figures are 2x); fp32 is the non-tensor-core rate PyTorch uses "
         "unless TF32 is enabled",
         f"memory: nvidia-smi's total; the fit verdict keeps {u.size(CUDA_RESERVE_BYTES)} back for the CUDA context",
     ]
+    sources: dict[str, list[str]] = {}
+    for g in GPUS.values():
+        sources.setdefault(g.source, []).append(g.key)
+    s.notes += [f"{', '.join(keys)}: {url}" for url, keys in sources.items()]
     return [s]
 
 

@@ -7,7 +7,9 @@ import io
 import json
 import math
 import os
+import shutil
 import sys
+import textwrap
 from dataclasses import dataclass, field, fields, is_dataclass
 
 from memcalc.model.tricks import Tricks
@@ -19,6 +21,17 @@ FORMATS = ("table", "json", "markdown", "csv")
 
 # A cell is plain text, or (main, detail): the detail is printed dim under the main text.
 Cell = str | tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Display:
+    """How a result is shown: the format, the units, and how much of it."""
+
+    fmt: str = "table"
+    units: str = "gb"
+    detail: bool = False  # every section, not only the answer
+    exact: bool = False  # each value's exact count (bytes) under it; --detail implies it
+    explain: bool = False  # the formulas with this config's numbers
 
 
 @dataclass
@@ -84,19 +97,24 @@ def to_json(obj: object) -> str:
 # ---- text formats ---------------------------------------------------------------------------
 
 
-def cell_text(cell: Cell, sep: str = " ") -> str:
-    return cell if isinstance(cell, str) else f"{cell[0]}{sep}({cell[1]})"
+def cell_text(cell: Cell, sep: str = " ", exact: bool = True) -> str:
+    """A cell as one string: its exact count in brackets when exact, else its main text alone."""
+    if isinstance(cell, str):
+        return cell
+    return f"{cell[0]}{sep}({cell[1]})" if exact else cell[0]
 
 
-def to_markdown(sections: list[Section], preamble: list[str] = ()) -> str:
+def to_markdown(sections: list[Section], preamble: list[str] = (), exact: bool = False, after: list[str] = ()) -> str:
     lines = [f"{line}  " for line in preamble]
     for s in sections:
         lines += ["", f"### {s.title}", "", "| " + " | ".join(s.headers) + " |"]
         lines.append("|" + "|".join("---" for _ in s.headers) + "|")
-        lines += ["| " + " | ".join(cell_text(c).replace("|", "\\|") for c in row) + " |" for row in s.rows]
+        lines += ["| " + " | ".join(cell_text(c, exact=exact).replace("|", "\\|") for c in row) + " |"
+                  for row in s.rows]  # fmt: skip
         if s.notes:
             lines.append("")
             lines += [f"- {n}" for n in s.notes]
+    lines += ["", *after] if after else []
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
@@ -109,53 +127,116 @@ def to_csv(headers: list[str], rows: list[list[object]]) -> str:
 
 
 def emit(fmt: str, result: object, sections: list[Section], preamble: list[str] = (),
-         csv_table: tuple[list[str], list[list[object]]] | None = None) -> None:  # fmt: skip
-    """One result in the chosen format: JSON of the object itself, CSV rows, or its tables."""
+         csv_table: tuple[list[str], list[list[object]]] | None = None, exact: bool = False,
+         after: list[str] = ()) -> None:  # fmt: skip
+    """One result in the chosen format: JSON of the object itself, CSV rows, or its tables.
+
+    exact: tables and Markdown show each value's exact count (bytes) too; JSON and CSV always carry it.
+    after: paragraphs printed after the tables (the verdict), in the text formats.
+    """
     if fmt == "json":
         print(to_json(result))
     elif fmt == "csv":
         sys.stdout.write(to_csv(*(csv_table or first_table(sections))))
     elif fmt == "markdown":
-        sys.stdout.write(to_markdown(sections, preamble))
+        sys.stdout.write(to_markdown(sections, preamble, exact, after))
     else:
-        print_tables(sections, preamble)
+        print_tables(sections, preamble, exact=exact, after=after)
 
 
 def first_table(sections: list[Section]) -> tuple[list[str], list[list[str]]]:
     return sections[0].headers, [[cell_text(c) for c in row] for row in sections[0].rows]
 
 
-def print_tables(sections: list[Section], preamble: list[str] = (), file: io.TextIOBase | None = None) -> None:
-    """Plain aligned tables: first column left, numbers right, a cell's detail dim on the line under it.
+def width() -> int:
+    """Columns to lay out in: $COLUMNS, else the terminal's, else 100 (piped output, files, docs)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return 100
+
+
+def print_tables(sections: list[Section], preamble: list[str] = (), file: io.TextIOBase | None = None,
+                 exact: bool = False, after: list[str] = (), cols: int | None = None) -> None:  # fmt: skip
+    """Plain aligned tables: first column left, numbers right, a cell's exact count dim on the line under
+    it when exact; notes and long lines wrap, and columns wrap their text, to fit the width.
 
     Written out by hand rather than with rich.Table: laying out six tables through rich costs ~25 ms,
     more than the whole estimate, and `memcalc estimate` must start as fast as typer itself.
     """
-    out = file or sys.stdout
+    out, cols = file or sys.stdout, cols or width()
     style = Style(color_enabled(out))
-    lines = list(preamble)
+    lines = [w for line in preamble for w in wrap(line, cols, "", "  ")]
     for s in sections:
-        lines += ["", style.bold(s.title)] + table_lines(s, style) + [style.dim("  " + n) for n in s.notes]
+        notes = [style.dim(w) for n in s.notes for w in wrap(n, cols, "  ", "    ")]
+        lines += ["", *(style.bold(w) for w in wrap(s.title, cols))] + table_lines(s, style, exact, cols) + notes
+    for paragraph in after:
+        lines += ["", *(style.bold(w) for w in wrap(paragraph, cols))]
     out.write("\n".join(lines).lstrip("\n") + "\n")
 
 
-def table_lines(s: Section, style: Style) -> list[str]:
+def print_lines(lines: list[str]) -> None:
+    """Lines of prose (--explain), each wrapped to the width under its own indent."""
+    cols = width()
+    for line in lines:
+        indent = " " * (len(line) - len(line.lstrip()))
+        print("\n".join(wrap(line.strip(), cols, indent, indent + "    ")))
+
+
+def wrap(text: str, cols: int, first: str = "", rest: str = "") -> list[str]:
+    """text in lines of at most cols characters (a word longer than a line keeps its own line)."""
+    if not text:
+        return [first.rstrip()]
+    return textwrap.wrap(text, cols, initial_indent=first, subsequent_indent=rest, break_long_words=False,
+                         break_on_hyphens=False) or [first.rstrip()]  # fmt: skip
+
+
+def table_lines(s: Section, style: Style, exact: bool = False, cols: int = 10**6) -> list[str]:
+    """The table in lines: columns as wide as their widest cell, narrowed (their text wrapped) to fit cols."""
     mains = [[c if isinstance(c, str) else c[0] for c in row] for row in s.rows]
-    details = [["" if isinstance(c, str) else c[1] for c in row] for row in s.rows]
-    widths = [max(len(x) for x in column) for column in zip(s.headers, *mains, *details)]
+    details = [["" if isinstance(c, str) or not exact else c[1] for c in row] for row in s.rows]
+    align = s.align or "l" + "r" * (len(s.headers) - 1)
+    widths = fit_widths([list(column) for column in zip(s.headers, *mains, *details)], align, cols - 1)
 
-    align = s.align or "l" + "r" * (len(widths) - 1)
+    def lines(cells: list[str]) -> list[str]:
+        """One row, over as many lines as its tallest wrapped cell."""
+        wrapped = [[c] if len(c) <= w else wrap(c, w) for c, w in zip(cells, widths)]
+        out = []
+        for i in range(max(len(w) for w in wrapped)):
+            parts = [w[i] if i < len(w) else "" for w in wrapped]
+            padded = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(parts, widths, align)]
+            out.append(" " + "  ".join(padded).rstrip())
+        return out
 
-    def line(cells: list[str]) -> str:
-        padded = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)]
-        return " " + "  ".join(padded).rstrip()
-
-    out = [style.bold(line(s.headers)), " " + "  ".join("─" * w for w in widths)]
+    out = [style.bold(x) for x in lines(s.headers)] + [" " + "  ".join("-" * w for w in widths)]  # ASCII: 1 byte a column
     for main, detail in zip(mains, details):
-        out.append(line(main))
+        out += lines(main)
         if any(detail):
-            out.append(style.dim(line(detail)))
+            out += [style.dim(x) for x in lines(detail)]
     return out
+
+
+def fit_widths(columns: list[list[str]], align: str, cols: int) -> list[int]:
+    """Each column's width: its widest cell, then the widest columns narrowed one character at a time
+    until the row, with two spaces between columns, fits cols. A text column (left-aligned) wraps its
+    cells at spaces, down to its longest word; a number column (right-aligned) wraps only its header."""
+    widths = [max(len(x) for x in column) for column in columns]
+    least = [narrowest(column, a) for column, a in zip(columns, align)]
+    while sum(widths) + 2 * (len(widths) - 1) > cols:
+        room = [(w, i) for i, (w, m) in enumerate(zip(widths, least)) if w > m]
+        if not room:
+            break
+        widths[max(room)[1]] -= 1
+    return widths
+
+
+def narrowest(column: list[str], align: str) -> int:
+    """How narrow a column can wrap: its longest word (headers always wrap; numbers' cells never do)."""
+    header, cells = column[0], column[1:]
+    words = header.split() + ([w for x in cells for w in x.split()] if align == "l" else [])
+    return max([len(w) for w in words] + ([len(x) for x in cells] if align == "r" else []), default=0)
 
 
 class Style:

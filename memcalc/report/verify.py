@@ -50,17 +50,19 @@ def verify_preamble(r: VerifyResult) -> list[str]:
     ]
 
 
-def verify_sections(r: VerifyResult, units: str) -> list[Section]:
+def verify_sections(r: VerifyResult, units: str, detail: bool = False) -> list[Section]:
+    """The rows (and the step time on CUDA); with detail, each row's note and the allocator phase by phase."""
     s = Section(f"{r.tricks}: textbook, exact prediction and measurement",
                 ["quantity", "textbook", "exact prediction", "measured", "error", "pass"], align="lrrrrl")  # fmt: skip
     for row in r.rows:
         s.rows.append([row.quantity, value(row.textbook, row.unit, units), value(row.exact, row.unit, units),
                        value(row.measured, row.unit, units), error_text(row), verdict(row)])  # fmt: skip
-    s.notes = [f"{row.quantity}: {row.note}" for row in r.rows if row.note] + list(r.notes)
+    if detail:
+        s.notes = [f"{row.quantity}: {row.note}" for row in r.rows if row.note] + list(r.notes)
     if r.error:
         s.notes.insert(0, f"did not finish: {r.error}")
     sections = [s]
-    if r.phases is not None:
+    if r.phases is not None and detail:
         sections.append(phases_section(r, units))
     if r.timing is not None:
         sections.append(timing_section(r))
@@ -98,6 +100,25 @@ def timing_section(r: VerifyResult) -> Section:
         top = ", ".join(f"{op.name} {u.seconds(op.seconds)}" for op in t.predicted_ops[:3])
         s.notes.append(f"roofline ({t.calibration}): slowest predicted ops {top}; every op in the JSON (timing.predicted_ops)")
     return s
+
+
+def verify_verdict(results: list[VerifyResult]) -> str:
+    """Pass or fail in one sentence: how many rows were judged, and which missed."""
+    judged = sum(row.passed is not None for r in results for row in r.rows)
+    tol = ", ".join(dict.fromkeys(u.percent(r.tolerance, 2) for r in results))
+    unfinished = [r.tricks for r in results if r.error]
+    failed = [f"{r.tricks}: {row.quantity}" for r in results for row in r.failed]
+    if not unfinished and not failed:
+        return f"Pass: all {judged} judged rows within {tol} of the exact prediction."
+    parts = ([f"did not finish: {', '.join(unfinished)}"] if unfinished else []) + (
+        [f"outside {tol}: {'; '.join(failed)}"] if failed else [])  # fmt: skip
+    return "FAIL: " + "; ".join(parts) + "."
+
+
+def dist_verdict(d: DistResult) -> str:
+    if d.passed:
+        return f"Pass: every per-rank quantity equals PyTorch's own on {d.world} ranks."
+    return "FAIL: memcalc's per-rank prediction differs from PyTorch's (rows marked NO)."
 
 
 def peak_row(r: VerifyResult) -> Row | None:

@@ -16,7 +16,8 @@ PACKAGE = ROOT / "memcalc"
 LAYERS = [
     {"memcalc.errors", "memcalc.terms"},
     {"memcalc.model"},
-    {"memcalc.memory", "memcalc.exact"},  # side by side: neither imports the other
+    {"memcalc.exact"},
+    {"memcalc.memory"},
     {"memcalc.time"},
     {"memcalc.parallel"},
     {"memcalc.verification"},
@@ -110,6 +111,6 @@ def test_the_checker_finds_each_kind_of_violation():
     source = "import torch\nfrom rich.table import Table\n\ndef f():\n    from ..report import render\n"
     found = violations("memcalc.model.probe", source)
     assert len(found) == 3, found
-    assert violations("memcalc.memory.probe", "from memcalc.exact.step import exact_step\n")  # side by side
+    assert violations("memcalc.exact.probe", "from memcalc.memory.estimate import Setup\n")  # exact is below memory
     assert violations("memcalc.report.probe", "from ..cli import views\n")
     assert not violations("memcalc.time.probe", "from ..exact import sim\nfrom .roofline import step_time\n")

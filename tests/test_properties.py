@@ -5,10 +5,10 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memcalc.exact.kernels import step_flops
 from memcalc.memory.activations import textbook_activations
 from memcalc.memory.estimate import Setup, estimate, memory_for
 from memcalc.memory.state import Parallel, model_state
-from memcalc.model.flops import step_flops
 from memcalc.model.gpus import GPUS
 from memcalc.model.shape import Model, ModelShape, n_params
 from memcalc.model.tricks import Tricks

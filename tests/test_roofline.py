@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.exact import aten
+from memcalc.exact.kernels import TRACES, kernels_of
 from memcalc.exact.mirror import Config, trace
 from memcalc.exact.sim import Graph, Memory
 from memcalc.exact.step import exact_step
@@ -25,7 +26,7 @@ from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import parse_tricks
 from memcalc.time.attention_io import attention_time
 from memcalc.time.calibration import PARAMETERS, calibration_for, defaults, from_dict
-from memcalc.time.roofline import TRACES, kernels_of, step_time
+from memcalc.time.roofline import step_time
 
 QWEN_8B = PRESETS["qwen3-8b"]
 SMALL = ModelShape(n_layers=3, hidden=256, n_heads=8, n_kv_heads=2, ffn=704, gated_mlp=True, norm="rmsnorm",

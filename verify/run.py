@@ -16,7 +16,7 @@ from memcalc.exact.step import ExactStep, exact_step
 from memcalc.memory.activations import logits_memory, textbook_activations
 from memcalc.memory.estimate import Setup
 from memcalc.memory.state import model_state
-from memcalc.model.flops import step_flops
+from memcalc.model.flops import textbook_step_flops
 from memcalc.model.gpus import GPU, GPUS
 from memcalc.model.shape import Model, ModelShape, check_positions, n_params
 from memcalc.model.tricks import Tricks, parse_tricks
@@ -109,7 +109,7 @@ def textbook(shape: ModelShape, setup: Setup, tricks: Tricks) -> dict[str, int]:
         "outside": logits,
         "saved": acts.total_bytes + logits,
         "peak": state.total_bytes + acts.peak_bytes + logits,
-        "flops": step_flops(shape, setup.seq_len, tricks).hardware_per_token * setup.tokens_per_micro_batch,
+        "flops": textbook_step_flops(shape, setup.seq_len, tricks).hardware_per_token * setup.tokens_per_micro_batch,
     }
 
 

@@ -339,7 +339,7 @@ def mfu(
             None if global_batch is None else parse_count(global_batch, "global-batch", MAX_BATCH),
             seq_len, parse_count(gpus, "gpus", MAX_GPUS),
         )  # fmt: skip
-        result = mfu_report(the_model, find_gpu(gpu), t.precision, seq_len, t.recompute, rate)
+        result = mfu_report(the_model, find_gpu(gpu), t, seq_len, rate)
     except InputError as e:
         fail(str(e))
     from memcalc.report import estimate as report

@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 
 from memcalc.errors import InputError
-from memcalc.model.flops import Flops, StepFlops, flops, step_flops
+from memcalc.exact.kernels import step_flops
+from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_size, layer_params
 from memcalc.model.tricks import PROGRESSION, Tricks

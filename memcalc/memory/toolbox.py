@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from memcalc.model.flops import step_flops
+from memcalc.exact.kernels import step_flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model
 from memcalc.model.tricks import Tricks

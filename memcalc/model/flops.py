@@ -74,18 +74,29 @@ class StepFlops:
         return self.hardware_per_token / self.model_per_token - 1
 
 
-def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
-    """Model and hardware FLOPs per token, with the shape's own matmul weights W per layer.
+def model_per_token(shape: ModelShape, seq_len: int) -> int:
+    """Model FLOPs per token, with the shape's own matmul weights W per layer, whatever the tricks:
 
-    model      6·L·W + 12·L·H·Q·s + 6·h·v          (Korthikanti sec. 6.3: 72Lh²(1 + s/6h + v/12hL))
-    full       + 2·L·W + 4·L·H·Q·s                 (the layers' forward again: 96Lh²(1 + s/6h + v/16hL))
-    selective  + 4·L·H·Q·s                         (the forward of QKᵀ and attention over V again)
-    flash      + 2·L·H·Q·s                         (its backward recomputes QKᵀ; Dao et al. 2022 sec. 3.1)
+    6·L·W + 12·L·H·Q·s + 6·h·v     (Korthikanti sec. 6.3: 72Lh²(1 + s/6h + v/12hL), W in place of 12h²)
+
+    What the GPU executes on top (recompute, flash's backward QKᵀ) is counted from the kernels:
+    memcalc.exact.kernels.step_flops.
     """
-    layers = 6 * shape.n_layers * layer_weights(shape)
-    attention = attention_flops(shape, seq_len)
-    logits = logits_flops(shape)
-    model = layers + attention + logits
+    return 6 * shape.n_layers * layer_weights(shape) + attention_flops(shape, seq_len) + logits_flops(shape)
+
+
+def textbook_step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
+    """The textbook's hardware FLOPs per token (verify's textbook column), beside model_per_token:
+
+    full       + 2·L·W + 4·L·H·Q·s        (the layers' forward again: 96Lh²(1 + s/6h + v/16hL))
+    selective  + 4·L·H·Q·s                (the forward of QKᵀ and attention over V again)
+    flash      + 2·L·H·Q·s                (its backward recomputes QKᵀ; Dao et al. 2022 sec. 3.1)
+
+    What PyTorch executes is less with recompute (non-reentrant checkpointing stops early):
+    memcalc.exact.kernels.step_flops counts it, and every HFU memcalc prints uses that count.
+    """
+    layers, attention = 6 * shape.n_layers * layer_weights(shape), attention_flops(shape, seq_len)
+    model = model_per_token(shape, seq_len)
     hardware = model
     if tricks.flash:
         hardware += attention // 6  # one of the forward's two s² matmuls, in flash's backward
@@ -97,9 +108,9 @@ def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
 
 
 def model_flops(shape: ModelShape, seq_len: int, tokens: int) -> tuple[int, int]:
-    """step_flops' model FLOPs for `tokens` tokens, non-causal and causal (Megatron halves the attention):
-    what memcalc.exact, verify and the roofline hold MFU against."""
-    model = tokens * step_flops(shape, seq_len, Tricks()).model_per_token
+    """Model FLOPs for `tokens` tokens, non-causal and causal (Megatron halves the attention): what
+    memcalc.exact, verify and the roofline hold MFU against."""
+    model = tokens * model_per_token(shape, seq_len)
     return model, model - tokens * attention_flops(shape, seq_len) // 2
 
 
@@ -107,17 +118,17 @@ def korthikanti_selective_overhead(shape: ModelShape, seq_len: int) -> float:
     """Selective recompute's cost as Korthikanti et al. 2022 publish it (sec. 6.3, +2.7% for GPT-3).
 
     Their hardware FLOPs 72BLsh²(1 + s/3h + v/12hL) charge the recomputed attention core at its
-    forward + backward cost, 12·L·H·Q·s per token; what the recompute executes is its forward,
-    4·L·H·Q·s, which is what step_flops charges.
+    forward + backward cost, 12·L·H·Q·s per token; what the recompute executes is less: QKᵀ again,
+    2·L·H·Q·s (memcalc.exact.kernels.step_flops counts it).
     """
-    model = step_flops(shape, seq_len, Tricks()).model_per_token
+    model = model_per_token(shape, seq_len)
     return attention_flops(shape, seq_len) / model
 
 
 def flop_terms(shape: ModelShape, n_params: int, seq_len: int) -> tuple[Term, ...]:
     """The per-token formulas behind Flops and StepFlops, for --explain."""
     f = flops(shape, n_params, seq_len)
-    model = step_flops(shape, seq_len, Tricks()).model_per_token
+    model = model_per_token(shape, seq_len)
     kaplan, palm, korth = "Kaplan et al. 2020, sec. 2.1", "Chowdhery et al. 2022, App. B", "Korthikanti et al. 2022, sec. 6.3"
     return (
         Term("training FLOPs per token (6N)", f.per_token, "6·{N}", kaplan),

@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from memcalc.exact.kernels import step_flops
 from memcalc.memory.estimate import Setup
-from memcalc.model.flops import StepFlops, attention_flops, logits_flops, step_flops
+from memcalc.model.flops import StepFlops, attention_flops, logits_flops
 from memcalc.model.gpus import A100_DATASHEET, GPU, H100_DATASHEET
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks

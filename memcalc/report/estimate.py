@@ -197,8 +197,9 @@ def compute_section(est: Estimate) -> Section:
     selective = next((c for c in est.compute if c.tricks.recompute == "selective" and not c.tricks.flash), None)
     if selective:
         paper = korthikanti_selective_overhead(est.model.shape, est.setup.seq_len)
-        s.notes.append(f"selective recompute: {u.signed_percent(selective.flops.recompute_overhead)} here (the attention "
-                       f"core's forward again); Korthikanti et al. charge {u.signed_percent(paper)} (s/3h in place of s/6h)")  # fmt: skip
+        s.notes.append(f"selective recompute: {u.signed_percent(selective.flops.recompute_overhead)} here (QKᵀ again: "
+                       "checkpointing stops once backward's tensors are rebuilt); Korthikanti et al. charge "
+                       f"{u.signed_percent(paper)} (s/3h in place of s/6h)")  # fmt: skip
     return s
 
 

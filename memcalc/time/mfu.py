@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memcalc.errors import InputError
-from memcalc.model.flops import attention_flops, step_flops
+from memcalc.exact.kernels import step_flops
+from memcalc.model.flops import attention_flops
 from memcalc.model.shape import Model, ModelShape, param_counts
 from memcalc.model.tricks import Tricks
 
@@ -42,41 +43,42 @@ def korthikanti(shape: ModelShape, seq_len: int, recompute: str) -> tuple[float,
     return model, model
 
 
-# A convention returns (model FLOPs, hardware FLOPs) per token for a shape, N, seq and recompute mode.
-Count = Callable[[ModelShape, int, int, str], "tuple[float, float]"]
+# A convention returns (model FLOPs, hardware FLOPs) per token for a shape, N, seq and trick set; most
+# conventions look at its recompute only (HFU with activation checkpointing), memcalc's at flash too.
+Count = Callable[[ModelShape, int, int, Tricks], "tuple[float, float]"]
 
 
-def six_n(shape: ModelShape, n: int, s: int, recompute: str) -> tuple[float, float]:
-    return 6 * n, (8 if recompute == "full" else 6) * n  # Kaplan et al. 2020, sec. 2.1; one more forward: 8N
+def six_n(shape: ModelShape, n: int, s: int, tricks: Tricks) -> tuple[float, float]:
+    return 6 * n, (8 if tricks.recompute == "full" else 6) * n  # Kaplan et al. 2020, sec. 2.1; one more forward: 8N
 
 
-def palm(shape: ModelShape, n: int, s: int, recompute: str) -> tuple[float, float]:
+def palm(shape: ModelShape, n: int, s: int, tricks: Tricks) -> tuple[float, float]:
     model = 6 * without_positions(shape, n) + attention(shape, s)  # nanoGPT estimate_mfu, PaLM App. B
-    return model, model * (4 / 3 if recompute == "full" else 1)
+    return model, model * (4 / 3 if tricks.recompute == "full" else 1)
 
 
-def causal(shape: ModelShape, n: int, s: int, recompute: str) -> tuple[float, float]:
+def causal(shape: ModelShape, n: int, s: int, tricks: Tricks) -> tuple[float, float]:
     model = 6 * n + attention(shape, s) / 2  # Megatron-LM: a causal mask skips half the s² work
-    return model, model * (4 / 3 if recompute == "full" else 1)
+    return model, model * (4 / 3 if tricks.recompute == "full" else 1)
 
 
-def torchtitan(shape: ModelShape, n: int, s: int, recompute: str) -> tuple[float, float]:
+def torchtitan(shape: ModelShape, n: int, s: int, tricks: Tricks) -> tuple[float, float]:
     model = 6 * non_embedding(shape, n) + attention(shape, s)  # torchtitan get_num_flop_per_token
     return model, model  # torchtitan excludes recompute from its MFU
 
 
-def foundry(shape: ModelShape, n: int, s: int, recompute: str) -> tuple[float, float]:
+def foundry(shape: ModelShape, n: int, s: int, tricks: Tricks) -> tuple[float, float]:
     model = 3 * (2 * n + attention(shape, s) / 3)  # llm-foundry: 3·(2N·T + attention forward) per sequence
-    return model, model * (4 / 3 if recompute == "full" else 1)  # its HFU: 4/3 with activation checkpointing
+    return model, model * (4 / 3 if tricks.recompute == "full" else 1)  # its HFU: 4/3 with activation checkpointing
 
 
-def published(shape: ModelShape, n: int, s: int, recompute: str) -> tuple[float, float]:
-    return korthikanti(shape, s, recompute)
+def published(shape: ModelShape, n: int, s: int, tricks: Tricks) -> tuple[float, float]:
+    return korthikanti(shape, s, tricks.recompute)
 
 
-def ours(shape: ModelShape, n: int, s: int, recompute: str) -> tuple[float, float]:
-    f = step_flops(shape, s, Tricks("bf16", recompute=recompute))
-    return f.model_per_token, f.hardware_per_token  # memcalc.model.flops: the shape's own layers, the recompute executed
+def ours(shape: ModelShape, n: int, s: int, tricks: Tricks) -> tuple[float, float]:
+    f = step_flops(shape, s, tricks)
+    return f.model_per_token, f.hardware_per_token  # the shape's own layers; hardware: the kernels, counted
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ CONVENTIONS = (
     Convention("korthikanti", "Korthikanti et al. 2022 (as published)", "72·L·h²·(1 + s/6h + v/12hL)",
                "Korthikanti et al. 2022, sec. 6.3", published),  # fmt: skip
     Convention("memcalc", "memcalc (shape's own layers)", "6·L·P_layer + 12·L·H·Q·s + 6·h·v",
-               "memcalc.model.flops.step_flops", ours),  # fmt: skip
+               "memcalc.exact.kernels.step_flops: HFU from the kernels as FlopCounterMode counts them", ours),  # fmt: skip
 )
 
 
@@ -153,10 +155,10 @@ def tokens_per_gpu_second(tokens_per_sec: float | None, step_seconds: float | No
     return global_batch * seq_len / step_seconds / gpus
 
 
-def mfu_report(model: Model, gpu, precision: str, seq_len: int, recompute: str, tokens_per_second: float) -> MfuReport:
-    peak = gpu.peak_flops(precision)
+def mfu_report(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_second: float) -> MfuReport:
+    peak = gpu.peak_flops(tricks.precision)
     rows = []
     for c in CONVENTIONS:
-        model_flops, hardware_flops = c.count(model.shape, model.n_params, seq_len, recompute)
+        model_flops, hardware_flops = c.count(model.shape, model.n_params, seq_len, tricks)
         rows.append(Utilization(c.key, c.name, c.formula, c.source, model_flops, hardware_flops, tokens_per_second, peak))
-    return MfuReport(model, gpu.key, precision, seq_len, recompute, tokens_per_second, tuple(rows))
+    return MfuReport(model, gpu.key, tricks.precision, seq_len, tricks.recompute, tokens_per_second, tuple(rows))

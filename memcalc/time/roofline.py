@@ -17,9 +17,9 @@ it against full-depth traces), so a step costs one one-layer simulation, ~1-3 ms
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from memcalc.exact.mirror import Config, trace
+from memcalc.exact.kernels import STEP_PHASES, kernels_of
 from memcalc.exact.sim import Kernel
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
@@ -33,37 +33,6 @@ PARTS = (
     "layer matmuls", "attention core", "norms", "other elementwise", "logits matmul", "logits and loss",
     "embedding", "recompute (checkpointing)", "gradient accumulation", "optimizer (AdamW)", "fp32 master copies",
 )  # fmt: skip
-STEP_PHASES = ("forward", "backward", "recompute")  # run once per micro-batch
-
-
-TRACES: dict[tuple, tuple[Kernel, ...]] = {}  # (one-layer shape, seq, micro-batch, tricks) -> kernels
-MAX_TRACES = 512
-
-
-def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
-    """One step's kernels with the model cut to one block (layer 0); the rest are outside the blocks.
-    A step without recompute is taken from the same step with recompute when one was traced: it runs
-    exactly those kernels less the recompute ones, in the same order (tests/test_roofline.py)."""
-    one = replace(shape, n_layers=1)
-    key = (one, seq_len, micro_batch, tricks)
-    if key not in TRACES:
-        if len(TRACES) >= MAX_TRACES:
-            TRACES.clear()
-        TRACES[key] = without_recompute(key) or tuple(
-            trace(Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute)))
-    return TRACES[key]
-
-
-def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
-    """A traced step with recompute, its recompute kernels left out; None if none was traced."""
-    one, seq_len, micro_batch, tricks = key
-    if tricks.recompute != "none":
-        return None
-    for recompute in ("selective", "full"):
-        traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute)))
-        if traced is not None:
-            return tuple(k for k in traced if k.phase != "recompute")
-    return None
 
 
 def part_of(k: Kernel) -> str:

@@ -1,0 +1,70 @@
+"""One block's kernels, traced once: what the roofline times, and the FLOPs a step really executes.
+
+Every block of the stack runs the same kernels, so one block is traced (memcalc.exact.mirror.trace) and
+the rest is multiplication (tests/test_roofline.py checks it against full-depth traces). The FLOPs the
+kernels execute, as torch.utils.flop_counter.FlopCounterMode counts them, are memcalc's one definition
+of hardware FLOPs: HFU everywhere, the --mfu time model, the toolbox's cost of checkpointing, `memcalc mfu`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.model.flops import StepFlops, model_per_token
+from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import Tricks
+
+from .mirror import Config, trace
+from .sim import Kernel
+
+STEP_PHASES = ("forward", "backward", "recompute")  # run once per micro-batch
+TRACES: dict[tuple, tuple[Kernel, ...]] = {}  # (one-layer shape, seq, micro-batch, tricks) -> kernels
+MAX_TRACES = 512
+
+
+def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
+    """One step's kernels with the model cut to one block (layer 0); the rest are outside the blocks.
+    A step without recompute is taken from the same step with recompute when one was traced: it runs
+    exactly those kernels less the recompute ones, in the same order (tests/test_roofline.py)."""
+    one = replace(shape, n_layers=1)
+    key = (one, seq_len, micro_batch, tricks)
+    if key not in TRACES:
+        if len(TRACES) >= MAX_TRACES:
+            TRACES.clear()
+        TRACES[key] = without_recompute(key) or tuple(
+            trace(Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute)))
+    return TRACES[key]
+
+
+def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
+    """A traced step with recompute, its recompute kernels left out; None if none was traced."""
+    one, seq_len, micro_batch, tricks = key
+    if tricks.recompute != "none":
+        return None
+    for recompute in ("selective", "full"):
+        traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute)))
+        if traced is not None:
+            return tuple(k for k in traced if k.phase != "recompute")
+    return None
+
+
+def counted_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[int, int]:
+    """FLOPs of one micro-batch's forward, backward and recompute as FlopCounterMode counts them (matmuls
+    only, attention non-causal, flash's backward as five matmuls), and the same with every attention
+    matmul halved: what a causal kernel executes."""
+    counted = attention = 0
+    for k in kernels_of(shape, seq_len, micro_batch, tricks):
+        if k.phase in STEP_PHASES:
+            n = shape.n_layers if k.layer is not None else 1
+            counted += n * k.counted
+            attention += n * k.counted if k.count_kind == "attention" else 0
+    return counted, counted - attention // 2
+
+
+def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
+    """Model FLOPs per token (memcalc.model.flops: what MFU divides by) and hardware FLOPs per token
+    (what the kernels execute, counted). Recompute adds what torch.utils.checkpoint reruns: the block's
+    forward up to the last tensor its backward needs (non-reentrant checkpointing stops early there, so
+    a Llama block's down projection is not rerun), not Korthikanti's whole extra forward (8N)."""
+    counted, _ = counted_flops(shape, seq_len, 1, tricks)
+    return StepFlops(tricks, model_per_token(shape, seq_len), counted // seq_len)  # b·s tokens: exact division

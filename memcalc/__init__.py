@@ -5,8 +5,8 @@ Its packages, lowest first; each may import only those before it (tests/test_lay
 
   errors, terms  the error type for bad input, and a number with the formula it came from
   model          what is trained and on what: shapes, presets, config.json, tricks, GPUs, FLOPs
-  memory         bytes by formula: model state, textbook activations, the estimate, the toolbox
   exact          bytes and kernels op by op: verify's step replayed under autograd's lifetimes
+  memory         bytes by formula: model state, textbook activations, the estimate, the toolbox
   time           seconds: the roofline, calibrations, MFU conventions, training runs, sweeps
   parallel       beyond one GPU: layouts, collectives, the planner
   verification   the torch-free side of `memcalc verify`: rows, results, one rank's prediction

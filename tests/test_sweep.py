@@ -19,7 +19,7 @@ from memcalc.time.sweep import parse_sweep, sweep
 
 def test_parse_sweep():
     assert parse_sweep("seq=1024:65536") == ("seq", (1024, 2048, 4096, 8192, 16384, 32768, 65536))
-    assert parse_sweep("seq=1k:4k:1k") == ("seq", (1000, 2000, 3000, 4000))
+    assert parse_sweep("seq=1k:4k:1k") == ("seq", (1024, 2048, 3072, 4096))  # binary, as sequence lengths are
     assert parse_sweep("micro-batch=1,3,5") == ("micro-batch", (1, 3, 5))
     for bad, message in [("heads=1:4", "takes seq="), ("seq=4096:1024", "below"), ("seq=1:2:3:4", "takes A:B"),
                          ("seq=1:1000000:1", "at most"), ("seq=0:8", "positive")]:  # fmt: skip

@@ -48,7 +48,7 @@ Heads = Annotated[Optional[str], typer.Option("--heads", help="Override the atte
 KvHeads = Annotated[Optional[str], typer.Option("--kv-heads", help="Override the KV heads (GQA).", metavar="N")]
 Ffn = Annotated[Optional[str], typer.Option("--ffn", help="Override the MLP width.", metavar="N")]
 Vocab = Annotated[Optional[str], typer.Option("--vocab", help="Override the vocabulary size.", metavar="N")]
-Seq = Annotated[str, typer.Option("--seq", help="Sequence length in tokens.", metavar="N")]
+Seq = Annotated[str, typer.Option("--seq", help="Sequence length in tokens; k and m are binary (8k = 8,192).", metavar="N")]
 MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per forward/backward pass.", metavar="N")]
 GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
 TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, selective (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
@@ -90,14 +90,14 @@ def check_format(fmt: str) -> str:
 def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu):
     from memcalc.memory.estimate import Setup
     from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
-    from memcalc.model.shape import MAX_BATCH, MAX_SEQ, parse_count
+    from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
 
     if optimizer.strip().lower() not in OPTIMIZERS:
         raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
     if zero.strip() not in ("0", "1", "2", "3"):
         raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
     return Setup(
-        seq_len=parse_count(seq, "seq", MAX_SEQ),
+        seq_len=parse_seq(seq),
         micro_batch=parse_count(micro_batch, "micro-batch", MAX_BATCH),
         grad_accum=parse_count(grad_accum, "grad-accum", MAX_BATCH),
         optimizer=optimizer.strip().lower(),
@@ -177,9 +177,9 @@ def estimate(
                 show = views.sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
             else:
                 show = views.single_view(the_model, setup, the_gpu, trick_sets, run, exact, cal)
+        show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
     except InputError as e:
         fail(str(e))
-    show(render.Display(fmt, units, detail, detail or exact_bytes, explain))
 
 
 def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None] | None:
@@ -241,7 +241,7 @@ def plan(
     try:
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.gpus import gpu as find_gpu
-        from memcalc.model.shape import MAX_BATCH, MAX_SEQ, parse_count
+        from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
         from memcalc.model.tricks import parse_tricks
         from memcalc.parallel.plan import plan as run_plan
 
@@ -252,7 +252,7 @@ def plan(
         t = parse_tricks(tricks)
         named = any(n in ("ckpt", "selective") for n in tricks.replace("+", ",").split(","))
         result = run_plan(
-            the_model, find_gpu(gpu), parse_count(gpus, "gpus", MAX_GPUS), parse_count(seq, "seq", MAX_SEQ),
+            the_model, find_gpu(gpu), parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
             parse_count(global_batch, "global-batch", MAX_BATCH),
             gpus_per_node=8 if gpus_per_node is None else parse_count(gpus_per_node, "gpus-per-node", MAX_GPUS),
             tricks=t, optimizer=optimizer.strip().lower(), mfu=parse_fraction(mfu, "mfu"),
@@ -323,7 +323,7 @@ def mfu(
     try:
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.gpus import gpu as find_gpu
-        from memcalc.model.shape import MAX_BATCH, MAX_SEQ, parse_count
+        from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
         from memcalc.model.tricks import parse_tricks
         from memcalc.time.mfu import mfu_report, tokens_per_gpu_second
 
@@ -332,7 +332,7 @@ def mfu(
         fmt = check_format(fmt)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         t = parse_tricks(tricks)
-        seq_len = parse_count(seq, "seq", MAX_SEQ)
+        seq_len = parse_seq(seq)
         rate = tokens_per_gpu_second(
             None if tokens_per_sec is None else parse_positive(tokens_per_sec, "tokens-per-sec"),
             None if step_time is None else parse_positive(step_time, "step-time"),
@@ -382,6 +382,7 @@ def verify(
         tolerance = None if tol is None else parse_fraction(tol, "tol")
         if device is not None and device.strip().lower() not in ("cuda", "meta"):
             raise InputError(f"unknown device {device!r}; choose cuda or meta")
+        verify_runs.needs_torch()
         if fsdp is not None or tp is not None or sp:
             run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device)
         else:

@@ -1,10 +1,17 @@
 """How `memcalc verify` runs (verify/ and torch imported only once a run starts) and prints its results."""
 
+import importlib.util
 import os
 import sys
 
 from memcalc.errors import InputError
 from memcalc.report import render
+
+
+def needs_torch() -> None:
+    """verify/ runs on PyTorch: without it, one line that says how to get it (not torch's traceback)."""
+    if importlib.util.find_spec("torch") is None:
+        raise InputError("memcalc verify needs PyTorch: pip install 'memcalc[verify]'")
 
 
 def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt: str, save: str | None = None,

@@ -57,14 +57,13 @@ def exact_layers(model, setup, ests, layout):
 
 
 def sweep_view(model, setup, gpu, trick_sets, spec: str, png: str | None, cal=None):
+    from memcalc.report.plot import check_png
     from memcalc.time.sweep import parse_sweep, sweep
 
-    swept = sweep(model, setup, gpu, trick_sets, *parse_sweep(spec), cal)
-    if png is not None:
-        from memcalc.report.plot import save_png
-
-        save_png(swept, png)
-    return lambda display: show_sweep(swept, display)
+    points = parse_sweep(spec)
+    png = None if png is None else check_png(png)  # before the work: a bad path is an input error
+    swept = sweep(model, setup, gpu, trick_sets, *points, cal)
+    return lambda display: show_sweep(swept, display, png)
 
 
 def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
@@ -76,9 +75,14 @@ def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
     return [layout_estimate(model, setup, gpu, t, layout) for t in trick_sets]
 
 
-def show_sweep(swept, d: render.Display) -> None:
+def show_sweep(swept, d: render.Display, png: str | None = None) -> None:
     from memcalc.report import estimate as report
 
+    if png is not None:
+        from memcalc.report.plot import save_png
+
+        save_png(swept, png, d.units)
+        print(f"wrote {png}", file=sys.stderr)  # stderr: stdout stays the table, JSON or CSV
     csv_table = (report.SWEEP_CSV_HEADERS, report.sweep_csv_rows(swept))
     render.emit(d.fmt, swept, report.sweep_sections(swept, d.units), csv_table=csv_table, exact=d.exact)
 

@@ -201,11 +201,14 @@ def override(shape: ModelShape, **sizes: int | None) -> ModelShape:
     return replace(shape, name=f"{shape.name} (modified)", **changes)
 
 
-def parse_count(text: str, name: str, limit: float = float(MAX_SIZE)) -> int:
+DECIMAL = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # parameters, tokens, GPUs: 70B, 15T
+BINARY = {"k": 1 << 10, "m": 1 << 20}  # sequence lengths: an 8k context is 8,192 tokens, 32K is 32,768
+
+
+def parse_count(text: str, name: str, limit: float = float(MAX_SIZE), suffixes: dict[str, int] = DECIMAL) -> int:
     """Parse '8e9', '8B', '70b', '1.5M', '8192', '8k' into a positive int, or raise InputError."""
     raw = text.strip().replace("_", "").replace(",", "")
     scale = 1
-    suffixes = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
     if raw and raw[-1].lower() in suffixes:
         scale, raw = suffixes[raw[-1].lower()], raw[:-1]
     try:
@@ -221,3 +224,8 @@ def parse_count(text: str, name: str, limit: float = float(MAX_SIZE)) -> int:
     if value != int(value):
         raise InputError(f"{name} must be a whole number, got {text!r}")
     return int(value)
+
+
+def parse_seq(text: str, name: str = "seq") -> int:
+    """A sequence length: '8192', '8k' (8,192), '32K' (32,768), '1m' (1,048,576): binary suffixes."""
+    return parse_count(text, name, MAX_SEQ, BINARY)

@@ -7,13 +7,14 @@ from dataclasses import dataclass, replace
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup, compute_for, memory_for
 from memcalc.model.gpus import GPU
-from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, parse_count
+from memcalc.model.shape import BINARY, DECIMAL, MAX_BATCH, MAX_SEQ, Model, parse_count
 from memcalc.model.tricks import Tricks
 
 from .calibration import Calibration
 from .roofline import step_times
 
-SWEEPABLE = {"seq": ("seq_len", MAX_SEQ), "micro-batch": ("micro_batch", MAX_BATCH)}
+# name -> Setup field, limit, suffixes (a sequence of 8k is 8,192 tokens)
+SWEEPABLE = {"seq": ("seq_len", MAX_SEQ, BINARY), "micro-batch": ("micro_batch", MAX_BATCH, DECIMAL)}
 MAX_POINTS = 64
 
 
@@ -43,17 +44,21 @@ def parse_sweep(spec: str) -> tuple[str, tuple[int, ...]]:
     name = name.strip().lower()
     if not sep or name not in SWEEPABLE:
         raise InputError(f"--sweep takes seq=A:B or micro-batch=A:B, got {spec!r}")
-    limit = SWEEPABLE[name][1]
+    _, limit, suffixes = SWEEPABLE[name]
+
+    def count(text: str, what: str = name) -> int:
+        return parse_count(text, what, limit, suffixes)
+
     if "," in values:
-        points = tuple(parse_count(v, name, limit) for v in values.split(","))
+        points = tuple(count(v) for v in values.split(","))
     else:
         parts = values.split(":")
         if len(parts) not in (2, 3):
             raise InputError(f"--sweep {name}= takes A:B (doubling), A:B:STEP or a list A,B,C; got {values!r}")
-        start, stop = parse_count(parts[0], name, limit), parse_count(parts[1], name, limit)
+        start, stop = count(parts[0]), count(parts[1])
         if stop < start:
             raise InputError(f"--sweep {name}: {stop} is below {start}")
-        points = doubling(start, stop) if len(parts) == 2 else stepping(start, stop, parse_count(parts[2], "step", limit))
+        points = doubling(start, stop) if len(parts) == 2 else stepping(start, stop, count(parts[2], "step"))
     if len(points) > MAX_POINTS:
         raise InputError(f"--sweep gives {len(points)} points; at most {MAX_POINTS}")
     return name, points

@@ -1,0 +1,87 @@
+"""What the command line makes of what users type: each test names the defect of issue 10 it pins."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.errors import InputError
+from memcalc.model.shape import parse_count, parse_seq
+
+ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
+
+
+def run(*args):
+    return CliRunner().invoke(app, list(args), env=ENV)
+
+
+def as_json(*args):
+    out = run(*args, "--format", "json")
+    assert out.exit_code == 0, out.output
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("text, tokens", [("8k", 8192), ("32K", 32768), ("1m", 1 << 20), ("8192", 8192),
+                                          ("0.5k", 512), ("128_000", 128_000)])  # fmt: skip
+def test_sequence_lengths_take_binary_suffixes(text, tokens):
+    """Defect 12: --seq 8k meant 8,000; every model card's 8k context is 8,192 tokens."""
+    assert parse_seq(text) == tokens
+
+
+def test_counts_stay_decimal():
+    """Defect 12: parameters and training tokens keep decimal suffixes (70B, 15T)."""
+    assert parse_count("70B", "params", 1e15) == 70_000_000_000
+    assert parse_count("8k", "gpus") == 8000
+    with pytest.raises(InputError, match="seq must be a number"):
+        parse_seq("8b")  # a billion-token sequence is not what anyone means
+
+
+def test_every_sequence_option_reads_8k_as_8192():
+    """Defect 12, through each command that takes a sequence length."""
+    assert as_json("estimate", "--params", "8e9", "--seq", "8k", "--tricks", "bf16")["setup"]["seq_len"] == 8192
+    assert as_json("fit", "--params", "8e9", "--seq", "4k")["seq_len"] == 4096
+    assert as_json("mfu", "--params", "8e9", "--seq", "8k", "--tokens-per-sec", "1000")["seq_len"] == 8192
+    swept = as_json("estimate", "--params", "8e9", "--tricks", "bf16,flash", "--sweep", "seq=1k:4k")
+    assert [p["value"] for p in swept["points"]] == [1024, 2048, 4096]
+    plan = as_json("plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--seq", "1k")
+    assert plan["seq_len"] == 1024
+
+
+def test_verify_without_torch_says_how_to_install_it():
+    """Defect 2: after the README's first command (no torch), verify printed a rich traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"  # torch absent: import fails, find_spec finds nothing
+            "from memcalc.cli import main\n"
+            "sys.argv = ['memcalc', 'verify', '--device', 'meta', '--model', 'gpt2', '--seq', '64']\n"
+            "main()\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == "error: memcalc verify needs PyTorch: pip install 'memcalc[verify]'"
+
+
+@pytest.mark.parametrize("path, message", [
+    ("s.txt", "give a path ending in .png"),
+    ("plot", "give a path ending in .png"),  # matplotlib would have written plot.png beside it
+    ("missing-folder/s.png", "does not exist"),
+])  # fmt: skip
+def test_png_paths_are_checked_before_the_work(tmp_path, monkeypatch, path, message):
+    """Defect 3: --png s.txt crashed; --png DIR wrote DIR.png beside it without a word."""
+    monkeypatch.chdir(tmp_path)
+    out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=1k:2k", "--png", path)
+    assert out.exit_code == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_png_in_a_folder_is_refused_and_the_written_path_is_said(tmp_path, monkeypatch):
+    """Defect 3 and 13: a folder named x.png is refused; where the image went is printed, in --units."""
+    (tmp_path / "d.png").mkdir()
+    out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=1k:2k", "--png", str(tmp_path / "d.png"))
+    assert out.exit_code == 2 and "is a folder" in out.stderr
+    drawn = []
+    monkeypatch.setattr("memcalc.report.plot.save_png", lambda sw, path, units: drawn.append((path, units)))
+    target = str(tmp_path / "sweep.png")
+    out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=1k:2k", "--png", target, "--units", "gib")
+    assert out.exit_code == 0, out.output
+    assert drawn == [(target, "gib")] and f"wrote {target}" in out.stderr

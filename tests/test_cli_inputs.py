@@ -85,3 +85,16 @@ def test_png_in_a_folder_is_refused_and_the_written_path_is_said(tmp_path, monke
     out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=1k:2k", "--png", target, "--units", "gib")
     assert out.exit_code == 0, out.output
     assert drawn == [(target, "gib")] and f"wrote {target}" in out.stderr
+
+
+@pytest.mark.parametrize("args", [
+    "estimate --params 8e9 --seq 8192 --detail --gpus 8 --zero 3 --offload",
+    "estimate --model llama3-70b --seq 8192 --tp 8 --pp 2 --gpus 64 --sp --detail",
+    "plan --model llama3-70b --gpus 64 --global-batch 512 --seq 8192 --detail",
+    "fit --model llama3-8b --detail",
+])  # fmt: skip
+def test_units_gib_reaches_every_line(args):
+    """Defect 13: --units gib still printed GB in the GPU line, the model-state footer and plan's notes."""
+    out = run(*args.split(), "--units", "gib")
+    assert out.exit_code == 0, out.output
+    assert " GB" not in out.stdout.replace(" GB/s", "") and " GiB" in out.stdout

@@ -264,7 +264,7 @@ def plan(
     from memcalc.report import layout as pr
 
     csv_table = (pr.PLAN_CSV_HEADERS, pr.plan_csv_rows(result))
-    render.emit(fmt, result, pr.plan_sections(result, units, detail), pr.plan_preamble(result), csv_table,
+    render.emit(fmt, result, pr.plan_sections(result, units, detail), pr.plan_preamble(result, units), csv_table,
                 exact=detail or exact_bytes, after=[pr.plan_verdict(result, units)])  # fmt: skip
 
 

@@ -106,7 +106,7 @@ def show_layout(ests, runs, d: render.Display, layers=None) -> None:
     sections = plan_report.layout_sections(one, d.units, d.detail) if one else [plan_report.tricks_section(ests, d.units)]
     sections += [report.runs_section(runs)] if runs else []
     sections += [plan_report.exact_layer_section(ests, layers, d.units)] if layers else []
-    render.emit(d.fmt, None, sections, plan_report.layout_preamble(ests[0]), exact=d.exact,
+    render.emit(d.fmt, None, sections, plan_report.layout_preamble(ests[0], d.units), exact=d.exact,
                 after=[plan_report.layout_verdict(ests, d.units)])  # fmt: skip
     if d.explain:
         for e in ests:
@@ -131,7 +131,7 @@ def show_estimate(est, tb, runs, d: render.Display, exacts=None, roofline=None) 
         result = {**render.to_jsonable(est), **render.to_jsonable(extra)}
         result["time_model"] = "mfu" if roofline is None else "roofline"
     csv_rows = report.estimate_csv_rows(est, roofline[0] if roofline else None) if d.fmt == "csv" else []
-    preamble = report.preamble(est) if d.detail else report.short_preamble(est)
+    preamble = report.preamble(est, d.units) if d.detail else report.short_preamble(est, d.units)
     render.emit(d.fmt, result, sections, preamble, (report.CSV_HEADERS, csv_rows), exact=d.exact,
                 after=[report.verdict(est, tb, d.units)])  # fmt: skip
     if d.explain and d.fmt in ("table", "markdown"):

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # only for annotations: estimate need not import them
 RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision + loss scaling"}
 
 
-def preamble(est: Estimate) -> list[str]:
+def preamble(est: Estimate, units: str = "gb") -> list[str]:
     m, s, shape, g = est.model, est.setup, est.model.shape, est.gpu
     mlp = f"SwiGLU {shape.ffn}" if shape.gated_mlp else f"GELU MLP {shape.ffn}"
     p = s.parallel
@@ -34,12 +34,12 @@ def preamble(est: Estimate) -> list[str]:
         f"Setup: seq {s.seq_len:,} x micro-batch {s.micro_batch} x grad-accum {s.grad_accum} = "
         f"{s.tokens_per_step:,} tokens per GPU step; {s.optimizer}; {p.gpus} GPU(s), ZeRO {p.zero}"
         f"{', optimizer offloaded to CPU' if p.offload else ''}",
-        f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes)} total, {u.size(g.usable_bytes)} usable "
+        f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes, units)} total, {u.size(g.usable_bytes, units)} usable "
         f"after the CUDA context reserve",
     ]
 
 
-def short_preamble(est: Estimate) -> list[str]:
+def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
     """The model line (which shape, its own count), and one line for the step and the GPU."""
     s, p, g = est.setup, est.setup.parallel, est.gpu
     accum = f" x grad-accum {s.grad_accum}" if s.grad_accum > 1 else ""
@@ -52,7 +52,7 @@ def short_preamble(est: Estimate) -> list[str]:
         f"  {shape.n_layers} layers, hidden {shape.hidden}, {shape.n_heads} heads ({shape.n_kv_heads} KV), {mlp}, "
         f"vocab {shape.vocab:,}; {est.model.n_params:,} parameters",
         f"Step: seq {s.seq_len:,} x micro-batch {s.micro_batch}{accum} = {s.tokens_per_step:,} tokens per GPU; "
-        f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(g.usable_bytes)} usable)"
+        f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(g.usable_bytes, units)} usable)"
     ]
 
 
@@ -116,7 +116,7 @@ def state_section(state: ModelState, units: str) -> Section:
     return s
 
 
-def other_recipes(est: Estimate) -> list[str]:
+def other_recipes(est: Estimate, units: str = "gb") -> list[str]:
     """One line per other precision among the trick sets: its bytes per parameter and total."""
     seen, notes = {est.model_state.precision}, []
     for tricks in est.trick_sets:
@@ -126,7 +126,7 @@ def other_recipes(est: Estimate) -> list[str]:
         st = model_state(est.model.n_params, tricks.precision, est.setup.optimizer, est.setup.parallel)
         parts = " + ".join(f"{p.name} {p.bytes_per_param:g}" for p in st.parts if p.bytes_per_param)
         notes.append(f"{RECIPES[tricks.precision]}: {parts} = {st.bytes_per_param:g} bytes/param "
-                     f"-> {u.size(st.total_bytes)} per GPU")  # fmt: skip
+                     f"-> {u.size(st.total_bytes, units)} per GPU")  # fmt: skip
     return notes
 
 
@@ -241,7 +241,7 @@ def estimate_sections(est: Estimate, toolbox: Toolbox, units: str, roofline=None
         summary.notes.append(DETAIL_HINT)
         return [summary]
     state = state_section(est.model_state, units)
-    state.notes = other_recipes(est)
+    state.notes = other_recipes(est, units)
     sections = [summary, state, activations_section(est, units), logits_section(est, units)]
     if roofline is None:
         sections.append(compute_section(est))

@@ -53,14 +53,14 @@ def batch_text(est: LayoutEstimate) -> str:
 # ---- memcalc estimate with a layout ---------------------------------------------------------
 
 
-def layout_preamble(est: LayoutEstimate) -> list[str]:
+def layout_preamble(est: LayoutEstimate, units: str = "gb") -> list[str]:
     g, lay, fabric = est.gpu, est.layout, FABRICS[est.gpu.key]
     return [
         f"Model: {est.model.origin}",
         f"Layout: {layout_text(lay)}, {lay.gpus_per_node} per node; {sharding_text(lay)}",
         f"Batch: {batch_text(est)}",
         f"Tricks: {est.tricks.label} ({RECIPES[est.tricks.precision]}), {est.setup.optimizer}",
-        f"GPU: {g.name} ({g.key}): {u.size(g.usable_bytes)} usable; {fabric.intra.name} in a node, "
+        f"GPU: {g.name} ({g.key}): {u.size(g.usable_bytes, units)} usable; {fabric.intra.name} in a node, "
         f"{fabric.inter.name} between nodes, {fabric.host.name} to the host",
     ]
 
@@ -87,7 +87,7 @@ def stages_section(est: LayoutEstimate, units: str) -> Section:
     )
     for st in mem.stages:
         s.rows.append([str(st.stage), str(st.layers), u.params(st.params), u.size(st.state.total_bytes, units),
-                       (u.size(st.activation_peak_bytes, units), held_text(st)), u.size(st.buffer_bytes, units),
+                       (u.size(st.activation_peak_bytes, units), held_text(st, units)), u.size(st.buffer_bytes, units),
                        u.size(st.logits_bytes, units), sized(st.total_bytes, units), fit_text(st, units)])  # fmt: skip
     peak = mem.peak
     schedule = "interleaved 1F1B" if est.layout.vpp > 1 else "1F1B"
@@ -101,8 +101,8 @@ def stages_section(est: LayoutEstimate, units: str) -> Section:
     return s
 
 
-def held_text(st: StageMemory) -> str:
-    return f"{st.held} x {u.size(st.layer.per_layer_bytes)}"
+def held_text(st: StageMemory, units: str) -> str:
+    return f"{st.held} x {u.size(st.layer.per_layer_bytes, units)}"
 
 
 def fit_text(st: StageMemory, units: str) -> str:
@@ -278,7 +278,7 @@ def layout_explain_lines(est: LayoutEstimate) -> list[str]:
 # ---- memcalc plan ---------------------------------------------------------------------------------
 
 
-def plan_preamble(plan: Plan) -> list[str]:
+def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
     g, t = plan.gpu, plan.tricks
     return [
         f"Model: {plan.model.origin}",
@@ -286,7 +286,7 @@ def plan_preamble(plan: Plan) -> list[str]:
         f"{plan.global_batch:,} sequences = {plan.tokens_per_step:,} tokens per step; {t.precision}"
         f"{' + flash' if t.flash else ''}, {plan.optimizer}, {u.percent(plan.mfu)} of peak while computing",
         f"Searched {plan.searched:,} layouts (TP, SP, PP, interleaving, CP, DP, ZeRO 0-3, hybrid shard, offload, "
-        f"micro-batch, recompute): {plan.fitting:,} fit in {u.size(g.usable_bytes)}",
+        f"micro-batch, recompute): {plan.fitting:,} fit in {u.size(g.usable_bytes, units)}",
     ]
 
 
@@ -336,7 +336,7 @@ def best_memory_section(plan: Plan, units: str) -> Section:
     for i, est in enumerate(plan.best, 1):
         st = est.memory.peak
         s.rows.append([str(i), f"{st.stage} of {est.layout.pp}", u.size(st.state.total_bytes, units),
-                       (u.size(st.activation_peak_bytes, units), held_text(st)), u.size(st.buffer_bytes, units),
+                       (u.size(st.activation_peak_bytes, units), held_text(st, units)), u.size(st.buffer_bytes, units),
                        u.size(st.logits_bytes, units), sized(st.total_bytes, units),
                        u.size(st.headroom_bytes, units)])  # fmt: skip
     return s

@@ -98,3 +98,20 @@ def test_units_gib_reaches_every_line(args):
     out = run(*args.split(), "--units", "gib")
     assert out.exit_code == 0, out.output
     assert " GB" not in out.stdout.replace(" GB/s", "") and " GiB" in out.stdout
+
+
+def test_mfu_above_100_percent_is_explained_or_refused():
+    """Defect 10: MFU 161.9% and 4,871,746% were printed without a word."""
+    out = run("estimate", "--params", "8e9", "--seq", "1000000", "--calibration", "flash=1", "--tricks", "bf16,flash")
+    assert out.exit_code == 0 and "above 100% because these count every query against every key" in out.stderr
+    impossible = run("mfu", "--params", "8e9", "--seq", "8192", "--tokens-per-sec", "1e9")
+    assert impossible.exit_code == 2 and "physically impossible" in impossible.stderr
+    # long sequences: non-causal conventions pass 100% while the causal work still fits the peak
+    from memcalc.model.flops import attention_flops, model_per_token
+    from memcalc.model.presets import canonical_shape
+
+    shape, seq = canonical_shape(8_000_000_000), 131072
+    least = model_per_token(shape, seq) - attention_flops(shape, seq) // 2
+    rate = 0.95 * 989e12 / least
+    over = run("mfu", "--params", "8e9", "--seq", "128k", "--tricks", "bf16,flash", "--tokens-per-sec", f"{rate:.6g}")
+    assert over.exit_code == 0 and "above 100% of peak under" in over.stderr and "causal" in over.stderr

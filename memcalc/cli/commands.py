@@ -344,6 +344,8 @@ def mfu(
         fail(str(e))
     from memcalc.report import estimate as report
 
+    for warning in report.mfu_warnings(result):
+        print(f"warning: {warning}", file=sys.stderr)
     csv_table = (report.MFU_CSV_HEADERS, report.mfu_csv_rows(result))
     render.emit(fmt, result, report.mfu_sections(result), report.mfu_preamble(result), csv_table)
 

@@ -117,7 +117,12 @@ def show_estimate(est, tb, runs, d: render.Display, exacts=None, roofline=None) 
     """roofline: (step times, calibration), or None when --mfu times the step."""
     from memcalc.report import estimate as report
 
-    for warning in report.warnings(est):
+    warnings = report.warnings(est)
+    if roofline is not None:
+        from memcalc.report.roofline import time_warnings
+
+        warnings += time_warnings(roofline[0])
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     extra = {"toolbox": tb, "runs": runs} | ({"exact": exacts} if exacts else {})
     if roofline is not None:

@@ -373,6 +373,23 @@ def mfu_preamble(r: MfuReport) -> list[str]:
     ]
 
 
+def above_100(label: str, mfu: float, hfu: float, mfu_causal: float) -> str | None:
+    """Why an MFU or HFU above 100% is printed, or None: a convention that counts attention non-causal."""
+    if max(mfu, hfu) <= 1:
+        return None
+    return (f"{label}: MFU {u.percent(mfu)}, HFU {u.percent(hfu)}: above 100% because these count every query "
+            f"against every key, where a causal kernel does half that work (MFU causal {u.percent(mfu_causal)})")  # fmt: skip
+
+
+def mfu_warnings(r: MfuReport) -> list[str]:
+    over = [c for c in r.conventions if max(c.mfu, c.hfu) > 1]
+    if not over:
+        return []
+    names = ", ".join(f"{c.convention} {u.percent(max(c.mfu, c.hfu))}" for c in over)
+    return [f"above 100% of peak under {names}: those conventions count attention non-causal, twice what a causal "
+            "kernel executes (the causal convention is the physical one)"]  # fmt: skip
+
+
 def mfu_sections(r: MfuReport) -> list[Section]:
     s = Section("MFU and HFU under each FLOPs-per-token convention",
                 ["convention", "formula", "FLOPs/token", "TFLOP/s per GPU", "MFU", "HFU"], align="llrrrr")  # fmt: skip

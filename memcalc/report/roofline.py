@@ -44,6 +44,13 @@ def time_section(est: Estimate, times: tuple[StepTime, ...], cal: Calibration) -
     return s
 
 
+def time_warnings(times: tuple[StepTime, ...]) -> list[str]:
+    """An MFU or HFU above 100% is said, with why (printed on stderr in every format)."""
+    from .estimate import above_100
+
+    return [w for t in times if (w := above_100(t.tricks.label, t.mfu, t.hfu, t.mfu_causal))]
+
+
 def cal_origin(cal: Calibration) -> str:
     if cal.origin == "memcalc defaults":
         return "memcalc defaults, not measured on this GPU"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
-from memcalc.model.flops import attention_flops
+from memcalc.model.flops import attention_flops, model_per_token
 from memcalc.model.shape import Model, ModelShape, param_counts
 from memcalc.model.tricks import Tricks
 
@@ -155,7 +155,19 @@ def tokens_per_gpu_second(tokens_per_sec: float | None, step_seconds: float | No
     return global_batch * seq_len / step_seconds / gpus
 
 
+def check_possible(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_second: float) -> None:
+    """A measured throughput no GPU can reach is a typo, not a result: even the least work a step must do,
+    the model FLOPs with causal attention halved, cannot run faster than the dense peak."""
+    peak = gpu.peak_flops(tricks.precision)
+    least = model_per_token(model.shape, seq_len) - attention(model.shape, seq_len) // 2  # Megatron's causal count
+    if least * tokens_per_second > peak:
+        raise InputError(f"{tokens_per_second:,.4g} tokens/s per GPU is physically impossible: even the causal model "
+                         f"FLOPs ({least:,} per token) would need {least * tokens_per_second / 1e12:,.0f} TFLOP/s, "
+                         f"above the {gpu.key}'s dense {tricks.precision} peak of {peak / 1e12:g}")  # fmt: skip
+
+
 def mfu_report(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_second: float) -> MfuReport:
+    check_possible(model, gpu, tricks, seq_len, tokens_per_second)
     peak = gpu.peak_flops(tricks.precision)
     rows = []
     for c in CONVENTIONS:

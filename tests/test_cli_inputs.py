@@ -115,3 +115,13 @@ def test_mfu_above_100_percent_is_explained_or_refused():
     rate = 0.95 * 989e12 / least
     over = run("mfu", "--params", "8e9", "--seq", "128k", "--tricks", "bf16,flash", "--tokens-per-sec", f"{rate:.6g}")
     assert over.exit_code == 0 and "above 100% of peak under" in over.stderr and "causal" in over.stderr
+
+
+def test_counts_and_times_read_as_people_write_them():
+    """Defect 20: '1 layers', '1 GPU(s)', '2165.88 s'; parameter counts below a million as '0.0M'."""
+    from memcalc.report import units as u
+
+    assert u.seconds(2165.88) == "36.1 min" and u.seconds(11.17) == "11.17 s" and u.seconds(7200) == "2.0 h"
+    assert u.params(124_439_808) == "124.4M" and u.params(5_000) == "5.0k" and u.params(12) == "12"
+    out = run("estimate", "--layers", "1", "--hidden", "64", "--heads", "1", "--seq", "64", "--detail").stdout
+    assert "  1 layer, hidden 64, 1 head (" in out and "1 GPU, ZeRO 0" in out and "all 1 layer " in out

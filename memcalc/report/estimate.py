@@ -28,11 +28,11 @@ def preamble(est: Estimate, units: str = "gb") -> list[str]:
     p = s.parallel
     return [
         f"Model: {m.origin}",
-        f"  {shape.n_layers} layers, hidden {shape.hidden}, {shape.n_heads} heads ({shape.n_kv_heads} KV, "
+        f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {u.plural(shape.n_heads, 'head')} ({shape.n_kv_heads} KV, "
         f"head_dim {shape.head_dim}), {mlp}, {shape.norm}, vocab {shape.vocab:,}"
         f"{', tied embeddings' if shape.tied_embeddings else ''}; {m.n_params:,} parameters",
         f"Setup: seq {s.seq_len:,} x micro-batch {s.micro_batch} x grad-accum {s.grad_accum} = "
-        f"{s.tokens_per_step:,} tokens per GPU step; {s.optimizer}; {p.gpus} GPU(s), ZeRO {p.zero}"
+        f"{s.tokens_per_step:,} tokens per GPU step; {s.optimizer}; {u.plural(p.gpus, 'GPU')}, ZeRO {p.zero}"
         f"{', optimizer offloaded to CPU' if p.offload else ''}",
         f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes, units)} total, {u.size(g.usable_bytes, units)} usable "
         f"after the CUDA context reserve",
@@ -49,7 +49,7 @@ def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
     mlp = f"SwiGLU {shape.ffn}" if shape.gated_mlp else f"GELU MLP {shape.ffn}"
     return [
         f"Model: {est.model.origin}",
-        f"  {shape.n_layers} layers, hidden {shape.hidden}, {shape.n_heads} heads ({shape.n_kv_heads} KV), {mlp}, "
+        f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {u.plural(shape.n_heads, 'head')} ({shape.n_kv_heads} KV), {mlp}, "
         f"vocab {shape.vocab:,}; {est.model.n_params:,} parameters",
         f"Step: seq {s.seq_len:,} x micro-batch {s.micro_batch}{accum} = {s.tokens_per_step:,} tokens per GPU; "
         f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(g.usable_bytes, units)} usable)"
@@ -135,7 +135,7 @@ def activations_section(est: Estimate, units: str) -> Section:
     plain = next((a for a in est.activations if a.tricks.label == "bf16"), est.activations[0])
     s = Section(
         "Activations, textbook (Korthikanti et al. 2022): s·b·h·(34 + 5·a·s/h) bytes per layer",
-        ["tricks", "kept per layer", f"all {L} layers", "backward peak", f"peak vs {plain.tricks.label}"],
+        ["tricks", "kept per layer", f"all {u.plural(L, 'layer')}", "backward peak", f"peak vs {plain.tricks.label}"],
     )
     for a in est.activations:
         change = "" if a is plain else u.signed_percent(a.peak_bytes / plain.peak_bytes - 1)

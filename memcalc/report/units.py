@@ -38,17 +38,23 @@ def count(n: int | float) -> str:
 
 
 def params(n: int) -> str:
-    """8000000000 -> '8.00B'."""
-    if n >= 1e9:
-        return f"{n / 1e9:.2f}B"
-    return f"{n / 1e6:.1f}M"
+    """8000000000 -> '8.00B', 124439808 -> '124.4M', 5000 -> '5.0k', 12 -> '12'."""
+    for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "k", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f}{suffix}"
+    return f"{n:,}"
+
+
+def plural(n: int, word: str) -> str:
+    """'1 layer', '36 layers', '1,024 GPUs'."""
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
 def seconds(t: float) -> str:
-    if t >= 86400:
-        return f"{t / 86400:.1f} days"
-    if t >= 3600:
-        return f"{t / 3600:.1f} h"
+    """0.0123 -> '12.3 ms', 11.17 -> '11.17 s', 2165.9 -> '36.1 min', then hours and days."""
+    for scale, unit in ((86400, "days"), (3600, "h"), (60, "min")):
+        if t >= scale:
+            return f"{t / scale:.1f} {unit}"
     if t >= 1:
         return f"{t:.2f} s"
     return f"{t * 1e3:.1f} ms"

@@ -41,7 +41,7 @@ def error_text(row: Row) -> str:
 
 
 def verify_preamble(r: VerifyResult) -> list[str]:
-    depth = f"{r.layers_built} layers" + (f" of {r.layers_requested}: {r.layers_note}" if r.layers_note else "")
+    depth = u.plural(r.layers_built, "layer") + (f" of {r.layers_requested}: {r.layers_note}" if r.layers_note else "")
     gpu = f" ({r.gpu_name})" if r.gpu_name else ""
     return [
         f"Model: {r.origin} ({r.family} family), {depth}",

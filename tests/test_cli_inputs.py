@@ -125,3 +125,43 @@ def test_counts_and_times_read_as_people_write_them():
     assert u.params(124_439_808) == "124.4M" and u.params(5_000) == "5.0k" and u.params(12) == "12"
     out = run("estimate", "--layers", "1", "--hidden", "64", "--heads", "1", "--seq", "64", "--detail").stdout
     assert "  1 layer, hidden 64, 1 head (" in out and "1 GPU, ZeRO 0" in out and "all 1 layer " in out
+
+
+def test_messages_say_what_to_change():
+    """Defect 18: plan's "no recompute mode left to search"; bare memcalc's empty error line; no --version;
+    a layout of several trick sets headed by the first alone."""
+    out = run("plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--seq", "1024", "--tricks",
+              "bf16,flash,selective")  # fmt: skip
+    assert out.exit_code == 2 and "name ckpt instead" in out.stderr
+    bare = run()
+    assert bare.exit_code == 0 and "error" not in bare.output and "Commands" in bare.output
+    version = run("--version")
+    assert version.exit_code == 0 and version.stdout.startswith("memcalc 0.")
+    layout = run("estimate", "--model", "llama3-8b", "--seq", "4096", "--tp", "2", "--gpus", "2")
+    assert "Tricks: one row each: fp32, bf16, bf16+flash, bf16+flash+ckpt, bf16+selective" in layout.stdout
+
+
+def test_verify_csv_holds_raw_numbers():
+    """Defect 18: verify --format csv held the table's display strings ('1.192 GB')."""
+    import csv
+    import io
+
+    out = run("verify", "--device", "meta", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "128",
+              "--format", "csv")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    rows = {r["quantity"]: r for r in csv.DictReader(io.StringIO(out.stdout))}
+    peak = rows["whole-step peak"]
+    assert peak["unit"] == "bytes" and int(float(peak["exact"])) == int(float(peak["measured"])) > 0
+
+
+def test_help_shows_what_it_says():
+    """Defect 19: A:B:STEP rendered as an emoji; bracketed defaults vanished; fit --gpus named options fit
+    does not take; --units cited "the lesson"."""
+    wide = {"COLUMNS": "200", "NO_COLOR": "1"}
+    help_text = CliRunner().invoke(app, ["estimate", "--help"], env=wide).stdout
+    assert "🅱" not in help_text and "seq=1k:8k:1k (a step)" in help_text
+    assert "[default: (1)]" in help_text and "[default: (8)]" in help_text and "lesson" not in help_text
+    fit_help = CliRunner().invoke(app, ["fit", "--help"], env=wide).stdout
+    assert "--tp" not in fit_help
+    verify_help = CliRunner().invoke(app, ["verify", "--help"], env=wide).stdout
+    assert "cuda when present, else meta" in verify_help and "0.03 on cuda" in verify_help

@@ -29,7 +29,10 @@ class OneLineErrors(TyperGroup):
         except Exception as e:  # click's UsageError; typer vendors click in some releases
             if not (hasattr(e, "exit_code") and hasattr(e, "format_message")):
                 raise
-            print(f"error: {e.format_message()}", file=sys.stderr)
+            message = e.format_message()
+            if not message:  # bare `memcalc`: click printed the help, which is what was asked for
+                sys.exit(0)
+            print(f"error: {message}", file=sys.stderr)
             sys.exit(e.exit_code)
         if not standalone_mode:
             return rv
@@ -37,6 +40,21 @@ class OneLineErrors(TyperGroup):
 
 
 app = typer.Typer(cls=OneLineErrors, help=HELP, add_completion=False, no_args_is_help=True)
+
+
+def show_version(value: bool) -> None:
+    if value:
+        from memcalc import __version__
+
+        print(f"memcalc {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def options(
+    version: Annotated[bool, typer.Option("--version", help="Print memcalc's version and exit.", callback=show_version, is_eager=True)] = False,
+) -> None:  # fmt: skip
+    """Memory and compute of training a transformer, with the formulas shown and checked."""
 
 # ---- options shared by the commands --------------------------------------------------------
 Params = Annotated[Optional[str], typer.Option("--params", help="Parameter count (8e9, 70B); the shape comes from the canonical table.", metavar="N")]  # fmt: skip
@@ -53,7 +71,8 @@ MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per fo
 GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
 TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, selective (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
 Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw, sgd (with momentum) or adam8bit.", metavar="NAME")]
-Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs: data-parallel GPUs that ZeRO shards over; with --tp/--pp/--cp/--dp the world size. [default: 1]", metavar="N")]  # fmt: skip
+Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs: data-parallel GPUs that ZeRO shards over; with --tp/--pp/--cp/--dp the world size.", metavar="N", show_default="1")]  # fmt: skip
+DataParallelGpus = Annotated[str, typer.Option("--gpus", help="Data-parallel GPUs that ZeRO shards over.", metavar="N")]
 Tp = Annotated[Optional[str], typer.Option("--tp", help="Tensor-parallel GPUs per layer.", metavar="N")]
 Pp = Annotated[Optional[str], typer.Option("--pp", help="Pipeline stages.", metavar="N")]
 Cp = Annotated[Optional[str], typer.Option("--cp", help="Context-parallel GPUs per sequence (needs flash).", metavar="N")]  # fmt: skip
@@ -62,7 +81,7 @@ Sp = Annotated[bool, typer.Option("--sp", help="Sequence parallel on the TP grou
 Vpp = Annotated[Optional[str], typer.Option("--vpp", help="Virtual pipeline stages per GPU (interleaved 1F1B).", metavar="N")]  # fmt: skip
 Hybrid = Annotated[bool, typer.Option("--hybrid", help="Shard inside a node, replicate across nodes (FSDP hybrid).")]
 OffloadParams = Annotated[bool, typer.Option("--offload-params", help="Weights and gradients in host memory too (ZeRO-3).")]  # fmt: skip
-GpusPerNode = Annotated[Optional[str], typer.Option("--gpus-per-node", help="GPUs behind one NVLink switch. [default: 8]", metavar="N")]  # fmt: skip
+GpusPerNode = Annotated[Optional[str], typer.Option("--gpus-per-node", help="GPUs behind one NVLink switch.", metavar="N", show_default="8")]  # fmt: skip
 Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", metavar="STAGE")]
 Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
@@ -70,7 +89,7 @@ Mfu = Annotated[str, typer.Option("--mfu", help="Fraction of peak the GPU sustai
 EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline (layouts: default 0.4).", metavar="X")]  # fmt: skip
 Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
 Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
-Units = Annotated[str, typer.Option("--units", help="gb (decimal, as vendors and the lesson) or gib.", metavar="UNITS")]
+Units = Annotated[str, typer.Option("--units", help="gb (decimal, as GPU datasheets count) or gib (binary).", metavar="UNITS")]
 Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
 ExactBytes = Annotated[bool, typer.Option("--bytes", help="Exact byte counts under each value (JSON and CSV always carry them).")]  # fmt: skip
 
@@ -134,7 +153,7 @@ def estimate(
     gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
-    sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1024:65536 or micro-batch=1:64 (doubling; A:B:STEP or A,B,C too): memory and step time against it.", metavar="SPEC")] = None,
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1k:64k or micro-batch=1:64 (doubling), seq=1k:8k:1k (a step) or seq=1k,4k,6k (a list): memory and step time against it.", metavar="SPEC")] = None,
     png: Annotated[Optional[str], typer.Option("--png", help="With --sweep: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
     exact: Annotated[bool, typer.Option("--exact", help="Beside the textbook: what PyTorch saves for this architecture, simulated op by op (0.1-0.4 s per trick set).")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
@@ -280,7 +299,7 @@ def fit(
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
-    optimizer: Optimizer = "adamw", gpus: Gpus = "1", zero: Zero = "0", offload: Offload = False,
+    optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
     gpu: GpuOpt = "h100-sxm", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
     units: Units = "gb",
 ) -> None:  # fmt: skip
@@ -359,8 +378,8 @@ def verify(
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
     matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
-    device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta. [default: cuda when present, else meta]", metavar="DEV")] = None,
-    tol: Annotated[Optional[str], typer.Option("--tol", help="Relative tolerance per row. [default: 0.03 on cuda, 0.001 on meta]", metavar="X")] = None,
+    device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta.", metavar="DEV", show_default="cuda when present, else meta")] = None,
+    tol: Annotated[Optional[str], typer.Option("--tol", help="Relative tolerance per row.", metavar="X", show_default="0.03 on cuda, 0.001 on meta")] = None,
     fsdp: Annotated[Optional[str], typer.Option("--fsdp", "--dp", help="Check one rank of FSDP2 (ZeRO-3) over N GPUs, on PyTorch's own engine.", metavar="N")] = None,
     tp: Annotated[Optional[str], typer.Option("--tp", help="Check one rank of DTensor tensor parallelism over N GPUs.", metavar="N")] = None,
     sp: Sp = False,

@@ -106,16 +106,18 @@ def show_verify(results, d: render.Display) -> bool:
     if isinstance(results, list) and len(results) == 1:
         r = results[0]
         render.emit(d.fmt, to_dict(r), vr.verify_sections(r, d.units, d.detail), vr.verify_preamble(r),
-                    exact=d.exact, after=[vr.verify_verdict(results)])  # fmt: skip
+                    (vr.CSV_HEADERS, vr.csv_rows(results)), exact=d.exact, after=[vr.verify_verdict(results)])  # fmt: skip
         passed = r.passed
     elif isinstance(results, list):
-        render.emit(d.fmt, [to_dict(r) for r in results], vr.matrix_sections(results, d.units), exact=d.exact,
-                    after=[vr.verify_verdict(results)])  # fmt: skip
+        render.emit(d.fmt, [to_dict(r) for r in results], vr.matrix_sections(results, d.units),
+                    csv_table=(vr.CSV_HEADERS, vr.csv_rows(results)), exact=d.exact, after=[vr.verify_verdict(results)])  # fmt: skip
         passed = all(r.passed for r in results)
     else:
         if os.environ.get("RANK", "0") != "0":  # torchrun: every rank holds the whole result; rank 0 prints
             return results.passed
-        render.emit(d.fmt, results, vr.dist_sections(results), vr.dist_preamble(results), exact=d.exact,
-                    after=[vr.dist_verdict(results)])  # fmt: skip
+        from memcalc.verification.distributed import TABLE_HEADERS
+
+        render.emit(d.fmt, results, vr.dist_sections(results), vr.dist_preamble(results),
+                    (TABLE_HEADERS, results.table()), exact=d.exact, after=[vr.dist_verdict(results)])  # fmt: skip
         passed = results.passed
     return passed

@@ -106,7 +106,7 @@ def show_layout(ests, runs, d: render.Display, layers=None) -> None:
     sections = plan_report.layout_sections(one, d.units, d.detail) if one else [plan_report.tricks_section(ests, d.units)]
     sections += [report.runs_section(runs)] if runs else []
     sections += [plan_report.exact_layer_section(ests, layers, d.units)] if layers else []
-    render.emit(d.fmt, None, sections, plan_report.layout_preamble(ests[0], d.units), exact=d.exact,
+    render.emit(d.fmt, None, sections, plan_report.layout_preamble(ests, d.units), exact=d.exact,
                 after=[plan_report.layout_verdict(ests, d.units)])  # fmt: skip
     if d.explain:
         for e in ests:

@@ -184,7 +184,8 @@ def recompute_variants(tricks: Tricks, recomputes: tuple[str, ...]) -> tuple[Tri
     """The trick sets to try; with flash, selective recompute has nothing left to recompute and is skipped."""
     names = [r for r in recomputes if not (tricks.flash and r == "selective")]
     if not names:
-        raise InputError("no recompute mode left to search")
+        raise InputError("selective recompute saves nothing with flash (FlashAttention keeps no s×s scores to "
+                         "recompute): name ckpt instead, or neither to search every recompute mode")  # fmt: skip
     return tuple(Tricks(tricks.precision, tricks.flash, r) for r in names)
 
 

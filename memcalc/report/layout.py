@@ -53,13 +53,17 @@ def batch_text(est: LayoutEstimate) -> str:
 # ---- memcalc estimate with a layout ---------------------------------------------------------
 
 
-def layout_preamble(est: LayoutEstimate, units: str = "gb") -> list[str]:
+def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
+    """The job: model, layout, batch, GPU; and the trick set (each row's, when several)."""
+    est = ests[0]
     g, lay, fabric = est.gpu, est.layout, FABRICS[est.gpu.key]
+    tricks = (f"{est.tricks.label} ({RECIPES[est.tricks.precision]})" if len(ests) == 1
+              else "one row each: " + ", ".join(e.tricks.label for e in ests))  # fmt: skip
     return [
         f"Model: {est.model.origin}",
         f"Layout: {layout_text(lay)}, {lay.gpus_per_node} per node; {sharding_text(lay)}",
         f"Batch: {batch_text(est)}",
-        f"Tricks: {est.tricks.label} ({RECIPES[est.tricks.precision]}), {est.setup.optimizer}",
+        f"Tricks: {tricks}; {est.setup.optimizer}",
         f"GPU: {g.name} ({g.key}): {u.size(g.usable_bytes, units)} usable; {fabric.intra.name} in a node, "
         f"{fabric.inter.name} between nodes, {fabric.host.name} to the host",
     ]

@@ -102,6 +102,15 @@ def timing_section(r: VerifyResult) -> Section:
     return s
 
 
+CSV_HEADERS = ["tricks", "quantity", "unit", "textbook", "exact", "measured", "error", "tolerance", "passed"]
+
+
+def csv_rows(results: list[VerifyResult]) -> list[list[object]]:
+    """Every row of every run, raw numbers (bytes, FLOPs, seconds) and the relative error."""
+    return [[r.tricks, row.quantity, row.unit, row.textbook, row.exact, row.measured, row.error, row.tolerance,
+             row.passed] for r in results for row in r.rows]  # fmt: skip
+
+
 def verify_verdict(results: list[VerifyResult]) -> str:
     """Pass or fail in one sentence: how many rows were judged, and which missed."""
     judged = sum(row.passed is not None for r in results for row in r.rows)

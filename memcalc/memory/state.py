@@ -30,9 +30,14 @@ class Parallel:
             raise InputError(f"gpus must be a whole number in [1, {MAX_GPUS}], got {self.gpus!r}")
         if self.zero not in (0, 1, 2, 3):
             raise InputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.offload and self.zero == 0 and self.gpus > 1:
+        if self.offload and not self.can_offload:
             raise InputError("optimizer offload over several data-parallel GPUs needs ZeRO >= 1 "
                              "(DeepSpeed's offload_optimizer runs on ZeRO stages 1-3)")  # fmt: skip
+
+    @property
+    def can_offload(self) -> bool:
+        """Whether optimizer offload may be added: on one GPU, or over several with ZeRO >= 1."""
+        return self.gpus == 1 or self.zero >= 1
 
     @property
     def gathers_layers(self) -> bool:

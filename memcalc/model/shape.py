@@ -56,6 +56,9 @@ class ModelShape:
             raise InputError(f"unknown norm {self.norm!r}; known: {', '.join(NORMS)}")
         if self.positions not in POSITIONS:
             raise InputError(f"unknown positions {self.positions!r}; known: {', '.join(POSITIONS)}")
+        if self.positions == "rope" and self.head_dim % 2:  # RoPE rotates pairs: head_dim/2 frequencies
+            raise InputError(f"rotary positions (RoPE) need an even head_dim: they rotate pairs of dimensions; "
+                             f"got head_dim {self.head_dim} (hidden {self.hidden}, {self.n_heads} heads)")  # fmt: skip
         if not 0.0 <= self.dropout < 1.0:
             raise InputError(f"dropout must be in [0, 1), got {self.dropout}")
 

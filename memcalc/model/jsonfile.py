@@ -76,8 +76,8 @@ def no_constant(name: str) -> float:
 
 def json_type(value: object) -> str:
     """A decoded JSON value's type as JSON names it: 'an array', 'a string', ..."""
-    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number", dict: "an object"}
-    return names.get(type(value), "null")
+    names = {list: "an array", dict: "an object", str: "a string", bool: "a boolean", int: "a number"}
+    return names.get(type(value), "a number" if isinstance(value, float) else "null")
 
 
 def brief(value: object) -> str:

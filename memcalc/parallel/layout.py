@@ -24,8 +24,7 @@ from functools import lru_cache
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Budget, Setup
-from memcalc.memory.state import (MAX_GPUS, ModelState, Parallel, model_state, weights_held_elsewhere,
-                                  zero3_gather_bytes)
+from memcalc.memory.state import MAX_GPUS, ModelState, Parallel, model_state, weights_held_elsewhere, zero3_gather_bytes
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, ModelShape, attention_params, mlp_params, n_params, norm_params
 from memcalc.model.tricks import Tricks
@@ -311,8 +310,8 @@ def zero3_buffers(shape: ModelShape, tp: int, precision: str, held_elsewhere: in
     value = zero3_gather_bytes(p_layer, shape.n_layers, precision, held_elsewhere)
     source = "FSDP2 fully_shard: one module's all-gather prefetched ahead"
     if value == held_elsewhere:  # a model this shallow is gathered whole: its weights held on other ranks
-        return Term("ZeRO-3 gathered layers (the whole model, at most the weights held elsewhere)", value,
-                    "w·P_GPU less this GPU's own weights", source)  # fmt: skip
+        return Term("ZeRO-3 gathered layers (the whole model: the weights held elsewhere)", value,
+                    "w·P_GPU − this GPU's weights", source)  # fmt: skip
     if shape.n_layers == 1:
         return Term("ZeRO-3 gathered layers (1 weight + 1 gradient)", value, "2·w·P_layer/{t}", source)
     return Term("ZeRO-3 gathered layers (2 weights + 1 gradient)", value, "3·w·P_layer/{t}", source)

@@ -165,3 +165,15 @@ def test_help_shows_what_it_says():
     assert "--tp" not in fit_help
     verify_help = CliRunner().invoke(app, ["verify", "--help"], env=wide).stdout
     assert "cuda when present, else meta" in verify_help and "0.03 on cuda" in verify_help
+
+
+def test_gemma_is_geglu_and_verified_as_such(tmp_path):
+    """Defect 20: Gemma was labelled (and simulated) SwiGLU; its MLP is GeGLU (gelu_pytorch_tanh)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gemma", "num_hidden_layers": 2, "hidden_size": 256,
+                                  "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+                                  "intermediate_size": 512, "vocab_size": 1000}))  # fmt: skip
+    out = run("estimate", "--config", str(config), "--seq", "128")
+    assert out.exit_code == 0 and "GeGLU 512" in out.stdout and "SwiGLU" not in out.stdout
+    checked = run("verify", "--device", "meta", "--config", str(config), "--seq", "128", "--tricks", "bf16,flash")
+    assert checked.exit_code == 0 and "Pass: all" in checked.stdout, checked.output  # exact = meta, gelu and all

@@ -63,7 +63,6 @@ def test_canonical_table_is_monotone_and_nearest():
     assert canonical_shape(8_000_000_000).name == "qwen3-8b"
     assert canonical_shape(70_000_000_000).name == "llama3-70b"
     assert canonical_shape(175_000_000_000).name == "gpt3-175b"
-    assert canonical_shape(1).name == "qwen3-0.6b"
 
 
 def test_unknown_preset_lists_known():

@@ -186,29 +186,36 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, nh * hs))
 
 
+def activation(shape: ModelShape, x: torch.Tensor) -> torch.Tensor:
+    """silu (Llama, Qwen), or the tanh GELU GPT-2 and Gemma use."""
+    return F.silu(x) if shape.activation == "silu" else F.gelu(x, approximate="tanh")
+
+
 class MLP(nn.Module):
-    """GPT-2/3: W_out(gelu(W_in x)), with the tanh GELU GPT-2 uses."""
+    """GPT-2/3: W_out(gelu(W_in x))."""
 
     def __init__(self, shape: ModelShape):
         super().__init__()
+        self.shape = shape
         self.fc = nn.Linear(shape.hidden, shape.ffn, bias=shape.linear_bias)
         self.proj = nn.Linear(shape.ffn, shape.hidden, bias=shape.linear_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(activation(self.shape, self.fc(x)))
 
 
 class SwiGLU(nn.Module):
-    """Llama: W_down(silu(W_gate x) * (W_up x)) (Shazeer 2020)."""
+    """Llama: W_down(silu(W_gate x) * (W_up x)) (Shazeer 2020); Gemma's GeGLU with gelu."""
 
     def __init__(self, shape: ModelShape):
         super().__init__()
+        self.shape = shape
         self.gate = nn.Linear(shape.hidden, shape.ffn, bias=shape.linear_bias)
         self.up = nn.Linear(shape.hidden, shape.ffn, bias=shape.linear_bias)
         self.down = nn.Linear(shape.ffn, shape.hidden, bias=shape.linear_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(activation(self.shape, self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):

@@ -246,12 +246,13 @@ def transpose12(g: Graph, x: Tensor) -> Tensor:
 
 
 def mlp(g: Graph, cfg: Config, b: Block, x: Tensor) -> Tensor:
+    act = aten.silu if cfg.shape.activation == "silu" else aten.gelu
     with g.scoped("mlp"):
-        if cfg.shape.gated_mlp:  # down(silu(gate(x)) * up(x))
+        if cfg.shape.gated_mlp:  # down(act(gate(x)) * up(x)): SwiGLU, GeGLU
             gate, up, down = b.mlp
-            return linear(g, aten.mul(g, aten.silu(g, linear(g, x, gate)), linear(g, x, up)), down)
-        fc, proj = b.mlp  # proj(gelu(fc(x)))
-        return linear(g, aten.gelu(g, linear(g, x, fc)), proj)
+            return linear(g, aten.mul(g, act(g, linear(g, x, gate)), linear(g, x, up)), down)
+        fc, proj = b.mlp  # proj(act(fc(x))): GPT's gelu
+        return linear(g, act(g, linear(g, x, fc)), proj)
 
 
 def block(g: Graph, cfg: Config, b: Block, x, cos, sin, future) -> Tensor:
@@ -442,9 +443,20 @@ def trace(cfg: Config) -> list[Kernel]:
     return g.kernels
 
 
-def simulate(cfg: Config, timeline: bool = False) -> tuple[Phases, Graph, Memory]:
+def replayed(grad_accum: int) -> int:
+    """How many of a step's micro-batches must be simulated: the first, whose gradients AccumulateGrad
+    steals into .grad, and one later one, which adds its gradients into them in place. Every later
+    micro-batch starts from the same live bytes and allocates and frees the same tensors in the same
+    order (nothing marks the last one), so the second stands for the middle ones and the last."""
+    return min(grad_accum, 2)
+
+
+def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = False) -> tuple[Phases, Graph, Memory]:
     """Build, one warm-up step, then the measured step (its last micro-batch's phases; the saved
-    terms, rebuilt bytes and FLOPs of its first)."""
+    terms, rebuilt bytes and FLOPs of its first). Each step simulates replayed(grad_accum)
+    micro-batches, equal to the byte to replaying all of them (every_micro_batch, or a timeline,
+    which records every allocation, replays all), so the time does not grow with grad_accum."""
+    micro_batches = cfg.grad_accum if timeline or every_micro_batch else replayed(cfg.grad_accum)
     mem = Memory(timeline=[] if timeline else None)
     g = Graph(mem)
     model = build(g, cfg)
@@ -454,10 +466,10 @@ def simulate(cfg: Config, timeline: bool = False) -> tuple[Phases, Graph, Memory
     targets = g.empty((B, T), "int64", "input", kind="input")
     inputs = mem.live_bytes - weights
     recipe = Recipe(g, model)
-    micro_step(g, model, recipe, idx, targets, cfg.grad_accum)
+    micro_step(g, model, recipe, idx, targets, micro_batches)
     before = mem.live_bytes
     peaks = {}
-    for k in range(cfg.grad_accum):
+    for k in range(micro_batches):
         mem.phase = "forward"
         mem.reset_peak()
         if k == 0:

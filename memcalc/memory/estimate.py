@@ -13,7 +13,7 @@ from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_size, layer_par
 from memcalc.model.tricks import PROGRESSION, Tricks
 
 from .activations import Activations, AttentionDetail, Logits, attention_detail, logits_memory, textbook_activations
-from .state import ModelState, Parallel, model_state, zero3_gather_bytes
+from .state import ModelState, Parallel, model_state, weights_held_elsewhere, zero3_gather_bytes
 
 # Default MFU: Llama 3 trained at 38-43% BF16 MFU on 16K H100s (Dubey et al. 2024, Table 4);
 # Korthikanti et al. 2022 Table 5 reports 41-56% on A100s. 0.4 sits at the low end of both.
@@ -132,7 +132,10 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> tuple[Mo
     state = model_state(model.n_params, tricks.precision, setup.optimizer, setup.parallel)
     acts = textbook_activations(model.shape, setup.seq_len, setup.micro_batch, tricks)
     logits = logits_memory(model.shape, setup.seq_len, setup.micro_batch, tricks.precision)
-    buffers = zero3_gather_bytes(layer_params(model.shape), tricks.precision) if setup.parallel.gathers_layers else 0
+    buffers = 0
+    if setup.parallel.gathers_layers:
+        elsewhere = weights_held_elsewhere(state)
+        buffers = zero3_gather_bytes(layer_params(model.shape), model.shape.n_layers, tricks.precision, elsewhere)
     memory = Memory(tricks, state.total_bytes, acts.peak_bytes, logits.total_bytes, buffers, gpu.usable_bytes)
     return state, acts, logits, memory
 

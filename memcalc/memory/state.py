@@ -30,9 +30,14 @@ class Parallel:
             raise InputError(f"gpus must be a whole number in [1, {MAX_GPUS}], got {self.gpus!r}")
         if self.zero not in (0, 1, 2, 3):
             raise InputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.offload and self.zero == 0 and self.gpus > 1:
+        if self.offload and not self.can_offload:
             raise InputError("optimizer offload over several data-parallel GPUs needs ZeRO >= 1 "
                              "(DeepSpeed's offload_optimizer runs on ZeRO stages 1-3)")  # fmt: skip
+
+    @property
+    def can_offload(self) -> bool:
+        """Whether optimizer offload may be added: on one GPU, or over several with ZeRO >= 1."""
+        return self.gpus == 1 or self.zero >= 1
 
     @property
     def gathers_layers(self) -> bool:
@@ -117,8 +122,24 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", parallel:
     return ModelState(params, precision, optimizer, parallel, tuple(parts))
 
 
-def zero3_gather_bytes(layer_params: int, precision: str) -> int:
+def zero3_gather_bytes(layer_params: int, n_layers: int, precision: str, held_elsewhere: int) -> int:
     """ZeRO-3/FSDP working memory: two layers' weights gathered (the one running and the one prefetched)
     and one layer's unsharded gradients before their reduce-scatter (FSDP2 fully_shard prefetches one
-    module ahead; DeepSpeed's stage3_prefetch_bucket_size plays the same role)."""
-    return 3 * (4 if precision == "fp32" else 2) * layer_params
+    module ahead; DeepSpeed's stage3_prefetch_bucket_size plays the same role).
+
+    Bounded twice, for shallow models: no more layers gathered than the model has, and no more bytes
+    than the weights this GPU does not hold itself (held_elsewhere: the other ranks' shards, or every
+    weight when they are offloaded). At that bound the whole model is gathered and a GPU holds what
+    ZeRO-2 holds, so stage 3 and more GPUs never cost memory. (FSDP would keep its own shard beside
+    the gathered copy; memcalc counts the shard once, as a model too shallow to gain from stage 3.)
+    """
+    w = 4 if precision == "fp32" else 2
+    layers = min(2, n_layers) + 1  # weights of the running and prefetched layers, + one layer's gradients
+    return min(layers * w * layer_params, held_elsewhere)
+
+
+def weights_held_elsewhere(state: ModelState) -> int:
+    """Bytes of the model's weights (in their training dtype) that are not in this GPU's memory."""
+    weights = next(p for p in state.parts if p.name == "weights")
+    full = (4 if state.precision == "fp32" else 2) * state.params
+    return full if weights.on_host else full - weights.bytes

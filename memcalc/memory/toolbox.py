@@ -98,8 +98,8 @@ def use_zero(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, str] | Non
 
 
 def use_offload(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, str] | None:
-    if c.setup.parallel.offload:
-        return None
+    if c.setup.parallel.offload or not c.setup.parallel.can_offload:
+        return None  # already offloaded, or ZeRO 0 over several GPUs: a layout the engine refuses
 
     def change(x: Config) -> Config:
         return Config(x.tricks, replace(x.setup, parallel=replace(x.setup.parallel, offload=True)))

@@ -54,6 +54,10 @@ CANONICAL = (
 )  # fmt: skip
 
 MAX_PARAMS = 1e14  # a hundred trillion: beyond any dense model trained
+# --params N takes a canonical shape only if N is within this factor of the shape's own count. Inside
+# the table the nearest shape is always within 1.7x (the widest gap, 0.6B to 1.7B, is 2.9x); past
+# its ends a shape 2x away still describes a model of about N parameters, a farther one another model.
+REACH = 2.0
 
 
 def preset(name: str) -> ModelShape:
@@ -70,14 +74,32 @@ def preset_model(name: str) -> Model:
 
 
 def canonical_shape(params: int) -> ModelShape:
-    """The canonical shape whose own parameter count is nearest to params, in log scale."""
+    """The canonical shape whose own parameter count is nearest to params, in log scale.
+
+    The rule a user can count on: N within REACH (2x) of the nearest shape's own count gets that shape,
+    and model state is charged for exactly N (8e9: Qwen3-8B's shape, 8,000,000,000 parameters). Farther
+    from every shape (below 0.298B or above 812B), the shape would describe another model than N
+    (at --params 124e6, Qwen3-0.6B's embedding alone is 156M), so N is refused with a line that says
+    how to give the shape instead.
+    """
     if not 0 < params <= MAX_PARAMS:
         raise InputError(f"parameter count {params:.3g} is out of range (0, {MAX_PARAMS:.0e}]")
-    return min((PRESETS[k] for k in CANONICAL), key=lambda s: abs(math.log(n_params(s) / params)))
+    shape = min((PRESETS[k] for k in CANONICAL), key=lambda s: abs(math.log(n_params(s) / params)))
+    if abs(math.log(n_params(shape) / params)) > math.log(REACH):
+        raise InputError(out_of_reach(params))
+    return shape
+
+
+def out_of_reach(params: int) -> str:
+    smallest, largest = PRESETS[CANONICAL[0]], PRESETS[CANONICAL[-1]]
+    low, high = n_params(smallest) / REACH, n_params(largest) * REACH
+    return (f"--params {params:,}: the canonical shapes cover {low / 1e9:.3g}B to {high / 1e9:.3g}B parameters "
+            f"(within {REACH:g}x of {smallest.name} to {largest.name}); give the shape instead: --model NAME "
+            f"(gpt2 is 124M; see `memcalc presets`), --config PATH, or --layers --hidden --heads")
 
 
 def canonical_model(params: int) -> Model:
-    """--params N: N parameters on the nearest canonical shape, and a note saying so."""
+    """--params N: N parameters on the nearest canonical shape (see canonical_shape), and a note saying so."""
     shape = canonical_shape(params)
     origin = (
         f"{params / 1e9:.3g}B parameters on the canonical {shape.name} shape "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from memcalc.errors import InputError
 
 NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("silu", "gelu")  # gelu: the tanh approximation GPT-2 and Gemma use
 POSITIONS = ("learned", "rope", "none")
 MAX_SIZE = 1 << 24  # no real layer, head count, width or vocabulary comes near 16.7 million
 MAX_SEQ = 1 << 27  # 134M tokens: beyond any context trained
@@ -24,7 +25,8 @@ class ModelShape:
     n_kv_heads: int | None = None  # None: n_heads (multi-head attention); fewer: GQA
     head_dim: int | None = None  # None: hidden // n_heads
     ffn: int | None = None  # None: 4 * hidden, the GPT-2/3 MLP
-    gated_mlp: bool = False  # SwiGLU: silu(x W_gate) * (x W_up), then W_down (Shazeer 2020)
+    gated_mlp: bool = False  # act(x W_gate) * (x W_up), then W_down: SwiGLU, GeGLU (Shazeer 2020)
+    activation: str | None = None  # None: silu for a gated MLP (SwiGLU), gelu for a plain one (GPT)
     norm: str = "layernorm"  # layernorm: weight + bias; rmsnorm: weight only
     vocab: int = 50257
     tied_embeddings: bool = True  # the output projection reuses the token embedding
@@ -45,6 +47,10 @@ class ModelShape:
             object.__setattr__(self, "head_dim", self.hidden // self.n_heads)
         if self.ffn is None:
             object.__setattr__(self, "ffn", 4 * self.hidden)
+        if self.activation is None:
+            object.__setattr__(self, "activation", "silu" if self.gated_mlp else "gelu")
+        if self.activation not in ACTIVATIONS:
+            raise InputError(f"unknown activation {self.activation!r}; known: {', '.join(ACTIVATIONS)}")
         for field in ("n_kv_heads", "head_dim", "ffn"):
             check_size(field, getattr(self, field))
         check_size("max_positions", self.max_positions, allow_zero=True)
@@ -56,6 +62,9 @@ class ModelShape:
             raise InputError(f"unknown norm {self.norm!r}; known: {', '.join(NORMS)}")
         if self.positions not in POSITIONS:
             raise InputError(f"unknown positions {self.positions!r}; known: {', '.join(POSITIONS)}")
+        if self.positions == "rope" and self.head_dim % 2:  # RoPE rotates pairs: head_dim/2 frequencies
+            raise InputError(f"rotary positions (RoPE) need an even head_dim: they rotate pairs of dimensions; "
+                             f"got head_dim {self.head_dim} (hidden {self.hidden}, {self.n_heads} heads)")  # fmt: skip
         if not 0.0 <= self.dropout < 1.0:
             raise InputError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -68,6 +77,13 @@ class ModelShape:
     def kv_dim(self) -> int:
         """Width of the concatenated key (or value) heads: smaller than q_dim under GQA."""
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def mlp_name(self) -> str:
+        """'SwiGLU', 'GeGLU' or 'GELU MLP': what the MLP is called in print."""
+        if self.gated_mlp:
+            return {"silu": "SwiGLU", "gelu": "GeGLU"}[self.activation]
+        return {"silu": "SiLU MLP", "gelu": "GELU MLP"}[self.activation]
 
     @property
     def family(self) -> str:

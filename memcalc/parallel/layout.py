@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Budget, Setup
-from memcalc.memory.state import MAX_GPUS, ModelState, Parallel, model_state, zero3_gather_bytes
+from memcalc.memory.state import MAX_GPUS, ModelState, Parallel, model_state, weights_held_elsewhere, zero3_gather_bytes
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, ModelShape, attention_params, mlp_params, n_params, norm_params
 from memcalc.model.tricks import Tricks
@@ -304,10 +304,17 @@ def held_layers(layout: Layout, stage: int, micro_batches: int, n_layers: int) -
 
 
 @lru_cache(maxsize=1024)
-def zero3_buffers(shape: ModelShape, tp: int, precision: str) -> Term:
+def zero3_buffers(shape: ModelShape, tp: int, precision: str, held_elsewhere: int) -> Term:
     """ZeRO-3/FSDP working memory of one TP shard: see memcalc.memory.state.zero3_gather_bytes."""
-    return Term("ZeRO-3 gathered layers (2 weights + 1 gradient)", zero3_gather_bytes(tp_layer_params(shape, tp), precision),
-                "3·w·P_layer/{t}", "FSDP2 fully_shard: one module's all-gather prefetched ahead")  # fmt: skip
+    p_layer = tp_layer_params(shape, tp)
+    value = zero3_gather_bytes(p_layer, shape.n_layers, precision, held_elsewhere)
+    source = "FSDP2 fully_shard: one module's all-gather prefetched ahead"
+    if value == held_elsewhere:  # a model this shallow is gathered whole: its weights held on other ranks
+        return Term("ZeRO-3 gathered layers (the whole model: the weights held elsewhere)", value,
+                    "w·P_GPU − this GPU's weights", source)  # fmt: skip
+    if shape.n_layers == 1:
+        return Term("ZeRO-3 gathered layers (1 weight + 1 gradient)", value, "2·w·P_layer/{t}", source)
+    return Term("ZeRO-3 gathered layers (2 weights + 1 gradient)", value, "3·w·P_layer/{t}", source)
 
 
 @lru_cache(maxsize=1024)
@@ -416,7 +423,7 @@ def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: L
     layer = layer_activations(shape, setup.seq_len, setup.micro_batch, tricks, layout.tp, layout.sp, layout.cp)
     buffers = []
     if layout.zero == 3 and (layout.shard_group > 1 or layout.offload_params):
-        buffers.append(zero3_buffers(shape, layout.tp, tricks.precision))
+        buffers.append(zero3_buffers(shape, layout.tp, tricks.precision, weights_held_elsewhere(state)))
     if layout.cp > 1:
         buffers.append(cp_buffers(shape, setup.seq_len, setup.micro_batch, layout.tp, layout.cp, tricks.act_bytes))
     logits = ()

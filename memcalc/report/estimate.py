@@ -24,7 +24,7 @@ RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed p
 
 def preamble(est: Estimate, units: str = "gb") -> list[str]:
     m, s, shape, g = est.model, est.setup, est.model.shape, est.gpu
-    mlp = f"SwiGLU {shape.ffn}" if shape.gated_mlp else f"GELU MLP {shape.ffn}"
+    mlp = f"{shape.mlp_name} {shape.ffn}"
     p = s.parallel
     return [
         f"Model: {m.origin}",
@@ -46,7 +46,7 @@ def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
     gpus = "one" if p.gpus == 1 else f"{p.gpus:,} x"
     sharding = (f", ZeRO-{p.zero}" if p.zero else "") + (", optimizer offloaded to CPU" if p.offload else "")
     shape = est.model.shape
-    mlp = f"SwiGLU {shape.ffn}" if shape.gated_mlp else f"GELU MLP {shape.ffn}"
+    mlp = f"{shape.mlp_name} {shape.ffn}"
     return [
         f"Model: {est.model.origin}",
         f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {u.plural(shape.n_heads, 'head')} ({shape.n_kv_heads} KV), {mlp}, "
@@ -236,7 +236,8 @@ def estimate_sections(est: Estimate, toolbox: Toolbox, units: str, roofline=None
     summary = summary_section(est, units, times)
     if any(m.buffer_bytes for m in est.memory):
         summary.notes.append("ZeRO-3 buffers: two layers' weights gathered (running + prefetched) and one layer's "
-                             "gradients before their reduce-scatter, 3·w·P_layer")  # fmt: skip
+                             "gradients before their reduce-scatter, 3·w·P_layer; a shallow model, never more "
+                             "than the weights other GPUs hold")  # fmt: skip
     if not detail:
         summary.notes.append(DETAIL_HINT)
         return [summary]

@@ -33,7 +33,8 @@ def preset_sections() -> list[Section]:
                        f"{r['params']:,}"])  # fmt: skip
     example = canonical_shape(8_000_000_000)
     s.notes = [
-        "--params N uses the canonical shape nearest to N (in log scale) and charges model state for exactly N",
+        "--params N uses the canonical shape nearest to N (in log scale), if within 2x of its own count, and "
+        "charges model state for exactly N",
         f"e.g. 8e9 -> {example.name}: {example.n_layers} layers, hidden {example.hidden}, {example.n_heads} heads",
     ]
     return [s]

@@ -13,12 +13,12 @@ A parameter the file leaves out takes memcalc's default, whose provenance says s
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from memcalc.errors import InputError
+from memcalc.model.jsonfile import brief, read_json_object
 
 FORMAT = "memcalc-calibration/1"
 FOLDER = Path(__file__).parent / "calibrations"
@@ -69,9 +69,9 @@ def check_value(name: str, value: object) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if name == "launch_us":
         if not (ok and 0 <= value <= 1000):
-            raise InputError(f"calibration launch_us must be in [0, 1000] microseconds, got {value!r}")
+            raise InputError(f"calibration launch_us must be in [0, 1000] microseconds, got {brief(value)}")
     elif not (ok and 0 < value <= 1):
-        raise InputError(f"calibration {name} must be a fraction in (0, 1], got {value!r}")
+        raise InputError(f"calibration {name} must be a fraction in (0, 1], got {brief(value)}")
 
 
 def defaults(gpu: str) -> Calibration:
@@ -85,7 +85,7 @@ def from_dict(data: object, origin: str, gpu: str) -> Calibration:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InputError(f"{origin}: not a calibration file (needs \"format\": \"{FORMAT}\")")
     if data.get("gpu") != gpu:
-        raise InputError(f"{origin} calibrates {data.get('gpu')!r}, not {gpu!r}")
+        raise InputError(f"{origin} calibrates {brief(data.get('gpu'))}, not {gpu!r}")
     params = data.get("parameters", {})
     if not isinstance(params, dict):
         raise InputError(f"{origin}: \"parameters\" must be an object")
@@ -93,7 +93,7 @@ def from_dict(data: object, origin: str, gpu: str) -> Calibration:
     values = {}
     for name, entry in params.items():
         if name not in PARAMETERS:
-            raise InputError(f"{origin}: unknown parameter {name!r}; known: {', '.join(PARAMETERS)}")
+            raise InputError(f"{origin}: unknown parameter {brief(name)}; known: {', '.join(PARAMETERS)}")
         if not isinstance(entry, dict) or "value" not in entry or not entry.get("provenance"):
             raise InputError(f"{origin}: {name} needs a value and its provenance")
         check_value(name, entry["value"])
@@ -102,13 +102,8 @@ def from_dict(data: object, origin: str, gpu: str) -> Calibration:
 
 
 def load(path: str | Path, gpu: str) -> Calibration:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise InputError(f"cannot read calibration {path}: {e.strerror}") from None
-    except ValueError as e:
-        raise InputError(f"calibration {path} is not valid JSON: {e}") from None
-    return from_dict(data, str(path), gpu)
+    """A calibration file (see memcalc.model.jsonfile: at most 1 MiB is read) over memcalc's defaults."""
+    return from_dict(read_json_object(path, "calibration"), str(path), gpu)
 
 
 def calibration_for(gpu: str, path: str | None = None, overrides: str | None = None) -> Calibration:

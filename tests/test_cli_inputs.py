@@ -177,3 +177,39 @@ def test_gemma_is_geglu_and_verified_as_such(tmp_path):
     assert out.exit_code == 0 and "GeGLU 512" in out.stdout and "SwiGLU" not in out.stdout
     checked = run("verify", "--device", "meta", "--config", str(config), "--seq", "128", "--tricks", "bf16,flash")
     assert checked.exit_code == 0 and "Pass: all" in checked.stdout, checked.output  # exact = meta, gelu and all
+
+
+@pytest.mark.parametrize("args, message", [
+    ("verify --params 8e9 --fsdp 8 --matrix", "--matrix apply to one GPU's verify"),
+    ("verify --params 8e9 --tp 2 --save out", "--save apply to one GPU's verify"),
+    ("verify --params 8e9 --fsdp 8 --device cuda", "--device apply to one GPU's verify"),
+    ("mfu --params 8e9 --tokens-per-sec 3000 --gpus 8", "per GPU already: drop --gpus"),
+    ("estimate --params 8e9 --sweep seq=1k:4k --tokens 1e12", "drop --sweep or --tokens"),
+    ("estimate --params 8e9 --explain --format json", "drop --explain"),
+    ("estimate --params 8e9 --explain --format csv", "drop --explain"),
+    ("estimate --params 8e9 --exact --optimizer sgd", "drop --optimizer sgd"),
+    ("estimate --params 8e9 --exact --gpus 8 --zero 1", "drop --gpus, --zero and --offload"),
+])  # fmt: skip
+def test_options_that_would_be_ignored_are_refused(args, message):
+    """Defect 15: each option either works or is refused with one line."""
+    out = run(*args.split())
+    assert out.exit_code == 2, out.output
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_mfu_gpus_divides_the_step_time_only():
+    """Defect 15: mfu --gpus 8 equalled --gpus 1; it applies to --step-time, where it divides the batch."""
+    one = as_json("mfu", "--params", "8e9", "--seq", "8192", "--step-time", "100", "--global-batch", "64")
+    eight = as_json("mfu", "--params", "8e9", "--seq", "8192", "--step-time", "100", "--global-batch", "64",
+                    "--gpus", "8")  # fmt: skip
+    assert one["tokens_per_second"] == 8 * eight["tokens_per_second"]
+
+
+def test_python_verify_refuses_what_it_does_not_measure():
+    """Defect 15: verify(..., Setup(grad_accum=2)) reported 2 and measured one micro-batch."""
+    pytest.importorskip("torch")
+    from memcalc import Setup, parse_tricks, preset_model
+    from verify.run import verify
+
+    with pytest.raises(InputError, match="grad_accum must be 1"):
+        verify(preset_model("gpt2"), Setup(seq_len=64, grad_accum=2), parse_tricks("bf16"), device="meta")

@@ -181,6 +181,11 @@ def estimate(
             raise InputError("--sweep works on one GPU's estimate; drop --tp, --pp, --cp, --dp")
         if exact and sweep is not None:
             raise InputError("--exact simulates single steps: drop --sweep")
+        if sweep is not None and tokens is not None:
+            raise InputError("--tokens times a run at one setting: drop --sweep or --tokens")
+        if explain and fmt in ("json", "csv"):
+            raise InputError(f"--explain prints the formulas as text; --format {fmt} already carries each term's "
+                             "formula and source: drop --explain")  # fmt: skip
         if layout_given and calibration is not None:
             raise InputError("--calibration sets the roofline of one GPU's step; a layout (--tp, --pp, ...) uses --mfu")
         if mfu is not None and calibration is not None:
@@ -334,7 +339,7 @@ def mfu(
     tokens_per_sec: Annotated[Optional[str], typer.Option("--tokens-per-sec", help="Measured tokens per second per GPU.", metavar="X")] = None,
     step_time: Annotated[Optional[str], typer.Option("--step-time", help="Measured seconds per optimizer step (with --global-batch).", metavar="S")] = None,
     global_batch: Annotated[Optional[str], typer.Option("--global-batch", help="Sequences per step, all GPUs together.", metavar="N")] = None,
-    gpus: Annotated[str, typer.Option("--gpus", help="GPUs the step ran on.", metavar="N")] = "1",
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the step ran on (with --step-time; --tokens-per-sec is per GPU).", metavar="N", show_default="1")] = None,
     tricks: Annotated[str, typer.Option("--tricks", help="Precision (the peak it is held against) and recompute (for HFU).", metavar="LIST")] = "bf16",
     gpu: GpuOpt = "h100-sxm", fmt: Format = "table",
 ) -> None:  # fmt: skip
@@ -356,7 +361,7 @@ def mfu(
             None if tokens_per_sec is None else parse_positive(tokens_per_sec, "tokens-per-sec"),
             None if step_time is None else parse_positive(step_time, "step-time"),
             None if global_batch is None else parse_count(global_batch, "global-batch", MAX_BATCH),
-            seq_len, parse_count(gpus, "gpus", MAX_GPUS),
+            seq_len, None if gpus is None else parse_count(gpus, "gpus", MAX_GPUS),
         )  # fmt: skip
         result = mfu_report(the_model, find_gpu(gpu), t, seq_len, rate)
     except InputError as e:
@@ -405,6 +410,11 @@ def verify(
             raise InputError(f"unknown device {device!r}; choose cuda or meta")
         verify_runs.needs_torch()
         if fsdp is not None or tp is not None or sp:
+            given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None),
+                                           ("--device", device is not None), ("--tol", tol is not None)) if on]
+            if given:
+                raise InputError(f"{' and '.join(given)} apply to one GPU's verify; --fsdp/--tp check one rank "
+                                 "on --dist-device (meta, cpu-gloo or cuda) and compare bytes exactly")  # fmt: skip
             run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device)
         else:
             if save is not None and not matrix:

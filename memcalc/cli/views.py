@@ -30,11 +30,15 @@ def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=Non
 
 
 def exact_steps(model, setup, trick_sets):
+    """--exact: verify's step replayed; it trains with AdamW on one GPU, so other settings are refused."""
     from memcalc.exact.step import exact_for
 
-    if setup.optimizer != "adamw" or setup.parallel.gpus > 1 or setup.parallel.offload:
-        print("warning: --exact simulates AdamW on one GPU; --optimizer, --gpus, --zero and --offload do not apply",
-              file=sys.stderr)  # fmt: skip
+    p = setup.parallel
+    if setup.optimizer != "adamw":
+        raise InputError(f"--exact replays verify's step, which trains with AdamW: drop --optimizer {setup.optimizer}")
+    if p.gpus > 1 or p.zero or p.offload:
+        raise InputError("--exact replays one GPU's step: drop --gpus, --zero and --offload, or give a layout "
+                         "(--tp, --dp ...) to see one layer on one GPU of it")  # fmt: skip
     return [exact_for(model, setup, t) for t in trick_sets]
 
 

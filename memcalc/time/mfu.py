@@ -144,15 +144,18 @@ class MfuReport:
 
 
 def tokens_per_gpu_second(tokens_per_sec: float | None, step_seconds: float | None, global_batch: int | None,
-                          seq_len: int, gpus: int) -> float:  # fmt: skip
-    """Per-GPU throughput from --tokens-per-sec, or from a step time and the global batch in sequences."""
+                          seq_len: int, gpus: int | None = None) -> float:  # fmt: skip
+    """Per-GPU throughput from --tokens-per-sec, or from a step time and the global batch in sequences
+    over `gpus` GPUs (default 1)."""
     if tokens_per_sec is not None:
         if step_seconds is not None or global_batch is not None:
             raise InputError("give --tokens-per-sec, or --step-time with --global-batch, not both")
+        if gpus is not None:
+            raise InputError("--tokens-per-sec is per GPU already: drop --gpus (it divides --step-time's global batch)")
         return tokens_per_sec
     if step_seconds is None or global_batch is None:
         raise InputError("give --tokens-per-sec (per GPU), or --step-time and --global-batch")
-    return global_batch * seq_len / step_seconds / gpus
+    return global_batch * seq_len / step_seconds / (gpus or 1)
 
 
 def check_possible(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_second: float) -> None:

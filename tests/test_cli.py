@@ -344,7 +344,7 @@ def test_exact_explain_names_every_symbol_of_the_exact_terms():
     "estimate --model llama3-8b --seq 8192 --exact --detail --explain",
     "estimate --model llama3-70b --seq 8192 --tp 8 --pp 2 --gpus 64 --sp --tricks bf16,flash --detail --explain --exact",
     "estimate --model llama3-70b --seq 8192 --tp 8 --pp 2 --gpus 64 --sp",
-    "estimate --model gpt2 --seq 1024 --sweep seq=1024:8192 --tricks bf16,flash",
+    "estimate --model llama3-8b --seq 1024 --sweep seq=1k:8k --tricks bf16,flash",
     "estimate --params 70e9 --seq 4096 --tokens 15e12 --price-per-gpu-hour 2 --detail",
     "plan --model llama3-70b --gpus 64 --global-batch 512 --seq 8192 --detail",
     "fit --model llama3-8b --gpu h200 --detail",

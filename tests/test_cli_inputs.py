@@ -70,19 +70,19 @@ def test_verify_without_torch_says_how_to_install_it():
 def test_png_paths_are_checked_before_the_work(tmp_path, monkeypatch, path, message):
     """Defect 3: --png s.txt crashed; --png DIR wrote DIR.png beside it without a word."""
     monkeypatch.chdir(tmp_path)
-    out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=1k:2k", "--png", path)
+    out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=512:1k", "--png", path)
     assert out.exit_code == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
 def test_png_in_a_folder_is_refused_and_the_written_path_is_said(tmp_path, monkeypatch):
     """Defect 3 and 13: a folder named x.png is refused; where the image went is printed, in --units."""
     (tmp_path / "d.png").mkdir()
-    out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=1k:2k", "--png", str(tmp_path / "d.png"))
+    out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=512:1k", "--png", str(tmp_path / "d.png"))
     assert out.exit_code == 2 and "is a folder" in out.stderr
     drawn = []
     monkeypatch.setattr("memcalc.report.plot.save_png", lambda sw, path, units: drawn.append((path, units)))
     target = str(tmp_path / "sweep.png")
-    out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=1k:2k", "--png", target, "--units", "gib")
+    out = run("estimate", "--model", "gpt2", "--seq", "1024", "--sweep", "seq=512:1k", "--png", target, "--units", "gib")
     assert out.exit_code == 0, out.output
     assert drawn == [(target, "gib")] and f"wrote {target}" in out.stderr
 
@@ -213,3 +213,43 @@ def test_python_verify_refuses_what_it_does_not_measure():
 
     with pytest.raises(InputError, match="grad_accum must be 1"):
         verify(preset_model("gpt2"), Setup(seq_len=64, grad_accum=2), parse_tricks("bf16"), device="meta")
+
+
+@pytest.mark.parametrize("args", [
+    "estimate --model gpt2 --seq 2048",
+    "estimate --model gpt2 --seq 2048 --tp 2 --gpus 2",
+    "estimate --model gpt2 --seq 1024 --sweep seq=512:2k",
+    "plan --model gpt2 --gpus 8 --global-batch 8 --seq 2048",
+    "mfu --model gpt2 --seq 2048 --tokens-per-sec 1000",
+    "fit --model gpt2 --seq 2048",
+    "estimate --model gpt2 --seq 2048 --exact",
+])  # fmt: skip
+def test_one_rule_for_a_sequence_past_the_position_table(args):
+    """Defect 16: estimate warned, exact and verify refused, fit, plan and mfu said nothing."""
+    out = run(*args.split())
+    assert out.exit_code == 2
+    assert out.stderr.strip() == ("error: seq 2,048 exceeds the 1,024 rows of gpt2's learned position table: "
+                                  "give --seq 1024 or less")  # fmt: skip
+
+
+def test_fit_stops_at_the_position_table():
+    """Defect 16: fit --model gpt2 proposed 134,972 tokens."""
+    data = as_json("fit", "--model", "gpt2", "--seq", "1024")
+    assert data["max_seq_len"] == 1024 and data["seq_capped"]
+    assert "the length of the model's position table" in run("fit", "--model", "gpt2", "--seq", "1024").stdout
+
+
+def test_offload_is_charged_against_the_host_memory():
+    """Defect 14: a 405B ZeRO-3 param-offload job on 8 GPUs "fit" while needing 812 GB of host RAM per GPU."""
+    args = ["estimate", "--model", "llama3.1-405b", "--seq", "8192", "--gpus", "8", "--zero", "3", "--offload-params",
+            "--tricks", "bf16,flash,ckpt"]  # fmt: skip
+    out = run(*args)
+    assert out.exit_code == 0, out.output
+    assert "Does not fit" in out.stdout and "811.7 GB of host memory per GPU, of its 250.0 GB share" in out.stdout
+    assert "no, host 561.7 GB over" in out.stdout  # the stage table's verdict
+    roomy = run(*args, "--host-memory", "8T")  # 8 TB for the node: 1 TB each
+    assert "Fits:" in roomy.stdout
+    plan = ["plan", "--model", "llama3.1-405b", "--gpus", "8", "--global-batch", "8", "--seq", "8192",
+            "--host-memory", "1T"]  # fmt: skip
+    assert as_json(*plan)["fitting"] == 0
+    assert "out of host memory" in run(*plan).stdout  # why offloading does not rescue it

@@ -42,7 +42,7 @@ def test_offload_is_still_proposed_where_the_layout_allows_it():
 
 @pytest.mark.parametrize("args", [
     ["--params", "7.5e9", "--seq", "1024", "--gpus", "64"],
-    ["--model", "gpt2", "--tricks", "bf16,flash,ckpt", "--gpus", "2"],
+    ["--model", "gpt2", "--seq", "1024", "--tricks", "bf16,flash,ckpt", "--gpus", "2"],
     ["--model", "llama3-8b", "--gpus", "8"],
 ])  # fmt: skip
 def test_multi_gpu_zero0_estimates_run(args):

@@ -84,6 +84,7 @@ OffloadParams = Annotated[bool, typer.Option("--offload-params", help="Weights a
 GpusPerNode = Annotated[Optional[str], typer.Option("--gpus-per-node", help="GPUs behind one NVLink switch.", metavar="N", show_default="8")]  # fmt: skip
 Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", metavar="STAGE")]
 Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
+HostMemory = Annotated[str, typer.Option("--host-memory", help="CPU memory of one node in bytes (2T, 1.5e12), which offload fills; the job's GPUs on a node share it. Default: a DGX H100/H200's 2 TB for 8 GPUs.", metavar="BYTES")]  # fmt: skip
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
 Mfu = Annotated[str, typer.Option("--mfu", help="Fraction of peak the GPU sustains (default 0.4: Llama 3 reached 38-43% on H100s).", metavar="X")]  # fmt: skip
 EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline (layouts: default 0.4).", metavar="X")]  # fmt: skip
@@ -106,8 +107,8 @@ def check_format(fmt: str) -> str:
     return key
 
 
-def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu):
-    from memcalc.memory.estimate import Setup
+def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T"):
+    from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
     from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
     from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
 
@@ -122,6 +123,7 @@ def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mf
         optimizer=optimizer.strip().lower(),
         parallel=Parallel(parse_count(gpus, "gpus", MAX_GPUS), int(zero), offload),
         mfu=parse_fraction(mfu, "mfu"),
+        host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
     )
 
 
@@ -148,7 +150,7 @@ def estimate(
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
     optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
-    tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
+    host_memory: HostMemory = "2T", tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
@@ -191,11 +193,12 @@ def estimate(
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         if layout_given:
-            setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4")
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory)
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
             show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
         else:
-            setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4")
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4",
+                                host_memory)  # fmt: skip
             cal = None if mfu is not None else roofline_calibration(the_gpu, calibration)
             if sweep is not None:
                 show = views.sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
@@ -259,10 +262,11 @@ def plan(
     optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
     top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
     no_offload: Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")] = False,
-    detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
+    host_memory: HostMemory = "2T", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
     try:
+        from memcalc.memory.estimate import MAX_HOST_BYTES
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
@@ -282,6 +286,7 @@ def plan(
             tricks=t, optimizer=optimizer.strip().lower(), mfu=parse_fraction(mfu, "mfu"),
             top=parse_count(top, "top", 1000), offload=not no_offload,
             recomputes=(t.recompute,) if named else ("none", "selective", "full"),
+            host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
         )  # fmt: skip
     except InputError as e:
         fail(str(e))
@@ -305,7 +310,7 @@ def fit(
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
-    gpu: GpuOpt = "h100-sxm", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
+    host_memory: HostMemory = "2T", gpu: GpuOpt = "h100-sxm", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
     units: Units = "gb",
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
@@ -318,7 +323,7 @@ def fit(
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
-        setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4")
+        setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory)
         limits = fit_limits(the_model, setup, find_gpu(gpu), parse_tricks(tricks))
     except InputError as e:
         fail(str(e))

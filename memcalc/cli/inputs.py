@@ -52,7 +52,7 @@ def resolve_model(
     if None in (sizes["n_layers"], sizes["hidden"], sizes["n_heads"]):
         raise InputError("say which model: --params N, --model NAME, --config PATH, or --layers --hidden --heads")
     base = gpt("custom", sizes["n_layers"], sizes["hidden"], sizes["n_heads"], 0)
-    shape = replace(base, positions="none", **{k: v for k, v in sizes.items() if v is not None})
+    shape = replace(base, **{k: v for k, v in sizes.items() if v is not None})
     origin = "custom GPT-style shape from --layers --hidden --heads (GPT-2/3 layer, no position table)"
     return Model(shape, n_params(shape), origin)
 

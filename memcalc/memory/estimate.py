@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
 from memcalc.model.flops import Flops, StepFlops, flops
-from memcalc.model.gpus import GPU
-from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_size, layer_params
+from memcalc.model.gpus import GPU, GPUS_PER_NODE, HOST_MEMORY_BYTES
+from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, check_size, layer_params
 from memcalc.model.tricks import PROGRESSION, Tricks
 
 from .activations import Activations, AttentionDetail, Logits, attention_detail, logits_memory, textbook_activations
@@ -18,6 +18,7 @@ from .state import ModelState, Parallel, model_state, weights_held_elsewhere, ze
 # Default MFU: Llama 3 trained at 38-43% BF16 MFU on 16K H100s (Dubey et al. 2024, Table 4);
 # Korthikanti et al. 2022 Table 5 reports 41-56% on A100s. 0.4 sits at the low end of both.
 DEFAULT_MFU = 0.4
+MAX_HOST_BYTES = 10**15  # a petabyte of CPU memory in one node: beyond any machine
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,20 @@ class Setup:
     optimizer: str = "adamw"
     parallel: Parallel = Parallel()
     mfu: float = DEFAULT_MFU
+    host_memory: int = HOST_MEMORY_BYTES  # CPU memory of one node, which offload fills
 
     def __post_init__(self) -> None:
         check_size("seq", self.seq_len, limit=MAX_SEQ)
+        check_size("host memory", self.host_memory, limit=MAX_HOST_BYTES)
         check_size("micro-batch", self.micro_batch, limit=MAX_BATCH)
         check_size("grad-accum", self.grad_accum, limit=MAX_BATCH)
         if not (isinstance(self.mfu, (int, float)) and math.isfinite(self.mfu) and 0 < self.mfu <= 1):
             raise InputError(f"mfu must be a fraction in (0, 1], got {self.mfu!r}")
+
+    @property
+    def host_usable_bytes(self) -> int:
+        """One GPU's share of its node's host memory: the job's GPUs on a node split it."""
+        return self.host_memory // min(self.parallel.gpus, GPUS_PER_NODE)
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -49,13 +57,18 @@ class Setup:
 
 
 class Budget:
-    """For results with total_bytes and usable_bytes: does it fit, and by how much."""
+    """For results with total_bytes and usable_bytes (the GPU), host_bytes and host_usable_bytes (its share
+    of the node's CPU memory, which offload fills): does it fit, and by how much."""
 
     __slots__ = ()
 
     @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.usable_bytes
+        return self.total_bytes <= self.usable_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_bytes <= self.host_usable_bytes
 
     @property
     def headroom_bytes(self) -> int:
@@ -72,6 +85,8 @@ class Memory(Budget):
     logits_bytes: int
     buffer_bytes: int  # ZeRO-3's gathered layers, when it shards over several GPUs
     usable_bytes: int  # the GPU's memory less the CUDA context reserve
+    host_bytes: int  # model state offloaded to CPU memory, one GPU's part
+    host_usable_bytes: int  # one GPU's share of the node's CPU memory
 
     @property
     def total_bytes(self) -> int:
@@ -136,7 +151,8 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> tuple[Mo
     if setup.parallel.gathers_layers:
         elsewhere = weights_held_elsewhere(state)
         buffers = zero3_gather_bytes(layer_params(model.shape), model.shape.n_layers, tricks.precision, elsewhere)
-    memory = Memory(tricks, state.total_bytes, acts.peak_bytes, logits.total_bytes, buffers, gpu.usable_bytes)
+    memory = Memory(tricks, state.total_bytes, acts.peak_bytes, logits.total_bytes, buffers, gpu.usable_bytes,
+                    state.host_bytes, setup.host_usable_bytes)  # fmt: skip
     return state, acts, logits, memory
 
 
@@ -149,6 +165,7 @@ def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...
     """Everything `memcalc estimate` prints, for each trick set in order."""
     if not trick_sets:
         raise InputError("no trick sets to estimate")
+    check_positions(model.shape, setup.seq_len)
     sides = [memory_for(model, setup, gpu, t) for t in trick_sets]
     primary = next((s for s, *_ in sides if s.precision != "fp32"), sides[0][0])
     return Estimate(

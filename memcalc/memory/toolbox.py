@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from memcalc.exact.kernels import step_flops
 from memcalc.model.gpus import GPU
-from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model
+from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, longest_seq
 from memcalc.model.tricks import Tricks
 
 from .estimate import Memory, Setup, memory_for
@@ -171,6 +171,12 @@ class FitLimits:
     max_micro_batch: int  # 0: not even one sequence fits
     memory_at_max_seq: Memory | None
     memory_at_max_batch: Memory | None
+    seq_limit: int  # the longest sequence the model embeds (a learned position table), else MAX_SEQ
+
+    @property
+    def seq_capped(self) -> bool:
+        """Whether the position table, not memory, ends the sequence."""
+        return self.max_seq_len == self.seq_limit < MAX_SEQ
 
 
 def largest(fits: Callable[[int], bool], limit: int) -> int:
@@ -188,10 +194,14 @@ def largest(fits: Callable[[int], bool], limit: int) -> int:
 
 
 def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> FitLimits:
+    """The longest sequence (no longer than the model's position table) and the largest micro-batch."""
+    check_positions(model.shape, setup.seq_len)
+
     def memory(seq_len: int, micro_batch: int) -> Memory:
         return memory_for(model, replace(setup, seq_len=seq_len, micro_batch=micro_batch), gpu, tricks)[3]
 
-    max_seq = largest(lambda s: memory(s, setup.micro_batch).fits, MAX_SEQ)
+    seq_limit = longest_seq(model.shape)
+    max_seq = largest(lambda s: memory(s, setup.micro_batch).fits, seq_limit)
     max_batch = largest(lambda b: memory(setup.seq_len, b).fits, MAX_BATCH)
     return FitLimits(
         tricks=tricks,
@@ -203,4 +213,5 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> FitLimit
         max_micro_batch=max_batch,
         memory_at_max_seq=memory(max_seq, setup.micro_batch) if max_seq else None,
         memory_at_max_batch=memory(setup.seq_len, max_batch) if max_batch else None,
+        seq_limit=seq_limit,
     )

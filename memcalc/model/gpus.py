@@ -19,6 +19,10 @@ MIB = 1 << 20
 # (pytorch/pytorch#107667: ~300 MB context with lazy loading). Kept out of the fit verdict's
 # usable memory; calibrated by `memcalc verify` on a real GPU.
 CUDA_RESERVE_BYTES = 512 * MIB
+# Host (CPU) memory of one node, which offload fills: a DGX H100 or DGX H200 holds 2 TB for its 8 GPUs
+# (NVIDIA DGX H100/H200 datasheets, "System Memory 2TB"). --host-memory changes it.
+HOST_MEMORY_BYTES = 2 * 10**12
+GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ from .shape import Model, ModelShape, n_params
 
 
 def gpt(name: str, n_layers: int, hidden: int, n_heads: int, max_positions: int) -> ModelShape:
-    """GPT-2/3 layer: MHA, LayerNorm, 4h GELU MLP, biases, learned positions, tied embeddings."""
+    """GPT-2/3 layer: MHA, LayerNorm, 4h GELU MLP, biases, tied embeddings, and learned positions
+    (a table of max_positions rows; 0: no position table at all)."""
     return ModelShape(
-        n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=50257, norm="layernorm",
-        linear_bias=True, positions="learned", max_positions=max_positions, dropout=0.1, name=name,
+        n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=50257, norm="layernorm", linear_bias=True,
+        positions="learned" if max_positions else "none", max_positions=max_positions, dropout=0.1, name=name,
     )  # fmt: skip
 
 

@@ -34,7 +34,7 @@ class ModelShape:
     linear_bias: bool = False  # GPT-2/3: every linear layer has a bias
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections only
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
-    positions: str = "learned"  # learned: a position table; rope: rotary, no parameters; none: neither
+    positions: str = "none"  # learned: a position table of max_positions rows; rope: rotary, no parameters
     max_positions: int = 0  # rows of the learned position table
     name: str = "custom"
 
@@ -62,6 +62,8 @@ class ModelShape:
             raise InputError(f"unknown norm {self.norm!r}; known: {', '.join(NORMS)}")
         if self.positions not in POSITIONS:
             raise InputError(f"unknown positions {self.positions!r}; known: {', '.join(POSITIONS)}")
+        if self.positions == "learned" and not self.max_positions:
+            raise InputError("a learned position table needs its length: max_positions (n_positions) of at least 1")
         if self.positions == "rope" and self.head_dim % 2:  # RoPE rotates pairs: head_dim/2 frequencies
             raise InputError(f"rotary positions (RoPE) need an even head_dim: they rotate pairs of dimensions; "
                              f"got head_dim {self.head_dim} (hidden {self.hidden}, {self.n_heads} heads)")  # fmt: skip
@@ -101,18 +103,17 @@ def check_size(name: str, value: int, allow_zero: bool = False, limit: int = MAX
         raise InputError(f"{name} = {value} is absurdly large (limit {limit:,})")
 
 
-def positions_problem(shape: ModelShape, seq_len: int) -> str | None:
-    """Why a learned position table cannot embed seq_len tokens, or None when it can."""
-    if shape.positions == "learned" and seq_len > shape.max_positions:
-        return f"seq {seq_len:,} exceeds the {shape.max_positions:,} learned positions of {shape.name}"
-    return None
+def longest_seq(shape: ModelShape) -> int:
+    """The longest sequence the model can embed: its learned position table's rows (GPT-2: 1,024), else
+    no limit of its own (rotary positions extrapolate, if not well)."""
+    return shape.max_positions if shape.positions == "learned" else MAX_SEQ
 
 
 def check_positions(shape: ModelShape, seq_len: int) -> None:
-    """What builds or replays the model refuses a sequence its position table cannot embed."""
-    problem = positions_problem(shape, seq_len)
-    if problem:
-        raise InputError(problem)
+    """The one rule for every command: a sequence longer than the position table cannot be trained."""
+    if seq_len > longest_seq(shape):
+        raise InputError(f"seq {seq_len:,} exceeds the {shape.max_positions:,} rows of {shape.name}'s learned "
+                         f"position table: give --seq {shape.max_positions} or less")  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -362,6 +362,12 @@ class StageMemory(Budget):
     buffers: tuple[Term, ...]  # transient: ZeRO-3 gathered layers, CP ring buffers
     logits: tuple[Term, ...]  # last stage only
     usable_bytes: int
+    host_usable_bytes: int  # one GPU's share of its node's CPU memory
+
+    @property
+    def host_bytes(self) -> int:
+        """Model state offloaded to CPU memory, this GPU's part."""
+        return self.state.host_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -412,7 +418,7 @@ class LayoutMemory:
 
     @property
     def fits(self) -> bool:
-        return self.peak.fits
+        return all(st.fits for st in self.stages)
 
 
 def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage: int) -> StageMemory:
@@ -439,6 +445,7 @@ def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: L
         buffers=tuple(buffers),
         logits=logits,
         usable_bytes=gpu.usable_bytes,
+        host_usable_bytes=setup.host_memory // min(layout.world, layout.gpus_per_node),
     )
 
 

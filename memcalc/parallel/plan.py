@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from memcalc.errors import InputError
 from memcalc.memory.estimate import DEFAULT_MFU, Setup
 from memcalc.memory.state import MAX_GPUS
-from memcalc.model.gpus import GPU
-from memcalc.model.shape import MAX_BATCH, Model, check_size
+from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES
+from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
 from memcalc.model.tricks import Tricks
 
 from .comm import ASSUMPTIONS, Assumptions, StepTime, step_time
@@ -63,6 +63,7 @@ class LayoutEstimate:
 def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
                     assume: Assumptions = ASSUMPTIONS, ends_only: bool = False) -> LayoutEstimate:  # fmt: skip
     """Memory (every stage unless ends_only) and step time of one layout."""
+    check_positions(model.shape, setup.seq_len)
     memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)
     return LayoutEstimate(
         model, gpu, setup, tricks, layout, memory, step_time(model, setup, gpu, tricks, layout, memory, assume)
@@ -122,24 +123,27 @@ FAMILIES: tuple[tuple[str, Family], ...] = (
 def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int = 8,
          tricks: Tricks = BF16_FLASH, optimizer: str = "adamw", mfu: float = DEFAULT_MFU,
          assume: Assumptions = ASSUMPTIONS, top: int = 5, recomputes: tuple[str, ...] = ("none", "selective", "full"),
-         offload: bool = True) -> Plan:  # fmt: skip
-    """Search every valid layout, keep those that fit, rank them by tokens/s."""
+         offload: bool = True, host_memory: int = HOST_MEMORY_BYTES) -> Plan:  # fmt: skip
+    """Search every valid layout, keep those that fit (the GPU, and the host's memory for offload), rank them
+    by tokens/s."""
     check_size("gpus", gpus, limit=MAX_GPUS)
     check_size("gpus per node", gpus_per_node, limit=MAX_GPUS)
+    check_positions(model.shape, seq_len)
     check_size("global batch", global_batch, limit=MAX_BATCH)
     check_size("top", top, limit=1000)
-    Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu)  # validates seq and mfu
+    Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory)  # validates seq, mfu, host
     variants = recompute_variants(tricks, recomputes)
     fitting, searched = [], 0
     family_best: dict[str, tuple] = {}
     family_small: dict[str, tuple] = {}
     for layout, b, m in layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload):
-        setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu)
+        setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
+                      host_memory=host_memory)  # fmt: skip
         for t in variants:
             searched += 1
             memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
             total = memory.total_bytes
-            if total <= gpu.usable_bytes:
+            if memory.fits:
                 time = step_time(model, setup, gpu, t, layout, memory, assume)
                 entry = (rank_key(time.tokens_per_second, layout, total), layout, setup, t, memory, time)
                 fitting.append(entry)

@@ -8,7 +8,6 @@ from memcalc.memory.estimate import Estimate
 from memcalc.memory.state import ModelState, model_state
 from memcalc.memory.toolbox import FitLimits, Toolbox
 from memcalc.model.flops import flop_terms, korthikanti_selective_overhead, layer_weights
-from memcalc.model.shape import positions_problem
 from memcalc.terms import Term
 
 from . import render
@@ -68,7 +67,7 @@ def summary_section(est: Estimate, units: str, times=None) -> Section:
         align="lrrr" + ("r" if buffers else "") + "rlrr",
     )  # fmt: skip
     for m, t in zip(est.memory, times or est.compute):
-        verdict = f"yes, {u.size(m.headroom_bytes, units)} free" if m.fits else f"no, {u.size(-m.headroom_bytes, units)} over"
+        verdict = fit_text(m, units, free=True)
         row = [m.tricks.label, u.size(m.model_state_bytes, units), u.size(m.activation_peak_bytes, units),
                u.size(m.logits_bytes, units)] + ([u.size(m.buffer_bytes, units)] if buffers else [])  # fmt: skip
         # exact bytes under the total only: under every column the table would not fit 100 columns
@@ -82,11 +81,32 @@ def summary_section(est: Estimate, units: str, times=None) -> Section:
     return s
 
 
+def fit_text(b, units: str, free: bool = False) -> str:
+    """A Budget's verdict in a cell: 'yes' (with what is free), 'no, 12.3 GB over', or 'no, host 1.2 TB over'
+    when the GPU holds it but the node's CPU memory does not hold what offload moves there."""
+    if b.headroom_bytes < 0:
+        return f"no, {u.size(-b.headroom_bytes, units)} over"
+    if not b.host_fits:
+        return f"no, host {u.size(b.host_bytes - b.host_usable_bytes, units)} over"
+    return f"yes, {u.size(b.headroom_bytes, units)} free" if free else "yes"
+
+
+def host_note(b, units: str) -> list[str]:
+    """What offload puts in CPU memory against this GPU's share of it, when it puts anything there."""
+    if not b.host_bytes:
+        return []
+    return [f"host: {u.size(b.host_bytes, units)} per GPU offloaded, against {u.size(b.host_usable_bytes, units)} "
+            "(its share of the node's CPU memory, --host-memory)"]  # fmt: skip
+
+
 def verdict(est: Estimate, tb: Toolbox, units: str) -> str:
     """The answer in one sentence: it fits as it is, the cheapest combination that fits, or nothing does.
     The toolbox starts from the first trick set (fp32 in the progression) and applies the cheapest tools first."""
     g = f"{u.size(est.gpu.usable_bytes, units)} usable on one {est.gpu.key}"
     start = f"{tb.start.tricks.label} needs {u.size(tb.start.total_bytes, units)} of the {g}"
+    if not tb.start.host_fits:
+        start += (f", and {u.size(tb.start.host_bytes, units)} of host memory per GPU, of its "
+                  f"{u.size(tb.start.host_usable_bytes, units)} share")  # fmt: skip
     if tb.fits_at == -1:
         return f"Fits: {start}."
     if tb.fits_at is None:
@@ -153,13 +173,11 @@ def activations_section(est: Estimate, units: str) -> Section:
 
 def warnings(est: Estimate) -> list[str]:
     """Things the user should know that are not numbers: printed to stderr in every format."""
-    out = [
+    return [
         f"{t.label}: selective recompute saves nothing here: FlashAttention already keeps no s×s scores"
         for t in est.trick_sets
         if t.recompute == "selective" and t.flash
     ]
-    problem = positions_problem(est.model.shape, est.setup.seq_len)
-    return out + ([problem] if problem else [])
 
 
 def logits_section(est: Estimate, units: str) -> Section:
@@ -234,6 +252,7 @@ def estimate_sections(est: Estimate, toolbox: Toolbox, units: str, roofline=None
     roofline: (step times, calibration) for the roofline's sections, or None for --mfu's compute section."""
     times = roofline[0] if roofline else None
     summary = summary_section(est, units, times)
+    summary.notes += host_note(est.memory[0], units)
     if any(m.buffer_bytes for m in est.memory):
         summary.notes.append("ZeRO-3 buffers: two layers' weights gathered (running + prefetched) and one layer's "
                              "gradients before their reduce-scatter, 3·w·P_layer; a shallow model, never more "
@@ -359,7 +378,8 @@ def fit_verdict(limits: FitLimits) -> str:
                 "(ZeRO, offload).")  # fmt: skip
     batch = (f"the largest micro-batch at seq {limits.seq_len:,} is {limits.max_micro_batch:,}" if limits.max_micro_batch
              else f"not one sequence of {limits.seq_len:,} tokens fits")  # fmt: skip
-    return (f"Longest sequence that fits: {limits.max_seq_len:,} tokens at micro-batch {limits.micro_batch}; "
+    table = ", the length of the model's position table" if limits.seq_capped else ""
+    return (f"Longest sequence that fits: {limits.max_seq_len:,} tokens at micro-batch {limits.micro_batch}{table}; "
             f"{batch}.")
 
 

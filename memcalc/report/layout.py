@@ -7,7 +7,7 @@ from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import Alternative, LayoutEstimate, Plan
 
 from . import units as u
-from .estimate import RECIPES, explain_term, state_section
+from .estimate import RECIPES, explain_term, fit_text, host_note, state_section
 from .render import Section, sized
 
 CAUSES = {
@@ -102,15 +102,12 @@ def stages_section(est: LayoutEstimate, units: str) -> Section:
     ]
     for t in peak.buffers:
         s.notes.append(f"buffer: {t.name} = {u.size(t.value, units)} [{t.source}]")
+    s.notes += host_note(max(mem.stages, key=lambda st: st.host_bytes), units)
     return s
 
 
 def held_text(st: StageMemory, units: str) -> str:
     return f"{st.held} x {u.size(st.layer.per_layer_bytes, units)}"
-
-
-def fit_text(st: StageMemory, units: str) -> str:
-    return "yes" if st.fits else f"no, {u.size(-st.headroom_bytes, units)} over"
 
 
 def peak_factor(est: LayoutEstimate) -> str:
@@ -196,14 +193,19 @@ def layout_sections(est: LayoutEstimate, units: str, detail: bool = False) -> li
 def layout_verdict(estimates: list[LayoutEstimate], units: str) -> str:
     """Whether each trick set's peak stage fits the GPU, in one sentence."""
     usable = u.size(estimates[0].gpu.usable_bytes, units)
-    fit = [e.tricks.label for e in estimates if e.memory.peak.fits]
+    fit = [e.tricks.label for e in estimates if e.memory.fits]
     if len(estimates) == 1:
-        peak = estimates[0].memory.peak
+        mem = estimates[0].memory
+        peak = mem.peak
         where = f"stage {peak.stage}" if estimates[0].layout.pp > 1 else "each GPU"
-        if peak.fits:
-            return f"Fits: {where} needs {u.size(peak.total_bytes, units)} of the {usable} usable per GPU."
-        return (f"Does not fit: {where} needs {u.size(peak.total_bytes, units)} of the {usable} usable per GPU; "
-                "`memcalc plan` searches the layouts that fit.")  # fmt: skip
+        needs = f"{where} needs {u.size(peak.total_bytes, units)} of the {usable} usable per GPU"
+        if mem.fits:
+            return f"Fits: {needs}."
+        host = max(mem.stages, key=lambda st: st.host_bytes)
+        if not host.host_fits:
+            needs += (f", and {u.size(host.host_bytes, units)} of host memory per GPU, of its "
+                      f"{u.size(host.host_usable_bytes, units)} share")  # fmt: skip
+        return f"Does not fit: {needs}; `memcalc plan` searches the layouts that fit."
     if not fit:
         return f"Does not fit with any of these trick sets ({usable} usable per GPU); `memcalc plan` searches the layouts that fit."
     return f"Fits ({usable} usable per GPU) with: {', '.join(fit)}."
@@ -375,6 +377,11 @@ def alternative_row(alt: Alternative, best: float | None, units: str) -> list[st
     where = f"{est.layout.label}, b {est.setup.micro_batch}, {recompute_text(est.tricks.recompute)}"
     if not alt.fits:
         need, usable = u.size(est.memory.total_bytes, units), u.size(est.gpu.usable_bytes, units)
+        host = max(est.memory.stages, key=lambda st: st.host_bytes)
+        if est.memory.total_bytes <= est.gpu.usable_bytes and not host.host_fits:
+            why = (f"out of host memory: needs {u.size(host.host_bytes, units)} per GPU of its "
+                   f"{u.size(host.host_usable_bytes, units)} share")  # fmt: skip
+            return [alt.name, where, "-", "-", why]
         return [alt.name, where, "-", "-", f"out of memory: needs {need} of {usable} at its smallest"]
     tps = est.time.tokens_per_second
     if alt.cause == "tie":

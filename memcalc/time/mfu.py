@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
 from memcalc.model.flops import attention_flops, model_per_token
-from memcalc.model.shape import Model, ModelShape, param_counts
+from memcalc.model.shape import Model, ModelShape, check_positions, param_counts
 from memcalc.model.tricks import Tricks
 
 
@@ -170,6 +170,7 @@ def check_possible(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_s
 
 
 def mfu_report(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_second: float) -> MfuReport:
+    check_positions(model.shape, seq_len)
     check_possible(model, gpu, tricks, seq_len, tokens_per_second)
     peak = gpu.peak_flops(tricks.precision)
     rows = []

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup, compute_for, memory_for
 from memcalc.model.gpus import GPU
-from memcalc.model.shape import BINARY, DECIMAL, MAX_BATCH, MAX_SEQ, Model, parse_count
+from memcalc.model.shape import BINARY, DECIMAL, MAX_BATCH, MAX_SEQ, Model, check_positions, parse_count
 from memcalc.model.tricks import Tricks
 
 from .calibration import Calibration
@@ -84,6 +84,7 @@ def sweep(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...], 
     points = []
     for value in values:
         at = replace(setup, **{field: value})
+        check_positions(model.shape, at.seq_len)
         if cal is None:
             times = tuple(compute_for(model, at, gpu, tricks) for tricks in trick_sets)
         else:

@@ -245,7 +245,7 @@ def test_bad_model_and_setup():
         check_dist(PRESETS["gpt2"], Setup(128, grad_accum=2), parse_tricks("bf16"), Layout(dp=2, zero=3), "meta")
     with pytest.raises(InputError, match="runs AdamW"):
         check_dist(PRESETS["gpt2"], Setup(128, optimizer="sgd"), parse_tricks("bf16"), Layout(dp=2, zero=3), "meta")
-    with pytest.raises(InputError, match="learned positions"):
+    with pytest.raises(InputError, match="learned position table"):
         check_dist(PRESETS["gpt2"], Setup(4096), parse_tricks("bf16"), Layout(dp=2, zero=3), "meta")
     with pytest.raises(InputError, match="rank must be"):
         verify_distributed(model(TINY_GPT), Setup(64), parse_tricks("bf16"), Layout(dp=2, zero=3), ranks=(2,))

@@ -9,6 +9,7 @@ of hardware FLOPs: HFU everywhere, the --mfu time model, the toolbox's cost of c
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from memcalc.model.flops import StepFlops, model_per_token
 from memcalc.model.shape import ModelShape
@@ -61,6 +62,7 @@ def counted_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
     return counted, counted - attention // 2
 
 
+@lru_cache(maxsize=4096)  # the estimate, the toolbox and the planner ask for the same few many times
 def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
     """Model FLOPs per token (memcalc.model.flops: what MFU divides by) and hardware FLOPs per token
     (what the kernels execute, counted). Recompute adds what torch.utils.checkpoint reruns: the block's

@@ -18,13 +18,12 @@ compute where the frameworks overlap it; how much is a named assumption below, n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.estimate import Setup
-from memcalc.model.flops import StepFlops, attention_flops, logits_flops
+from memcalc.model.flops import attention_flops, logits_flops
 from memcalc.model.gpus import A100_DATASHEET, GPU, H100_DATASHEET
-from memcalc.model.shape import Model, ModelShape
+from memcalc.model.shape import Model
 from memcalc.model.tricks import Tricks
 
 from .layout import Layout, LayoutMemory, bubble_fraction
@@ -217,17 +216,11 @@ class MicroBatch:
         return 2 * self.seconds / 3
 
 
-@lru_cache(maxsize=256)
-def flops_per_token(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
-    """memcalc.model.flops.step_flops, remembered: the planner asks for the same few thousands of times."""
-    return step_flops(shape, seq_len, tricks)
-
-
 def micro_batch_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout) -> MicroBatch:
     """FLOPs of one micro-batch on one GPU: the stage's layers (and, on the last stage, the output
     layer's 6·h·v per token, Korthikanti sec. 6.3), split over tp · cp; the slower of the end stages."""
     shape, s, L, p = model.shape, setup.seq_len, model.shape.n_layers, layout.pp
-    f = flops_per_token(shape, s, tricks)
+    f = step_flops(shape, s, tricks)
     logits = logits_flops(shape)
     layer_model = (f.model_per_token - logits) // L  # the layers' part is a multiple of L
     layer_extra = (f.hardware_per_token - f.model_per_token) // L
@@ -261,7 +254,7 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
     w = 4 if tricks.precision == "fp32" else 2  # bytes of a weight and of a gradient
     host, cpu = offload_comm(layout, params, w, m, fabric, assume, mb)
     tokens = layout.dp * m * setup.micro_batch * setup.seq_len
-    f = flops_per_token(model.shape, setup.seq_len, tricks)
+    f = step_flops(model.shape, setup.seq_len, tricks)
     return StepTime(
         layout=layout,
         tricks=tricks,

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from memcalc.exact import mirror
-from memcalc.exact.mirror import Config, simulate
+from memcalc.exact.config import Config
+from memcalc.exact.mirror import simulate
 from memcalc.exact.step import exact_step
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape

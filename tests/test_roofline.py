@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.exact import aten
+from memcalc.exact.config import Config
 from memcalc.exact.kernels import TRACES, kernels_of
-from memcalc.exact.mirror import Config, trace
+from memcalc.exact.mirror import trace
 from memcalc.exact.sim import Graph, Memory
 from memcalc.exact.step import exact_step
 from memcalc.model.gpus import GPUS

@@ -14,8 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.mirror import Config, simulate  # noqa: E402
-from memcalc.exact.mirror import build as mirror_build
+from memcalc.exact.builder import build as mirror_build  # noqa: E402
+from memcalc.exact.config import Config  # noqa: E402
+from memcalc.exact.mirror import simulate  # noqa: E402
 from memcalc.exact.sim import Graph, Memory  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
 from memcalc.memory.estimate import Setup  # noqa: E402

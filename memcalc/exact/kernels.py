@@ -15,7 +15,8 @@ from memcalc.model.flops import StepFlops, model_per_token
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 
-from .mirror import Config, trace
+from .config import Config
+from .mirror import trace
 from .sim import Kernel
 
 STEP_PHASES = ("forward", "backward", "recompute")  # run once per micro-batch

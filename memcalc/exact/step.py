@@ -24,7 +24,8 @@ from memcalc.model.shape import MAX_BATCH, MAX_SEQ, ModelShape, check_positions,
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
 
-from .mirror import Config, Phases, simulate
+from .config import Config
+from .mirror import Phases, simulate
 from .sim import ITEMSIZE
 
 SIM = "memcalc.exact.sim: verify/'s step replayed in bytes"

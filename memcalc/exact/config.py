@@ -1,0 +1,25 @@
+"""What decides the bytes of a simulated training step: the model, its size, the trick set, the stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.model.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Config:
+    """What decides the bytes of a training step."""
+
+    shape: ModelShape
+    seq_len: int
+    micro_batch: int
+    precision: str  # fp32 | bf16 | fp16
+    flash: bool  # attention by the flash kernel (aten._scaled_dot_product_flash_attention)
+    recompute: str  # none | selective | full
+    grad_accum: int = 1  # micro-batches per optimizer step
+
+    @property
+    def dtype(self) -> str:
+        """The parameters' and activations' dtype: the precision's name is the sim's dtype name."""
+        return self.precision

@@ -91,6 +91,9 @@ EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step
 Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
 Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
 Units = Annotated[str, typer.Option("--units", help="gb (decimal, as GPU datasheets count) or gib (binary).", metavar="UNITS")]
+StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: reference (memcalc's loop, the lesson's numbers), torch (torch.autocast + torch.optim), hf (Hugging Face Transformers' Trainer). See docs/stacks.md.", metavar="NAME")]  # fmt: skip
+RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="How 16-bit trains, instead of the stack's: master (fp32 master copy), autocast (fp32 weights), pure (16-bit weights and optimizer state).", metavar="NAME")]  # fmt: skip
+ImplOpt = Annotated[Optional[str], typer.Option("--optimizer-impl", help="The optimizer's implementation, instead of the stack's: reference, loop (foreach=False), foreach, fused.", metavar="NAME")]  # fmt: skip
 Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
 ExactBytes = Annotated[bool, typer.Option("--bytes", help="Exact byte counts under each value (JSON and CSV always carry them).")]  # fmt: skip
 
@@ -107,8 +110,10 @@ def check_format(fmt: str) -> str:
     return key
 
 
-def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T"):
+def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T",
+                stack="reference", recipe=None, impl=None):  # fmt: skip
     from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
+    from memcalc.model.stacks import stack_for
     from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
     from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
 
@@ -124,6 +129,7 @@ def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mf
         parallel=Parallel(parse_count(gpus, "gpus", MAX_GPUS), int(zero), offload),
         mfu=parse_fraction(mfu, "mfu"),
         host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
+        stack=stack_for(stack, recipe, impl),
     )
 
 
@@ -150,7 +156,8 @@ def estimate(
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
     optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
-    host_memory: HostMemory = "2T", tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
+    host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
+    optimizer_impl: ImplOpt = None, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
@@ -193,12 +200,13 @@ def estimate(
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         if layout_given:
-            setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory)
+            setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
+                                stack, recipe, optimizer_impl)  # fmt: skip
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
             show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
         else:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4",
-                                host_memory)  # fmt: skip
+                                host_memory, stack, recipe, optimizer_impl)  # fmt: skip
             cal = None if mfu is not None else roofline_calibration(the_gpu, calibration)
             if sweep is not None:
                 show = views.sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
@@ -310,7 +318,8 @@ def fit(
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
-    host_memory: HostMemory = "2T", gpu: GpuOpt = "h100-sxm", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
+    host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
+    optimizer_impl: ImplOpt = None, gpu: GpuOpt = "h100-sxm", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
     units: Units = "gb",
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
@@ -323,7 +332,8 @@ def fit(
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
-        setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory)
+        setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
+                            optimizer_impl)  # fmt: skip
         limits = fit_limits(the_model, setup, find_gpu(gpu), parse_tricks(tricks))
     except InputError as e:
         fail(str(e))
@@ -386,6 +396,7 @@ def verify(
     hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None, ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1",
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
+    stack: StackOpt = "reference", recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None,
     matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta.", metavar="DEV", show_default="cuda when present, else meta")] = None,
@@ -407,7 +418,7 @@ def verify(
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
-        setup = build_setup(seq, micro_batch, "1", "adamw", "1", "0", False, "0.4")
+        setup = build_setup(seq, micro_batch, "1", "adamw", "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl)
         the_tricks = parse_tricks(tricks)
         n_steps = parse_count(steps, "steps", 1000)
         tolerance = None if tol is None else parse_fraction(tol, "tol")

@@ -30,12 +30,11 @@ def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=Non
 
 
 def exact_steps(model, setup, trick_sets):
-    """--exact: verify's step replayed; it trains with AdamW on one GPU, so other settings are refused."""
+    """--exact: one GPU's step replayed as the stack runs it; several GPUs are refused (a layout shows one
+    layer of one GPU: exact_layers), and so is what the simulator does not replay (memcalc.exact.recipes)."""
     from memcalc.exact.step import exact_for
 
     p = setup.parallel
-    if setup.optimizer != "adamw":
-        raise InputError(f"--exact replays verify's step, which trains with AdamW: drop --optimizer {setup.optimizer}")
     if p.gpus > 1 or p.zero or p.offload:
         raise InputError("--exact replays one GPU's step: drop --gpus, --zero and --offload, or give a layout "
                          "(--tp, --dp ...) to see one layer on one GPU of it")  # fmt: skip

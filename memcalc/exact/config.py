@@ -18,6 +18,10 @@ class Config:
     flash: bool  # attention by the flash kernel (aten._scaled_dot_product_flash_attention)
     recompute: str  # none | selective | full
     grad_accum: int = 1  # micro-batches per optimizer step
+    optimizer: str = "adamw"  # adamw | sgd | adam8bit
+    model: str = "reference"  # whose op sequence (memcalc.model.stacks): reference | hf
+    recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure
+    impl: str = "reference"  # the optimizer's implementation: reference | loop | foreach | fused
 
     @property
     def dtype(self) -> str:

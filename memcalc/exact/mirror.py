@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .builder import Model, build, forward
 from .config import Config
-from .recipes import Recipe, layer_of
+from .recipes import Recipe, check_simulated, layer_of
 from .sim import Graph, Kernel, Memory, Tensor
 
 
@@ -50,6 +50,7 @@ def trace(cfg: Config) -> list[Kernel]:
     checkpoint recompute), what each further micro-batch adds into the gradients (AccumulateGrad's
     in-place add, phase "accumulate"), and the optimizer step. One step, no warm-up: a first step
     runs the same kernels as any other, except making AdamW's m and v, which is not a kernel here."""
+    check_simulated(cfg)
     g = Graph(Memory())
     g.kernels = []
     model = build(g, cfg)
@@ -83,6 +84,7 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
     terms, rebuilt bytes and FLOPs of its first). Each step simulates replayed(grad_accum)
     micro-batches, equal to the byte to replaying all of them (every_micro_batch, or a timeline,
     which records every allocation, replays all), so the time does not grow with grad_accum."""
+    check_simulated(cfg)
     micro_batches = cfg.grad_accum if timeline or every_micro_batch else replayed(cfg.grad_accum)
     mem = Memory(timeline=[] if timeline else None)
     g = Graph(mem)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from memcalc.model.flops import model_flops
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, ModelShape, check_positions, check_size, n_params
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
 
@@ -85,13 +86,14 @@ def symbols(shape: ModelShape, seq_len: int, micro_batch: int) -> dict[str, int]
             "d": shape.head_dim, "f": shape.ffn, "v": shape.vocab, "L": shape.n_layers}  # fmt: skip
 
 
-def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1) -> Config:
+def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
+           stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> Config:  # fmt: skip
     """The simulated step, its sizes carrying their symbols."""
     named = replace(shape, hidden=Sym(shape.hidden, "h"), n_heads=Sym(shape.n_heads, "a"),
                     n_kv_heads=Sym(shape.n_kv_heads, "k"), head_dim=Sym(shape.head_dim, "d"),
                     ffn=Sym(shape.ffn, "f"), vocab=Sym(shape.vocab, "v"))  # fmt: skip
     return Config(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks.precision, tricks.flash, tricks.recompute,
-                  grad_accum)  # fmt: skip
+                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -207,16 +209,17 @@ def flop_terms(flops: dict) -> tuple[Term, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1) -> ExactStep:
-    """Simulate verify's step: the model built as verify/builder.py builds it, AdamW on one GPU."""
+def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
+               stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> ExactStep:  # fmt: skip
+    """Simulate verify's step on one GPU: the model as the stack builds it, trained as it trains it."""
     check_size("seq", seq_len, limit=MAX_SEQ)
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
-    phases, g, _ = simulate(config(shape, seq_len, micro_batch, tricks, grad_accum))
+    phases, g, _ = simulate(config(shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer))
     saved = g.saved_terms
     if shape.n_layers == 1:  # split at two layers; the totals come from the real depth
-        _, g2, _ = simulate(config(replace(shape, n_layers=2), seq_len, micro_batch, tricks))
+        _, g2, _ = simulate(config(replace(shape, n_layers=2), seq_len, micro_batch, tricks, 1, stack, optimizer))
         layer, outside = split_layers(g2.saved_terms, 2)
     else:
         layer, outside = split_layers(saved, shape.n_layers)
@@ -239,4 +242,5 @@ def exact_for(model, setup, tricks: Tricks) -> ExactStep:
     """exact_step for a memcalc Model and an estimate Setup (anything with seq_len, micro_batch and
     grad_accum; memcalc.memory.estimate is not imported, so that it may import this module). The shape is
     simulated as built: its own parameter count, not a --params override."""
-    return exact_step(model.shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum)
+    return exact_step(model.shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack,
+                      setup.optimizer)  # fmt: skip

@@ -10,6 +10,7 @@ from memcalc.exact.kernels import step_flops
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU, GPUS_PER_NODE, HOST_MEMORY_BYTES
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, check_size, layer_params
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import PROGRESSION, Tricks
 
 from .activations import Activations, AttentionDetail, Logits, attention_detail, logits_memory, textbook_activations
@@ -32,6 +33,7 @@ class Setup:
     parallel: Parallel = Parallel()
     mfu: float = DEFAULT_MFU
     host_memory: int = HOST_MEMORY_BYTES  # CPU memory of one node, which offload fills
+    stack: Stack = DEFAULT_STACK  # whose code trains: model, precision recipe, optimizer implementation
 
     def __post_init__(self) -> None:
         check_size("seq", self.seq_len, limit=MAX_SEQ)
@@ -144,7 +146,7 @@ class Estimate:
 
 def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> tuple[ModelState, Activations, Logits, Memory]:
     """The memory side of one trick set; shared by estimate(), the toolbox and the fit solver."""
-    state = model_state(model.n_params, tricks.precision, setup.optimizer, setup.parallel)
+    state = model_state(model.n_params, tricks.precision, setup.optimizer, setup.parallel, setup.stack.recipe)
     acts = textbook_activations(model.shape, setup.seq_len, setup.micro_batch, tricks)
     logits = logits_memory(model.shape, setup.seq_len, setup.micro_batch, tricks.precision)
     buffers = 0

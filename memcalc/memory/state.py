@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from memcalc.errors import InputError
 
 OPTIMIZERS = ("adamw", "sgd", "adam8bit")
+WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one element
 BNB_BLOCK = 256  # elements per absmax scale in bitsandbytes' block-wise 8-bit optimizers
 MAX_GPUS = 1 << 20
 
@@ -63,6 +64,7 @@ class ModelState:
     optimizer: str
     parallel: Parallel
     parts: tuple[StatePart, ...]
+    recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure (memcalc.model.stacks)
 
     @property
     def total_bytes(self) -> int:
@@ -80,12 +82,14 @@ class ModelState:
         return sum(p.bytes_per_param for p in self.parts)
 
 
-def optimizer_elements(optimizer: str, params: int) -> list[tuple[str, str, int, str]]:
-    """(name, dtype, bytes, formula) of each optimizer state tensor, unsharded."""
-    if optimizer == "adamw":  # Loshchilov & Hutter 2019: first and second moments in fp32
-        return [("adam_m", "fp32", 4 * params, "4·{N}"), ("adam_v", "fp32", 4 * params, "4·{N}")]
-    if optimizer == "sgd":  # SGD with momentum: one fp32 buffer
-        return [("momentum", "fp32", 4 * params, "4·{N}")]
+def optimizer_elements(optimizer: str, params: int, dtype: str = "fp32") -> list[tuple[str, str, int, str]]:
+    """(name, dtype, bytes, formula) of each optimizer state tensor, unsharded. dtype: what the state
+    is kept in (the master's fp32; a pure 16-bit recipe's zeros_like(param) makes it 16-bit)."""
+    w = WIDTH[dtype]
+    if optimizer == "adamw":  # Loshchilov & Hutter 2019: first and second moments
+        return [("adam_m", dtype, w * params, f"{w}·{{N}}"), ("adam_v", dtype, w * params, f"{w}·{{N}}")]
+    if optimizer == "sgd":  # SGD with momentum: one buffer
+        return [("momentum", dtype, w * params, f"{w}·{{N}}")]
     if optimizer == "adam8bit":  # Dettmers et al. 2022: uint8 states + one fp32 absmax per block
         size = params + 4 * -(-params // BNB_BLOCK)
         formula = "{N} + 4·⌈{N}/%d⌉" % BNB_BLOCK
@@ -93,33 +97,37 @@ def optimizer_elements(optimizer: str, params: int) -> list[tuple[str, str, int,
     raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
 
 
-def unsharded_parts(precision: str, optimizer: str, params: int) -> list[tuple[str, str, int, int, str]]:
-    """(name, dtype, bytes, ZeRO stage that shards it, formula) for every part of model state."""
-    if precision == "fp32":  # fp32 training: weights and grads in fp32, no separate master copy
+def unsharded_parts(precision: str, optimizer: str, params: int, recipe: str = "master") -> list[tuple[str, str, int, int, str]]:
+    """(name, dtype, bytes, ZeRO stage that shards it, formula) for every part of model state.
+
+    recipe (memcalc.model.stacks): how a 16-bit precision trains. master: 16-bit weights and grads with
+    an fp32 master (Micikevicius et al. 2018); autocast: fp32 weights and grads, the weights being the
+    master; pure: 16-bit weights, grads and optimizer state, no master. fp32 trains in fp32 alike."""
+    if precision == "fp32" or recipe == "autocast":  # the weights are fp32 and are what the optimizer updates
         parts = [("weights", "fp32", 4 * params, 3, "4·{N}"), ("grads", "fp32", 4 * params, 2, "4·{N}")]
-    else:  # mixed precision (Micikevicius et al. 2018): 16-bit copies + fp32 master
-        parts = [
-            ("weights", precision, 2 * params, 3, "2·{N}"),
-            ("grads", precision, 2 * params, 2, "2·{N}"),
-            ("master", "fp32", 4 * params, 1, "4·{N}"),
-        ]
-    parts += [(name, dtype, size, 1, f) for name, dtype, size, f in optimizer_elements(optimizer, params)]
+    else:  # 16-bit copies, and in the master recipe an fp32 master (Micikevicius et al. 2018)
+        parts = [("weights", precision, 2 * params, 3, "2·{N}"), ("grads", precision, 2 * params, 2, "2·{N}")]
+        if recipe == "master":
+            parts.append(("master", "fp32", 4 * params, 1, "4·{N}"))
+    state_dtype = precision if recipe == "pure" else "fp32"
+    parts += [(name, dtype, size, 1, f) for name, dtype, size, f in optimizer_elements(optimizer, params, state_dtype)]
     if precision == "fp16":  # dynamic loss scaling: torch.amp.GradScaler's fp32 scale + int32 tracker
         parts.append(("loss_scale", "fp32+int32", 8, 99, "8"))
     return parts
 
 
-def model_state(params: int, precision: str, optimizer: str = "adamw", parallel: Parallel = Parallel()) -> ModelState:
+def model_state(params: int, precision: str, optimizer: str = "adamw", parallel: Parallel = Parallel(),
+                recipe: str = "master") -> ModelState:  # fmt: skip
     """Per-GPU model state. A part is sharded (ceil-divided) when the ZeRO stage reaches it."""
     parts = []
-    for name, dtype, size, stage, formula in unsharded_parts(precision, optimizer, params):
+    for name, dtype, size, stage, formula in unsharded_parts(precision, optimizer, params, recipe):
         shards = parallel.gpus if parallel.zero >= stage else 1
         on_host = parallel.offload and stage == 1  # optimizer state: master weights and moments
         per_param = 0.0 if name == "loss_scale" else size / params
         if shards > 1:
             formula = "⌈(" + formula + ")/{G}⌉"
         parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula))
-    return ModelState(params, precision, optimizer, parallel, tuple(parts))
+    return ModelState(params, precision, optimizer, parallel, tuple(parts), recipe)
 
 
 def zero3_gather_bytes(layer_params: int, n_layers: int, precision: str, held_elsewhere: int) -> int:

@@ -211,15 +211,15 @@ def gpu_params(model: Model, tp: int, pp: int, stage: int) -> int:
 
 @lru_cache(maxsize=4096)
 def sharded_state(params: int, precision: str, optimizer: str, shard_group: int, zero: int,
-                  offload_optimizer: bool, offload_params: bool) -> ModelState:  # fmt: skip
+                  offload_optimizer: bool, offload_params: bool, recipe: str = "master") -> ModelState:  # fmt: skip
     """ZeRO over the shard group (Rajbhandari et al. 2019, sec. 5); offload marks parts as host memory.
 
     Parameter offload (FSDP CPUOffload(offload_params=True)) puts the weight and gradient shards on the host.
     """
-    state = model_state(params, precision, optimizer, Parallel(shard_group, zero, offload_optimizer))
+    state = model_state(params, precision, optimizer, Parallel(shard_group, zero, offload_optimizer), recipe)
     if offload_params:
         parts = tuple(replace(p, on_host=True) if p.name in ("weights", "grads") else p for p in state.parts)
-        state = ModelState(state.params, state.precision, state.optimizer, state.parallel, parts)
+        state = replace(state, parts=parts)
     return state
 
 
@@ -425,7 +425,7 @@ def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: L
     shape, p = model.shape, layout.pp
     params = gpu_params(model, layout.tp, p, stage)
     state = sharded_state(params, tricks.precision, setup.optimizer, layout.shard_group, layout.zero,
-                          layout.offload_optimizer, layout.offload_params)  # fmt: skip
+                          layout.offload_optimizer, layout.offload_params, setup.stack.recipe)  # fmt: skip
     layer = layer_activations(shape, setup.seq_len, setup.micro_batch, tricks, layout.tp, layout.sp, layout.cp)
     buffers = []
     if layout.zero == 3 and (layout.shard_group > 1 or layout.offload_params):

@@ -19,6 +19,14 @@ if TYPE_CHECKING:  # only for annotations: estimate need not import them
     from memcalc.time.sweep import Sweep
 
 RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision + loss scaling"}
+HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 master)"}
+
+
+def recipe_text(precision: str, recipe: str = "master") -> str:
+    """'bf16 autocast over fp32 weights': the precision, as the stack's recipe trains it."""
+    if precision == "fp32" or recipe == "master":
+        return RECIPES[precision]
+    return HOW[recipe].format(p=precision) + (" + loss scaling" if precision == "fp16" else "")
 
 
 def preamble(est: Estimate, units: str = "gb") -> list[str]:
@@ -74,7 +82,7 @@ def summary_section(est: Estimate, units: str, times=None) -> Section:
         s.rows.append(row + [sized(m.total_bytes, units), verdict, u.seconds(t.step_seconds), u.percent(t.mfu)])
     model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
     s.notes = [
-        f"model state {est.model_state.bytes_per_param:g} bytes/param ({RECIPES[est.model_state.precision]}, "
+        f"model state {est.model_state.bytes_per_param:g} bytes/param ({recipe_text(est.model_state.precision, est.model_state.recipe)}, "
         f"{est.setup.optimizer}); activations: textbook (Korthikanti 2022)",
         f"step time: {model}; MFU: model FLOPs / step time / dense peak",
     ]
@@ -120,7 +128,7 @@ DETAIL_HINT = "--detail: every part; --bytes: exact bytes; --explain: the formul
 
 
 def state_section(state: ModelState, units: str) -> Section:
-    recipe = RECIPES[state.precision]
+    recipe = recipe_text(state.precision, state.recipe)
     s = Section(
         f"Model state: {recipe}, {state.optimizer}: {state.bytes_per_param:g} bytes/param",
         ["part", "dtype", "bytes/param", "per GPU", "where"],
@@ -143,9 +151,10 @@ def other_recipes(est: Estimate, units: str = "gb") -> list[str]:
         if tricks.precision in seen:
             continue
         seen.add(tricks.precision)
-        st = model_state(est.model.n_params, tricks.precision, est.setup.optimizer, est.setup.parallel)
+        st = model_state(est.model.n_params, tricks.precision, est.setup.optimizer, est.setup.parallel,
+                         est.setup.stack.recipe)  # fmt: skip
         parts = " + ".join(f"{p.name} {p.bytes_per_param:g}" for p in st.parts if p.bytes_per_param)
-        notes.append(f"{RECIPES[tricks.precision]}: {parts} = {st.bytes_per_param:g} bytes/param "
+        notes.append(f"{recipe_text(tricks.precision, st.recipe)}: {parts} = {st.bytes_per_param:g} bytes/param "
                      f"-> {u.size(st.total_bytes, units)} per GPU")  # fmt: skip
     return notes
 
@@ -319,7 +328,7 @@ def explain_lines(est: Estimate, mfu_time: bool = True) -> list[str]:
     --mfu step time when mfu_time: the roofline explains its own)."""
     syms = symbols(est)
     legend = ", ".join(f"{k} = {v:,}" for k, v in syms.items())
-    lines = [f"Symbols: {legend}", "", f"Model state ({RECIPES[est.model_state.precision]}, per GPU):"]
+    lines = [f"Symbols: {legend}", "", f"Model state ({recipe_text(est.model_state.precision, est.model_state.recipe)}, per GPU):"]
     for p in est.model_state.parts:
         t = Term(p.name, p.bytes, p.formula, "Rajbhandari et al. 2019, sec. 3.1")
         lines.append(explain_term(t, syms, "B"))

@@ -1,0 +1,76 @@
+"""Training stacks: whose code runs the step, and so what it allocates.
+
+memcalc's numbers depend on four choices a stack makes (and --recipe, --optimizer-impl override):
+  model      whose op sequence: memcalc's reference layer (verify/builder.py), or Hugging Face
+             Transformers' modeling_<arch>.py (its RMSNorm upcasts, fp32 rotary tables, fp32 logits)
+  recipe     how a 16-bit trick set trains:
+               master    16-bit weights and grads, fp32 master and optimizer state (Micikevicius et al.
+                         2018): 2 + 2 + 4 + 4 + 4 = 16 bytes/param with AdamW
+               autocast  fp32 weights, grads and optimizer state; torch.autocast casts to 16 bits per op
+                         and caches the weights' casts (torch/amp/autocast_mode.py): 4 + 4 + 4 + 4 = 16
+               pure      16-bit weights, grads and optimizer state, no master (a model loaded in bf16;
+                         torch.optim makes m and v zeros_like(param)): 2 + 2 + 2 + 2 = 8
+             fp32 trains in fp32 whatever the recipe.
+  impl       the optimizer's implementation: reference (verify/recipes.py's per-tensor AdamW, one
+             temporary), loop (torch.optim with foreach=False), foreach (torch.optim's default on CUDA:
+             list temporaries over all tensors at once), fused (one kernel per group, no temporaries)
+Layout engines (FSDP2, Megatron-LM, DeepSpeed) are stacks too: see memcalc.parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memcalc.errors import InputError
+
+MODELS = ("reference", "hf")
+RECIPES = ("master", "autocast", "pure")
+IMPLS = ("reference", "loop", "foreach", "fused")
+
+
+@dataclass(frozen=True)
+class Stack:
+    key: str
+    name: str
+    model: str  # reference | hf: whose op sequence
+    recipe: str  # master | autocast | pure: how the 16-bit trick sets train
+    impl: str  # reference | loop | foreach | fused: the optimizer's implementation
+    source: str  # where its choices come from
+
+    def __post_init__(self) -> None:
+        for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
+                                   ("optimizer implementation", self.impl, IMPLS)):  # fmt: skip
+            if value not in known:
+                raise InputError(f"unknown {what} {value!r}; known: {', '.join(known)}")
+
+    @property
+    def label(self) -> str:
+        """'torch (autocast, foreach)': the key, and what it was changed to where it was."""
+        base = STACKS.get(self.key)
+        changed = [x for x, y in ((self.recipe, base and base.recipe), (self.impl, base and base.impl)) if x != y]
+        return self.key + (f" ({', '.join(changed)})" if changed else "")
+
+
+STACKS: dict[str, Stack] = {
+    s.key: s
+    for s in (
+        Stack("reference", "memcalc's reference loop", "reference", "master", "reference",
+              "verify/builder.py and verify/recipes.py: the lesson's 16 bytes/param"),  # fmt: skip
+        Stack("torch", "stock PyTorch", "reference", "autocast", "foreach",
+              "torch.autocast over fp32 weights; torch.optim.AdamW defaults to foreach on CUDA "
+              "(torch/optim/optimizer.py, _default_to_fused_or_foreach)"),  # fmt: skip
+        Stack("hf", "Hugging Face Transformers (Trainer)", "hf", "autocast", "fused",
+              "TrainingArguments: optim adamw_torch_fused for torch >= 2.8, bf16=True autocasts "
+              "(transformers/training_args.py)"),  # fmt: skip
+    )
+}
+DEFAULT_STACK = STACKS["reference"]
+
+
+def stack_for(name: str = "reference", recipe: str | None = None, impl: str | None = None) -> Stack:
+    """--stack NAME, with --recipe and --optimizer-impl changing what it picks."""
+    key = name.strip().lower()
+    if key not in STACKS:
+        raise InputError(f"unknown stack {name!r}; known: {', '.join(STACKS)}")
+    changes = {k: v.strip().lower() for k, v in (("recipe", recipe), ("impl", impl)) if v is not None}
+    return replace(STACKS[key], **changes) if changes else STACKS[key]

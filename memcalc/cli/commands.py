@@ -113,9 +113,9 @@ def check_format(fmt: str) -> str:
 def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T",
                 stack="reference", recipe=None, impl=None):  # fmt: skip
     from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
-    from memcalc.model.stacks import stack_for
     from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
     from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
+    from memcalc.model.stacks import stack_for
 
     if optimizer.strip().lower() not in OPTIMIZERS:
         raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from .builder import Model, build, forward
 from .config import Config
-from .recipes import Recipe, check_simulated, layer_of
-from .sim import Graph, Kernel, Memory, Tensor
+from .recipes import Recipe, check_simulated
+from .sim import Graph, Kernel, Memory, Tensor, layer_of
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,14 @@ def replayed(grad_accum: int) -> int:
     return min(grad_accum, 2)
 
 
-def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = False) -> tuple[Phases, Graph, Memory]:
+def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = False,
+             warm_up: bool = True) -> tuple[Phases, Graph, Memory]:  # fmt: skip
     """Build, one warm-up step, then the measured step (its last micro-batch's phases; the saved
     terms, rebuilt bytes and FLOPs of its first). Each step simulates replayed(grad_accum)
     micro-batches, equal to the byte to replaying all of them (every_micro_batch, or a timeline,
-    which records every allocation, replays all), so the time does not grow with grad_accum."""
+    which records every allocation, replays all), so the time does not grow with grad_accum.
+    warm_up=False makes the state a first step leaves (Recipe.first_step_state) instead of running
+    one: the same phases for half the work (tests/test_exact_depth.py)."""
     check_simulated(cfg)
     micro_batches = cfg.grad_accum if timeline or every_micro_batch else replayed(cfg.grad_accum)
     mem = Memory(timeline=[] if timeline else None)
@@ -95,7 +98,10 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
     targets = g.empty((B, T), "int64", "input", kind="input")
     inputs = mem.live_bytes - weights
     recipe = Recipe(g, model)
-    micro_step(g, model, recipe, idx, targets, micro_batches)
+    if warm_up:
+        micro_step(g, model, recipe, idx, targets, micro_batches)
+    else:
+        recipe.first_step_state()
     before = mem.live_bytes
     peaks = {}
     for k in range(micro_batches):
@@ -109,11 +115,13 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
             terms, g.saved_terms = g.saved_terms, None
             retained = mem.live_bytes - before
         peaks["forward"] = (mem.peak_bytes, mem.peak_at)
+        mem.segments["forward"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
         mem.phase = "backward"
         mem.reset_peak()
         recipe.backward(loss)
         del loss
         peaks["backward"] = (mem.peak_bytes, mem.peak_at)
+        mem.segments["backward"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
         if k == 0:
             flops, rebuilt = dict(g.flops), g.rebuilt_bytes
     grads = mem.live_bytes - before
@@ -121,6 +129,7 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
     mem.reset_peak()
     recipe.update()
     peaks["optimizer"] = (mem.peak_bytes, mem.peak_at)
+    mem.segments["optimizer"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
     mem.phase = ""
     g.saved_terms, g.flops, g.rebuilt_bytes = terms, flops, rebuilt
     (fp, fa), (bp, ba), (op, oa) = peaks["forward"], peaks["backward"], peaks["optimizer"]

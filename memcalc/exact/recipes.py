@@ -7,7 +7,7 @@ from memcalc.errors import InputError
 from . import aten
 from .builder import Model, made
 from .config import Config
-from .sim import Graph, Tensor
+from .sim import Graph, Tensor, layer_of
 
 SIMULATED = {"model": ("reference",), "recipe": ("master",), "impl": ("reference",), "optimizer": ("adamw",)}
 
@@ -38,6 +38,13 @@ class Recipe:
         if self.precision == "fp16":
             self.scale = g.empty((), "fp32", "full", kind="state")
             self.growth = g.empty((), "int32", "zeros", kind="state")
+
+    def first_step_state(self) -> None:
+        """What the first optimizer step leaves behind besides new weights: AdamW's m and v. A step
+        simulated after this allocates and frees what it would after a real first step."""
+        for i, w in enumerate(self.masters):
+            self.m[i] = self.g.empty(w.shape, "fp32", "zeros_like", kind="state")
+            self.v[i] = self.g.empty(w.shape, "fp32", "zeros_like", kind="state")
 
     def backward(self, loss: Tensor) -> None:
         if self.scale is None:
@@ -102,6 +109,3 @@ class Recipe:
         self.g.layer = None
 
 
-def layer_of(name: str) -> int | None:
-    """The block a parameter belongs to, from its name (blocks.3.attn.wq.weight -> 3)."""
-    return int(name.split(".")[1]) if name.startswith("blocks.") else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "int64": 8, "uint64": 8, "int32": 4}
@@ -78,13 +78,19 @@ def nbytes(x) -> int:
 
 @dataclass
 class Memory:
-    """Live bytes, and the peak since reset_peak() with the op that reached it."""
+    """Live bytes, and the peak since reset_peak() with the op that reached it; and the peak of each
+    segment of the step (segment_peaks): a block's part of a phase, or what runs before the first
+    block or after the last (memcalc.exact.step.step_phases grows one- and two-block steps from them)."""
 
     live_bytes: int = 0
     peak_bytes: int = 0
     peak_at: str = ""
     phase: str = ""
     timeline: list[tuple[str, str, int, int]] | None = None  # (phase, op, ±bytes, live) when recording
+    segment: object = "before"  # a block's index, or "before" / "after" the blocks
+    segment_peaks: dict = field(default_factory=dict)  # segment -> (its highest live bytes since reset_peak(), op)
+    blocks_seen: list = field(default_factory=list)  # the blocks in the order the phase reached them
+    segments: dict = field(default_factory=dict)  # phase -> (its segment_peaks, its blocks_seen), kept by the step
 
     def alloc(self, nbytes: int, op: str) -> None:
         self.live_bytes += nbytes
@@ -92,14 +98,26 @@ class Memory:
             self.timeline.append((self.phase, op, nbytes, self.live_bytes))
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes, self.peak_at = self.live_bytes, f"{self.phase}: {op}"
+        if self.live_bytes > self.segment_peaks.get(self.segment, (0, ""))[0]:
+            self.segment_peaks[self.segment] = (self.live_bytes, f"{self.phase}: {op}")
 
     def free(self, nbytes: int, op: str) -> None:
         self.live_bytes -= nbytes
         if self.timeline is not None:
             self.timeline.append((self.phase, "free " + op, -nbytes, self.live_bytes))
 
+    def enter(self, layer: int | None) -> None:
+        """What runs from now on belongs to block `layer`, or (None) to before or after the blocks."""
+        if layer is None:
+            self.segment = "after" if self.blocks_seen else "before"
+            return
+        if layer not in self.blocks_seen:
+            self.blocks_seen.append(layer)
+        self.segment = layer
+
     def reset_peak(self) -> None:
         self.peak_bytes, self.peak_at = self.live_bytes, f"{self.phase}: (start)"
+        self.segment, self.segment_peaks, self.blocks_seen = "before", {"start": (self.live_bytes, self.peak_at)}, []
 
 
 class Storage:
@@ -196,7 +214,7 @@ class Graph:
         self.mem = mem
         self.seq = 0
         self.grad_enabled = True
-        self.layer: int | None = None  # the block being run, for SavedTerm.layer
+        self._layer: int | None = None  # the block being run (see layer)
         self.saved_terms: list[SavedTerm] | None = None  # see record_saves()
         self.saved_ids: set[int] = set()
         self.scope = ""  # the part of the model running, for SavedTerm.scope
@@ -207,6 +225,17 @@ class Graph:
         self.flops: dict[tuple[str, str], int] = {}  # (forward | backward | recompute, kind) -> FLOPs
         self.kernels: list[Kernel] | None = None  # every kernel launched, when recording
         self.stage = "forward"  # outside backward: forward, or the recipe's accumulate | optimizer
+
+    @property
+    def layer(self) -> int | None:
+        """The block being run (None: outside the blocks): for SavedTerm.layer, a kernel's layer, and the
+        memory's segments."""
+        return self._layer
+
+    @layer.setter
+    def layer(self, value: int | None) -> None:
+        self._layer = value
+        self.mem.enter(value)
 
     @contextlib.contextmanager
     def scoped(self, name: str):
@@ -251,7 +280,7 @@ class Graph:
     def param(self, shape, dtype: str, name: str) -> Tensor:
         t = self.empty(shape, dtype, "param " + name, kind="param")
         t.name = name
-        t.grad_fn = Node("AccumulateGrad", LEAF_SEQ, [], None, 1)
+        t.grad_fn = Node("AccumulateGrad", LEAF_SEQ, [], None, 1, layer_of(name))
         t.grad_fn.leaf = t
         return t
 
@@ -401,6 +430,12 @@ class Graph:
         summed = self.empty(shape, grad.dtype, "sum")
         self.kernel("sum", (grad,), (summed,))
         return summed
+
+
+def layer_of(name: str) -> int | None:
+    """The block a parameter belongs to, from its name: the first number in it (blocks.3.attn.wq.weight,
+    model.layers.3.self_attn.q_proj.weight -> 3); None outside the blocks (tok_emb.weight)."""
+    return next((int(part) for part in name.split(".") if part.isdigit()), None)
 
 
 def dependencies(root: Node) -> dict[Node, int]:

@@ -27,7 +27,7 @@ from memcalc.terms import Term
 
 from .config import Config
 from .mirror import Phases, simulate
-from .sim import ITEMSIZE
+from .sim import ITEMSIZE, Memory
 
 SIM = "memcalc.exact.sim: verify/'s step replayed in bytes"
 
@@ -244,3 +244,57 @@ def exact_for(model, setup, tricks: Tricks) -> ExactStep:
     simulated as built: its own parameter count, not a --params override."""
     return exact_step(model.shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack,
                       setup.optimizer)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=512)
+def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
+                stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> Phases:  # fmt: skip
+    """The whole step's phases at full depth from one- and two-block simulations (exact_step's cost for
+    3 blocks, not L). Every block runs the same ops, so what the step holds is affine in the depth; a
+    phase's peak is the highest of its segments' (memcalc.exact.sim.Memory): its start, before the
+    blocks, after them, and inside a block, where the live bytes are affine in how many blocks the phase
+    has done (each frees one block's activations, or keeps one, and adds its gradients), so highest in
+    the first block or the last; with one block, both are that block. Each grows affinely with L; the
+    peak is the highest grown. Held against full-depth replays in tests/test_exact_depth.py."""
+    check_size("seq", seq_len, limit=MAX_SEQ)
+    check_size("micro-batch", micro_batch, limit=MAX_BATCH)
+    check_size("grad-accum", grad_accum, limit=MAX_BATCH)
+    check_positions(shape, seq_len)
+
+    def at(layers: int) -> tuple[Phases, Memory]:
+        cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, tricks.precision, tricks.flash,
+                     tricks.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl)  # fmt: skip
+        phases, _, mem = simulate(cfg, warm_up=False)
+        return phases, mem
+
+    L = shape.n_layers
+    if L <= 2:
+        return at(L)[0]
+    (one, m1), (two, m2) = at(1), at(2)
+    grown = {f: grow(getattr(one, f), getattr(two, f), L) for f in STATE_FIELDS}
+    for phase in ("forward", "backward", "optimizer"):
+        peak, at_op = -1, ""
+        for a, (b, op) in candidates(m1.segments[phase], m2.segments[phase]):  # in the order the phase runs them
+            if grow(a, b, L) > peak:  # the first to reach the peak names it, as Memory's running peak does
+                peak, at_op = grow(a, b, L), op
+        grown[f"{phase}_peak_bytes"], grown[f"{phase}_peak_at"] = peak, at_op
+    return replace(two, **grown)
+
+
+STATE_FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes")
+
+
+def grow(at1: int, at2: int, layers: int) -> int:
+    """An affine count at depth 1 and 2, at `layers`."""
+    return at1 + (layers - 1) * (at2 - at1)
+
+
+def candidates(one: tuple, two: tuple) -> list[tuple[int, tuple[int, str]]]:
+    """The segments a phase's peak can be in, in the order it runs them, as (bytes at depth 1, (bytes at
+    depth 2, the op there)): its start, before the blocks, its first block and its last (at depth 1 the
+    one block is both), after the blocks."""
+    (p1, seen1), (p2, seen2) = one, two
+    pairs = [(p1[k][0], p2[k]) for k in ("start", "before") if k in p1 and k in p2]
+    if seen1 and seen2:
+        pairs += [(p1[seen1[0]][0], p2[seen2[0]]), (p1[seen1[0]][0], p2[seen2[-1]])]
+    return pairs + ([(p1["after"][0], p2["after"])] if "after" in p1 and "after" in p2 else [])

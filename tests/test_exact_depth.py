@@ -1,0 +1,49 @@
+"""The verdict's shortcut: a whole step's phases grown from one- and two-block simulations (without the
+warm-up step) equal the full-depth replay, byte for byte."""
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc.exact.config import Config
+from memcalc.exact.mirror import simulate
+from memcalc.exact.step import exact_step, step_phases
+from memcalc.model.presets import PRESETS
+from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import PROGRESSION, parse_tricks
+
+TRICKS = [*PROGRESSION, parse_tricks("fp16,flash,ckpt"), parse_tricks("fp16"), parse_tricks("fp32,ckpt")]
+
+
+@pytest.mark.parametrize("name, seq", [("qwen3-8b", 8192), ("llama3-8b", 8192), ("gpt2", 1024), ("qwen3-0.6b", 512)])
+@pytest.mark.parametrize("tricks", TRICKS, ids=lambda t: t.label)
+def test_grown_phases_equal_the_full_depth_replay(name, seq, tricks):
+    """At 8B the backward peak moves, with depth, from the loss into the last block's recompute (the
+    gradients of the blocks done outgrow the activations they freed): growing each segment finds it."""
+    shape = PRESETS[name]
+    assert step_phases(shape, seq, 1, tricks) == exact_step(shape, seq, 1, tricks).phases
+
+
+shapes = st.builds(
+    lambda layers, heads, kv, dim, gated, ffn, tied: ModelShape(
+        n_layers=layers, hidden=heads * dim, n_heads=heads, n_kv_heads=kv, ffn=ffn, gated_mlp=gated,
+        norm="rmsnorm" if gated else "layernorm", positions="rope" if gated else "none", vocab=97,
+        tied_embeddings=tied, dropout=0.0 if gated else 0.1),
+    layers=st.integers(3, 9), heads=st.sampled_from([2, 4]), kv=st.sampled_from([1, 2]), dim=st.sampled_from([8, 16]),
+    gated=st.booleans(), ffn=st.sampled_from([24, 64, 200]), tied=st.booleans(),
+)  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=shapes, seq=st.sampled_from([8, 32, 96]), mb=st.sampled_from([1, 3]), ga=st.sampled_from([1, 2, 4]),
+       tricks=st.sampled_from(TRICKS))  # fmt: skip
+def test_grown_phases_for_any_shape(shape, seq, mb, ga, tricks):
+    assert step_phases(shape, seq, mb, tricks, ga) == exact_step(shape, seq, mb, tricks, ga).phases
+
+
+@pytest.mark.parametrize("tricks", TRICKS, ids=lambda t: t.label)
+def test_the_first_steps_state_stands_for_the_warm_up(tricks):
+    cfg = Config(replace(PRESETS["qwen3-0.6b"], n_layers=2), 256, 2, tricks.precision, tricks.flash, tricks.recompute)
+    assert simulate(cfg, warm_up=False)[0] == simulate(cfg)[0]

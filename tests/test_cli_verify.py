@@ -1,4 +1,5 @@
-"""`memcalc verify` through the CLI: meta at full size, the matrix, the distributed check, bad input."""
+"""`memcalc verify` through the CLI: meta, the matrix, the distributed check, bad input. (The issue's command at full
+size: tests/test_verify_meta.py.)"""
 
 import json
 
@@ -15,18 +16,16 @@ def run(*args):
     return CliRunner().invoke(app, list(args), env={"NO_COLOR": "1"})
 
 
-def test_the_issue_command_passes_on_meta():
-    # memcalc verify --device meta --tricks bf16,flash,ckpt --params 8e9 --seq 8192: every row passes
-    out = run("verify", "--device", "meta", "--tricks", "bf16,flash,ckpt", "--params", "8e9", "--seq", "8192", "--bytes")
-    assert out.exit_code == 0, out.output
-    assert "textbook" in out.stdout and "exact prediction" in out.stdout and "FAIL" not in out.stdout
-    assert "3,556,769,792" not in out.stdout  # the rows compare whole steps; the golden peak is estimate's
-    assert "134,785,875,968 B" in out.stdout  # the whole-step peak, predicted = measured
+# The issue's command, `memcalc verify --device meta --tricks bf16,flash,ckpt --params 8e9 --seq 8192`,
+# is tests/test_verify_meta.py::test_the_issue_command_end_to_end: its output is checked there, with
+# what verify measured inside it (one 8B measurement for both).
 
 
 def test_json_rows_carry_error_and_pass():
-    out = run("verify", "--device", "meta", "--model", "gpt2", "--seq", "1024", "--tricks", "bf16,flash",
-              "--format", "json")  # fmt: skip
+    # GPT-2 cut to 2 of its 12 layers (for time): every row and field is there at any depth, and
+    # test_verify_meta.py measures the full depth of 8B models
+    out = run("verify", "--device", "meta", "--model", "gpt2", "--layers", "2", "--seq", "1024", "--tricks",
+              "bf16,flash", "--format", "json")  # fmt: skip
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["passed"] is True and data["device"] == "meta"
@@ -35,7 +34,9 @@ def test_json_rows_carry_error_and_pass():
 
 
 def test_distributed_check_on_the_fake_process_group():
-    out = run("verify", "--model", "gpt2", "--seq", "1024", "--tricks", "bf16", "--fsdp", "8", "--format", "json")
+    # GPT-2 at full width, 2 layers, as in test_verify_distributed.py (only the layer count is cut for time)
+    out = run("verify", "--model", "gpt2", "--layers", "2", "--seq", "1024", "--tricks", "bf16", "--fsdp", "8",
+              "--format", "json")  # fmt: skip
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["world"] == 8 and data["backend"] == "fake"

@@ -141,18 +141,21 @@ TINY_LLAMA = ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=96, 
                         vocab=1000, positions="rope", tied_embeddings=False, name="tiny-llama")  # fmt: skip
 
 
-@pytest.mark.parametrize("shape, layout, tricks", [
-    (TINY_GPT, Layout(dp=2, zero=3), "bf16"),
-    (TINY_LLAMA, Layout(tp=2, sp=True), "bf16,selective"),
-])  # fmt: skip
-def test_gloo_2_ranks_equal_the_fake_process_group(shape, layout, tricks):
-    fake = verify_distributed(model(shape), Setup(64), parse_tricks(tricks), layout, "meta")
-    real = verify_distributed(model(shape), Setup(64), parse_tricks(tricks), layout, "cpu-gloo")
-    assert real.backend == "gloo" and [rc.rank for rc in real.ranks] == [0, 1]
-    assert_exact(real)
-    for rank in (0, 1):
-        assert {q: r.measured_bytes for q, r in rows(real, rank).items()} == \
-               {q: r.measured_bytes for q, r in rows(fake, rank).items()}  # fmt: skip
+def test_gloo_2_ranks_equal_the_fake_process_group():
+    # Both jobs in one test, one after the other: under pytest-xdist two tests could run at once, each
+    # spawning two ranks (four processes on two cores), each rendezvousing on a port from free_port()
+    # (bind to port 0, then close), which the other could in principle be handed too.
+    for shape, layout, tricks in [
+        (TINY_GPT, Layout(dp=2, zero=3), "bf16"),
+        (TINY_LLAMA, Layout(tp=2, sp=True), "bf16,selective"),
+    ]:  # fmt: skip
+        fake = verify_distributed(model(shape), Setup(64), parse_tricks(tricks), layout, "meta")
+        real = verify_distributed(model(shape), Setup(64), parse_tricks(tricks), layout, "cpu-gloo")
+        assert real.backend == "gloo" and [rc.rank for rc in real.ranks] == [0, 1], shape.name
+        assert_exact(real)
+        for rank in (0, 1):
+            assert {q: r.measured_bytes for q, r in rows(real, rank).items()} == \
+                   {q: r.measured_bytes for q, r in rows(fake, rank).items()}, (shape.name, rank)  # fmt: skip
 
 
 # ---- CUDA, where there is one ----------------------------------------------------------------

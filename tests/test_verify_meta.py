@@ -6,13 +6,18 @@ tiny models for every shape feature and trick set, allocation by allocation.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import itertools
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import pytest
+from typer.testing import CliRunner
 
 torch = pytest.importorskip("torch")
 
+import verify.run as verify_run  # noqa: E402
+from memcalc.cli import app  # noqa: E402
 from memcalc.errors import InputError  # noqa: E402
 from memcalc.exact.builder import build as mirror_build  # noqa: E402
 from memcalc.exact.config import Config  # noqa: E402
@@ -23,8 +28,9 @@ from memcalc.memory.estimate import Setup  # noqa: E402
 from memcalc.model.presets import PRESETS, canonical_model  # noqa: E402
 from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
+from memcalc.verification.results import VerifyResult  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402
-from verify.meta import count_flops, measure_step, saved_at_depth  # noqa: E402
+from verify.meta import MetaMeasurement, count_flops, measure_step, saved_at_depth  # noqa: E402
 from verify.run import verify  # noqa: E402
 
 LLAMA_8B = PRESETS["qwen3-8b"]  # what --params 8e9 picks
@@ -62,30 +68,113 @@ def sim_vs_meta(shape: ModelShape, seq: int, batch: int, tricks: Tricks, grad_ac
     return phases, g, mem, step, live
 
 
-@pytest.mark.parametrize("family,tricks", list(itertools.product(("llama", "gpt"), REQUIRED)))
-def test_full_size_exact_equals_meta(family, tricks):
-    """8B, seq 8192: every byte count of the step, predicted = measured (no tolerance needed)."""
-    shape, t = (LLAMA_8B if family == "llama" else GPT_8B), parse_tricks(tricks)
-    step, _ = measure_step(shape, 8192, 1, t)
-    e = exact_step(shape, 8192, 1, t)
+def assert_exact_equals_meta(shape: ModelShape, tricks: Tricks, step) -> None:
+    """Every byte count of the step at seq 8192, predicted = measured (no tolerance needed)."""
+    e = exact_step(shape, 8192, 1, tricks)
     for f in FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
     assert e.activations.total_bytes == step.saved_bytes
 
 
-@pytest.mark.parametrize("family,tricks", [("llama", "bf16,flash,ckpt"), ("gpt", "bf16")])
-def test_verify_meta_end_to_end(family, tricks):
-    """The issue's done-when command: verify --device meta at 8B, seq 8192, every row passes."""
-    model = canonical_model(8_000_000_000) if family == "llama" else Model(GPT_8B, n_params(GPT_8B), "test")
-    stages = []
-    r = verify(model, Setup(8192), parse_tricks(tricks), device="meta", progress=lambda *a: stages.append(a))
+# Two of the pairs are measured by verify's runs end to end (the tests after this one): each of those
+# asserts the step verify measured, so that an 8B step is measured once per pair.
+VERIFIED = (("llama", "bf16,flash,ckpt"), ("gpt", "bf16"))
+
+
+@pytest.mark.parametrize("family,tricks", [p for p in itertools.product(("llama", "gpt"), REQUIRED)
+                                           if p not in VERIFIED])
+def test_full_size_exact_equals_meta(family, tricks):
+    """8B, seq 8192: every byte count of the step, predicted = measured (no tolerance needed)."""
+    shape, t = (LLAMA_8B if family == "llama" else GPT_8B), parse_tricks(tricks)
+    step, _ = measure_step(shape, 8192, 1, t)
+    assert_exact_equals_meta(shape, t, step)
+
+
+@dataclass
+class Recorded:
+    """One run of verify seen from inside: its arguments by name, the stages it reported (progress's
+    (done, total)), its result, and measure_meta's arguments (shape, seq, batch, tricks) and measurement."""
+
+    call: dict = field(default_factory=dict)
+    stages: list = field(default_factory=list)
+    result: VerifyResult | None = None
+    meta_args: tuple = ()
+    measured: MetaMeasurement | None = None
+
+
+@contextlib.contextmanager
+def spying_on_verify():
+    """verify.run.verify and verify.run.measure_meta run as they would, with the arguments they are
+    given; spies in their place note those and what comes back. (progress is wrapped to note each
+    stage, and still called where the caller gave one.)"""
+    rec = Recorded()
+    real_verify, real_measure = verify_run.verify, verify_run.measure_meta
+
+    def verify_spy(*args, **kwargs):
+        bound = inspect.signature(real_verify).bind(*args, **kwargs)
+        bound.apply_defaults()
+        rec.call, given = dict(bound.arguments), bound.arguments["progress"]
+
+        def progress(what, done, total):
+            rec.stages.append((done, total))
+            if given is not None:
+                given(what, done, total)
+
+        bound.arguments["progress"] = progress
+        rec.result = real_verify(*bound.args, **bound.kwargs)
+        return rec.result
+
+    def measure_spy(*args, **kwargs):
+        rec.measured = real_measure(*args, **kwargs)
+        rec.meta_args = args[:4]
+        return rec.measured
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify_run, "verify", verify_spy)
+        mp.setattr(verify_run, "measure_meta", measure_spy)
+        yield rec
+
+
+def assert_verified_end_to_end(run: Recorded, model: Model, tricks: str) -> None:
+    """verify --device meta at 8B, seq 8192: called as asked, every row passes, the FLOPs exactly; and
+    the step it measured equals the exact prediction byte for byte (as test_full_size_exact_equals_meta)."""
+    call, t = run.call, parse_tricks(tricks)
+    assert (call["model"], call["setup"], call["tricks"], call["device"]) == (model, Setup(8192), t, "meta")
+    assert call["layers"] is None and call["tol"] is None
+    r = run.result
     assert r.passed, [(row.quantity, row.exact, row.measured) for row in r.failed]
     assert r.device == "meta" and r.layers_built == r.layers_requested == 36
-    assert [s[1:] for s in stages] == [(0, 3), (1, 3), (2, 3)]
+    assert run.stages == [(0, 3), (1, 3), (2, 3)]
     flops = next(row for row in r.rows if row.quantity.startswith("FLOPs, forward"))
     assert flops.measured == flops.exact  # FlopCounterMode's count, exactly
     assert any("causal" in row.quantity for row in r.rows)  # both conventions reported
     assert all(row.textbook is not None for row in r.rows if row.quantity.startswith("saved for backward"))
+    assert run.meta_args == (model.shape, 8192, 1, t)  # measure_meta's step is measure_step(shape, 8192, 1, t)
+    assert_exact_equals_meta(model.shape, t, run.measured.step)
+
+
+def test_the_issue_command_end_to_end():
+    """The issue's done-when command, `memcalc verify --device meta --tricks bf16,flash,ckpt --params 8e9
+    --seq 8192`: the CLI prints every row passing, verify inside it ran end to end, and the step it
+    measured is exact = meta to the byte. (One 8B measurement for the three checks.)"""
+    with spying_on_verify() as run:
+        args = ["verify", "--device", "meta", "--tricks", "bf16,flash,ckpt", "--params", "8e9", "--seq", "8192", "--bytes"]
+        out = CliRunner().invoke(app, args, env={"NO_COLOR": "1"})
+    assert out.exit_code == 0, out.output
+    assert "textbook" in out.stdout and "exact prediction" in out.stdout and "FAIL" not in out.stdout
+    assert "3,556,769,792" not in out.stdout  # the rows compare whole steps; the golden peak is estimate's
+    assert "134,785,875,968 B" in out.stdout  # the whole-step peak, predicted = measured
+    assert run.call["model"].shape == LLAMA_8B  # what --params 8e9 picks
+    assert_verified_end_to_end(run, canonical_model(8_000_000_000), "bf16,flash,ckpt")
+
+
+def test_verify_meta_end_to_end_gpt():
+    """verify --device meta on the textbook GPT layer at 8B width, seq 8192, bf16: every row passes, and
+    the step it measured is exact = meta to the byte."""
+    model = Model(GPT_8B, n_params(GPT_8B), "test")
+    with spying_on_verify() as run:
+        verify_run.verify(model, Setup(8192), parse_tricks("bf16"), device="meta")
+    assert_verified_end_to_end(run, model, "bf16")
 
 
 def test_full_size_flops_and_depths():

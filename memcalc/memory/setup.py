@@ -1,0 +1,73 @@
+"""What is trained per step, on how many GPUs (Setup), and whether a result fits them (Budget)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from memcalc.errors import InputError
+from memcalc.model.gpus import GPUS_PER_NODE, HOST_MEMORY_BYTES
+from memcalc.model.shape import MAX_BATCH, MAX_SEQ, check_size
+from memcalc.model.stacks import DEFAULT_STACK, Stack
+
+from .state import Parallel
+
+# Default MFU: Llama 3 trained at 38-43% BF16 MFU on 16K H100s (Dubey et al. 2024, Table 4);
+# Korthikanti et al. 2022 Table 5 reports 41-56% on A100s. 0.4 sits at the low end of both.
+DEFAULT_MFU = 0.4
+MAX_HOST_BYTES = 10**15  # a petabyte of CPU memory in one node: beyond any machine
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What is trained per step, on how many GPUs, and at what assumed utilisation."""
+
+    seq_len: int
+    micro_batch: int = 1
+    grad_accum: int = 1
+    optimizer: str = "adamw"
+    parallel: Parallel = Parallel()
+    mfu: float = DEFAULT_MFU
+    host_memory: int = HOST_MEMORY_BYTES  # CPU memory of one node, which offload fills
+    stack: Stack = DEFAULT_STACK  # whose code trains: model, precision recipe, optimizer implementation
+
+    def __post_init__(self) -> None:
+        check_size("seq", self.seq_len, limit=MAX_SEQ)
+        check_size("host memory", self.host_memory, limit=MAX_HOST_BYTES)
+        check_size("micro-batch", self.micro_batch, limit=MAX_BATCH)
+        check_size("grad-accum", self.grad_accum, limit=MAX_BATCH)
+        if not (isinstance(self.mfu, (int, float)) and math.isfinite(self.mfu) and 0 < self.mfu <= 1):
+            raise InputError(f"mfu must be a fraction in (0, 1], got {self.mfu!r}")
+
+    @property
+    def host_usable_bytes(self) -> int:
+        """One GPU's share of its node's host memory: the job's GPUs on a node split it."""
+        return self.host_memory // min(self.parallel.gpus, GPUS_PER_NODE)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one GPU processes per optimizer step (all accumulated micro-batches)."""
+        return self.tokens_per_micro_batch * self.grad_accum
+
+
+class Budget:
+    """For results with total_bytes and usable_bytes (the GPU), host_bytes and host_usable_bytes (its share
+    of the node's CPU memory, which offload fills): does it fit, and by how much."""
+
+    __slots__ = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.usable_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_bytes <= self.host_usable_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.usable_bytes - self.total_bytes

@@ -1,0 +1,25 @@
+"""What makes the suite fast on a 2-core machine; no test's check depends on it.
+
+pyproject.toml runs the tests on pytest-xdist workers, one per core (`-n auto`), each test on
+whichever worker is free: a test must not count on another having run in its process.
+`python -m pytest -n0 ...` runs them all in the pytest process instead.
+"""
+
+import gc
+import os
+
+# One intra-op thread per process, set before torch is imported. The tensors here are tiny: with
+# two xdist workers on two cores, two OpenMP threads each only contend (the CPU stand-in tests
+# of test_verify_cuda.py ran 1.5x slower even alone). A value set by the user is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_runtest_setup(item):
+    """Every measurement starts with gc.collect() (verify/track.py's LiveBytes, verify/cuda.py's
+    release), and a collection scans every object alive: some 300,000 once torch, hypothesis and
+    the test modules are loaded, 0.15 s a call, hundreds of calls. So before each test, collect the
+    garbage and freeze the survivors into the generation the collector skips: a test's own
+    collections scan only what it created. (A frozen object that later becomes garbage is never
+    freed, so it cannot be freed in the middle of a measurement either.)"""
+    gc.collect()
+    gc.freeze()

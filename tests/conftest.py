@@ -7,11 +7,16 @@ whichever worker is free: a test must not count on another having run in its pro
 
 import gc
 import os
+import tempfile
 
 # One intra-op thread per process, set before torch is imported. The tensors here are tiny: with
 # two xdist workers on two cores, two OpenMP threads each only contend (the CPU stand-in tests
 # of test_verify_cuda.py ran 1.5x slower even alone). A value set by the user is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# memcalc remembers replayed steps on disk (memcalc.exact.cache): the tests keep theirs apart, fresh for
+# each run and each xdist worker, so that they replay every step and never read a developer's cache.
+os.environ["MEMCALC_CACHE"] = tempfile.mkdtemp(prefix="memcalc-cache-")
 
 
 def pytest_runtest_setup(item):

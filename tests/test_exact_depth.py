@@ -1,5 +1,5 @@
-"""The verdict's shortcut: a whole step's phases grown from one- and two-block simulations (without the
-warm-up step) equal the full-depth replay, byte for byte."""
+"""exact_step's shortcut: a whole step grown from one- and two-block simulations (without the warm-up
+step) equals the full-depth replay, byte for byte: phases, saved bytes and FLOPs."""
 
 from dataclasses import replace
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from memcalc.exact.config import Config
 from memcalc.exact.mirror import simulate
-from memcalc.exact.step import exact_step, step_phases
+from memcalc.exact.step import config, exact_step
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import PROGRESSION, parse_tricks
@@ -22,8 +22,16 @@ TRICKS = [*PROGRESSION, parse_tricks("fp16,flash,ckpt"), parse_tricks("fp16"), p
 def test_grown_phases_equal_the_full_depth_replay(name, seq, tricks):
     """At 8B the backward peak moves, with depth, from the loss into the last block's recompute (the
     gradients of the blocks done outgrow the activations they freed): growing each segment finds it."""
-    shape = PRESETS[name]
-    assert step_phases(shape, seq, 1, tricks) == exact_step(shape, seq, 1, tricks).phases
+    assert_grown_equals_replay(PRESETS[name], seq, 1, tricks, 1)
+
+
+def assert_grown_equals_replay(shape, seq, mb, tricks, ga):
+    phases, g, _ = simulate(config(shape, seq, mb, tricks, ga))  # every block, after a warm-up step
+    e = exact_step(shape, seq, mb, tricks, ga)
+    assert e.phases == phases
+    assert e.activations.per_layer_bytes * shape.n_layers + e.activations.outside_bytes == sum(
+        t.nbytes for t in g.saved_terms)  # fmt: skip
+    assert e.flops.counted == sum(g.flops.values())
 
 
 shapes = st.builds(
@@ -40,7 +48,7 @@ shapes = st.builds(
 @given(shape=shapes, seq=st.sampled_from([8, 32, 96]), mb=st.sampled_from([1, 3]), ga=st.sampled_from([1, 2, 4]),
        tricks=st.sampled_from(TRICKS))  # fmt: skip
 def test_grown_phases_for_any_shape(shape, seq, mb, ga, tricks):
-    assert step_phases(shape, seq, mb, tricks, ga) == exact_step(shape, seq, mb, tricks, ga).phases
+    assert_grown_equals_replay(shape, seq, mb, tricks, ga)
 
 
 @pytest.mark.parametrize("tricks", TRICKS, ids=lambda t: t.label)

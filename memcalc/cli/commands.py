@@ -91,7 +91,7 @@ EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step
 Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
 Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
 Units = Annotated[str, typer.Option("--units", help="gb (decimal, as GPU datasheets count) or gib (binary).", metavar="UNITS")]
-StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: reference (memcalc's loop, the lesson's numbers), torch (torch.autocast + torch.optim), hf (Hugging Face Transformers' Trainer). See docs/stacks.md.", metavar="NAME")]  # fmt: skip
+StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: reference (memcalc's own loop: bf16 weights, fp32 master), torch (torch.autocast + torch.optim), hf (Hugging Face Transformers' Trainer). See docs/stacks.md.", metavar="NAME")]  # fmt: skip
 RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="How 16-bit trains, instead of the stack's: master (fp32 master copy), autocast (fp32 weights), pure (16-bit weights and optimizer state).", metavar="NAME")]  # fmt: skip
 ImplOpt = Annotated[Optional[str], typer.Option("--optimizer-impl", help="The optimizer's implementation, instead of the stack's: reference, loop (foreach=False), foreach, fused.", metavar="NAME")]  # fmt: skip
 Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
@@ -324,7 +324,7 @@ def fit(
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
     try:
-        from memcalc.memory.toolbox import fit_limits
+        from memcalc.memory.toolbox import fit_limits, verdict_measure
         from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.tricks import parse_tricks
 
@@ -334,7 +334,8 @@ def fit(
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
                             optimizer_impl)  # fmt: skip
-        limits = fit_limits(the_model, setup, find_gpu(gpu), parse_tricks(tricks))
+        the_tricks = parse_tricks(tricks)
+        limits = fit_limits(the_model, setup, find_gpu(gpu), the_tricks, verdict_measure(setup, the_tricks))
     except InputError as e:
         fail(str(e))
     from memcalc.report import estimate as report

@@ -14,7 +14,8 @@ def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=Non
     """One GPU (data-parallel over --gpus): the estimate, its roofline step time (cal None: --mfu's),
     its toolbox, and the run if --tokens."""
     from memcalc.memory.estimate import estimate as run_estimate
-    from memcalc.memory.toolbox import toolbox
+    from memcalc.memory.state import Parallel
+    from memcalc.memory.toolbox import toolbox, verdict_measure
     from memcalc.time.training_run import runs_for_estimate
 
     est = run_estimate(model, setup, gpu, trick_sets)
@@ -23,10 +24,17 @@ def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=Non
         from memcalc.time.roofline import step_times
 
         roofline = step_times(model, setup, gpu, trick_sets, cal), cal
-    tb = toolbox(model, setup, gpu, trick_sets[0])
+    tb = toolbox(model, setup, gpu, trick_sets[0], verdict_measure(setup, trick_sets[0]))
     runs = runs_for_estimate(est, *run, roofline[0] if roofline else None) if run else ()
     exacts = exact_steps(model, setup, trick_sets) if exact else None
-    return lambda display: show_estimate(est, tb, runs, display, exacts, roofline)
+
+    def show(display: render.Display) -> None:
+        """--detail explains the gap term by term with the exact steps too, where one GPU's step replays."""
+        one_gpu = setup.parallel == Parallel() and not est.not_replayed
+        steps = exacts or (exact_steps(model, setup, trick_sets) if display.detail and one_gpu else None)
+        show_estimate(est, tb, runs, display, steps, roofline)
+
+    return show
 
 
 def exact_steps(model, setup, trick_sets):

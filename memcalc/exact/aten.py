@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 
-from .sim import ITEMSIZE, Graph, Tensor, nbytes
+from .config import ITEMSIZE
+from .sim import Graph, Tensor, nbytes
 
 
 def size(shape, dtype: str) -> int:

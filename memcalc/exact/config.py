@@ -1,10 +1,24 @@
-"""What decides the bytes of a simulated training step: the model, its size, the trick set, the stack."""
+"""What decides the bytes of a simulated training step (Config), and the bytes it comes to (Phases)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from memcalc.model.shape import ModelShape
+
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "int64": 8, "uint64": 8, "int32": 4}  # bytes of one element of each dtype the step holds
+
+
+# What the simulator replays (memcalc.model.stacks' choices); anything else it refuses, never guesses.
+SIMULATED = {"model": ("reference",), "recipe": ("master",), "impl": ("reference",), "optimizer": ("adamw",)}
+
+
+def not_replayed(model: str, recipe: str, impl: str, optimizer: str, precision: str) -> str | None:
+    """Why the simulator cannot replay this step, or None when it can (fp32 trains alike in every recipe)."""
+    for what, value in (("model", model), ("recipe", recipe), ("impl", impl), ("optimizer", optimizer)):
+        if value not in SIMULATED[what] and not (what == "recipe" and precision == "fp32"):
+            return f"the exact model does not replay {what} {value!r} yet; it replays {', '.join(SIMULATED[what])}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -27,3 +41,26 @@ class Config:
     def dtype(self) -> str:
         """The parameters' and activations' dtype: the precision's name is the sim's dtype name."""
         return self.precision
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Bytes of one steady-state training step (the second), as verify measures them. Peaks are
+    of everything live on the device: weights, buffers, inputs, optimizer state, activations; with
+    gradient accumulation, forward and backward are its last micro-batch's (grads already exist)."""
+
+    weights_bytes: int  # parameters and buffers, after build
+    inputs_bytes: int  # token ids and targets
+    state_bytes: int  # live between steps, less the inputs: weights, buffers, master, m, v (+ scaler)
+    retained_bytes: int  # what forward leaves alive: saved tensors (and checkpoint inputs) and the loss
+    grads_bytes: int  # what backward leaves alive above the state (the loss released): the gradients
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    optimizer_peak_bytes: int
+    forward_peak_at: str  # the op at which the peak was reached
+    backward_peak_at: str
+    optimizer_peak_at: str
+
+    @property
+    def step_peak_bytes(self) -> int:
+        return max(self.forward_peak_bytes, self.backward_peak_bytes, self.optimizer_peak_bytes)

@@ -15,9 +15,40 @@ from memcalc.model.flops import StepFlops, model_per_token
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 
+from .cache import remembered
 from .config import Config
-from .mirror import trace
-from .sim import Kernel
+
+
+class Kernel:
+    """One kernel of the step: what it computes and what it moves through HBM. (A plain record, as
+    Storage and Tensor are: thousands are made per step.)"""
+
+    __slots__ = ("op", "unit", "dtype", "flops", "counted", "count_kind", "read_bytes", "write_bytes", "phase",
+                 "scope", "layer")  # fmt: skip
+
+    def __init__(self, op: str, unit: str, dtype: str, flops: int, counted: int, count_kind: str, read_bytes: int,
+                 write_bytes: int, phase: str, scope: str, layer: int | None):  # fmt: skip
+        self.op = op  # the aten op (mm, _softmax_backward_data, addcdiv_, ...)
+        self.unit = unit  # tensor (a matmul), flash (the fused attention kernel) or vector (elementwise, reductions)
+        self.dtype = dtype  # its operands' dtype: picks the tensor-core rate
+        self.flops = flops  # what it executes (a causal flash kernel skips the masked half)
+        self.counted = counted  # what FlopCounterMode counts for it: matmuls only, attention non-causal
+        self.count_kind = count_kind  # linear | logits | attention for a counted matmul, else ""
+        self.read_bytes = read_bytes  # inputs read from HBM, each once (a broadcast input: its own size)
+        self.write_bytes = write_bytes  # outputs written
+        self.phase = phase  # forward | backward | recompute | accumulate | optimizer
+        self.scope = scope  # the part of the model: "attention core", "mlp", "loss", ...
+        self.layer = layer  # the block it belongs to; None outside the blocks
+
+    def key(self) -> tuple:
+        """Everything but the layer: two blocks run kernels with equal keys."""
+        return (self.op, self.unit, self.dtype, self.flops, self.counted, self.count_kind, self.read_bytes,
+                self.write_bytes, self.phase, self.scope)  # fmt: skip
+
+    def __repr__(self) -> str:
+        return (f"Kernel({self.phase} {self.scope} {self.op}: {self.flops:,} FLOPs, {self.read_bytes:,} B read, "
+                f"{self.write_bytes:,} B written)")  # fmt: skip
+
 
 STEP_PHASES = ("forward", "backward", "recompute")  # run once per micro-batch
 TRACES: dict[tuple, tuple[Kernel, ...]] = {}  # (one-layer shape, seq, micro-batch, tricks) -> kernels
@@ -33,9 +64,26 @@ def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     if key not in TRACES:
         if len(TRACES) >= MAX_TRACES:
             TRACES.clear()
-        TRACES[key] = without_recompute(key) or tuple(
-            trace(Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute)))
+        TRACES[key] = without_recompute(key) or traced(one, seq_len, micro_batch, tricks)
     return TRACES[key]
+
+
+def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
+    """memcalc.exact.mirror.trace of the one-block step, kept on disk between runs (memcalc.exact.cache)."""
+
+    def trace_fields() -> list:
+        from .mirror import trace  # here, not at import: a cached trace never simulates
+
+        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute)
+        return [list(k.key()) + [k.layer] for k in trace(cfg)]
+
+    return tuple(Kernel(*fields) for fields in remembered("kernels", (one, seq_len, micro_batch, tricks), trace_fields))
+
+
+def recompute_first(trick_sets) -> list:
+    """The order to trace trick sets in: those with recompute first, so that the plain ones reuse their
+    traces (without_recompute)."""
+    return sorted(trick_sets, key=lambda t: t.recompute == "none")
 
 
 def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:

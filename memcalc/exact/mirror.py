@@ -5,35 +5,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .builder import Model, build, forward
-from .config import Config
+from .config import Config, Phases
+from .kernels import Kernel
 from .recipes import Recipe, check_simulated
-from .sim import Graph, Kernel, Memory, Tensor, layer_of
-
-
-@dataclass(frozen=True)
-class Phases:
-    """Bytes of one steady-state training step (the second), as verify measures them. Peaks are
-    of everything live on the device: weights, buffers, inputs, optimizer state, activations; with
-    gradient accumulation, forward and backward are its last micro-batch's (grads already exist)."""
-
-    weights_bytes: int  # parameters and buffers, after build
-    inputs_bytes: int  # token ids and targets
-    state_bytes: int  # live between steps, less the inputs: weights, buffers, master, m, v (+ scaler)
-    retained_bytes: int  # what forward leaves alive: saved tensors (and checkpoint inputs) and the loss
-    grads_bytes: int  # what backward leaves alive above the state (the loss released): the gradients
-    forward_peak_bytes: int
-    backward_peak_bytes: int
-    optimizer_peak_bytes: int
-    forward_peak_at: str  # the op at which the peak was reached
-    backward_peak_at: str
-    optimizer_peak_at: str
-
-    @property
-    def step_peak_bytes(self) -> int:
-        return max(self.forward_peak_bytes, self.backward_peak_bytes, self.optimizer_peak_bytes)
+from .sim import Graph, Memory, Tensor, layer_of
 
 
 def micro_step(g: Graph, model: Model, recipe: Recipe, idx: Tensor, targets: Tensor, grad_accum: int) -> None:

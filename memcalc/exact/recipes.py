@@ -6,19 +6,15 @@ from memcalc.errors import InputError
 
 from . import aten
 from .builder import Model, made
-from .config import Config
+from .config import Config, not_replayed
 from .sim import Graph, Tensor, layer_of
-
-SIMULATED = {"model": ("reference",), "recipe": ("master",), "impl": ("reference",), "optimizer": ("adamw",)}
 
 
 def check_simulated(cfg: Config) -> None:
     """What the simulator replays; anything else is refused in one line, never guessed."""
-    for what, known in SIMULATED.items():
-        value = getattr(cfg, what)
-        if value not in known and not (what == "recipe" and cfg.precision == "fp32"):
-            raise InputError(f"the exact model does not replay {what} {value!r} yet; it replays "
-                             f"{', '.join(known)}")  # fmt: skip
+    reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision)
+    if reason:
+        raise InputError(reason)
 
 
 class Recipe:

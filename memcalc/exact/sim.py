@@ -25,7 +25,9 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "int64": 8, "uint64": 8, "int32": 4}
+from .config import ITEMSIZE
+from .kernels import Kernel
+
 LEAF_SEQ = 2**62  # AccumulateGrad runs as soon as it is ready (torch: UINT64_MAX priority)
 # Arithmetic per output element of the elementwise kernels, counted from each op's formula (the
 # rest count 1; copies, cats and gathers 0). It seldom decides a kernel's time on the GPUs here: an
@@ -39,37 +41,6 @@ VECTOR_FLOPS = {
 }  # fmt: skip
 
 
-class Kernel:
-    """One kernel of the step: what it computes and what it moves through HBM. (A plain record, as
-    Storage and Tensor are: thousands are made per step.)"""
-
-    __slots__ = ("op", "unit", "dtype", "flops", "counted", "count_kind", "read_bytes", "write_bytes", "phase",
-                 "scope", "layer")  # fmt: skip
-
-    def __init__(self, op: str, unit: str, dtype: str, flops: int, counted: int, count_kind: str, read_bytes: int,
-                 write_bytes: int, phase: str, scope: str, layer: int | None):  # fmt: skip
-        self.op = op  # the aten op (mm, _softmax_backward_data, addcdiv_, ...)
-        self.unit = unit  # tensor (a matmul), flash (the fused attention kernel) or vector (elementwise, reductions)
-        self.dtype = dtype  # its operands' dtype: picks the tensor-core rate
-        self.flops = flops  # what it executes (a causal flash kernel skips the masked half)
-        self.counted = counted  # what FlopCounterMode counts for it: matmuls only, attention non-causal
-        self.count_kind = count_kind  # linear | logits | attention for a counted matmul, else ""
-        self.read_bytes = read_bytes  # inputs read from HBM, each once (a broadcast input: its own size)
-        self.write_bytes = write_bytes  # outputs written
-        self.phase = phase  # forward | backward | recompute | accumulate | optimizer
-        self.scope = scope  # the part of the model: "attention core", "mlp", "loss", ...
-        self.layer = layer  # the block it belongs to; None outside the blocks
-
-    def key(self) -> tuple:
-        """Everything but the layer: two blocks run kernels with equal keys."""
-        return (self.op, self.unit, self.dtype, self.flops, self.counted, self.count_kind, self.read_bytes,
-                self.write_bytes, self.phase, self.scope)  # fmt: skip
-
-    def __repr__(self) -> str:
-        return (f"Kernel({self.phase} {self.scope} {self.op}: {self.flops:,} FLOPs, {self.read_bytes:,} B read, "
-                f"{self.write_bytes:,} B written)")  # fmt: skip
-
-
 def nbytes(x) -> int:
     """Bytes a kernel moves for an operand: an int as given; a tensor's elements, but no more than
     its storage holds (an expanded view is read once)."""
@@ -80,7 +51,7 @@ def nbytes(x) -> int:
 class Memory:
     """Live bytes, and the peak since reset_peak() with the op that reached it; and the peak of each
     segment of the step (segment_peaks): a block's part of a phase, or what runs before the first
-    block or after the last (memcalc.exact.step.step_phases grows one- and two-block steps from them)."""
+    block or after the last (memcalc.exact.step.grown_phases grows one- and two-block steps from them)."""
 
     live_bytes: int = 0
     peak_bytes: int = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from memcalc.model.flops import model_flops
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, ModelShape, check_positions, check_size, n_params
@@ -25,9 +25,8 @@ from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
 
-from .config import Config
-from .mirror import Phases, simulate
-from .sim import ITEMSIZE, Memory
+from .cache import remembered
+from .config import ITEMSIZE, Config, Phases
 
 SIM = "memcalc.exact.sim: verify/'s step replayed in bytes"
 
@@ -208,27 +207,37 @@ def flop_terms(flops: dict) -> tuple[Term, ...]:
                  for (phase, kind), n in sorted(flops.items()))  # fmt: skip
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
                stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> ExactStep:  # fmt: skip
-    """Simulate verify's step on one GPU: the model as the stack builds it, trained as it trains it."""
+    """Simulate verify's step on one GPU: the model as the stack builds it, trained as it trains it.
+
+    One- and two-block steps are simulated and grown to the depth (grown_phases): every block runs the
+    same ops, so the saved tensors per layer are the second block's, and counts are affine in L. Equal
+    to the full-depth replay, and to the meta measurement, byte for byte (tests/test_exact_depth.py,
+    tests/test_verify_meta.py); its cost does not grow with the depth."""
     check_size("seq", seq_len, limit=MAX_SEQ)
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
-    phases, g, _ = simulate(config(shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer))
-    saved = g.saved_terms
-    if shape.n_layers == 1:  # split at two layers; the totals come from the real depth
-        _, g2, _ = simulate(config(replace(shape, n_layers=2), seq_len, micro_batch, tricks, 1, stack, optimizer))
-        layer, outside = split_layers(g2.saved_terms, 2)
-    else:
-        layer, outside = split_layers(saved, shape.n_layers)
-    acts = ExactActivations(tricks, shape.n_layers, to_terms(layer), to_terms(outside), g.rebuilt_bytes)
+
+    from .mirror import simulate  # here, not at import: a cached verdict never simulates (memcalc.exact.cache)
+
+    def at(layers: int):
+        cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
+        return simulate(cfg, warm_up=False)
+
+    L = shape.n_layers
+    (one, g1, m1), (two, g2, m2) = at(1), at(2)
+    phases = one if L == 1 else grown_phases(one, two, m1, m2, L)
+    layer, outside = split_layers(g2.saved_terms, 2)
+    acts = ExactActivations(tricks, L, to_terms(layer), to_terms(outside), g2.rebuilt_bytes)
+    counts = {key: grow(g1.flops.get(key, 0), g2.flops.get(key, 0), L) for key in g2.flops}
     tokens = seq_len * micro_batch
-    counted = sum(g.flops.values())
-    attention = sum(n for (_, kind), n in g.flops.items() if kind == "attention")
+    counted = sum(counts.values())
+    attention = sum(n for (_, kind), n in counts.items() if kind == "attention")
     model, model_causal = model_flops(shape, seq_len, tokens)
-    flops = ExactFlops(tokens, flop_terms(g.flops), counted, counted - attention // 2, model, model_causal)
+    flops = ExactFlops(tokens, flop_terms(counts), counted, counted - attention // 2, model, model_causal)
     note = "AdamW (fp32 m, v) on one GPU, grads converted per tensor; measured on meta: equal to the byte"
     return ExactStep(tricks, seq_len, micro_batch, grad_accum, n_params(shape), acts, phases, flops, note)
 
@@ -246,37 +255,49 @@ def exact_for(model, setup, tricks: Tricks) -> ExactStep:
                       setup.optimizer)  # fmt: skip
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=1024)
 def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
                 stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> Phases:  # fmt: skip
-    """The whole step's phases at full depth from one- and two-block simulations (exact_step's cost for
-    3 blocks, not L). Every block runs the same ops, so what the step holds is affine in the depth; a
-    phase's peak is the highest of its segments' (memcalc.exact.sim.Memory): its start, before the
-    blocks, after them, and inside a block, where the live bytes are affine in how many blocks the phase
-    has done (each frees one block's activations, or keeps one, and adds its gradients), so highest in
-    the first block or the last; with one block, both are that block. Each grows affinely with L; the
-    peak is the highest grown. Held against full-depth replays in tests/test_exact_depth.py."""
+    """exact_step's phases alone, for the verdict: its sizes plain ints (no formulas), no terms; kept on
+    disk between runs (memcalc.exact.cache)."""
     check_size("seq", seq_len, limit=MAX_SEQ)
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
 
-    def at(layers: int) -> tuple[Phases, Memory]:
+    def at(layers: int):
+        from .mirror import simulate  # here, not at import: a cached verdict never simulates
+
         cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, tricks.precision, tricks.flash,
                      tricks.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl)  # fmt: skip
         phases, _, mem = simulate(cfg, warm_up=False)
         return phases, mem
 
-    L = shape.n_layers
-    if L <= 2:
-        return at(L)[0]
-    (one, m1), (two, m2) = at(1), at(2)
-    grown = {f: grow(getattr(one, f), getattr(two, f), L) for f in STATE_FIELDS}
+    def replay() -> dict:
+        if shape.n_layers == 1:
+            return asdict(at(1)[0])
+        (one, m1), (two, m2) = at(1), at(2)
+        return asdict(grown_phases(one, two, m1, m2, shape.n_layers))
+
+    key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
+    return Phases(**remembered("phases", key, replay))
+
+
+def grown_phases(one: Phases, two: Phases, m1, m2, layers: int) -> Phases:
+    """A step's phases at `layers` blocks from its one- and two-block steps. What a step holds is affine
+    in the depth; a phase's peak is the highest of its segments' (memcalc.exact.sim.Memory): its start,
+    before the blocks, after them, and inside a block, where the live bytes are affine in how many
+    blocks the phase has done (each frees one block's activations, or keeps one, and adds its
+    gradients), so highest in the first block or the last (with one block, both are that block). Each
+    grows affinely with the depth; the peak is the highest grown, named by the first segment to reach it.
+    At 8B with checkpointing this finds the backward peak moving, with depth, from the loss into the
+    last block's recompute, where the gradients of the blocks done outgrow the activations they freed."""
+    grown = {f: grow(getattr(one, f), getattr(two, f), layers) for f in STATE_FIELDS}
     for phase in ("forward", "backward", "optimizer"):
         peak, at_op = -1, ""
         for a, (b, op) in candidates(m1.segments[phase], m2.segments[phase]):  # in the order the phase runs them
-            if grow(a, b, L) > peak:  # the first to reach the peak names it, as Memory's running peak does
-                peak, at_op = grow(a, b, L), op
+            if grow(a, b, layers) > peak:  # the first to reach the peak names it, as Memory's running peak does
+                peak, at_op = grow(a, b, layers), op
         grown[f"{phase}_peak_bytes"], grown[f"{phase}_peak_at"] = peak, at_op
     return replace(two, **grown)
 

@@ -2,79 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from memcalc.errors import InputError
-from memcalc.exact.kernels import step_flops
+from memcalc.exact.kernels import recompute_first, step_flops
 from memcalc.model.flops import Flops, StepFlops, flops
-from memcalc.model.gpus import GPU, GPUS_PER_NODE, HOST_MEMORY_BYTES
-from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, check_size, layer_params
-from memcalc.model.stacks import DEFAULT_STACK, Stack
+from memcalc.model.gpus import GPU
+from memcalc.model.shape import Model, check_positions, layer_params
 from memcalc.model.tricks import PROGRESSION, Tricks
 
 from .activations import Activations, AttentionDetail, Logits, attention_detail, logits_memory, textbook_activations
-from .state import ModelState, Parallel, model_state, weights_held_elsewhere, zero3_gather_bytes
-
-# Default MFU: Llama 3 trained at 38-43% BF16 MFU on 16K H100s (Dubey et al. 2024, Table 4);
-# Korthikanti et al. 2022 Table 5 reports 41-56% on A100s. 0.4 sits at the low end of both.
-DEFAULT_MFU = 0.4
-MAX_HOST_BYTES = 10**15  # a petabyte of CPU memory in one node: beyond any machine
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What is trained per step, on how many GPUs, and at what assumed utilisation."""
-
-    seq_len: int
-    micro_batch: int = 1
-    grad_accum: int = 1
-    optimizer: str = "adamw"
-    parallel: Parallel = Parallel()
-    mfu: float = DEFAULT_MFU
-    host_memory: int = HOST_MEMORY_BYTES  # CPU memory of one node, which offload fills
-    stack: Stack = DEFAULT_STACK  # whose code trains: model, precision recipe, optimizer implementation
-
-    def __post_init__(self) -> None:
-        check_size("seq", self.seq_len, limit=MAX_SEQ)
-        check_size("host memory", self.host_memory, limit=MAX_HOST_BYTES)
-        check_size("micro-batch", self.micro_batch, limit=MAX_BATCH)
-        check_size("grad-accum", self.grad_accum, limit=MAX_BATCH)
-        if not (isinstance(self.mfu, (int, float)) and math.isfinite(self.mfu) and 0 < self.mfu <= 1):
-            raise InputError(f"mfu must be a fraction in (0, 1], got {self.mfu!r}")
-
-    @property
-    def host_usable_bytes(self) -> int:
-        """One GPU's share of its node's host memory: the job's GPUs on a node split it."""
-        return self.host_memory // min(self.parallel.gpus, GPUS_PER_NODE)
-
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        return self.seq_len * self.micro_batch
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens one GPU processes per optimizer step (all accumulated micro-batches)."""
-        return self.tokens_per_micro_batch * self.grad_accum
-
-
-class Budget:
-    """For results with total_bytes and usable_bytes (the GPU), host_bytes and host_usable_bytes (its share
-    of the node's CPU memory, which offload fills): does it fit, and by how much."""
-
-    __slots__ = ()
-
-    @property
-    def fits(self) -> bool:
-        return self.total_bytes <= self.usable_bytes and self.host_fits
-
-    @property
-    def host_fits(self) -> bool:
-        return self.host_bytes <= self.host_usable_bytes
-
-    @property
-    def headroom_bytes(self) -> int:
-        return self.usable_bytes - self.total_bytes
+from .exact import ExactMemory, exact_memory, not_replayed_for
+from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Budget, Setup  # noqa: F401  (Setup's home for its users)
+from .state import ModelState, model_state, weights_held_elsewhere, zero3_gather_bytes
 
 
 @dataclass(slots=True)
@@ -136,8 +76,10 @@ class Estimate:
     attention: AttentionDetail
     activations: tuple[Activations, ...]  # one per trick set, in order
     logits: tuple[Logits, ...]
-    memory: tuple[Memory, ...]
+    memory: tuple[Memory, ...]  # the textbook's: the lesson's reference
     compute: tuple[Compute, ...]
+    verdict: tuple[ExactMemory, ...]  # the stack's step replayed: what decides whether it fits (empty: not replayed)
+    not_replayed: str  # why the verdict is the textbook's, when the exact model cannot replay the stack yet
 
     @property
     def trick_sets(self) -> tuple[Tricks, ...]:
@@ -158,6 +100,10 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> tuple[Mo
     return state, acts, logits, memory
 
 
+def in_order(trick_sets: tuple[Tricks, ...], by_tricks: dict) -> tuple:
+    return tuple(by_tricks[t] for t in trick_sets)
+
+
 def compute_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> Compute:
     step = step_flops(model.shape, setup.seq_len, tricks)
     return Compute(tricks, step, setup.tokens_per_step, gpu.peak_flops(tricks.precision), setup.mfu)
@@ -169,6 +115,7 @@ def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...
         raise InputError("no trick sets to estimate")
     check_positions(model.shape, setup.seq_len)
     sides = [memory_for(model, setup, gpu, t) for t in trick_sets]
+    gap = not_replayed_for(setup, trick_sets)
     primary = next((s for s, *_ in sides if s.precision != "fp32"), sides[0][0])
     return Estimate(
         model=model,
@@ -180,5 +127,7 @@ def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...
         activations=tuple(a for _, a, _, _ in sides),
         logits=tuple(lg for _, _, lg, _ in sides),
         memory=tuple(m for *_, m in sides),
-        compute=tuple(compute_for(model, setup, gpu, t) for t in trick_sets),
+        compute=in_order(trick_sets, {t: compute_for(model, setup, gpu, t) for t in recompute_first(trick_sets)}),
+        verdict=() if gap else tuple(exact_memory(model, setup, gpu, t) for t in trick_sets),
+        not_replayed=gap,
     )

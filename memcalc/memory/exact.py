@@ -13,9 +13,11 @@ transients (activations, logits, gradients in flight, optimizer temporaries) sta
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from memcalc.exact.step import exact_step
+from memcalc.exact.config import Phases, not_replayed
+from memcalc.exact.step import step_phases
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, layer_params, n_params
 from memcalc.model.tricks import Tricks
@@ -30,13 +32,29 @@ class ExactMemory(Budget):
 
     tricks: Tricks
     n_params: int  # the shape's own count: what the replay builds
-    model_state_bytes: int  # weights, buffers, master and optimizer state: live between steps
-    peak_bytes: int  # the step's peak with one GPU's state (before ZeRO and offload)
-    peak_at: str  # the phase and the op at the peak ("backward: mul")
-    state_change_bytes: int  # what ZeRO and offload take off the state (negative) or ZeRO-3 adds as buffers
+    phases: Phases  # the replayed step on one GPU: its state and the peak of each phase
+    state_change_bytes: int  # what ZeRO and offload take off the state (negative), ZeRO-3's gathered layers
     usable_bytes: int
     host_bytes: int
     host_usable_bytes: int
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Weights, buffers, master and optimizer state between steps, on one GPU."""
+        return self.phases.state_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's peak on one GPU (before ZeRO and offload)."""
+        return self.phases.step_peak_bytes
+
+    @property
+    def peak_at(self) -> str:
+        """Where the step peaks: the phase and op ("optimizer: sqrt")."""
+        p = self.phases
+        peaks = [(p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),
+                 (p.optimizer_peak_bytes, p.optimizer_peak_at)]  # fmt: skip
+        return max(peaks, key=lambda x: x[0])[1]
 
     @property
     def total_bytes(self) -> int:
@@ -53,23 +71,25 @@ class ExactMemory(Budget):
         return self.peak_bytes - self.model_state_bytes
 
 
+@functools.lru_cache(maxsize=4096)  # the toolbox and fit ask for the same configs again and again
 def exact_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> ExactMemory:
     """The verdict for one trick set: the replayed step's peak, its model state sharded as the setup says."""
     s = setup
-    phases = exact_step(model.shape, s.seq_len, s.micro_batch, tricks, s.grad_accum, s.stack, s.optimizer).phases
+    phases = step_phases(model.shape, s.seq_len, s.micro_batch, tricks, s.grad_accum, s.stack, s.optimizer)
     own = n_params(model.shape)
-    one_gpu = model_state(own, tricks.precision, s.optimizer, Parallel(), s.stack.recipe)
-    here = model_state(own, tricks.precision, s.optimizer, s.parallel, s.stack.recipe)
-    change = here.total_bytes - one_gpu.total_bytes
-    if s.parallel.gathers_layers:  # ZeRO-3 gathers layers back, as the textbook charges them
-        change += zero3_gather_bytes(layer_params(model.shape), model.shape.n_layers, tricks.precision,
-                                     weights_held_elsewhere(here))  # fmt: skip
-    return ExactMemory(tricks, own, phases.state_bytes, phases.step_peak_bytes, peak_phase(phases), change,
-                       gpu.usable_bytes, here.host_bytes, s.host_usable_bytes)  # fmt: skip
+    change = host = 0
+    if s.parallel != Parallel():  # ZeRO or offload: the state per GPU by formula, as memcalc.memory.state shards it
+        one_gpu = model_state(own, tricks.precision, s.optimizer, Parallel(), s.stack.recipe)
+        here = model_state(own, tricks.precision, s.optimizer, s.parallel, s.stack.recipe)
+        change, host = here.total_bytes - one_gpu.total_bytes, here.host_bytes
+        if s.parallel.gathers_layers:  # ZeRO-3 gathers layers back, as the textbook charges them
+            change += zero3_gather_bytes(layer_params(model.shape), model.shape.n_layers, tricks.precision,
+                                         weights_held_elsewhere(here))  # fmt: skip
+    return ExactMemory(tricks, own, phases, change, gpu.usable_bytes, host, s.host_usable_bytes)
 
 
-def peak_phase(phases) -> str:
-    """Where the step peaks: the phase (and op) of the highest of its three peaks."""
-    peaks = [(phases.forward_peak_bytes, phases.forward_peak_at), (phases.backward_peak_bytes, phases.backward_peak_at),
-             (phases.optimizer_peak_bytes, phases.optimizer_peak_at)]  # fmt: skip
-    return max(peaks, key=lambda p: p[0])[1]
+def not_replayed_for(setup: Setup, trick_sets) -> str:
+    """Why the exact model cannot replay these steps ("" when it can): then the verdict is the textbook's."""
+    s = setup.stack
+    reasons = (not_replayed(s.model, s.recipe, s.impl, setup.optimizer, t.precision) for t in trick_sets)
+    return next((r for r in reasons if r), "")

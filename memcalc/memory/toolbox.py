@@ -11,6 +11,7 @@ from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, long
 from memcalc.model.tricks import Tricks
 
 from .estimate import Memory, Setup, memory_for
+from .exact import ExactMemory, exact_memory, not_replayed_for
 
 MAX_ZERO_GPUS = 4096  # the ZeRO search tries 2, 4, ... up to this many data-parallel GPUs
 
@@ -26,14 +27,14 @@ class ToolStep:
     name: str
     cost: str  # what it costs, computed for this config
     saves_alone_bytes: int  # applied on its own to the starting config
-    memory: Memory  # after this step and every one before it
+    memory: Memory | ExactMemory  # after this step and every one before it
     tricks: Tricks
     setup: Setup
 
 
 @dataclass(slots=True)
 class Toolbox:
-    start: Memory
+    start: Memory | ExactMemory
     steps: tuple[ToolStep, ...]
 
     @property
@@ -47,23 +48,36 @@ class Toolbox:
 # A tool looks at the current config and returns (name, change, cost), or None where it does not
 # apply. The change is a function of a config, so "saves on its own" applies the same change to the start.
 Change = Callable[[Config], Config]
-Tool = Callable[[Model, GPU, Config], "tuple[str, Change, str] | None"]
+# How a config's memory is measured: the stack's step replayed (exact_memory, the verdict) or the textbook.
+Measure = Callable[[Model, Setup, GPU, Tricks], "Memory | ExactMemory"]
+Tool = Callable[[Model, GPU, Config, Measure], "tuple[str, Change, str] | None"]
 
 
-def use_bf16(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, str] | None:
+def textbook(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> Memory:
+    """The textbook's memory (Korthikanti et al. 2022 and friends): the lesson's reference."""
+    return memory_for(model, setup, gpu, tricks)[3]
+
+
+def verdict_measure(setup: Setup, tricks: Tricks) -> Measure:
+    """The replayed step (exact_memory) where the exact model replays the stack, for the trick set and
+    the bf16 the tools may switch it to; else the textbook, as estimate's verdict falls back."""
+    return textbook if not_replayed_for(setup, (tricks, replace(tricks, precision="bf16"))) else exact_memory
+
+
+def use_bf16(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
     if c.tricks.precision != "fp32":
         return None
     speed = gpu.bf16_tflops / gpu.fp32_tflops
     return "bf16 mixed precision", with_tricks(precision="bf16"), f"none: {speed:.1f}x the fp32 matmul peak"
 
 
-def use_flash(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, str] | None:
+def use_flash(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
     if c.tricks.flash:
         return None
     return "FlashAttention", with_tricks(flash=True, precision="bf16"), "none: faster, no s×s through HBM"
 
 
-def use_smaller_batch(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, str] | None:
+def use_smaller_batch(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
     b = c.setup.micro_batch
     if b == 1:
         return None
@@ -74,7 +88,7 @@ def use_smaller_batch(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, s
     return f"micro-batch 1, {b}x accumulation", change, f"{b}x more, smaller passes"
 
 
-def use_checkpointing(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, str] | None:
+def use_checkpointing(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
     if c.tricks.recompute == "full":
         return None
     change = with_tricks(recompute="full")
@@ -83,12 +97,12 @@ def use_checkpointing(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, s
     return "full activation checkpointing", change, f"+{after / before - 1:.0%} FLOPs per step"
 
 
-def use_zero(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, str] | None:
+def use_zero(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
     """The fewest GPUs (powers of two), then the lowest ZeRO stage, that fit; else ZeRO-3 on the most."""
     p = c.setup.parallel
     counts = [n for n in (1 << k for k in range(1, 13)) if max(2, p.gpus) <= n <= MAX_ZERO_GPUS] or [p.gpus]
     choice = next(
-        ((n, z) for n in counts for z in range(max(p.zero, 1), 4) if memory_of(model, gpu, with_zero(n, z)(c)).fits),
+        ((n, z) for n in counts for z in range(max(p.zero, 1), 4) if memory_of(model, gpu, with_zero(n, z)(c), measure).fits),
         (counts[-1], 3),
     )
     gpus, stage = choice
@@ -97,7 +111,7 @@ def use_zero(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, str] | Non
     return f"ZeRO-{stage} over {gpus} GPUs", with_zero(gpus, stage), f"{gpus} GPUs, {comm} data-parallel traffic"
 
 
-def use_offload(model: Model, gpu: GPU, c: Config) -> tuple[str, Change, str] | None:
+def use_offload(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
     if c.setup.parallel.offload or not c.setup.parallel.can_offload:
         return None  # already offloaded, or ZeRO 0 over several GPUs: a layout the engine refuses
 
@@ -127,28 +141,28 @@ def with_zero(gpus: int, stage: int) -> Change:
 TOOLS: tuple[Tool, ...] = (use_bf16, use_flash, use_smaller_batch, use_checkpointing, use_zero, use_offload)
 
 
-def memory_of(model: Model, gpu: GPU, c: Config) -> Memory:
-    return memory_for(model, c.setup, gpu, c.tricks)[3]
+def memory_of(model: Model, gpu: GPU, c: Config, measure: Measure) -> Memory | ExactMemory:
+    return measure(model, c.setup, gpu, c.tricks)
 
 
-def toolbox(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> Toolbox:
+def toolbox(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, measure: Measure = exact_memory) -> Toolbox:
     """Apply the tools in order of cost, each on top of the last, until the config fits.
 
     ZeRO is the first tool that needs more GPUs; offload follows as the alternative that stays on
     the GPUs you had: it is applied to the config before ZeRO.
     """
     start = Config(tricks, setup)
-    start_memory = memory_of(model, gpu, start)
+    start_memory = memory_of(model, gpu, start, measure)
     current, before_zero, steps = start, start, []
     for tool in TOOLS:
         base = before_zero if tool is use_offload else current
-        applied = tool(model, gpu, base)
+        applied = tool(model, gpu, base, measure)
         if applied is None:
             continue
         name, change, cost = applied
         after = change(base)
-        saves = start_memory.total_bytes - memory_of(model, gpu, change(start)).total_bytes
-        memory = memory_of(model, gpu, after)
+        saves = start_memory.total_bytes - memory_of(model, gpu, change(start), measure).total_bytes
+        memory = memory_of(model, gpu, after, measure)
         steps.append(ToolStep(name, cost, saves, memory, after.tricks, after.setup))
         if memory.fits and tool is not use_zero:
             break
@@ -169,8 +183,8 @@ class FitLimits:
     micro_batch: int  # the micro-batch the sequence limit is computed at
     max_seq_len: int  # 0: not even one token fits
     max_micro_batch: int  # 0: not even one sequence fits
-    memory_at_max_seq: Memory | None
-    memory_at_max_batch: Memory | None
+    memory_at_max_seq: Memory | ExactMemory | None
+    memory_at_max_batch: Memory | ExactMemory | None
     seq_limit: int  # the longest sequence the model embeds (a learned position table), else MAX_SEQ
 
     @property
@@ -193,12 +207,12 @@ def largest(fits: Callable[[int], bool], limit: int) -> int:
     return lo
 
 
-def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> FitLimits:
+def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, measure: Measure = exact_memory) -> FitLimits:
     """The longest sequence (no longer than the model's position table) and the largest micro-batch."""
     check_positions(model.shape, setup.seq_len)
 
-    def memory(seq_len: int, micro_batch: int) -> Memory:
-        return memory_for(model, replace(setup, seq_len=seq_len, micro_batch=micro_batch), gpu, tricks)[3]
+    def memory(seq_len: int, micro_batch: int) -> Memory | ExactMemory:
+        return measure(model, replace(setup, seq_len=seq_len, micro_batch=micro_batch), gpu, tricks)
 
     seq_limit = longest_seq(model.shape)
     max_seq = largest(lambda s: memory(s, setup.micro_batch).fits, seq_limit)

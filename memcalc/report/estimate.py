@@ -64,26 +64,65 @@ def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
 
 
 def summary_section(est: Estimate, units: str, times=None) -> Section:
-    """One row per trick set: memory per GPU at its peak, whether it fits, step time and MFU.
+    """One row per trick set: the stack's step replayed (state, what else is live at its peak, the
+    peak), whether it fits, the textbook's total beside it, step time and MFU.
 
     times: the roofline's StepTimes, or None when --mfu times the step (est.compute)."""
+    s = Section(f"Peak memory per GPU ({est.setup.stack.label} stack, its step replayed op by op) and step time",
+                ["tricks", "state", "+ at peak", "= peak", "fits?", "textbook", "step time", "MFU"],
+                align="lrrrlrrr")  # fmt: skip
+    for v, m, t in zip(est.verdict, est.memory, times or est.compute):
+        # exact bytes under the peak only: under every column the table would not fit 100 columns
+        s.rows.append([v.tricks.label, u.size(v.state_bytes, units), u.size(v.transient_bytes, units),
+                       sized(v.total_bytes, units), fit_text(v, units, free=True), u.size(m.total_bytes, units),
+                       u.seconds(t.step_seconds), u.percent(t.mfu)])  # fmt: skip
+    model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
+    own = est.verdict[0].n_params
+    shape = "" if own == est.model.n_params else f" for the shape's own {u.params(own)} parameters"
+    s.notes = [
+        f"replayed{shape}: state = weights, master, optimizer state; at peak = activations, logits, grads, "
+        "temporaries (memcalc verify measures the same)",
+        f"textbook: model state {est.model_state.bytes_per_param:g} bytes/param = "
+        f"{u.size(est.model_state.total_bytes, units)} per GPU ({recipe_text(est.model_state.precision, est.model_state.recipe)}, "
+        f"{est.setup.optimizer}) + activations (Korthikanti et al. 2022) + logits",
+        f"step time: {model}; MFU: model FLOPs / step time / dense peak",
+    ]
+    return s
+
+
+def phases_section(est: Estimate, units: str) -> Section:
+    """The replayed step phase by phase: where each trick set peaks, and what is live then."""
+    s = Section(f"The step replayed ({est.setup.stack.label} stack), phase by phase, on one GPU",
+                ["tricks", "between steps", "forward peak", "backward peak", "optimizer peak", "the peak"],
+                align="lrrrrl")  # fmt: skip
+    for v in est.verdict:
+        p = v.phases
+        s.rows.append([v.tricks.label, u.size(p.state_bytes, units), u.size(p.forward_peak_bytes, units),
+                       u.size(p.backward_peak_bytes, units), u.size(p.optimizer_peak_bytes, units), v.peak_at])  # fmt: skip
+    s.notes = ["between steps: weights, buffers, master and optimizer state; each peak is of everything live: "
+               "the activations saved in forward, the gradients made in backward, the optimizer's temporaries"]  # fmt: skip
+    return s
+
+
+def textbook_summary_section(est: Estimate, units: str, times=None) -> Section:
+    """The summary when the exact model cannot replay the stack yet: the textbook's memory decides."""
     buffers = any(m.buffer_bytes for m in est.memory)
     s = Section(
-        "Peak memory per GPU and step time",
+        "Peak memory per GPU (textbook) and step time",
         ["tricks", "model state", "activations", "logits"] + (["ZeRO-3 buffers"] if buffers else [])
         + ["total", "fits?", "step time", "MFU"],
         align="lrrr" + ("r" if buffers else "") + "rlrr",
     )  # fmt: skip
     for m, t in zip(est.memory, times or est.compute):
-        verdict = fit_text(m, units, free=True)
         row = [m.tricks.label, u.size(m.model_state_bytes, units), u.size(m.activation_peak_bytes, units),
                u.size(m.logits_bytes, units)] + ([u.size(m.buffer_bytes, units)] if buffers else [])  # fmt: skip
-        # exact bytes under the total only: under every column the table would not fit 100 columns
-        s.rows.append(row + [sized(m.total_bytes, units), verdict, u.seconds(t.step_seconds), u.percent(t.mfu)])
+        s.rows.append(row + [sized(m.total_bytes, units), fit_text(m, units, free=True), u.seconds(t.step_seconds),
+                             u.percent(t.mfu)])  # fmt: skip
     model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
     s.notes = [
-        f"model state {est.model_state.bytes_per_param:g} bytes/param ({recipe_text(est.model_state.precision, est.model_state.recipe)}, "
-        f"{est.setup.optimizer}); activations: textbook (Korthikanti 2022)",
+        f"textbook, since {est.not_replayed}: model state {est.model_state.bytes_per_param:g} bytes/param "
+        f"({recipe_text(est.model_state.precision, est.model_state.recipe)}, {est.setup.optimizer}) + "
+        "activations (Korthikanti et al. 2022) + logits",
         f"step time: {model}; MFU: model FLOPs / step time / dense peak",
     ]
     return s
@@ -111,7 +150,7 @@ def verdict(est: Estimate, tb: Toolbox, units: str) -> str:
     """The answer in one sentence: it fits as it is, the cheapest combination that fits, or nothing does.
     The toolbox starts from the first trick set (fp32 in the progression) and applies the cheapest tools first."""
     g = f"{u.size(est.gpu.usable_bytes, units)} usable on one {est.gpu.key}"
-    start = f"{tb.start.tricks.label} needs {u.size(tb.start.total_bytes, units)} of the {g}"
+    start = f"{tb.start.tricks.label} needs {u.size(tb.start.total_bytes, units)} at its peak, of the {g}"
     if not tb.start.host_fits:
         start += (f", and {u.size(tb.start.host_bytes, units)} of host memory per GPU, of its "
                   f"{u.size(tb.start.host_usable_bytes, units)} share")  # fmt: skip
@@ -260,7 +299,7 @@ def estimate_sections(est: Estimate, toolbox: Toolbox, units: str, roofline=None
 
     roofline: (step times, calibration) for the roofline's sections, or None for --mfu's compute section."""
     times = roofline[0] if roofline else None
-    summary = summary_section(est, units, times)
+    summary = (summary_section if est.verdict else textbook_summary_section)(est, units, times)
     summary.notes += host_note(est.memory[0], units)
     if any(m.buffer_bytes for m in est.memory):
         summary.notes.append("ZeRO-3 buffers: two layers' weights gathered (running + prefetched) and one layer's "
@@ -271,7 +310,8 @@ def estimate_sections(est: Estimate, toolbox: Toolbox, units: str, roofline=None
         return [summary]
     state = state_section(est.model_state, units)
     state.notes = other_recipes(est, units)
-    sections = [summary, state, activations_section(est, units), logits_section(est, units)]
+    sections = [summary] + ([phases_section(est, units)] if est.verdict else [])
+    sections += [state, activations_section(est, units), logits_section(est, units)]
     if roofline is None:
         sections.append(compute_section(est))
     else:
@@ -371,13 +411,14 @@ def fit_sections(limits: FitLimits, units: str, detail: bool = False) -> list[Se
                    sized(batch_mem.total_bytes, units) if batch_mem else "-"])  # fmt: skip
     if not detail:
         return [s]
-    parts = Section("Memory per GPU at each limit",
-                    ["limit", "model state", "activations", "logits", "ZeRO-3 buffers", "total"])  # fmt: skip
+    parts = Section("Memory per GPU at each limit: the step replayed op by op",
+                    ["limit", "state", "+ at peak", "= peak", "peak in"], align="lrrrl")  # fmt: skip
     for name, m in (("longest sequence", seq_mem), ("largest micro-batch", batch_mem)):
         if m is not None:
-            parts.rows.append([name, sized(m.model_state_bytes, units), sized(m.activation_peak_bytes, units),
-                               sized(m.logits_bytes, units), sized(m.buffer_bytes, units), sized(m.total_bytes, units)])  # fmt: skip
-    parts.notes = ["activations: textbook (Korthikanti et al. 2022) at their backward peak, as `memcalc estimate`"]
+            parts.rows.append([name, sized(m.state_bytes, units), sized(m.transient_bytes, units),
+                               sized(m.total_bytes, units), m.peak_at])  # fmt: skip
+    parts.notes = ["state: weights, master and optimizer state between steps; at peak: activations, logits, "
+                   "gradients, temporaries (as `memcalc estimate` and `memcalc verify` count them)"]  # fmt: skip
     return [s, parts]
 
 
@@ -496,8 +537,9 @@ def exact_section(est: Estimate, exacts: list, units: str) -> Section:
     )
     for a, lg, m, x in zip(est.activations, est.logits, est.memory, exacts):
         xa = x.activations
-        s.rows.append([a.tricks.label, u.size(a.per_layer_bytes, units), sized(xa.per_layer_bytes, units),
-                       u.size(lg.total_bytes, units), sized(xa.outside_bytes, units), u.size(m.total_bytes, units),
+        # exact bytes under the step peak only: under every exact column the table would not fit 100 columns
+        s.rows.append([a.tricks.label, u.size(a.per_layer_bytes, units), u.size(xa.per_layer_bytes, units),
+                       u.size(lg.total_bytes, units), u.size(xa.outside_bytes, units), u.size(m.total_bytes, units),
                        sized(x.peak_bytes, units)])  # fmt: skip
     first = exacts[0]
     s.notes = [

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from memcalc.exact.builder import core
 from memcalc.exact.config import Config
-from memcalc.exact.sim import Graph, Kernel, Memory
+from memcalc.exact.kernels import Kernel
+from memcalc.exact.sim import Graph, Memory
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.exact.kernels import STEP_PHASES, kernels_of
-from memcalc.exact.sim import Kernel
+from memcalc.exact.kernels import STEP_PHASES, Kernel, kernels_of, recompute_first
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
@@ -230,6 +229,6 @@ def step_times(model, setup, gpu: GPU, trick_sets: tuple[Tricks, ...], cal: Cali
     """step_time for a memcalc Model and an estimate Setup, one per trick set (those with recompute
     first, so that the plain ones reuse their traces)."""
     s, times = setup, {}
-    for t in sorted(trick_sets, key=lambda t: t.recompute == "none"):
+    for t in recompute_first(trick_sets):
         times[t] = step_time(model.shape, s.seq_len, s.micro_batch, s.grad_accum, t, gpu, cal)
     return tuple(times[t] for t in trick_sets)

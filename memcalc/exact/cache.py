@@ -1,0 +1,63 @@
+"""Replayed steps remembered on disk, so that `memcalc estimate` starts as fast as typer itself.
+
+A verdict replays each trick set's step (one and two blocks: ~3 ms each), some 30 ms for the default
+progression, a third of the whole command. The result depends only on the call's arguments and on the
+simulator's source, so it is kept in one small JSON file per call under $MEMCALC_CACHE (default
+$XDG_CACHE_HOME/memcalc, else ~/.cache/memcalc), keyed by both; MEMCALC_CACHE=off turns it off. A cache
+that cannot be read or written is ignored: it only ever saves time.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from memcalc import __version__
+
+SOURCES = Path(__file__).parent  # the simulator: a change to any of its files is a new cache
+
+
+def folder() -> Path | None:
+    where = os.environ.get("MEMCALC_CACHE", "")
+    if where.lower() in ("off", "0", "no", "false"):
+        return None
+    if where:
+        return Path(where)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memcalc"
+
+
+@functools.cache
+def source_stamp() -> str:
+    """memcalc's version and each simulator file's size and modification time: cheap, and new on any edit."""
+    files = sorted(SOURCES.glob("*.py")) + [SOURCES.parent / "model" / "stacks.py", SOURCES.parent / "model" / "shape.py"]
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return f"{__version__} {stats}"
+
+
+def remembered(kind: str, key: tuple, compute: Callable[[], dict]) -> dict:
+    """compute()'s result (a JSON-able dict) for key, from the cache when it holds it."""
+    where = folder()
+    if where is None:
+        return compute()
+    try:
+        name = hashlib.sha256(f"{kind} {source_stamp()} {key!r}".encode()).hexdigest()[:32]
+    except OSError:
+        return compute()
+    path = where / f"{kind}-{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)  # whole or not at all, whoever else writes it
+    except OSError:
+        pass
+    return value

@@ -407,6 +407,7 @@ def verify(
     sp: Sp = False,
     dist_device: Annotated[str, typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV")] = "meta",
     save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
+    step: Annotated[Optional[str], typer.Option("--step", help="Measure your own model and step: FILE.py:FUNCTION or MODULE:FUNCTION (docs/verify.md).", metavar="FN")] = None,
     no_linearity: Annotated[bool, typer.Option("--no-linearity", help="Skip the second, shallower build that checks saved bytes are linear in depth.")] = False,
     detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
@@ -418,15 +419,23 @@ def verify(
         from .inputs import resolve_model
 
         fmt, units = check_format(fmt), render_units(units)
-        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        shape_given = any(x is not None for x in (params, model, config, layers, hidden, heads))
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab) \
+            if shape_given or step is None else None  # fmt: skip
         setup = build_setup(seq, micro_batch, "1", "adamw", "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl)
         the_tricks = parse_tricks(tricks)
         n_steps = parse_count(steps, "steps", 1000)
         tolerance = None if tol is None else parse_fraction(tol, "tol")
-        if device is not None and device.strip().lower() not in ("cuda", "meta"):
+        if step is None and device is not None and device.strip().lower() not in ("cuda", "meta"):
             raise InputError(f"unknown device {device!r}; choose cuda or meta")
         verify_runs.needs_torch()
-        if fsdp is not None or tp is not None or sp:
+        if step is not None:
+            given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None), ("--tol", tol is not None),
+                                           ("--fsdp/--tp/--sp", fsdp is not None or tp is not None or sp)) if on]  # fmt: skip
+            if given:
+                raise InputError(f"{' and '.join(given)} do not apply to --step, which measures your step once")
+            run = verify_runs.custom_run(the_model, setup, the_tricks, step, device)
+        elif fsdp is not None or tp is not None or sp:
             given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None),
                                            ("--device", device is not None), ("--tol", tol is not None)) if on]
             if given:

@@ -6,13 +6,13 @@ from memcalc.errors import InputError
 
 from . import aten
 from .builder import Model, made
-from .config import Config, not_replayed
+from .config import Config, not_replayed, shape_not_replayed
 from .sim import Graph, Tensor, layer_of
 
 
 def check_simulated(cfg: Config) -> None:
     """What the simulator replays; anything else is refused in one line, never guessed."""
-    reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision)
+    reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision) or shape_not_replayed(cfg.shape)
     if reason:
         raise InputError(reason)
 

@@ -238,3 +238,154 @@ def test_a_dense_shape_is_what_it_was(shape):
     assert counts.moe_layers == counts.per_moe_layer == counts.mtp == 0
     assert counts.total == counts.main == counts.active == active_params(dense)
     assert counts.total == counts.embedding + counts.per_layer * shape.n_layers + counts.final_norm + counts.lm_head
+
+
+# ---- memory: the textbook's MoE and MLA terms, the routing assumption ---------------------------------
+
+from memcalc.memory.activations import logits_memory, textbook_activations  # noqa: E402
+from memcalc.model.moe import Routing, expert_capacity, routed_tokens  # noqa: E402
+from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
+
+S = 4096
+
+
+def test_moe_layer_terms_by_hand():
+    # Mixtral at seq 4096, bf16 + flash: Korthikanti's attention (11sbh) and norms (4sbh), and the MoE block
+    m = preset("mixtral-8x7b")
+    sb, h, E, k, f = S, 4096, 8, 2, 14336
+    router = 2 * sb * h + 4 * sb * E
+    topk = 8 * sb * k + 4 * sb * k
+    dispatch = 2 * sb * k * h + 8 * sb * k
+    experts = 8 * sb * k * f  # gate out, silu out, up out, their product: 2 bytes each per routed token
+    combine = 2 * sb * k * h + 2 * sb * k + 8 * sb * k
+    a = textbook_activations(m, S, 1, parse_tricks("bf16,flash"))
+    assert a.per_layer_bytes == 11 * sb * h + 4 * sb * h + router + topk + dispatch + experts + combine
+    assert a.total_bytes == 32 * a.per_layer_bytes
+    no_flash = textbook_activations(m, S, 1, parse_tricks("bf16"))
+    assert no_flash.per_layer_bytes - a.per_layer_bytes == 5 * 32 * S * S  # 5·a·s²·b, as for a dense layer
+
+
+def test_latent_attention_and_deepseek_groups_by_hand():
+    v3 = preset("deepseek-v3")
+    sb, h, H = S, 7168, 128
+    mla = 2 * sb * h + 4 * sb * 1536 + 4 * sb * 512 + 4 * sb * H * 192 + 4 * sb * H * 128 + sb * h
+    moe = (2 * sb * h + 4 * sb * 256 + 4 * sb * h  # the fp32 gate keeps an fp32 copy of its input
+           + 12 * sb * 8 + (2 * sb * 8 * h + 8 * sb * 8) + 8 * sb * 8 * 2048
+           + (2 * sb * 8 * h + 2 * sb * 8 + 8 * sb * 8) + 8 * sb * 2048)  # fmt: skip
+    a = textbook_activations(v3, S, 1, parse_tricks("bf16,flash"))
+    dense, layer, mtp = a.groups
+    assert (dense.count, layer.count, mtp.count) == (3, 58, 1)
+    assert dense.kept_bytes == mla + 19 * sb * h + 4 * sb * h  # Korthikanti's MLP for the dense layers
+    assert layer.kept_bytes == mla + 4 * sb * h + moe
+    assert mtp.kept_bytes == layer.kept_bytes + 8 * sb * h  # two norms' inputs, the 2h-wide projection input
+    assert a.total_bytes == 3 * dense.kept_bytes + 58 * layer.kept_bytes + mtp.kept_bytes
+    ckpt = textbook_activations(v3, S, 1, parse_tricks("bf16,flash,ckpt"))
+    assert ckpt.total_bytes == 62 * 2 * sb * h and ckpt.rebuilt_bytes == mtp.kept_bytes
+    logits = logits_memory(v3, S, 1, "bf16").total_bytes
+    assert logits == 2 * 6 * S * v3.vocab  # the MTP module's prediction is a second set of logits
+
+
+def test_routed_tokens():
+    q = preset("qwen3-30b-a3b")  # 128 experts, 8 per token
+    assert routed_tokens(q, S) == S * 8
+    assert routed_tokens(q, S, Routing(imbalance=4)) == S * 8  # one GPU holds every expert: the sum is fixed
+    assert expert_capacity(q, S, Routing(capacity_factor=1.25)) == 320  # ⌈1.25 · 4096 · 8 / 128⌉
+    assert routed_tokens(q, S, Routing(capacity_factor=1.25)) == 128 * 320  # padded to capacity
+    assert routed_tokens(q, S, Routing(imbalance=2), ep=8) == 2 * S * 8  # 16 experts here, each at twice its share
+    assert routed_tokens(q, S, Routing(imbalance=100), ep=8) == 8 * S * 8  # at most every token once per expert here
+    assert routed_tokens(q, S, Routing(imbalance=100), ep=128) == 128 * S  # one expert a GPU: all 128 GPUs' tokens
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(imbalance=0.5), "expert imbalance must be at least 1"),
+    (dict(imbalance=float("nan")), "expert imbalance must be at least 1"),
+    (dict(capacity_factor=0), "capacity factor must be a positive number"),
+    (dict(capacity_factor=float("inf")), "capacity factor must be a positive number"),
+])  # fmt: skip
+def test_bad_routing(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        Routing(**kwargs)
+
+
+@settings(max_examples=80, deadline=None)
+@given(moe_shapes, st.floats(1, 64), st.floats(1, 64), st.sampled_from([1, 2, 4]),
+       st.sampled_from(["bf16", "bf16,flash", "bf16,flash,ckpt", "fp32"]))  # fmt: skip
+def test_imbalance_never_lowers_the_peak(shape, x1, x2, ep, tricks):
+    low, high = sorted((x1, x2))
+    assert routed_tokens(shape, 256, Routing(imbalance=low), ep) <= routed_tokens(shape, 256, Routing(imbalance=high), ep)
+    t = parse_tricks(tricks)
+    calm = textbook_activations(shape, 256, 1, t, Routing(imbalance=low))
+    busy = textbook_activations(shape, 256, 1, t, Routing(imbalance=high))
+    assert busy.peak_bytes >= calm.peak_bytes
+
+
+@settings(max_examples=40, deadline=None)
+@given(moe_shapes, st.floats(1, 4))
+def test_padding_to_capacity_never_lowers_the_peak_below_balanced(shape, cf):
+    t = Tricks("bf16", flash=True)
+    balanced = textbook_activations(shape, 256, 1, t)
+    padded = textbook_activations(shape, 256, 1, t, Routing(capacity_factor=cf))
+    assert padded.peak_bytes >= balanced.peak_bytes  # cf >= 1: every expert runs at least its balanced share
+
+
+# ---- memcalc estimate on a MoE config ---------------------------------------------------------------
+
+from typer.testing import CliRunner  # noqa: E402
+
+from memcalc.cli import app  # noqa: E402
+
+WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200", "NO_COLOR": "1"}
+
+
+def run(*args):
+    return CliRunner().invoke(app, list(args), env=WIDE)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b"])
+def test_estimate_on_a_moe_config(name):
+    result = run("estimate", "--config", f"examples/configs/{name}.json")
+    assert result.exit_code == 0, result.output
+    main, active = EXACT[name]
+    total = n_params(PRESETS[name])
+    assert f"{total:,} parameters" in result.stdout and f"{active:,} active per token" in result.stdout
+    if total != main:
+        assert f"({main:,} + {total - main:,} in 1 MTP module)" in result.stdout
+    for label in ("fp32", "bf16", "bf16+flash", "bf16+flash+ckpt", "bf16+selective"):
+        assert f"\n {label} " in result.stdout
+    assert "textbook, since the exact model does not replay mixture-of-experts layers" in result.stdout
+    assert "Cheapest combination that fits" in result.stdout or "Fits" in result.stdout
+
+
+def test_estimate_json_carries_the_routing_and_the_verdicts_source():
+    result = run("estimate", "--model", "qwen3-30b-a3b", "--format", "json", "--capacity-factor", "1.25",
+                 "--tricks", "bf16,flash")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    routing = data["setup"]["routing"]
+    assert (routing["capacity_factor"], routing["imbalance"], routing["balanced"]) == (1.25, 1.0, False)
+    assert data["not_replayed"].startswith("the exact model does not replay mixture-of-experts layers")
+    assert data["flops"]["n_params"] == EXACT["qwen3-30b-a3b"][1]  # 6N counts the active parameters
+
+
+def test_capacity_factor_moves_the_peak_and_imbalance_on_one_gpu_does_not():
+    def peak(*extra):
+        out = run("estimate", "--model", "qwen3-30b-a3b", "--format", "json", "--tricks", "bf16,flash", *extra)
+        assert out.exit_code == 0, out.output
+        return json.loads(out.stdout)["memory"][0]["activation_peak_bytes"]
+
+    balanced = peak()
+    assert peak("--expert-imbalance", "4") == balanced
+    assert peak("--capacity-factor", "2") > balanced
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "qwen3-8b", "--expert-imbalance", "2"], "--expert-imbalance describe how a mixture of experts"),
+    (["--model", "qwen3-30b-a3b", "--expert-imbalance", "0.5"], "expert imbalance must be at least 1"),
+    (["--model", "qwen3-30b-a3b", "--capacity-factor", "0"], "capacity-factor must be a positive number"),
+    (["--model", "qwen3-30b-a3b", "--capacity-factor", "lots"], "capacity-factor must be a number"),
+])  # fmt: skip
+def test_bad_moe_options_are_one_line(args, message):
+    result = run("estimate", *args)
+    assert result.exit_code == 2
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr

@@ -95,6 +95,8 @@ StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: refer
 RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="How 16-bit trains, instead of the stack's: master (fp32 master copy), autocast (fp32 weights), pure (16-bit weights and optimizer state).", metavar="NAME")]  # fmt: skip
 ImplOpt = Annotated[Optional[str], typer.Option("--optimizer-impl", help="The optimizer's implementation, instead of the stack's: reference, loop (foreach=False), foreach, fused.", metavar="NAME")]  # fmt: skip
 Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
+CapacityFactor = Annotated[Optional[str], typer.Option("--capacity-factor", help="Mixture of experts: each expert takes at most CF x its balanced tokens, padded to that (Megatron's capacity factor). Default: none, nothing dropped.", metavar="CF")]  # fmt: skip
+ExpertImbalance = Annotated[Optional[str], typer.Option("--expert-imbalance", help="Mixture of experts: the busiest GPU's experts get X times their balanced tokens (default 1: balanced).", metavar="X")]  # fmt: skip
 ExactBytes = Annotated[bool, typer.Option("--bytes", help="Exact byte counts under each value (JSON and CSV always carry them).")]  # fmt: skip
 
 
@@ -110,9 +112,25 @@ def check_format(fmt: str) -> str:
     return key
 
 
+def build_routing(model, capacity_factor: str | None, imbalance: str | None):
+    """--capacity-factor and --expert-imbalance: the routing assumption of a mixture-of-experts model."""
+    from memcalc.model.moe import BALANCED, Routing
+
+    if capacity_factor is None and imbalance is None:
+        return BALANCED
+    if not model.shape.is_moe:
+        given = " and ".join(f for f, v in (("--capacity-factor", capacity_factor), ("--expert-imbalance", imbalance))
+                             if v is not None)  # fmt: skip
+        raise InputError(f"{given} describe how a mixture of experts routes tokens; {model.shape.name} has no experts")
+    cf = None if capacity_factor is None else parse_positive(capacity_factor, "capacity-factor")
+    x = 1.0 if imbalance is None else parse_positive(imbalance, "expert-imbalance")
+    return Routing(cf, x)
+
+
 def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T",
-                stack="reference", recipe=None, impl=None):  # fmt: skip
+                stack="reference", recipe=None, impl=None, routing=None):  # fmt: skip
     from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
+    from memcalc.model.moe import BALANCED
     from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
     from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
     from memcalc.model.stacks import stack_for
@@ -130,6 +148,7 @@ def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mf
         mfu=parse_fraction(mfu, "mfu"),
         host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
         stack=stack_for(stack, recipe, impl),
+        routing=routing or BALANCED,
     )
 
 
@@ -160,6 +179,7 @@ def estimate(
     optimizer_impl: ImplOpt = None, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
+    capacity_factor: CapacityFactor = None, expert_imbalance: ExpertImbalance = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1k:64k or micro-batch=1:64 (doubling), seq=1k:8k:1k (a step) or seq=1k,4k,6k (a list): memory and step time against it.", metavar="SPEC")] = None,
@@ -183,6 +203,7 @@ def estimate(
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         trick_sets, the_gpu = resolve_tricks(tricks), find_gpu(gpu)
+        routing = build_routing(the_model, capacity_factor, expert_imbalance)
         run = parse_run(tokens, price)
         if png is not None and sweep is None:
             raise InputError("--png draws a sweep: add --sweep seq=A:B or micro-batch=A:B")
@@ -201,13 +222,13 @@ def estimate(
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
-                                stack, recipe, optimizer_impl)  # fmt: skip
+                                stack, recipe, optimizer_impl, routing)  # fmt: skip
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
             show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
         else:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4",
-                                host_memory, stack, recipe, optimizer_impl)  # fmt: skip
-            cal = None if mfu is not None else roofline_calibration(the_gpu, calibration)
+                                host_memory, stack, recipe, optimizer_impl, routing)  # fmt: skip
+            cal = None if mfu is not None or not traced(the_model) else roofline_calibration(the_gpu, calibration)
             if sweep is not None:
                 show = views.sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
             else:
@@ -215,6 +236,13 @@ def estimate(
         show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
     except InputError as e:
         fail(str(e))
+
+
+def traced(model) -> bool:
+    """Whether the roofline can time this model's step (its kernels traced); else the --mfu time model."""
+    from memcalc.time.roofline import traceable
+
+    return traceable(model.shape)
 
 
 def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None] | None:
@@ -335,7 +363,7 @@ def fit(
         setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
                             optimizer_impl)  # fmt: skip
         the_tricks = parse_tricks(tricks)
-        limits = fit_limits(the_model, setup, find_gpu(gpu), the_tricks, verdict_measure(setup, the_tricks))
+        limits = fit_limits(the_model, setup, find_gpu(gpu), the_tricks, verdict_measure(setup, the_tricks, the_model.shape))
     except InputError as e:
         fail(str(e))
     from memcalc.report import estimate as report

@@ -24,7 +24,7 @@ def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=Non
         from memcalc.time.roofline import step_times
 
         roofline = step_times(model, setup, gpu, trick_sets, cal), cal
-    tb = toolbox(model, setup, gpu, trick_sets[0], verdict_measure(setup, trick_sets[0]))
+    tb = toolbox(model, setup, gpu, trick_sets[0], verdict_measure(setup, trick_sets[0], model.shape))
     runs = runs_for_estimate(est, *run, roofline[0] if roofline else None) if run else ()
     exacts = exact_steps(model, setup, trick_sets) if exact else None
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from memcalc.model.flops import StepFlops, model_per_token
+from memcalc.model.flops import StepFlops, model_per_token, textbook_step_flops
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 
 from .cache import remembered
-from .config import Config
+from .config import Config, shape_not_replayed
 
 
 class Kernel:
@@ -116,6 +116,9 @@ def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
     """Model FLOPs per token (memcalc.model.flops: what MFU divides by) and hardware FLOPs per token
     (what the kernels execute, counted). Recompute adds what torch.utils.checkpoint reruns: the block's
     forward up to the last tensor its backward needs (non-reentrant checkpointing stops early there, so
-    a Llama block's down projection is not rerun), not Korthikanti's whole extra forward (8N)."""
+    a Llama block's down projection is not rerun), not Korthikanti's whole extra forward (8N).
+    A shape the simulator cannot build yet gets the textbook's count (memcalc.model.flops)."""
+    if shape_not_replayed(shape):
+        return textbook_step_flops(shape, seq_len, tricks)
     counted, _ = counted_flops(shape, seq_len, 1, tricks)
     return StepFlops(tricks, model_per_token(shape, seq_len), counted // seq_len)  # b·s tokens: exact division

@@ -374,6 +374,15 @@ def n_params(shape: ModelShape) -> int:
     return param_counts(shape).total
 
 
+def idle_params(shape: ModelShape) -> int:
+    """The routed experts one token does not go to, in every MoE block (MTP modules' too): what training
+    FLOPs leave out of 6N."""
+    counts = param_counts(shape)
+    mtp_moe = shape.mtp_layers if shape.n_layers and is_moe_layer(shape, shape.n_layers - 1) else 0
+    return counts.idle_per_moe_layer and (shape.n_experts - shape.experts_per_token) * expert_params(shape) * (
+        counts.moe_layers + mtp_moe)
+
+
 def active_params(shape: ModelShape) -> int:
     """Parameters one token goes through in the main model (see ParamCounts.active): the total of a dense model."""
     return param_counts(shape).active

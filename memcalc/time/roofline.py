@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memcalc.exact.config import shape_not_replayed
 from memcalc.exact.kernels import STEP_PHASES, Kernel, kernels_of, recompute_first
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
@@ -223,6 +224,11 @@ def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int
     return StepTime(tricks, gpu.key, label, tokens * grad_accum, gpu.peak_flops(tricks.precision),
                     model * grad_accum, model_causal * grad_accum, counted, counted - attention // 2, kernels,
                     tuple(ops))  # fmt: skip
+
+
+def traceable(shape: ModelShape) -> bool:
+    """Whether the step's kernels can be traced (memcalc.exact builds the shape); else time it by --mfu."""
+    return not shape_not_replayed(shape)
 
 
 def step_times(model, setup, gpu: GPU, trick_sets: tuple[Tricks, ...], cal: Calibration) -> tuple[StepTime, ...]:

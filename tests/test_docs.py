@@ -345,6 +345,22 @@ def test_textbook_against_exact_prose():
     )
 
 
+def test_moe_counts():
+    """docs/moe.md's table of exact counts and its DeepSeek-V3 figures, from the engine."""
+    from memcalc.model.presets import PRESETS
+    from memcalc.model.shape import n_params, param_counts
+
+    rows = table_rows(read("docs/moe.md"), r"[a-z0-9.-]+")
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
+        counts = param_counts(PRESETS[name])
+        assert (rows[name][0], rows[name][2]) == (f"{counts.main:,}", f"{counts.active:,}"), name
+    v3 = PRESETS["deepseek-v3"]
+    mtp = param_counts(v3).mtp
+    own_copies = mtp + 2 * v3.vocab * v3.hidden
+    assert_quoted("docs/moe.md", [f"{mtp:,} parameters of its own", f"{n_params(v3):,} parameters",
+                                  f"({own_copies / 1e9:.2f}B)"])  # fmt: skip
+
+
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert f"```sh\n{ci}\n```" in README.read_text()

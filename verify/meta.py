@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from memcalc.exact.step import first_depth
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 
@@ -183,11 +184,13 @@ class MetaMeasurement:
     flops: int
     flops_by_op: tuple[tuple[str, int], ...]
     seconds: float
+    first_blocks: int = 0  # blocks counted in outside: d dense blocks and one MoE block (memcalc.exact.step.first_depth)
 
     @property
     def linear_in_depth(self) -> bool:
-        """The full-depth saved bytes equal outside + L × one layer."""
-        return self.step.saved_bytes == self.saved_outside_bytes + self.step.layers * self.saved_one_layer_bytes
+        """The full-depth saved bytes equal outside + (L - first blocks) × one layer."""
+        layers = self.step.layers - self.first_blocks
+        return self.step.saved_bytes == self.saved_outside_bytes + layers * self.saved_one_layer_bytes
 
 
 def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None) -> MetaMeasurement:
@@ -196,11 +199,17 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
     step, _ = measure_step(shape, seq_len, micro_batch, tricks)
-    progress("meta: saved bytes at depths 1 and 2")
-    one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1)
-    two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2)
+    a = first_depth(shape)  # 1; d + 1 when d dense blocks come before MoE ones; None: another pattern
+    progress(f"meta: saved bytes at depths {a or 1} and {(a or 1) + 1}" if a else "meta: saved bytes per layer: not linear")
+    if a is None:  # dense and MoE blocks interleaved: measured whole only
+        per_layer, outside, first = 0, step.saved_bytes, shape.n_layers
+    else:
+        one = saved_at_depth(shape, seq_len, micro_batch, tricks, a)
+        two = saved_at_depth(shape, seq_len, micro_batch, tricks, a + 1)
+        per_layer, first = two - one, 0 if a == 1 else a
+        outside = one - per_layer if a == 1 else one  # mixed: the whole step at depth a, its a blocks among it
     progress("meta: FLOPs")
     flops, by_op = count_flops(shape, seq_len, micro_batch, tricks)
-    return MetaMeasurement(step, two - one, 2 * one - two, flops, tuple(sorted(by_op.items())),
-                           time.perf_counter() - start)  # fmt: skip
+    return MetaMeasurement(step, per_layer, outside, flops, tuple(sorted(by_op.items())),
+                           time.perf_counter() - start, first)  # fmt: skip
 

@@ -145,18 +145,21 @@ def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progr
     e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks)
     tb, s, ph, a, L = textbook(shape, setup, tricks), m.step, e.phases, e.activations, shape.n_layers
     where = {"forward": s.forward_peak_at, "backward": s.backward_peak_at, "optimizer": s.optimizer_peak_at}
+    first = m.first_blocks  # dense blocks before MoE ones: one MoE layer, and the first blocks counted outside
+    layer, outside = ("one MoE layer", f"outside the MoE layers (and the first {first} blocks)") if first else (
+        "one layer", "outside the layers")  # fmt: skip
     rows = [
         Row("weights and buffers", "bytes", tb["weights"], ph.weights_bytes, s.weights_bytes, tol),
         Row("model state between steps (weights, master, AdamW m and v)", "bytes", tb["state"], ph.state_bytes,
             s.state_bytes, tol),
         Row("gradients after backward", "bytes", tb["grads"], ph.grads_bytes, s.grads_bytes, tol),
-        Row("saved for backward, one layer", "bytes", tb["layer"], a.per_layer_bytes, m.saved_one_layer_bytes, tol,
-            "measured: depth 2 less depth 1"),
-        Row("saved for backward, outside the layers", "bytes", tb["outside"], a.outside_bytes, m.saved_outside_bytes,
-            tol, "textbook: the logits and their fp32 copy"),
+        Row(f"saved for backward, {layer}", "bytes", None if first else tb["layer"], a.per_layer_bytes,
+            m.saved_one_layer_bytes, tol, f"measured: depth {first + 1 if first else 2} less depth {first or 1}"),
+        Row(f"saved for backward, {outside}", "bytes", None if first else tb["outside"], a.outside_bytes,
+            m.saved_outside_bytes, tol, "textbook: the logits and their fp32 copy"),
         Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], a.total_bytes, s.saved_bytes, tol),
         Row("saved bytes linear in depth (outside + L × layer)", "bytes", None,
-            m.saved_outside_bytes + L * m.saved_one_layer_bytes, s.saved_bytes, 0.0),
+            m.saved_outside_bytes + (L - first) * m.saved_one_layer_bytes, s.saved_bytes, 0.0),
         Row("kept after forward (saved, checkpoint inputs, loss)", "bytes", None, ph.retained_bytes,
             s.retained_bytes, tol),
     ]  # fmt: skip

@@ -12,7 +12,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from memcalc.model.flops import StepFlops, model_per_token, textbook_step_flops
-from memcalc.model.shape import ModelShape
+from memcalc.model.shape import ModelShape, moe_layer_count
 from memcalc.model.tricks import Tricks
 
 from .cache import remembered
@@ -55,11 +55,23 @@ TRACES: dict[tuple, tuple[Kernel, ...]] = {}  # (one-layer shape, seq, micro-bat
 MAX_TRACES = 512
 
 
+def traced_blocks(shape: ModelShape) -> tuple[ModelShape, dict[int, int]]:
+    """The shape whose step is traced, and how many of the model's blocks each traced block stands for: one
+    block when all are alike; a dense block and a MoE block when the model has both (every block of a kind
+    runs the same kernels; routing and RoPE tables are made outside the blocks)."""
+    moe = moe_layer_count(shape)
+    if moe in (0, shape.n_layers):
+        return replace(shape, n_layers=1), {0: shape.n_layers}
+    two = replace(shape, n_layers=2, first_dense_layers=1, moe_every=1, moe_offset=0, dense_layers=())
+    return two, {0: shape.n_layers - moe, 1: moe}
+
+
 def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
-    """One step's kernels with the model cut to one block (layer 0); the rest are outside the blocks.
-    A step without recompute is taken from the same step with recompute when one was traced: it runs
-    exactly those kernels less the recompute ones, in the same order (tests/test_roofline.py)."""
-    one = replace(shape, n_layers=1)
+    """One step's kernels with the model cut to one block (layer 0), or a dense and a MoE block
+    (traced_blocks); the rest are outside the blocks. A step without recompute is taken from the same
+    step with recompute when one was traced: it runs exactly those kernels less the recompute ones, in the
+    same order (tests/test_roofline.py)."""
+    one = traced_blocks(shape)[0]
     key = (one, seq_len, micro_batch, tricks)
     if key not in TRACES:
         if len(TRACES) >= MAX_TRACES:
@@ -103,9 +115,10 @@ def counted_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
     only, attention non-causal, flash's backward as five matmuls), and the same with every attention
     matmul halved: what a causal kernel executes."""
     counted = attention = 0
+    blocks = traced_blocks(shape)[1]
     for k in kernels_of(shape, seq_len, micro_batch, tricks):
         if k.phase in STEP_PHASES:
-            n = shape.n_layers if k.layer is not None else 1
+            n = blocks[k.layer] if k.layer is not None else 1
             counted += n * k.counted
             attention += n * k.counted if k.count_kind == "attention" else 0
     return counted, counted - attention // 2

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from memcalc.model.flops import model_flops
-from memcalc.model.shape import MAX_BATCH, MAX_SEQ, ModelShape, check_positions, check_size, n_params
+from memcalc.model.shape import MAX_BATCH, MAX_SEQ, ModelShape, check_positions, check_size, is_moe_layer, moe_layer_count, n_params
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
@@ -104,6 +104,7 @@ class ExactActivations:
     terms: tuple[Term, ...]  # saved per layer, one term per (part, op, tensor)
     outside: tuple[Term, ...]  # saved once: embeddings, RoPE tables, final norm, logits, loss
     rebuilt_bytes: int  # what one recomputed region brings back during backward (0 without recompute)
+    first_blocks: int = 0  # blocks whose saved bytes are in outside: dense blocks before MoE ones (see first_depth)
 
     @property
     def per_layer_bytes(self) -> int:
@@ -115,7 +116,7 @@ class ExactActivations:
 
     @property
     def total_bytes(self) -> int:
-        return self.per_layer_bytes * self.n_layers + self.outside_bytes
+        return self.per_layer_bytes * (self.n_layers - self.first_blocks) + self.outside_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -227,12 +228,15 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
         cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
         return simulate(cfg, warm_up=False)
 
-    L = shape.n_layers
-    (one, g1, m1), (two, g2, m2) = at(1), at(2)
-    phases = one if L == 1 else grown_phases(one, two, m1, m2, L)
-    layer, outside = split_layers(g2.saved_terms, 2)
-    acts = ExactActivations(tricks, L, to_terms(layer), to_terms(outside), g2.rebuilt_bytes)
-    counts = {key: grow(g1.flops.get(key, 0), g2.flops.get(key, 0), L) for key in g2.flops}
+    L, a = shape.n_layers, first_depth(shape)
+    if a != 1:  # dense blocks before MoE ones (or another pattern): grown from depths a and a + 1
+        phases, acts, counts = mixed_step(at, tricks, L, a)
+    else:
+        (one, g1, m1), (two, g2, m2) = at(1), at(2)
+        phases = one if L == 1 else grown_phases(one, two, m1, m2, L)
+        layer, outside = split_layers(g2.saved_terms, 2)
+        acts = ExactActivations(tricks, L, to_terms(layer), to_terms(outside), g2.rebuilt_bytes)
+        counts = {key: grow(g1.flops.get(key, 0), g2.flops.get(key, 0), L) for key in g2.flops}
     tokens = seq_len * micro_batch
     counted = sum(counts.values())
     attention = sum(n for (_, kind), n in counts.items() if kind == "attention")
@@ -274,16 +278,17 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
         return phases, mem
 
     def replay() -> dict:
-        if shape.n_layers == 1:
-            return asdict(at(1)[0])
-        (one, m1), (two, m2) = at(1), at(2)
-        return asdict(grown_phases(one, two, m1, m2, shape.n_layers))
+        L, a = shape.n_layers, first_depth(shape)
+        if a is None or L == 1:  # a pattern not grown: the whole depth
+            return asdict(at(L)[0])
+        (one, m1), (two, m2) = at(a), at(a + 1)
+        return asdict(grown_phases(one, two, m1, m2, L - a + 1, block_match(a)))
 
     key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
     return Phases(**remembered("phases", key, replay))
 
 
-def grown_phases(one: Phases, two: Phases, m1, m2, layers: int) -> Phases:
+def grown_phases(one: Phases, two: Phases, m1, m2, layers: int, match: dict | None = None) -> Phases:
     """A step's phases at `layers` blocks from its one- and two-block steps. What a step holds is affine
     in the depth; a phase's peak is the highest of its segments' (memcalc.exact.sim.Memory): its start,
     before the blocks, after them, and inside a block, where the live bytes are affine in how many
@@ -295,7 +300,7 @@ def grown_phases(one: Phases, two: Phases, m1, m2, layers: int) -> Phases:
     grown = {f: grow(getattr(one, f), getattr(two, f), layers) for f in STATE_FIELDS}
     for phase in ("forward", "backward", "optimizer"):
         peak, at_op = -1, ""
-        for a, (b, op) in candidates(m1.segments[phase], m2.segments[phase]):  # in the order the phase runs them
+        for a, (b, op) in candidates(m1.segments[phase], m2.segments[phase], match):  # in the order the phase runs them
             if grow(a, b, layers) > peak:  # the first to reach the peak names it, as Memory's running peak does
                 peak, at_op = grow(a, b, layers), op
         grown[f"{phase}_peak_bytes"], grown[f"{phase}_peak_at"] = peak, at_op
@@ -310,12 +315,57 @@ def grow(at1: int, at2: int, layers: int) -> int:
     return at1 + (layers - 1) * (at2 - at1)
 
 
-def candidates(one: tuple, two: tuple) -> list[tuple[int, tuple[int, str]]]:
+def candidates(one: tuple, two: tuple, match: dict | None = None) -> list[tuple[int, tuple[int, str]]]:
     """The segments a phase's peak can be in, in the order it runs them, as (bytes at depth 1, (bytes at
     depth 2, the op there)): its start, before the blocks, its first block and its last (at depth 1 the
-    one block is both), after the blocks."""
+    one block is both), after the blocks. match (block_match): the first and last block of each run of
+    alike blocks at the greater depth, and their counterparts at the smaller."""
     (p1, seen1), (p2, seen2) = one, two
     pairs = [(p1[k][0], p2[k]) for k in ("start", "before") if k in p1 and k in p2]
-    if seen1 and seen2:
+    if match is not None:
+        pairs += [(p1[match[j]][0], p2[j]) for j in seen2 if j in match and match[j] in p1]
+    elif seen1 and seen2:
         pairs += [(p1[seen1[0]][0], p2[seen2[0]]), (p1[seen1[0]][0], p2[seen2[-1]])]
     return pairs + ([(p1["after"][0], p2["after"])] if "after" in p1 and "after" in p2 else [])
+
+
+# -- models whose blocks differ: dense blocks before mixture-of-experts ones ------------------------------
+
+
+def first_depth(shape: ModelShape) -> int | None:
+    """The smaller of the two depths a step is grown from: 1 when every block is alike; d + 1 when d dense
+    blocks come before MoE ones (DeepSeek-V3's first_k_dense_replace): the steps at d + 1 and d + 2 differ by
+    one MoE block, and counts are affine in the MoE blocks; None for any other pattern (replayed whole)."""
+    L, moe = shape.n_layers, moe_layer_count(shape)
+    if moe in (0, L):
+        return 1
+    d = shape.first_dense_layers
+    if moe == L - d and all(is_moe_layer(shape, i) for i in range(d, L)):
+        return d + 1
+    return None
+
+
+def block_match(a: int) -> dict[int, int] | None:
+    """The blocks of the step at depth a + 1 where a phase's peak can be (the first and last of the dense run
+    and of the MoE run), each to its counterpart at depth a; None when every block is alike (a = 1)."""
+    if a == 1:
+        return None
+    d = a - 1  # dense blocks 0 .. d - 1, MoE blocks d .. a
+    return {0: 0, d - 1: d - 1, d: d, a: d}
+
+
+def mixed_step(at, tricks: Tricks, L: int, a: int | None):
+    """exact_step's phases, activations and FLOP counts for a model whose first a - 1 blocks are dense and the
+    rest MoE: the steps at depths a and a + 1 grown in the MoE blocks. Saved per layer: the last MoE block's
+    at depth a + 1; the whole step at depth a is "outside" (first_blocks a: its a blocks among them). Another
+    pattern (a None) is replayed at its depth: nothing per layer, everything outside."""
+    if a is None:
+        phases, g, _ = at(L)
+        acts = ExactActivations(tricks, L, (), to_terms(g.saved_terms), g.rebuilt_bytes, L)
+        return phases, acts, dict(g.flops)
+    (one, g1, m1), (two, g2, m2) = at(a), at(a + 1)
+    phases = grown_phases(one, two, m1, m2, L - a + 1, block_match(a))
+    layer = [t for t in g2.saved_terms if t.layer == a]
+    acts = ExactActivations(tricks, L, to_terms(layer), to_terms(g1.saved_terms), g2.rebuilt_bytes, a)
+    counts = {key: grow(g1.flops.get(key, 0), g2.flops.get(key, 0), L - a + 1) for key in g2.flops}
+    return phases, acts, counts

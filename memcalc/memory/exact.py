@@ -94,4 +94,6 @@ def not_replayed_for(setup: Setup, trick_sets, shape: ModelShape | None = None) 
     s = setup.stack
     reasons = [not_replayed(s.model, s.recipe, s.impl, setup.optimizer, t.precision) for t in trick_sets]
     reasons.append(None if shape is None else shape_not_replayed(shape))
+    if not setup.routing.balanced:  # verify's reference router is the balanced one
+        reasons.append("the exact model replays balanced routing; a capacity factor or an imbalance is the textbook's")
     return next((r for r in reasons if r), "")

@@ -120,6 +120,11 @@ class ModelShape:
         return self.n_shared_experts * (self.routed_ffn if self.shared_expert_ffn is None else self.shared_expert_ffn)
 
     @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates in each q/k head: all of head_dim, or MLA's qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
+    @property
     def v_dim(self) -> int:
         """Width of one value head: v_head_dim under MLA, else head_dim."""
         return self.v_head_dim if self.kv_lora_rank else self.head_dim

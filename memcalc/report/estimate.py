@@ -112,14 +112,15 @@ def summary_section(est: Estimate, units: str, times=None) -> Section:
     model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
     own = est.verdict[0].n_params
     shape = "" if own == est.model.n_params else f" for the shape's own {u.params(own)} parameters"
+    moe = " and the MoE/MLA terms of docs/moe.md" if est.model.shape.is_moe or est.model.shape.is_mla else ""
     s.notes = [
         f"replayed{shape}: state = weights, master, optimizer state; at peak = activations, logits, grads, "
         "temporaries (memcalc verify measures the same)",
         f"textbook: model state {est.model_state.bytes_per_param:g} bytes/param = "
         f"{u.size(est.model_state.total_bytes, units)} per GPU ({recipe_text(est.model_state.precision, est.model_state.recipe)}, "
-        f"{est.setup.optimizer}) + activations (Korthikanti et al. 2022) + logits",
+        f"{est.setup.optimizer}) + activations (Korthikanti et al. 2022{moe}) + logits",
         f"step time: {model}; MFU: model FLOPs / step time / dense peak",
-    ]
+    ] + moe_notes(est, times)
     return s
 
 
@@ -170,8 +171,9 @@ def moe_notes(est: Estimate, times) -> list[str]:
         return []
     notes = []
     if shape.is_moe:
-        notes.append(f"routing: {est.setup.routing.label}; model state covers all {shape.n_experts} experts of every "
-                     f"MoE layer, FLOPs the {shape.experts_per_token} a token goes to")  # fmt: skip
+        replay = ", as the replayed step's reference router" if est.verdict else ""
+        notes.append(f"routing: {est.setup.routing.label}{replay}; model state covers all {shape.n_experts} experts of "
+                     f"every MoE layer, FLOPs the {shape.experts_per_token} a token goes to")  # fmt: skip
     if not times:
         from memcalc.time.roofline import traceable
 

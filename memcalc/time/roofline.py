@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcalc.exact.config import shape_not_replayed
-from memcalc.exact.kernels import STEP_PHASES, Kernel, kernels_of, recompute_first
+from memcalc.exact.kernels import STEP_PHASES, Kernel, kernels_of, recompute_first, traced_blocks
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
@@ -30,9 +30,12 @@ from .calibration import Calibration
 
 # Parts of the step, in the order the breakdown prints them.
 PARTS = (
-    "layer matmuls", "attention core", "norms", "other elementwise", "logits matmul", "logits and loss",
-    "embedding", "recompute (checkpointing)", "gradient accumulation", "optimizer (AdamW)", "fp32 master copies",
+    "layer matmuls", "expert matmuls", "router", "dispatch and combine", "attention core", "norms",
+    "other elementwise", "logits matmul", "logits and loss", "embedding", "recompute (checkpointing)",
+    "gradient accumulation", "optimizer (AdamW)", "fp32 master copies",
 )  # fmt: skip
+MOE_SCOPES = {"router": "router", "dispatch": "dispatch and combine", "combine": "dispatch and combine",
+              "routing tables": "dispatch and combine"}  # a mixture of experts' parts besides its experts' matmuls
 
 
 def part_of(k: Kernel) -> str:
@@ -45,6 +48,10 @@ def part_of(k: Kernel) -> str:
         return "fp32 master copies" if k.op in ("_to_copy", "copy_") else "optimizer (AdamW)"
     if k.scope == "attention core":
         return "attention core"
+    if k.scope in MOE_SCOPES:
+        return MOE_SCOPES[k.scope]
+    if k.scope == "experts" and k.unit == "tensor":
+        return "expert matmuls"  # each routed expert's GEMMs on its T·k/E tokens
     if k.unit == "tensor":
         return "logits matmul" if k.count_kind == "logits" else "layer matmuls"
     if k.scope in ("logits", "loss"):
@@ -193,8 +200,9 @@ def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int
     bandwidth, floor = byte_rate(gpu, cal), cal.launch_seconds
     groups: dict[tuple, list] = {}
     counted = attention = kernels = 0
+    blocks = traced_blocks(shape)[1]  # {traced block: how many of the model's blocks it stands for}
     for k in kernels_of(shape, seq_len, micro_batch, tricks):
-        n = repeats(k, shape.n_layers, grad_accum)
+        n = repeats(k, blocks.get(k.layer, 1), grad_accum)
         if n == 0:
             continue
         rate = rates.get((k.unit, k.dtype)) or rates.setdefault((k.unit, k.dtype), flop_rate(k.unit, k.dtype, gpu, cal))

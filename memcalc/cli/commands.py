@@ -77,6 +77,8 @@ Tp = Annotated[Optional[str], typer.Option("--tp", help="Tensor-parallel GPUs pe
 Pp = Annotated[Optional[str], typer.Option("--pp", help="Pipeline stages.", metavar="N")]
 Cp = Annotated[Optional[str], typer.Option("--cp", help="Context-parallel GPUs per sequence (needs flash).", metavar="N")]  # fmt: skip
 Dp = Annotated[Optional[str], typer.Option("--dp", help="Data-parallel replicas (default: what --gpus leaves).", metavar="N")]  # fmt: skip
+Ep = Annotated[Optional[str], typer.Option("--ep", help="Expert-parallel GPUs: each holds 1/N of a MoE layer's experts (within tp x cp x dp).", metavar="N")]  # fmt: skip
+Etp = Annotated[Optional[str], typer.Option("--etp", help="Expert tensor parallel: each expert's MLP split over N GPUs.", metavar="N")]  # fmt: skip
 Sp = Annotated[bool, typer.Option("--sp", help="Sequence parallel on the TP group.")]
 Vpp = Annotated[Optional[str], typer.Option("--vpp", help="Virtual pipeline stages per GPU (interleaved 1F1B).", metavar="N")]  # fmt: skip
 Hybrid = Annotated[bool, typer.Option("--hybrid", help="Shard inside a node, replicate across nodes (FSDP hybrid).")]
@@ -177,6 +179,7 @@ def estimate(
     optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
+    ep: Ep = None, etp: Etp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     capacity_factor: CapacityFactor = None, expert_imbalance: ExpertImbalance = None,
@@ -194,7 +197,7 @@ def estimate(
     With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
     estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
     """
-    layout_given = any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node)) or sp or hybrid or offload_params
+    layout_given = any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node, ep, etp)) or sp or hybrid or offload_params
     try:
         from memcalc.model.gpus import gpu as find_gpu
 
@@ -223,7 +226,8 @@ def estimate(
         if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
                                 stack, recipe, optimizer_impl, routing)  # fmt: skip
-            layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
+            layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node,
+                                  ep, etp)  # fmt: skip
             show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
         else:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4",
@@ -268,7 +272,8 @@ def roofline_calibration(gpu, spec: str | None):
     return calibration_for(gpu.key, paths[0] if paths else None, ",".join(overrides) or None)
 
 
-def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node):
+def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node, ep=None,
+                 etp=None):  # fmt: skip
     from memcalc.memory.state import MAX_GPUS
     from memcalc.model.shape import parse_count
     from memcalc.parallel.layout import layout_for
@@ -282,7 +287,7 @@ def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_p
         gpus=count(gpus, "gpus", None), tp=count(tp, "tp", 1), pp=count(pp, "pp", 1), cp=count(cp, "cp", 1),
         dp=count(dp, "dp", None), zero=int(zero), sp=sp, vpp=count(vpp, "vpp", 1), hybrid=hybrid,
         offload_optimizer=offload or offload_params, offload_params=offload_params,
-        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8),
+        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8), ep=count(ep, "ep", 1), etp=count(etp, "etp", 1),
     )  # fmt: skip
 
 

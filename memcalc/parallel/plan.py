@@ -10,7 +10,7 @@ replica; m = global batch / (dp · b)) and the recompute mode.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import DEFAULT_MFU, Setup
@@ -117,6 +117,7 @@ FAMILIES: tuple[tuple[str, Family], ...] = (
     ("no activation recompute", lambda lay, t: t.recompute == "none"),
     ("full activation recompute", lambda lay, t: t.recompute == "full"),
     ("CPU offload", lambda lay, t: lay.offload_optimizer),
+    ("without expert parallel", lambda lay, t: lay.ep == 1),
 )
 
 
@@ -136,7 +137,8 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     fitting, searched = [], 0
     family_best: dict[str, tuple] = {}
     family_small: dict[str, tuple] = {}
-    for layout, b, m in layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload):
+    for layout, b, m in expert_layouts(model, layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash,
+                                                      offload)):  # fmt: skip
         setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
                       host_memory=host_memory)  # fmt: skip
         for t in variants:
@@ -163,7 +165,7 @@ def distinct(ranked: list[tuple], top: int) -> list[tuple]:
     for entry in ranked:
         lay, tricks = entry[1], entry[3]
         kind = (lay.tp, lay.sp, lay.pp, lay.vpp, lay.zero, lay.hybrid, lay.offload_optimizer, lay.offload_params,
-                tricks.recompute)  # fmt: skip
+                tricks.recompute, lay.ep)  # fmt: skip
         if kind not in seen:
             seen.add(kind)
             out.append(entry)
@@ -191,6 +193,22 @@ def recompute_variants(tricks: Tricks, recomputes: tuple[str, ...]) -> tuple[Tri
         raise InputError("selective recompute saves nothing with flash (FlashAttention keeps no s×s scores to "
                          "recompute): name ckpt instead, or neither to search every recompute mode")  # fmt: skip
     return tuple(Tricks(tricks.precision, tricks.flash, r) for r in names)
+
+
+def expert_layouts(model: Model, found: Iterator[tuple[Layout, int, int]]) -> Iterator[tuple[Layout, int, int]]:
+    """Each layout once per expert-parallel size for a mixture of experts: ep dividing the experts and the
+    stage's tp · cp · dp GPUs (MoE parallel folding), expert TP 1; a dense model's layouts as they are.
+    With tp > 1 MoE layers need sequence parallel (check_experts)."""
+    shape = model.shape
+    if not shape.is_moe:
+        yield from found
+        return
+    for layout, b, m in found:
+        if layout.tp > 1 and not layout.sp:
+            continue
+        for ep in divisors(layout.tp * layout.cp * layout.dp):
+            if shape.n_experts % ep == 0:
+                yield replace(layout, ep=ep), b, m
 
 
 def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, flash: bool,

@@ -226,16 +226,22 @@ def make_mlp(shape: ModelShape, width: int | None = None) -> nn.Module:
 
 def balanced_routing(tokens: int, shape: ModelShape, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference router's fixed choice, made once per forward: token t's j-th expert is (t·k + j) mod E,
-    so that every expert gets T·k/E tokens and every shape is known on meta. Returns the chosen experts
-    (T, k), the slots s = t·k + j expert by expert (T·k,), and each such slot's token (T·k,)."""
+    so that every expert gets T·k/E tokens (one more for the first T·k mod E when E does not divide T·k) and
+    every shape is known on meta. Returns the chosen experts (T, k), the slots s = t·k + j expert by expert
+    (T·k,), and each such slot's token (T·k,)."""
     E, k = shape.n_experts, shape.experts_per_token
-    if tokens * k % E:
-        raise InputError(f"the reference router gives every expert the same tokens: tokens x experts per token "
-                         f"({tokens:,} x {k}) must be a multiple of the {E} experts")  # fmt: skip
     slots = torch.arange(tokens * k, device=device)
     chosen = (slots % E).view(tokens, k)
-    order = slots.view(-1, E).t().reshape(-1)  # slot e, e + E, e + 2E, ... for expert e
+    if tokens * k % E == 0:
+        order = slots.view(-1, E).t().reshape(-1)  # slot e, e + E, e + 2E, ... for expert e
+    else:
+        order = torch.sort(chosen.view(-1), stable=True).indices  # the same order, sorted by expert
     return chosen, order, torch.div(order, k, rounding_mode="floor")
+
+
+def expert_counts(routed: int, n_experts: int) -> list[int]:
+    """Tokens of each expert under balanced_routing: expert e has the slots e, e + E, ... below T·k."""
+    return [(routed - e + n_experts - 1) // n_experts for e in range(n_experts)]
 
 
 def router_scores(shape: ModelShape, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -271,7 +277,7 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype).view(-1).index_select(0, order)  # (T·k,) expert by expert
         permuted = flat.index_select(0, owner)  # (T·k, h): each token once per expert it goes to
-        parts = permuted.split(owner.numel() // self.shape.n_experts)
+        parts = permuted.split(expert_counts(owner.numel(), self.shape.n_experts))
         y = torch.cat([expert(part) for expert, part in zip(self.experts, parts)]) * weights.unsqueeze(-1)
         out = flat.new_zeros(B * T, h)
         out.index_add_(0, owner, y)  # each token's expert outputs summed back

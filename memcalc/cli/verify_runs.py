@@ -110,6 +110,9 @@ def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str):
     from memcalc.parallel.layout import Layout
     from memcalc.verification.distributed import check_dist
 
+    if model is not None and (model.shape.is_moe or model.shape.is_mla or model.shape.mtp_layers):
+        raise InputError("--fsdp/--tp check a dense model's shards; mixture-of-experts, latent-attention and MTP "
+                         "models are checked on one GPU (memcalc verify --device meta)")  # fmt: skip
     dp = 1 if fsdp is None else parse_count(fsdp, "fsdp", MAX_GPUS)
     layout = Layout(tp=1 if tp is None else parse_count(tp, "tp", MAX_GPUS), dp=dp, zero=3 if dp > 1 else 0, sp=sp)
     check_dist(model.shape, setup, tricks, layout, device.strip().lower())

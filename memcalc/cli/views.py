@@ -64,6 +64,9 @@ def exact_layers(model, setup, ests, layout):
 
     if layout.cp > 1:
         raise InputError("--exact with --cp: ring attention's saved tensors are not simulated; drop --exact or --cp")
+    if model.shape.is_moe or model.shape.is_mla:
+        raise InputError("--exact with a layout replays a dense block's TP shard; MoE and latent-attention blocks are "
+                         "replayed on one GPU: drop the layout (memcalc estimate --exact)")  # fmt: skip
     return [block_terms(model.shape, setup.seq_len, setup.micro_batch, e.tricks, layout) for e in ests]
 
 

@@ -364,21 +364,28 @@ def mlp_params(s, width: int, n: str, linear) -> list[list[Tensor]]:
 
 
 def routing_tables(g: Graph, tokens: int, s) -> tuple[Tensor, Tensor, Tensor]:
-    """balanced_routing: arange of the T·k slots, their experts (remainder), the slots expert by expert
-    (a transposed reshape: a copy), each such slot's token (a floor division). The arange dies on return."""
-    from memcalc.errors import InputError
-
+    """balanced_routing: arange of the T·k slots, their experts (remainder), the slots expert by expert (a
+    transposed reshape: a copy; a stable sort, values and indices, when E does not divide T·k), each such
+    slot's token (a floor division). The arange dies on return."""
     E, k = s.n_experts, s.experts_per_token
-    if tokens * k % E:
-        raise InputError(f"the reference router gives every expert the same tokens: tokens x experts per token "
-                         f"({tokens:,} x {k}) must be a multiple of the {E} experts")  # fmt: skip
     with g.scoped("routing tables"):
         slots = made(g, (tokens * k,), "arange", dtype="int64")
         chosen = g.view(made(g, (tokens * k,), "remainder", slots, dtype="int64"), (tokens, k))
-        order = made(g, (tokens * k,), "clone", slots, dtype="int64")
+        if tokens * k % E == 0:
+            order = made(g, (tokens * k,), "clone", slots, dtype="int64")
+        else:
+            order = g.empty((tokens * k,), "int64", "sort")  # .indices of torch.sort(..., stable=True)
+            values = g.empty((tokens * k,), "int64", "sort")
+            g.kernel("sort", (chosen,), (values, order))
+            del values
         owner = made(g, (tokens * k,), "div", order, dtype="int64")
         del slots
     return chosen, order, owner
+
+
+def expert_counts(routed: int, n_experts: int) -> list[int]:
+    """verify/builder.py expert_counts: expert e has the slots e, e + E, ... below T·k."""
+    return [(routed - e + n_experts - 1) // n_experts for e in range(n_experts)]
 
 
 def moe_block(g: Graph, cfg: Config, b: Block, x, cos, sin, future, routing) -> Tensor:
@@ -431,7 +438,7 @@ def mixture(g: Graph, cfg: Config, b: Block, x: Tensor, routing) -> Tensor:
             weights = aten.index_select(g, aten.view(g, aten.to(g, weights, x.dtype), (n,)), order)
         with g.scoped("dispatch"):
             permuted = aten.index_select(g, flat, owner)  # (T·k, h)
-            parts = aten.split(g, permuted, [n // s.n_experts] * s.n_experts, 0)
+            parts = aten.split(g, permuted, expert_counts(n, s.n_experts), 0)
         with g.scoped("experts"):
             outs = [expert_mlp(g, cfg, w, part) for w, part in zip(e.experts, parts)]
         with g.scoped("combine"):

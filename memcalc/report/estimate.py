@@ -624,6 +624,11 @@ def exact_section(est: Estimate, exacts: list, units: str) -> Section:
         "(backward's gradients, the optimizer's temporaries) as PyTorch's allocator sees it",
         f"exact: {first.note}; model state for the shape's own {first.n_params:,} parameters",
     ]
+    blocks = first.activations.first_blocks
+    if blocks:  # dense blocks before MoE ones: the step at that depth is exact's "outside", a MoE block its layer
+        s.notes.append(f"exact's per layer is a MoE layer's; its outside holds the first {blocks} blocks too (the "
+                       f"step at depth {blocks}, from which the MoE layers grow): the textbook's are the heaviest "
+                       "layer's and the logits")  # fmt: skip
     return s
 
 

@@ -5,6 +5,7 @@ import json
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -133,13 +134,13 @@ def test_layer_patterns():
     assert [is_moe_layer(v3, i) for i in range(5)] == [False, False, False, True, True]  # first_k_dense_replace 3
     assert moe_layer_count(v3) == 58
     assert moe_layer_count(preset("qwen3-235b-a22b")) == 94 and moe_layer_count(preset("mixtral-8x7b")) == 32
-    base = json.loads(open("examples/configs/qwen3-30b-a3b.json").read())
+    base = json.loads(Path("examples/configs/qwen3-30b-a3b.json").read_text())
     every_other = shape_from_config({**base, "decoder_sparse_step": 2, "mlp_only_layers": [5]})
     # modeling_qwen3_moe.py: MoE where (layer_idx + 1) % decoder_sparse_step == 0 and not in mlp_only_layers
     assert [i for i in range(8) if is_moe_layer(every_other, i)] == [1, 3, 7]
     dense = param_counts(every_other)
     assert dense.moe_layers == 23 and dense.layers == 23 * dense.per_moe_layer + 25 * dense.per_layer
-    freq = shape_from_config({**json.loads(open("examples/configs/deepseek-v3.json").read()), "moe_layer_freq": 2})
+    freq = shape_from_config({**json.loads(Path("examples/configs/deepseek-v3.json").read_text()), "moe_layer_freq": 2})
     assert [i for i in range(8) if is_moe_layer(freq, i)] == [4, 6]  # DeepSeek: i >= k and i % freq == 0
 
 
@@ -197,7 +198,7 @@ def test_bad_latent_fields(changes, message):
     ({"qk_rope_head_dim": 63}, "even qk_rope_head_dim"),
 ])  # fmt: skip
 def test_bad_moe_configs_are_one_line(tmp_path, edit, message):
-    config = {**json.loads(open("examples/configs/deepseek-v3.json").read()), **edit}
+    config = {**json.loads(Path("examples/configs/deepseek-v3.json").read_text()), **edit}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     with pytest.raises(InputError, match=re.escape(message)) as e:
@@ -206,7 +207,7 @@ def test_bad_moe_configs_are_one_line(tmp_path, edit, message):
 
 
 def test_qwen3_moe_mlp_only_layers_must_be_indices(tmp_path):
-    config = {**json.loads(open("examples/configs/qwen3-30b-a3b.json").read()), "mlp_only_layers": "none"}
+    config = {**json.loads(Path("examples/configs/qwen3-30b-a3b.json").read_text()), "mlp_only_layers": "none"}
     with pytest.raises(InputError, match="'mlp_only_layers' must be a list of layer indices"):
         shape_from_config(config)
 

@@ -14,12 +14,11 @@ from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
 from memcalc.model.moe import Routing
 from memcalc.model.presets import preset
-from memcalc.model.shape import expert_params, moe_layer_count, param_counts
+from memcalc.model.shape import Model, expert_params, moe_layer_count, n_params, param_counts
 from memcalc.model.tricks import parse_tricks
-from memcalc.parallel.comm import ep_comm, moe_tokens
+from memcalc.parallel.comm import moe_tokens
 from memcalc.parallel.layout import Layout, expert_gpu_params, gpu_params, layout_memory
 from memcalc.parallel.plan import layout_estimate
-from memcalc.model.shape import Model, n_params
 
 H100 = gpu("h100-sxm")
 FLASH = parse_tricks("bf16,flash")

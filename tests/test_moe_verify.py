@@ -119,7 +119,7 @@ def test_uneven_shares_are_exact_too(tricks):
     """3 experts, 32·2 routed slots: the first expert gets one more (a stable sort orders the slots), as any
     sequence length fit or a sweep tries may need."""
     odd, t = replace(QWEN_LIKE, n_experts=3), parse_tricks(tricks)
-    phases, g, mem = simulate(Config(odd, 32, 1, t.precision, t.flash, t.recompute), timeline=True)
+    phases, _, mem = simulate(Config(odd, 32, 1, t.precision, t.flash, t.recompute), timeline=True)
     step, live = measure_step(odd, 32, 1, t, timeline=True)
     for f in FIELDS:
         assert getattr(phases, f) == getattr(step, f), f
@@ -149,9 +149,8 @@ def test_full_width_exact_equals_meta(name, layers, tricks):
 def test_memcalc_verify_passes_every_row(name):
     """verify's own report on meta: every judged row exact, the per-layer rows of a dense-then-MoE model
     measured at depths d + 1 and d + 2."""
-    from verify.run import meta_rows
-
     from memcalc.memory.estimate import Setup
+    from verify.run import meta_rows
 
     shape = replace(TINY[name], n_layers=4)
     rows, _ = meta_rows(shape, Setup(seq_len=32), parse_tricks("bf16,flash"), 0.0, lambda what: None)

@@ -1,6 +1,6 @@
 """verify/meta.py's measured training step, run in bytes on memcalc.exact.sim: the model built
-(memcalc.exact.builder), a warm-up step, then the measured one under verify/recipes.py's recipe
-(memcalc.exact.recipes), with every phase's peak; and trace(), the kernels of one step.
+(memcalc.exact.builder), a warm-up step, then the measured one under verify/recipes.py's recipe for the
+stack (memcalc.exact.recipes), with every phase's peak; and trace(), the kernels of one step.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .builder import Model, build, forward
 from .config import Config
-from .recipes import Recipe, check_simulated, layer_of
+from .recipes import Recipe, TorchRecipe, check_simulated, layer_of, recipe_for
 from .sim import Graph, Kernel, Memory, Tensor
 
 
@@ -36,7 +36,8 @@ class Phases:
         return max(self.forward_peak_bytes, self.backward_peak_bytes, self.optimizer_peak_bytes)
 
 
-def micro_step(g: Graph, model: Model, recipe: Recipe, idx: Tensor, targets: Tensor, grad_accum: int) -> None:
+def micro_step(g: Graph, model: Model, recipe: Recipe | TorchRecipe, idx: Tensor, targets: Tensor,
+               grad_accum: int) -> None:  # fmt: skip
     """grad_accum forward-backward passes (grads add up in place), then the optimizer step."""
     for _ in range(grad_accum):
         loss = forward(g, model, idx, targets)
@@ -48,8 +49,10 @@ def micro_step(g: Graph, model: Model, recipe: Recipe, idx: Tensor, targets: Ten
 def trace(cfg: Config) -> list[Kernel]:
     """The kernels of one steady-state training step: one micro-batch's forward and backward (and
     checkpoint recompute), what each further micro-batch adds into the gradients (AccumulateGrad's
-    in-place add, phase "accumulate"), and the optimizer step. One step, no warm-up: a first step
-    runs the same kernels as any other, except making AdamW's m and v, which is not a kernel here."""
+    in-place add, phase "accumulate"), and the optimizer step. The reference recipe's first step runs
+    the same kernels as any other (making AdamW's m and v is not a kernel there), so it is traced with
+    no warm-up; the libraries' optimizers make their state at the first step (zeros, SGD's clone), so
+    their trace is of a second step, the first run unrecorded."""
     check_simulated(cfg)
     g = Graph(Memory())
     g.kernels = []
@@ -57,7 +60,11 @@ def trace(cfg: Config) -> list[Kernel]:
     B, T = cfg.micro_batch, cfg.seq_len
     idx = g.empty((B, T), "int64", "input", kind="input")
     targets = g.empty((B, T), "int64", "input", kind="input")
-    recipe = Recipe(g, model)
+    recipe = recipe_for(g, model)
+    if isinstance(recipe, TorchRecipe):
+        built, g.kernels = g.kernels, None
+        micro_step(g, model, recipe, idx, targets, 1)
+        g.kernels = built
     loss = forward(g, model, idx, targets)
     recipe.backward(loss)
     del loss
@@ -94,7 +101,7 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
     idx = g.empty((B, T), "int64", "input", kind="input")
     targets = g.empty((B, T), "int64", "input", kind="input")
     inputs = mem.live_bytes - weights
-    recipe = Recipe(g, model)
+    recipe = recipe_for(g, model)
     micro_step(g, model, recipe, idx, targets, micro_batches)
     before = mem.live_bytes
     peaks = {}

@@ -1,4 +1,10 @@
-"""verify/recipes.py's training recipe in bytes: what the optimizer step keeps, converts and frees."""
+"""verify/recipes.py's training recipes in bytes: what the optimizer step keeps, converts and frees.
+
+Recipe       the reference implementation (verify/recipes.py Recipe): fp32 master for 16-bit weights,
+             AdamW written out per tensor
+TorchRecipe  the libraries' optimizers over the model's own parameters (verify/recipes.py TorchRecipe,
+             memcalc.exact.optimizers): fp32, or 16-bit weights with no master (the pure recipe)
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,12 @@ from memcalc.errors import InputError
 from . import aten
 from .builder import Model, made
 from .config import Config
+from .optimizers import AdamW, AdamW8bit, SGD, layer_of, library_optimizer
 from .sim import Graph, Tensor
 
-SIMULATED = {"model": ("reference",), "recipe": ("master",), "impl": ("reference",), "optimizer": ("adamw",)}
+SIMULATED = {"model": ("reference",), "recipe": ("master", "pure"), "impl": ("reference", "loop", "foreach", "fused"),
+             "optimizer": ("adamw", "sgd", "adam8bit")}  # fmt: skip
+SGD_IMPLS = ("loop", "foreach")  # torch 2.13 has no meta kernel for aten::_fused_sgd_: not measured, not replayed
 
 
 def check_simulated(cfg: Config) -> None:
@@ -19,6 +28,42 @@ def check_simulated(cfg: Config) -> None:
         if value not in known and not (what == "recipe" and cfg.precision == "fp32"):
             raise InputError(f"the exact model does not replay {what} {value!r} yet; it replays "
                              f"{', '.join(known)}")  # fmt: skip
+    check_trainable(cfg.precision, cfg.recipe, cfg.impl, cfg.optimizer)
+
+
+def check_trainable(precision: str, recipe: str, impl: str, optimizer: str) -> None:
+    """Which optimizer trains with which recipe and implementation (verify/recipes.py recipe_for asks
+    the same): the reference implementation is AdamW, over fp32 weights or an fp32 master; the
+    libraries' optimizers update the model's own weights, so a 16-bit master recipe keeps the reference."""
+    sixteen = precision != "fp32"
+    if impl == "reference":
+        if optimizer != "adamw":
+            raise InputError(f"the reference implementation trains AdamW; --optimizer {optimizer} runs with "
+                             "--optimizer-impl loop or foreach")  # fmt: skip
+        if sixteen and recipe == "pure":
+            raise InputError("the pure recipe trains with torch.optim: --optimizer-impl loop, foreach or fused")
+    elif sixteen and recipe == "master":
+        raise InputError("the master recipe (fp32 master weights) runs with its reference implementation only: "
+                         "--optimizer-impl reference, or --recipe pure")  # fmt: skip
+    if optimizer == "sgd" and impl not in SGD_IMPLS + ("reference",):
+        raise InputError(f"SGD runs with --optimizer-impl {' or '.join(SGD_IMPLS)} here: torch 2.13 has no meta "
+                         "kernel for aten::_fused_sgd_, so fused SGD cannot be measured")  # fmt: skip
+
+
+def recipe_for(g: Graph, m: Model) -> Recipe | TorchRecipe:
+    """verify/recipes.py recipe_for: the reference implementation, or the libraries' optimizers."""
+    return Recipe(g, m) if m.cfg.impl == "reference" else TorchRecipe(g, m)
+
+
+def recipe_note(cfg: Config) -> str:
+    """What the simulated optimizer step is, in a line."""
+    if cfg.impl == "reference":
+        return "AdamW (fp32 m, v) on one GPU, grads converted per tensor"
+    master = "" if cfg.precision == "fp32" else ", no master"
+    if cfg.optimizer == "adam8bit":
+        return f"bitsandbytes AdamW8bit ({cfg.precision} weights{master}; uint8 m, v) on one GPU"
+    name = {"adamw": "AdamW", "sgd": "SGD with momentum"}[cfg.optimizer]
+    return f"torch.optim {name} ({cfg.impl}; {cfg.precision} weights and state{master}) on one GPU"
 
 
 class Recipe:
@@ -102,6 +147,22 @@ class Recipe:
         self.g.layer = None
 
 
-def layer_of(name: str) -> int | None:
-    """The block a parameter belongs to, from its name (blocks.3.attn.wq.weight -> 3)."""
-    return int(name.split(".")[1]) if name.startswith("blocks.") else None
+class TorchRecipe:
+    """verify/recipes.py TorchRecipe: the model's own parameters (fp32, or 16-bit with no master) updated
+    by the library's optimizer, loss.backward() unscaled (pure fp16: GradScaler refuses fp16 grads),
+    then optimizer.zero_grad(): every gradient set to None, in parameter order."""
+
+    def __init__(self, g: Graph, m: Model):
+        self.g, self.model, self.params = g, m, m.params
+        self.optimizer: AdamW | SGD | AdamW8bit = library_optimizer(g, m.params, m.cfg.optimizer, m.cfg.impl)
+
+    def backward(self, loss: Tensor) -> None:
+        self.g.backward(loss)
+
+    def update(self) -> None:
+        g = self.g
+        g.stage = "optimizer"
+        self.optimizer.step()
+        for p in self.params:  # torch/optim/optimizer.py Optimizer.zero_grad(set_to_none=True)
+            p.grad = None
+        g.layer, g.stage = None, "forward"

@@ -25,7 +25,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "int64": 8, "uint64": 8, "int32": 4}
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, "uint64": 8, "int32": 4}
 LEAF_SEQ = 2**62  # AccumulateGrad runs as soon as it is ready (torch: UINT64_MAX priority)
 # Arithmetic per output element of the elementwise kernels, counted from each op's formula (the
 # rest count 1; copies, cats and gathers 0). It seldom decides a kernel's time on the GPUs here: an

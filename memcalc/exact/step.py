@@ -27,6 +27,7 @@ from memcalc.terms import Term
 
 from .config import Config
 from .mirror import Phases, simulate
+from .recipes import recipe_note
 from .sim import ITEMSIZE
 
 SIM = "memcalc.exact.sim: verify/'s step replayed in bytes"
@@ -216,7 +217,8 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
-    phases, g, _ = simulate(config(shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer))
+    cfg = config(shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
+    phases, g, _ = simulate(cfg)
     saved = g.saved_terms
     if shape.n_layers == 1:  # split at two layers; the totals come from the real depth
         _, g2, _ = simulate(config(replace(shape, n_layers=2), seq_len, micro_batch, tricks, 1, stack, optimizer))
@@ -229,7 +231,7 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     attention = sum(n for (_, kind), n in g.flops.items() if kind == "attention")
     model, model_causal = model_flops(shape, seq_len, tokens)
     flops = ExactFlops(tokens, flop_terms(g.flops), counted, counted - attention // 2, model, model_causal)
-    note = "AdamW (fp32 m, v) on one GPU, grads converted per tensor; measured on meta: equal to the byte"
+    note = recipe_note(cfg) + "; measured on meta: equal to the byte"
     return ExactStep(tricks, seq_len, micro_batch, grad_accum, n_params(shape), acts, phases, flops, note)
 
 

@@ -18,6 +18,7 @@ AdamW8bit, over the model's own parameters: fp32, or 16-bit with no master (--re
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 
@@ -164,6 +165,8 @@ def library_optimizer(params: list[torch.Tensor], optimizer: str, impl: str, ada
     if optimizer == "sgd":
         return torch.optim.SGD(params, lr=sgd.lr, momentum=sgd.momentum, **IMPLS[impl])
     if optimizer == "adam8bit":
+        # its CPU backend warns, on import, that a 4-bit matmul kernel could not be downloaded: not ours
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
         try:
             import bitsandbytes
         except ImportError as e:

@@ -49,6 +49,7 @@ def layer_of(name: str) -> int | None:
 
 
 def zeros_like(g: Graph, p: Tensor, dtype: str | None = None, op: str = "zeros_like") -> Tensor:
+    """torch.zeros_like(p, dtype=dtype): optimizer state, of the parameter's dtype unless told."""
     t = g.empty(p.shape, dtype or p.dtype, op, kind="state")
     g.kernel(op, (), (t,))
     return t
@@ -114,6 +115,8 @@ def single_tensor_adam(g: Graph, params: list[Tensor], grads: list[Tensor], exp_
         in_place(g, "mul_", param)  # param.mul_(1 - lr * weight_decay); step_t += 1 runs on the CPU
         in_place(g, "lerp_", exp_avg, grad)  # exp_avg.lerp_(grad, 1 - beta1)
         in_place(g, "addcmul_", in_place(g, "mul_", exp_avg_sq), grad)  # .mul_(beta2).addcmul_(grad, grad)
+        # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): the sqrt dies once the quotient
+        # exists; the previous tensor's denom only when this one is assigned
         denom = in_place(g, "add_", out_of_place(g, "div", out_of_place(g, "sqrt", exp_avg_sq)))
         in_place(g, "addcdiv_", param, exp_avg, denom)  # param.addcdiv_(exp_avg, denom, value=-step_size)
     g.layer = None

@@ -32,6 +32,10 @@ def test_a_llama_written_from_scratch_against_the_reference_stack():
         assert abs(rows[q]["error"]) < 1e-3, (q, rows[q])
     # the loop AdamW's temporaries over the reference's: the user's optimizer peak is higher, and shown so
     assert rows["optimizer-step peak"]["measured"] > rows["optimizer-step peak"]["exact"]
+    # against the stack the example trains with, torch.optim's AdamW for-loop: its optimizer step to the byte
+    rows = rows_of(run("verify", "--step", EXAMPLE, "--model", "llama3-8b", "--layers", "2", "--tricks", "fp32",
+                       "--seq", "512", "--stack", "torch", "--optimizer-impl", "loop", "--format", "json"))  # fmt: skip
+    assert rows["optimizer-step peak"]["error"] == 0
 
 
 def test_without_a_model_the_step_is_measured_alone():

@@ -397,7 +397,7 @@ def verify(
     hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None, ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1",
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
-    stack: StackOpt = "reference", recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None,
+    stack: StackOpt = "reference", recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, optimizer: Optimizer = "adamw",
     matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta.", metavar="DEV", show_default="cuda when present, else meta")] = None,
@@ -422,7 +422,7 @@ def verify(
         shape_given = any(x is not None for x in (params, model, config, layers, hidden, heads))
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab) \
             if shape_given or step is None else None  # fmt: skip
-        setup = build_setup(seq, micro_batch, "1", "adamw", "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl)
+        setup = build_setup(seq, micro_batch, "1", optimizer, "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl)
         the_tricks = parse_tricks(tricks)
         n_steps = parse_count(steps, "steps", 1000)
         tolerance = None if tol is None else parse_fraction(tol, "tol")

@@ -111,7 +111,8 @@ def unsharded_parts(precision: str, optimizer: str, params: int, recipe: str = "
             parts.append(("master", "fp32", 4 * params, 1, "4·{N}"))
     state_dtype = precision if recipe == "pure" else "fp32"
     parts += [(name, dtype, size, 1, f) for name, dtype, size, f in optimizer_elements(optimizer, params, state_dtype)]
-    if precision == "fp16":  # dynamic loss scaling: torch.amp.GradScaler's fp32 scale + int32 tracker
+    if precision == "fp16" and recipe != "pure":  # dynamic loss scaling: GradScaler's fp32 scale + int32 tracker
+        # (pure fp16 has none: GradScaler.unscale_ refuses fp16 grads, torch/amp/grad_scaler.py _unscale_grads_)
         parts.append(("loss_scale", "fp32+int32", 8, 99, "8"))
     return parts
 

@@ -26,7 +26,7 @@ def recipe_text(precision: str, recipe: str = "master") -> str:
     """'bf16 autocast over fp32 weights': the precision, as the stack's recipe trains it."""
     if precision == "fp32" or recipe == "master":
         return RECIPES[precision]
-    return HOW[recipe].format(p=precision) + (" + loss scaling" if precision == "fp16" else "")
+    return HOW[recipe].format(p=precision) + (" + loss scaling" if precision == "fp16" and recipe != "pure" else "")
 
 
 def preamble(est: Estimate, units: str = "gb") -> list[str]:

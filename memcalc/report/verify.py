@@ -211,5 +211,5 @@ def custom_verdict(r: CustomResult, units: str) -> str:
     mine = u.size(peak.measured, units)
     if peak.exact is None:
         return f"Your step peaks at {mine} on {r.device}; no prediction beside it ({r.prediction_note})."
-    return (f"Your step peaks at {mine}; memcalc predicts {u.size(peak.exact, units)} for {r.stack} "
-            f"({error_text(peak)} from it).")
+    diff = "the same to the byte" if peak.error == 0 else f"yours {error_text(peak)}"
+    return f"Your step peaks at {mine}; memcalc predicts {u.size(peak.exact, units)} for {r.stack}: {diff}."

@@ -151,7 +151,6 @@ def test_parameter_offload_leaves_only_buffers():
 @pytest.mark.parametrize("kwargs, message", [
     ({"sp": True}, "sequence parallel needs tensor parallel"),
     ({"vpp": 2}, "need pipeline parallel"),
-    ({"pp": 2, "dp": 2, "zero": 2}, "ZeRO-2 with pipeline parallel is unsupported"),
     ({"dp": 2, "zero": 2, "offload_optimizer": True, "offload_params": True}, "needs ZeRO-3"),
     ({"dp": 2, "zero": 3, "offload_params": True}, "add optimizer offload"),
     ({"dp": 2, "offload_optimizer": True}, "needs ZeRO >= 1"),
@@ -168,7 +167,9 @@ def test_bad_layouts(kwargs, message):
 @pytest.mark.parametrize("kwargs, tricks, seq, m, message", [
     ({"tp": 5}, Tricks(), 2048, 1, "must divide the 64 attention heads"),
     ({"tp": 16}, Tricks(), 2048, 1, "must divide the 8 KV heads"),
-    ({"pp": 7}, Tricks(), 2048, 1, "pipeline 7 must divide the 80 layers"),
+    ({"pp": 64}, Tricks(), 2048, 1, "pipeline 64 leaves a stage without layers"),  # 80 + 2 over 64 stages
+    ({"pp": 4, "first_layers": 30}, Tricks(), 2048, 1, "the other 3 stages cannot share the remaining 50"),
+    ({"pp": 2, "dp": 2, "zero": 2}, Tricks(), 2048, 1, "ZeRO-2 with pipeline parallel is unsupported"),
     ({"pp": 4, "vpp": 8}, Tricks(), 2048, 8, "x virtual stages 8 must divide"),
     ({"pp": 4, "vpp": 2}, Tricks(), 2048, 6, "multiple of pp"),
     ({"cp": 2}, Tricks(), 2048, 1, "context parallel needs flash"),

@@ -1,10 +1,12 @@
 """`memcalc plan`: every valid layout of a job on N GPUs, those that fit, ranked by predicted tokens/s.
 
 Searched: TP (inside a node, dividing the heads, KV heads and MLP width; Narayanan et al. 2021, sec. 3.3:
-TP across nodes is never worth it), sequence parallel on or off, PP dividing the layers, interleaving
-v dividing the layers per stage, CP (with flash), DP = the rest; ZeRO 0-3 (0-1 with PP), hybrid shard,
-optimizer and parameter offload; the micro-batch b (powers of two up to 16, dividing the batch per
-replica; m = global batch / (dp · b)) and the recompute mode.
+TP across nodes is never worth it), sequence parallel on or off, PP (the stack's stage split: even where
+it divides the layers, else torchtitan's with the embedding and head weighed as a layer each), interleaving
+v dividing the layers per stage, CP (with flash), DP = the rest; the ZeRO stages the stack's engine runs
+(memcalc.parallel.engines: 0-3, 0-1 with PP; FSDP2 ZeRO-3 with PP too), hybrid shard, optimizer and
+parameter offload; the micro-batch b (powers of two up to 16, dividing the batch per replica;
+m = global batch / (dp · b)) and the recompute mode.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES
 from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
 from memcalc.model.tricks import Tricks
 
+from memcalc.model.stacks import DEFAULT_STACK, Stack
+
 from .comm import ASSUMPTIONS, Assumptions, StepTime, step_time
-from .layout import Layout, LayoutMemory, divisors, layout_memory
+from .engines import ENGINES, engine_layout
+from .layout import Layout, LayoutMemory, divisors, layout_memory, stage_layers
 
 MAX_MICRO_BATCH = 16  # sequences per micro-batch the search tries, in powers of two
 MAX_VPP = 8  # virtual stages per GPU the search tries
@@ -61,9 +66,10 @@ class LayoutEstimate:
 
 
 def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
-                    assume: Assumptions = ASSUMPTIONS, ends_only: bool = False) -> LayoutEstimate:  # fmt: skip
-    """Memory (every stage unless ends_only) and step time of one layout."""
+                    assume: Assumptions = ASSUMPTIONS, ends_only: bool = False, timing=None) -> LayoutEstimate:  # fmt: skip
+    """Memory (every stage unless ends_only) and step time of one layout, as the stack's engine runs it."""
     check_positions(model.shape, setup.seq_len)
+    layout = engine_layout(layout, setup.stack.engine)
     memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)
     return LayoutEstimate(
         model, gpu, setup, tricks, layout, memory, step_time(model, setup, gpu, tricks, layout, memory, assume)
@@ -123,22 +129,23 @@ FAMILIES: tuple[tuple[str, Family], ...] = (
 def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int = 8,
          tricks: Tricks = BF16_FLASH, optimizer: str = "adamw", mfu: float = DEFAULT_MFU,
          assume: Assumptions = ASSUMPTIONS, top: int = 5, recomputes: tuple[str, ...] = ("none", "selective", "full"),
-         offload: bool = True, host_memory: int = HOST_MEMORY_BYTES) -> Plan:  # fmt: skip
-    """Search every valid layout, keep those that fit (the GPU, and the host's memory for offload), rank them
-    by tokens/s."""
+         offload: bool = True, host_memory: int = HOST_MEMORY_BYTES, stack: Stack = DEFAULT_STACK) -> Plan:  # fmt: skip
+    """Search every valid layout the stack's engine runs, keep those that fit (the GPU, and the host's memory
+    for offload), rank them by tokens/s."""
     check_size("gpus", gpus, limit=MAX_GPUS)
     check_size("gpus per node", gpus_per_node, limit=MAX_GPUS)
     check_positions(model.shape, seq_len)
     check_size("global batch", global_batch, limit=MAX_BATCH)
     check_size("top", top, limit=1000)
-    Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory)  # validates seq, mfu, host
+    Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory, stack=stack)  # validates them
     variants = recompute_variants(tricks, recomputes)
     fitting, searched = [], 0
     family_best: dict[str, tuple] = {}
     family_small: dict[str, tuple] = {}
-    for layout, b, m in layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload):
+    for layout, b, m in layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload,
+                                stack.engine):  # fmt: skip
         setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
-                      host_memory=host_memory)  # fmt: skip
+                      host_memory=host_memory, stack=stack)  # fmt: skip
         for t in variants:
             searched += 1
             memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
@@ -194,14 +201,14 @@ def recompute_variants(tricks: Tricks, recomputes: tuple[str, ...]) -> tuple[Tri
 
 
 def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, flash: bool,
-            offload: bool) -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
-    """Every valid (layout, micro-batch b, micro-batches m) for this job."""
+            offload: bool, engine: str = "none") -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
+    """Every valid (layout, micro-batch b, micro-batches m) the engine runs for this job."""
     shape = model.shape
     for tp in divisors(gpus):
         if tp > gpus_per_node or shape.n_heads % tp or shape.n_kv_heads % tp or shape.ffn % tp:
             continue
         for pp in divisors(gpus // tp):
-            if shape.n_layers % pp:
+            if not splits_layers(pp, shape.n_layers, engine):
                 continue
             for cp in divisors(gpus // (tp * pp)):
                 if cp > 1 and (not flash or seq_len % (2 * cp)):
@@ -209,15 +216,25 @@ def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_ba
                 dp = gpus // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                yield from splits(tp, pp, cp, dp, shape.n_layers, seq_len, global_batch // dp, gpus_per_node, offload)
+                yield from splits(tp, pp, cp, dp, shape.n_layers, seq_len, global_batch // dp, gpus_per_node, offload,
+                                  engine)  # fmt: skip
+
+
+def splits_layers(pp: int, n_layers: int, engine: str) -> bool:
+    """Whether the engine's stage split gives every one of pp stages a layer."""
+    try:
+        stage_layers(pp, 0, 0, n_layers, ENGINES[engine].weighted_split)
+    except InputError:
+        return False
+    return True
 
 
 def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_replica: int, gpus_per_node: int,
-           offload: bool) -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
-    vpps = [v for v in divisors(n_layers // pp) if v <= MAX_VPP] if pp > 1 else [1]
+           offload: bool, engine: str = "none") -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
+    vpps = [v for v in divisors(n_layers // pp) if v <= MAX_VPP] if pp > 1 and n_layers % pp == 0 else [1]
     sps = [False] + ([True] if tp > 1 and (seq_len // cp) % tp == 0 else [])
     batches = [b for b in (1 << k for k in range(5)) if b <= MAX_MICRO_BATCH and per_replica % b == 0]
-    shardings = list(sharding_options(tp, pp, dp * cp, gpus_per_node, offload))
+    shardings = list(sharding_options(tp, pp, dp * cp, gpus_per_node, offload, engine))
     for v in vpps:
         for sp in sps:
             for b in batches:
@@ -230,20 +247,24 @@ def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_
 
 
 def sharding_options(
-    tp: int, pp: int, shard_ranks: int, gpus_per_node: int, offload: bool
+    tp: int, pp: int, shard_ranks: int, gpus_per_node: int, offload: bool, engine: str = "none"
 ) -> Iterator[tuple[int, bool, bool, bool]]:
-    """(zero, hybrid, offload optimizer, offload params) that are valid and not duplicates of each other."""
-    stages = (0,) if shard_ranks == 1 else (0, 1) if pp > 1 else (0, 1, 2, 3)
+    """(zero, hybrid, offload optimizer, offload params) that are valid for the engine and not duplicates of
+    each other."""
+    e = ENGINES[engine]
+    stages = (0,) if shard_ranks == 1 else e.zero_with_pp if pp > 1 else e.zero
+    if engine == "fsdp2" and shard_ranks > 1:
+        stages = (3,)  # torchtitan shards whenever dp_shard · cp > 1
     node = gpus_per_node // tp if gpus_per_node % tp == 0 else 0
     for zero in stages:
         hybrids = [False] + ([True] if zero and 1 < node < shard_ranks and shard_ranks % node == 0 else [])
         for hybrid in hybrids:
             yield zero, hybrid, False, False
-            if offload and (zero or shard_ranks == 1):
+            if offload and (zero or shard_ranks == 1) and engine != "fsdp2":
                 yield zero, hybrid, True, False
             if offload and zero == 3:
                 yield zero, hybrid, True, True
-    if offload and shard_ranks == 1 and pp == 1:
+    if offload and shard_ranks == 1 and pp == 1 and 3 in e.zero:
         yield 3, False, True, True  # one rank: ZeRO-3 only to stream the offloaded weights in (ZeRO-Infinity)
 
 

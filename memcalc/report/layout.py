@@ -7,7 +7,7 @@ from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import Alternative, LayoutEstimate, Plan
 
 from . import units as u
-from .estimate import RECIPES, explain_term, fit_text, host_note, state_section
+from .estimate import RECIPES, explain_term, fit_text, host_note, recipe_text, state_section
 from .render import Section, sized
 
 CAUSES = {
@@ -59,6 +59,10 @@ def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
     g, lay, fabric = est.gpu, est.layout, FABRICS[est.gpu.key]
     tricks = (f"{est.tricks.label} ({RECIPES[est.tricks.precision]})" if len(ests) == 1
               else "one row each: " + ", ".join(e.tricks.label for e in ests))  # fmt: skip
+    stack = est.setup.stack
+    if stack.key != "reference" or stack.engine != "none":
+        tricks = tricks.replace(f"({RECIPES[est.tricks.precision]})", f"({recipe_text(est.tricks.precision, stack.recipe)})")
+        tricks += f"; stack {stack.label}: {stack.name}"
     return [
         f"Model: {est.model.origin}",
         f"Layout: {layout_text(lay)}, {lay.gpus_per_node} per node; {sharding_text(lay)}",
@@ -72,11 +76,14 @@ def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
 def layer_section(est: LayoutEstimate, units: str) -> Section:
     layer = est.memory.peak.layer
     split = f"tp {layer.tp}" + (" + SP" if layer.sp else "") + (f", cp {layer.cp}" if layer.cp > 1 else "")
-    title = f"Activations of one layer, one micro-batch, one GPU ({split}): Korthikanti et al. 2022, Table 2"
+    whose = "Megatron-LM's formula" if est.setup.stack.engine == "megatron" else "Korthikanti et al. 2022, Table 2"
+    title = f"Activations of one layer, one micro-batch, one GPU ({split}): {whose}"
     s = Section(title, ["term", "formula", "bytes"], align="llr")
     for t in layer.terms:
         s.rows.append([t.name, t.symbolic(), sized(t.value, units)])
     s.rows.append(["kept per layer", "", sized(layer.per_layer_bytes, units)])
+    for t in est.memory.stages[0].inputs:
+        s.rows.append([f"stage 0, outside the layers: {t.name}", t.symbolic(), sized(t.value, units)])
     for t in layer.rebuilt:
         s.rows.append([f"rebuilt in backward: {t.name}", t.symbolic(), sized(t.value, units)])
     return s
@@ -257,8 +264,8 @@ def layout_symbols(est: LayoutEstimate) -> dict[str, int]:
     shape, s, lay = est.model.shape, est.setup, est.layout
     return {
         "s": s.seq_len, "b": s.micro_batch, "h": shape.hidden, "a": shape.n_heads, "k": shape.n_kv_heads,
-        "d": shape.head_dim, "L": shape.n_layers, "v": shape.vocab, "t": lay.tp, "c": lay.cp, "p": lay.pp,
-        "m": s.grad_accum,
+        "d": shape.head_dim, "f": shape.ffn, "L": shape.n_layers, "v": shape.vocab, "t": lay.tp, "c": lay.cp,
+        "p": lay.pp, "m": s.grad_accum,
     }  # fmt: skip
 
 

@@ -135,13 +135,20 @@ def test_fsdp2_working_memory_at_the_start_of_backward():
     (st,) = memory("fsdp2", tp=8, dp=8).stages
     unit = max(block, head)  # the largest unit reduced: here [norm, lm_head] (131M against a block's 107M)
     assert [b.value for b in st.buffers] == [2 * 2 * block, 2 * unit, 4 * unit, 2 * head]
-    # with pipeline parallel torchtitan does not reshard after forward: every block of the stage stays gathered
+    # without resharding after forward every block of the stage stays gathered until its backward
+    (kept,) = memory("fsdp2", tp=8, dp=8, reshard_after_forward=False).stages
+    assert kept.buffers[0].value == 2 * 80 * block and "kept unsharded" in kept.buffers[0].name
+
+
+def test_fsdp2_under_pipeline_parallel_keeps_the_stage_gathered_and_its_gradients_in_fp32():
+    # torch/distributed/pipelining/stage.py: every backward but the last with reshard_after_backward and
+    # requires_gradient_sync off: the stage's bf16 parameters stay gathered, its gradients accumulate
+    # unsharded in reduce_dtype fp32 (_fsdp_param.py to_accumulated_grad_if_needed)
     mem = memory("fsdp2", tp=8, pp=4, dp=2)
-    first = mem.stages[0]
-    assert first.buffers[0].value == 2 * 20 * block and "kept unsharded" in first.buffers[0].name
-    again = memory("fsdp2", tp=8, pp=4, dp=2, reshard_after_forward=True)
-    assert again.stages[0].buffers[0].value == 2 * 2 * block
-    assert again.stages[0].total_bytes < first.total_bytes
+    for st in mem.stages:
+        assert [b.value for b in st.buffers] == [2 * st.params, 4 * st.params]
+    again = memory("fsdp2", tp=8, pp=4, dp=2, reshard_after_forward=True)  # gathered again after the first backward
+    assert again.total_bytes == mem.total_bytes
 
 
 def test_fsdp2_in_fp32_gathers_fp32():
@@ -255,7 +262,7 @@ def test_estimate_and_plan_take_the_engine_stacks():
     out = run(app, ["estimate", "--model", "llama3.1-405b", "--seq", "8192", "--tricks", "bf16,flash", "--gpus", "512",
                     "--tp", "8", "--pp", "8", "--sp", "--stack", "fsdp2", "--grad-accum", "16"], env=WIDE)  # fmt: skip
     assert out.exit_code == 0, out.output
-    assert "ZeRO-3 over dp x cp = 8 ranks" in out.stdout and "FSDP2 blocks kept unsharded" in out.stdout
+    assert "ZeRO-3 over dp x cp = 8 ranks" in out.stdout and "FSDP2 stage parameters kept gathered" in out.stdout
     out = run(app, ["estimate", "--model", "llama3-70b", "--tp", "8", "--pp", "4", "--pp-layers", "17,17", "--sp",
                     "--tricks", "bf16,flash", "--format", "csv"], env=WIDE)  # fmt: skip
     assert out.exit_code == 0 and [row.split(",")[2] for row in out.stdout.splitlines()[1:]] == ["17", "23", "23", "17"]

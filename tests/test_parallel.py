@@ -25,6 +25,8 @@ from memcalc.parallel.layout import (
     tp_layer_params,
 )  # fmt: skip
 from memcalc.parallel.plan import layout_estimate
+from memcalc.time.calibration import calibration_for
+from memcalc.time.roofline import step_time as roofline_step
 
 GPT3 = preset("gpt3-175b")  # a 96, h 12288, L 96 (Brown et al. 2020)
 H100 = gpu("h100-sxm")
@@ -228,9 +230,12 @@ def test_one_gpu_layout_equals_the_single_gpu_estimate(shape, seq, b, m, tricks,
     assert st_.activation_peak_bytes == est.activations[0].peak_bytes
     assert st_.logits_bytes == est.logits[0].total_bytes
     assert lay.memory.total_bytes == est.memory[0].total_bytes
-    if dp == 1 and not offload:
-        assert lay.time.step_seconds == pytest.approx(est.compute[0].step_seconds, rel=1e-12)
-        assert lay.time.mfu == pytest.approx(est.compute[0].mfu, rel=1e-12)
+    if dp == 1 and not offload:  # one time model: the one-GPU roofline's kernels, and --mfu's step
+        single = roofline_step(shape, seq, b, m, tricks, H100, calibration_for("h100-sxm"))
+        assert lay.time.step_seconds == pytest.approx(single.step_seconds, rel=1e-12)
+        assert lay.time.mfu == pytest.approx(single.mfu, rel=1e-12)
+        by_mfu = layout_estimate(model, setup, H100, tricks, Layout(), timing=0.4)
+        assert by_mfu.time.step_seconds == pytest.approx(est.compute[0].step_seconds, rel=1e-12)
 
 
 @settings(max_examples=60, deadline=None)

@@ -223,12 +223,14 @@ def reshards_after_forward(layout) -> bool:
     return layout.pp == 1 if layout.reshard_after_forward is None else layout.reshard_after_forward
 
 
-def fsdp2_buffers(layer: int, layers: int, head: int, w: int, reshard: bool) -> tuple[Term, ...]:
+def fsdp2_buffers(layer: int, layers: int, head: int, w: int, reshard: bool, stage: int = 0,
+                  pipelined: bool = False) -> tuple[Term, ...]:  # fmt: skip
     """FSDP2's working memory at the start of backward, when the activations peak (torch 2.13
     torch/distributed/fsdp/_fully_shard; one fully_shard unit per block, torchtitan apply_fsdp_to_decoder).
 
     layer: one block's parameters on this TP rank; layers: the stage's blocks; head: the [norm, lm_head]
-    unit's parameters on the last stage (0 elsewhere); w: bytes of param_dtype (bf16: 2).
+    unit's parameters on the last stage (0 elsewhere); w: bytes of param_dtype (bf16: 2); stage: every
+    parameter of the stage on this TP rank.
       gathered blocks   reshard_after_forward: the running block and the one prefetched (FSDP2's implicit
                         prefetch, _fsdp_param_group.py wait_for_unshard); without it every block of the stage
                         stays unsharded from its forward to its backward
@@ -238,7 +240,20 @@ def fsdp2_buffers(layer: int, layers: int, head: int, w: int, reshard: bool) -> 
                         until the next unit's post_backward (reduce_scatter_max_input_buffers = 1)
       output unit       torchtitan does not reshard [norm, lm_head] after forward (reshard_after_forward=
                         policy == 'always'): it stays gathered until its backward
+    Under pipeline parallel (torch/distributed/pipelining/stage.py backward_maybe_with_nosync) every
+    backward but the last runs with set_reshard_after_backward(False) and set_requires_gradient_sync(False):
+    the stage's parameters stay gathered from the first micro-batch on, and its unsharded gradients
+    accumulate across micro-batches in reduce_dtype (_fsdp_param.py to_accumulated_grad_if_needed), reduced
+    once after the last backward (stage.py perform_reduce_grad).
     """
+    if pipelined:
+        return (
+            Term("FSDP2 stage parameters kept gathered across micro-batches (pipelining)", w * stage,
+                 f"{w}·P_stage", "torch/distributed/pipelining/stage.py: set_reshard_after_backward(False)"),
+            Term("FSDP2 unsharded gradients accumulated across micro-batches (reduce_dtype fp32)", 4 * stage,
+                 "4·P_stage", "torch/distributed/pipelining/stage.py: set_requires_gradient_sync(False); "
+                 f"{FSDP2}/_fsdp_param.py to_accumulated_grad_if_needed"),
+        )  # fmt: skip
     unit = max(layer, head)
     if reshard:
         gathered = Term("FSDP2 gathered blocks: the running one and the one prefetched", 2 * w * layer,

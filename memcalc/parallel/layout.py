@@ -541,6 +541,7 @@ def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: L
 def engine_buffers(model: Model, tricks: Tricks, layout: Layout, state: ModelState, stage: int, layers: int,
                    engine: str) -> tuple[Term, ...]:  # fmt: skip
     """The transient buffers of the stack's engine on one GPU of a stage (memcalc.parallel.engines)."""
+    stage_params = state.params
     shape, tp, p = model.shape, layout.tp, layout.pp
     w = 4 if tricks.precision == "fp32" else 2  # the weights' and gradients' dtype while computing
     if engine == "deepspeed":
@@ -551,7 +552,8 @@ def engine_buffers(model: Model, tricks: Tricks, layout: Layout, state: ModelSta
         head = 0
         if stage == p - 1 and (not shape.tied_embeddings or p > 1):
             head = -(-shape.vocab // tp) * shape.hidden + norm_params(shape)
-        return fsdp2_buffers(tp_layer_params(shape, tp), layers, head, w, reshards_after_forward(layout))
+        return fsdp2_buffers(tp_layer_params(shape, tp), layers, head, w, reshards_after_forward(layout),
+                             stage_params, p > 1)  # fmt: skip
     return (zero3_buffers(shape, tp, tricks.precision, weights_held_elsewhere(state)),)
 
 

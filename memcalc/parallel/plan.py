@@ -11,6 +11,7 @@ m = global batch / (dp · b)) and the recompute mode.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,8 +23,9 @@ from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
 from memcalc.model.tricks import Tricks
 
 from memcalc.model.stacks import DEFAULT_STACK, Stack
+from memcalc.time.calibration import Calibration, calibration_for
 
-from .comm import ASSUMPTIONS, Assumptions, StepTime, step_time
+from .comm import ASSUMPTIONS, Assumptions, StepTime, step_lower_bound, step_time
 from .engines import ENGINES, engine_layout
 from .layout import Layout, LayoutMemory, divisors, layout_memory, stage_layers
 
@@ -66,14 +68,15 @@ class LayoutEstimate:
 
 
 def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
-                    assume: Assumptions = ASSUMPTIONS, ends_only: bool = False, timing=None) -> LayoutEstimate:  # fmt: skip
-    """Memory (every stage unless ends_only) and step time of one layout, as the stack's engine runs it."""
+                    assume: Assumptions = ASSUMPTIONS, ends_only: bool = False,
+                    timing: Calibration | float | None = None) -> LayoutEstimate:  # fmt: skip
+    """Memory (every stage unless ends_only) and step time of one layout, as the stack's engine runs it.
+    timing: the roofline's calibration (None: the GPU's shipped one), or --mfu's end-to-end rate."""
     check_positions(model.shape, setup.seq_len)
     layout = engine_layout(layout, setup.stack.engine)
     memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)
-    return LayoutEstimate(
-        model, gpu, setup, tricks, layout, memory, step_time(model, setup, gpu, tricks, layout, memory, assume)
-    )
+    time = step_time(model, setup, gpu, tricks, layout, memory, assume, timing)
+    return LayoutEstimate(model, gpu, setup, tricks, layout, memory, time)
 
 
 @dataclass(slots=True)
@@ -98,7 +101,8 @@ class Plan:
     global_batch: int  # sequences per optimizer step
     tricks: Tricks  # precision and flash as given; recompute is searched
     optimizer: str
-    mfu: float
+    timing: Calibration | float  # the roofline's calibration, or --mfu's end-to-end rate
+    stack: Stack
     searched: int  # valid layouts evaluated (each with one micro-batch size and recompute mode)
     fitting: int  # of those, how many fit in memory
     best: tuple[LayoutEstimate, ...]  # the fastest distinct layouts that fit, fastest first, every stage computed
@@ -127,20 +131,29 @@ FAMILIES: tuple[tuple[str, Family], ...] = (
 
 
 def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int = 8,
-         tricks: Tricks = BF16_FLASH, optimizer: str = "adamw", mfu: float = DEFAULT_MFU,
+         tricks: Tricks = BF16_FLASH, optimizer: str = "adamw", timing: Calibration | float | None = None,
          assume: Assumptions = ASSUMPTIONS, top: int = 5, recomputes: tuple[str, ...] = ("none", "selective", "full"),
-         offload: bool = True, host_memory: int = HOST_MEMORY_BYTES, stack: Stack = DEFAULT_STACK) -> Plan:  # fmt: skip
+         offload: bool = True, host_memory: int = HOST_MEMORY_BYTES, stack: Stack = DEFAULT_STACK,
+         prune: bool = True) -> Plan:  # fmt: skip
     """Search every valid layout the stack's engine runs, keep those that fit (the GPU, and the host's memory
-    for offload), rank them by tokens/s."""
+    for offload), rank them by tokens/s: the roofline's (timing a Calibration, or None for the GPU's shipped
+    one) or --mfu's end-to-end rate (timing a float).
+
+    The roofline traces one block per TP shard, CP share, micro-batch and recompute mode; to trace only
+    what can matter, the layouts that fit are timed in the order of a lower bound on their step
+    (memcalc.parallel.comm.step_lower_bound), and one is skipped when its bound is already slower than
+    the best of its kind, the top layouts' cut and the best of each family it belongs to: the ranking
+    and the alternatives are those of timing every layout (prune=False; tests/test_plan.py)."""
     check_size("gpus", gpus, limit=MAX_GPUS)
     check_size("gpus per node", gpus_per_node, limit=MAX_GPUS)
     check_positions(model.shape, seq_len)
     check_size("global batch", global_batch, limit=MAX_BATCH)
     check_size("top", top, limit=1000)
+    timing = calibration_for(gpu.key) if timing is None else timing
+    mfu = timing if isinstance(timing, float) else DEFAULT_MFU
     Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory, stack=stack)  # validates them
     variants = recompute_variants(tricks, recomputes)
-    fitting, searched = [], 0
-    family_best: dict[str, tuple] = {}
+    candidates, searched = [], 0
     family_small: dict[str, tuple] = {}
     for layout, b, m in layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload,
                                 stack.engine):  # fmt: skip
@@ -149,28 +162,74 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
         for t in variants:
             searched += 1
             memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
-            total = memory.total_bytes
-            if memory.fits:
-                time = step_time(model, setup, gpu, t, layout, memory, assume)
-                entry = (rank_key(time.tokens_per_second, layout, total), layout, setup, t, memory, time)
-                fitting.append(entry)
-                note(family_best, layout, t, entry)
+            total, fits = peak_and_fit(memory)
+            if fits:
+                bound = step_lower_bound(model, setup, gpu, t, layout, memory, assume, timing, False) if prune else 0.0
+                candidates.append((bound, layout, setup, t, memory, total))
             else:
                 entry = (total, layout, setup, t, memory)
                 note(family_small, layout, t, entry)  # the least memory first
+    fitting, family_best = timed(model, gpu, candidates, assume, timing, top)
     fitting.sort(key=lambda e: e[0])
-    best = tuple(layout_estimate(model, s, gpu, t, lay, assume) for _, lay, s, t, _, _ in distinct(fitting, top))
-    return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, mfu, searched,
-                len(fitting), best, alternatives(model, gpu, assume, best, family_best, family_small))  # fmt: skip
+    best = tuple(layout_estimate(model, s, gpu, t, lay, assume, timing=timing)
+                 for _, lay, s, t, _, _ in distinct(fitting, top))  # fmt: skip
+    return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, timing, stack, searched,
+                len(candidates), best, alternatives(model, gpu, assume, best, family_best, family_small, timing))  # fmt: skip
+
+
+def timed(model: Model, gpu: GPU, candidates: list[tuple], assume: Assumptions, timing: Calibration | float,
+          top: int) -> tuple[list[tuple], dict[str, tuple]]:  # fmt: skip
+    """Step times of the layouts that fit, in the order of their lower bounds, skipping those whose bound
+    says they cannot be the best of their kind, nor among the `top` kinds, nor the best of a family."""
+    candidates.sort(key=lambda c: c[0])
+    fitting, family_best = [], {}
+    kind_best: dict[tuple, float] = {}
+    for bound, layout, setup, t, memory, total in candidates:
+        kind = kind_of(layout, t)
+        limit = min(kind_best.get(kind, math.inf), top_cut(kind_best, top))
+        families = [name for name, member in FAMILIES if member(layout, t)]
+        limit = max([limit] + [family_best[f][5].step_seconds if f in family_best else math.inf for f in families])
+        if bound > limit * (1 + 1e-5):  # slower than everything it could displace, whatever its exact time
+            continue
+        if bound and step_lower_bound(model, setup, gpu, t, layout, memory, assume, timing) > limit * (1 + 1e-5):
+            continue  # the tighter bound, from one traced sequence per micro-batch
+        time = step_time(model, setup, gpu, t, layout, memory, assume, timing)
+        entry = (rank_key(time.tokens_per_second, layout, total), layout, setup, t, memory, time)
+        fitting.append(entry)
+        note(family_best, layout, t, entry)
+        kind_best[kind] = min(kind_best.get(kind, math.inf), time.step_seconds)
+    return fitting, family_best
+
+
+def top_cut(kind_best: dict[tuple, float], top: int) -> float:
+    """The step time a kind must beat to enter the `top` fastest kinds (infinite while fewer are known)."""
+    if len(kind_best) < top:
+        return math.inf
+    return sorted(kind_best.values())[top - 1]
+
+
+def peak_and_fit(memory: LayoutMemory) -> tuple[int, bool]:
+    """memory.total_bytes and memory.fits in one pass over the stages (the search asks for both, thousands
+    of times)."""
+    peak, fits = 0, True
+    for st in memory.stages:
+        total = st.total_bytes
+        peak = max(peak, total)
+        fits = fits and total <= st.usable_bytes and st.host_fits
+    return peak, fits
+
+
+def kind_of(lay: Layout, tricks: Tricks) -> tuple:
+    """What makes two layouts different kinds: all but how dp, cp and the micro-batch split the batch."""
+    return (lay.tp, lay.sp, lay.pp, lay.vpp, lay.zero, lay.hybrid, lay.offload_optimizer, lay.offload_params,
+            tricks.recompute)  # fmt: skip
 
 
 def distinct(ranked: list[tuple], top: int) -> list[tuple]:
     """The first `top` entries that differ in more than how dp, cp and the micro-batch split the batch."""
     seen, out = set(), []
     for entry in ranked:
-        lay, tricks = entry[1], entry[3]
-        kind = (lay.tp, lay.sp, lay.pp, lay.vpp, lay.zero, lay.hybrid, lay.offload_optimizer, lay.offload_params,
-                tricks.recompute)  # fmt: skip
+        kind = kind_of(entry[1], entry[3])
         if kind not in seen:
             seen.add(kind)
             out.append(entry)
@@ -269,7 +328,8 @@ def sharding_options(
 
 
 def alternatives(model: Model, gpu: GPU, assume: Assumptions, best: tuple[LayoutEstimate, ...],
-                 family_best: dict[str, tuple], family_small: dict[str, tuple]) -> tuple[Alternative, ...]:  # fmt: skip
+                 family_best: dict[str, tuple], family_small: dict[str, tuple],
+                 timing: Calibration | float | None = None) -> tuple[Alternative, ...]:  # fmt: skip
     """For each family the winner is not in: its fastest fitting layout and what costs it most, or OOM."""
     winner = best[0] if best else None
     out = []
@@ -278,12 +338,12 @@ def alternatives(model: Model, gpu: GPU, assume: Assumptions, best: tuple[Layout
             continue
         if winner and name in family_best:
             _, layout, setup, tricks, _, _ = family_best[name]
-            est = layout_estimate(model, setup, gpu, tricks, layout, assume)
+            est = layout_estimate(model, setup, gpu, tricks, layout, assume, timing=timing)
             cause, mine, theirs = worst_cause(est.time, winner.time)
             out.append(Alternative(name, est, True, cause, mine, theirs))
         elif name in family_small:
             _, layout, setup, tricks, _ = family_small[name]
-            est = layout_estimate(model, setup, gpu, tricks, layout, assume)
+            est = layout_estimate(model, setup, gpu, tricks, layout, assume, timing=timing)
             out.append(Alternative(name, est, False, "out of memory", 0.0, 0.0))
     return tuple(out)
 

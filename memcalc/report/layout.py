@@ -13,6 +13,7 @@ from .render import Section, sized
 CAUSES = {
     "compute": "compute (the last stage also runs the output layer)",
     "recompute": "recompute",
+    "optimizer": "the optimizer step",
     "bubble": "pipeline bubble",
     "tp": "exposed TP traffic",
     "cp": "exposed CP traffic",
@@ -141,7 +142,7 @@ def comm_section(est: LayoutEstimate, units: str) -> Section:
 
 def time_section(est: LayoutEstimate) -> Section:
     t = est.time
-    title = f"Step time at {u.percent(t.utilization)} of peak while computing (--mfu)"
+    title = f"Step time by part: {time_model_text(t)}"
     s = Section(title, ["part", "seconds", "share"])
     for key, seconds in t.breakdown.items():
         if seconds or key == "compute":
@@ -161,8 +162,17 @@ def time_section(est: LayoutEstimate) -> Section:
     return s
 
 
+def time_model_text(t) -> str:
+    """How the step was timed: the roofline of every stage's kernels, or --mfu's end-to-end rate."""
+    if t.utilization is not None:
+        return f"--mfu {t.utilization:g}: hardware FLOPs at {u.percent(t.utilization)} of peak, end to end"
+    return f"roofline of each stage's kernels, {t.calibration.origin.rsplit('/', 1)[-1]}"
+
+
 def assumption_notes(est: LayoutEstimate) -> list[str]:
     a = est.time.assumptions
+    if est.time.utilization is not None:
+        return ["--mfu is an end-to-end rate: the bubble, the traffic and the optimizer are inside it, not added"]
     return [
         f"assumed: links reach {u.percent(a.efficiency, 0)} of their rate; overlap shares dp {a.overlap_dp:g}, "
         f"tp {a.overlap_tp:g}, pp {a.overlap_pp:g}, cp {a.overlap_cp:g}, offload {a.overlap_offload:g}; "
@@ -187,7 +197,7 @@ def layout_sections(est: LayoutEstimate, units: str, detail: bool = False) -> li
     stages = stages_section(est, units)
     t = est.time
     stages.notes.insert(0, f"step {u.seconds(t.step_seconds)}: {u.rate(t.tokens_per_second)} tokens/s, MFU "
-                           f"{u.percent(t.mfu)} (at {u.percent(t.utilization)} of peak while computing, --mfu)")  # fmt: skip
+                           f"{u.percent(t.mfu)} ({time_model_text(t)})")  # fmt: skip
     if not detail:
         return [stages]
     peak = est.memory.peak
@@ -297,7 +307,9 @@ def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
         f"Model: {plan.model.origin}",
         f"Job: {plan.gpus} x {g.key} ({plan.gpus_per_node} per node), seq {plan.seq_len:,}, global batch "
         f"{plan.global_batch:,} sequences = {plan.tokens_per_step:,} tokens per step; {t.precision}"
-        f"{' + flash' if t.flash else ''}, {plan.optimizer}, {u.percent(plan.mfu)} of peak while computing",
+        f"{' + flash' if t.flash else ''}, {plan.optimizer}, stack {plan.stack.label}; timed by "
+        + (f"--mfu {plan.timing:g} end to end" if isinstance(plan.timing, float)
+           else f"the roofline of each stage's kernels ({plan.timing.origin.rsplit('/', 1)[-1]})"),
         f"Searched {plan.searched:,} layouts (TP, SP, PP, interleaving, CP, DP, ZeRO 0-3, hybrid shard, offload, "
         f"micro-batch, recompute): {plan.fitting:,} fit in {u.size(g.usable_bytes, units)}",
     ]
@@ -356,7 +368,7 @@ def best_memory_section(plan: Plan, units: str) -> Section:
 
 
 def best_time_section(plan: Plan) -> Section:
-    keys = ["compute", "recompute", "bubble", "tp", "cp", "pp", "dp×cp", "host", "cpu optimizer"]
+    keys = ["compute", "recompute", "optimizer", "bubble", "tp", "cp", "pp", "dp×cp", "host", "cpu optimizer"]
     s = Section("Step time of those layouts, by part (seconds)", ["#"] + keys + ["step"])
     for i, est in enumerate(plan.best, 1):
         parts = est.time.breakdown

@@ -4,8 +4,6 @@ Each charge cites the engine's file (commits in memcalc/parallel/engines.py); th
 formulas are held against memcalc in tests/test_engine_goldens.py.
 """
 
-from dataclasses import replace
-
 import pytest
 from typer.testing import CliRunner
 
@@ -18,8 +16,14 @@ from memcalc.model.presets import preset, preset_model
 from memcalc.model.shape import Model, n_params
 from memcalc.model.stacks import STACKS, stack_for
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.engines import (DEEPSPEED_DEFAULTS, DeepSpeedConfig, grad_reduce_bytes, largest_module,
-                                      megatron_bucket_size, persistent_params)  # fmt: skip
+from memcalc.parallel.engines import (
+    DEEPSPEED_DEFAULTS,
+    DeepSpeedConfig,
+    grad_reduce_bytes,
+    largest_module,
+    megatron_bucket_size,
+    persistent_params,
+)
 from memcalc.parallel.layout import Layout, layer_activations, layout_memory, stage_layers, tp_layer_params
 from memcalc.parallel.plan import layout_estimate, plan
 

@@ -13,7 +13,7 @@ from memcalc.model.gpus import gpu
 from memcalc.model.presets import preset, preset_model
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.comm import step_lower_bound, step_time, tp_shape
+from memcalc.parallel.comm import step_lower_bound, tp_shape
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate, plan
 from memcalc.time.calibration import calibration_for

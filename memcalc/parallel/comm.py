@@ -36,7 +36,7 @@ from memcalc.model.tricks import Tricks
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.roofline import StageKernels, block_lower_bound, stage_kernels
 
-from .engines import grad_reduce_bytes, megatron_bucket_size, reshards_after_forward
+from .engines import DEEPSPEED_DEFAULTS, grad_reduce_bytes, megatron_bucket_size, reshards_after_forward
 from .layout import Layout, LayoutMemory, bubble_fraction, stage_shape_params, tp_layer_params
 
 
@@ -514,7 +514,7 @@ def gradient_tail(engine: str, params: int, ranks: int, unit: float) -> float:
     if engine == "megatron":
         return min(1.0, megatron_bucket_size(ranks) / params)
     if engine == "deepspeed":
-        return min(1.0, 500_000_000 / params)
+        return min(1.0, DEEPSPEED_DEFAULTS.reduce_bucket_size / params)
     if engine == "fsdp2":
         return unit
     return 0.0

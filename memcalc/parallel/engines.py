@@ -63,10 +63,6 @@ ENGINES: dict[str, Engine] = {
 }
 
 
-def engine(key: str) -> Engine:
-    return ENGINES[key]
-
-
 def check_engine(layout, key: str) -> None:
     """The ZeRO stage, offload and pipeline an engine runs; one InputError line for what it does not."""
     e = ENGINES[key]

@@ -36,8 +36,16 @@ from memcalc.model.shape import Model, ModelShape, attention_params, mlp_params,
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
 
-from .engines import (ENGINES, MEGATRON, MEGATRON_MEMORY, check_engine, deepspeed_buffers, deepspeed_state,
-                      fsdp2_buffers, reshards_after_forward)  # fmt: skip
+from .engines import (
+    ENGINES,
+    MEGATRON,
+    MEGATRON_MEMORY,
+    check_engine,
+    deepspeed_buffers,
+    deepspeed_state,
+    fsdp2_buffers,
+    reshards_after_forward,
+)
 
 KORTHIKANTI_T2 = "Korthikanti et al. 2022, Table 2"
 

@@ -20,9 +20,8 @@ from memcalc.memory.estimate import DEFAULT_MFU, Setup
 from memcalc.memory.state import MAX_GPUS
 from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES
 from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
-from memcalc.model.tricks import Tricks
-
 from memcalc.model.stacks import DEFAULT_STACK, Stack
+from memcalc.model.tricks import Tricks
 from memcalc.time.calibration import Calibration, calibration_for
 
 from .comm import ASSUMPTIONS, Assumptions, StepTime, step_lower_bound, step_time

@@ -279,5 +279,10 @@ MEGATRON_MEMORY = "megatron/training/theoretical_memory_usage.py"
 def megatron_bucket_size(dp: int) -> int:
     """Parameters per gradient bucket: max(40,000,000, 1,000,000 · dp) (megatron/core/distributed/
     distributed_data_parallel.py). Buckets are views into the contiguous param and grad buffers
-    (param_and_grad_buffer.py _get): they time the overlap, they hold no memory of their own."""
+    (param_and_grad_buffer.py _get): they time the overlap, they hold no memory of their own.
+
+    memcalc times Megatron-LM with its gradient reduce and parameter gather overlapped, as its Llama 3
+    recipe runs it (examples/llama/train_llama3_8b_h100_fp8.sh: --overlap-grad-reduce
+    --overlap-param-gather); the arguments' defaults are off (megatron/training/arguments.py), and then
+    the whole data-parallel traffic is exposed (Assumptions(overlap_dp=0))."""
     return max(40_000_000, 1_000_000 * dp)

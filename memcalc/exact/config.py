@@ -22,8 +22,17 @@ class Config:
     model: str = "reference"  # whose op sequence (memcalc.model.stacks): reference | hf
     recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure
     impl: str = "reference"  # the optimizer's implementation: reference | loop | foreach | fused
+    # whose kernels and autocast lists: cuda (the prediction), or cpu to hold the simulator against a
+    # measurement on CPU tensors (verify/autocast.py): CPU's flash kernel saves no RNG state
+    device: str = "cuda"
 
     @property
     def dtype(self) -> str:
         """The parameters' and activations' dtype: the precision's name is the sim's dtype name."""
         return self.precision
+
+    @property
+    def weights_dtype(self) -> str:
+        """The parameters' dtype: fp32 under autocast (torch.autocast casts them per op), else the
+        precision's."""
+        return "fp32" if self.recipe == "autocast" else self.precision

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .amp import AutocastRecipe
 from .builder import Model, build, forward
 from .config import Config
 from .recipes import Recipe, check_simulated, layer_of
@@ -36,7 +37,12 @@ class Phases:
         return max(self.forward_peak_bytes, self.backward_peak_bytes, self.optimizer_peak_bytes)
 
 
-def micro_step(g: Graph, model: Model, recipe: Recipe, idx: Tensor, targets: Tensor, grad_accum: int) -> None:
+def recipe_for(g: Graph, model: Model) -> Recipe | AutocastRecipe:
+    """How the step trains: torch.amp's loop where the model autocasts, else verify/recipes.py's."""
+    return Recipe(g, model) if model.autocast is None else AutocastRecipe(g, model)
+
+
+def micro_step(g: Graph, model: Model, recipe: Recipe | AutocastRecipe, idx: Tensor, targets: Tensor, grad_accum: int) -> None:
     """grad_accum forward-backward passes (grads add up in place), then the optimizer step."""
     for _ in range(grad_accum):
         loss = forward(g, model, idx, targets)
@@ -57,7 +63,7 @@ def trace(cfg: Config) -> list[Kernel]:
     B, T = cfg.micro_batch, cfg.seq_len
     idx = g.empty((B, T), "int64", "input", kind="input")
     targets = g.empty((B, T), "int64", "input", kind="input")
-    recipe = Recipe(g, model)
+    recipe = recipe_for(g, model)
     loss = forward(g, model, idx, targets)
     recipe.backward(loss)
     del loss
@@ -94,7 +100,7 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
     idx = g.empty((B, T), "int64", "input", kind="input")
     targets = g.empty((B, T), "int64", "input", kind="input")
     inputs = mem.live_bytes - weights
-    recipe = Recipe(g, model)
+    recipe = recipe_for(g, model)
     micro_step(g, model, recipe, idx, targets, micro_batches)
     before = mem.live_bytes
     peaks = {}

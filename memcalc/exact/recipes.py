@@ -9,7 +9,8 @@ from .builder import Model, made
 from .config import Config
 from .sim import Graph, Tensor
 
-SIMULATED = {"model": ("reference",), "recipe": ("master",), "impl": ("reference",), "optimizer": ("adamw",)}
+SIMULATED = {"model": ("reference",), "recipe": ("master", "autocast"), "impl": ("reference",),
+             "optimizer": ("adamw",), "device": ("cuda", "cpu")}  # fmt: skip
 
 
 def check_simulated(cfg: Config) -> None:
@@ -19,6 +20,8 @@ def check_simulated(cfg: Config) -> None:
         if value not in known and not (what == "recipe" and cfg.precision == "fp32"):
             raise InputError(f"the exact model does not replay {what} {value!r} yet; it replays "
                              f"{', '.join(known)}")  # fmt: skip
+    if cfg.device == "cpu" and cfg.flash and cfg.shape.dropout > 0:
+        raise InputError("CPU's flash attention kernel has no dropout (_scaled_dot_product_flash_attention_for_cpu)")
 
 
 class Recipe:
@@ -74,19 +77,10 @@ class Recipe:
             if self.m[i] is None:  # made at the first step only
                 self.m[i] = g.empty(w.shape, "fp32", "zeros_like", kind="state")
                 self.v[i] = g.empty(w.shape, "fp32", "zeros_like", kind="state")
-            m, v = self.m[i], self.v[i]
-            g.kernel("mul_", (w,), (w,))  # decoupled weight decay
-            g.kernel("lerp_", (m, grad), (m,))
-            g.kernel("mul_", (v,), (v,))
-            g.kernel("addcmul_", (v, grad), (v,))  # g·g: one operand read once
-            denom = g.empty(w.shape, "fp32", "sqrt")  # v.sqrt().div_(...).add_(eps)
-            g.kernel("sqrt", (v,), (denom,))
-            g.kernel("div_", (denom,), (denom,))
-            g.kernel("add_", (denom,), (denom,))
-            g.kernel("addcdiv_", (w, m, denom), (w,))
+            adamw(g, w, grad, self.m[i], self.v[i])
             if w is not p:
                 g.kernel("copy_", (w,), (p,))  # the new 16-bit weights
-            del denom, grad, m, v
+            del grad
         del found_inf, inv_scale
         g.layer, g.stage = None, "forward"
 
@@ -100,6 +94,19 @@ class Recipe:
             self.g.layer = layer
             self.g.kernel("_amp_foreach_non_finite_check_and_unscale_", tuple(grads), (found_inf,))
         self.g.layer = None
+
+
+def adamw(g: Graph, w: Tensor, grad: Tensor, m: Tensor, v: Tensor) -> None:
+    """recipes.adamw_: one AdamW update of an fp32 tensor in place; one temporary, the denominator."""
+    g.kernel("mul_", (w,), (w,))  # decoupled weight decay
+    g.kernel("lerp_", (m, grad), (m,))
+    g.kernel("mul_", (v,), (v,))
+    g.kernel("addcmul_", (v, grad), (v,))  # g·g: one operand read once
+    denom = g.empty(w.shape, "fp32", "sqrt")  # v.sqrt().div_(...).add_(eps)
+    g.kernel("sqrt", (v,), (denom,))
+    g.kernel("div_", (denom,), (denom,))
+    g.kernel("add_", (denom,), (denom,))
+    g.kernel("addcdiv_", (w, m, denom), (w,))
 
 
 def layer_of(name: str) -> int | None:

@@ -27,6 +27,7 @@ from memcalc.terms import Term
 
 from .config import Config
 from .mirror import Phases, simulate
+from .recipes import SIMULATED
 from .sim import ITEMSIZE
 
 SIM = "memcalc.exact.sim: verify/'s step replayed in bytes"
@@ -216,6 +217,7 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
+    stack, note = replayed_stack(stack, tricks)
     phases, g, _ = simulate(config(shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer))
     saved = g.saved_terms
     if shape.n_layers == 1:  # split at two layers; the totals come from the real depth
@@ -229,8 +231,21 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     attention = sum(n for (_, kind), n in g.flops.items() if kind == "attention")
     model, model_causal = model_flops(shape, seq_len, tokens)
     flops = ExactFlops(tokens, flop_terms(g.flops), counted, counted - attention // 2, model, model_causal)
-    note = "AdamW (fp32 m, v) on one GPU, grads converted per tensor; measured on meta: equal to the byte"
     return ExactStep(tricks, seq_len, micro_batch, grad_accum, n_params(shape), acts, phases, flops, note)
+
+
+def replayed_stack(stack: Stack, tricks: Tricks) -> tuple[Stack, str]:
+    """The stack as simulated, and what the step assumes. Under autocast, an optimizer implementation
+    the simulator does not replay yet runs as the reference per-tensor AdamW, and the note says so."""
+    if stack.recipe != "autocast" or tricks.precision == "fp32":
+        return stack, "AdamW (fp32 m, v) on one GPU, grads converted per tensor; measured on meta: equal to the byte"
+    step = "AdamW per tensor on the fp32 weights"
+    if stack.impl not in SIMULATED["impl"]:
+        step += f" (the reference step: torch.optim's {stack.impl} is not replayed yet)"
+        stack = replace(stack, impl="reference")
+    scaler = ", GradScaler" if tricks.precision == "fp16" else ""
+    return stack, (f"torch.autocast over fp32 weights (CUDA's lists; weight casts cached through forward){scaler}; "
+                   f"{step}; measured on CPU at reduced size: equal to the byte")  # fmt: skip
 
 
 def exact_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> ExactActivations:

@@ -86,7 +86,8 @@ def test_cpu_policies_as_torch_runs_them():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y1, y2 = torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, w)
         assert y1.dtype == torch.bfloat16
-        assert y1.grad_fn.next_functions[1][0].next_functions[0][0] is y2.grad_fn.next_functions[1][0].next_functions[0][0]
+        casts = [y.grad_fn.next_functions[1][0].next_functions[0][0] for y in (y1, y2)]  # mm <- t <- _to_copy
+        assert casts[0] is casts[1] and casts[0].name() == "ToCopyBackward0"
         assert torch.softmax(h, -1).dtype == torch.bfloat16 and h.pow(2).dtype == torch.bfloat16
         assert torch.cat([h, x]).dtype == torch.float32
         assert torch.nn.functional.cross_entropy(h, torch.tensor([0, 1])).dtype == torch.float32
@@ -184,8 +185,10 @@ def layer_terms(cfg: Config) -> tuple[Counter, int]:
     return out, g.rebuilt_bytes
 
 
-@pytest.mark.parametrize("family,tricks", list(itertools.product(FAMILIES, ("bf16", "fp16", "bf16,flash",
-                                                                             "bf16,selective", "fp16,flash,selective"))))  # fmt: skip
+DIFFERENCES = ("bf16", "fp16", "bf16,flash", "bf16,selective", "fp16,flash,selective")
+
+
+@pytest.mark.parametrize("family,tricks", list(itertools.product(FAMILIES, DIFFERENCES)))
 def test_cuda_prediction_differs_from_cpu_where_named(family, tricks):
     """Where CUDA's lists and kernels differ from CPU's, per layer (b·a·s² the scores' elements):
       softmax.int  CUDA: fp32_set_opt_dtype, the probabilities saved in fp32 (4 bytes, not 2), and the
@@ -256,15 +259,20 @@ def test_qwen3_8b_autocast_against_the_reference_recipe():
     diff = by_term(ac.activations.terms)
     diff.subtract(by_term(ref.activations.terms))
     assert {k: x for k, x in diff.items() if x} == {
-        ("norm1: mul saves self (bf16)", "2·b·s·h"): -2 * s * h, ("norm1: mul saves self (fp32)", "4·b·s·h"): 4 * s * h,
-        ("norm2: mul saves self (bf16)", "2·b·s·h"): -2 * s * h, ("norm2: mul saves self (fp32)", "4·b·s·h"): 4 * s * h,
-        ("attention: mm saves self (bf16)", "2·b·s·h"): -2 * s * h, ("attention: mm saves self (bf16)", "6·b·s·h"): 6 * s * h,
-        ("mlp: mm saves self (bf16)", "2·b·s·h"): -2 * s * h, ("mlp: mm saves self (bf16)", "4·b·s·h"): 4 * s * h,
+        ("norm1: mul saves self (bf16)", "2·b·s·h"): -2 * s * h,
+        ("norm1: mul saves self (fp32)", "4·b·s·h"): 4 * s * h,
+        ("norm2: mul saves self (bf16)", "2·b·s·h"): -2 * s * h,
+        ("norm2: mul saves self (fp32)", "4·b·s·h"): 4 * s * h,
+        ("attention: mm saves self (bf16)", "2·b·s·h"): -2 * s * h,
+        ("attention: mm saves self (bf16)", "6·b·s·h"): 6 * s * h,
+        ("mlp: mm saves self (bf16)", "2·b·s·h"): -2 * s * h,
+        ("mlp: mm saves self (bf16)", "4·b·s·h"): 4 * s * h,
         ("attention: mm saves mat2 (bf16)", "2·h·a·d"): 2 * h * shape.q_dim,
         ("attention: mm saves mat2 (bf16)", "4·h·k·d"): 4 * h * shape.kv_dim,
         ("attention: mm saves mat2 (bf16)", "2·a·d·h"): 2 * h * shape.q_dim,
-        ("mlp: mm saves mat2 (bf16)", "4·h·f"): 4 * h * shape.ffn, ("mlp: mm saves mat2 (bf16)", "2·f·h"): 2 * h * shape.ffn,
-    }  # fmt: skip
+        ("mlp: mm saves mat2 (bf16)", "4·h·f"): 4 * h * shape.ffn,
+        ("mlp: mm saves mat2 (bf16)", "2·f·h"): 2 * h * shape.ffn,
+    }
     per_layer = ac.activations.per_layer_bytes - ref.activations.per_layer_bytes
     assert per_layer == 10 * s * h + 2 * layer_weights == 721_420_288
     outside = ac.activations.outside_bytes - ref.activations.outside_bytes
@@ -302,6 +310,10 @@ def test_estimate_with_the_torch_stack():
     assert "2,485,452,824 B" in torch_stack.stdout and "1,764,032,536 B" in reference.stdout
     assert 2_485_452_824 - 1_764_032_536 == 10 * 8192 * 4096 + 2 * 192_937_984  # test_qwen3_8b_...'s terms
     assert "torch.optim's foreach is not replayed yet" in " ".join(torch_stack.stdout.split())
+    every = run(app, ["estimate", "--params", "8e9", "--seq", "8192", "--exact", "--stack", "torch"], env=env)
+    text = " ".join(every.stdout.split())
+    assert every.exit_code == 0 and "exact (fp32): AdamW (fp32 m, v)" in text  # fp32 never autocasts
+    assert "exact (bf16, bf16+flash, bf16+flash+ckpt, bf16+selective): torch.autocast over fp32 weights" in text
 
 
 def test_refusals():

@@ -36,6 +36,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+from memcalc.errors import InputError
+
 from .aten import to as copy_to
 from .sim import Graph, Tensor
 
@@ -133,6 +135,8 @@ class Autocast:
             to = "fp32"
         elif policy == PROMOTE:  # promote_type: fp32 if any eligible input is, else the lower precision
             to = "fp32" if any(t is not None and t.dtype == "fp32" for t in tensors) else self.dtype
+        elif policy == BANNED:  # binary_cross_entropy_banned
+            raise InputError(f"{op} is unsafe to autocast (autocast_mode.cpp); use the _with_logits form")
         else:
             return tensors
         out = list(tensors)

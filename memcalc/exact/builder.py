@@ -82,7 +82,8 @@ def build(g: Graph, cfg: Config) -> Model:
     future = None
     if not cfg.flash:  # register_buffer("future", (T, T) bool)
         future = g.empty((cfg.seq_len, cfg.seq_len), "bool", "buffer future", kind="buffer")
-    return Model(cfg, tok, pos, blocks, final, head, future, params, autocast_for(cfg.recipe, cfg.precision, cfg.device))
+    autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
+    return Model(cfg, tok, pos, blocks, final, head, future, params, autocast)
 
 
 # -- forward --------------------------------------------------------------------------------------

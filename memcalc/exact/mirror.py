@@ -42,7 +42,8 @@ def recipe_for(g: Graph, model: Model) -> Recipe | AutocastRecipe:
     return Recipe(g, model) if model.autocast is None else AutocastRecipe(g, model)
 
 
-def micro_step(g: Graph, model: Model, recipe: Recipe | AutocastRecipe, idx: Tensor, targets: Tensor, grad_accum: int) -> None:
+def micro_step(g: Graph, model: Model, recipe: Recipe | AutocastRecipe, idx: Tensor, targets: Tensor,
+               grad_accum: int) -> None:  # fmt: skip
     """grad_accum forward-backward passes (grads add up in place), then the optimizer step."""
     for _ in range(grad_accum):
         loss = forward(g, model, idx, targets)

@@ -235,17 +235,20 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
 
 
 def replayed_stack(stack: Stack, tricks: Tricks) -> tuple[Stack, str]:
-    """The stack as simulated, and what the step assumes. Under autocast, an optimizer implementation
-    the simulator does not replay yet runs as the reference per-tensor AdamW, and the note says so."""
-    if stack.recipe != "autocast" or tricks.precision == "fp32":
-        return stack, "AdamW (fp32 m, v) on one GPU, grads converted per tensor; measured on meta: equal to the byte"
-    step = "AdamW per tensor on the fp32 weights"
+    """The stack as simulated, and what the step assumes. An optimizer implementation the simulator
+    does not replay yet runs as the reference per-tensor AdamW, and the note says so."""
+    autocast = stack.recipe == "autocast" and tricks.precision != "fp32"
+    if autocast:
+        scaler = ", GradScaler" if tricks.precision == "fp16" else ""
+        note = (f"torch.autocast over fp32 weights (CUDA's lists; weight casts cached through forward){scaler}; "
+                "AdamW per tensor on the fp32 weights")  # fmt: skip
+    else:
+        note = "AdamW (fp32 m, v) on one GPU, grads converted per tensor"
     if stack.impl not in SIMULATED["impl"]:
-        step += f" (the reference step: torch.optim's {stack.impl} is not replayed yet)"
+        note += f" (the reference step: torch.optim's {stack.impl} is not replayed yet)"
         stack = replace(stack, impl="reference")
-    scaler = ", GradScaler" if tricks.precision == "fp16" else ""
-    return stack, (f"torch.autocast over fp32 weights (CUDA's lists; weight casts cached through forward){scaler}; "
-                   f"{step}; measured on CPU at reduced size: equal to the byte")  # fmt: skip
+    return stack, note + ("; measured on CPU at reduced size" if autocast else "; measured on meta") + \
+        ": equal to the byte"
 
 
 def exact_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> ExactActivations:

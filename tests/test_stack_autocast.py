@@ -222,6 +222,19 @@ def test_cuda_prediction_differs_from_cpu_where_named(family, tricks):
         assert cuda - cpu == named and cpu - cuda == cpu_only and cuda_rebuilt == cpu_rebuilt == 0
 
 
+@pytest.mark.parametrize("tricks,per_layer", [("bf16,flash", 24), ("bf16", 4 * 32 * 8192 * 8192)])
+def test_cuda_prediction_differs_from_cpu_where_named_at_8b(tricks, per_layer):
+    """Qwen3-8B at seq 8192: flash, CUDA's kernel's RNG state (24 bytes a layer); eager, CUDA's fp32
+    softmax (+4·b·a·s² a layer: 8.6 GB). Retained bytes differ by L times that, nothing else."""
+    shape = PRESETS["qwen3-8b"]
+    (cuda, _), (cpu, _) = (layer_terms(cpu_config(shape, 8192, 1, tricks, device=d)) for d in ("cuda", "cpu"))
+    assert sum(cuda.values()) - sum(cpu.values()) == per_layer
+    (cuda_phases, _, _), (cpu_phases, _, _) = (simulate(cpu_config(shape, 8192, 1, tricks, device=d))
+                                               for d in ("cuda", "cpu"))  # fmt: skip
+    assert cuda_phases.retained_bytes - cpu_phases.retained_bytes == shape.n_layers * per_layer
+    assert cuda_phases.state_bytes == cpu_phases.state_bytes
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_cuda_softmax_upcast_bf16_copies_fp16_does_not(precision):
     """SoftMax.cpp softmax(input, dim, dtype=float): a CUDA fp16 input runs the half_to_float kernel

@@ -64,7 +64,10 @@ LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "ada
            ("fp32", "torch", "loop", "sgd"), ("fp32", "torch", "foreach", "adam8bit"),
            ("bf16,flash,ckpt", "pure", "loop", "adamw"), ("bf16,flash,ckpt", "pure", "foreach", "adamw"),
            ("bf16,flash,ckpt", "pure", "fused", "adamw"), ("bf16,flash", "pure", "foreach", "sgd"),
-           ("bf16,flash,ckpt", "pure", "loop", "adam8bit")]  # fmt: skip
+           ("bf16,flash,ckpt", "pure", "loop", "adam8bit"),
+           # torch.autocast over fp32 weights (memcalc.exact.autocast), GradScaler for fp16 (memcalc.exact.amp)
+           ("bf16", "autocast", "reference", "adamw"), ("bf16,flash,ckpt", "autocast", "reference", "adamw"),
+           ("fp16,flash", "autocast", "reference", "adamw"), ("bf16,selective", "autocast", "reference", "adamw")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, seq", [("qwen3-8b", 8192), ("gpt2", 1024)])

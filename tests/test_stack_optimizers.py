@@ -191,7 +191,7 @@ def test_traced_step_is_the_second():
     ("bf16", "pure", "reference", "adamw", "pure recipe trains with torch.optim"),
     ("fp32", "master", "reference", "sgd", "reference implementation trains AdamW"),
     ("bf16", "pure", "fused", "sgd", "no meta kernel for aten::_fused_sgd_"),
-    ("bf16", "autocast", "foreach", "adamw", "does not replay recipe 'autocast' yet"),
+    ("bf16", "autocast", "foreach", "adamw", "does not replay torch.optim's foreach step under autocast yet"),
 ])  # fmt: skip
 def test_what_is_not_replayed_is_refused(precision, recipe, impl, optimizer, message):
     shape, stack = TINY["llama"], stack_for("torch", recipe, impl)

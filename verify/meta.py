@@ -65,16 +65,17 @@ def inputs_for(shape: ModelShape, seq_len: int, micro_batch: int, device: str) -
         return idx, torch.empty_like(idx)
     g = torch.Generator(device="cpu").manual_seed(0)
     idx = torch.randint(0, shape.vocab, (micro_batch, seq_len + 1), generator=g).to(device)
-    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    return idx[:, :-1].clone(), idx[:, 1:].clone()  # two storages (at micro-batch 1 the slices are contiguous)
 
 
 def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, device: str = "meta",
                  kernels: Kernels | None = None, model: torch.nn.Module | None = None, grad_accum: int = 1,
-                 timeline: bool = False, stack: Stack = DEFAULT_STACK,
-                 optimizer: str = "adamw") -> tuple[StepBytes, LiveBytes]:  # fmt: skip
+                 timeline: bool = False, stack: Stack = DEFAULT_STACK, optimizer: str = "adamw",
+                 make_recipe=None) -> tuple[StepBytes, LiveBytes]:  # fmt: skip
     """Build (unless a model is given), one warm-up step, then the measured step: grad_accum
-    forward-backward passes and the optimizer update, by the stack's recipe (recipes.recipe_for).
-    Phases are of its last micro-batch; the saved bytes are of its first forward."""
+    forward-backward passes and the optimizer update, by the stack's recipe (recipes.recipe_for, or
+    make_recipe(model, precision): verify/autocast.py's for the stock torch loop). Phases are of its
+    last micro-batch; the saved bytes are of its first forward."""
     kernels = kernels or meta_kernels(tricks)
     if model is None:
         model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
@@ -87,7 +88,8 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         weights = live.live_bytes
         live.track([idx, targets], "input")
         inputs = live.live_bytes - weights
-        recipe = recipe_for(model, tricks.precision, stack, optimizer)
+        recipe = recipe_for(model, tricks.precision, stack, optimizer) if make_recipe is None else \
+            make_recipe(model, tricks.precision)  # fmt: skip
         train_step(recipe, idx, targets, grad_accum)
         before = live.live_bytes
         for k in range(grad_accum):

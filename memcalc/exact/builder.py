@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import aten
+from .autocast import Autocast, autocast_for
 from .config import Config
 from .sim import Graph, Tensor
 
@@ -38,6 +39,7 @@ class Model:
     lm_head: Tensor | None
     future: Tensor | None  # eager attention's causal mask buffer, (T, T) bool
     params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
+    autocast: Autocast | None = None  # the autocast recipe's: forward runs under it
 
 
 # -- build ----------------------------------------------------------------------------------------
@@ -45,7 +47,7 @@ class Model:
 
 def build(g: Graph, cfg: Config) -> Model:
     """The parameters in the order nn.Module registers them, and the buffers."""
-    s, dt, params = cfg.shape, cfg.dtype, []
+    s, dt, params = cfg.shape, cfg.weights_dtype, []
 
     def p(shape, name):
         params.append(g.param(shape, dt, name))
@@ -80,7 +82,8 @@ def build(g: Graph, cfg: Config) -> Model:
     future = None
     if not cfg.flash:  # register_buffer("future", (T, T) bool)
         future = g.empty((cfg.seq_len, cfg.seq_len), "bool", "buffer future", kind="buffer")
-    return Model(cfg, tok, pos, blocks, final, head, future, params)
+    autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
+    return Model(cfg, tok, pos, blocks, final, head, future, params, autocast)
 
 
 # -- forward --------------------------------------------------------------------------------------
@@ -177,7 +180,7 @@ def core(g: Graph, cfg: Config, q, k, v, future) -> Tensor:
     """Attention.core: what selective recompute rebuilds."""
     with g.scoped("attention core"):
         if cfg.flash:
-            return aten.flash_attention(g, q, k, v)
+            return aten.flash_attention(g, q, k, v, cpu=cfg.device == "cpu")
         return eager_attention(g, q, k, v, future, cfg.shape.dropout)
 
 
@@ -245,6 +248,14 @@ def block(g: Graph, cfg: Config, b: Block, x, cos, sin, future) -> Tensor:
 
 
 def forward(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
+    """recipe.forward: the model, under torch.autocast where the recipe autocasts (verify/autocast.py)."""
+    if m.autocast is None:
+        return transformer(g, m, idx, targets)
+    with m.autocast.region(g):
+        return transformer(g, m, idx, targets)
+
+
+def transformer(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
     """Transformer.forward: token ids and targets in, the mean cross-entropy (fp32 scalar) out."""
     cfg, s = m.cfg, m.cfg.shape
     B, T = idx.shape
@@ -275,5 +286,7 @@ def forward(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
 
 
 def cross_entropy(g: Graph, logits: Tensor, targets: Tensor) -> Tensor:
-    """F.cross_entropy: log_softmax, then nll_loss (mean)."""
+    """F.cross_entropy: log_softmax, then nll_loss (mean). CPU's autocast wraps aten.cross_entropy_loss
+    (fp32); CUDA's wraps the log_softmax and nll_loss inside it (fp32 as well)."""
+    (logits,) = aten.autocast(g, "cross_entropy_loss", logits)
     return aten.nll_loss(g, aten.log_softmax(g, logits), targets)

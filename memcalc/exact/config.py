@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 from memcalc.model.shape import ModelShape
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, "uint64": 8, "int32": 4}  # bytes of one element of each dtype the step holds
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, "uint64": 8, "int32": 4, "fp64": 8}  # bytes of one element of each dtype the step holds
 
 
 # What the simulator replays (memcalc.model.stacks' choices); anything else it refuses, never guesses.
-SIMULATED = {"model": ("reference",), "recipe": ("master", "pure"), "impl": ("reference", "loop", "foreach", "fused"),
+SIMULATED = {"model": ("reference",), "recipe": ("master", "pure", "autocast"), "impl": ("reference", "loop", "foreach", "fused"),
              "optimizer": ("adamw", "sgd", "adam8bit")}  # fmt: skip
 
 
@@ -22,6 +22,8 @@ def not_replayed(model: str, recipe: str, impl: str, optimizer: str, precision: 
     for what, value in (("model", model), ("recipe", recipe), ("impl", impl), ("optimizer", optimizer)):
         if value not in SIMULATED[what] and not (what == "recipe" and precision == "fp32"):
             return f"the exact model does not replay {what} {value!r} yet; it replays {', '.join(SIMULATED[what])}"
+    if recipe == "autocast" and precision != "fp32" and impl != "reference":
+        return f"the exact model does not replay torch.optim's {impl} step under autocast yet; --optimizer-impl reference"
     return untrainable(precision, recipe, impl, optimizer)
 
 
@@ -59,12 +61,20 @@ class Config:
     model: str = "reference"  # whose op sequence (memcalc.model.stacks): reference | hf
     recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure
     impl: str = "reference"  # the optimizer's implementation: reference | loop | foreach | fused
+    # whose kernels and autocast lists: cuda (the prediction), or cpu to hold the simulator against a
+    # measurement on CPU tensors (verify/autocast.py): CPU's flash kernel saves no RNG state
+    device: str = "cuda"
 
     @property
     def dtype(self) -> str:
         """The parameters' and activations' dtype: the precision's name is the sim's dtype name."""
         return self.precision
 
+    @property
+    def weights_dtype(self) -> str:
+        """The parameters' dtype: fp32 under autocast (torch.autocast casts them per op), else the
+        precision's."""
+        return "fp32" if self.recipe == "autocast" else self.precision
 
 @dataclass(frozen=True)
 class Phases:

@@ -5,14 +5,21 @@ stack (memcalc.exact.recipes), with every phase's peak; and trace(), the kernels
 
 from __future__ import annotations
 
+from .amp import AutocastRecipe
 from .builder import Model, build, forward
 from .config import Config, Phases
 from .kernels import Kernel
-from .recipes import Recipe, TorchRecipe, check_simulated, recipe_for
+from . import recipes
+from .recipes import Recipe, TorchRecipe, check_simulated
 from .sim import Graph, Memory, Tensor, layer_of
 
 
-def micro_step(g: Graph, model: Model, recipe: Recipe | TorchRecipe, idx: Tensor, targets: Tensor,
+def recipe_for(g: Graph, model: Model) -> Recipe | TorchRecipe | AutocastRecipe:
+    """How the step trains: torch.amp's loop where the model autocasts, else verify/recipes.py's."""
+    return recipes.recipe_for(g, model) if model.autocast is None else AutocastRecipe(g, model)
+
+
+def micro_step(g: Graph, model: Model, recipe: Recipe | TorchRecipe | AutocastRecipe, idx: Tensor, targets: Tensor,
                grad_accum: int) -> None:  # fmt: skip
     """grad_accum forward-backward passes (grads add up in place), then the optimizer step."""
     for _ in range(grad_accum):

@@ -22,6 +22,10 @@ def check_simulated(cfg: Config) -> None:
     reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision)
     if reason:
         raise InputError(reason)
+    if cfg.device not in ("cuda", "cpu"):
+        raise InputError(f"the exact model does not replay device {cfg.device!r}; it replays cuda, cpu")
+    if cfg.device == "cpu" and cfg.flash and cfg.shape.dropout > 0:
+        raise InputError("CPU's flash attention kernel has no dropout (_scaled_dot_product_flash_attention_for_cpu)")
 
 
 def recipe_for(g: Graph, m: Model) -> Recipe | TorchRecipe:
@@ -31,6 +35,10 @@ def recipe_for(g: Graph, m: Model) -> Recipe | TorchRecipe:
 
 def recipe_note(cfg: Config) -> str:
     """What the simulated optimizer step is, in a line."""
+    if cfg.recipe == "autocast" and cfg.precision != "fp32":
+        scaler = ", GradScaler" if cfg.precision == "fp16" else ""
+        return (f"torch.autocast over fp32 weights ({cfg.device.upper()}'s lists; weight casts cached through "
+                f"forward){scaler}; AdamW per tensor on the fp32 weights")  # fmt: skip
     if cfg.impl == "reference":
         return "AdamW (fp32 m, v) on one GPU, grads converted per tensor"
     master = "" if cfg.precision == "fp32" else ", no master"
@@ -100,19 +108,10 @@ class Recipe:
             if self.m[i] is None:  # made at the first step only
                 self.m[i] = g.empty(w.shape, "fp32", "zeros_like", kind="state")
                 self.v[i] = g.empty(w.shape, "fp32", "zeros_like", kind="state")
-            m, v = self.m[i], self.v[i]
-            g.kernel("mul_", (w,), (w,))  # decoupled weight decay
-            g.kernel("lerp_", (m, grad), (m,))
-            g.kernel("mul_", (v,), (v,))
-            g.kernel("addcmul_", (v, grad), (v,))  # g·g: one operand read once
-            denom = g.empty(w.shape, "fp32", "sqrt")  # v.sqrt().div_(...).add_(eps)
-            g.kernel("sqrt", (v,), (denom,))
-            g.kernel("div_", (denom,), (denom,))
-            g.kernel("add_", (denom,), (denom,))
-            g.kernel("addcdiv_", (w, m, denom), (w,))
+            adamw(g, w, grad, self.m[i], self.v[i])
             if w is not p:
                 g.kernel("copy_", (w,), (p,))  # the new 16-bit weights
-            del denom, grad, m, v
+            del grad
         del found_inf, inv_scale
         g.layer, g.stage = None, "forward"
 
@@ -147,3 +146,16 @@ class TorchRecipe:
         for p in self.params:  # torch/optim/optimizer.py Optimizer.zero_grad(set_to_none=True)
             p.grad = None
         g.layer, g.stage = None, "forward"
+
+
+def adamw(g: Graph, w: Tensor, grad: Tensor, m: Tensor, v: Tensor) -> None:
+    """recipes.adamw_: one AdamW update of an fp32 tensor in place; one temporary, the denominator."""
+    g.kernel("mul_", (w,), (w,))  # decoupled weight decay
+    g.kernel("lerp_", (m, grad), (m,))
+    g.kernel("mul_", (v,), (v,))
+    g.kernel("addcmul_", (v, grad), (v,))  # g·g: one operand read once
+    denom = g.empty(w.shape, "fp32", "sqrt")  # v.sqrt().div_(...).add_(eps)
+    g.kernel("sqrt", (v,), (denom,))
+    g.kernel("div_", (denom,), (denom,))
+    g.kernel("add_", (denom,), (denom,))
+    g.kernel("addcdiv_", (w, m, denom), (w,))

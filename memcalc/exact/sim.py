@@ -159,10 +159,11 @@ class Frame:
         self.fn, self.args = fn, args
         self.n_saved = 0
         self.recomputed: dict[int, Storage] | None = None
+        self.autocast = None  # the autocast region its forward ran in: recompute runs in it again
 
 
 class Node:
-    __slots__ = ("name", "seq", "edges", "rule", "saved", "n_inputs", "leaf", "layer", "scope")
+    __slots__ = ("name", "seq", "edges", "rule", "saved", "n_inputs", "leaf", "layer", "scope", "dtypes")
 
     def __init__(self, name: str, seq: int, edges: list, rule: Callable, n_inputs: int, layer: int | None = None,
                  scope: str = ""):  # fmt: skip
@@ -171,6 +172,7 @@ class Node:
         self.n_inputs = n_inputs  # gradient slots: one per forward output
         self.leaf: Tensor | None = None
         self.layer, self.scope = layer, scope  # where its forward ran: its backward's kernels belong there
+        self.dtypes: list = []  # its inputs' dtypes: a gradient of another dtype is cast to its input's
 
     def __lt__(self, other: Node) -> bool:  # heapq pops the smallest: make that the highest seq
         return self.seq > other.seq
@@ -198,6 +200,7 @@ class Graph:
         self.flops: dict[tuple[str, str], int] = {}  # (forward | backward | recompute, kind) -> FLOPs
         self.kernels: list[Kernel] | None = None  # every kernel launched, when recording
         self.stage = "forward"  # outside backward: forward, or the recipe's accumulate | optimizer
+        self.autocast = None  # the autocast region running (memcalc.exact.autocast.Autocast), if any
 
     @property
     def layer(self) -> int | None:
@@ -268,6 +271,7 @@ class Graph:
             return None
         self.seq += 1
         node = Node(name, self.seq, edges, rule, 0, self.layer, self.scope)
+        node.dtypes = [None if t is None else t.dtype for t in inputs]
         if saved:
             node.saved = [self.save(t, name, what) for t, what in saved]
         return node
@@ -313,6 +317,7 @@ class Graph:
                 if isinstance(t, Tensor):
                     self.note_saved(t, "checkpoint", "input")
         frame = Frame(fn, args)
+        frame.autocast = self.autocast  # torch/utils/checkpoint.py: _get_autocast_kwargs at forward
         outer, self.frame = self.frame, frame
         try:
             return fn(*args)
@@ -320,11 +325,14 @@ class Graph:
             self.frame = outer
 
     def rebuild(self, frame: Frame) -> None:
-        """The first unpack in backward: run the region again with grad on, keep what it saves."""
+        """The first unpack in backward: run the region again with grad on (and under the autocast it
+        ran in: checkpoint.py's recompute_fn), keep what it saves."""
         frame.recomputed = {}
         self.rebuilding, self.grad_enabled = frame, True
+        region = contextlib.nullcontext() if frame.autocast is None else frame.autocast.region(self)
         try:
-            frame.fn(*frame.args)
+            with region:
+                frame.fn(*frame.args)
         except StopRecompute:
             pass
         finally:
@@ -383,7 +391,7 @@ class Graph:
         outs = node.rule(grads)
         if rebuilt:  # unpacked rebuilt tensors were locals of apply(): they die as it returns
             node.saved = None
-        outs = [self.reduce(o) for o in outs]  # validate_outputs: broadcast gradients summed
+        self.validate(outs, node.dtypes)
         grads.clear()  # the incoming gradients die with call_function
         node.saved = None  # release_variables(): the saved tensors go
         return outs
@@ -393,16 +401,33 @@ class Graph:
         one kernel that reads both and writes the sum."""
         self.kernel("add_", (leaf.grad, leaf.grad), (leaf.grad,))
 
-    def reduce(self, out):
-        """A (gradient, input shape) pair is summed to that shape (autograd's validate_outputs)."""
-        if not isinstance(out, tuple):
-            return out
-        grad, shape = out
-        if grad.shape == tuple(shape):
-            return grad
-        summed = self.empty(shape, grad.dtype, "sum")
-        self.kernel("sum", (grad,), (summed,))
-        return summed
+    def validate(self, outs: list, dtypes: list) -> None:
+        """autograd's validate_outputs (torch/csrc/autograd/engine.cpp), slot by slot, each replaced
+        gradient freed at once: a (gradient, input shape) pair is summed to that shape, then a gradient
+        of another dtype than its input (an autocast cast's, a promoted op's) is cast to it."""
+        for i in range(len(outs)):
+            out, outs[i] = outs[i], None
+            if isinstance(out, tuple):
+                grad, shape = out
+                del out
+                out = grad if grad.shape == tuple(shape) else self.summed(grad, shape)
+                del grad
+            if out is not None and dtypes[i] is not None and out.dtype != dtypes[i]:
+                out = self.cast(out, dtypes[i])
+            outs[i] = out
+            del out
+
+    def summed(self, grad: Tensor, shape) -> Tensor:
+        """at::sum_to(grad, shape): a new tensor."""
+        out = self.empty(shape, grad.dtype, "sum")
+        self.kernel("sum", (grad,), (out,))
+        return out
+
+    def cast(self, grad: Tensor, dtype: str) -> Tensor:
+        """grad.to(dtype): a new tensor."""
+        out = self.empty(grad.shape, dtype, "_to_copy")
+        self.kernel("_to_copy", (grad,), (out,))
+        return out
 
 
 def layer_of(name: str) -> int | None:

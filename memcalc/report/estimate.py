@@ -549,8 +549,15 @@ def exact_section(est: Estimate, exacts: list, units: str) -> Section:
         "outside the blocks (embeddings, RoPE tables, final norm, logits, loss)",
         "step peak: textbook adds model state + activations at their peak + logits; exact replays the whole step "
         "(backward's gradients, the optimizer's temporaries) as PyTorch's allocator sees it",
-        f"exact: {first.note}; model state for the shape's own {first.n_params:,} parameters",
     ]
+    by_note: dict[str, list[str]] = {}  # a stack's recipe can differ by trick set (fp32 never autocasts)
+    for x in exacts:
+        by_note.setdefault(x.note, []).append(x.tricks.label)
+    if len(by_note) == 1:
+        s.notes.append(f"exact: {first.note}; model state for the shape's own {first.n_params:,} parameters")
+    else:
+        s.notes += [f"exact ({', '.join(labels)}): {note}" for note, labels in by_note.items()]
+        s.notes.append(f"exact: model state for the shape's own {first.n_params:,} parameters")
     return s
 
 

@@ -10,6 +10,8 @@ Three passes over the same model and recipe:
      checkpointing it keeps recomputed tensors alive until it exits).
 Meta runs what CUDA runs because the builder is told to (Kernels): aten.native_dropout and
 aten._scaled_dot_product_flash_attention, never the CPU paths stock PyTorch takes on meta.
+stack_model "hf" measures Hugging Face Transformers' own model class instead (verify/hf.py), with
+the same switches made there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,26 @@ from memcalc.model.tricks import Tricks
 from .builder import Kernels, build
 from .recipes import DTYPES, Recipe
 from .track import LiveBytes, SavedBytes
+
+
+def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack_model: str = "reference",
+                device: str = "meta") -> torch.nn.Module:  # fmt: skip
+    """The model a stack trains (memcalc.model.stacks: Stack.model): memcalc's reference model
+    (verify/builder.py), or Transformers' AutoModelForCausalLM (verify/hf.py)."""
+    if stack_model == "hf":
+        from .hf import build_hf
+
+        return build_hf(shape, tricks, seq_len, device=device)
+    return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+
+
+def paths_for(stack_model: str):
+    """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths)."""
+    if stack_model == "hf":
+        from .hf import cuda_paths
+
+        return cuda_paths()
+    return contextlib.nullcontext()
 
 
 def meta_kernels(tricks: Tricks) -> Kernels:
@@ -69,18 +91,21 @@ def inputs_for(shape: ModelShape, seq_len: int, micro_batch: int, device: str) -
 
 def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, device: str = "meta",
                  kernels: Kernels | None = None, model: torch.nn.Module | None = None, grad_accum: int = 1,
-                 timeline: bool = False) -> tuple[StepBytes, LiveBytes]:  # fmt: skip
+                 timeline: bool = False, stack_model: str = "reference") -> tuple[StepBytes, LiveBytes]:  # fmt: skip
     """Build (unless a model is given), one warm-up step, then the measured step: grad_accum
     forward-backward passes and the optimizer update. Phases are of its last micro-batch; the saved
     bytes are of its first forward."""
     kernels = kernels or meta_kernels(tricks)
     if model is None:
-        model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
+        if stack_model == "reference":
+            model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
+        else:
+            model = build_model(shape, seq_len, tricks, stack_model, device)
     idx, targets = inputs_for(shape, seq_len, micro_batch, device)
     fixed = list(model.parameters()) + list(model.buffers())
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     saved = SavedBytes(fixed + [idx, targets], live)
-    with live:
+    with paths_for(stack_model), live:
         live.track(fixed, "weights")
         weights = live.live_bytes
         live.track([idx, targets], "input")
@@ -124,12 +149,13 @@ def train_step(recipe: Recipe, idx: torch.Tensor, targets: torch.Tensor, grad_ac
     return recipe.update()
 
 
-def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layers: int) -> int:
+def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layers: int,
+                   stack_model: str = "reference") -> int:  # fmt: skip
     """Bytes saved for backward by one forward of the model built `layers` deep."""
-    model = build(replace(shape, n_layers=layers), meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+    model = build_model(replace(shape, n_layers=layers), seq_len, tricks, stack_model)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
     saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + [idx, targets])
-    with saved.hooks():
+    with paths_for(stack_model), saved.hooks():
         loss = model(idx, targets)
     saved.release()
     del loss
@@ -160,13 +186,14 @@ FLASH_FORMULAS = {
 }
 
 
-def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[int, dict[str, int]]:
+def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks,
+                stack_model: str = "reference") -> tuple[int, dict[str, int]]:  # fmt: skip
     """FLOPs of one forward and backward under FlopCounterMode (its conventions: matmuls only,
     causal masking not discounted), on a fresh meta model; and the count per op."""
-    model = build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+    model = build_model(shape, seq_len, tricks, stack_model)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
     recipe = Recipe(model, tricks.precision)
-    with FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
+    with paths_for(stack_model), FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
         loss = recipe.forward(idx, targets)
         recipe.backward(loss)
     per_op = {str(k).removeprefix("aten."): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
@@ -190,17 +217,18 @@ class MetaMeasurement:
         return self.step.saved_bytes == self.saved_outside_bytes + self.step.layers * self.saved_one_layer_bytes
 
 
-def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None) -> MetaMeasurement:
+def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None,
+                 stack_model: str = "reference") -> MetaMeasurement:  # fmt: skip
     """The three passes; progress(what) is called before each."""
     progress = progress or (lambda what: None)
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
-    step, _ = measure_step(shape, seq_len, micro_batch, tricks)
+    step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack_model=stack_model)
     progress("meta: saved bytes at depths 1 and 2")
-    one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1)
-    two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2)
+    one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1, stack_model)
+    two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2, stack_model)
     progress("meta: FLOPs")
-    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks)
+    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack_model)
     return MetaMeasurement(step, two - one, 2 * one - two, flops, tuple(sorted(by_op.items())),
                            time.perf_counter() - start)  # fmt: skip
 

@@ -7,10 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .builder import Model, build, forward
+from . import builder, hf
+from .builder import Model
 from .config import Config
 from .recipes import Recipe, check_simulated, layer_of
 from .sim import Graph, Kernel, Memory, Tensor
+
+
+def build(g: Graph, cfg: Config) -> Model | hf.HFModel:
+    """Whose model the stack trains (cfg.model): memcalc's reference layer, or Transformers' classes."""
+    return hf.build(g, cfg) if cfg.model == "hf" else builder.build(g, cfg)
+
+
+def forward(g: Graph, model: Model | hf.HFModel, idx: Tensor, targets: Tensor) -> Tensor:
+    return (hf.forward if model.cfg.model == "hf" else builder.forward)(g, model, idx, targets)
 
 
 @dataclass(frozen=True)

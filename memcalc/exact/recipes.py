@@ -7,9 +7,10 @@ from memcalc.errors import InputError
 from . import aten
 from .builder import Model, made
 from .config import Config
+from .hf import HFModel
 from .sim import Graph, Tensor
 
-SIMULATED = {"model": ("reference",), "recipe": ("master",), "impl": ("reference",), "optimizer": ("adamw",)}
+SIMULATED = {"model": ("reference", "hf"), "recipe": ("master",), "impl": ("reference",), "optimizer": ("adamw",)}
 
 
 def check_simulated(cfg: Config) -> None:
@@ -25,7 +26,7 @@ class Recipe:
     """verify/recipes.py's Recipe: fp32 master weights (16-bit recipes), AdamW m and v made at the
     first step, and GradScaler's scale and growth tracker for fp16."""
 
-    def __init__(self, g: Graph, m: Model):
+    def __init__(self, g: Graph, m: Model | HFModel):
         self.g, self.model, self.precision = g, m, m.cfg.precision
         self.params = m.params
         if self.precision == "fp32":
@@ -103,5 +104,10 @@ class Recipe:
 
 
 def layer_of(name: str) -> int | None:
-    """The block a parameter belongs to, from its name (blocks.3.attn.wq.weight -> 3)."""
-    return int(name.split(".")[1]) if name.startswith("blocks.") else None
+    """The block a parameter belongs to, from its name (blocks.3.attn.wq.weight, and Transformers'
+    model.layers.3.self_attn.q_proj.weight and transformer.h.3.attn.c_attn.weight -> 3)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("blocks", "layers", "h") and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None

@@ -80,7 +80,7 @@ def assert_replayed(shape: ModelShape, seq: int, batch: int, tricks: Tricks, dev
     phases, g, mem = simulate(config(shape, seq, batch, tricks, grad_accum), timeline=True)
     model = build_hf(shape, tricks, seq, device=device) if device != "meta" else None
     step, live = measure_step(shape, seq, batch, tricks, device=device, model=model, grad_accum=grad_accum,
-                              timeline=True, stack_model="hf")  # fmt: skip
+                              timeline=True, stack=HF)  # fmt: skip
     for f in FIELDS:
         assert getattr(phases, f) == getattr(step, f), (tricks.label, f)
     assert sum(t.nbytes for t in g.saved_terms) == step.saved_bytes, tricks.label
@@ -128,7 +128,7 @@ def test_grad_accumulation(tricks):
 def test_full_size_flash_ckpt(name):
     """8B at seq 8192, bf16 + flash + full checkpointing: every byte count of the step."""
     shape, t = PRESETS[name], parse_tricks("bf16,flash,ckpt")
-    step, _ = measure_step(shape, 8192, 1, t, stack_model="hf")
+    step, _ = measure_step(shape, 8192, 1, t, stack=HF)
     e = exact_step(shape, 8192, 1, t, stack=HF)
     for f in FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
@@ -141,10 +141,10 @@ def test_full_size_llama3_flash_depths_and_flops():
     depths 1 and 2, and FlopCounterMode's count."""
     shape, t = PRESETS["llama3-8b"], parse_tricks("bf16,flash")
     e = exact_step(shape, 8192, 1, t, stack=HF)
-    one, two = saved_at_depth(shape, 8192, 1, t, 1, "hf"), saved_at_depth(shape, 8192, 1, t, 2, "hf")
+    one, two = saved_at_depth(shape, 8192, 1, t, 1, HF), saved_at_depth(shape, 8192, 1, t, 2, HF)
     assert two - one == e.activations.per_layer_bytes == 1_645_281_304
     assert 2 * one - two == e.activations.outside_bytes
-    flops, _ = count_flops(shape, 8192, 1, t, "hf")
+    flops, _ = count_flops(shape, 8192, 1, t, HF)
     assert flops == e.flops.counted
 
 
@@ -152,7 +152,7 @@ def test_full_size_llama3_flash_depths_and_flops():
                                           (PRESETS["qwen3-8b"], "bf16,selective")])  # fmt: skip
 def test_full_size_other_cases(shape, tricks):
     t = parse_tricks(tricks)
-    step, _ = measure_step(shape, 8192, 1, t, stack_model="hf")
+    step, _ = measure_step(shape, 8192, 1, t, stack=HF)
     e = exact_step(shape, 8192, 1, t, stack=HF)
     for f in FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
@@ -216,7 +216,7 @@ def test_cpu_layer_norm_keeps_16_bit_statistics():
     """A CPU-only difference: native_layer_norm on CPU returns mean and rstd in bf16 (CUDA: fp32), so
     GPT-2 on CPU in bf16 saves 2 bytes less per row and statistic, in each of 2L + 1 LayerNorms."""
     shape, t, B, T = TINY["gpt2"], parse_tricks("bf16"), 2, 24
-    step, _ = measure_step(shape, T, B, t, device="cpu", model=build_hf(shape, t, T, device="cpu"), stack_model="hf")
+    step, _ = measure_step(shape, T, B, t, device="cpu", model=build_hf(shape, t, T, device="cpu"), stack=HF)
     _, g, _ = simulate(config(shape, T, B, t))
     norms = 2 * shape.n_layers + 1
     assert sum(x.nbytes for x in g.saved_terms) - step.saved_bytes == norms * 2 * (4 - 2) * B * T
@@ -227,7 +227,7 @@ def test_dropout_routed_to_the_cuda_kernel():
     cuda_paths() routes it: GPT-2's three dropouts (embeddings, attention probabilities, both
     residual branches) save one byte less per element with it."""
     shape, t, T = replace(TINY["gpt2"], n_layers=1), parse_tricks("bf16"), 24
-    routed, _ = measure_step(shape, T, 1, t, stack_model="hf")
+    routed, _ = measure_step(shape, T, 1, t, stack=HF)
     with cuda_paths(dropout=False):
         stock, _ = measure_step(shape, T, 1, t, model=build_hf(shape, t, T))
     masks = T * shape.hidden + shape.n_heads * T * T + 2 * T * shape.hidden
@@ -251,7 +251,7 @@ def test_fp16_eager_softmax_upcast_is_a_meta_copy():
     (aten._softmax with half_to_float); on meta (and for bf16 everywhere) it is a cast to fp32, then
     _softmax. memcalc replays what was measured: the transient fp32 copy of the scores."""
     shape, t, T = TINY["llama"], parse_tricks("fp16"), 24
-    _, live = measure_step(shape, T, 1, t, timeline=True, stack_model="hf")
+    _, live = measure_step(shape, T, 1, t, timeline=True, stack=HF)
     scores = 4 * shape.n_heads * T * T
     forward = [(op, d) for p, op, d, _ in live.timeline if p == "forward" and d > 0]
     at = forward.index(("_softmax", scores))

@@ -10,8 +10,8 @@ Three passes over the same model and recipe:
      checkpointing it keeps recomputed tensors alive until it exits).
 Meta runs what CUDA runs because the builder is told to (Kernels): aten.native_dropout and
 aten._scaled_dot_product_flash_attention, never the CPU paths stock PyTorch takes on meta.
-stack_model "hf" measures Hugging Face Transformers' own model class instead (verify/hf.py), with
-the same switches made there.
+A stack whose model is "hf" measures Hugging Face Transformers' own model class instead
+(verify/hf.py), with the same switches made there.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build
@@ -31,20 +32,20 @@ from .recipes import DTYPES, Recipe
 from .track import LiveBytes, SavedBytes
 
 
-def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack_model: str = "reference",
+def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
                 device: str = "meta") -> torch.nn.Module:  # fmt: skip
     """The model a stack trains (memcalc.model.stacks: Stack.model): memcalc's reference model
     (verify/builder.py), or Transformers' AutoModelForCausalLM (verify/hf.py)."""
-    if stack_model == "hf":
+    if stack.model == "hf":
         from .hf import build_hf
 
         return build_hf(shape, tricks, seq_len, device=device)
     return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
 
 
-def paths_for(stack_model: str):
+def paths_for(stack: Stack):
     """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths)."""
-    if stack_model == "hf":
+    if stack.model == "hf":
         from .hf import cuda_paths
 
         return cuda_paths()
@@ -91,21 +92,21 @@ def inputs_for(shape: ModelShape, seq_len: int, micro_batch: int, device: str) -
 
 def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, device: str = "meta",
                  kernels: Kernels | None = None, model: torch.nn.Module | None = None, grad_accum: int = 1,
-                 timeline: bool = False, stack_model: str = "reference") -> tuple[StepBytes, LiveBytes]:  # fmt: skip
+                 timeline: bool = False, stack: Stack = DEFAULT_STACK) -> tuple[StepBytes, LiveBytes]:  # fmt: skip
     """Build (unless a model is given), one warm-up step, then the measured step: grad_accum
     forward-backward passes and the optimizer update. Phases are of its last micro-batch; the saved
     bytes are of its first forward."""
     kernels = kernels or meta_kernels(tricks)
-    if model is None:
-        if stack_model == "reference":
+    if model is None:  # the reference model with the kernels asked for, or the stack's
+        if stack.model == "reference":
             model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
         else:
-            model = build_model(shape, seq_len, tricks, stack_model, device)
+            model = build_model(shape, seq_len, tricks, stack, device)
     idx, targets = inputs_for(shape, seq_len, micro_batch, device)
     fixed = list(model.parameters()) + list(model.buffers())
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     saved = SavedBytes(fixed + [idx, targets], live)
-    with paths_for(stack_model), live:
+    with paths_for(stack), live:
         live.track(fixed, "weights")
         weights = live.live_bytes
         live.track([idx, targets], "input")
@@ -150,12 +151,12 @@ def train_step(recipe: Recipe, idx: torch.Tensor, targets: torch.Tensor, grad_ac
 
 
 def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layers: int,
-                   stack_model: str = "reference") -> int:  # fmt: skip
+                   stack: Stack = DEFAULT_STACK) -> int:  # fmt: skip
     """Bytes saved for backward by one forward of the model built `layers` deep."""
-    model = build_model(replace(shape, n_layers=layers), seq_len, tricks, stack_model)
+    model = build_model(replace(shape, n_layers=layers), seq_len, tricks, stack)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
     saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + [idx, targets])
-    with paths_for(stack_model), saved.hooks():
+    with paths_for(stack), saved.hooks():
         loss = model(idx, targets)
     saved.release()
     del loss
@@ -187,13 +188,13 @@ FLASH_FORMULAS = {
 
 
 def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks,
-                stack_model: str = "reference") -> tuple[int, dict[str, int]]:  # fmt: skip
+                stack: Stack = DEFAULT_STACK) -> tuple[int, dict[str, int]]:  # fmt: skip
     """FLOPs of one forward and backward under FlopCounterMode (its conventions: matmuls only,
     causal masking not discounted), on a fresh meta model; and the count per op."""
-    model = build_model(shape, seq_len, tricks, stack_model)
+    model = build_model(shape, seq_len, tricks, stack)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
     recipe = Recipe(model, tricks.precision)
-    with paths_for(stack_model), FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
+    with paths_for(stack), FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
         loss = recipe.forward(idx, targets)
         recipe.backward(loss)
     per_op = {str(k).removeprefix("aten."): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
@@ -218,17 +219,17 @@ class MetaMeasurement:
 
 
 def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None,
-                 stack_model: str = "reference") -> MetaMeasurement:  # fmt: skip
+                 stack: Stack = DEFAULT_STACK) -> MetaMeasurement:  # fmt: skip
     """The three passes; progress(what) is called before each."""
     progress = progress or (lambda what: None)
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
-    step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack_model=stack_model)
+    step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack=stack)
     progress("meta: saved bytes at depths 1 and 2")
-    one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1, stack_model)
-    two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2, stack_model)
+    one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1, stack)
+    two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2, stack)
     progress("meta: FLOPs")
-    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack_model)
+    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack)
     return MetaMeasurement(step, two - one, 2 * one - two, flops, tuple(sorted(by_op.items())),
                            time.perf_counter() - start)  # fmt: skip
 

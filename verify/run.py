@@ -158,8 +158,8 @@ def flop_rows(e: ExactStep, measured: int | None, tb: dict[str, int], tol: float
 
 
 def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progress) -> tuple[list[Row], tuple]:
-    m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress, setup.stack.model)
-    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, stack=setup.stack)
+    m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress, setup.stack)
+    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack)
     tb, s, ph, a, L = textbook(shape, setup, tricks), m.step, e.phases, e.activations, shape.n_layers
     where = {"forward": s.forward_peak_at, "backward": s.backward_peak_at, "optimizer": s.optimizer_peak_at}
     rows = [

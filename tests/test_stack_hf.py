@@ -63,7 +63,7 @@ TINY = {  # each builds as the Transformers architecture named
                                           dropout=0.1),
 }  # fmt: skip
 ARCH = {"llama": "llama", "qwen3": "qwen3", "gpt2": "gpt2", "qwen2": "qwen2", "llama-mha-tied": "llama",
-        "qwen3-mqa-wide-heads": "qwen3", "gpt2-untied-no-dropout": "gpt2", "llama-attention-dropout": "llama"}
+        "qwen3-mqa-wide-heads": "qwen3", "gpt2-untied-no-dropout": "gpt2", "llama-attention-dropout": "llama"}  # fmt: skip
 
 
 def config(shape: ModelShape, seq: int, batch: int, tricks: Tricks, grad_accum: int = 1) -> Config:

@@ -232,4 +232,3 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack)
     return MetaMeasurement(step, two - one, 2 * one - two, flops, tuple(sorted(by_op.items())),
                            time.perf_counter() - start)  # fmt: skip
-

@@ -1,4 +1,4 @@
-"""exact_step's shortcut: a whole step grown from one- and two-block simulations (without the warm-up
+"""exact_step's shortcut: a whole step grown from two- and three-block simulations (without the warm-up
 step) equals the full-depth replay, byte for byte: phases, saved bytes and FLOPs."""
 
 from dataclasses import replace
@@ -68,6 +68,19 @@ LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "ada
            # torch.autocast over fp32 weights (memcalc.exact.autocast), GradScaler for fp16 (memcalc.exact.amp)
            ("bf16", "autocast", "reference", "adamw"), ("bf16,flash,ckpt", "autocast", "reference", "adamw"),
            ("fp16,flash", "autocast", "reference", "adamw"), ("bf16,selective", "autocast", "reference", "adamw")]  # fmt: skip
+HF = [("bf16", "master", "reference"), ("bf16,selective", "master", "reference"), ("bf16,flash,ckpt", "master", "reference"),
+      ("fp16,flash", "master", "reference"), ("bf16,flash", "pure", "fused"), ("fp32,ckpt", "master", "foreach")]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, seq", [("qwen3-8b", 8192), ("llama3-8b", 4096), ("gpt2", 1024)])
+@pytest.mark.parametrize("tricks, recipe, impl", HF)
+def test_grown_phases_with_transformers_model(name, seq, tricks, recipe, impl):
+    # Transformers' first block does what later ones do not (its masks): grown from two and three blocks
+    stack, t, shape = stack_for("hf", recipe=recipe, impl=impl), parse_tricks(tricks), PRESETS[name]
+    phases, g, _ = simulate(config(shape, seq, 1, t, 1, stack))
+    e = exact_step(shape, seq, 1, t, 1, stack)
+    assert e.phases == phases
+    assert e.flops.counted == sum(g.flops.values())
 
 
 @pytest.mark.parametrize("name, seq", [("qwen3-8b", 8192), ("gpt2", 1024)])

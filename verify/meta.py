@@ -10,6 +10,8 @@ Three passes over the same model and recipe:
      checkpointing it keeps recomputed tensors alive until it exits).
 Meta runs what CUDA runs because the builder is told to (Kernels): aten.native_dropout and
 aten._scaled_dot_product_flash_attention, never the CPU paths stock PyTorch takes on meta.
+A stack whose model is "hf" measures Hugging Face Transformers' own model class instead
+(verify/hf.py), with the same switches made there.
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ from memcalc.model.tricks import Tricks
 from .builder import Kernels, build
 from .recipes import DTYPES, Recipe, TorchRecipe, recipe_for
 from .track import LiveBytes, SavedBytes
+
+
+def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
+                device: str = "meta") -> torch.nn.Module:  # fmt: skip
+    """The model a stack trains (memcalc.model.stacks: Stack.model): memcalc's reference model
+    (verify/builder.py), or Transformers' AutoModelForCausalLM (verify/hf.py)."""
+    if stack.model == "hf":
+        from .hf import build_hf
+
+        return build_hf(shape, tricks, seq_len, device=device)
+    return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+
+
+def paths_for(stack: Stack):
+    """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths)."""
+    if stack.model == "hf":
+        from .hf import cuda_paths
+
+        return cuda_paths()
+    return contextlib.nullcontext()
 
 
 def meta_kernels(tricks: Tricks) -> Kernels:
@@ -77,13 +99,16 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     make_recipe(model, precision): verify/autocast.py's for the stock torch loop). Phases are of its
     last micro-batch; the saved bytes are of its first forward."""
     kernels = kernels or meta_kernels(tricks)
-    if model is None:
-        model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
+    if model is None:  # the reference model with the kernels asked for, or the stack's
+        if stack.model == "reference":
+            model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
+        else:
+            model = build_model(shape, seq_len, tricks, stack, device)
     idx, targets = inputs_for(shape, seq_len, micro_batch, device)
     fixed = list(model.parameters()) + list(model.buffers())
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     saved = SavedBytes(fixed + [idx, targets], live)
-    with live:
+    with paths_for(stack), live:
         live.track(fixed, "weights")
         weights = live.live_bytes
         live.track([idx, targets], "input")
@@ -128,12 +153,13 @@ def train_step(recipe: Recipe | TorchRecipe, idx: torch.Tensor, targets: torch.T
     return recipe.update()
 
 
-def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layers: int) -> int:
+def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layers: int,
+                   stack: Stack = DEFAULT_STACK) -> int:  # fmt: skip
     """Bytes saved for backward by one forward of the model built `layers` deep."""
-    model = build(replace(shape, n_layers=layers), meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+    model = build_model(replace(shape, n_layers=layers), seq_len, tricks, stack)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
     saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + [idx, targets])
-    with saved.hooks():
+    with paths_for(stack), saved.hooks():
         loss = model(idx, targets)
     saved.release()
     del loss
@@ -168,10 +194,10 @@ def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
                 optimizer: str = "adamw") -> tuple[int, dict[str, int]]:  # fmt: skip
     """FLOPs of one forward and backward under FlopCounterMode (its conventions: matmuls only,
     causal masking not discounted), on a fresh meta model; and the count per op."""
-    model = build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+    model = build_model(shape, seq_len, tricks, stack)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
     recipe = recipe_for(model, tricks.precision, stack, optimizer)
-    with FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
+    with paths_for(stack), FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
         loss = recipe.forward(idx, targets)
         recipe.backward(loss)
     per_op = {str(k).removeprefix("aten."): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
@@ -203,10 +229,9 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     progress(f"meta: the step at {shape.n_layers} layers")
     step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack=stack, optimizer=optimizer)
     progress("meta: saved bytes at depths 1 and 2")
-    one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1)
-    two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2)
+    one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1, stack)
+    two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2, stack)
     progress("meta: FLOPs")
     flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack, optimizer)
     return MetaMeasurement(step, two - one, 2 * one - two, flops, tuple(sorted(by_op.items())),
                            time.perf_counter() - start)  # fmt: skip
-

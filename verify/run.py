@@ -69,6 +69,13 @@ def check_setup(setup: Setup) -> None:
         raise InputError(f"verify measures one micro-batch per step: grad_accum must be 1, got {setup.grad_accum}")
 
 
+def check_stack(setup: Setup, tricks: Tricks, device: str) -> None:
+    """Where verify measures Transformers' model so far: on the meta device (recipes.check_recipe says
+    which recipes and optimizers it trains)."""
+    if setup.stack.model == "hf" and device != "meta":
+        raise InputError("--stack hf is measured on the meta device so far: give --device meta")
+
+
 def gpu_for(name: str) -> GPU | None:
     """The GPU table's entry for torch.cuda.get_device_name(), or None."""
     n = name.upper()
@@ -81,7 +88,12 @@ def gpu_for(name: str) -> GPU | None:
     return None
 
 
-def attention_name(tricks: Tricks, device: str, ops: tuple[str, ...] = ()) -> str:
+def attention_name(tricks: Tricks, device: str, ops: tuple[str, ...] = (), stack_model: str = "reference") -> str:
+    if stack_model == "hf":
+        if not tricks.flash:
+            return "Transformers' eager_attention_forward (the model's modeling file): the scores materialised"
+        return ("Transformers' sdpa path (integrations/sdpa_attention.py) down to aten._flash_attention_forward, "
+                "the kernel CUDA's SDPA flash backend runs")  # fmt: skip
     if not tricks.flash:
         return "eager: softmax(QKᵀ)V, the scores materialised"
     if device == "meta":
@@ -160,7 +172,12 @@ def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progr
             s.retained_bytes, tol),
     ]  # fmt: skip
     rows += step_rows(e, s, tb, tol, where) + flop_rows(e, m.flops, tb, tol)
-    return rows, (f"meta measured in {m.seconds:.1f} s", e.note)
+    notes = (f"meta measured in {m.seconds:.1f} s", e.note)
+    if setup.stack.model == "hf":
+        from .hf import describe
+
+        notes += (describe(shape),)
+    return rows, notes
 
 
 def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, stats, steps: int, linearity: bool,
@@ -242,6 +259,7 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
     check_setup(setup)
     check_recipe(tricks.precision, setup.stack, setup.optimizer)
     device, reason = pick_device(device)
+    check_stack(setup, tricks, device)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive whole number, got {steps!r}")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
@@ -258,8 +276,9 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
                   tolerance=tol)  # fmt: skip
     if device == "meta":
         rows, notes = meta_rows(shape, setup, tricks, tol, report)
-        result.update(attention=attention_name(tricks, "meta"), gpu_name=None, layers_built=shape.n_layers,
-                      layers_note="", rows=tuple(rows), phases=None, timing=None, error=None, notes=notes)  # fmt: skip
+        result.update(attention=attention_name(tricks, "meta", stack_model=setup.stack.model), gpu_name=None,
+                      layers_built=shape.n_layers, layers_note="", rows=tuple(rows), phases=None, timing=None,
+                      error=None, notes=notes)  # fmt: skip
     else:
         result.update(verify_on_device(shape, setup, tricks, device, steps, tol, linearity, cpu_limit_bytes, report))
     return VerifyResult(**result, seconds=time.perf_counter() - start)

@@ -54,7 +54,7 @@ def promote(a: tuple[str, tuple], b: tuple[str, tuple]) -> str:
 def broadcast(a: tuple, b: tuple) -> tuple:
     n = max(len(a), len(b))
     a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
-    return tuple(max(x, y) for x, y in zip(a, b))
+    return tuple(y if y > x or (y == x and type(x) is int) else x for x, y in zip(a, b))  # a named size kept
 
 
 def view(g: Graph, t: Tensor, shape, grad_copies: bool = False) -> Tensor:
@@ -133,9 +133,10 @@ def to(g: Graph, x: Tensor, dtype: str) -> Tensor:
 
 
 def add(g: Graph, a: Tensor, b: Tensor) -> Tensor:
-    """a + b, broadcasting: saves nothing; the gradient passes through (summed where broadcast)."""
-    sa, sb = a.shape, b.shape
-    node = g.begin("add", [a, b], lambda gs: [(gs[0], sa), (gs[0], sb)])
+    """a + b, broadcasting: saves nothing; the gradient passes through (summed where broadcast) to the
+    inputs that need it (an additive mask needs none)."""
+    sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
+    node = g.begin("add", [a, b], lambda gs: [(gs[0], sa) if ga else None, (gs[0], sb) if gb else None])
     out = g.empty(broadcast(a.shape, b.shape), promote((a.dtype, sa), (b.dtype, sb)), "add")
     g.kernel("add", (a, b), (out,))
     g.end(node, [out])
@@ -584,3 +585,96 @@ def nll_loss(g: Graph, logp: Tensor, target: Tensor) -> Tensor:
     g.kernel("nll_loss_forward", (target, picked), (loss, total_weight))
     g.end(node, [loss, total_weight], [(total_weight, "total_weight")])
     return loss
+
+
+# -- ops of Hugging Face Transformers' models (memcalc.exact.hf) -----------------------------------
+
+
+def slice_last(g: Graph, x: Tensor, start: int, stop: int) -> Tensor:
+    """x[..., start:stop] (SliceBackward0): a view; backward is slice_backward, a zero tensor of x's
+    shape with the gradient copied into the slice."""
+    shape = x.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "slice_backward")
+        g.kernel("slice_backward", (gs[0],), (out,))
+        return [out]
+
+    node = g.begin("slice", [x], rule)
+    out = g.view(x, x.shape[:-1] + (stop - start,))
+    g.end(node, [out])
+    return out
+
+
+def split_last(g: Graph, x: Tensor, size: int) -> list[Tensor]:
+    """x.split(size, dim=-1) (SplitBackward0): views; backward concatenates the gradients (a new tensor)."""
+    shape = x.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "cat")
+        g.kernel("cat", tuple(gs), (out,))
+        return [out]
+
+    node = g.begin("split", [x], rule)
+    parts = [g.view(x, x.shape[:-1] + (size,)) for _ in range(x.shape[-1] // size)]
+    g.end(node, parts)
+    return parts
+
+
+def pow_scalar(g: Graph, x: Tensor, exponent: int) -> Tensor:
+    """torch.pow(x, e) (PowBackward0): saves x. Backward (pow_backward): grad · (e · x.pow(e - 1)),
+    three allocations."""
+    shape, dtype = x.shape, x.dtype
+
+    def rule(gs):
+        p = g.empty(shape, dtype, "pow")
+        g.kernel("pow", (size(shape, dtype),), (p,))
+        scaled = g.empty(shape, dtype, "mul")
+        g.kernel("mul", (p,), (scaled,))
+        grad = g.empty(shape, dtype, "mul")
+        g.kernel("mul", (gs[0], scaled), (grad,))
+        del p, scaled
+        return [grad]
+
+    node = g.begin("pow", [x], rule, [(x, "self")])
+    out = g.empty(x.shape, x.dtype, "pow")
+    g.kernel("pow", (x,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def tanh(g: Graph, x: Tensor) -> Tensor:
+    """torch.tanh (TanhBackward0): saves its output."""
+    return unary(g, x, "tanh", "tanh_backward", "result")
+
+
+def div_tensor(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """a / b where b needs no gradient (DivBackward0): saves b; backward: grad / b."""
+    shape, b_bytes = a.shape, nbytes(b)
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "div")
+        g.kernel("div", (gs[0], b_bytes), (out,))
+        return [out, None]
+
+    node = g.begin("div", [a, b], rule, [(b, "other")])
+    out = g.empty(broadcast(a.shape, b.shape), a.dtype, "div")
+    g.kernel("div", (a, b), (out,))
+    g.end(node, [out])
+    return out
+
+
+def mul_scalar_(g: Graph, a: Tensor) -> Tensor:
+    """a *= c in place for a Python number (MulBackward0 on a's rebased history): no bytes in forward;
+    backward makes grad · c."""
+    shape = a.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "mul")
+        g.kernel("mul", (gs[0],), (out,))
+        return [out]
+
+    node = g.begin("mul", [a], rule)
+    g.kernel("mul_", (a,), (a,))
+    g.end(node, [a])
+    return a

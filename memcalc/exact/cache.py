@@ -1,6 +1,6 @@
 """Replayed steps remembered on disk, so that `memcalc estimate` starts as fast as typer itself.
 
-A verdict replays each trick set's step (one and two blocks: ~3 ms each), some 30 ms for the default
+A verdict replays each trick set's step (two and three blocks: a few ms each), some 30 ms for the default
 progression, a third of the whole command. The result depends only on the call's arguments and on the
 simulator's source, so it is kept in one small JSON file per call under $MEMCALC_CACHE (default
 $XDG_CACHE_HOME/memcalc, else ~/.cache/memcalc), keyed by both; MEMCALC_CACHE=off turns it off. A cache

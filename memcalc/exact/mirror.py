@@ -5,18 +5,27 @@ stack (memcalc.exact.recipes), with every phase's peak; and trace(), the kernels
 
 from __future__ import annotations
 
+from . import builder, hf, recipes
 from .amp import AutocastRecipe
-from .builder import Model, build, forward
+from .builder import Model
 from .config import Config, Phases
 from .kernels import Kernel
-from . import recipes
 from .recipes import Recipe, TorchRecipe, check_simulated
 from .sim import Graph, Memory, Tensor, layer_of
 
 
+def build(g: Graph, cfg: Config) -> Model | hf.HFModel:
+    """Whose model the stack trains (cfg.model): memcalc's reference layer, or Transformers' classes."""
+    return hf.build(g, cfg) if cfg.model == "hf" else builder.build(g, cfg)
+
+
+def forward(g: Graph, model: Model | hf.HFModel, idx: Tensor, targets: Tensor) -> Tensor:
+    return (hf.forward if model.cfg.model == "hf" else builder.forward)(g, model, idx, targets)
+
+
 def recipe_for(g: Graph, model: Model) -> Recipe | TorchRecipe | AutocastRecipe:
     """How the step trains: torch.amp's loop where the model autocasts, else verify/recipes.py's."""
-    return recipes.recipe_for(g, model) if model.autocast is None else AutocastRecipe(g, model)
+    return recipes.recipe_for(g, model) if getattr(model, "autocast", None) is None else AutocastRecipe(g, model)
 
 
 def micro_step(g: Graph, model: Model, recipe: Recipe | TorchRecipe | AutocastRecipe, idx: Tensor, targets: Tensor,

@@ -13,6 +13,7 @@ from memcalc.errors import InputError
 from . import aten
 from .builder import Model, made
 from .config import Config, not_replayed
+from .hf import HFModel
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
 from .sim import Graph, Tensor, layer_of
 
@@ -52,7 +53,7 @@ class Recipe:
     """verify/recipes.py's Recipe: fp32 master weights (16-bit recipes), AdamW m and v made at the
     first step, and GradScaler's scale and growth tracker for fp16."""
 
-    def __init__(self, g: Graph, m: Model):
+    def __init__(self, g: Graph, m: Model | HFModel):
         self.g, self.model, self.precision = g, m, m.cfg.precision
         self.params = m.params
         if self.precision == "fp32":

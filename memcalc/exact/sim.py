@@ -51,7 +51,7 @@ def nbytes(x) -> int:
 class Memory:
     """Live bytes, and the peak since reset_peak() with the op that reached it; and the peak of each
     segment of the step (segment_peaks): a block's part of a phase, or what runs before the first
-    block or after the last (memcalc.exact.step.grown_phases grows one- and two-block steps from them)."""
+    block or after the last (memcalc.exact.step.grown_phases grows two- and three-block steps from them)."""
 
     live_bytes: int = 0
     peak_bytes: int = 0

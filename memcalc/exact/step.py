@@ -229,11 +229,11 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
         return simulate(cfg, warm_up=False)
 
     L = shape.n_layers
-    (one, g1, m1), (two, g2, m2) = at(1), at(2)
-    phases = one if L == 1 else grown_phases(one, two, m1, m2, L)
+    (two, g2, m2), (three, g3, m3) = at(2), at(3)
+    phases = at(1)[0] if L == 1 else two if L == 2 else grown_phases(two, three, m2, m3, L)
     layer, outside = split_layers(g2.saved_terms, 2)
     acts = ExactActivations(tricks, L, to_terms(layer), to_terms(outside), g2.rebuilt_bytes)
-    counts = {key: grow(g1.flops.get(key, 0), g2.flops.get(key, 0), L) for key in g2.flops}
+    counts = {key: grow(g2.flops.get(key, 0), g3.flops.get(key, 0), L) for key in g3.flops}
     tokens = seq_len * micro_batch
     counted = sum(counts.values())
     attention = sum(n for (_, kind), n in counts.items() if kind == "attention")
@@ -275,48 +275,50 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
         return phases, mem
 
     def replay() -> dict:
-        if shape.n_layers == 1:
-            return asdict(at(1)[0])
-        (one, m1), (two, m2) = at(1), at(2)
-        return asdict(grown_phases(one, two, m1, m2, shape.n_layers))
+        if shape.n_layers <= 2:
+            return asdict(at(shape.n_layers)[0])
+        (two, m2), (three, m3) = at(2), at(3)
+        return asdict(grown_phases(two, three, m2, m3, shape.n_layers))
 
     key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
     return Phases(**remembered("phases", key, replay))
 
 
-def grown_phases(one: Phases, two: Phases, m1, m2, layers: int) -> Phases:
-    """A step's phases at `layers` blocks from its one- and two-block steps. What a step holds is affine
-    in the depth; a phase's peak is the highest of its segments' (memcalc.exact.sim.Memory): its start,
-    before the blocks, after them, and inside a block, where the live bytes are affine in how many
-    blocks the phase has done (each frees one block's activations, or keeps one, and adds its
-    gradients), so highest in the first block or the last (with one block, both are that block). Each
+def grown_phases(two: Phases, three: Phases, m2, m3, layers: int) -> Phases:
+    """A step's phases at `layers` blocks (3 or more) from its two- and three-block steps. What a step
+    holds is affine in the depth once the first block, which may do what later ones do not (Transformers
+    builds its masks there), is in both; a phase's peak is the highest of its segments' (memcalc.exact.
+    sim.Memory): its start, before the blocks, after them, and inside a block, where past the first block
+    the live bytes are affine in how many blocks the phase has done (each frees one block's activations,
+    or keeps one, and adds its gradients), so highest in the first block, the second or the last. Each
     grows affinely with the depth; the peak is the highest grown, named by the first segment to reach it.
     At 8B with checkpointing this finds the backward peak moving, with depth, from the loss into the
     last block's recompute, where the gradients of the blocks done outgrow the activations they freed."""
-    grown = {f: grow(getattr(one, f), getattr(two, f), layers) for f in STATE_FIELDS}
+    grown = {f: grow(getattr(two, f), getattr(three, f), layers) for f in STATE_FIELDS}
     for phase in ("forward", "backward", "optimizer"):
         peak, at_op = -1, ""
-        for a, (b, op) in candidates(m1.segments[phase], m2.segments[phase]):  # in the order the phase runs them
+        for a, (b, op) in candidates(m2.segments[phase], m3.segments[phase]):  # in the order the phase runs them
             if grow(a, b, layers) > peak:  # the first to reach the peak names it, as Memory's running peak does
                 peak, at_op = grow(a, b, layers), op
         grown[f"{phase}_peak_bytes"], grown[f"{phase}_peak_at"] = peak, at_op
-    return replace(two, **grown)
+    return replace(three, **grown)
 
 
 STATE_FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes")
 
 
-def grow(at1: int, at2: int, layers: int) -> int:
-    """An affine count at depth 1 and 2, at `layers`."""
-    return at1 + (layers - 1) * (at2 - at1)
+def grow(at2: int, at3: int, layers: int) -> int:
+    """An affine count at depth 2 and 3, at `layers`."""
+    return at2 + (layers - 2) * (at3 - at2)
 
 
-def candidates(one: tuple, two: tuple) -> list[tuple[int, tuple[int, str]]]:
-    """The segments a phase's peak can be in, in the order it runs them, as (bytes at depth 1, (bytes at
-    depth 2, the op there)): its start, before the blocks, its first block and its last (at depth 1 the
-    one block is both), after the blocks."""
-    (p1, seen1), (p2, seen2) = one, two
-    pairs = [(p1[k][0], p2[k]) for k in ("start", "before") if k in p1 and k in p2]
-    if seen1 and seen2:
-        pairs += [(p1[seen1[0]][0], p2[seen2[0]]), (p1[seen1[0]][0], p2[seen2[-1]])]
-    return pairs + ([(p1["after"][0], p2["after"])] if "after" in p1 and "after" in p2 else [])
+def candidates(two: tuple, three: tuple) -> list[tuple[int, tuple[int, str]]]:
+    """The segments a phase's peak can be in, in the order it runs them, as (bytes at depth 2, (bytes at
+    depth 3, the op there)): its start, before the blocks, its first block, its second and its last (at
+    depth 2 the second is the last), after the blocks."""
+    (p2, seen2), (p3, seen3) = two, three
+    pairs = [(p2[k][0], p3[k]) for k in ("start", "before") if k in p2 and k in p3]
+    if seen2 and seen3:
+        pairs += [(p2[seen2[i]][0], p3[seen3[i]]) for i in (0, 1, -1)]
+    return pairs + ([(p2["after"][0], p3["after"])] if "after" in p2 and "after" in p3 else [])
+

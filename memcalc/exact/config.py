@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import Tricks
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "int64": 8, "uint64": 8, "int32": 4}  # bytes of one element of each dtype the step holds
 
@@ -30,12 +31,18 @@ class Config:
     micro_batch: int
     precision: str  # fp32 | bf16 | fp16
     flash: bool  # attention by the flash kernel (aten._scaled_dot_product_flash_attention)
-    recompute: str  # none | selective | full
+    recompute: str  # none | selective | full | op (memcalc.model.tricks.Tricks)
     grad_accum: int = 1  # micro-batches per optimizer step
     optimizer: str = "adamw"  # adamw | sgd | adam8bit
     model: str = "reference"  # whose op sequence (memcalc.model.stacks): reference | hf
     recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure
     impl: str = "reference"  # the optimizer's implementation: reference | loop | foreach | fused
+    ckpt_every: int = 1  # with recompute full: every Nth block checkpointed (ckpt:N)
+
+    @property
+    def tricks(self) -> Tricks:
+        """The trick set this step runs: which blocks it checkpoints, and how (Tricks.checkpointed)."""
+        return Tricks(self.precision, self.flash, self.recompute, self.ckpt_every)
 
     @property
     def dtype(self) -> str:

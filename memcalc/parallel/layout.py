@@ -27,7 +27,7 @@ from memcalc.memory.estimate import Budget, Setup
 from memcalc.memory.state import MAX_GPUS, ModelState, Parallel, model_state, weights_held_elsewhere, zero3_gather_bytes
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, ModelShape, attention_params, mlp_params, n_params, norm_params
-from memcalc.model.tricks import Tricks
+from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.terms import Term
 
 KORTHIKANTI_T2 = "Korthikanti et al. 2022, Table 2"
@@ -260,6 +260,7 @@ def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     the output-projection input (2), the GeLU input and output (8 + 8). FlashAttention drops the
     5·a·s²·b/t scores as selective recompute does. With t = cp = 1 these are activations.py's terms.
     """
+    check_layer_uniform(tricks, "the parallel layouts")
     x = 2 if tricks.precision == "fp32" else 1  # fp32 activations double every byte
     s, b, h, a, t = seq_len // cp, micro_batch, shape.hidden, shape.n_heads, tp
     sbh = s * b * h

@@ -127,7 +127,8 @@ def test_linear_dispatches_mm_without_a_bias_and_addmm_with_one():
             return func(*args, **(kwargs or {}))
 
     x = torch.empty(2, 8, 16, device="meta", dtype=torch.bfloat16)
-    w, b = torch.empty(32, 16, device="meta", dtype=torch.bfloat16), torch.empty(32, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(32, 16, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(32, device="meta", dtype=torch.bfloat16)
     with Ops() as plain:
         torch.nn.functional.linear(x, w)
     with Ops() as biased:
@@ -205,8 +206,8 @@ def test_small_exact_equals_meta_allocation_by_allocation(family, policy, flash)
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_small_with_gradient_accumulation(policy):
-    for family in SMALL:
-        assert_exact_equals_meta(SMALL[family], 24, 1, tricks_for(policy, True), grad_accum=3)
+    for shape in SMALL.values():
+        assert_exact_equals_meta(shape, 24, 1, tricks_for(policy, True), grad_accum=3)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])
@@ -234,7 +235,8 @@ def test_per_layer_bytes_from_depths_at_8b_width():
     assert (four - three, three - two, two - 2 * (four - three)) == (a.per_layer_bytes, a.checkpointed_bytes,
                                                                       a.outside_bytes)  # fmt: skip
     assert a.checkpointed_bytes == 2 * 8192 * QWEN3_8B.hidden  # the block's input
-    assert a.n_checkpointed == 12 and a.total_bytes == 24 * a.per_layer_bytes + 12 * a.checkpointed_bytes + a.outside_bytes
+    assert a.n_checkpointed == 12
+    assert a.total_bytes == 24 * a.per_layer_bytes + 12 * a.checkpointed_bytes + a.outside_bytes
 
 
 # -- the growth: short steps grown to the depth equal the full-depth replay -------------------------------
@@ -328,7 +330,8 @@ def test_textbook_has_no_formula_for_sac():
     full = textbook_step_flops(GPT_8B, 2048, parse_tricks("bf16,ckpt"))
     half = textbook_step_flops(GPT_8B, 2048, parse_tricks("bf16,ckpt:2"))
     plain = textbook_step_flops(GPT_8B, 2048, parse_tricks("bf16"))
-    assert 2 * (half.hardware_per_token - plain.hardware_per_token) == full.hardware_per_token - plain.hardware_per_token
+    extra = {n: f.hardware_per_token - plain.hardware_per_token for n, f in (("full", full), ("half", half))}
+    assert 2 * extra["half"] == extra["full"] > 0
 
 
 # -- the CLI ------------------------------------------------------------------------------------------------
@@ -365,3 +368,27 @@ def test_verify_sac_at_8b_passes_every_row():
 def test_what_does_not_take_the_new_policies_says_so(args, message):
     out = CliRunner().invoke(app, args, env={"NO_COLOR": "1"})
     assert out.exit_code == 2 and message in out.output
+
+
+@pytest.mark.parametrize("tricks", ["bf16,flash,sac", "bf16,ckpt:3"])
+def test_every_view_of_estimate_takes_them(tricks):
+    """--detail, --exact and --explain: the textbook's rows say what it has (ckpt:N's two kinds of layer)
+    or that it has no formula (sac); the CSV leaves sac's textbook columns empty."""
+    out = CliRunner().invoke(app, ["estimate", "--model", "qwen3-0.6b", "--seq", "2048", "--tricks", tricks, "--detail",
+                                   "--exact", "--explain", "--bytes"], env={"NO_COLOR": "1"})  # fmt: skip
+    assert out.exit_code == 0, out.output
+    t = parse_tricks(tricks)
+    if t.recompute == "op":
+        assert "no textbook formula" in out.stdout
+    else:
+        assert "9 checkpointed" in out.stdout and "kept per checkpointed layer = " in out.stdout
+    csv = CliRunner().invoke(app, ["estimate", "--model", "qwen3-0.6b", "--tricks", tricks, "--format", "csv"])
+    row = csv.stdout.splitlines()[1].split(",")
+    assert (row[1:4] == ["", "", ""]) == (t.recompute == "op")
+
+
+def test_gpt_eager_sac_is_full_checkpointing():
+    """With biased linears (aten.addmm) and eager attention (aten.bmm) nothing of a GPT block is in the
+    save list: the step is ckpt's, byte for byte and FLOP for FLOP."""
+    sac, ckpt = (exact_step(GPT_8B, 8192, 1, parse_tricks(t)) for t in ("bf16,sac", "bf16,ckpt"))
+    assert sac.phases == ckpt.phases and sac.flops.counted == ckpt.flops.counted

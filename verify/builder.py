@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -318,7 +318,7 @@ class Transformer(nn.Module):
         future = self.future[:T, :T] if self.future is not None else None
         for i, block in enumerate(self.blocks):
             if self.kernels.recompute == "op":  # torchtitan's per-op selective AC
-                context = lambda: sac_contexts(self.sac_observer)  # noqa: E731
+                context = lambda: sac_contexts(self.sac_observer)
                 x = checkpoint(block, x, cos, sin, future, use_reentrant=False, context_fn=context)
             elif self.kernels.checkpointed(i):  # full AC, or per-layer selective AC (every Nth block)
                 x = checkpoint(block, x, cos, sin, future, use_reentrant=False)

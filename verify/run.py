@@ -172,11 +172,11 @@ def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progr
 def textbook_gaps(tricks: Tricks) -> tuple[str, ...]:
     """What the textbook column leaves out, and why."""
     if tricks.recompute == "op":
-        return ("textbook: no formula for sac (Korthikanti et al. have no row for per-op selective "
-                "checkpointing); what it keeps is replayed op by op",)  # fmt: skip
+        return (("textbook: no formula for sac (Korthikanti et al. have no row for per-op selective "
+                 "checkpointing); what it keeps is replayed op by op"),)  # fmt: skip
     if tricks.mixed:
-        return (f"textbook for {tricks.label}: each layer checkpointed keeps its input (ckpt's row), every "
-                "other layer all it saves (the row without recompute)",)  # fmt: skip
+        return ((f"textbook for {tricks.label}: each layer checkpointed keeps its input (ckpt's row), every "
+                 "other layer all it saves (the row without recompute)"),)  # fmt: skip
     return ()
 
 

@@ -514,7 +514,7 @@ def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return out, lse, g.empty((2,), "uint64", name), g.empty((), "uint64", name)
 
     node = g.begin(name, [q, k, v], rule, [(q, "query"), (k, "key"), (v, "value")])
-    out, lse, seed, offset = g.outputs(name, kernel)  # a selective checkpoint may keep them, or hand them back
+    out, lse, seed, offset = g.outputs(name, kernel, ("output", "logsumexp", "philox_seed", "philox_offset"))
     g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp"), (seed, "philox_seed"), (offset, "philox_offset")])
     return out
 

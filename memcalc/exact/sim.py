@@ -331,12 +331,13 @@ class Graph:
         finally:
             self.frame = outer
 
-    def outputs(self, op: str, make: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+    def outputs(self, op: str, make: Callable[[], tuple[Tensor, ...]], names: tuple[str, ...] = ("output",)
+                ) -> tuple[Tensor, ...]:  # fmt: skip
         """An op's kernel: make() allocates its outputs and records the kernel. Inside a region with a
         policy, each call is counted per op; forward keeps the outputs the policy saves (detached
         aliases of the same storages: torch.utils.checkpoint._CachingTorchDispatchMode), and the
         recompute takes them back instead of running the op (_CachedTorchDispatchMode): no bytes, no
-        kernel, no FLOPs."""
+        kernel, no FLOPs. names: what each output is, for the saved terms."""
         frame = self.rebuilding if self.rebuilding is not None else self.frame
         if frame is None or frame.policy is None:
             return make()
@@ -348,8 +349,8 @@ class Graph:
         outs = make()
         if frame.policy(op, index + 1):
             frame.cache[(op, index)] = tuple(Tensor(t.storage, t.shape, t.dtype) for t in outs)
-            for t in outs:
-                self.note_saved(t, op, "output, kept by selective checkpointing")
+            for t, name in zip(outs, names):
+                self.note_saved(t, op, f"{name}, kept by selective checkpointing")
                 t.storage.kind = "cached"  # kept since forward: the recompute brings it back without bytes
         return outs
 

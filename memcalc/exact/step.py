@@ -189,9 +189,11 @@ def to_terms(saved) -> tuple[Term, ...]:
         if numel * ITEMSIZE[dtype] != nbytes:  # a view of a larger storage: no tidy formula
             form = str(nbytes * len(ts))
         source = "torch.utils.checkpoint keeps its input" if op == "checkpoint" else f"aten.{op} saves {what}"
-        if what.startswith("output, kept"):  # memcalc.exact.sim.Graph.outputs
-            source = f"torch.utils.checkpoint's selective cache keeps aten.{op}'s output (torchtitan's policy)"
-        out.append(Term(f"{scope}: {op} saves {what} ({dtype})", nbytes * len(ts), form, source))
+        name = f"{scope}: {op} saves {what} ({dtype})"
+        if what.endswith("kept by selective checkpointing"):  # memcalc.exact.sim.Graph.outputs
+            source = f"torch.utils.checkpoint's selective cache keeps aten.{op}'s outputs (torchtitan's policy)"
+            name = f"{scope}: {op} {what} ({dtype})"
+        out.append(Term(name, nbytes * len(ts), form, source))
     return tuple(out)
 
 

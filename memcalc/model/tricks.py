@@ -39,7 +39,7 @@ class Tricks:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CKPT_EVERY:
             raise InputError(f"ckpt:N needs a whole N from 1 to {MAX_CKPT_EVERY}, got {n!r}")
         if n > 1 and self.recompute != "full":
-            raise InputError(f"checkpointing every {n}th block is ckpt:{n}; it needs recompute full, not {self.recompute}")
+            raise InputError(f"checkpointing every {n}th block is ckpt:{n}: recompute full, not {self.recompute}")
 
     @property
     def mixed(self) -> bool:

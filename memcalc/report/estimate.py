@@ -218,10 +218,10 @@ def activations_section(est: Estimate, units: str) -> Section:
             s.rows.append([a.tricks.label, NO_FORMULA, NO_FORMULA, NO_FORMULA, ""])
             continue
         change = "" if a is plain else u.signed_percent(a.peak_bytes / plain.peak_bytes - 1)
-        per_layer = sized(a.per_layer_bytes, units)
-        if a.n_checkpointed:  # ckpt:N: two kinds of layer
-            per_layer = f"{per_layer} / {sized(a.checkpointed_bytes, units)} ckpt"
-        s.rows.append([a.tricks.label, per_layer, sized(a.total_bytes, units), sized(a.peak_bytes, units), change])
+        s.rows.append([a.tricks.label, sized(a.per_layer_bytes, units), sized(a.total_bytes, units),
+                       sized(a.peak_bytes, units), change])  # fmt: skip
+        if a.n_checkpointed:  # ckpt:N: the layers checkpointed keep only their input
+            s.rows.append([f"  {a.n_checkpointed} checkpointed", sized(a.checkpointed_bytes, units), "", "", ""])
     d = est.attention
     s.notes = [
         f"one head's s×s scores (2·s²·b): {u.exact_bytes(d.score_one_head_bytes)} ({u.size(d.score_one_head_bytes, units)})",
@@ -572,7 +572,8 @@ def exact_section(est: Estimate, exacts: list, units: str) -> Section:
         # exact bytes under the step peak only: under every exact column the table would not fit 100 columns
         tb_layer = u.size(a.per_layer_bytes, units) if a.formula else NO_FORMULA
         s.rows.append([a.tricks.label, tb_layer, u.size(xa.per_layer_bytes, units), u.size(lg.total_bytes, units),
-                       u.size(xa.outside_bytes, units), textbook_size(m, units), sized(x.peak_bytes, units)])  # fmt: skip
+                       u.size(xa.outside_bytes, units), textbook_size(m, units),
+                       sized(x.peak_bytes, units)])  # fmt: skip
         if xa.n_checkpointed:  # ckpt:N: the checkpointed layers' row
             tb_ckpt = u.size(a.checkpointed_bytes, units)
             s.rows.append([f"  {xa.n_checkpointed} checkpointed", tb_ckpt, u.size(xa.checkpointed_bytes, units),

@@ -265,7 +265,7 @@ def test_estimate_with_a_layout():
 
 @pytest.mark.parametrize("args,message", [
     (["estimate", "--params", "8e9", "--tp", "3"], "must divide the 32 attention heads"),
-    (["estimate", "--params", "8e9", "--pp", "5"], "layers"),
+    (["estimate", "--params", "8e9", "--pp", "32"], "leaves a stage without layers"),  # 36 layers + 2 over 32 stages
     (["estimate", "--params", "8e9", "--tp", "2", "--dp", "2", "--gpus", "8"], "world size"),
     (["estimate", "--params", "8e9", "--sp"], "sequence parallel needs tensor parallel"),
     (["estimate", "--params", "8e9", "--pp", "2", "--dp", "2", "--zero", "3"], "unsupported"),

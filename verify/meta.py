@@ -23,10 +23,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build
-from .recipes import DTYPES, Recipe
+from .recipes import DTYPES, Recipe, TorchRecipe, recipe_for
 from .track import LiveBytes, SavedBytes
 
 
@@ -71,10 +72,11 @@ def inputs_for(shape: ModelShape, seq_len: int, micro_batch: int, device: str) -
 
 def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, device: str = "meta",
                  kernels: Kernels | None = None, model: torch.nn.Module | None = None, grad_accum: int = 1,
-                 timeline: bool = False) -> tuple[StepBytes, LiveBytes]:  # fmt: skip
+                 timeline: bool = False, stack: Stack = DEFAULT_STACK,
+                 optimizer: str = "adamw") -> tuple[StepBytes, LiveBytes]:  # fmt: skip
     """Build (unless a model is given), one warm-up step, then the measured step: grad_accum
-    forward-backward passes and the optimizer update. Phases are of its last micro-batch; the saved
-    bytes are of its first forward."""
+    forward-backward passes and the optimizer update, by the stack's recipe (recipes.recipe_for).
+    Phases are of its last micro-batch; the saved bytes are of its first forward."""
     kernels = kernels or meta_kernels(tricks)
     if model is None:
         model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
@@ -87,7 +89,7 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         weights = live.live_bytes
         live.track([idx, targets], "input")
         inputs = live.live_bytes - weights
-        recipe = Recipe(model, tricks.precision)
+        recipe = recipe_for(model, tricks.precision, stack, optimizer)
         train_step(recipe, idx, targets, grad_accum)
         before = live.live_bytes
         for k in range(grad_accum):
@@ -118,7 +120,7 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     return step, live
 
 
-def train_step(recipe: Recipe, idx: torch.Tensor, targets: torch.Tensor, grad_accum: int = 1) -> bool:
+def train_step(recipe: Recipe | TorchRecipe, idx: torch.Tensor, targets: torch.Tensor, grad_accum: int = 1) -> bool:
     """grad_accum forward-backward passes (grads add up in place), then the optimizer update
     (False: fp16's loss scaler skipped it)."""
     for _ in range(grad_accum):
@@ -165,12 +167,13 @@ FLASH_FORMULAS = {
 }
 
 
-def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[int, dict[str, int]]:
+def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
+                optimizer: str = "adamw") -> tuple[int, dict[str, int]]:  # fmt: skip
     """FLOPs of one forward and backward under FlopCounterMode (its conventions: matmuls only,
     causal masking not discounted), on a fresh meta model; and the count per op."""
     model = build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
-    recipe = Recipe(model, tricks.precision)
+    recipe = recipe_for(model, tricks.precision, stack, optimizer)
     with FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
         loss = recipe.forward(idx, targets)
         recipe.backward(loss)
@@ -204,12 +207,13 @@ class MetaMeasurement:
         return self.step.saved_bytes == self.saved_from_depths
 
 
-def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None) -> MetaMeasurement:
-    """The three passes; progress(what) is called before each."""
+def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None,
+                 stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> MetaMeasurement:  # fmt: skip
+    """The three passes, trained by the stack's recipe; progress(what) is called before each."""
     progress = progress or (lambda what: None)
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
-    step, _ = measure_step(shape, seq_len, micro_batch, tricks)
+    step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack=stack, optimizer=optimizer)
     n_ckpt = tricks.n_checkpointed(shape.n_layers) if tricks.mixed else 0
     if n_ckpt:  # ckpt:N: blocks N and N + 1 (from 1) are checkpointed and plain
         n = tricks.ckpt_every
@@ -222,7 +226,7 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2)
         plain, checkpointed, outside = two - one, None, 2 * one - two
     progress("meta: FLOPs")
-    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks)
+    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack, optimizer)
     return MetaMeasurement(step, plain, outside, flops, tuple(sorted(by_op.items())), time.perf_counter() - start,
                            checkpointed, n_ckpt)  # fmt: skip
 

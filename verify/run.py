@@ -36,6 +36,7 @@ from .cuda import (
     with_layers,
 )
 from .meta import measure_meta
+from .recipes import check_recipe
 
 # The matrix: the field's progression, plus fp16 and the remaining recompute combinations.
 MATRIX = tuple(parse_tricks(t) for t in (
@@ -61,8 +62,6 @@ def pick_device(device: str | None) -> tuple[str, str]:
 
 
 def check_setup(setup: Setup) -> None:
-    if setup.optimizer != "adamw":
-        raise InputError(f"verify trains with AdamW; --optimizer {setup.optimizer} is not measured")
     p = setup.parallel
     if p.gpus != 1 or p.zero or p.offload:
         raise InputError("verify measures one GPU: drop --gpus, --zero and --offload")
@@ -99,7 +98,7 @@ def gib(n: float) -> str:
 
 def textbook(shape: ModelShape, setup: Setup, tricks: Tricks) -> dict[str, int | None]:
     """memcalc estimate's numbers for the model as built; None where the textbook has no formula (sac)."""
-    state = model_state(n_params(shape), tricks.precision, setup.optimizer)
+    state = model_state(n_params(shape), tricks.precision, setup.optimizer, recipe=setup.stack.recipe)
     parts = {p.name: p.bytes for p in state.parts}
     acts = textbook_activations(shape, setup.seq_len, setup.micro_batch, tricks)
     logits = logits_memory(shape, setup.seq_len, setup.micro_batch, tricks.precision).total_bytes
@@ -144,8 +143,8 @@ def flop_rows(e: ExactStep, measured: int | None, tb: dict[str, int], tol: float
 
 
 def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progress) -> tuple[list[Row], tuple]:
-    m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress)
-    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks)
+    m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress, setup.stack, setup.optimizer)
+    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer)
     tb, s, ph, a, L = textbook(shape, setup, tricks), m.step, e.phases, e.activations, shape.n_layers
     where = {"forward": s.forward_peak_at, "backward": s.backward_peak_at, "optimizer": s.optimizer_peak_at}
     rows = [
@@ -200,8 +199,9 @@ def layer_rows(m, a, tb: dict, tol: float) -> list[Row]:
 def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, stats, steps: int, linearity: bool,
                 gpu: GPU | None, progress) -> tuple[list[Row], DeviceRun, Timing, tuple]:  # fmt: skip
     progress(f"training {shape.n_layers} layers on {stats.device}")
-    run = measure_device(shape, setup.seq_len, setup.micro_batch, tricks, stats, steps, setup.grad_accum)
-    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum)
+    run = measure_device(shape, setup.seq_len, setup.micro_batch, tricks, stats, steps, setup.grad_accum,
+                         stack=setup.stack, optimizer=setup.optimizer)  # fmt: skip
+    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack, setup.optimizer)
     tb, ph, d, L = textbook(shape, setup, tricks), e.phases, run.phases, shape.n_layers
     where = {"forward": ph.forward_peak_at, "backward": ph.backward_peak_at, "optimizer": ph.optimizer_peak_at}
     rows = [
@@ -219,7 +219,8 @@ def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, sta
     progress(f"second depth: {L2} layers" if linearity and L > 1 else "done")
     if linearity and L > 1:
         r2 = measure_retained(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, stats)
-        e2 = exact_step(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, setup.grad_accum)
+        e2 = exact_step(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack,
+                        setup.optimizer)  # fmt: skip
         exact, measured = (ph.retained_bytes - e2.phases.retained_bytes) / (L - L2), (d.retained_bytes - r2) / (L - L2)
         rows.append(Row(f"kept after forward, per layer (depths {L} and {L2})", "bytes", tb["layer"], exact, measured,
                         tol))  # fmt: skip
@@ -272,6 +273,7 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
     InputError.
     """
     check_setup(setup)
+    check_recipe(tricks.precision, setup.stack, setup.optimizer)
     device, reason = pick_device(device)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive whole number, got {steps!r}")
@@ -308,7 +310,8 @@ def verify_on_device(shape: ModelShape, setup: Setup, tricks: Tricks, device: st
 
     def predicted(layers: int) -> int:
         s = with_layers(shape, layers)
-        return exact_step(s, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum).peak_bytes
+        return exact_step(s, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack,
+                          setup.optimizer).peak_bytes  # fmt: skip
 
     built, note = shape.n_layers, ""
     if predicted(built) > budget:

@@ -86,12 +86,13 @@ Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", me
 Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
 HostMemory = Annotated[str, typer.Option("--host-memory", help="CPU memory of one node in bytes (2T, 1.5e12), which offload fills; the job's GPUs on a node share it. Default: a DGX H100/H200's 2 TB for 8 GPUs.", metavar="BYTES")]  # fmt: skip
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
-Mfu = Annotated[str, typer.Option("--mfu", help="Fraction of peak the GPU sustains (default 0.4: Llama 3 reached 38-43% on H100s).", metavar="X")]  # fmt: skip
-EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline (layouts: default 0.4).", metavar="X")]  # fmt: skip
+EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline: X is an end-to-end rate, so a layout adds no bubble or communication to it.", metavar="X")]  # fmt: skip
 Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
 Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
 Units = Annotated[str, typer.Option("--units", help="gb (decimal, as GPU datasheets count) or gib (binary).", metavar="UNITS")]
-StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: reference (memcalc's own loop: bf16 weights, fp32 master), torch (torch.autocast + torch.optim), hf (Hugging Face Transformers' Trainer). See docs/stacks.md.", metavar="NAME")]  # fmt: skip
+StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: reference (memcalc's loop, the default), torch (torch.autocast + torch.optim), hf (Hugging Face Transformers' Trainer); over many GPUs fsdp2 (torchtitan), megatron (Megatron-LM), deepspeed (DeepSpeed ZeRO). See docs/stacks.md and docs/parallel.md.", metavar="NAME")]  # fmt: skip
+PpLayers = Annotated[Optional[str], typer.Option("--pp-layers", help="Layers on the first and last pipeline stages, FIRST,LAST (Megatron-LM's --decoder-first/last-pipeline-num-layers; 0 leaves one to the split). Default: even, or torchtitan's split where pp does not divide the layers.", metavar="F,L")]  # fmt: skip
+Reshard = Annotated[Optional[bool], typer.Option("--reshard/--no-reshard", help="FSDP2: free each block's gathered weights after its forward (default: torchtitan's, on without pipeline parallel, off with it).", show_default=False)]  # fmt: skip
 RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="How 16-bit trains, instead of the stack's: master (fp32 master copy), autocast (fp32 weights), pure (16-bit weights and optimizer state).", metavar="NAME")]  # fmt: skip
 ImplOpt = Annotated[Optional[str], typer.Option("--optimizer-impl", help="The optimizer's implementation, instead of the stack's: reference, loop (foreach=False), foreach, fused.", metavar="NAME")]  # fmt: skip
 Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
@@ -159,6 +160,7 @@ def estimate(
     host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
+    pp_layers: PpLayers = None, reshard: Reshard = None,
     gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
@@ -174,7 +176,8 @@ def estimate(
     With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
     estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
     """
-    layout_given = any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node)) or sp or hybrid or offload_params
+    layout_given = (any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node, pp_layers, reshard)) or sp or hybrid
+                    or offload_params)  # fmt: skip
     try:
         from memcalc.model.gpus import gpu as find_gpu
 
@@ -195,15 +198,16 @@ def estimate(
         if explain and fmt in ("json", "csv"):
             raise InputError(f"--explain prints the formulas as text; --format {fmt} already carries each term's "
                              "formula and source: drop --explain")  # fmt: skip
-        if layout_given and calibration is not None:
-            raise InputError("--calibration sets the roofline of one GPU's step; a layout (--tp, --pp, ...) uses --mfu")
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
                                 stack, recipe, optimizer_impl)  # fmt: skip
-            layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node)
-            show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
+            layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node,
+                                  pp_layers, reshard)  # fmt: skip
+            timing = setup.mfu if mfu is not None else roofline_calibration(the_gpu, calibration)
+            show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact,
+                                     timing)  # fmt: skip
         else:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4",
                                 host_memory, stack, recipe, optimizer_impl)  # fmt: skip
@@ -240,7 +244,8 @@ def roofline_calibration(gpu, spec: str | None):
     return calibration_for(gpu.key, paths[0] if paths else None, ",".join(overrides) or None)
 
 
-def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node):
+def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node, pp_layers=None,
+                 reshard=None):  # fmt: skip
     from memcalc.memory.state import MAX_GPUS
     from memcalc.model.shape import parse_count
     from memcalc.parallel.layout import layout_for
@@ -250,11 +255,16 @@ def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_p
 
     if zero.strip() not in ("0", "1", "2", "3"):
         raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
+    ends = (pp_layers or "0,0").split(",")
+    if len(ends) != 2:
+        raise InputError(f"--pp-layers takes FIRST,LAST (0 leaves one to the split), got {pp_layers!r}")
+    first, last = (parse_count(x, "pp-layers", MAX_GPUS) if x.strip() not in ("", "0") else 0 for x in ends)
     return layout_for(
         gpus=count(gpus, "gpus", None), tp=count(tp, "tp", 1), pp=count(pp, "pp", 1), cp=count(cp, "cp", 1),
         dp=count(dp, "dp", None), zero=int(zero), sp=sp, vpp=count(vpp, "vpp", 1), hybrid=hybrid,
         offload_optimizer=offload or offload_params, offload_params=offload_params,
-        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8),
+        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8), first_layers=first, last_layers=last,
+        reshard_after_forward=reshard,
     )  # fmt: skip
 
 
@@ -267,10 +277,11 @@ def plan(
     global_batch: Annotated[str, typer.Option("--global-batch", help="Sequences per optimizer step, all GPUs together.", metavar="N")] = ...,
     seq: Seq = "4096", gpus_per_node: GpusPerNode = None,
     tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
-    optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
+    optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
     no_offload: Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")] = False,
-    host_memory: HostMemory = "2T", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
+    host_memory: HostMemory = "2T", stack: StackOpt = "reference", detail: Detail = False, exact_bytes: ExactBytes = False,
+    fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
     try:
@@ -278,6 +289,7 @@ def plan(
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
+        from memcalc.model.stacks import stack_for
         from memcalc.model.tricks import check_layer_uniform, parse_tricks
         from memcalc.parallel.plan import plan as run_plan
 
@@ -288,14 +300,18 @@ def plan(
         t = parse_tricks(tricks)
         check_layer_uniform(t, "the planner's layouts")
         named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
+        if mfu is not None and calibration is not None:
+            raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
+        the_gpu = find_gpu(gpu)
+        timing = parse_fraction(mfu, "mfu") if mfu is not None else roofline_calibration(the_gpu, calibration)
         result = run_plan(
-            the_model, find_gpu(gpu), parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
+            the_model, the_gpu, parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
             parse_count(global_batch, "global-batch", MAX_BATCH),
             gpus_per_node=8 if gpus_per_node is None else parse_count(gpus_per_node, "gpus-per-node", MAX_GPUS),
-            tricks=t, optimizer=optimizer.strip().lower(), mfu=parse_fraction(mfu, "mfu"),
+            tricks=t, optimizer=optimizer.strip().lower(), timing=timing,
             top=parse_count(top, "top", 1000), offload=not no_offload,
             recomputes=(t.recompute,) if named else ("none", "selective", "full"),
-            host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
+            host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES), stack=stack_for(stack),
         )  # fmt: skip
     except InputError as e:
         fail(str(e))
@@ -398,7 +414,7 @@ def verify(
     hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None, ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1",
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
-    stack: StackOpt = "reference", recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None,
+    stack: StackOpt = "reference", recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, optimizer: Optimizer = "adamw",
     matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta.", metavar="DEV", show_default="cuda when present, else meta")] = None,
@@ -408,6 +424,7 @@ def verify(
     sp: Sp = False,
     dist_device: Annotated[str, typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV")] = "meta",
     save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
+    step: Annotated[Optional[str], typer.Option("--step", help="Measure your own model and step: FILE.py:FUNCTION or MODULE:FUNCTION (docs/verify.md).", metavar="FN")] = None,
     no_linearity: Annotated[bool, typer.Option("--no-linearity", help="Skip the second, shallower build that checks saved bytes are linear in depth.")] = False,
     detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
@@ -419,15 +436,23 @@ def verify(
         from .inputs import resolve_model
 
         fmt, units = check_format(fmt), render_units(units)
-        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
-        setup = build_setup(seq, micro_batch, "1", "adamw", "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl)
+        shape_given = any(x is not None for x in (params, model, config, layers, hidden, heads))
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab) \
+            if shape_given or step is None else None  # fmt: skip
+        setup = build_setup(seq, micro_batch, "1", optimizer, "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl)
         the_tricks = parse_tricks(tricks)
         n_steps = parse_count(steps, "steps", 1000)
         tolerance = None if tol is None else parse_fraction(tol, "tol")
-        if device is not None and device.strip().lower() not in ("cuda", "meta"):
+        if step is None and device is not None and device.strip().lower() not in ("cuda", "meta"):
             raise InputError(f"unknown device {device!r}; choose cuda or meta")
         verify_runs.needs_torch()
-        if fsdp is not None or tp is not None or sp:
+        if step is not None:
+            given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None), ("--tol", tol is not None),
+                                           ("--fsdp/--tp/--sp", fsdp is not None or tp is not None or sp)) if on]  # fmt: skip
+            if given:
+                raise InputError(f"{' and '.join(given)} do not apply to --step, which measures your step once")
+            run = verify_runs.custom_run(the_model, setup, the_tricks, step, device)
+        elif fsdp is not None or tp is not None or sp:
             given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None),
                                            ("--device", device is not None), ("--tol", tol is not None)) if on]
             if given:

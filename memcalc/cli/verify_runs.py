@@ -55,6 +55,54 @@ def saver(folder: str):
     return save
 
 
+def custom_run(model, setup, tricks, spec: str, device: str | None):
+    """--step FILE:FUNCTION: the user's step measured (verify/custom.py), and, given a model, the stack's
+    prediction for that shape beside it. model None: measured only."""
+    from memcalc.exact.config import not_replayed
+
+    dev = "meta" if device is None else device.strip().lower()
+    if dev not in ("meta", "cpu"):
+        raise InputError(f"--step measures on meta or cpu (every storage counted by its op), not {dev}")
+    stack = setup.stack
+    gap = "" if model is None else not_replayed(stack.model, stack.recipe, stack.impl, setup.optimizer, tricks.precision)
+    if model is None:
+        gap = "no model given: add --model, --params or --config for memcalc's prediction beside the measurement"
+
+    def run():
+        from verify.custom import TORCH_VERSION, load, measure_user_step
+
+        measured, n_params = measure_user_step(load(spec), setup.seq_len, setup.micro_batch, dev)
+        predicted = None
+        if not gap:
+            from memcalc.exact.step import exact_step
+
+            predicted = exact_step(model.shape, setup.seq_len, setup.micro_batch, tricks, 1, stack, setup.optimizer)
+        return custom_result(spec, model, setup, tricks, dev, TORCH_VERSION, measured, n_params, predicted, gap)
+
+    return run
+
+
+def custom_result(spec, model, setup, tricks, device, torch_version, measured, n_params, predicted, gap):
+    from memcalc.verification.results import CustomResult, Row
+
+    p = predicted.phases if predicted else None
+    saved = predicted.activations.total_bytes if predicted else None
+    pairs = [
+        ("live between steps", p and p.state_bytes + p.inputs_bytes, measured.state_bytes),  # the user's keeps its inputs
+        ("saved for backward", saved, measured.saved_bytes),
+        ("kept after forward", p and p.retained_bytes, measured.retained_bytes),
+        ("forward peak", p and p.forward_peak_bytes, measured.forward_peak_bytes),
+        ("backward peak", p and p.backward_peak_bytes, measured.backward_peak_bytes),
+        ("optimizer-step peak", p and p.optimizer_peak_bytes, measured.optimizer_peak_bytes),
+        ("whole-step peak", p and p.step_peak_bytes, measured.step_peak_bytes),
+    ]
+    rows = (Row("parameters", "count", None, model and model.n_params, n_params),) + tuple(
+        Row(q, "bytes", None, predicted_bytes, got) for q, predicted_bytes, got in pairs)  # fmt: skip
+    peaks = (measured.forward_peak_at, measured.backward_peak_at, measured.optimizer_peak_at)
+    return CustomResult(spec, "" if model is None else model.origin, setup.stack.label, tricks.label, device,
+                        torch_version, setup.seq_len, setup.micro_batch, rows, peaks, measured.saved_by_op, gap)  # fmt: skip
+
+
 def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str):
     """--fsdp/--tp: one rank of a (dp x tp) job on PyTorch's FSDP2 and DTensor, checked before torch loads."""
     from memcalc.memory.state import MAX_GPUS
@@ -101,8 +149,12 @@ class progress_bar:
 def show_verify(results, d: render.Display) -> bool:
     """One result's rows, the matrix summary, or the distributed table; whether every row passed."""
     from memcalc.report import verify as vr
-    from memcalc.verification.results import to_dict
+    from memcalc.verification.results import CustomResult, to_dict
 
+    if isinstance(results, CustomResult):
+        render.emit(d.fmt, to_dict(results), vr.custom_sections(results, d.units, d.detail), vr.custom_preamble(results),
+                    (vr.CSV_HEADERS, vr.csv_rows([results])), exact=d.exact, after=[vr.custom_verdict(results, d.units)])  # fmt: skip
+        return True
     if isinstance(results, list) and len(results) == 1:
         r = results[0]
         render.emit(d.fmt, to_dict(r), vr.verify_sections(r, d.units, d.detail), vr.verify_preamble(r),

@@ -7,11 +7,15 @@ from dataclasses import dataclass
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "int64": 8, "uint64": 8, "int32": 4}  # bytes of one element of each dtype the step holds
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, "uint64": 8, "int32": 4}  # bytes of one element of each dtype the step holds
 
 
 # What the simulator replays (memcalc.model.stacks' choices); anything else it refuses, never guesses.
-SIMULATED = {"model": ("reference",), "recipe": ("master",), "impl": ("reference",), "optimizer": ("adamw",)}
+SIMULATED = {"model": ("reference",), "recipe": ("master", "pure"), "impl": ("reference", "loop", "foreach", "fused"),
+             "optimizer": ("adamw", "sgd", "adam8bit")}  # fmt: skip
+
+
+SGD_IMPLS = ("loop", "foreach")  # torch 2.13 has no meta kernel for aten::_fused_sgd_: not measured, not replayed
 
 
 def not_replayed(model: str, recipe: str, impl: str, optimizer: str, precision: str) -> str | None:
@@ -19,6 +23,25 @@ def not_replayed(model: str, recipe: str, impl: str, optimizer: str, precision: 
     for what, value in (("model", model), ("recipe", recipe), ("impl", impl), ("optimizer", optimizer)):
         if value not in SIMULATED[what] and not (what == "recipe" and precision == "fp32"):
             return f"the exact model does not replay {what} {value!r} yet; it replays {', '.join(SIMULATED[what])}"
+    return untrainable(precision, recipe, impl, optimizer)
+
+
+def untrainable(precision: str, recipe: str, impl: str, optimizer: str) -> str | None:
+    """Why this optimizer does not train with this recipe and implementation, or None (verify/recipes.py
+    check_recipe asks the same): the reference implementation is AdamW, over fp32 weights or an fp32
+    master; the libraries' optimizers update the model's own weights, so a 16-bit master recipe keeps
+    the reference."""
+    sixteen = precision != "fp32"
+    if impl == "reference" and optimizer != "adamw":
+        return f"the reference implementation trains AdamW; --optimizer {optimizer} runs with --optimizer-impl loop or foreach"
+    if impl == "reference" and sixteen and recipe == "pure":
+        return "the pure recipe trains with torch.optim: --optimizer-impl loop, foreach or fused"
+    if impl != "reference" and sixteen and recipe == "master":
+        return ("the master recipe (fp32 master weights) runs with its reference implementation only: "
+                "--optimizer-impl reference, or --recipe pure")  # fmt: skip
+    if optimizer == "sgd" and impl not in SGD_IMPLS + ("reference",):
+        return (f"SGD runs with --optimizer-impl {' or '.join(SGD_IMPLS)} here: torch 2.13 has no meta kernel for "
+                "aten::_fused_sgd_, so fused SGD cannot be measured")  # fmt: skip
     return None
 
 

@@ -1,4 +1,10 @@
-"""verify/recipes.py's training recipe in bytes: what the optimizer step keeps, converts and frees."""
+"""verify/recipes.py's training recipes in bytes: what the optimizer step keeps, converts and frees.
+
+Recipe       the reference implementation (verify/recipes.py Recipe): fp32 master for 16-bit weights,
+             AdamW written out per tensor
+TorchRecipe  the libraries' optimizers over the model's own parameters (verify/recipes.py TorchRecipe,
+             memcalc.exact.optimizers): fp32, or 16-bit weights with no master (the pure recipe)
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from memcalc.errors import InputError
 from . import aten
 from .builder import Model, made
 from .config import Config, not_replayed
+from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
 from .sim import Graph, Tensor, layer_of
 
 
@@ -15,6 +22,22 @@ def check_simulated(cfg: Config) -> None:
     reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision)
     if reason:
         raise InputError(reason)
+
+
+def recipe_for(g: Graph, m: Model) -> Recipe | TorchRecipe:
+    """verify/recipes.py recipe_for: the reference implementation, or the libraries' optimizers."""
+    return Recipe(g, m) if m.cfg.impl == "reference" else TorchRecipe(g, m)
+
+
+def recipe_note(cfg: Config) -> str:
+    """What the simulated optimizer step is, in a line."""
+    if cfg.impl == "reference":
+        return "AdamW (fp32 m, v) on one GPU, grads converted per tensor"
+    master = "" if cfg.precision == "fp32" else ", no master"
+    if cfg.optimizer == "adam8bit":
+        return f"bitsandbytes AdamW8bit ({cfg.precision} weights{master}; uint8 m, v) on one GPU"
+    name = {"adamw": "AdamW", "sgd": "SGD with momentum"}[cfg.optimizer]
+    return f"torch.optim {name} ({cfg.impl}; {cfg.precision} weights and state{master}) on one GPU"
 
 
 class Recipe:
@@ -105,3 +128,22 @@ class Recipe:
         self.g.layer = None
 
 
+class TorchRecipe:
+    """verify/recipes.py TorchRecipe: the model's own parameters (fp32, or 16-bit with no master) updated
+    by the library's optimizer, loss.backward() unscaled (pure fp16: GradScaler refuses fp16 grads),
+    then optimizer.zero_grad(): every gradient set to None, in parameter order."""
+
+    def __init__(self, g: Graph, m: Model):
+        self.g, self.model, self.params = g, m, m.params
+        self.optimizer: AdamW | SGD | AdamW8bit = library_optimizer(g, m.params, m.cfg.optimizer, m.cfg.impl)
+
+    def backward(self, loss: Tensor) -> None:
+        self.g.backward(loss)
+
+    def update(self) -> None:
+        g = self.g
+        g.stage = "optimizer"
+        self.optimizer.step()
+        for p in self.params:  # torch/optim/optimizer.py Optimizer.zero_grad(set_to_none=True)
+            p.grad = None
+        g.layer, g.stage = None, "forward"

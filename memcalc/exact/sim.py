@@ -83,10 +83,12 @@ class Memory:
         """What runs from now on belongs to block `layer`, or (None) to before or after the blocks."""
         if layer is None:
             self.segment = "after" if self.blocks_seen else "before"
-            return
-        if layer not in self.blocks_seen:
-            self.blocks_seen.append(layer)
-        self.segment = layer
+        else:
+            if layer not in self.blocks_seen:
+                self.blocks_seen.append(layer)
+            self.segment = layer
+        # a segment holds at least what is live on entering it (a fused optimizer's block allocates nothing)
+        self.segment_peaks.setdefault(self.segment, (self.live_bytes, f"{self.phase}: (entering {self.segment})"))
 
     def reset_peak(self) -> None:
         self.peak_bytes, self.peak_at = self.live_bytes, f"{self.phase}: (start)"

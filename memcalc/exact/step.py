@@ -27,6 +27,7 @@ from memcalc.terms import Term
 
 from .cache import remembered
 from .config import ITEMSIZE, Config, Phases
+from .recipes import recipe_note
 
 SIM = "memcalc.exact.sim: verify/'s step replayed in bytes"
 
@@ -257,7 +258,7 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     attention = sum(n for (_, kind), n in counts.items() if kind == "attention")
     model, model_causal = model_flops(shape, seq_len, tokens)
     flops = ExactFlops(tokens, flop_terms(counts), counted, counted - attention // 2, model, model_causal)
-    note = "AdamW (fp32 m, v) on one GPU, grads converted per tensor; measured on meta: equal to the byte"
+    note = recipe_note(config(shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)) + "; measured on meta: equal to the byte"
     return ExactStep(tricks, seq_len, micro_batch, grad_accum, n_params(shape), acts, phases, flops, note)
 
 

@@ -19,14 +19,16 @@ if TYPE_CHECKING:  # only for annotations: estimate need not import them
     from memcalc.time.sweep import Sweep
 
 RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision + loss scaling"}
-HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 master)"}
+HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 master)",
+       "main_grad": "{p} weights, fp32 main_grad and master (Megatron-LM)",
+       "grad_partition": "{p} mixed precision with an fp32 gradient partition (DeepSpeed ZeRO)"}
 
 
 def recipe_text(precision: str, recipe: str = "master") -> str:
     """'bf16 autocast over fp32 weights': the precision, as the stack's recipe trains it."""
     if precision == "fp32" or recipe == "master":
         return RECIPES[precision]
-    return HOW[recipe].format(p=precision) + (" + loss scaling" if precision == "fp16" else "")
+    return HOW[recipe].format(p=precision) + (" + loss scaling" if precision == "fp16" and recipe != "pure" else "")
 
 
 def preamble(est: Estimate, units: str = "gb") -> list[str]:

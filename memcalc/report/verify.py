@@ -9,7 +9,7 @@ from .render import Cell, Section, sized
 
 if TYPE_CHECKING:  # the result types, only for annotations
     from memcalc.verification.distributed import DistResult
-    from memcalc.verification.results import Row, VerifyResult
+    from memcalc.verification.results import CustomResult, Row, VerifyResult
 
 
 def value(x: float | None, unit: str, units: str) -> Cell:
@@ -18,7 +18,7 @@ def value(x: float | None, unit: str, units: str) -> Cell:
         return "-"
     if unit == "bytes":
         return sized(int(x), units)
-    if unit == "flops":
+    if unit in ("flops", "count"):
         return (u.count(x), f"{int(x):,}")
     if unit == "seconds":
         return u.seconds(x)
@@ -178,3 +178,40 @@ def dist_sections(d: DistResult) -> list[Section]:
     s.rows = [[f"{c:,}" if isinstance(c, int) else str(c) for c in row] for row in d.table()]
     s.notes = list(d.notes)
     return [s]
+
+
+def custom_preamble(r: CustomResult) -> list[str]:
+    predicted = f"stack {r.stack}, {r.tricks}, {r.model}" if not r.prediction_note else r.prediction_note
+    return [
+        f"Step: {r.step}, seq {r.seq_len:,} x micro-batch {r.micro_batch}; device {r.device}; torch {r.torch_version}",
+        f"Prediction: {predicted}",
+    ]
+
+
+def custom_sections(r: CustomResult, units: str, detail: bool = False) -> list[Section]:
+    """Your step measured, memcalc's stack beside it; with detail, where the peaks were and what forward saved."""
+    s = Section("Your step, measured, against memcalc's prediction for the stack",
+                ["quantity", "memcalc", "your step", "difference"], align="lrrr")  # fmt: skip
+    for row in r.rows:
+        s.rows.append([row.quantity, value(row.exact, row.unit, units), value(row.measured, row.unit, units),
+                       error_text(row)])  # fmt: skip
+    s.notes = ["difference: (your step - memcalc) / memcalc; not judged, your code is not the stack's"]
+    if not detail:
+        return [s]
+    s.notes += [f"{phase} peak at {at}" for phase, at in zip(("forward", "backward", "optimizer-step"), r.peaks_at)]
+    saved = Section("What your forward saved for backward, by the op that made it (the most first)",
+                    ["op, dtype, shape", "bytes"], align="lr")  # fmt: skip
+    saved.rows = [[op, sized(n, units)] for op, n in r.saved_by_op[:20]]
+    if len(r.saved_by_op) > 20:
+        saved.notes.append(f"{len(r.saved_by_op) - 20} more in the JSON (saved_by_op)")
+    return [s, saved]
+
+
+def custom_verdict(r: CustomResult, units: str) -> str:
+    """The whole-step peak in one sentence: yours, and memcalc's for the stack."""
+    peak = next(row for row in r.rows if row.quantity == "whole-step peak")
+    mine = u.size(peak.measured, units)
+    if peak.exact is None:
+        return f"Your step peaks at {mine} on {r.device}; no prediction beside it ({r.prediction_note})."
+    diff = "the same to the byte" if peak.error == 0 else f"yours {error_text(peak)}"
+    return f"Your step peaks at {mine}; memcalc predicts {u.size(peak.exact, units)} for {r.stack}: {diff}."

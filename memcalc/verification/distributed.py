@@ -60,6 +60,9 @@ def check_dist(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, 
                          "use bf16 or fp32")  # fmt: skip
     if setup.optimizer != "adamw":
         raise InputError(f"distributed verify runs AdamW (verify/recipes.py), not {setup.optimizer}")
+    if setup.stack.impl != "reference" or (tricks.precision != "fp32" and setup.stack.recipe != "master"):
+        raise InputError("distributed verify trains with verify/recipes.py's reference recipe: "
+                         "--stack reference (--optimizer-impl reference, --recipe master)")  # fmt: skip
     if shape.n_layers < 2:
         raise InputError("distributed verify measures the second block: the model needs at least 2 layers")
     if setup.grad_accum != 1:

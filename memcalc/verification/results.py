@@ -116,11 +116,32 @@ class VerifyResult:
         return tuple(r for r in self.rows if r.passed is False)
 
 
-def to_dict(result: VerifyResult) -> dict:
+@dataclass(frozen=True)
+class CustomResult:
+    """verify --step: the user's own model and step, measured, beside the closest stack's prediction.
+    Nothing is judged: the user's code is not memcalc's, the rows say by how much the two differ."""
+
+    step: str  # MODULE:FUNCTION
+    model: str  # how the prediction's shape was chosen
+    stack: str  # the stack predicted for, with its changes
+    tricks: str
+    device: str
+    torch_version: str
+    seq_len: int
+    micro_batch: int
+    rows: tuple[Row, ...]  # exact: memcalc's prediction, measured: the user's step
+    peaks_at: tuple[str, ...]  # where the user's forward, backward and optimizer peaks happened
+    saved_by_op: tuple[tuple[str, int], ...]  # what the user's forward saved, by creating op, the most first
+    prediction_note: str  # why there is no prediction: no model given, or a stack the exact model does not replay
+
+
+def to_dict(result: VerifyResult | CustomResult) -> dict:
     """dataclasses.asdict, plus what the properties compute: each row's error and pass, the result's."""
     out = asdict(result)
     for row, data in zip(result.rows, out["rows"]):
         data["error"], data["passed"] = row.error, row.passed
+    if isinstance(result, CustomResult):
+        return out  # the user's step is measured, not judged
     if result.timing is not None:
         out["timing"]["predicted_error"] = result.timing.predicted_error
     out["passed"] = result.passed

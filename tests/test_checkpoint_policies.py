@@ -28,6 +28,7 @@ from memcalc.memory.activations import layer_terms, textbook_activations
 from memcalc.model.flops import textbook_step_flops
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
 
 POLICIES = ("ckpt:2", "ckpt:3", "sac")
@@ -210,6 +211,22 @@ def test_small_with_gradient_accumulation(policy):
         assert_exact_equals_meta(shape, 24, 1, tricks_for(policy, True), grad_accum=3)
 
 
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_small_with_the_pure_recipe_and_torch_optim(impl):
+    """The policies are the model's; the recipe and the optimizer are the stack's: any pair replays exactly."""
+    pytest.importorskip("torch")
+    from verify.meta import measure_step
+
+    stack = stack_for("reference", recipe="pure", impl=impl)
+    for shape in SMALL.values():
+        for policy in POLICIES:
+            t = tricks_for(policy, True)
+            step, _ = measure_step(shape, 24, 2, t, stack=stack)
+            e = exact_step(shape, 24, 2, t, 1, stack)
+            assert [getattr(e.phases, f) for f in FIELDS] == [getattr(step, f) for f in FIELDS], policy
+            assert e.activations.total_bytes == step.saved_bytes
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("flash", [False, True], ids=["eager", "flash"])
@@ -364,6 +381,7 @@ def test_verify_sac_at_8b_passes_every_row():
     (["plan", "--model", "qwen3-8b", "--gpus", "8", "--global-batch", "64", "--tricks", "ckpt:2"], "planner"),
     (["mfu", "--model", "qwen3-8b", "--tricks", "sac", "--tokens-per-sec", "3000"], "published MFU conventions"),
     (["estimate", "--model", "gpt2", "--tricks", "sac", "--sweep", "seq=256:1024"], "no formula for bf16+sac"),
+    (["estimate", "--model", "gpt2", "--seq", "1024", "--stack", "torch", "--tricks", "sac"], "the textbook has no formula for sac"),
 ])  # fmt: skip
 def test_what_does_not_take_the_new_policies_says_so(args, message):
     out = CliRunner().invoke(app, args, env={"NO_COLOR": "1"})

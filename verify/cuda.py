@@ -51,9 +51,11 @@ def device_kernels(tricks: Tricks, device: str = "cuda") -> Kernels:
     if device != "cuda":
         if tricks.flash:
             raise InputError("flash attention needs CUDA (or the meta device)")
-        return Kernels(attention="eager", dropout="native", recompute=tricks.recompute)
+        return Kernels(attention="eager", dropout="native", recompute=tricks.recompute,
+                   ckpt_every=tricks.ckpt_every)
     attention = ("flash-attn" if flash_attn_available() else "sdpa-flash") if tricks.flash else "eager"
-    return Kernels(attention=attention, dropout="functional", recompute=tricks.recompute)
+    return Kernels(attention=attention, dropout="functional", recompute=tricks.recompute,
+                   ckpt_every=tricks.ckpt_every)
 
 
 # -- allocator statistics ----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Three passes over the same model and recipe:
   1. the step (a warm-up step, then the measured one) under LiveBytes, with SavedBytes hooks on
      its forward: the bytes of every phase, exactly as the dispatcher allocates them;
   2. the same at depth 1 and 2: per-layer saved bytes are the difference (and the full depth must
-     be linear in them);
+     be linear in them); with ckpt:N at depths N − 1, N and N + 1, for a layer not checkpointed
+     (N + 1 less N) and one checkpointed (N less N − 1);
   3. FLOPs under FlopCounterMode, forward and backward, in a pass of its own (with non-reentrant
      checkpointing it keeps recomputed tensors alive until it exits).
 Meta runs what CUDA runs because the builder is told to (Kernels): aten.native_dropout and
@@ -54,7 +55,8 @@ def paths_for(stack: Stack):
 
 def meta_kernels(tricks: Tricks) -> Kernels:
     """What CUDA runs, called by name: see builder.py's docstring."""
-    return Kernels(attention="aten-flash" if tricks.flash else "eager", dropout="native", recompute=tricks.recompute)
+    return Kernels(attention="aten-flash" if tricks.flash else "eager", dropout="native", recompute=tricks.recompute,
+                   ckpt_every=tricks.ckpt_every)
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,10 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         for k in range(grad_accum):
             live.phase = "forward"
             live.reset_peak()
+            model.sac_observer = saved.keep if k == 0 else None  # what per-op selective AC keeps counts too
             with saved.hooks() if k == 0 else contextlib.nullcontext():
                 loss = recipe.forward(idx, targets)
+            model.sac_observer = None
             saved.release()
             if k == 0:
                 retained = live.live_bytes - before
@@ -159,6 +163,7 @@ def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tr
     model = build_model(replace(shape, n_layers=layers), seq_len, tricks, stack)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
     saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + [idx, targets])
+    model.sac_observer = saved.keep
     with paths_for(stack), saved.hooks():
         loss = model(idx, targets)
     saved.release()
@@ -209,16 +214,25 @@ class MetaMeasurement:
     """Everything measured on meta for one model, setup and trick set."""
 
     step: StepBytes  # at full depth
-    saved_one_layer_bytes: int  # saved at depth 2 less depth 1
+    saved_one_layer_bytes: int  # saved at depth 2 less depth 1 (ckpt:N: a layer not checkpointed)
     saved_outside_bytes: int  # saved at depth 1 less one layer: embedding, final norm, logits, loss
     flops: int
     flops_by_op: tuple[tuple[str, int], ...]
     seconds: float
+    saved_checkpointed_layer_bytes: int | None = None  # ckpt:N: one checkpointed layer (depth N less N − 1)
+    n_checkpointed: int = 0  # ckpt:N: the layers checkpointed at full depth
+
+    @property
+    def saved_from_depths(self) -> int:
+        """What the depths say the full depth saves: outside + each layer's."""
+        plain = self.step.layers - self.n_checkpointed
+        return (self.saved_outside_bytes + plain * self.saved_one_layer_bytes
+                + self.n_checkpointed * (self.saved_checkpointed_layer_bytes or 0))  # fmt: skip
 
     @property
     def linear_in_depth(self) -> bool:
-        """The full-depth saved bytes equal outside + L × one layer."""
-        return self.step.saved_bytes == self.saved_outside_bytes + self.step.layers * self.saved_one_layer_bytes
+        """The full-depth saved bytes equal outside + L × one layer (ckpt:N: each kind of layer's)."""
+        return self.step.saved_bytes == self.saved_from_depths
 
 
 def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None,
@@ -228,10 +242,19 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
     step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack=stack, optimizer=optimizer)
-    progress("meta: saved bytes at depths 1 and 2")
-    one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1, stack)
-    two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2, stack)
+    n_ckpt = tricks.n_checkpointed(shape.n_layers) if tricks.mixed else 0
+    if n_ckpt:  # ckpt:N: blocks N and N + 1 (from 1) are checkpointed and plain
+        n = tricks.ckpt_every
+        progress(f"meta: saved bytes at depths {n - 1}, {n} and {n + 1}")
+        before, at, after = (saved_at_depth(shape, seq_len, micro_batch, tricks, d, stack) for d in (n - 1, n, n + 1))
+        plain, checkpointed, outside = after - at, at - before, before - (n - 1) * (after - at)
+    else:
+        progress("meta: saved bytes at depths 1 and 2")
+        one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1, stack)
+        two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2, stack)
+        plain, checkpointed, outside = two - one, None, 2 * one - two
     progress("meta: FLOPs")
     flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack, optimizer)
-    return MetaMeasurement(step, two - one, 2 * one - two, flops, tuple(sorted(by_op.items())),
-                           time.perf_counter() - start)  # fmt: skip
+    return MetaMeasurement(step, plain, outside, flops, tuple(sorted(by_op.items())), time.perf_counter() - start,
+                           checkpointed, n_ckpt)  # fmt: skip
+

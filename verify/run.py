@@ -108,21 +108,24 @@ def gib(n: float) -> str:
 # -- rows ---------------------------------------------------------------------------------------------
 
 
-def textbook(shape: ModelShape, setup: Setup, tricks: Tricks) -> dict[str, int]:
-    """memcalc estimate's numbers for the model as built."""
+def textbook(shape: ModelShape, setup: Setup, tricks: Tricks) -> dict[str, int | None]:
+    """memcalc estimate's numbers for the model as built; None where the textbook has no formula (sac)."""
     state = model_state(n_params(shape), tricks.precision, setup.optimizer, recipe=setup.stack.recipe)
     parts = {p.name: p.bytes for p in state.parts}
     acts = textbook_activations(shape, setup.seq_len, setup.micro_batch, tricks)
     logits = logits_memory(shape, setup.seq_len, setup.micro_batch, tricks.precision).total_bytes
+    flops = textbook_step_flops(shape, setup.seq_len, tricks)
+    known = acts.formula
     return {
         "weights": parts["weights"],
         "state": state.total_bytes - parts["grads"],
         "grads": parts["grads"],
-        "layer": acts.per_layer_bytes,
+        "layer": acts.per_layer_bytes if known else None,
+        "checkpointed": acts.checkpointed_bytes,
         "outside": logits,
-        "saved": acts.total_bytes + logits,
-        "peak": state.total_bytes + acts.peak_bytes + logits,
-        "flops": textbook_step_flops(shape, setup.seq_len, tricks).hardware_per_token * setup.tokens_per_micro_batch,
+        "saved": acts.total_bytes + logits if known else None,
+        "peak": state.total_bytes + acts.peak_bytes + logits if known else None,
+        "flops": flops.hardware_per_token * setup.tokens_per_micro_batch if flops else None,
     }
 
 
@@ -161,23 +164,52 @@ def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progr
         Row("model state between steps (weights, master, AdamW m and v)", "bytes", tb["state"], ph.state_bytes,
             s.state_bytes, tol),
         Row("gradients after backward", "bytes", tb["grads"], ph.grads_bytes, s.grads_bytes, tol),
-        Row("saved for backward, one layer", "bytes", tb["layer"], a.per_layer_bytes, m.saved_one_layer_bytes, tol,
-            "measured: depth 2 less depth 1"),
+    ] + layer_rows(m, a, tb, tol) + [
         Row("saved for backward, outside the layers", "bytes", tb["outside"], a.outside_bytes, m.saved_outside_bytes,
             tol, "textbook: the logits and their fp32 copy"),
-        Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], a.total_bytes, s.saved_bytes, tol),
-        Row("saved bytes linear in depth (outside + L × layer)", "bytes", None,
-            m.saved_outside_bytes + L * m.saved_one_layer_bytes, s.saved_bytes, 0.0),
+        Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], a.total_bytes, s.saved_bytes, tol,
+            "textbook: no formula for sac" if tb["saved"] is None else ""),
+        Row("saved bytes linear in depth (outside + L × layer)" if not m.n_checkpointed else
+            f"saved bytes linear in depth (outside + {L - m.n_checkpointed} plain + {m.n_checkpointed} "
+            "checkpointed layers)", "bytes", None, m.saved_from_depths, s.saved_bytes, 0.0),
         Row("kept after forward (saved, checkpoint inputs, loss)", "bytes", None, ph.retained_bytes,
             s.retained_bytes, tol),
     ]  # fmt: skip
     rows += step_rows(e, s, tb, tol, where) + flop_rows(e, m.flops, tb, tol)
-    notes = (f"meta measured in {m.seconds:.1f} s", e.note)
+    notes = (f"meta measured in {m.seconds:.1f} s", e.note) + textbook_gaps(tricks)
     if setup.stack.model == "hf":
         from .hf import describe
 
         notes += (describe(shape),)
     return rows, notes
+
+
+def textbook_gaps(tricks: Tricks) -> tuple[str, ...]:
+    """What the textbook column leaves out, and why."""
+    if tricks.recompute == "op":
+        return (("textbook: no formula for sac (Korthikanti et al. have no row for per-op selective "
+                 "checkpointing); what it keeps is replayed op by op"),)  # fmt: skip
+    if tricks.mixed:
+        return ((f"textbook for {tricks.label}: each layer checkpointed keeps its input (ckpt's row), every "
+                 "other layer all it saves (the row without recompute)"),)  # fmt: skip
+    return ()
+
+
+def layer_rows(m, a, tb: dict, tol: float) -> list[Row]:
+    """Saved for backward by one layer: from depths 1 and 2; with ckpt:N one layer of each kind, from
+    depths N − 1, N and N + 1. sac saves the outputs its policy keeps (counted as saved: they are
+    kept for backward), and the textbook has no formula for it."""
+    none = "; textbook: no formula for sac" if tb["layer"] is None else ""
+    if not m.n_checkpointed:
+        return [Row("saved for backward, one layer", "bytes", tb["layer"], a.per_layer_bytes, m.saved_one_layer_bytes,
+                    tol, "measured: depth 2 less depth 1" + none)]  # fmt: skip
+    n = a.tricks.ckpt_every
+    return [
+        Row("saved for backward, one layer not checkpointed", "bytes", tb["layer"], a.per_layer_bytes,
+            m.saved_one_layer_bytes, tol, f"measured: depth {n + 1} less depth {n}"),
+        Row("saved for backward, one checkpointed layer", "bytes", tb["checkpointed"], a.checkpointed_bytes,
+            m.saved_checkpointed_layer_bytes, tol, f"measured: depth {n} less depth {n - 1}"),
+    ]  # fmt: skip
 
 
 def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, stats, steps: int, linearity: bool,

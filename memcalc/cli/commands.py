@@ -69,7 +69,7 @@ Vocab = Annotated[Optional[str], typer.Option("--vocab", help="Override the voca
 Seq = Annotated[str, typer.Option("--seq", help="Sequence length in tokens; k and m are binary (8k = 8,192).", metavar="N")]
 MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per forward/backward pass.", metavar="N")]
 GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
-TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, selective (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
+TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, ckpt:N (every Nth block), selective, sac (torchtitan's per-op policy) (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
 Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw, sgd (with momentum) or adam8bit.", metavar="NAME")]
 Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs: data-parallel GPUs that ZeRO shards over; with --tp/--pp/--cp/--dp the world size.", metavar="N", show_default="1")]  # fmt: skip
 DataParallelGpus = Annotated[str, typer.Option("--gpus", help="Data-parallel GPUs that ZeRO shards over.", metavar="N")]
@@ -290,7 +290,7 @@ def plan(
         from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
         from memcalc.model.stacks import stack_for
-        from memcalc.model.tricks import parse_tricks
+        from memcalc.model.tricks import check_layer_uniform, parse_tricks
         from memcalc.parallel.plan import plan as run_plan
 
         from .inputs import resolve_model
@@ -298,7 +298,8 @@ def plan(
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         t = parse_tricks(tricks)
-        named = any(n in ("ckpt", "selective") for n in tricks.replace("+", ",").split(","))
+        check_layer_uniform(t, "the planner's layouts")
+        named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         the_gpu = find_gpu(gpu)

@@ -399,9 +399,13 @@ def mm(g: Graph, a: Tensor, b: Tensor, kind: str = "linear") -> Tensor:
             g.kernel("mm", (gs[0], b_bytes), (da,), "tensor", fl, kind, dtype=dt)
         return [da, db]
 
+    def kernel():
+        out = g.empty((a.shape[0], b.shape[1]), a.dtype, "mm")
+        g.kernel("mm", (a, b), (out,), "tensor", fl, kind, dtype=dt)
+        return (out,)
+
     node = g.begin("mm", [a, b], rule, ([(a, "self")] if gb else []) + ([(b, "mat2")] if ga else []))
-    out = g.empty((a.shape[0], b.shape[1]), a.dtype, "mm")
-    g.kernel("mm", (a, b), (out,), "tensor", fl, kind, dtype=dt)
+    (out,) = g.outputs("mm", kernel)  # a selective checkpoint may keep it, or hand it back
     g.end(node, [out])
     return out
 
@@ -554,15 +558,18 @@ def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False
                  5 * one, dt)  # fmt: skip
         return grads
 
+    def kernel():
+        out = g.empty(q.shape, q.dtype, name)
+        lse = g.empty(q.shape[:3], "fp32", name)
+        g.kernel(name, (q, k, v), (out, lse), "flash", one, "attention", 2 * one, dt)  # QKᵀ and PV, causal half
+        return (out, lse) if cpu else (out, lse, g.empty((2,), "uint64", name), g.empty((), "uint64", name))
+
     node = g.begin(name, [q, k, v], rule, [(q, "query"), (k, "key"), (v, "value")])
-    out = g.empty(q.shape, q.dtype, name)
-    lse = g.empty(q.shape[:3], "fp32", name)
-    g.kernel(name, (q, k, v), (out, lse), "flash", one, "attention", 2 * one, dt)  # QKᵀ and PV, causal half
     if cpu:
+        out, lse = g.outputs(name, kernel, ("output", "logsumexp"))
         g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp")])
         return out
-    seed = g.empty((2,), "uint64", name)
-    offset = g.empty((), "uint64", name)
+    out, lse, seed, offset = g.outputs(name, kernel, ("output", "logsumexp", "philox_seed", "philox_offset"))
     g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp"), (seed, "philox_seed"), (offset, "philox_offset")])
     return out
 

@@ -267,12 +267,13 @@ def transformer(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
     if s.positions == "rope":
         with g.scoped("rope tables"):
             cos, sin = rope_tables(g, T, s.head_dim, x.dtype)
-    future = m.future
+    future, tricks = m.future, cfg.tricks
+    policy = torchtitan_policy if cfg.recompute == "op" else None
     for i, b in enumerate(m.blocks):
         g.layer = i
-        if cfg.recompute == "full":
+        if tricks.checkpointed(i):  # ckpt, ckpt:N (every Nth block), sac (each block, with its policy)
             x = g.checkpoint(lambda x, cos, sin, future, b=b: block(g, cfg, b, x, cos, sin, future),
-                             x, cos, sin, future)  # fmt: skip
+                             x, cos, sin, future, policy=policy)  # fmt: skip
         else:
             x = block(g, cfg, b, x, cos, sin, future)
     g.layer = None
@@ -283,6 +284,21 @@ def transformer(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
     with g.scoped("loss"):
         flat = aten.view(g, targets, (B * T,))
         return cross_entropy(g, aten.view(g, aten.to(g, logits, "fp32"), (B * T, s.vocab)), flat)
+
+
+# torchtitan v0.1.0 (f7084fc7), torchtitan/models/llama3/infra/parallelize.py: _save_list, the ops whose
+# outputs per-op selective AC keeps (aten.mm, the SDPA efficient and flash ops, the functional
+# reduce_scatter_tensor, aten.max): those verify/builder.py's model dispatches are mm and the flash op.
+SAC_SAVE = ("mm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+            "reduce_scatter_tensor", "max")  # fmt: skip
+
+
+def torchtitan_policy(op: str, count: int) -> bool:
+    """torchtitan's _custom_policy (same file, _apply_ac_to_transformer_block): MUST_SAVE the outputs of
+    the ops in _save_list except every second aten.mm (count: the op's calls in the block so far, this
+    one included), PREFER_RECOMPUTE the rest. A Llama block's mms are wq, wk, wv, wo, gate, up, down:
+    wq, wv, gate and down are kept; a linear with a bias is aten.addmm, never kept."""
+    return op in SAC_SAVE and not (op == "mm" and count % 2 == 0)
 
 
 def cross_entropy(g: Graph, logits: Tensor, targets: Tensor) -> Tensor:

@@ -33,7 +33,8 @@ def folder() -> Path | None:
 @functools.cache
 def source_stamp() -> str:
     """memcalc's version and each simulator file's size and modification time: cheap, and new on any edit."""
-    files = sorted(SOURCES.glob("*.py")) + [SOURCES.parent / "model" / "stacks.py", SOURCES.parent / "model" / "shape.py"]
+    model = SOURCES.parent / "model"
+    files = sorted(SOURCES.glob("*.py")) + [model / "stacks.py", model / "shape.py", model / "tricks.py"]
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     return f"{__version__} {stats}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import Tricks
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, "uint64": 8, "int32": 4, "fp64": 8}  # bytes of one element of each dtype the step holds
 
@@ -57,7 +58,7 @@ class Config:
     micro_batch: int
     precision: str  # fp32 | bf16 | fp16
     flash: bool  # attention by the flash kernel (aten._scaled_dot_product_flash_attention)
-    recompute: str  # none | selective | full
+    recompute: str  # none | selective | full | op (memcalc.model.tricks.Tricks)
     grad_accum: int = 1  # micro-batches per optimizer step
     optimizer: str = "adamw"  # adamw | sgd | adam8bit
     model: str = "reference"  # whose op sequence (memcalc.model.stacks): reference | hf
@@ -66,6 +67,12 @@ class Config:
     # whose kernels and autocast lists: cuda (the prediction), or cpu to hold the simulator against a
     # measurement on CPU tensors (verify/autocast.py): CPU's flash kernel saves no RNG state
     device: str = "cuda"
+    ckpt_every: int = 1  # with recompute full: every Nth block checkpointed (ckpt:N)
+
+    @property
+    def tricks(self) -> Tricks:
+        """The trick set this step runs: which blocks it checkpoints, and how (Tricks.checkpointed)."""
+        return Tricks(self.precision, self.flash, self.recompute, self.ckpt_every)
 
     @property
     def dtype(self) -> str:

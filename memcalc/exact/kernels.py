@@ -1,7 +1,10 @@
 """One block's kernels, traced once: what the roofline times, and the FLOPs a step really executes.
 
 Every block of the stack runs the same kernels, so one block is traced (memcalc.exact.mirror.trace) and
-the rest is multiplication (tests/test_roofline.py checks it against full-depth traces). The FLOPs the
+the rest is multiplication (tests/test_roofline.py checks it against full-depth traces). With ckpt:N the
+blocks are of two kinds: one group of N is traced, its first block (plain) weighted by the blocks not
+checkpointed and its last (checkpointed) by those that are (block_weight;
+tests/test_checkpoint_policies.py checks it against full-depth traces). The FLOPs the
 kernels execute, as torch.utils.flop_counter.FlopCounterMode counts them, are memcalc's one definition
 of hardware FLOPs: HFU everywhere, the --mfu time model, the toolbox's cost of checkpointing, `memcalc mfu`.
 """
@@ -56,10 +59,11 @@ MAX_TRACES = 512
 
 
 def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
-    """One step's kernels with the model cut to one block (layer 0); the rest are outside the blocks.
-    A step without recompute is taken from the same step with recompute when one was traced: it runs
-    exactly those kernels less the recompute ones, in the same order (tests/test_roofline.py)."""
-    one = replace(shape, n_layers=1)
+    """One step's kernels with the model cut to one block (layer 0), or with ckpt:N to one group of N
+    (layers 0 and N − 1 kept: see block_weight); the rest are outside the blocks. A step without
+    recompute is taken from the same step with recompute when one was traced: it runs exactly those
+    kernels less the recompute ones, in the same order (tests/test_roofline.py)."""
+    one = replace(shape, n_layers=tricks.ckpt_every if tricks.mixed else 1)
     key = (one, seq_len, micro_batch, tricks)
     if key not in TRACES:
         if len(TRACES) >= MAX_TRACES:
@@ -68,14 +72,28 @@ def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     return TRACES[key]
 
 
+def block_weight(k: Kernel, n_layers: int, tricks: Tricks) -> int:
+    """How many of the step's n_layers blocks run a traced kernel like k: 1 outside the blocks; every
+    block; or with ckpt:N, the traced group's last block's for the n_layers // N checkpointed blocks and
+    its first block's for the others (with fewer than N blocks, none is checkpointed)."""
+    if k.layer is None:
+        return 1
+    if not tricks.mixed:
+        return n_layers
+    checkpointed = tricks.n_checkpointed(n_layers)
+    return checkpointed if k.layer == tricks.ckpt_every - 1 else n_layers - checkpointed
+
+
 def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
     """memcalc.exact.mirror.trace of the one-block step, kept on disk between runs (memcalc.exact.cache)."""
 
     def trace_fields() -> list:
         from .mirror import trace  # here, not at import: a cached trace never simulates
 
-        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute)
-        return [list(k.key()) + [k.layer] for k in trace(cfg)]
+        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute,
+                     ckpt_every=tricks.ckpt_every)  # fmt: skip
+        last = one.n_layers - 1  # with ckpt:N the group's plain first block and checkpointed last
+        return [list(k.key()) + [k.layer] for k in trace(cfg) if k.layer in (None, 0, last)]
 
     return tuple(Kernel(*fields) for fields in remembered("kernels", (one, seq_len, micro_batch, tricks), trace_fields))
 
@@ -91,7 +109,7 @@ def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
     one, seq_len, micro_batch, tricks = key
     if tricks.recompute != "none":
         return None
-    for recompute in ("selective", "full"):
+    for recompute in ("selective", "full", "op"):
         traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute)))
         if traced is not None:
             return tuple(k for k in traced if k.phase != "recompute")
@@ -105,7 +123,7 @@ def counted_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
     counted = attention = 0
     for k in kernels_of(shape, seq_len, micro_batch, tricks):
         if k.phase in STEP_PHASES:
-            n = shape.n_layers if k.layer is not None else 1
+            n = block_weight(k, shape.n_layers, tricks)
             counted += n * k.counted
             attention += n * k.counted if k.count_kind == "attention" else 0
     return counted, counted - attention // 2

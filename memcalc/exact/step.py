@@ -93,7 +93,7 @@ def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gr
                     n_kv_heads=Sym(shape.n_kv_heads, "k"), head_dim=Sym(shape.head_dim, "d"),
                     ffn=Sym(shape.ffn, "f"), vocab=Sym(shape.vocab, "v"))  # fmt: skip
     return Config(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks.precision, tricks.flash, tricks.recompute,
-                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl)  # fmt: skip
+                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl, ckpt_every=tricks.ckpt_every)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,21 @@ class ExactActivations:
 
     tricks: Tricks
     n_layers: int
-    terms: tuple[Term, ...]  # saved per layer, one term per (part, op, tensor)
+    terms: tuple[Term, ...]  # saved per layer, one term per (part, op, tensor); with ckpt:N per plain layer
     outside: tuple[Term, ...]  # saved once: embeddings, RoPE tables, final norm, logits, loss
     rebuilt_bytes: int  # what one recomputed region brings back during backward (0 without recompute)
+    checkpointed: tuple[Term, ...] = ()  # ckpt:N: what each checkpointed layer saves (its input)
+    n_checkpointed: int = 0  # ckpt:N: how many layers save `checkpointed` instead of `terms`
 
     @property
     def per_layer_bytes(self) -> int:
+        """Saved by one layer; with ckpt:N by one layer that is not checkpointed."""
         return sum(t.value for t in self.terms)
+
+    @property
+    def checkpointed_bytes(self) -> int:
+        """ckpt:N: saved by one checkpointed layer."""
+        return sum(t.value for t in self.checkpointed)
 
     @property
     def outside_bytes(self) -> int:
@@ -116,7 +124,8 @@ class ExactActivations:
 
     @property
     def total_bytes(self) -> int:
-        return self.per_layer_bytes * self.n_layers + self.outside_bytes
+        plain = self.n_layers - self.n_checkpointed
+        return self.per_layer_bytes * plain + self.checkpointed_bytes * self.n_checkpointed + self.outside_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -181,16 +190,20 @@ def to_terms(saved) -> tuple[Term, ...]:
         if numel * ITEMSIZE[dtype] != nbytes:  # a view of a larger storage: no tidy formula
             form = str(nbytes * len(ts))
         source = "torch.utils.checkpoint keeps its input" if op == "checkpoint" else f"aten.{op} saves {what}"
-        out.append(Term(f"{scope}: {op} saves {what} ({dtype})", nbytes * len(ts), form, source))
+        name = f"{scope}: {op} saves {what} ({dtype})"
+        if what.endswith("kept by selective checkpointing"):  # memcalc.exact.sim.Graph.outputs
+            source = f"torch.utils.checkpoint's selective cache keeps aten.{op}'s outputs (torchtitan's policy)"
+            name = f"{scope}: {op} {what} ({dtype})"
+        out.append(Term(name, nbytes * len(ts), form, source))
     return tuple(out)
 
 
-def split_layers(saved, n_layers: int) -> tuple[list, list]:
-    """One layer's saved tensors (the second layer's: the first also saves what all layers share,
-    like the RoPE tables) and those saved once outside the layers."""
-    if n_layers == 1:
-        raise ValueError("split_layers needs two layers")
-    layer = [t for t in saved if t.layer == 1]
+def split_layers(saved, like_first: int = 1) -> tuple[list, list]:
+    """One layer's saved tensors (layer like_first's, a later layer like the first: the first also saves
+    what all layers share, like the RoPE tables) and those saved once outside the layers."""
+    if like_first < 1:
+        raise ValueError("split_layers needs a later layer like the first")
+    layer = [t for t in saved if t.layer == like_first]
     first = Counter(term_key(t) for t in saved if t.layer == 0)
     first.subtract(Counter(term_key(t) for t in layer))
     extra, outside = [], [t for t in saved if t.layer is None]
@@ -213,10 +226,12 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
                stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> ExactStep:  # fmt: skip
     """Simulate verify's step on one GPU: the model as the stack builds it, trained as it trains it.
 
-    One- and two-block steps are simulated and grown to the depth (grown_phases): every block runs the
-    same ops, so the saved tensors per layer are the second block's, and counts are affine in L. Equal
-    to the full-depth replay, and to the meta measurement, byte for byte (tests/test_exact_depth.py,
-    tests/test_verify_meta.py); its cost does not grow with the depth."""
+    Steps of two and three units of blocks are simulated and grown to the depth (grown_phases): a unit
+    is one block, or with ckpt:N a group of N (N − 1 plain and one checkpointed), plus the blocks left
+    over (L mod N, plain) in both. Every unit after the first runs the same ops, so the saved tensors
+    per layer are those of a block after the first, and counts are affine in the units. Equal to the full-depth replay, and
+    to the meta measurement, byte for byte (tests/test_exact_depth.py, tests/test_verify_meta.py,
+    tests/test_checkpoint_policies.py); its cost does not grow with the depth."""
     check_size("seq", seq_len, limit=MAX_SEQ)
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
@@ -224,16 +239,25 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
 
     from .mirror import simulate  # here, not at import: a cached verdict never simulates (memcalc.exact.cache)
 
+    L, (unit, d2, d3, units), run = shape.n_layers, growth(tricks, shape.n_layers), as_run(tricks, shape.n_layers)
+
     def at(layers: int):
-        cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
+        cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, run, grad_accum, stack, optimizer)
         return simulate(cfg, warm_up=False)
 
-    L = shape.n_layers
-    (two, g2, m2), (three, g3, m3) = at(2), at(3)
-    phases = at(1)[0] if L == 1 else two if L == 2 else grown_phases(two, three, m2, m3, L)
-    layer, outside = split_layers(g2.saved_terms, 2)
+    (two, g2, m2) = at(d2)
+    if units <= 2:  # short enough to replay whole
+        phases, g, _ = at(L)
+        counts = dict(g.flops)
+    else:
+        three, g3, m3 = at(d3)
+        phases = grown_phases(two, three, m2, m3, units, unit)
+        counts = {key: grow(g2.flops.get(key, 0), g3.flops.get(key, 0), units) for key in g3.flops}
+    layer, outside = split_layers(g2.saved_terms, unit)  # block `unit`: plain, like the first
     acts = ExactActivations(tricks, L, to_terms(layer), to_terms(outside), g2.rebuilt_bytes)
-    counts = {key: grow(g2.flops.get(key, 0), g3.flops.get(key, 0), L) for key in g3.flops}
+    if run.mixed:  # ckpt:N: block 2N − 1 is checkpointed
+        ckpt = [t for t in g2.saved_terms if t.layer == 2 * unit - 1]
+        acts = replace(acts, checkpointed=to_terms(ckpt), n_checkpointed=run.n_checkpointed(L))
     tokens = seq_len * micro_batch
     counted = sum(counts.values())
     attention = sum(n for (_, kind), n in counts.items() if kind == "attention")
@@ -266,40 +290,61 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
 
+    (unit, d2, d3, units), run = growth(tricks, shape.n_layers), as_run(tricks, shape.n_layers)
+
     def at(layers: int):
         from .mirror import simulate  # here, not at import: a cached verdict never simulates
 
-        cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, tricks.precision, tricks.flash,
-                     tricks.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl)  # fmt: skip
+        cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, run.precision, run.flash,
+                     run.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl,
+                     ckpt_every=run.ckpt_every)  # fmt: skip
         phases, _, mem = simulate(cfg, warm_up=False)
         return phases, mem
 
     def replay() -> dict:
-        if shape.n_layers <= 2:
+        if units <= 2:
             return asdict(at(shape.n_layers)[0])
-        (two, m2), (three, m3) = at(2), at(3)
-        return asdict(grown_phases(two, three, m2, m3, shape.n_layers))
+        (two, m2), (three, m3) = at(d2), at(d3)
+        return asdict(grown_phases(two, three, m2, m3, units, unit))
 
     key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
     return Phases(**remembered("phases", key, replay))
 
 
-def grown_phases(two: Phases, three: Phases, m2, m3, layers: int) -> Phases:
-    """A step's phases at `layers` blocks (3 or more) from its two- and three-block steps. What a step
-    holds is affine in the depth once the first block, which may do what later ones do not (Transformers
-    builds its masks there), is in both; a phase's peak is the highest of its segments' (memcalc.exact.
-    sim.Memory): its start, before the blocks, after them, and inside a block, where past the first block
-    the live bytes are affine in how many blocks the phase has done (each frees one block's activations,
-    or keeps one, and adds its gradients), so highest in the first block, the second or the last. Each
-    grows affinely with the depth; the peak is the highest grown, named by the first segment to reach it.
-    At 8B with checkpointing this finds the backward peak moving, with depth, from the loss into the
-    last block's recompute, where the gradients of the blocks done outgrow the activations they freed."""
-    grown = {f: grow(getattr(two, f), getattr(three, f), layers) for f in STATE_FIELDS}
+def growth(tricks: Tricks, layers: int) -> tuple[int, int, int, int]:
+    """How a step of `layers` blocks grows from two short ones: (blocks per unit, the depths of two and
+    three units, units at full depth). A unit is one block, or with ckpt:N a group of N blocks (N − 1
+    plain, the Nth checkpointed: torchtitan counts from 1); the L mod N blocks left over come last,
+    plain, and both short steps end with them."""
+    run = as_run(tricks, layers)
+    unit = run.ckpt_every if run.mixed else 1
+    units, left = divmod(layers, unit)
+    return unit, 2 * unit + left, 3 * unit + left, units
+
+
+def as_run(tricks: Tricks, layers: int) -> Tricks:
+    """The trick set as the blocks run it: ckpt:N over fewer than N blocks checkpoints none."""
+    return replace(tricks, recompute="none", ckpt_every=1) if tricks.mixed and layers < tricks.ckpt_every else tricks
+
+
+def grown_phases(two: Phases, three: Phases, m2, m3, units: int, unit: int = 1) -> Phases:
+    """A step's phases at `units` units of blocks (3 or more; see growth) from its two- and three-unit
+    steps. What a step holds is affine in the units once the first unit, which may do what later ones
+    do not (Transformers builds its masks in its first block), is in both; a phase's peak is the highest
+    of its segments' (memcalc.exact.sim.Memory): its start, before the blocks, after them, and inside a
+    block, where past the first unit the live bytes are affine in how many units the phase has done
+    (each frees a unit's activations, or keeps them, and adds its gradients) for a block at a given place
+    in its unit. So across the units each place peaks in the first unit, the second or the last; the
+    blocks left over after the units are a fixed tail. Each grows affinely with the units; the peak is
+    the highest grown, named by the first segment to reach it. At 8B with checkpointing this finds the
+    backward peak moving, with depth, from the loss into the last block's recompute, where the
+    gradients of the blocks done outgrow the activations they freed."""
+    grown = {f: grow(getattr(two, f), getattr(three, f), units) for f in STATE_FIELDS}
     for phase in ("forward", "backward", "optimizer"):
         peak, at_op = -1, ""
-        for a, (b, op) in candidates(m2.segments[phase], m3.segments[phase]):  # in the order the phase runs them
-            if grow(a, b, layers) > peak:  # the first to reach the peak names it, as Memory's running peak does
-                peak, at_op = grow(a, b, layers), op
+        for a, (b, op) in candidates(m2.segments[phase], m3.segments[phase], unit):  # in the order the phase runs them
+            if grow(a, b, units) > peak:  # the first to reach the peak names it, as Memory's running peak does
+                peak, at_op = grow(a, b, units), op
         grown[f"{phase}_peak_bytes"], grown[f"{phase}_peak_at"] = peak, at_op
     return replace(three, **grown)
 
@@ -307,18 +352,20 @@ def grown_phases(two: Phases, three: Phases, m2, m3, layers: int) -> Phases:
 STATE_FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes")
 
 
-def grow(at2: int, at3: int, layers: int) -> int:
-    """An affine count at depth 2 and 3, at `layers`."""
-    return at2 + (layers - 2) * (at3 - at2)
+def grow(at2: int, at3: int, units: int) -> int:
+    """An affine count at two units and three, at `units`."""
+    return at2 + (units - 2) * (at3 - at2)
 
 
-def candidates(two: tuple, three: tuple) -> list[tuple[int, tuple[int, str]]]:
-    """The segments a phase's peak can be in, in the order it runs them, as (bytes at depth 2, (bytes at
-    depth 3, the op there)): its start, before the blocks, its first block, its second and its last (at
-    depth 2 the second is the last), after the blocks."""
-    (p2, seen2), (p3, seen3) = two, three
+def candidates(two: tuple, three: tuple, unit: int = 1) -> list[tuple[int, tuple[int, str]]]:
+    """The segments a phase's peak can be in, in the order it runs them at three units, as (bytes at two
+    units, (bytes at three, the op there)): its start, before the blocks, every block at three units
+    (the first unit's, the second's, the last's and the tail's) each beside the block in the same place
+    at two units, and after the blocks. Block b of the three-unit step is in the place of block b, or
+    b − unit past the second unit, of the two-unit step."""
+    (p2, _), (p3, seen3) = two, three
     pairs = [(p2[k][0], p3[k]) for k in ("start", "before") if k in p2 and k in p3]
-    if seen2 and seen3:
-        pairs += [(p2[seen2[i]][0], p3[seen3[i]]) for i in (0, 1, -1)]
+    like = {b: b if b < 2 * unit else b - unit for b in seen3}
+    pairs += [(p2[like[b]][0], p3[b]) for b in seen3 if like[b] in p2]
     return pairs + ([(p2["after"][0], p3["after"])] if "after" in p2 and "after" in p3 else [])
 

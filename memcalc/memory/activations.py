@@ -28,16 +28,24 @@ class Activations:
 
     tricks: Tricks
     n_layers: int
-    terms: tuple[Term, ...]  # bytes kept per layer until backward
+    terms: tuple[Term, ...]  # bytes kept per layer until backward (ckpt:N: per layer not checkpointed)
     rebuilt: tuple[Term, ...]  # bytes one layer rebuilds during backward (recompute)
+    checkpointed: tuple[Term, ...] = ()  # ckpt:N: what each checkpointed layer keeps (its input)
+    n_checkpointed: int = 0  # ckpt:N: how many layers keep `checkpointed` instead of `terms`
+    formula: bool = True  # False: the textbook has no formula for this trick set (sac); no bytes here
 
     @property
     def per_layer_bytes(self) -> int:
         return sum(t.value for t in self.terms)
 
     @property
+    def checkpointed_bytes(self) -> int:
+        return sum(t.value for t in self.checkpointed)
+
+    @property
     def total_bytes(self) -> int:
-        return self.per_layer_bytes * self.n_layers
+        plain = self.n_layers - self.n_checkpointed
+        return self.per_layer_bytes * plain + self.checkpointed_bytes * self.n_checkpointed
 
     @property
     def rebuilt_bytes(self) -> int:
@@ -71,10 +79,19 @@ def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tric
     flash: the s×s part is never stored (Dao et al. 2022), leaving 34·s·b·h.
     selective: the s×s part is recomputed in backward (Korthikanti sec. 5), also 34·s·b·h kept.
     ckpt: only each layer's input, 2·s·b·h; backward rebuilds one whole layer at a time.
+    ckpt:N: L // N layers keep their input (ckpt), the others everything (none): the textbook has no
+    row for it, but each kind of layer is one of its rows.
+    sac (per-op selective checkpointing): no textbook formula; Korthikanti et al. have no row for it
+    (what it keeps depends on which ops a policy names: memcalc.exact replays it).
     """
+    if tricks.recompute == "op":
+        return Activations(tricks, shape.n_layers, (), (), formula=False)
     t = layer_terms(shape, seq_len, micro_batch, 2 if tricks.precision == "fp32" else 1)
     linear = (t["attention"], t["mlp"], t["norms"])
     full_layer = linear if tricks.flash else (t["attention"], t["scores"], t["mlp"], t["norms"])
+    if tricks.mixed:
+        n = tricks.n_checkpointed(shape.n_layers)
+        return Activations(tricks, shape.n_layers, full_layer, full_layer if n else (), (t["input"],), n)
     if tricks.recompute == "full":
         return Activations(tricks, shape.n_layers, (t["input"],), full_layer)
     if tricks.recompute == "selective" and not tricks.flash:

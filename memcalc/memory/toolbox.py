@@ -10,7 +10,7 @@ from memcalc.model.gpus import GPU
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, longest_seq
 from memcalc.model.tricks import Tricks
 
-from .estimate import Memory, Setup, memory_for
+from .estimate import Memory, Setup, check_textbook, memory_for
 from .exact import ExactMemory, exact_memory, not_replayed_for
 
 MAX_ZERO_GPUS = 4096  # the ZeRO search tries 2, 4, ... up to this many data-parallel GPUs
@@ -61,7 +61,10 @@ def textbook(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> Memory:
 def verdict_measure(setup: Setup, tricks: Tricks) -> Measure:
     """The replayed step (exact_memory) where the exact model replays the stack, for the trick set and
     the bf16 the tools may switch it to; else the textbook, as estimate's verdict falls back."""
-    return textbook if not_replayed_for(setup, (tricks, replace(tricks, precision="bf16"))) else exact_memory
+    gap = not_replayed_for(setup, (tricks, replace(tricks, precision="bf16")))
+    if gap:
+        check_textbook((tricks,), gap)
+    return textbook if gap else exact_memory
 
 
 def use_bf16(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
@@ -89,9 +92,9 @@ def use_smaller_batch(model: Model, gpu: GPU, c: Config, measure: Measure) -> tu
 
 
 def use_checkpointing(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
-    if c.tricks.recompute == "full":
+    if c.tricks.recompute == "full" and c.tricks.ckpt_every == 1:
         return None
-    change = with_tricks(recompute="full")
+    change = with_tricks(recompute="full", ckpt_every=1)  # every block (from ckpt:N, sac or less)
     before = step_flops(model.shape, c.setup.seq_len, c.tricks).hardware_per_token
     after = step_flops(model.shape, c.setup.seq_len, change(c).tricks).hardware_per_token
     return "full activation checkpointing", change, f"+{after / before - 1:.0%} FLOPs per step"

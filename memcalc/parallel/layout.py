@@ -33,7 +33,7 @@ from memcalc.memory.estimate import Budget, Setup
 from memcalc.memory.state import MAX_GPUS, ModelState, Parallel, model_state, weights_held_elsewhere, zero3_gather_bytes
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, ModelShape, attention_params, mlp_params, n_params, norm_params
-from memcalc.model.tricks import Tricks
+from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.terms import Term
 
 from .engines import (
@@ -337,6 +337,7 @@ def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     16·s·b·h as 4·s·b·f, for any MLP width f: s·b·h·(18 + 4·f/h)/t with SP and selective recompute; the
     megatron engine charges that (equal to Table 2 at f = 4h).
     """
+    check_layer_uniform(tricks, "the parallel layouts")
     x = 2 if tricks.precision == "fp32" else 1  # fp32 activations double every byte
     s, b, h, a, t = seq_len // cp, micro_batch, shape.hidden, shape.n_heads, tp
     sbh = s * b * h

@@ -21,7 +21,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from memcalc.exact.kernels import STEP_PHASES, Kernel, kernels_of, recompute_first
+from memcalc.exact.kernels import STEP_PHASES, Kernel, block_weight, kernels_of, recompute_first
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
@@ -180,11 +180,12 @@ class StepTime:
                 for p in PARTS if p in split}  # fmt: skip
 
 
-def repeats(k: Kernel, n_layers: int, grad_accum: int) -> int:
-    """How often a traced kernel runs in the step: per layer, per micro-batch (accumulation adds
-    into the gradients from the second micro-batch on; the optimizer runs once)."""
+def repeats(k: Kernel, n_layers: int, grad_accum: int, tricks: Tricks) -> int:
+    """How often a traced kernel runs in the step: per block like its own (memcalc.exact.kernels.block_weight),
+    per micro-batch (accumulation adds into the gradients from the second micro-batch on; the optimizer
+    runs once)."""
     per_step = grad_accum if k.phase in STEP_PHASES else grad_accum - 1 if k.phase == "accumulate" else 1
-    return per_step * (n_layers if k.layer is not None else 1)
+    return per_step * block_weight(k, n_layers, tricks)
 
 
 def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int, tricks: Tricks, gpu: GPU,
@@ -195,7 +196,7 @@ def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int
     groups: dict[tuple, list] = {}
     counted = attention = kernels = 0
     for k in kernels_of(shape, seq_len, micro_batch, tricks):
-        n = repeats(k, shape.n_layers, grad_accum)
+        n = repeats(k, shape.n_layers, grad_accum, tricks)
         if n == 0:
             continue
         rate = rates.get((k.unit, k.dtype)) or rates.setdefault((k.unit, k.dtype), flop_rate(k.unit, k.dtype, gpu, cal))

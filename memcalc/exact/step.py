@@ -27,7 +27,6 @@ from memcalc.terms import Term
 
 from .cache import remembered
 from .config import ITEMSIZE, Config, Phases
-from .recipes import recipe_note
 
 SIM = "memcalc.exact.sim: verify/'s step replayed in bytes"
 
@@ -238,6 +237,7 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     check_positions(shape, seq_len)
 
     from .mirror import simulate  # here, not at import: a cached verdict never simulates (memcalc.exact.cache)
+    from .recipes import recipe_note
 
     L, (unit, d2, d3, units), run = shape.n_layers, growth(tricks, shape.n_layers), as_run(tricks, shape.n_layers)
 

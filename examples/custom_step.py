@@ -1,6 +1,7 @@
 """Your own model and step, measured by memcalc: a Llama-3-8B written from scratch in plain PyTorch.
 
-    memcalc verify --step examples/custom_step.py:build --model llama3-8b --tricks fp32 --seq 2048
+    memcalc verify --step examples/custom_step.py:build --model llama3-8b --tricks fp32 --seq 2048 \
+        --stack torch --optimizer-impl loop
 
 memcalc calls build(device, seq_len, micro_batch) under the device (meta: nothing is allocated, the
 full 8B model is measured on a laptop), runs one warm-up step and measures the next: model state,

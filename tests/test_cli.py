@@ -235,6 +235,26 @@ def test_estimate_never_imports_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_a_cached_verdict_never_loads_the_simulator(tmp_path):
+    # the verdict's replay is kept on disk (memcalc.exact.cache): a second run reads it, and imports
+    # neither the simulator's ops and models nor any library the stacks are checked against
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from memcalc.cli import app\n"
+        "r = CliRunner().invoke(app, ['estimate', '--params', '8e9', '--seq', '8192'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print([m for m in ('memcalc.exact.aten', 'memcalc.exact.mirror', 'memcalc.exact.hf', 'transformers',\n"
+        "                   'bitsandbytes', 'torch') if m in sys.modules])\n"
+    )
+    env = {**ENV, "MEMCALC_CACHE": str(tmp_path)}
+    first, second = (subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+                     for _ in range(2))  # fmt: skip
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert "memcalc.exact.aten" in first.stdout  # the first run replays
+    assert second.stdout.strip() == "[]"
+
+
 def test_plan_ranks_layouts_that_fit():
     out = run("plan", "--model", "llama3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--seq", "8192",
               "--global-batch", "512", "--format", "json")  # fmt: skip
@@ -264,7 +284,7 @@ def test_estimate_with_a_layout():
 
 @pytest.mark.parametrize("args,message", [
     (["estimate", "--params", "8e9", "--tp", "3"], "must divide the 32 attention heads"),
-    (["estimate", "--params", "8e9", "--pp", "5"], "layers"),
+    (["estimate", "--params", "8e9", "--pp", "32"], "leaves a stage without layers"),  # 36 layers + 2 over 32 stages
     (["estimate", "--params", "8e9", "--tp", "2", "--dp", "2", "--gpus", "8"], "world size"),
     (["estimate", "--params", "8e9", "--sp"], "sequence parallel needs tensor parallel"),
     (["estimate", "--params", "8e9", "--pp", "2", "--dp", "2", "--zero", "3"], "unsupported"),

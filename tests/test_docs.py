@@ -361,6 +361,31 @@ def test_moe_counts():
                                   f"({own_copies / 1e9:.2f}B)"])  # fmt: skip
 
 
+def test_stack_pages_prose():
+    """docs/stack-reference.md and docs/stack-hf.md: what their prose says of Llama-3-8B at seq 8192."""
+    from memcalc import PRESETS, parse_tricks, textbook_activations
+    from memcalc.exact.step import exact_step
+    from memcalc.model.stacks import stack_for
+
+    llama, s = PRESETS["llama3-8b"], 8192
+    hf = stack_for("hf", recipe="master", impl="reference")
+
+    def layer(tricks, stack=stack_for("reference")):
+        return exact_step(llama, s, 1, parse_tricks(tricks), stack=stack).activations
+
+    def book(tricks):
+        return textbook_activations(llama, s, 1, parse_tricks(tricks)).per_layer_bytes
+
+    # "well under this per layer" with flash; "about twice the replay" without
+    assert book("bf16,flash") < 0.75 * layer("bf16,flash").per_layer_bytes
+    assert 1.8 < book("bf16") / layer("bf16").per_layer_bytes < 2.2
+    # "the same 19 tensors, byte for byte" (Transformers' `weight * x` saves the norm's cast as `other`);
+    # eager: "4·b·a·s² bytes a layer more"
+    ours, theirs = layer("bf16,flash").terms, layer("bf16,flash", hf).terms
+    assert len(theirs) == len(ours) == 19 and sorted(t.value for t in theirs) == sorted(t.value for t in ours)
+    assert layer("bf16", hf).per_layer_bytes - layer("bf16").per_layer_bytes == 4 * llama.n_heads * s * s
+
+
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert f"```sh\n{ci}\n```" in README.read_text()

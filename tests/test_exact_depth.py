@@ -1,4 +1,4 @@
-"""exact_step's shortcut: a whole step grown from one- and two-block simulations (without the warm-up
+"""exact_step's shortcut: a whole step grown from two- and three-block simulations (without the warm-up
 step) equals the full-depth replay, byte for byte: phases, saved bytes and FLOPs."""
 
 from dataclasses import replace
@@ -12,6 +12,7 @@ from memcalc.exact.mirror import simulate
 from memcalc.exact.step import config, exact_step
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import PROGRESSION, parse_tricks
 
 TRICKS = [*PROGRESSION, parse_tricks("fp16,flash,ckpt"), parse_tricks("fp16"), parse_tricks("fp32,ckpt")]
@@ -55,3 +56,39 @@ def test_grown_phases_for_any_shape(shape, seq, mb, ga, tricks):
 def test_the_first_steps_state_stands_for_the_warm_up(tricks):
     cfg = Config(replace(PRESETS["qwen3-0.6b"], n_layers=2), 256, 2, tricks.precision, tricks.flash, tricks.recompute)
     assert simulate(cfg, warm_up=False)[0] == simulate(cfg)[0]
+
+
+# the libraries' optimizers (memcalc.exact.optimizers) make their state inside their first step, so the
+# shortcut runs the warm-up for them; their foreach and fused kernels span every block at once
+LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "adamw"), ("fp32", "torch", "fused", "adamw"),
+           ("fp32", "torch", "loop", "sgd"), ("fp32", "torch", "foreach", "adam8bit"),
+           ("bf16,flash,ckpt", "pure", "loop", "adamw"), ("bf16,flash,ckpt", "pure", "foreach", "adamw"),
+           ("bf16,flash,ckpt", "pure", "fused", "adamw"), ("bf16,flash", "pure", "foreach", "sgd"),
+           ("bf16,flash,ckpt", "pure", "loop", "adam8bit"),
+           # torch.autocast over fp32 weights (memcalc.exact.autocast), GradScaler for fp16 (memcalc.exact.amp)
+           ("bf16", "autocast", "reference", "adamw"), ("bf16,flash,ckpt", "autocast", "reference", "adamw"),
+           ("fp16,flash", "autocast", "reference", "adamw"), ("bf16,selective", "autocast", "reference", "adamw")]  # fmt: skip
+HF = [("bf16", "master", "reference"), ("bf16,selective", "master", "reference"), ("bf16,flash,ckpt", "master", "reference"),
+      ("fp16,flash", "master", "reference"), ("bf16,flash", "pure", "fused"), ("fp32,ckpt", "master", "foreach")]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, seq", [("qwen3-8b", 8192), ("llama3-8b", 4096), ("gpt2", 1024)])
+@pytest.mark.parametrize("tricks, recipe, impl", HF)
+def test_grown_phases_with_transformers_model(name, seq, tricks, recipe, impl):
+    # Transformers' first block does what later ones do not (its masks): grown from two and three blocks
+    stack, t, shape = stack_for("hf", recipe=recipe, impl=impl), parse_tricks(tricks), PRESETS[name]
+    phases, g, _ = simulate(config(shape, seq, 1, t, 1, stack))
+    e = exact_step(shape, seq, 1, t, 1, stack)
+    assert e.phases == phases
+    assert e.flops.counted == sum(g.flops.values())
+
+
+@pytest.mark.parametrize("name, seq", [("qwen3-8b", 8192), ("gpt2", 1024)])
+@pytest.mark.parametrize("tricks, recipe, impl, optimizer", LIBRARY)
+def test_grown_phases_with_the_libraries_optimizers(name, seq, tricks, recipe, impl, optimizer):
+    stack = stack_for("torch", recipe=None if recipe == "torch" else recipe, impl=impl)
+    t, shape = parse_tricks(tricks), PRESETS[name]
+    phases, g, _ = simulate(config(shape, seq, 1, t, 1, stack, optimizer))
+    e = exact_step(shape, seq, 1, t, 1, stack, optimizer)
+    assert e.phases == phases
+    assert e.flops.counted == sum(g.flops.values())

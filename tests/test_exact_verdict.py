@@ -64,8 +64,17 @@ def test_the_toolbox_walks_the_replayed_step():
 
 
 def test_a_stack_the_exact_model_does_not_replay_falls_back_to_the_textbook():
-    data = estimate_json("--params", "8e9", "--seq", "8192", "--optimizer", "sgd")
-    assert data["verdict"] == [] and "does not replay optimizer 'sgd'" in data["not_replayed"]
-    out = CliRunner().invoke(app, ["estimate", "--params", "8e9", "--seq", "8192", "--optimizer", "sgd"],
+    data = estimate_json("--params", "8e9", "--seq", "8192", "--stack", "hf")
+    assert data["verdict"] == [] and "does not replay Transformers' model under autocast" in data["not_replayed"]
+    out = CliRunner().invoke(app, ["estimate", "--params", "8e9", "--seq", "8192", "--stack", "hf"],
                              env={"COLUMNS": "200"})  # fmt: skip
     assert "Peak memory per GPU (textbook)" in out.stdout and "textbook, since the exact model does not replay" in out.stdout
+
+
+def test_an_optimizer_its_implementation_does_not_train_falls_back_too():
+    # SGD is replayed by torch.optim's loop and foreach; the reference loop trains AdamW only
+    data = estimate_json("--params", "8e9", "--seq", "8192", "--optimizer", "sgd")
+    assert data["verdict"] == [] and "--optimizer sgd runs with --optimizer-impl loop or foreach" in data["not_replayed"]
+    data = estimate_json("--params", "8e9", "--seq", "8192", "--optimizer", "sgd", "--stack", "torch", "--recipe", "pure",
+                         "--optimizer-impl", "foreach")  # fmt: skip
+    assert data["not_replayed"] == "" and len(data["verdict"]) == 5

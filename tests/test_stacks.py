@@ -46,3 +46,19 @@ def test_estimate_takes_the_stack():
     assert out.exit_code == 0 and "8 bytes/param (pure bf16 (no fp32 master), adamw)" in out.stdout
     bad = run(app, ["estimate", "--params", "8e9", "--stack", "tensorflow"])
     assert bad.exit_code == 2 and "unknown stack 'tensorflow'; known: reference, torch, hf" in bad.stderr
+
+
+def test_autocast_saves_fp32_activations_and_the_weight_casts():
+    # docs/stack-torch.md: per layer, autocast (CUDA's lists) saves 10·s·b·h bytes more than the master
+    # recipe (fp32 norm outputs and projection inputs) and 2 bytes per matmul weight (the cached casts)
+    from memcalc.exact.step import exact_step
+    from memcalc.model.presets import PRESETS
+    from memcalc.model.stacks import stack_for
+    from memcalc.model.tricks import parse_tricks
+
+    shape, t, s = PRESETS["llama3-8b"], parse_tricks("bf16,flash"), 8192
+    torch_stack = exact_step(shape, s, 1, t, stack=stack_for("torch", impl="reference")).activations
+    reference = exact_step(shape, s, 1, t).activations
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn
+    matmul_weights = 2 * h * h + 2 * h * kv + 3 * h * f  # wq, wo; wk, wv; gate, up, down
+    assert torch_stack.per_layer_bytes - reference.per_layer_bytes == 10 * s * h + 2 * matmul_weights

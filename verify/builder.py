@@ -17,24 +17,34 @@ meta and CPU stock PyTorch takes code paths that CUDA does not:
   SDPA on meta always takes the math path (s×s materialised); on CUDA its flash backend calls
   aten._scaled_dot_product_flash_attention. attention="aten-flash" calls that op directly.
 (A TorchFunctionMode shim would do the same invisibly, but it breaks checkpoint recompute.)
+
+Checkpointing (Kernels.recompute): selective wraps the attention core in torch.utils.checkpoint; full
+wraps every block, or with ckpt_every = N every Nth (torchtitan's per-layer selective AC); op wraps
+every block with torchtitan's per-op policy through create_selective_checkpoint_contexts. torchtitan
+calls torch.utils.checkpoint through ptd_checkpoint_wrapper(module, preserve_rng_state=False); here
+it is called directly (non-reentrant, the wrapper's default), and preserve_rng_state stays True: the
+RNG state it stashes is a CPU tensor, nothing on the device.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape, check_positions, is_moe_layer, moe_layer_count
 
 ATTENTION_KERNELS = ("eager", "sdpa-flash", "flash-attn", "aten-flash")
 DROPOUT_KERNELS = ("functional", "native")
-RECOMPUTES = ("none", "selective", "full")
+RECOMPUTES = ("none", "selective", "full", "op")
 ROPE_THETA = 10000.0  # Su et al. 2021; the base does not change memory or FLOPs
 NORM_EPS = 1e-5
 
@@ -45,7 +55,8 @@ class Kernels:
 
     attention: str = "eager"  # eager: softmax(QKᵀ)V with the s×s matrix materialised
     dropout: str = "functional"  # native: aten.native_dropout, what F.dropout runs on CUDA
-    recompute: str = "none"  # selective: the attention core only; full: each block
+    recompute: str = "none"  # selective: the attention core only; full: each block (or each Nth); op: sac
+    ckpt_every: int = 1  # with full: checkpoint every Nth block (torchtitan's selective_ac_option = N)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -55,10 +66,52 @@ class Kernels:
             raise InputError(f"unknown dropout kernel {self.dropout!r}; known: {', '.join(DROPOUT_KERNELS)}")
         if self.recompute not in RECOMPUTES:
             raise InputError(f"unknown recompute {self.recompute!r}; known: {', '.join(RECOMPUTES)}")
+        if self.ckpt_every < 1 or (self.ckpt_every > 1 and self.recompute != "full"):
+            raise InputError(f"ckpt_every {self.ckpt_every} needs recompute full and a whole number >= 1")
 
     @property
     def flash(self) -> bool:
         return self.attention != "eager"
+
+    def checkpointed(self, block: int) -> bool:
+        """Whether block `block` (from 0) runs under torch.utils.checkpoint as a whole. torchtitan's
+        _apply_layer_sac counts the blocks from 1 and checkpoints when count % N == 0."""
+        return self.recompute == "op" or (self.recompute == "full" and (block + 1) % self.ckpt_every == 0)
+
+
+# torchtitan's per-op selective AC, as torchtitan v0.1.0 applies it (commit
+# f7084fc78567f865d0c411f2c7b9bbbef6b155ac, torchtitan/models/llama3/infra/parallelize.py,
+# _save_list and _apply_ac_to_transformer_block): the same ops, the same rule, written here.
+# (Later torchtitan moved it to torchtitan/distributed/activation_checkpoint.py, per model.)
+SAC_SAVE_OPS = frozenset({
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,  # float8's amax
+})  # fmt: skip
+
+
+def sac_policy(counts: dict, observe: Callable | None = None):
+    """MUST_SAVE the outputs of SAC_SAVE_OPS except every second aten.mm (counts: this checkpointed
+    call's mm count, forward and recompute apart), PREFER_RECOMPUTE everything else. observe (verify's
+    instrument, not torchtitan's) is shown the tensors of every output kept."""
+
+    def policy(ctx, func, *args, **kwargs):
+        pass_ = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            counts[pass_] += 1
+        keep = func in SAC_SAVE_OPS and not (func == torch.ops.aten.mm.default and counts[pass_] % 2 == 0)
+        if keep and observe is not None:
+            observe([t for t in tree_leaves(ctx.op_output) if isinstance(t, torch.Tensor)])
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def sac_contexts(observe: Callable | None = None):
+    """context_fn for torch.utils.checkpoint: a fresh mm count for each checkpointed call."""
+    return create_selective_checkpoint_contexts(sac_policy(defaultdict(int), observe))
 
 
 def dropout(x: torch.Tensor, p: float, kernel: str, training: bool) -> torch.Tensor:
@@ -392,6 +445,7 @@ class Transformer(nn.Module):
         # Eager attention's causal mask, (T, T) bool, True above the diagonal; one buffer for all layers.
         future = None if kernels.flash else torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
         self.register_buffer("future", future, persistent=False)
+        self.sac_observer: Callable | None = None  # verify's: shown the outputs per-op selective AC keeps
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
@@ -403,8 +457,11 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(T, self.shape.rope_dim, x.dtype, idx.device)  # (T, hs) each
         future = self.future[:T, :T] if self.future is not None else None
         routing = balanced_routing(B * T, self.shape, idx.device) if moe_layer_count(self.shape) else ()
-        for block in self.blocks:
-            if self.kernels.recompute == "full":
+        for i, block in enumerate(self.blocks):
+            if self.kernels.recompute == "op":  # torchtitan's per-op selective AC
+                context = lambda: sac_contexts(self.sac_observer)
+                x = checkpoint(block, x, cos, sin, future, *routing, use_reentrant=False, context_fn=context)
+            elif self.kernels.checkpointed(i):  # full AC, or per-layer selective AC (every Nth block)
                 x = checkpoint(block, x, cos, sin, future, *routing, use_reentrant=False)
             else:
                 x = block(x, cos, sin, future, *routing)

@@ -23,12 +23,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 from memcalc.verification.results import DevicePhases
 
 from .builder import Kernels, build, materialise
 from .meta import inputs_for, train_step
-from .recipes import DTYPES, Recipe
+from .recipes import DTYPES, Recipe, TorchRecipe, recipe_for
 from .track import LiveBytes
 
 OOM = torch.cuda.OutOfMemoryError  # torch.OutOfMemoryError's CUDA name, present in every 2.x
@@ -50,9 +51,11 @@ def device_kernels(tricks: Tricks, device: str = "cuda") -> Kernels:
     if device != "cuda":
         if tricks.flash:
             raise InputError("flash attention needs CUDA (or the meta device)")
-        return Kernels(attention="eager", dropout="native", recompute=tricks.recompute)
+        return Kernels(attention="eager", dropout="native", recompute=tricks.recompute,
+                   ckpt_every=tricks.ckpt_every)
     attention = ("flash-attn" if flash_attn_available() else "sdpa-flash") if tricks.flash else "eager"
-    return Kernels(attention=attention, dropout="functional", recompute=tricks.recompute)
+    return Kernels(attention=attention, dropout="functional", recompute=tricks.recompute,
+                   ckpt_every=tricks.ckpt_every)
 
 
 # -- allocator statistics ----------------------------------------------------------------------------
@@ -190,9 +193,11 @@ class DeviceRun:
 
 
 def measure_device(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stats, steps: int = 3,
-                   grad_accum: int = 1, kernels: Kernels | None = None) -> DeviceRun:  # fmt: skip
+                   grad_accum: int = 1, kernels: Kernels | None = None, stack: Stack = DEFAULT_STACK,
+                   optimizer: str = "adamw") -> DeviceRun:  # fmt: skip
     """Build on meta, materialise on the device, one warm-up step, one measured step phase by phase,
-    then `steps` timed steps. Allocator counters are taken relative to before the build."""
+    then `steps` timed steps, trained by the stack's recipe. Allocator counters are taken relative to
+    before the build."""
     device = stats.device
     kernels = kernels or device_kernels(tricks, device)
     with stats.context():
@@ -202,7 +207,7 @@ def measure_device(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tr
         stats.sync()
         after_build = stats.allocated() - base
         idx, targets = inputs_for(shape, seq_len, micro_batch, device)
-        recipe = Recipe(model, tricks.precision)
+        recipe = recipe_for(model, tricks.precision, stack, optimizer)
         probe = AttentionOps()
         with probe:
             loss = recipe.forward(idx, targets)
@@ -233,7 +238,7 @@ def measure_device(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tr
     return DeviceRun(shape.n_layers, phases, times, tuple(sorted(probe.ops)))
 
 
-def measured_step(recipe: Recipe, idx, targets, grad_accum: int, stats, base: int) -> tuple:
+def measured_step(recipe: Recipe | TorchRecipe, idx, targets, grad_accum: int, stats, base: int) -> tuple:
     """One step phase by phase: (retained, forward, backward and optimizer peaks, reserved, skips before)."""
     skipped = recipe.skipped
     before = stats.allocated()

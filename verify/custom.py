@@ -12,7 +12,6 @@ one, phase by phase. examples/custom_step.py is one.
 from __future__ import annotations
 
 import gc
-
 import importlib
 import importlib.util
 import sys
@@ -80,6 +79,8 @@ def measure(fn, seq_len: int, micro_batch: int, device: str) -> tuple[StepBytes,
         if not (isinstance(built, tuple) and len(built) == 3 and callable(built[2])):
             raise InputError("--step: the function must return (model, optimizer, loss), loss a function of no arguments")
         model, optimizer, loss_fn = built
+        gc.collect()  # what the build left in reference cycles (first calls into torch make some) is freed, as
+        # Python's collector frees it before long; the tracker keeps gc off from here, so the phases are the step's
         saved = SavedBytes(list(model.parameters()) + list(model.buffers()), live)
         weights = live.live_bytes  # parameters, buffers and whatever else the build kept (inputs)
         step(loss_fn, optimizer)  # warm-up: makes the optimizer's state

@@ -5,11 +5,15 @@ Three passes over the same model and recipe:
   1. the step (a warm-up step, then the measured one) under LiveBytes, with SavedBytes hooks on
      its forward: the bytes of every phase, exactly as the dispatcher allocates them;
   2. the same at depth 1 and 2: per-layer saved bytes are the difference (and the full depth must
-     be linear in them);
+     be linear in them); with ckpt:N at depths N − 1, N and N + 1, for a layer not checkpointed
+     (N + 1 less N) and one checkpointed (N less N − 1); with dense blocks before MoE ones, the step
+     exact counts outside (memcalc.exact.step.Growth.first_blocks) and a MoE block of each kind past it;
   3. FLOPs under FlopCounterMode, forward and backward, in a pass of its own (with non-reentrant
      checkpointing it keeps recomputed tensors alive until it exits).
 Meta runs what CUDA runs because the builder is told to (Kernels): aten.native_dropout and
 aten._scaled_dot_product_flash_attention, never the CPU paths stock PyTorch takes on meta.
+A stack whose model is "hf" measures Hugging Face Transformers' own model class instead
+(verify/hf.py), with the same switches made there.
 """
 
 from __future__ import annotations
@@ -21,18 +25,40 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from memcalc.exact.step import first_depth
+from memcalc.exact.step import as_run, growth, layer_blocks
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build
-from .recipes import DTYPES, Recipe
+from .recipes import DTYPES, Recipe, TorchRecipe, recipe_for
 from .track import LiveBytes, SavedBytes
+
+
+def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
+                device: str = "meta") -> torch.nn.Module:  # fmt: skip
+    """The model a stack trains (memcalc.model.stacks: Stack.model): memcalc's reference model
+    (verify/builder.py), or Transformers' AutoModelForCausalLM (verify/hf.py)."""
+    if stack.model == "hf":
+        from .hf import build_hf
+
+        return build_hf(shape, tricks, seq_len, device=device)
+    return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+
+
+def paths_for(stack: Stack):
+    """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths)."""
+    if stack.model == "hf":
+        from .hf import cuda_paths
+
+        return cuda_paths()
+    return contextlib.nullcontext()
 
 
 def meta_kernels(tricks: Tricks) -> Kernels:
     """What CUDA runs, called by name: see builder.py's docstring."""
-    return Kernels(attention="aten-flash" if tricks.flash else "eager", dropout="native", recompute=tricks.recompute)
+    return Kernels(attention="aten-flash" if tricks.flash else "eager", dropout="native", recompute=tricks.recompute,
+                   ckpt_every=tricks.ckpt_every)
 
 
 @dataclass(frozen=True)
@@ -65,35 +91,43 @@ def inputs_for(shape: ModelShape, seq_len: int, micro_batch: int, device: str) -
         return idx, torch.empty_like(idx)
     g = torch.Generator(device="cpu").manual_seed(0)
     idx = torch.randint(0, shape.vocab, (micro_batch, seq_len + 1), generator=g).to(device)
-    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    return idx[:, :-1].clone(), idx[:, 1:].clone()  # two storages (at micro-batch 1 the slices are contiguous)
 
 
 def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, device: str = "meta",
                  kernels: Kernels | None = None, model: torch.nn.Module | None = None, grad_accum: int = 1,
-                 timeline: bool = False) -> tuple[StepBytes, LiveBytes]:  # fmt: skip
+                 timeline: bool = False, stack: Stack = DEFAULT_STACK, optimizer: str = "adamw",
+                 make_recipe=None) -> tuple[StepBytes, LiveBytes]:  # fmt: skip
     """Build (unless a model is given), one warm-up step, then the measured step: grad_accum
-    forward-backward passes and the optimizer update. Phases are of its last micro-batch; the saved
-    bytes are of its first forward."""
+    forward-backward passes and the optimizer update, by the stack's recipe (recipes.recipe_for, or
+    make_recipe(model, precision): verify/autocast.py's for the stock torch loop). Phases are of its
+    last micro-batch; the saved bytes are of its first forward."""
     kernels = kernels or meta_kernels(tricks)
-    if model is None:
-        model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
+    if model is None:  # the reference model with the kernels asked for, or the stack's
+        if stack.model == "reference":
+            model = build(shape, kernels, seq_len, DTYPES[tricks.precision])
+        else:
+            model = build_model(shape, seq_len, tricks, stack, device)
     idx, targets = inputs_for(shape, seq_len, micro_batch, device)
     fixed = list(model.parameters()) + list(model.buffers())
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     saved = SavedBytes(fixed + [idx, targets], live)
-    with live:
+    with paths_for(stack), live:
         live.track(fixed, "weights")
         weights = live.live_bytes
         live.track([idx, targets], "input")
         inputs = live.live_bytes - weights
-        recipe = Recipe(model, tricks.precision)
+        recipe = recipe_for(model, tricks.precision, stack, optimizer) if make_recipe is None else \
+            make_recipe(model, tricks.precision)  # fmt: skip
         train_step(recipe, idx, targets, grad_accum)
         before = live.live_bytes
         for k in range(grad_accum):
             live.phase = "forward"
             live.reset_peak()
+            model.sac_observer = saved.keep if k == 0 else None  # what per-op selective AC keeps counts too
             with saved.hooks() if k == 0 else contextlib.nullcontext():
                 loss = recipe.forward(idx, targets)
+            model.sac_observer = None
             saved.release()
             if k == 0:
                 retained = live.live_bytes - before
@@ -115,7 +149,7 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     return step, live
 
 
-def train_step(recipe: Recipe, idx: torch.Tensor, targets: torch.Tensor, grad_accum: int = 1) -> bool:
+def train_step(recipe: Recipe | TorchRecipe, idx: torch.Tensor, targets: torch.Tensor, grad_accum: int = 1) -> bool:
     """grad_accum forward-backward passes (grads add up in place), then the optimizer update
     (False: fp16's loss scaler skipped it)."""
     for _ in range(grad_accum):
@@ -125,12 +159,14 @@ def train_step(recipe: Recipe, idx: torch.Tensor, targets: torch.Tensor, grad_ac
     return recipe.update()
 
 
-def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layers: int) -> int:
+def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layers: int,
+                   stack: Stack = DEFAULT_STACK) -> int:  # fmt: skip
     """Bytes saved for backward by one forward of the model built `layers` deep."""
-    model = build(replace(shape, n_layers=layers), meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+    model = build_model(replace(shape, n_layers=layers), seq_len, tricks, stack)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
     saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + [idx, targets])
-    with saved.hooks():
+    model.sac_observer = saved.keep
+    with paths_for(stack), saved.hooks():
         loss = model(idx, targets)
     saved.release()
     del loss
@@ -161,13 +197,14 @@ FLASH_FORMULAS = {
 }
 
 
-def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[int, dict[str, int]]:
+def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
+                optimizer: str = "adamw") -> tuple[int, dict[str, int]]:  # fmt: skip
     """FLOPs of one forward and backward under FlopCounterMode (its conventions: matmuls only,
     causal masking not discounted), on a fresh meta model; and the count per op."""
-    model = build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
+    model = build_model(shape, seq_len, tricks, stack)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
-    recipe = Recipe(model, tricks.precision)
-    with FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
+    recipe = recipe_for(model, tricks.precision, stack, optimizer)
+    with paths_for(stack), FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
         loss = recipe.forward(idx, targets)
         recipe.backward(loss)
     per_op = {str(k).removeprefix("aten."): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
@@ -179,37 +216,70 @@ class MetaMeasurement:
     """Everything measured on meta for one model, setup and trick set."""
 
     step: StepBytes  # at full depth
-    saved_one_layer_bytes: int  # saved at depth 2 less depth 1
+    saved_one_layer_bytes: int  # saved at depth 2 less depth 1 (ckpt:N: a layer not checkpointed)
     saved_outside_bytes: int  # saved at depth 1 less one layer: embedding, final norm, logits, loss
     flops: int
     flops_by_op: tuple[tuple[str, int], ...]
     seconds: float
-    first_blocks: int = 0  # blocks counted in outside: d dense blocks and one MoE block (memcalc.exact.step.first_depth)
+    saved_checkpointed_layer_bytes: int | None = None  # ckpt:N: one checkpointed layer (depth N less N − 1)
+    n_checkpointed: int = 0  # ckpt:N: the layers checkpointed at full depth (past first_blocks)
+    first_blocks: int = 0  # blocks counted in outside: dense blocks first, then MoE ones (memcalc.exact.step.Growth)
+    plain_depth: int = 1  # saved_one_layer_bytes is the step at this depth + 1 less this depth
+    checkpointed_depth: int = 0  # saved_checkpointed_layer_bytes likewise
+
+    @property
+    def saved_from_depths(self) -> int:
+        """What the depths say the full depth saves: outside + each layer's."""
+        plain = self.step.layers - self.first_blocks - self.n_checkpointed
+        return (self.saved_outside_bytes + plain * self.saved_one_layer_bytes
+                + self.n_checkpointed * (self.saved_checkpointed_layer_bytes or 0))  # fmt: skip
 
     @property
     def linear_in_depth(self) -> bool:
-        """The full-depth saved bytes equal outside + (L - first blocks) × one layer."""
-        layers = self.step.layers - self.first_blocks
-        return self.step.saved_bytes == self.saved_outside_bytes + layers * self.saved_one_layer_bytes
+        """The full-depth saved bytes equal outside + L × one layer (ckpt:N: each kind of layer's; with dense
+        blocks first, the MoE layers past first_blocks)."""
+        return self.step.saved_bytes == self.saved_from_depths
 
 
-def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None) -> MetaMeasurement:
-    """The three passes; progress(what) is called before each."""
+def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None,
+                 stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> MetaMeasurement:  # fmt: skip
+    """The three passes, trained by the stack's recipe; progress(what) is called before each."""
     progress = progress or (lambda what: None)
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
-    step, _ = measure_step(shape, seq_len, micro_batch, tricks)
-    a = first_depth(shape)  # 1; d + 1 when d dense blocks come before MoE ones; None: another pattern
-    progress(f"meta: saved bytes at depths {a or 1} and {(a or 1) + 1}" if a else "meta: saved bytes per layer: not linear")
-    if a is None:  # dense and MoE blocks interleaved: measured whole only
-        per_layer, outside, first = 0, step.saved_bytes, shape.n_layers
+    step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack=stack, optimizer=optimizer)
+    L, grown = shape.n_layers, growth(tricks, shape)
+    n_ckpt = tricks.n_checkpointed(L) if tricks.mixed else 0
+
+    def saved(depth: int) -> int:
+        return saved_at_depth(shape, seq_len, micro_batch, tricks, depth, stack)
+
+    first, plain_depth, ckpt_depth = 0, 1, 0
+    if grown is None:  # dense and MoE blocks in another pattern: measured whole only
+        progress("meta: saved bytes per layer: not linear in depth (blocks of two kinds interleaved)")
+        plain, checkpointed, outside, first, n_ckpt = 0, None, step.saved_bytes, L, 0
+    elif grown.dense:  # dense blocks first: the step of first_blocks blocks outside, MoE blocks past it (exact's)
+        run, first = as_run(tricks, L), grown.first_blocks
+        plain_depth, ckpt_depth = layer_blocks(grown, run)
+        n_ckpt = run.n_checkpointed(L) - run.n_checkpointed(first) if run.mixed else 0
+        depths = sorted({first} | {d + i for d in (plain_depth, ckpt_depth) if d is not None for i in (0, 1)})
+        progress(f"meta: saved bytes at depths {', '.join(map(str, depths))}")
+        outside = step.saved_bytes if first == L else saved(first)
+        plain = saved(plain_depth + 1) - saved(plain_depth) if plain_depth is not None else 0
+        checkpointed = saved(ckpt_depth + 1) - saved(ckpt_depth) if ckpt_depth is not None else None
+        plain_depth, ckpt_depth = plain_depth or 0, ckpt_depth or 0
+    elif n_ckpt:  # ckpt:N: blocks N and N + 1 (from 1) are checkpointed and plain
+        n = tricks.ckpt_every
+        progress(f"meta: saved bytes at depths {n - 1}, {n} and {n + 1}")
+        before, at, after = (saved(d) for d in (n - 1, n, n + 1))
+        plain, checkpointed, outside = after - at, at - before, before - (n - 1) * (after - at)
+        plain_depth, ckpt_depth = n, n - 1
     else:
-        one = saved_at_depth(shape, seq_len, micro_batch, tricks, a)
-        two = saved_at_depth(shape, seq_len, micro_batch, tricks, a + 1)
-        per_layer, first = two - one, 0 if a == 1 else a
-        outside = one - per_layer if a == 1 else one  # mixed: the whole step at depth a, its a blocks among it
+        progress("meta: saved bytes at depths 1 and 2")
+        one, two = saved(1), saved(2)
+        plain, checkpointed, outside = two - one, None, 2 * one - two
     progress("meta: FLOPs")
-    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks)
-    return MetaMeasurement(step, per_layer, outside, flops, tuple(sorted(by_op.items())),
-                           time.perf_counter() - start, first)  # fmt: skip
+    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack, optimizer)
+    return MetaMeasurement(step, plain, outside, flops, tuple(sorted(by_op.items())), time.perf_counter() - start,
+                           checkpointed, n_ckpt, first, plain_depth, ckpt_depth)  # fmt: skip
 

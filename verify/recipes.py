@@ -9,14 +9,25 @@ fp16  as bf16, with dynamic loss scaling as torch.amp.GradScaler does it (scale 
 
 AdamW is written out per tensor (adamw_) so its temporaries are known and do not change between
 PyTorch versions: one, the denominator. m and v are made at the first step, as torch.optim does.
+
+TorchRecipe trains with the libraries' own optimizers instead (the stack's --optimizer-impl: loop,
+foreach or fused; --optimizer sgd or adam8bit): torch.optim.AdamW and SGD as shipped, bitsandbytes'
+AdamW8bit, over the model's own parameters: fp32, or 16-bit with no master (--recipe pure).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.optim.optimizer as optimizer_module
+
+from memcalc.errors import InputError
+from memcalc.exact.config import untrainable
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -109,3 +120,114 @@ class Recipe:
         extra += [t for t in self.m + self.v if t is not None]
         extra += [t for t in (self.scale, self.growth) if t is not None]
         return extra
+
+
+# -- the libraries' own optimizers -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SGD:
+    """SGD with heavy-ball momentum (Polyak 1964); torch.optim.SGD's defaults otherwise: no dampening,
+    no weight decay, no Nesterov."""
+
+    lr: float = 1e-4
+    momentum: float = 0.9
+
+
+IMPLS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}  # torch.optim's switches
+
+
+@contextlib.contextmanager
+def fused_on_meta(on_meta: bool):
+    """torch.optim refuses fused=True on a device not in torch/utils/_foreach_utils.py
+    _get_fused_kernels_supported_devices (mps, cuda, xpu, hpu, cpu, mtia, ...; asked by
+    torch/optim/optimizer.py _device_dtype_check_for_fused). meta has _fused_adamw_'s meta kernel
+    (torch/_meta_registrations.py meta__fused_adam_), so while the step runs meta is added to the list
+    torch.optim.optimizer imported: the one place verify patches torch."""
+    if not on_meta:
+        yield
+        return
+    listed = optimizer_module._get_fused_kernels_supported_devices
+    optimizer_module._get_fused_kernels_supported_devices = lambda: [*listed(), "meta"]
+    try:
+        yield
+    finally:
+        optimizer_module._get_fused_kernels_supported_devices = listed
+
+
+def library_optimizer(params: list[torch.Tensor], optimizer: str, impl: str, adamw: AdamW = AdamW(),
+                      sgd: SGD = SGD()) -> torch.optim.Optimizer:  # fmt: skip
+    """The optimizer as its library ships it: torch.optim.AdamW or SGD with foreach=False (loop),
+    foreach=True or fused=True; bitsandbytes' AdamW8bit (its own per-tensor step, whatever the impl)."""
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2), eps=adamw.eps,
+                                 weight_decay=adamw.weight_decay, **IMPLS[impl])  # fmt: skip
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=sgd.lr, momentum=sgd.momentum, **IMPLS[impl])
+    if optimizer == "adam8bit":
+        # its CPU backend warns, on import, that a 4-bit matmul kernel could not be downloaded: not ours
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        try:
+            import bitsandbytes
+        except ImportError as e:
+            raise InputError("--optimizer adam8bit trains with bitsandbytes' AdamW8bit: pip install 'memcalc[bnb]'") \
+                from e
+        return bitsandbytes.optim.AdamW8bit(params, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2), eps=adamw.eps,
+                                            weight_decay=adamw.weight_decay)  # fmt: skip
+    raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, adam8bit")
+
+
+class TorchRecipe:
+    """Training as a stock PyTorch loop does: the model's own parameters are what the optimizer updates
+    (fp32, or 16-bit in the pure recipe: no master, and torch.optim's zeros_like(param) state is 16-bit),
+    loss.backward(), optimizer.step(), optimizer.zero_grad() (grads set to None). Pure fp16 has no loss
+    scaling: torch.amp.GradScaler.unscale_ refuses fp16 gradients ("Attempting to unscale FP16
+    gradients.", torch/amp/grad_scaler.py _unscale_grads_)."""
+
+    def __init__(self, model: torch.nn.Module, precision: str, optimizer: str = "adamw", impl: str = "foreach"):
+        self.model, self.precision = model, precision
+        self.params = list(model.parameters())
+        self.optimizer = library_optimizer(self.params, optimizer, impl)
+        self.on_meta = impl == "fused" and self.params[0].device.type == "meta"
+        self.skipped = 0  # no loss scaler: no step is ever skipped
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(idx, targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def update(self) -> bool:
+        with fused_on_meta(self.on_meta):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's state on the parameters' device (torch.optim keeps loop and foreach's step
+        counters on the CPU: torch/optim/adam.py, _init_group)."""
+        device = self.params[0].device
+        return [t for s in self.optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.device == device]  # fmt: skip
+
+
+def check_recipe(precision: str, stack: Stack, optimizer: str) -> None:
+    """What is trained (memcalc.exact.config.untrainable: the same rules the simulator keeps); the
+    autocast recipe is not trained here yet."""
+    if optimizer not in ("adamw", "sgd", "adam8bit"):
+        raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, adam8bit")
+    if precision != "fp32" and stack.recipe == "autocast":
+        raise InputError("the autocast recipe is not measured yet: --recipe master or pure")
+    reason = untrainable(precision, stack.recipe, stack.impl, optimizer)
+    if reason:
+        raise InputError(reason)
+
+
+def recipe_for(model: torch.nn.Module, precision: str, stack: Stack = DEFAULT_STACK,
+               optimizer: str = "adamw") -> Recipe | TorchRecipe:  # fmt: skip
+    """The stack's recipe: the reference implementation (this file's Recipe, the lesson's loop), or
+    the libraries' optimizers (TorchRecipe)."""
+    check_recipe(precision, stack, optimizer)
+    if stack.impl == "reference":
+        return Recipe(model, precision)
+    return TorchRecipe(model, precision, optimizer, stack.impl)

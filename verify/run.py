@@ -36,6 +36,7 @@ from .cuda import (
     with_layers,
 )
 from .meta import measure_meta
+from .recipes import check_recipe
 
 # The matrix: the field's progression, plus fp16 and the remaining recompute combinations.
 MATRIX = tuple(parse_tricks(t) for t in (
@@ -61,13 +62,18 @@ def pick_device(device: str | None) -> tuple[str, str]:
 
 
 def check_setup(setup: Setup) -> None:
-    if setup.optimizer != "adamw":
-        raise InputError(f"verify trains with AdamW; --optimizer {setup.optimizer} is not measured")
     p = setup.parallel
     if p.gpus != 1 or p.zero or p.offload:
         raise InputError("verify measures one GPU: drop --gpus, --zero and --offload")
     if setup.grad_accum != 1:  # the recipe runs one micro-batch per optimizer step
         raise InputError(f"verify measures one micro-batch per step: grad_accum must be 1, got {setup.grad_accum}")
+
+
+def check_stack(setup: Setup, tricks: Tricks, device: str) -> None:
+    """Where verify measures Transformers' model so far: on the meta device (recipes.check_recipe says
+    which recipes and optimizers it trains)."""
+    if setup.stack.model == "hf" and device != "meta":
+        raise InputError("--stack hf is measured on the meta device so far: give --device meta")
 
 
 def gpu_for(name: str) -> GPU | None:
@@ -82,7 +88,12 @@ def gpu_for(name: str) -> GPU | None:
     return None
 
 
-def attention_name(tricks: Tricks, device: str, ops: tuple[str, ...] = ()) -> str:
+def attention_name(tricks: Tricks, device: str, ops: tuple[str, ...] = (), stack_model: str = "reference") -> str:
+    if stack_model == "hf":
+        if not tricks.flash:
+            return "Transformers' eager_attention_forward (the model's modeling file): the scores materialised"
+        return ("Transformers' sdpa path (integrations/sdpa_attention.py) down to aten._flash_attention_forward, "
+                "the kernel CUDA's SDPA flash backend runs")  # fmt: skip
     if not tricks.flash:
         return "eager: softmax(QKᵀ)V, the scores materialised"
     if device == "meta":
@@ -97,21 +108,24 @@ def gib(n: float) -> str:
 # -- rows ---------------------------------------------------------------------------------------------
 
 
-def textbook(shape: ModelShape, setup: Setup, tricks: Tricks) -> dict[str, int]:
-    """memcalc estimate's numbers for the model as built."""
-    state = model_state(n_params(shape), tricks.precision, setup.optimizer)
+def textbook(shape: ModelShape, setup: Setup, tricks: Tricks) -> dict[str, int | None]:
+    """memcalc estimate's numbers for the model as built; None where the textbook has no formula (sac)."""
+    state = model_state(n_params(shape), tricks.precision, setup.optimizer, recipe=setup.stack.recipe)
     parts = {p.name: p.bytes for p in state.parts}
     acts = textbook_activations(shape, setup.seq_len, setup.micro_batch, tricks)
     logits = logits_memory(shape, setup.seq_len, setup.micro_batch, tricks.precision).total_bytes
+    flops = textbook_step_flops(shape, setup.seq_len, tricks)
+    known = acts.formula
     return {
         "weights": parts["weights"],
         "state": state.total_bytes - parts["grads"],
         "grads": parts["grads"],
-        "layer": acts.per_layer_bytes,
+        "layer": acts.per_layer_bytes if known else None,
+        "checkpointed": acts.checkpointed_bytes,
         "outside": logits,
-        "saved": acts.total_bytes + logits,
-        "peak": state.total_bytes + acts.peak_bytes + logits,
-        "flops": textbook_step_flops(shape, setup.seq_len, tricks).hardware_per_token * setup.tokens_per_micro_batch,
+        "saved": acts.total_bytes + logits if known else None,
+        "peak": state.total_bytes + acts.peak_bytes + logits if known else None,
+        "flops": flops.hardware_per_token * setup.tokens_per_micro_batch if flops else None,
     }
 
 
@@ -141,37 +155,75 @@ def flop_rows(e: ExactStep, measured: int | None, tb: dict[str, int], tol: float
 
 
 def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progress) -> tuple[list[Row], tuple]:
-    m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress)
-    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks)
+    m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress, setup.stack, setup.optimizer)
+    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer)
     tb, s, ph, a, L = textbook(shape, setup, tricks), m.step, e.phases, e.activations, shape.n_layers
     where = {"forward": s.forward_peak_at, "backward": s.backward_peak_at, "optimizer": s.optimizer_peak_at}
     first = m.first_blocks  # dense blocks before MoE ones: one MoE layer, and the first blocks counted outside
-    layer, outside = ("one MoE layer", f"outside the MoE layers (and the first {first} blocks)") if first else (
-        "one layer", "outside the layers")  # fmt: skip
+    outside = f"outside the MoE layers (and the first {first} blocks)" if first else "outside the layers"
+    plain, n = L - first - m.n_checkpointed, m.n_checkpointed
     rows = [
         Row("weights and buffers", "bytes", tb["weights"], ph.weights_bytes, s.weights_bytes, tol),
         Row("model state between steps (weights, master, AdamW m and v)", "bytes", tb["state"], ph.state_bytes,
             s.state_bytes, tol),
         Row("gradients after backward", "bytes", tb["grads"], ph.grads_bytes, s.grads_bytes, tol),
-        Row(f"saved for backward, {layer}", "bytes", None if first else tb["layer"], a.per_layer_bytes,
-            m.saved_one_layer_bytes, tol, f"measured: depth {first + 1 if first else 2} less depth {first or 1}"),
+    ] + layer_rows(m, a, tb, tol) + [
         Row(f"saved for backward, {outside}", "bytes", None if first else tb["outside"], a.outside_bytes,
             m.saved_outside_bytes, tol, "textbook: the logits and their fp32 copy"),
-        Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], a.total_bytes, s.saved_bytes, tol),
-        Row("saved bytes linear in depth (outside + L × layer)", "bytes", None,
-            m.saved_outside_bytes + (L - first) * m.saved_one_layer_bytes, s.saved_bytes, 0.0),
+        Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], a.total_bytes, s.saved_bytes, tol,
+            "textbook: no formula for sac" if tb["saved"] is None else ""),
+        Row("saved bytes linear in depth (outside + L × layer)" if not n else
+            f"saved bytes linear in depth (outside + {plain} plain + {n} checkpointed layers)", "bytes", None,
+            m.saved_from_depths, s.saved_bytes, 0.0),
         Row("kept after forward (saved, checkpoint inputs, loss)", "bytes", None, ph.retained_bytes,
             s.retained_bytes, tol),
     ]  # fmt: skip
     rows += step_rows(e, s, tb, tol, where) + flop_rows(e, m.flops, tb, tol)
-    return rows, (f"meta measured in {m.seconds:.1f} s", e.note)
+    notes = (f"meta measured in {m.seconds:.1f} s", e.note) + textbook_gaps(tricks)
+    if setup.stack.model == "hf":
+        from .hf import describe
+
+        notes += (describe(shape),)
+    return rows, notes
+
+
+def textbook_gaps(tricks: Tricks) -> tuple[str, ...]:
+    """What the textbook column leaves out, and why."""
+    if tricks.recompute == "op":
+        return (("textbook: no formula for sac (Korthikanti et al. have no row for per-op selective "
+                 "checkpointing); what it keeps is replayed op by op"),)  # fmt: skip
+    if tricks.mixed:
+        return ((f"textbook for {tricks.label}: each layer checkpointed keeps its input (ckpt's row), every "
+                 "other layer all it saves (the row without recompute)"),)  # fmt: skip
+    return ()
+
+
+def layer_rows(m, a, tb: dict, tol: float) -> list[Row]:
+    """Saved for backward by one layer: from depths 1 and 2; with ckpt:N one layer of each kind, from
+    depths N − 1, N and N + 1; with dense blocks before MoE ones, a MoE layer (of each kind) past the
+    blocks exact counts outside, where the textbook has no row of its own. sac saves the outputs its
+    policy keeps (counted as saved: they are kept for backward), and the textbook has no formula for it."""
+    none = "; textbook: no formula for sac" if tb["layer"] is None else ""
+    first = m.first_blocks
+    kind, tb_layer, tb_ckpt = (" MoE", None, None) if first else ("", tb["layer"], tb["checkpointed"])
+    p, c = m.plain_depth, m.checkpointed_depth
+    if m.saved_checkpointed_layer_bytes is None:
+        return [Row(f"saved for backward, one{kind} layer", "bytes", tb_layer, a.per_layer_bytes,
+                    m.saved_one_layer_bytes, tol, f"measured: depth {p + 1} less depth {p}" + none)]  # fmt: skip
+    return [
+        Row(f"saved for backward, one{kind} layer not checkpointed", "bytes", tb_layer, a.per_layer_bytes,
+            m.saved_one_layer_bytes, tol, f"measured: depth {p + 1} less depth {p}"),
+        Row(f"saved for backward, one{kind} checkpointed layer", "bytes", tb_ckpt, a.checkpointed_bytes,
+            m.saved_checkpointed_layer_bytes, tol, f"measured: depth {c + 1} less depth {c}"),
+    ]  # fmt: skip
 
 
 def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, stats, steps: int, linearity: bool,
                 gpu: GPU | None, progress) -> tuple[list[Row], DeviceRun, Timing, tuple]:  # fmt: skip
     progress(f"training {shape.n_layers} layers on {stats.device}")
-    run = measure_device(shape, setup.seq_len, setup.micro_batch, tricks, stats, steps, setup.grad_accum)
-    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum)
+    run = measure_device(shape, setup.seq_len, setup.micro_batch, tricks, stats, steps, setup.grad_accum,
+                         stack=setup.stack, optimizer=setup.optimizer)  # fmt: skip
+    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack, setup.optimizer)
     tb, ph, d, L = textbook(shape, setup, tricks), e.phases, run.phases, shape.n_layers
     where = {"forward": ph.forward_peak_at, "backward": ph.backward_peak_at, "optimizer": ph.optimizer_peak_at}
     rows = [
@@ -189,7 +241,8 @@ def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, sta
     progress(f"second depth: {L2} layers" if linearity and L > 1 else "done")
     if linearity and L > 1:
         r2 = measure_retained(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, stats)
-        e2 = exact_step(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, setup.grad_accum)
+        e2 = exact_step(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack,
+                        setup.optimizer)  # fmt: skip
         exact, measured = (ph.retained_bytes - e2.phases.retained_bytes) / (L - L2), (d.retained_bytes - r2) / (L - L2)
         rows.append(Row(f"kept after forward, per layer (depths {L} and {L2})", "bytes", tb["layer"], exact, measured,
                         tol))  # fmt: skip
@@ -242,7 +295,9 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
     InputError.
     """
     check_setup(setup)
+    check_recipe(tricks.precision, setup.stack, setup.optimizer)
     device, reason = pick_device(device)
+    check_stack(setup, tricks, device)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive whole number, got {steps!r}")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
@@ -259,8 +314,9 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
                   tolerance=tol)  # fmt: skip
     if device == "meta":
         rows, notes = meta_rows(shape, setup, tricks, tol, report)
-        result.update(attention=attention_name(tricks, "meta"), gpu_name=None, layers_built=shape.n_layers,
-                      layers_note="", rows=tuple(rows), phases=None, timing=None, error=None, notes=notes)  # fmt: skip
+        result.update(attention=attention_name(tricks, "meta", stack_model=setup.stack.model), gpu_name=None,
+                      layers_built=shape.n_layers, layers_note="", rows=tuple(rows), phases=None, timing=None,
+                      error=None, notes=notes)  # fmt: skip
     else:
         result.update(verify_on_device(shape, setup, tricks, device, steps, tol, linearity, cpu_limit_bytes, report))
     return VerifyResult(**result, seconds=time.perf_counter() - start)
@@ -278,7 +334,8 @@ def verify_on_device(shape: ModelShape, setup: Setup, tricks: Tricks, device: st
 
     def predicted(layers: int) -> int:
         s = with_layers(shape, layers)
-        return exact_step(s, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum).peak_bytes
+        return exact_step(s, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack,
+                          setup.optimizer).peak_bytes  # fmt: skip
 
     built, note = shape.n_layers, ""
     if predicted(built) > budget:

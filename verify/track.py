@@ -129,6 +129,12 @@ class SavedBytes:
             self._held.append(storage)
         return t
 
+    def keep(self, tensors) -> None:
+        """Tensors kept for backward outside autograd's saved tensors: the outputs a selective
+        checkpoint's policy keeps (verify/builder.py's sac_policy shows them here)."""
+        for t in tensors:
+            self.pack(t)
+
     def hooks(self) -> saved_tensors_hooks:
         return saved_tensors_hooks(self.pack, lambda t: t)
 

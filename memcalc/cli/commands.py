@@ -69,7 +69,7 @@ Vocab = Annotated[Optional[str], typer.Option("--vocab", help="Override the voca
 Seq = Annotated[str, typer.Option("--seq", help="Sequence length in tokens; k and m are binary (8k = 8,192).", metavar="N")]
 MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per forward/backward pass.", metavar="N")]
 GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
-TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, selective (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
+TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, ckpt:N (every Nth block), selective, sac (torchtitan's per-op policy) (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
 Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw, sgd (with momentum) or adam8bit.", metavar="NAME")]
 Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs: data-parallel GPUs that ZeRO shards over; with --tp/--pp/--cp/--dp the world size.", metavar="N", show_default="1")]  # fmt: skip
 DataParallelGpus = Annotated[str, typer.Option("--gpus", help="Data-parallel GPUs that ZeRO shards over.", metavar="N")]
@@ -88,12 +88,13 @@ Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", me
 Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
 HostMemory = Annotated[str, typer.Option("--host-memory", help="CPU memory of one node in bytes (2T, 1.5e12), which offload fills; the job's GPUs on a node share it. Default: a DGX H100/H200's 2 TB for 8 GPUs.", metavar="BYTES")]  # fmt: skip
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
-Mfu = Annotated[str, typer.Option("--mfu", help="Fraction of peak the GPU sustains (default 0.4: Llama 3 reached 38-43% on H100s).", metavar="X")]  # fmt: skip
-EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline (layouts: default 0.4).", metavar="X")]  # fmt: skip
+EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline: X is an end-to-end rate, so a layout adds no bubble or communication to it.", metavar="X")]  # fmt: skip
 Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
 Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
 Units = Annotated[str, typer.Option("--units", help="gb (decimal, as GPU datasheets count) or gib (binary).", metavar="UNITS")]
-StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: reference (memcalc's own loop: bf16 weights, fp32 master), torch (torch.autocast + torch.optim), hf (Hugging Face Transformers' Trainer). See docs/stacks.md.", metavar="NAME")]  # fmt: skip
+StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: reference (memcalc's loop, the default), torch (torch.autocast + torch.optim), hf (Hugging Face Transformers' Trainer); over many GPUs fsdp2 (torchtitan), megatron (Megatron-LM), deepspeed (DeepSpeed ZeRO). See docs/stacks.md and docs/parallel.md.", metavar="NAME")]  # fmt: skip
+PpLayers = Annotated[Optional[str], typer.Option("--pp-layers", help="Layers on the first and last pipeline stages, FIRST,LAST (Megatron-LM's --decoder-first/last-pipeline-num-layers; 0 leaves one to the split). Default: even, or torchtitan's split where pp does not divide the layers.", metavar="F,L")]  # fmt: skip
+Reshard = Annotated[Optional[bool], typer.Option("--reshard/--no-reshard", help="FSDP2: free each block's gathered weights after its forward (default: torchtitan's, on without pipeline parallel, off with it).", show_default=False)]  # fmt: skip
 RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="How 16-bit trains, instead of the stack's: master (fp32 master copy), autocast (fp32 weights), pure (16-bit weights and optimizer state).", metavar="NAME")]  # fmt: skip
 ImplOpt = Annotated[Optional[str], typer.Option("--optimizer-impl", help="The optimizer's implementation, instead of the stack's: reference, loop (foreach=False), foreach, fused.", metavar="NAME")]  # fmt: skip
 Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
@@ -181,6 +182,7 @@ def estimate(
     optimizer_impl: ImplOpt = None, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     ep: Ep = None, etp: Etp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
+    pp_layers: PpLayers = None, reshard: Reshard = None,
     gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     capacity_factor: CapacityFactor = None, expert_imbalance: ExpertImbalance = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
@@ -197,7 +199,8 @@ def estimate(
     With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
     estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
     """
-    layout_given = any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node, ep, etp)) or sp or hybrid or offload_params
+    layout_given = (any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node, pp_layers, reshard, ep, etp)) or sp
+                    or hybrid or offload_params)  # fmt: skip
     try:
         from memcalc.model.gpus import gpu as find_gpu
 
@@ -219,16 +222,17 @@ def estimate(
         if explain and fmt in ("json", "csv"):
             raise InputError(f"--explain prints the formulas as text; --format {fmt} already carries each term's "
                              "formula and source: drop --explain")  # fmt: skip
-        if layout_given and calibration is not None:
-            raise InputError("--calibration sets the roofline of one GPU's step; a layout (--tp, --pp, ...) uses --mfu")
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
                                 stack, recipe, optimizer_impl, routing)  # fmt: skip
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node,
-                                  ep, etp)  # fmt: skip
-            show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact)
+                                  pp_layers, reshard, ep, etp)  # fmt: skip
+            timing = setup.mfu if mfu is not None or not traced(the_model) else roofline_calibration(the_gpu,
+                                                                                                     calibration)
+            show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact,
+                                     timing)  # fmt: skip
         else:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4",
                                 host_memory, stack, recipe, optimizer_impl, routing)  # fmt: skip
@@ -272,8 +276,8 @@ def roofline_calibration(gpu, spec: str | None):
     return calibration_for(gpu.key, paths[0] if paths else None, ",".join(overrides) or None)
 
 
-def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node, ep=None,
-                 etp=None):  # fmt: skip
+def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node, pp_layers=None,
+                 reshard=None, ep=None, etp=None):  # fmt: skip
     from memcalc.memory.state import MAX_GPUS
     from memcalc.model.shape import parse_count
     from memcalc.parallel.layout import layout_for
@@ -283,11 +287,16 @@ def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_p
 
     if zero.strip() not in ("0", "1", "2", "3"):
         raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
+    ends = (pp_layers or "0,0").split(",")
+    if len(ends) != 2:
+        raise InputError(f"--pp-layers takes FIRST,LAST (0 leaves one to the split), got {pp_layers!r}")
+    first, last = (parse_count(x, "pp-layers", MAX_GPUS) if x.strip() not in ("", "0") else 0 for x in ends)
     return layout_for(
         gpus=count(gpus, "gpus", None), tp=count(tp, "tp", 1), pp=count(pp, "pp", 1), cp=count(cp, "cp", 1),
         dp=count(dp, "dp", None), zero=int(zero), sp=sp, vpp=count(vpp, "vpp", 1), hybrid=hybrid,
         offload_optimizer=offload or offload_params, offload_params=offload_params,
-        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8), ep=count(ep, "ep", 1), etp=count(etp, "etp", 1),
+        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8), first_layers=first, last_layers=last,
+        reshard_after_forward=reshard, ep=count(ep, "ep", 1), etp=count(etp, "etp", 1),
     )  # fmt: skip
 
 
@@ -300,10 +309,11 @@ def plan(
     global_batch: Annotated[str, typer.Option("--global-batch", help="Sequences per optimizer step, all GPUs together.", metavar="N")] = ...,
     seq: Seq = "4096", gpus_per_node: GpusPerNode = None,
     tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
-    optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: Mfu = "0.4",
+    optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
     no_offload: Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")] = False,
-    host_memory: HostMemory = "2T", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
+    host_memory: HostMemory = "2T", stack: StackOpt = "reference", detail: Detail = False, exact_bytes: ExactBytes = False,
+    fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
     try:
@@ -311,7 +321,8 @@ def plan(
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
-        from memcalc.model.tricks import parse_tricks
+        from memcalc.model.stacks import stack_for
+        from memcalc.model.tricks import check_layer_uniform, parse_tricks
         from memcalc.parallel.plan import plan as run_plan
 
         from .inputs import resolve_model
@@ -319,15 +330,24 @@ def plan(
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         t = parse_tricks(tricks)
-        named = any(n in ("ckpt", "selective") for n in tricks.replace("+", ",").split(","))
+        check_layer_uniform(t, "the planner's layouts")
+        named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
+        if mfu is not None and calibration is not None:
+            raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
+        the_gpu = find_gpu(gpu)
+        timing = parse_fraction(mfu, "mfu") if mfu is not None else roofline_calibration(the_gpu, calibration)
+        if mfu is None and not traced(the_model):  # the roofline cannot trace it: the default MFU times it
+            from memcalc.memory.estimate import DEFAULT_MFU
+
+            timing = DEFAULT_MFU
         result = run_plan(
-            the_model, find_gpu(gpu), parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
+            the_model, the_gpu, parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
             parse_count(global_batch, "global-batch", MAX_BATCH),
             gpus_per_node=8 if gpus_per_node is None else parse_count(gpus_per_node, "gpus-per-node", MAX_GPUS),
-            tricks=t, optimizer=optimizer.strip().lower(), mfu=parse_fraction(mfu, "mfu"),
+            tricks=t, optimizer=optimizer.strip().lower(), timing=timing,
             top=parse_count(top, "top", 1000), offload=not no_offload,
             recomputes=(t.recompute,) if named else ("none", "selective", "full"),
-            host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
+            host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES), stack=stack_for(stack),
         )  # fmt: skip
     except InputError as e:
         fail(str(e))
@@ -430,7 +450,7 @@ def verify(
     hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None, ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = "4096", micro_batch: MicroBatch = "1",
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
-    stack: StackOpt = "reference", recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None,
+    stack: StackOpt = "reference", recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, optimizer: Optimizer = "adamw",
     matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta.", metavar="DEV", show_default="cuda when present, else meta")] = None,
@@ -455,7 +475,7 @@ def verify(
         shape_given = any(x is not None for x in (params, model, config, layers, hidden, heads))
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab) \
             if shape_given or step is None else None  # fmt: skip
-        setup = build_setup(seq, micro_batch, "1", "adamw", "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl)
+        setup = build_setup(seq, micro_batch, "1", optimizer, "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl)
         the_tricks = parse_tricks(tricks)
         n_steps = parse_count(steps, "steps", 1000)
         tolerance = None if tol is None else parse_fraction(tol, "tol")

@@ -88,7 +88,7 @@ def custom_result(spec, model, setup, tricks, device, torch_version, measured, n
     p = predicted.phases if predicted else None
     saved = predicted.activations.total_bytes if predicted else None
     pairs = [
-        ("model state between steps", p and p.state_bytes, measured.state_bytes),
+        ("live between steps", p and p.state_bytes + p.inputs_bytes, measured.state_bytes),  # the user's keeps its inputs
         ("saved for backward", saved, measured.saved_bytes),
         ("kept after forward", p and p.retained_bytes, measured.retained_bytes),
         ("forward peak", p and p.forward_peak_bytes, measured.forward_peak_bytes),

@@ -49,10 +49,11 @@ def exact_steps(model, setup, trick_sets):
     return [exact_for(model, setup, t) for t in trick_sets]
 
 
-def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run, exact: bool = False):
+def layout_view(model, setup, gpu, trick_sets, layout, explicit: bool, run, exact: bool = False, timing=None):
+    """timing: the roofline's calibration, or --mfu's end-to-end rate (memcalc.parallel.comm.step_time)."""
     from memcalc.time.training_run import runs_for_layouts
 
-    ests = layout_estimates(model, setup, gpu, trick_sets, layout, explicit)
+    ests = layout_estimates(model, setup, gpu, trick_sets, layout, explicit, timing)
     runs = runs_for_layouts(ests, *run) if run else ()
     layers = exact_layers(model, setup, ests, layout) if exact else None
     return lambda display: show_layout(ests, runs, display, layers)
@@ -80,13 +81,13 @@ def sweep_view(model, setup, gpu, trick_sets, spec: str, png: str | None, cal=No
     return lambda display: show_sweep(swept, display, png)
 
 
-def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool):
+def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool, timing=None):
     """One estimate per trick set; the progression drops the sets a layout cannot run (CP needs flash)."""
     from memcalc.parallel.plan import layout_estimate
 
     if not explicit and layout.cp > 1:
         trick_sets = tuple(t for t in trick_sets if t.flash)
-    return [layout_estimate(model, setup, gpu, t, layout) for t in trick_sets]
+    return [layout_estimate(model, setup, gpu, t, layout, timing=timing) for t in trick_sets]
 
 
 def show_sweep(swept, d: render.Display, png: str | None = None) -> None:

@@ -5,7 +5,12 @@ Each op is written as autograd runs it: g.begin() makes the node and packs the s
 kernel allocates the outputs, g.end() attaches them and packs the saved outputs. Every begin/end
 names the tensors its node saves: these are the terms memcalc.exact counts.
 A backward rule returns one gradient per input; a (gradient, shape) pair is summed to the input's
-shape after the rule returns, as autograd's validate_outputs does for broadcast inputs.
+shape after the rule returns, as autograd's validate_outputs does for broadcast inputs (and a gradient
+of another dtype than its input is cast to it).
+
+Under torch.autocast (memcalc.exact.autocast) the ops autocast wraps cast their inputs first, as its
+wrapper does before the op records its node: autocast(g, op, ...) names the op whose list decides.
+Ops whose inputs' dtypes differ compute in the wider one (promote).
 
 Each kernel, forward and backward, is also written down with g.kernel(op, reads, writes): what it
 reads and writes in HBM (each operand once) and, for matmuls, its FLOPs (2·m·k·n). Backward rules
@@ -24,13 +29,32 @@ def size(shape, dtype: str) -> int:
     """Bytes of a contiguous tensor of that shape and dtype."""
     return math.prod(shape) * ITEMSIZE[dtype]
 
+
+def autocast(g: Graph, op: str, *tensors):
+    """op's inputs as torch.autocast's wrapper of op passes them on: unchanged outside an autocast
+    region, or when op is on none of its lists (memcalc.exact.autocast.Autocast.inputs)."""
+    return tensors if g.autocast is None else g.autocast.inputs(g, op, tensors)
+
+
+def promote(a: tuple[str, tuple], b: tuple[str, tuple]) -> str:
+    """torch.result_type of two floating (dtype, shape) operands (c10/core/ScalarType.h promoteTypes):
+    the wider (bf16 with fp16 is fp32); a 0-dim tensor gives way to a dimensioned one."""
+    (da, sa), (db, sb) = a, b
+    if da == db:
+        return da
+    if not sa and sb:
+        return db
+    if not sb and sa:
+        return da
+    return "fp32"
+
 # -- views ----------------------------------------------------------------------------------------
 
 
 def broadcast(a: tuple, b: tuple) -> tuple:
     n = max(len(a), len(b))
     a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
-    return tuple(max(x, y) for x, y in zip(a, b))
+    return tuple(y if y > x or (y == x and type(x) is int) else x for x, y in zip(a, b))  # a named size kept
 
 
 def view(g: Graph, t: Tensor, shape, grad_copies: bool = False) -> Tensor:
@@ -109,10 +133,11 @@ def to(g: Graph, x: Tensor, dtype: str) -> Tensor:
 
 
 def add(g: Graph, a: Tensor, b: Tensor) -> Tensor:
-    """a + b, broadcasting: saves nothing; the gradient passes through (summed where broadcast)."""
-    sa, sb = a.shape, b.shape
-    node = g.begin("add", [a, b], lambda gs: [(gs[0], sa), (gs[0], sb)])
-    out = g.empty(broadcast(a.shape, b.shape), a.dtype, "add")
+    """a + b, broadcasting: saves nothing; the gradient passes through (summed where broadcast) to the
+    inputs that need it (an additive mask needs none)."""
+    sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
+    node = g.begin("add", [a, b], lambda gs: [(gs[0], sa) if ga else None, (gs[0], sb) if gb else None])
+    out = g.empty(broadcast(a.shape, b.shape), promote((a.dtype, sa), (b.dtype, sb)), "add")
     g.kernel("add", (a, b), (out,))
     g.end(node, [out])
     return out
@@ -129,25 +154,26 @@ def add_scalar(g: Graph, a: Tensor) -> Tensor:
 
 def mul(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     """a * b (MulBackward0): saves b when a needs grad and a when b does; each gradient is made at
-    the broadcast shape and summed to its input's."""
+    the broadcast shape, in the dtype of grad · the other operand (mul_tensor_backward), and summed
+    to its input's shape (and cast to its dtype)."""
     so = broadcast(a.shape, b.shape)
     sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
-    a_bytes, b_bytes = nbytes(a), nbytes(b)
+    a_bytes, b_bytes, ta, tb = nbytes(a), nbytes(b), (a.dtype, sa), (b.dtype, sb)
 
     def rule(gs):
         da = db = None
         if ga:  # grad · b
-            da = g.empty(so, gs[0].dtype, "mul")
+            da = g.empty(so, promote((gs[0].dtype, so), tb), "mul")
             g.kernel("mul", (gs[0], b_bytes), (da,))
             da = (da, sa)
         if gb:  # grad · a
-            db = g.empty(so, gs[0].dtype, "mul")
+            db = g.empty(so, promote((gs[0].dtype, so), ta), "mul")
             g.kernel("mul", (gs[0], a_bytes), (db,))
             db = (db, sb)
         return [da, db]
 
     node = g.begin("mul", [a, b], rule, ([(b, "other")] if ga else []) + ([(a, "self")] if gb else []))
-    out = g.empty(so, a.dtype, "mul")
+    out = g.empty(so, promote(ta, tb), "mul")
     g.kernel("mul", (a, b), (out,))
     g.end(node, [out])
     return out
@@ -179,6 +205,7 @@ def neg(g: Graph, a: Tensor) -> Tensor:
 
 def pow2(g: Graph, x: Tensor) -> Tensor:
     """x.pow(2) (PowBackward0): saves x. Backward: grad · (2 · x.pow(1)), three allocations."""
+    (x,) = autocast(g, "pow.Tensor_Scalar", x)
     shape, dtype = x.shape, x.dtype
 
     def rule(gs):
@@ -216,6 +243,7 @@ def mean_last(g: Graph, x: Tensor) -> Tensor:
 
 def rsqrt(g: Graph, x: Tensor) -> Tensor:
     """rsqrt (RsqrtBackward0): saves its result. Backward: -0.5 · grad · result.pow(3), three allocations."""
+    (x,) = autocast(g, "rsqrt", x)
     shape, dtype = x.shape, x.dtype
 
     def rule(gs):
@@ -235,18 +263,19 @@ def rsqrt(g: Graph, x: Tensor) -> Tensor:
     return out
 
 
-def unary(g: Graph, x: Tensor, op: str, backward_op: str, saves: str) -> Tensor:
+def unary(g: Graph, x: Tensor, op: str, backward_op: str, saves: str, out_dtype: str = "") -> Tensor:
     """An elementwise op whose node saves its input ('self') or its output ('result'); its backward
-    reads the gradient and what was saved (same size), and writes the input's gradient."""
-    saved_bytes = nbytes(x)
+    reads the gradient and what was saved (same size), and writes the input's gradient (in the
+    input's dtype, where the output's differs: softmax's half_to_float)."""
+    saved_bytes, in_dtype = nbytes(x), x.dtype
 
     def rule(gs):
-        out = g.empty(gs[0].shape, gs[0].dtype, backward_op)
+        out = g.empty(gs[0].shape, in_dtype if out_dtype else gs[0].dtype, backward_op)
         g.kernel(backward_op, (gs[0], saved_bytes), (out,))
         return [out]
 
     node = g.begin(op, [x], rule, [(x, "self")] if saves == "self" else [])
-    out = g.empty(x.shape, x.dtype, op)
+    out = g.empty(x.shape, out_dtype or x.dtype, op)
     g.kernel(op, (x,), (out,))
     g.end(node, [out], [(out, "result")] if saves == "result" else [])
     return out
@@ -263,13 +292,28 @@ def silu(g: Graph, x: Tensor) -> Tensor:
 
 
 def softmax(g: Graph, x: Tensor) -> Tensor:
-    """F.softmax(x, -1), aten._softmax (SoftmaxBackward0): saves its output."""
-    return unary(g, x, "_softmax", "_softmax_backward_data", "result")
+    """F.softmax(x, -1), aten._softmax (SoftmaxBackward0): saves its output. In fp32 where autocast
+    passes dtype=float (fp32_set_opt_dtype): aten/src/ATen/native/SoftMax.cpp softmax() runs a CUDA
+    fp16 input through the half_to_float kernel (fp32 out, the gradient back in fp16), and copies any
+    other input to fp32 first."""
+    return in_fp32(g, x, "softmax.int", "_softmax", "_softmax_backward_data")
 
 
 def log_softmax(g: Graph, x: Tensor) -> Tensor:
-    """aten._log_softmax(x, 1) (LogSoftmaxBackward0): saves its output."""
+    """aten._log_softmax(x, 1) (LogSoftmaxBackward0): saves its output. F.cross_entropy calls it with
+    the input's own dtype (aten/src/ATen/native/LossNLL.cpp cross_entropy_loss), which CUDA's
+    fp32_set_opt_dtype respects: autocast leaves it as it is."""
     return unary(g, x, "_log_softmax", "_log_softmax_backward_data", "result")
+
+
+def in_fp32(g: Graph, x: Tensor, wrapped: str, op: str, backward_op: str) -> Tensor:
+    """softmax(x, dim, dtype): dtype is float when autocast's list sets it."""
+    dtype = None if g.autocast is None else g.autocast.opt_dtype(wrapped, x)
+    if dtype is None or x.dtype == dtype:
+        return unary(g, x, op, backward_op, "result")
+    if x.dtype == "fp16" and g.autocast.device == "cuda":  # at::_softmax(input, dim, half_to_float=true)
+        return unary(g, x, op, backward_op, "result", out_dtype=dtype)
+    return unary(g, to(g, x, dtype), op, backward_op, "result")
 
 
 def native_dropout(g: Graph, x: Tensor) -> Tensor:
@@ -309,9 +353,10 @@ def masked_fill(g: Graph, x: Tensor, mask: Tensor) -> Tensor:
 
 def cat_last(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     """torch.cat((a, b), -1) (CatBackward0): saves nothing; backward narrows the gradient (views)."""
+    a, b = autocast(g, "cat", a, b)
     sa, sb = a.shape, b.shape
     node = g.begin("cat", [a, b], lambda gs: [g.view(gs[0], sa), g.view(gs[0], sb)])
-    out = g.empty(a.shape[:-1] + (a.shape[-1] + b.shape[-1],), a.dtype, "cat")
+    out = g.empty(a.shape[:-1] + (a.shape[-1] + b.shape[-1],), promote((a.dtype, sa), (b.dtype, sb)), "cat")
     g.kernel("cat", (a, b), (out,))
     g.end(node, [out])
     return out
@@ -354,9 +399,13 @@ def mm(g: Graph, a: Tensor, b: Tensor, kind: str = "linear") -> Tensor:
             g.kernel("mm", (gs[0], b_bytes), (da,), "tensor", fl, kind, dtype=dt)
         return [da, db]
 
+    def kernel():
+        out = g.empty((a.shape[0], b.shape[1]), a.dtype, "mm")
+        g.kernel("mm", (a, b), (out,), "tensor", fl, kind, dtype=dt)
+        return (out,)
+
     node = g.begin("mm", [a, b], rule, ([(a, "self")] if gb else []) + ([(b, "mat2")] if ga else []))
-    out = g.empty((a.shape[0], b.shape[1]), a.dtype, "mm")
-    g.kernel("mm", (a, b), (out,), "tensor", fl, kind, dtype=dt)
+    (out,) = g.outputs("mm", kernel)  # a selective checkpoint may keep it, or hand it back
     g.end(node, [out])
     return out
 
@@ -414,6 +463,7 @@ def bmm(g: Graph, a: Tensor, b: Tensor) -> Tensor:
 def linear(g: Graph, x: Tensor, w: Tensor, b: Tensor | None, kind: str = "linear") -> Tensor:
     """F.linear on a contiguous (B, T, in) x: with a bias, reshape to 2-D + addmm + view
     (_flatten_nd_linear); without, matmul's fold: reshape (a view) + mm + _unsafe_view."""
+    x, w, b = autocast(g, "linear", x, w, b)
     lead = x.shape[:-1]
     if b is None:  # matmul(x, w.t()): w.t() is made first, then x folds inside matmul
         wt = t(g, w)
@@ -428,7 +478,9 @@ def linear(g: Graph, x: Tensor, w: Tensor, b: Tensor | None, kind: str = "linear
 
 def matmul4(g: Graph, a: Tensor, b: Tensor, a_copies: bool, b_copies: bool, grad_copies: bool) -> Tensor:
     """a @ b on 4-D (B, H, m, k) @ (B, H, k, n): torch.matmul expands both, reshapes each to 3-D
-    (a copy where (B, H) cannot merge), bmm, and views the result back to 4-D."""
+    (a copy where (B, H) cannot merge), bmm, and views the result back to 4-D. (A cast keeps its
+    input's strides, so autocast's copies do not change where the reshapes copy.)"""
+    a, b = autocast(g, "matmul", a, b)
     B, H = a.shape[0], a.shape[1]
     a3 = (reshape_copy if a_copies else view)(g, expand(g, a, a.shape), (B * H,) + a.shape[2:])
     b3 = (reshape_copy if b_copies else view)(g, expand(g, b, b.shape), (B * H,) + b.shape[2:])
@@ -460,6 +512,7 @@ def embedding(g: Graph, w: Tensor, idx: Tensor) -> Tensor:
 def layer_norm(g: Graph, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """aten.native_layer_norm (NativeLayerNormBackward0): output, and fp32 mean and rstd (B, T, 1);
     saves input, weight, bias, mean, rstd. Backward: grad input, grad weight, grad bias."""
+    x, w, b = autocast(g, "layer_norm", x, w, b)
     sx, sw = x.shape, w.shape
     stat = x.shape[:-1] + (1,)
     read = nbytes(x) + nbytes(w) + 2 * size(stat, "fp32")  # input, weight, mean, rstd
@@ -479,18 +532,22 @@ def layer_norm(g: Graph, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     return out
 
 
-def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False) -> Tensor:
     """aten._scaled_dot_product_flash_attention (ScaledDotProductFlashAttentionBackward0): output
     (laid out as q), logsumexp (B, nh, T) fp32, the Philox seed (2 x uint64) and offset (uint64);
-    saves q, k, v, output, logsumexp, seed, offset. Backward: grad q, k, v.
+    saves q, k, v, output, logsumexp, seed, offset. Backward: grad q, k, v. On CPU, SDPA's flash
+    backend is aten._scaled_dot_product_flash_attention_for_cpu: no dropout, so no seed or offset.
+    Autocast wraps SDPA (and CUDA's flash op): q, k, v cast to 16 bits, value first.
 
     HBM traffic is Q, K, V, O and the logsumexp (forward), and Q, K, V, O, dO, logsumexp in, dQ, dK,
     dV out (backward): the s×s scores stay on chip (Dao et al. 2022, sec. 3.1). The kernel is causal
     (verify/builder.py): it skips the masked blocks, so it executes half the FLOPs FlopCounterMode counts."""
+    q, k, v = autocast(g, "scaled_dot_product_attention", q, k, v)
     sq, sk, sv = q.shape, k.shape, v.shape
     B, nh, Tq, d = q.shape
     one = 2 * B * nh * Tq * k.shape[2] * d  # one (B·nh) x Tq x Tk matmul over d (GQA heads broadcast)
-    op = "_scaled_dot_product_flash_attention_backward"
+    name = "_scaled_dot_product_flash_attention" + ("_for_cpu" if cpu else "")
+    op = name + "_backward"
     qkv_bytes, dt = nbytes(q) + nbytes(k) + nbytes(v), q.dtype
     o_bytes, lse_bytes = size(q.shape, q.dtype), size(q.shape[:3], "fp32")
 
@@ -501,13 +558,18 @@ def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                  5 * one, dt)  # fmt: skip
         return grads
 
-    node = g.begin("_scaled_dot_product_flash_attention", [q, k, v], rule, [(q, "query"), (k, "key"), (v, "value")])
-    name = "_scaled_dot_product_flash_attention"
-    out = g.empty(q.shape, q.dtype, name)
-    lse = g.empty(q.shape[:3], "fp32", name)
-    g.kernel(name, (q, k, v), (out, lse), "flash", one, "attention", 2 * one, dt)  # QKᵀ and PV, causal half
-    seed = g.empty((2,), "uint64", name)
-    offset = g.empty((), "uint64", name)
+    def kernel():
+        out = g.empty(q.shape, q.dtype, name)
+        lse = g.empty(q.shape[:3], "fp32", name)
+        g.kernel(name, (q, k, v), (out, lse), "flash", one, "attention", 2 * one, dt)  # QKᵀ and PV, causal half
+        return (out, lse) if cpu else (out, lse, g.empty((2,), "uint64", name), g.empty((), "uint64", name))
+
+    node = g.begin(name, [q, k, v], rule, [(q, "query"), (k, "key"), (v, "value")])
+    if cpu:
+        out, lse = g.outputs(name, kernel, ("output", "logsumexp"))
+        g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp")])
+        return out
+    out, lse, seed, offset = g.outputs(name, kernel, ("output", "logsumexp", "philox_seed", "philox_offset"))
     g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp"), (seed, "philox_seed"), (offset, "philox_offset")])
     return out
 
@@ -515,6 +577,7 @@ def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 def nll_loss(g: Graph, logp: Tensor, target: Tensor) -> Tensor:
     """aten.nll_loss_forward, mean (NllLossBackward0): the loss and total_weight (fp32 scalars);
     saves target and total_weight. Backward: a dense (N, V) gradient, -1/N at each target, 0 elsewhere."""
+    logp, target = autocast(g, "nll_loss", logp, target)
     shape, target_bytes = logp.shape, nbytes(target)
     picked = shape[0] * ITEMSIZE[logp.dtype]  # forward reads one log-probability per row
 
@@ -693,3 +756,96 @@ def narrow_last(g: Graph, x: Tensor, width: int) -> Tensor:
     out = g.view(x, x.shape[:-1] + (width,))
     g.end(node, [out])
     return out
+
+
+# -- ops of Hugging Face Transformers' models (memcalc.exact.hf) -----------------------------------
+
+
+def slice_last(g: Graph, x: Tensor, start: int, stop: int) -> Tensor:
+    """x[..., start:stop] (SliceBackward0): a view; backward is slice_backward, a zero tensor of x's
+    shape with the gradient copied into the slice."""
+    shape = x.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "slice_backward")
+        g.kernel("slice_backward", (gs[0],), (out,))
+        return [out]
+
+    node = g.begin("slice", [x], rule)
+    out = g.view(x, x.shape[:-1] + (stop - start,))
+    g.end(node, [out])
+    return out
+
+
+def split_last(g: Graph, x: Tensor, size: int) -> list[Tensor]:
+    """x.split(size, dim=-1) (SplitBackward0): views; backward concatenates the gradients (a new tensor)."""
+    shape = x.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "cat")
+        g.kernel("cat", tuple(gs), (out,))
+        return [out]
+
+    node = g.begin("split", [x], rule)
+    parts = [g.view(x, x.shape[:-1] + (size,)) for _ in range(x.shape[-1] // size)]
+    g.end(node, parts)
+    return parts
+
+
+def pow_scalar(g: Graph, x: Tensor, exponent: int) -> Tensor:
+    """torch.pow(x, e) (PowBackward0): saves x. Backward (pow_backward): grad · (e · x.pow(e - 1)),
+    three allocations."""
+    shape, dtype = x.shape, x.dtype
+
+    def rule(gs):
+        p = g.empty(shape, dtype, "pow")
+        g.kernel("pow", (size(shape, dtype),), (p,))
+        scaled = g.empty(shape, dtype, "mul")
+        g.kernel("mul", (p,), (scaled,))
+        grad = g.empty(shape, dtype, "mul")
+        g.kernel("mul", (gs[0], scaled), (grad,))
+        del p, scaled
+        return [grad]
+
+    node = g.begin("pow", [x], rule, [(x, "self")])
+    out = g.empty(x.shape, x.dtype, "pow")
+    g.kernel("pow", (x,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def tanh(g: Graph, x: Tensor) -> Tensor:
+    """torch.tanh (TanhBackward0): saves its output."""
+    return unary(g, x, "tanh", "tanh_backward", "result")
+
+
+def div_tensor(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """a / b where b needs no gradient (DivBackward0): saves b; backward: grad / b."""
+    shape, b_bytes = a.shape, nbytes(b)
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "div")
+        g.kernel("div", (gs[0], b_bytes), (out,))
+        return [out, None]
+
+    node = g.begin("div", [a, b], rule, [(b, "other")])
+    out = g.empty(broadcast(a.shape, b.shape), a.dtype, "div")
+    g.kernel("div", (a, b), (out,))
+    g.end(node, [out])
+    return out
+
+
+def mul_scalar_(g: Graph, a: Tensor) -> Tensor:
+    """a *= c in place for a Python number (MulBackward0 on a's rebased history): no bytes in forward;
+    backward makes grad · c."""
+    shape = a.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "mul")
+        g.kernel("mul", (gs[0],), (out,))
+        return [out]
+
+    node = g.begin("mul", [a], rule)
+    g.kernel("mul_", (a,), (a,))
+    g.end(node, [a])
+    return a

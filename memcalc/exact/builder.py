@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from memcalc.model.shape import is_moe_layer, moe_layer_count
 
 from . import aten
+from .autocast import Autocast, autocast_for
 from .config import Config
 from .sim import Graph, Tensor
 
@@ -63,6 +64,7 @@ class Model:
     future: Tensor | None  # eager attention's causal mask buffer, (T, T) bool
     params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
     mtp: Mtp | None = None  # the multi-token prediction module
+    autocast: Autocast | None = None  # the autocast recipe's: forward runs under it
 
 
 # -- build ----------------------------------------------------------------------------------------
@@ -70,7 +72,7 @@ class Model:
 
 def build(g: Graph, cfg: Config) -> Model:
     """The parameters in the order nn.Module registers them, and the buffers."""
-    s, dt, params = cfg.shape, cfg.dtype, []
+    s, dt, params = cfg.shape, cfg.weights_dtype, []
 
     def p(shape, name):
         params.append(g.param(shape, dt, name))
@@ -109,7 +111,8 @@ def build(g: Graph, cfg: Config) -> Model:
     future = None
     if not cfg.flash:  # register_buffer("future", (T, T) bool)
         future = g.empty((cfg.seq_len, cfg.seq_len), "bool", "buffer future", kind="buffer")
-    return Model(cfg, tok, pos, blocks, final, head, future, params, mtp)
+    autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
+    return Model(cfg, tok, pos, blocks, final, head, future, params, mtp, autocast)
 
 
 # -- forward --------------------------------------------------------------------------------------
@@ -206,7 +209,7 @@ def core(g: Graph, cfg: Config, q, k, v, future) -> Tensor:
     """Attention.core: what selective recompute rebuilds."""
     with g.scoped("attention core"):
         if cfg.flash:
-            return aten.flash_attention(g, q, k, v)
+            return aten.flash_attention(g, q, k, v, cpu=cfg.device == "cpu")
         return eager_attention(g, q, k, v, future, cfg.shape.dropout)
 
 
@@ -276,6 +279,14 @@ def block(g: Graph, cfg: Config, b: Block, x, cos, sin, future, routing=()) -> T
 
 
 def forward(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
+    """recipe.forward: the model, under torch.autocast where the recipe autocasts (verify/autocast.py)."""
+    if m.autocast is None:
+        return transformer(g, m, idx, targets)
+    with m.autocast.region(g):
+        return transformer(g, m, idx, targets)
+
+
+def transformer(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
     """Transformer.forward: token ids and targets in, the mean cross-entropy (fp32 scalar) out."""
     cfg, s = m.cfg, m.cfg.shape
     B, T = idx.shape
@@ -287,13 +298,14 @@ def forward(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
     if s.positions == "rope":
         with g.scoped("rope tables"):
             cos, sin = rope_tables(g, T, s.rope_dim, x.dtype)
-    future = m.future
+    future, tricks = m.future, cfg.tricks
+    policy = torchtitan_policy if cfg.recompute == "op" else None
     routing = routing_tables(g, B * T, s) if moe_layer_count(s) else ()
     for i, b in enumerate(m.blocks):
         g.layer = i
-        if cfg.recompute == "full":
+        if tricks.checkpointed(i):  # ckpt, ckpt:N (every Nth block), sac (each block, with its policy)
             x = g.checkpoint(lambda x, cos, sin, future, *r, b=b: block(g, cfg, b, x, cos, sin, future, r),
-                             x, cos, sin, future, *routing)  # fmt: skip
+                             x, cos, sin, future, *routing, policy=policy)  # fmt: skip
         else:
             x = block(g, cfg, b, x, cos, sin, future, routing)
     g.layer = None
@@ -310,8 +322,25 @@ def forward(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
     return aten.add(g, loss, aten.mul_scalar(g, mtp_loss(g, m, last, idx, targets, weight, cos, sin, future, routing)))
 
 
+# torchtitan v0.1.0 (f7084fc7), torchtitan/models/llama3/infra/parallelize.py: _save_list, the ops whose
+# outputs per-op selective AC keeps (aten.mm, the SDPA efficient and flash ops, the functional
+# reduce_scatter_tensor, aten.max): those verify/builder.py's model dispatches are mm and the flash op.
+SAC_SAVE = ("mm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+            "reduce_scatter_tensor", "max")  # fmt: skip
+
+
+def torchtitan_policy(op: str, count: int) -> bool:
+    """torchtitan's _custom_policy (same file, _apply_ac_to_transformer_block): MUST_SAVE the outputs of
+    the ops in _save_list except every second aten.mm (count: the op's calls in the block so far, this
+    one included), PREFER_RECOMPUTE the rest. A Llama block's mms are wq, wk, wv, wo, gate, up, down:
+    wq, wv, gate and down are kept; a linear with a bias is aten.addmm, never kept."""
+    return op in SAC_SAVE and not (op == "mm" and count % 2 == 0)
+
+
 def cross_entropy(g: Graph, logits: Tensor, targets: Tensor) -> Tensor:
-    """F.cross_entropy: log_softmax, then nll_loss (mean)."""
+    """F.cross_entropy: log_softmax, then nll_loss (mean). CPU's autocast wraps aten.cross_entropy_loss
+    (fp32); CUDA's wraps the log_softmax and nll_loss inside it (fp32 as well)."""
+    (logits,) = aten.autocast(g, "cross_entropy_loss", logits)
     return aten.nll_loss(g, aten.log_softmax(g, logits), targets)
 
 

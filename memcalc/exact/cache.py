@@ -1,6 +1,6 @@
 """Replayed steps remembered on disk, so that `memcalc estimate` starts as fast as typer itself.
 
-A verdict replays each trick set's step (one and two blocks: ~3 ms each), some 30 ms for the default
+A verdict replays each trick set's step (two and three blocks: a few ms each), some 30 ms for the default
 progression, a third of the whole command. The result depends only on the call's arguments and on the
 simulator's source, so it is kept in one small JSON file per call under $MEMCALC_CACHE (default
 $XDG_CACHE_HOME/memcalc, else ~/.cache/memcalc), keyed by both; MEMCALC_CACHE=off turns it off. A cache
@@ -33,7 +33,8 @@ def folder() -> Path | None:
 @functools.cache
 def source_stamp() -> str:
     """memcalc's version and each simulator file's size and modification time: cheap, and new on any edit."""
-    files = sorted(SOURCES.glob("*.py")) + [SOURCES.parent / "model" / "stacks.py", SOURCES.parent / "model" / "shape.py"]
+    model = SOURCES.parent / "model"
+    files = sorted(SOURCES.glob("*.py")) + [model / "stacks.py", model / "shape.py", model / "tricks.py"]
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     return f"{__version__} {stats}"
 

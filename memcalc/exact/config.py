@@ -5,12 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import Tricks
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "int64": 8, "uint64": 8, "int32": 4}  # bytes of one element of each dtype the step holds
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, "uint64": 8, "int32": 4, "fp64": 8}  # bytes of one element of each dtype the step holds
 
 
 # What the simulator replays (memcalc.model.stacks' choices); anything else it refuses, never guesses.
-SIMULATED = {"model": ("reference",), "recipe": ("master",), "impl": ("reference",), "optimizer": ("adamw",)}
+SIMULATED = {"model": ("reference", "hf"), "recipe": ("master", "pure", "autocast"), "impl": ("reference", "loop", "foreach", "fused"),
+             "optimizer": ("adamw", "sgd", "adam8bit")}  # fmt: skip
+
+
+SGD_IMPLS = ("loop", "foreach")  # torch 2.13 has no meta kernel for aten::_fused_sgd_: not measured, not replayed
 
 
 def not_replayed(model: str, recipe: str, impl: str, optimizer: str, precision: str) -> str | None:
@@ -18,6 +23,29 @@ def not_replayed(model: str, recipe: str, impl: str, optimizer: str, precision: 
     for what, value in (("model", model), ("recipe", recipe), ("impl", impl), ("optimizer", optimizer)):
         if value not in SIMULATED[what] and not (what == "recipe" and precision == "fp32"):
             return f"the exact model does not replay {what} {value!r} yet; it replays {', '.join(SIMULATED[what])}"
+    if recipe == "autocast" and precision != "fp32" and model == "hf":
+        return "the exact model does not replay Transformers' model under autocast yet; --recipe master or pure"
+    if recipe == "autocast" and precision != "fp32" and impl != "reference":
+        return f"the exact model does not replay torch.optim's {impl} step under autocast yet; --optimizer-impl reference"
+    return untrainable(precision, recipe, impl, optimizer)
+
+
+def untrainable(precision: str, recipe: str, impl: str, optimizer: str) -> str | None:
+    """Why this optimizer does not train with this recipe and implementation, or None (verify/recipes.py
+    check_recipe asks the same): the reference implementation is AdamW, over fp32 weights or an fp32
+    master; the libraries' optimizers update the model's own weights, so a 16-bit master recipe keeps
+    the reference."""
+    sixteen = precision != "fp32"
+    if impl == "reference" and optimizer != "adamw":
+        return f"the reference implementation trains AdamW; --optimizer {optimizer} runs with --optimizer-impl loop or foreach"
+    if impl == "reference" and sixteen and recipe == "pure":
+        return "the pure recipe trains with torch.optim: --optimizer-impl loop, foreach or fused"
+    if impl != "reference" and sixteen and recipe == "master":
+        return ("the master recipe (fp32 master weights) runs with its reference implementation only: "
+                "--optimizer-impl reference, or --recipe pure")  # fmt: skip
+    if optimizer == "sgd" and impl not in SGD_IMPLS + ("reference",):
+        return (f"SGD runs with --optimizer-impl {' or '.join(SGD_IMPLS)} here: torch 2.13 has no meta kernel for "
+                "aten::_fused_sgd_, so fused SGD cannot be measured")  # fmt: skip
     return None
 
 
@@ -38,18 +66,32 @@ class Config:
     micro_batch: int
     precision: str  # fp32 | bf16 | fp16
     flash: bool  # attention by the flash kernel (aten._scaled_dot_product_flash_attention)
-    recompute: str  # none | selective | full
+    recompute: str  # none | selective | full | op (memcalc.model.tricks.Tricks)
     grad_accum: int = 1  # micro-batches per optimizer step
     optimizer: str = "adamw"  # adamw | sgd | adam8bit
     model: str = "reference"  # whose op sequence (memcalc.model.stacks): reference | hf
     recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure
     impl: str = "reference"  # the optimizer's implementation: reference | loop | foreach | fused
+    # whose kernels and autocast lists: cuda (the prediction), or cpu to hold the simulator against a
+    # measurement on CPU tensors (verify/autocast.py): CPU's flash kernel saves no RNG state
+    device: str = "cuda"
+    ckpt_every: int = 1  # with recompute full: every Nth block checkpointed (ckpt:N)
+
+    @property
+    def tricks(self) -> Tricks:
+        """The trick set this step runs: which blocks it checkpoints, and how (Tricks.checkpointed)."""
+        return Tricks(self.precision, self.flash, self.recompute, self.ckpt_every)
 
     @property
     def dtype(self) -> str:
         """The parameters' and activations' dtype: the precision's name is the sim's dtype name."""
         return self.precision
 
+    @property
+    def weights_dtype(self) -> str:
+        """The parameters' dtype: fp32 under autocast (torch.autocast casts them per op), else the
+        precision's."""
+        return "fp32" if self.recipe == "autocast" else self.precision
 
 @dataclass(frozen=True)
 class Phases:

@@ -1,18 +1,24 @@
 """One block's kernels, traced once: what the roofline times, and the FLOPs a step really executes.
 
 Every block of the stack runs the same kernels, so one block is traced (memcalc.exact.mirror.trace) and
-the rest is multiplication (tests/test_roofline.py checks it against full-depth traces). The FLOPs the
+the rest is multiplication (tests/test_roofline.py checks it against full-depth traces). With ckpt:N the
+blocks are of two kinds: one group of N is traced, its first block (plain) weighted by the blocks not
+checkpointed and its last (checkpointed) by those that are (block_weight;
+tests/test_checkpoint_policies.py checks it against full-depth traces). A model with dense and MoE blocks
+has a kind of each: a dense block then a MoE one is traced, or a group of N of each (traced_blocks;
+tests/test_moe_verify.py). The FLOPs the
 kernels execute, as torch.utils.flop_counter.FlopCounterMode counts them, are memcalc's one definition
 of hardware FLOPs: HFU everywhere, the --mfu time model, the toolbox's cost of checkpointing, `memcalc mfu`.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 
 from memcalc.model.flops import StepFlops, model_per_token, textbook_step_flops
-from memcalc.model.shape import ModelShape, moe_layer_count
+from memcalc.model.shape import ModelShape, is_moe_layer, moe_layer_count
 from memcalc.model.tricks import Tricks
 
 from .cache import remembered
@@ -55,23 +61,44 @@ TRACES: dict[tuple, tuple[Kernel, ...]] = {}  # (one-layer shape, seq, micro-bat
 MAX_TRACES = 512
 
 
-def traced_blocks(shape: ModelShape) -> tuple[ModelShape, dict[int, int]]:
-    """The shape whose step is traced, and how many of the model's blocks each traced block stands for: one
-    block when all are alike; a dense block and a MoE block when the model has both (every block of a kind
-    runs the same kernels; routing and RoPE tables are made outside the blocks)."""
-    moe = moe_layer_count(shape)
-    if moe in (0, shape.n_layers):
-        return replace(shape, n_layers=1), {0: shape.n_layers}
-    two = replace(shape, n_layers=2, first_dense_layers=1, moe_every=1, moe_offset=0, dense_layers=())
-    return two, {0: shape.n_layers - moe, 1: moe}
+@lru_cache(maxsize=1024)
+def traced_blocks(shape: ModelShape, tricks: Tricks = Tricks()) -> tuple[ModelShape, dict[int, int]]:
+    """The shape whose step is traced, and how many of the model's blocks each traced block stands for: those
+    of its kind (every block of a kind runs the same kernels; routing and RoPE tables are made outside the
+    blocks). A kind is a block's MLP, dense or MoE, and with ckpt:N whether it is checkpointed: one block
+    is traced when all are alike, a group of N with ckpt:N (its first plain, its last checkpointed), a
+    dense block then a MoE one (N of each with ckpt:N) when the model has both."""
+    n = tricks.ckpt_every if tricks.mixed else 1
+    moe, L = moe_layer_count(shape), shape.n_layers
+    if not shape.n_experts:
+        traced = replace(shape, n_layers=n)
+    else:  # the pattern made plain: dense blocks first, then MoE ones
+        dense = 0 if moe == L else n if moe else max(n, shape.first_dense_layers)
+        traced = replace(shape, n_layers=2 * n if 0 < moe < L else n, first_dense_layers=dense, moe_every=1,
+                         moe_offset=0, dense_layers=())  # fmt: skip
+    count = Counter(block_kind(shape, tricks, i) for i in range(L))
+    return traced, {t: count[kind] for kind, t in representatives(traced, tricks).items()}
+
+
+def block_kind(shape: ModelShape, tricks: Tricks, i: int) -> tuple[bool, bool]:
+    """Block i's kind: whether its MLP is a mixture of experts, whether it runs under checkpoint."""
+    return is_moe_layer(shape, i), tricks.checkpointed(i)
+
+
+def representatives(traced: ModelShape, tricks: Tricks) -> dict[tuple[bool, bool], int]:
+    """The first traced block of each kind."""
+    first: dict[tuple[bool, bool], int] = {}
+    for t in range(traced.n_layers):
+        first.setdefault(block_kind(traced, tricks, t), t)
+    return first
 
 
 def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
-    """One step's kernels with the model cut to one block (layer 0), or a dense and a MoE block
-    (traced_blocks); the rest are outside the blocks. A step without recompute is taken from the same
-    step with recompute when one was traced: it runs exactly those kernels less the recompute ones, in the
-    same order (tests/test_roofline.py)."""
-    one = traced_blocks(shape)[0]
+    """One step's kernels with the model cut to one block (layer 0), or to the blocks traced_blocks keeps
+    (with ckpt:N a group of N, layers 0 and N − 1 kept; a dense block and a MoE block); the rest are outside
+    the blocks. A step without recompute is taken from the same step with recompute when one was traced: it
+    runs exactly those kernels less the recompute ones, in the same order (tests/test_roofline.py)."""
+    one = traced_blocks(shape, tricks)[0]
     key = (one, seq_len, micro_batch, tricks)
     if key not in TRACES:
         if len(TRACES) >= MAX_TRACES:
@@ -80,14 +107,32 @@ def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     return TRACES[key]
 
 
+def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | None = None) -> int:
+    """How many of the step's n_layers blocks run a traced kernel like k: 1 outside the blocks; every
+    block; or with ckpt:N, the traced group's last block's for the n_layers // N checkpointed blocks and
+    its first block's for the others (with fewer than N blocks, none is checkpointed); with dense and MoE
+    blocks (a shape given), those of its block's kind (traced_blocks)."""
+    if k.layer is None:
+        return 1
+    if shape is not None and shape.n_experts:
+        full = shape if shape.n_layers == n_layers else replace(shape, n_layers=n_layers)
+        return traced_blocks(full, tricks)[1].get(k.layer, 0)
+    if not tricks.mixed:
+        return n_layers
+    checkpointed = tricks.n_checkpointed(n_layers)
+    return checkpointed if k.layer == tricks.ckpt_every - 1 else n_layers - checkpointed
+
+
 def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
     """memcalc.exact.mirror.trace of the one-block step, kept on disk between runs (memcalc.exact.cache)."""
 
     def trace_fields() -> list:
         from .mirror import trace  # here, not at import: a cached trace never simulates
 
-        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute)
-        return [list(k.key()) + [k.layer] for k in trace(cfg)]
+        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute,
+                     ckpt_every=tricks.ckpt_every)  # fmt: skip
+        kept = (None, *representatives(one, tricks).values())  # one block of each kind: see traced_blocks
+        return [list(k.key()) + [k.layer] for k in trace(cfg) if k.layer in kept]
 
     return tuple(Kernel(*fields) for fields in remembered("kernels", (one, seq_len, micro_batch, tricks), trace_fields))
 
@@ -103,7 +148,7 @@ def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
     one, seq_len, micro_batch, tricks = key
     if tricks.recompute != "none":
         return None
-    for recompute in ("selective", "full"):
+    for recompute in ("selective", "full", "op"):
         traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute)))
         if traced is not None:
             return tuple(k for k in traced if k.phase != "recompute")
@@ -115,10 +160,9 @@ def counted_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
     only, attention non-causal, flash's backward as five matmuls), and the same with every attention
     matmul halved: what a causal kernel executes."""
     counted = attention = 0
-    blocks = traced_blocks(shape)[1]
     for k in kernels_of(shape, seq_len, micro_batch, tricks):
         if k.phase in STEP_PHASES:
-            n = blocks[k.layer] if k.layer is not None else 1
+            n = block_weight(k, shape.n_layers, tricks, shape)
             counted += n * k.counted
             attention += n * k.counted if k.count_kind == "attention" else 0
     return counted, counted - attention // 2

@@ -1,18 +1,35 @@
 """verify/meta.py's measured training step, run in bytes on memcalc.exact.sim: the model built
-(memcalc.exact.builder), a warm-up step, then the measured one under verify/recipes.py's recipe
-(memcalc.exact.recipes), with every phase's peak; and trace(), the kernels of one step.
+(memcalc.exact.builder), a warm-up step, then the measured one under verify/recipes.py's recipe for the
+stack (memcalc.exact.recipes), with every phase's peak; and trace(), the kernels of one step.
 """
 
 from __future__ import annotations
 
-from .builder import Model, build, forward
+from . import builder, hf, recipes
+from .amp import AutocastRecipe
+from .builder import Model
 from .config import Config, Phases
 from .kernels import Kernel
-from .recipes import Recipe, check_simulated
+from .recipes import Recipe, TorchRecipe, check_simulated
 from .sim import Graph, Memory, Tensor, layer_of
 
 
-def micro_step(g: Graph, model: Model, recipe: Recipe, idx: Tensor, targets: Tensor, grad_accum: int) -> None:
+def build(g: Graph, cfg: Config) -> Model | hf.HFModel:
+    """Whose model the stack trains (cfg.model): memcalc's reference layer, or Transformers' classes."""
+    return hf.build(g, cfg) if cfg.model == "hf" else builder.build(g, cfg)
+
+
+def forward(g: Graph, model: Model | hf.HFModel, idx: Tensor, targets: Tensor) -> Tensor:
+    return (hf.forward if model.cfg.model == "hf" else builder.forward)(g, model, idx, targets)
+
+
+def recipe_for(g: Graph, model: Model) -> Recipe | TorchRecipe | AutocastRecipe:
+    """How the step trains: torch.amp's loop where the model autocasts, else verify/recipes.py's."""
+    return recipes.recipe_for(g, model) if getattr(model, "autocast", None) is None else AutocastRecipe(g, model)
+
+
+def micro_step(g: Graph, model: Model, recipe: Recipe | TorchRecipe | AutocastRecipe, idx: Tensor, targets: Tensor,
+               grad_accum: int) -> None:  # fmt: skip
     """grad_accum forward-backward passes (grads add up in place), then the optimizer step."""
     for _ in range(grad_accum):
         loss = forward(g, model, idx, targets)
@@ -24,8 +41,10 @@ def micro_step(g: Graph, model: Model, recipe: Recipe, idx: Tensor, targets: Ten
 def trace(cfg: Config) -> list[Kernel]:
     """The kernels of one steady-state training step: one micro-batch's forward and backward (and
     checkpoint recompute), what each further micro-batch adds into the gradients (AccumulateGrad's
-    in-place add, phase "accumulate"), and the optimizer step. One step, no warm-up: a first step
-    runs the same kernels as any other, except making AdamW's m and v, which is not a kernel here."""
+    in-place add, phase "accumulate"), and the optimizer step. The reference recipe's first step runs
+    the same kernels as any other (making AdamW's m and v is not a kernel there), so it is traced with
+    no warm-up; the libraries' optimizers make their state at the first step (zeros, SGD's clone), so
+    their trace is of a second step, the first run unrecorded."""
     check_simulated(cfg)
     g = Graph(Memory())
     g.kernels = []
@@ -33,7 +52,11 @@ def trace(cfg: Config) -> list[Kernel]:
     B, T = cfg.micro_batch, cfg.seq_len
     idx = g.empty((B, T), "int64", "input", kind="input")
     targets = g.empty((B, T), "int64", "input", kind="input")
-    recipe = Recipe(g, model)
+    recipe = recipe_for(g, model)
+    if isinstance(recipe, TorchRecipe):
+        built, g.kernels = g.kernels, None
+        micro_step(g, model, recipe, idx, targets, 1)
+        g.kernels = built
     loss = forward(g, model, idx, targets)
     recipe.backward(loss)
     del loss
@@ -73,8 +96,8 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
     idx = g.empty((B, T), "int64", "input", kind="input")
     targets = g.empty((B, T), "int64", "input", kind="input")
     inputs = mem.live_bytes - weights
-    recipe = Recipe(g, model)
-    if warm_up:
+    recipe = recipe_for(g, model)
+    if warm_up or not isinstance(recipe, Recipe):  # the libraries' optimizers make their state in their first step
         micro_step(g, model, recipe, idx, targets, micro_batches)
     else:
         recipe.first_step_state()

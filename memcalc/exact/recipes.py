@@ -1,4 +1,10 @@
-"""verify/recipes.py's training recipe in bytes: what the optimizer step keeps, converts and frees."""
+"""verify/recipes.py's training recipes in bytes: what the optimizer step keeps, converts and frees.
+
+Recipe       the reference implementation (verify/recipes.py Recipe): fp32 master for 16-bit weights,
+             AdamW written out per tensor
+TorchRecipe  the libraries' optimizers over the model's own parameters (verify/recipes.py TorchRecipe,
+             memcalc.exact.optimizers): fp32, or 16-bit weights with no master (the pure recipe)
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ from memcalc.errors import InputError
 from . import aten
 from .builder import Model, made
 from .config import Config, not_replayed, shape_not_replayed
+from .hf import HFModel
+from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
 from .sim import Graph, Tensor, layer_of
 
 
@@ -15,13 +23,37 @@ def check_simulated(cfg: Config) -> None:
     reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision) or shape_not_replayed(cfg.shape)
     if reason:
         raise InputError(reason)
+    if cfg.device not in ("cuda", "cpu"):
+        raise InputError(f"the exact model does not replay device {cfg.device!r}; it replays cuda, cpu")
+    if cfg.device == "cpu" and cfg.flash and cfg.shape.dropout > 0:
+        raise InputError("CPU's flash attention kernel has no dropout (_scaled_dot_product_flash_attention_for_cpu)")
+
+
+def recipe_for(g: Graph, m: Model) -> Recipe | TorchRecipe:
+    """verify/recipes.py recipe_for: the reference implementation, or the libraries' optimizers."""
+    return Recipe(g, m) if m.cfg.impl == "reference" else TorchRecipe(g, m)
+
+
+def recipe_note(cfg: Config) -> str:
+    """What the simulated optimizer step is, in a line."""
+    if cfg.recipe == "autocast" and cfg.precision != "fp32":
+        scaler = ", GradScaler" if cfg.precision == "fp16" else ""
+        return (f"torch.autocast over fp32 weights ({cfg.device.upper()}'s lists; weight casts cached through "
+                f"forward){scaler}; AdamW per tensor on the fp32 weights")  # fmt: skip
+    if cfg.impl == "reference":
+        return "AdamW (fp32 m, v) on one GPU, grads converted per tensor"
+    master = "" if cfg.precision == "fp32" else ", no master"
+    if cfg.optimizer == "adam8bit":
+        return f"bitsandbytes AdamW8bit ({cfg.precision} weights{master}; uint8 m, v) on one GPU"
+    name = {"adamw": "AdamW", "sgd": "SGD with momentum"}[cfg.optimizer]
+    return f"torch.optim {name} ({cfg.impl}; {cfg.precision} weights and state{master}) on one GPU"
 
 
 class Recipe:
     """verify/recipes.py's Recipe: fp32 master weights (16-bit recipes), AdamW m and v made at the
     first step, and GradScaler's scale and growth tracker for fp16."""
 
-    def __init__(self, g: Graph, m: Model):
+    def __init__(self, g: Graph, m: Model | HFModel):
         self.g, self.model, self.precision = g, m, m.cfg.precision
         self.params = m.params
         if self.precision == "fp32":
@@ -77,19 +109,10 @@ class Recipe:
             if self.m[i] is None:  # made at the first step only
                 self.m[i] = g.empty(w.shape, "fp32", "zeros_like", kind="state")
                 self.v[i] = g.empty(w.shape, "fp32", "zeros_like", kind="state")
-            m, v = self.m[i], self.v[i]
-            g.kernel("mul_", (w,), (w,))  # decoupled weight decay
-            g.kernel("lerp_", (m, grad), (m,))
-            g.kernel("mul_", (v,), (v,))
-            g.kernel("addcmul_", (v, grad), (v,))  # g·g: one operand read once
-            denom = g.empty(w.shape, "fp32", "sqrt")  # v.sqrt().div_(...).add_(eps)
-            g.kernel("sqrt", (v,), (denom,))
-            g.kernel("div_", (denom,), (denom,))
-            g.kernel("add_", (denom,), (denom,))
-            g.kernel("addcdiv_", (w, m, denom), (w,))
+            adamw(g, w, grad, self.m[i], self.v[i])
             if w is not p:
                 g.kernel("copy_", (w,), (p,))  # the new 16-bit weights
-            del denom, grad, m, v
+            del grad
         del found_inf, inv_scale
         g.layer, g.stage = None, "forward"
 
@@ -105,3 +128,35 @@ class Recipe:
         self.g.layer = None
 
 
+class TorchRecipe:
+    """verify/recipes.py TorchRecipe: the model's own parameters (fp32, or 16-bit with no master) updated
+    by the library's optimizer, loss.backward() unscaled (pure fp16: GradScaler refuses fp16 grads),
+    then optimizer.zero_grad(): every gradient set to None, in parameter order."""
+
+    def __init__(self, g: Graph, m: Model):
+        self.g, self.model, self.params = g, m, m.params
+        self.optimizer: AdamW | SGD | AdamW8bit = library_optimizer(g, m.params, m.cfg.optimizer, m.cfg.impl)
+
+    def backward(self, loss: Tensor) -> None:
+        self.g.backward(loss)
+
+    def update(self) -> None:
+        g = self.g
+        g.stage = "optimizer"
+        self.optimizer.step()
+        for p in self.params:  # torch/optim/optimizer.py Optimizer.zero_grad(set_to_none=True)
+            p.grad = None
+        g.layer, g.stage = None, "forward"
+
+
+def adamw(g: Graph, w: Tensor, grad: Tensor, m: Tensor, v: Tensor) -> None:
+    """recipes.adamw_: one AdamW update of an fp32 tensor in place; one temporary, the denominator."""
+    g.kernel("mul_", (w,), (w,))  # decoupled weight decay
+    g.kernel("lerp_", (m, grad), (m,))
+    g.kernel("mul_", (v,), (v,))
+    g.kernel("addcmul_", (v, grad), (v,))  # g·g: one operand read once
+    denom = g.empty(w.shape, "fp32", "sqrt")  # v.sqrt().div_(...).add_(eps)
+    g.kernel("sqrt", (v,), (denom,))
+    g.kernel("div_", (denom,), (denom,))
+    g.kernel("add_", (denom,), (denom,))
+    g.kernel("addcdiv_", (w, m, denom), (w,))

@@ -9,7 +9,9 @@ The pieces mirror PyTorch's own, so that lifetimes come out the same:
   Graph     runs the backward engine (of the nodes that are ready, the highest sequence number runs
             first, as in torch's ReadyQueue; AccumulateGrad before all) and non-reentrant
             checkpointing (saved tensors become placeholders in forward; the region is re-run at the
-            first unpack in backward and stops once its last saved tensor is rebuilt)
+            first unpack in backward and stops once its last saved tensor is rebuilt), with or without
+            a selective-checkpoint policy (create_selective_checkpoint_contexts: forward keeps the
+            outputs of the ops the policy saves, and the recompute takes them instead of rerunning)
 Gradients reaching one input twice are summed out of place, as torch's InputBuffer does unless it
 owns the first gradient alone (never the case in these models: measured on meta and on CPU).
 
@@ -51,7 +53,7 @@ def nbytes(x) -> int:
 class Memory:
     """Live bytes, and the peak since reset_peak() with the op that reached it; and the peak of each
     segment of the step (segment_peaks): a block's part of a phase, or what runs before the first
-    block or after the last (memcalc.exact.step.grown_phases grows one- and two-block steps from them)."""
+    block or after the last (memcalc.exact.step.grown_phases grows two- and three-block steps from them)."""
 
     live_bytes: int = 0
     peak_bytes: int = 0
@@ -81,10 +83,12 @@ class Memory:
         """What runs from now on belongs to block `layer`, or (None) to before or after the blocks."""
         if layer is None:
             self.segment = "after" if self.blocks_seen else "before"
-            return
-        if layer not in self.blocks_seen:
-            self.blocks_seen.append(layer)
-        self.segment = layer
+        else:
+            if layer not in self.blocks_seen:
+                self.blocks_seen.append(layer)
+            self.segment = layer
+        # a segment holds at least what is live on entering it (a fused optimizer's block allocates nothing)
+        self.segment_peaks.setdefault(self.segment, (self.live_bytes, f"{self.phase}: (entering {self.segment})"))
 
     def reset_peak(self) -> None:
         self.peak_bytes, self.peak_at = self.live_bytes, f"{self.phase}: (start)"
@@ -94,6 +98,7 @@ class Memory:
 class Storage:
     __slots__ = ("mem", "nbytes", "op", "kind")
 
+    # kind: activation | param | buffer | input | state | cached (an activation a selective checkpoint keeps)
     def __init__(self, mem: Memory, nbytes: int, op: str, kind: str = "activation"):
         self.mem, self.nbytes, self.op, self.kind = mem, nbytes, op, kind
         mem.alloc(nbytes, op)
@@ -151,16 +156,27 @@ class Slot:
 
 
 class Frame:
-    """One non-reentrant checkpoint region; its inputs live as long as its placeholders."""
+    """One non-reentrant checkpoint region; its inputs live as long as its placeholders (torch's
+    _CheckpointFrame, which the unpack hooks of the region's saved tensors hold).
 
-    def __init__(self, fn: Callable, args: tuple):
+    With a policy (selective checkpointing), policy(op, n) says whether the n-th call (from 1) of an op
+    in the region keeps its outputs. They are kept in cache (torch.utils.checkpoint's SAC storage,
+    shared by _CachingTorchDispatchMode and _CachedTorchDispatchMode and held with the frame): taken
+    out as the recompute replays that call (the entry is _CONSUMED), or kept as long as the frame
+    lives when early stop ends the recompute before it."""
+
+    def __init__(self, fn: Callable, args: tuple, policy: Callable[[str, int], bool] | None = None):
         self.fn, self.args = fn, args
         self.n_saved = 0
         self.recomputed: dict[int, Storage] | None = None
+        self.autocast = None  # the autocast region its forward ran in: recompute runs in it again
+        self.policy = policy
+        self.counts: dict[str, int] = {}  # op -> calls so far in this pass (the dispatch modes' func_counter)
+        self.cache: dict[tuple[str, int], tuple[Tensor, ...]] = {}  # (op, index) -> its outputs, kept
 
 
 class Node:
-    __slots__ = ("name", "seq", "edges", "rule", "saved", "n_inputs", "leaf", "layer", "scope")
+    __slots__ = ("name", "seq", "edges", "rule", "saved", "n_inputs", "leaf", "layer", "scope", "dtypes")
 
     def __init__(self, name: str, seq: int, edges: list, rule: Callable, n_inputs: int, layer: int | None = None,
                  scope: str = ""):  # fmt: skip
@@ -169,6 +185,7 @@ class Node:
         self.n_inputs = n_inputs  # gradient slots: one per forward output
         self.leaf: Tensor | None = None
         self.layer, self.scope = layer, scope  # where its forward ran: its backward's kernels belong there
+        self.dtypes: list = []  # its inputs' dtypes: a gradient of another dtype is cast to its input's
 
     def __lt__(self, other: Node) -> bool:  # heapq pops the smallest: make that the highest seq
         return self.seq > other.seq
@@ -196,6 +213,7 @@ class Graph:
         self.flops: dict[tuple[str, str], int] = {}  # (forward | backward | recompute, kind) -> FLOPs
         self.kernels: list[Kernel] | None = None  # every kernel launched, when recording
         self.stage = "forward"  # outside backward: forward, or the recipe's accumulate | optimizer
+        self.autocast = None  # the autocast region running (memcalc.exact.autocast.Autocast), if any
 
     @property
     def layer(self) -> int | None:
@@ -266,6 +284,7 @@ class Graph:
             return None
         self.seq += 1
         node = Node(name, self.seq, edges, rule, 0, self.layer, self.scope)
+        node.dtypes = [None if t is None else t.dtype for t in inputs]
         if saved:
             node.saved = [self.save(t, name, what) for t, what in saved]
         return node
@@ -304,25 +323,53 @@ class Graph:
         self.saved_terms.append(SavedTerm(op, what, t.storage.nbytes, t.dtype, t.shape, self.layer, self.scope))
 
     # -- checkpoint ---------------------------------------------------------------------------
-    def checkpoint(self, fn: Callable, *args):
-        """torch.utils.checkpoint(fn, *args, use_reentrant=False): its inputs are kept, the rest rebuilt."""
+    def checkpoint(self, fn: Callable, *args, policy: Callable[[str, int], bool] | None = None):
+        """torch.utils.checkpoint(fn, *args, use_reentrant=False): its inputs are kept, the rest rebuilt;
+        with a policy, context_fn=create_selective_checkpoint_contexts(policy) (see Frame)."""
         with self.scoped("checkpoint"):
             for t in args:
                 if isinstance(t, Tensor):
                     self.note_saved(t, "checkpoint", "input")
-        frame = Frame(fn, args)
+        frame = Frame(fn, args, policy)
+        frame.autocast = self.autocast  # torch/utils/checkpoint.py: _get_autocast_kwargs at forward
         outer, self.frame = self.frame, frame
         try:
             return fn(*args)
         finally:
             self.frame = outer
 
+    def outputs(self, op: str, make: Callable[[], tuple[Tensor, ...]], names: tuple[str, ...] = ("output",)
+                ) -> tuple[Tensor, ...]:  # fmt: skip
+        """An op's kernel: make() allocates its outputs and records the kernel. Inside a region with a
+        policy, each call is counted per op; forward keeps the outputs the policy saves (detached
+        aliases of the same storages: torch.utils.checkpoint._CachingTorchDispatchMode), and the
+        recompute takes them back instead of running the op (_CachedTorchDispatchMode): no bytes, no
+        kernel, no FLOPs. names: what each output is, for the saved terms."""
+        frame = self.rebuilding if self.rebuilding is not None else self.frame
+        if frame is None or frame.policy is None:
+            return make()
+        index = frame.counts.get(op, 0)
+        frame.counts[op] = index + 1
+        if frame is self.rebuilding:
+            kept = frame.cache.pop((op, index), None)  # consumed: the cache lets go of it
+            return kept if kept is not None else make()
+        outs = make()
+        if frame.policy(op, index + 1):
+            frame.cache[(op, index)] = tuple(Tensor(t.storage, t.shape, t.dtype) for t in outs)
+            for t, name in zip(outs, names):
+                self.note_saved(t, op, f"{name}, kept by selective checkpointing")
+                t.storage.kind = "cached"  # kept since forward: the recompute brings it back without bytes
+        return outs
+
     def rebuild(self, frame: Frame) -> None:
-        """The first unpack in backward: run the region again with grad on, keep what it saves."""
-        frame.recomputed = {}
+        """The first unpack in backward: run the region again with grad on (and under the autocast it
+        ran in: checkpoint.py's recompute_fn), keep what it saves."""
+        frame.recomputed, frame.counts = {}, {}  # the recompute's mode counts afresh
         self.rebuilding, self.grad_enabled = frame, True
+        region = contextlib.nullcontext() if frame.autocast is None else frame.autocast.region(self)
         try:
-            frame.fn(*frame.args)
+            with region:
+                frame.fn(*frame.args)
         except StopRecompute:
             pass
         finally:
@@ -381,7 +428,7 @@ class Graph:
         outs = node.rule(grads)
         if rebuilt:  # unpacked rebuilt tensors were locals of apply(): they die as it returns
             node.saved = None
-        outs = [self.reduce(o) for o in outs]  # validate_outputs: broadcast gradients summed
+        self.validate(outs, node.dtypes)
         grads.clear()  # the incoming gradients die with call_function
         node.saved = None  # release_variables(): the saved tensors go
         return outs
@@ -391,16 +438,33 @@ class Graph:
         one kernel that reads both and writes the sum."""
         self.kernel("add_", (leaf.grad, leaf.grad), (leaf.grad,))
 
-    def reduce(self, out):
-        """A (gradient, input shape) pair is summed to that shape (autograd's validate_outputs)."""
-        if not isinstance(out, tuple):
-            return out
-        grad, shape = out
-        if grad.shape == tuple(shape):
-            return grad
-        summed = self.empty(shape, grad.dtype, "sum")
-        self.kernel("sum", (grad,), (summed,))
-        return summed
+    def validate(self, outs: list, dtypes: list) -> None:
+        """autograd's validate_outputs (torch/csrc/autograd/engine.cpp), slot by slot, each replaced
+        gradient freed at once: a (gradient, input shape) pair is summed to that shape, then a gradient
+        of another dtype than its input (an autocast cast's, a promoted op's) is cast to it."""
+        for i in range(len(outs)):
+            out, outs[i] = outs[i], None
+            if isinstance(out, tuple):
+                grad, shape = out
+                del out
+                out = grad if grad.shape == tuple(shape) else self.summed(grad, shape)
+                del grad
+            if out is not None and dtypes[i] is not None and out.dtype != dtypes[i]:
+                out = self.cast(out, dtypes[i])
+            outs[i] = out
+            del out
+
+    def summed(self, grad: Tensor, shape) -> Tensor:
+        """at::sum_to(grad, shape): a new tensor."""
+        out = self.empty(shape, grad.dtype, "sum")
+        self.kernel("sum", (grad,), (out,))
+        return out
+
+    def cast(self, grad: Tensor, dtype: str) -> Tensor:
+        """grad.to(dtype): a new tensor."""
+        out = self.empty(grad.shape, dtype, "_to_copy")
+        self.kernel("_to_copy", (grad,), (out,))
+        return out
 
 
 def layer_of(name: str) -> int | None:

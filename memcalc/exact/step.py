@@ -92,7 +92,7 @@ def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gr
                     n_kv_heads=Sym(shape.n_kv_heads, "k"), head_dim=Sym(shape.head_dim, "d"),
                     ffn=Sym(shape.ffn, "f"), vocab=Sym(shape.vocab, "v"))  # fmt: skip
     return Config(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks.precision, tricks.flash, tricks.recompute,
-                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl)  # fmt: skip
+                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl, ckpt_every=tricks.ckpt_every)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -101,14 +101,22 @@ class ExactActivations:
 
     tricks: Tricks
     n_layers: int
-    terms: tuple[Term, ...]  # saved per layer, one term per (part, op, tensor)
+    terms: tuple[Term, ...]  # saved per layer, one term per (part, op, tensor); with ckpt:N per plain layer
     outside: tuple[Term, ...]  # saved once: embeddings, RoPE tables, final norm, logits, loss
     rebuilt_bytes: int  # what one recomputed region brings back during backward (0 without recompute)
-    first_blocks: int = 0  # blocks whose saved bytes are in outside: dense blocks before MoE ones (see first_depth)
+    checkpointed: tuple[Term, ...] = ()  # ckpt:N: what each checkpointed layer saves (its input)
+    n_checkpointed: int = 0  # ckpt:N: how many layers past first_blocks save `checkpointed` instead of `terms`
+    first_blocks: int = 0  # blocks whose saved bytes are in outside: dense blocks before MoE ones (see Growth)
 
     @property
     def per_layer_bytes(self) -> int:
+        """Saved by one layer; with ckpt:N by one layer that is not checkpointed."""
         return sum(t.value for t in self.terms)
+
+    @property
+    def checkpointed_bytes(self) -> int:
+        """ckpt:N: saved by one checkpointed layer."""
+        return sum(t.value for t in self.checkpointed)
 
     @property
     def outside_bytes(self) -> int:
@@ -116,7 +124,8 @@ class ExactActivations:
 
     @property
     def total_bytes(self) -> int:
-        return self.per_layer_bytes * (self.n_layers - self.first_blocks) + self.outside_bytes
+        plain = self.n_layers - self.first_blocks - self.n_checkpointed
+        return self.per_layer_bytes * plain + self.checkpointed_bytes * self.n_checkpointed + self.outside_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -181,16 +190,20 @@ def to_terms(saved) -> tuple[Term, ...]:
         if numel * ITEMSIZE[dtype] != nbytes:  # a view of a larger storage: no tidy formula
             form = str(nbytes * len(ts))
         source = "torch.utils.checkpoint keeps its input" if op == "checkpoint" else f"aten.{op} saves {what}"
-        out.append(Term(f"{scope}: {op} saves {what} ({dtype})", nbytes * len(ts), form, source))
+        name = f"{scope}: {op} saves {what} ({dtype})"
+        if what.endswith("kept by selective checkpointing"):  # memcalc.exact.sim.Graph.outputs
+            source = f"torch.utils.checkpoint's selective cache keeps aten.{op}'s outputs (torchtitan's policy)"
+            name = f"{scope}: {op} {what} ({dtype})"
+        out.append(Term(name, nbytes * len(ts), form, source))
     return tuple(out)
 
 
-def split_layers(saved, n_layers: int) -> tuple[list, list]:
-    """One layer's saved tensors (the second layer's: the first also saves what all layers share,
-    like the RoPE tables) and those saved once outside the layers."""
-    if n_layers == 1:
-        raise ValueError("split_layers needs two layers")
-    layer = [t for t in saved if t.layer == 1]
+def split_layers(saved, like_first: int = 1) -> tuple[list, list]:
+    """One layer's saved tensors (layer like_first's, a later layer like the first: the first also saves
+    what all layers share, like the RoPE tables) and those saved once outside the layers."""
+    if like_first < 1:
+        raise ValueError("split_layers needs a later layer like the first")
+    layer = [t for t in saved if t.layer == like_first]
     first = Counter(term_key(t) for t in saved if t.layer == 0)
     first.subtract(Counter(term_key(t) for t in layer))
     extra, outside = [], [t for t in saved if t.layer is None]
@@ -213,37 +226,73 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
                stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> ExactStep:  # fmt: skip
     """Simulate verify's step on one GPU: the model as the stack builds it, trained as it trains it.
 
-    One- and two-block steps are simulated and grown to the depth (grown_phases): every block runs the
-    same ops, so the saved tensors per layer are the second block's, and counts are affine in L. Equal
-    to the full-depth replay, and to the meta measurement, byte for byte (tests/test_exact_depth.py,
-    tests/test_verify_meta.py); its cost does not grow with the depth."""
+    Two short steps are simulated and grown to the depth (Growth, grown_phases): a unit is one block,
+    or with ckpt:N a group of N (N − 1 plain and one checkpointed), plus the blocks left over (L mod N,
+    plain) in both; the lead units, which may differ from the rest (the first: Transformers builds its
+    masks there; or as many as hold the dense blocks before MoE ones), are in both, one unit more
+    after them in the shorter, two in the longer. Every unit after the lead runs the same ops, so the
+    saved tensors per layer are those of such a block, and counts are affine in the units. Equal to the
+    full-depth replay, and to the meta measurement, byte for byte (tests/test_exact_depth.py,
+    tests/test_verify_meta.py, tests/test_checkpoint_policies.py, tests/test_moe_verify.py); its cost does
+    not grow with the depth."""
     check_size("seq", seq_len, limit=MAX_SEQ)
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
 
     from .mirror import simulate  # here, not at import: a cached verdict never simulates (memcalc.exact.cache)
+    from .recipes import recipe_note
+
+    L, run, grown = shape.n_layers, as_run(tricks, shape.n_layers), growth(tricks, shape)
 
     def at(layers: int):
-        cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
+        cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, run, grad_accum, stack, optimizer)
         return simulate(cfg, warm_up=False)
 
-    L, a = shape.n_layers, first_depth(shape)
-    if a != 1:  # dense blocks before MoE ones (or another pattern): grown from depths a and a + 1
-        phases, acts, counts = mixed_step(at, tricks, L, a)
+    if grown is None:  # dense and MoE blocks in another pattern: replayed whole, nothing per layer
+        phases, g, _ = at(L)
+        acts = ExactActivations(tricks, L, (), to_terms(g.saved_terms), g.rebuilt_bytes, first_blocks=L)
+        counts = dict(g.flops)
     else:
-        (one, g1, m1), (two, g2, m2) = at(1), at(2)
-        phases = one if L == 1 else grown_phases(one, two, m1, m2, L)
-        layer, outside = split_layers(g2.saved_terms, 2)
-        acts = ExactActivations(tricks, L, to_terms(layer), to_terms(outside), g2.rebuilt_bytes)
-        counts = {key: grow(g1.flops.get(key, 0), g2.flops.get(key, 0), L) for key in g2.flops}
+        phases, acts, counts = grown_step(at, grown, tricks, run)
     tokens = seq_len * micro_batch
     counted = sum(counts.values())
     attention = sum(n for (_, kind), n in counts.items() if kind == "attention")
     model, model_causal = model_flops(shape, seq_len, tokens)
     flops = ExactFlops(tokens, flop_terms(counts), counted, counted - attention // 2, model, model_causal)
-    note = "AdamW (fp32 m, v) on one GPU, grads converted per tensor; measured on meta: equal to the byte"
+    note = recipe_note(config(shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)) + "; measured on meta: equal to the byte"
     return ExactStep(tricks, seq_len, micro_batch, grad_accum, n_params(shape), acts, phases, flops, note)
+
+
+def grown_step(at, grown: Growth, tricks: Tricks, run: Tricks) -> tuple[Phases, ExactActivations, dict]:
+    """exact_step's phases, activations and FLOP counts from the short steps (at(depth): simulate's
+    phases, graph and memory) grown to the depth, or from the full depth replayed where it is no deeper
+    than the shorter step."""
+    L, unit = grown.n_layers, grown.unit
+    if grown.whole:  # short enough to replay whole (the shorter step's block `unit` still gives one layer)
+        phases, g3, _ = at(L)
+        g2 = g3 if grown.short == L or grown.dense else at(grown.short)[1]
+        counts = dict(g3.flops)
+    else:
+        (short, g2, m2), (long, g3, m3) = at(grown.short), at(grown.long)
+        phases = grown_phases(short, long, m2, m3, grown)
+        counts = {key: grow(g2.flops.get(key, 0), g3.flops.get(key, 0), grown) for key in g3.flops}
+    if not grown.dense:  # every block alike past the first
+        layer, outside = split_layers(g2.saved_terms, unit)  # block `unit`: plain, like the first
+        acts = ExactActivations(tricks, L, to_terms(layer), to_terms(outside), g2.rebuilt_bytes)
+        if run.mixed:  # ckpt:N: block 2N − 1 is checkpointed
+            ckpt = [t for t in g2.saved_terms if t.layer == 2 * unit - 1]
+            acts = replace(acts, checkpointed=to_terms(ckpt), n_checkpointed=run.n_checkpointed(L))
+        return phases, acts, counts
+    # dense blocks before MoE ones: the step of first_blocks blocks is outside; per layer, a MoE block past it
+    first = g3 if grown.whole else g2
+    plain, ckpt = layer_blocks(grown, run)  # in g3: the longer step, or the whole depth
+    layer = [t for t in g3.saved_terms if plain is not None and t.layer == plain]
+    kept = [t for t in g3.saved_terms if ckpt is not None and t.layer == ckpt]
+    n_ckpt = run.n_checkpointed(L) - run.n_checkpointed(grown.first_blocks) if run.mixed else 0
+    acts = ExactActivations(tricks, L, to_terms(layer), to_terms(first.saved_terms), g3.rebuilt_bytes,
+                            to_terms(kept), n_ckpt, grown.first_blocks)  # fmt: skip
+    return phases, acts, counts
 
 
 def exact_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> ExactActivations:
@@ -269,103 +318,149 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
 
+    run, grown = as_run(tricks, shape.n_layers), growth(tricks, shape)
+
     def at(layers: int):
         from .mirror import simulate  # here, not at import: a cached verdict never simulates
 
-        cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, tricks.precision, tricks.flash,
-                     tricks.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl)  # fmt: skip
+        cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, run.precision, run.flash,
+                     run.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl,
+                     ckpt_every=run.ckpt_every)  # fmt: skip
         phases, _, mem = simulate(cfg, warm_up=False)
         return phases, mem
 
     def replay() -> dict:
-        L, a = shape.n_layers, first_depth(shape)
-        if a is None or L == 1:  # a pattern not grown: the whole depth
-            return asdict(at(L)[0])
-        (one, m1), (two, m2) = at(a), at(a + 1)
-        return asdict(grown_phases(one, two, m1, m2, L - a + 1, block_match(a)))
+        if grown is None or grown.whole:  # another pattern of blocks, or short enough: the whole depth
+            return asdict(at(shape.n_layers)[0])
+        (short, m2), (long, m3) = at(grown.short), at(grown.long)
+        return asdict(grown_phases(short, long, m2, m3, grown))
 
     key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
     return Phases(**remembered("phases", key, replay))
 
 
-def grown_phases(one: Phases, two: Phases, m1, m2, layers: int, match: dict | None = None) -> Phases:
-    """A step's phases at `layers` blocks from its one- and two-block steps. What a step holds is affine
-    in the depth; a phase's peak is the highest of its segments' (memcalc.exact.sim.Memory): its start,
-    before the blocks, after them, and inside a block, where the live bytes are affine in how many
-    blocks the phase has done (each frees one block's activations, or keeps one, and adds its
-    gradients), so highest in the first block or the last (with one block, both are that block). Each
-    grows affinely with the depth; the peak is the highest grown, named by the first segment to reach it.
-    At 8B with checkpointing this finds the backward peak moving, with depth, from the loss into the
-    last block's recompute, where the gradients of the blocks done outgrow the activations they freed."""
-    grown = {f: grow(getattr(one, f), getattr(two, f), layers) for f in STATE_FIELDS}
+# -- growth: a step at full depth from two short ones ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How a step of n_layers blocks grows from two short ones. A unit is one block, or with ckpt:N a
+    group of N blocks (N − 1 plain, the Nth checkpointed: torchtitan counts from 1); the L mod N blocks
+    left over come last, plain, and every step ends with them. The lead units may differ from the rest,
+    so both short steps hold them: the first unit (Transformers builds its masks in its first block), or
+    with d dense blocks before MoE ones (DeepSeek-V3's first_k_dense_replace) as many units as hold
+    them. The shorter step has one unit more, the longer two."""
+
+    unit: int  # blocks per unit
+    lead: int  # units before those that repeat
+    units: int  # units at full depth
+    left: int  # blocks left over after the units
+    dense: int  # dense blocks before MoE ones; 0 when every block's MLP is alike
+
+    @property
+    def n_layers(self) -> int:
+        return self.units * self.unit + self.left
+
+    @property
+    def short(self) -> int:
+        """The shorter step's depth: the lead units, one more and the blocks left over."""
+        return (self.lead + 1) * self.unit + self.left
+
+    @property
+    def long(self) -> int:
+        return self.short + self.unit
+
+    @property
+    def whole(self) -> bool:
+        """No deeper than the shorter step: the full depth is replayed as it is."""
+        return self.units <= self.lead + 1
+
+    @property
+    def first_blocks(self) -> int:
+        """Blocks whose saved bytes exact counts outside the layers: with dense blocks first, all those of
+        the shorter step (or of the whole depth, replayed whole); else none (the first block's extras)."""
+        return min(self.short, self.n_layers) if self.dense else 0
+
+
+def growth(tricks: Tricks, shape: ModelShape) -> Growth | None:
+    """How the step grows (Growth); None for blocks in a pattern it does not grow (MoE every other
+    block, or dense blocks among MoE ones past the first: replayed whole)."""
+    L, dense = shape.n_layers, dense_first(shape)
+    if dense is None:
+        return None
+    run = as_run(tricks, L)
+    unit = run.ckpt_every if run.mixed else 1
+    units, left = divmod(L, unit)
+    return Growth(unit, max(1, -(-dense // unit)), units, left, dense)
+
+
+def dense_first(shape: ModelShape) -> int | None:
+    """How many dense blocks come before the MoE ones: 0 when every block is alike (all dense or all MoE);
+    d when d dense blocks come before MoE ones only (DeepSeek-V3's first_k_dense_replace); None for any
+    other pattern."""
+    L, moe = shape.n_layers, moe_layer_count(shape)
+    if moe in (0, L):
+        return 0
+    d = shape.first_dense_layers
+    if moe == L - d and all(is_moe_layer(shape, i) for i in range(d, L)):
+        return d
+    return None
+
+
+def layer_blocks(grown: Growth, run: Tricks) -> tuple[int | None, int | None]:
+    """With dense blocks first: the MoE blocks exact's per-layer terms are taken from, one plain and (ckpt:N)
+    one checkpointed: the first of each kind past the shorter step in the longer, or past the dense blocks
+    when the whole depth is replayed (verify/meta.py measures the same blocks); None where there is none."""
+    lo, hi = (grown.dense, grown.n_layers) if grown.whole else (grown.short, grown.long)
+    if not run.mixed:
+        return lo, None
+    plain = next((b for b in range(lo, hi) if not run.checkpointed(b)), None)
+    return plain, next((b for b in range(lo, hi) if run.checkpointed(b)), None)
+
+
+def as_run(tricks: Tricks, layers: int) -> Tricks:
+    """The trick set as the blocks run it: ckpt:N over fewer than N blocks checkpoints none."""
+    return replace(tricks, recompute="none", ckpt_every=1) if tricks.mixed and layers < tricks.ckpt_every else tricks
+
+
+def grown_phases(short: Phases, long: Phases, m2, m3, grown: Growth) -> Phases:
+    """A step's phases at grown.units units of blocks (see Growth) from its two short steps. What a step
+    holds is affine in the units once the lead units, which may do what later ones do not, are in both;
+    a phase's peak is the highest of its segments' (memcalc.exact.sim.Memory): its start, before the
+    blocks, after them, and inside a block, where past the lead the live bytes are affine in how many
+    units the phase has done (each frees a unit's activations, or keeps them, and adds its gradients) for
+    a block at a given place in its unit. So across the units each place peaks in a lead unit, the first
+    after them or the last; the blocks left over after the units are a fixed tail. Each grows affinely
+    with the units; the peak is the highest grown, named by the first segment to reach it. At 8B with
+    checkpointing this finds the backward peak moving, with depth, from the loss into the last block's
+    recompute, where the gradients of the blocks done outgrow the activations they freed."""
+    grown_fields = {f: grow(getattr(short, f), getattr(long, f), grown) for f in STATE_FIELDS}
     for phase in ("forward", "backward", "optimizer"):
         peak, at_op = -1, ""
-        for a, (b, op) in candidates(m1.segments[phase], m2.segments[phase], match):  # in the order the phase runs them
-            if grow(a, b, layers) > peak:  # the first to reach the peak names it, as Memory's running peak does
-                peak, at_op = grow(a, b, layers), op
-        grown[f"{phase}_peak_bytes"], grown[f"{phase}_peak_at"] = peak, at_op
-    return replace(two, **grown)
+        for a, (b, op) in candidates(m2.segments[phase], m3.segments[phase], grown):  # in the order the phase runs them
+            if grow(a, b, grown) > peak:  # the first to reach the peak names it, as Memory's running peak does
+                peak, at_op = grow(a, b, grown), op
+        grown_fields[f"{phase}_peak_bytes"], grown_fields[f"{phase}_peak_at"] = peak, at_op
+    return replace(long, **grown_fields)
 
 
 STATE_FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes")
 
 
-def grow(at1: int, at2: int, layers: int) -> int:
-    """An affine count at depth 1 and 2, at `layers`."""
-    return at1 + (layers - 1) * (at2 - at1)
+def grow(at_short: int, at_long: int, grown: Growth) -> int:
+    """An affine count at the shorter step and the longer (one unit more), at grown.units units."""
+    return at_short + (grown.units - grown.lead - 1) * (at_long - at_short)
 
 
-def candidates(one: tuple, two: tuple, match: dict | None = None) -> list[tuple[int, tuple[int, str]]]:
-    """The segments a phase's peak can be in, in the order it runs them, as (bytes at depth 1, (bytes at
-    depth 2, the op there)): its start, before the blocks, its first block and its last (at depth 1 the
-    one block is both), after the blocks. match (block_match): the first and last block of each run of
-    alike blocks at the greater depth, and their counterparts at the smaller."""
-    (p1, seen1), (p2, seen2) = one, two
-    pairs = [(p1[k][0], p2[k]) for k in ("start", "before") if k in p1 and k in p2]
-    if match is not None:
-        pairs += [(p1[match[j]][0], p2[j]) for j in seen2 if j in match and match[j] in p1]
-    elif seen1 and seen2:
-        pairs += [(p1[seen1[0]][0], p2[seen2[0]]), (p1[seen1[0]][0], p2[seen2[-1]])]
-    return pairs + ([(p1["after"][0], p2["after"])] if "after" in p1 and "after" in p2 else [])
-
-
-# -- models whose blocks differ: dense blocks before mixture-of-experts ones ------------------------------
-
-
-def first_depth(shape: ModelShape) -> int | None:
-    """The smaller of the two depths a step is grown from: 1 when every block is alike; d + 1 when d dense
-    blocks come before MoE ones (DeepSeek-V3's first_k_dense_replace): the steps at d + 1 and d + 2 differ by
-    one MoE block, and counts are affine in the MoE blocks; None for any other pattern (replayed whole)."""
-    L, moe = shape.n_layers, moe_layer_count(shape)
-    if moe in (0, L):
-        return 1
-    d = shape.first_dense_layers
-    if moe == L - d and all(is_moe_layer(shape, i) for i in range(d, L)):
-        return d + 1
-    return None
-
-
-def block_match(a: int) -> dict[int, int] | None:
-    """The blocks of the step at depth a + 1 where a phase's peak can be (the first and last of the dense run
-    and of the MoE run), each to its counterpart at depth a; None when every block is alike (a = 1)."""
-    if a == 1:
-        return None
-    d = a - 1  # dense blocks 0 .. d - 1, MoE blocks d .. a
-    return {0: 0, d - 1: d - 1, d: d, a: d}
-
-
-def mixed_step(at, tricks: Tricks, L: int, a: int | None):
-    """exact_step's phases, activations and FLOP counts for a model whose first a - 1 blocks are dense and the
-    rest MoE: the steps at depths a and a + 1 grown in the MoE blocks. Saved per layer: the last MoE block's
-    at depth a + 1; the whole step at depth a is "outside" (first_blocks a: its a blocks among them). Another
-    pattern (a None) is replayed at its depth: nothing per layer, everything outside."""
-    if a is None:
-        phases, g, _ = at(L)
-        acts = ExactActivations(tricks, L, (), to_terms(g.saved_terms), g.rebuilt_bytes, L)
-        return phases, acts, dict(g.flops)
-    (one, g1, m1), (two, g2, m2) = at(a), at(a + 1)
-    phases = grown_phases(one, two, m1, m2, L - a + 1, block_match(a))
-    layer = [t for t in g2.saved_terms if t.layer == a]
-    acts = ExactActivations(tricks, L, to_terms(layer), to_terms(g1.saved_terms), g2.rebuilt_bytes, a)
-    counts = {key: grow(g1.flops.get(key, 0), g2.flops.get(key, 0), L - a + 1) for key in g2.flops}
-    return phases, acts, counts
+def candidates(short: tuple, long: tuple, grown: Growth) -> list[tuple[int, tuple[int, str]]]:
+    """The segments a phase's peak can be in, in the order it runs them in the longer step, as (bytes in the
+    shorter, (bytes in the longer, the op there)): its start, before the blocks, every block of the longer
+    step (the lead units', the first unit's after them, the last's and the tail's) each beside the block
+    in the same place in the shorter, and after the blocks. Block b of the longer step is in the place of
+    block b, or b − unit past the first unit after the lead, of the shorter."""
+    (p2, _), (p3, seen3) = short, long
+    pairs = [(p2[k][0], p3[k]) for k in ("start", "before") if k in p2 and k in p3]
+    past = (grown.lead + 1) * grown.unit
+    like = {b: b if b < past else b - grown.unit for b in seen3}
+    pairs += [(p2[like[b]][0], p3[b]) for b in seen3 if like[b] in p2]
+    return pairs + ([(p2["after"][0], p3["after"])] if "after" in p2 and "after" in p3 else [])

@@ -14,10 +14,10 @@ latent attention replace the MLP and the attention's linear part by the terms of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memcalc.model.moe import BALANCED, Routing
-from memcalc.model.shape import ModelShape, is_moe_layer, moe_layer_count
+from memcalc.model.shape import ModelShape, is_moe_layer
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
 
@@ -50,8 +50,12 @@ class Activations:
 
     tricks: Tricks
     n_layers: int
-    terms: tuple[Term, ...]  # bytes kept per layer until backward (with groups: the heaviest layer's)
+    terms: tuple[Term, ...]  # bytes kept per layer until backward (ckpt:N: per layer not checkpointed; with
+    # groups: the heaviest kind of layer's)
     rebuilt: tuple[Term, ...]  # bytes one layer rebuilds during backward (recompute)
+    checkpointed: tuple[Term, ...] = ()  # ckpt:N: what each checkpointed layer keeps (its input)
+    n_checkpointed: int = 0  # ckpt:N: how many layers keep `checkpointed` instead of `terms`
+    formula: bool = True  # False: the textbook has no formula for this trick set (sac); no bytes here
     groups: tuple[LayerGroup, ...] = ()  # layers of different kinds (MoE models); empty: n_layers alike
 
     @property
@@ -59,10 +63,15 @@ class Activations:
         return sum(t.value for t in self.terms)
 
     @property
+    def checkpointed_bytes(self) -> int:
+        return sum(t.value for t in self.checkpointed)
+
+    @property
     def total_bytes(self) -> int:
         if self.groups:
             return sum(g.count * g.kept_bytes for g in self.groups)
-        return self.per_layer_bytes * self.n_layers
+        plain = self.n_layers - self.n_checkpointed
+        return self.per_layer_bytes * plain + self.checkpointed_bytes * self.n_checkpointed
 
     @property
     def rebuilt_bytes(self) -> int:
@@ -99,16 +108,37 @@ def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tric
     flash: the s×s part is never stored (Dao et al. 2022), leaving 34·s·b·h.
     selective: the s×s part is recomputed in backward (Korthikanti sec. 5), also 34·s·b·h kept.
     ckpt: only each layer's input, 2·s·b·h; backward rebuilds one whole layer at a time.
+    ckpt:N: L // N layers keep their input (ckpt), the others everything (none): the textbook has no
+    row for it, but each kind of layer is one of its rows.
+    sac (per-op selective checkpointing): no textbook formula; Korthikanti et al. have no row for it
+    (what it keeps depends on which ops a policy names: memcalc.exact replays it).
     """
+    if tricks.recompute == "op":
+        return Activations(tricks, shape.n_layers, (), (), formula=False)
     t = layer_terms(shape, seq_len, micro_batch, 2 if tricks.precision == "fp32" else 1)
     if shape.is_moe or shape.is_mla or shape.mtp_layers:
         return grouped_activations(shape, seq_len, micro_batch, tricks, routing, t)
+    if tricks.mixed:
+        n = tricks.n_checkpointed(shape.n_layers)
+        (kept, _), (ckpt, rebuilt) = kept_and_rebuilt(t, plain_layer(tricks), (t["mlp"],)), kept_and_rebuilt(
+            t, every_layer(tricks), (t["mlp"],))  # fmt: skip
+        return Activations(tricks, shape.n_layers, kept, rebuilt if n else (), ckpt, n)
     kept, rebuilt = kept_and_rebuilt(t, tricks, (t["mlp"],))
     return Activations(tricks, shape.n_layers, kept, rebuilt)
 
 
+def plain_layer(tricks: Tricks) -> Tricks:
+    """ckpt:N's layers not checkpointed: they keep what a step without recompute keeps."""
+    return replace(tricks, recompute="none", ckpt_every=1)
+
+
+def every_layer(tricks: Tricks) -> Tricks:
+    """ckpt:N's checkpointed layers: they keep what ckpt keeps."""
+    return replace(tricks, ckpt_every=1)
+
+
 def kept_and_rebuilt(t: dict[str, Term], tricks: Tricks, mlp: tuple[Term, ...]) -> tuple[tuple, tuple]:
-    """A layer's kept and rebuilt terms under the trick set, its MLP part given."""
+    """A layer's kept and rebuilt terms under the trick set (ckpt, not ckpt:N), its MLP part given."""
     linear = (t["attention"], *mlp, t["norms"])
     full_layer = linear if tricks.flash else (t["attention"], t["scores"], *mlp, t["norms"])
     if tricks.recompute == "full":
@@ -121,23 +151,33 @@ def kept_and_rebuilt(t: dict[str, Term], tricks: Tricks, mlp: tuple[Term, ...]) 
 def grouped_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, routing: Routing,
                         t: dict[str, Term]) -> Activations:  # fmt: skip
     """A model whose layers differ (dense and MoE MLPs, MTP modules) or whose attention is latent: one
-    LayerGroup per kind of layer; the heaviest layer's terms stand for "per layer"."""
+    LayerGroup per kind of layer (with ckpt:N, its checkpointed layers a group apart); the heaviest
+    layer's terms stand for "per layer"."""
     factor = 2 if tricks.precision == "fp32" else 1
     if shape.is_mla:
         t = {**t, "attention": latent_attention_term(shape, seq_len, micro_batch, factor)}
     moe = moe_terms(shape, seq_len, micro_batch, factor, routing) if shape.is_moe else ()
-    n_moe = moe_layer_count(shape)
+    L = shape.n_layers
     groups = []
-    if shape.n_layers > n_moe:
-        groups.append(LayerGroup("dense", shape.n_layers - n_moe, *kept_and_rebuilt(t, tricks, (t["mlp"],))))
-    if n_moe:
-        groups.append(LayerGroup("MoE", n_moe, *kept_and_rebuilt(t, tricks, moe)))
+    for name, mlp, members in (("dense", (t["mlp"],), [i for i in range(L) if not is_moe_layer(shape, i)]),
+                               ("MoE", moe, [i for i in range(L) if is_moe_layer(shape, i)])):  # fmt: skip
+        if not tricks.mixed:
+            groups += [LayerGroup(name, len(members), *kept_and_rebuilt(t, tricks, mlp))] if members else []
+            continue
+        n = sum(tricks.checkpointed(i) for i in members)  # ckpt:N: every Nth block, counted over all of them
+        if len(members) > n:
+            groups.append(LayerGroup(name, len(members) - n, *kept_and_rebuilt(t, plain_layer(tricks), mlp)))
+        if n:
+            groups.append(LayerGroup(f"{name}, checkpointed", n, *kept_and_rebuilt(t, every_layer(tricks), mlp)))
+    layers = list(groups)
     if shape.mtp_layers:  # a module's block is MoE when the last layer is (Megatron's mtp_num_moe_layers)
-        last = moe if is_moe_layer(shape, shape.n_layers - 1) else (t["mlp"],)
-        kept, rebuilt = kept_and_rebuilt(t, tricks, last + mtp_terms(shape, seq_len, micro_batch, factor))
+        last = moe if is_moe_layer(shape, L - 1) else (t["mlp"],)
+        kept, rebuilt = kept_and_rebuilt(t, every_layer(tricks), last + mtp_terms(shape, seq_len, micro_batch, factor))
         groups.append(LayerGroup("MTP module", shape.mtp_layers, kept, rebuilt))
-    heaviest = max(groups[:2], key=lambda g: g.kept_bytes)
-    return Activations(tricks, shape.n_layers, heaviest.terms, heaviest.rebuilt, tuple(groups))
+    heaviest = max((g for g in layers if "checkpointed" not in g.name), default=layers[0], key=lambda g: g.kept_bytes)
+    n = tricks.n_checkpointed(L) if tricks.mixed else 0  # ckpt:N: each keeps its input, whatever its kind
+    return Activations(tricks, L, heaviest.terms, heaviest.rebuilt, (t["input"],) if n else (), n,
+                       groups=tuple(groups))  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ class Memory(Budget):
     usable_bytes: int  # the GPU's memory less the CUDA context reserve
     host_bytes: int  # model state offloaded to CPU memory, one GPU's part
     host_usable_bytes: int  # one GPU's share of the node's CPU memory
+    formula: bool = True  # False: the textbook has no formula for these activations (sac): not a verdict
 
     @property
     def total_bytes(self) -> int:
@@ -97,8 +98,16 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> tuple[Mo
         buffers = zero3_gather_bytes(largest_layer_params(model.shape), model.shape.n_layers, tricks.precision,
                                      elsewhere)  # fmt: skip
     memory = Memory(tricks, state.total_bytes, acts.peak_bytes, logits.total_bytes, buffers, gpu.usable_bytes,
-                    state.host_bytes, setup.host_usable_bytes)  # fmt: skip
+                    state.host_bytes, setup.host_usable_bytes, acts.formula)  # fmt: skip
     return state, acts, logits, memory
+
+
+def check_textbook(trick_sets, why: str) -> None:
+    """The textbook must decide (why: the exact model cannot replay the step): refuse what it has no
+    formula for (sac: per-op selective checkpointing)."""
+    for t in trick_sets:
+        if t.recompute == "op":
+            raise InputError(f"{t.label}: the textbook has no formula for sac, and {why}")
 
 
 def in_order(trick_sets: tuple[Tricks, ...], by_tricks: dict) -> tuple:
@@ -117,6 +126,8 @@ def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...
     check_positions(model.shape, setup.seq_len)
     sides = [memory_for(model, setup, gpu, t) for t in trick_sets]
     gap = not_replayed_for(setup, trick_sets, model.shape)
+    if gap:
+        check_textbook(trick_sets, gap)
     primary = next((s for s, *_ in sides if s.precision != "fp32"), sides[0][0])
     return Estimate(
         model=model,

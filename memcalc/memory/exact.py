@@ -3,7 +3,7 @@
 The textbook (memcalc.memory.estimate.memory_for) adds model state, activations at their backward peak
 and the logits. What PyTorch holds at the step's peak is whatever is live then: at 8B with
 checkpointing that is the optimizer step (the gradients and its temporaries beside the state), not the
-backward pass. memcalc.exact.step.exact_step replays the step (one and two blocks, grown to the depth)
+backward pass. memcalc.exact.step.exact_step replays the step (two and three blocks, grown to the depth)
 and is equal to the meta measurement to the byte; this module makes a per-GPU verdict of it.
 
 The replay is of one GPU and the shape as built (its own parameter count, not a --params override).

@@ -64,7 +64,7 @@ class ModelState:
     optimizer: str
     parallel: Parallel
     parts: tuple[StatePart, ...]
-    recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure (memcalc.model.stacks)
+    recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure | main_grad | grad_partition
 
     @property
     def total_bytes(self) -> int:
@@ -102,18 +102,32 @@ def unsharded_parts(precision: str, optimizer: str, params: int, recipe: str = "
 
     recipe (memcalc.model.stacks): how a 16-bit precision trains. master: 16-bit weights and grads with
     an fp32 master (Micikevicius et al. 2018); autocast: fp32 weights and grads, the weights being the
-    master; pure: 16-bit weights, grads and optimizer state, no master. fp32 trains in fp32 alike."""
+    master; pure: 16-bit weights, grads and optimizer state, no master; main_grad (Megatron-LM): 16-bit
+    weights, the gradients accumulated in an fp32 main_grad buffer, an fp32 master; grad_partition
+    (DeepSpeed ZeRO): 16-bit weights and grads, an fp32 master and an fp32 copy of the gradient
+    partition. fp32 trains in fp32 alike."""
     if precision == "fp32" or recipe == "autocast":  # the weights are fp32 and are what the optimizer updates
         parts = [("weights", "fp32", 4 * params, 3, "4·{N}"), ("grads", "fp32", 4 * params, 2, "4·{N}")]
-    else:  # 16-bit copies, and in the master recipe an fp32 master (Micikevicius et al. 2018)
-        parts = [("weights", precision, 2 * params, 3, "2·{N}"), ("grads", precision, 2 * params, 2, "2·{N}")]
-        if recipe == "master":
+    else:  # 16-bit copies, and (but for pure) an fp32 master (Micikevicius et al. 2018)
+        parts = [("weights", precision, 2 * params, 3, "2·{N}"), grads_part(precision, params, recipe)]
+        if recipe == "grad_partition":  # deepspeed/runtime/zero/stage_1_and_2.py step: the partition's grads .to(fp32)
+            parts.append(("grads_fp32", "fp32", 4 * params, 1, "4·{N}"))
+        if recipe != "pure":
             parts.append(("master", "fp32", 4 * params, 1, "4·{N}"))
     state_dtype = precision if recipe == "pure" else "fp32"
     parts += [(name, dtype, size, 1, f) for name, dtype, size, f in optimizer_elements(optimizer, params, state_dtype)]
-    if precision == "fp16":  # dynamic loss scaling: torch.amp.GradScaler's fp32 scale + int32 tracker
+    if precision == "fp16" and recipe != "pure":  # dynamic loss scaling: GradScaler's fp32 scale + int32 tracker
+        # (pure fp16 has none: GradScaler.unscale_ refuses fp16 grads, torch/amp/grad_scaler.py _unscale_grads_)
         parts.append(("loss_scale", "fp32+int32", 8, 99, "8"))
     return parts
+
+
+def grads_part(precision: str, params: int, recipe: str) -> tuple[str, str, int, int, str]:
+    """The gradients of a 16-bit recipe: in its dtype, but Megatron-LM's main_grad buffer holds bf16 training's
+    in fp32 (megatron/training/arguments.py: bf16 sets accumulate_allreduce_grads_in_fp32; fp16 keeps 16 bits)."""
+    if recipe == "main_grad" and precision == "bf16":
+        return ("grads", "fp32", 4 * params, 2, "4·{N}")
+    return ("grads", precision, 2 * params, 2, "2·{N}")
 
 
 def model_state(params: int, precision: str, optimizer: str = "adamw", parallel: Parallel = Parallel(),

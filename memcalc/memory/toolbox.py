@@ -10,7 +10,7 @@ from memcalc.model.gpus import GPU
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, longest_seq
 from memcalc.model.tricks import Tricks
 
-from .estimate import Memory, Setup, memory_for
+from .estimate import Memory, Setup, check_textbook, memory_for
 from .exact import ExactMemory, exact_memory, not_replayed_for
 
 MAX_ZERO_GPUS = 4096  # the ZeRO search tries 2, 4, ... up to this many data-parallel GPUs
@@ -62,6 +62,8 @@ def verdict_measure(setup: Setup, tricks: Tricks, shape=None) -> Measure:
     """The replayed step (exact_memory) where the exact model replays the stack (and the shape, when given),
     for the trick set and the bf16 the tools may switch it to; else the textbook, as estimate's verdict falls back."""
     gap = not_replayed_for(setup, (tricks, replace(tricks, precision="bf16")), shape)
+    if gap:
+        check_textbook((tricks,), gap)
     return textbook if gap else exact_memory
 
 
@@ -90,9 +92,9 @@ def use_smaller_batch(model: Model, gpu: GPU, c: Config, measure: Measure) -> tu
 
 
 def use_checkpointing(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
-    if c.tricks.recompute == "full":
+    if c.tricks.recompute == "full" and c.tricks.ckpt_every == 1:
         return None
-    change = with_tricks(recompute="full")
+    change = with_tricks(recompute="full", ckpt_every=1)  # every block (from ckpt:N, sac or less)
     before = step_flops(model.shape, c.setup.seq_len, c.tricks).hardware_per_token
     after = step_flops(model.shape, c.setup.seq_len, change(c).tricks).hardware_per_token
     return "full activation checkpointing", change, f"+{after / before - 1:.0%} FLOPs per step"

@@ -125,23 +125,30 @@ def model_per_token(shape: ModelShape, seq_len: int) -> int:
     return 6 * stack_weights(shape) + attention_flops(shape, seq_len) + logits_flops(shape)
 
 
-def textbook_step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
+def textbook_step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops | None:
     """The textbook's hardware FLOPs per token (verify's textbook column), beside model_per_token:
 
     full       + 2·L·W + 4·L·H·Q·s        (the layers' forward again: 96Lh²(1 + s/6h + v/16hL))
+    ckpt:N     the same for the L // N layers checkpointed
     selective  + 4·L·H·Q·s                (the forward of QKᵀ and attention over V again)
     flash      + 2·L·H·Q·s                (its backward recomputes QKᵀ; Dao et al. 2022 sec. 3.1)
+    sac        None: no textbook formula (what it reruns depends on the ops its policy keeps)
 
     What PyTorch executes is less with recompute (non-reentrant checkpointing stops early):
     memcalc.exact.kernels.step_flops counts it, and every HFU memcalc prints uses that count.
     """
+    if tricks.recompute == "op":
+        return None
+    L = shape.n_layers
     layers, attention = 6 * stack_weights(shape), attention_flops(shape, seq_len)
     model = model_per_token(shape, seq_len)
     hardware = model
     if tricks.flash:
         hardware += attention // 6  # one of the forward's two s² matmuls, in flash's backward
-    if tricks.recompute == "full":
-        hardware += layers // 3 + attention // 3  # the layers' forward again
+    if tricks.recompute == "full" and tricks.mixed:  # the checkpointed layers' forward again (an average layer's)
+        hardware += (layers // 3 + attention // 3) // L * tricks.n_checkpointed(L)
+    elif tricks.recompute == "full":  # every layer's (and MTP module's) forward again
+        hardware += layers // 3 + attention // 3
     elif tricks.recompute == "selective" and not tricks.flash:
         hardware += attention // 3  # the attention core's forward again; with flash nothing is left to recompute
     return StepFlops(tricks, model, hardware)

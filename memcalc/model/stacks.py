@@ -14,7 +14,11 @@ memcalc's numbers depend on four choices a stack makes (and --recipe, --optimize
   impl       the optimizer's implementation: reference (verify/recipes.py's per-tensor AdamW, one
              temporary), loop (torch.optim with foreach=False), foreach (torch.optim's default on CUDA:
              list temporaries over all tensors at once), fused (one kernel per group, no temporaries)
-Layout engines (FSDP2, Megatron-LM, DeepSpeed) are stacks too: see memcalc.parallel.
+  engine     who splits the model over GPUs (memcalc.parallel.engines): none (memcalc's generic ZeRO
+             layouts), fsdp2 (torchtitan's FSDP2), megatron (Megatron-LM), deepspeed (DeepSpeed ZeRO)
+The engine stacks also fix their recipe: torchtitan's fully_shard keeps fp32 sharded parameters (autocast:
+the fp32 weights are the master), Megatron-LM an fp32 main_grad buffer beside bf16 weights (main_grad),
+DeepSpeed ZeRO an fp32 copy of the gradient partition (grad_partition).
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from dataclasses import dataclass, replace
 from memcalc.errors import InputError
 
 MODELS = ("reference", "hf")
-RECIPES = ("master", "autocast", "pure")
+RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
+ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -36,10 +41,11 @@ class Stack:
     recipe: str  # master | autocast | pure: how the 16-bit trick sets train
     impl: str  # reference | loop | foreach | fused: the optimizer's implementation
     source: str  # where its choices come from
+    engine: str = "none"  # none | fsdp2 | megatron | deepspeed: whose code splits the model over GPUs
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
-                                   ("optimizer implementation", self.impl, IMPLS)):  # fmt: skip
+                                   ("optimizer implementation", self.impl, IMPLS), ("engine", self.engine, ENGINES)):  # fmt: skip
             if value not in known:
                 raise InputError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
@@ -62,6 +68,16 @@ STACKS: dict[str, Stack] = {
         Stack("hf", "Hugging Face Transformers (Trainer)", "hf", "autocast", "fused",
               "TrainingArguments: optim adamw_torch_fused for torch >= 2.8, bf16=True autocasts "
               "(transformers/training_args.py)"),  # fmt: skip
+        Stack("fsdp2", "FSDP2 as torchtitan runs it", "reference", "autocast", "fused",
+              "torchtitan/distributed/fsdp.py apply_fsdp_to_decoder: fully_shard per block with "
+              "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters; "
+              "torchtitan/components/optimizer/optimizer.py implementation 'fused'", "fsdp2"),  # fmt: skip
+        Stack("megatron", "Megatron-LM", "reference", "main_grad", "fused",
+              "megatron/training/arguments.py: bf16 params with fp32 main_grad accumulation; "
+              "megatron/core/optimizer: fp32 main params and Adam state (TE/apex FusedAdam)", "megatron"),  # fmt: skip
+        Stack("deepspeed", "DeepSpeed ZeRO", "reference", "grad_partition", "fused",
+              "deepspeed/runtime/zero/stage_1_and_2.py and stage3.py: 16-bit params and grads, fp32 "
+              "partitions of params, grads and Adam state (FusedAdam)", "deepspeed"),  # fmt: skip
     )
 }
 DEFAULT_STACK = STACKS["reference"]

@@ -1,6 +1,12 @@
 """Trick sets: a precision recipe, FlashAttention, and how much of a layer backward recomputes.
 
-Names are the same everywhere (CLI, JSON, verify): fp32, fp16, bf16, flash, ckpt, selective.
+Names are the same everywhere (CLI, JSON, verify): fp32, fp16, bf16, flash, ckpt, ckpt:N, selective, sac.
+  ckpt       every block under torch.utils.checkpoint (non-reentrant): it keeps the block's input
+  ckpt:N     every Nth block so (torchtitan's per-layer selective AC, selective_ac_option = N: a counter
+             from 1 over the blocks, a block checkpointed when count % N == 0); the rest keep everything
+  selective  Korthikanti et al.'s: the attention core recomputed
+  sac        torchtitan's per-op selective AC (selective_ac_option = "op"): every block checkpointed with
+             a policy that keeps the outputs of matmuls and attention, except every second matmul
 """
 
 from __future__ import annotations
@@ -10,15 +16,17 @@ from dataclasses import dataclass
 from memcalc.errors import InputError
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-RECOMPUTES = ("none", "selective", "full")
-TRICK_NAMES = ("fp32", "fp16", "bf16", "flash", "ckpt", "selective")
+RECOMPUTES = ("none", "selective", "full", "op")
+TRICK_NAMES = ("fp32", "fp16", "bf16", "flash", "ckpt", "ckpt:N", "selective", "sac")
+MAX_CKPT_EVERY = 1024  # ckpt:N beyond any model's depth checkpoints nothing; refused past this
 
 
 @dataclass(frozen=True)
 class Tricks:
     precision: str = "bf16"  # fp32; or fp16/bf16 mixed precision (16-bit compute, fp32 master)
     flash: bool = False  # FlashAttention: the s x s scores are never stored
-    recompute: str = "none"  # none; selective (attention core only); full (whole layer)
+    recompute: str = "none"  # none; selective (attention core only); full (whole blocks); op (sac)
+    ckpt_every: int = 1  # with full: every Nth block is checkpointed (ckpt:N), the others keep everything
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -27,6 +35,29 @@ class Tricks:
             raise InputError(f"unknown recompute {self.recompute!r}; known: {', '.join(RECOMPUTES)}")
         if self.flash and self.precision == "fp32":
             raise InputError("flash needs 16-bit activations: combine it with bf16 or fp16")
+        n = self.ckpt_every
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CKPT_EVERY:
+            raise InputError(f"ckpt:N needs a whole N from 1 to {MAX_CKPT_EVERY}, got {n!r}")
+        if n > 1 and self.recompute != "full":
+            raise InputError(f"checkpointing every {n}th block is ckpt:{n}: recompute full, not {self.recompute}")
+
+    @property
+    def mixed(self) -> bool:
+        """ckpt:N with N > 1: some blocks checkpointed, the others not, so the blocks are not all alike."""
+        return self.ckpt_every > 1
+
+    def checkpointed(self, block: int) -> bool:
+        """Whether block `block` (from 0) runs under torch.utils.checkpoint as a whole (ckpt, ckpt:N, sac).
+        torchtitan's _apply_layer_sac counts the blocks from 1 and checkpoints when count % N == 0."""
+        if self.recompute == "op":
+            return True
+        return self.recompute == "full" and (block + 1) % self.ckpt_every == 0
+
+    def n_checkpointed(self, n_layers: int) -> int:
+        """How many of n_layers blocks are checkpointed as a whole."""
+        if self.recompute == "op":
+            return n_layers
+        return n_layers // self.ckpt_every if self.recompute == "full" else 0
 
     @property
     def act_bytes(self) -> int:
@@ -39,9 +70,11 @@ class Tricks:
         if self.flash:
             names.append("flash")
         if self.recompute == "full":
-            names.append("ckpt")
+            names.append("ckpt" if self.ckpt_every == 1 else f"ckpt:{self.ckpt_every}")
         elif self.recompute == "selective":
             names.append("selective")
+        elif self.recompute == "op":
+            names.append("sac")
         return names
 
     @property
@@ -50,20 +83,55 @@ class Tricks:
 
 
 def parse_tricks(text: str) -> Tricks:
-    """'bf16,flash,ckpt' -> Tricks. No precision named means bf16, the default recipe."""
+    """'bf16,flash,ckpt:2' -> Tricks. No precision named means bf16, the default recipe."""
     names = [n.strip().lower() for n in text.replace("+", ",").split(",") if n.strip()]
     if not names:
         raise InputError("no tricks given; choose from " + ", ".join(TRICK_NAMES))
+    every = [ckpt_every(n) for n in names if n == "ckpt" or n.startswith("ckpt:")]
     for name in names:
-        if name not in TRICK_NAMES:
+        if name not in TRICK_NAMES and not name.startswith("ckpt:"):
             raise InputError(f"unknown trick {name!r}; known: {', '.join(TRICK_NAMES)}")
     precisions = [n for n in names if n in PRECISIONS]
     if len(set(precisions)) > 1:
         raise InputError(f"choose one precision, not {' and '.join(sorted(set(precisions)))}")
-    if "ckpt" in names and "selective" in names:
+    if len(set(every)) > 1:
+        named = sorted({n for n in names if n == "ckpt" or n.startswith("ckpt:")})
+        raise InputError(f"choose one checkpointing frequency, not {' and '.join(named)}")
+    if every and "selective" in names:
         raise InputError("ckpt already recomputes the whole layer; drop selective or ckpt")
-    recompute = "full" if "ckpt" in names else "selective" if "selective" in names else "none"
-    return Tricks(precision=precisions[0] if precisions else "bf16", flash="flash" in names, recompute=recompute)
+    modes = [m for m, named in (("ckpt", every), ("selective", "selective" in names), ("sac", "sac" in names)) if named]
+    if len(modes) > 1:
+        raise InputError(f"choose one way to recompute, not {' and '.join(modes)}: {RECOMPUTE_TEXT[modes[0]]}; "
+                         f"{RECOMPUTE_TEXT[modes[1]]}")  # fmt: skip
+    recompute = "full" if every else "selective" if "selective" in names else "op" if "sac" in names else "none"
+    return Tricks(precision=precisions[0] if precisions else "bf16", flash="flash" in names, recompute=recompute,
+                  ckpt_every=every[0] if every else 1)  # fmt: skip
+
+
+def check_layer_uniform(tricks: Tricks, what: str) -> None:
+    """Refuse ckpt:N and sac where `what` models only ckpt and selective (the parallel layouts' per-layer
+    formulas, the published MFU conventions): they are replayed op by op for one GPU."""
+    if tricks.mixed or tricks.recompute == "op":
+        raise InputError(f"{tricks.label}: {what} know ckpt and selective, not {tricks.names[-1]}; ckpt:N and sac "
+                         "are replayed for one GPU (memcalc estimate without a layout, memcalc verify)")  # fmt: skip
+
+
+RECOMPUTE_TEXT = {
+    "ckpt": "ckpt recomputes whole blocks",
+    "selective": "selective recomputes the attention core",
+    "sac": "sac recomputes each block but the matmuls and attention it keeps",
+}
+
+
+def ckpt_every(name: str) -> int:
+    """'ckpt' -> 1, 'ckpt:3' -> 3 (every third block); anything else after the colon is refused."""
+    if name == "ckpt":
+        return 1
+    n = name.removeprefix("ckpt:")
+    if not n.isdigit() or not 1 <= int(n) <= MAX_CKPT_EVERY:
+        raise InputError(f"{name!r}: ckpt:N checkpoints every Nth block; N must be a whole number from 1 to "
+                         f"{MAX_CKPT_EVERY}")  # fmt: skip
+    return int(n)
 
 
 # What `estimate` shows without --tricks: the progression the field teaches.

@@ -10,24 +10,35 @@ Latency (the α of α-β models) is left out: the messages here are megabytes an
 A group of n ranks `stride` apart spans stride·n consecutive GPUs (rank order tp, cp, dp, pp); inside one
 node it runs on NVLink, across nodes on each GPU's own InfiniBand NIC.
 
-Step time (Narayanan et al. 2021): a pipeline of p stages and m micro-batches takes (m + (p − 1)/v) times
-the slowest stage's time per micro-batch; (p − 1)/v of them are the bubble. Communication hides behind
-compute where the frameworks overlap it; how much is a named assumption below, not a measurement.
+Step time: every stage's compute is the roofline of the kernels its GPU runs (memcalc.time.roofline
+stage_kernels: one block traced on the shapes one TP rank holds, the tokens one CP rank holds, SP's
+sequence-split norms, the optimizer over its shard), the same kernels the one-GPU estimate times, so a
+layout of one GPU takes the one-GPU step time. A pipeline of p stages and m micro-batches takes
+(m + (p − 1)/v) times the slowest stage's time per micro-batch (Narayanan et al. 2021); (p − 1)/v of them
+are the bubble; the optimizer runs once after. Communication hides behind compute where the frameworks
+overlap it; how much is a named assumption below, not a measurement; an engine's last gradient bucket
+(Megatron-LM's buckets, DeepSpeed's reduce bucket, FSDP2's last unit) has no compute left to hide behind.
+
+With --mfu X the step is the hardware FLOPs at X of peak on every GPU: X is an end-to-end rate, measured
+over whole steps, so the bubble, the communication and the optimizer are inside it and are not added.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.estimate import Setup
-from memcalc.model.flops import attention_flops, logits_flops
 from memcalc.model.gpus import A100_DATASHEET, GPU, H100_DATASHEET
 from memcalc.model.moe import routed_tokens
-from memcalc.model.shape import Model, is_moe_layer
+from memcalc.model.shape import Model, ModelShape, is_moe_layer
 from memcalc.model.tricks import Tricks
+from memcalc.time.calibration import Calibration, calibration_for
+from memcalc.time.roofline import StageKernels, block_lower_bound, stage_kernels
 
-from .layout import Layout, LayoutMemory, bubble_fraction
+from .engines import DEEPSPEED_DEFAULTS, grad_reduce_bytes, megatron_bucket_size, reshards_after_forward
+from .layout import Layout, LayoutMemory, bubble_fraction, stage_shape_params, tp_layer_params
 
 
 @dataclass(frozen=True)
@@ -121,7 +132,7 @@ class Comm:
 
 @dataclass(slots=True)
 class StepTime:
-    """One optimizer step of a layout: compute on the slowest stage, the bubble, exposed traffic, offload."""
+    """One optimizer step of a layout: compute on the slowest stage, the bubble, exposed traffic, the optimizer."""
 
     layout: Layout
     tricks: Tricks
@@ -129,17 +140,25 @@ class StepTime:
     model_flops_per_step: int  # all GPUs (Korthikanti sec. 6.3 convention, memcalc.model.flops.step_flops)
     hardware_flops_per_step: int  # with recompute
     peak_flops: float  # one GPU, dense, this precision
-    utilization: float  # fraction of peak sustained while computing (--mfu)
-    compute_seconds: float  # model FLOPs of the slowest stage's GPU, all micro-batches
-    recompute_seconds: float  # its recompute FLOPs
+    utilization: float | None  # --mfu: the end-to-end fraction of peak; None: the roofline
+    compute_seconds: float  # the slowest stage's forward, backward and gradient accumulation, all micro-batches
+    recompute_seconds: float  # its recompute
+    optimizer_seconds: float  # the optimizer step on the GPU that updates the most (roofline; 0 under --mfu)
     bubble_seconds: float  # pipeline fill and drain
     comms: tuple[Comm, ...]
     cpu_optimizer_seconds: float  # Adam on the host (optimizer offload)
     assumptions: Assumptions
+    calibration: Calibration | None = None  # the roofline's efficiencies; None under --mfu
+    micro_batch_seconds: float = 0.0  # one micro-batch through the slowest stage, with its exposed TP, CP, PP traffic
 
     @property
     def world(self) -> int:
         return self.layout.world
+
+    @property
+    def time_model(self) -> str:
+        """'roofline' or 'mfu', as the one-GPU estimate's JSON says."""
+        return "mfu" if self.utilization is not None else "roofline"
 
     @property
     def exposed_comm_seconds(self) -> float:
@@ -147,7 +166,7 @@ class StepTime:
 
     @property
     def step_seconds(self) -> float:
-        compute = self.compute_seconds + self.recompute_seconds
+        compute = self.compute_seconds + self.recompute_seconds + self.optimizer_seconds
         return compute + self.bubble_seconds + self.exposed_comm_seconds + self.cpu_optimizer_seconds
 
     @property
@@ -165,8 +184,10 @@ class StepTime:
 
     @property
     def breakdown(self) -> dict[str, float]:
-        """Seconds of the step by cause: compute, recompute, bubble, exposed traffic per group, CPU optimizer."""
-        out = {"compute": self.compute_seconds, "recompute": self.recompute_seconds, "bubble": self.bubble_seconds}
+        """Seconds of the step by cause: compute, recompute, the optimizer, bubble, exposed traffic per group,
+        CPU optimizer."""
+        out = {"compute": self.compute_seconds, "recompute": self.recompute_seconds,
+               "optimizer": self.optimizer_seconds, "bubble": self.bubble_seconds}  # fmt: skip
         for c in self.comms:
             out[c.group] = out.get(c.group, 0.0) + c.exposed_seconds
         out["cpu optimizer"] = self.cpu_optimizer_seconds
@@ -178,18 +199,19 @@ def link_for(fabric: Fabric, span: int, gpus_per_node: int) -> Link:
     return fabric.intra if span <= gpus_per_node else fabric.inter
 
 
-def exposed(seconds: float, share: float, window: float) -> float:
-    """What is left of a transfer after hiding up to share · window behind compute."""
-    return max(0.0, seconds - share * window)
+def exposed(seconds: float, share: float, window: float, tail: float = 0.0) -> float:
+    """What is left of a transfer after hiding up to share · window behind compute; at least its last
+    `tail` fraction, which runs after the compute it could hide behind has ended."""
+    return max(0.0, seconds - share * window, tail * seconds)
 
 
 def ring(name: str, group: str, ranks: int, link: Link, calls: int, factor: int, message: int, formula: str,
-         assume: Assumptions, share: float, window: float) -> Comm:  # fmt: skip
+         assume: Assumptions, share: float, window: float, tail: float = 0.0) -> Comm:  # fmt: skip
     """`calls` ring collectives of `message` bytes each: factor 2 for all-reduce, 1 for all-gather or
     reduce-scatter, times (n − 1)/n (NCCL bus bytes). `window`: the compute all the calls can hide behind."""
     sent = calls * factor * (ranks - 1) * message // ranks
     seconds = sent / (link.bytes_per_s * assume.efficiency)
-    return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window))
+    return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window, tail))
 
 
 def send(name: str, group: str, ranks: int, link: Link, calls: int, sent: int, formula: str,
@@ -203,53 +225,101 @@ def send(name: str, group: str, ranks: int, link: Link, calls: int, sent: int, f
 class MicroBatch:
     """Seconds one GPU of the slowest stage computes for one micro-batch."""
 
-    model_seconds: float  # model FLOPs
-    extra_seconds: float  # recompute FLOPs
-    attention_seconds: float  # the attention core (QKᵀ, attention over V), forward + backward
+    forward: float
+    backward: float
+    recompute: float  # checkpointed forwards rerun in backward
+    attention: float  # the attention core, all passes: ring attention's K/V exchange hides behind it
+    layers: int  # transformer layers on that stage
 
     @property
     def seconds(self) -> float:
-        return self.model_seconds + self.extra_seconds
+        return self.forward + self.backward + self.recompute
 
     @property
-    def forward(self) -> float:
-        return self.seconds / 3  # backward is twice the forward (Kaplan et al. 2020: 4N against 2N)
-
-    @property
-    def backward(self) -> float:
-        return 2 * self.seconds / 3
+    def backward_window(self) -> float:
+        """The backward with its recompute: what gradient traffic can hide behind."""
+        return self.backward + self.recompute
 
 
-def micro_batch_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout) -> MicroBatch:
-    """FLOPs of one micro-batch on one GPU: the stage's layers (and, on the last stage, the output
-    layer's 6·h·v per token, Korthikanti sec. 6.3), split over tp · cp; the slower of the end stages."""
-    shape, s, L, p = model.shape, setup.seq_len, model.shape.n_layers, layout.pp
-    f = step_flops(shape, s, tricks)
-    logits = logits_flops(shape)
-    layer_model = (f.model_per_token - logits) // L  # the layers' part is a multiple of L
-    layer_extra = (f.hardware_per_token - f.model_per_token) // L
-    layers = L // p
-    tokens = setup.micro_batch * s
-    rate = setup.mfu * gpu.peak_flops(tricks.precision) * layout.tp * layout.cp
-    attention = attention_flops(shape, s) // L * layers  # PaLM App. B: 12·H·Q·s per token per layer
-    busy = busiest_experts_flops(model, setup, layout) * layout.tp * layout.cp  # imbalance: on this GPU alone
-    return MicroBatch(
-        model_seconds=(tokens * (layers * layer_model + logits) + busy) / rate,  # the last stage is the slowest
-        extra_seconds=tokens * layers * layer_extra / rate,
-        attention_seconds=tokens * attention / rate,
-    )
+@dataclass(slots=True)
+class Work:
+    """The slowest stage's compute: one micro-batch, gradient accumulation, the optimizer."""
+
+    micro_batch: MicroBatch
+    accumulate: float  # per micro-batch after the first
+    optimizer: float  # once per step
+
+
+@lru_cache(maxsize=256)
+def tp_shape(shape: ModelShape, tp: int) -> ModelShape:
+    """The shapes one TP rank computes on: a/t heads, k/t KV heads, f/t MLP columns, ⌈v/t⌉ vocabulary rows
+    (Shoeybi et al. 2019; Megatron's vocab-parallel embedding and cross-entropy)."""
+    if tp == 1:
+        return shape
+    return replace(shape, n_heads=shape.n_heads // tp, n_kv_heads=shape.n_kv_heads // tp, ffn=shape.ffn // tp,
+                   vocab=-(-shape.vocab // tp), head_dim=shape.head_dim)  # fmt: skip
+
+
+def roofline_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage_layers: tuple[int, ...],
+                  cal: Calibration) -> Work:  # fmt: skip
+    """Each stage's kernels on its GPU (memcalc.time.roofline.stage_kernels); the slowest stage's."""
+    grads = layout.shard_group if layout.zero >= 2 else 1
+    k = stage_kernels(tp_shape(model.shape, layout.tp), setup.seq_len // layout.cp, setup.micro_batch, tricks, gpu,
+                      cal, layout.tp if layout.sp else 1, layout.cp, grads, layout.shard_group)  # fmt: skip
+    p = layout.pp
+    kinds = {(n, i == 0, i == p - 1) for i, n in enumerate(stage_layers)}  # a handful: the ends and the middle
+    works = [stage_work(k, n, first, last) for n, first, last in sorted(kinds)]
+    best = max(works, key=lambda w: w.micro_batch.seconds)
+    best.optimizer = max(w.optimizer for w in works)
+    return best
+
+
+def stage_work(k: StageKernels, layers: int, first: bool, last: bool) -> Work:
+    """One stage: its blocks, the embedding on the first, the head on the last. The optimizer's kernels
+    outside the blocks (embedding, final norm, output layer) are charged whole to each end stage."""
+    fwd = layers * k.block_forward + first * k.first_forward + last * k.last_forward
+    bwd = layers * k.block_backward + first * k.first_backward + last * k.last_backward
+    mb = MicroBatch(fwd, bwd, layers * k.block_recompute + last * k.last_recompute, layers * k.block_attention, layers)
+    rest = k.optimizer_rest if first or last else 0.0
+    return Work(mb, layers * k.block_accumulate + last * k.last_accumulate, layers * k.optimizer_block + rest)
+
+
+def mfu_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage_layers: tuple[int, ...],
+             mfu: float) -> Work:  # fmt: skip
+    """--mfu X: each GPU's share of the step's hardware FLOPs at X of peak (forward a third, backward two;
+    Kaplan et al. 2020). Only the windows of the traffic listed beside it come from this split."""
+    f = step_flops(model.shape, setup.seq_len, tricks)
+    tokens = setup.micro_batch * setup.seq_len
+    rate = mfu * gpu.peak_flops(tricks.precision) * layout.tp * layout.cp * layout.pp
+    model_s, extra_s = tokens * f.model_per_token / rate, tokens * (f.hardware_per_token - f.model_per_token) / rate
+    layers = max(stage_layers)
+    return Work(MicroBatch(model_s / 3, 2 * model_s / 3, extra_s, 0.0, layers), 0.0, 0.0)
 
 
 def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, memory: LayoutMemory,
-              assume: Assumptions = ASSUMPTIONS) -> StepTime:  # fmt: skip
+              assume: Assumptions = ASSUMPTIONS, timing: Calibration | float | None = None) -> StepTime:  # fmt: skip
     """The step of one layout, with setup.micro_batch b and setup.grad_accum m micro-batches per pipeline.
 
-    step = m · (compute + exposed TP, CP, PP traffic per micro-batch) · (1 + (p − 1)/(v·m))
-           + exposed data-parallel and offload traffic + the CPU optimizer
+    timing: a Calibration (the roofline at it), None (the roofline at the GPU's shipped calibration), or a
+    float X (--mfu: the step is the hardware FLOPs at X of peak, end to end).
+      roofline   step = m · (slowest stage + its exposed TP, CP, PP traffic) · (1 + (p − 1)/(v·m))
+                        + (m − 1) · accumulation + the optimizer + exposed data-parallel and offload traffic
+                        + the CPU optimizer
+      --mfu X    step = hardware FLOPs of the step / (GPUs · X · peak); the traffic is listed, not added
     """
-    m = setup.grad_accum
+    m, engine = setup.grad_accum, setup.stack.engine
     fabric = FABRICS[gpu.key]
-    mb = micro_batch_work(model, setup, gpu, tricks, layout)
+    stage_layers = memory.stage_layers or (model.shape.n_layers // layout.pp,) * layout.pp
+    mfu = timing if isinstance(timing, float) else None
+    if mfu is not None:
+        work = mfu_work(model, setup, gpu, tricks, layout, stage_layers, mfu)
+    else:
+        cal = timing if isinstance(timing, Calibration) else calibration_for(gpu.key)
+        work = roofline_work(model, setup, gpu, tricks, layout, stage_layers, cal)
+    busy = busiest_experts_flops(model, setup, layout)  # imbalance: the busiest GPU's extra expert work
+    rate = gpu.peak_flops(tricks.precision) * (mfu if mfu is not None else cal.matmul)
+    mb = work.micro_batch = replace(work.micro_batch, forward=work.micro_batch.forward + busy / 3 / rate,
+                                    backward=work.micro_batch.backward + 2 * busy / 3 / rate)  # fmt: skip
     args = (layout, model, setup, tricks, fabric, assume, mb)
     per_mb = [x for x in (tp_comm(*args), cp_comm(*args), pp_comm(*args), *ep_comm(*args)) if x]
     slowest = mb.seconds + sum(x.exposed_seconds for x in per_mb)  # one micro-batch through the slowest stage
@@ -257,10 +327,17 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
                      x.exposed_seconds * m) for x in per_mb]  # fmt: skip
     experts = max(st.expert_params for st in memory.stages)  # routed experts: synced over their edp group
     params = max(st.params - st.expert_params for st in memory.stages)  # the stage with the most weights syncs longest
-    w = 4 if tricks.precision == "fp32" else 2  # bytes of a weight and of a gradient
-    host, cpu = offload_comm(layout, params, w, m, fabric, assume, mb)
+    w = 4 if tricks.precision == "fp32" else 2  # bytes of a weight while computing
+    gw = grad_reduce_bytes(engine, tricks.precision)  # bytes of a gradient on the wire
+    host, cpu = offload_comm(layout, max(st.params for st in memory.stages), w, gw, m, fabric, assume, mb)
+    unit = unit_fraction(model.shape, layout.tp, layout.pp) if engine == "fsdp2" else 0.0
+    dp = dp_comm(layout, params, w, gw, m, fabric, assume, mb, engine, unit)
+    dp += expert_dp_comm(layout, experts, w, gw, m, fabric, assume, mb)
     tokens = layout.dp * m * setup.micro_batch * setup.seq_len
     f = step_flops(model.shape, setup.seq_len, tricks)
+    comms = tuple(per_step + dp + host)
+    if mfu is not None:  # an end-to-end rate already holds the bubble, the traffic and the optimizer
+        comms = tuple(replace(c, exposed_seconds=0.0) for c in comms)
     return StepTime(
         layout=layout,
         tricks=tricks,
@@ -268,14 +345,16 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
         model_flops_per_step=tokens * f.model_per_token,
         hardware_flops_per_step=tokens * f.hardware_per_token,
         peak_flops=gpu.peak_flops(tricks.precision),
-        utilization=setup.mfu,
-        compute_seconds=m * mb.model_seconds,
-        recompute_seconds=m * mb.extra_seconds,
-        bubble_seconds=slowest * m * bubble_fraction(layout, m),  # (p − 1)/v micro-batch times idle
-        comms=tuple(per_step + dp_comm(layout, params, w, m, fabric, assume, mb)
-                    + expert_dp_comm(layout, experts, w, m, fabric, assume, mb) + host),
-        cpu_optimizer_seconds=cpu,
+        utilization=mfu,
+        compute_seconds=m * (mb.forward + mb.backward) + (m - 1) * work.accumulate,
+        recompute_seconds=m * mb.recompute,
+        optimizer_seconds=work.optimizer,
+        bubble_seconds=0.0 if mfu is not None else slowest * m * bubble_fraction(layout, m),
+        comms=comms,
+        cpu_optimizer_seconds=0.0 if mfu is not None else cpu,
         assumptions=assume,
+        calibration=None if mfu is not None else cal,
+        micro_batch_seconds=slowest,
     )
 
 
@@ -337,7 +416,7 @@ def ep_comm(layout, model, setup, tricks, fabric, assume, mb) -> list[Comm]:
     return out
 
 
-def expert_dp_comm(layout: Layout, params: int, w: int, m: int, fabric: Fabric, assume: Assumptions,
+def expert_dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric, assume: Assumptions,
                    mb: MicroBatch) -> list[Comm]:  # fmt: skip
     """The routed experts' gradients over their edp group, as dp_comm does for the rest: an all-reduce once per
     step without ZeRO, a reduce-scatter (every micro-batch with ZeRO-2 and 3) and an all-gather of the updated
@@ -345,24 +424,74 @@ def expert_dp_comm(layout: Layout, params: int, w: int, m: int, fabric: Fabric, 
     n, z, d = layout.expert_shard_ranks, layout.zero, assume.overlap_dp
     if not params or n == 1:
         return []
-    size, g = params * w, "edp"
+    g, grads, weights = "edp", params * gw, params * w
     link = link_for(fabric, layout.tp * layout.cp * layout.dp, layout.gpus_per_node)
     if z == 0:
-        return [ring("expert gradient all-reduce", g, n, link, 1, 2, size, f"2(n−1)/n · P_e·{w}", assume, d,
-                     mb.backward)]  # fmt: skip
+        return [ring("expert gradient all-reduce", g, n, link, 1, 2, grads, f"2(n−1)/n · P_e·{gw}", assume, d,
+                     mb.backward_window)]  # fmt: skip
     calls = 1 if z == 1 else m
-    each = f"(n−1)/n · P_e·{w}"
     return [
-        ring("expert gradient reduce-scatter", g, n, link, calls, 1, size, ("m · " if calls > 1 else "") + each,
-             assume, d, calls * mb.backward),
-        ring("expert weight all-gather", g, n, link, calls if z == 3 else 1, 1, size, each, assume, d, mb.forward),
+        ring("expert gradient reduce-scatter", g, n, link, calls, 1, grads,
+             ("m · " if calls > 1 else "") + f"(n−1)/n · P_e·{gw}", assume, d, calls * mb.backward_window),
+        ring("expert weight all-gather", g, n, link, calls if z == 3 else 1, 1, weights, f"(n−1)/n · P_e·{w}",
+             assume, d, mb.forward),
     ]  # fmt: skip
+
+
+def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, memory: LayoutMemory,
+                     assume: Assumptions = ASSUMPTIONS, timing: Calibration | float | None = None,
+                     traced: bool = True) -> float:  # fmt: skip
+    """A step time step_time never goes under, from the kernels of one sequence per micro-batch (one trace
+    per TP shard, CP share and recompute mode, not per micro-batch size): the slowest stage's blocks at
+    their lower bound (memcalc.time.roofline.block_lower_bound) through the pipeline with its bubble, the
+    gradient accumulation and the optimizer (which do not depend on the micro-batch), plus the TP and PP
+    traffic no compute hides (overlap share 0). Under --mfu the step itself (it is cheap).
+    traced=False: a looser bound that traces nothing, the blocks' matmuls alone at the matmul peak the
+    roofline allows them (6 FLOPs per weight per token, forward and backward)."""
+    if isinstance(timing, float):
+        return step_time(model, setup, gpu, tricks, layout, memory, assume, timing).step_seconds
+    cal = timing if isinstance(timing, Calibration) else calibration_for(gpu.key)
+    m, p = setup.grad_accum, layout.pp
+    layers = max(memory.stage_layers or (model.shape.n_layers // p,))
+    shape, seq, sp = tp_shape(model.shape, layout.tp), setup.seq_len // layout.cp, layout.tp if layout.sp else 1
+    if traced:
+        block = block_lower_bound(shape, seq, setup.micro_batch, tricks, gpu, cal, sp, layout.cp)
+        grads = layout.shard_group if layout.zero >= 2 else 1
+        k = stage_kernels(shape, seq, 1, tricks, gpu, cal, sp, layout.cp, grads, layout.shard_group)
+        once = (m - 1) * layers * k.block_accumulate + layers * k.optimizer_block
+    else:
+        rate = gpu.peak_flops(tricks.precision) * cal.matmul
+        block, once = 6 * matmul_weights(model.shape, layout.tp) * setup.micro_batch * seq / rate, 0.0
+    per_mb = layers * block
+    mb = MicroBatch(per_mb / 3, 2 * per_mb / 3, 0.0, 0.0, layers)
+    fabric = FABRICS[gpu.key]
+    args = (layout, model, setup, tricks, fabric, assume, mb)
+    unhidden = sum(c.seconds for c, share in ((tp_comm(*args), assume.overlap_tp), (pp_comm(*args), assume.overlap_pp))
+                   if c is not None and share == 0)  # fmt: skip
+    return (per_mb + unhidden) * (m + (p - 1) / layout.vpp) + once
+
+
+@lru_cache(maxsize=256)
+def matmul_weights(shape: ModelShape, tp: int) -> int:
+    """One block's matmul weights on one TP rank: Q, K, V, O and the MLP's matrices, split over tp."""
+    n_in = 2 if shape.gated_mlp else 1
+    h = shape.hidden
+    return (2 * h * shape.q_dim + 2 * h * shape.kv_dim + (n_in + 1) * h * shape.ffn) // tp
+
+
+@lru_cache(maxsize=1024)
+def unit_fraction(shape: ModelShape, tp: int, pp: int) -> float:
+    """The share of a stage's weights in its largest unit (a block, or the vocab-split embedding): what
+    FSDP2 gathers first and reduces last, with no compute left to hide behind."""
+    vocab = -(-shape.vocab // tp) * shape.hidden
+    whole = max(stage_shape_params(shape, tp, pp, 0), 1)
+    return min(1.0, max(tp_layer_params(shape, tp), vocab) / whole)
 
 
 def tp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
     """Megatron TP: 2 all-reduces forward and 2 backward per layer, of (s/c)·b·h (Shoeybi et al. 2019, sec. 3);
     with SP each is a reduce-scatter + all-gather of the same volume (Korthikanti et al. 2022, sec. 4.2.2);
-    full recompute runs the forward's 2 again. Per micro-batch."""
+    full recompute runs the forward's 2 again. Per micro-batch, on the slowest stage's layers."""
     t = layout.tp
     if t == 1:
         return None
@@ -370,7 +499,7 @@ def tp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
     act = tricks.act_bytes
     message = setup.seq_len // layout.cp * setup.micro_batch * model.shape.hidden * act
     name = "SP reduce-scatter + all-gather" if layout.sp else "TP all-reduce"
-    calls = per_layer * (model.shape.n_layers // layout.pp)
+    calls = per_layer * mb.layers
     link = link_for(fabric, t, layout.gpus_per_node)
     formula = f"{per_layer}·L/p · 2(t−1)/t · (s/c)·b·h·{act}"
     return ring(name, "tp", t, link, calls, 2, message, formula, assume, assume.overlap_tp, mb.seconds)
@@ -384,13 +513,13 @@ def cp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
     if c == 1:
         return None
     passes = 3 + (1 if tricks.recompute == "full" else 0)
-    act, layers = tricks.act_bytes, model.shape.n_layers // layout.pp
+    act, layers = tricks.act_bytes, mb.layers
     chunk = 2 * (setup.seq_len // c) * setup.micro_batch * model.shape.kv_dim // layout.tp * act
     calls = passes * layers * (c - 1)
     link = link_for(fabric, layout.tp * c, layout.gpus_per_node)
     formula = f"{passes}·L/p·(c−1) · 2·(s/c)·b·kv_dim/t·{act}"
     return send("CP ring K/V exchange", "cp", c, link, calls, calls * chunk, formula, assume, assume.overlap_cp,
-                mb.attention_seconds)  # fmt: skip
+                mb.attention)  # fmt: skip
 
 
 def pp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
@@ -407,53 +536,80 @@ def pp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
     return send("PP send/recv", "pp", p, link, 2 * v, 2 * v * message, formula, assume, assume.overlap_pp, mb.seconds)
 
 
-def dp_comm(layout: Layout, params: int, w: int, m: int, fabric: Fabric, assume: Assumptions,
-            mb: MicroBatch) -> list[Comm]:  # fmt: skip
-    """Gradient and weight traffic over dp × cp, P the weights on one GPU (Rajbhandari et al. 2019, sec. 7):
+def dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric, assume: Assumptions,
+            mb: MicroBatch, engine: str = "none", unit: float = 0.0) -> list[Comm]:  # fmt: skip
+    """Gradient and weight traffic over dp × cp, P the weights on one GPU (Rajbhandari et al. 2019, sec. 7);
+    gradients of gw bytes (the engine's reduce dtype), weights of w:
       ZeRO 0   all-reduce the gradients once per step (2Ψ)
       ZeRO 1   reduce-scatter the gradients, all-gather the updated weights, once per step (2Ψ)
       ZeRO 2   the reduce-scatter every micro-batch (gradients live sharded), the all-gather once
       ZeRO 3   all-gather the weights in forward and again in backward, reduce-scatter the gradients,
                every micro-batch (3Ψ per micro-batch)
+    FSDP2 without resharding after forward skips the backward all-gather; with pipeline parallel
+    (torch.distributed.pipelining: requires_gradient_sync and reshard_after_backward off until the last
+    micro-batch) it gathers once and reduce-scatters once per step, after the last backward.
     Hybrid shard: these inside the node, then an all-reduce of each gradient shard across nodes.
-    Windows: gradient traffic hides behind backward, weight gathers behind forward.
+    Windows: gradient traffic hides behind backward, weight gathers behind forward; an engine's last
+    gradient bucket stays exposed (tail): Megatron-LM's bucket_size, DeepSpeed's reduce_bucket_size,
+    FSDP2's last unit (and its first all-gather).
     """
     n, z, d = layout.shard_ranks, layout.zero, assume.overlap_dp
     if n == 1:
         return []
-    size, g = params * w, "dp×cp"
+    size, grads, g = params * w, params * gw, "dp×cp"
+    tail = gradient_tail(engine, params, n, unit)
     if z == 0:
         link = link_for(fabric, layout.tp * n, layout.gpus_per_node)
-        return [ring("DP gradient all-reduce", g, n, link, 1, 2, size, f"2(n−1)/n · P·{w}", assume, d, mb.backward)]
+        return [ring("DP gradient all-reduce", g, n, link, 1, 2, grads, f"2(n−1)/n · P·{gw}", assume, d,
+                     mb.backward_window, tail)]  # fmt: skip
     k = layout.shard_group
     link = link_for(fabric, layout.tp * k, layout.gpus_per_node)
-    each = f"(n−1)/n · P·{w}"
-    if z == 3:
+    each, each_g = f"(n−1)/n · P·{w}", f"(n−1)/n · P·{gw}"
+    if z == 3 and engine == "fsdp2" and layout.pp > 1:
         out = [
-            ring("ZeRO-3 weight all-gather, forward", g, k, link, m, 1, size, "m · " + each, assume, d,
-                 m * mb.forward),
-            ring("ZeRO-3 weight all-gather, backward", g, k, link, m, 1, size, "m · " + each, assume, d,
-                 m * mb.backward / 2),
-            ring("ZeRO-3 gradient reduce-scatter", g, k, link, m, 1, size, "m · " + each, assume, d,
-                 m * mb.backward / 2),
+            ring("FSDP2 weight all-gather, first micro-batch", g, k, link, 1, 1, size, each, assume, d,
+                 mb.forward, unit),
+            ring("FSDP2 gradient reduce-scatter after the last backward", g, k, link, 1, 1, grads, each_g, assume,
+                 d, 0.0),
         ]  # fmt: skip
+    elif z == 3:
+        out = [ring("ZeRO-3 weight all-gather, forward", g, k, link, m, 1, size, "m · " + each, assume, d,
+                    m * mb.forward, unit if engine == "fsdp2" else 0.0)]  # fmt: skip
+        if engine != "fsdp2" or reshards_after_forward(layout):
+            out.append(ring("ZeRO-3 weight all-gather, backward", g, k, link, m, 1, size, "m · " + each, assume, d,
+                            m * mb.backward_window / 2))  # fmt: skip
+        out.append(ring("ZeRO-3 gradient reduce-scatter", g, k, link, m, 1, grads, "m · " + each_g, assume, d,
+                        m * mb.backward_window / 2, tail))  # fmt: skip
     else:
         calls = m if z == 2 else 1
-        scatter = ("m · " if z == 2 else "") + each
+        scatter = ("m · " if z == 2 else "") + each_g
         out = [
-            ring(f"ZeRO-{z} gradient reduce-scatter", g, k, link, calls, 1, size, scatter, assume, d,
-                 calls * mb.backward),
+            ring(f"ZeRO-{z} gradient reduce-scatter", g, k, link, calls, 1, grads, scatter, assume, d,
+                 calls * mb.backward_window, tail),
             ring(f"ZeRO-{z} weight all-gather", g, k, link, 1, 1, size, each, assume, d, mb.forward),
         ]  # fmt: skip
     if layout.hybrid and n > k:
-        calls = 1 if z == 1 else m
-        formula = ("m · " if calls > 1 else "") + f"2(r−1)/r · P·{w}/k"
+        calls = 1 if z == 1 or (engine == "fsdp2" and layout.pp > 1) else m
+        formula = ("m · " if calls > 1 else "") + f"2(r−1)/r · P·{gw}/k"
         out.append(ring("hybrid: gradient shard all-reduce across nodes", g, n // k, fabric.inter, calls, 2,
-                        size // k, formula, assume, d, calls * mb.backward))  # fmt: skip
+                        grads // k, formula, assume, d, calls * mb.backward_window))  # fmt: skip
     return out
 
 
-def offload_comm(layout: Layout, params: int, w: int, m: int, fabric: Fabric, assume: Assumptions,
+def gradient_tail(engine: str, params: int, ranks: int, unit: float) -> float:
+    """The share of the gradients reduced after the last backward compute: Megatron-LM's last bucket
+    (megatron_bucket_size parameters), DeepSpeed's last reduce bucket (5e8 elements, deepspeed/runtime/zero/
+    config.py), FSDP2's last unit; memcalc's generic layouts assume all of it overlaps."""
+    if engine == "megatron":
+        return min(1.0, megatron_bucket_size(ranks) / params)
+    if engine == "deepspeed":
+        return min(1.0, DEEPSPEED_DEFAULTS.reduce_bucket_size / params)
+    if engine == "fsdp2":
+        return unit
+    return 0.0
+
+
+def offload_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric, assume: Assumptions,
                  mb: MicroBatch) -> tuple[list[Comm], float]:  # fmt: skip
     """PCIe traffic and CPU Adam time of offload (Ren et al. 2021, ZeRO-Offload; FSDP CPUOffload).
 
@@ -464,16 +620,17 @@ def offload_comm(layout: Layout, params: int, w: int, m: int, fabric: Fabric, as
     if not layout.offload_optimizer:
         return [], 0.0
     shard = -(-params // layout.shard_group)  # parameters this GPU updates
-    size, link, o = shard * w, fabric.host, assume.overlap_offload
+    size, grads, link, o = shard * w, shard * gw, fabric.host, assume.overlap_offload
     if layout.offload_params:
         out = [
             send("weights host→GPU, forward and backward", "host", 1, link, 2 * m, 2 * m * size, f"2m · P/n·{w}",
                  assume, o, m * mb.seconds),
-            send("gradients GPU→host", "host", 1, link, m, m * size, f"m · P/n·{w}", assume, o, m * mb.backward),
+            send("gradients GPU→host", "host", 1, link, m, m * grads, f"m · P/n·{gw}", assume, o,
+                 m * mb.backward_window),
         ]  # fmt: skip
     else:
         out = [
-            send("gradients GPU→host", "host", 1, link, 1, size, f"P/n·{w}", assume, o, mb.backward),
+            send("gradients GPU→host", "host", 1, link, 1, grads, f"P/n·{gw}", assume, o, mb.backward_window),
             send("updated weights host→GPU", "host", 1, link, 1, size, f"P/n·{w}", assume, o, mb.forward),
         ]
     cpu_rate = assume.cpu_adam_params_per_s / layout.gpus_per_node  # the node's GPUs share one host

@@ -20,6 +20,12 @@ folding): the tp · cp · dp ranks of a stage are etp · ep · edp for the route
 E/ep experts each (expert parallel, Lepikhin et al. 2021), etp split each expert's MLP as TP splits
 a dense one, and ZeRO shards the experts' state over the edp ranks holding the same experts
 (megatron/training/theoretical_memory_usage.py: expert_data_parallel_size = world / (etp · ep · pp)).
+
+Pipeline stages hold L/p layers each when p divides L; otherwise (and always for FSDP2, as torchtitan
+splits) the embedding and the head count as one layer each and the first and last stages take one layer
+fewer (torchtitan/distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part); first_layers and
+last_layers set the end stages as Megatron-LM's --decoder-first/last-pipeline-num-layers do.
+The engine (memcalc.parallel.engines, chosen by the stack) adds its own model state, buffers and rules.
 """
 
 from __future__ import annotations
@@ -35,8 +41,19 @@ from memcalc.model.gpus import GPU
 from memcalc.model.moe import routed_tokens
 from memcalc.model.shape import (Model, ModelShape, attention_params, expert_params, is_moe_layer, mlp_params,
                                  mlp_params_of, moe_layer_count, mtp_params, n_params, norm_params)  # fmt: skip
-from memcalc.model.tricks import Tricks
+from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.terms import Term
+
+from .engines import (
+    ENGINES,
+    MEGATRON,
+    MEGATRON_MEMORY,
+    check_engine,
+    deepspeed_buffers,
+    deepspeed_state,
+    fsdp2_buffers,
+    reshards_after_forward,
+)
 
 KORTHIKANTI_T2 = "Korthikanti et al. 2022, Table 2"
 
@@ -58,6 +75,9 @@ class Layout:
     gpus_per_node: int = 8  # GPUs behind one NVLink switch
     ep: int = 1  # expert-parallel GPUs: each holds E/ep of a MoE layer's routed experts
     etp: int = 1  # expert tensor parallel: each expert's MLP split over etp GPUs
+    first_layers: int = 0  # layers on the first pipeline stage (0: the default split)
+    last_layers: int = 0  # layers on the last pipeline stage (0: the default split)
+    reshard_after_forward: bool | None = None  # FSDP2: free gathered blocks after forward (None: torchtitan's default)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "vpp", "gpus_per_node", "ep", "etp"):
@@ -72,9 +92,12 @@ class Layout:
             raise InputError("sequence parallel needs tensor parallel (tp > 1): it splits norms and dropouts over TP")
         if self.vpp > 1 and self.pp == 1:
             raise InputError("virtual pipeline stages (interleaving) need pipeline parallel (pp > 1)")
-        if self.zero >= 2 and self.pp > 1:
-            raise InputError(f"ZeRO-{self.zero} with pipeline parallel is unsupported (DeepSpeed's pipeline engine "
-                             "refuses stages 2 and 3): use ZeRO-1, Megatron's distributed optimizer")  # fmt: skip
+        for name in ("first_layers", "last_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GPUS:
+                raise InputError(f"{name} must be a whole number in [0, {MAX_GPUS}], got {value!r}")
+        if (self.first_layers or self.last_layers) and self.pp == 1:
+            raise InputError("layers on the first and last pipeline stages need pipeline parallel (pp > 1)")
         if self.offload_params and self.zero != 3:
             raise InputError("parameter offload needs ZeRO-3 / FSDP (DeepSpeed's offload_param is stage 3 only)")
         if self.offload_params and not self.offload_optimizer:
@@ -137,6 +160,10 @@ class Layout:
         ]
         if self.ep > 1 or self.etp > 1:
             parts.append(f"ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else ""))
+        if self.first_layers or self.last_layers:
+            parts[1] += f" ({self.first_layers or '-'}/{self.last_layers or '-'})"
+        if self.reshard_after_forward is not None:
+            parts.append("reshard" if self.reshard_after_forward else "no reshard")
         if self.offload_params:
             parts.append("offload params+optimizer")
         elif self.offload_optimizer:
@@ -165,8 +192,10 @@ def check_world(layout: Layout, gpus: int) -> None:
                          f"{layout.world}, not the {gpus} GPUs given")  # fmt: skip
 
 
-def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks, micro_batches: int) -> None:
-    """What the model, the sequence and the schedule demand of a layout; one InputError line each."""
+def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks, micro_batches: int,
+                 engine: str = "none") -> None:  # fmt: skip
+    """What the model, the sequence, the schedule and the engine demand of a layout; one InputError line each."""
+    check_engine(layout, engine)
     t, s = layout.tp, seq_len
     if shape.n_heads % t:
         raise InputError(f"tensor parallel {t} must divide the {shape.n_heads} attention heads")
@@ -176,10 +205,10 @@ def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks
         )
     if shape.ffn % t and moe_layer_count(shape) < shape.n_layers:
         raise InputError(f"tensor parallel {t} must divide the MLP width {shape.ffn}")
-    check_experts(layout, shape)
-    if shape.n_layers % (layout.pp * layout.vpp):
-        what = f"pipeline {layout.pp}" + (f" x virtual stages {layout.vpp}" if layout.vpp > 1 else "")
-        raise InputError(f"{what} must divide the {shape.n_layers} layers")
+    check_experts(layout, shape, engine)
+    if layout.vpp > 1 and shape.n_layers % (layout.pp * layout.vpp):
+        raise InputError(f"pipeline {layout.pp} x virtual stages {layout.vpp} must divide the {shape.n_layers} layers")
+    layers_per_stage(layout, shape.n_layers, engine)
     if layout.vpp > 1 and micro_batches % layout.pp:
         raise InputError(f"the interleaved schedule needs the micro-batches per step ({micro_batches}) "
                          f"to be a multiple of pp ({layout.pp}) (Megatron-LM)")  # fmt: skip
@@ -192,8 +221,16 @@ def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks
         raise InputError(f"sequence parallel needs the tokens per CP rank ({s // layout.cp}) divisible by tp ({t})")
 
 
-def check_experts(layout: Layout, shape: ModelShape) -> None:
-    """What expert parallelism demands of the model: experts to split, whole experts per GPU."""
+def check_experts(layout: Layout, shape: ModelShape, engine: str = "none") -> None:
+    """What expert parallelism demands of the model: experts to split, whole experts per GPU. A mixture of
+    experts over GPUs is laid out as Megatron-LM folds it, on the reference engine and L/p layers a stage."""
+    if moe_layer_count(shape) and layout.world > 1:
+        if engine != "none":
+            raise InputError(f"a mixture of experts over GPUs is modelled on the reference stack's engine, not {engine}'s "
+                             "(--stack reference)")  # fmt: skip
+        if layout.first_layers or layout.last_layers or shape.n_layers % layout.pp:
+            raise InputError(f"a mixture of experts needs pipeline {layout.pp} to divide its {shape.n_layers} layers "
+                             "evenly (no uneven stages)")  # fmt: skip
     if layout.ep == layout.etp == 1:
         return
     if not moe_layer_count(shape):
@@ -205,6 +242,50 @@ def check_experts(layout: Layout, shape: ModelShape) -> None:
     if layout.tp > 1 and not layout.sp:
         raise InputError("MoE layers with tensor parallel need sequence parallel (--sp): Megatron-LM dispatches each "
                          "TP rank's share of the tokens")  # fmt: skip
+
+
+# ---- layers per pipeline stage ---------------------------------------------------------------
+
+
+def layers_per_stage(layout: Layout, n_layers: int, engine: str = "none") -> tuple[int, ...]:
+    """The transformer layers on each pipeline stage, first to last."""
+    weighted = ENGINES[engine].weighted_split and layout.vpp == 1
+    return stage_layers(layout.pp, layout.first_layers, layout.last_layers, n_layers, weighted)
+
+
+@lru_cache(maxsize=4096)
+def stage_layers(pp: int, first: int, last: int, n_layers: int, weighted: bool = False) -> tuple[int, ...]:
+    """Layers per stage. first/last given: Megatron-LM's uneven split, the middle stages sharing the rest
+    evenly (megatron/core/transformer/transformer_block.py get_num_layers_to_build). Else L/p each when p
+    divides L and the split is not weighted; else torchtitan's: the embedding and the head weigh one layer
+    each, L + 2 are dealt out evenly, the first stages taking the remainder, and the end stages give up one
+    layer each for them (torchtitan/distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part)."""
+    if pp == 1:
+        return (n_layers,)
+    if first or last:
+        return megatron_split(pp, first, last, n_layers)
+    if not weighted and n_layers % pp == 0:
+        return (n_layers // pp,) * pp
+    base, extra = divmod(n_layers + 2, pp)
+    counts = [base + (i < extra) - (i == 0) - (i == pp - 1) for i in range(pp)]
+    if min(counts) < 1:
+        raise InputError(f"pipeline {pp} leaves a stage without layers: {n_layers} layers, with the embedding and "
+                         f"the head counted as one layer each, give fewer than 2 per stage")  # fmt: skip
+    return tuple(counts)
+
+
+def megatron_split(pp: int, first: int, last: int, n_layers: int) -> tuple[int, ...]:
+    """--decoder-first-pipeline-num-layers F, --decoder-last-pipeline-num-layers L: the stages between share
+    what is left evenly (Megatron-LM asserts it divides)."""
+    ends = (first > 0) + (last > 0)
+    rest, middle = n_layers - first - last, pp - ends
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest // middle == 0)):
+        given = " and ".join(x for x in (f"{first} layers on the first stage" if first else "",
+                                         f"{last} on the last" if last else "") if x)  # fmt: skip
+        raise InputError(f"{given}: the other {middle} stages cannot share the remaining {rest} of the {n_layers} "
+                         "layers evenly (Megatron-LM's uneven pipeline split)")  # fmt: skip
+    each = rest // middle if middle else 0
+    return tuple(first if i == 0 and first else last if i == pp - 1 and last else each for i in range(pp))
 
 
 # ---- parameters on one GPU ------------------------------------------------------------------
@@ -237,7 +318,7 @@ def tp_moe_layer_params(shape: ModelShape, tp: int) -> int:
     return split // tp + replicated
 
 
-def stage_layers(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
+def moe_split(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
     """(dense layers, MoE layers) of one pipeline stage's L/p consecutive layers."""
     per = shape.n_layers // pp
     moe = sum(is_moe_layer(shape, i) for i in range(stage * per, (stage + 1) * per))
@@ -250,13 +331,13 @@ def expert_gpu_params(shape: ModelShape, layout: Layout, stage: int) -> int:
     block, on the last stage."""
     if not moe_layer_count(shape):
         return 0
-    layers = stage_layers(shape, layout.pp, stage)[1]
+    layers = moe_split(shape, layout.pp, stage)[1]
     if stage == layout.pp - 1 and shape.mtp_layers and is_moe_layer(shape, shape.n_layers - 1):
         layers += shape.mtp_layers
     return layers * (shape.n_experts // layout.ep) * expert_params(shape) // layout.etp
 
 
-def stage_shape_params(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
+def stage_shape_params(shape: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None) -> int:
     """The shape's parameters on one GPU of a pipeline stage.
 
     Stage 0 holds the token embedding (vocab split over tp, Megatron's VocabParallelEmbedding) and the
@@ -264,9 +345,9 @@ def stage_shape_params(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
     With tied embeddings and pp > 1 the last stage keeps its own copy of the embedding (Megatron-LM
     all-reduces the two copies' gradients); with pp = 1 the one table serves both.
     """
-    layers = shape.n_layers // pp * tp_layer_params(shape, tp)
+    layers = (shape.n_layers // pp if layers is None else layers) * tp_layer_params(shape, tp)
     if moe_layer_count(shape):  # dense and MoE layers (routed experts apart), and the MTP module on the last stage
-        dense, moe = stage_layers(shape, pp, stage)
+        dense, moe = moe_split(shape, pp, stage)
         layers = dense * tp_layer_params(shape, tp) + moe * tp_moe_layer_params(shape, tp)
         if stage == pp - 1 and shape.mtp_layers:
             experts = shape.n_experts * expert_params(shape) if is_moe_layer(shape, shape.n_layers - 1) else 0
@@ -284,10 +365,10 @@ def stage_shape_params(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def gpu_params(model: Model, tp: int, pp: int, stage: int) -> int:
+def gpu_params(model: Model, tp: int, pp: int, stage: int, layers: int | None = None) -> int:
     """Parameters one GPU holds before ZeRO sharding; with --params N the shape's share of N (rounded up)."""
     own = n_params(model.shape)
-    return -(-stage_shape_params(model.shape, tp, pp, stage) * model.n_params // own)
+    return -(-stage_shape_params(model.shape, tp, pp, stage, layers) * model.n_params // own)
 
 
 @lru_cache(maxsize=4096)
@@ -329,7 +410,7 @@ class LayerActivations:
 
 @lru_cache(maxsize=4096)
 def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks,
-                      tp: int = 1, sp: bool = False, cp: int = 1) -> LayerActivations:  # fmt: skip
+                      tp: int = 1, sp: bool = False, cp: int = 1, engine: str = "none") -> LayerActivations:  # fmt: skip
     """Korthikanti et al. 2022, Table 2, per layer, with the sequence split over cp.
 
       TP          s·b·h·(10 + 24/t + 5·a·s/(h·t))
@@ -340,7 +421,12 @@ def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     inputs (2 + 2), the two dropout masks (1 + 1). 24·s·b·h split with the heads: Q, K (4), V (2),
     the output-projection input (2), the GeLU input and output (8 + 8). FlashAttention drops the
     5·a·s²·b/t scores as selective recompute does. With t = cp = 1 these are activations.py's terms.
+
+    Megatron-LM's own formula (theoretical_memory_usage.py compute_activation_memory) writes the MLP's
+    16·s·b·h as 4·s·b·f, for any MLP width f: s·b·h·(18 + 4·f/h)/t with SP and selective recompute; the
+    megatron engine charges that (equal to Table 2 at f = 4h).
     """
+    check_layer_uniform(tricks, "the parallel layouts")
     x = 2 if tricks.precision == "fp32" else 1  # fp32 activations double every byte
     s, b, h, a, t = seq_len // cp, micro_batch, shape.hidden, shape.n_heads, tp
     sbh = s * b * h
@@ -352,6 +438,12 @@ def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     replicated = Term("norm inputs, QKV and MLP inputs, dropout masks", x * 10 * sbh // rep,
                       f"{k}10·{sym}{by_rep}", KORTHIKANTI_T2 + where)  # fmt: skip
     split = Term("Q, K, V, projection input, GeLU in/out", x * 24 * sbh // t, f"{k}24·{sym}{by_t}", KORTHIKANTI_T2)
+    if engine == "megatron":
+        sbf = s * b * shape.ffn
+        sym_f = "{s}·{b}·{f}" if cp == 1 else "({s}/{c})·{b}·{f}"
+        split = Term("Q, K, V, projection input (8·s·b·h), MLP activation in/out (4·s·b·f)",
+                     x * (8 * sbh + 4 * sbf) // t, f"{k}(8·{sym} + 4·{sym_f}){by_t}",
+                     f"{MEGATRON} {MEGATRON_MEMORY} compute_activation_memory: 18 + 4·f/h")  # fmt: skip
     s_sq = "{s}²" if cp == 1 else "({s}/{c})²"
     scores = Term("attention s×s (softmax, mask, dropout)", x * 5 * a * s * s * b // t,
                   f"{k}5·{{a}}·{s_sq}·{{b}}{by_t}", KORTHIKANTI_T2)  # fmt: skip
@@ -426,17 +518,18 @@ def with_experts(state: ModelState, experts: ModelState) -> ModelState:
     return replace(state, params=state.params + experts.params, parts=parts)
 
 
-def held_layers(layout: Layout, stage: int, micro_batches: int, n_layers: int) -> int:
+def held_layers(layout: Layout, stage: int, micro_batches: int, n_layers: int, layers: int | None = None) -> int:
     """Layer-micro-batches whose activations a stage keeps at its peak (Korthikanti et al. 2022, sec. 4.2.3).
 
     1F1B: stage i runs min(p − i, m) forwards before its first backward, so stage 0 holds p micro-batches
     of its L/p layers: L layers' worth, whatever p. Interleaved with v virtual stages: Megatron-LM's
     warm-up of 2(p − i − 1) + (v − 1)·p chunks + 1, each of L/(p·v) layers; for stage 0 that is
-    L·(1 + (p − 1)/(p·v)) layers' worth, Korthikanti's interleaving factor.
+    L·(1 + (p − 1)/(p·v)) layers' worth, Korthikanti's interleaving factor. layers: this stage's
+    (uneven splits run 1F1B only).
     """
     p, v, m = layout.pp, layout.vpp, micro_batches
     if v == 1:
-        return min(p - stage, m) * (n_layers // p)
+        return min(p - stage, m) * (n_layers // p if layers is None else layers)
     chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
     return min(chunks, m * v) * (n_layers // (p * v))
 
@@ -500,13 +593,14 @@ class StageMemory(Budget):
     state: ModelState
     layer: LayerActivations  # one layer, one micro-batch
     held: int  # layer-micro-batches of activations kept at the peak (pipeline in flight)
-    buffers: tuple[Term, ...]  # transient: ZeRO-3 gathered layers, CP ring buffers
+    buffers: tuple[Term, ...]  # transient: the engine's gathered layers and buckets, CP ring buffers
     logits: tuple[Term, ...]  # last stage only
     usable_bytes: int
     host_usable_bytes: int  # one GPU's share of its node's CPU memory
     moe_layer: LayerActivations | None = None  # a MoE layer (layer: its dense layers')
     moe_held: int = 0  # MoE layer-micro-batches kept at the peak (held: the dense ones)
     expert_params: int = 0  # routed-expert parameters on this GPU (in params), sharded over edp by ZeRO
+    inputs: tuple[Term, ...] = ()  # activations outside the layers (Megatron-LM's first stage), all in flight
 
     @property
     def host_bytes(self) -> int:
@@ -516,7 +610,7 @@ class StageMemory(Budget):
     @property
     def activation_bytes(self) -> int:
         moe = self.moe_held * self.moe_layer.per_layer_bytes if self.moe_layer else 0
-        return self.held * self.layer.per_layer_bytes + moe
+        return self.held * self.layer.per_layer_bytes + moe + sum(t.value for t in self.inputs)
 
     @property
     def rebuilt_bytes(self) -> int:
@@ -544,7 +638,8 @@ class StageMemory(Budget):
             return (self.state.total_bytes + self.activation_peak_bytes + sum(t.value for t in self.buffers)
                     + sum(t.value for t in self.logits))  # fmt: skip
         return (self.state.total_bytes + self.held * layer.per_layer_bytes + layer.rebuilt_bytes
-                + sum(t.value for t in self.buffers) + sum(t.value for t in self.logits))  # fmt: skip
+                + sum(t.value for t in self.buffers) + sum(t.value for t in self.logits)
+                + sum(t.value for t in self.inputs))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -554,7 +649,8 @@ class LayoutMemory:
     layout: Layout
     tricks: Tricks
     micro_batches: int  # m: micro-batches per step through each pipeline
-    stages: tuple[StageMemory, ...]  # every stage, or the first and last (which hold the peak)
+    stages: tuple[StageMemory, ...]  # every stage, or those that can peak (the ends, and the second if uneven)
+    stage_layers: tuple[int, ...] = ()  # transformer layers on every stage, first to last
 
     @property
     def peak(self) -> StageMemory:
@@ -574,17 +670,26 @@ class LayoutMemory:
         return all(st.fits for st in self.stages)
 
 
-def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage: int) -> StageMemory:
+def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage: int,
+                 layers: int | None = None) -> StageMemory:  # fmt: skip
+    """One GPU of pipeline stage `stage`, holding `layers` transformer layers (default: L/p), as the
+    stack's engine (memcalc.parallel.engines) lays it out."""
     if moe_layer_count(model.shape):
         return moe_stage_memory(model, setup, gpu, tricks, layout, stage)
-    shape, p = model.shape, layout.pp
-    params = gpu_params(model, layout.tp, p, stage)
+    shape, p, engine = model.shape, layout.pp, setup.stack.engine
+    layers = shape.n_layers // p if layers is None else layers
+    params = gpu_params(model, layout.tp, p, stage, layers)
     state = sharded_state(params, tricks.precision, setup.optimizer, layout.shard_group, layout.zero,
                           layout.offload_optimizer, layout.offload_params, setup.stack.recipe)  # fmt: skip
-    layer = layer_activations(shape, setup.seq_len, setup.micro_batch, tricks, layout.tp, layout.sp, layout.cp)
-    buffers = []
-    if layout.zero == 3 and (layout.shard_group > 1 or layout.offload_params):
-        buffers.append(zero3_buffers(shape, layout.tp, tricks.precision, weights_held_elsewhere(state)))
+    if engine == "deepspeed":
+        state = deepspeed_state(state, layout.zero, layout.offload_optimizer)
+    layer = layer_activations(shape, setup.seq_len, setup.micro_batch, tricks, layout.tp, layout.sp, layout.cp,
+                              "megatron" if engine == "megatron" else "none")  # fmt: skip
+    held = held_layers(layout, stage, setup.grad_accum, shape.n_layers, layers)
+    inputs = ()
+    if engine == "megatron" and stage == 0:
+        inputs = megatron_inputs(shape, setup.seq_len, setup.micro_batch, layout.tp, layout.sp, layout.cp, held, layers)
+    buffers = list(engine_buffers(model, tricks, layout, state, stage, layers, engine))
     if layout.cp > 1:
         buffers.append(cp_buffers(shape, setup.seq_len, setup.micro_batch, layout.tp, layout.cp, tricks.act_bytes))
     logits = ()
@@ -592,15 +697,16 @@ def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: L
         logits = logits_terms(shape, setup.seq_len, setup.micro_batch, tricks.precision, layout.tp, layout.cp)
     return StageMemory(
         stage=stage,
-        layers=shape.n_layers // p,
+        layers=layers,
         params=params,
         state=state,
         layer=layer,
-        held=held_layers(layout, stage, setup.grad_accum, shape.n_layers),
+        held=held,
         buffers=tuple(buffers),
         logits=logits,
         usable_bytes=gpu.usable_bytes,
         host_usable_bytes=setup.host_memory // min(layout.world, layout.gpus_per_node),
+        inputs=inputs,
     )
 
 
@@ -618,7 +724,7 @@ def moe_stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
         state = with_experts(state, sharded_state(experts, tricks.precision, s.optimizer, layout.expert_shard_group,
                                                   layout.zero, layout.offload_optimizer, layout.offload_params,
                                                   s.stack.recipe))  # fmt: skip
-    dense, moe = stage_layers(shape, p, stage)
+    dense, moe = moe_split(shape, p, stage)
     last = stage == p - 1
     if last:
         moe += shape.mtp_layers
@@ -645,19 +751,64 @@ def moe_stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
     )  # fmt: skip
 
 
+def engine_buffers(model: Model, tricks: Tricks, layout: Layout, state: ModelState, stage: int, layers: int,
+                   engine: str) -> tuple[Term, ...]:  # fmt: skip
+    """The transient buffers of the stack's engine on one GPU of a stage (memcalc.parallel.engines)."""
+    stage_params = state.params
+    shape, tp, p = model.shape, layout.tp, layout.pp
+    w = 4 if tricks.precision == "fp32" else 2  # the weights' and gradients' dtype while computing
+    if engine == "deepspeed":
+        return deepspeed_buffers(shape, tp, layout.zero, w, stage == 0, stage == p - 1, p, layers, layout.shard_group)
+    if layout.zero != 3 or not (layout.shard_group > 1 or layout.offload_params):
+        return ()
+    if engine == "fsdp2":
+        head = 0
+        if stage == p - 1 and (not shape.tied_embeddings or p > 1):
+            head = -(-shape.vocab // tp) * shape.hidden + norm_params(shape)
+        return fsdp2_buffers(tp_layer_params(shape, tp), layers, head, w, reshards_after_forward(layout),
+                             stage_params, p > 1)  # fmt: skip
+    return (zero3_buffers(shape, tp, tricks.precision, weights_held_elsewhere(state)),)
+
+
+@lru_cache(maxsize=1024)
+def megatron_inputs(shape: ModelShape, seq_len: int, micro_batch: int, tp: int, sp: bool, cp: int, held: int,
+                    layers: int) -> tuple[Term, ...]:  # fmt: skip
+    """The first stage's activations outside the layers, for each micro-batch in flight (held / layers of
+    them: p under 1F1B, p·(1 + (p − 1)/(p·v)) interleaved), as Megatron-LM's formula counts them
+    (theoretical_memory_usage.py compute_activation_memory): the token ids, int64 (8·s·b; not split over
+    TP), and the embedding dropout's mask (s·b·h bytes, split by SP; only with dropout)."""
+    s, b = seq_len // cp, micro_batch
+    sym = "{s}·{b}" if cp == 1 else "({s}/{c})·{b}"
+    source = f"{MEGATRON} {MEGATRON_MEMORY} compute_activation_memory, first stage"
+    flight = f"·{held // layers}" if held % layers == 0 else f"·{held}/{layers}"
+    out = [Term("token ids (int64), each micro-batch in flight", 8 * s * b * held // layers, f"8·{sym}{flight}",
+                source)]  # fmt: skip
+    if shape.dropout > 0:
+        rep = tp if sp else 1
+        by = "/{t}" if rep > 1 else ""
+        out.append(Term("embedding dropout mask, each micro-batch in flight", s * b * shape.hidden // rep * held // layers,
+                        f"{sym}·{{h}}{by}{flight}", source))  # fmt: skip
+    return tuple(out)
+
+
 def layout_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
                   ends_only: bool = False) -> LayoutMemory:  # fmt: skip
-    """Per-GPU memory of every pipeline stage (or only the first and last: one of them is the peak).
+    """Per-GPU memory of every pipeline stage (or only those that can peak: the first and the last, and
+    the second when stages are uneven).
 
     setup.micro_batch is b, setup.grad_accum the micro-batches m each pipeline runs per step;
     setup.parallel is not read: the layout replaces it. With tp = pp = cp = 1 every number equals
     memcalc.memory.estimate's with Parallel(dp, zero, offload) (ZeRO-3 adds its gathered-layer buffers).
     """
-    check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum)
+    engine = setup.stack.engine
+    check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, engine)
+    counts = layers_per_stage(layout, model.shape.n_layers, engine)
     p = layout.pp
-    which = sorted({0, p - 1}) if ends_only else range(p)
-    stages = tuple(stage_memory(model, setup, gpu, tricks, layout, i) for i in which)
-    return LayoutMemory(layout, tricks, setup.grad_accum, stages)
+    which = range(p)
+    if ends_only:
+        which = sorted({0, p - 1} | ({1} if len(set(counts)) > 1 and p > 2 else set()))
+    stages = tuple(stage_memory(model, setup, gpu, tricks, layout, i, counts[i]) for i in which)
+    return LayoutMemory(layout, tricks, setup.grad_accum, stages, counts)
 
 
 def bubble_fraction(layout: Layout, micro_batches: int) -> float:

@@ -1,14 +1,17 @@
 """`memcalc plan`: every valid layout of a job on N GPUs, those that fit, ranked by predicted tokens/s.
 
 Searched: TP (inside a node, dividing the heads, KV heads and MLP width; Narayanan et al. 2021, sec. 3.3:
-TP across nodes is never worth it), sequence parallel on or off, PP dividing the layers, interleaving
-v dividing the layers per stage, CP (with flash), DP = the rest; ZeRO 0-3 (0-1 with PP), hybrid shard,
-optimizer and parameter offload; the micro-batch b (powers of two up to 16, dividing the batch per
-replica; m = global batch / (dp · b)) and the recompute mode.
+TP across nodes is never worth it), sequence parallel on or off, PP (the stack's stage split: even where
+it divides the layers, else torchtitan's with the embedding and head weighed as a layer each), interleaving
+v dividing the layers per stage, CP (with flash), DP = the rest; the ZeRO stages the stack's engine runs
+(memcalc.parallel.engines: 0-3, 0-1 with PP; FSDP2 ZeRO-3 with PP too), hybrid shard, optimizer and
+parameter offload; the micro-batch b (powers of two up to 16, dividing the batch per replica;
+m = global batch / (dp · b)) and the recompute mode.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -17,10 +20,13 @@ from memcalc.memory.estimate import DEFAULT_MFU, Setup
 from memcalc.memory.state import MAX_GPUS
 from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES
 from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
+from memcalc.time.calibration import Calibration, calibration_for
 
-from .comm import ASSUMPTIONS, Assumptions, StepTime, step_time
-from .layout import Layout, LayoutMemory, divisors, layout_memory
+from .comm import ASSUMPTIONS, Assumptions, StepTime, step_lower_bound, step_time
+from .engines import ENGINES, engine_layout
+from .layout import Layout, LayoutMemory, divisors, layout_memory, stage_layers
 
 MAX_MICRO_BATCH = 16  # sequences per micro-batch the search tries, in powers of two
 MAX_VPP = 8  # virtual stages per GPU the search tries
@@ -61,13 +67,15 @@ class LayoutEstimate:
 
 
 def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
-                    assume: Assumptions = ASSUMPTIONS, ends_only: bool = False) -> LayoutEstimate:  # fmt: skip
-    """Memory (every stage unless ends_only) and step time of one layout."""
+                    assume: Assumptions = ASSUMPTIONS, ends_only: bool = False,
+                    timing: Calibration | float | None = None) -> LayoutEstimate:  # fmt: skip
+    """Memory (every stage unless ends_only) and step time of one layout, as the stack's engine runs it.
+    timing: the roofline's calibration (None: the GPU's shipped one), or --mfu's end-to-end rate."""
     check_positions(model.shape, setup.seq_len)
+    layout = engine_layout(layout, setup.stack.engine)
     memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)
-    return LayoutEstimate(
-        model, gpu, setup, tricks, layout, memory, step_time(model, setup, gpu, tricks, layout, memory, assume)
-    )
+    time = step_time(model, setup, gpu, tricks, layout, memory, assume, timing)
+    return LayoutEstimate(model, gpu, setup, tricks, layout, memory, time)
 
 
 @dataclass(slots=True)
@@ -92,7 +100,8 @@ class Plan:
     global_batch: int  # sequences per optimizer step
     tricks: Tricks  # precision and flash as given; recompute is searched
     optimizer: str
-    mfu: float
+    timing: Calibration | float  # the roofline's calibration, or --mfu's end-to-end rate
+    stack: Stack
     searched: int  # valid layouts evaluated (each with one micro-batch size and recompute mode)
     fitting: int  # of those, how many fit in memory
     best: tuple[LayoutEstimate, ...]  # the fastest distinct layouts that fit, fastest first, every stage computed
@@ -122,50 +131,105 @@ FAMILIES: tuple[tuple[str, Family], ...] = (
 
 
 def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpus_per_node: int = 8,
-         tricks: Tricks = BF16_FLASH, optimizer: str = "adamw", mfu: float = DEFAULT_MFU,
+         tricks: Tricks = BF16_FLASH, optimizer: str = "adamw", timing: Calibration | float | None = None,
          assume: Assumptions = ASSUMPTIONS, top: int = 5, recomputes: tuple[str, ...] = ("none", "selective", "full"),
-         offload: bool = True, host_memory: int = HOST_MEMORY_BYTES) -> Plan:  # fmt: skip
-    """Search every valid layout, keep those that fit (the GPU, and the host's memory for offload), rank them
-    by tokens/s."""
+         offload: bool = True, host_memory: int = HOST_MEMORY_BYTES, stack: Stack = DEFAULT_STACK,
+         prune: bool = True) -> Plan:  # fmt: skip
+    """Search every valid layout the stack's engine runs, keep those that fit (the GPU, and the host's memory
+    for offload), rank them by tokens/s: the roofline's (timing a Calibration, or None for the GPU's shipped
+    one) or --mfu's end-to-end rate (timing a float).
+
+    The roofline traces one block per TP shard, CP share, micro-batch and recompute mode; to trace only
+    what can matter, the layouts that fit are timed in the order of a lower bound on their step
+    (memcalc.parallel.comm.step_lower_bound), and one is skipped when its bound is already slower than
+    the best of its kind, the top layouts' cut and the best of each family it belongs to: the ranking
+    and the alternatives are those of timing every layout (prune=False; tests/test_plan.py)."""
     check_size("gpus", gpus, limit=MAX_GPUS)
     check_size("gpus per node", gpus_per_node, limit=MAX_GPUS)
     check_positions(model.shape, seq_len)
     check_size("global batch", global_batch, limit=MAX_BATCH)
     check_size("top", top, limit=1000)
-    Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory)  # validates seq, mfu, host
+    timing = calibration_for(gpu.key) if timing is None else timing
+    mfu = timing if isinstance(timing, float) else DEFAULT_MFU
+    Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory, stack=stack)  # validates them
     variants = recompute_variants(tricks, recomputes)
-    fitting, searched = [], 0
-    family_best: dict[str, tuple] = {}
+    candidates, searched = [], 0
     family_small: dict[str, tuple] = {}
     for layout, b, m in expert_layouts(model, layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash,
-                                                      offload)):  # fmt: skip
+                                                      offload, stack.engine)):  # fmt: skip
         setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
-                      host_memory=host_memory)  # fmt: skip
+                      host_memory=host_memory, stack=stack)  # fmt: skip
         for t in variants:
             searched += 1
             memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
-            total = memory.total_bytes
-            if memory.fits:
-                time = step_time(model, setup, gpu, t, layout, memory, assume)
-                entry = (rank_key(time.tokens_per_second, layout, total), layout, setup, t, memory, time)
-                fitting.append(entry)
-                note(family_best, layout, t, entry)
+            total, fits = peak_and_fit(memory)
+            if fits:
+                bound = step_lower_bound(model, setup, gpu, t, layout, memory, assume, timing, False) if prune else 0.0
+                candidates.append((bound, layout, setup, t, memory, total))
             else:
                 entry = (total, layout, setup, t, memory)
                 note(family_small, layout, t, entry)  # the least memory first
+    fitting, family_best = timed(model, gpu, candidates, assume, timing, top)
     fitting.sort(key=lambda e: e[0])
-    best = tuple(layout_estimate(model, s, gpu, t, lay, assume) for _, lay, s, t, _, _ in distinct(fitting, top))
-    return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, mfu, searched,
-                len(fitting), best, alternatives(model, gpu, assume, best, family_best, family_small))  # fmt: skip
+    best = tuple(layout_estimate(model, s, gpu, t, lay, assume, timing=timing)
+                 for _, lay, s, t, _, _ in distinct(fitting, top))  # fmt: skip
+    return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, timing, stack, searched,
+                len(candidates), best, alternatives(model, gpu, assume, best, family_best, family_small, timing))  # fmt: skip
+
+
+def timed(model: Model, gpu: GPU, candidates: list[tuple], assume: Assumptions, timing: Calibration | float,
+          top: int) -> tuple[list[tuple], dict[str, tuple]]:  # fmt: skip
+    """Step times of the layouts that fit, in the order of their lower bounds, skipping those whose bound
+    says they cannot be the best of their kind, nor among the `top` kinds, nor the best of a family."""
+    candidates.sort(key=lambda c: c[0])
+    fitting, family_best = [], {}
+    kind_best: dict[tuple, float] = {}
+    for bound, layout, setup, t, memory, total in candidates:
+        kind = kind_of(layout, t)
+        limit = min(kind_best.get(kind, math.inf), top_cut(kind_best, top))
+        families = [name for name, member in FAMILIES if member(layout, t)]
+        limit = max([limit] + [family_best[f][5].step_seconds if f in family_best else math.inf for f in families])
+        if bound > limit * (1 + 1e-5):  # slower than everything it could displace, whatever its exact time
+            continue
+        if bound and step_lower_bound(model, setup, gpu, t, layout, memory, assume, timing) > limit * (1 + 1e-5):
+            continue  # the tighter bound, from one traced sequence per micro-batch
+        time = step_time(model, setup, gpu, t, layout, memory, assume, timing)
+        entry = (rank_key(time.tokens_per_second, layout, total), layout, setup, t, memory, time)
+        fitting.append(entry)
+        note(family_best, layout, t, entry)
+        kind_best[kind] = min(kind_best.get(kind, math.inf), time.step_seconds)
+    return fitting, family_best
+
+
+def top_cut(kind_best: dict[tuple, float], top: int) -> float:
+    """The step time a kind must beat to enter the `top` fastest kinds (infinite while fewer are known)."""
+    if len(kind_best) < top:
+        return math.inf
+    return sorted(kind_best.values())[top - 1]
+
+
+def peak_and_fit(memory: LayoutMemory) -> tuple[int, bool]:
+    """memory.total_bytes and memory.fits in one pass over the stages (the search asks for both, thousands
+    of times)."""
+    peak, fits = 0, True
+    for st in memory.stages:
+        total = st.total_bytes
+        peak = max(peak, total)
+        fits = fits and total <= st.usable_bytes and st.host_fits
+    return peak, fits
+
+
+def kind_of(lay: Layout, tricks: Tricks) -> tuple:
+    """What makes two layouts different kinds: all but how dp, cp and the micro-batch split the batch."""
+    return (lay.tp, lay.sp, lay.pp, lay.vpp, lay.zero, lay.hybrid, lay.offload_optimizer, lay.offload_params,
+            tricks.recompute, lay.ep)  # fmt: skip
 
 
 def distinct(ranked: list[tuple], top: int) -> list[tuple]:
     """The first `top` entries that differ in more than how dp, cp and the micro-batch split the batch."""
     seen, out = set(), []
     for entry in ranked:
-        lay, tricks = entry[1], entry[3]
-        kind = (lay.tp, lay.sp, lay.pp, lay.vpp, lay.zero, lay.hybrid, lay.offload_optimizer, lay.offload_params,
-                tricks.recompute, lay.ep)  # fmt: skip
+        kind = kind_of(entry[1], entry[3])
         if kind not in seen:
             seen.add(kind)
             out.append(entry)
@@ -198,13 +262,13 @@ def recompute_variants(tricks: Tricks, recomputes: tuple[str, ...]) -> tuple[Tri
 def expert_layouts(model: Model, found: Iterator[tuple[Layout, int, int]]) -> Iterator[tuple[Layout, int, int]]:
     """Each layout once per expert-parallel size for a mixture of experts: ep dividing the experts and the
     stage's tp · cp · dp GPUs (MoE parallel folding), expert TP 1; a dense model's layouts as they are.
-    With tp > 1 MoE layers need sequence parallel (check_experts)."""
+    With tp > 1 MoE layers need sequence parallel, and their stages L/p layers each (check_experts)."""
     shape = model.shape
     if not shape.is_moe:
         yield from found
         return
     for layout, b, m in found:
-        if layout.tp > 1 and not layout.sp:
+        if (layout.tp > 1 and not layout.sp) or shape.n_layers % layout.pp:  # check_experts: SP, even stages
             continue
         for ep in divisors(layout.tp * layout.cp * layout.dp):
             if shape.n_experts % ep == 0:
@@ -212,14 +276,14 @@ def expert_layouts(model: Model, found: Iterator[tuple[Layout, int, int]]) -> It
 
 
 def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, flash: bool,
-            offload: bool) -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
-    """Every valid (layout, micro-batch b, micro-batches m) for this job."""
+            offload: bool, engine: str = "none") -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
+    """Every valid (layout, micro-batch b, micro-batches m) the engine runs for this job."""
     shape = model.shape
     for tp in divisors(gpus):
         if tp > gpus_per_node or shape.n_heads % tp or shape.n_kv_heads % tp or shape.ffn % tp:
             continue
         for pp in divisors(gpus // tp):
-            if shape.n_layers % pp:
+            if not splits_layers(pp, shape.n_layers, engine):
                 continue
             for cp in divisors(gpus // (tp * pp)):
                 if cp > 1 and (not flash or seq_len % (2 * cp)):
@@ -227,15 +291,25 @@ def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_ba
                 dp = gpus // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                yield from splits(tp, pp, cp, dp, shape.n_layers, seq_len, global_batch // dp, gpus_per_node, offload)
+                yield from splits(tp, pp, cp, dp, shape.n_layers, seq_len, global_batch // dp, gpus_per_node, offload,
+                                  engine)  # fmt: skip
+
+
+def splits_layers(pp: int, n_layers: int, engine: str) -> bool:
+    """Whether the engine's stage split gives every one of pp stages a layer."""
+    try:
+        stage_layers(pp, 0, 0, n_layers, ENGINES[engine].weighted_split)
+    except InputError:
+        return False
+    return True
 
 
 def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_replica: int, gpus_per_node: int,
-           offload: bool) -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
-    vpps = [v for v in divisors(n_layers // pp) if v <= MAX_VPP] if pp > 1 else [1]
+           offload: bool, engine: str = "none") -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
+    vpps = [v for v in divisors(n_layers // pp) if v <= MAX_VPP] if pp > 1 and n_layers % pp == 0 else [1]
     sps = [False] + ([True] if tp > 1 and (seq_len // cp) % tp == 0 else [])
     batches = [b for b in (1 << k for k in range(5)) if b <= MAX_MICRO_BATCH and per_replica % b == 0]
-    shardings = list(sharding_options(tp, pp, dp * cp, gpus_per_node, offload))
+    shardings = list(sharding_options(tp, pp, dp * cp, gpus_per_node, offload, engine))
     for v in vpps:
         for sp in sps:
             for b in batches:
@@ -248,25 +322,30 @@ def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_
 
 
 def sharding_options(
-    tp: int, pp: int, shard_ranks: int, gpus_per_node: int, offload: bool
+    tp: int, pp: int, shard_ranks: int, gpus_per_node: int, offload: bool, engine: str = "none"
 ) -> Iterator[tuple[int, bool, bool, bool]]:
-    """(zero, hybrid, offload optimizer, offload params) that are valid and not duplicates of each other."""
-    stages = (0,) if shard_ranks == 1 else (0, 1) if pp > 1 else (0, 1, 2, 3)
+    """(zero, hybrid, offload optimizer, offload params) that are valid for the engine and not duplicates of
+    each other."""
+    e = ENGINES[engine]
+    stages = (0,) if shard_ranks == 1 else e.zero_with_pp if pp > 1 else e.zero
+    if engine == "fsdp2" and shard_ranks > 1:
+        stages = (3,)  # torchtitan shards whenever dp_shard · cp > 1
     node = gpus_per_node // tp if gpus_per_node % tp == 0 else 0
     for zero in stages:
         hybrids = [False] + ([True] if zero and 1 < node < shard_ranks and shard_ranks % node == 0 else [])
         for hybrid in hybrids:
             yield zero, hybrid, False, False
-            if offload and (zero or shard_ranks == 1):
+            if offload and (zero or shard_ranks == 1) and engine != "fsdp2":
                 yield zero, hybrid, True, False
             if offload and zero == 3:
                 yield zero, hybrid, True, True
-    if offload and shard_ranks == 1 and pp == 1:
+    if offload and shard_ranks == 1 and pp == 1 and 3 in e.zero:
         yield 3, False, True, True  # one rank: ZeRO-3 only to stream the offloaded weights in (ZeRO-Infinity)
 
 
 def alternatives(model: Model, gpu: GPU, assume: Assumptions, best: tuple[LayoutEstimate, ...],
-                 family_best: dict[str, tuple], family_small: dict[str, tuple]) -> tuple[Alternative, ...]:  # fmt: skip
+                 family_best: dict[str, tuple], family_small: dict[str, tuple],
+                 timing: Calibration | float | None = None) -> tuple[Alternative, ...]:  # fmt: skip
     """For each family the winner is not in: its fastest fitting layout and what costs it most, or OOM."""
     winner = best[0] if best else None
     out = []
@@ -275,12 +354,12 @@ def alternatives(model: Model, gpu: GPU, assume: Assumptions, best: tuple[Layout
             continue
         if winner and name in family_best:
             _, layout, setup, tricks, _, _ = family_best[name]
-            est = layout_estimate(model, setup, gpu, tricks, layout, assume)
+            est = layout_estimate(model, setup, gpu, tricks, layout, assume, timing=timing)
             cause, mine, theirs = worst_cause(est.time, winner.time)
             out.append(Alternative(name, est, True, cause, mine, theirs))
         elif name in family_small:
             _, layout, setup, tricks, _ = family_small[name]
-            est = layout_estimate(model, setup, gpu, tricks, layout, assume)
+            est = layout_estimate(model, setup, gpu, tricks, layout, assume, timing=timing)
             out.append(Alternative(name, est, False, "out of memory", 0.0, 0.0))
     return tuple(out)
 

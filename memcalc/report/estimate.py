@@ -19,14 +19,16 @@ if TYPE_CHECKING:  # only for annotations: estimate need not import them
     from memcalc.time.sweep import Sweep
 
 RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision + loss scaling"}
-HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 master)"}
+HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 master)",
+       "main_grad": "{p} weights, fp32 main_grad and master (Megatron-LM)",
+       "grad_partition": "{p} mixed precision with an fp32 gradient partition (DeepSpeed ZeRO)"}
 
 
 def recipe_text(precision: str, recipe: str = "master") -> str:
     """'bf16 autocast over fp32 weights': the precision, as the stack's recipe trains it."""
     if precision == "fp32" or recipe == "master":
         return RECIPES[precision]
-    return HOW[recipe].format(p=precision) + (" + loss scaling" if precision == "fp16" else "")
+    return HOW[recipe].format(p=precision) + (" + loss scaling" if precision == "fp16" and recipe != "pure" else "")
 
 
 def mlp_text(shape) -> str:
@@ -107,7 +109,7 @@ def summary_section(est: Estimate, units: str, times=None) -> Section:
     for v, m, t in zip(est.verdict, est.memory, times or est.compute):
         # exact bytes under the peak only: under every column the table would not fit 100 columns
         s.rows.append([v.tricks.label, u.size(v.state_bytes, units), u.size(v.transient_bytes, units),
-                       sized(v.total_bytes, units), fit_text(v, units, free=True), u.size(m.total_bytes, units),
+                       sized(v.total_bytes, units), fit_text(v, units, free=True), textbook_size(m, units),
                        u.seconds(t.step_seconds), u.percent(t.mfu)])  # fmt: skip
     model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
     own = est.verdict[0].n_params
@@ -181,6 +183,14 @@ def moe_notes(est: Estimate, times) -> list[str]:
             notes.append("the roofline needs the step's kernels, which memcalc.exact does not trace for this "
                          "model yet: the step is timed by --mfu")  # fmt: skip
     return notes
+
+
+NO_FORMULA = "no formula"  # the textbook's cell for sac: Korthikanti et al. have no row for it
+
+
+def textbook_size(m, units: str) -> str:
+    """A textbook Memory's total in a cell, or that the textbook has none (sac)."""
+    return u.size(m.total_bytes, units) if m.formula else NO_FORMULA
 
 
 def fit_text(b, units: str, free: bool = False) -> str:
@@ -264,9 +274,14 @@ def activations_section(est: Estimate, units: str) -> Section:
         ["tricks", "kept per layer", f"all {u.plural(L, 'layer')}", "backward peak", f"peak vs {plain.tricks.label}"],
     )
     for a in est.activations:
+        if not a.formula:
+            s.rows.append([a.tricks.label, NO_FORMULA, NO_FORMULA, NO_FORMULA, ""])
+            continue
         change = "" if a is plain else u.signed_percent(a.peak_bytes / plain.peak_bytes - 1)
         s.rows.append([a.tricks.label, sized(a.per_layer_bytes, units), sized(a.total_bytes, units),
                        sized(a.peak_bytes, units), change])  # fmt: skip
+        if a.n_checkpointed:  # ckpt:N: the layers checkpointed keep only their input
+            s.rows.append([f"  {a.n_checkpointed} checkpointed", sized(a.checkpointed_bytes, units), "", "", ""])
     d = est.attention
     groups = [f"{g.count} {g.name} ({u.size(g.kept_bytes, units)} kept each)" for g in plain.groups]
     s.notes = ([f"{plain.tricks.label}: {', '.join(groups)}"] if groups else []) + [
@@ -275,6 +290,13 @@ def activations_section(est: Estimate, units: str) -> Section:
         f"{u.percent(d.scores_share)} of the layer; all attention (11·s·b·h + 5·a·s²·b): {u.percent(d.attention_share)}",
         "peak: kept bytes of all layers + one layer rebuilt while its backward runs (recompute)",
     ]
+    for a in est.activations:
+        if a.n_checkpointed:
+            s.notes.append(f"{a.tricks.label}: {a.n_checkpointed} of {a.n_layers} layers checkpointed keep their input "
+                           "(ckpt's row), the others everything (no recompute's row)")  # fmt: skip
+        if not a.formula:
+            s.notes.append(f"{a.tricks.label}: no textbook formula: Korthikanti et al. have no row for per-op "
+                           "selective checkpointing (the replayed step and --exact count it op by op)")  # fmt: skip
     return s
 
 
@@ -399,8 +421,10 @@ def estimate_csv_rows(est: Estimate, times=None) -> list[list[object]]:
     for i, (a, m, c) in enumerate(zip(est.activations, est.memory, est.compute)):
         t = times[i] if times else None
         shown = t or c
-        rows.append(["+".join(a.tricks.names), a.per_layer_bytes, a.total_bytes, a.peak_bytes, m.model_state_bytes,
-                     m.logits_bytes, m.total_bytes, m.fits, c.flops.model_per_token, c.flops.hardware_per_token,
+        known = a.formula  # sac: the textbook's columns stay empty
+        rows.append(["+".join(a.tricks.names), a.per_layer_bytes if known else "", a.total_bytes if known else "",
+                     a.peak_bytes if known else "", m.model_state_bytes, m.logits_bytes, m.total_bytes if known else "",
+                     m.fits if known else "", c.flops.model_per_token, c.flops.hardware_per_token,
                      "roofline" if t else "mfu", f"{shown.step_seconds:.6g}", f"{shown.tokens_per_second:.6g}",
                      f"{shown.mfu:.4f}", f"{shown.hfu:.4f}", *csv_columns(t)])  # fmt: skip
     return rows
@@ -445,11 +469,20 @@ def explain_lines(est: Estimate, mfu_time: bool = True) -> list[str]:
         lines.append(explain_term(t, syms, "B"))
     for a in est.activations:
         lines += ["", f"Activations, {a.tricks.label}:"]
-        lines += [explain_term(t, syms, "B") for t in a.terms]
+        if not a.formula:
+            lines.append("  no textbook formula: Korthikanti et al. have no row for per-op selective checkpointing "
+                         "(--exact shows what it keeps, op by op)")  # fmt: skip
+            continue
+        lines += [explain_term(t, syms, "B") for t in a.terms + a.checkpointed]
         lines.append(f"  kept per layer = {' + '.join(f'{t.value:,}' for t in a.terms)} = {a.per_layer_bytes:,} B")
         if a.groups:  # layers of several kinds: each kind's kept bytes times its count
             parts = " + ".join(f"{g.kept_bytes:,} · {g.count} ({g.name})" for g in a.groups)
             lines.append(f"  all layers = {parts} = {a.total_bytes:,} B")
+        elif a.n_checkpointed:
+            plain = a.n_layers - a.n_checkpointed
+            lines.append(f"  kept per checkpointed layer = {a.checkpointed_bytes:,} B")
+            lines.append(f"  all layers = {a.per_layer_bytes:,} · {plain} + {a.checkpointed_bytes:,} · "
+                         f"{a.n_checkpointed} = {a.total_bytes:,} B")  # fmt: skip
         else:
             lines.append(f"  all layers = {a.per_layer_bytes:,} · {a.n_layers} = {a.total_bytes:,} B")
         if a.rebuilt:
@@ -613,17 +646,29 @@ def exact_section(est: Estimate, exacts: list, units: str) -> Section:
     for a, lg, m, x in zip(est.activations, est.logits, est.memory, exacts):
         xa = x.activations
         # exact bytes under the step peak only: under every exact column the table would not fit 100 columns
-        s.rows.append([a.tricks.label, u.size(a.per_layer_bytes, units), u.size(xa.per_layer_bytes, units),
-                       u.size(lg.total_bytes, units), u.size(xa.outside_bytes, units), u.size(m.total_bytes, units),
+        tb_layer = u.size(a.per_layer_bytes, units) if a.formula else NO_FORMULA
+        s.rows.append([a.tricks.label, tb_layer, u.size(xa.per_layer_bytes, units), u.size(lg.total_bytes, units),
+                       u.size(xa.outside_bytes, units), textbook_size(m, units),
                        sized(x.peak_bytes, units)])  # fmt: skip
+        if xa.n_checkpointed:  # ckpt:N: the checkpointed layers' row
+            tb_ckpt = u.size(a.checkpointed_bytes, units)
+            s.rows.append([f"  {xa.n_checkpointed} checkpointed", tb_ckpt, u.size(xa.checkpointed_bytes, units),
+                           "", "", "", ""])  # fmt: skip
     first = exacts[0]
     s.notes = [
         "outside the layers: textbook counts the logits and their fp32 copy; exact counts every tensor saved "
         "outside the blocks (embeddings, RoPE tables, final norm, logits, loss)",
         "step peak: textbook adds model state + activations at their peak + logits; exact replays the whole step "
         "(backward's gradients, the optimizer's temporaries) as PyTorch's allocator sees it",
-        f"exact: {first.note}; model state for the shape's own {first.n_params:,} parameters",
     ]
+    by_note: dict[str, list[str]] = {}  # a stack's recipe can differ by trick set (fp32 never autocasts)
+    for x in exacts:
+        by_note.setdefault(x.note, []).append(x.tricks.label)
+    if len(by_note) == 1:
+        s.notes.append(f"exact: {first.note}; model state for the shape's own {first.n_params:,} parameters")
+    else:
+        s.notes += [f"exact ({', '.join(labels)}): {note}" for note, labels in by_note.items()]
+        s.notes.append(f"exact: model state for the shape's own {first.n_params:,} parameters")
     blocks = first.activations.first_blocks
     if blocks:  # dense blocks before MoE ones: the step at that depth is exact's "outside", a MoE block its layer
         s.notes.append(f"exact's per layer is a MoE layer's; its outside holds the first {blocks} blocks too (the "
@@ -645,4 +690,8 @@ def exact_explain_lines(est: Estimate, exacts: list) -> list[str]:
         lines += ["", f"Exact, {a.tricks.label}: saved per layer, op by op:"]
         lines += [explain_term(t, syms, "B") for t in a.terms]
         lines.append(f"  per layer = {a.per_layer_bytes:,} B; outside the layers = {a.outside_bytes:,} B")
+        if a.n_checkpointed:
+            lines += [f"  each of the {a.n_checkpointed} checkpointed layers:"]
+            lines += [explain_term(t, syms, "B") for t in a.checkpointed]
+            lines.append(f"  per checkpointed layer = {a.checkpointed_bytes:,} B")
     return lines

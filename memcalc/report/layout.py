@@ -7,12 +7,13 @@ from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import Alternative, LayoutEstimate, Plan
 
 from . import units as u
-from .estimate import RECIPES, explain_term, fit_text, host_note, state_section
+from .estimate import RECIPES, explain_term, fit_text, host_note, recipe_text, state_section
 from .render import Section, sized
 
 CAUSES = {
     "compute": "compute (the last stage also runs the output layer)",
     "recompute": "recompute",
+    "optimizer": "the optimizer step",
     "bubble": "pipeline bubble",
     "tp": "exposed TP traffic",
     "cp": "exposed CP traffic",
@@ -65,6 +66,10 @@ def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
     g, lay, fabric = est.gpu, est.layout, FABRICS[est.gpu.key]
     tricks = (f"{est.tricks.label} ({RECIPES[est.tricks.precision]})" if len(ests) == 1
               else "one row each: " + ", ".join(e.tricks.label for e in ests))  # fmt: skip
+    stack = est.setup.stack
+    if stack.key != "reference" or stack.engine != "none":
+        tricks = tricks.replace(f"({RECIPES[est.tricks.precision]})", f"({recipe_text(est.tricks.precision, stack.recipe)})")
+        tricks += f"; stack {stack.label}: {stack.name}"
     return [
         f"Model: {est.model.origin}",
         f"Layout: {layout_text(lay)}, {lay.gpus_per_node} per node; {sharding_text(lay)}",
@@ -78,11 +83,14 @@ def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
 def layer_section(est: LayoutEstimate, units: str) -> Section:
     layer = est.memory.peak.layer
     split = f"tp {layer.tp}" + (" + SP" if layer.sp else "") + (f", cp {layer.cp}" if layer.cp > 1 else "")
-    title = f"Activations of one layer, one micro-batch, one GPU ({split}): Korthikanti et al. 2022, Table 2"
+    whose = "Megatron-LM's formula" if est.setup.stack.engine == "megatron" else "Korthikanti et al. 2022, Table 2"
+    title = f"Activations of one layer, one micro-batch, one GPU ({split}): {whose}"
     s = Section(title, ["term", "formula", "bytes"], align="llr")
     for t in layer.terms:
         s.rows.append([t.name, t.symbolic(), sized(t.value, units)])
     s.rows.append(["kept per layer", "", sized(layer.per_layer_bytes, units)])
+    for t in est.memory.stages[0].inputs:
+        s.rows.append([f"stage 0, outside the layers: {t.name}", t.symbolic(), sized(t.value, units)])
     for t in layer.rebuilt:
         s.rows.append([f"rebuilt in backward: {t.name}", t.symbolic(), sized(t.value, units)])
     moe = est.memory.peak.moe_layer
@@ -150,7 +158,7 @@ def comm_section(est: LayoutEstimate, units: str) -> Section:
 
 def time_section(est: LayoutEstimate) -> Section:
     t = est.time
-    title = f"Step time at {u.percent(t.utilization)} of peak while computing (--mfu)"
+    title = f"Step time by part: {time_model_text(t)}"
     s = Section(title, ["part", "seconds", "share"])
     for key, seconds in t.breakdown.items():
         if seconds or key == "compute":
@@ -170,8 +178,17 @@ def time_section(est: LayoutEstimate) -> Section:
     return s
 
 
+def time_model_text(t) -> str:
+    """How the step was timed: the roofline of every stage's kernels, or --mfu's end-to-end rate."""
+    if t.utilization is not None:
+        return f"--mfu {t.utilization:g}: hardware FLOPs at {u.percent(t.utilization)} of peak, end to end"
+    return f"roofline of each stage's kernels, {t.calibration.origin.rsplit('/', 1)[-1]}"
+
+
 def assumption_notes(est: LayoutEstimate) -> list[str]:
     a = est.time.assumptions
+    if est.time.utilization is not None:
+        return ["--mfu is an end-to-end rate: the bubble, the traffic and the optimizer are inside it, not added"]
     return [
         f"assumed: links reach {u.percent(a.efficiency, 0)} of their rate; overlap shares dp {a.overlap_dp:g}, "
         f"tp {a.overlap_tp:g}, pp {a.overlap_pp:g}, cp {a.overlap_cp:g}, offload {a.overlap_offload:g}; "
@@ -198,7 +215,7 @@ def layout_sections(est: LayoutEstimate, units: str, detail: bool = False) -> li
     stages = stages_section(est, units)
     t = est.time
     stages.notes.insert(0, f"step {u.seconds(t.step_seconds)}: {u.rate(t.tokens_per_second)} tokens/s, MFU "
-                           f"{u.percent(t.mfu)} (at {u.percent(t.utilization)} of peak while computing, --mfu)")  # fmt: skip
+                           f"{u.percent(t.mfu)} ({time_model_text(t)})")  # fmt: skip
     if not detail:
         return [stages]
     peak = est.memory.peak
@@ -275,8 +292,8 @@ def layout_symbols(est: LayoutEstimate) -> dict[str, int]:
     shape, s, lay = est.model.shape, est.setup, est.layout
     return {
         "s": s.seq_len, "b": s.micro_batch, "h": shape.hidden, "a": shape.n_heads, "k": shape.n_kv_heads,
-        "d": shape.head_dim, "L": shape.n_layers, "v": shape.vocab, "t": lay.tp, "c": lay.cp, "p": lay.pp,
-        "m": s.grad_accum,
+        "d": shape.head_dim, "f": shape.ffn, "L": shape.n_layers, "v": shape.vocab, "t": lay.tp, "c": lay.cp,
+        "p": lay.pp, "m": s.grad_accum,
     }  # fmt: skip
 
 
@@ -308,7 +325,9 @@ def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
         f"Model: {plan.model.origin}",
         f"Job: {plan.gpus} x {g.key} ({plan.gpus_per_node} per node), seq {plan.seq_len:,}, global batch "
         f"{plan.global_batch:,} sequences = {plan.tokens_per_step:,} tokens per step; {t.precision}"
-        f"{' + flash' if t.flash else ''}, {plan.optimizer}, {u.percent(plan.mfu)} of peak while computing",
+        f"{' + flash' if t.flash else ''}, {plan.optimizer}, stack {plan.stack.label}; timed by "
+        + (f"--mfu {plan.timing:g} end to end" if isinstance(plan.timing, float)
+           else f"the roofline of each stage's kernels ({plan.timing.origin.rsplit('/', 1)[-1]})"),
         f"Searched {plan.searched:,} layouts (TP, SP, PP, interleaving, CP, DP, ZeRO 0-3, hybrid shard, offload, "
         f"micro-batch, recompute{', EP' if plan.model.shape.is_moe else ''}): {plan.fitting:,} fit in "
         f"{u.size(g.usable_bytes, units)}",
@@ -369,9 +388,9 @@ def best_memory_section(plan: Plan, units: str) -> Section:
 
 
 def best_time_section(plan: Plan) -> Section:
-    keys = ["compute", "recompute", "bubble", "tp", "cp", "pp", "dp×cp", "host", "cpu optimizer"]
+    keys = ["compute", "recompute", "optimizer", "bubble", "tp", "cp", "pp", "dp×cp", "host", "cpu optimizer"]
     moe = [k for k in ("ep", "edp") if any(k in est.time.breakdown for est in plan.best)]  # expert parallel's
-    keys = keys[:7] + moe + keys[7:]
+    keys = keys[:8] + moe + keys[8:]
     s = Section("Step time of those layouts, by part (seconds)", ["#"] + keys + ["step"])
     for i, est in enumerate(plan.best, 1):
         parts = est.time.breakdown

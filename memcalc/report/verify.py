@@ -59,6 +59,8 @@ def verify_sections(r: VerifyResult, units: str, detail: bool = False) -> list[S
                        value(row.measured, row.unit, units), error_text(row), verdict(row)])  # fmt: skip
     if detail:
         s.notes = [f"{row.quantity}: {row.note}" for row in r.rows if row.note] + list(r.notes)
+    else:  # what the textbook column leaves out (sac) or mixes (ckpt:N), always
+        s.notes = [n for n in r.notes if n.startswith("textbook")]
     if r.error:
         s.notes.insert(0, f"did not finish: {r.error}")
     sections = [s]
@@ -211,5 +213,5 @@ def custom_verdict(r: CustomResult, units: str) -> str:
     mine = u.size(peak.measured, units)
     if peak.exact is None:
         return f"Your step peaks at {mine} on {r.device}; no prediction beside it ({r.prediction_note})."
-    return (f"Your step peaks at {mine}; memcalc predicts {u.size(peak.exact, units)} for {r.stack} "
-            f"({error_text(peak)} from it).")
+    diff = "the same to the byte" if peak.error == 0 else f"yours {error_text(peak)}"
+    return f"Your step peaks at {mine}; memcalc predicts {u.size(peak.exact, units)} for {r.stack}: {diff}."

@@ -13,7 +13,7 @@ from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
 from memcalc.model.flops import attention_flops, model_per_token
 from memcalc.model.shape import Model, ModelShape, check_positions, idle_params, param_counts
-from memcalc.model.tricks import Tricks
+from memcalc.model.tricks import Tricks, check_layer_uniform
 
 
 def non_embedding(shape: ModelShape, n_params: int) -> int:
@@ -171,6 +171,7 @@ def check_possible(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_s
 
 def mfu_report(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_second: float) -> MfuReport:
     check_positions(model.shape, seq_len)
+    check_layer_uniform(tricks, "the published MFU conventions")
     check_possible(model, gpu, tricks, seq_len, tokens_per_second)
     peak = gpu.peak_flops(tricks.precision)
     rows = []

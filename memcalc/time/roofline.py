@@ -17,10 +17,12 @@ it against full-depth traces), so a step costs one one-layer simulation, ~1-3 ms
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_right
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from memcalc.exact.config import shape_not_replayed
-from memcalc.exact.kernels import STEP_PHASES, Kernel, kernels_of, recompute_first, traced_blocks
+from memcalc.exact.kernels import STEP_PHASES, Kernel, block_weight, kernels_of, recompute_first
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
@@ -186,11 +188,12 @@ class StepTime:
                 for p in PARTS if p in split}  # fmt: skip
 
 
-def repeats(k: Kernel, n_layers: int, grad_accum: int) -> int:
-    """How often a traced kernel runs in the step: per layer, per micro-batch (accumulation adds
-    into the gradients from the second micro-batch on; the optimizer runs once)."""
+def repeats(k: Kernel, n_layers: int, grad_accum: int, tricks: Tricks, shape: ModelShape | None = None) -> int:
+    """How often a traced kernel runs in the step: per block like its own (memcalc.exact.kernels.block_weight:
+    of its kind, dense or MoE, with a shape), per micro-batch (accumulation adds into the gradients from the
+    second micro-batch on; the optimizer runs once)."""
     per_step = grad_accum if k.phase in STEP_PHASES else grad_accum - 1 if k.phase == "accumulate" else 1
-    return per_step * (n_layers if k.layer is not None else 1)
+    return per_step * block_weight(k, n_layers, tricks, shape)
 
 
 def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int, tricks: Tricks, gpu: GPU,
@@ -200,9 +203,8 @@ def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int
     bandwidth, floor = byte_rate(gpu, cal), cal.launch_seconds
     groups: dict[tuple, list] = {}
     counted = attention = kernels = 0
-    blocks = traced_blocks(shape)[1]  # {traced block: how many of the model's blocks it stands for}
     for k in kernels_of(shape, seq_len, micro_batch, tricks):
-        n = repeats(k, blocks.get(k.layer, 1), grad_accum)
+        n = repeats(k, shape.n_layers, grad_accum, tricks, shape)
         if n == 0:
             continue
         rate = rates.get((k.unit, k.dtype)) or rates.setdefault((k.unit, k.dtype), flop_rate(k.unit, k.dtype, gpu, cal))
@@ -246,3 +248,165 @@ def step_times(model, setup, gpu: GPU, trick_sets: tuple[Tricks, ...], cal: Cali
     for t in recompute_first(trick_sets):
         times[t] = step_time(model.shape, s.seq_len, s.micro_batch, s.grad_accum, t, gpu, cal)
     return tuple(times[t] for t in trick_sets)
+
+
+# ---- one GPU of a layout: the same kernels, on the shapes that GPU holds -----------------------------
+
+SEQUENCE_SPLIT = ("norm1", "norm2", "attention dropout", "mlp dropout", "")  # outside TP's column/row pairs
+
+
+@dataclass(frozen=True, slots=True)
+class StageKernels:
+    """Roofline seconds of one GPU's kernels for one micro-batch, by where they sit, from one traced block
+    of the shape that GPU holds (memcalc.parallel.comm composes pipeline stages from them).
+
+    Per block: forward, backward, recompute and the attention core within them (ring attention's window);
+    accumulate: one block's gradient accumulation, run from the second micro-batch on. first: the embedding
+    (and rotary tables), on the first stage; last: the final norm, logits and loss, on the last stage.
+    optimizer_block, optimizer_rest: the optimizer step over one block's parameters and the rest, once per step.
+    """
+
+    block_forward: float
+    block_backward: float
+    block_recompute: float
+    block_attention: float
+    block_accumulate: float
+    first_forward: float
+    first_backward: float
+    last_forward: float
+    last_backward: float
+    last_recompute: float  # a module after the blocks rebuilt in backward (DeepSeek-V3's MTP block)
+    last_accumulate: float
+    optimizer_block: float
+    optimizer_rest: float
+
+
+@lru_cache(maxsize=1024)
+def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU,
+                 cal: Calibration) -> dict[str, tuple[tuple[float, ...], ...]]:  # fmt: skip
+    """Each part of a stage (see StageKernels; 'block_sequence', 'block_core' and 'last_sequence' hold the
+    kernels SP and ring attention rescale), as its kernels' larger of compute and memory time, sorted, with
+    prefix sums of weight · time and of weight: a kernel doing x times its work takes max(x·a, launch floor),
+    and the sum over a part is then one bisection (scaled_sum). A block kernel's weight is the share of the
+    model's blocks that run it (memcalc.exact.kernels.block_weight / L): 1, or with dense and MoE blocks
+    traced apart, that kind's share, so that a block part is the average block."""
+    parts: dict[str, list[tuple[float, float]]] = {}
+    if tricks.recompute == "none":  # traced once with full recompute, the plain step is that less its recompute
+        kernels_of(shape, seq_len, micro_batch, replace(tricks, recompute="full"))
+    mixed = bool(shape.n_experts)
+    for k in kernels_of(shape, seq_len, micro_batch, tricks):
+        compute, memory, _ = kernel_seconds(k, gpu, cal)
+        weight = block_weight(k, shape.n_layers, tricks, shape) / shape.n_layers if mixed and k.layer is not None else 1.0
+        parts.setdefault(part_key(k), []).append((max(compute, memory), weight))
+    table = {}
+    for key, pairs in parts.items():
+        pairs.sort()
+        weighted, weights = [0.0], [0.0]
+        for v, w in pairs:
+            weighted.append(weighted[-1] + w * v)
+            weights.append(weights[-1] + w)
+        table[key] = (tuple(v for v, _ in pairs), tuple(weighted), tuple(weights))
+    return table
+
+
+def part_key(k: Kernel) -> str:
+    """Where a kernel sits in a stage, and whether SP or ring attention rescales it."""
+    if k.phase == "optimizer":
+        return "optimizer_block" if k.layer is not None else "optimizer_rest"
+    where = "block" if k.layer is not None else "first" if k.scope in ("embedding", "rope tables") else "last"
+    if k.phase == "accumulate":
+        return f"{where}_accumulate"
+    phase = k.phase
+    if k.scope == "attention core":
+        return f"block_core_{phase}"
+    if (k.scope in SEQUENCE_SPLIT and k.layer is not None) or k.scope == "final norm":
+        return f"{where}_sequence_{phase}"
+    return f"{where}_{phase}"
+
+
+def scaled_sum(entry: tuple[tuple[float, ...], ...] | None, scale: float, floor: float) -> float:
+    """Σ w·max(scale·a, floor) over a part's sorted times a and weights w: the kernels at or under
+    floor/scale take the floor."""
+    if entry is None:
+        return 0.0
+    values, weighted, weights = entry
+    cut = bisect_right(values, floor / scale)
+    return floor * weights[cut] + scale * (weighted[-1] - weighted[cut])
+
+
+@lru_cache(maxsize=8192)
+def stage_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
+                  sequence_split: int = 1, ring: int = 1, grad_shards: int = 1, optimizer_shards: int = 1) -> StageKernels:  # fmt: skip
+    """The kernels of `shape` (one TP rank's: heads, KV heads, MLP width and vocabulary split) at seq_len
+    tokens per sequence (one CP rank's), timed one by one as step_time times them, then:
+      sequence_split t   with SP the norms, dropouts and residual adds run on 1/t of the tokens
+                         (Korthikanti et al. 2022, sec. 4.2.2), as does the final norm
+      ring c             ring attention runs c blocks of (s/c)² per layer: the core does c times the traced work
+      grad_shards n      gradients accumulate into 1/n shards (ZeRO-2, ZeRO-3)
+      optimizer_shards n the optimizer updates 1/n of the parameters (ZeRO >= 1)
+    With every factor 1 the step that trace implies is step_time's, kernel for kernel."""
+    table = kernel_table(shape, seq_len, micro_batch, tricks, gpu, cal)
+    unknown = {key for key in table if not key.startswith(PARTS_KNOWN)}
+    if unknown:  # a kernel no stage runs would drop out of the step: never silently
+        raise ValueError(f"kernels outside every stage part: {sorted(unknown)}")
+    floor = cal.launch_seconds
+
+    def part(key: str, scale: float = 1.0) -> float:
+        return scaled_sum(table.get(key), scale, floor)
+
+    def phase(where: str, name: str) -> float:
+        core = part(f"block_core_{name}", ring) if where == "block" else 0.0
+        return part(f"{where}_{name}") + part(f"{where}_sequence_{name}", 1 / sequence_split) + core
+
+    return StageKernels(
+        block_forward=phase("block", "forward"),
+        block_backward=phase("block", "backward"),
+        block_recompute=phase("block", "recompute"),
+        block_attention=sum(part(f"block_core_{name}", ring) for name in ("forward", "backward", "recompute")),
+        block_accumulate=part("block_accumulate", 1 / grad_shards),
+        first_forward=phase("first", "forward"),
+        first_backward=phase("first", "backward"),
+        last_forward=phase("last", "forward"),
+        last_backward=phase("last", "backward"),
+        last_recompute=part("last_recompute"),
+        last_accumulate=part("last_accumulate", 1 / grad_shards) + part("first_accumulate", 1 / grad_shards),
+        optimizer_block=part("optimizer_block", 1 / optimizer_shards),
+        optimizer_rest=part("optimizer_rest", 1 / optimizer_shards),
+    )
+
+
+PARTS_KNOWN = (
+    "block_forward", "block_backward", "block_recompute", "block_sequence_", "block_core_", "block_accumulate",
+    "first_forward", "first_backward", "first_sequence_forward", "first_sequence_backward", "first_accumulate",
+    "last_forward", "last_backward", "last_recompute", "last_sequence_forward", "last_sequence_backward", "last_accumulate",
+    "optimizer_block", "optimizer_rest",
+)  # fmt: skip
+
+
+@lru_cache(maxsize=1024)
+def block_kernels_of_one(shape: ModelShape, seq_len: int, tricks: Tricks, gpu: GPU,
+                         cal: Calibration) -> tuple[tuple[float, float, str], ...]:  # fmt: skip
+    """(compute time, memory time, part key) of each forward, backward and recompute kernel of one block
+    at one sequence per micro-batch (block_lower_bound's raw material)."""
+    if tricks.recompute == "none":
+        kernels_of(shape, seq_len, 1, replace(tricks, recompute="full"))
+    out = []
+    for k in kernels_of(shape, seq_len, 1, tricks):
+        if k.layer is not None and k.phase in STEP_PHASES:
+            compute, memory, _ = kernel_seconds(k, gpu, cal)
+            out.append((compute, memory, part_key(k)))
+    return tuple(out)
+
+
+@lru_cache(maxsize=8192)
+def block_lower_bound(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
+                      sequence_split: int = 1, ring: int = 1) -> float:  # fmt: skip
+    """Seconds one block's forward, backward and recompute take at least at micro_batch b, from the kernels
+    of b = 1: each kernel's FLOPs grow b-fold (every one works per token or per sequence) and its bytes do
+    not shrink, so it takes at least max(b · compute₁, memory₁, launch floor); a larger micro-batch only
+    adds kernels (copies where B > 1 keeps tensors apart). stage_kernels' block parts are never below it."""
+    floor, total = cal.launch_seconds, 0.0
+    for compute, memory, key in block_kernels_of_one(shape, seq_len, tricks, gpu, cal):
+        scale = ring if key.startswith("block_core_") else 1 / sequence_split if "_sequence_" in key else 1.0
+        total += max(micro_batch * compute * scale, memory * scale, floor)
+    return total

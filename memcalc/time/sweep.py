@@ -81,6 +81,9 @@ def sweep(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...], 
           values: tuple[int, ...], cal: Calibration | None = None) -> Sweep:  # fmt: skip
     """Memory and step time at each value: the roofline's time under cal, else --mfu's."""
     field = SWEEPABLE[name][0]
+    for tricks in trick_sets:  # the sweep charts the textbook's memory (memory_for)
+        if tricks.recompute == "op":
+            raise InputError(f"--sweep charts the textbook's memory, which has no formula for {tricks.label}")
     points = []
     for value in values:
         at = replace(setup, **{field: value})

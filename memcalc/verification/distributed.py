@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
 from memcalc.model.shape import ModelShape, check_positions, n_params
-from memcalc.model.tricks import Tricks
+from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.parallel.layout import Layout, check_layout, layer_activations, sharded_state, stage_shape_params
 from memcalc.terms import Term
 
@@ -42,6 +42,7 @@ def check_dist(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, 
     """What the distributed check runs: FSDP2 (ZeRO-3) over dp, DTensor TP (+SP) over tp; one line each."""
     if device not in DEVICES:
         raise InputError(f"unknown verify device {device!r}; known: {', '.join(DEVICES)}")
+    check_layer_uniform(tricks, "distributed verify's checks")
     if layout.pp > 1 or layout.cp > 1:
         raise InputError("distributed verify covers data (FSDP2) and tensor parallelism: pp and cp must be 1")
     if layout.zero not in (0, 3):
@@ -59,6 +60,9 @@ def check_dist(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, 
                          "use bf16 or fp32")  # fmt: skip
     if setup.optimizer != "adamw":
         raise InputError(f"distributed verify runs AdamW (verify/recipes.py), not {setup.optimizer}")
+    if setup.stack.impl != "reference" or (tricks.precision != "fp32" and setup.stack.recipe != "master"):
+        raise InputError("distributed verify trains with verify/recipes.py's reference recipe: "
+                         "--stack reference (--optimizer-impl reference, --recipe master)")  # fmt: skip
     if shape.n_layers < 2:
         raise InputError("distributed verify measures the second block: the model needs at least 2 layers")
     if setup.grad_accum != 1:

@@ -1,0 +1,228 @@
+"""The libraries' optimizers: memcalc.exact.optimizers' step equals torch.optim's (and bitsandbytes'
+AdamW8bit's) own, measured on meta, to the byte.
+
+Every implementation (loop = foreach=False, foreach, fused) × optimizer (AdamW, SGD with momentum,
+AdamW8bit) × recipe that applies (fp32; pure bf16 and pure fp16: 16-bit weights, grads and state, no
+master, no loss scaling), on tiny models allocation by allocation and at 8B width (qwen3-8b, seq 8192).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from memcalc.cli import app  # noqa: E402
+from memcalc.errors import InputError  # noqa: E402
+from memcalc.exact.config import Config  # noqa: E402
+from memcalc.exact.mirror import simulate, trace  # noqa: E402
+from memcalc.exact.step import exact_step  # noqa: E402
+from memcalc.memory.estimate import Setup  # noqa: E402
+from memcalc.model.presets import PRESETS  # noqa: E402
+from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
+from memcalc.model.stacks import stack_for  # noqa: E402
+from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
+from verify.meta import measure_step  # noqa: E402
+from verify.run import verify  # noqa: E402
+
+QWEN3_8B = PRESETS["qwen3-8b"]
+FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes", "forward_peak_bytes",
+          "backward_peak_bytes", "optimizer_peak_bytes", "forward_peak_at", "backward_peak_at",
+          "optimizer_peak_at")  # fmt: skip
+TINY = {  # a 4096-element wq (8-bit state in AdamW8bit) beside 64-element norms (fp32 state)
+    "llama": ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",
+                        vocab=200, tied_embeddings=False, positions="rope", qk_norm=True),
+    "gpt": ModelShape(n_layers=2, hidden=64, n_heads=4, vocab=200, linear_bias=True, positions="learned",
+                      max_positions=64, dropout=0.1),
+}  # fmt: skip
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed (pip install 'memcalc[bnb]')")
+OPTIMIZERS = [("adamw", impl) for impl in ("loop", "foreach", "fused")] + [("sgd", "loop"), ("sgd", "foreach")] + [
+    pytest.param("adam8bit", impl, marks=needs_bnb) for impl in ("loop", "fused")]  # fmt: skip
+
+
+def sim_and_meta(shape: ModelShape, seq: int, tricks: Tricks, optimizer: str, impl: str, recipe: str = "pure"):
+    stack = stack_for("torch", recipe, impl)
+    cfg = Config(shape, seq, 1, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, stack.model,
+                 stack.recipe, stack.impl)  # fmt: skip
+    phases, _, mem = simulate(cfg, timeline=True)
+    step, live = measure_step(shape, seq, 1, tricks, timeline=True, stack=stack, optimizer=optimizer)
+    return phases, mem, step, live
+
+
+def warm_up(timeline) -> list[tuple[str, int, int]]:
+    """The warm-up step's allocations, from the inputs on (the weights are registered by other names)."""
+    made = [(op, d, lv) for p, op, d, lv in timeline if p == "" and d > 0]
+    return made[[op for op, _, _ in made].index("input"):]
+
+
+@pytest.mark.parametrize("optimizer,impl", OPTIMIZERS)
+@pytest.mark.parametrize("name,tricks", list(itertools.product(TINY, ("fp32", "fp16", "bf16,flash,ckpt"))))
+def test_tiny_allocation_by_allocation(name, tricks, optimizer, impl):
+    """Every phase equal, and every allocation of the measured optimizer step (with its frees) and of
+    the warm-up step, where the state is made, in order with the live bytes at each."""
+    t = parse_tricks(tricks)
+    phases, mem, step, live = sim_and_meta(TINY[name], 24, t, optimizer, impl)
+    for f in FIELDS:
+        assert getattr(phases, f) == getattr(step, f), f
+    opt = [e for e in mem.timeline if e[0] == "optimizer"]
+    assert opt == [e for e in live.timeline if e[0] == "optimizer"]
+    assert warm_up(mem.timeline) == warm_up(live.timeline)
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach", "fused"])
+def test_fp32_is_fp32_whatever_the_recipe(impl):
+    """fp32 trains the same with --recipe master or pure: the libraries' optimizers over fp32 weights."""
+    t = parse_tricks("fp32")
+    master, _, step, _ = sim_and_meta(TINY["llama"], 24, t, "adamw", impl, recipe="master")
+    pure, _, _, _ = sim_and_meta(TINY["llama"], 24, t, "adamw", impl, recipe="pure")
+    assert master == pure and master.optimizer_peak_bytes == step.optimizer_peak_bytes
+
+
+@functools.lru_cache(maxsize=None)
+def full_size(shape: ModelShape, tricks: str, optimizer: str, impl: str):
+    """The exact step and the meta measurement at seq 8192 (measured once per test session)."""
+    t, stack = parse_tricks(tricks), stack_for("torch", "pure", impl)
+    step, _ = measure_step(shape, 8192, 1, t, stack=stack, optimizer=optimizer)
+    return exact_step(shape, 8192, 1, t, 1, stack, optimizer), step
+
+
+@pytest.mark.parametrize("optimizer,impl", OPTIMIZERS)
+def test_8b_pure_bf16_exact_equals_meta(optimizer, impl):
+    """qwen3-8b, seq 8192, pure bf16 + flash + ckpt: every phase and where its peak is, to the byte."""
+    e, step = full_size(QWEN3_8B, "bf16,flash,ckpt", optimizer, impl)
+    for f in FIELDS:
+        assert getattr(e.phases, f) == getattr(step, f), f
+
+
+@pytest.mark.parametrize("tricks,impl", [("fp32,ckpt", "loop"), ("fp32,ckpt", "foreach"), ("fp32,ckpt", "fused"),
+                                         ("fp16,flash,ckpt", "foreach")])  # fmt: skip
+def test_8b_fp32_and_pure_fp16_exact_equals_meta(tricks, impl):
+    e, step = full_size(QWEN3_8B, tricks, "adamw", impl)
+    for f in FIELDS:
+        assert getattr(e.phases, f) == getattr(step, f), f
+
+
+def test_8b_optimizer_peaks_follow_torch_code():
+    """What each implementation holds above the step's start (state, inputs, grads), from the shape:
+    fused nothing; foreach one _foreach_sqrt output per parameter; loop sqrt and its quotient of one
+    tensor beside the previous tensor's denominator (torch/optim/adam.py)."""
+    sizes = [2 * n for n in param_elements(QWEN3_8B)]  # bf16 bytes, in model.parameters() order
+    above = {}
+    for impl in ("loop", "foreach", "fused"):
+        e = exact_step(QWEN3_8B, 8192, 1, parse_tricks("bf16,flash,ckpt"), 1, stack_for("torch", "pure", impl))
+        p = e.phases
+        above[impl] = p.optimizer_peak_bytes - (p.state_bytes + p.inputs_bytes + p.grads_bytes)
+    assert above["fused"] == 0
+    assert above["foreach"] == sum(sizes)
+    assert above["loop"] == max(prev + 2 * size for prev, size in zip([0] + sizes, sizes))
+
+
+def param_elements(shape: ModelShape) -> list[int]:
+    """Elements of each parameter of the reference model, in registration order (built in the sim)."""
+    from memcalc.exact.builder import build
+    from memcalc.exact.sim import Graph, Memory
+
+    cfg = Config(shape, 1, 1, "bf16", True, "none")
+    return [p.numel for p in build(Graph(Memory()), cfg).params]
+
+
+@needs_bnb
+def test_8bit_state_is_bitsandbytes_layout():
+    """AdamW8bit's state at 8B: uint8 m and v and two fp32 absmax per 256-element block for tensors of
+    4096 elements or more, fp32 m and v below (qwen3's 128-element q/k norms), two 256-entry fp32
+    quantile maps (bitsandbytes/optim/optimizer.py Optimizer2State.init_state)."""
+    e, step = full_size(QWEN3_8B, "bf16,flash,ckpt", "adam8bit", "loop")
+    ns = param_elements(QWEN3_8B)
+    big, small = [n for n in ns if n >= 4096], [n for n in ns if n < 4096]
+    state = sum(2 * n + 2 * 4 * -(-n // 256) for n in big) + sum(2 * 4 * n for n in small) + 2 * 256 * 4
+    assert small and step.state_bytes - step.weights_bytes == state == e.phases.state_bytes - e.phases.weights_bytes
+
+
+CPU_LLAMA = ModelShape(n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",
+                       vocab=200, tied_embeddings=False, positions="rope", qk_norm=True, name="tiny-llama")  # fmt: skip
+AFTER_FIRST_STEP = ("after the first optimizer step: model state and inputs", "forward peak", "backward peak",
+                    "optimizer-step peak", "whole-step peak")  # fmt: skip
+
+
+@pytest.mark.parametrize("impl,optimizer,tricks", [("foreach", "adamw", "fp32"), ("fused", "adamw", "bf16"),
+                                                   ("loop", "sgd", "bf16")])  # fmt: skip
+def test_cpu_stand_in_names_the_host_step_counters(impl, optimizer, tricks):
+    """On real CPU tensors (verify --device cpu, the CUDA path's stand-in) torch.optim's loop and foreach
+    keep AdamW's step counters on the CPU (torch/optim/adam.py Adam._init_group), which there is the
+    weights' device: 4 bytes per parameter tensor more in every row from the first step on. On CUDA
+    they are host memory and on meta not meta tensors, which is what memcalc predicts; fused keeps
+    them on the device everywhere, and SGD has none."""
+    setup = Setup(32, micro_batch=2, optimizer=optimizer, stack=stack_for("torch", "pure", impl))
+    r = verify(Model(CPU_LLAMA, n_params(CPU_LLAMA), "test"), setup, parse_tricks(tricks), device="cpu", steps=1)
+    assert r.error is None
+    host = 4 * len(param_elements(CPU_LLAMA)) if (optimizer, impl) in (("adamw", "loop"), ("adamw", "foreach")) else 0
+    for row in r.rows:
+        if row.unit == "bytes" and row.exact is not None and row.measured is not None:
+            assert row.measured - row.exact == (host if row.quantity in AFTER_FIRST_STEP else 0), row.quantity
+
+
+def test_traced_step_is_the_second():
+    """trace(): the libraries make their state at the first step (zeros_like, SGD's clone), so the traced
+    step is a later one; a fused kernel reads and writes each tensor of its group once."""
+    shape, t = TINY["llama"], parse_tricks("bf16")
+    for optimizer, impl in (("adamw", "fused"), ("sgd", "loop"), ("adamw", "foreach")):
+        cfg = Config(shape, 16, 1, "bf16", False, "none", 1, optimizer, "reference", "pure", impl)
+        ops = [k for k in trace(cfg) if k.phase == "optimizer"]
+        assert not {"zeros_like", "zeros", "clone"} & {k.op for k in ops}, (optimizer, impl)
+    fused = [k for k in trace(Config(shape, 16, 1, "bf16", False, "none", 1, "adamw", "reference", "pure", "fused"))
+             if k.op == "_fused_adamw_"]  # fmt: skip
+    weights = 2 * sum(param_elements(shape))
+    steps = 4 * len(param_elements(shape))
+    assert sum(k.read_bytes for k in fused) == 4 * weights + steps  # params, grads, m, v, step counters
+    assert sum(k.write_bytes for k in fused) == 3 * weights  # params, m, v
+    assert {k.layer for k in fused} == {None, 0, 1}  # one per layer, and one outside the blocks
+
+
+@pytest.mark.parametrize("precision,recipe,impl,optimizer,message", [
+    ("bf16", "master", "foreach", "adamw", "master recipe (fp32 master weights) runs with its reference"),
+    ("bf16", "pure", "reference", "adamw", "pure recipe trains with torch.optim"),
+    ("fp32", "master", "reference", "sgd", "reference implementation trains AdamW"),
+    ("bf16", "pure", "fused", "sgd", "no meta kernel for aten::_fused_sgd_"),
+    ("bf16", "autocast", "foreach", "adamw", "does not replay torch.optim's foreach step under autocast yet"),
+])  # fmt: skip
+def test_what_is_not_replayed_is_refused(precision, recipe, impl, optimizer, message):
+    shape, stack = TINY["llama"], stack_for("torch", recipe, impl)
+    with pytest.raises(InputError, match=re.escape(message)):
+        exact_step(shape, 16, 1, parse_tricks(precision), 1, stack, optimizer)
+    measured = message if recipe != "autocast" else "the autocast recipe is not measured yet"
+    with pytest.raises(InputError, match=re.escape(measured)):  # verify refuses the same before building anything
+        verify(Model(shape, n_params(shape), "test"), Setup(16, optimizer=optimizer, stack=stack),
+               parse_tricks(precision), "meta")  # fmt: skip
+
+
+def test_estimate_exact_with_the_pure_recipe():
+    out = CliRunner().invoke(app, ["estimate", "--params", "8e9", "--seq", "8192", "--stack", "torch", "--recipe",
+                                   "pure", "--tricks", "bf16,flash", "--exact"], env={"COLUMNS": "200"})  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "torch.optim AdamW (foreach; bf16 weights and state, no master)" in out.stdout
+
+
+@pytest.mark.parametrize("args", [["--optimizer", "sgd", "--optimizer-impl", "loop"],
+                                  ["--optimizer", "adam8bit", "--optimizer-impl", "fused"]])  # fmt: skip
+def test_estimate_exact_with_the_other_optimizers(args):
+    out = CliRunner().invoke(app, ["estimate", "--params", "8e9", "--seq", "8192", "--stack", "torch", "--recipe",
+                                   "pure", "--tricks", "bf16,flash,ckpt", "--exact", *args], env={"COLUMNS": "200"})  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert ("SGD with momentum (loop" if "sgd" in args else "bitsandbytes AdamW8bit (bf16") in out.stdout
+
+
+def test_verify_meta_pure_foreach_at_8b():
+    """The brief's command: every row passes, the optimizer-step peak among them."""
+    out = CliRunner().invoke(app, ["verify", "--device", "meta", "--stack", "torch", "--recipe", "pure",
+                                   "--optimizer-impl", "foreach", "--params", "8e9", "--seq", "8192", "--tricks",
+                                   "bf16,flash,ckpt", "--format", "json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert '"optimizer-step peak"' in out.stdout and "_foreach_sqrt" in out.stdout

@@ -1,0 +1,248 @@
+"""The Hugging Face Transformers stack: the library's own model class, trained as its Trainer trains it.
+
+memcalc's shape becomes a Transformers config (llama, mistral, qwen2, qwen3, gemma, gpt2) and the
+model is AutoModelForCausalLM.from_config's, built on the meta device in the activation dtype (a
+model loaded in bf16). What runs is the installed library's code (transformers/models/<arch>/
+modeling_<arch>.py); memcalc.exact.hf mirrors it line by line. Three switches make meta and CPU
+run what CUDA runs, as verify/builder.py's Kernels do for the reference model:
+
+  attention  "sdpa" on CUDA reaches aten._scaled_dot_product_flash_attention through
+             F.scaled_dot_product_attention; on meta SDPA takes its math path. FLASH, registered
+             through Transformers' AttentionInterface with sdpa's own mask function, runs
+             integrations/sdpa_attention.py's training path and calls the flash op by name.
+             Eager attention is the model's own eager_attention_forward. (Selective recompute, which
+             Transformers has no switch for, wraps either in torch.utils.checkpoint: SELECTIVE.)
+  dropout    F.dropout is aten.native_dropout on CUDA (a bool mask), a mask of the input's dtype on
+             meta and CPU: cuda_paths() routes F.dropout to the native op while it is active.
+  packing    masking_utils.find_packed_sequence_indices reads a value (`.all()`) to learn that the
+             batch holds one sequence per row; meta has no values. cuda_paths() runs its ops and
+             takes the answer every Trainer batch without position_ids gives: not packed.
+
+The Trainer's step (transformers/trainer.py, training_step and compute_loss) is TrainerModel:
+labels passed to the model (ForCausalLMLoss shifts them and upcasts the logits), normalised by
+num_items_in_batch, and scaled by the process count (1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memcalc.errors import InputError
+from memcalc.exact.hf import ARCHS, arch_for
+from memcalc.model.shape import ModelShape, check_positions, n_params
+from memcalc.model.tricks import Tricks
+
+from .recipes import DTYPES
+
+FLASH = "memcalc_sdpa"  # the flash path of "sdpa" (a name with "flash" in it asks the hub for a kernel)
+SELECTIVE = {"eager": "memcalc_eager_core", FLASH: "memcalc_sdpa_core"}  # the attention core checkpointed
+NORM_EPS = 1e-5
+IGNORE_INDEX = -100  # transformers/loss/loss_utils.py ForCausalLMLoss
+
+
+def transformers():
+    """The installed library, or a one-line error: it is the optional extra memcalc[hf]."""
+    try:
+        import transformers as tf
+    except ImportError:
+        raise InputError("--stack hf needs Hugging Face Transformers: pip install 'memcalc[hf]'") from None
+    return tf
+
+
+def hf_config(shape: ModelShape, seq_len: int, arch: str | None = None):
+    """The config a Transformers user would load for this shape (use_cache off, as the Trainer sets it)."""
+    tf = transformers()
+    arch = arch or arch_for(shape)
+    if arch not in ARCHS:
+        raise InputError(f"unknown Transformers architecture {arch!r}; known: {', '.join(ARCHS)}")
+    if arch == "gpt2":
+        return tf.AutoConfig.for_model(
+            "gpt2", vocab_size=shape.vocab, n_positions=shape.max_positions, n_embd=shape.hidden,
+            n_layer=shape.n_layers, n_head=shape.n_heads, n_inner=shape.ffn, layer_norm_epsilon=NORM_EPS,
+            embd_pdrop=shape.dropout, attn_pdrop=shape.dropout, resid_pdrop=shape.dropout,
+            tie_word_embeddings=shape.tied_embeddings, use_cache=False, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+    extra = {"hidden_act": "silu", "attention_bias": False}
+    if arch == "llama":
+        extra["mlp_bias"] = False
+    if arch == "mistral":
+        extra["sliding_window"] = None  # Mistral 7B v0.2 on: full attention (a window would need a mask)
+    if arch == "qwen2":
+        extra = {"hidden_act": "silu"}  # q, k, v biases are fixed in Qwen2Attention
+    if arch == "gemma":
+        extra = {"hidden_activation": "gelu_pytorch_tanh"}
+    return tf.AutoConfig.for_model(
+        arch, vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+        num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads, num_key_value_heads=shape.n_kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=max(seq_len, 2048), rms_norm_eps=NORM_EPS,
+        tie_word_embeddings=shape.tied_embeddings, attention_dropout=shape.dropout, use_cache=False, **extra,
+    )  # fmt: skip
+
+
+# -- attention ----------------------------------------------------------------------------------------
+
+
+def sdpa_flash_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       is_causal=None, **kwargs):  # fmt: skip
+    """integrations/sdpa_attention.py sdpa_attention_forward as it runs in training on CUDA: no mask
+    (sdpa_mask skipped it: one causal sequence per row), so use_gqa_in_sdpa gives enable_gqa and the
+    key/value heads are not repeated; is_causal; F.scaled_dot_product_attention's flash backend, which
+    is this op; then the output reshaped (same shape) and transpose(1, 2).contiguous(): a view, since
+    the output is laid out (B, T, n, d) (CUDA's kernel transposes q to (B, T, n, d) and writes its
+    output so; the meta function's empty_like(query) lays it out in q's dimension order, the same)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if attention_mask is not None or (groups > 1 and key.shape[-1] > 256):
+        raise InputError("Transformers' sdpa would not reach the flash kernel here: a mask, or GQA with head_dim > 256")
+    q_length = query.shape[2]
+    causal = q_length > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout, causal, False,
+                                                            scale=scaling)[0]  # fmt: skip
+    out = out.reshape(out.shape[0], -1, q_length, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def eager_forward(module):
+    """The model's own eager_attention_forward (each modeling file has one)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def core_checkpointed(attention):
+    """Korthikanti's selective recompute: the attention core under torch.utils.checkpoint. Transformers
+    has no switch for it (it checkpoints whole decoder layers); its attention interface lets the core
+    function be wrapped, as a user would."""
+
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        fn = attention(module) if attention is eager_forward else attention
+
+        def core(q, k, v, mask):
+            return fn(module, q, k, v, mask, **kwargs)
+
+        return checkpoint(core, query, key, value, attention_mask, use_reentrant=False)
+
+    return forward
+
+
+@functools.cache
+def register_attention() -> None:
+    """FLASH and the selective variants in Transformers' attention and mask interfaces (once)."""
+    tf = transformers()
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    tf.logging.set_verbosity_error()  # its notes on defaults (loss_type, token ids) are not ours to print
+    tf.AttentionInterface.register(FLASH, sdpa_flash_forward)
+    AttentionMaskInterface.register(FLASH, sdpa_mask)
+    tf.AttentionInterface.register(SELECTIVE[FLASH], core_checkpointed(sdpa_flash_forward))
+    AttentionMaskInterface.register(SELECTIVE[FLASH], sdpa_mask)
+    tf.AttentionInterface.register(SELECTIVE["eager"], core_checkpointed(eager_forward))
+    AttentionMaskInterface.register(SELECTIVE["eager"], eager_mask)
+
+
+def attention_for(tricks: Tricks) -> str:
+    name = FLASH if tricks.flash else "eager"
+    return SELECTIVE[name] if tricks.recompute == "selective" else name
+
+
+# -- what meta and CPU run differently ----------------------------------------------------------------
+
+
+def native_dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
+    """F.dropout as CUDA runs it (aten/src/ATen/native/Dropout.cpp dropout): the input itself at p = 0
+    or in eval, else aten.native_dropout, which saves a bool mask."""
+    if not training or p == 0.0:
+        return input
+    if inplace:
+        raise InputError("in-place dropout is not measured")
+    return torch.ops.aten.native_dropout(input, p, True)[0]
+
+
+def not_packed(original):
+    """find_packed_sequence_indices, its ops run, its `.all()` answered without reading values: every
+    row one sequence (position_ids made by the model: an arange)."""
+
+    def find(position_ids):
+        if position_ids.device.type != "meta":
+            return original(position_ids)
+        first = position_ids[:, :1] - 1
+        diff = torch.diff(position_ids, prepend=first, dim=-1)
+        packed = (diff != 1).cumsum(-1)
+        (packed[:, -1] == 0).all()  # the value the library reads: no packed sequences
+        return None
+
+    return find
+
+
+@contextlib.contextmanager
+def cuda_paths(dropout: bool = True):
+    """While active: F.dropout is CUDA's (unless dropout is False: the tests' comparison), and the
+    packed-sequence check runs on meta. Hold it over forward and backward both (checkpoint recompute
+    runs the model's code again in backward)."""
+    from transformers import masking_utils
+
+    saved = F.dropout, masking_utils.find_packed_sequence_indices
+    F.dropout = native_dropout if dropout else F.dropout
+    masking_utils.find_packed_sequence_indices = not_packed(saved[1])
+    try:
+        yield
+    finally:
+        F.dropout, masking_utils.find_packed_sequence_indices = saved
+
+
+# -- the model and the Trainer's step -----------------------------------------------------------------
+
+
+class TrainerModel(nn.Module):
+    """Trainer.compute_loss's call of the model: (token ids, labels) in, the loss out.
+
+    transformers/trainer.py: _get_num_items_in_batch counts the labels that are not IGNORE_INDEX after
+    the shift (labels[..., 1:]); compute_loss passes it with the labels (model_accepts_loss_kwargs);
+    ForCausalLMLoss then sums the cross-entropy and divides by it; with average_tokens_across_devices
+    (the default) the loss is multiplied by the process count, 1 on one GPU. The logits returned in
+    the output die when compute_loss returns, before backward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
+        loss = self.model(input_ids=idx, labels=labels, num_items_in_batch=num_items_in_batch).loss
+        loss *= 1  # num_processes // tp_size
+        return loss
+
+
+def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
+             device: str = "meta") -> TrainerModel:  # fmt: skip
+    """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
+    tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
+    enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
+    which the issue names, is its deprecated alias in Transformers 5)."""
+    tf = transformers()
+    check_positions(shape, seq_len)
+    register_attention()
+    config = hf_config(shape, seq_len, arch)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=DTYPES[tricks.precision],
+                                                    attn_implementation=attention_for(tricks))  # fmt: skip
+    if tricks.recompute == "full":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    count = sum(p.numel() for p in model.parameters())
+    if count != n_params(shape):  # the architecture was picked to build exactly this shape
+        raise InputError(f"Transformers' {config.model_type} has {count:,} parameters, memcalc's shape "
+                         f"{n_params(shape):,}")  # fmt: skip
+    return TrainerModel(model)
+
+
+def describe(shape: ModelShape) -> str:
+    """One line for verify's notes: which library and class trained."""
+    tf = transformers()
+    arch = arch_for(shape)
+    cls = tf.AutoModelForCausalLM._model_mapping[type(hf_config(shape, 2048, arch))].__name__
+    return f"stack hf: Transformers {tf.__version__}'s {cls}, trained as its Trainer's compute_loss calls it"

@@ -25,12 +25,16 @@ from __future__ import annotations
 import torch
 
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import Stack, stack_for
 from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build, materialise
-from .meta import StepBytes, measure_step
-from .recipes import DTYPES, AdamW, adamw_
+from .meta import StepBytes, measure_step, meta_kernels
+from .recipes import DTYPES, AdamW, adamw_, bitsandbytes, library_optimizer
 from .track import LiveBytes
+
+
+REFERENCE_STEP = stack_for("torch", impl="reference")  # the stock loop with the reference AdamW step
 
 
 class ReferenceAdamW(torch.optim.Optimizer):
@@ -59,7 +63,9 @@ class ReferenceAdamW(torch.optim.Optimizer):
 
 
 class AutocastRecipe:
-    """The model (fp32), its forward under torch.autocast, GradScaler for fp16, and the optimizer."""
+    """The model (fp32), its forward under torch.autocast, GradScaler for fp16, and the optimizer:
+    ReferenceAdamW, or the stack's torch.optim / bitsandbytes optimizer (verify/recipes.py
+    library_optimizer) over the fp32 parameters, its gradients set to None after each step."""
 
     def __init__(self, model: torch.nn.Module, precision: str, device_type: str, optimizer=None):
         self.model, self.precision, self.device_type = model, precision, device_type
@@ -68,6 +74,10 @@ class AutocastRecipe:
         self.skipped = 0
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model under torch.autocast; Transformers' (verify/hf.py TrainerModel with autocast) runs
+        its own, as Accelerate prepared it."""
+        if getattr(self.model, "autocast", None) is not None:
+            return self.model(idx, targets)
         with torch.autocast(self.device_type, dtype=DTYPES[self.precision]):
             return self.model(idx, targets)
 
@@ -75,20 +85,27 @@ class AutocastRecipe:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def update(self) -> bool:
-        """The optimizer step; False when GradScaler skipped it (a gradient was inf or nan)."""
+        """The optimizer step, then optimizer.zero_grad(set_to_none=True); False when GradScaler
+        skipped the step (a gradient was inf or nan)."""
+        stepped = True
         if self.scaler is None:
             self.optimizer.step()
-            return True
-        scale = self.scaler.get_scale()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        stepped = self.scaler.get_scale() >= scale  # update() backs the scale off after a skipped step
-        self.skipped += not stepped
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale  # update() backs the scale off after a skipped step
+            self.skipped += not stepped
+        self.optimizer.zero_grad(set_to_none=True)
         return stepped
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Everything kept between steps besides the parameters: m, v, the scale and growth tracker."""
-        out = [t for t in self.optimizer.m + self.optimizer.v if t is not None]
+        """Everything kept between steps besides the parameters: the optimizer's state (m and v;
+        torch.optim's step counters; AdamW8bit's absmax and quantile maps), the scale and growth tracker."""
+        if isinstance(self.optimizer, ReferenceAdamW):
+            out = [t for t in self.optimizer.m + self.optimizer.v if t is not None]
+        else:
+            out = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         if self.scaler is not None and self.scaler._scale is not None:
             out += [self.scaler._scale, self.scaler._growth_tracker]
         return out
@@ -100,17 +117,39 @@ def cpu_kernels(tricks: Tricks) -> Kernels:
 
 
 def measure_cpu(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
-                timeline: bool = False) -> tuple[StepBytes, LiveBytes, AutocastRecipe]:  # fmt: skip
+                timeline: bool = False, stack: Stack = REFERENCE_STEP,
+                optimizer: str = "adamw") -> tuple[StepBytes, LiveBytes, AutocastRecipe]:  # fmt: skip
     """verify/meta.py's measured step (a warm-up step, then the measured one) of the fp32 model on
-    CPU tensors, trained by the stock loop under torch.autocast("cpu", tricks' 16-bit dtype)."""
+    CPU tensors, trained by the stock loop under torch.autocast("cpu", tricks' 16-bit dtype): the
+    stack's model (memcalc's reference, or Transformers' as its Trainer runs it: verify/hf.py) and its
+    optimizer (stack.impl: reference, loop, foreach, fused; optimizer: adamw, sgd, adam8bit)."""
+    return measure_autocast(shape, seq_len, micro_batch, tricks, grad_accum, timeline, stack, optimizer, "cpu")
+
+
+def measure_autocast(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
+                     timeline: bool = False, stack: Stack = REFERENCE_STEP, optimizer: str = "adamw",
+                     device: str = "cpu") -> tuple[StepBytes, LiveBytes, AutocastRecipe]:  # fmt: skip
+    """measure_cpu on a device: cpu, or cuda (a GPU's tensors tracked at the dispatcher as on meta,
+    with the kernels meta calls by name: the flash op, aten.native_dropout)."""
+    if optimizer == "adam8bit":
+        bitsandbytes()  # imported before the tracker watches
+    kernels = cpu_kernels(tricks) if device == "cpu" else meta_kernels(tricks)
     torch.manual_seed(0)
-    model = materialise(build(shape, cpu_kernels(tricks), seq_len, torch.float32), "cpu")
+    if stack.model == "hf":
+        from .hf import build_hf
+
+        model = build_hf(shape, tricks, seq_len, device=device, autocast=device)
+    else:
+        model = materialise(build(shape, kernels, seq_len, torch.float32), device)
     made = []
 
     def recipe_for(m, precision):
-        made.append(AutocastRecipe(m, precision, "cpu"))
+        params = list(m.parameters())
+        opt = None if stack.impl == "reference" else library_optimizer(params, optimizer, stack.impl)
+        made.append(AutocastRecipe(m, precision, device, opt))
         return made[0]
 
-    step, live = measure_step(shape, seq_len, micro_batch, tricks, "cpu", cpu_kernels(tricks), model, grad_accum,
-                              timeline, make_recipe=recipe_for)  # fmt: skip
+    step, live = measure_step(shape, seq_len, micro_batch, tricks, device, kernels, model, grad_accum, timeline,
+                              stack=stack, make_recipe=recipe_for)  # fmt: skip
     return step, live, made[0]
+

@@ -422,3 +422,81 @@ def test_estimate_replays_the_stock_defaults(stack, note):
     text = " ".join(out.stdout.split())
     assert f"{stack} stack, its step replayed op by op" in text and note in text
 
+
+# -- memcalc verify for an autocast stack: real CPU tensors at reduced size --------------------------------
+
+
+def verify_json(*args: str):
+    import json
+
+    out = CliRunner().invoke(app, ["verify", *args, "--format", "json"], env={"COLUMNS": "200"})
+    return out, (json.loads(out.stdout) if out.exit_code in (0, 1) else None)
+
+
+def test_verify_torch_stack_at_8b_measures_a_reduced_step_on_cpu():
+    """verify --stack torch (autocast, foreach) at Qwen3-8B, seq 8192: autocast does nothing on meta,
+    so the step is measured on CPU tensors at reduced size, every row equal to the replay of that
+    reduced step on CPU's lists; the notes say what was reduced, how the CUDA prediction of the same
+    reduced step differs (the flash kernel's RNG state), and the CUDA prediction at the size asked."""
+    out, r = verify_json("--model", "qwen3-8b", "--seq", "8192", "--tricks", "bf16,flash", "--stack", "torch")
+    assert out.exit_code == 0, out.output
+    assert r["device"] == "cpu" and r["passed"] and r["layers_built"] == 2 and r["layers_requested"] == 36
+    judged = [row for row in r["rows"] if row["tolerance"] is not None]
+    assert len(judged) == 9 and all(row["measured"] == row["exact"] for row in judged)
+    assert "64 of 8192 tokens per sequence" in r["layers_note"] and "1024 of 151936 vocabulary" in r["layers_note"]
+    notes = " ".join(r["notes"])
+    assert "torch.optim AdamW (foreach; fp32 weights and state)" in notes
+    assert "philox_seed (uint64) +32 B" in notes and "philox_offset (uint64) +16 B" in notes  # 2 layers
+    full = exact_step(PRESETS["qwen3-8b"], 8192, 1, parse_tricks("bf16,flash"), stack=STACKS["torch"])
+    assert f"({full.peak_bytes:,} B)" in notes
+
+
+def test_verify_hf_stack_fp16_on_cpu():
+    """verify --stack hf (Transformers' model under autocast, fused AdamW with GradScaler's own path),
+    fp16, eager: its rows equal the replay; the table names the CUDA difference in a note."""
+    args = ["--model", "qwen3-0.6b", "--layers", "2", "--seq", "32", "--tricks", "fp16", "--stack", "hf"]
+    out, r = verify_json(*args)
+    assert out.exit_code == 0, out.output
+    assert r["device"] == "cpu" and r["passed"]
+    assert all(row["measured"] == row["exact"] for row in r["rows"] if row["tolerance"] is not None)
+    assert "the CUDA prediction for this reduced step saves and keeps what the CPU one does" in r["notes"]
+    table = CliRunner().invoke(app, ["verify", *args], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert table.exit_code == 0 and "the CUDA prediction for this reduced step" in table.stdout
+
+
+def test_verify_autocast_refusals(monkeypatch):
+    """One line where the autocast recipe cannot be measured: --device cuda without a GPU (pick_device's
+    refusal), and with one (a CUDA run of it is not wired yet)."""
+    out = CliRunner().invoke(app, ["verify", "--model", "gpt2", "--seq", "32", "--stack", "torch", "--device", "cuda"])
+    assert out.exit_code == 2 and "sees no CUDA device" in out.output and len(out.output.strip().splitlines()) == 1
+    from memcalc.errors import InputError
+    from memcalc.memory.estimate import Setup
+    from memcalc.model.shape import Model, n_params
+    from verify.run import verify
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(InputError, match="measured on CPU tensors at reduced size so far, not on CUDA"):
+        verify(Model(TINY["llama"], n_params(TINY["llama"]), "test"), Setup(24, stack=STACKS["torch"]),
+               parse_tricks("bf16"), device="cuda")  # fmt: skip
+
+
+def test_reduced_size():
+    """What the CPU run keeps of the step asked: 2 layers (ckpt:N, N + 1: one checkpointed and one
+    not), seq 64, micro-batch 2, vocabulary 1024, dropout 0 under flash; heads halved with hidden,
+    KV heads and the MLP until the replay's peak fits the budget; head_dim, the GQA ratio and the
+    architecture kept."""
+    from verify.autocast import reduce
+    from memcalc.exact.hf import arch_for
+
+    shape, stack = PRESETS["qwen3-8b"], STACKS["hf"]
+    red = reduce(shape, 8192, 4, parse_tricks("bf16,flash"), stack, "adamw")
+    s = red.shape
+    assert (s.n_layers, red.seq_len, red.micro_batch, s.vocab) == (2, 64, 2, 1024)
+    assert s.head_dim == shape.head_dim and s.n_heads // s.n_kv_heads == 4 and arch_for(s) == "qwen3"
+    assert s.hidden < shape.hidden and s.hidden // s.n_heads == shape.hidden // shape.n_heads
+    assert "2 of 36 layers" in red.note and f"{s.hidden} of 4096 hidden" in red.note
+    assert reduce(shape, 8192, 1, parse_tricks("bf16,flash,ckpt:4"), stack, "adamw").shape.n_layers == 5
+    gpt = reduce(PRESETS["gpt2"], 1024, 1, parse_tricks("bf16,flash"), STACKS["torch"], "adamw")
+    assert gpt.shape.dropout == 0 and "dropout 0" in gpt.note and gpt.shape.max_positions == 64
+    small = reduce(TINY["llama"], 24, 1, parse_tricks("bf16"), STACKS["torch"], "adamw")
+    assert small.shape == TINY["llama"] and small.changes == ()

@@ -500,3 +500,73 @@ def test_reduced_size():
     assert gpt.shape.dropout == 0 and "dropout 0" in gpt.note and gpt.shape.max_positions == 64
     small = reduce(TINY["llama"], 24, 1, parse_tricks("bf16"), STACKS["torch"], "adamw")
     assert small.shape == TINY["llama"] and small.changes == ()
+
+
+# -- the roofline runs the stack's own kernels ---------------------------------------------------------------
+
+
+def stack_time(stack, tricks: str = "bf16,flash", name: str = "qwen3-8b"):
+    from memcalc.memory.setup import Setup
+    from memcalc.model.gpus import GPUS
+    from memcalc.model.shape import Model, n_params
+    from memcalc.time.calibration import calibration_for
+    from memcalc.time.roofline import step_times
+
+    shape, gpu = PRESETS[name], GPUS["h100-sxm"]
+    model = Model(shape, n_params(shape), name)
+    return step_times(model, Setup(8192, stack=stack), gpu, (parse_tricks(tricks),), calibration_for(gpu.key))[0]
+
+
+def seconds_by_phase(t) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for op in t.ops:
+        out[op.phase] = out.get(op.phase, 0.0) + op.seconds
+    return out
+
+
+def test_roofline_times_the_stacks_own_kernels():
+    """estimate's step time traces the stack's step (memcalc.exact.kernels.kernels_of): under autocast
+    the weights' and activations' casts (_to_copy) and fp32 gradients; torch.optim's foreach kernels,
+    fused AdamW's one kernel per layer. The torch stack with the reference step differs from its
+    default in the optimizer step only; the reference stack's time is the reference trace's, as
+    before (tests/test_golden.py and tests/test_docs.py hold its printed numbers)."""
+    from memcalc.exact.kernels import kernels_of
+    from memcalc.model.gpus import GPUS
+    from memcalc.time.calibration import calibration_for
+    from memcalc.time.roofline import step_time
+
+    shape, t = PRESETS["qwen3-8b"], parse_tricks("bf16,flash")
+    ops = {name: {k.op for k in kernels_of(shape, 8192, 1, t, st)} for name, st in
+           (("reference", STACKS["reference"]), ("torch", STACKS["torch"]), ("hf", STACKS["hf"]))}  # fmt: skip
+    assert {"_foreach_sqrt", "_foreach_addcdiv_"} <= ops["torch"] and "_fused_adamw_" in ops["hf"]
+    assert not {"_foreach_sqrt", "_fused_adamw_"} & ops["reference"]
+    casts = {name: sum(k.read_bytes for k in kernels_of(shape, 8192, 1, t, st) if k.op == "_to_copy" and k.layer == 0)
+             for name, st in (("reference", STACKS["reference"]), ("torch", STACKS["torch"]))}  # fmt: skip
+    assert casts["torch"] > casts["reference"]  # each weight's fp32 read for its bf16 cast, among others
+    gpu = GPUS["h100-sxm"]
+    plain = step_time(shape, 8192, 1, 1, t, gpu, calibration_for(gpu.key))
+    assert stack_time(STACKS["reference"]) == plain
+    default, same_step = stack_time(STACKS["torch"]), stack_time(stack_for("torch", impl="reference"))
+    a, b = seconds_by_phase(default), seconds_by_phase(same_step)
+    assert a["forward"] == b["forward"] and a["backward"] == b["backward"] and a["optimizer"] != b["optimizer"]
+    assert seconds_by_phase(stack_time(STACKS["hf"]))["optimizer"] < a["optimizer"]  # fused: one pass
+    assert default.step_seconds > plain.step_seconds
+
+
+def test_a_stack_not_replayed_is_timed_as_the_reference():
+    """Where the exact model does not replay the stack (Megatron's main_grad recipe), the roofline keeps
+    the reference stack's trace."""
+    assert stack_time(STACKS["megatron"]) == stack_time(STACKS["reference"])
+
+
+def test_estimate_prints_the_stacks_step_time():
+    """estimate --stack torch: the roofline's step time and its ops are the torch stack's trace's."""
+    import json
+
+    args = ["estimate", "--model", "qwen3-8b", "--seq", "8192", "--tricks", "bf16,flash", "--format", "json"]
+    for stack in ("reference", "torch"):
+        out = CliRunner().invoke(app, args + ["--stack", stack])
+        assert out.exit_code == 0, out.output
+        roofline = json.loads(out.stdout)["roofline"][0]
+        assert roofline["step_seconds"] == stack_time(STACKS[stack]).step_seconds
+        assert ("_foreach_sqrt" in {op["op"] for op in roofline["ops"]}) == (stack == "torch")

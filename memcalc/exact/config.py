@@ -23,10 +23,6 @@ def not_replayed(model: str, recipe: str, impl: str, optimizer: str, precision: 
     for what, value in (("model", model), ("recipe", recipe), ("impl", impl), ("optimizer", optimizer)):
         if value not in SIMULATED[what] and not (what == "recipe" and precision == "fp32"):
             return f"the exact model does not replay {what} {value!r} yet; it replays {', '.join(SIMULATED[what])}"
-    if recipe == "autocast" and precision != "fp32" and model == "hf":
-        return "the exact model does not replay Transformers' model under autocast yet; --recipe master or pure"
-    if recipe == "autocast" and precision != "fp32" and impl != "reference":
-        return f"the exact model does not replay torch.optim's {impl} step under autocast yet; --optimizer-impl reference"
     return untrainable(precision, recipe, impl, optimizer)
 
 

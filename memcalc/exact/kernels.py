@@ -16,10 +16,11 @@ from functools import lru_cache
 
 from memcalc.model.flops import StepFlops, model_per_token
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .cache import remembered
-from .config import Config
+from .config import Config, not_replayed
 
 
 class Kernel:
@@ -58,18 +59,33 @@ TRACES: dict[tuple, tuple[Kernel, ...]] = {}  # (one-layer shape, seq, micro-bat
 MAX_TRACES = 512
 
 
-def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
+def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
+               optimizer: str = "adamw") -> tuple[Kernel, ...]:  # fmt: skip
     """One step's kernels with the model cut to one block (layer 0), or with ckpt:N to one group of N
     (layers 0 and N − 1 kept: see block_weight); the rest are outside the blocks. A step without
     recompute is taken from the same step with recompute when one was traced: it runs exactly those
-    kernels less the recompute ones, in the same order (tests/test_roofline.py)."""
+    kernels less the recompute ones, in the same order (tests/test_roofline.py). The stack's own step
+    (its model, autocast's casts, its optimizer's kernels) where the exact model replays it
+    (traced_stack), else the reference stack's."""
     one = replace(shape, n_layers=tricks.ckpt_every if tricks.mixed else 1)
-    key = (one, seq_len, micro_batch, tricks)
+    key = (one, seq_len, micro_batch, tricks) + traced_stack(stack, optimizer, tricks)
     if key not in TRACES:
         if len(TRACES) >= MAX_TRACES:
             TRACES.clear()
-        TRACES[key] = without_recompute(key) or traced(one, seq_len, micro_batch, tricks)
+        TRACES[key] = without_recompute(key) or traced(*key)
     return TRACES[key]
+
+
+def traced_stack(stack: Stack, optimizer: str, tricks: Tricks) -> tuple:
+    """What a trace key adds for a stack: nothing for the reference stack's AdamW (its traces and their
+    cache keys as they always were); (model, recipe, impl, optimizer) for a stack the exact model
+    replays; nothing, so the reference stack's step, for one it does not (memcalc.exact.config)."""
+    if (stack.model, stack.recipe, stack.impl, optimizer) == (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
+                                                              DEFAULT_STACK.impl, "adamw"):  # fmt: skip
+        return ()
+    if not_replayed(stack.model, stack.recipe, stack.impl, optimizer, tricks.precision):
+        return ()
+    return (stack.model, stack.recipe, stack.impl, optimizer)
 
 
 def block_weight(k: Kernel, n_layers: int, tricks: Tricks) -> int:
@@ -84,18 +100,22 @@ def block_weight(k: Kernel, n_layers: int, tricks: Tricks) -> int:
     return checkpointed if k.layer == tricks.ckpt_every - 1 else n_layers - checkpointed
 
 
-def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
-    """memcalc.exact.mirror.trace of the one-block step, kept on disk between runs (memcalc.exact.cache)."""
+def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *stack: str) -> tuple[Kernel, ...]:
+    """memcalc.exact.mirror.trace of the one-block step, kept on disk between runs (memcalc.exact.cache);
+    stack: traced_stack's (model, recipe, impl, optimizer), or none for the reference stack's."""
 
     def trace_fields() -> list:
         from .mirror import trace  # here, not at import: a cached trace never simulates
 
-        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute,
-                     ckpt_every=tricks.ckpt_every)  # fmt: skip
+        model, recipe, impl, optimizer = stack or (DEFAULT_STACK.model, DEFAULT_STACK.recipe, DEFAULT_STACK.impl,
+                                                    "adamw")  # fmt: skip
+        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, model,
+                     recipe, impl, ckpt_every=tricks.ckpt_every)  # fmt: skip
         last = one.n_layers - 1  # with ckpt:N the group's plain first block and checkpointed last
         return [list(k.key()) + [k.layer] for k in trace(cfg) if k.layer in (None, 0, last)]
 
-    return tuple(Kernel(*fields) for fields in remembered("kernels", (one, seq_len, micro_batch, tricks), trace_fields))
+    key = (one, seq_len, micro_batch, tricks, *stack)
+    return tuple(Kernel(*fields) for fields in remembered("kernels", key, trace_fields))
 
 
 def recompute_first(trick_sets) -> list:
@@ -106,11 +126,11 @@ def recompute_first(trick_sets) -> list:
 
 def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
     """A traced step with recompute, its recompute kernels left out; None if none was traced."""
-    one, seq_len, micro_batch, tricks = key
+    one, seq_len, micro_batch, tricks, *stack = key
     if tricks.recompute != "none":
         return None
     for recompute in ("selective", "full", "op"):
-        traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute)))
+        traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute), *stack))
         if traced is not None:
             return tuple(k for k in traced if k.phase != "recompute")
     return None

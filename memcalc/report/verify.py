@@ -59,8 +59,8 @@ def verify_sections(r: VerifyResult, units: str, detail: bool = False) -> list[S
                        value(row.measured, row.unit, units), error_text(row), verdict(row)])  # fmt: skip
     if detail:
         s.notes = [f"{row.quantity}: {row.note}" for row in r.rows if row.note] + list(r.notes)
-    else:  # what the textbook column leaves out (sac) or mixes (ckpt:N), always
-        s.notes = [n for n in r.notes if n.startswith("textbook")]
+    else:  # what the textbook column leaves out (sac) or mixes (ckpt:N), and how CUDA differs from a CPU run, always
+        s.notes = [n for n in r.notes if n.startswith(("textbook", "the CUDA prediction"))]
     if r.error:
         s.notes.insert(0, f"did not finish: {r.error}")
     sections = [s]

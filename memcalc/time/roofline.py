@@ -25,6 +25,7 @@ from memcalc.exact.kernels import STEP_PHASES, Kernel, block_weight, kernels_of,
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .calibration import Calibration
@@ -189,13 +190,14 @@ def repeats(k: Kernel, n_layers: int, grad_accum: int, tricks: Tricks) -> int:
 
 
 def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int, tricks: Tricks, gpu: GPU,
-              cal: Calibration) -> StepTime:  # fmt: skip
-    """The roofline time of one optimizer step of the shape as built (its own parameters)."""
+              cal: Calibration, stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> StepTime:  # fmt: skip
+    """The roofline time of one optimizer step of the shape as built (its own parameters), trained as the
+    stack trains it (memcalc.exact.kernels.kernels_of: its model, autocast's casts, its optimizer)."""
     rates: dict[tuple[str, str], float] = {}
     bandwidth, floor = byte_rate(gpu, cal), cal.launch_seconds
     groups: dict[tuple, list] = {}
     counted = attention = kernels = 0
-    for k in kernels_of(shape, seq_len, micro_batch, tricks):
+    for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
         n = repeats(k, shape.n_layers, grad_accum, tricks)
         if n == 0:
             continue
@@ -233,7 +235,7 @@ def step_times(model, setup, gpu: GPU, trick_sets: tuple[Tricks, ...], cal: Cali
     first, so that the plain ones reuse their traces)."""
     s, times = setup, {}
     for t in recompute_first(trick_sets):
-        times[t] = step_time(model.shape, s.seq_len, s.micro_batch, s.grad_accum, t, gpu, cal)
+        times[t] = step_time(model.shape, s.seq_len, s.micro_batch, s.grad_accum, t, gpu, cal, s.stack, s.optimizer)
     return tuple(times[t] for t in trick_sets)
 
 

@@ -275,9 +275,11 @@ def test_estimate_with_a_layout():
               "--zero", "1", "--grad-accum", "16", "--tricks", "bf16,selective", "--format", "json")  # fmt: skip
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
-    assert data["layout"]["dp"] == 1 and len(data["memory"]["stages"]) == 8
+    (stages,) = data["stages"]  # one trick set, its 8 pipeline stages
+    assert data["layout"]["dp"] == 1 and len(stages) == 8
     # Korthikanti et al. 2022 Table 2, TP+SP+selective: 34·s·b·h/t per layer
-    assert data["memory"]["stages"][0]["layer"]["per_layer_bytes"] == 34 * 2048 * 12288 // 8
+    assert stages[0]["layer"]["per_layer_bytes"] == 34 * 2048 * 12288 // 8
+    assert data["memory"][0]["total_bytes"] == max(st["total_bytes"] for st in stages)
     table = run("estimate", "--params", "8e9", "--seq", "8192", "--tp", "2", "--gpus", "8")
     assert table.exit_code == 0 and "bf16+flash+ckpt" in table.stdout
 
@@ -304,8 +306,9 @@ def test_training_run_time_and_cost():
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     (r,) = data["runs"]
-    per_gpu = data["roofline"][0]["tokens_per_second"]  # the roofline's rate, by default
-    assert r["seconds"] == pytest.approx(15e12 / (per_gpu * 1024))
+    (time,) = data["time"]  # the roofline's, by default: the job's rate, 1024 GPUs of one GPU's
+    assert data["time_model"] == "roofline" and time["gpus"] == 1024
+    assert r["seconds"] == pytest.approx(15e12 / time["tokens_per_second"])
     assert r["gpu_hours"] == pytest.approx(r["seconds"] * 1024 / 3600)
     assert r["cost"] == pytest.approx(2 * r["gpu_hours"])
     table = run("estimate", "--params", "8e9", "--tokens", "1e12")
@@ -314,8 +317,8 @@ def test_training_run_time_and_cost():
     assert bad.exit_code == 2 and "needs --tokens" in bad.stderr
     legacy = json.loads(run("estimate", "--params", "8e9", "--tricks", "bf16,flash", "--mfu", "0.4", "--tokens", "1e12",
                             "--format", "json").stdout)  # fmt: skip
-    assert legacy["time_model"] == "mfu"
-    assert legacy["runs"][0]["tokens_per_second"] == pytest.approx(legacy["compute"][0]["tokens_per_second"])
+    assert legacy["time_model"] == "mfu" and legacy["roofline"] == [] and legacy["calibration"] is None
+    assert legacy["runs"][0]["tokens_per_second"] == pytest.approx(legacy["time"][0]["tokens_per_second"])
 
 
 def test_exact_beside_textbook():
@@ -342,7 +345,7 @@ def test_exact_with_a_layout_is_the_tp_shard_op_by_op():
             "--tricks", "bf16,flash", "--exact"]  # fmt: skip
     out = run(*args, "--format", "json")
     assert out.exit_code == 0, out.output
-    terms = json.loads(out.stdout)["exact_layer_terms"][0]
+    terms = json.loads(out.stdout)["exact"][0]
     expected = block_terms(resolve_model(model="llama3-8b").shape, 4096, 1, parse_tricks("bf16,flash"),
                            Layout(tp=4, sp=True))  # fmt: skip
     assert sum(t["value"] for t in terms) == sum(t.value for t in expected)

@@ -67,9 +67,17 @@ LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "ada
            ("bf16,flash,ckpt", "pure", "loop", "adam8bit"),
            # torch.autocast over fp32 weights (memcalc.exact.autocast), GradScaler for fp16 (memcalc.exact.amp)
            ("bf16", "autocast", "reference", "adamw"), ("bf16,flash,ckpt", "autocast", "reference", "adamw"),
-           ("fp16,flash", "autocast", "reference", "adamw"), ("bf16,selective", "autocast", "reference", "adamw")]  # fmt: skip
+           ("fp16,flash", "autocast", "reference", "adamw"), ("bf16,selective", "autocast", "reference", "adamw"),
+           # the stock loop's defaults: autocast driving torch.optim (GradScaler for fp16; fused AdamW its own path)
+           ("bf16,flash", "autocast", "foreach", "adamw"), ("bf16,flash,ckpt", "autocast", "foreach", "adamw"),
+           ("fp16,flash", "autocast", "foreach", "adamw"), ("fp16,flash,ckpt", "autocast", "fused", "adamw"),
+           ("bf16", "autocast", "loop", "adamw"), ("fp16,flash", "autocast", "loop", "sgd"),
+           ("bf16,flash,ckpt", "autocast", "foreach", "adam8bit")]  # fmt: skip
 HF = [("bf16", "master", "reference"), ("bf16,selective", "master", "reference"), ("bf16,flash,ckpt", "master", "reference"),
-      ("fp16,flash", "master", "reference"), ("bf16,flash", "pure", "fused"), ("fp32,ckpt", "master", "foreach")]  # fmt: skip
+      ("fp16,flash", "master", "reference"), ("bf16,flash", "pure", "fused"), ("fp32,ckpt", "master", "foreach"),
+      # the hf stack's default: Transformers' model under autocast as Accelerate prepares it, fused AdamW
+      ("bf16,flash", "autocast", "fused"), ("bf16,flash,ckpt", "autocast", "fused"), ("fp16,flash", "autocast", "fused"),
+      ("bf16", "autocast", "foreach"), ("bf16,selective", "autocast", "fused")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, seq", [("qwen3-8b", 8192), ("llama3-8b", 4096), ("gpt2", 1024)])

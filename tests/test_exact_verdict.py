@@ -64,9 +64,9 @@ def test_the_toolbox_walks_the_replayed_step():
 
 
 def test_a_stack_the_exact_model_does_not_replay_falls_back_to_the_textbook():
-    data = estimate_json("--params", "8e9", "--seq", "8192", "--stack", "hf")
-    assert data["verdict"] == [] and "does not replay Transformers' model under autocast" in data["not_replayed"]
-    out = CliRunner().invoke(app, ["estimate", "--params", "8e9", "--seq", "8192", "--stack", "hf"],
+    data = estimate_json("--params", "8e9", "--seq", "8192", "--stack", "megatron")
+    assert data["verdict"] == [] and "does not replay recipe 'main_grad'" in data["not_replayed"]
+    out = CliRunner().invoke(app, ["estimate", "--params", "8e9", "--seq", "8192", "--stack", "megatron"],
                              env={"COLUMNS": "200"})  # fmt: skip
     assert "Peak memory per GPU (textbook)" in out.stdout and "textbook, since the exact model does not replay" in out.stdout
 

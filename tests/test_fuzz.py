@@ -250,5 +250,5 @@ def test_plan_layouts_rerun_through_estimate_give_the_same_numbers(model, gpus, 
     assert result.exit_code == 0, result.output
     for best in json.loads(result.stdout)["best"]:
         again = estimate_json([*model, "--seq", seq, *layout_args(best)])
-        assert again["memory"]["total_bytes"] == best["memory"]["total_bytes"]
-        assert again["time"]["tokens_per_second"] == best["time"]["tokens_per_second"]
+        assert again["memory"][0]["total_bytes"] == best["memory"]["total_bytes"]
+        assert again["time"][0]["tokens_per_second"] == best["time"]["tokens_per_second"]

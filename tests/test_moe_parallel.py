@@ -1,6 +1,7 @@
 """Expert parallelism: the experts' state over EP and edp ranks, the MoE layers' activations and all-to-all
 buffers per GPU, the all-to-all's bytes and time, and `memcalc plan` on DeepSeek-V3 over 256 H100s."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -160,3 +161,36 @@ def test_estimate_layout_with_ep_shows_the_all_to_all():
     assert out.exit_code == 0, out.output
     assert "experts over ep 16 (edp 1)" in out.stdout
     assert "EP all-to-all dispatch + combine" in out.stdout and "EP all-to-all send + receive buffers" in out.stdout
+
+
+# ---- merged with main's engines, stacks and per-stage roofline ------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3"])
+def test_a_moe_layout_of_one_gpu_is_the_one_gpu_step(model):
+    """The layout roofline's block is the average of the dense and MoE blocks (each kind weighted by its
+    count), the MTP block's recompute on the last stage: one GPU's layout runs the one-GPU step's kernels."""
+    args = ["estimate", "--model", model, "--seq", "4096", "--tricks", "bf16,flash,ckpt", "--format", "json"]
+    one = json.loads(CliRunner().invoke(app, args).stdout)
+    layout = json.loads(CliRunner().invoke(app, [*args, "--tp", "1"]).stdout)
+    (time,), (layout_time,) = one["time"], layout["time"]
+    assert layout_time["step_seconds"] == pytest.approx(time["step_seconds"], rel=1e-12)
+
+
+@pytest.mark.parametrize("stack", ["torch", "hf", "fsdp2"])
+def test_moe_is_replayed_on_the_reference_stack_only(stack):
+    """Autocast's casts, the libraries' optimizers and Transformers' classes are replayed for dense models;
+    a MoE under them is the textbook's, saying why, never a replay of another model."""
+    args = ["estimate", "--model", "mixtral-8x7b", "--seq", "4096", "--stack", stack]
+    out = CliRunner().invoke(app, args, env=WIDE)
+    assert out.exit_code == 0, out.output
+    assert "replays a mixture of experts, latent attention and MTP on the reference stack only" in out.output
+    assert "-" not in out.output.split("Cheapest combination that fits:")[-1].split("->")[-1]  # no negative bytes
+
+
+@pytest.mark.parametrize("stack, zero", [("fsdp2", "3"), ("megatron", "1"), ("deepspeed", "3")])
+def test_moe_layouts_run_on_the_reference_engine(stack, zero):
+    """The engines' MoE paths (FSDP2's, Megatron-LM's, DeepSpeed-MoE's) are not modelled: refused in a line."""
+    out = CliRunner().invoke(app, ["estimate", "--model", "mixtral-8x7b", "--seq", "4096", "--stack", stack,
+                                   "--gpus", "8", "--zero", zero, "--ep", "8"], env=WIDE)  # fmt: skip
+    assert out.exit_code == 2 and "modelled on the reference stack's engine" in out.output, out.output

@@ -326,8 +326,11 @@ def test_estimate_shows_the_roofline():
         assert text in out.stdout, text
     data = json.loads(run("estimate", "--params", "8e9", "--seq", "8192", "--format", "json").stdout)
     assert data["time_model"] == "roofline" and len(data["roofline"]) == 5
-    first = data["roofline"][2]
-    assert first["tricks"] == ["bf16", "flash"] and first["step_seconds"] > 0 and first["ops"][0]["bound"]
+    first, time = data["roofline"][2], data["time"][2]
+    assert first["tricks"] == time["tricks"] == ["bf16", "flash"] and first["ops"][0]["bound"]
+    assert time["step_seconds"] == sum(op["compute_seconds"] + op["memory_seconds"] + op["launch_seconds"]
+                                       for op in first["ops"])  # fmt: skip
+    assert "step_seconds" not in first and "compute" not in data  # one step time: the roofline's
     assert data["calibration"]["gpu"] == "h100-sxm"
     rows = run("estimate", "--params", "8e9", "--format", "csv").stdout.splitlines()
     assert rows[0].split(",")[10:13] == ["time_model", "step_seconds", "tokens_per_second"]
@@ -338,7 +341,7 @@ def test_calibration_and_mfu_options(tmp_path):
     base = json.loads(run("estimate", "--params", "8e9", "--tricks", "bf16,flash", "--format", "json").stdout)
     slow = json.loads(run("estimate", "--params", "8e9", "--tricks", "bf16,flash", "--calibration", "matmul=0.4",
                           "--format", "json").stdout)  # fmt: skip
-    assert slow["roofline"][0]["step_seconds"] > base["roofline"][0]["step_seconds"]
+    assert slow["time"][0]["step_seconds"] > base["time"][0]["step_seconds"]
     legacy = run("estimate", "--params", "8e9", "--mfu", "0.4", "--detail")
     assert "Compute at 40.0% of peak (--mfu)" in legacy.stdout and "Step time on the" not in legacy.stdout
     for args, message in [(["--mfu", "0.4", "--calibration", "matmul=0.5"], "--mfu replaces the roofline"),
@@ -349,8 +352,8 @@ def test_calibration_and_mfu_options(tmp_path):
         assert bad.exit_code == 2 and message in bad.stderr, bad.stderr
     # a layout is timed by the same roofline (issue 12), so it takes --calibration too
     layout = ["estimate", "--params", "8e9", "--tricks", "bf16,flash", "--tp", "2", "--format", "json"]
-    fast = json.loads(run(*layout).stdout)["time"]["step_seconds"]
-    assert json.loads(run(*layout, "--calibration", "matmul=0.4").stdout)["time"]["step_seconds"] > fast
+    fast = json.loads(run(*layout).stdout)["time"][0]["step_seconds"]
+    assert json.loads(run(*layout, "--calibration", "matmul=0.4").stdout)["time"][0]["step_seconds"] > fast
 
 
 def test_sweep_uses_the_roofline():

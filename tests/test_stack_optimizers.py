@@ -191,14 +191,12 @@ def test_traced_step_is_the_second():
     ("bf16", "pure", "reference", "adamw", "pure recipe trains with torch.optim"),
     ("fp32", "master", "reference", "sgd", "reference implementation trains AdamW"),
     ("bf16", "pure", "fused", "sgd", "no meta kernel for aten::_fused_sgd_"),
-    ("bf16", "autocast", "foreach", "adamw", "does not replay torch.optim's foreach step under autocast yet"),
 ])  # fmt: skip
 def test_what_is_not_replayed_is_refused(precision, recipe, impl, optimizer, message):
     shape, stack = TINY["llama"], stack_for("torch", recipe, impl)
     with pytest.raises(InputError, match=re.escape(message)):
         exact_step(shape, 16, 1, parse_tricks(precision), 1, stack, optimizer)
-    measured = message if recipe != "autocast" else "the autocast recipe is not measured yet"
-    with pytest.raises(InputError, match=re.escape(measured)):  # verify refuses the same before building anything
+    with pytest.raises(InputError, match=re.escape(message)):  # verify refuses the same before building anything
         verify(Model(shape, n_params(shape), "test"), Setup(16, optimizer=optimizer, stack=stack),
                parse_tricks(precision), "meta")  # fmt: skip
 

@@ -10,12 +10,15 @@ The step is verify/recipes.py's Recipe (fp32 master, AdamW m and v per local sha
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._pytree import tree_leaves
 
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
@@ -143,3 +146,129 @@ def measure_rank(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         recipe.update()
         optimizer = storage_bytes(recipe.state_tensors())
     return {"weights": weights, "grads": grads, "optimizer state": optimizer, "saved by one block": saved.total_bytes}
+
+
+# ---- FSDP2 as torchtitan runs it: every phase's peak ---------------------------------------------------
+
+
+class CountingFakeMode(FakeTensorMode):
+    """FakeTensorMode that counts live bytes as verify/track.py's LiveBytes does: each fake output's storage
+    from the op that makes it until it is freed (weakref.finalize), the peak since reset_peak() and where.
+    Fake tensors are made here for every op, a DTensor's local ones included (a dispatch mode above DTensor
+    would see only the wrapper), and resize_ is counted through count_resizes (FSDP2 frees and reallocates
+    its unsharded parameters by resizing their storages: _fsdp_param.py alloc_storage, free_storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.live_bytes = self.peak_bytes = 0
+        self.phase, self.peak_at = "", ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs or {})
+        if out is not NotImplemented:
+            for t in tree_leaves(out):
+                if isinstance(t, FakeTensor):
+                    self.count(t.untyped_storage(), func.overloadpacket.__name__)
+        return out
+
+    def count(self, storage: torch.UntypedStorage, op: str) -> None:
+        key, size = storage._cdata, storage.nbytes()
+        old = self.sizes.get(key)
+        if old == size:
+            return
+        if old is None:
+            weakref.finalize(storage, self.free, key)
+        self.sizes[key] = size
+        self.live_bytes += size - (old or 0)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_at = self.live_bytes, f"{self.phase}: {op}"
+
+    def free(self, key: int) -> None:
+        self.live_bytes -= self.sizes.pop(key)
+
+    def reset_peak(self, phase: str) -> None:
+        self.phase = phase
+        self.peak_bytes, self.peak_at = self.live_bytes, f"{phase}: (start)"
+
+
+@contextlib.contextmanager
+def count_resizes(mode: CountingFakeMode):
+    """torch.UntypedStorage.resize_ is no tensor op: counted by wrapping it while the mode measures
+    (torch/distributed/_tools/mem_tracker.py MemTracker._track_resize does the same)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        if size or storage._cdata in mode.sizes:
+            mode.count(storage, "resize_")
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+def torchtitan_step(model, optimizer, idx, targets, tp: bool, mode: CountingFakeMode | None = None,
+                    hooks=None) -> dict[str, object]:  # fmt: skip
+    """torchtitan's train step: zero_grad (set_to_none), forward and loss, backward, optimizer.step; with
+    a mode, the peak of each phase (forward from zero_grad on)."""
+    peaks: dict[str, object] = {}
+
+    def phase(name: str) -> None:
+        if mode is not None:
+            if mode.phase:
+                peaks[mode.phase] = (mode.peak_bytes, mode.peak_at)
+            mode.reset_peak(name)
+
+    phase("forward")
+    optimizer.zero_grad(set_to_none=True)
+    with loss_parallel() if tp else contextlib.nullcontext():
+        with hooks if hooks is not None else contextlib.nullcontext():
+            loss = model(idx, targets)
+        phase("backward")
+        loss.backward()
+    del loss
+    phase("optimizer")
+    optimizer.step()
+    phase("")
+    return peaks
+
+
+def measure_fsdp2(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout,
+                  mesh) -> dict[str, object]:  # fmt: skip
+    """One rank of FSDP2 as torchtitan runs it, on fake tensors: a warm-up step, a step whose forward
+    counts what block 1 saves, then the measured step: live bytes at its start and each phase's peak."""
+    from .recipes import library_optimizer
+
+    mode = CountingFakeMode()
+    model = build(shape, meta_kernels(tricks), seq_len, torch.float32)
+    parallelize(model, layout, mesh, "fsdp2", DTYPES[tricks.precision])
+    with count_resizes(mode):
+        mode.allow_non_fake_inputs = True
+        with mode:
+            model.to_empty(device="cpu")
+        mode.allow_non_fake_inputs = False
+        with mode:
+            idx, targets = inputs(shape, seq_len, micro_batch, torch.device("cpu"), seed=mesh["dp"].get_local_rank())
+            optimizer = library_optimizer(list(model.parameters()), "adamw", "fused")
+            tp = layout.tp > 1
+            torchtitan_step(model, optimizer, idx, targets, tp)
+            saved = BlockSaved(model, 1 if shape.n_layers > 1 else 0)
+            torchtitan_step(model, optimizer, idx, targets, tp, hooks=saved.hooks())
+            saved.held.clear()
+            state = mode.live_bytes
+            peaks = torchtitan_step(model, optimizer, idx, targets, tp, mode)
+            params = list(model.parameters())
+            device = params[0].device
+            opt_state = [t for s in optimizer.state.values() for t in s.values()
+                         if isinstance(t, torch.Tensor) and local(t).device == device]  # fmt: skip
+            out = {"weights": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
+                   "optimizer state": storage_bytes(opt_state), "saved by one block": saved.total_bytes,
+                   "between steps": state}  # fmt: skip
+    for name in ("forward", "backward", "optimizer"):
+        out[f"{name} peak"], out[f"{name} peak at"] = peaks[name]
+    out["step peak"] = max(out["forward peak"], out["backward peak"], out["optimizer peak"])
+    return out

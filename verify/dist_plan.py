@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard  # FSDP2, public since torch 2.6
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP2, public since torch 2.6
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -86,9 +87,35 @@ def fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True) -> None:
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh) -> None:
-    """TP over mesh['tp'], then FSDP2 over mesh['dp'] (2-D: FSDP shards the TP shards)."""
+def torchtitan_fsdp(model: nn.Module, mesh, reshard: bool | None = None, pipelined: bool = False,
+                    param_dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+    """FSDP2 as torchtitan applies it (torchtitan/distributed/fsdp.py apply_fsdp_to_decoder, pytorch/torchtitan@
+    b5bcd76c): MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32, cast_forward_inputs=False) over fp32
+    parameters (param_dtype: torchtitan's mixed_precision_param, bf16 by default, fp32 to train in fp32);
+    the token table, [final norm, lm_head] (tied: [table, final norm]), each block, then the root.
+    reshard: the reshard_after_forward_policy ('always' True, 'never' False, None 'default': not pipelined);
+    [norm, lm_head] reshards only under 'always', the root never (fully_shard's default for the root)."""
+    policy = (not pipelined) if reshard is None else reshard
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    config = {"mesh": mesh, "mp_policy": mp}
+    if model.lm_head is None:
+        fully_shard([model.tok_emb, model.norm], **config, reshard_after_forward=reshard is True)
+    else:
+        fully_shard(model.tok_emb, **config, reshard_after_forward=policy)
+        fully_shard([model.norm, model.lm_head], **config, reshard_after_forward=reshard is True)
+    for block in model.blocks:
+        fully_shard(block, **config, reshard_after_forward=policy)
+    fully_shard(model, **config)
+
+
+def parallelize(model: nn.Module, layout: Layout, mesh, engine: str = "none",
+                param_dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+    """TP over mesh['tp'], then FSDP2 over mesh['dp'] (2-D: FSDP shards the TP shards): per block and at the
+    root (engine none), or as torchtitan does (engine fsdp2, computing in param_dtype)."""
     if layout.tp > 1:
         tensor_parallel(model, mesh["tp"], layout.sp)
     if layout.zero == 3 and layout.dp > 1:
-        fsdp(model, mesh["dp"])
+        if engine == "fsdp2":
+            torchtitan_fsdp(model, mesh["dp"], layout.reshard_after_forward, param_dtype=param_dtype)
+        else:
+            fsdp(model, mesh["dp"])

@@ -33,13 +33,14 @@ from memcalc.verification.distributed import (
     check_dist,
     compare,
     default_ranks,
+    dist_matrix,
     model_label,
     padded_vocab,
     predictions,
     rank_coords,
 )
 
-from .dist_measure import measure_rank
+from .dist_measure import measure_fsdp2, measure_rank
 
 
 def verify_distributed(model: Model, setup: Setup, tricks: Tricks, layout: Layout, device: str = "meta",
@@ -56,6 +57,7 @@ def verify_distributed(model: Model, setup: Setup, tricks: Tricks, layout: Layou
         rank_coords(layout, r)  # one line for a rank outside the world
     shape = padded_vocab(model.shape, layout.tp)
     start = time.perf_counter()
+    engine = setup.stack.engine
     if device == "meta":
         measured = {r: in_thread(fake_rank, shape, setup, tricks, layout, r) for r in ranks}
     elif device == "cpu-gloo":
@@ -63,20 +65,47 @@ def verify_distributed(model: Model, setup: Setup, tricks: Tricks, layout: Layou
     else:
         measured = cuda_ranks(shape, setup, tricks, layout)
     seconds = time.perf_counter() - start
-    checks = tuple(compare(predictions(shape, setup.seq_len, setup.micro_batch, tricks, layout, r, device),
+    checks = tuple(compare(predictions(shape, setup.seq_len, setup.micro_batch, tricks, layout, r, device, engine),
                            measured[r], layout, r) for r in ranks)  # fmt: skip
     return DistResult(shape.name, n_params(shape), setup.seq_len, setup.micro_batch, tricks, layout, device,
                       BACKENDS[device], layout.world, checks, torch.__version__, seconds,
-                      notes(model.shape, shape, layout))  # fmt: skip
+                      notes(model.shape, shape, layout, engine))  # fmt: skip
 
 
-def notes(given, built, layout: Layout) -> tuple[str, ...]:
+def verify_distributed_matrix(model: Model, setup: Setup, layout: Layout, device: str = "meta",
+                              on_result=None) -> list[DistResult]:  # fmt: skip
+    """verify_distributed for every trick set the check runs (memcalc.verification.distributed.dist_matrix);
+    on_result gets each result as soon as it is measured (--save)."""
+    results = []
+    for tricks in dist_matrix(model.shape, setup, layout, device):
+        results.append(verify_distributed(model, setup, tricks, layout, device))
+        if on_result is not None:
+            on_result(results[-1])
+    return results
+
+
+def notes(given, built, layout: Layout, engine: str = "none") -> tuple[str, ...]:
+    if engine == "fsdp2":
+        reshard = {None: "torchtitan's default", True: "always", False: "never"}[layout.reshard_after_forward]
+        units = "[token table, final norm]" if built.tied_embeddings else "token table, [final norm, lm_head]"
+        first = (f"{model_label(built)}: FSDP2 as torchtitan applies it over dp {layout.dp} (fp32 parameters, "
+                 "MixedPrecisionPolicy(param_dtype=the precision's, reduce_dtype=fp32), "
+                 f"units: {units}, each block, root; reshard after forward: {reshard})"
+                 f"{f', DTensor TP {layout.tp}' if layout.tp > 1 else ''}; torch.optim.AdamW(fused=True); "
+                 "zero_grad(set_to_none) at each step's start")  # fmt: skip
+    else:
+        first = (f"{model_label(built)}: FSDP2 fully_shard per block + root over dp {layout.dp}, DTensor TP {layout.tp}"
+                 f"{' + SP' if layout.sp else ''}; verify/recipes.py's AdamW (fp32 master, m, v of each local shard)")
     out = [
-        (f"{model_label(built)}: FSDP2 fully_shard per block + root over dp {layout.dp}, DTensor TP {layout.tp}"
-         f"{' + SP' if layout.sp else ''}; verify/recipes.py's AdamW (fp32 master, m, v of each local shard)"),
+        first,
         ("saved by one block: the second block's forward, local shards, one count per storage; parameters "
          "(sharded and all-gathered) and the RoPE tables all blocks share are left out"),
     ]  # fmt: skip
+    if engine == "fsdp2" and layout.tp == 1:
+        out.append("peaks: live bytes on the rank (fake tensors, FSDP2's storage resizes counted), the third step: "
+                   "between steps, forward (from zero_grad), backward, optimizer")  # fmt: skip
+    elif engine == "fsdp2":
+        out.append("peaks are checked with tp 1: DTensor TP's collectives are not replayed (memcalc.verification.fsdp2)")
     if built.vocab != given.vocab:
         out.append(f"vocabulary padded from {given.vocab:,} to {built.vocab:,} rows, a multiple of tp {layout.tp} "
                    "(Megatron-LM pads to 128·tp): each TP rank holds ⌈V/t⌉ rows, as memcalc charges")  # fmt: skip
@@ -119,6 +148,8 @@ def fake_rank(shape, setup: Setup, tricks: Tricks, layout: Layout, rank: int) ->
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
     try:
         mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+        if setup.stack.engine == "fsdp2":
+            return measure_fsdp2(shape, setup.seq_len, setup.micro_batch, tricks, layout, mesh)
         return measure_rank(shape, setup.seq_len, setup.micro_batch, tricks, layout, mesh, "cpu", FakeTensorMode())
     finally:
         dist.destroy_process_group()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,8 @@ from memcalc.model.tricks import Tricks
 from .recipes import DTYPES
 
 FLASH = "memcalc_sdpa"  # the flash path of "sdpa" (a name with "flash" in it asks the hub for a kernel)
-SELECTIVE = {"eager": "memcalc_eager_core", FLASH: "memcalc_sdpa_core"}  # the attention core checkpointed
+CPU_FLASH = "memcalc_sdpa_cpu"  # on real CPU tensors: Transformers' sdpa, SDPA held to its flash backend
+SELECTIVE = {"eager": "memcalc_eager_core", FLASH: "memcalc_sdpa_core", CPU_FLASH: "memcalc_sdpa_cpu_core"}
 NORM_EPS = 1e-5
 IGNORE_INDEX = -100  # transformers/loss/loss_utils.py ForCausalLMLoss
 
@@ -108,6 +110,18 @@ def sdpa_flash_forward(module, query, key, value, attention_mask, dropout: float
     return out.transpose(1, 2).contiguous(), None
 
 
+def sdpa_cpu_flash_forward(module, query, key, value, attention_mask, **kwargs):
+    """On real CPU tensors: integrations/sdpa_attention.py sdpa_attention_forward itself (enable_gqa,
+    is_causal, no mask), F.scaled_dot_product_attention held to its flash backend, which on CPU is
+    aten._scaled_dot_product_flash_attention_for_cpu (no dropout, no RNG state; autocast casts q, k, v
+    at scaled_dot_product_attention, as CUDA's)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def eager_forward(module):
     """The model's own eager_attention_forward (each modeling file has one)."""
     return sys.modules[type(module).__module__].eager_attention_forward
@@ -142,10 +156,16 @@ def register_attention() -> None:
     AttentionMaskInterface.register(SELECTIVE[FLASH], sdpa_mask)
     tf.AttentionInterface.register(SELECTIVE["eager"], core_checkpointed(eager_forward))
     AttentionMaskInterface.register(SELECTIVE["eager"], eager_mask)
+    tf.AttentionInterface.register(CPU_FLASH, sdpa_cpu_flash_forward)
+    AttentionMaskInterface.register(CPU_FLASH, sdpa_mask)
+    tf.AttentionInterface.register(SELECTIVE[CPU_FLASH], core_checkpointed(sdpa_cpu_flash_forward))
+    AttentionMaskInterface.register(SELECTIVE[CPU_FLASH], sdpa_mask)
 
 
-def attention_for(tricks: Tricks) -> str:
-    name = FLASH if tricks.flash else "eager"
+def attention_for(tricks: Tricks, device: str = "meta") -> str:
+    """The attention interface: flash (the CUDA op by name; on CPU tensors SDPA's CPU flash kernel) or
+    the model's eager function, its core checkpointed under selective recompute."""
+    name = (CPU_FLASH if device == "cpu" else FLASH) if tricks.flash else "eager"
     return SELECTIVE[name] if tricks.recompute == "selective" else name
 
 
@@ -204,32 +224,70 @@ class TrainerModel(nn.Module):
     the shift (labels[..., 1:]); compute_loss passes it with the labels (model_accepts_loss_kwargs);
     ForCausalLMLoss then sums the cross-entropy and divides by it; with average_tokens_across_devices
     (the default) the loss is multiplied by the process count, 1 on one GPU. The logits returned in
-    the output die when compute_loss returns, before backward."""
+    the output die when compute_loss returns, before backward.
 
-    def __init__(self, model: nn.Module):
+    With autocast (device type, 16-bit dtype: TrainingArguments bf16=True or fp16=True over fp32
+    weights) the model's forward is the one Accelerate prepared (amp_forward)."""
+
+    def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype] | None = None):
         super().__init__()
         self.model = model
+        self.autocast = autocast
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
-        loss = self.model(input_ids=idx, labels=labels, num_items_in_batch=num_items_in_batch).loss
+        call = self.model if self.autocast is None else amp_forward(self.model, *self.autocast)
+        loss = call(input_ids=idx, labels=labels, num_items_in_batch=num_items_in_batch).loss
         loss *= 1  # num_processes // tp_size
         return loss
 
 
+def amp_forward(model: nn.Module, device_type: str, dtype: torch.dtype):
+    """The Trainer trains through Accelerate (trainer.py autocast_smart_context_manager: "We rely on
+    accelerate for autocast"): accelerate 1.15.0 accelerator.py Accelerator.prepare_model, with native
+    AMP, makes model.forward = convert_outputs_to_fp32(torch.autocast(device_type, dtype)(forward)).
+    So the forward runs under autocast (the region, and its cache of weight casts, ends when it
+    returns) and every fp16/bf16 tensor of its output is then converted .float() (utils/operations.py
+    convert_to_fp32, recursively_apply: a Mapping rebuilt as type(data)({k: ...})): the logits, one
+    fp32 copy, made while the 16-bit logits are still held. Accelerate is not a dependency here, so
+    these two wrappers are written out as it writes them."""
+
+    def forward(**kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            outputs = model(**kwargs)
+        return convert_to_fp32(outputs)
+
+    return forward
+
+
+def convert_to_fp32(data):
+    """accelerate/utils/operations.py convert_to_fp32 (recursively_apply, _is_fp16_bf16_tensor)."""
+    if isinstance(data, (tuple, list)):
+        return type(data)(convert_to_fp32(o) for o in data)
+    if isinstance(data, Mapping):
+        return type(data)({k: convert_to_fp32(v) for k, v in data.items()})
+    if isinstance(data, torch.Tensor) and data.dtype in (torch.float16, torch.bfloat16):
+        return data.float()
+    return data
+
+
 def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
-             device: str = "meta") -> TrainerModel:  # fmt: skip
+             device: str = "meta", autocast: str | None = None) -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
-    which the issue names, is its deprecated alias in Transformers 5)."""
+    which the issue names, is its deprecated alias in Transformers 5). autocast (a device type): the
+    weights in fp32, the forward under torch.autocast in the trick set's 16-bit dtype, as the Trainer
+    runs a model loaded in fp32 with bf16=True or fp16=True."""
     tf = transformers()
     check_positions(shape, seq_len)
     register_attention()
     config = hf_config(shape, seq_len, arch)
+    amp = autocast is not None and tricks.precision != "fp32"
+    dtype = torch.float32 if amp else DTYPES[tricks.precision]
     with torch.device(device):
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=DTYPES[tricks.precision],
-                                                    attn_implementation=attention_for(tricks))  # fmt: skip
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                    attn_implementation=attention_for(tricks, device))  # fmt: skip
     if tricks.recompute == "full":
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -237,7 +295,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     if count != n_params(shape):  # the architecture was picked to build exactly this shape
         raise InputError(f"Transformers' {config.model_type} has {count:,} parameters, memcalc's shape "
                          f"{n_params(shape):,}")  # fmt: skip
-    return TrainerModel(model)
+    return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None)
 
 
 def describe(shape: ModelShape) -> str:

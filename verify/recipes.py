@@ -165,16 +165,22 @@ def library_optimizer(params: list[torch.Tensor], optimizer: str, impl: str, ada
     if optimizer == "sgd":
         return torch.optim.SGD(params, lr=sgd.lr, momentum=sgd.momentum, **IMPLS[impl])
     if optimizer == "adam8bit":
-        # its CPU backend warns, on import, that a 4-bit matmul kernel could not be downloaded: not ours
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-        try:
-            import bitsandbytes
-        except ImportError as e:
-            raise InputError("--optimizer adam8bit trains with bitsandbytes' AdamW8bit: pip install 'memcalc[bnb]'") \
-                from e
-        return bitsandbytes.optim.AdamW8bit(params, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2), eps=adamw.eps,
+        return bitsandbytes().optim.AdamW8bit(params, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2), eps=adamw.eps,
                                             weight_decay=adamw.weight_decay)  # fmt: skip
     raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, adam8bit")
+
+
+def bitsandbytes():
+    """The installed bitsandbytes, or a one-line error: it is the optional extra memcalc[bnb]. Import it
+    before a step is tracked on CPU tensors: its module makes CPU tensors (backends/utils.py
+    _NF4_QUANT_TABLE, _FP4_QUANT_TABLE) that are no part of any step."""
+    # its CPU backend warns, on import, that a 4-bit matmul kernel could not be downloaded: not ours
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise InputError("--optimizer adam8bit trains with bitsandbytes' AdamW8bit: pip install 'memcalc[bnb]'") from e
+    return bnb
 
 
 class TorchRecipe:
@@ -212,12 +218,10 @@ class TorchRecipe:
 
 
 def check_recipe(precision: str, stack: Stack, optimizer: str) -> None:
-    """What is trained (memcalc.exact.config.untrainable: the same rules the simulator keeps); the
-    autocast recipe is not trained here yet."""
+    """What is trained (memcalc.exact.config.untrainable: the same rules the simulator keeps). The
+    autocast recipe trains through verify/autocast.py (autocast runs on CPU and CUDA tensors only)."""
     if optimizer not in ("adamw", "sgd", "adam8bit"):
         raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, adam8bit")
-    if precision != "fp32" and stack.recipe == "autocast":
-        raise InputError("the autocast recipe is not measured yet: --recipe master or pure")
     reason = untrainable(precision, stack.recipe, stack.impl, optimizer)
     if reason:
         raise InputError(reason)
@@ -228,6 +232,8 @@ def recipe_for(model: torch.nn.Module, precision: str, stack: Stack = DEFAULT_ST
     """The stack's recipe: the reference implementation (this file's Recipe, the lesson's loop), or
     the libraries' optimizers (TorchRecipe)."""
     check_recipe(precision, stack, optimizer)
+    if precision != "fp32" and stack.recipe == "autocast":
+        raise InputError("the autocast recipe trains through verify/autocast.py (AutocastRecipe), not this loop")
     if stack.impl == "reference":
         return Recipe(model, precision)
     return TorchRecipe(model, precision, optimizer, stack.impl)

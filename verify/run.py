@@ -35,6 +35,7 @@ from .cuda import (
     median,
     with_layers,
 )
+from .autocast import autocasts, cpu_rows
 from .meta import measure_meta
 from .recipes import check_recipe
 
@@ -70,10 +71,22 @@ def check_setup(setup: Setup) -> None:
 
 
 def check_stack(setup: Setup, tricks: Tricks, device: str) -> None:
-    """Where verify measures Transformers' model so far: on the meta device (recipes.check_recipe says
-    which recipes and optimizers it trains)."""
-    if setup.stack.model == "hf" and device != "meta":
+    """Where verify measures Transformers' model so far: on the meta device, and under autocast on CPU
+    tensors (recipes.check_recipe says which recipes and optimizers it trains)."""
+    if setup.stack.model == "hf" and device != "meta" and not autocasts(setup.stack, tricks):
         raise InputError("--stack hf is measured on the meta device so far: give --device meta")
+
+
+def autocast_device(device: str | None) -> tuple[str, str]:
+    """Where an autocast stack is measured: torch.autocast does nothing on the meta device, so on real
+    CPU tensors at reduced size (verify/autocast.py); a CUDA run of it is not wired yet."""
+    if device is not None and device.strip().lower() == "cuda":
+        pick_device("cuda")  # no GPU: its one-line refusal
+        raise InputError("the autocast recipe is measured on CPU tensors at reduced size so far, not on CUDA: "
+                         "drop --device cuda")  # fmt: skip
+    if device is not None and device.strip().lower() not in ("meta", "cpu"):
+        pick_device(device)  # an unknown device: its one-line refusal
+    return "cpu", "torch.autocast does nothing on the meta device: real CPU tensors at reduced size"
 
 
 def gpu_for(name: str) -> GPU | None:
@@ -296,7 +309,8 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
     """
     check_setup(setup)
     check_recipe(tricks.precision, setup.stack, setup.optimizer)
-    device, reason = pick_device(device)
+    on_cpu = autocasts(setup.stack, tricks)
+    device, reason = autocast_device(device) if on_cpu else pick_device(device)
     check_stack(setup, tricks, device)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive whole number, got {steps!r}")
@@ -312,7 +326,9 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
                   device_reason=reason, torch_version=torch.__version__, seq_len=setup.seq_len,
                   micro_batch=setup.micro_batch, grad_accum=setup.grad_accum, layers_requested=shape.n_layers,
                   tolerance=tol)  # fmt: skip
-    if device == "meta":
+    if on_cpu:
+        result.update(autocast_result(shape, setup, tricks, tol, report))
+    elif device == "meta":
         rows, notes = meta_rows(shape, setup, tricks, tol, report)
         result.update(attention=attention_name(tricks, "meta", stack_model=setup.stack.model), gpu_name=None,
                       layers_built=shape.n_layers, layers_note="", rows=tuple(rows), phases=None, timing=None,
@@ -320,6 +336,25 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
     else:
         result.update(verify_on_device(shape, setup, tricks, device, steps, tol, linearity, cpu_limit_bytes, report))
     return VerifyResult(**result, seconds=time.perf_counter() - start)
+
+
+def autocast_result(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, report) -> dict:
+    """An autocast stack, measured on CPU tensors at reduced size beside the CPU replay of that step
+    (verify/autocast.py cpu_rows); the CUDA prediction at the size asked in a note."""
+    rows, notes, red = cpu_rows(shape, setup, tricks, tol, report, textbook)
+    p = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer).phases
+    peak, at = max(((p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),
+                    (p.optimizer_peak_bytes, p.optimizer_peak_at)), key=lambda x: x[0])  # fmt: skip
+    notes += (f"the CUDA prediction at the size asked ({shape.n_layers} layers, seq {setup.seq_len}): whole-step "
+              f"peak {gib(peak)} ({peak:,} B) at {at}",)  # fmt: skip
+    if setup.stack.model == "hf":
+        from .hf import describe
+
+        notes += (describe(shape) + ", under autocast as Accelerate prepares its forward",)
+    attention = ("SDPA's CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu)" if tricks.flash
+                 else attention_name(tricks, "cpu", stack_model=setup.stack.model))  # fmt: skip
+    return dict(attention=attention, gpu_name=None, layers_built=red.shape.n_layers, layers_note=red.note,
+                rows=tuple(rows), phases=None, timing=None, error=None, notes=notes)
 
 
 def verify_on_device(shape: ModelShape, setup: Setup, tricks: Tricks, device: str, steps: int, tol: float,

@@ -457,7 +457,7 @@ def verify(
     tol: Annotated[Optional[str], typer.Option("--tol", help="Relative tolerance per row.", metavar="X", show_default="0.03 on cuda, 0.001 on meta")] = None,
     fsdp: Annotated[Optional[str], typer.Option("--fsdp", "--dp", help="Check one rank of FSDP2 (ZeRO-3) over N GPUs, on PyTorch's own engine.", metavar="N")] = None,
     tp: Annotated[Optional[str], typer.Option("--tp", help="Check one rank of DTensor tensor parallelism over N GPUs.", metavar="N")] = None,
-    sp: Sp = False,
+    sp: Sp = False, reshard: Reshard = None,
     dist_device: Annotated[str, typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV")] = "meta",
     save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
     step: Annotated[Optional[str], typer.Option("--step", help="Measure your own model and step: FILE.py:FUNCTION or MODULE:FUNCTION (docs/verify.md).", metavar="FN")] = None,
@@ -484,18 +484,22 @@ def verify(
         verify_runs.needs_torch()
         if step is not None:
             given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None), ("--tol", tol is not None),
-                                           ("--fsdp/--tp/--sp", fsdp is not None or tp is not None or sp)) if on]  # fmt: skip
+                                           ("--fsdp/--tp/--sp", fsdp is not None or tp is not None or sp),
+                                           ("--reshard", reshard is not None)) if on]  # fmt: skip
             if given:
                 raise InputError(f"{' and '.join(given)} do not apply to --step, which measures your step once")
             run = verify_runs.custom_run(the_model, setup, the_tricks, step, device)
         elif fsdp is not None or tp is not None or sp:
-            given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None),
-                                           ("--device", device is not None), ("--tol", tol is not None)) if on]
+            given = [flag for flag, on in (("--device", device is not None), ("--tol", tol is not None)) if on]
             if given:
                 raise InputError(f"{' and '.join(given)} apply to one GPU's verify; --fsdp/--tp check one rank "
                                  "on --dist-device (meta, cpu-gloo or cuda) and compare bytes exactly")  # fmt: skip
-            run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device)
+            if save is not None and not matrix:
+                raise InputError("--save writes the runs of --matrix: add --matrix")
+            run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device, matrix, save, reshard)
         else:
+            if reshard is not None:
+                raise InputError("--reshard/--no-reshard apply to the FSDP2 check: add --fsdp N --stack fsdp2")
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")
             run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save, not no_linearity)

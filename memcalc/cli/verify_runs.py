@@ -34,8 +34,8 @@ def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt:
     return run
 
 
-def saver(folder: str):
-    """on_result for --save: each run's JSON in folder/NN-<tricks>.json."""
+def saver(folder: str, dist: bool = False):
+    """on_result for --save: each run's JSON in folder/NN-<tricks>.json (dist: a distributed check's)."""
     from pathlib import Path
 
     path = Path(folder)
@@ -50,7 +50,9 @@ def saver(folder: str):
         from memcalc.verification.results import to_dict
 
         count[0] += 1  # numbered, so that the files sort in the order the runs ran
-        (path / f"{count[0]:02d}-{result.tricks}.json").write_text(render.to_json(to_dict(result)) + "\n")
+        data = result if dist else to_dict(result)
+        label = result.tricks.label if dist else result.tricks
+        (path / f"{count[0]:02d}-{label}.json").write_text(render.to_json(data) + "\n")
 
     return save
 
@@ -103,24 +105,36 @@ def custom_result(spec, model, setup, tricks, device, torch_version, measured, n
                         torch_version, setup.seq_len, setup.micro_batch, rows, peaks, measured.saved_by_op, gap)  # fmt: skip
 
 
-def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str):
-    """--fsdp/--tp: one rank of a (dp x tp) job on PyTorch's FSDP2 and DTensor, checked before torch loads."""
+def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str, matrix: bool = False, save: str | None = None,
+             reshard: bool | None = None):  # fmt: skip
+    """--fsdp/--tp: one rank of a (dp x tp) job on PyTorch's FSDP2 and DTensor, checked before torch loads;
+    --matrix: every trick set the check runs, --save: each one's JSON as soon as it is measured."""
     from memcalc.memory.state import MAX_GPUS
     from memcalc.model.shape import parse_count
     from memcalc.parallel.layout import Layout
-    from memcalc.verification.distributed import check_dist
+    from memcalc.verification.distributed import check_dist, dist_matrix
 
     if model is not None and (model.shape.is_moe or model.shape.is_mla or model.shape.mtp_layers):
         raise InputError("--fsdp/--tp check a dense model's shards; mixture-of-experts, latent-attention and MTP "
                          "models are checked on one GPU (memcalc verify --device meta)")  # fmt: skip
     dp = 1 if fsdp is None else parse_count(fsdp, "fsdp", MAX_GPUS)
-    layout = Layout(tp=1 if tp is None else parse_count(tp, "tp", MAX_GPUS), dp=dp, zero=3 if dp > 1 else 0, sp=sp)
-    check_dist(model.shape, setup, tricks, layout, device.strip().lower())
+    if reshard is not None and setup.stack.engine != "fsdp2":
+        raise InputError("--reshard/--no-reshard choose torchtitan's reshard_after_forward: add --stack fsdp2")
+    layout = Layout(tp=1 if tp is None else parse_count(tp, "tp", MAX_GPUS), dp=dp, zero=3 if dp > 1 else 0, sp=sp,
+                    reshard_after_forward=reshard)  # fmt: skip
+    dev = device.strip().lower()
+    if matrix:
+        dist_matrix(model.shape, setup, layout, dev)
+    else:
+        check_dist(model.shape, setup, tricks, layout, dev)
+    on_result = None if save is None else saver(save, dist=True)
 
     def run():
-        from verify.distributed import verify_distributed
+        from verify.distributed import verify_distributed, verify_distributed_matrix
 
-        return verify_distributed(model, setup, tricks, layout, device.strip().lower())
+        if matrix:
+            return verify_distributed_matrix(model, setup, layout, dev, on_result)
+        return verify_distributed(model, setup, tricks, layout, dev)
 
     return run
 
@@ -158,6 +172,13 @@ def show_verify(results, d: render.Display) -> bool:
         render.emit(d.fmt, to_dict(results), vr.custom_sections(results, d.units, d.detail), vr.custom_preamble(results),
                     (vr.CSV_HEADERS, vr.csv_rows([results])), exact=d.exact, after=[vr.custom_verdict(results, d.units)])  # fmt: skip
         return True
+    from memcalc.verification.distributed import TABLE_HEADERS, DistResult
+
+    if isinstance(results, list) and results and isinstance(results[0], DistResult):
+        rows = [[r.tricks.label, *row] for r in results for row in r.table()]
+        render.emit(d.fmt, results, vr.dist_matrix_sections(results), vr.dist_preamble(results[0], matrix=True),
+                    (["tricks", *TABLE_HEADERS], rows), exact=d.exact, after=[vr.dist_matrix_verdict(results)])  # fmt: skip
+        return all(r.passed for r in results)
     if isinstance(results, list) and len(results) == 1:
         r = results[0]
         render.emit(d.fmt, to_dict(r), vr.verify_sections(r, d.units, d.detail), vr.verify_preamble(r),
@@ -170,8 +191,6 @@ def show_verify(results, d: render.Display) -> bool:
     else:
         if os.environ.get("RANK", "0") != "0":  # torchrun: every rank holds the whole result; rank 0 prints
             return results.passed
-        from memcalc.verification.distributed import TABLE_HEADERS
-
         render.emit(d.fmt, results, vr.dist_sections(results), vr.dist_preamble(results),
                     (TABLE_HEADERS, results.table()), exact=d.exact, after=[vr.dist_verdict(results)])  # fmt: skip
         passed = results.passed

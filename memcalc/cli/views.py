@@ -110,9 +110,9 @@ def show_layout(ests, runs, d: render.Display, layers=None) -> None:
         print(f"warning: {warning}", file=sys.stderr)
     one = ests[0] if len(ests) == 1 else None
     if d.fmt == "json":
-        data = render.to_jsonable(one if one else ests)
-        extra = {"runs": runs} | ({"exact_layer_terms": layers} if layers else {})
-        print(render.to_json({**data, **render.to_jsonable(extra)} if one else {"layouts": data, **extra}))
+        from memcalc.report.schema import layouts_json
+
+        print(render.to_json(layouts_json(ests, runs, layers)))
         return
     if d.fmt == "csv":
         rows = [[e.tricks.label, *row] for e in ests for row in plan_report.layout_csv_rows(e)]
@@ -139,17 +139,15 @@ def show_estimate(est, tb, runs, d: render.Display, exacts=None, roofline=None) 
         warnings += time_warnings(roofline[0])
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    extra = {"toolbox": tb, "runs": runs} | ({"exact": exacts} if exacts else {})
-    if roofline is not None:
-        extra |= {"roofline": roofline[0], "calibration": roofline[1]}
     sections = report.estimate_sections(est, tb, d.units, roofline, d.detail)
     sections += [report.runs_section(runs)] if runs else []
     if exacts:
         sections.insert(1, report.exact_section(est, exacts, d.units))
     result = None  # JSON only: converting every op of the roofline costs more than the estimate
     if d.fmt == "json":
-        result = {**render.to_jsonable(est), **render.to_jsonable(extra)}
-        result["time_model"] = "mfu" if roofline is None else "roofline"
+        from memcalc.report.schema import estimate_json
+
+        result = estimate_json(est, tb, runs, exacts, roofline)
     csv_rows = report.estimate_csv_rows(est, roofline[0] if roofline else None) if d.fmt == "csv" else []
     preamble = report.preamble(est, d.units) if d.detail else report.short_preamble(est, d.units)
     render.emit(d.fmt, result, sections, preamble, (report.CSV_HEADERS, csv_rows), exact=d.exact,

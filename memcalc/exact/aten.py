@@ -412,7 +412,9 @@ def mm(g: Graph, a: Tensor, b: Tensor, kind: str = "linear") -> Tensor:
 
 def addmm(g: Graph, bias: Tensor, a: Tensor, b: Tensor, kind: str = "linear") -> Tensor:
     """bias + a @ b (AddmmBackward0): saves a and b; backward: a's gradient, b's, then the bias's
-    (the incoming gradient, summed over rows by validate_outputs)."""
+    (the incoming gradient, summed over rows by validate_outputs). Autocast casts the three (GPT-2's
+    Conv1D calls it directly; linear's are cast already)."""
+    bias, a, b = autocast(g, "addmm", bias, a, b)
     sa, sb, sc = a.shape, b.shape, bias.shape
     ga, gb, gc = a.requires_grad, b.requires_grad, bias.requires_grad
     a_bytes, b_bytes, dt = nbytes(a), nbytes(b), a.dtype
@@ -794,7 +796,8 @@ def split_last(g: Graph, x: Tensor, size: int) -> list[Tensor]:
 
 def pow_scalar(g: Graph, x: Tensor, exponent: int) -> Tensor:
     """torch.pow(x, e) (PowBackward0): saves x. Backward (pow_backward): grad · (e · x.pow(e - 1)),
-    three allocations."""
+    three allocations. CUDA's autocast runs it in fp32 (pow.Tensor_Scalar)."""
+    (x,) = autocast(g, "pow.Tensor_Scalar", x)
     shape, dtype = x.shape, x.dtype
 
     def rule(gs):

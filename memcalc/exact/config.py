@@ -23,10 +23,6 @@ def not_replayed(model: str, recipe: str, impl: str, optimizer: str, precision: 
     for what, value in (("model", model), ("recipe", recipe), ("impl", impl), ("optimizer", optimizer)):
         if value not in SIMULATED[what] and not (what == "recipe" and precision == "fp32"):
             return f"the exact model does not replay {what} {value!r} yet; it replays {', '.join(SIMULATED[what])}"
-    if recipe == "autocast" and precision != "fp32" and model == "hf":
-        return "the exact model does not replay Transformers' model under autocast yet; --recipe master or pure"
-    if recipe == "autocast" and precision != "fp32" and impl != "reference":
-        return f"the exact model does not replay torch.optim's {impl} step under autocast yet; --optimizer-impl reference"
     return untrainable(precision, recipe, impl, optimizer)
 
 
@@ -49,11 +45,18 @@ def untrainable(precision: str, recipe: str, impl: str, optimizer: str) -> str |
     return None
 
 
-def shape_not_replayed(shape: ModelShape) -> str | None:
+def shape_not_replayed(shape: ModelShape, model: str = "reference", recipe: str = "master",
+                       impl: str = "reference") -> str | None:  # fmt: skip
     """Why the simulator cannot build this shape yet, or None when it can: verify/builder.py builds one
-    multi-token prediction module, not more."""
+    multi-token prediction module, not more; mixture-of-experts, latent-attention and MTP blocks are
+    replayed for the reference stack (its model, master recipe and AdamW), not under autocast, the
+    libraries' optimizers or Transformers' classes."""
     if shape.mtp_layers > 1:
         return "the exact model replays one multi-token prediction module, not more"
+    if (shape.n_experts or shape.is_mla or shape.mtp_layers) and (model, recipe, impl) != ("reference", "master",
+                                                                                          "reference"):  # fmt: skip
+        return ("the exact model replays a mixture of experts, latent attention and MTP on the reference stack "
+                "only (--stack reference)")  # fmt: skip
     return None
 
 

@@ -29,6 +29,7 @@ from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
 
 from . import aten
+from .autocast import Autocast, autocast_for
 from .builder import made, repeat_kv, transpose12
 from .config import Config
 from .sim import Graph, Tensor
@@ -65,6 +66,7 @@ class HFModel:
     p: dict[str, Tensor]  # the parameters by name
     rope: list[Tensor]  # LlamaRotaryEmbedding's inv_freq and original_inv_freq (fp32 buffers)
     params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
+    autocast: Autocast | None = None  # the autocast recipe's: the forward Accelerate prepared runs under it
 
 
 # -- build ----------------------------------------------------------------------------------------
@@ -103,15 +105,16 @@ def param_shapes(s: ModelShape, arch: str) -> list[tuple[str, tuple]]:
 
 
 def build(g: Graph, cfg: Config) -> HFModel:
-    """The parameters in model.parameters() order, in the model's dtype, and the rotary buffers:
-    inv_freq and original_inv_freq, fp32 (hs/2) each (LlamaRotaryEmbedding.__init__)."""
+    """The parameters in model.parameters() order, in the model's dtype (fp32 under autocast), and the
+    rotary buffers: inv_freq and original_inv_freq, fp32 (hs/2) each (LlamaRotaryEmbedding.__init__)."""
     arch = arch_for(cfg.shape)
     if arch not in REPLAYED:
         raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(REPLAYED)}")
-    params = [g.param(shape, cfg.dtype, name) for name, shape in param_shapes(cfg.shape, arch)]
+    params = [g.param(shape, cfg.weights_dtype, name) for name, shape in param_shapes(cfg.shape, arch)]
     rope = [] if arch == "gpt2" else [g.empty((cfg.shape.head_dim // 2,), "fp32", "buffer " + name, kind="buffer")
                                       for name in ("inv_freq", "original_inv_freq")]  # fmt: skip
-    return HFModel(cfg, arch, {p.name: p for p in params}, rope, params)
+    autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
+    return HFModel(cfg, arch, {p.name: p for p in params}, rope, params, autocast)
 
 
 # -- the Trainer's step ---------------------------------------------------------------------------
@@ -120,10 +123,21 @@ def build(g: Graph, cfg: Config) -> HFModel:
 def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
     """verify/hf.py TrainerModel.forward: the Trainer's count of labels (trainer.py
     _get_num_items_in_batch), the model called with labels and that count (compute_loss), and the
-    loss scaled by the process count in place (loss *= 1)."""
+    loss scaled by the process count in place (loss *= 1). Under autocast the model's forward is the
+    one Accelerate prepared (verify/hf.py amp_forward): the forward in the autocast region, then its
+    16-bit logits converted to an fp32 copy (convert_to_fp32), the output (both logits) dropped once
+    compute_loss has taken the loss."""
     with g.scoped("loss"):
         num_items_in_batch = num_items(g, labels)
-    loss = causal_lm(g, m, idx, labels, num_items_in_batch)
+    if m.autocast is None:
+        loss, logits = causal_lm(g, m, idx, labels, num_items_in_batch)
+        del logits  # the output dies as the loss is taken from it
+    else:
+        with m.autocast.region(g):
+            loss, logits = causal_lm(g, m, idx, labels, num_items_in_batch)
+        with g.scoped("logits"):
+            converted = aten.to(g, logits, "fp32")  # accelerate convert_to_fp32: logits.float()
+        del logits, converted
     with g.scoped("loss"):
         aten.mul_scalar_(g, loss)
     return loss
@@ -140,10 +154,11 @@ def num_items(g: Graph, labels: Tensor) -> Tensor:
     return total
 
 
-def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, num_items_in_batch: Tensor) -> Tensor:
+def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
+              num_items_in_batch: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
     """LlamaForCausalLM.forward / GPT2LMHeadModel.forward: the decoder, the head on every position
-    (slice_logits_to_keep(h, 0) keeps all: no op), the loss. The logits live in the returned output
-    until compute_loss has taken the loss from it."""
+    (slice_logits_to_keep(h, 0) keeps all: no op), the loss. Its output holds the loss and the logits,
+    which live until compute_loss has taken the loss from it."""
     kwargs = (num_items_in_batch,)  # **kwargs: on to the decoder layers and the attention interface
     hidden_states = gpt2_model(g, m, idx, kwargs) if m.arch == "gpt2" else llama_model(g, m, idx, kwargs)
     tied = "transformer.wte.weight" if m.arch == "gpt2" else "model.embed_tokens.weight"
@@ -152,8 +167,8 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, num_items_in_ba
         logits = aten.linear(g, hidden_states, head, None, "logits")  # (B, T, V)
     with g.scoped("loss"):
         loss = for_causal_lm_loss(g, logits, labels, num_items_in_batch)
-    del kwargs, hidden_states, logits
-    return loss
+    del kwargs, hidden_states
+    return loss, logits  # CausalLMOutputWithPast(loss, logits)
 
 
 def for_causal_lm_loss(g: Graph, logits: Tensor, labels: Tensor, num_items_in_batch: Tensor) -> Tensor:
@@ -176,12 +191,13 @@ def for_causal_lm_loss(g: Graph, logits: Tensor, labels: Tensor, num_items_in_ba
 # -- masks ----------------------------------------------------------------------------------------
 
 
-def causal_mask(g: Graph, cfg: Config, B: int, T: int, position_ids: Tensor) -> Tensor | None:
+def causal_mask(g: Graph, cfg: Config, B: int, T: int, position_ids: Tensor, dtype: str) -> Tensor | None:
     """masking_utils.create_causal_mask with no attention_mask: _preprocess_mask_arguments runs
-    find_packed_sequence_indices; sdpa's mask is skipped (is_causal); eager's is built."""
+    find_packed_sequence_indices; sdpa's mask is skipped (is_causal); eager's is built in
+    inputs_embeds' dtype (dtype: fp32 under autocast, whose embedding is on no list)."""
     with g.scoped("mask"):
         find_packed_sequence_indices(g, B, T, position_ids)
-        return None if cfg.flash else eager_mask(g, B, T, cfg.dtype)
+        return None if cfg.flash else eager_mask(g, B, T, dtype)
 
 
 def find_packed_sequence_indices(g: Graph, B: int, T: int, position_ids: Tensor) -> None:
@@ -239,7 +255,7 @@ def llama_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tenso
     with g.scoped("embedding"):
         inputs_embeds = aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids)
         position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
-    causal = causal_mask(g, cfg, B, T, position_ids)
+    causal = causal_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
     hidden_states = inputs_embeds
     with g.scoped("rope tables"):
         cos, sin = rotary_embedding(g, m, position_ids, T, hidden_states.dtype)
@@ -388,17 +404,17 @@ def attention_interface(g: Graph, cfg: Config, q, k, v, causal, kwargs: tuple):
 def attention_core(g: Graph, cfg: Config, q, k, v, causal):
     with g.scoped("attention core"):
         if cfg.flash:
-            return sdpa_flash_forward(g, q, k, v), None
+            return sdpa_flash_forward(g, q, k, v, cfg.device == "cpu"), None
         if cfg.shape.positions != "rope":
             return gpt2_eager_attention(g, cfg, q, k, v, causal)
         return eager_attention_forward(g, cfg, q, k, v, causal)
 
 
-def sdpa_flash_forward(g: Graph, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def sdpa_flash_forward(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False) -> Tensor:
     """verify/hf.py sdpa_flash_forward: the flash op on q, k, v (GQA: k and v unrepeated), its output
     reshaped (same shape: a view) and transpose(1, 2).contiguous() (a view: the output is laid out
-    (B, T, n, d))."""
-    out = aten.flash_attention(g, q, k, v)
+    (B, T, n, d)). On CPU tensors (cpu): the stock sdpa path on SDPA's CPU flash kernel."""
+    out = aten.flash_attention(g, q, k, v, cpu)
     out = aten.view(g, out, out.shape)
     return transpose12(g, out)
 
@@ -409,9 +425,15 @@ def eager_attention_forward(g: Graph, cfg: Config, query, key, value, attention_
     matmul with v; transpose(1, 2).contiguous() (a copy). The probabilities are returned too."""
     B, groups = query.shape[0], query.shape[1] // key.shape[1]
     copied = groups > 1 and key.shape[1] > 1  # repeat_kv made contiguous copies
+    # repeat_kv of one key head is an expand (heads at stride 0); autocast's cast of it (matmul is on
+    # both lists; RoPE left k fp32 under autocast) is laid out contiguous (_to_copy with
+    # preserve_format of a tensor that is not non-overlapping and dense: empty_like's suggested
+    # format), so matmul views it to 3-D where it would copy the expanded view
+    cast_expanded = groups > 1 and not copied and g.autocast is not None and key.dtype != g.autocast.dtype
     key_states, value_states = repeat_kv(g, key, query.shape[1]), repeat_kv(g, value, query.shape[1])
     kt = aten.view(g, key_states, key_states.shape[:2] + (key_states.shape[3], key_states.shape[2]))
-    attn_weights = aten.mul_scalar(g, aten.matmul4(g, query, kt, B > 1, B > 1 and not copied, False))
+    k_copies = B > 1 and not copied and not cast_expanded
+    attn_weights = aten.mul_scalar(g, aten.matmul4(g, query, kt, B > 1, k_copies, False))
     del kt
     attn_weights = aten.add(g, attn_weights, attention_mask)
     attn_weights = aten.to(g, aten.softmax(g, aten.to(g, attn_weights, "fp32")), query.dtype)
@@ -442,7 +464,7 @@ def gpt2_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor
         position_ids = arange_plus(g, T)
         position_embeds = aten.embedding(g, m.p["transformer.wpe.weight"], g.view(position_ids, (1, T)))
         hidden_states = aten.add(g, inputs_embeds, position_embeds)
-    causal = causal_mask(g, cfg, B, T, position_ids)
+    causal = causal_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
     with g.scoped("embedding dropout"):
         hidden_states = dropout(g, hidden_states, p)
     for i in range(s.n_layers):
@@ -518,7 +540,7 @@ def gpt2_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, 
 
 def gpt2_eager_attention(g: Graph, cfg: Config, query, key, value, attention_mask):
     """modeling_gpt2.py eager_attention_forward: matmul(q, kᵀ) * scaling; + the mask; softmax in the
-    input's dtype; dropout (attn_pdrop); matmul with v; transpose(1, 2) (a view). q, k and v are
+    input's dtype, then .type(value.dtype); dropout (attn_pdrop); matmul with v; transpose(1, 2) (a view). q, k and v are
     strided views of c_attn's output: matmul copies them where B and the heads cannot merge (B > 1)."""
     B = query.shape[0]
     kt = aten.view(g, key, key.shape[:2] + (key.shape[3], key.shape[2]))  # key.transpose(-1, -2)
@@ -526,6 +548,7 @@ def gpt2_eager_attention(g: Graph, cfg: Config, query, key, value, attention_mas
     del kt
     attn_weights = aten.add(g, attn_weights, attention_mask)
     attn_weights = aten.softmax(g, attn_weights)
+    attn_weights = aten.to(g, attn_weights, value.dtype)  # .type(value.dtype): under autocast fp32 to 16 bits
     attn_weights = dropout(g, attn_weights, cfg.shape.dropout)
     attn_output = aten.matmul4(g, attn_weights, value, False, B > 1, B > 1)
     return transpose12(g, attn_output), attn_weights

@@ -19,10 +19,11 @@ from functools import lru_cache
 
 from memcalc.model.flops import StepFlops, model_per_token, textbook_step_flops
 from memcalc.model.shape import ModelShape, is_moe_layer, moe_layer_count
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .cache import remembered
-from .config import Config, shape_not_replayed
+from .config import Config, not_replayed, shape_not_replayed
 
 
 class Kernel:
@@ -93,18 +94,36 @@ def representatives(traced: ModelShape, tricks: Tricks) -> dict[tuple[bool, bool
     return first
 
 
-def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
+def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
+               optimizer: str = "adamw") -> tuple[Kernel, ...]:  # fmt: skip
     """One step's kernels with the model cut to one block (layer 0), or to the blocks traced_blocks keeps
     (with ckpt:N a group of N, layers 0 and N − 1 kept; a dense block and a MoE block); the rest are outside
-    the blocks. A step without recompute is taken from the same step with recompute when one was traced: it
-    runs exactly those kernels less the recompute ones, in the same order (tests/test_roofline.py)."""
+    the blocks. A step without
+    recompute is taken from the same step with recompute when one was traced: it runs exactly those
+    kernels less the recompute ones, in the same order (tests/test_roofline.py). The stack's own step
+    (its model, autocast's casts, its optimizer's kernels) where the exact model replays it
+    (traced_stack), else the reference stack's."""
     one = traced_blocks(shape, tricks)[0]
-    key = (one, seq_len, micro_batch, tricks)
+    key = (one, seq_len, micro_batch, tricks) + traced_stack(stack, optimizer, tricks, shape)
     if key not in TRACES:
         if len(TRACES) >= MAX_TRACES:
             TRACES.clear()
-        TRACES[key] = without_recompute(key) or traced(one, seq_len, micro_batch, tricks)
+        TRACES[key] = without_recompute(key) or traced(*key)
     return TRACES[key]
+
+
+def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape) -> tuple:
+    """What a trace key adds for a stack: nothing for the reference stack's AdamW (its traces and their
+    cache keys as they always were); (model, recipe, impl, optimizer) for a stack the exact model
+    replays; nothing, so the reference stack's step, for one it does not (memcalc.exact.config)."""
+    if (stack.model, stack.recipe, stack.impl, optimizer) == (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
+                                                              DEFAULT_STACK.impl, "adamw"):  # fmt: skip
+        return ()
+    if not_replayed(stack.model, stack.recipe, stack.impl, optimizer, tricks.precision):
+        return ()
+    if shape_not_replayed(shape, stack.model, stack.recipe, stack.impl):
+        return ()
+    return (stack.model, stack.recipe, stack.impl, optimizer)
 
 
 def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | None = None) -> int:
@@ -123,18 +142,22 @@ def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | N
     return checkpointed if k.layer == tricks.ckpt_every - 1 else n_layers - checkpointed
 
 
-def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[Kernel, ...]:
-    """memcalc.exact.mirror.trace of the one-block step, kept on disk between runs (memcalc.exact.cache)."""
+def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *stack: str) -> tuple[Kernel, ...]:
+    """memcalc.exact.mirror.trace of the one-block step, kept on disk between runs (memcalc.exact.cache);
+    stack: traced_stack's (model, recipe, impl, optimizer), or none for the reference stack's."""
 
     def trace_fields() -> list:
         from .mirror import trace  # here, not at import: a cached trace never simulates
 
-        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute,
-                     ckpt_every=tricks.ckpt_every)  # fmt: skip
+        model, recipe, impl, optimizer = stack or (DEFAULT_STACK.model, DEFAULT_STACK.recipe, DEFAULT_STACK.impl,
+                                                    "adamw")  # fmt: skip
+        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, model,
+                     recipe, impl, ckpt_every=tricks.ckpt_every)  # fmt: skip
         kept = (None, *representatives(one, tricks).values())  # one block of each kind: see traced_blocks
         return [list(k.key()) + [k.layer] for k in trace(cfg) if k.layer in kept]
 
-    return tuple(Kernel(*fields) for fields in remembered("kernels", (one, seq_len, micro_batch, tricks), trace_fields))
+    key = (one, seq_len, micro_batch, tricks, *stack)
+    return tuple(Kernel(*fields) for fields in remembered("kernels", key, trace_fields))
 
 
 def recompute_first(trick_sets) -> list:
@@ -145,11 +168,11 @@ def recompute_first(trick_sets) -> list:
 
 def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
     """A traced step with recompute, its recompute kernels left out; None if none was traced."""
-    one, seq_len, micro_batch, tricks = key
+    one, seq_len, micro_batch, tricks, *stack = key
     if tricks.recompute != "none":
         return None
     for recompute in ("selective", "full", "op"):
-        traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute)))
+        traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute), *stack))
         if traced is not None:
             return tuple(k for k in traced if k.phase != "recompute")
     return None

@@ -43,8 +43,9 @@ def trace(cfg: Config) -> list[Kernel]:
     checkpoint recompute), what each further micro-batch adds into the gradients (AccumulateGrad's
     in-place add, phase "accumulate"), and the optimizer step. The reference recipe's first step runs
     the same kernels as any other (making AdamW's m and v is not a kernel there), so it is traced with
-    no warm-up; the libraries' optimizers make their state at the first step (zeros, SGD's clone), so
-    their trace is of a second step, the first run unrecorded."""
+    no warm-up; the libraries' optimizers make their state at the first step (zeros, SGD's clone), as
+    the autocast recipe's GradScaler does (full), so their trace is of a second step, the first run
+    unrecorded."""
     check_simulated(cfg)
     g = Graph(Memory())
     g.kernels = []
@@ -53,7 +54,7 @@ def trace(cfg: Config) -> list[Kernel]:
     idx = g.empty((B, T), "int64", "input", kind="input")
     targets = g.empty((B, T), "int64", "input", kind="input")
     recipe = recipe_for(g, model)
-    if isinstance(recipe, TorchRecipe):
+    if not isinstance(recipe, Recipe):  # the libraries' optimizers, GradScaler: their state made at the first step
         built, g.kernels = g.kernels, None
         micro_step(g, model, recipe, idx, targets, 1)
         g.kernels = built

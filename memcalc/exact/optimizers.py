@@ -8,12 +8,15 @@ of temporaries dies, last element first, when its function returns). What each k
 
   AdamW, loop     exp_avg, exp_avg_sq = zeros_like(param): the parameter's dtype (16-bit in the pure
     (foreach=False) recipe). step counters on the CPU (Adam._init_group: "[special device hosting for
-                    step]"): no device bytes. Per tensor, two temporaries: exp_avg_sq.sqrt() and its
+                    step]"): no device bytes on CUDA; on CPU tensors (device="cpu") the CPU is the
+                    device: 4 bytes per tensor. Per tensor, two temporaries: exp_avg_sq.sqrt() and its
                     quotient by sqrt(bias_correction2), beside the previous tensor's denominator.
   AdamW, foreach  the same state; _foreach_sqrt over every exp_avg_sq of a (device, dtype) group at
-                    once: one temporary the size of all the group's parameters.
+                    once: one temporary the size of all the group's parameters. (Its CPU step counters
+                    are advanced by torch.tensor(1.0, device="cpu"): 4 bytes on the device on CPU.)
   AdamW, fused    the same state, its step counters fp32 scalars on the device (4 bytes per tensor);
-                    one _fused_adamw_ per group, no temporary.
+                    one _fused_adamw_ per group, no temporary. Under GradScaler it is handed the scale
+                    and found_inf (memcalc.exact.amp.GradScaler.step) and reads them.
   SGD (momentum)  momentum_buffer = grad.detach().clone() at the first step; later steps in place
                     (loop and foreach alike): no temporary. fused has no meta kernel in torch 2.13
                     (aten::_fused_sgd_), so it cannot be measured here and is not replayed.
@@ -37,7 +40,7 @@ BLOCK = 256  # bitsandbytes Optimizer2State.init_state: elements per absmax
 QMAP = 256  # bitsandbytes functional.create_dynamic_map: 2**8 fp32 entries
 # arithmetic per element of the optimizers' list and fused kernels, counted from torch's formulas
 PER_ELEMENT = {"_foreach_mul_": 1, "_foreach_lerp_": 2, "_foreach_addcmul_": 3, "_foreach_sqrt": 1,
-               "_foreach_div_": 1, "_foreach_add_": 1, "_foreach_addcdiv_": 3,
+               "_foreach_div_": 1, "_foreach_add_": 1, "_foreach_sub_": 1, "_foreach_addcdiv_": 3,
                "_fused_adamw_": 13,  # decay 1, lerp 2, mul + addcmul 4, sqrt, div, add 3, addcdiv 3
                "optimizer_update_8bit_blockwise": 19,  # the 13 of AdamW, dequantise and requantise m, v 6
                "optimizer_update_32bit": 13}  # fmt: skip
@@ -69,15 +72,17 @@ def in_place(g: Graph, op: str, t: Tensor, *others: Tensor) -> Tensor:
     return t
 
 
-def foreach(g: Graph, op: str, params: list[Tensor], reads: tuple[list, ...], writes: tuple[list, ...]) -> None:
-    """One list kernel over a group (torch's multi_tensor_apply), recorded one kernel per layer."""
+def foreach(g: Graph, op: str, params: list[Tensor], reads: tuple[list, ...], writes: tuple[list, ...],
+            shared: tuple[Tensor, ...] = ()) -> None:  # fmt: skip
+    """One list kernel over a group (torch's multi_tensor_apply), recorded one kernel per layer; shared
+    scalars (GradScaler's) are read by each layer's share."""
     by_layer: dict[int | None, list[int]] = {}
     for i, p in enumerate(params):
         by_layer.setdefault(layer_of(p.name), []).append(i)
     for layer, idx in by_layer.items():
         g.layer = layer
         elements = sum(params[i].numel for i in idx)
-        g.kernel(op, tuple(ts[i] for ts in reads for i in idx), tuple(ts[i] for ts in writes for i in idx),
+        g.kernel(op, tuple(ts[i] for ts in reads for i in idx) + shared, tuple(ts[i] for ts in writes for i in idx),
                  flops=PER_ELEMENT[op] * elements)  # fmt: skip
     g.layer = None
 
@@ -118,14 +123,18 @@ def single_tensor_adam(g: Graph, params: list[Tensor], grads: list[Tensor], exp_
 
 
 def multi_tensor_adam(g: Graph, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                      exp_avg_sqs: list[Tensor]) -> None:  # fmt: skip
+                      exp_avg_sqs: list[Tensor], host_is_device: bool = False) -> None:  # fmt: skip
     """torch/optim/adam.py _multi_tensor_adam, decoupled weight decay, capturable off; its step counters
-    are on the CPU (torch._foreach_add_(device_state_steps, ...) there)."""
+    are on the CPU: torch._foreach_add_(device_state_steps, torch.tensor(1.0, device="cpu")) there, a
+    4-byte tensor on the device only when the CPU is the device (host_is_device)."""
     for idx in group_by_device_and_dtype(params).values():
         device_params = [params[i] for i in idx]
         device_grads = [grads[i] for i in idx]
         device_exp_avgs, device_exp_avg_sqs = [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
         ps = device_params
+        if host_is_device:  # the argument lives for the call only
+            one = g.empty((), "fp32", "lift_fresh")
+            del one
         foreach(g, "_foreach_mul_", ps, (device_params,), (device_params,))
         foreach(g, "_foreach_lerp_", ps, (device_exp_avgs, device_grads), (device_exp_avgs,))
         foreach(g, "_foreach_mul_", ps, (device_exp_avg_sqs,), (device_exp_avg_sqs,))
@@ -138,26 +147,37 @@ def multi_tensor_adam(g: Graph, params: list[Tensor], grads: list[Tensor], exp_a
 
 
 def fused_adam(g: Graph, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-               exp_avg_sqs: list[Tensor], state_steps: list[Tensor]) -> None:  # fmt: skip
+               exp_avg_sqs: list[Tensor], state_steps: list[Tensor], grad_scale: Tensor | None = None,
+               found_inf: Tensor | None = None) -> None:  # fmt: skip
     """torch/optim/adam.py _fused_adam: per group, the step counters (on the device) + 1, then one
-    torch._fused_adamw_ reading and writing each tensor once."""
+    torch._fused_adamw_ reading and writing each tensor once. Under GradScaler (grad_scale, found_inf:
+    on the device already, .to(device) copies nothing) the kernel reads both, and the counters are
+    taken back by found_inf in place (torch._foreach_sub_)."""
+    scalars = tuple(t for t in (grad_scale, found_inf) if t is not None)
     for idx in group_by_device_and_dtype(params).values():
         ps, steps = [params[i] for i in idx], [state_steps[i] for i in idx]
         gs, ms, vs = [grads[i] for i in idx], [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
         foreach(g, "_foreach_add_", ps, (steps,), (steps,))
-        foreach(g, "_fused_adamw_", ps, (ps, gs, ms, vs, steps), (ps, ms, vs))
+        foreach(g, "_fused_adamw_", ps, (ps, gs, ms, vs, steps), (ps, ms, vs), scalars)
+        if found_inf is not None:
+            foreach(g, "_foreach_sub_", ps, (steps,), (steps,), (found_inf,))
 
 
 class AdamW:
-    """torch.optim.AdamW (torch/optim/adam.py Adam): step() = _init_group, then the implementation."""
+    """torch.optim.AdamW (torch/optim/adam.py Adam): step() = _init_group, then the implementation.
+    device: the parameters' device; on "cpu" the loop and foreach step counters, hosted on the CPU,
+    are on it too. Fused has _step_supports_amp_scaling (Adam.__init__): GradScaler hands it the scale."""
 
-    def __init__(self, g: Graph, params: list[Tensor], impl: str):
+    def __init__(self, g: Graph, params: list[Tensor], impl: str, device: str = "cuda"):
         self.g, self.params, self.impl = g, params, impl
+        self.host_is_device = device == "cpu"
+        self.supports_amp_scaling = impl == "fused"
         self.state: list[dict[str, Tensor]] = [{} for _ in params]
 
     def init_group(self) -> tuple[list, ...]:
         """Adam._init_group: the state of each parameter with a gradient, made at its first step:
-        step (on the device only when fused), exp_avg, exp_avg_sq."""
+        step (on the device when fused; else torch.tensor(0.0) on the CPU, which on CPU tensors is the
+        device: aten.lift_fresh), exp_avg, exp_avg_sq."""
         params, grads, exp_avgs, exp_avg_sqs, state_steps = [], [], [], [], []
         for p, state in zip(self.params, self.state):
             if p.grad is None:
@@ -168,6 +188,8 @@ class AdamW:
                 self.g.layer = layer_of(p.name)
                 if self.impl == "fused":  # torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=p.device)
                     state["step"] = zeros(self.g, (), "fp32")
+                elif self.host_is_device:  # torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+                    state["step"] = self.g.empty((), "fp32", "lift_fresh", kind="state")
                 state["exp_avg"] = zeros_like(self.g, p)
                 state["exp_avg_sq"] = zeros_like(self.g, p)
                 self.g.layer = None
@@ -176,14 +198,16 @@ class AdamW:
             state_steps.append(state.get("step"))
         return params, grads, exp_avgs, exp_avg_sqs, state_steps
 
-    def step(self) -> None:
+    def step(self, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
+        """Adam.step: getattr(self, "grad_scale", None) and found_inf reach the fused implementation
+        only (the others assert they are None)."""
         params, grads, exp_avgs, exp_avg_sqs, state_steps = self.init_group()
         if self.impl == "loop":
             single_tensor_adam(self.g, params, grads, exp_avgs, exp_avg_sqs)
         elif self.impl == "foreach":
-            multi_tensor_adam(self.g, params, grads, exp_avgs, exp_avg_sqs)
+            multi_tensor_adam(self.g, params, grads, exp_avgs, exp_avg_sqs, self.host_is_device)
         else:
-            fused_adam(self.g, params, grads, exp_avgs, exp_avg_sqs, state_steps)
+            fused_adam(self.g, params, grads, exp_avgs, exp_avg_sqs, state_steps, grad_scale, found_inf)
 
 
 # -- torch.optim.SGD -----------------------------------------------------------------------------
@@ -304,11 +328,12 @@ class AdamW8bit:
         self.g.layer = None
 
 
-def library_optimizer(g: Graph, params: list[Tensor], optimizer: str, impl: str) -> AdamW | SGD | AdamW8bit:
+def library_optimizer(g: Graph, params: list[Tensor], optimizer: str, impl: str,
+                      device: str = "cuda") -> AdamW | SGD | AdamW8bit:  # fmt: skip
     """verify/recipes.py library_optimizer: torch.optim.AdamW or SGD as impl picks, or bitsandbytes'
-    AdamW8bit (its own per-tensor step, whatever the impl)."""
+    AdamW8bit (its own per-tensor step, whatever the impl), for parameters on the device."""
     if optimizer == "adamw":
-        return AdamW(g, params, impl)
+        return AdamW(g, params, impl, device)
     if optimizer == "sgd":
         return SGD(g, params, impl)
     return AdamW8bit(g, params)

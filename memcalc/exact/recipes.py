@@ -20,7 +20,7 @@ from .sim import Graph, Tensor, layer_of
 
 def check_simulated(cfg: Config) -> None:
     """What the simulator replays; anything else is refused in one line, never guessed."""
-    reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision) or shape_not_replayed(cfg.shape)
+    reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision) or shape_not_replayed(cfg.shape, cfg.model, cfg.recipe, cfg.impl)
     if reason:
         raise InputError(reason)
     if cfg.device not in ("cuda", "cpu"):
@@ -39,14 +39,20 @@ def recipe_note(cfg: Config) -> str:
     if cfg.recipe == "autocast" and cfg.precision != "fp32":
         scaler = ", GradScaler" if cfg.precision == "fp16" else ""
         return (f"torch.autocast over fp32 weights ({cfg.device.upper()}'s lists; weight casts cached through "
-                f"forward){scaler}; AdamW per tensor on the fp32 weights")  # fmt: skip
+                f"forward){scaler}; {optimizer_note(cfg, 'fp32', '')}")  # fmt: skip
     if cfg.impl == "reference":
         return "AdamW (fp32 m, v) on one GPU, grads converted per tensor"
-    master = "" if cfg.precision == "fp32" else ", no master"
+    return optimizer_note(cfg, cfg.precision, "" if cfg.precision == "fp32" else ", no master") + " on one GPU"
+
+
+def optimizer_note(cfg: Config, weights: str, master: str) -> str:
+    """The optimizer step over weights of that dtype."""
+    if cfg.impl == "reference":
+        return f"AdamW per tensor on the {weights} weights"
     if cfg.optimizer == "adam8bit":
-        return f"bitsandbytes AdamW8bit ({cfg.precision} weights{master}; uint8 m, v) on one GPU"
+        return f"bitsandbytes AdamW8bit ({weights} weights{master}; uint8 m, v)"
     name = {"adamw": "AdamW", "sgd": "SGD with momentum"}[cfg.optimizer]
-    return f"torch.optim {name} ({cfg.impl}; {cfg.precision} weights and state{master}) on one GPU"
+    return f"torch.optim {name} ({cfg.impl}; {weights} weights and state{master})"
 
 
 class Recipe:
@@ -135,7 +141,8 @@ class TorchRecipe:
 
     def __init__(self, g: Graph, m: Model):
         self.g, self.model, self.params = g, m, m.params
-        self.optimizer: AdamW | SGD | AdamW8bit = library_optimizer(g, m.params, m.cfg.optimizer, m.cfg.impl)
+        self.optimizer: AdamW | SGD | AdamW8bit = library_optimizer(g, m.params, m.cfg.optimizer, m.cfg.impl,
+                                                                     m.cfg.device)  # fmt: skip
 
     def backward(self, loss: Tensor) -> None:
         self.g.backward(loss)

@@ -93,7 +93,7 @@ def not_replayed_for(setup: Setup, trick_sets, shape: ModelShape | None = None) 
     The stack decides, and the shape where one is given (mixture-of-experts layers, latent attention)."""
     s = setup.stack
     reasons = [not_replayed(s.model, s.recipe, s.impl, setup.optimizer, t.precision) for t in trick_sets]
-    reasons.append(None if shape is None else shape_not_replayed(shape))
+    reasons.append(None if shape is None else shape_not_replayed(shape, s.model, s.recipe, s.impl))
     if not setup.routing.balanced:  # verify's reference router is the balanced one
         reasons.append("the exact model replays balanced routing; a capacity factor or an imbalance is the textbook's")
     return next((r for r in reasons if r), "")

@@ -59,8 +59,8 @@ def verify_sections(r: VerifyResult, units: str, detail: bool = False) -> list[S
                        value(row.measured, row.unit, units), error_text(row), verdict(row)])  # fmt: skip
     if detail:
         s.notes = [f"{row.quantity}: {row.note}" for row in r.rows if row.note] + list(r.notes)
-    else:  # what the textbook column leaves out (sac) or mixes (ckpt:N), always
-        s.notes = [n for n in r.notes if n.startswith("textbook")]
+    else:  # what the textbook column leaves out (sac) or mixes (ckpt:N), and how CUDA differs from a CPU run, always
+        s.notes = [n for n in r.notes if n.startswith(("textbook", "the CUDA prediction"))]
     if r.error:
         s.notes.insert(0, f"did not finish: {r.error}")
     sections = [s]
@@ -162,9 +162,10 @@ def matrix_sections(results: list[VerifyResult], units: str) -> list[Section]:
     return [s]
 
 
-def dist_preamble(d: DistResult) -> list[str]:
+def dist_preamble(d: DistResult, matrix: bool = False) -> list[str]:
+    tricks = "every trick set the check runs" if matrix else d.tricks.label
     return [
-        f"Model: {d.model}, {d.n_params:,} parameters; seq {d.seq_len:,} x micro-batch {d.micro_batch}; {d.tricks.label}",
+        f"Model: {d.model}, {d.n_params:,} parameters; seq {d.seq_len:,} x micro-batch {d.micro_batch}; {tricks}",
         f"Layout: {d.layout.label}, world {d.world}; device {d.device} (backend {d.backend}); torch {d.torch_version}; "
         f"{d.seconds:.1f} s",
     ]
@@ -178,6 +179,31 @@ def dist_sections(d: DistResult) -> list[Section]:
     s.rows = [[f"{c:,}" if isinstance(c, int) else str(c) for c in row] for row in d.table()]
     s.notes = list(d.notes)
     return [s]
+
+
+def dist_matrix_sections(results: list[DistResult]) -> list[Section]:
+    """--matrix with --fsdp/--tp: one line per trick set and rank; the step's peak where it was measured."""
+    s = Section("Every trick set, per rank: rows judged, every byte named, and the step's peak",
+                ["tricks", "rank", "rows", "exact", "peak, memcalc", "peak, PyTorch", "pass"], align="lrrrrrl")  # fmt: skip
+    for d in results:
+        for rc in d.ranks:
+            judged = [r for r in rc.rows if r.checked]
+            by = {r.quantity: r for r in rc.rows}
+            peak = by.get("backward peak"), by.get("forward peak")
+            peak = max((r for r in peak if r is not None), key=lambda r: r.measured_bytes, default=None)
+            s.rows.append([d.tricks.label, f"{rc.rank:,}", f"{len(judged)}", f"{sum(r.exact for r in judged)}",
+                           "-" if peak is None else f"{peak.predicted_bytes:,}",
+                           "-" if peak is None else f"{peak.measured_bytes:,}", "yes" if rc.passed else "NO"])  # fmt: skip
+    s.notes = ["exact: rows whose prediction and named differences equal PyTorch's bytes; every row of one run "
+               "with --format json or without --matrix", *results[0].notes[:1]]  # fmt: skip
+    return [s]
+
+
+def dist_matrix_verdict(results: list[DistResult]) -> str:
+    failed = [d.tricks.label for d in results if not d.passed]
+    if not failed:
+        return f"Pass: {len(results)} trick sets, every per-rank quantity equal to PyTorch's own on {results[0].world} ranks."
+    return f"FAIL: {', '.join(failed)}: memcalc's per-rank prediction differs from PyTorch's (rows marked NO)."
 
 
 def custom_preamble(r: CustomResult) -> list[str]:

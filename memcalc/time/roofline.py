@@ -26,6 +26,7 @@ from memcalc.exact.kernels import STEP_PHASES, Kernel, block_weight, kernels_of,
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .calibration import Calibration
@@ -197,13 +198,14 @@ def repeats(k: Kernel, n_layers: int, grad_accum: int, tricks: Tricks, shape: Mo
 
 
 def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int, tricks: Tricks, gpu: GPU,
-              cal: Calibration) -> StepTime:  # fmt: skip
-    """The roofline time of one optimizer step of the shape as built (its own parameters)."""
+              cal: Calibration, stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> StepTime:  # fmt: skip
+    """The roofline time of one optimizer step of the shape as built (its own parameters), trained as the
+    stack trains it (memcalc.exact.kernels.kernels_of: its model, autocast's casts, its optimizer)."""
     rates: dict[tuple[str, str], float] = {}
     bandwidth, floor = byte_rate(gpu, cal), cal.launch_seconds
     groups: dict[tuple, list] = {}
     counted = attention = kernels = 0
-    for k in kernels_of(shape, seq_len, micro_batch, tricks):
+    for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
         n = repeats(k, shape.n_layers, grad_accum, tricks, shape)
         if n == 0:
             continue
@@ -246,7 +248,7 @@ def step_times(model, setup, gpu: GPU, trick_sets: tuple[Tricks, ...], cal: Cali
     first, so that the plain ones reuse their traces)."""
     s, times = setup, {}
     for t in recompute_first(trick_sets):
-        times[t] = step_time(model.shape, s.seq_len, s.micro_batch, s.grad_accum, t, gpu, cal)
+        times[t] = step_time(model.shape, s.seq_len, s.micro_batch, s.grad_accum, t, gpu, cal, s.stack, s.optimizer)
     return tuple(times[t] for t in trick_sets)
 
 
@@ -284,8 +286,8 @@ class StageKernels:
 @lru_cache(maxsize=1024)
 def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU,
                  cal: Calibration) -> dict[str, tuple[tuple[float, ...], ...]]:  # fmt: skip
-    """Each part of a stage (see StageKernels; 'block_sequence', 'block_core' and 'last_sequence' hold the
-    kernels SP and ring attention rescale), as its kernels' larger of compute and memory time, sorted, with
+    """Each part of a stage (see StageKernels; 'block_sequence', 'block_core', 'last_core' and
+    'last_sequence' hold the kernels SP and ring attention rescale), as its kernels' larger of compute and memory time, sorted, with
     prefix sums of weight · time and of weight: a kernel doing x times its work takes max(x·a, launch floor),
     and the sum over a part is then one bisection (scaled_sum). A block kernel's weight is the share of the
     model's blocks that run it (memcalc.exact.kernels.block_weight / L): 1, or with dense and MoE blocks
@@ -317,8 +319,8 @@ def part_key(k: Kernel) -> str:
     if k.phase == "accumulate":
         return f"{where}_accumulate"
     phase = k.phase
-    if k.scope == "attention core":
-        return f"block_core_{phase}"
+    if k.scope == "attention core":  # a block's, or the MTP module's after the blocks
+        return f"{where}_core_{phase}"
     if (k.scope in SEQUENCE_SPLIT and k.layer is not None) or k.scope == "final norm":
         return f"{where}_sequence_{phase}"
     return f"{where}_{phase}"
@@ -355,7 +357,7 @@ def stage_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
         return scaled_sum(table.get(key), scale, floor)
 
     def phase(where: str, name: str) -> float:
-        core = part(f"block_core_{name}", ring) if where == "block" else 0.0
+        core = part(f"{where}_core_{name}", ring)
         return part(f"{where}_{name}") + part(f"{where}_sequence_{name}", 1 / sequence_split) + core
 
     return StageKernels(
@@ -368,7 +370,7 @@ def stage_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
         first_backward=phase("first", "backward"),
         last_forward=phase("last", "forward"),
         last_backward=phase("last", "backward"),
-        last_recompute=part("last_recompute"),
+        last_recompute=phase("last", "recompute"),
         last_accumulate=part("last_accumulate", 1 / grad_shards) + part("first_accumulate", 1 / grad_shards),
         optimizer_block=part("optimizer_block", 1 / optimizer_shards),
         optimizer_rest=part("optimizer_rest", 1 / optimizer_shards),
@@ -378,7 +380,7 @@ def stage_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
 PARTS_KNOWN = (
     "block_forward", "block_backward", "block_recompute", "block_sequence_", "block_core_", "block_accumulate",
     "first_forward", "first_backward", "first_sequence_forward", "first_sequence_backward", "first_accumulate",
-    "last_forward", "last_backward", "last_recompute", "last_sequence_forward", "last_sequence_backward", "last_accumulate",
+    "last_forward", "last_backward", "last_recompute", "last_core_", "last_sequence_", "last_accumulate",
     "optimizer_block", "optimizer_rest",
 )  # fmt: skip
 

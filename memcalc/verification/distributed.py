@@ -60,15 +60,51 @@ def check_dist(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, 
                          "use bf16 or fp32")  # fmt: skip
     if setup.optimizer != "adamw":
         raise InputError(f"distributed verify runs AdamW (verify/recipes.py), not {setup.optimizer}")
-    if setup.stack.impl != "reference" or (tricks.precision != "fp32" and setup.stack.recipe != "master"):
-        raise InputError("distributed verify trains with verify/recipes.py's reference recipe: "
-                         "--stack reference (--optimizer-impl reference, --recipe master)")  # fmt: skip
+    if setup.stack.engine == "fsdp2":
+        check_fsdp2(shape, layout, device)
+    elif setup.stack.impl != "reference" or (tricks.precision != "fp32" and setup.stack.recipe != "master"):
+        raise InputError("distributed verify trains with verify/recipes.py's reference recipe (--stack reference: "
+                         "--optimizer-impl reference, --recipe master) or as torchtitan does (--stack fsdp2)")  # fmt: skip
     if shape.n_layers < 2:
         raise InputError("distributed verify measures the second block: the model needs at least 2 layers")
     if setup.grad_accum != 1:
         raise InputError("distributed verify runs one micro-batch per step: grad-accum must be 1")
     check_positions(shape, setup.seq_len)
     check_layout(layout, shape, setup.seq_len, tricks, 1)
+
+
+def check_fsdp2(shape: ModelShape, layout: Layout, device: str) -> None:
+    """--stack fsdp2: torchtitan's FSDP2 over dp > 1 ranks (one rank is not sharded: torchtitan applies no
+    fully_shard), counted on the fake process group; reshard 'always' needs lm_head's own forward, which
+    verify/builder.py's tied table lacks."""
+    if device != "meta":
+        raise InputError("--stack fsdp2 counts every phase on fake tensors: --dist-device meta (cpu-gloo and cuda "
+                         "run the reference recipe)")  # fmt: skip
+    if layout.dp == 1:
+        raise InputError("--stack fsdp2 shards over data-parallel ranks: give --fsdp N with N > 1")
+    if layout.reshard_after_forward is True and shape.tied_embeddings:
+        raise InputError("--reshard with a tied table: verify's model reads the table for the logits after the "
+                         "[table, norm] unit's forward, when 'always' has resharded it; drop --reshard")  # fmt: skip
+
+
+# verify --matrix's trick sets (verify/run.py MATRIX), less those this check refuses (fp16; flash on cpu-gloo)
+MATRIX = ("fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective", "bf16,flash,selective", "bf16,ckpt")
+
+
+def dist_matrix(shape: ModelShape, setup: Setup, layout: Layout, device: str) -> tuple[Tricks, ...]:
+    """The trick sets --matrix runs with --fsdp/--tp: every one of MATRIX check_dist takes; none: one line."""
+    from memcalc.model.tricks import parse_tricks
+
+    out = []
+    for text in MATRIX:
+        try:
+            check_dist(shape, setup, parse_tricks(text), layout, device)
+        except InputError:
+            continue
+        out.append(parse_tricks(text))
+    if not out:
+        check_dist(shape, setup, parse_tricks("bf16"), layout, device)  # says why
+    return tuple(out)
 
 
 def padded_vocab(shape: ModelShape, tp: int) -> ModelShape:
@@ -216,8 +252,11 @@ def state_differences(part_bytes: int, elem_bytes: int, n_parts: int, counts: Lo
     return tuple(t for t in steps if t.value)
 
 
-def state_predictions(shape: ModelShape, tricks: Tricks, layout: Layout, rank: int) -> list[Prediction]:
+def state_predictions(shape: ModelShape, tricks: Tricks, layout: Layout, rank: int,
+                      engine: str = "none") -> list[Prediction]:  # fmt: skip
     """Weights, grads and optimizer state of one rank: memcalc.parallel's sharded state, then FSDP2's."""
+    if engine == "fsdp2":
+        return fsdp2_state_predictions(shape, tricks, layout, rank)
     params = stage_shape_params(shape, layout.tp, 1, 0)  # Megatron-style TP shard, pp = 1
     g = layout.shard_group
     state = sharded_state(params, tricks.precision, "adamw", g, layout.zero, False, False)
@@ -237,6 +276,33 @@ def state_predictions(shape: ModelShape, tricks: Tricks, layout: Layout, rank: i
     names = " + ".join(p.name for p in state.parts if p.name in ("master", "adam_m", "adam_v", "loss_scale"))
     out.append(Prediction("optimizer state", opt, diffs, formula=names))
     return out
+
+
+def fsdp2_state_predictions(shape: ModelShape, tricks: Tricks, layout: Layout, rank: int) -> list[Prediction]:
+    """The fsdp2 stack's state (memcalc.parallel.engines: fp32 parameters, gradients, m and v, sharded), then
+    FSDP2's per-tensor shards and torch.optim.AdamW(fused=True)'s step counters."""
+    params = stage_shape_params(shape, layout.tp, 1, 0)
+    g = layout.shard_group
+    state = sharded_state(params, tricks.precision, "adamw", g, layout.zero, False, False, "autocast")
+    parts = {p.name: p for p in state.parts}
+    counts = local_counts(shape, layout, rank)
+    out = []
+    for name in ("weights", "grads"):  # the shards and the reduce-scatter outputs: padded rows, fp32
+        part = parts[name]
+        diffs = state_differences(part.bytes, 4, 1, counts, g, True)
+        out.append(Prediction(name, part.bytes, diffs, formula=part.formula.replace("{N}", "P").replace("{G}", "G")))
+    moments = parts["adam_m"].bytes + parts["adam_v"].bytes
+    diffs = state_differences(moments, 4, 2, counts, g, False) + (step_counters(shape),)
+    out.append(Prediction("optimizer state", moments, diffs, formula="adam_m + adam_v"))
+    return out
+
+
+def step_counters(shape: ModelShape) -> Term:
+    """torch.optim.AdamW(fused=True): each parameter's state['step'] is a float32 scalar on its device
+    (torch/optim/adam.py _init_group, _get_scalar_dtype(is_fused=True)), 4 bytes per parameter tensor."""
+    n = len(param_tensors(shape))
+    return Term(f"fused AdamW's step counter, a float32 tensor per parameter ({n} tensors)", 4 * n, "4·n_tensors",
+                "torch/optim/adam.py _init_group")  # fmt: skip
 
 
 def embedding_grad(shape: ModelShape, layout: Layout, w: int) -> tuple[Term, ...]:
@@ -307,10 +373,88 @@ def activation_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tr
 
 
 def predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout, rank: int,
-                device: str) -> list[Prediction]:  # fmt: skip
-    """Every row of one rank's check, before measuring."""
-    state = state_predictions(shape, tricks, layout, rank)
-    return state + activation_predictions(shape, seq_len, micro_batch, tricks, layout, device)
+                device: str, engine: str = "none") -> list[Prediction]:  # fmt: skip
+    """Every row of one rank's check, before measuring; with the fsdp2 stack (tp = 1) each phase's peak too."""
+    state = state_predictions(shape, tricks, layout, rank, engine)
+    rows = state + activation_predictions(shape, seq_len, micro_batch, tricks, layout, device)
+    if engine == "fsdp2" and layout.tp == 1:
+        rows += phase_predictions(shape, seq_len, micro_batch, tricks, layout, rank, device)
+    return rows
+
+
+# ---- FSDP2's phases: memcalc.verification.fsdp2's replay, and the fsdp2 engine's charge -------------------
+
+REPLAY = "memcalc.verification.fsdp2: FSDP2's hooks replayed on memcalc.exact"
+
+
+def phase_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout, rank: int,
+                      device: str) -> list[Prediction]:  # fmt: skip
+    """Live bytes between steps and each phase's peak, as memcalc's FSDP2 replay predicts them (CUDA's
+    kernels; on CPU, the fake group's, LayerNorm's statistics are 16-bit: named); then the step's peak as
+    the fsdp2 engine (estimate --stack fsdp2) charges it, every byte between it and the replay named."""
+    from .fsdp2 import Param, fsdp2_phases  # memcalc.exact's simulator: loaded only when a check runs
+
+    params = [Param(t.name, tp_dims(t, layout.tp, rank % layout.tp)) for t in param_tensors(shape)]
+    cuda, _ = fsdp2_phases(shape, seq_len, micro_batch, tricks, layout, rank // layout.tp, params)
+    run = cuda
+    cpu = device != "cuda" and shape.norm == "layernorm" and tricks.precision != "fp32"
+    if cpu:
+        run, _ = fsdp2_phases(shape, seq_len, micro_batch, tricks, layout, rank // layout.tp, params, True)
+
+    def row(quantity: str, predicted: int, measured: int) -> Prediction:
+        diffs = ()
+        if measured != predicted:
+            diffs = (Term("CPU LayerNorm keeps mean and rstd in 16 bits, not fp32 (those live at this point)",
+                          measured - predicted, "", "aten.native_layer_norm, CPU kernel"),)  # fmt: skip
+        return Prediction(quantity, predicted, diffs, formula=REPLAY)
+
+    rows = [row("between steps", cuda.state_bytes, run.state_bytes),
+            row("forward peak", cuda.forward_peak_bytes, run.forward_peak_bytes),
+            row("backward peak", cuda.backward_peak_bytes, run.backward_peak_bytes),
+            row("optimizer peak", cuda.optimizer_peak_bytes, run.optimizer_peak_bytes)]  # fmt: skip
+    engine = engine_peak(shape, seq_len, micro_batch, tricks, layout)
+    diffs = engine_differences(engine, run)
+    rows.append(Prediction("step peak, the fsdp2 engine", engine.total_bytes, diffs,
+                           formula="memcalc.parallel.layout_memory, --stack fsdp2 (estimate's number)"))  # fmt: skip
+    return rows
+
+
+def engine_peak(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout):
+    """The fsdp2 engine's one stage (pp = 1) for this shape's own parameters, as estimate charges it."""
+    from memcalc.model.gpus import gpu
+    from memcalc.model.shape import Model
+    from memcalc.model.stacks import stack_for
+    from memcalc.parallel.layout import layout_memory
+
+    setup = Setup(seq_len=seq_len, micro_batch=micro_batch, stack=stack_for("fsdp2"))
+    model = Model(shape, n_params(shape), "verify")
+    (stage,) = layout_memory(model, setup, gpu("h100-sxm"), tricks, layout).stages
+    return stage
+
+
+def engine_differences(st, run) -> tuple[Term, ...]:
+    """The replay's peak against the engine's charge, part by part (memcalc.verification.fsdp2.PARTS)."""
+    parts = run.peak_parts
+    by_name = {p.name: p.bytes for p in st.state.parts}
+    state = by_name["weights"] + by_name["adam_m"] + by_name["adam_v"]
+    fsdp_buffers = sum(parts[k] for k in ("FSDP2 unsharded parameters", "FSDP2 all-gather buffers",
+                                          "bf16 unsharded gradients", "FSDP2 reduce-scatter inputs"))  # fmt: skip
+    at = "at the step's peak (" + ("backward" if run.backward_peak_bytes >= run.forward_peak_bytes else "forward") + ")"
+    terms = [
+        Term("sharded state: FSDP2's padded per-tensor shards, AdamW's m and v of the unpadded ones, fused "
+             "AdamW's step counters", parts["sharded state"] - state, "", FSDP2),
+        Term(f"sharded gradients {at}: zero_grad(set_to_none) frees them as the step starts, each unit's comes "
+             "back with its reduce-scatter", parts["sharded gradients"] - by_name["grads"], "",
+             "torchtitan train step; _fsdp_collectives.py foreach_reduce"),
+        Term(f"FSDP2's buffers {at} (unsharded parameters, all-gather and reduce-scatter buffers, bf16 "
+             "unsharded gradients) against the engine's", fsdp_buffers - st.buffer_bytes, "", FSDP2),
+        Term(f"activations and temporaries {at}, op by op (memcalc.exact), against the textbook's activations "
+             "and logits", parts["activations and temporaries"] - st.activation_peak_bytes - st.logits_bytes, "",
+             "memcalc.exact; Korthikanti et al. 2022, Table 2"),
+        Term("token ids (one (b, s + 1) draw) and eager attention's mask buffer", parts["inputs and buffers"], "",
+             "verify/dist_measure.py inputs()"),
+    ]  # fmt: skip
+    return tuple(t for t in terms if t.value)
 
 
 # ---- results --------------------------------------------------------------------------------
@@ -408,7 +552,7 @@ def compare(predicted: list[Prediction], measured: dict[str, int], layout: Layou
     dp_rank, tp_rank = rank_coords(layout, rank)
     rows = []
     for p in predicted:
-        key = "saved by one block" if p.quantity.startswith("saved by one block") else p.quantity
+        key = next((k for k in ("saved by one block", "step peak") if p.quantity.startswith(k)), p.quantity)
         rows.append(Row(p.quantity, p.predicted_bytes, measured[key], p.differences, p.checked, p.formula))
     return RankCheck(rank, dp_rank, tp_rank, tuple(rows))
 

@@ -1,0 +1,118 @@
+"""`memcalc estimate --format json`: one schema with or without a layout, one step time (issue 12, item 4).
+
+A layout used to switch to other top-level keys (and to {"layouts": [...]} with several trick sets), and
+the one-GPU JSON carried two step times: the roofline's and an MFU-based one under `compute`.
+"""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.memory.estimate import Setup, estimate
+from memcalc.model.gpus import gpu
+from memcalc.model.presets import preset_model
+from memcalc.model.tricks import parse_tricks
+from memcalc.time.calibration import calibration_for
+from memcalc.time.roofline import step_times
+
+JOB = ["estimate", "--model", "llama3-8b", "--seq", "4096"]
+
+
+def estimate_json(*args: str) -> dict:
+    out = CliRunner().invoke(app, [*JOB, *args, "--format", "json"])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.stdout)
+
+
+def element_keys(data: dict) -> dict[str, set[str]]:
+    """The keys of each list's entries (those that are objects), per top-level key."""
+    return {k: set().union(*(x for x in v if isinstance(x, dict))) for k, v in data.items()
+            if isinstance(v, list) and v and isinstance(v[0], dict)}  # fmt: skip
+
+
+ONE_GPU = estimate_json()
+
+
+@pytest.mark.parametrize("args", [
+    ("--tp", "1"), ("--tp", "2", "--pp", "2"), ("--tp", "2", "--sp", "--dp", "4", "--zero", "1", "--tokens", "1e12"),
+    ("--tricks", "bf16,flash", "--tp", "1"), ("--mfu", "0.4"), ("--tp", "2", "--mfu", "0.4"), ("--exact",),
+    ("--gpus", "8", "--zero", "3"), ("--tp", "2", "--exact", "--tricks", "bf16,flash"),
+])  # fmt: skip
+def test_one_schema(args):
+    """The same top-level keys in the same order, and the same keys in every `memory` and `time` entry,
+    for one GPU, a layout, several trick sets or one, --mfu or the roofline, --exact."""
+    data = estimate_json(*args)
+    assert list(data) == list(ONE_GPU)
+    keys = element_keys(data)
+    for key in ("memory", "time"):
+        assert keys[key] == element_keys(ONE_GPU)[key], key
+    assert len(data["memory"]) == len(data["time"]) == len(data["trick_sets"])
+
+
+def test_a_layout_of_one_gpu_gives_the_one_gpu_answer():
+    """--tp 1: the textbook's memory to the byte, the roofline's step time to 1e-12, the same keys all the
+    way down in `memory`, `time` and `layout`."""
+    layout = estimate_json("--tp", "1")
+    assert layout["memory"] == ONE_GPU["memory"]
+    assert layout["layout"] == ONE_GPU["layout"] and layout["layout"]["world"] == 1
+    for a, b in zip(layout["time"], ONE_GPU["time"], strict=True):
+        assert set(a) == set(b) and list(a["breakdown"]) == list(b["breakdown"])
+        for key in ("step_seconds", "tokens_per_second", "mfu", "hfu"):
+            assert a[key] == pytest.approx(b[key], rel=1e-12), key
+        assert (a["model_flops"], a["hardware_flops"], a["tokens_per_step"]) == \
+               (b["model_flops"], b["hardware_flops"], b["tokens_per_step"])  # fmt: skip
+    assert layout["not_replayed"] and layout["verdict"] == [] and ONE_GPU["verdict"]
+
+
+def test_one_step_time_the_roofline_s():
+    """The one-GPU JSON's step time is the roofline's, to the byte; no second, MFU-based one; the MFU and HFU
+    are derived from it; the kernels keep their own detail."""
+    assert "compute" not in ONE_GPU and ONE_GPU["time_model"] == "roofline"
+    model, g = preset_model("llama3-8b"), gpu("h100-sxm")
+    trick_sets = tuple(parse_tricks(t) for t in ("fp32", "bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective"))
+    times = step_times(model, Setup(seq_len=4096), g, trick_sets, calibration_for("h100-sxm"))
+    for t, time, kernels in zip(times, ONE_GPU["time"], ONE_GPU["roofline"], strict=True):
+        assert (time["step_seconds"], time["tokens_per_second"], time["mfu"], time["hfu"]) == \
+               (t.step_seconds, t.tokens_per_second, t.mfu, t.hfu)  # fmt: skip
+        assert time["mfu"] == pytest.approx(time["model_flops"] / (time["step_seconds"] * time["peak_flops"]), 1e-12)
+        assert sum(time["breakdown"].values()) == pytest.approx(time["step_seconds"], rel=1e-12)
+        assert not {"step_seconds", "tokens_per_second", "mfu", "hfu"} & set(kernels) and kernels["ops"]
+
+
+def test_mfu_times_the_step_once():
+    """--mfu X: the step is the executed FLOPs at X of peak (memcalc.memory.estimate.Compute), nothing else."""
+    data = estimate_json("--mfu", "0.4")
+    est = estimate(preset_model("llama3-8b"), Setup(seq_len=4096, mfu=0.4), gpu("h100-sxm"))
+    assert data["time_model"] == "mfu" and data["roofline"] == [] and data["calibration"] is None
+    for c, time in zip(est.compute, data["time"], strict=True):
+        assert (time["step_seconds"], time["mfu"], time["hfu"]) == (c.step_seconds, c.mfu, c.hfu)
+        assert sum(time["breakdown"].values()) == pytest.approx(c.step_seconds, rel=1e-12)
+
+
+def test_layout_memory_is_its_peak_stage_and_time_the_job_s():
+    """With a layout `memory` is the stage that peaks (so `fits` is the layout's), `stages` holds each
+    stage, `time` the job's tokens over its GPUs with the traffic listed and its exposed part in the
+    breakdown."""
+    data = estimate_json("--tp", "2", "--pp", "4", "--dp", "2", "--zero", "1", "--tricks", "bf16,flash,ckpt")
+    (stages,), (memory,), (time,) = data["stages"], data["memory"], data["time"]
+    assert len(stages) == 4 and memory["total_bytes"] == max(st["total_bytes"] for st in stages)
+    assert memory["fits"] == all(st["fits"] for st in stages)
+    peak = max(stages, key=lambda st: st["total_bytes"])
+    assert data["model_state"] == peak["state"]
+    assert time["gpus"] == data["layout"]["world"] == 16
+    assert time["tokens_per_step"] == 2 * 4096  # dp · b · m · s
+    assert {c["group"] for c in time["comms"]} == {"tp", "pp", "dp×cp"}
+    exposed = sum(c["exposed_seconds"] for c in time["comms"])
+    assert sum(time["breakdown"].values()) == pytest.approx(time["step_seconds"], rel=1e-12)
+    assert time["breakdown"]["tp"] + time["breakdown"]["pp"] + time["breakdown"]["dp×cp"] == pytest.approx(exposed)
+
+
+def test_one_gpu_over_data_parallel_gpus():
+    """--gpus N without a layout: N data-parallel copies of one GPU's step (perfect scaling): the job's tokens
+    N times one GPU's, its MFU one GPU's; the layout says so."""
+    data = estimate_json("--gpus", "8", "--zero", "3", "--tricks", "bf16,flash")
+    (time,), (one,) = data["time"], estimate_json("--tricks", "bf16,flash")["time"]
+    assert data["layout"]["dp"] == 8 and data["layout"]["zero"] == 3 and data["layout"]["world"] == 8
+    assert time["tokens_per_second"] == one["tokens_per_second"] * 8 and time["mfu"] == one["mfu"]

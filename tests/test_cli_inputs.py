@@ -180,8 +180,8 @@ def test_gemma_is_geglu_and_verified_as_such(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    ("verify --params 8e9 --fsdp 8 --matrix", "--matrix apply to one GPU's verify"),
-    ("verify --params 8e9 --tp 2 --save out", "--save apply to one GPU's verify"),
+    ("verify --params 8e9 --fsdp 8 --tol 0.01", "--tol apply to one GPU's verify"),
+    ("verify --params 8e9 --tp 2 --save out", "add --matrix"),
     ("verify --params 8e9 --fsdp 8 --device cuda", "--device apply to one GPU's verify"),
     ("mfu --params 8e9 --tokens-per-sec 3000 --gpus 8", "per GPU already: drop --gpus"),
     ("estimate --params 8e9 --sweep seq=1k:4k --tokens 1e12", "drop --sweep or --tokens"),

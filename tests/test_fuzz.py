@@ -95,7 +95,7 @@ def check(args: list[str], result) -> None:
 
 
 def sane(value, where: str, key: str = "") -> None:
-    """No NaN or infinity anywhere, and no negative byte count."""
+    """No NaN or infinity anywhere, and no negative byte count (headroom is signed: below 0, over by that)."""
     if isinstance(value, dict):
         for k, v in value.items():
             sane(v, where, k)
@@ -105,7 +105,7 @@ def sane(value, where: str, key: str = "") -> None:
     elif isinstance(value, float):
         assert math.isfinite(value), (where, key, value)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith("bytes"):
-        assert value >= 0 and float(value).is_integer(), (where, key, value)
+        assert (value >= 0 or key == "headroom_bytes") and float(value).is_integer(), (where, key, value)
 
 
 # ---- every call keeps the contract ------------------------------------------------------------------

@@ -567,6 +567,7 @@ def test_estimate_prints_the_stacks_step_time():
     for stack in ("reference", "torch"):
         out = CliRunner().invoke(app, args + ["--stack", stack])
         assert out.exit_code == 0, out.output
-        roofline = json.loads(out.stdout)["roofline"][0]
-        assert roofline["step_seconds"] == stack_time(STACKS[stack]).step_seconds
+        data = json.loads(out.stdout)
+        roofline, (time,) = data["roofline"][0], data["time"]
+        assert time["step_seconds"] == stack_time(STACKS[stack]).step_seconds
         assert ("_foreach_sqrt" in {op["op"] for op in roofline["ops"]}) == (stack == "torch")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from memcalc.errors import InputError
 
@@ -225,7 +226,10 @@ def is_moe_layer(shape: ModelShape, i: int) -> bool:
             and i not in shape.dense_layers)  # fmt: skip
 
 
+@lru_cache(maxsize=1024)
 def moe_layer_count(shape: ModelShape) -> int:
+    if not shape.n_experts:  # a dense model: asked for by every layout the planner builds
+        return 0
     return sum(is_moe_layer(shape, i) for i in range(shape.n_layers))
 
 

@@ -256,16 +256,22 @@ def tp_shape(shape: ModelShape, tp: int) -> ModelShape:
     (Shoeybi et al. 2019; Megatron's vocab-parallel embedding and cross-entropy)."""
     if tp == 1:
         return shape
+    moe = {}
+    if shape.n_experts:  # routed experts whole (ep and etp split them); the shared ones split as an MLP
+        each = shape.shared_ffn // shape.n_shared_experts if shape.n_shared_experts else None
+        moe = dict(expert_ffn=shape.routed_ffn, shared_expert_ffn=None if each is None else -(-each // tp))
     return replace(shape, n_heads=shape.n_heads // tp, n_kv_heads=shape.n_kv_heads // tp, ffn=shape.ffn // tp,
-                   vocab=-(-shape.vocab // tp), head_dim=shape.head_dim)  # fmt: skip
+                   vocab=-(-shape.vocab // tp), head_dim=shape.head_dim, **moe)  # fmt: skip
 
 
 def roofline_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage_layers: tuple[int, ...],
                   cal: Calibration) -> Work:  # fmt: skip
     """Each stage's kernels on its GPU (memcalc.time.roofline.stage_kernels); the slowest stage's."""
     grads = layout.shard_group if layout.zero >= 2 else 1
+    experts = layout.ep * layout.etp
     k = stage_kernels(tp_shape(model.shape, layout.tp), setup.seq_len // layout.cp, setup.micro_batch, tricks, gpu,
-                      cal, layout.tp if layout.sp else 1, layout.cp, grads, layout.shard_group)  # fmt: skip
+                      cal, layout.tp if layout.sp else 1, layout.cp, grads, layout.shard_group, experts,
+                      layout.expert_shard_group if layout.zero >= 2 else 1, layout.expert_shard_group)  # fmt: skip
     p = layout.pp
     kinds = {(n, i == 0, i == p - 1) for i, n in enumerate(stage_layers)}  # a handful: the ends and the middle
     works = [stage_work(k, n, first, last) for n, first, last in sorted(kinds)]
@@ -348,7 +354,7 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
         utilization=mfu,
         compute_seconds=m * (mb.forward + mb.backward) + (m - 1) * work.accumulate,
         recompute_seconds=m * mb.recompute,
-        optimizer_seconds=work.optimizer,
+        optimizer_seconds=0.0 if layout.offload_optimizer else work.optimizer,  # offloaded: the CPU's (cpu_optimizer)
         bubble_seconds=0.0 if mfu is not None else slowest * m * bubble_fraction(layout, m),
         comms=comms,
         cpu_optimizer_seconds=0.0 if mfu is not None else cpu,
@@ -455,10 +461,12 @@ def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
     layers = max(memory.stage_layers or (model.shape.n_layers // p,))
     shape, seq, sp = tp_shape(model.shape, layout.tp), setup.seq_len // layout.cp, layout.tp if layout.sp else 1
     if traced:
-        block = block_lower_bound(shape, seq, setup.micro_batch, tricks, gpu, cal, sp, layout.cp)
+        experts = layout.ep * layout.etp
+        block = block_lower_bound(shape, seq, setup.micro_batch, tricks, gpu, cal, sp, layout.cp, experts)
         grads = layout.shard_group if layout.zero >= 2 else 1
-        k = stage_kernels(shape, seq, 1, tricks, gpu, cal, sp, layout.cp, grads, layout.shard_group)
-        once = (m - 1) * layers * k.block_accumulate + layers * k.optimizer_block
+        k = stage_kernels(shape, seq, 1, tricks, gpu, cal, sp, layout.cp, grads, layout.shard_group, experts,
+                          layout.expert_shard_group if layout.zero >= 2 else 1, layout.expert_shard_group)  # fmt: skip
+        once = (m - 1) * layers * k.block_accumulate + (0.0 if layout.offload_optimizer else layers * k.optimizer_block)
     else:
         rate = gpu.peak_flops(tricks.precision) * cal.matmul
         block, once = 6 * matmul_weights(model.shape, layout.tp) * setup.micro_batch * seq / rate, 0.0
@@ -476,7 +484,8 @@ def matmul_weights(shape: ModelShape, tp: int) -> int:
     """One block's matmul weights on one TP rank: Q, K, V, O and the MLP's matrices, split over tp."""
     n_in = 2 if shape.gated_mlp else 1
     h = shape.hidden
-    return (2 * h * shape.q_dim + 2 * h * shape.kv_dim + (n_in + 1) * h * shape.ffn) // tp
+    mlp = 0 if shape.n_experts else (n_in + 1) * h * shape.ffn  # a MoE's: left out (a bound stays a bound)
+    return (2 * h * shape.q_dim + 2 * h * shape.kv_dim + mlp) // tp
 
 
 @lru_cache(maxsize=1024)

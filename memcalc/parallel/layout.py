@@ -318,6 +318,7 @@ def tp_moe_layer_params(shape: ModelShape, tp: int) -> int:
     return split // tp + replicated
 
 
+@lru_cache(maxsize=4096)
 def moe_split(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
     """(dense layers, MoE layers) of one pipeline stage's L/p consecutive layers."""
     per = shape.n_layers // pp

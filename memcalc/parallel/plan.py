@@ -155,18 +155,24 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     variants = recompute_variants(tricks, recomputes)
     candidates, searched = [], 0
     family_small: dict[str, tuple] = {}
+    too_big: set[tuple] = set()  # (layout, tricks) that did not fit at a smaller micro-batch
     for layout, b, m in expert_layouts(model, layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash,
                                                       offload, stack.engine)):  # fmt: skip
-        setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
-                      host_memory=host_memory, stack=stack)  # fmt: skip
+        setup = None
         for t in variants:
             searched += 1
+            if prune and (layout, t) in too_big:  # a larger micro-batch never holds less: skipped unbuilt
+                continue
+            if setup is None:
+                setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
+                              host_memory=host_memory, stack=stack)  # fmt: skip
             memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
             total, fits = peak_and_fit(memory)
             if fits:
                 bound = step_lower_bound(model, setup, gpu, t, layout, memory, assume, timing, False) if prune else 0.0
                 candidates.append((bound, layout, setup, t, memory, total))
             else:
+                too_big.add((layout, t))
                 entry = (total, layout, setup, t, memory)
                 note(family_small, layout, t, entry)  # the least memory first
     fitting, family_best = timed(model, gpu, candidates, assume, timing, top)
@@ -312,12 +318,14 @@ def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_
     shardings = list(sharding_options(tp, pp, dp * cp, gpus_per_node, offload, engine))
     for v in vpps:
         for sp in sps:
+            # one Layout per sharding, whatever the micro-batch (building one validates it)
+            built = [Layout(tp, pp, cp, dp, zero, hybrid, sp, v, opt, params, gpus_per_node)
+                     for zero, hybrid, opt, params in shardings]  # fmt: skip
             for b in batches:
                 m = per_replica // b
                 if v > 1 and m % pp:
                     continue
-                for zero, hybrid, opt, params in shardings:
-                    layout = Layout(tp, pp, cp, dp, zero, hybrid, sp, v, opt, params, gpus_per_node)
+                for layout in built:
                     yield layout, b, m
 
 

@@ -178,7 +178,6 @@ BAD_INPUT = [
     (["estimate", "--params", "8e9", "--model", "gpt2"], "give one of"),
     (["estimate"], "say which model"),
     (["estimate", "--config", "no/such/config.json"], "config file not found"),
-    (["estimate", "--config", "examples/configs/mixtral-8x7b.json"], "mixture-of-experts"),
     (["estimate", "--params", "8e9", "--bogus"], "No such option"),
     (["estimate", "--params"], "requires an argument"),
     (["fit", "--params", "8e9", "--tricks", "bf16,warp"], "unknown trick"),

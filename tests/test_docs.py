@@ -8,6 +8,9 @@ For README.md and each docs/*.md:
    `<!-- example: memcalc ARGS | section: TITLE -->` shows one section of that output: the
    blank-line-separated block whose first line starts with TITLE (exactly one block must).
    `<!-- example: python PATH -->` shows what the Python script at PATH prints.
+   `<!-- example, takes ~N min: memcalc ARGS -->` is an example that takes minutes (a plan searched
+   cold): it runs where MEMCALC_SLOW=1 (CI sets it in .ci/run) or UPDATE_DOCS=1; elsewhere its
+   command is parsed, not run, so the suite stays quick where people run it often.
    After a deliberate change, refresh every block with:  UPDATE_DOCS=1 python -m pytest tests/test_docs.py
 2. Commands. Every line of a ```sh block that starts with `memcalc ` runs and exits 0. A line whose
    trailing comment starts with `# needs` (a GPU, torchrun, matplotlib) or `# takes` (longer than a
@@ -45,7 +48,7 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 ENV = {"NO_COLOR": "1", "COLUMNS": "100"}
 
-EXAMPLE = re.compile(r"<!-- example: (memcalc|python) (.+?) -->\n```text\n(.*?)```", re.DOTALL)
+EXAMPLE = re.compile(r"<!-- example(, takes [^:]+)?: (memcalc|python) (.+?) -->\n```text\n(.*?)```", re.DOTALL)
 SECTION = " | section: "
 SH_BLOCK = re.compile(r"^```sh\n(.*?)^```", re.DOTALL | re.MULTILINE)
 PY_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -109,7 +112,11 @@ def shown(kind: str, spec: str) -> str:
 
 
 def block(m: re.Match) -> str:
-    return f"<!-- example: {m[1]} {m[2]} -->\n```text\n{shown(m[1], m[2])}```"
+    return f"<!-- example{m[1] or ''}: {m[2]} {m[3]} -->\n```text\n{shown(m[2], m[3])}```"
+
+
+def run_slow() -> bool:
+    return bool(os.environ.get("MEMCALC_SLOW") or os.environ.get("UPDATE_DOCS"))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
@@ -120,7 +127,10 @@ def test_examples_are_what_memcalc_prints(page):
         if new != text:
             page.write_text(new)
             text = new
-    for kind, spec, block_text in EXAMPLE.findall(text):
+    for slow, kind, spec, block_text in EXAMPLE.findall(text):
+        if slow and not run_slow():
+            parse_only(shlex.split(spec.partition(SECTION)[0]))
+            continue
         assert block_text == shown(kind, spec), (
             f"{page_id(page)}: the example `{kind} {spec}` is stale; "
             "refresh with UPDATE_DOCS=1 python -m pytest tests/test_docs.py"
@@ -345,6 +355,22 @@ def test_textbook_against_exact_prose():
             f"where PyTorch keeps {exact['bf16'].activations.outside_bytes / 1e9:.2f} GB",
         ),
     )
+
+
+def test_moe_counts():
+    """docs/moe.md's table of exact counts and its DeepSeek-V3 figures, from the engine."""
+    from memcalc.model.presets import PRESETS
+    from memcalc.model.shape import n_params, param_counts
+
+    rows = table_rows(read("docs/moe.md"), r"[a-z0-9.-]+")
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
+        counts = param_counts(PRESETS[name])
+        assert (rows[name][0], rows[name][2]) == (f"{counts.main:,}", f"{counts.active:,}"), name
+    v3 = PRESETS["deepseek-v3"]
+    mtp = param_counts(v3).mtp
+    own_copies = mtp + 2 * v3.vocab * v3.hidden
+    assert_quoted("docs/moe.md", [f"{mtp:,} parameters of its own", f"{n_params(v3):,} parameters",
+                                  f"({own_copies / 1e9:.2f}B)"])  # fmt: skip
 
 
 def test_stack_pages_prose():

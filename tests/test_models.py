@@ -130,8 +130,9 @@ def test_gated_mlp_comes_from_the_architecture_not_the_ratio():
     ("[1, 2]", "must hold a JSON object"),
     ('{"model_type": "llama"}', "has no 'hidden_size'"),
     ('{"model_type": "bert", "hidden_size": 8}', "unknown model_type 'bert'"),
-    ('{"model_type": "mixtral", "num_local_experts": 8}', "mixture-of-experts"),
-    ('{"model_type": "qwen3_moe"}', "mixture-of-experts"),
+    ('{"model_type": "qwen2_moe", "num_experts": 60}', "mixture-of-experts model_type 'qwen2_moe' is not supported"),
+    ('{"model_type": "llama", "n_routed_experts": 8}', "mixture-of-experts model_type 'llama' is not supported"),
+    ('{"model_type": "qwen3_moe"}', "has no 'hidden_size'"),
     ('{"model_type": "llama", "hidden_size": "big", "num_hidden_layers": 2, "num_attention_heads": 2, '
      '"vocab_size": 8, "intermediate_size": 8}', "must be a whole number"),
 ])  # fmt: skip

@@ -72,6 +72,10 @@ def measure(fn, seq_len: int, micro_batch: int, device: str) -> tuple[StepBytes,
     with live:  # entered before the build: every storage the user's code makes is counted by its op
         with dev:
             built = fn(dev, seq_len, micro_batch)
+        # The build's garbage in reference cycles goes now, not whenever gc next runs (LiveBytes disables it):
+        # a process's first build can leave its temporaries in one (torch's lazy first-call paths catch an
+        # exception whose traceback keeps the caller's frame), and the measurement must not depend on it.
+        gc.collect()
         if not (isinstance(built, tuple) and len(built) == 3 and callable(built[2])):
             raise InputError("--step: the function must return (model, optimizer, loss), loss a function of no arguments")
         model, optimizer, loss_fn = built

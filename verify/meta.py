@@ -6,7 +6,8 @@ Three passes over the same model and recipe:
      its forward: the bytes of every phase, exactly as the dispatcher allocates them;
   2. the same at depth 1 and 2: per-layer saved bytes are the difference (and the full depth must
      be linear in them); with ckpt:N at depths N − 1, N and N + 1, for a layer not checkpointed
-     (N + 1 less N) and one checkpointed (N less N − 1);
+     (N + 1 less N) and one checkpointed (N less N − 1); with dense blocks before MoE ones, the step
+     exact counts outside (memcalc.exact.step.Growth.first_blocks) and a MoE block of each kind past it;
   3. FLOPs under FlopCounterMode, forward and backward, in a pass of its own (with non-reentrant
      checkpointing it keeps recomputed tensors alive until it exits).
 Meta runs what CUDA runs because the builder is told to (Kernels): aten.native_dropout and
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from memcalc.exact.step import as_run, growth, layer_blocks
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
@@ -220,18 +222,22 @@ class MetaMeasurement:
     flops_by_op: tuple[tuple[str, int], ...]
     seconds: float
     saved_checkpointed_layer_bytes: int | None = None  # ckpt:N: one checkpointed layer (depth N less N − 1)
-    n_checkpointed: int = 0  # ckpt:N: the layers checkpointed at full depth
+    n_checkpointed: int = 0  # ckpt:N: the layers checkpointed at full depth (past first_blocks)
+    first_blocks: int = 0  # blocks counted in outside: dense blocks first, then MoE ones (memcalc.exact.step.Growth)
+    plain_depth: int = 1  # saved_one_layer_bytes is the step at this depth + 1 less this depth
+    checkpointed_depth: int = 0  # saved_checkpointed_layer_bytes likewise
 
     @property
     def saved_from_depths(self) -> int:
         """What the depths say the full depth saves: outside + each layer's."""
-        plain = self.step.layers - self.n_checkpointed
+        plain = self.step.layers - self.first_blocks - self.n_checkpointed
         return (self.saved_outside_bytes + plain * self.saved_one_layer_bytes
                 + self.n_checkpointed * (self.saved_checkpointed_layer_bytes or 0))  # fmt: skip
 
     @property
     def linear_in_depth(self) -> bool:
-        """The full-depth saved bytes equal outside + L × one layer (ckpt:N: each kind of layer's)."""
+        """The full-depth saved bytes equal outside + L × one layer (ckpt:N: each kind of layer's; with dense
+        blocks first, the MoE layers past first_blocks)."""
         return self.step.saved_bytes == self.saved_from_depths
 
 
@@ -242,19 +248,38 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
     step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack=stack, optimizer=optimizer)
-    n_ckpt = tricks.n_checkpointed(shape.n_layers) if tricks.mixed else 0
-    if n_ckpt:  # ckpt:N: blocks N and N + 1 (from 1) are checkpointed and plain
+    L, grown = shape.n_layers, growth(tricks, shape)
+    n_ckpt = tricks.n_checkpointed(L) if tricks.mixed else 0
+
+    def saved(depth: int) -> int:
+        return saved_at_depth(shape, seq_len, micro_batch, tricks, depth, stack)
+
+    first, plain_depth, ckpt_depth = 0, 1, 0
+    if grown is None:  # dense and MoE blocks in another pattern: measured whole only
+        progress("meta: saved bytes per layer: not linear in depth (blocks of two kinds interleaved)")
+        plain, checkpointed, outside, first, n_ckpt = 0, None, step.saved_bytes, L, 0
+    elif grown.dense:  # dense blocks first: the step of first_blocks blocks outside, MoE blocks past it (exact's)
+        run, first = as_run(tricks, L), grown.first_blocks
+        plain_depth, ckpt_depth = layer_blocks(grown, run)
+        n_ckpt = run.n_checkpointed(L) - run.n_checkpointed(first) if run.mixed else 0
+        depths = sorted({first} | {d + i for d in (plain_depth, ckpt_depth) if d is not None for i in (0, 1)})
+        progress(f"meta: saved bytes at depths {', '.join(map(str, depths))}")
+        outside = step.saved_bytes if first == L else saved(first)
+        plain = saved(plain_depth + 1) - saved(plain_depth) if plain_depth is not None else 0
+        checkpointed = saved(ckpt_depth + 1) - saved(ckpt_depth) if ckpt_depth is not None else None
+        plain_depth, ckpt_depth = plain_depth or 0, ckpt_depth or 0
+    elif n_ckpt:  # ckpt:N: blocks N and N + 1 (from 1) are checkpointed and plain
         n = tricks.ckpt_every
         progress(f"meta: saved bytes at depths {n - 1}, {n} and {n + 1}")
-        before, at, after = (saved_at_depth(shape, seq_len, micro_batch, tricks, d, stack) for d in (n - 1, n, n + 1))
+        before, at, after = (saved(d) for d in (n - 1, n, n + 1))
         plain, checkpointed, outside = after - at, at - before, before - (n - 1) * (after - at)
+        plain_depth, ckpt_depth = n, n - 1
     else:
         progress("meta: saved bytes at depths 1 and 2")
-        one = saved_at_depth(shape, seq_len, micro_batch, tricks, 1, stack)
-        two = saved_at_depth(shape, seq_len, micro_batch, tricks, 2, stack)
+        one, two = saved(1), saved(2)
         plain, checkpointed, outside = two - one, None, 2 * one - two
     progress("meta: FLOPs")
     flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack, optimizer)
     return MetaMeasurement(step, plain, outside, flops, tuple(sorted(by_op.items())), time.perf_counter() - start,
-                           checkpointed, n_ckpt)  # fmt: skip
+                           checkpointed, n_ckpt, first, plain_depth, ckpt_depth)  # fmt: skip
 

@@ -172,19 +172,22 @@ def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progr
     e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer)
     tb, s, ph, a, L = textbook(shape, setup, tricks), m.step, e.phases, e.activations, shape.n_layers
     where = {"forward": s.forward_peak_at, "backward": s.backward_peak_at, "optimizer": s.optimizer_peak_at}
+    first = m.first_blocks  # dense blocks before MoE ones: one MoE layer, and the first blocks counted outside
+    outside = f"outside the MoE layers (and the first {first} blocks)" if first else "outside the layers"
+    plain, n = L - first - m.n_checkpointed, m.n_checkpointed
     rows = [
         Row("weights and buffers", "bytes", tb["weights"], ph.weights_bytes, s.weights_bytes, tol),
         Row("model state between steps (weights, master, AdamW m and v)", "bytes", tb["state"], ph.state_bytes,
             s.state_bytes, tol),
         Row("gradients after backward", "bytes", tb["grads"], ph.grads_bytes, s.grads_bytes, tol),
     ] + layer_rows(m, a, tb, tol) + [
-        Row("saved for backward, outside the layers", "bytes", tb["outside"], a.outside_bytes, m.saved_outside_bytes,
-            tol, "textbook: the logits and their fp32 copy"),
+        Row(f"saved for backward, {outside}", "bytes", None if first else tb["outside"], a.outside_bytes,
+            m.saved_outside_bytes, tol, "textbook: the logits and their fp32 copy"),
         Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], a.total_bytes, s.saved_bytes, tol,
             "textbook: no formula for sac" if tb["saved"] is None else ""),
-        Row("saved bytes linear in depth (outside + L × layer)" if not m.n_checkpointed else
-            f"saved bytes linear in depth (outside + {L - m.n_checkpointed} plain + {m.n_checkpointed} "
-            "checkpointed layers)", "bytes", None, m.saved_from_depths, s.saved_bytes, 0.0),
+        Row("saved bytes linear in depth (outside + L × layer)" if not n else
+            f"saved bytes linear in depth (outside + {plain} plain + {n} checkpointed layers)", "bytes", None,
+            m.saved_from_depths, s.saved_bytes, 0.0),
         Row("kept after forward (saved, checkpoint inputs, loss)", "bytes", None, ph.retained_bytes,
             s.retained_bytes, tol),
     ]  # fmt: skip
@@ -210,18 +213,21 @@ def textbook_gaps(tricks: Tricks) -> tuple[str, ...]:
 
 def layer_rows(m, a, tb: dict, tol: float) -> list[Row]:
     """Saved for backward by one layer: from depths 1 and 2; with ckpt:N one layer of each kind, from
-    depths N − 1, N and N + 1. sac saves the outputs its policy keeps (counted as saved: they are
-    kept for backward), and the textbook has no formula for it."""
+    depths N − 1, N and N + 1; with dense blocks before MoE ones, a MoE layer (of each kind) past the
+    blocks exact counts outside, where the textbook has no row of its own. sac saves the outputs its
+    policy keeps (counted as saved: they are kept for backward), and the textbook has no formula for it."""
     none = "; textbook: no formula for sac" if tb["layer"] is None else ""
-    if not m.n_checkpointed:
-        return [Row("saved for backward, one layer", "bytes", tb["layer"], a.per_layer_bytes, m.saved_one_layer_bytes,
-                    tol, "measured: depth 2 less depth 1" + none)]  # fmt: skip
-    n = a.tricks.ckpt_every
+    first = m.first_blocks
+    kind, tb_layer, tb_ckpt = (" MoE", None, None) if first else ("", tb["layer"], tb["checkpointed"])
+    p, c = m.plain_depth, m.checkpointed_depth
+    if m.saved_checkpointed_layer_bytes is None:
+        return [Row(f"saved for backward, one{kind} layer", "bytes", tb_layer, a.per_layer_bytes,
+                    m.saved_one_layer_bytes, tol, f"measured: depth {p + 1} less depth {p}" + none)]  # fmt: skip
     return [
-        Row("saved for backward, one layer not checkpointed", "bytes", tb["layer"], a.per_layer_bytes,
-            m.saved_one_layer_bytes, tol, f"measured: depth {n + 1} less depth {n}"),
-        Row("saved for backward, one checkpointed layer", "bytes", tb["checkpointed"], a.checkpointed_bytes,
-            m.saved_checkpointed_layer_bytes, tol, f"measured: depth {n} less depth {n - 1}"),
+        Row(f"saved for backward, one{kind} layer not checkpointed", "bytes", tb_layer, a.per_layer_bytes,
+            m.saved_one_layer_bytes, tol, f"measured: depth {p + 1} less depth {p}"),
+        Row(f"saved for backward, one{kind} checkpointed layer", "bytes", tb_ckpt, a.checkpointed_bytes,
+            m.saved_checkpointed_layer_bytes, tol, f"measured: depth {c + 1} less depth {c}"),
     ]  # fmt: skip
 
 

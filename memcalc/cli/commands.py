@@ -77,6 +77,8 @@ Tp = Annotated[Optional[str], typer.Option("--tp", help="Tensor-parallel GPUs pe
 Pp = Annotated[Optional[str], typer.Option("--pp", help="Pipeline stages.", metavar="N")]
 Cp = Annotated[Optional[str], typer.Option("--cp", help="Context-parallel GPUs per sequence (needs flash).", metavar="N")]  # fmt: skip
 Dp = Annotated[Optional[str], typer.Option("--dp", help="Data-parallel replicas (default: what --gpus leaves).", metavar="N")]  # fmt: skip
+Ep = Annotated[Optional[str], typer.Option("--ep", help="Expert-parallel GPUs: each holds 1/N of a MoE layer's experts (within tp x cp x dp).", metavar="N")]  # fmt: skip
+Etp = Annotated[Optional[str], typer.Option("--etp", help="Expert tensor parallel: each expert's MLP split over N GPUs.", metavar="N")]  # fmt: skip
 Sp = Annotated[bool, typer.Option("--sp", help="Sequence parallel on the TP group.")]
 Vpp = Annotated[Optional[str], typer.Option("--vpp", help="Virtual pipeline stages per GPU (interleaved 1F1B).", metavar="N")]  # fmt: skip
 Hybrid = Annotated[bool, typer.Option("--hybrid", help="Shard inside a node, replicate across nodes (FSDP hybrid).")]
@@ -96,6 +98,8 @@ Reshard = Annotated[Optional[bool], typer.Option("--reshard/--no-reshard", help=
 RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="How 16-bit trains, instead of the stack's: master (fp32 master copy), autocast (fp32 weights), pure (16-bit weights and optimizer state).", metavar="NAME")]  # fmt: skip
 ImplOpt = Annotated[Optional[str], typer.Option("--optimizer-impl", help="The optimizer's implementation, instead of the stack's: reference, loop (foreach=False), foreach, fused.", metavar="NAME")]  # fmt: skip
 Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
+CapacityFactor = Annotated[Optional[str], typer.Option("--capacity-factor", help="Mixture of experts: each expert takes at most CF x its balanced tokens, padded to that (Megatron's capacity factor). Default: none, nothing dropped.", metavar="CF")]  # fmt: skip
+ExpertImbalance = Annotated[Optional[str], typer.Option("--expert-imbalance", help="Mixture of experts: the busiest GPU's experts get X times their balanced tokens (default 1: balanced).", metavar="X")]  # fmt: skip
 ExactBytes = Annotated[bool, typer.Option("--bytes", help="Exact byte counts under each value (JSON and CSV always carry them).")]  # fmt: skip
 
 
@@ -111,9 +115,25 @@ def check_format(fmt: str) -> str:
     return key
 
 
+def build_routing(model, capacity_factor: str | None, imbalance: str | None):
+    """--capacity-factor and --expert-imbalance: the routing assumption of a mixture-of-experts model."""
+    from memcalc.model.moe import BALANCED, Routing
+
+    if capacity_factor is None and imbalance is None:
+        return BALANCED
+    if not model.shape.is_moe:
+        given = " and ".join(f for f, v in (("--capacity-factor", capacity_factor), ("--expert-imbalance", imbalance))
+                             if v is not None)  # fmt: skip
+        raise InputError(f"{given} describe how a mixture of experts routes tokens; {model.shape.name} has no experts")
+    cf = None if capacity_factor is None else parse_positive(capacity_factor, "capacity-factor")
+    x = 1.0 if imbalance is None else parse_positive(imbalance, "expert-imbalance")
+    return Routing(cf, x)
+
+
 def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T",
-                stack="reference", recipe=None, impl=None):  # fmt: skip
+                stack="reference", recipe=None, impl=None, routing=None):  # fmt: skip
     from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
+    from memcalc.model.moe import BALANCED
     from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
     from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
     from memcalc.model.stacks import stack_for
@@ -131,6 +151,7 @@ def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mf
         mfu=parse_fraction(mfu, "mfu"),
         host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
         stack=stack_for(stack, recipe, impl),
+        routing=routing or BALANCED,
     )
 
 
@@ -159,9 +180,11 @@ def estimate(
     optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
+    ep: Ep = None, etp: Etp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     pp_layers: PpLayers = None, reshard: Reshard = None,
     gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
+    capacity_factor: CapacityFactor = None, expert_imbalance: ExpertImbalance = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1k:64k or micro-batch=1:64 (doubling), seq=1k:8k:1k (a step) or seq=1k,4k,6k (a list): memory and step time against it.", metavar="SPEC")] = None,
@@ -176,8 +199,8 @@ def estimate(
     With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
     estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
     """
-    layout_given = (any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node, pp_layers, reshard)) or sp or hybrid
-                    or offload_params)  # fmt: skip
+    layout_given = (any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node, pp_layers, reshard, ep, etp)) or sp
+                    or hybrid or offload_params)  # fmt: skip
     try:
         from memcalc.model.gpus import gpu as find_gpu
 
@@ -186,6 +209,7 @@ def estimate(
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         trick_sets, the_gpu = resolve_tricks(tricks), find_gpu(gpu)
+        routing = build_routing(the_model, capacity_factor, expert_imbalance)
         run = parse_run(tokens, price)
         if png is not None and sweep is None:
             raise InputError("--png draws a sweep: add --sweep seq=A:B or micro-batch=A:B")
@@ -202,16 +226,17 @@ def estimate(
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         if layout_given:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
-                                stack, recipe, optimizer_impl)  # fmt: skip
+                                stack, recipe, optimizer_impl, routing)  # fmt: skip
             layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node,
-                                  pp_layers, reshard)  # fmt: skip
-            timing = setup.mfu if mfu is not None else roofline_calibration(the_gpu, calibration)
+                                  pp_layers, reshard, ep, etp)  # fmt: skip
+            timing = setup.mfu if mfu is not None or not traced(the_model) else roofline_calibration(the_gpu,
+                                                                                                     calibration)
             show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact,
                                      timing)  # fmt: skip
         else:
             setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4",
-                                host_memory, stack, recipe, optimizer_impl)  # fmt: skip
-            cal = None if mfu is not None else roofline_calibration(the_gpu, calibration)
+                                host_memory, stack, recipe, optimizer_impl, routing)  # fmt: skip
+            cal = None if mfu is not None or not traced(the_model) else roofline_calibration(the_gpu, calibration)
             if sweep is not None:
                 show = views.sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
             else:
@@ -219,6 +244,13 @@ def estimate(
         show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
     except InputError as e:
         fail(str(e))
+
+
+def traced(model) -> bool:
+    """Whether the roofline can time this model's step (its kernels traced); else the --mfu time model."""
+    from memcalc.time.roofline import traceable
+
+    return traceable(model.shape)
 
 
 def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None] | None:
@@ -245,7 +277,7 @@ def roofline_calibration(gpu, spec: str | None):
 
 
 def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node, pp_layers=None,
-                 reshard=None):  # fmt: skip
+                 reshard=None, ep=None, etp=None):  # fmt: skip
     from memcalc.memory.state import MAX_GPUS
     from memcalc.model.shape import parse_count
     from memcalc.parallel.layout import layout_for
@@ -264,7 +296,7 @@ def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_p
         dp=count(dp, "dp", None), zero=int(zero), sp=sp, vpp=count(vpp, "vpp", 1), hybrid=hybrid,
         offload_optimizer=offload or offload_params, offload_params=offload_params,
         gpus_per_node=count(gpus_per_node, "gpus-per-node", 8), first_layers=first, last_layers=last,
-        reshard_after_forward=reshard,
+        reshard_after_forward=reshard, ep=count(ep, "ep", 1), etp=count(etp, "etp", 1),
     )  # fmt: skip
 
 
@@ -304,6 +336,10 @@ def plan(
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         the_gpu = find_gpu(gpu)
         timing = parse_fraction(mfu, "mfu") if mfu is not None else roofline_calibration(the_gpu, calibration)
+        if mfu is None and not traced(the_model):  # the roofline cannot trace it: the default MFU times it
+            from memcalc.memory.estimate import DEFAULT_MFU
+
+            timing = DEFAULT_MFU
         result = run_plan(
             the_model, the_gpu, parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
             parse_count(global_batch, "global-batch", MAX_BATCH),
@@ -352,7 +388,7 @@ def fit(
         setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
                             optimizer_impl)  # fmt: skip
         the_tricks = parse_tricks(tricks)
-        limits = fit_limits(the_model, setup, find_gpu(gpu), the_tricks, verdict_measure(setup, the_tricks))
+        limits = fit_limits(the_model, setup, find_gpu(gpu), the_tricks, verdict_measure(setup, the_tricks, the_model.shape))
     except InputError as e:
         fail(str(e))
     from memcalc.report import estimate as report

@@ -114,6 +114,9 @@ def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str, matrix: bool
     from memcalc.parallel.layout import Layout
     from memcalc.verification.distributed import check_dist, dist_matrix
 
+    if model is not None and (model.shape.is_moe or model.shape.is_mla or model.shape.mtp_layers):
+        raise InputError("--fsdp/--tp check a dense model's shards; mixture-of-experts, latent-attention and MTP "
+                         "models are checked on one GPU (memcalc verify --device meta)")  # fmt: skip
     dp = 1 if fsdp is None else parse_count(fsdp, "fsdp", MAX_GPUS)
     if reshard is not None and setup.stack.engine != "fsdp2":
         raise InputError("--reshard/--no-reshard choose torchtitan's reshard_after_forward: add --stack fsdp2")

@@ -24,7 +24,7 @@ def single_view(model, setup, gpu, trick_sets, run, exact: bool = False, cal=Non
         from memcalc.time.roofline import step_times
 
         roofline = step_times(model, setup, gpu, trick_sets, cal), cal
-    tb = toolbox(model, setup, gpu, trick_sets[0], verdict_measure(setup, trick_sets[0]))
+    tb = toolbox(model, setup, gpu, trick_sets[0], verdict_measure(setup, trick_sets[0], model.shape))
     runs = runs_for_estimate(est, *run, roofline[0] if roofline else None) if run else ()
     exacts = exact_steps(model, setup, trick_sets) if exact else None
 
@@ -65,6 +65,9 @@ def exact_layers(model, setup, ests, layout):
 
     if layout.cp > 1:
         raise InputError("--exact with --cp: ring attention's saved tensors are not simulated; drop --exact or --cp")
+    if model.shape.is_moe or model.shape.is_mla:
+        raise InputError("--exact with a layout replays a dense block's TP shard; MoE and latent-attention blocks are "
+                         "replayed on one GPU: drop the layout (memcalc estimate --exact)")  # fmt: skip
     return [block_terms(model.shape, setup.seq_len, setup.micro_batch, e.tricks, layout) for e in ests]
 
 

@@ -596,6 +596,170 @@ def nll_loss(g: Graph, logp: Tensor, target: Tensor) -> Tensor:
     return loss
 
 
+# -- mixture of experts and latent attention (verify/builder.py MoE, LatentAttention) ---------------------
+
+
+def sigmoid(g: Graph, x: Tensor) -> Tensor:
+    """x.sigmoid() (SigmoidBackward0): saves its result."""
+    return unary(g, x, "sigmoid", "sigmoid_backward", "result")
+
+
+def sum_keepdim(g: Graph, x: Tensor) -> Tensor:
+    """x.sum(-1, keepdim=True) (SumBackward1): saves nothing; backward expands the gradient (a view)."""
+    shape = x.shape
+    node = g.begin("sum", [x], lambda gs: [g.view(gs[0], shape)])
+    out = g.empty(x.shape[:-1] + (1,), x.dtype, "sum")
+    g.kernel("sum", (x,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def div(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """a / b, b broadcast (DivBackward0): saves both. Backward makes b's gradient first, -grad·((a/b)/b) (four
+    allocations, three freed), then a's, grad / b; b's is summed to its shape (derivatives.yaml
+    div_tensor_other_backward, div_tensor_self_backward)."""
+    so, sa, sb = broadcast(a.shape, b.shape), a.shape, b.shape
+    a_bytes, b_bytes = nbytes(a), nbytes(b)
+
+    def rule(gs):
+        dt = gs[0].dtype
+        ab = g.empty(so, dt, "div")  # a / b
+        g.kernel("div", (a_bytes, b_bytes), (ab,))
+        abb = g.empty(so, dt, "div")  # (a / b) / b
+        g.kernel("div", (ab, b_bytes), (abb,))
+        neg = g.empty(so, dt, "neg")  # -grad
+        g.kernel("neg", (gs[0],), (neg,))
+        db = g.empty(so, dt, "mul")
+        g.kernel("mul", (neg, abb), (db,))
+        del ab, abb, neg
+        da = g.empty(so, dt, "div")  # grad / b
+        g.kernel("div", (gs[0], b_bytes), (da,))
+        return [(da, sa), (db, sb)]
+
+    node = g.begin("div", [a, b], rule, [(a, "self"), (b, "other")])
+    out = g.empty(so, a.dtype, "div")
+    g.kernel("div", (a, b), (out,))
+    g.end(node, [out])
+    return out
+
+
+def gather(g: Graph, x: Tensor, index: Tensor) -> Tensor:
+    """x.gather(1, index) (GatherBackward0): saves x (gather_backward takes it) and the index. Backward: a zero
+    x-shaped tensor and an out-of-place scatter_add into a second one."""
+    shape, index_bytes = x.shape, nbytes(index)
+
+    def rule(gs):
+        zeros = g.empty(shape, gs[0].dtype, "new_zeros")
+        g.kernel("new_zeros", (), (zeros,))
+        out = g.empty(shape, gs[0].dtype, "scatter_add")
+        g.kernel("scatter_add", (zeros, index_bytes, gs[0]), (out,))
+        del zeros
+        return [out, None]
+
+    node = g.begin("gather", [x, index], rule, [(x, "self"), (index, "index")])
+    out = g.empty(index.shape, x.dtype, "gather")
+    g.kernel("gather", (index, nbytes(out)), (out,))
+    g.end(node, [out])
+    return out
+
+
+def index_select(g: Graph, x: Tensor, index: Tensor) -> Tensor:
+    """x.index_select(0, index) (IndexSelectBackward0): saves the index. Backward: index_select_backward, a zero
+    x-shaped tensor and an out-of-place index_add into a second one."""
+    shape, index_bytes = x.shape, nbytes(index)
+
+    def rule(gs):
+        zeros = g.empty(shape, gs[0].dtype, "new_zeros")
+        g.kernel("new_zeros", (), (zeros,))
+        out = g.empty(shape, gs[0].dtype, "index_add")
+        g.kernel("index_add", (zeros, index_bytes, gs[0]), (out,))
+        del zeros
+        return [out, None]
+
+    node = g.begin("index_select", [x, index], rule, [(index, "index")])
+    out = g.empty(index.shape + x.shape[1:], x.dtype, "index_select")
+    g.kernel("index_select", (index, nbytes(out)), (out,))  # the rows gathered: as many bytes as written
+    g.end(node, [out])
+    return out
+
+
+def index_add_(g: Graph, out: Tensor, index: Tensor, source: Tensor) -> Tensor:
+    """out.index_add_(0, index, source) on a tensor that needs no grad (IndexAddBackward0): saves the index and
+    the source (its formula's expand_as(source) needs it); out takes the node. Backward: the source's
+    gradient, grad.index_select(0, index)."""
+    shape, index_bytes = source.shape, nbytes(index)
+
+    def rule(gs):
+        grad = g.empty(shape, gs[0].dtype, "index_select")
+        g.kernel("index_select", (index_bytes, size(shape, gs[0].dtype)), (grad,))
+        return [None, None, grad]
+
+    node = g.begin("index_add", [out, index, source], rule, [(index, "index"), (source, "source")])
+    g.kernel("index_add_", (out, index, source), (out,))
+    g.end(node, [out])
+    return out
+
+
+def split(g: Graph, x: Tensor, sizes: list[int], dim: int) -> list[Tensor]:
+    """x.split(sizes, dim) (SplitWithSizesBackward0, SplitBackward0): views; backward cats every gradient into
+    one x-shaped tensor."""
+    shape = x.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "cat")
+        g.kernel("cat", tuple(gs), (out,))
+        return [out]
+
+    node = g.begin("split", [x], rule)
+    parts = [g.view(x, shape[:dim] + (n,) + shape[dim + 1:]) for n in sizes]
+    g.end(node, parts)
+    return parts
+
+
+def cat(g: Graph, parts: list[Tensor], dim: int) -> Tensor:
+    """torch.cat(parts, dim) (CatBackward0): saves nothing; backward narrows the gradient (views)."""
+    shapes = [p.shape for p in parts]
+    node = g.begin("cat", parts, lambda gs: [g.view(gs[0], s) for s in shapes])
+    shape = parts[0].shape[:dim] + (sum(s[dim] for s in shapes),) + parts[0].shape[dim + 1:]
+    out = g.empty(shape, parts[0].dtype, "cat")
+    g.kernel("cat", tuple(parts), (out,))
+    g.end(node, [out])
+    return out
+
+
+def pad_last(g: Graph, x: Tensor, width: int) -> Tensor:
+    """F.pad(x, [0, width - d]), aten.constant_pad_nd (ConstantPadNdBackward0): saves nothing; backward pads
+    the gradient back by the negative amount, a new x-shaped tensor."""
+    shape = x.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "constant_pad_nd")
+        g.kernel("constant_pad_nd", (size(shape, gs[0].dtype),), (out,))
+        return [out]
+
+    node = g.begin("constant_pad_nd", [x], rule)
+    out = g.empty(x.shape[:-1] + (width,), x.dtype, "constant_pad_nd")
+    g.kernel("constant_pad_nd", (x,), (out,))
+    g.end(node, [out])
+    return out
+
+
+def narrow_last(g: Graph, x: Tensor, width: int) -> Tensor:
+    """x[..., :width] (SliceBackward0): a view; backward slice_backward, a zero x-shaped tensor the gradient
+    is copied into."""
+    shape = x.shape
+
+    def rule(gs):
+        out = g.empty(shape, gs[0].dtype, "slice_backward")
+        g.kernel("slice_backward", (gs[0],), (out,))
+        return [out]
+
+    node = g.begin("slice", [x], rule)
+    out = g.view(x, x.shape[:-1] + (width,))
+    g.end(node, [out])
+    return out
+
+
 # -- ops of Hugging Face Transformers' models (memcalc.exact.hf) -----------------------------------
 
 

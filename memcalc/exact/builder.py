@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memcalc.model.shape import is_moe_layer, moe_layer_count
+
 from . import aten
 from .autocast import Autocast, autocast_for
 from .config import Config
@@ -27,6 +29,28 @@ class Block:
     k_norm: Tensor | None
     norm2: list[Tensor]
     mlp: list[list[Tensor]]  # [fc, proj] or [gate, up, down], each weight (+ bias)
+    latent: dict[str, list[Tensor]] | None = None  # latent attention's projections and norms (MLA)
+    experts: Experts | None = None  # a mixture of experts in place of mlp
+
+
+@dataclass
+class Experts:
+    """A MoE layer's parameters (verify/builder.py MoE): the router, each expert's MLP, the shared experts'."""
+
+    gate: Tensor
+    experts: list[list[list[Tensor]]]
+    shared: list[list[Tensor]] | None
+
+
+@dataclass
+class Mtp:
+    """verify/builder.py MTP's parameters: the two norms, the 2h -> h projection, its block, its final norm."""
+
+    hnorm: list[Tensor]
+    enorm: list[Tensor]
+    proj: list[Tensor]
+    block: Block
+    norm: list[Tensor]
 
 
 @dataclass
@@ -39,6 +63,7 @@ class Model:
     lm_head: Tensor | None
     future: Tensor | None  # eager attention's causal mask buffer, (T, T) bool
     params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
+    mtp: Mtp | None = None  # the multi-token prediction module
     autocast: Autocast | None = None  # the autocast recipe's: forward runs under it
 
 
@@ -65,6 +90,9 @@ def build(g: Graph, cfg: Config) -> Model:
     blocks = []
     for i in range(s.n_layers):
         n = f"blocks.{i}."
+        if s.is_mla or is_moe_layer(s, i):  # MLA or a mixture of experts: build_moe_block
+            blocks.append(build_moe_block(s, i, n, p, linear, norm))
+            continue
         norm1 = norm(h, n + "norm1")
         wq, wk = linear(h, s.q_dim, qkv_bias, n + "attn.wq"), linear(h, s.kv_dim, qkv_bias, n + "attn.wk")
         wv, wo = linear(h, s.kv_dim, qkv_bias, n + "attn.wv"), linear(s.q_dim, h, s.linear_bias, n + "attn.wo")
@@ -79,11 +107,12 @@ def build(g: Graph, cfg: Config) -> Model:
         blocks.append(Block(norm1, wq, wk, wv, wo, qn, kn, norm2, mlp))
     final = norm(h, "norm")
     head = None if s.tied_embeddings else p((s.vocab, h), "lm_head.weight")
+    mtp = build_mtp(s, p, linear, norm) if s.mtp_layers else None
     future = None
     if not cfg.flash:  # register_buffer("future", (T, T) bool)
         future = g.empty((cfg.seq_len, cfg.seq_len), "bool", "buffer future", kind="buffer")
     autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
-    return Model(cfg, tok, pos, blocks, final, head, future, params, autocast)
+    return Model(cfg, tok, pos, blocks, final, head, future, params, mtp, autocast)
 
 
 # -- forward --------------------------------------------------------------------------------------
@@ -240,7 +269,9 @@ def mlp(g: Graph, cfg: Config, b: Block, x: Tensor) -> Tensor:
         return linear(g, act(g, linear(g, x, fc)), proj)
 
 
-def block(g: Graph, cfg: Config, b: Block, x, cos, sin, future) -> Tensor:
+def block(g: Graph, cfg: Config, b: Block, x, cos, sin, future, routing=()) -> Tensor:
+    if b.latent is not None or b.experts is not None:
+        return moe_block(g, cfg, b, x, cos, sin, future, routing)
     p = cfg.shape.dropout
     x = aten.add(g, x, dropout(g, attention(g, cfg, b, norm(g, x, b.norm1, "norm1"), cos, sin, future), p,
                                "attention dropout"))  # fmt: skip
@@ -266,24 +297,29 @@ def transformer(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
     cos = sin = None
     if s.positions == "rope":
         with g.scoped("rope tables"):
-            cos, sin = rope_tables(g, T, s.head_dim, x.dtype)
+            cos, sin = rope_tables(g, T, s.rope_dim, x.dtype)
     future, tricks = m.future, cfg.tricks
     policy = torchtitan_policy if cfg.recompute == "op" else None
+    routing = routing_tables(g, B * T, s) if moe_layer_count(s) else ()
     for i, b in enumerate(m.blocks):
         g.layer = i
         if tricks.checkpointed(i):  # ckpt, ckpt:N (every Nth block), sac (each block, with its policy)
-            x = g.checkpoint(lambda x, cos, sin, future, b=b: block(g, cfg, b, x, cos, sin, future),
-                             x, cos, sin, future, policy=policy)  # fmt: skip
+            x = g.checkpoint(lambda x, cos, sin, future, *r, b=b: block(g, cfg, b, x, cos, sin, future, r),
+                             x, cos, sin, future, *routing, policy=policy)  # fmt: skip
         else:
-            x = block(g, cfg, b, x, cos, sin, future)
+            x = block(g, cfg, b, x, cos, sin, future, routing)
     g.layer = None
+    last = x if m.mtp is not None else None  # the MTP module's input
     x = norm(g, x, m.norm, "final norm")
     weight = m.tok_emb if m.lm_head is None else m.lm_head
     with g.scoped("logits"):
         logits = aten.linear(g, x, weight, None, "logits")  # (B, T, V)
     with g.scoped("loss"):
         flat = aten.view(g, targets, (B * T,))
-        return cross_entropy(g, aten.view(g, aten.to(g, logits, "fp32"), (B * T, s.vocab)), flat)
+        loss = cross_entropy(g, aten.view(g, aten.to(g, logits, "fp32"), (B * T, s.vocab)), flat)
+    if m.mtp is None:
+        return loss
+    return aten.add(g, loss, aten.mul_scalar(g, mtp_loss(g, m, last, idx, targets, weight, cos, sin, future, routing)))
 
 
 # torchtitan v0.1.0 (f7084fc7), torchtitan/models/llama3/infra/parallelize.py: _save_list, the ops whose
@@ -306,3 +342,224 @@ def cross_entropy(g: Graph, logits: Tensor, targets: Tensor) -> Tensor:
     (fp32); CUDA's wraps the log_softmax and nll_loss inside it (fp32 as well)."""
     (logits,) = aten.autocast(g, "cross_entropy_loss", logits)
     return aten.nll_loss(g, aten.log_softmax(g, logits), targets)
+
+
+# -- mixture of experts and latent attention (verify/builder.py MoE, LatentAttention) ---------------------
+
+
+def build_moe_block(s, i: int, n: str, p, linear, norm, expert: str = "{n}mlp.experts.{e}.") -> Block:
+    """Block i's parameters when its attention is latent or its MLP a mixture of experts, in registration
+    order: norm1, the attention's, norm2, the MLP's (router, each expert, the shared experts). expert: each
+    expert's name (its first number is the block a parameter belongs to: memcalc.exact.sim.layer_of)."""
+    h, qkv_bias = s.hidden, s.linear_bias or s.qkv_bias
+    norm1 = norm(h, n + "norm1")
+    wq = wk = wv = wo = []
+    qn = kn = latent = None
+    if s.is_mla:
+        a, latent = n + "attn.", {}
+        if s.q_lora_rank:
+            latent["q_a"] = linear(h, s.q_lora_rank, False, a + "q_a")
+            latent["q_a_norm"] = [p((s.q_lora_rank,), a + "q_a_norm.weight")]
+            latent["q_b"] = linear(s.q_lora_rank, s.n_heads * s.head_dim, False, a + "q_b")
+        else:
+            latent["wq"] = linear(h, s.n_heads * s.head_dim, False, a + "wq")
+        latent["kv_a"] = linear(h, s.kv_lora_rank + s.qk_rope_head_dim, False, a + "kv_a")
+        latent["kv_a_norm"] = [p((s.kv_lora_rank,), a + "kv_a_norm.weight")]
+        latent["kv_b"] = linear(s.kv_lora_rank, s.n_heads * (s.qk_nope_head_dim + s.v_head_dim), False, a + "kv_b")
+        latent["wo"] = linear(s.n_heads * s.v_head_dim, h, False, a + "wo")
+    else:  # as build() makes them
+        wq, wk = linear(h, s.q_dim, qkv_bias, n + "attn.wq"), linear(h, s.kv_dim, qkv_bias, n + "attn.wk")
+        wv, wo = linear(h, s.kv_dim, qkv_bias, n + "attn.wv"), linear(s.q_dim, h, s.linear_bias, n + "attn.wo")
+        qn = p((s.head_dim,), n + "attn.q_norm.weight") if s.qk_norm else None
+        kn = p((s.head_dim,), n + "attn.k_norm.weight") if s.qk_norm else None
+    norm2 = norm(h, n + "norm2")
+    mlp, experts = [], None
+    if is_moe_layer(s, i):
+        gate = linear(h, s.n_experts, False, n + "mlp.gate")[0]
+        each = [mlp_params(s, s.routed_ffn, expert.format(n=n, e=e), linear) for e in range(s.n_experts)]
+        shared = mlp_params(s, s.shared_ffn, n + "mlp.shared.", linear) if s.n_shared_experts else None
+        experts = Experts(gate, each, shared)
+    else:
+        mlp = mlp_params(s, s.ffn, n + "mlp.", linear)
+    return Block(norm1, wq, wk, wv, wo, qn, kn, norm2, mlp, latent, experts)
+
+
+def mlp_params(s, width: int, n: str, linear) -> list[list[Tensor]]:
+    """[gate, up, down] or [fc, proj] of an MLP width wide (verify/builder.py make_mlp)."""
+    h, bias = s.hidden, s.linear_bias
+    if s.gated_mlp:
+        return [linear(h, width, bias, n + "gate"), linear(h, width, bias, n + "up"), linear(width, h, bias, n + "down")]
+    return [linear(h, width, bias, n + "fc"), linear(width, h, bias, n + "proj")]
+
+
+def routing_tables(g: Graph, tokens: int, s) -> tuple[Tensor, Tensor, Tensor]:
+    """balanced_routing: arange of the T·k slots, their experts (remainder), the slots expert by expert (a
+    transposed reshape: a copy; a stable sort, values and indices, when E does not divide T·k), each such
+    slot's token (a floor division). The arange dies on return."""
+    E, k = s.n_experts, s.experts_per_token
+    with g.scoped("routing tables"):
+        slots = made(g, (tokens * k,), "arange", dtype="int64")
+        chosen = g.view(made(g, (tokens * k,), "remainder", slots, dtype="int64"), (tokens, k))
+        if tokens * k % E == 0:
+            order = made(g, (tokens * k,), "clone", slots, dtype="int64")
+        else:
+            order = g.empty((tokens * k,), "int64", "sort")  # .indices of torch.sort(..., stable=True)
+            values = g.empty((tokens * k,), "int64", "sort")
+            g.kernel("sort", (chosen,), (values, order))
+            del values
+        owner = made(g, (tokens * k,), "div", order, dtype="int64")
+        del slots
+    return chosen, order, owner
+
+
+def expert_counts(routed: int, n_experts: int) -> list[int]:
+    """verify/builder.py expert_counts: expert e has the slots e, e + E, ... below T·k."""
+    return [(routed - e + n_experts - 1) // n_experts for e in range(n_experts)]
+
+
+def moe_block(g: Graph, cfg: Config, b: Block, x, cos, sin, future, routing) -> Tensor:
+    """Block.forward with latent attention and/or a mixture of experts (verify/builder.py Block), as block()."""
+    p = cfg.shape.dropout
+    attend = latent if b.latent is not None else attention
+    x = aten.add(g, x, dropout(g, attend(g, cfg, b, norm(g, x, b.norm1, "norm1"), cos, sin, future), p,
+                               "attention dropout"))  # fmt: skip
+    if b.experts is not None:
+        return aten.add(g, x, dropout(g, mixture(g, cfg, b, norm(g, x, b.norm2, "norm2"), routing), p, "mlp dropout"))
+    return aten.add(g, x, dropout(g, mlp(g, cfg, b, norm(g, x, b.norm2, "norm2")), p, "mlp dropout"))
+
+
+def latent(g: Graph, cfg: Config, b: Block, x, cos, sin, future) -> Tensor:
+    with g.scoped("attention"):
+        return latent_attention(g, cfg, b, x, cos, sin, future)
+
+
+def router_scores(g: Graph, cfg: Config, x: Tensor, weight: Tensor) -> Tensor:
+    """verify/builder.py router_scores: logits (from fp32 copies of x and W for DeepSeek-V3's gate), their fp32
+    copy, softmax or sigmoid."""
+    s = cfg.shape
+    with g.scoped("router"):  # the fp32 copies are temporaries: kept only where the matmul saves them
+        if s.router_fp32:
+            logits = linear2d(g, aten.to(g, x, "fp32"), aten.to(g, weight, "fp32"), "linear")
+        else:
+            logits = linear2d(g, x, weight, "linear")
+        logits = aten.to(g, logits, "fp32")
+        return aten.softmax(g, logits) if s.router == "softmax" else aten.sigmoid(g, logits)
+
+
+def linear2d(g: Graph, x: Tensor, w: Tensor, kind: str) -> Tensor:
+    """F.linear of a 2-D input without bias: matmul(x, w.t()) runs mm directly (no fold)."""
+    return aten.mm(g, x, aten.t(g, w), kind)
+
+
+def mixture(g: Graph, cfg: Config, b: Block, x: Tensor, routing) -> Tensor:
+    """MoE.forward line by line (its locals live until it returns, as Python keeps them): route, permute,
+    each expert on its tokens, weight, add back, plus the shared experts."""
+    s, e = cfg.shape, b.experts
+    B, T, h = x.shape
+    chosen, order, owner = routing
+    with g.scoped("mlp"):
+        flat = aten.view(g, x, (B * T, h))
+        with g.scoped("router"):
+            weights = aten.gather(g, router_scores(g, cfg, flat, e.gate), chosen)  # (T, k) fp32
+            if s.norm_topk_prob:
+                weights = aten.div(g, weights, aten.sum_keepdim(g, weights))
+            n = weights.shape[0] * weights.shape[1]
+            weights = aten.index_select(g, aten.view(g, aten.to(g, weights, x.dtype), (n,)), order)
+        with g.scoped("dispatch"):
+            permuted = aten.index_select(g, flat, owner)  # (T·k, h)
+            parts = aten.split(g, permuted, expert_counts(n, s.n_experts), 0)
+        with g.scoped("experts"):
+            outs = [expert_mlp(g, cfg, w, part) for w, part in zip(e.experts, parts)]
+        with g.scoped("combine"):
+            y = aten.cat(g, outs, 0)
+            del outs  # the list comprehension's list: a temporary
+            y = aten.mul(g, y, aten.view(g, weights, (n, 1)))
+            out = made(g, (B * T, h), "new_zeros", dtype=x.dtype)
+            out = aten.index_add_(g, out, owner, y)
+            out = aten.view(g, out, (B, T, h))
+        if e.shared is None:
+            return out
+        with g.scoped("shared experts"):
+            return aten.add(g, out, expert_mlp(g, cfg, e.shared, x))
+
+
+def expert_mlp(g: Graph, cfg: Config, params: list[list[Tensor]], x: Tensor) -> Tensor:
+    """An expert's MLP, as mlp() runs the dense one."""
+    act = aten.silu if cfg.shape.activation == "silu" else aten.gelu
+    if cfg.shape.gated_mlp:
+        gate, up, down = params
+        return linear(g, aten.mul(g, act(g, linear(g, x, gate)), linear(g, x, up)), down)
+    fc, proj = params
+    return linear(g, act(g, linear(g, x, fc)), proj)
+
+
+def latent_attention(g: Graph, cfg: Config, b: Block, x, cos, sin, future) -> Tensor:
+    """LatentAttention.forward (verify/builder.py) line by line: its locals live until it returns. The
+    gradients reaching the q and kv views come from transposes: copied back to (B, T, H·d) unless one of
+    H and T is 1."""
+    s, w = cfg.shape, b.latent
+    B, T, _ = x.shape
+    H, nope, rope, dv = s.n_heads, s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim
+    copies = H > 1 and T > 1
+    q = linear(g, rms_norm(g, linear(g, x, w["q_a"]), w["q_a_norm"][0]), w["q_b"]) if s.q_lora_rank else linear(g, x, w["wq"])
+    q_pass, q_rot = aten.split(g, transpose12(g, aten.view(g, q, (B, T, H, nope + rope), grad_copies=copies)), [nope, rope], 3)
+    k_pass, k_rot = aten.split(g, linear(g, x, w["kv_a"]), [s.kv_lora_rank, rope], 2)
+    kv = transpose12(g, aten.view(g, linear(g, rms_norm(g, k_pass, w["kv_a_norm"][0]), w["kv_b"]), (B, T, H, nope + dv),
+                                  grad_copies=copies))  # fmt: skip
+    k_pass, v = aten.split(g, kv, [nope, dv], 3)
+    q_rot, k_rot = apply_rope(g, q_rot, cos, sin), apply_rope(g, aten.view(g, k_rot, (B, 1, T, rope)), cos, sin)
+    q = aten.cat_last(g, q_pass, q_rot)  # (B, H, T, d_qk)
+    k = aten.cat_last(g, k_pass, aten.expand(g, k_rot, (B, H, T, rope)))
+    if cfg.recompute == "selective":
+        y = g.checkpoint(lambda q, k, v, future: latent_core(g, cfg, q, k, v, future), q, k, v, future)
+    else:
+        y = latent_core(g, cfg, q, k, v, future)  # (B, H, T, d_v)
+    return linear(g, aten.reshape_copy(g, transpose12(g, y), (B, T, H * dv)), w["wo"])
+
+
+def latent_core(g: Graph, cfg: Config, q, k, v, future) -> Tensor:
+    """LatentAttention.core: eager attention (q and k contiguous from their cats, v a view that merges B and H
+    only when B = 1), or the flash kernel on V padded to d_qk, its output cut back to d_v."""
+    with g.scoped("attention core"):
+        B = q.shape[0]
+        if cfg.flash:
+            return aten.narrow_last(g, aten.flash_attention(g, q, k, aten.pad_last(g, v, q.shape[3])), v.shape[3])
+        kt = aten.view(g, k, k.shape[:2] + (k.shape[3], k.shape[2]))  # eager_attention line by line
+        att = aten.mul_scalar(g, aten.matmul4(g, q, kt, False, False, False))
+        att = aten.masked_fill(g, att, future)
+        att = aten.softmax(g, att)
+        att = dropout(g, att, cfg.shape.dropout)
+        return aten.matmul4(g, att, v, False, B > 1, B > 1)
+
+
+# -- multi-token prediction (verify/builder.py MTP, Transformer.mtp_loss) ----------------------------------
+
+
+def build_mtp(s, p, linear, norm) -> Mtp:
+    """The MTP module's parameters, after the output head's. Their names carry no number (sim.layer_of: none):
+    the module runs outside the blocks."""
+    h = s.hidden
+    hnorm, enorm = norm(h, "mtp.hnorm"), norm(h, "mtp.enorm")
+    proj = linear(2 * h, h, False, "mtp.proj")
+    block = build_moe_block(s, s.n_layers - 1, "mtp.block.", p, linear, norm, "{n}mlp.experts.e{e}.")
+    return Mtp(hnorm, enorm, proj, block, norm(h, "mtp.norm"))
+
+
+def mtp_loss(g: Graph, m: Model, x, idx, targets, weight, cos, sin, future, routing) -> Tensor:
+    """Transformer.mtp_loss: the next token's embedding and x normalised, concatenated, projected, a block, the
+    final norm, the shared head, cross-entropy against the token after next (targets rolled)."""
+    cfg, s, mt = m.cfg, m.cfg.shape, m.mtp
+    B, T = idx.shape
+    with g.scoped("mtp"):
+        nxt = aten.embedding(g, m.tok_emb, made(g, (B, T), "roll", idx, dtype="int64"))
+        y = linear(g, aten.cat_last(g, norm(g, x, mt.hnorm, "mtp"), norm(g, nxt, mt.enorm, "mtp")), mt.proj)
+        if cfg.recompute == "full":
+            y = g.checkpoint(lambda y, cos, sin, future, *r: block(g, cfg, mt.block, y, cos, sin, future, r),
+                             y, cos, sin, future, *routing)  # fmt: skip
+        else:
+            y = block(g, cfg, mt.block, y, cos, sin, future, routing)
+    with g.scoped("logits"):
+        logits = aten.linear(g, norm(g, y, mt.norm, "mtp"), weight, None, "logits")
+    with g.scoped("loss"):
+        return cross_entropy(g, aten.view(g, aten.to(g, logits, "fp32"), (B * T, s.vocab)),
+                             aten.view(g, made(g, (B, T), "roll", targets, dtype="int64"), (B * T,)))

@@ -45,6 +45,21 @@ def untrainable(precision: str, recipe: str, impl: str, optimizer: str) -> str |
     return None
 
 
+def shape_not_replayed(shape: ModelShape, model: str = "reference", recipe: str = "master",
+                       impl: str = "reference") -> str | None:  # fmt: skip
+    """Why the simulator cannot build this shape yet, or None when it can: verify/builder.py builds one
+    multi-token prediction module, not more; mixture-of-experts, latent-attention and MTP blocks are
+    replayed for the reference stack (its model, master recipe and AdamW), not under autocast, the
+    libraries' optimizers or Transformers' classes."""
+    if shape.mtp_layers > 1:
+        return "the exact model replays one multi-token prediction module, not more"
+    if (shape.n_experts or shape.is_mla or shape.mtp_layers) and (model, recipe, impl) != ("reference", "master",
+                                                                                          "reference"):  # fmt: skip
+        return ("the exact model replays a mixture of experts, latent attention and MTP on the reference stack "
+                "only (--stack reference)")  # fmt: skip
+    return None
+
+
 @dataclass(frozen=True)
 class Config:
     """What decides the bytes of a training step."""

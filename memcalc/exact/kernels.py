@@ -4,23 +4,26 @@ Every block of the stack runs the same kernels, so one block is traced (memcalc.
 the rest is multiplication (tests/test_roofline.py checks it against full-depth traces). With ckpt:N the
 blocks are of two kinds: one group of N is traced, its first block (plain) weighted by the blocks not
 checkpointed and its last (checkpointed) by those that are (block_weight;
-tests/test_checkpoint_policies.py checks it against full-depth traces). The FLOPs the
+tests/test_checkpoint_policies.py checks it against full-depth traces). A model with dense and MoE blocks
+has a kind of each: a dense block then a MoE one is traced, or a group of N of each (traced_blocks;
+tests/test_moe_verify.py). The FLOPs the
 kernels execute, as torch.utils.flop_counter.FlopCounterMode counts them, are memcalc's one definition
 of hardware FLOPs: HFU everywhere, the --mfu time model, the toolbox's cost of checkpointing, `memcalc mfu`.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 
-from memcalc.model.flops import StepFlops, model_per_token
-from memcalc.model.shape import ModelShape
+from memcalc.model.flops import StepFlops, model_per_token, textbook_step_flops
+from memcalc.model.shape import ModelShape, is_moe_layer, moe_layer_count
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .cache import remembered
-from .config import Config, not_replayed
+from .config import Config, not_replayed, shape_not_replayed
 
 
 class Kernel:
@@ -59,16 +62,49 @@ TRACES: dict[tuple, tuple[Kernel, ...]] = {}  # (one-layer shape, seq, micro-bat
 MAX_TRACES = 512
 
 
+@lru_cache(maxsize=1024)
+def traced_blocks(shape: ModelShape, tricks: Tricks = Tricks()) -> tuple[ModelShape, dict[int, int]]:
+    """The shape whose step is traced, and how many of the model's blocks each traced block stands for: those
+    of its kind (every block of a kind runs the same kernels; routing and RoPE tables are made outside the
+    blocks). A kind is a block's MLP, dense or MoE, and with ckpt:N whether it is checkpointed: one block
+    is traced when all are alike, a group of N with ckpt:N (its first plain, its last checkpointed), a
+    dense block then a MoE one (N of each with ckpt:N) when the model has both."""
+    n = tricks.ckpt_every if tricks.mixed else 1
+    moe, L = moe_layer_count(shape), shape.n_layers
+    if not shape.n_experts:
+        traced = replace(shape, n_layers=n)
+    else:  # the pattern made plain: dense blocks first, then MoE ones
+        dense = 0 if moe == L else n if moe else max(n, shape.first_dense_layers)
+        traced = replace(shape, n_layers=2 * n if 0 < moe < L else n, first_dense_layers=dense, moe_every=1,
+                         moe_offset=0, dense_layers=())  # fmt: skip
+    count = Counter(block_kind(shape, tricks, i) for i in range(L))
+    return traced, {t: count[kind] for kind, t in representatives(traced, tricks).items()}
+
+
+def block_kind(shape: ModelShape, tricks: Tricks, i: int) -> tuple[bool, bool]:
+    """Block i's kind: whether its MLP is a mixture of experts, whether it runs under checkpoint."""
+    return is_moe_layer(shape, i), tricks.checkpointed(i)
+
+
+def representatives(traced: ModelShape, tricks: Tricks) -> dict[tuple[bool, bool], int]:
+    """The first traced block of each kind."""
+    first: dict[tuple[bool, bool], int] = {}
+    for t in range(traced.n_layers):
+        first.setdefault(block_kind(traced, tricks, t), t)
+    return first
+
+
 def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
                optimizer: str = "adamw") -> tuple[Kernel, ...]:  # fmt: skip
-    """One step's kernels with the model cut to one block (layer 0), or with ckpt:N to one group of N
-    (layers 0 and N − 1 kept: see block_weight); the rest are outside the blocks. A step without
+    """One step's kernels with the model cut to one block (layer 0), or to the blocks traced_blocks keeps
+    (with ckpt:N a group of N, layers 0 and N − 1 kept; a dense block and a MoE block); the rest are outside
+    the blocks. A step without
     recompute is taken from the same step with recompute when one was traced: it runs exactly those
     kernels less the recompute ones, in the same order (tests/test_roofline.py). The stack's own step
     (its model, autocast's casts, its optimizer's kernels) where the exact model replays it
     (traced_stack), else the reference stack's."""
-    one = replace(shape, n_layers=tricks.ckpt_every if tricks.mixed else 1)
-    key = (one, seq_len, micro_batch, tricks) + traced_stack(stack, optimizer, tricks)
+    one = traced_blocks(shape, tricks)[0]
+    key = (one, seq_len, micro_batch, tricks) + traced_stack(stack, optimizer, tricks, shape)
     if key not in TRACES:
         if len(TRACES) >= MAX_TRACES:
             TRACES.clear()
@@ -76,7 +112,7 @@ def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     return TRACES[key]
 
 
-def traced_stack(stack: Stack, optimizer: str, tricks: Tricks) -> tuple:
+def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape) -> tuple:
     """What a trace key adds for a stack: nothing for the reference stack's AdamW (its traces and their
     cache keys as they always were); (model, recipe, impl, optimizer) for a stack the exact model
     replays; nothing, so the reference stack's step, for one it does not (memcalc.exact.config)."""
@@ -85,15 +121,21 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks) -> tuple:
         return ()
     if not_replayed(stack.model, stack.recipe, stack.impl, optimizer, tricks.precision):
         return ()
+    if shape_not_replayed(shape, stack.model, stack.recipe, stack.impl):
+        return ()
     return (stack.model, stack.recipe, stack.impl, optimizer)
 
 
-def block_weight(k: Kernel, n_layers: int, tricks: Tricks) -> int:
+def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | None = None) -> int:
     """How many of the step's n_layers blocks run a traced kernel like k: 1 outside the blocks; every
     block; or with ckpt:N, the traced group's last block's for the n_layers // N checkpointed blocks and
-    its first block's for the others (with fewer than N blocks, none is checkpointed)."""
+    its first block's for the others (with fewer than N blocks, none is checkpointed); with dense and MoE
+    blocks (a shape given), those of its block's kind (traced_blocks)."""
     if k.layer is None:
         return 1
+    if shape is not None and shape.n_experts:
+        full = shape if shape.n_layers == n_layers else replace(shape, n_layers=n_layers)
+        return traced_blocks(full, tricks)[1].get(k.layer, 0)
     if not tricks.mixed:
         return n_layers
     checkpointed = tricks.n_checkpointed(n_layers)
@@ -111,8 +153,8 @@ def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *sta
                                                     "adamw")  # fmt: skip
         cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, model,
                      recipe, impl, ckpt_every=tricks.ckpt_every)  # fmt: skip
-        last = one.n_layers - 1  # with ckpt:N the group's plain first block and checkpointed last
-        return [list(k.key()) + [k.layer] for k in trace(cfg) if k.layer in (None, 0, last)]
+        kept = (None, *representatives(one, tricks).values())  # one block of each kind: see traced_blocks
+        return [list(k.key()) + [k.layer] for k in trace(cfg) if k.layer in kept]
 
     key = (one, seq_len, micro_batch, tricks, *stack)
     return tuple(Kernel(*fields) for fields in remembered("kernels", key, trace_fields))
@@ -143,7 +185,7 @@ def counted_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
     counted = attention = 0
     for k in kernels_of(shape, seq_len, micro_batch, tricks):
         if k.phase in STEP_PHASES:
-            n = block_weight(k, shape.n_layers, tricks)
+            n = block_weight(k, shape.n_layers, tricks, shape)
             counted += n * k.counted
             attention += n * k.counted if k.count_kind == "attention" else 0
     return counted, counted - attention // 2
@@ -154,6 +196,9 @@ def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
     """Model FLOPs per token (memcalc.model.flops: what MFU divides by) and hardware FLOPs per token
     (what the kernels execute, counted). Recompute adds what torch.utils.checkpoint reruns: the block's
     forward up to the last tensor its backward needs (non-reentrant checkpointing stops early there, so
-    a Llama block's down projection is not rerun), not Korthikanti's whole extra forward (8N)."""
+    a Llama block's down projection is not rerun), not Korthikanti's whole extra forward (8N).
+    A shape the simulator cannot build yet gets the textbook's count (memcalc.model.flops)."""
+    if shape_not_replayed(shape):
+        return textbook_step_flops(shape, seq_len, tricks)
     counted, _ = counted_flops(shape, seq_len, 1, tricks)
     return StepFlops(tricks, model_per_token(shape, seq_len), counted // seq_len)  # b·s tokens: exact division

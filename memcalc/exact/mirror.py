@@ -11,7 +11,7 @@ from .builder import Model
 from .config import Config, Phases
 from .kernels import Kernel
 from .recipes import Recipe, TorchRecipe, check_simulated
-from .sim import Graph, Memory, Tensor, layer_of
+from .sim import Graph, Memory, Tensor, layer_of, scope_of
 
 
 def build(g: Graph, cfg: Config) -> Model | hf.HFModel:
@@ -64,9 +64,9 @@ def trace(cfg: Config) -> list[Kernel]:
     g.stage = "accumulate"
     for p in model.params:  # a later micro-batch's gradient, added into this one
         if p.grad is not None:
-            g.layer = layer_of(p.name)
+            g.layer, g.scope = layer_of(p.name), scope_of(p.name)
             g.accumulate(p)
-    g.layer = None
+    g.layer, g.scope = None, ""
     recipe.update()
     return g.kernels
 

@@ -12,15 +12,15 @@ from memcalc.errors import InputError
 
 from . import aten
 from .builder import Model, made
-from .config import Config, not_replayed
+from .config import Config, not_replayed, shape_not_replayed
 from .hf import HFModel
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
-from .sim import Graph, Tensor, layer_of
+from .sim import Graph, Tensor, layer_of, scope_of
 
 
 def check_simulated(cfg: Config) -> None:
     """What the simulator replays; anything else is refused in one line, never guessed."""
-    reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision)
+    reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision) or shape_not_replayed(cfg.shape, cfg.model, cfg.recipe, cfg.impl)
     if reason:
         raise InputError(reason)
     if cfg.device not in ("cuda", "cpu"):
@@ -103,7 +103,7 @@ class Recipe:
             g.kernel("_amp_update_scale_", (self.scale, self.growth, found_inf), (self.scale, self.growth))
             del one
         for i, (p, w) in enumerate(zip(self.params, self.masters)):
-            g.layer = layer_of(p.name)
+            g.layer, g.scope = layer_of(p.name), scope_of(p.name)
             if self.precision == "fp32":
                 grad = p.grad
             else:  # p.grad.float()
@@ -120,7 +120,7 @@ class Recipe:
                 g.kernel("copy_", (w,), (p,))  # the new 16-bit weights
             del grad
         del found_inf, inv_scale
-        g.layer, g.stage = None, "forward"
+        g.layer, g.stage, g.scope = None, "forward", ""
 
     def check_finite(self, found_inf: Tensor) -> None:
         """_amp_foreach_non_finite_check_and_unscale_: one foreach kernel over every 16-bit gradient,

@@ -467,6 +467,12 @@ class Graph:
         return out
 
 
+def scope_of(name: str) -> str:
+    """The scope a parameter's optimizer and accumulation kernels run in: "experts" for a routed expert's
+    weights (a layout splits them over ep), else none."""
+    return "experts" if ".experts." in name else ""
+
+
 def layer_of(name: str) -> int | None:
     """The block a parameter belongs to, from its name: the first number in it (blocks.3.attn.wq.weight,
     model.layers.3.self_attn.q_proj.weight -> 3); None outside the blocks (tok_emb.weight)."""

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from memcalc.model.flops import model_flops
-from memcalc.model.shape import MAX_BATCH, MAX_SEQ, ModelShape, check_positions, check_size, n_params
+from memcalc.model.shape import MAX_BATCH, MAX_SEQ, ModelShape, check_positions, check_size, is_moe_layer, moe_layer_count, n_params
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
@@ -105,7 +105,8 @@ class ExactActivations:
     outside: tuple[Term, ...]  # saved once: embeddings, RoPE tables, final norm, logits, loss
     rebuilt_bytes: int  # what one recomputed region brings back during backward (0 without recompute)
     checkpointed: tuple[Term, ...] = ()  # ckpt:N: what each checkpointed layer saves (its input)
-    n_checkpointed: int = 0  # ckpt:N: how many layers save `checkpointed` instead of `terms`
+    n_checkpointed: int = 0  # ckpt:N: how many layers past first_blocks save `checkpointed` instead of `terms`
+    first_blocks: int = 0  # blocks whose saved bytes are in outside: dense blocks before MoE ones (see Growth)
 
     @property
     def per_layer_bytes(self) -> int:
@@ -123,7 +124,7 @@ class ExactActivations:
 
     @property
     def total_bytes(self) -> int:
-        plain = self.n_layers - self.n_checkpointed
+        plain = self.n_layers - self.first_blocks - self.n_checkpointed
         return self.per_layer_bytes * plain + self.checkpointed_bytes * self.n_checkpointed + self.outside_bytes
 
     @property
@@ -225,12 +226,15 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
                stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> ExactStep:  # fmt: skip
     """Simulate verify's step on one GPU: the model as the stack builds it, trained as it trains it.
 
-    Steps of two and three units of blocks are simulated and grown to the depth (grown_phases): a unit
-    is one block, or with ckpt:N a group of N (N − 1 plain and one checkpointed), plus the blocks left
-    over (L mod N, plain) in both. Every unit after the first runs the same ops, so the saved tensors
-    per layer are those of a block after the first, and counts are affine in the units. Equal to the full-depth replay, and
-    to the meta measurement, byte for byte (tests/test_exact_depth.py, tests/test_verify_meta.py,
-    tests/test_checkpoint_policies.py); its cost does not grow with the depth."""
+    Two short steps are simulated and grown to the depth (Growth, grown_phases): a unit is one block,
+    or with ckpt:N a group of N (N − 1 plain and one checkpointed), plus the blocks left over (L mod N,
+    plain) in both; the lead units, which may differ from the rest (the first: Transformers builds its
+    masks there; or as many as hold the dense blocks before MoE ones), are in both, one unit more
+    after them in the shorter, two in the longer. Every unit after the lead runs the same ops, so the
+    saved tensors per layer are those of such a block, and counts are affine in the units. Equal to the
+    full-depth replay, and to the meta measurement, byte for byte (tests/test_exact_depth.py,
+    tests/test_verify_meta.py, tests/test_checkpoint_policies.py, tests/test_moe_verify.py); its cost does
+    not grow with the depth."""
     check_size("seq", seq_len, limit=MAX_SEQ)
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
@@ -239,25 +243,18 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     from .mirror import simulate  # here, not at import: a cached verdict never simulates (memcalc.exact.cache)
     from .recipes import recipe_note
 
-    L, (unit, d2, d3, units), run = shape.n_layers, growth(tricks, shape.n_layers), as_run(tricks, shape.n_layers)
+    L, run, grown = shape.n_layers, as_run(tricks, shape.n_layers), growth(tricks, shape)
 
     def at(layers: int):
         cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, run, grad_accum, stack, optimizer)
         return simulate(cfg, warm_up=False)
 
-    (two, g2, m2) = at(d2)
-    if units <= 2:  # short enough to replay whole
+    if grown is None:  # dense and MoE blocks in another pattern: replayed whole, nothing per layer
         phases, g, _ = at(L)
+        acts = ExactActivations(tricks, L, (), to_terms(g.saved_terms), g.rebuilt_bytes, first_blocks=L)
         counts = dict(g.flops)
     else:
-        three, g3, m3 = at(d3)
-        phases = grown_phases(two, three, m2, m3, units, unit)
-        counts = {key: grow(g2.flops.get(key, 0), g3.flops.get(key, 0), units) for key in g3.flops}
-    layer, outside = split_layers(g2.saved_terms, unit)  # block `unit`: plain, like the first
-    acts = ExactActivations(tricks, L, to_terms(layer), to_terms(outside), g2.rebuilt_bytes)
-    if run.mixed:  # ckpt:N: block 2N − 1 is checkpointed
-        ckpt = [t for t in g2.saved_terms if t.layer == 2 * unit - 1]
-        acts = replace(acts, checkpointed=to_terms(ckpt), n_checkpointed=run.n_checkpointed(L))
+        phases, acts, counts = grown_step(at, grown, tricks, run)
     tokens = seq_len * micro_batch
     counted = sum(counts.values())
     attention = sum(n for (_, kind), n in counts.items() if kind == "attention")
@@ -265,6 +262,37 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     flops = ExactFlops(tokens, flop_terms(counts), counted, counted - attention // 2, model, model_causal)
     note = recipe_note(config(shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)) + "; measured on meta: equal to the byte"
     return ExactStep(tricks, seq_len, micro_batch, grad_accum, n_params(shape), acts, phases, flops, note)
+
+
+def grown_step(at, grown: Growth, tricks: Tricks, run: Tricks) -> tuple[Phases, ExactActivations, dict]:
+    """exact_step's phases, activations and FLOP counts from the short steps (at(depth): simulate's
+    phases, graph and memory) grown to the depth, or from the full depth replayed where it is no deeper
+    than the shorter step."""
+    L, unit = grown.n_layers, grown.unit
+    if grown.whole:  # short enough to replay whole (the shorter step's block `unit` still gives one layer)
+        phases, g3, _ = at(L)
+        g2 = g3 if grown.short == L or grown.dense else at(grown.short)[1]
+        counts = dict(g3.flops)
+    else:
+        (short, g2, m2), (long, g3, m3) = at(grown.short), at(grown.long)
+        phases = grown_phases(short, long, m2, m3, grown)
+        counts = {key: grow(g2.flops.get(key, 0), g3.flops.get(key, 0), grown) for key in g3.flops}
+    if not grown.dense:  # every block alike past the first
+        layer, outside = split_layers(g2.saved_terms, unit)  # block `unit`: plain, like the first
+        acts = ExactActivations(tricks, L, to_terms(layer), to_terms(outside), g2.rebuilt_bytes)
+        if run.mixed:  # ckpt:N: block 2N − 1 is checkpointed
+            ckpt = [t for t in g2.saved_terms if t.layer == 2 * unit - 1]
+            acts = replace(acts, checkpointed=to_terms(ckpt), n_checkpointed=run.n_checkpointed(L))
+        return phases, acts, counts
+    # dense blocks before MoE ones: the step of first_blocks blocks is outside; per layer, a MoE block past it
+    first = g3 if grown.whole else g2
+    plain, ckpt = layer_blocks(grown, run)  # in g3: the longer step, or the whole depth
+    layer = [t for t in g3.saved_terms if plain is not None and t.layer == plain]
+    kept = [t for t in g3.saved_terms if ckpt is not None and t.layer == ckpt]
+    n_ckpt = run.n_checkpointed(L) - run.n_checkpointed(grown.first_blocks) if run.mixed else 0
+    acts = ExactActivations(tricks, L, to_terms(layer), to_terms(first.saved_terms), g3.rebuilt_bytes,
+                            to_terms(kept), n_ckpt, grown.first_blocks)  # fmt: skip
+    return phases, acts, counts
 
 
 def exact_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> ExactActivations:
@@ -290,7 +318,7 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
 
-    (unit, d2, d3, units), run = growth(tricks, shape.n_layers), as_run(tricks, shape.n_layers)
+    run, grown = as_run(tricks, shape.n_layers), growth(tricks, shape)
 
     def at(layers: int):
         from .mirror import simulate  # here, not at import: a cached verdict never simulates
@@ -302,24 +330,92 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
         return phases, mem
 
     def replay() -> dict:
-        if units <= 2:
+        if grown is None or grown.whole:  # another pattern of blocks, or short enough: the whole depth
             return asdict(at(shape.n_layers)[0])
-        (two, m2), (three, m3) = at(d2), at(d3)
-        return asdict(grown_phases(two, three, m2, m3, units, unit))
+        (short, m2), (long, m3) = at(grown.short), at(grown.long)
+        return asdict(grown_phases(short, long, m2, m3, grown))
 
     key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
     return Phases(**remembered("phases", key, replay))
 
 
-def growth(tricks: Tricks, layers: int) -> tuple[int, int, int, int]:
-    """How a step of `layers` blocks grows from two short ones: (blocks per unit, the depths of two and
-    three units, units at full depth). A unit is one block, or with ckpt:N a group of N blocks (N − 1
-    plain, the Nth checkpointed: torchtitan counts from 1); the L mod N blocks left over come last,
-    plain, and both short steps end with them."""
-    run = as_run(tricks, layers)
+# -- growth: a step at full depth from two short ones ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How a step of n_layers blocks grows from two short ones. A unit is one block, or with ckpt:N a
+    group of N blocks (N − 1 plain, the Nth checkpointed: torchtitan counts from 1); the L mod N blocks
+    left over come last, plain, and every step ends with them. The lead units may differ from the rest,
+    so both short steps hold them: the first unit (Transformers builds its masks in its first block), or
+    with d dense blocks before MoE ones (DeepSeek-V3's first_k_dense_replace) as many units as hold
+    them. The shorter step has one unit more, the longer two."""
+
+    unit: int  # blocks per unit
+    lead: int  # units before those that repeat
+    units: int  # units at full depth
+    left: int  # blocks left over after the units
+    dense: int  # dense blocks before MoE ones; 0 when every block's MLP is alike
+
+    @property
+    def n_layers(self) -> int:
+        return self.units * self.unit + self.left
+
+    @property
+    def short(self) -> int:
+        """The shorter step's depth: the lead units, one more and the blocks left over."""
+        return (self.lead + 1) * self.unit + self.left
+
+    @property
+    def long(self) -> int:
+        return self.short + self.unit
+
+    @property
+    def whole(self) -> bool:
+        """No deeper than the shorter step: the full depth is replayed as it is."""
+        return self.units <= self.lead + 1
+
+    @property
+    def first_blocks(self) -> int:
+        """Blocks whose saved bytes exact counts outside the layers: with dense blocks first, all those of
+        the shorter step (or of the whole depth, replayed whole); else none (the first block's extras)."""
+        return min(self.short, self.n_layers) if self.dense else 0
+
+
+def growth(tricks: Tricks, shape: ModelShape) -> Growth | None:
+    """How the step grows (Growth); None for blocks in a pattern it does not grow (MoE every other
+    block, or dense blocks among MoE ones past the first: replayed whole)."""
+    L, dense = shape.n_layers, dense_first(shape)
+    if dense is None:
+        return None
+    run = as_run(tricks, L)
     unit = run.ckpt_every if run.mixed else 1
-    units, left = divmod(layers, unit)
-    return unit, 2 * unit + left, 3 * unit + left, units
+    units, left = divmod(L, unit)
+    return Growth(unit, max(1, -(-dense // unit)), units, left, dense)
+
+
+def dense_first(shape: ModelShape) -> int | None:
+    """How many dense blocks come before the MoE ones: 0 when every block is alike (all dense or all MoE);
+    d when d dense blocks come before MoE ones only (DeepSeek-V3's first_k_dense_replace); None for any
+    other pattern."""
+    L, moe = shape.n_layers, moe_layer_count(shape)
+    if moe in (0, L):
+        return 0
+    d = shape.first_dense_layers
+    if moe == L - d and all(is_moe_layer(shape, i) for i in range(d, L)):
+        return d
+    return None
+
+
+def layer_blocks(grown: Growth, run: Tricks) -> tuple[int | None, int | None]:
+    """With dense blocks first: the MoE blocks exact's per-layer terms are taken from, one plain and (ckpt:N)
+    one checkpointed: the first of each kind past the shorter step in the longer, or past the dense blocks
+    when the whole depth is replayed (verify/meta.py measures the same blocks); None where there is none."""
+    lo, hi = (grown.dense, grown.n_layers) if grown.whole else (grown.short, grown.long)
+    if not run.mixed:
+        return lo, None
+    plain = next((b for b in range(lo, hi) if not run.checkpointed(b)), None)
+    return plain, next((b for b in range(lo, hi) if run.checkpointed(b)), None)
 
 
 def as_run(tricks: Tricks, layers: int) -> Tricks:
@@ -327,45 +423,44 @@ def as_run(tricks: Tricks, layers: int) -> Tricks:
     return replace(tricks, recompute="none", ckpt_every=1) if tricks.mixed and layers < tricks.ckpt_every else tricks
 
 
-def grown_phases(two: Phases, three: Phases, m2, m3, units: int, unit: int = 1) -> Phases:
-    """A step's phases at `units` units of blocks (3 or more; see growth) from its two- and three-unit
-    steps. What a step holds is affine in the units once the first unit, which may do what later ones
-    do not (Transformers builds its masks in its first block), is in both; a phase's peak is the highest
-    of its segments' (memcalc.exact.sim.Memory): its start, before the blocks, after them, and inside a
-    block, where past the first unit the live bytes are affine in how many units the phase has done
-    (each frees a unit's activations, or keeps them, and adds its gradients) for a block at a given place
-    in its unit. So across the units each place peaks in the first unit, the second or the last; the
-    blocks left over after the units are a fixed tail. Each grows affinely with the units; the peak is
-    the highest grown, named by the first segment to reach it. At 8B with checkpointing this finds the
-    backward peak moving, with depth, from the loss into the last block's recompute, where the
-    gradients of the blocks done outgrow the activations they freed."""
-    grown = {f: grow(getattr(two, f), getattr(three, f), units) for f in STATE_FIELDS}
+def grown_phases(short: Phases, long: Phases, m2, m3, grown: Growth) -> Phases:
+    """A step's phases at grown.units units of blocks (see Growth) from its two short steps. What a step
+    holds is affine in the units once the lead units, which may do what later ones do not, are in both;
+    a phase's peak is the highest of its segments' (memcalc.exact.sim.Memory): its start, before the
+    blocks, after them, and inside a block, where past the lead the live bytes are affine in how many
+    units the phase has done (each frees a unit's activations, or keeps them, and adds its gradients) for
+    a block at a given place in its unit. So across the units each place peaks in a lead unit, the first
+    after them or the last; the blocks left over after the units are a fixed tail. Each grows affinely
+    with the units; the peak is the highest grown, named by the first segment to reach it. At 8B with
+    checkpointing this finds the backward peak moving, with depth, from the loss into the last block's
+    recompute, where the gradients of the blocks done outgrow the activations they freed."""
+    grown_fields = {f: grow(getattr(short, f), getattr(long, f), grown) for f in STATE_FIELDS}
     for phase in ("forward", "backward", "optimizer"):
         peak, at_op = -1, ""
-        for a, (b, op) in candidates(m2.segments[phase], m3.segments[phase], unit):  # in the order the phase runs them
-            if grow(a, b, units) > peak:  # the first to reach the peak names it, as Memory's running peak does
-                peak, at_op = grow(a, b, units), op
-        grown[f"{phase}_peak_bytes"], grown[f"{phase}_peak_at"] = peak, at_op
-    return replace(three, **grown)
+        for a, (b, op) in candidates(m2.segments[phase], m3.segments[phase], grown):  # in the order the phase runs them
+            if grow(a, b, grown) > peak:  # the first to reach the peak names it, as Memory's running peak does
+                peak, at_op = grow(a, b, grown), op
+        grown_fields[f"{phase}_peak_bytes"], grown_fields[f"{phase}_peak_at"] = peak, at_op
+    return replace(long, **grown_fields)
 
 
 STATE_FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes")
 
 
-def grow(at2: int, at3: int, units: int) -> int:
-    """An affine count at two units and three, at `units`."""
-    return at2 + (units - 2) * (at3 - at2)
+def grow(at_short: int, at_long: int, grown: Growth) -> int:
+    """An affine count at the shorter step and the longer (one unit more), at grown.units units."""
+    return at_short + (grown.units - grown.lead - 1) * (at_long - at_short)
 
 
-def candidates(two: tuple, three: tuple, unit: int = 1) -> list[tuple[int, tuple[int, str]]]:
-    """The segments a phase's peak can be in, in the order it runs them at three units, as (bytes at two
-    units, (bytes at three, the op there)): its start, before the blocks, every block at three units
-    (the first unit's, the second's, the last's and the tail's) each beside the block in the same place
-    at two units, and after the blocks. Block b of the three-unit step is in the place of block b, or
-    b − unit past the second unit, of the two-unit step."""
-    (p2, _), (p3, seen3) = two, three
+def candidates(short: tuple, long: tuple, grown: Growth) -> list[tuple[int, tuple[int, str]]]:
+    """The segments a phase's peak can be in, in the order it runs them in the longer step, as (bytes in the
+    shorter, (bytes in the longer, the op there)): its start, before the blocks, every block of the longer
+    step (the lead units', the first unit's after them, the last's and the tail's) each beside the block
+    in the same place in the shorter, and after the blocks. Block b of the longer step is in the place of
+    block b, or b − unit past the first unit after the lead, of the shorter."""
+    (p2, _), (p3, seen3) = short, long
     pairs = [(p2[k][0], p3[k]) for k in ("start", "before") if k in p2 and k in p3]
-    like = {b: b if b < 2 * unit else b - unit for b in seen3}
+    past = (grown.lead + 1) * grown.unit
+    like = {b: b if b < past else b - grown.unit for b in seen3}
     pairs += [(p2[like[b]][0], p3[b]) for b in seen3 if like[b] in p2]
     return pairs + ([(p2["after"][0], p3["after"])] if "after" in p2 and "after" in p3 else [])
-

@@ -8,18 +8,40 @@ Per layer, with 16-bit activations and 1-byte dropout masks, bytes saved for bac
   LayerNorms  4·s·b·h              (the input of each of the two, 2sbh each)
   total s·b·h·(34 + 5·a·s/h)       (eq. 1)
 This is the GPT-3 layer (MHA, 4h MLP, dropout). The exact, architecture-aware count for GQA and
-SwiGLU models lives in memcalc.exact; these numbers stay the textbook's.
+SwiGLU models lives in memcalc.exact; these numbers stay the textbook's. Mixture-of-experts layers and
+latent attention replace the MLP and the attention's linear part by the terms of memcalc.memory.moe.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from memcalc.model.shape import ModelShape
+from memcalc.model.moe import BALANCED, Routing
+from memcalc.model.shape import ModelShape, is_moe_layer
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
 
+from .moe import latent_attention_term, moe_terms, mtp_terms
+
 KORTHIKANTI = "Korthikanti et al. 2022, sec. 4.1"
+
+
+@dataclass(slots=True)
+class LayerGroup:
+    """Layers that keep the same tensors: a model's dense layers, its MoE layers, its MTP modules."""
+
+    name: str
+    count: int
+    terms: tuple[Term, ...]  # kept per layer until backward
+    rebuilt: tuple[Term, ...]  # what one of them rebuilds during backward
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(t.value for t in self.terms)
+
+    @property
+    def rebuilt_bytes(self) -> int:
+        return sum(t.value for t in self.rebuilt)
 
 
 @dataclass(slots=True)
@@ -28,11 +50,13 @@ class Activations:
 
     tricks: Tricks
     n_layers: int
-    terms: tuple[Term, ...]  # bytes kept per layer until backward (ckpt:N: per layer not checkpointed)
+    terms: tuple[Term, ...]  # bytes kept per layer until backward (ckpt:N: per layer not checkpointed; with
+    # groups: the heaviest kind of layer's)
     rebuilt: tuple[Term, ...]  # bytes one layer rebuilds during backward (recompute)
     checkpointed: tuple[Term, ...] = ()  # ckpt:N: what each checkpointed layer keeps (its input)
     n_checkpointed: int = 0  # ckpt:N: how many layers keep `checkpointed` instead of `terms`
     formula: bool = True  # False: the textbook has no formula for this trick set (sac); no bytes here
+    groups: tuple[LayerGroup, ...] = ()  # layers of different kinds (MoE models); empty: n_layers alike
 
     @property
     def per_layer_bytes(self) -> int:
@@ -44,11 +68,15 @@ class Activations:
 
     @property
     def total_bytes(self) -> int:
+        if self.groups:
+            return sum(g.count * g.kept_bytes for g in self.groups)
         plain = self.n_layers - self.n_checkpointed
         return self.per_layer_bytes * plain + self.checkpointed_bytes * self.n_checkpointed
 
     @property
     def rebuilt_bytes(self) -> int:
+        if self.groups:  # one layer is rebuilt at a time: the largest
+            return max(g.rebuilt_bytes for g in self.groups)
         return sum(t.value for t in self.rebuilt)
 
     @property
@@ -73,7 +101,8 @@ def layer_terms(shape: ModelShape, seq_len: int, micro_batch: int, factor: int) 
     }
 
 
-def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> Activations:
+def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks,
+                         routing: Routing = BALANCED) -> Activations:  # fmt: skip
     """What one trick set keeps per layer, and what backward rebuilds.
 
     flash: the s×s part is never stored (Dao et al. 2022), leaving 34·s·b·h.
@@ -87,16 +116,68 @@ def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tric
     if tricks.recompute == "op":
         return Activations(tricks, shape.n_layers, (), (), formula=False)
     t = layer_terms(shape, seq_len, micro_batch, 2 if tricks.precision == "fp32" else 1)
-    linear = (t["attention"], t["mlp"], t["norms"])
-    full_layer = linear if tricks.flash else (t["attention"], t["scores"], t["mlp"], t["norms"])
+    if shape.is_moe or shape.is_mla or shape.mtp_layers:
+        return grouped_activations(shape, seq_len, micro_batch, tricks, routing, t)
     if tricks.mixed:
         n = tricks.n_checkpointed(shape.n_layers)
-        return Activations(tricks, shape.n_layers, full_layer, full_layer if n else (), (t["input"],), n)
+        (kept, _), (ckpt, rebuilt) = kept_and_rebuilt(t, plain_layer(tricks), (t["mlp"],)), kept_and_rebuilt(
+            t, every_layer(tricks), (t["mlp"],))  # fmt: skip
+        return Activations(tricks, shape.n_layers, kept, rebuilt if n else (), ckpt, n)
+    kept, rebuilt = kept_and_rebuilt(t, tricks, (t["mlp"],))
+    return Activations(tricks, shape.n_layers, kept, rebuilt)
+
+
+def plain_layer(tricks: Tricks) -> Tricks:
+    """ckpt:N's layers not checkpointed: they keep what a step without recompute keeps."""
+    return replace(tricks, recompute="none", ckpt_every=1)
+
+
+def every_layer(tricks: Tricks) -> Tricks:
+    """ckpt:N's checkpointed layers: they keep what ckpt keeps."""
+    return replace(tricks, ckpt_every=1)
+
+
+def kept_and_rebuilt(t: dict[str, Term], tricks: Tricks, mlp: tuple[Term, ...]) -> tuple[tuple, tuple]:
+    """A layer's kept and rebuilt terms under the trick set (ckpt, not ckpt:N), its MLP part given."""
+    linear = (t["attention"], *mlp, t["norms"])
+    full_layer = linear if tricks.flash else (t["attention"], t["scores"], *mlp, t["norms"])
     if tricks.recompute == "full":
-        return Activations(tricks, shape.n_layers, (t["input"],), full_layer)
+        return (t["input"],), full_layer
     if tricks.recompute == "selective" and not tricks.flash:
-        return Activations(tricks, shape.n_layers, linear, (t["scores"],))
-    return Activations(tricks, shape.n_layers, full_layer, ())
+        return linear, (t["scores"],)
+    return full_layer, ()
+
+
+def grouped_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, routing: Routing,
+                        t: dict[str, Term]) -> Activations:  # fmt: skip
+    """A model whose layers differ (dense and MoE MLPs, MTP modules) or whose attention is latent: one
+    LayerGroup per kind of layer (with ckpt:N, its checkpointed layers a group apart); the heaviest
+    layer's terms stand for "per layer"."""
+    factor = 2 if tricks.precision == "fp32" else 1
+    if shape.is_mla:
+        t = {**t, "attention": latent_attention_term(shape, seq_len, micro_batch, factor)}
+    moe = moe_terms(shape, seq_len, micro_batch, factor, routing) if shape.is_moe else ()
+    L = shape.n_layers
+    groups = []
+    for name, mlp, members in (("dense", (t["mlp"],), [i for i in range(L) if not is_moe_layer(shape, i)]),
+                               ("MoE", moe, [i for i in range(L) if is_moe_layer(shape, i)])):  # fmt: skip
+        if not tricks.mixed:
+            groups += [LayerGroup(name, len(members), *kept_and_rebuilt(t, tricks, mlp))] if members else []
+            continue
+        n = sum(tricks.checkpointed(i) for i in members)  # ckpt:N: every Nth block, counted over all of them
+        if len(members) > n:
+            groups.append(LayerGroup(name, len(members) - n, *kept_and_rebuilt(t, plain_layer(tricks), mlp)))
+        if n:
+            groups.append(LayerGroup(f"{name}, checkpointed", n, *kept_and_rebuilt(t, every_layer(tricks), mlp)))
+    layers = list(groups)
+    if shape.mtp_layers:  # a module's block is MoE when the last layer is (Megatron's mtp_num_moe_layers)
+        last = moe if is_moe_layer(shape, L - 1) else (t["mlp"],)
+        kept, rebuilt = kept_and_rebuilt(t, every_layer(tricks), last + mtp_terms(shape, seq_len, micro_batch, factor))
+        groups.append(LayerGroup("MTP module", shape.mtp_layers, kept, rebuilt))
+    heaviest = max((g for g in layers if "checkpointed" not in g.name), default=layers[0], key=lambda g: g.kept_bytes)
+    n = tricks.n_checkpointed(L) if tricks.mixed else 0  # ckpt:N: each keeps its input, whatever its kind
+    return Activations(tricks, L, heaviest.terms, heaviest.rebuilt, (t["input"],) if n else (), n,
+                       groups=tuple(groups))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -141,14 +222,19 @@ class Logits:
 
 
 def logits_memory(shape: ModelShape, seq_len: int, micro_batch: int, precision: str) -> Logits:
-    """Logits (b·s·v in the activation dtype) and, in mixed precision, their fp32 upcast for the loss."""
+    """Logits (b·s·v in the activation dtype) and, in mixed precision, their fp32 upcast for the loss; each
+    multi-token prediction module makes its own (DeepSeek-V3 report sec. 2.2: the shared head again)."""
     tokens_vocab = seq_len * micro_batch * shape.vocab
     if precision == "fp32":
-        return Logits((Term("logits (fp32)", 4 * tokens_vocab, "4·{b}·{s}·{v}", "lm_head matmul output"),))
-    return Logits(
-        (
+        terms = (Term("logits (fp32)", 4 * tokens_vocab, "4·{b}·{s}·{v}", "lm_head matmul output"),)
+    else:
+        terms = (
             Term("logits (16-bit)", 2 * tokens_vocab, "2·{b}·{s}·{v}", "lm_head matmul output"),
             Term("logits fp32 upcast for cross-entropy", 4 * tokens_vocab, "4·{b}·{s}·{v}",
                  "logits.float() before F.cross_entropy"),  # fmt: skip
         )
-    )
+    if shape.mtp_layers:
+        n = shape.mtp_layers
+        terms += tuple(Term(f"{t.name}, {n} MTP module{'s' if n > 1 else ''}", n * t.value, f"{n}·{t.formula}",
+                            "DeepSeek-V3 report sec. 2.2: each module's own prediction") for t in terms)  # fmt: skip
+    return Logits(terms)

@@ -8,7 +8,7 @@ from memcalc.errors import InputError
 from memcalc.exact.kernels import recompute_first, step_flops
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
-from memcalc.model.shape import Model, check_positions, layer_params
+from memcalc.model.shape import Model, check_positions, largest_layer_params
 from memcalc.model.tricks import PROGRESSION, Tricks
 
 from .activations import Activations, AttentionDetail, Logits, attention_detail, logits_memory, textbook_activations
@@ -90,12 +90,13 @@ class Estimate:
 def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> tuple[ModelState, Activations, Logits, Memory]:
     """The memory side of one trick set; shared by estimate(), the toolbox and the fit solver."""
     state = model_state(model.n_params, tricks.precision, setup.optimizer, setup.parallel, setup.stack.recipe)
-    acts = textbook_activations(model.shape, setup.seq_len, setup.micro_batch, tricks)
+    acts = textbook_activations(model.shape, setup.seq_len, setup.micro_batch, tricks, setup.routing)
     logits = logits_memory(model.shape, setup.seq_len, setup.micro_batch, tricks.precision)
     buffers = 0
     if setup.parallel.gathers_layers:
         elsewhere = weights_held_elsewhere(state)
-        buffers = zero3_gather_bytes(layer_params(model.shape), model.shape.n_layers, tricks.precision, elsewhere)
+        buffers = zero3_gather_bytes(largest_layer_params(model.shape), model.shape.n_layers, tricks.precision,
+                                     elsewhere)  # fmt: skip
     memory = Memory(tricks, state.total_bytes, acts.peak_bytes, logits.total_bytes, buffers, gpu.usable_bytes,
                     state.host_bytes, setup.host_usable_bytes, acts.formula)  # fmt: skip
     return state, acts, logits, memory
@@ -124,7 +125,7 @@ def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...
         raise InputError("no trick sets to estimate")
     check_positions(model.shape, setup.seq_len)
     sides = [memory_for(model, setup, gpu, t) for t in trick_sets]
-    gap = not_replayed_for(setup, trick_sets)
+    gap = not_replayed_for(setup, trick_sets, model.shape)
     if gap:
         check_textbook(trick_sets, gap)
     primary = next((s for s, *_ in sides if s.precision != "fp32"), sides[0][0])

@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from memcalc.exact.config import Phases, not_replayed
+from memcalc.exact.config import Phases, not_replayed, shape_not_replayed
 from memcalc.exact.step import step_phases
 from memcalc.model.gpus import GPU
-from memcalc.model.shape import Model, layer_params, n_params
+from memcalc.model.shape import Model, ModelShape, largest_layer_params, n_params
 from memcalc.model.tricks import Tricks
 
 from .setup import Budget, Setup
@@ -83,13 +83,17 @@ def exact_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> ExactM
         here = model_state(own, tricks.precision, s.optimizer, s.parallel, s.stack.recipe)
         change, host = here.total_bytes - one_gpu.total_bytes, here.host_bytes
         if s.parallel.gathers_layers:  # ZeRO-3 gathers layers back, as the textbook charges them
-            change += zero3_gather_bytes(layer_params(model.shape), model.shape.n_layers, tricks.precision,
+            change += zero3_gather_bytes(largest_layer_params(model.shape), model.shape.n_layers, tricks.precision,
                                          weights_held_elsewhere(here))  # fmt: skip
     return ExactMemory(tricks, own, phases, change, gpu.usable_bytes, host, s.host_usable_bytes)
 
 
-def not_replayed_for(setup: Setup, trick_sets) -> str:
-    """Why the exact model cannot replay these steps ("" when it can): then the verdict is the textbook's."""
+def not_replayed_for(setup: Setup, trick_sets, shape: ModelShape | None = None) -> str:
+    """Why the exact model cannot replay these steps ("" when it can): then the verdict is the textbook's.
+    The stack decides, and the shape where one is given (mixture-of-experts layers, latent attention)."""
     s = setup.stack
-    reasons = (not_replayed(s.model, s.recipe, s.impl, setup.optimizer, t.precision) for t in trick_sets)
+    reasons = [not_replayed(s.model, s.recipe, s.impl, setup.optimizer, t.precision) for t in trick_sets]
+    reasons.append(None if shape is None else shape_not_replayed(shape, s.model, s.recipe, s.impl))
+    if not setup.routing.balanced:  # verify's reference router is the balanced one
+        reasons.append("the exact model replays balanced routing; a capacity factor or an imbalance is the textbook's")
     return next((r for r in reasons if r), "")

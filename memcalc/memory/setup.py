@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from memcalc.errors import InputError
 from memcalc.model.gpus import GPUS_PER_NODE, HOST_MEMORY_BYTES
+from memcalc.model.moe import BALANCED, Routing
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 
@@ -30,6 +31,7 @@ class Setup:
     mfu: float = DEFAULT_MFU
     host_memory: int = HOST_MEMORY_BYTES  # CPU memory of one node, which offload fills
     stack: Stack = DEFAULT_STACK  # whose code trains: model, precision recipe, optimizer implementation
+    routing: Routing = BALANCED  # how many tokens a mixture-of-experts layer's experts get (memcalc.model.moe)
 
     def __post_init__(self) -> None:
         check_size("seq", self.seq_len, limit=MAX_SEQ)

@@ -58,10 +58,10 @@ def textbook(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> Memory:
     return memory_for(model, setup, gpu, tricks)[3]
 
 
-def verdict_measure(setup: Setup, tricks: Tricks) -> Measure:
-    """The replayed step (exact_memory) where the exact model replays the stack, for the trick set and
-    the bf16 the tools may switch it to; else the textbook, as estimate's verdict falls back."""
-    gap = not_replayed_for(setup, (tricks, replace(tricks, precision="bf16")))
+def verdict_measure(setup: Setup, tricks: Tricks, shape=None) -> Measure:
+    """The replayed step (exact_memory) where the exact model replays the stack (and the shape, when given),
+    for the trick set and the bf16 the tools may switch it to; else the textbook, as estimate's verdict falls back."""
+    gap = not_replayed_for(setup, (tricks, replace(tricks, precision="bf16")), shape)
     if gap:
         check_textbook((tricks,), gap)
     return textbook if gap else exact_memory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from memcalc.errors import InputError
 
@@ -28,6 +29,21 @@ def llama(name: str, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, 
     )  # fmt: skip
 
 
+def mixture(base: ModelShape, n_experts: int, per_token: int, expert_ffn: int | None = None, **more) -> ModelShape:
+    """A Llama/Qwen shape whose MLPs are mixtures of n_experts SwiGLU experts, per_token of them per token."""
+    return replace(base, n_experts=n_experts, experts_per_token=per_token, expert_ffn=expert_ffn,
+                   norm_topk_prob=True, **more)  # fmt: skip
+
+
+# DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, sec. 4.2 and config.json): MLA with a 1536-rank query and
+# 512-rank key-value latent, 128 heads of 128 + 64 (RoPE) dims, values 128; 1 shared + 256 routed experts
+# of 2048, 8 per token, sigmoid gate; the first 3 layers dense (18432); one MTP module.
+DEEPSEEK_V3 = mixture(
+    llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, False), 256, 8, 2048, n_shared_experts=1,
+    first_dense_layers=3, router="sigmoid", router_fp32=True, q_lora_rank=1536, kv_lora_rank=512,
+    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, head_dim=192, mtp_layers=1,
+)  # fmt: skip
+
 # Shapes from each model's published config.json; the comment is the published parameter count.
 PRESETS: dict[str, ModelShape] = {
     "gpt2": gpt("gpt2", 12, 768, 12, 1024),  # 124,439,808 (Radford et al. 2019; HF gpt2)
@@ -44,6 +60,13 @@ PRESETS: dict[str, ModelShape] = {
     "qwen3-8b": llama("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, False, 128, True),  # 8.2B
     "qwen3-14b": llama("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, False, 128, True),  # 14.8B
     "qwen3-32b": llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, False, 128, True),  # 32.8B
+    # mixtures of experts: total / active per token (tests/test_moe.py holds the exact counts against these)
+    "mixtral-8x7b": mixture(llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, False), 8, 2),  # 46.7B / 12.9B
+    "qwen3-30b-a3b": mixture(llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, False, 128, True),
+                             128, 8, 768),  # 30.5B / 3.3B  # fmt: skip
+    "qwen3-235b-a22b": mixture(llama("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, False, 128, True),
+                               128, 8, 1536),  # 235B / 22B  # fmt: skip
+    "deepseek-v3": DEEPSEEK_V3,  # 671B / 37B, + 14B multi-token prediction (as stored: see docs/moe.md)
 }
 
 # --params N alone takes the nearest of these (in log-parameters): one dense family per size,

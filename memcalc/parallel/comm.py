@@ -31,7 +31,8 @@ from functools import lru_cache
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import A100_DATASHEET, GPU, H100_DATASHEET
-from memcalc.model.shape import Model, ModelShape
+from memcalc.model.moe import routed_tokens
+from memcalc.model.shape import Model, ModelShape, is_moe_layer
 from memcalc.model.tricks import Tricks
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.roofline import StageKernels, block_lower_bound, stage_kernels
@@ -106,6 +107,9 @@ class Assumptions:
     # CPU Adam: ~4e9 parameters/s on one host (ZeRO-Offload's CPU-Adam on a DGX-2's two 24-core Xeons,
     # Ren et al. 2021, order of magnitude); the node's GPUs share it. Exposed: no delayed parameter update.
     cpu_adam_params_per_s: float = 4e9
+    # MoE's all-to-all sits between the router and the experts and between the experts and the combine: on
+    # the critical path (DeepSeek-V3's DualPipe hides it behind another micro-batch; not modelled)
+    overlap_ep: float = 0.0
 
 
 ASSUMPTIONS = Assumptions()
@@ -252,16 +256,22 @@ def tp_shape(shape: ModelShape, tp: int) -> ModelShape:
     (Shoeybi et al. 2019; Megatron's vocab-parallel embedding and cross-entropy)."""
     if tp == 1:
         return shape
+    moe = {}
+    if shape.n_experts:  # routed experts whole (ep and etp split them); the shared ones split as an MLP
+        each = shape.shared_ffn // shape.n_shared_experts if shape.n_shared_experts else None
+        moe = dict(expert_ffn=shape.routed_ffn, shared_expert_ffn=None if each is None else -(-each // tp))
     return replace(shape, n_heads=shape.n_heads // tp, n_kv_heads=shape.n_kv_heads // tp, ffn=shape.ffn // tp,
-                   vocab=-(-shape.vocab // tp), head_dim=shape.head_dim)  # fmt: skip
+                   vocab=-(-shape.vocab // tp), head_dim=shape.head_dim, **moe)  # fmt: skip
 
 
 def roofline_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage_layers: tuple[int, ...],
                   cal: Calibration) -> Work:  # fmt: skip
     """Each stage's kernels on its GPU (memcalc.time.roofline.stage_kernels); the slowest stage's."""
     grads = layout.shard_group if layout.zero >= 2 else 1
+    experts = layout.ep * layout.etp
     k = stage_kernels(tp_shape(model.shape, layout.tp), setup.seq_len // layout.cp, setup.micro_batch, tricks, gpu,
-                      cal, layout.tp if layout.sp else 1, layout.cp, grads, layout.shard_group)  # fmt: skip
+                      cal, layout.tp if layout.sp else 1, layout.cp, grads, layout.shard_group, experts,
+                      layout.expert_shard_group if layout.zero >= 2 else 1, layout.expert_shard_group)  # fmt: skip
     p = layout.pp
     kinds = {(n, i == 0, i == p - 1) for i, n in enumerate(stage_layers)}  # a handful: the ends and the middle
     works = [stage_work(k, n, first, last) for n, first, last in sorted(kinds)]
@@ -275,7 +285,7 @@ def stage_work(k: StageKernels, layers: int, first: bool, last: bool) -> Work:
     outside the blocks (embedding, final norm, output layer) are charged whole to each end stage."""
     fwd = layers * k.block_forward + first * k.first_forward + last * k.last_forward
     bwd = layers * k.block_backward + first * k.first_backward + last * k.last_backward
-    mb = MicroBatch(fwd, bwd, layers * k.block_recompute, layers * k.block_attention, layers)
+    mb = MicroBatch(fwd, bwd, layers * k.block_recompute + last * k.last_recompute, layers * k.block_attention, layers)
     rest = k.optimizer_rest if first or last else 0.0
     return Work(mb, layers * k.block_accumulate + last * k.last_accumulate, layers * k.optimizer_block + rest)
 
@@ -312,18 +322,23 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
     else:
         cal = timing if isinstance(timing, Calibration) else calibration_for(gpu.key)
         work = roofline_work(model, setup, gpu, tricks, layout, stage_layers, cal)
-    mb = work.micro_batch
+    busy = busiest_experts_flops(model, setup, layout)  # imbalance: the busiest GPU's extra expert work
+    rate = gpu.peak_flops(tricks.precision) * (mfu if mfu is not None else cal.matmul)
+    mb = work.micro_batch = replace(work.micro_batch, forward=work.micro_batch.forward + busy / 3 / rate,
+                                    backward=work.micro_batch.backward + 2 * busy / 3 / rate)  # fmt: skip
     args = (layout, model, setup, tricks, fabric, assume, mb)
-    per_mb = [x for x in (tp_comm(*args), cp_comm(*args), pp_comm(*args)) if x]
+    per_mb = [x for x in (tp_comm(*args), cp_comm(*args), pp_comm(*args), *ep_comm(*args)) if x]
     slowest = mb.seconds + sum(x.exposed_seconds for x in per_mb)  # one micro-batch through the slowest stage
     per_step = [Comm(x.name, x.group, x.ranks, x.link, x.calls * m, x.bytes * m, x.formula, x.seconds * m,
                      x.exposed_seconds * m) for x in per_mb]  # fmt: skip
-    params = max(st.params for st in memory.stages)  # the stage with the most weights syncs longest
+    experts = max(st.expert_params for st in memory.stages)  # routed experts: synced over their edp group
+    params = max(st.params - st.expert_params for st in memory.stages)  # the stage with the most weights syncs longest
     w = 4 if tricks.precision == "fp32" else 2  # bytes of a weight while computing
     gw = grad_reduce_bytes(engine, tricks.precision)  # bytes of a gradient on the wire
-    host, cpu = offload_comm(layout, params, w, gw, m, fabric, assume, mb)
+    host, cpu = offload_comm(layout, max(st.params for st in memory.stages), w, gw, m, fabric, assume, mb)
     unit = unit_fraction(model.shape, layout.tp, layout.pp) if engine == "fsdp2" else 0.0
     dp = dp_comm(layout, params, w, gw, m, fabric, assume, mb, engine, unit)
+    dp += expert_dp_comm(layout, experts, w, gw, m, fabric, assume, mb)
     tokens = layout.dp * m * setup.micro_batch * setup.seq_len
     f = step_flops(model.shape, setup.seq_len, tricks)
     comms = tuple(per_step + dp + host)
@@ -339,7 +354,7 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
         utilization=mfu,
         compute_seconds=m * (mb.forward + mb.backward) + (m - 1) * work.accumulate,
         recompute_seconds=m * mb.recompute,
-        optimizer_seconds=work.optimizer,
+        optimizer_seconds=0.0 if layout.offload_optimizer else work.optimizer,  # offloaded: the CPU's (cpu_optimizer)
         bubble_seconds=0.0 if mfu is not None else slowest * m * bubble_fraction(layout, m),
         comms=comms,
         cpu_optimizer_seconds=0.0 if mfu is not None else cpu,
@@ -347,6 +362,86 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
         calibration=None if mfu is not None else cal,
         micro_batch_seconds=slowest,
     )
+
+
+def moe_tokens(model: Model, setup: Setup, layout: Layout) -> tuple[int, int]:
+    """(T, R): the tokens one GPU routes per MoE layer and micro-batch ((s/c)·b, split over tp by sequence
+    parallel), and those its experts receive from the ep group (memcalc.model.moe.routed_tokens)."""
+    T = setup.seq_len // layout.cp * setup.micro_batch // (layout.tp if layout.sp else 1)
+    return T, routed_tokens(model.shape, T, setup.routing, layout.ep)
+
+
+def stage_moe_layers(model: Model, layout: Layout) -> int:
+    """MoE layers on the busiest stage (the last, with the MTP module's block)."""
+    shape, per = model.shape, model.shape.n_layers // layout.pp
+    first = (layout.pp - 1) * per
+    mtp = shape.mtp_layers if is_moe_layer(shape, shape.n_layers - 1) else 0
+    return sum(is_moe_layer(shape, i) for i in range(first, shape.n_layers)) + mtp
+
+
+def busiest_experts_flops(model: Model, setup: Setup, layout: Layout) -> int:
+    """The expert FLOPs (forward + backward) the busiest GPU runs beyond its balanced share, per micro-batch:
+    R − T·k extra routed tokens through a SwiGLU expert (6·3·h·f_e each), in each MoE layer of its stage."""
+    shape = model.shape
+    if not shape.is_moe:
+        return 0
+    T, R = moe_tokens(model, setup, layout)
+    per_token = 6 * (3 if shape.gated_mlp else 2) * shape.hidden * shape.routed_ffn
+    return max(0, R - T * shape.experts_per_token) * per_token * stage_moe_layers(model, layout)
+
+
+def ep_comm(layout, model, setup, tricks, fabric, assume, mb) -> list[Comm]:
+    """Expert parallel's all-to-alls (Lepikhin et al. 2021; Megatron-LM MoEAlltoAllTokenDispatcher): per MoE
+    layer, the dispatch and the combine in forward, both again for the gradients in backward, and the forward's
+    again under full recompute. Each sends this GPU's T·k token copies bound for other GPUs, (ep − 1)/ep of them,
+    and receives the R its experts get likewise: the busier direction sets the time. An EP group of etp · ep
+    consecutive ranks wider than a node crosses InfiniBand for the share of its peers outside the node.
+    With expert TP, each expert's tokens are all-gathered and its output reduce-scattered over etp. Per micro-batch."""
+    ep, etp = layout.ep, layout.etp
+    if ep == 1 and etp == 1:
+        return []
+    T, R = moe_tokens(model, setup, layout)
+    k, h, act = model.shape.experts_per_token, model.shape.hidden, tricks.act_bytes
+    calls = (4 + (2 if tricks.recompute == "full" else 0)) * stage_moe_layers(model, layout)
+    out = []
+    if ep > 1:
+        busier = max(T * k, R) * (ep - 1) // ep * h * act
+        local = max(1, min(ep, layout.gpus_per_node // etp))  # group members in this GPU's node
+        inter = busier * (ep - local) // (ep - 1)
+        link = fabric.inter if inter else fabric.intra
+        seconds = max(inter / (fabric.inter.bytes_per_s * assume.efficiency),
+                      (busier - inter) / (fabric.intra.bytes_per_s * assume.efficiency))  # NVLink and NICs at once
+        formula = f"{calls // stage_moe_layers(model, layout)}·L_moe · (ep−1)/ep · max(T·k, R)·h·{act}"
+        out.append(Comm("EP all-to-all dispatch + combine", "ep", ep, link.key, calls, calls * busier, formula,
+                        calls * seconds, exposed(calls * seconds, assume.overlap_ep, mb.seconds)))  # fmt: skip
+    if etp > 1:
+        link = link_for(fabric, etp, layout.gpus_per_node)
+        out.append(ring("ETP all-gather + reduce-scatter of expert tokens", "ep", etp, link, calls, 1,
+                        R * h * act, f"{calls // stage_moe_layers(model, layout)}·L_moe · (e−1)/e · R·h·{act}",
+                        assume, assume.overlap_tp, mb.seconds))  # fmt: skip
+    return out
+
+
+def expert_dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric, assume: Assumptions,
+                   mb: MicroBatch) -> list[Comm]:  # fmt: skip
+    """The routed experts' gradients over their edp group, as dp_comm does for the rest: an all-reduce once per
+    step without ZeRO, a reduce-scatter (every micro-batch with ZeRO-2 and 3) and an all-gather of the updated
+    weights with it. The group's ranks are etp · ep apart: it spans the stage's tp · cp · dp GPUs."""
+    n, z, d = layout.expert_shard_ranks, layout.zero, assume.overlap_dp
+    if not params or n == 1:
+        return []
+    g, grads, weights = "edp", params * gw, params * w
+    link = link_for(fabric, layout.tp * layout.cp * layout.dp, layout.gpus_per_node)
+    if z == 0:
+        return [ring("expert gradient all-reduce", g, n, link, 1, 2, grads, f"2(n−1)/n · P_e·{gw}", assume, d,
+                     mb.backward_window)]  # fmt: skip
+    calls = 1 if z == 1 else m
+    return [
+        ring("expert gradient reduce-scatter", g, n, link, calls, 1, grads,
+             ("m · " if calls > 1 else "") + f"(n−1)/n · P_e·{gw}", assume, d, calls * mb.backward_window),
+        ring("expert weight all-gather", g, n, link, calls if z == 3 else 1, 1, weights, f"(n−1)/n · P_e·{w}",
+             assume, d, mb.forward),
+    ]  # fmt: skip
 
 
 def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, memory: LayoutMemory,
@@ -366,10 +461,12 @@ def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
     layers = max(memory.stage_layers or (model.shape.n_layers // p,))
     shape, seq, sp = tp_shape(model.shape, layout.tp), setup.seq_len // layout.cp, layout.tp if layout.sp else 1
     if traced:
-        block = block_lower_bound(shape, seq, setup.micro_batch, tricks, gpu, cal, sp, layout.cp)
+        experts = layout.ep * layout.etp
+        block = block_lower_bound(shape, seq, setup.micro_batch, tricks, gpu, cal, sp, layout.cp, experts)
         grads = layout.shard_group if layout.zero >= 2 else 1
-        k = stage_kernels(shape, seq, 1, tricks, gpu, cal, sp, layout.cp, grads, layout.shard_group)
-        once = (m - 1) * layers * k.block_accumulate + layers * k.optimizer_block
+        k = stage_kernels(shape, seq, 1, tricks, gpu, cal, sp, layout.cp, grads, layout.shard_group, experts,
+                          layout.expert_shard_group if layout.zero >= 2 else 1, layout.expert_shard_group)  # fmt: skip
+        once = (m - 1) * layers * k.block_accumulate + (0.0 if layout.offload_optimizer else layers * k.optimizer_block)
     else:
         rate = gpu.peak_flops(tricks.precision) * cal.matmul
         block, once = 6 * matmul_weights(model.shape, layout.tp) * setup.micro_batch * seq / rate, 0.0
@@ -387,7 +484,8 @@ def matmul_weights(shape: ModelShape, tp: int) -> int:
     """One block's matmul weights on one TP rank: Q, K, V, O and the MLP's matrices, split over tp."""
     n_in = 2 if shape.gated_mlp else 1
     h = shape.hidden
-    return (2 * h * shape.q_dim + 2 * h * shape.kv_dim + (n_in + 1) * h * shape.ffn) // tp
+    mlp = 0 if shape.n_experts else (n_in + 1) * h * shape.ffn  # a MoE's: left out (a bound stays a bound)
+    return (2 * h * shape.q_dim + 2 * h * shape.kv_dim + mlp) // tp
 
 
 @lru_cache(maxsize=1024)

@@ -12,8 +12,14 @@ ZeRO/FSDP shards over dp × cp, not dp alone: context-parallel ranks hold the sa
 other tokens of the same sequences, so their gradients are reduced together with the data-parallel
 ones. Megatron-LM's distributed optimizer shards over that group (its "data parallel group with
 context parallel"), and torchtitan's FSDP2 over the combined dp_shard × cp mesh dimension.
-Hybrid shard (FSDP HYBRID_SHARD; Megatron's distributed-optimizer instances) shards inside a node
+Hybrid shard (FSDP HYBRID_SHARD; Megatron-LM's distributed-optimizer instances) shards inside a node
 and replicates across nodes.
+
+Mixture-of-experts layers fold their own parallelism into the same GPUs (Megatron-LM's MoE parallel
+folding): the tp · cp · dp ranks of a stage are etp · ep · edp for the routed experts. ep ranks hold
+E/ep experts each (expert parallel, Lepikhin et al. 2021), etp split each expert's MLP as TP splits
+a dense one, and ZeRO shards the experts' state over the edp ranks holding the same experts
+(megatron/training/theoretical_memory_usage.py: expert_data_parallel_size = world / (etp · ep · pp)).
 
 Pipeline stages hold L/p layers each when p divides L; otherwise (and always for FSDP2, as torchtitan
 splits) the embedding and the head count as one layer each and the first and last stages take one layer
@@ -32,7 +38,9 @@ from memcalc.errors import InputError
 from memcalc.memory.estimate import Budget, Setup
 from memcalc.memory.state import MAX_GPUS, ModelState, Parallel, model_state, weights_held_elsewhere, zero3_gather_bytes
 from memcalc.model.gpus import GPU
-from memcalc.model.shape import Model, ModelShape, attention_params, mlp_params, n_params, norm_params
+from memcalc.model.moe import routed_tokens
+from memcalc.model.shape import (Model, ModelShape, attention_params, expert_params, is_moe_layer, mlp_params,
+                                 mlp_params_of, moe_layer_count, mtp_params, n_params, norm_params)  # fmt: skip
 from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.terms import Term
 
@@ -65,12 +73,14 @@ class Layout:
     offload_optimizer: bool = False  # fp32 master + moments in host memory, Adam on the CPU (ZeRO-Offload)
     offload_params: bool = False  # 16-bit weight and gradient shards in host memory too (FSDP CPUOffload)
     gpus_per_node: int = 8  # GPUs behind one NVLink switch
+    ep: int = 1  # expert-parallel GPUs: each holds E/ep of a MoE layer's routed experts
+    etp: int = 1  # expert tensor parallel: each expert's MLP split over etp GPUs
     first_layers: int = 0  # layers on the first pipeline stage (0: the default split)
     last_layers: int = 0  # layers on the last pipeline stage (0: the default split)
     reshard_after_forward: bool | None = None  # FSDP2: free gathered blocks after forward (None: torchtitan's default)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "dp", "vpp", "gpus_per_node"):
+        for name in ("tp", "pp", "cp", "dp", "vpp", "gpus_per_node", "ep", "etp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_GPUS:
                 raise InputError(f"{name} must be a whole number in [1, {MAX_GPUS}], got {value!r}")
@@ -102,6 +112,10 @@ class Layout:
                             or self.shard_ranks % self.node_shard_ranks):  # fmt: skip
             raise InputError(f"hybrid shard needs whole data-parallel groups inside a node: tp {self.tp}, "
                              f"dp x cp {self.shard_ranks}, {self.gpus_per_node} GPUs per node")  # fmt: skip
+        if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
+            raise InputError(f"expert parallel {self.ep} x expert tensor parallel {self.etp} must divide the "
+                             f"tp x cp x dp = {self.tp * self.cp * self.dp} GPUs of a stage (Megatron-LM's MoE "
+                             "parallel folding)")  # fmt: skip
 
     @property
     def world(self) -> int:
@@ -125,6 +139,16 @@ class Layout:
         return self.node_shard_ranks if self.hybrid else self.shard_ranks
 
     @property
+    def expert_shard_ranks(self) -> int:
+        """edp: the ranks of a stage that hold the same experts (tp · cp · dp / (etp · ep))."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    @property
+    def expert_shard_group(self) -> int:
+        """How many ranks ZeRO shards the experts' state over: the edp ranks (1 without ZeRO)."""
+        return 1 if self.zero == 0 else self.expert_shard_ranks
+
+    @property
     def label(self) -> str:
         """'tp8 sp pp4 v2 cp1 dp2 zero1': every split in one short string."""
         parts = [
@@ -134,6 +158,8 @@ class Layout:
             f"dp{self.dp}",
             f"zero{self.zero}" + (" hybrid" if self.hybrid else ""),
         ]
+        if self.ep > 1 or self.etp > 1:
+            parts.append(f"ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else ""))
         if self.first_layers or self.last_layers:
             parts[1] += f" ({self.first_layers or '-'}/{self.last_layers or '-'})"
         if self.reshard_after_forward is not None:
@@ -177,8 +203,9 @@ def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks
         raise InputError(
             f"tensor parallel {t} must divide the {shape.n_kv_heads} KV heads (each rank keeps whole KV heads)"
         )
-    if shape.ffn % t:
+    if shape.ffn % t and moe_layer_count(shape) < shape.n_layers:
         raise InputError(f"tensor parallel {t} must divide the MLP width {shape.ffn}")
+    check_experts(layout, shape, engine)
     if layout.vpp > 1 and shape.n_layers % (layout.pp * layout.vpp):
         raise InputError(f"pipeline {layout.pp} x virtual stages {layout.vpp} must divide the {shape.n_layers} layers")
     layers_per_stage(layout, shape.n_layers, engine)
@@ -192,6 +219,29 @@ def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks
                          "(Megatron-LM splits it in 2·cp chunks to balance causal attention)")  # fmt: skip
     if layout.sp and (s // layout.cp) % t:
         raise InputError(f"sequence parallel needs the tokens per CP rank ({s // layout.cp}) divisible by tp ({t})")
+
+
+def check_experts(layout: Layout, shape: ModelShape, engine: str = "none") -> None:
+    """What expert parallelism demands of the model: experts to split, whole experts per GPU. A mixture of
+    experts over GPUs is laid out as Megatron-LM folds it, on the reference engine and L/p layers a stage."""
+    if moe_layer_count(shape) and layout.world > 1:
+        if engine != "none":
+            raise InputError(f"a mixture of experts over GPUs is modelled on the reference stack's engine, not {engine}'s "
+                             "(--stack reference)")  # fmt: skip
+        if layout.first_layers or layout.last_layers or shape.n_layers % layout.pp:
+            raise InputError(f"a mixture of experts needs pipeline {layout.pp} to divide its {shape.n_layers} layers "
+                             "evenly (no uneven stages)")  # fmt: skip
+    if layout.ep == layout.etp == 1:
+        return
+    if not moe_layer_count(shape):
+        raise InputError("expert parallel (--ep, --etp) splits a mixture of experts; this model has none")
+    if shape.n_experts % layout.ep:
+        raise InputError(f"expert parallel {layout.ep} must divide the {shape.n_experts} experts (whole experts per GPU)")
+    if shape.routed_ffn % layout.etp:
+        raise InputError(f"expert tensor parallel {layout.etp} must divide the experts' MLP width {shape.routed_ffn}")
+    if layout.tp > 1 and not layout.sp:
+        raise InputError("MoE layers with tensor parallel need sequence parallel (--sp): Megatron-LM dispatches each "
+                         "TP rank's share of the tokens")  # fmt: skip
 
 
 # ---- layers per pipeline stage ---------------------------------------------------------------
@@ -254,6 +304,40 @@ def tp_layer_params(shape: ModelShape, tp: int) -> int:
     return split // tp + replicated
 
 
+def tp_moe_layer_params(shape: ModelShape, tp: int) -> int:
+    """A MoE layer's parameters on one TP rank, its routed experts apart (expert_gpu_params): attention split as
+    a dense layer's (latent attention's down projections and their norms replicated, as Megatron-LM's MLA), the
+    shared experts split like an MLP, the router and the norms replicated."""
+    replicated = 2 * norm_params(shape) + shape.hidden * shape.n_experts + (2 * shape.head_dim if shape.qk_norm else 0)
+    if shape.is_mla:  # q_a, kv_a and their norms on every TP rank
+        norm = 2 if shape.norm == "layernorm" else 1
+        replicated += shape.q_lora_rank * (shape.hidden + norm) + shape.hidden * (shape.kv_lora_rank + shape.qk_rope_head_dim)
+        replicated += norm * shape.kv_lora_rank
+    shared = mlp_params_of(shape, shape.shared_ffn) if shape.n_shared_experts else 0
+    split = attention_params(shape) + shared + 2 * norm_params(shape) + shape.hidden * shape.n_experts - replicated
+    return split // tp + replicated
+
+
+@lru_cache(maxsize=4096)
+def moe_split(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
+    """(dense layers, MoE layers) of one pipeline stage's L/p consecutive layers."""
+    per = shape.n_layers // pp
+    moe = sum(is_moe_layer(shape, i) for i in range(stage * per, (stage + 1) * per))
+    return per - moe, moe
+
+
+def expert_gpu_params(shape: ModelShape, layout: Layout, stage: int) -> int:
+    """The routed experts one GPU holds: E/ep experts of each MoE layer on its stage, each 1/etp of its MLP
+    (megatron/training/theoretical_memory_usage.py expert_sharded_params / (etp · ep)); the MTP module's, a MoE
+    block, on the last stage."""
+    if not moe_layer_count(shape):
+        return 0
+    layers = moe_split(shape, layout.pp, stage)[1]
+    if stage == layout.pp - 1 and shape.mtp_layers and is_moe_layer(shape, shape.n_layers - 1):
+        layers += shape.mtp_layers
+    return layers * (shape.n_experts // layout.ep) * expert_params(shape) // layout.etp
+
+
 def stage_shape_params(shape: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None) -> int:
     """The shape's parameters on one GPU of a pipeline stage.
 
@@ -263,6 +347,12 @@ def stage_shape_params(shape: ModelShape, tp: int, pp: int, stage: int, layers: 
     all-reduces the two copies' gradients); with pp = 1 the one table serves both.
     """
     layers = (shape.n_layers // pp if layers is None else layers) * tp_layer_params(shape, tp)
+    if moe_layer_count(shape):  # dense and MoE layers (routed experts apart), and the MTP module on the last stage
+        dense, moe = moe_split(shape, pp, stage)
+        layers = dense * tp_layer_params(shape, tp) + moe * tp_moe_layer_params(shape, tp)
+        if stage == pp - 1 and shape.mtp_layers:
+            experts = shape.n_experts * expert_params(shape) if is_moe_layer(shape, shape.n_layers - 1) else 0
+            layers += shape.mtp_layers * (mtp_params(shape) - experts) // tp
     vocab_rows = -(-shape.vocab // tp) * shape.hidden
     first, last = stage == 0, stage == pp - 1
     extra = 0
@@ -369,6 +459,66 @@ def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     return LayerActivations(tricks, tp, sp, cp, full_layer, ())
 
 
+@lru_cache(maxsize=4096)
+def moe_layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout,
+                          routing) -> LayerActivations:  # fmt: skip
+    """A MoE layer on one GPU of the layout: attention and norms as Korthikanti's Table 2 (the MLP's parts left
+    out, latent attention's per-head tensors split by tp), then the MoE block of memcalc.memory.moe on this
+    GPU's T = (s/c)·b/t tokens (sequence parallel) and the R tokens its E/ep experts receive (routed_tokens
+    over the ep group; etp times as many with expert TP, each expert's MLP 1/etp wide)."""
+    from memcalc.memory.moe import latent_attention_term
+
+    x = 2 if tricks.precision == "fp32" else 1
+    t, sp, c, h, E, k = layout.tp, layout.sp, layout.cp, shape.hidden, shape.n_experts, shape.experts_per_token
+    s, b = seq_len // c, micro_batch
+    sbh, rep = s * b * h, t if sp else 1
+    if shape.is_mla:  # input and latents replicated, the per-head Q, K, V and projection input split
+        mla = latent_attention_term(shape, s, b, x).value
+        heads = x * s * b * (4 * shape.n_heads * shape.head_dim + 4 * shape.n_heads * shape.v_dim)
+        linear = (mla - heads) // rep + heads // t
+    else:  # 11sbh: its input and dropout mask replicated (3), Q, K, V and the projection input split (8)
+        linear = x * 3 * sbh // rep + x * 8 * sbh // t
+    attention = Term("attention (linear part) and norms", linear + x * 4 * sbh // rep, "", KORTHIKANTI_T2)
+    scores = Term("attention s×s (softmax, mask, dropout)", x * 5 * shape.n_heads * s * s * b // t, "", KORTHIKANTI_T2)
+    T = s * b // rep  # tokens this GPU routes
+    R = routed_tokens(shape, T, routing, layout.ep) * layout.etp  # tokens its experts compute
+    w = 2 * x
+    per_token = 8 if shape.gated_mlp else 4
+    fp32 = 4 * T * h if shape.router_fp32 and x == 1 else 0
+    moe = Term("MoE: router, top-k, tokens received, experts, combine, shared experts",
+               w * T * h + 4 * T * E + fp32 + 12 * T * k + 8 * T * k + w * R * h + x * per_token * R * shape.routed_ffn
+               // layout.etp + w * T * k * h + w * T * k + 8 * T * k + x * 8 * T * shape.shared_ffn // t,
+               "", "memcalc.memory.moe on this GPU's tokens (docs/moe.md)")  # fmt: skip
+    layer_input = Term("layer input (checkpoint)", x * 2 * sbh // rep, "", "Korthikanti et al. 2022, sec. 5")
+    linear_terms = (attention, moe)
+    full_layer = linear_terms if tricks.flash else (attention, scores, moe)
+    if tricks.recompute == "full":
+        return LayerActivations(tricks, t, sp, c, (layer_input,), full_layer)
+    if tricks.recompute == "selective" and not tricks.flash:
+        return LayerActivations(tricks, t, sp, c, linear_terms, (scores,))
+    return LayerActivations(tricks, t, sp, c, full_layer, ())
+
+
+@lru_cache(maxsize=1024)
+def ep_buffers(shape: ModelShape, seq_len: int, micro_batch: int, layout: Layout, act_bytes: int, routing) -> Term:
+    """The all-to-all's buffers, one MoE layer at a time: this GPU's T·k routed token copies going out and the R
+    coming in (Megatron-LM's MoEAlltoAllTokenDispatcher permutes, then all-to-alls into a new tensor)."""
+    T = seq_len // layout.cp * micro_batch // (layout.tp if layout.sp else 1)
+    R = routed_tokens(shape, T, routing, layout.ep)
+    value = (T * shape.experts_per_token + R) * shape.hidden * act_bytes
+    return Term("EP all-to-all send + receive buffers", value, f"(T·k + R)·{{h}}·{act_bytes}",
+                "Megatron-LM MoEAlltoAllTokenDispatcher")  # fmt: skip
+
+
+def with_experts(state: ModelState, experts: ModelState) -> ModelState:
+    """One GPU's model state with its routed experts' added part by part (each part keeps its bytes per
+    parameter; the experts are sharded over their own edp group)."""
+    by_name = {p.name: p for p in experts.parts}
+    parts = tuple(replace(p, bytes=p.bytes + by_name[p.name].bytes, formula=p.formula + " + experts")
+                  if p.name in by_name and p.name != "loss_scale" else p for p in state.parts)  # fmt: skip
+    return replace(state, params=state.params + experts.params, parts=parts)
+
+
 def held_layers(layout: Layout, stage: int, micro_batches: int, n_layers: int, layers: int | None = None) -> int:
     """Layer-micro-batches whose activations a stage keeps at its peak (Korthikanti et al. 2022, sec. 4.2.3).
 
@@ -448,6 +598,9 @@ class StageMemory(Budget):
     logits: tuple[Term, ...]  # last stage only
     usable_bytes: int
     host_usable_bytes: int  # one GPU's share of its node's CPU memory
+    moe_layer: LayerActivations | None = None  # a MoE layer (layer: its dense layers')
+    moe_held: int = 0  # MoE layer-micro-batches kept at the peak (held: the dense ones)
+    expert_params: int = 0  # routed-expert parameters on this GPU (in params), sharded over edp by ZeRO
     inputs: tuple[Term, ...] = ()  # activations outside the layers (Megatron-LM's first stage), all in flight
 
     @property
@@ -457,12 +610,18 @@ class StageMemory(Budget):
 
     @property
     def activation_bytes(self) -> int:
-        return self.held * self.layer.per_layer_bytes + sum(t.value for t in self.inputs)
+        moe = self.moe_held * self.moe_layer.per_layer_bytes if self.moe_layer else 0
+        return self.held * self.layer.per_layer_bytes + moe + sum(t.value for t in self.inputs)
+
+    @property
+    def rebuilt_bytes(self) -> int:
+        """One layer rebuilt while its backward runs: the larger kind."""
+        return max(self.layer.rebuilt_bytes, self.moe_layer.rebuilt_bytes if self.moe_layer else 0)
 
     @property
     def activation_peak_bytes(self) -> int:
         """Kept activations plus one layer rebuilt while its backward runs."""
-        return self.activation_bytes + self.layer.rebuilt_bytes
+        return self.activation_bytes + self.rebuilt_bytes
 
     @property
     def buffer_bytes(self) -> int:
@@ -476,6 +635,9 @@ class StageMemory(Budget):
     def total_bytes(self) -> int:
         """Model state + activations at their peak + buffers + logits (written flat: the planner calls it most)."""
         layer = self.layer
+        if self.moe_layer is not None:
+            return (self.state.total_bytes + self.activation_peak_bytes + sum(t.value for t in self.buffers)
+                    + sum(t.value for t in self.logits))  # fmt: skip
         return (self.state.total_bytes + self.held * layer.per_layer_bytes + layer.rebuilt_bytes
                 + sum(t.value for t in self.buffers) + sum(t.value for t in self.logits)
                 + sum(t.value for t in self.inputs))  # fmt: skip
@@ -513,6 +675,8 @@ def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: L
                  layers: int | None = None) -> StageMemory:  # fmt: skip
     """One GPU of pipeline stage `stage`, holding `layers` transformer layers (default: L/p), as the
     stack's engine (memcalc.parallel.engines) lays it out."""
+    if moe_layer_count(model.shape):
+        return moe_stage_memory(model, setup, gpu, tricks, layout, stage)
     shape, p, engine = model.shape, layout.pp, setup.stack.engine
     layers = shape.n_layers // p if layers is None else layers
     params = gpu_params(model, layout.tp, p, stage, layers)
@@ -545,6 +709,47 @@ def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: L
         host_usable_bytes=setup.host_memory // min(layout.world, layout.gpus_per_node),
         inputs=inputs,
     )
+
+
+def moe_stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage: int) -> StageMemory:
+    """stage_memory for a mixture of experts: the non-expert state over the dp × cp shard group and the routed
+    experts' over their edp group (Megatron-LM theoretical_memory_usage.py weight_and_optimizer_memory); dense
+    and MoE layers' activations apart (the MTP module, on the last stage, as one more MoE layer); the
+    all-to-all's buffers; the last stage's logits once more per MTP module."""
+    shape, p, s = model.shape, layout.pp, setup
+    params = gpu_params(model, layout.tp, p, stage)
+    experts = expert_gpu_params(shape, layout, stage)
+    state = sharded_state(params, tricks.precision, s.optimizer, layout.shard_group, layout.zero,
+                          layout.offload_optimizer, layout.offload_params, s.stack.recipe)  # fmt: skip
+    if experts:
+        state = with_experts(state, sharded_state(experts, tricks.precision, s.optimizer, layout.expert_shard_group,
+                                                  layout.zero, layout.offload_optimizer, layout.offload_params,
+                                                  s.stack.recipe))  # fmt: skip
+    dense, moe = moe_split(shape, p, stage)
+    last = stage == p - 1
+    if last:
+        moe += shape.mtp_layers
+    held = held_layers(layout, stage, s.grad_accum, shape.n_layers)  # layer-micro-batches of the stage's L/p
+    per = shape.n_layers // p
+    buffers = []
+    if layout.zero == 3 and (layout.shard_group > 1 or layout.offload_params):
+        buffers.append(zero3_buffers(shape, layout.tp, tricks.precision, weights_held_elsewhere(state)))
+    if layout.cp > 1:
+        buffers.append(cp_buffers(shape, s.seq_len, s.micro_batch, layout.tp, layout.cp, tricks.act_bytes))
+    if layout.ep > 1:
+        buffers.append(ep_buffers(shape, s.seq_len, s.micro_batch, layout, tricks.act_bytes, s.routing))
+    logits = ()
+    if last:
+        logits = logits_terms(shape, s.seq_len, s.micro_batch, tricks.precision, layout.tp, layout.cp)
+        logits *= 1 + shape.mtp_layers
+    return StageMemory(
+        stage=stage, layers=per + (shape.mtp_layers if last else 0), params=params + experts, state=state,
+        layer=layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout.tp, layout.sp, layout.cp),
+        held=-(-held * dense // per), buffers=tuple(buffers), logits=logits, usable_bytes=gpu.usable_bytes,
+        host_usable_bytes=s.host_memory // min(layout.world, layout.gpus_per_node),
+        moe_layer=moe_layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout, s.routing),
+        moe_held=-(-held * moe // per), expert_params=experts,
+    )  # fmt: skip
 
 
 def engine_buffers(model: Model, tricks: Tricks, layout: Layout, state: ModelState, stage: int, layers: int,

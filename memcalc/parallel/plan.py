@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import DEFAULT_MFU, Setup
@@ -126,6 +126,7 @@ FAMILIES: tuple[tuple[str, Family], ...] = (
     ("no activation recompute", lambda lay, t: t.recompute == "none"),
     ("full activation recompute", lambda lay, t: t.recompute == "full"),
     ("CPU offload", lambda lay, t: lay.offload_optimizer),
+    ("without expert parallel", lambda lay, t: lay.ep == 1),
 )
 
 
@@ -154,18 +155,24 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     variants = recompute_variants(tricks, recomputes)
     candidates, searched = [], 0
     family_small: dict[str, tuple] = {}
-    for layout, b, m in layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload,
-                                stack.engine):  # fmt: skip
-        setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
-                      host_memory=host_memory, stack=stack)  # fmt: skip
+    too_big: set[tuple] = set()  # (layout, tricks) that did not fit at a smaller micro-batch
+    for layout, b, m in expert_layouts(model, layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash,
+                                                      offload, stack.engine)):  # fmt: skip
+        setup = None
         for t in variants:
             searched += 1
+            if prune and (layout, t) in too_big:  # a larger micro-batch never holds less: skipped unbuilt
+                continue
+            if setup is None:
+                setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
+                              host_memory=host_memory, stack=stack)  # fmt: skip
             memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
             total, fits = peak_and_fit(memory)
             if fits:
                 bound = step_lower_bound(model, setup, gpu, t, layout, memory, assume, timing, False) if prune else 0.0
                 candidates.append((bound, layout, setup, t, memory, total))
             else:
+                too_big.add((layout, t))
                 entry = (total, layout, setup, t, memory)
                 note(family_small, layout, t, entry)  # the least memory first
     fitting, family_best = timed(model, gpu, candidates, assume, timing, top)
@@ -221,7 +228,7 @@ def peak_and_fit(memory: LayoutMemory) -> tuple[int, bool]:
 def kind_of(lay: Layout, tricks: Tricks) -> tuple:
     """What makes two layouts different kinds: all but how dp, cp and the micro-batch split the batch."""
     return (lay.tp, lay.sp, lay.pp, lay.vpp, lay.zero, lay.hybrid, lay.offload_optimizer, lay.offload_params,
-            tricks.recompute)  # fmt: skip
+            tricks.recompute, lay.ep)  # fmt: skip
 
 
 def distinct(ranked: list[tuple], top: int) -> list[tuple]:
@@ -256,6 +263,22 @@ def recompute_variants(tricks: Tricks, recomputes: tuple[str, ...]) -> tuple[Tri
         raise InputError("selective recompute saves nothing with flash (FlashAttention keeps no s×s scores to "
                          "recompute): name ckpt instead, or neither to search every recompute mode")  # fmt: skip
     return tuple(Tricks(tricks.precision, tricks.flash, r) for r in names)
+
+
+def expert_layouts(model: Model, found: Iterator[tuple[Layout, int, int]]) -> Iterator[tuple[Layout, int, int]]:
+    """Each layout once per expert-parallel size for a mixture of experts: ep dividing the experts and the
+    stage's tp · cp · dp GPUs (MoE parallel folding), expert TP 1; a dense model's layouts as they are.
+    With tp > 1 MoE layers need sequence parallel, and their stages L/p layers each (check_experts)."""
+    shape = model.shape
+    if not shape.is_moe:
+        yield from found
+        return
+    for layout, b, m in found:
+        if (layout.tp > 1 and not layout.sp) or shape.n_layers % layout.pp:  # check_experts: SP, even stages
+            continue
+        for ep in divisors(layout.tp * layout.cp * layout.dp):
+            if shape.n_experts % ep == 0:
+                yield replace(layout, ep=ep), b, m
 
 
 def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, flash: bool,
@@ -295,12 +318,14 @@ def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_
     shardings = list(sharding_options(tp, pp, dp * cp, gpus_per_node, offload, engine))
     for v in vpps:
         for sp in sps:
+            # one Layout per sharding, whatever the micro-batch (building one validates it)
+            built = [Layout(tp, pp, cp, dp, zero, hybrid, sp, v, opt, params, gpus_per_node)
+                     for zero, hybrid, opt, params in shardings]  # fmt: skip
             for b in batches:
                 m = per_replica // b
                 if v > 1 and m % pp:
                     continue
-                for zero, hybrid, opt, params in shardings:
-                    layout = Layout(tp, pp, cp, dp, zero, hybrid, sp, v, opt, params, gpus_per_node)
+                for layout in built:
                     yield layout, b, m
 
 

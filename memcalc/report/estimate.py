@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from memcalc.memory.estimate import Estimate
 from memcalc.memory.state import ModelState, model_state
 from memcalc.memory.toolbox import FitLimits, Toolbox
-from memcalc.model.flops import flop_terms, korthikanti_selective_overhead, layer_weights
+from memcalc.model.flops import flop_terms, korthikanti_selective_overhead, layer_weights, stack_weights
 from memcalc.terms import Term
 
 from . import render
@@ -31,15 +31,49 @@ def recipe_text(precision: str, recipe: str = "master") -> str:
     return HOW[recipe].format(p=precision) + (" + loss scaling" if precision == "fp16" and recipe != "pure" else "")
 
 
+def mlp_text(shape) -> str:
+    """'SwiGLU 12288'; a mixture: '128 experts, 8 per token, of SwiGLU 768' (+ shared ones, + the dense MLP)."""
+    from memcalc.model.shape import moe_layer_count
+
+    if not shape.is_moe:
+        return f"{shape.mlp_name} {shape.ffn}"
+    shared = f" + {shape.n_shared_experts} shared" if shape.n_shared_experts else ""
+    experts = f"{shape.n_experts} experts ({shape.experts_per_token} per token){shared} of {shape.mlp_name} {shape.routed_ffn}"
+    moe = moe_layer_count(shape)
+    if moe == shape.n_layers:
+        return experts
+    return f"{experts} in {moe} layers, {shape.mlp_name} {shape.ffn} in {shape.n_layers - moe}"
+
+
+def heads_text(shape, head_dim: bool) -> str:
+    """'32 heads (8 KV, head_dim 128)'; latent attention: its ranks and head dims."""
+    if shape.is_mla:
+        q = f"q rank {shape.q_lora_rank}, " if shape.q_lora_rank else ""
+        return (f"{u.plural(shape.n_heads, 'head')} (MLA: {q}kv rank {shape.kv_lora_rank}, qk {shape.qk_nope_head_dim}"
+                f"+{shape.qk_rope_head_dim}, v {shape.v_head_dim})")  # fmt: skip
+    return f"{u.plural(shape.n_heads, 'head')} ({shape.n_kv_heads} KV" + (f", head_dim {shape.head_dim})" if head_dim else ")")
+
+
+def params_text(model) -> str:
+    """'8,000,000,000 parameters'; a mixture: its active ones too, and an MTP module's apart."""
+    from memcalc.model.shape import param_counts
+
+    shape = model.shape
+    if not (shape.is_moe or shape.mtp_layers):
+        return f"{model.n_params:,} parameters"
+    c = param_counts(shape)
+    mtp = f" ({c.main:,} + {c.mtp:,} in {u.plural(shape.mtp_layers, 'MTP module')})" if c.mtp else ""
+    return f"{model.n_params:,} parameters{mtp}, {c.active:,} active per token"
+
+
 def preamble(est: Estimate, units: str = "gb") -> list[str]:
     m, s, shape, g = est.model, est.setup, est.model.shape, est.gpu
-    mlp = f"{shape.mlp_name} {shape.ffn}"
+    mlp = mlp_text(shape)
     p = s.parallel
     return [
         f"Model: {m.origin}",
-        f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {u.plural(shape.n_heads, 'head')} ({shape.n_kv_heads} KV, "
-        f"head_dim {shape.head_dim}), {mlp}, {shape.norm}, vocab {shape.vocab:,}"
-        f"{', tied embeddings' if shape.tied_embeddings else ''}; {m.n_params:,} parameters",
+        f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {heads_text(shape, True)}, {mlp}, {shape.norm}, "
+        f"vocab {shape.vocab:,}{', tied embeddings' if shape.tied_embeddings else ''}; {params_text(m)}",
         f"Setup: seq {s.seq_len:,} x micro-batch {s.micro_batch} x grad-accum {s.grad_accum} = "
         f"{s.tokens_per_step:,} tokens per GPU step; {s.optimizer}; {u.plural(p.gpus, 'GPU')}, ZeRO {p.zero}"
         f"{', optimizer offloaded to CPU' if p.offload else ''}",
@@ -55,11 +89,10 @@ def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
     gpus = "one" if p.gpus == 1 else f"{p.gpus:,} x"
     sharding = (f", ZeRO-{p.zero}" if p.zero else "") + (", optimizer offloaded to CPU" if p.offload else "")
     shape = est.model.shape
-    mlp = f"{shape.mlp_name} {shape.ffn}"
     return [
         f"Model: {est.model.origin}",
-        f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {u.plural(shape.n_heads, 'head')} ({shape.n_kv_heads} KV), {mlp}, "
-        f"vocab {shape.vocab:,}; {est.model.n_params:,} parameters",
+        f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {heads_text(shape, False)}, {mlp_text(shape)}, "
+        f"vocab {shape.vocab:,}; {params_text(est.model)}",
         f"Step: seq {s.seq_len:,} x micro-batch {s.micro_batch}{accum} = {s.tokens_per_step:,} tokens per GPU; "
         f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(g.usable_bytes, units)} usable)"
     ]
@@ -81,14 +114,15 @@ def summary_section(est: Estimate, units: str, times=None) -> Section:
     model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
     own = est.verdict[0].n_params
     shape = "" if own == est.model.n_params else f" for the shape's own {u.params(own)} parameters"
+    moe = " and the MoE/MLA terms of docs/moe.md" if est.model.shape.is_moe or est.model.shape.is_mla else ""
     s.notes = [
         f"replayed{shape}: state = weights, master, optimizer state; at peak = activations, logits, grads, "
         "temporaries (memcalc verify measures the same)",
         f"textbook: model state {est.model_state.bytes_per_param:g} bytes/param = "
         f"{u.size(est.model_state.total_bytes, units)} per GPU ({recipe_text(est.model_state.precision, est.model_state.recipe)}, "
-        f"{est.setup.optimizer}) + activations (Korthikanti et al. 2022) + logits",
+        f"{est.setup.optimizer}) + activations (Korthikanti et al. 2022{moe}) + logits",
         f"step time: {model}; MFU: model FLOPs / step time / dense peak",
-    ]
+    ] + moe_notes(est, times)
     return s
 
 
@@ -121,13 +155,34 @@ def textbook_summary_section(est: Estimate, units: str, times=None) -> Section:
         s.rows.append(row + [sized(m.total_bytes, units), fit_text(m, units, free=True), u.seconds(t.step_seconds),
                              u.percent(t.mfu)])  # fmt: skip
     model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
+    shape = est.model.shape
+    moe = " and the MoE/MLA terms of docs/moe.md" if shape.is_moe or shape.is_mla else ""
     s.notes = [
         f"textbook, since {est.not_replayed}: model state {est.model_state.bytes_per_param:g} bytes/param "
         f"({recipe_text(est.model_state.precision, est.model_state.recipe)}, {est.setup.optimizer}) + "
-        "activations (Korthikanti et al. 2022) + logits",
+        f"activations (Korthikanti et al. 2022{moe}) + logits",
         f"step time: {model}; MFU: model FLOPs / step time / dense peak",
-    ]
+    ] + moe_notes(est, times)
     return s
+
+
+def moe_notes(est: Estimate, times) -> list[str]:
+    """What a mixture-of-experts estimate assumes: the routing, the experts' state, why --mfu times it."""
+    shape = est.model.shape
+    if not (shape.is_moe or shape.is_mla or shape.mtp_layers):
+        return []
+    notes = []
+    if shape.is_moe:
+        replay = ", as the replayed step's reference router" if est.verdict else ""
+        notes.append(f"routing: {est.setup.routing.label}{replay}; model state covers all {shape.n_experts} experts of "
+                     f"every MoE layer, FLOPs the {shape.experts_per_token} a token goes to")  # fmt: skip
+    if not times:
+        from memcalc.time.roofline import traceable
+
+        if not traceable(shape):
+            notes.append("the roofline needs the step's kernels, which memcalc.exact does not trace for this "
+                         "model yet: the step is timed by --mfu")  # fmt: skip
+    return notes
 
 
 NO_FORMULA = "no formula"  # the textbook's cell for sac: Korthikanti et al. have no row for it
@@ -211,8 +266,11 @@ def other_recipes(est: Estimate, units: str = "gb") -> list[str]:
 def activations_section(est: Estimate, units: str) -> Section:
     L = est.model.shape.n_layers
     plain = next((a for a in est.activations if a.tricks.label == "bf16"), est.activations[0])
+    grouped = bool(plain.groups)
+    title = ("Activations, textbook (Korthikanti et al. 2022 and docs/moe.md): the heaviest layer, all layers"
+             if grouped else "Activations, textbook (Korthikanti et al. 2022): s·b·h·(34 + 5·a·s/h) bytes per layer")
     s = Section(
-        "Activations, textbook (Korthikanti et al. 2022): s·b·h·(34 + 5·a·s/h) bytes per layer",
+        title,
         ["tricks", "kept per layer", f"all {u.plural(L, 'layer')}", "backward peak", f"peak vs {plain.tricks.label}"],
     )
     for a in est.activations:
@@ -225,7 +283,8 @@ def activations_section(est: Estimate, units: str) -> Section:
         if a.n_checkpointed:  # ckpt:N: the layers checkpointed keep only their input
             s.rows.append([f"  {a.n_checkpointed} checkpointed", sized(a.checkpointed_bytes, units), "", "", ""])
     d = est.attention
-    s.notes = [
+    groups = [f"{g.count} {g.name} ({u.size(g.kept_bytes, units)} kept each)" for g in plain.groups]
+    s.notes = ([f"{plain.tricks.label}: {', '.join(groups)}"] if groups else []) + [
         f"one head's s×s scores (2·s²·b): {u.exact_bytes(d.score_one_head_bytes)} ({u.size(d.score_one_head_bytes, units)})",
         f"s×s part of one layer (5·a·s²·b): {u.exact_bytes(d.scores_per_layer_bytes)} = "
         f"{u.percent(d.scores_share)} of the layer; all attention (11·s·b·h + 5·a·s²·b): {u.percent(d.attention_share)}",
@@ -380,7 +439,19 @@ def symbols(est: Estimate) -> dict[str, int]:
         "s": s.seq_len, "b": s.micro_batch, "h": shape.hidden, "a": shape.n_heads, "d": shape.head_dim,
         "L": shape.n_layers, "v": shape.vocab, "N": est.model.n_params, "G": s.parallel.gpus,
         "W": layer_weights(shape),
-    }  # fmt: skip
+    } | moe_explain_symbols(est)  # fmt: skip
+
+
+def moe_explain_symbols(est: Estimate) -> dict[str, int]:
+    """The symbols of the MoE, MLA and MTP formulas (none for a dense model)."""
+    from memcalc.memory.moe import moe_symbols
+
+    shape, s = est.model.shape, est.setup
+    if not (shape.is_moe or shape.is_mla or shape.mtp_layers):
+        return {}
+    return {"N_act": est.flops.n_params, "W_all": stack_weights(shape), "L_a": shape.n_layers + shape.mtp_layers,
+            "mtp": shape.mtp_layers, "d_qk": shape.head_dim, "d_v": shape.v_dim} | moe_symbols(
+        shape, s.seq_len, s.micro_batch, s.routing)  # fmt: skip
 
 
 def explain_term(t: Term, syms: dict[str, int], unit: str) -> str:
@@ -404,7 +475,10 @@ def explain_lines(est: Estimate, mfu_time: bool = True) -> list[str]:
             continue
         lines += [explain_term(t, syms, "B") for t in a.terms + a.checkpointed]
         lines.append(f"  kept per layer = {' + '.join(f'{t.value:,}' for t in a.terms)} = {a.per_layer_bytes:,} B")
-        if a.n_checkpointed:
+        if a.groups:  # layers of several kinds: each kind's kept bytes times its count
+            parts = " + ".join(f"{g.kept_bytes:,} · {g.count} ({g.name})" for g in a.groups)
+            lines.append(f"  all layers = {parts} = {a.total_bytes:,} B")
+        elif a.n_checkpointed:
             plain = a.n_layers - a.n_checkpointed
             lines.append(f"  kept per checkpointed layer = {a.checkpointed_bytes:,} B")
             lines.append(f"  all layers = {a.per_layer_bytes:,} · {plain} + {a.checkpointed_bytes:,} · "
@@ -595,6 +669,11 @@ def exact_section(est: Estimate, exacts: list, units: str) -> Section:
     else:
         s.notes += [f"exact ({', '.join(labels)}): {note}" for note, labels in by_note.items()]
         s.notes.append(f"exact: model state for the shape's own {first.n_params:,} parameters")
+    blocks = first.activations.first_blocks
+    if blocks:  # dense blocks before MoE ones: the step at that depth is exact's "outside", a MoE block its layer
+        s.notes.append(f"exact's per layer is a MoE layer's; its outside holds the first {blocks} blocks too (the "
+                       f"step at depth {blocks}, from which the MoE layers grow): the textbook's are the heaviest "
+                       "layer's and the logits")  # fmt: skip
     return s
 
 

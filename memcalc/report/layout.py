@@ -21,6 +21,8 @@ CAUSES = {
     "dp×cp": "exposed data-parallel traffic",
     "host": "PCIe offload traffic",
     "cpu optimizer": "Adam on the CPU",
+    "ep": "exposed expert-parallel all-to-all",
+    "edp": "exposed expert data-parallel traffic",
 }
 
 
@@ -28,7 +30,11 @@ def layout_text(layout: Layout) -> str:
     """'tp 8 + SP x pp 4 (v 2) x cp 1 x dp 2 = 64 GPUs'."""
     tp = f"tp {layout.tp}" + (" + SP" if layout.sp else "")
     pp = f"pp {layout.pp}" + (f" (v {layout.vpp})" if layout.vpp > 1 else "")
-    return f"{tp} x {pp} x cp {layout.cp} x dp {layout.dp} = {layout.world} GPUs"
+    text = f"{tp} x {pp} x cp {layout.cp} x dp {layout.dp} = {layout.world} GPUs"
+    if layout.ep > 1 or layout.etp > 1:  # the experts fold into the stage's tp x cp x dp GPUs
+        etp = f" x etp {layout.etp}" if layout.etp > 1 else ""
+        text += f", experts over ep {layout.ep}{etp} (edp {layout.expert_shard_ranks})"
+    return text
 
 
 def sharding_text(layout: Layout) -> str:
@@ -87,6 +93,12 @@ def layer_section(est: LayoutEstimate, units: str) -> Section:
         s.rows.append([f"stage 0, outside the layers: {t.name}", t.symbolic(), sized(t.value, units)])
     for t in layer.rebuilt:
         s.rows.append([f"rebuilt in backward: {t.name}", t.symbolic(), sized(t.value, units)])
+    moe = est.memory.peak.moe_layer
+    if moe is not None:  # its MoE layers (the rows above: its dense layers')
+        s.rows += [[f"MoE layer: {t.name}", t.symbolic() or "docs/moe.md", sized(t.value, units)] for t in moe.terms]
+        s.rows.append(["MoE layer: kept per layer", "", sized(moe.per_layer_bytes, units)])
+        s.rows += [[f"MoE layer, rebuilt in backward: {t.name}", t.symbolic() or "docs/moe.md", sized(t.value, units)]
+                   for t in moe.rebuilt]  # fmt: skip
     return s
 
 
@@ -115,13 +127,17 @@ def stages_section(est: LayoutEstimate, units: str) -> Section:
 
 
 def held_text(st: StageMemory, units: str) -> str:
-    return f"{st.held} x {u.size(st.layer.per_layer_bytes, units)}"
+    text = f"{st.held} x {u.size(st.layer.per_layer_bytes, units)}"
+    if st.moe_layer is not None:  # a mixture of experts: its dense layers, then its MoE layers
+        moe = f"{st.moe_held} x {u.size(st.moe_layer.per_layer_bytes, units)}"
+        return f"{text} + {moe}" if st.held else moe
+    return text
 
 
 def peak_factor(est: LayoutEstimate) -> str:
     """Stage 0's held layer-micro-batches over L: 1 under 1F1B with m >= p, 1 + (p − 1)/(p·v) interleaved."""
     first = est.memory.stages[0]
-    return f"{first.held / est.model.shape.n_layers:.3g}"
+    return f"{(first.held + first.moe_held) / est.model.shape.n_layers:.3g}"
 
 
 def comm_section(est: LayoutEstimate, units: str) -> Section:
@@ -177,7 +193,9 @@ def assumption_notes(est: LayoutEstimate) -> list[str]:
         f"assumed: links reach {u.percent(a.efficiency, 0)} of their rate; overlap shares dp {a.overlap_dp:g}, "
         f"tp {a.overlap_tp:g}, pp {a.overlap_pp:g}, cp {a.overlap_cp:g}, offload {a.overlap_offload:g}; "
         f"CPU Adam {a.cpu_adam_params_per_s:.0e} params/s per host"
-    ]
+    ] + ([f"expert parallel's all-to-all: overlap share {a.overlap_ep:g} (on the critical path); every token copy "
+          "bound for another node crosses InfiniBand (no node-limited routing or NVLink forwarding, which "
+          "DeepSeek-V3 uses)"] if est.layout.ep > 1 else [])  # fmt: skip
 
 
 def cluster_section(est: LayoutEstimate, units: str) -> Section:
@@ -311,7 +329,8 @@ def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
         + (f"--mfu {plan.timing:g} end to end" if isinstance(plan.timing, float)
            else f"the roofline of each stage's kernels ({plan.timing.origin.rsplit('/', 1)[-1]})"),
         f"Searched {plan.searched:,} layouts (TP, SP, PP, interleaving, CP, DP, ZeRO 0-3, hybrid shard, offload, "
-        f"micro-batch, recompute): {plan.fitting:,} fit in {u.size(g.usable_bytes, units)}",
+        f"micro-batch, recompute{', EP' if plan.model.shape.is_moe else ''}): {plan.fitting:,} fit in "
+        f"{u.size(g.usable_bytes, units)}",
     ]
 
 
@@ -324,7 +343,8 @@ def short_ranking_section(plan: Plan, units: str) -> Section:
         s.rows.append([str(i), est.layout.label, f"{est.setup.micro_batch} x {est.setup.grad_accum}",
                        est.tricks.recompute, sized(est.memory.total_bytes, units), u.rate(t.tokens_per_second),
                        u.seconds(t.step_seconds), u.percent(t.mfu)])  # fmt: skip
-    s.notes.append("layout: tp (sp: sequence parallel), pp (v: interleaved stages), cp, dp, ZeRO stage; "
+    ep = ", ep: the experts' expert-parallel GPUs" if any(e.layout.ep > 1 for e in plan.best) else ""
+    s.notes.append(f"layout: tp (sp: sequence parallel), pp (v: interleaved stages), cp, dp, ZeRO stage{ep}; "
                    "b x m: micro-batch x micro-batches per step; --detail: sharding, memory by part, step time "
                    "by part, and why the obvious alternatives lose")  # fmt: skip
     return s
@@ -369,6 +389,8 @@ def best_memory_section(plan: Plan, units: str) -> Section:
 
 def best_time_section(plan: Plan) -> Section:
     keys = ["compute", "recompute", "optimizer", "bubble", "tp", "cp", "pp", "dp×cp", "host", "cpu optimizer"]
+    moe = [k for k in ("ep", "edp") if any(k in est.time.breakdown for est in plan.best)]  # expert parallel's
+    keys = keys[:8] + moe + keys[8:]
     s = Section("Step time of those layouts, by part (seconds)", ["#"] + keys + ["step"])
     for i, est in enumerate(plan.best, 1):
         parts = est.time.breakdown

@@ -20,8 +20,32 @@ def preset_rows() -> list[dict]:
             "kv_heads": s.n_kv_heads, "head_dim": s.head_dim, "ffn": s.ffn, "vocab": s.vocab,
             "tied_embeddings": s.tied_embeddings, "params": counts.total,
             "non_embedding_params": counts.total - counts.embedding - counts.lm_head, "canonical": key in CANONICAL,
+            "experts": s.n_experts, "experts_per_token": s.experts_per_token, "shared_experts": s.n_shared_experts,
+            "expert_ffn": s.routed_ffn if s.is_moe else 0, "moe_layers": counts.moe_layers,
+            "kv_lora_rank": s.kv_lora_rank, "main_params": counts.main, "mtp_params": counts.mtp,
+            "active_params": counts.active,
         })  # fmt: skip
     return rows
+
+
+def moe_section(rows: list[dict]) -> Section:
+    """The mixture-of-experts presets: experts, which layers, latent attention, total and active counts."""
+    s = Section("Mixture-of-experts presets: total and active parameters per token",
+                ["name", "experts", "expert ffn", "MoE layers", "attention", "total", "active"], align="lrrrlrr")  # fmt: skip
+    for r in rows:
+        if not r["experts"]:
+            continue
+        shared = f" + {r['shared_experts']} shared" if r["shared_experts"] else ""
+        attention = f"MLA, kv rank {r['kv_lora_rank']}" if r["kv_lora_rank"] else "GQA"
+        s.rows.append([r["name"], f"{r['experts_per_token']} of {r['experts']}{shared}", str(r["expert_ffn"]),
+                       f"{r['moe_layers']} of {r['layers']}", attention, u.params(r["main_params"]),
+                       u.params(r["active_params"])])  # fmt: skip
+    s.notes = ["total: the main model; active: what one token goes through (embedding included, the routed "
+               "experts it is not sent to left out); docs/moe.md holds them against the published figures"]  # fmt: skip
+    mtp = [r for r in rows if r["mtp_params"]]
+    s.notes += [f"{r['name']}: + {u.params(r['mtp_params'])} in its multi-token prediction module, trained with "
+                "the model (params above includes it)" for r in mtp]  # fmt: skip
+    return s
 
 
 def preset_sections() -> list[Section]:
@@ -37,7 +61,8 @@ def preset_sections() -> list[Section]:
         "charges model state for exactly N",
         f"e.g. 8e9 -> {example.name}: {example.n_layers} layers, hidden {example.hidden}, {example.n_heads} heads",
     ]
-    return [s]
+    rows = preset_rows()
+    return [s, moe_section(rows)] if any(r["experts"] for r in rows) else [s]
 
 
 def gpu_rows() -> list:

@@ -85,7 +85,35 @@ def ops_section(times: tuple[StepTime, ...]) -> Section:
 
 
 def roofline_sections(est: Estimate, times: tuple[StepTime, ...], cal: Calibration) -> list[Section]:
-    return [time_section(est, times, cal), parts_section(times), ops_section(times)]
+    sections = [time_section(est, times, cal), parts_section(times), ops_section(times)]
+    return sections + ([experts_section(est, times, cal)] if est.model.shape.is_moe else [])
+
+
+def experts_section(est: Estimate, times: tuple[StepTime, ...], cal: Calibration) -> Section:
+    """A MoE layer's forward GEMMs against the roofline: each expert's few tokens make it memory-bound."""
+    from memcalc.time.experts import compute_bound_tokens, expert_gemms, gemm_time
+
+    shape, s = est.model.shape, est.setup
+    precision = next((t.tricks.precision for t in times if t.tricks.precision != "fp32"), times[0].tricks.precision)
+    tokens = s.seq_len * s.micro_batch
+    sec = Section(f"A MoE layer's GEMMs on the {est.gpu.key} ({precision}, forward, {tokens:,} tokens, "
+                  f"{shape.experts_per_token} of {shape.n_experts} experts each)",
+                  ["GEMM", "m x k x n", "FLOPs/byte", "bound", "one", "all, one by one", "all, grouped"],
+                  align="lrrlrrr")  # fmt: skip
+    for g in expert_gemms(shape, tokens, precision, s.routing):
+        t = gemm_time(g, precision, est.gpu, cal)
+        sec.rows.append([g.name, f"{g.m:,} x {g.k:,} x {g.n:,}", f"{g.intensity:,.0f}", t.bound,
+                         f"{t.seconds * 1e6:,.1f} µs", u.seconds(g.count * t.seconds), u.seconds(t.grouped_seconds)])  # fmt: skip
+    ridge = gemm_time(expert_gemms(shape, tokens, precision)[0], precision, est.gpu, cal).ridge
+    crossover = compute_bound_tokens(shape, precision, est.gpu, cal)
+    sec.notes = [
+        f"ridge: {ridge:,.0f} FLOPs/byte (matmul roof / HBM roof); an expert's GEMM reaches it at "
+        f"{crossover:,} tokens per expert (here {expert_gemms(shape, tokens, precision, s.routing)[0].m:,}): below, "
+        "it waits on its weights",
+        f"one by one: each at least {cal.launch_us:g} µs a launch, as the replayed reference runs them; grouped: one "
+        "kernel for all experts (torch._grouped_mm, Megatron's GroupedMLP), the same bytes",
+    ] + (["the router's GEMM is fp32 (DeepSeek-V3's gate): against the fp32 roof"] if shape.router_fp32 else [])
+    return sec
 
 
 def explain_lines(times: tuple[StepTime, ...], cal: Calibration) -> list[str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
 from memcalc.model.flops import attention_flops, model_per_token
-from memcalc.model.shape import Model, ModelShape, check_positions, param_counts
+from memcalc.model.shape import Model, ModelShape, check_positions, idle_params, param_counts
 from memcalc.model.tricks import Tricks, check_layer_uniform
 
 
@@ -175,7 +175,8 @@ def mfu_report(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_secon
     check_possible(model, gpu, tricks, seq_len, tokens_per_second)
     peak = gpu.peak_flops(tricks.precision)
     rows = []
+    n = model.n_params - idle_params(model.shape)  # a mixture of experts: the parameters a token goes through
     for c in CONVENTIONS:
-        model_flops, hardware_flops = c.count(model.shape, model.n_params, seq_len, tricks)
+        model_flops, hardware_flops = c.count(model.shape, n, seq_len, tricks)
         rows.append(Utilization(c.key, c.name, c.formula, c.source, model_flops, hardware_flops, tokens_per_second, peak))
     return MfuReport(model, gpu.key, tricks.precision, seq_len, tricks.recompute, tokens_per_second, tuple(rows))

@@ -391,7 +391,7 @@ def fit(
         limits = fit_limits(the_model, setup, find_gpu(gpu), the_tricks, verdict_measure(setup, the_tricks, the_model.shape))
     except InputError as e:
         fail(str(e))
-    from memcalc.report import estimate as report
+    from memcalc.report import fit as report
 
     rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch, limits.max_seq_len,
              limits.max_micro_batch]]  # fmt: skip
@@ -435,7 +435,7 @@ def mfu(
         result = mfu_report(the_model, find_gpu(gpu), t, seq_len, rate)
     except InputError as e:
         fail(str(e))
-    from memcalc.report import estimate as report
+    from memcalc.report import mfu as report
 
     for warning in report.mfu_warnings(result):
         print(f"warning: {warning}", file=sys.stderr)

@@ -91,7 +91,7 @@ def layout_estimates(model, setup, gpu, trick_sets, layout, explicit: bool, timi
 
 
 def show_sweep(swept, d: render.Display, png: str | None = None) -> None:
-    from memcalc.report import estimate as report
+    from memcalc.report import sweep as report
 
     if png is not None:
         from memcalc.report.plot import save_png

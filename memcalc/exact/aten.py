@@ -204,25 +204,8 @@ def neg(g: Graph, a: Tensor) -> Tensor:
 
 
 def pow2(g: Graph, x: Tensor) -> Tensor:
-    """x.pow(2) (PowBackward0): saves x. Backward: grad · (2 · x.pow(1)), three allocations."""
-    (x,) = autocast(g, "pow.Tensor_Scalar", x)
-    shape, dtype = x.shape, x.dtype
-
-    def rule(gs):
-        p1 = g.empty(shape, dtype, "pow")  # x.pow(1)
-        g.kernel("pow", (size(shape, dtype),), (p1,))
-        two = g.empty(shape, dtype, "mul")  # 2 · x.pow(1)
-        g.kernel("mul", (p1,), (two,))
-        grad = g.empty(shape, dtype, "mul")  # grad · that
-        g.kernel("mul", (gs[0], two), (grad,))
-        del p1, two
-        return [grad]
-
-    node = g.begin("pow", [x], rule, [(x, "self")])
-    out = g.empty(x.shape, x.dtype, "pow")
-    g.kernel("pow", (x,), (out,))
-    g.end(node, [out])
-    return out
+    """x.pow(2): pow_scalar with e = 2 (its backward's x.pow(1), 2 · that, grad · that)."""
+    return pow_scalar(g, x, 2)
 
 
 def mean_last(g: Graph, x: Tensor) -> Tensor:
@@ -643,18 +626,24 @@ def div(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
+def added_into_zeros(g: Graph, shape: tuple, op: str, index_bytes: int, grad: Tensor) -> Tensor:
+    """gather's and index_select's backward: a zero x-shaped tensor (new_zeros), then an out-of-place
+    scatter_add or index_add of the gradient into a second one; the zeros freed."""
+    zeros = g.empty(shape, grad.dtype, "new_zeros")
+    g.kernel("new_zeros", (), (zeros,))
+    out = g.empty(shape, grad.dtype, op)
+    g.kernel(op, (zeros, index_bytes, grad), (out,))
+    del zeros
+    return out
+
+
 def gather(g: Graph, x: Tensor, index: Tensor) -> Tensor:
     """x.gather(1, index) (GatherBackward0): saves x (gather_backward takes it) and the index. Backward: a zero
     x-shaped tensor and an out-of-place scatter_add into a second one."""
     shape, index_bytes = x.shape, nbytes(index)
 
     def rule(gs):
-        zeros = g.empty(shape, gs[0].dtype, "new_zeros")
-        g.kernel("new_zeros", (), (zeros,))
-        out = g.empty(shape, gs[0].dtype, "scatter_add")
-        g.kernel("scatter_add", (zeros, index_bytes, gs[0]), (out,))
-        del zeros
-        return [out, None]
+        return [added_into_zeros(g, shape, "scatter_add", index_bytes, gs[0]), None]
 
     node = g.begin("gather", [x, index], rule, [(x, "self"), (index, "index")])
     out = g.empty(index.shape, x.dtype, "gather")
@@ -669,12 +658,7 @@ def index_select(g: Graph, x: Tensor, index: Tensor) -> Tensor:
     shape, index_bytes = x.shape, nbytes(index)
 
     def rule(gs):
-        zeros = g.empty(shape, gs[0].dtype, "new_zeros")
-        g.kernel("new_zeros", (), (zeros,))
-        out = g.empty(shape, gs[0].dtype, "index_add")
-        g.kernel("index_add", (zeros, index_bytes, gs[0]), (out,))
-        del zeros
-        return [out, None]
+        return [added_into_zeros(g, shape, "index_add", index_bytes, gs[0]), None]
 
     node = g.begin("index_select", [x, index], rule, [(index, "index")])
     out = g.empty(index.shape + x.shape[1:], x.dtype, "index_select")

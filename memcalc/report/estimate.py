@@ -1,22 +1,17 @@
-"""What `memcalc estimate` and `memcalc fit` show: result objects laid out as Sections and lines."""
+"""What `memcalc estimate` shows: result objects laid out as Sections and lines (fit, mfu and --sweep
+have their own modules beside it)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from memcalc.memory.estimate import Estimate
 from memcalc.memory.state import ModelState, model_state
-from memcalc.memory.toolbox import FitLimits, Toolbox
+from memcalc.memory.toolbox import Toolbox
 from memcalc.model.flops import flop_terms, korthikanti_selective_overhead, layer_weights, stack_weights
 from memcalc.terms import Term
 
-from . import render
 from . import units as u
 from .render import Section, sized
 
-if TYPE_CHECKING:  # only for annotations: estimate need not import them
-    from memcalc.time.mfu import MfuReport
-    from memcalc.time.sweep import Sweep
 
 RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision + loss scaling"}
 HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 master)",
@@ -502,95 +497,6 @@ def explain_lines(est: Estimate, mfu_time: bool = True) -> list[str]:
     return lines
 
 
-# ---- memcalc fit ----------------------------------------------------------------------------
-
-
-def fit_sections(limits: FitLimits, units: str, detail: bool = False) -> list[Section]:
-    """The two limits; with detail, what memory holds at each."""
-    s = Section(
-        f"What fits one {limits.gpu} ({u.size(limits.usable_bytes, units)} usable) with {limits.tricks.label}",
-        ["limit", "value", "memory at the limit"],
-    )
-    seq_mem = limits.memory_at_max_seq
-    batch_mem = limits.memory_at_max_batch
-    s.rows.append([f"longest sequence at micro-batch {limits.micro_batch}", f"{limits.max_seq_len:,}",
-                   sized(seq_mem.total_bytes, units) if seq_mem else "-"])  # fmt: skip
-    s.rows.append([f"largest micro-batch at seq {limits.seq_len:,}", f"{limits.max_micro_batch:,}",
-                   sized(batch_mem.total_bytes, units) if batch_mem else "-"])  # fmt: skip
-    if not detail:
-        return [s]
-    parts = Section("Memory per GPU at each limit: the step replayed op by op",
-                    ["limit", "state", "+ at peak", "= peak", "peak in"], align="lrrrl")  # fmt: skip
-    for name, m in (("longest sequence", seq_mem), ("largest micro-batch", batch_mem)):
-        if m is not None:
-            parts.rows.append([name, sized(m.state_bytes, units), sized(m.transient_bytes, units),
-                               sized(m.total_bytes, units), m.peak_at])  # fmt: skip
-    parts.notes = ["state: weights, master and optimizer state between steps; at peak: activations, logits, "
-                   "gradients, temporaries (as `memcalc estimate` and `memcalc verify` count them)"]  # fmt: skip
-    return [s, parts]
-
-
-def fit_verdict(limits: FitLimits) -> str:
-    if not limits.max_seq_len:
-        return ("Nothing fits: model state alone is larger than the GPU; `memcalc estimate` shows the toolbox "
-                "(ZeRO, offload).")  # fmt: skip
-    batch = (f"the largest micro-batch at seq {limits.seq_len:,} is {limits.max_micro_batch:,}" if limits.max_micro_batch
-             else f"not one sequence of {limits.seq_len:,} tokens fits")  # fmt: skip
-    table = ", the length of the model's position table" if limits.seq_capped else ""
-    return (f"Longest sequence that fits: {limits.max_seq_len:,} tokens at micro-batch {limits.micro_batch}{table}; "
-            f"{batch}.")
-
-
-# ---- memcalc mfu ----------------------------------------------------------------------------
-
-
-def mfu_preamble(r: MfuReport) -> list[str]:
-    return [
-        f"Model: {r.model.origin}; {r.model.n_params:,} parameters",
-        f"Measured: {r.tokens_per_second:,.1f} tokens/s per GPU at seq {r.seq_len:,}, against the {r.gpu}'s "
-        f"dense {r.precision} peak; recompute: {r.recompute}",
-    ]
-
-
-def above_100(label: str, mfu: float, hfu: float, mfu_causal: float) -> str | None:
-    """Why an MFU or HFU above 100% is printed, or None: a convention that counts attention non-causal."""
-    if max(mfu, hfu) <= 1:
-        return None
-    return (f"{label}: MFU {u.percent(mfu)}, HFU {u.percent(hfu)}: above 100% because these count every query "
-            f"against every key, where a causal kernel does half that work (MFU causal {u.percent(mfu_causal)})")  # fmt: skip
-
-
-def mfu_warnings(r: MfuReport) -> list[str]:
-    over = [c for c in r.conventions if max(c.mfu, c.hfu) > 1]
-    if not over:
-        return []
-    names = ", ".join(f"{c.convention} {u.percent(max(c.mfu, c.hfu))}" for c in over)
-    return [f"above 100% of peak under {names}: those conventions count attention non-causal, twice what a causal "
-            "kernel executes (the causal convention is the physical one)"]  # fmt: skip
-
-
-def mfu_sections(r: MfuReport) -> list[Section]:
-    s = Section("MFU and HFU under each FLOPs-per-token convention",
-                ["convention", "formula", "FLOPs/token", "TFLOP/s per GPU", "MFU", "HFU"], align="llrrrr")  # fmt: skip
-    for c in r.conventions:
-        s.rows.append([c.name, c.formula, f"{c.model_flops_per_token:,.0f}", f"{c.achieved_tflops:.1f}",
-                       u.percent(c.mfu), u.percent(c.hfu)])  # fmt: skip
-    s.notes = [
-        "non-causal conventions count every query against every key; a causal kernel does half that work, "
-        "so flash with a causal mask can show an MFU above what the GPU ran",
-        "HFU adds what recompute runs again; torchtitan leaves recompute out of its MFU altogether",
-    ]
-    return [s]
-
-
-MFU_CSV_HEADERS = ["convention", "formula", "model_flops_per_token", "hardware_flops_per_token", "tflops", "mfu", "hfu"]
-
-
-def mfu_csv_rows(r: MfuReport) -> list[list[object]]:
-    return [[c.convention, c.formula, f"{c.model_flops_per_token:.0f}", f"{c.hardware_flops_per_token:.0f}",
-             f"{c.achieved_tflops:.4g}", f"{c.mfu:.4f}", f"{c.hfu:.4f}"] for c in r.conventions]  # fmt: skip
-
-
 def runs_section(runs) -> Section:
     first = runs[0]
     s = Section(f"Training run: {first.tokens:,} tokens on {first.gpus:,} GPU{'s' if first.gpus > 1 else ''}",
@@ -602,35 +508,6 @@ def runs_section(runs) -> Section:
     if first.price_per_gpu_hour is not None:
         s.notes.append(f"at ${first.price_per_gpu_hour:g} per GPU-hour")
     return s
-
-
-# ---- --sweep --------------------------------------------------------------------------------
-
-BAR_WIDTH = 40
-
-
-def sweep_sections(sw: Sweep, units: str) -> list[Section]:
-    biggest = max(max(p.memory_bytes for p in sw.points), sw.usable_bytes)
-    memory = Section(f"Peak memory per GPU against {sw.name} ({sw.gpu}: │ marks {u.size(sw.usable_bytes, units)} usable)",
-                     [sw.name, "tricks", "memory", "", "fits?"], align="rllrl")  # fmt: skip
-    slowest = max(p.step_seconds for p in sw.points)
-    model = "every kernel against the roofs" if sw.time_model == "roofline" else "hardware FLOPs at --mfu"
-    time = Section(f"Step time against {sw.name} ({model})", [sw.name, "tricks", "step time", "", "tokens/s"],
-                   align="rllrr")  # fmt: skip
-    for p in sw.points:
-        memory.rows.append([f"{p.value:,}", p.tricks.label, render.bar(p.memory_bytes, biggest, BAR_WIDTH, sw.usable_bytes),
-                            u.size(p.memory_bytes, units), "yes" if p.fits else "no"])  # fmt: skip
-        time.rows.append([f"{p.value:,}", p.tricks.label, render.bar(p.step_seconds, slowest, BAR_WIDTH),
-                          u.seconds(p.step_seconds), u.rate(p.tokens_per_second)])  # fmt: skip
-    return [memory, time]
-
-
-SWEEP_CSV_HEADERS = ["value", "tricks", "memory_bytes", "fits", "step_seconds", "tokens_per_second"]
-
-
-def sweep_csv_rows(sw: Sweep) -> list[list[object]]:
-    return [[p.value, p.tricks.label, p.memory_bytes, p.fits, f"{p.step_seconds:.6g}", f"{p.tokens_per_second:.6g}"]
-            for p in sw.points]  # fmt: skip
 
 
 # ---- --exact --------------------------------------------------------------------------------

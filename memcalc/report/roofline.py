@@ -46,7 +46,7 @@ def time_section(est: Estimate, times: tuple[StepTime, ...], cal: Calibration) -
 
 def time_warnings(times: tuple[StepTime, ...]) -> list[str]:
     """An MFU or HFU above 100% is said, with why (printed on stderr in every format)."""
-    from .estimate import above_100
+    from .mfu import above_100
 
     return [w for t in times if (w := above_100(t.tricks.label, t.mfu, t.hfu, t.mfu_causal))]
 

@@ -109,6 +109,21 @@ def test_measured_peak_split_adds_up():
     assert out["peak parts"]["sharded gradients"] == 0  # zero_grad(set_to_none) at the step's start
 
 
+def test_first_stage_peaks_in_the_gradient_reduce():
+    """With the table's unit the largest, the first stage's step peaks in perform_reduce_grad, after every activation
+    is freed: the table is resharded (its gathered bf16 copy gone, one V·h·2 below the engine), foreach_reduce has
+    taken its fp32 accumulated gradient (V·h·4 below the engine's accumulated gradients) and holds it beside the
+    unit's fp32 reduce-scatter input: a peak the fsdp2 engine's backward charge does not describe."""
+    rows = check("llama3-8b", 6, 256, 3, "bf16,flash", Layout(dp=8, pp=3, zero=3), 0)
+    peak = rows["step peak, the fsdp2 engine"]
+    assert peak.measured_bytes == rows["gradient reduce peak"].measured_bytes > rows["backward peak"].measured_bytes
+    parts = named(peak)
+    table = 128256 * H8B
+    assert parts["FSDP2's gathered parameters at the step's peak"] == -2 * table
+    assert parts["FSDP2's fp32 accumulated gradients at the step's peak"] == -4 * table
+    assert "the rest at the step's peak" in parts
+
+
 def test_llama31_405b_pp8_full_size():
     """The issue's case: llama3.1-405b over pp 8 (126 layers: 15, 16, ..., 16, 15) and FSDP2 over 8, stage 1 (the
     engine's peak stage: 16 layers, 7 micro-batches in flight), 8 micro-batches of seq 1024 (the short sequence

@@ -205,6 +205,7 @@ class Stage:
         while b < self.m:
             self.backward(b)
             b += 1
+        enter("reduce")
         self.reduce_grad()
         self.losses = []  # _update_losses: copied out, then cleared
 
@@ -257,9 +258,9 @@ def measure_fsdp2_pp(shape: ModelShape, seq_len: int, micro_batch: int, micro_ba
                    "recv buffers": storage_bytes(runner.recv + runner.grad_recv),
                    "input grads": storage_bytes(x.grad for x in runner.recv),
                    "token ids": storage_bytes((idx or []) + (targets or []))}  # fmt: skip
-            for name in ("forward", "backward", "optimizer"):
+            for name in PHASES:
                 out[f"{name} peak"], out[f"{name} peak at"], _ = peaks[name]
-            name = max(("forward", "backward", "optimizer"), key=lambda n: peaks[n][0])
+            name = max(PHASES, key=lambda n: peaks[n][0])
             out["step peak"], out["step peak at"] = peaks[name][:2]
             # a third step, split by part at the count where the second peaked
             mode.classify = lambda sizes: split(sizes, part, opt_state, runner, idx, targets)
@@ -269,6 +270,9 @@ def measure_fsdp2_pp(shape: ModelShape, seq_len: int, micro_batch: int, micro_ba
             out["peak parts"] = mode.snapshot
             out["repeated step peak"] = max(p[0] for p in again.peaks.values())
     return out
+
+
+PHASES = ("forward", "backward", "reduce", "optimizer")  # reduce: perform_reduce_grad, after the last backward
 
 
 def stage_inputs(shape: ModelShape, b: int, s: int, m: int, first: bool, last: bool):

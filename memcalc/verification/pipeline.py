@@ -15,6 +15,8 @@ This module is torch-free.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
 from memcalc.model.shape import Model, ModelShape, n_params
@@ -144,8 +146,31 @@ def pipeline_terms(shape: ModelShape, seq_len: int, micro_batch: int, m: int, w:
     return tuple(out)
 
 
-def peak_terms(st: StageMemory, parts: dict[str, int], state: tuple[Term, ...]) -> tuple[Term, ...]:
-    """The measured step peak split by part (verify/dist_pipeline.py PARTS) against the engine's charge."""
+def layer_saved_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> int:
+    """Bytes one block saves for backward, op by op (memcalc.exact; equal to the measured block under FSDP2,
+    tests/test_verify_fsdp2.py)."""
+    from memcalc.exact.step import exact_activations  # memcalc.exact: loaded only when a check runs
+
+    return exact_activations(replace(shape, n_layers=2), seq_len, micro_batch, tricks).per_layer_bytes
+
+
+REST = {  # the measured activations and temporaries less the held ones, by the phase the step peaked in
+    "backward": "the rest of the activations and temporaries at the step's peak (in a backward), against the engine's "
+                "rebuilt layer and logits: the running backward's gradients and temporaries, each in-flight "
+                "micro-batch's stage output kept for its backward, a parameter's gradient not yet on it (lm_head's, the "
+                "token table's), less what the running micro-batch has freed",
+    "forward": "the rest of the activations and temporaries at the step's peak (in a forward), against the engine's "
+               "rebuilt layer and logits: each in-flight micro-batch's stage output and the running op's temporaries",
+    "reduce": "the rest at the step's peak (in perform_reduce_grad, no activation left): a unit's fp32 reduce-scatter "
+              "input and the accumulated gradients foreach_reduce holds, against the engine's rebuilt layer and logits",
+}  # fmt: skip
+
+
+def peak_terms(st: StageMemory, parts: dict[str, int], state: tuple[Term, ...], layer_exact: int,
+               phase: str = "backward") -> tuple[Term, ...]:  # fmt: skip
+    """The measured step peak split by part (verify/dist_pipeline.py PARTS) against the engine's charge; the
+    activations split into the held layer-micro-batches op by op less the textbook (by formula) and the rest
+    (measured). layer_exact: one block's saved bytes, op by op; phase: where the measured step peaked."""
     by_name = {p.name: p.bytes for p in st.state.parts}
     pipeline = parts["pipeline recv buffers"] + parts["stage input gradients"] + parts["token ids and buffers"]
     engine = {t.name: t.value for t in st.buffers}
@@ -168,9 +193,11 @@ def peak_terms(st: StageMemory, parts: dict[str, int], state: tuple[Term, ...]) 
         Term("pipelining's recv buffers, the stage inputs' gradients, the token ids (and the mask buffer) at the "
              "step's peak", pipeline,
              "", PIPELINING),
-        Term("activations and temporaries at the step's peak (a gradient not yet on its parameter included), "
-             "against the engine's held activations and logits", parts["activations and temporaries"]
-             - st.activation_peak_bytes - st.logits_bytes, "", "memcalc.parallel.layout held_layers; Korthikanti et al. 2022"),
+        Term(f"the held activations op by op (memcalc.exact) less the textbook's: {st.held} layer-micro-batches "
+             "in flight (1F1B)", st.held * (layer_exact - st.layer.per_layer_bytes), "held·(exact − textbook) per layer",
+             "memcalc.exact; Korthikanti et al. 2022, Table 2; memcalc.parallel.layout held_layers"),
+        Term(REST[phase], parts["activations and temporaries"] - st.held * layer_exact - st.layer.rebuilt_bytes
+             - st.logits_bytes, "", "verify/dist_pipeline.py, measured"),
     ]  # fmt: skip
     return tuple(t for t in terms if t.value)
 
@@ -192,14 +219,20 @@ def stage_check(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout,
         Prediction("sharded state", total, state, formula=formula + ", state"),
         Prediction("between steps", total, state + kept, formula=formula + ", state"),
         Prediction("optimizer peak", total, state + kept, formula=formula + ", state (fused AdamW: in place)"),
-        Prediction("step peak, the fsdp2 engine", st.total_bytes, peak_terms(st, measured["peak parts"], state),
+        Prediction("step peak, the fsdp2 engine", st.total_bytes,
+                   peak_terms(st, measured["peak parts"], state,
+                              layer_saved_bytes(shape, setup.seq_len, setup.micro_batch, tricks),
+                              str(measured["step peak at"]).split(":")[0]),
                    formula=formula + " (estimate's number)"),
         Prediction("forward peak", st.total_bytes, (), checked=False, formula="shown beside the engine's peak"),
         Prediction("backward peak", st.total_bytes, (), checked=False, formula="shown beside the engine's peak"),
+        Prediction("gradient reduce peak", st.total_bytes, (), checked=False,
+                   formula="perform_reduce_grad, after the last backward; shown beside the engine's peak"),
     ]  # fmt: skip
     values = dict(measured)
     values["sharded state"] = measured["weights"] + measured["grads"] + measured["optimizer state"]
     values["step peak, the fsdp2 engine"] = measured["step peak"]
+    values["gradient reduce peak"] = measured["reduce peak"]
     rows = tuple(Row(p.quantity, p.predicted_bytes, values[p.quantity], p.differences, p.checked, p.formula)
                  for p in preds)  # fmt: skip
     return RankCheck(stage * layout.dp, 0, 0, rows)

@@ -94,15 +94,18 @@ def torchtitan_fsdp(model: nn.Module, mesh, reshard: bool | None = None, pipelin
     parameters (param_dtype: torchtitan's mixed_precision_param, bf16 by default, fp32 to train in fp32);
     the token table, [final norm, lm_head] (tied: [table, final norm]), each block, then the root.
     reshard: the reshard_after_forward_policy ('always' True, 'never' False, None 'default': not pipelined);
-    [norm, lm_head] reshards only under 'always', the root never (fully_shard's default for the root)."""
+    [norm, lm_head] reshards only under 'always', the root never (fully_shard's default for the root).
+    A pipeline stage's part (verify/dist_pipeline.py StagePart) has only the units it holds (tok_emb or norm None)."""
     policy = (not pipelined) if reshard is None else reshard
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     config = {"mesh": mesh, "mp_policy": mp}
-    if model.lm_head is None:
+    if model.lm_head is None and model.tok_emb is not None and model.norm is not None:
         fully_shard([model.tok_emb, model.norm], **config, reshard_after_forward=reshard is True)
-    else:
-        fully_shard(model.tok_emb, **config, reshard_after_forward=policy)
-        fully_shard([model.norm, model.lm_head], **config, reshard_after_forward=reshard is True)
+    else:  # a pipeline stage's part holds the token table (first stage) or [norm, lm_head] (last) or neither
+        if model.tok_emb is not None:
+            fully_shard(model.tok_emb, **config, reshard_after_forward=policy)
+        if model.norm is not None and model.lm_head is not None:
+            fully_shard([model.norm, model.lm_head], **config, reshard_after_forward=reshard is True)
     for block in model.blocks:
         fully_shard(block, **config, reshard_after_forward=policy)
     fully_shard(model, **config)

@@ -17,6 +17,7 @@ import datetime
 import os
 import socket
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -243,3 +244,52 @@ def torchrun_ranks(shape, setup: Setup, tricks: Tricks, layout: Layout) -> dict[
     finally:
         if own:
             dist.destroy_process_group()
+
+
+# ---- FSDP2 + pipeline parallel: one stage's rank --------------------------------------------------
+
+
+def verify_pipeline(model: Model, setup: Setup, tricks: Tricks, layout: Layout, stage: int) -> DistResult:
+    """--fsdp D --pp P --stack fsdp2: stage `stage`'s rank 0 of its FSDP2 group, measured on the fake process
+    group (verify/dist_pipeline.py) against the fsdp2 engine's stage (memcalc.verification.pipeline)."""
+    from memcalc.parallel.layout import layers_per_stage
+    from memcalc.verification.pipeline import check_pipeline, stage_check
+
+    check_pipeline(model.shape, setup, tricks, layout, stage)
+    check_dist(model.shape, replace(setup, grad_accum=1), tricks, replace(layout, pp=1), "meta")  # the rest as FSDP2 alone
+    layers = layers_per_stage(layout, model.shape.n_layers, "fsdp2")
+    start = time.perf_counter()
+    measured = in_thread(fake_stage, model.shape, setup, tricks, layout, layers, stage)
+    seconds = time.perf_counter() - start
+    check = stage_check(model.shape, setup, tricks, layout, stage, measured)
+    built = model.shape
+    reshard = {None: "torchtitan's default (never under PP)", True: "always", False: "never"}[layout.reshard_after_forward]
+    notes = (
+        (f"{model_label(built)}: pipeline {layout.pp} stages of {', '.join(map(str, layers))} layers (torchtitan's "
+         f"split), stage {stage} checked ({layers[stage]} layers{', the token table' if stage == 0 else ''}"
+         f"{', the final norm and lm_head' if stage == layout.pp - 1 else ''}); FSDP2 over dp {layout.dp} as torchtitan "
+         f"applies it to the stage's part (reshard after forward: {reshard}); torch.optim.AdamW(fused=True)"),
+        (f"1F1B over {setup.grad_accum} micro-batches of {setup.micro_batch} (torch.distributed.pipelining's "
+         "Schedule1F1B order and PipelineStage's buffers and FSDP2 calls, driven in this process: the fake group "
+         "cannot run the stage's P2P start-up vote); measured: the step after a warm-up one, its peak split by part "
+         "in a third"),
+    )  # fmt: skip
+    return DistResult(built.name, n_params(built), setup.seq_len, setup.micro_batch, tricks, layout, "meta",
+                      BACKENDS["meta"], layout.world, (check,), torch.__version__, seconds, notes)  # fmt: skip
+
+
+def fake_stage(shape, setup: Setup, tricks: Tricks, layout: Layout, layers, stage: int) -> dict[str, object]:
+    """Rank 0 of stage `stage`'s FSDP2 group, on a fake group of dp ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .dist_pipeline import measure_fsdp2_pp
+
+    if dist.is_initialized():
+        raise InputError("a process group is already initialised in this process: the fake one cannot start")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.dp)
+    try:
+        mesh = init_device_mesh("cpu", (layout.dp, 1), mesh_dim_names=("dp", "tp"))
+        return measure_fsdp2_pp(shape, setup.seq_len, setup.micro_batch, setup.grad_accum, tricks, layout, layers,
+                                stage, mesh)  # fmt: skip
+    finally:
+        dist.destroy_process_group()

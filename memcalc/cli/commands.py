@@ -458,6 +458,9 @@ def verify(
     fsdp: Annotated[Optional[str], typer.Option("--fsdp", "--dp", help="Check one rank of FSDP2 (ZeRO-3) over N GPUs, on PyTorch's own engine.", metavar="N")] = None,
     tp: Annotated[Optional[str], typer.Option("--tp", help="Check one rank of DTensor tensor parallelism over N GPUs.", metavar="N")] = None,
     sp: Sp = False, reshard: Reshard = None,
+    pp: Annotated[Optional[str], typer.Option("--pp", help="With --fsdp N --stack fsdp2: check one rank of a pipeline stage (torchtitan's FSDP + PP, 1F1B).", metavar="P")] = None,
+    stage: Annotated[Optional[str], typer.Option("--stage", help="With --pp: the stage to check (default: the one estimate reports as the layout's peak).", metavar="K")] = None,
+    grad_accum: Annotated[Optional[str], typer.Option("--grad-accum", help="With --pp: micro-batches per step.", metavar="N", show_default="P")] = None,
     dist_device: Annotated[str, typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV")] = "meta",
     save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
     step: Annotated[Optional[str], typer.Option("--step", help="Measure your own model and step: FILE.py:FUNCTION or MODULE:FUNCTION (docs/verify.md).", metavar="FN")] = None,
@@ -485,7 +488,8 @@ def verify(
         if step is not None:
             given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None), ("--tol", tol is not None),
                                            ("--fsdp/--tp/--sp", fsdp is not None or tp is not None or sp),
-                                           ("--reshard", reshard is not None)) if on]  # fmt: skip
+                                           ("--reshard", reshard is not None),
+                                           ("--pp/--stage/--grad-accum", pp is not None or stage is not None or grad_accum is not None)) if on]  # fmt: skip
             if given:
                 raise InputError(f"{' and '.join(given)} do not apply to --step, which measures your step once")
             run = verify_runs.custom_run(the_model, setup, the_tricks, step, device)
@@ -496,8 +500,14 @@ def verify(
                                  "on --dist-device (meta, cpu-gloo or cuda) and compare bytes exactly")  # fmt: skip
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")
-            run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device, matrix, save, reshard)
+            if pp is not None or stage is not None or grad_accum is not None:
+                run = verify_runs.pipeline_run(the_model, setup, the_tricks, fsdp, tp, sp, pp, stage, grad_accum,
+                                               dist_device, matrix, reshard)  # fmt: skip
+            else:
+                run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device, matrix, save, reshard)
         else:
+            if pp is not None or stage is not None or grad_accum is not None:
+                raise InputError("--pp/--stage/--grad-accum check a pipeline stage's rank: add --fsdp N --stack fsdp2")
             if reshard is not None:
                 raise InputError("--reshard/--no-reshard apply to the FSDP2 check: add --fsdp N --stack fsdp2")
             if save is not None and not matrix:

@@ -139,6 +139,53 @@ def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str, matrix: bool
     return run
 
 
+def pipeline_run(model, setup, tricks, fsdp, tp, sp: bool, pp, stage, grad_accum, device: str, matrix: bool,
+                 reshard: bool | None):  # fmt: skip
+    """--fsdp D --pp P --stack fsdp2: one rank of stage K (--stage; default: the stage estimate reports as the
+    layout's peak) over m micro-batches (--grad-accum, default P), checked before torch loads."""
+    from dataclasses import replace
+
+    from memcalc.memory.state import MAX_GPUS
+    from memcalc.model.shape import parse_count
+    from memcalc.parallel.layout import Layout
+    from memcalc.verification.pipeline import check_pipeline, peak_stage
+
+    if pp is None:
+        raise InputError("--stage/--grad-accum choose a pipeline stage's check: add --pp P")
+    if matrix:
+        raise InputError("--matrix is not run with --pp: check one trick set per run")
+    if device.strip().lower() != "meta":
+        raise InputError("--pp is checked on the fake process group: --dist-device meta")
+    p = parse_count(pp, "pp", MAX_GPUS)
+    if p < 2:
+        raise InputError("--pp checks a pipeline: give P > 1 stages")
+    if tp is not None or sp:
+        raise InputError("the FSDP + PP check runs tp 1 and cp 1: drop --tp/--sp")
+    dp = 1 if fsdp is None else parse_count(fsdp, "fsdp", MAX_GPUS)
+    m = p if grad_accum is None else parse_count(grad_accum, "grad-accum", 1 << 16)
+    layout = Layout(dp=dp, pp=p, zero=3 if dp > 1 else 0, reshard_after_forward=reshard)
+    setup = replace(setup, grad_accum=m)
+    check_pipeline(model.shape, setup, tricks, layout, 0)
+    k = peak_stage(model.shape, setup, tricks, layout) if stage is None else parse_stage(stage, p)
+
+    def run():
+        from verify.distributed import verify_pipeline
+
+        return verify_pipeline(model, setup, tricks, layout, k)
+
+    return run
+
+
+def parse_stage(text: str, pp: int) -> int:
+    try:
+        k = int(text.strip())
+    except ValueError:
+        k = -1
+    if not 0 <= k < pp:
+        raise InputError(f"--stage must be a whole number in [0, {pp}), got {text!r}")
+    return k
+
+
 class progress_bar:
     """A rich progress bar fed by verify's progress(what, done, total) calls; a no-op when off."""
 

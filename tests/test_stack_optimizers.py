@@ -172,7 +172,7 @@ def test_cpu_stand_in_names_the_host_step_counters(impl, optimizer, tricks):
 def test_traced_step_is_the_second():
     """trace(): the libraries make their state at the first step (zeros_like, SGD's clone), so the traced
     step is a later one; a fused kernel reads and writes each tensor of its group once."""
-    shape, t = TINY["llama"], parse_tricks("bf16")
+    shape = TINY["llama"]
     for optimizer, impl in (("adamw", "fused"), ("sgd", "loop"), ("adamw", "foreach")):
         cfg = Config(shape, 16, 1, "bf16", False, "none", 1, optimizer, "reference", "pure", impl)
         ops = [k for k in trace(cfg) if k.phase == "optimizer"]

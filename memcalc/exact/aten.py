@@ -224,20 +224,26 @@ def mean_last(g: Graph, x: Tensor) -> Tensor:
     return out
 
 
+def power_backward(g: Graph, shape: tuple, dtype: str, grad: Tensor) -> Tensor:
+    """grad · (c · y.pow(k)), as rsqrt's and pow's backwards run it: a pow, a scaling mul and the product,
+    three allocations, the first two freed."""
+    p = g.empty(shape, dtype, "pow")
+    g.kernel("pow", (size(shape, dtype),), (p,))
+    scaled = g.empty(shape, dtype, "mul")
+    g.kernel("mul", (p,), (scaled,))
+    out = g.empty(shape, dtype, "mul")
+    g.kernel("mul", (grad, scaled), (out,))
+    del p, scaled
+    return out
+
+
 def rsqrt(g: Graph, x: Tensor) -> Tensor:
     """rsqrt (RsqrtBackward0): saves its result. Backward: -0.5 · grad · result.pow(3), three allocations."""
     (x,) = autocast(g, "rsqrt", x)
     shape, dtype = x.shape, x.dtype
 
     def rule(gs):
-        p3 = g.empty(shape, dtype, "pow")
-        g.kernel("pow", (size(shape, dtype),), (p3,))
-        half = g.empty(shape, dtype, "mul")
-        g.kernel("mul", (p3,), (half,))
-        grad = g.empty(shape, dtype, "mul")
-        g.kernel("mul", (gs[0], half), (grad,))
-        del p3, half
-        return [grad]
+        return [power_backward(g, shape, dtype, gs[0])]
 
     node = g.begin("rsqrt", [x], rule)
     out = g.empty(x.shape, x.dtype, "rsqrt")
@@ -785,14 +791,7 @@ def pow_scalar(g: Graph, x: Tensor, exponent: int) -> Tensor:
     shape, dtype = x.shape, x.dtype
 
     def rule(gs):
-        p = g.empty(shape, dtype, "pow")
-        g.kernel("pow", (size(shape, dtype),), (p,))
-        scaled = g.empty(shape, dtype, "mul")
-        g.kernel("mul", (p,), (scaled,))
-        grad = g.empty(shape, dtype, "mul")
-        g.kernel("mul", (gs[0], scaled), (grad,))
-        del p, scaled
-        return [grad]
+        return [power_backward(g, shape, dtype, gs[0])]
 
     node = g.begin("pow", [x], rule, [(x, "self")])
     out = g.empty(x.shape, x.dtype, "pow")

@@ -127,6 +127,10 @@ def verify_verdict(results: list[VerifyResult]) -> str:
 
 
 def dist_verdict(d: DistResult) -> str:
+    shown = sorted({r.quantity for rc in d.ranks for r in rc.rows if not r.checked and not r.quantity.endswith("Table 2")})
+    if d.passed and shown:
+        return (f"Pass: every judged per-rank quantity equals PyTorch's own on {d.world} ranks; shown beside them, not "
+                f"judged: {', '.join(shown)}.")  # fmt: skip
     if d.passed:
         return f"Pass: every per-rank quantity equals PyTorch's own on {d.world} ranks."
     return "FAIL: memcalc's per-rank prediction differs from PyTorch's (rows marked NO)."

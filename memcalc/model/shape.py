@@ -246,7 +246,7 @@ def check_positions(shape: ModelShape, seq_len: int) -> None:
                          f"position table: give --seq {shape.max_positions} or less")  # fmt: skip
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ParamCounts:
     """Parameters by place in the model; the total is their sum."""
 
@@ -362,6 +362,7 @@ def mtp_params(shape: ModelShape) -> int:
     return 3 * norm_params(shape) + 2 * shape.hidden * shape.hidden + block
 
 
+@lru_cache(maxsize=1024)  # the estimate, the toolbox and the planner ask for the same shape many times
 def param_counts(shape: ModelShape) -> ParamCounts:
     """Count every parameter tensor of the stack, as the PyTorch model in verify/ builds it."""
     positions = shape.max_positions * shape.hidden if shape.positions == "learned" else 0

@@ -323,9 +323,11 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
         cal = timing if isinstance(timing, Calibration) else calibration_for(gpu.key)
         work = roofline_work(model, setup, gpu, tricks, layout, stage_layers, cal)
     busy = busiest_experts_flops(model, setup, layout)  # imbalance: the busiest GPU's extra expert work
-    rate = gpu.peak_flops(tricks.precision) * (mfu if mfu is not None else cal.matmul)
-    mb = work.micro_batch = replace(work.micro_batch, forward=work.micro_batch.forward + busy / 3 / rate,
-                                    backward=work.micro_batch.backward + 2 * busy / 3 / rate)  # fmt: skip
+    if busy:  # at the matmul rate, a third forward and two backward
+        seconds = busy / (gpu.peak_flops(tricks.precision) * (mfu if mfu is not None else cal.matmul))
+        work.micro_batch = replace(work.micro_batch, forward=work.micro_batch.forward + seconds / 3,
+                                   backward=work.micro_batch.backward + 2 * seconds / 3)  # fmt: skip
+    mb = work.micro_batch
     args = (layout, model, setup, tricks, fabric, assume, mb)
     per_mb = [x for x in (tp_comm(*args), cp_comm(*args), pp_comm(*args), *ep_comm(*args)) if x]
     slowest = mb.seconds + sum(x.exposed_seconds for x in per_mb)  # one micro-batch through the slowest stage

@@ -8,7 +8,7 @@ from memcalc.memory.estimate import Setup, compute_for
 from memcalc.model.gpus import GPUS, gpu
 from memcalc.model.presets import preset_model
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.comm import FABRICS, LINKS, Assumptions
+from memcalc.parallel.links import FABRICS, LINKS, Assumptions
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate
 from memcalc.time.calibration import calibration_for

@@ -1,14 +1,6 @@
 """Bytes each GPU moves per training step, their time on the interconnect, and the step time of a layout.
 
-Ring algorithms (NCCL; nccl-tests doc/PERFORMANCE.md, "bus bandwidth"): over n ranks each GPU sends
-  all-reduce      2(n − 1)/n · B
-  reduce-scatter   (n − 1)/n · B   (B: the full, unsharded buffer)
-  all-gather       (n − 1)/n · B
-and receives as much at the same time, so a collective takes factor · B / (link rate · efficiency).
-Latency (the α of α-β models) is left out: the messages here are megabytes and more.
-
-A group of n ranks `stride` apart spans stride·n consecutive GPUs (rank order tp, cp, dp, pp); inside one
-node it runs on NVLink, across nodes on each GPU's own InfiniBand NIC.
+The collectives' bytes and links: memcalc.parallel.links; expert parallel's: memcalc.parallel.experts.
 
 Step time: every stage's compute is the roofline of the kernels its GPU runs (memcalc.time.roofline
 stage_kernels: one block traced on the shapes one TP rank holds, the tokens one CP rank holds, SP's
@@ -30,104 +22,16 @@ from functools import lru_cache
 
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.estimate import Setup
-from memcalc.model.gpus import A100_DATASHEET, GPU, H100_DATASHEET
-from memcalc.model.moe import routed_tokens
-from memcalc.model.shape import Model, ModelShape, is_moe_layer
+from memcalc.model.gpus import GPU
+from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.roofline import StageKernels, block_lower_bound, stage_kernels
 
 from .engines import DEEPSPEED_DEFAULTS, grad_reduce_bytes, megatron_bucket_size, reshards_after_forward
+from .experts import busiest_experts_flops, ep_comm, expert_dp_comm
 from .layout import Layout, LayoutMemory, bubble_fraction, stage_shape_params, tp_layer_params
-
-
-@dataclass(frozen=True)
-class Link:
-    key: str
-    name: str
-    gb_per_s: float  # per GPU, per direction, decimal GB/s
-    source: str
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.gb_per_s * 1e9
-
-
-H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
-DGX_H100 = "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html"
-DGX_A100 = "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html"
-
-LINKS: dict[str, Link] = {
-    k.key: k
-    for k in (
-        Link("nvlink4", "NVLink 4 via NVSwitch", 450,
-             f"NVLink 900 GB/s per GPU, both directions: {H100_DATASHEET}; {H200_PAGE}"),
-        Link("nvlink3", "NVLink 3 via NVSwitch", 300, f"NVLink 600 GB/s per GPU, both directions: {A100_DATASHEET}"),
-        Link("pcie5", "PCIe Gen5 x16", 64, f"PCIe Gen5 128 GB/s, both directions: {H100_DATASHEET}"),
-        Link("pcie4", "PCIe Gen4 x16", 32, f"PCIe Gen4 64 GB/s, both directions: {A100_DATASHEET}"),
-        Link("ndr", "InfiniBand NDR, 400 Gb/s per GPU", 50,
-             f"DGX H100: 8 ConnectX-7 400 Gb/s NICs, one per GPU: {DGX_H100}"),
-        Link("hdr", "InfiniBand HDR, 200 Gb/s per GPU", 25,
-             f"DGX A100: 8 ConnectX-6 200 Gb/s HDR NICs, one per GPU: {DGX_A100}"),
-    )
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Fabric:
-    """The links a GPU type usually comes with: inside a node, between nodes, to its host."""
-
-    intra: Link
-    inter: Link
-    host: Link
-
-
-# H100 PCIe cards pair up over NVLink bridges at most; eight in a node talk over PCIe.
-FABRICS: dict[str, Fabric] = {
-    "h100-sxm": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
-    "h200": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
-    "h100-pcie": Fabric(LINKS["pcie5"], LINKS["ndr"], LINKS["pcie5"]),
-    "a100-80gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
-    "a100-40gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
-}
-
-
-@dataclass(frozen=True)
-class Assumptions:
-    """What the time model assumes. An overlap share s hides min(comm, s · window) of a transfer behind
-    the compute that can run beside it; what is left is exposed and adds to the step.
-    """
-
-    efficiency: float = 0.8  # busbw / link rate NCCL's rings reach on large messages (calibrate: nccl-tests)
-    overlap_dp: float = 1.0  # gradients reduced behind backward (DDP buckets, Li et al. 2020), gathers behind forward
-    overlap_tp: float = 0.0  # TP collectives sit between dependent matmuls (Megatron-LM without TP comm overlap)
-    overlap_pp: float = 0.0  # stage-to-stage sends on the critical path of 1F1B
-    overlap_cp: float = 1.0  # ring attention sends the next K/V chunk while computing this one (Liu et al. 2023)
-    overlap_offload: float = 1.0  # PCIe copies of gradients/weights behind backward/forward (ZeRO-Offload, sec. 4)
-    # CPU Adam: ~4e9 parameters/s on one host (ZeRO-Offload's CPU-Adam on a DGX-2's two 24-core Xeons,
-    # Ren et al. 2021, order of magnitude); the node's GPUs share it. Exposed: no delayed parameter update.
-    cpu_adam_params_per_s: float = 4e9
-    # MoE's all-to-all sits between the router and the experts and between the experts and the combine: on
-    # the critical path (DeepSeek-V3's DualPipe hides it behind another micro-batch; not modelled)
-    overlap_ep: float = 0.0
-
-
-ASSUMPTIONS = Assumptions()
-
-
-@dataclass(slots=True)
-class Comm:
-    """One kind of traffic in a step, as one GPU sees it."""
-
-    name: str
-    group: str  # "tp", "cp", "pp", "dp×cp", "host"
-    ranks: int
-    link: str  # LINKS key
-    calls: int  # per step
-    bytes: int  # sent by one GPU per step (ring factors applied)
-    formula: str
-    seconds: float  # at the link's rate × efficiency
-    exposed_seconds: float  # what overlap leaves on the critical path
+from .links import ASSUMPTIONS, FABRICS, Assumptions, Comm, Fabric, MicroBatch, link_for, ring, send
 
 
 @dataclass(slots=True)
@@ -192,53 +96,6 @@ class StepTime:
             out[c.group] = out.get(c.group, 0.0) + c.exposed_seconds
         out["cpu optimizer"] = self.cpu_optimizer_seconds
         return out
-
-
-def link_for(fabric: Fabric, span: int, gpus_per_node: int) -> Link:
-    """NVLink when the group's span of consecutive ranks fits in a node, else the NIC between nodes."""
-    return fabric.intra if span <= gpus_per_node else fabric.inter
-
-
-def exposed(seconds: float, share: float, window: float, tail: float = 0.0) -> float:
-    """What is left of a transfer after hiding up to share · window behind compute; at least its last
-    `tail` fraction, which runs after the compute it could hide behind has ended."""
-    return max(0.0, seconds - share * window, tail * seconds)
-
-
-def ring(name: str, group: str, ranks: int, link: Link, calls: int, factor: int, message: int, formula: str,
-         assume: Assumptions, share: float, window: float, tail: float = 0.0) -> Comm:  # fmt: skip
-    """`calls` ring collectives of `message` bytes each: factor 2 for all-reduce, 1 for all-gather or
-    reduce-scatter, times (n − 1)/n (NCCL bus bytes). `window`: the compute all the calls can hide behind."""
-    sent = calls * factor * (ranks - 1) * message // ranks
-    seconds = sent / (link.bytes_per_s * assume.efficiency)
-    return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window, tail))
-
-
-def send(name: str, group: str, ranks: int, link: Link, calls: int, sent: int, formula: str,
-         assume: Assumptions, share: float, window: float) -> Comm:  # fmt: skip
-    """Point-to-point traffic: `sent` bytes in all, sent while as much is received."""
-    seconds = sent / (link.bytes_per_s * assume.efficiency)
-    return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window))
-
-
-@dataclass(slots=True)
-class MicroBatch:
-    """Seconds one GPU of the slowest stage computes for one micro-batch."""
-
-    forward: float
-    backward: float
-    recompute: float  # checkpointed forwards rerun in backward
-    attention: float  # the attention core, all passes: ring attention's K/V exchange hides behind it
-    layers: int  # transformer layers on that stage
-
-    @property
-    def seconds(self) -> float:
-        return self.forward + self.backward + self.recompute
-
-    @property
-    def backward_window(self) -> float:
-        """The backward with its recompute: what gradient traffic can hide behind."""
-        return self.backward + self.recompute
 
 
 @dataclass(slots=True)
@@ -364,86 +221,6 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
         calibration=None if mfu is not None else cal,
         micro_batch_seconds=slowest,
     )
-
-
-def moe_tokens(model: Model, setup: Setup, layout: Layout) -> tuple[int, int]:
-    """(T, R): the tokens one GPU routes per MoE layer and micro-batch ((s/c)·b, split over tp by sequence
-    parallel), and those its experts receive from the ep group (memcalc.model.moe.routed_tokens)."""
-    T = setup.seq_len // layout.cp * setup.micro_batch // (layout.tp if layout.sp else 1)
-    return T, routed_tokens(model.shape, T, setup.routing, layout.ep)
-
-
-def stage_moe_layers(model: Model, layout: Layout) -> int:
-    """MoE layers on the busiest stage (the last, with the MTP module's block)."""
-    shape, per = model.shape, model.shape.n_layers // layout.pp
-    first = (layout.pp - 1) * per
-    mtp = shape.mtp_layers if is_moe_layer(shape, shape.n_layers - 1) else 0
-    return sum(is_moe_layer(shape, i) for i in range(first, shape.n_layers)) + mtp
-
-
-def busiest_experts_flops(model: Model, setup: Setup, layout: Layout) -> int:
-    """The expert FLOPs (forward + backward) the busiest GPU runs beyond its balanced share, per micro-batch:
-    R − T·k extra routed tokens through a SwiGLU expert (6·3·h·f_e each), in each MoE layer of its stage."""
-    shape = model.shape
-    if not shape.is_moe:
-        return 0
-    T, R = moe_tokens(model, setup, layout)
-    per_token = 6 * (3 if shape.gated_mlp else 2) * shape.hidden * shape.routed_ffn
-    return max(0, R - T * shape.experts_per_token) * per_token * stage_moe_layers(model, layout)
-
-
-def ep_comm(layout, model, setup, tricks, fabric, assume, mb) -> list[Comm]:
-    """Expert parallel's all-to-alls (Lepikhin et al. 2021; Megatron-LM MoEAlltoAllTokenDispatcher): per MoE
-    layer, the dispatch and the combine in forward, both again for the gradients in backward, and the forward's
-    again under full recompute. Each sends this GPU's T·k token copies bound for other GPUs, (ep − 1)/ep of them,
-    and receives the R its experts get likewise: the busier direction sets the time. An EP group of etp · ep
-    consecutive ranks wider than a node crosses InfiniBand for the share of its peers outside the node.
-    With expert TP, each expert's tokens are all-gathered and its output reduce-scattered over etp. Per micro-batch."""
-    ep, etp = layout.ep, layout.etp
-    if ep == 1 and etp == 1:
-        return []
-    T, R = moe_tokens(model, setup, layout)
-    k, h, act = model.shape.experts_per_token, model.shape.hidden, tricks.act_bytes
-    calls = (4 + (2 if tricks.recompute == "full" else 0)) * stage_moe_layers(model, layout)
-    out = []
-    if ep > 1:
-        busier = max(T * k, R) * (ep - 1) // ep * h * act
-        local = max(1, min(ep, layout.gpus_per_node // etp))  # group members in this GPU's node
-        inter = busier * (ep - local) // (ep - 1)
-        link = fabric.inter if inter else fabric.intra
-        seconds = max(inter / (fabric.inter.bytes_per_s * assume.efficiency),
-                      (busier - inter) / (fabric.intra.bytes_per_s * assume.efficiency))  # NVLink and NICs at once
-        formula = f"{calls // stage_moe_layers(model, layout)}·L_moe · (ep−1)/ep · max(T·k, R)·h·{act}"
-        out.append(Comm("EP all-to-all dispatch + combine", "ep", ep, link.key, calls, calls * busier, formula,
-                        calls * seconds, exposed(calls * seconds, assume.overlap_ep, mb.seconds)))  # fmt: skip
-    if etp > 1:
-        link = link_for(fabric, etp, layout.gpus_per_node)
-        out.append(ring("ETP all-gather + reduce-scatter of expert tokens", "ep", etp, link, calls, 1,
-                        R * h * act, f"{calls // stage_moe_layers(model, layout)}·L_moe · (e−1)/e · R·h·{act}",
-                        assume, assume.overlap_tp, mb.seconds))  # fmt: skip
-    return out
-
-
-def expert_dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric, assume: Assumptions,
-                   mb: MicroBatch) -> list[Comm]:  # fmt: skip
-    """The routed experts' gradients over their edp group, as dp_comm does for the rest: an all-reduce once per
-    step without ZeRO, a reduce-scatter (every micro-batch with ZeRO-2 and 3) and an all-gather of the updated
-    weights with it. The group's ranks are etp · ep apart: it spans the stage's tp · cp · dp GPUs."""
-    n, z, d = layout.expert_shard_ranks, layout.zero, assume.overlap_dp
-    if not params or n == 1:
-        return []
-    g, grads, weights = "edp", params * gw, params * w
-    link = link_for(fabric, layout.tp * layout.cp * layout.dp, layout.gpus_per_node)
-    if z == 0:
-        return [ring("expert gradient all-reduce", g, n, link, 1, 2, grads, f"2(n−1)/n · P_e·{gw}", assume, d,
-                     mb.backward_window)]  # fmt: skip
-    calls = 1 if z == 1 else m
-    return [
-        ring("expert gradient reduce-scatter", g, n, link, calls, 1, grads,
-             ("m · " if calls > 1 else "") + f"(n−1)/n · P_e·{gw}", assume, d, calls * mb.backward_window),
-        ring("expert weight all-gather", g, n, link, calls if z == 3 else 1, 1, weights, f"(n−1)/n · P_e·{w}",
-             assume, d, mb.forward),
-    ]  # fmt: skip
 
 
 def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, memory: LayoutMemory,

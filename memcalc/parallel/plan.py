@@ -24,7 +24,8 @@ from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 from memcalc.time.calibration import Calibration, calibration_for
 
-from .comm import ASSUMPTIONS, Assumptions, StepTime, step_lower_bound, step_time
+from .comm import StepTime, step_lower_bound, step_time
+from .links import ASSUMPTIONS, Assumptions
 from .engines import ENGINES, engine_layout
 from .layout import Layout, LayoutMemory, divisors, layout_memory, stage_layers
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memcalc.parallel.comm import FABRICS, LINKS
+from memcalc.parallel.links import FABRICS, LINKS
 from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import Alternative, LayoutEstimate, Plan
 

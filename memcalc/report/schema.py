@@ -15,7 +15,7 @@ from memcalc.memory.activations import attention_detail
 from memcalc.memory.estimate import Memory
 from memcalc.model.flops import flops
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.comm import Comm
+from memcalc.parallel.links import Comm
 from memcalc.parallel.layout import Layout, LayoutMemory
 
 from .render import to_jsonable

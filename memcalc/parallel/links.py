@@ -1,0 +1,155 @@
+"""The interconnect: links and the fabrics GPUs come with, what the time model assumes, and the
+traffic of one collective as one GPU sees it.
+
+Ring algorithms (NCCL; nccl-tests doc/PERFORMANCE.md, "bus bandwidth"): over n ranks each GPU sends
+  all-reduce      2(n − 1)/n · B
+  reduce-scatter   (n − 1)/n · B   (B: the full, unsharded buffer)
+  all-gather       (n − 1)/n · B
+and receives as much at the same time, so a collective takes factor · B / (link rate · efficiency).
+Latency (the α of α-β models) is left out: the messages here are megabytes and more.
+
+A group of n ranks `stride` apart spans stride·n consecutive GPUs (rank order tp, cp, dp, pp); inside one
+node it runs on NVLink, across nodes on each GPU's own InfiniBand NIC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.model.gpus import A100_DATASHEET, H100_DATASHEET
+
+
+@dataclass(frozen=True)
+class Link:
+    key: str
+    name: str
+    gb_per_s: float  # per GPU, per direction, decimal GB/s
+    source: str
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gb_per_s * 1e9
+
+
+H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
+DGX_H100 = "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html"
+DGX_A100 = "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html"
+
+LINKS: dict[str, Link] = {
+    k.key: k
+    for k in (
+        Link("nvlink4", "NVLink 4 via NVSwitch", 450,
+             f"NVLink 900 GB/s per GPU, both directions: {H100_DATASHEET}; {H200_PAGE}"),
+        Link("nvlink3", "NVLink 3 via NVSwitch", 300, f"NVLink 600 GB/s per GPU, both directions: {A100_DATASHEET}"),
+        Link("pcie5", "PCIe Gen5 x16", 64, f"PCIe Gen5 128 GB/s, both directions: {H100_DATASHEET}"),
+        Link("pcie4", "PCIe Gen4 x16", 32, f"PCIe Gen4 64 GB/s, both directions: {A100_DATASHEET}"),
+        Link("ndr", "InfiniBand NDR, 400 Gb/s per GPU", 50,
+             f"DGX H100: 8 ConnectX-7 400 Gb/s NICs, one per GPU: {DGX_H100}"),
+        Link("hdr", "InfiniBand HDR, 200 Gb/s per GPU", 25,
+             f"DGX A100: 8 ConnectX-6 200 Gb/s HDR NICs, one per GPU: {DGX_A100}"),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The links a GPU type usually comes with: inside a node, between nodes, to its host."""
+
+    intra: Link
+    inter: Link
+    host: Link
+
+
+# H100 PCIe cards pair up over NVLink bridges at most; eight in a node talk over PCIe.
+FABRICS: dict[str, Fabric] = {
+    "h100-sxm": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
+    "h200": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
+    "h100-pcie": Fabric(LINKS["pcie5"], LINKS["ndr"], LINKS["pcie5"]),
+    "a100-80gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
+    "a100-40gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
+}
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the time model assumes. An overlap share s hides min(comm, s · window) of a transfer behind
+    the compute that can run beside it; what is left is exposed and adds to the step.
+    """
+
+    efficiency: float = 0.8  # busbw / link rate NCCL's rings reach on large messages (calibrate: nccl-tests)
+    overlap_dp: float = 1.0  # gradients reduced behind backward (DDP buckets, Li et al. 2020), gathers behind forward
+    overlap_tp: float = 0.0  # TP collectives sit between dependent matmuls (Megatron-LM without TP comm overlap)
+    overlap_pp: float = 0.0  # stage-to-stage sends on the critical path of 1F1B
+    overlap_cp: float = 1.0  # ring attention sends the next K/V chunk while computing this one (Liu et al. 2023)
+    overlap_offload: float = 1.0  # PCIe copies of gradients/weights behind backward/forward (ZeRO-Offload, sec. 4)
+    # CPU Adam: ~4e9 parameters/s on one host (ZeRO-Offload's CPU-Adam on a DGX-2's two 24-core Xeons,
+    # Ren et al. 2021, order of magnitude); the node's GPUs share it. Exposed: no delayed parameter update.
+    cpu_adam_params_per_s: float = 4e9
+    # MoE's all-to-all sits between the router and the experts and between the experts and the combine: on
+    # the critical path (DeepSeek-V3's DualPipe hides it behind another micro-batch; not modelled)
+    overlap_ep: float = 0.0
+
+
+ASSUMPTIONS = Assumptions()
+
+
+@dataclass(slots=True)
+class Comm:
+    """One kind of traffic in a step, as one GPU sees it."""
+
+    name: str
+    group: str  # "tp", "cp", "pp", "dp×cp", "host"
+    ranks: int
+    link: str  # LINKS key
+    calls: int  # per step
+    bytes: int  # sent by one GPU per step (ring factors applied)
+    formula: str
+    seconds: float  # at the link's rate × efficiency
+    exposed_seconds: float  # what overlap leaves on the critical path
+
+
+def link_for(fabric: Fabric, span: int, gpus_per_node: int) -> Link:
+    """NVLink when the group's span of consecutive ranks fits in a node, else the NIC between nodes."""
+    return fabric.intra if span <= gpus_per_node else fabric.inter
+
+
+def exposed(seconds: float, share: float, window: float, tail: float = 0.0) -> float:
+    """What is left of a transfer after hiding up to share · window behind compute; at least its last
+    `tail` fraction, which runs after the compute it could hide behind has ended."""
+    return max(0.0, seconds - share * window, tail * seconds)
+
+
+def ring(name: str, group: str, ranks: int, link: Link, calls: int, factor: int, message: int, formula: str,
+         assume: Assumptions, share: float, window: float, tail: float = 0.0) -> Comm:  # fmt: skip
+    """`calls` ring collectives of `message` bytes each: factor 2 for all-reduce, 1 for all-gather or
+    reduce-scatter, times (n − 1)/n (NCCL bus bytes). `window`: the compute all the calls can hide behind."""
+    sent = calls * factor * (ranks - 1) * message // ranks
+    seconds = sent / (link.bytes_per_s * assume.efficiency)
+    return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window, tail))
+
+
+def send(name: str, group: str, ranks: int, link: Link, calls: int, sent: int, formula: str,
+         assume: Assumptions, share: float, window: float) -> Comm:  # fmt: skip
+    """Point-to-point traffic: `sent` bytes in all, sent while as much is received."""
+    seconds = sent / (link.bytes_per_s * assume.efficiency)
+    return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window))
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """Seconds one GPU of the slowest stage computes for one micro-batch."""
+
+    forward: float
+    backward: float
+    recompute: float  # checkpointed forwards rerun in backward
+    attention: float  # the attention core, all passes: ring attention's K/V exchange hides behind it
+    layers: int  # transformer layers on that stage
+
+    @property
+    def seconds(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+    @property
+    def backward_window(self) -> float:
+        """The backward with its recompute: what gradient traffic can hide behind."""
+        return self.backward + self.recompute

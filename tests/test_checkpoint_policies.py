@@ -30,6 +30,7 @@ from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
+from tests.replay import FIELDS, PEAKS_AT, assert_same_step
 
 POLICIES = ("ckpt:2", "ckpt:3", "sac")
 QWEN3_8B = PRESETS["qwen3-8b"]
@@ -42,9 +43,7 @@ SMALL = {
     "gpt": ModelShape(n_layers=7, hidden=64, n_heads=4, vocab=200, linear_bias=True, positions="learned",
                       max_positions=64, dropout=0.1),
 }  # fmt: skip
-FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes",
-          "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes",
-          "forward_peak_at", "backward_peak_at", "optimizer_peak_at")  # fmt: skip
+PHASE_FIELDS = FIELDS + PEAKS_AT  # the phases' bytes, their peaks and where they are
 
 
 def tricks_for(policy: str, flash: bool):
@@ -180,7 +179,7 @@ def assert_exact_equals_meta(shape, seq, batch, t, grad_accum=1, step=None):
     if step is None:
         step, _ = measure_step(shape, seq, batch, t, grad_accum=grad_accum)
     e = exact_step(shape, seq, batch, t, grad_accum)
-    for name in FIELDS:
+    for name in PHASE_FIELDS:
         assert getattr(e.phases, name) == getattr(step, name), name
     assert e.activations.total_bytes == step.saved_bytes
     if grad_accum == 1:
@@ -198,11 +197,7 @@ def test_small_exact_equals_meta_allocation_by_allocation(family, policy, flash)
     shape, t = SMALL[family], tricks_for(policy, flash)
     phases, g, mem = simulate(cfg_of(shape, 24, 2, t), timeline=True)
     step, live = measure_step(shape, 24, 2, t, timeline=True)
-    for phase in ("forward", "backward", "optimizer"):
-        a = [(op, d, lv - phases.state_bytes) for p, op, d, lv in mem.timeline if p == phase and d > 0]
-        b = [(op, d, lv - step.state_bytes) for p, op, d, lv in live.timeline if p == phase and d > 0]
-        assert a == b, phase
-    assert sum(x.nbytes for x in g.saved_terms) == step.saved_bytes
+    assert_same_step(phases, g, mem, step, live, t.label)
     assert_exact_equals_meta(shape, 24, 2, t, step=step)
 
 
@@ -224,7 +219,7 @@ def test_small_with_the_pure_recipe_and_torch_optim(impl):
             t = tricks_for(policy, True)
             step, _ = measure_step(shape, 24, 2, t, stack=stack)
             e = exact_step(shape, 24, 2, t, 1, stack)
-            assert [getattr(e.phases, f) for f in FIELDS] == [getattr(step, f) for f in FIELDS], policy
+            assert [getattr(e.phases, f) for f in PHASE_FIELDS] == [getattr(step, f) for f in PHASE_FIELDS], policy
             assert e.activations.total_bytes == step.saved_bytes
 
 

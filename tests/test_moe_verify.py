@@ -20,11 +20,10 @@ from memcalc.exact.step import exact_step, step_phases  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape, n_params  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
+from tests.replay import FIELDS, assert_same_step  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402
 from verify.meta import count_flops, measure_step  # noqa: E402
 
-FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes",
-          "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes")  # fmt: skip
 ALL_TRICKS = ("fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective", "bf16,flash,selective",
               "bf16,ckpt")  # fmt: skip
 
@@ -61,13 +60,7 @@ def test_tiny_models_allocation_by_allocation(name, batch, trick_sets):
         t = parse_tricks(tricks)
         phases, g, mem = simulate(Config(TINY[name], 32, batch, t.precision, t.flash, t.recompute), timeline=True)
         step, live = measure_step(TINY[name], 32, batch, t, timeline=True)
-        for f in FIELDS:
-            assert getattr(phases, f) == getattr(step, f), (tricks, f)
-        assert sum(x.nbytes for x in g.saved_terms) == step.saved_bytes, tricks
-        for phase in ("forward", "backward", "optimizer"):
-            a = [(op, d, lv - phases.state_bytes) for p, op, d, lv in mem.timeline if p == phase and d > 0]
-            b = [(op, d, lv - step.state_bytes) for p, op, d, lv in live.timeline if p == phase and d > 0]
-            assert a == b, (tricks, phase)
+        assert_same_step(phases, g, mem, step, live, tricks)
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -36,7 +36,8 @@ from memcalc.model.stacks import STACKS, stack_for  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
 from tests.test_stack_hf import TINY as HF_TINY  # noqa: E402
 from tests.test_tracker import allocator_events  # noqa: E402
-from tests.test_verify_meta import FIELDS, TINY  # noqa: E402
+from tests.replay import assert_same_step  # noqa: E402
+from tests.test_verify_meta import TINY  # noqa: E402
 from verify.autocast import measure_autocast, measure_cpu  # noqa: E402
 from verify.hf import build_hf  # noqa: E402
 from verify.recipes import bitsandbytes, library_optimizer  # noqa: E402
@@ -62,10 +63,6 @@ def cpu_shape(shape: ModelShape, tricks: str) -> ModelShape:
     return replace(shape, dropout=0.0) if parse_tricks(tricks).flash else shape
 
 
-def allocations(timeline, phase: str, state: int) -> list:
-    return [(op, d, live - state) for p, op, d, live in timeline if p == phase and d > 0]
-
-
 def check_equal(shape: ModelShape, tricks: str, stack, optimizer: str = "adamw", batch: int = 2, seq: int = 24,
                 grad_accum: int = 1) -> None:  # fmt: skip
     """Every phase, the saved bytes, and every allocation of forward, backward and the optimizer step
@@ -75,12 +72,7 @@ def check_equal(shape: ModelShape, tricks: str, stack, optimizer: str = "adamw",
     step, live, recipe = measure_cpu(shape, seq, batch, parse_tricks(tricks), grad_accum, timeline=True, stack=stack,
                                      optimizer=optimizer)  # fmt: skip
     assert recipe.skipped == 0  # GradScaler found no inf: the measured step is a real step
-    for f in FIELDS:
-        assert getattr(phases, f) == getattr(step, f), (tricks, f)
-    assert sum(x.nbytes for x in g.saved_terms) == step.saved_bytes, tricks
-    for phase in ("forward", "backward", "optimizer"):
-        a, b = allocations(mem.timeline, phase, phases.state_bytes), allocations(live.timeline, phase, step.state_bytes)
-        assert a == b, (tricks, phase)
+    assert_same_step(phases, g, mem, step, live, tricks)
 
 
 # -- the reference model under autocast, stepped by the libraries' optimizers --------------------------
@@ -248,12 +240,7 @@ def check_cuda(shape: ModelShape, tricks: str, stack, optimizer: str = "adamw", 
     phases, g, mem = simulate(cpu_config(shape, seq, batch, tricks, stack, optimizer, device="cuda"), timeline=True)
     step, live, recipe = measure_autocast(shape, seq, batch, t, 1, True, stack, optimizer, "cuda")
     assert recipe.skipped == 0
-    for f in FIELDS:
-        assert getattr(phases, f) == getattr(step, f), (tricks, f)
-    assert sum(x.nbytes for x in g.saved_terms) == step.saved_bytes, tricks
-    for phase in ("forward", "backward", "optimizer"):
-        a, b = allocations(mem.timeline, phase, phases.state_bytes), allocations(live.timeline, phase, step.state_bytes)
-        assert a == b, (tricks, phase)
+    assert_same_step(phases, g, mem, step, live, tricks)
 
 
 @cuda

@@ -31,7 +31,8 @@ from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
 from tests.test_tracker import allocator_events, check_same_events  # noqa: E402
-from tests.test_verify_meta import FIELDS, GPT_8B, TINY  # noqa: E402
+from tests.replay import assert_same_step  # noqa: E402
+from tests.test_verify_meta import GPT_8B, TINY  # noqa: E402
 from verify.autocast import AutocastRecipe, cpu_kernels, measure_cpu  # noqa: E402
 from verify.builder import build, materialise  # noqa: E402
 from verify.track import LiveBytes  # noqa: E402
@@ -57,13 +58,7 @@ def check_equal(shape, tricks: str, batch: int = 2, grad_accum: int = 1, seq: in
     phases, g, mem = simulate(cpu_config(shape, seq, batch, tricks, grad_accum), timeline=True)
     step, live, recipe = measure_cpu(shape, seq, batch, parse_tricks(tricks), grad_accum, timeline=True)
     assert recipe.skipped == 0  # GradScaler found no inf: the measured step is a real step
-    for f in FIELDS:
-        assert getattr(phases, f) == getattr(step, f), (tricks, f)
-    assert sum(x.nbytes for x in g.saved_terms) == step.saved_bytes, tricks
-    for phase in ("forward", "backward", "optimizer"):
-        a = [(op, d, lv - phases.state_bytes) for p, op, d, lv in mem.timeline if p == phase and d > 0]
-        b = [(op, d, lv - step.state_bytes) for p, op, d, lv in live.timeline if p == phase and d > 0]
-        assert a == b, (tricks, phase)
+    assert_same_step(phases, g, mem, step, live, tricks)
 
 
 # -- the lists ------------------------------------------------------------------------------------

@@ -31,13 +31,12 @@ from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
+from tests.replay import FIELDS, assert_same_step  # noqa: E402
 from verify.hf import build_hf, cuda_paths, hf_config  # noqa: E402
 from verify.meta import count_flops, measure_step, saved_at_depth  # noqa: E402
 from verify.run import verify  # noqa: E402
 
 HF = stack_for("hf", recipe="master", impl="reference")  # the recipe verify/recipes.py trains
-FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes",
-          "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes")  # fmt: skip
 ALL_TRICKS = ("fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective", "bf16,flash,selective",
               "bf16,ckpt")  # fmt: skip
 GPT_8B = ModelShape(n_layers=36, hidden=4096, n_heads=32, vocab=50257, linear_bias=True, positions="learned",
@@ -70,10 +69,6 @@ def config(shape: ModelShape, seq: int, batch: int, tricks: Tricks, grad_accum: 
     return Config(shape, seq, batch, tricks.precision, tricks.flash, tricks.recompute, grad_accum, model="hf")
 
 
-def allocations(timeline, phase: str, state: int) -> list:
-    return [(op, d, live - state) for p, op, d, live in timeline if p == phase and d > 0]
-
-
 def assert_replayed(shape: ModelShape, seq: int, batch: int, tricks: Tricks, device: str = "meta",
                     grad_accum: int = 1) -> None:  # fmt: skip
     """Every phase's bytes, the saved bytes, and every allocation with the live bytes at it."""
@@ -81,12 +76,7 @@ def assert_replayed(shape: ModelShape, seq: int, batch: int, tricks: Tricks, dev
     model = build_hf(shape, tricks, seq, device=device) if device != "meta" else None
     step, live = measure_step(shape, seq, batch, tricks, device=device, model=model, grad_accum=grad_accum,
                               timeline=True, stack=HF)  # fmt: skip
-    for f in FIELDS:
-        assert getattr(phases, f) == getattr(step, f), (tricks.label, f)
-    assert sum(t.nbytes for t in g.saved_terms) == step.saved_bytes, tricks.label
-    for phase in ("forward", "backward", "optimizer"):
-        a, b = allocations(mem.timeline, phase, phases.state_bytes), allocations(live.timeline, phase, step.state_bytes)
-        assert a == b, (tricks.label, phase)
+    assert_same_step(phases, g, mem, step, live, tricks.label)
 
 
 def test_shapes_build_as_their_architecture():

@@ -29,13 +29,12 @@ from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
+from tests.replay import FIELDS, PEAKS_AT  # noqa: E402
 from verify.meta import measure_step  # noqa: E402
 from verify.run import verify  # noqa: E402
 
 QWEN3_8B = PRESETS["qwen3-8b"]
-FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes", "forward_peak_bytes",
-          "backward_peak_bytes", "optimizer_peak_bytes", "forward_peak_at", "backward_peak_at",
-          "optimizer_peak_at")  # fmt: skip
+PHASE_FIELDS = FIELDS + PEAKS_AT  # the phases' bytes, their peaks and where they are
 TINY = {  # a 4096-element wq (8-bit state in AdamW8bit) beside 64-element norms (fp32 state)
     "llama": ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",
                         vocab=200, tied_embeddings=False, positions="rope", qk_norm=True),
@@ -70,7 +69,7 @@ def test_tiny_allocation_by_allocation(name, tricks, optimizer, impl):
     the warm-up step, where the state is made, in order with the live bytes at each."""
     t = parse_tricks(tricks)
     phases, mem, step, live = sim_and_meta(TINY[name], 24, t, optimizer, impl)
-    for f in FIELDS:
+    for f in PHASE_FIELDS:
         assert getattr(phases, f) == getattr(step, f), f
     opt = [e for e in mem.timeline if e[0] == "optimizer"]
     assert opt == [e for e in live.timeline if e[0] == "optimizer"]
@@ -98,7 +97,7 @@ def full_size(shape: ModelShape, tricks: str, optimizer: str, impl: str):
 def test_8b_pure_bf16_exact_equals_meta(optimizer, impl):
     """qwen3-8b, seq 8192, pure bf16 + flash + ckpt: every phase and where its peak is, to the byte."""
     e, step = full_size(QWEN3_8B, "bf16,flash,ckpt", optimizer, impl)
-    for f in FIELDS:
+    for f in PHASE_FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
 
 
@@ -106,7 +105,7 @@ def test_8b_pure_bf16_exact_equals_meta(optimizer, impl):
                                          ("fp16,flash,ckpt", "foreach")])  # fmt: skip
 def test_8b_fp32_and_pure_fp16_exact_equals_meta(tricks, impl):
     e, step = full_size(QWEN3_8B, tricks, "adamw", impl)
-    for f in FIELDS:
+    for f in PHASE_FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
 
 

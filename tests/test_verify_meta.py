@@ -29,6 +29,7 @@ from memcalc.model.presets import PRESETS, canonical_model  # noqa: E402
 from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from memcalc.verification.results import VerifyResult  # noqa: E402
+from tests.replay import FIELDS, assert_same_step  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402
 from verify.meta import MetaMeasurement, count_flops, measure_step, saved_at_depth  # noqa: E402
 from verify.run import verify  # noqa: E402
@@ -38,8 +39,6 @@ LLAMA_8B = PRESETS["qwen3-8b"]  # what --params 8e9 picks
 GPT_8B = ModelShape(n_layers=36, hidden=4096, n_heads=32, vocab=50257, linear_bias=True, positions="learned",
                     max_positions=8192, dropout=0.1, name="gpt-8b-width")  # fmt: skip
 REQUIRED = ("fp32", "bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective")
-FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes",
-          "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes")  # fmt: skip
 
 TINY = {
     "llama": ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",
@@ -203,13 +202,7 @@ def test_tiny_models_allocation_by_allocation(name, batch):
     for tricks in ALL_TRICKS:
         t = parse_tricks(tricks)
         phases, g, mem, step, live = sim_vs_meta(TINY[name], 24, batch, t)
-        for f in FIELDS:
-            assert getattr(phases, f) == getattr(step, f), (tricks, f)
-        assert sum(x.nbytes for x in g.saved_terms) == step.saved_bytes, tricks
-        for phase in ("forward", "backward", "optimizer"):
-            a = [(op, d, lv - phases.state_bytes) for p, op, d, lv in mem.timeline if p == phase and d > 0]
-            b = [(op, d, lv - step.state_bytes) for p, op, d, lv in live.timeline if p == phase and d > 0]
-            assert a == b, (tricks, phase)
+        assert_same_step(phases, g, mem, step, live, tricks)
 
 
 @pytest.mark.parametrize("tricks", ["bf16", "fp16,flash", "bf16,flash,ckpt", "fp32,selective"])

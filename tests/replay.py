@@ -1,0 +1,24 @@
+"""What the tests that hold memcalc.exact's replay against a measured step (on meta, CPU or CUDA) assert."""
+
+from __future__ import annotations
+
+FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes", "forward_peak_bytes",
+          "backward_peak_bytes", "optimizer_peak_bytes")  # fmt: skip
+PEAKS_AT = ("forward_peak_at", "backward_peak_at", "optimizer_peak_at")
+
+
+def allocations(timeline, phase: str, state: int) -> list:
+    """(op, bytes, live bytes above the state between steps) of each allocation in one phase, in order."""
+    return [(op, d, live - state) for p, op, d, live in timeline if p == phase and d > 0]
+
+
+def assert_same_step(phases, g, mem, step, live, label) -> None:
+    """The replay (simulate(..., timeline=True): phases, graph, memory) equals the measured step (its phases
+    and live-byte timeline): every phase's bytes, the saved bytes, and every allocation of forward, backward
+    and the optimizer step in order with the live bytes at each."""
+    for f in FIELDS:
+        assert getattr(phases, f) == getattr(step, f), (label, f)
+    assert sum(x.nbytes for x in g.saved_terms) == step.saved_bytes, label
+    for phase in ("forward", "backward", "optimizer"):
+        a, b = allocations(mem.timeline, phase, phases.state_bytes), allocations(live.timeline, phase, step.state_bytes)
+        assert a == b, (label, phase)

@@ -99,16 +99,22 @@ def inputs(shape: ModelShape, seq_len: int, micro_batch: int, device: torch.devi
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
+def to_fake(module: torch.nn.Module, mode, device: str = "cpu") -> None:
+    """Materialise a meta-built (and sharded) module as fake tensors of `mode`, non-fake inputs allowed
+    for that call only."""
+    mode.allow_non_fake_inputs = True
+    with mode:
+        module.to_empty(device=device)
+    mode.allow_non_fake_inputs = False
+
+
 def build_parallel(shape: ModelShape, seq_len: int, tricks: Tricks, layout: Layout, mesh, device: str,
                    fake_mode=None) -> torch.nn.Module:  # fmt: skip
     """The model on meta, split (TP, then FSDP2), then materialised: fake tensors or real, initialised."""
     model = build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
     parallelize(model, layout, mesh)
     if fake_mode is not None:
-        fake_mode.allow_non_fake_inputs = True
-        with fake_mode:
-            model.to_empty(device=device)
-        fake_mode.allow_non_fake_inputs = False
+        to_fake(model, fake_mode, device)
     else:
         model.to_empty(device=device)
         init_weights(model)
@@ -247,10 +253,7 @@ def measure_fsdp2(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
     model = build(shape, meta_kernels(tricks), seq_len, torch.float32)
     parallelize(model, layout, mesh, "fsdp2", DTYPES[tricks.precision])
     with count_resizes(mode):
-        mode.allow_non_fake_inputs = True
-        with mode:
-            model.to_empty(device="cpu")
-        mode.allow_non_fake_inputs = False
+        to_fake(model, mode)
         with mode:
             idx, targets = inputs(shape, seq_len, micro_batch, torch.device("cpu"), seed=mesh["dp"].get_local_rank())
             optimizer = library_optimizer(list(model.parameters()), "adamw", "fused")

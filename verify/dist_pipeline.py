@@ -35,7 +35,7 @@ from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
 
 from .builder import Transformer, build, rope_tables, sac_contexts
-from .dist_measure import CountingFakeMode, count_resizes, local, storage_bytes
+from .dist_measure import CountingFakeMode, count_resizes, local, storage_bytes, to_fake
 from .dist_plan import torchtitan_fsdp
 from .meta import meta_kernels
 from .recipes import DTYPES
@@ -229,10 +229,7 @@ def measure_fsdp2_pp(shape: ModelShape, seq_len: int, micro_batch: int, micro_ba
     b, s, h = micro_batch, seq_len, shape.hidden
     runner = Stage(part, stage, layout.pp, micro_batches, (b, s, h), (b, s, h), dtype)
     with count_resizes(mode):
-        mode.allow_non_fake_inputs = True
-        with mode:
-            part.to_empty(device="cpu")
-        mode.allow_non_fake_inputs = False
+        to_fake(part, mode)
         with mode:
             idx, targets = stage_inputs(shape, b, s, micro_batches, runner.first, runner.last)
             optimizer = library_optimizer(list(part.parameters()), "adamw", "fused")

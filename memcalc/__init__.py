@@ -8,15 +8,16 @@ Its packages, lowest first; each may import only those before it (tests/test_lay
   exact          bytes and kernels op by op: verify's step replayed under autograd's lifetimes
   memory         bytes by formula: model state, textbook activations, the estimate, the toolbox
   time           seconds: the roofline, calibrations, MFU conventions, training runs, sweeps
-  parallel       beyond one GPU: layouts, collectives, the planner
+  parallel       beyond one GPU: layouts, collectives, the planner, the verdict (what one GPU holds)
+  engine         the entry point: a Job in, its Answer out; the toolbox, fit and sweeps around it
   verification   the torch-free side of `memcalc verify`: rows, results, one rank's prediction
   report         result objects formatted and laid out as tables, Markdown, CSV and JSON
   cli            the `memcalc` command line
 
 The names below are the public Python API, imported on first use so that `import memcalc` stays cheap:
 
-    from memcalc import Setup, canonical_model, estimate, gpu
-    result = estimate(canonical_model(8_000_000_000), Setup(seq_len=8192), gpu("h100-sxm"))
+    from memcalc import Job, Setup, answer, canonical_model, gpu
+    result = answer(Job(canonical_model(8_000_000_000), Setup(seq_len=8192), gpu("h100-sxm")))
 """
 
 import importlib
@@ -30,10 +31,14 @@ API = {
     "memcalc.model.hfconfig": ("config_model",),
     "memcalc.model.tricks": ("PROGRESSION", "Tricks", "parse_tricks"),
     "memcalc.model.gpus": ("GPU", "GPUS", "gpu"),
-        "memcalc.memory.state": ("Parallel", "model_state"),
+    "memcalc.memory.state": ("Parallel", "model_state"),
     "memcalc.memory.activations": ("textbook_activations",),
     "memcalc.memory.estimate": ("Estimate", "Setup", "estimate"),
-    "memcalc.memory.toolbox": ("fit_limits", "toolbox"),
+    "memcalc.parallel.verdict": ("Verdict", "gpu_verdict"),
+    "memcalc.engine.job": ("Job",),
+    "memcalc.engine.answer": ("Answer", "answer"),
+    "memcalc.engine.toolbox": ("toolbox",),
+    "memcalc.engine.fit": ("fit_limits",),
     "memcalc.exact.step": ("exact_step",),
     "memcalc.exact.kernels": ("step_flops",),
     "memcalc.time.calibration": ("calibration_for",),

@@ -37,8 +37,10 @@ def short():
 def test_the_default_answers_within_25_lines_of_100_columns(short):
     lines = short.splitlines()
     assert len(lines) <= 25 and max(len(x) for x in lines) <= 100, short
-    assert "Cheapest combination that fits: bf16+flash+ckpt, ZeRO-2 over 2 GPUs -> 77.45 GB per GPU." in \
+    assert "Cheapest combination that fits: bf16+flash+ckpt, ZeRO-1 over 2 GPUs -> 83.15 GB per GPU." in \
         " ".join(lines[-2:])  # the answer comes last, wrapped to the width
+    again = run(*MAIN_JOB, "--tricks", "bf16,flash,ckpt", "--gpus", "2", "--zero", "1").stdout  # that job, estimated
+    assert "Fits: bf16+flash+ckpt needs 83.15 GB at its peak" in again.replace("\n", " ")
     # one row per trick set: the replayed step's state, what else is live at its peak, the peak, whether it fits
     # (exact: = verify's meta measurement, tests/test_verify_meta.py), the textbook's total, step time, MFU
     for row in ("fp32             98.36 GB   446.0 GB  544.4 GB  no, 459.4 GB over  988.2 GB    11.17 s  65.6%",

@@ -188,13 +188,26 @@ def test_gemma_is_geglu_and_verified_as_such(tmp_path):
     ("estimate --params 8e9 --explain --format json", "drop --explain"),
     ("estimate --params 8e9 --explain --format csv", "drop --explain"),
     ("estimate --params 8e9 --exact --optimizer sgd", "--optimizer sgd runs with --optimizer-impl loop or foreach"),
-    ("estimate --params 8e9 --exact --gpus 8 --zero 1", "drop --gpus, --zero and --offload"),
 ])  # fmt: skip
 def test_options_that_would_be_ignored_are_refused(args, message):
     """Defect 15: each option either works or is refused with one line."""
     out = run(*args.split())
     assert out.exit_code == 2, out.output
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_exact_over_data_parallel_gpus_shows_the_layer_and_the_sharded_peak():
+    """Issue 18: --exact --gpus 8 --zero 1 was refused; a layer saves what it saves on any data-parallel rank,
+    and the step peak beside the textbook's is the job's (the verdict, sharded), not one GPU's."""
+    out = run("estimate", "--params", "8e9", "--seq", "4096", "--exact", "--gpus", "8", "--zero", "1", "--tricks",
+              "bf16,flash", "--format", "json")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    (exact,), (verdict,) = data["exact"], data["verdict"]
+    assert exact["activations"]["per_layer_bytes"] > 0 and verdict["total_bytes"] < exact["phases"]["optimizer_peak_bytes"]
+    table = run("estimate", "--params", "8e9", "--seq", "4096", "--exact", "--gpus", "8", "--zero", "1", "--tricks",
+                "bf16,flash")  # fmt: skip
+    assert table.exit_code == 0 and "Textbook against exact" in table.stdout
 
 
 def test_mfu_gpus_divides_the_step_time_only():

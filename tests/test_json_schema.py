@@ -51,19 +51,11 @@ def test_one_schema(args):
     assert len(data["memory"]) == len(data["time"]) == len(data["trick_sets"])
 
 
-def test_a_layout_of_one_gpu_gives_the_one_gpu_answer():
-    """--tp 1: the textbook's memory to the byte, the roofline's step time to 1e-12, the same keys all the
-    way down in `memory`, `time` and `layout`."""
-    layout = estimate_json("--tp", "1")
-    assert layout["memory"] == ONE_GPU["memory"]
-    assert layout["layout"] == ONE_GPU["layout"] and layout["layout"]["world"] == 1
-    for a, b in zip(layout["time"], ONE_GPU["time"], strict=True):
-        assert set(a) == set(b) and list(a["breakdown"]) == list(b["breakdown"])
-        for key in ("step_seconds", "tokens_per_second", "mfu", "hfu"):
-            assert a[key] == pytest.approx(b[key], rel=1e-12), key
-        assert (a["model_flops"], a["hardware_flops"], a["tokens_per_step"]) == \
-               (b["model_flops"], b["hardware_flops"], b["tokens_per_step"])  # fmt: skip
-    assert layout["not_replayed"] and layout["verdict"] == [] and ONE_GPU["verdict"]
+def test_a_layout_of_one_gpu_is_the_one_gpu_job():
+    """--tp 1 (or --dp 1, --gpus 1) is the job of one GPU: the same object, so the same JSON to the byte."""
+    for args in (("--tp", "1"), ("--dp", "1"), ("--gpus", "1")):
+        assert estimate_json(*args) == ONE_GPU, args
+    assert ONE_GPU["layout"]["world"] == 1 and all(v["phases"] for v in ONE_GPU["verdict"])
 
 
 def test_one_step_time_the_roofline_s():
@@ -74,8 +66,8 @@ def test_one_step_time_the_roofline_s():
     trick_sets = tuple(parse_tricks(t) for t in ("fp32", "bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective"))
     times = step_times(model, Setup(seq_len=4096), g, trick_sets, calibration_for("h100-sxm"))
     for t, time, kernels in zip(times, ONE_GPU["time"], ONE_GPU["roofline"], strict=True):
-        assert (time["step_seconds"], time["tokens_per_second"], time["mfu"], time["hfu"]) == \
-               (t.step_seconds, t.tokens_per_second, t.mfu, t.hfu)  # fmt: skip
+        for key in ("step_seconds", "tokens_per_second", "mfu", "hfu"):
+            assert time[key] == pytest.approx(getattr(t, key), rel=1e-12), key
         assert time["mfu"] == pytest.approx(time["model_flops"] / (time["step_seconds"] * time["peak_flops"]), 1e-12)
         assert sum(time["breakdown"].values()) == pytest.approx(time["step_seconds"], rel=1e-12)
         assert not {"step_seconds", "tokens_per_second", "mfu", "hfu"} & set(kernels) and kernels["ops"]
@@ -87,7 +79,8 @@ def test_mfu_times_the_step_once():
     est = estimate(preset_model("llama3-8b"), Setup(seq_len=4096, mfu=0.4), gpu("h100-sxm"))
     assert data["time_model"] == "mfu" and data["roofline"] == [] and data["calibration"] is None
     for c, time in zip(est.compute, data["time"], strict=True):
-        assert (time["step_seconds"], time["mfu"], time["hfu"]) == (c.step_seconds, c.mfu, c.hfu)
+        for key in ("step_seconds", "mfu", "hfu"):
+            assert time[key] == pytest.approx(getattr(c, key), rel=1e-12), key
         assert sum(time["breakdown"].values()) == pytest.approx(c.step_seconds, rel=1e-12)
 
 
@@ -109,10 +102,14 @@ def test_layout_memory_is_its_peak_stage_and_time_the_job_s():
     assert time["breakdown"]["tp"] + time["breakdown"]["pp"] + time["breakdown"]["dp×cp"] == pytest.approx(exposed)
 
 
-def test_one_gpu_over_data_parallel_gpus():
-    """--gpus N without a layout: N data-parallel copies of one GPU's step (perfect scaling): the job's tokens
-    N times one GPU's, its MFU one GPU's; the layout says so."""
+def test_gpus_alone_is_data_parallelism_over_them():
+    """Issue 18: --gpus N without a layout is the job --dp N is: the same JSON to the byte, its step timed with
+    its traffic (ZeRO-3's gathers and reduce-scatters), its tokens N times one GPU's."""
     data = estimate_json("--gpus", "8", "--zero", "3", "--tricks", "bf16,flash")
+    assert data == estimate_json("--dp", "8", "--zero", "3", "--tricks", "bf16,flash")
     (time,), (one,) = data["time"], estimate_json("--tricks", "bf16,flash")["time"]
     assert data["layout"]["dp"] == 8 and data["layout"]["zero"] == 3 and data["layout"]["world"] == 8
-    assert time["tokens_per_second"] == one["tokens_per_second"] * 8 and time["mfu"] == one["mfu"]
+    assert time["tokens_per_step"] == 8 * one["tokens_per_step"] and {c["group"] for c in time["comms"]} == {"dp×cp"}
+    # the same forward and backward on each GPU; the optimizer steps over an eighth of the parameters
+    assert time["breakdown"]["compute"] == pytest.approx(one["breakdown"]["compute"], rel=1e-12)
+    assert time["breakdown"]["optimizer"] < one["breakdown"]["optimizer"] / 4  # each launch costs its floor still

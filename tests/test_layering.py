@@ -20,6 +20,7 @@ LAYERS = [
     {"memcalc.memory"},
     {"memcalc.time"},
     {"memcalc.parallel"},
+    {"memcalc.engine"},
     {"memcalc.verification"},
     {"memcalc.report"},
     {"memcalc.cli"},

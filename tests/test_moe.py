@@ -354,7 +354,11 @@ def test_estimate_on_a_moe_config(name):
     for label in ("fp32", "bf16", "bf16+flash", "bf16+flash+ckpt", "bf16+selective"):
         assert f"\n {label} " in result.stdout
     assert "Peak memory per GPU (reference stack, its step replayed op by op)" in result.stdout  # the verdict
-    assert "Cheapest combination that fits" in result.stdout or "Fits" in result.stdout
+    if name == "deepseek-v3":  # data parallel alone gathers whole MoE layers: ZeRO-3 never fits an H100 at seq 4096
+        assert "nothing in the toolbox makes it fit: ZeRO-3 over 4,096 GPUs still peaks at" in result.stdout
+        assert "`memcalc plan` searches tensor, pipeline and expert parallel layouts" in result.stdout
+    else:
+        assert "Cheapest combination that fits" in result.stdout or "Fits" in result.stdout
 
 
 def test_estimate_json_carries_the_routing_and_the_verdicts_source():

@@ -10,11 +10,14 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.errors import InputError
-from memcalc.memory.estimate import Setup, estimate
+from memcalc.engine.answer import answer
+from memcalc.engine.job import Job
+from memcalc.engine.sweep import parse_sweep, sweep
+from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
 from memcalc.model.presets import canonical_model
 from memcalc.model.tricks import PROGRESSION
-from memcalc.time.sweep import parse_sweep, sweep
+from memcalc.parallel.layout import Layout
 
 
 def test_parse_sweep():
@@ -27,13 +30,15 @@ def test_parse_sweep():
             parse_sweep(bad)
 
 
-def test_each_point_is_the_estimate_at_that_value():
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=8, zero=2)])
+def test_each_point_is_the_estimate_at_that_value(layout):
+    """The sweep charts estimate's own answer: the verdict and the step time of the same job at each value."""
     model, g = canonical_model(8_000_000_000), gpu("h100-sxm")
-    sw = sweep(model, Setup(seq_len=8192), g, PROGRESSION, "seq", (2048, 8192))
+    sw = sweep(model, Setup(seq_len=8192), g, PROGRESSION, "seq", (2048, 8192), layout=layout)
     assert len(sw.points) == 2 * len(PROGRESSION)
-    at = estimate(model, Setup(seq_len=2048), g)
-    for p, m, c in zip(sw.points[: len(PROGRESSION)], at.memory, at.compute):
-        assert (p.value, p.memory_bytes, p.fits, p.step_seconds) == (2048, m.total_bytes, m.fits, c.step_seconds)
+    at = answer(Job(model, Setup(seq_len=2048), g, layout))
+    for p, v, e in zip(sw.points[: len(PROGRESSION)], at.verdicts, at.layouts):
+        assert (p.value, p.memory_bytes, p.fits, p.step_seconds) == (2048, v.total_bytes, v.fits, e.time.step_seconds)
 
 
 def test_sweep_cli_formats():
@@ -58,3 +63,12 @@ def test_png(tmp_path):
         assert out.exit_code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lone = CliRunner().invoke(app, ["estimate", "--params", "8e9", "--png", str(path)])
     assert lone.exit_code == 2 and "draws a sweep" in lone.stderr
+
+
+def test_a_sweep_charts_what_the_textbook_has_no_formula_for():
+    """The sweep charts the verdict, the replayed step: sac and ckpt:N too (the textbook has no formula for sac)."""
+    out = CliRunner().invoke(app, ["estimate", "--model", "gpt2", "--tricks", "sac", "--sweep", "seq=256:1024",
+                                   "--format", "json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    memory = [p["memory_bytes"] for p in json.loads(out.stdout)["points"]]
+    assert len(memory) == 3 and memory == sorted(memory)

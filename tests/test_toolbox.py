@@ -1,61 +1,99 @@
-"""The fit verdict, the OOM toolbox and the fit solver, measured by the textbook (the lesson's numbers;
-tests/test_exact_verdict.py measures them by the replayed step, as estimate does)."""
+"""The fit verdict, the OOM toolbox and the fit solver, all measured by the verdict estimate gives the same
+job (memcalc.parallel.verdict): the stack's step replayed, sharded inside the step."""
 
 from dataclasses import replace
 
-from memcalc.memory.estimate import Setup, memory_for
-from memcalc.memory.toolbox import fit_limits, largest, textbook, toolbox
+import pytest
+
+from memcalc.engine.fit import fit_limits, largest
+from memcalc.engine.toolbox import toolbox
+from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
 from memcalc.model.presets import canonical_model, preset_model
 from memcalc.model.tricks import Tricks, parse_tricks
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.verdict import gpu_verdict
+from memcalc.report.answer import toolbox_section
 
 H100 = gpu("h100-sxm")
 MODEL_8B = canonical_model(8_000_000_000)
 
 
 def test_8b_from_fp32_walks_the_ladder_in_order():
-    box = toolbox(MODEL_8B, Setup(seq_len=8192), H100, Tricks("fp32"), measure=textbook)
+    box = toolbox(MODEL_8B, Setup(seq_len=8192), H100, Tricks("fp32"))
     names = [s.name for s in box.steps]
     assert names[:3] == ["bf16 mixed precision", "FlashAttention", "full activation checkpointing"]
     assert names[3].startswith("ZeRO-") and names[4] == "CPU offload of optimizer state"
-    assert box.fits_at == 3  # 128 GB of state never fits one 80 GB GPU: ZeRO is the first that fits
     zero = box.steps[3]
-    assert zero.setup.parallel.gpus == 2 and zero.memory.fits
-    totals = [s.memory.total_bytes for s in box.steps[:4]]
-    assert totals == sorted(totals, reverse=True)  # each step on top of the last saves memory
+    assert zero.layout.dp == 2 and zero.verdict.fits
+    kept = [s.verdict.total_bytes for s in box.steps[:4] if s.kept]
+    assert kept == sorted(kept, reverse=True)  # each kept step on top of the last holds less
+    assert box.steps[box.fits_at].verdict.fits
+
+
+def test_each_step_is_the_verdict_of_its_job():
+    box = toolbox(MODEL_8B, Setup(seq_len=8192), H100, Tricks("fp32"))
+    for s in box.steps:
+        assert s.verdict == gpu_verdict(MODEL_8B, s.setup, H100, s.tricks, s.layout) or not s.kept
 
 
 def test_offload_is_the_single_gpu_alternative():
-    box = toolbox(MODEL_8B, Setup(seq_len=8192), H100, Tricks("fp32"), measure=textbook)
+    box = toolbox(MODEL_8B, Setup(seq_len=8192), H100, Tricks("fp32"))
     offload = box.steps[-1]
-    assert offload.setup.parallel.gpus == 1 and offload.setup.parallel.offload
-    assert offload.memory.fits  # 32 GB of bf16 weights + grads + checkpointed activations
-    assert offload.saves_alone_bytes == 64_000_000_000  # from fp32: Adam m + v move to the host (no master)
+    assert offload.layout.dp == 1 and offload.layout.offload_optimizer
+    assert offload.verdict.fits  # bf16 weights, grads and checkpointed activations on the GPU
+    assert offload.verdict.state_bytes == 2 * offload.verdict.n_params  # only the bf16 weights stay
 
 
 def test_saves_alone_applies_the_same_change_to_the_start():
-    box = toolbox(MODEL_8B, Setup(seq_len=8192), H100, Tricks("fp32"), measure=textbook)
-    start = box.start.total_bytes
-    bf16 = memory_for(MODEL_8B, Setup(seq_len=8192), H100, Tricks("bf16"))[3].total_bytes
-    assert box.steps[0].saves_alone_bytes == start - bf16
+    box = toolbox(MODEL_8B, Setup(seq_len=8192), H100, Tricks("fp32"))
+    bf16 = gpu_verdict(MODEL_8B, Setup(seq_len=8192), H100, Tricks("bf16")).total_bytes
+    assert box.steps[0].saves_alone_bytes == box.start.total_bytes - bf16
 
 
 def test_micro_batch_step_keeps_the_tokens_per_step():
     setup = Setup(seq_len=4096, micro_batch=8)
-    box = toolbox(preset_model("llama3-8b"), setup, gpu("h200"), parse_tricks("bf16,flash"), measure=textbook)
+    box = toolbox(preset_model("llama3-8b"), setup, gpu("h200"), parse_tricks("bf16,flash"))
     step = next(s for s in box.steps if s.name.startswith("micro-batch"))
     assert step.setup.micro_batch == 1 and step.setup.grad_accum == 8
     assert step.setup.tokens_per_step == setup.tokens_per_step
 
 
 def test_a_config_that_fits_needs_no_tools():
-    box = toolbox(preset_model("gpt2"), Setup(seq_len=1024), H100, Tricks("bf16"), measure=textbook)
+    box = toolbox(preset_model("gpt2"), Setup(seq_len=1024), H100, Tricks("bf16"))
     assert box.start.fits and box.fits_at == -1
 
 
 def test_activations_too_large_for_any_gpu_count():
-    box = toolbox(MODEL_8B, Setup(seq_len=1 << 22), H100, Tricks("bf16", flash=True), measure=textbook)
+    box = toolbox(MODEL_8B, Setup(seq_len=1 << 22), H100, Tricks("bf16", flash=True))
     assert box.fits_at is None
+
+
+def test_a_step_that_saves_nothing_is_not_taken():
+    """Issue 18: at seq 1024 checkpointing saves nothing on Llama-3-8B (the peak is the optimizer step's), yet
+    the toolbox recommended bf16+flash+ckpt with ZeRO; bf16+flash with the same ZeRO fits, faster."""
+    box = toolbox(preset_model("llama3-8b"), Setup(seq_len=1024), H100, Tricks("fp32"))
+    ckpt = next(s for s in box.steps if s.name == "full activation checkpointing")
+    assert ckpt.saves_bytes <= 0 and not ckpt.kept
+    chosen = box.steps[box.fits_at]
+    assert chosen.tricks == parse_tricks("bf16,flash") and chosen.layout.dp == 2
+
+
+def test_a_step_that_costs_memory_is_shown_as_a_cost():
+    """Issue 18: on Qwen3-235B-A22B checkpointing 'saved -0.001 GB' and was recommended."""
+    box = toolbox(preset_model("qwen3-235b-a22b"), Setup(seq_len=4096), H100, Tricks("fp32"))
+    ckpt = next(s for s in box.steps if s.name == "full activation checkpointing")
+    assert ckpt.saves_alone_bytes < 0 and ckpt.saves_bytes <= 0 and not ckpt.kept
+    assert all(s.kept for s in box.steps if s.saves_bytes > 0)
+    row = next(r for r in toolbox_section(box, "gb").rows if r[0] == ckpt.name)
+    assert row[1] == "costs 0.001 GB" and row[2] == "not applied"
+
+
+def test_the_cheapest_per_token_is_recommended():
+    box = toolbox(MODEL_8B, Setup(seq_len=8192), H100, Tricks("fp32"))
+    fitting = [s for s in box.steps if s.kept and s.verdict.fits]
+    assert len(fitting) >= 2  # ZeRO over more GPUs, and offload on the one
+    assert box.steps[box.fits_at].gpu_seconds_per_token == min(s.gpu_seconds_per_token for s in fitting)
 
 
 def test_largest():
@@ -65,17 +103,18 @@ def test_largest():
     assert largest(lambda n: n <= 1, 1) == 1
 
 
-def test_fit_limits_are_tight():
-    setup = Setup(seq_len=8192)
-    tricks = parse_tricks("bf16,flash,ckpt")
-    limits = fit_limits(MODEL_8B, setup, gpu("h200"), tricks, measure=textbook)
-    at = memory_for(MODEL_8B, replace(setup, seq_len=limits.max_seq_len), gpu("h200"), tricks)[3]
-    past = memory_for(MODEL_8B, replace(setup, seq_len=limits.max_seq_len + 1), gpu("h200"), tricks)[3]
-    assert at.fits and not past.fits
-    batch = memory_for(MODEL_8B, replace(setup, micro_batch=limits.max_micro_batch + 1), gpu("h200"), tricks)[3]
-    assert not batch.fits
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=8, zero=3)])
+def test_fit_limits_are_tight(layout):
+    setup, tricks, h200 = Setup(seq_len=8192), parse_tricks("bf16,flash,ckpt"), gpu("h200")
+    limits = fit_limits(MODEL_8B, setup, h200, tricks, layout)
+
+    def fits(**change):
+        return gpu_verdict(MODEL_8B, replace(setup, **change), h200, tricks, layout).fits
+
+    assert fits(seq_len=limits.max_seq_len) and not fits(seq_len=limits.max_seq_len + 1)
+    assert fits(micro_batch=limits.max_micro_batch) and not fits(micro_batch=limits.max_micro_batch + 1)
 
 
 def test_fit_limits_when_state_alone_is_too_big():
-    limits = fit_limits(preset_model("llama3-70b"), Setup(seq_len=2048), H100, parse_tricks("bf16,flash,ckpt"), measure=textbook)
+    limits = fit_limits(preset_model("llama3-70b"), Setup(seq_len=2048), H100, parse_tricks("bf16,flash,ckpt"))
     assert limits.max_seq_len == 0 and limits.max_micro_batch == 0 and limits.memory_at_max_seq is None

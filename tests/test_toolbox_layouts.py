@@ -6,9 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import app
+from memcalc.engine.toolbox import toolbox
 from memcalc.memory.estimate import Setup
-from memcalc.memory.state import Parallel
-from memcalc.memory.toolbox import toolbox
+from memcalc.parallel.layout import Layout
 from memcalc.model.gpus import gpu
 from memcalc.model.presets import canonical_model, preset_model
 from memcalc.model.tricks import Tricks, parse_tricks
@@ -24,20 +24,18 @@ def run(*args):
 @pytest.mark.parametrize("gpus,zero", [(2, 0), (8, 0), (64, 0), (1, 0), (8, 1), (8, 3)])
 def test_every_proposed_step_is_a_valid_layout(gpus, zero):
     """Defect 1: with ZeRO 0 over several GPUs, optimizer offload is not a step the toolbox may take."""
-    setup = Setup(seq_len=8192, parallel=Parallel(gpus, zero))
-    box = toolbox(canonical_model(8_000_000_000), setup, H100, Tricks("fp32"))  # raised InputError before the fix
-    for step in box.steps:
-        p = step.setup.parallel
-        assert not p.offload or p.zero >= 1 or p.gpus == 1, step.name
+    box = toolbox(canonical_model(8_000_000_000), Setup(seq_len=8192), H100, Tricks("fp32"), Layout(dp=gpus, zero=zero))
+    for step in box.steps:  # raised InputError before the fix
+        lay = step.layout
+        assert not lay.offload_optimizer or lay.zero >= 1 or lay.dp == 1, step.name
 
 
 def test_offload_is_still_proposed_where_the_layout_allows_it():
     """Defect 1: ZeRO >= 1 over several GPUs keeps offload as the alternative on the GPUs you had."""
-    setup = Setup(seq_len=8192, parallel=Parallel(2, 1))
-    box = toolbox(preset_model("llama3.1-405b"), setup, H100, Tricks("fp32"))
+    box = toolbox(preset_model("llama3.1-405b"), Setup(seq_len=8192), H100, Tricks("fp32"), Layout(dp=2, zero=1))
     offload = box.steps[-1]
     assert offload.name == "CPU offload of optimizer state"
-    assert offload.setup.parallel == Parallel(2, 1, offload=True)
+    assert offload.layout == Layout(dp=2, zero=1, offload_optimizer=True)
 
 
 @pytest.mark.parametrize("args", [
@@ -65,5 +63,5 @@ def test_zero_paper_baseline():
 
 def test_gpt2_on_two_gpus_fits_without_tools():
     """Defect 1: the small job that fits easily needs no step at all."""
-    box = toolbox(preset_model("gpt2"), Setup(1024, parallel=Parallel(2, 0)), H100, parse_tricks("bf16,flash,ckpt"))
+    box = toolbox(preset_model("gpt2"), Setup(1024), H100, parse_tricks("bf16,flash,ckpt"), Layout(dp=2))
     assert box.fits_at == -1

@@ -2,7 +2,7 @@
 
 One process plays one rank on the fake process group: fp32 parameters under MixedPrecisionPolicy(bf16, fp32),
 torchtitan's units and reshard policy, torch.optim.AdamW(fused=True), zero_grad(set_to_none) first. Live
-bytes are counted on the fake tensors, FSDP2's storage resizes included. memcalc.verification.fsdp2 replays
+bytes are counted on the fake tensors, FSDP2's storage resizes included. memcalc.exact.fsdp2 replays
 the same step on memcalc.exact: live bytes between steps and each phase's peak equal to the byte. Models are
 presets at full width with few layers (every per-rank byte of a layer is full size).
 """
@@ -22,7 +22,7 @@ from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
 from memcalc.parallel.layout import Layout
 from memcalc.verification.distributed import check_dist, param_tensors
-from memcalc.verification.fsdp2 import Param, fsdp2_phases, units_for
+from memcalc.exact.fsdp2 import Param, fsdp2_phases, units_for
 
 torch = pytest.importorskip("torch")
 from verify.distributed import verify_distributed
@@ -97,9 +97,8 @@ def test_replay_alone_is_torch_free_and_follows_the_reshard_policy():
     """The replay's own numbers: --no-reshard keeps every block gathered from its forward to its backward."""
     shape = shape_of("llama3-8b", 4)
     params = [Param(t.name, t.dims) for t in param_tensors(shape)]
-    default, _ = fsdp2_phases(shape, 1024, 1, parse_tricks("bf16,flash"), Layout(dp=8, zero=3), 0, params)
-    kept, _ = fsdp2_phases(shape, 1024, 1, parse_tricks("bf16,flash"), Layout(dp=8, zero=3, reshard_after_forward=False),
-                           0, params)  # fmt: skip
+    default, _ = fsdp2_phases(shape, 1024, 1, parse_tricks("bf16,flash"), 8, None, 0, params)
+    kept, _ = fsdp2_phases(shape, 1024, 1, parse_tricks("bf16,flash"), 8, False, 0, params)
     block, table = 2 * 218_112_000, 2 * 128256 * 4096  # one Llama-3-8B block and the token table, in bf16
     # at the loss: the default holds [norm, lm_head] only; 'never' also every block and the token table
     extra = kept.forward_parts["FSDP2 unsharded parameters"] - default.forward_parts["FSDP2 unsharded parameters"]

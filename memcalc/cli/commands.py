@@ -199,9 +199,8 @@ def estimate(
     With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
     estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
     """
-    layout_given = (any(x is not None for x in (tp, pp, cp, dp, vpp, gpus_per_node, pp_layers, reshard, ep, etp)) or sp
-                    or hybrid or offload_params)  # fmt: skip
     try:
+        from memcalc.engine.job import Job
         from memcalc.model.gpus import gpu as find_gpu
 
         from .inputs import resolve_model, resolve_tricks
@@ -213,8 +212,6 @@ def estimate(
         run = parse_run(tokens, price)
         if png is not None and sweep is None:
             raise InputError("--png draws a sweep: add --sweep seq=A:B or micro-batch=A:B")
-        if sweep is not None and layout_given:
-            raise InputError("--sweep works on one GPU's estimate; drop --tp, --pp, --cp, --dp")
         if exact and sweep is not None:
             raise InputError("--exact simulates single steps: drop --sweep")
         if sweep is not None and tokens is not None:
@@ -224,23 +221,16 @@ def estimate(
                              "formula and source: drop --explain")  # fmt: skip
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
-        if layout_given:
-            setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
-                                stack, recipe, optimizer_impl, routing)  # fmt: skip
-            layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node,
-                                  pp_layers, reshard, ep, etp)  # fmt: skip
-            timing = setup.mfu if mfu is not None or not traced(the_model) else roofline_calibration(the_gpu,
-                                                                                                     calibration)
-            show = views.layout_view(the_model, setup, the_gpu, trick_sets, layout, tricks is not None, run, exact,
-                                     timing)  # fmt: skip
-        else:
-            setup = build_setup(seq, micro_batch, grad_accum, optimizer, gpus or "1", zero, offload, mfu or "0.4",
-                                host_memory, stack, recipe, optimizer_impl, routing)  # fmt: skip
-            cal = None if mfu is not None or not traced(the_model) else roofline_calibration(the_gpu, calibration)
-            if sweep is not None:
-                show = views.sweep_view(the_model, setup, the_gpu, trick_sets, sweep, png, cal)
-            else:
-                show = views.single_view(the_model, setup, the_gpu, trick_sets, run, exact, cal)
+        setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
+                            stack, recipe, optimizer_impl, routing)  # fmt: skip
+        layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node,
+                              pp_layers, reshard, ep, etp)  # fmt: skip
+        if tricks is None and layout.cp > 1:  # the progression drops the sets context parallel cannot run
+            trick_sets = tuple(t for t in trick_sets if t.flash)
+        timing = setup.mfu if mfu is not None or not traced(the_model) else roofline_calibration(the_gpu, calibration)
+        tokens_n, price_x = run or (None, None)
+        job = Job(the_model, setup, the_gpu, layout, trick_sets, timing, tokens_n, price_x, exact)
+        show = views.sweep_view(job, sweep, png) if sweep is not None else views.answer_view(job)
         show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
     except InputError as e:
         fail(str(e))
@@ -377,7 +367,7 @@ def fit(
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
     try:
-        from memcalc.memory.toolbox import fit_limits, verdict_measure
+        from memcalc.engine.fit import fit_limits
         from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.tricks import parse_tricks
 
@@ -387,8 +377,8 @@ def fit(
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
                             optimizer_impl)  # fmt: skip
-        the_tricks = parse_tricks(tricks)
-        limits = fit_limits(the_model, setup, find_gpu(gpu), the_tricks, verdict_measure(setup, the_tricks, the_model.shape))
+        layout = build_layout(gpus, None, None, None, None, zero, False, None, False, offload, False, None)
+        limits = fit_limits(the_model, setup, find_gpu(gpu), parse_tricks(tricks), layout)
     except InputError as e:
         fail(str(e))
     from memcalc.report import fit as report

@@ -12,6 +12,7 @@ from .config import Config, Phases
 from .kernels import Kernel
 from .recipes import Recipe, TorchRecipe, check_simulated
 from .sim import Graph, Memory, Tensor, layer_of, scope_of
+from .zero import Sharding, Zero, ZeroGraph
 
 
 def build(g: Graph, cfg: Config) -> Model | hf.HFModel:
@@ -29,13 +30,40 @@ def recipe_for(g: Graph, model: Model) -> Recipe | TorchRecipe | AutocastRecipe:
 
 
 def micro_step(g: Graph, model: Model, recipe: Recipe | TorchRecipe | AutocastRecipe, idx: Tensor, targets: Tensor,
-               grad_accum: int) -> None:  # fmt: skip
+               grad_accum: int, zero: Zero | None = None) -> None:  # fmt: skip
     """grad_accum forward-backward passes (grads add up in place), then the optimizer step."""
     for _ in range(grad_accum):
-        loss = forward(g, model, idx, targets)
-        recipe.backward(loss)
+        loss = forward_pass(g, model, idx, targets, zero)
+        backward_pass(recipe, loss, zero)
         del loss
-    recipe.update()
+    update(recipe, zero)
+
+
+def forward_pass(g: Graph, model, idx: Tensor, targets: Tensor, zero: Zero | None) -> Tensor:
+    """forward, with a ZeRO rank's gathers at its unit boundaries (memcalc.exact.zero)."""
+    if zero is None:
+        return forward(g, model, idx, targets)
+    zero.start("forward")
+    loss = forward(g, model, idx, targets)
+    zero.end()
+    return loss
+
+
+def backward_pass(recipe, loss: Tensor, zero: Zero | None) -> None:
+    """recipe.backward, with a ZeRO rank's gathers and reduce-scatters at its unit boundaries."""
+    if zero is not None:
+        zero.start("backward")
+    recipe.backward(loss)
+    if zero is not None:
+        zero.end()
+
+
+def update(recipe, zero: Zero | None) -> None:
+    """The optimizer step: the recipe's, or a ZeRO rank's over its shards."""
+    if zero is None:
+        recipe.update()
+    else:
+        zero.update(recipe)
 
 
 def trace(cfg: Config) -> list[Kernel]:
@@ -80,28 +108,33 @@ def replayed(grad_accum: int) -> int:
 
 
 def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = False,
-             warm_up: bool = True) -> tuple[Phases, Graph, Memory]:  # fmt: skip
+             warm_up: bool = True, sharding: Sharding | None = None) -> tuple[Phases, Graph, Memory]:  # fmt: skip
     """Build, one warm-up step, then the measured step (its last micro-batch's phases; the saved
     terms, rebuilt bytes and FLOPs of its first). Each step simulates replayed(grad_accum)
     micro-batches, equal to the byte to replaying all of them (every_micro_batch, or a timeline,
     which records every allocation, replays all), so the time does not grow with grad_accum.
     warm_up=False makes the state a first step leaves (Recipe.first_step_state) instead of running
-    one: the same phases for half the work (tests/test_exact_depth.py)."""
+    one: the same phases for half the work (tests/test_exact_depth.py). sharding: one data-parallel rank's
+    step under ZeRO (memcalc.exact.zero), None (or a trivial one) for one GPU's."""
     check_simulated(cfg)
     micro_batches = cfg.grad_accum if timeline or every_micro_batch else replayed(cfg.grad_accum)
     mem = Memory(timeline=[] if timeline else None)
-    g = Graph(mem)
+    sharded = sharding is not None and not sharding.trivial
+    g = ZeroGraph(mem) if sharded else Graph(mem)
     model = build(g, cfg)
+    zero = Zero(g, model.params, sharding) if sharded else None
     weights = mem.live_bytes
     B, T = cfg.micro_batch, cfg.seq_len
     idx = g.empty((B, T), "int64", "input", kind="input")
     targets = g.empty((B, T), "int64", "input", kind="input")
     inputs = mem.live_bytes - weights
-    recipe = recipe_for(g, model)
+    recipe = recipe_for(g, model if zero is None else zero.optimizer_model(model))
     if warm_up or not isinstance(recipe, Recipe):  # the libraries' optimizers make their state in their first step
-        micro_step(g, model, recipe, idx, targets, micro_batches)
+        micro_step(g, model, recipe, idx, targets, micro_batches, zero)
     else:
         recipe.first_step_state()
+    if zero is not None:
+        zero.made_state(weights + inputs)
     before = mem.live_bytes
     peaks = {}
     for k in range(micro_batches):
@@ -110,7 +143,7 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
         if k == 0:
             g.record_saves()
             g.flops, g.rebuilt_bytes = {}, 0
-        loss = forward(g, model, idx, targets)
+        loss = forward_pass(g, model, idx, targets, zero)
         if k == 0:
             terms, g.saved_terms = g.saved_terms, None
             retained = mem.live_bytes - before
@@ -118,7 +151,7 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
         mem.segments["forward"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
         mem.phase = "backward"
         mem.reset_peak()
-        recipe.backward(loss)
+        backward_pass(recipe, loss, zero)
         del loss
         peaks["backward"] = (mem.peak_bytes, mem.peak_at)
         mem.segments["backward"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
@@ -127,7 +160,7 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
     grads = mem.live_bytes - before
     mem.phase = "optimizer"
     mem.reset_peak()
-    recipe.update()
+    update(recipe, zero)
     peaks["optimizer"] = (mem.peak_bytes, mem.peak_at)
     mem.segments["optimizer"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
     mem.phase = ""

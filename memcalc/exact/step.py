@@ -27,6 +27,7 @@ from memcalc.terms import Term
 
 from .cache import remembered
 from .config import ITEMSIZE, Config, Phases
+from .zero import Sharding
 
 SIM = "memcalc.exact.sim: verify/'s step replayed in bytes"
 
@@ -310,15 +311,19 @@ def exact_for(model, setup, tricks: Tricks) -> ExactStep:
 
 @functools.lru_cache(maxsize=1024)
 def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
-                stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> Phases:  # fmt: skip
+                stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", sharding: Sharding | None = None) -> Phases:  # fmt: skip
     """exact_step's phases alone, for the verdict: its sizes plain ints (no formulas), no terms; kept on
-    disk between runs (memcalc.exact.cache)."""
+    disk between runs (memcalc.exact.cache). sharding: one data-parallel rank's step under ZeRO
+    (memcalc.exact.zero), grown from short steps as one GPU's is; None for one GPU's."""
     check_size("seq", seq_len, limit=MAX_SEQ)
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
 
-    run, grown = as_run(tricks, shape.n_layers), growth(tricks, shape)
+    if sharding is not None and sharding.trivial:
+        sharding = None  # a rank that holds what one GPU holds: one GPU's step, and its cache entry
+    tail = 1 if sharding is not None and sharding.zero == 3 else 0  # the last block prefetches the head
+    run, grown = as_run(tricks, shape.n_layers), growth(tricks, shape, tail)
 
     def at(layers: int):
         from .mirror import simulate  # here, not at import: a cached verdict never simulates
@@ -326,7 +331,7 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
         cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, run.precision, run.flash,
                      run.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl,
                      ckpt_every=run.ckpt_every)  # fmt: skip
-        phases, _, mem = simulate(cfg, warm_up=False)
+        phases, _, mem = simulate(cfg, warm_up=False, sharding=sharding)
         return phases, mem
 
     def replay() -> dict:
@@ -335,7 +340,7 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
         (short, m2), (long, m3) = at(grown.short), at(grown.long)
         return asdict(grown_phases(short, long, m2, m3, grown))
 
-    key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer)
+    key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer) + ((sharding,) if sharding else ())
     return Phases(**remembered("phases", key, replay))
 
 
@@ -349,13 +354,16 @@ class Growth:
     left over come last, plain, and every step ends with them. The lead units may differ from the rest,
     so both short steps hold them: the first unit (Transformers builds its masks in its first block), or
     with d dense blocks before MoE ones (DeepSeek-V3's first_k_dense_replace) as many units as hold
-    them. The shorter step has one unit more, the longer two."""
+    them. The shorter step has one unit more, the longer two; and as many tail units as differ at the end
+    (under ZeRO-3 the last block prefetches the head, not a block: memcalc.exact.zero), in both; under
+    ZeRO-3 the first MoE unit after dense ones is a lead unit too (its backward prefetches a dense one)."""
 
     unit: int  # blocks per unit
     lead: int  # units before those that repeat
     units: int  # units at full depth
     left: int  # blocks left over after the units
     dense: int  # dense blocks before MoE ones; 0 when every block's MLP is alike
+    tail: int = 0  # units at the end that differ from the middle ones
 
     @property
     def n_layers(self) -> int:
@@ -364,7 +372,7 @@ class Growth:
     @property
     def short(self) -> int:
         """The shorter step's depth: the lead units, one more and the blocks left over."""
-        return (self.lead + 1) * self.unit + self.left
+        return (self.lead + 1 + self.tail) * self.unit + self.left
 
     @property
     def long(self) -> int:
@@ -373,7 +381,7 @@ class Growth:
     @property
     def whole(self) -> bool:
         """No deeper than the shorter step: the full depth is replayed as it is."""
-        return self.units <= self.lead + 1
+        return self.units <= self.lead + 1 + self.tail
 
     @property
     def first_blocks(self) -> int:
@@ -382,16 +390,17 @@ class Growth:
         return min(self.short, self.n_layers) if self.dense else 0
 
 
-def growth(tricks: Tricks, shape: ModelShape) -> Growth | None:
+def growth(tricks: Tricks, shape: ModelShape, tail: int = 0) -> Growth | None:
     """How the step grows (Growth); None for blocks in a pattern it does not grow (MoE every other
-    block, or dense blocks among MoE ones past the first: replayed whole)."""
+    block, or dense blocks among MoE ones past the first: replayed whole). tail: end units that differ."""
     L, dense = shape.n_layers, dense_first(shape)
     if dense is None:
         return None
     run = as_run(tricks, L)
     unit = run.ckpt_every if run.mixed else 1
     units, left = divmod(L, unit)
-    return Growth(unit, max(1, -(-dense // unit)), units, left, dense)
+    lead = max(1, -(-dense // unit)) + (1 if tail and dense else 0)  # under prefetch the first MoE unit fetches a dense one
+    return Growth(unit, lead, units, left, dense, tail)
 
 
 def dense_first(shape: ModelShape) -> int | None:
@@ -449,7 +458,7 @@ STATE_FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes"
 
 def grow(at_short: int, at_long: int, grown: Growth) -> int:
     """An affine count at the shorter step and the longer (one unit more), at grown.units units."""
-    return at_short + (grown.units - grown.lead - 1) * (at_long - at_short)
+    return at_short + (grown.units - grown.lead - 1 - grown.tail) * (at_long - at_short)
 
 
 def candidates(short: tuple, long: tuple, grown: Growth) -> list[tuple[int, tuple[int, str]]]:

@@ -1,5 +1,6 @@
-"""Bytes, by formula: model state (state), the textbook's activations and logits (activations), one
-estimate per trick set with its fit verdict (estimate), and the OOM toolbox and fit solver (toolbox).
+"""Bytes, by formula (the textbook): model state (state), the textbook's activations and logits
+(activations, moe), and one estimate per trick set (estimate) with what a step is (setup). What the stack
+really allocates, the verdict, is memcalc.parallel.verdict's.
 
 May import: memcalc.model, memcalc.exact (the FLOPs the kernels execute), memcalc.errors, memcalc.terms.
 """

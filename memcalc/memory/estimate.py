@@ -12,7 +12,6 @@ from memcalc.model.shape import Model, check_positions, largest_layer_params
 from memcalc.model.tricks import PROGRESSION, Tricks
 
 from .activations import Activations, AttentionDetail, Logits, attention_detail, logits_memory, textbook_activations
-from .exact import ExactMemory, exact_memory, not_replayed_for
 from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Budget, Setup  # noqa: F401  (Setup's home for its users)
 from .state import ModelState, model_state, weights_held_elsewhere, zero3_gather_bytes
 
@@ -78,9 +77,7 @@ class Estimate:
     activations: tuple[Activations, ...]  # one per trick set, in order
     logits: tuple[Logits, ...]
     memory: tuple[Memory, ...]  # the textbook's: the lesson's reference
-    compute: tuple[Compute, ...]
-    verdict: tuple[ExactMemory, ...]  # the stack's step replayed: what decides whether it fits (empty: not replayed)
-    not_replayed: str  # why the verdict is the textbook's, when the exact model cannot replay the stack yet
+    compute: tuple[Compute, ...]  # time at setup.mfu of the peak (the lesson's model; the roofline is memcalc.time's)
 
     @property
     def trick_sets(self) -> tuple[Tricks, ...]:
@@ -102,14 +99,6 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> tuple[Mo
     return state, acts, logits, memory
 
 
-def check_textbook(trick_sets, why: str) -> None:
-    """The textbook must decide (why: the exact model cannot replay the step): refuse what it has no
-    formula for (sac: per-op selective checkpointing)."""
-    for t in trick_sets:
-        if t.recompute == "op":
-            raise InputError(f"{t.label}: the textbook has no formula for sac, and {why}")
-
-
 def in_order(trick_sets: tuple[Tricks, ...], by_tricks: dict) -> tuple:
     return tuple(by_tricks[t] for t in trick_sets)
 
@@ -120,14 +109,12 @@ def compute_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> Compute
 
 
 def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...] = PROGRESSION) -> Estimate:
-    """Everything `memcalc estimate` prints, for each trick set in order."""
+    """The textbook for each trick set in order, on one GPU of setup.parallel's data parallelism: the
+    lesson's numbers (the verdict, what the stack really allocates, is memcalc.parallel.verdict's)."""
     if not trick_sets:
         raise InputError("no trick sets to estimate")
     check_positions(model.shape, setup.seq_len)
     sides = [memory_for(model, setup, gpu, t) for t in trick_sets]
-    gap = not_replayed_for(setup, trick_sets, model.shape)
-    if gap:
-        check_textbook(trick_sets, gap)
     primary = next((s for s, *_ in sides if s.precision != "fp32"), sides[0][0])
     return Estimate(
         model=model,
@@ -140,6 +127,4 @@ def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...
         logits=tuple(lg for _, _, lg, _ in sides),
         memory=tuple(m for *_, m in sides),
         compute=in_order(trick_sets, {t: compute_for(model, setup, gpu, t) for t in recompute_first(trick_sets)}),
-        verdict=() if gap else tuple(exact_memory(model, setup, gpu, t) for t in trick_sets),
-        not_replayed=gap,
     )

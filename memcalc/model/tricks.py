@@ -108,10 +108,15 @@ def parse_tricks(text: str) -> Tricks:
                   ckpt_every=every[0] if every else 1)  # fmt: skip
 
 
+def layer_uniform(tricks: Tricks) -> bool:
+    """Whether every block runs the same recompute, with a per-layer formula (not ckpt:N, not sac)."""
+    return not (tricks.mixed or tricks.recompute == "op")
+
+
 def check_layer_uniform(tricks: Tricks, what: str) -> None:
     """Refuse ckpt:N and sac where `what` models only ckpt and selective (the parallel layouts' per-layer
     formulas, the published MFU conventions): they are replayed op by op for one GPU."""
-    if tricks.mixed or tricks.recompute == "op":
+    if not layer_uniform(tricks):
         raise InputError(f"{tricks.label}: {what} know ckpt and selective, not {tricks.names[-1]}; ckpt:N and sac "
                          "are replayed for one GPU (memcalc estimate without a layout, memcalc verify)")  # fmt: skip
 

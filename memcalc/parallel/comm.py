@@ -30,7 +30,8 @@ from memcalc.time.roofline import StageKernels, block_lower_bound, stage_kernels
 
 from .engines import DEEPSPEED_DEFAULTS, grad_reduce_bytes, megatron_bucket_size, reshards_after_forward
 from .experts import busiest_experts_flops, ep_comm, expert_dp_comm
-from .layout import Layout, LayoutMemory, bubble_fraction, stage_shape_params, tp_layer_params
+from .layout import (Layout, LayoutMemory, bubble_fraction, layers_per_stage, stage_shape_params, stage_weights,
+                     tp_layer_params)  # fmt: skip
 from .links import ASSUMPTIONS, FABRICS, Assumptions, Comm, Fabric, MicroBatch, link_for, ring, send
 
 
@@ -159,7 +160,7 @@ def mfu_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layou
     return Work(MicroBatch(model_s / 3, 2 * model_s / 3, extra_s, 0.0, layers), 0.0, 0.0)
 
 
-def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, memory: LayoutMemory,
+def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, memory: LayoutMemory | None,
               assume: Assumptions = ASSUMPTIONS, timing: Calibration | float | None = None) -> StepTime:  # fmt: skip
     """The step of one layout, with setup.micro_batch b and setup.grad_accum m micro-batches per pipeline.
 
@@ -172,7 +173,10 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
     """
     m, engine = setup.grad_accum, setup.stack.engine
     fabric = FABRICS[gpu.key]
-    stage_layers = memory.stage_layers or (model.shape.n_layers // layout.pp,) * layout.pp
+    if memory is None:  # the per-layer textbook has no formula for the trick set (ckpt:N, sac): its weights alone
+        stage_layers, stages = layers_per_stage(layout, model.shape.n_layers, engine), stage_weights(model, layout, engine)
+    else:
+        stage_layers, stages = memory.stage_layers or (model.shape.n_layers // layout.pp,) * layout.pp, memory.stages
     mfu = timing if isinstance(timing, float) else None
     if mfu is not None:
         work = mfu_work(model, setup, gpu, tricks, layout, stage_layers, mfu)
@@ -190,11 +194,11 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
     slowest = mb.seconds + sum(x.exposed_seconds for x in per_mb)  # one micro-batch through the slowest stage
     per_step = [Comm(x.name, x.group, x.ranks, x.link, x.calls * m, x.bytes * m, x.formula, x.seconds * m,
                      x.exposed_seconds * m) for x in per_mb]  # fmt: skip
-    experts = max(st.expert_params for st in memory.stages)  # routed experts: synced over their edp group
-    params = max(st.params - st.expert_params for st in memory.stages)  # the stage with the most weights syncs longest
+    experts = max(st.expert_params for st in stages)  # routed experts: synced over their edp group
+    params = max(st.params - st.expert_params for st in stages)  # the stage with the most weights syncs longest
     w = 4 if tricks.precision == "fp32" else 2  # bytes of a weight while computing
     gw = grad_reduce_bytes(engine, tricks.precision)  # bytes of a gradient on the wire
-    host, cpu = offload_comm(layout, max(st.params for st in memory.stages), w, gw, m, fabric, assume, mb)
+    host, cpu = offload_comm(layout, max(st.params for st in stages), w, gw, m, fabric, assume, mb)
     unit = unit_fraction(model.shape, layout.tp, layout.pp) if engine == "fsdp2" else 0.0
     dp = dp_comm(layout, params, w, gw, m, fabric, assume, mb, engine, unit)
     dp += expert_dp_comm(layout, experts, w, gw, m, fabric, assume, mb)

@@ -792,6 +792,25 @@ def megatron_inputs(shape: ModelShape, seq_len: int, micro_batch: int, tp: int, 
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class StageWeights:
+    """The parameters one GPU of a stage holds before ZeRO sharding, its routed experts' among them."""
+
+    params: int
+    expert_params: int
+
+
+def stage_weights(model: Model, layout: Layout, engine: str = "none") -> tuple[StageWeights, ...]:
+    """Every stage's weights per GPU, as stage_memory counts them (its params and expert_params), without
+    the activations: what a step's time needs where the per-layer textbook has no formula (ckpt:N, sac)."""
+    shape = model.shape
+    counts = layers_per_stage(layout, shape.n_layers, engine)
+    if moe_layer_count(shape):
+        return tuple(StageWeights(gpu_params(model, layout.tp, layout.pp, i) + (e := expert_gpu_params(shape, layout, i)), e)
+                     for i in range(layout.pp))  # fmt: skip
+    return tuple(StageWeights(gpu_params(model, layout.tp, layout.pp, i, n), 0) for i, n in enumerate(counts))
+
+
 def layout_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
                   ends_only: bool = False) -> LayoutMemory:  # fmt: skip
     """Per-GPU memory of every pipeline stage (or only those that can peak: the first and the last, and

@@ -21,13 +21,13 @@ from memcalc.memory.state import MAX_GPUS
 from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES
 from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
-from memcalc.model.tricks import Tricks
+from memcalc.model.tricks import Tricks, check_layer_uniform, layer_uniform
 from memcalc.time.calibration import Calibration, calibration_for
 
 from .comm import StepTime, step_lower_bound, step_time
 from .links import ASSUMPTIONS, Assumptions
 from .engines import ENGINES, engine_layout
-from .layout import Layout, LayoutMemory, divisors, layout_memory, stage_layers
+from .layout import Layout, LayoutMemory, check_layout, divisors, layout_memory, stage_layers
 
 MAX_MICRO_BATCH = 16  # sequences per micro-batch the search tries, in powers of two
 MAX_VPP = 8  # virtual stages per GPU the search tries
@@ -43,7 +43,7 @@ class LayoutEstimate:
     setup: Setup  # seq_len, micro_batch b, grad_accum m (micro-batches per pipeline), optimizer, mfu
     tricks: Tricks
     layout: Layout
-    memory: LayoutMemory
+    memory: LayoutMemory | None  # the textbook's stages; None where it has no per-layer formula (ckpt:N, sac)
     time: StepTime
 
     @property
@@ -74,7 +74,13 @@ def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout
     timing: the roofline's calibration (None: the GPU's shipped one), or --mfu's end-to-end rate."""
     check_positions(model.shape, setup.seq_len)
     layout = engine_layout(layout, setup.stack.engine)
-    memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)
+    if layer_uniform(tricks):
+        memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)
+    else:  # ckpt:N, sac: no per-layer formula; a data-parallel job is timed on its weights alone
+        if max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1:
+            check_layer_uniform(tricks, "the parallel layouts")
+        check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, setup.stack.engine)
+        memory = None
     time = step_time(model, setup, gpu, tricks, layout, memory, assume, timing)
     return LayoutEstimate(model, gpu, setup, tricks, layout, memory, time)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from memcalc.memory.estimate import Estimate
 from memcalc.memory.state import ModelState, model_state
-from memcalc.memory.toolbox import Toolbox
 from memcalc.model.flops import flop_terms, korthikanti_selective_overhead, layer_weights, stack_weights
 from memcalc.terms import Term
 
@@ -93,93 +92,6 @@ def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
     ]
 
 
-def summary_section(est: Estimate, units: str, times=None) -> Section:
-    """One row per trick set: the stack's step replayed (state, what else is live at its peak, the
-    peak), whether it fits, the textbook's total beside it, step time and MFU.
-
-    times: the roofline's StepTimes, or None when --mfu times the step (est.compute)."""
-    s = Section(f"Peak memory per GPU ({est.setup.stack.label} stack, its step replayed op by op) and step time",
-                ["tricks", "state", "+ at peak", "= peak", "fits?", "textbook", "step time", "MFU"],
-                align="lrrrlrrr")  # fmt: skip
-    for v, m, t in zip(est.verdict, est.memory, times or est.compute):
-        # exact bytes under the peak only: under every column the table would not fit 100 columns
-        s.rows.append([v.tricks.label, u.size(v.state_bytes, units), u.size(v.transient_bytes, units),
-                       sized(v.total_bytes, units), fit_text(v, units, free=True), textbook_size(m, units),
-                       u.seconds(t.step_seconds), u.percent(t.mfu)])  # fmt: skip
-    model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
-    own = est.verdict[0].n_params
-    shape = "" if own == est.model.n_params else f" for the shape's own {u.params(own)} parameters"
-    moe = " and the MoE/MLA terms of docs/moe.md" if est.model.shape.is_moe or est.model.shape.is_mla else ""
-    s.notes = [
-        f"replayed{shape}: state = weights, master, optimizer state; at peak = activations, logits, grads, "
-        "temporaries (memcalc verify measures the same)",
-        f"textbook: model state {est.model_state.bytes_per_param:g} bytes/param = "
-        f"{u.size(est.model_state.total_bytes, units)} per GPU ({recipe_text(est.model_state.precision, est.model_state.recipe)}, "
-        f"{est.setup.optimizer}) + activations (Korthikanti et al. 2022{moe}) + logits",
-        f"step time: {model}; MFU: model FLOPs / step time / dense peak",
-    ] + moe_notes(est, times)
-    return s
-
-
-def phases_section(est: Estimate, units: str) -> Section:
-    """The replayed step phase by phase: where each trick set peaks, and what is live then."""
-    s = Section(f"The step replayed ({est.setup.stack.label} stack), phase by phase, on one GPU",
-                ["tricks", "between steps", "forward peak", "backward peak", "optimizer peak", "the peak"],
-                align="lrrrrl")  # fmt: skip
-    for v in est.verdict:
-        p = v.phases
-        s.rows.append([v.tricks.label, u.size(p.state_bytes, units), u.size(p.forward_peak_bytes, units),
-                       u.size(p.backward_peak_bytes, units), u.size(p.optimizer_peak_bytes, units), v.peak_at])  # fmt: skip
-    s.notes = ["between steps: weights, buffers, master and optimizer state; each peak is of everything live: "
-               "the activations saved in forward, the gradients made in backward, the optimizer's temporaries"]  # fmt: skip
-    return s
-
-
-def textbook_summary_section(est: Estimate, units: str, times=None) -> Section:
-    """The summary when the exact model cannot replay the stack yet: the textbook's memory decides."""
-    buffers = any(m.buffer_bytes for m in est.memory)
-    s = Section(
-        "Peak memory per GPU (textbook) and step time",
-        ["tricks", "model state", "activations", "logits"] + (["ZeRO-3 buffers"] if buffers else [])
-        + ["total", "fits?", "step time", "MFU"],
-        align="lrrr" + ("r" if buffers else "") + "rlrr",
-    )  # fmt: skip
-    for m, t in zip(est.memory, times or est.compute):
-        row = [m.tricks.label, u.size(m.model_state_bytes, units), u.size(m.activation_peak_bytes, units),
-               u.size(m.logits_bytes, units)] + ([u.size(m.buffer_bytes, units)] if buffers else [])  # fmt: skip
-        s.rows.append(row + [sized(m.total_bytes, units), fit_text(m, units, free=True), u.seconds(t.step_seconds),
-                             u.percent(t.mfu)])  # fmt: skip
-    model = "a roofline over every kernel" if times else f"hardware FLOPs at {u.percent(est.setup.mfu)} of peak (--mfu)"
-    shape = est.model.shape
-    moe = " and the MoE/MLA terms of docs/moe.md" if shape.is_moe or shape.is_mla else ""
-    s.notes = [
-        f"textbook, since {est.not_replayed}: model state {est.model_state.bytes_per_param:g} bytes/param "
-        f"({recipe_text(est.model_state.precision, est.model_state.recipe)}, {est.setup.optimizer}) + "
-        f"activations (Korthikanti et al. 2022{moe}) + logits",
-        f"step time: {model}; MFU: model FLOPs / step time / dense peak",
-    ] + moe_notes(est, times)
-    return s
-
-
-def moe_notes(est: Estimate, times) -> list[str]:
-    """What a mixture-of-experts estimate assumes: the routing, the experts' state, why --mfu times it."""
-    shape = est.model.shape
-    if not (shape.is_moe or shape.is_mla or shape.mtp_layers):
-        return []
-    notes = []
-    if shape.is_moe:
-        replay = ", as the replayed step's reference router" if est.verdict else ""
-        notes.append(f"routing: {est.setup.routing.label}{replay}; model state covers all {shape.n_experts} experts of "
-                     f"every MoE layer, FLOPs the {shape.experts_per_token} a token goes to")  # fmt: skip
-    if not times:
-        from memcalc.time.roofline import traceable
-
-        if not traceable(shape):
-            notes.append("the roofline needs the step's kernels, which memcalc.exact does not trace for this "
-                         "model yet: the step is timed by --mfu")  # fmt: skip
-    return notes
-
-
 NO_FORMULA = "no formula"  # the textbook's cell for sac: Korthikanti et al. have no row for it
 
 
@@ -204,26 +116,6 @@ def host_note(b, units: str) -> list[str]:
         return []
     return [f"host: {u.size(b.host_bytes, units)} per GPU offloaded, against {u.size(b.host_usable_bytes, units)} "
             "(its share of the node's CPU memory, --host-memory)"]  # fmt: skip
-
-
-def verdict(est: Estimate, tb: Toolbox, units: str) -> str:
-    """The answer in one sentence: it fits as it is, the cheapest combination that fits, or nothing does.
-    The toolbox starts from the first trick set (fp32 in the progression) and applies the cheapest tools first."""
-    g = f"{u.size(est.gpu.usable_bytes, units)} usable on one {est.gpu.key}"
-    start = f"{tb.start.tricks.label} needs {u.size(tb.start.total_bytes, units)} at its peak, of the {g}"
-    if not tb.start.host_fits:
-        start += (f", and {u.size(tb.start.host_bytes, units)} of host memory per GPU, of its "
-                  f"{u.size(tb.start.host_usable_bytes, units)} share")  # fmt: skip
-    if tb.fits_at == -1:
-        return f"Fits: {start}."
-    if tb.fits_at is None:
-        return f"Does not fit: {start}, and nothing in the toolbox makes it fit: the activations alone are too large."
-    chosen = tb.steps[tb.fits_at]
-    return (f"Does not fit as it is: {start}. Cheapest combination that fits: {chosen.tricks.label}"
-            f"{zero_text(chosen)} -> {u.size(chosen.memory.total_bytes, units)} per GPU.")  # fmt: skip
-
-
-DETAIL_HINT = "--detail: every part; --bytes: exact bytes; --explain: the formulas; --exact: what PyTorch saves"
 
 
 def state_section(state: ModelState, units: str) -> Section:
@@ -345,86 +237,6 @@ def compute_section(est: Estimate) -> Section:
     return s
 
 
-def toolbox_section(tb: Toolbox, units: str) -> Section:
-    start = tb.start
-    s = Section(
-        f"Out of memory with {start.tricks.label} ({u.size(start.total_bytes, units)}): the toolbox, cheapest first",
-        ["step (on top of the ones above)", "saves on its own", "total after", "fits?", "costs"],
-        align="lrrll",
-    )
-    for step in tb.steps:
-        s.rows.append([step.name, u.size(step.saves_alone_bytes, units), u.size(step.memory.total_bytes, units),
-                       "yes" if step.memory.fits else "no", step.cost])  # fmt: skip
-    return s
-
-
-def zero_text(step) -> str:
-    p = step.setup.parallel
-    parts = []
-    if step.setup.micro_batch == 1 and step.setup.grad_accum > 1:
-        parts.append(f"micro-batch 1 x {step.setup.grad_accum} accumulation")
-    if p.zero:
-        parts.append(f"ZeRO-{p.zero} over {p.gpus} GPUs")
-    if p.offload:
-        parts.append("optimizer offloaded to CPU")
-    return "".join(", " + x for x in parts)
-
-
-def estimate_sections(est: Estimate, toolbox: Toolbox, units: str, roofline=None, detail: bool = False) -> list[Section]:
-    """The summary table; with detail, every section behind it.
-
-    roofline: (step times, calibration) for the roofline's sections, or None for --mfu's compute section."""
-    times = roofline[0] if roofline else None
-    summary = (summary_section if est.verdict else textbook_summary_section)(est, units, times)
-    summary.notes += host_note(est.memory[0], units)
-    if any(m.buffer_bytes for m in est.memory):
-        summary.notes.append("ZeRO-3 buffers: two layers' weights gathered (running + prefetched) and one layer's "
-                             "gradients before their reduce-scatter, 3·w·P_layer; a shallow model, never more "
-                             "than the weights other GPUs hold")  # fmt: skip
-    if not detail:
-        summary.notes.append(DETAIL_HINT)
-        return [summary]
-    state = state_section(est.model_state, units)
-    state.notes = other_recipes(est, units)
-    sections = [summary] + ([phases_section(est, units)] if est.verdict else [])
-    sections += [state, activations_section(est, units), logits_section(est, units)]
-    if roofline is None:
-        sections.append(compute_section(est))
-    else:
-        from .roofline import roofline_sections
-
-        sections += roofline_sections(est, *roofline)
-    if toolbox.fits_at != -1:
-        sections.append(toolbox_section(toolbox, units))
-    return sections
-
-
-CSV_HEADERS = [
-    "tricks", "activations_per_layer_bytes", "activations_total_bytes", "activations_peak_bytes",
-    "model_state_bytes", "logits_bytes", "memory_total_bytes", "fits", "model_flops_per_token",
-    "hardware_flops_per_token", "time_model", "step_seconds", "tokens_per_second", "mfu", "hfu",
-    "mfu_causal", "hfu_causal", "recompute_seconds", "memory_bound_seconds",
-]  # fmt: skip
-
-
-def estimate_csv_rows(est: Estimate, times=None) -> list[list[object]]:
-    """One row per trick set; step time, tokens/s, MFU and HFU from the roofline's times when given,
-    else from --mfu (whose rows leave the roofline-only columns empty)."""
-    from .roofline import csv_columns
-
-    rows = []
-    for i, (a, m, c) in enumerate(zip(est.activations, est.memory, est.compute)):
-        t = times[i] if times else None
-        shown = t or c
-        known = a.formula  # sac: the textbook's columns stay empty
-        rows.append(["+".join(a.tricks.names), a.per_layer_bytes if known else "", a.total_bytes if known else "",
-                     a.peak_bytes if known else "", m.model_state_bytes, m.logits_bytes, m.total_bytes if known else "",
-                     m.fits if known else "", c.flops.model_per_token, c.flops.hardware_per_token,
-                     "roofline" if t else "mfu", f"{shown.step_seconds:.6g}", f"{shown.tokens_per_second:.6g}",
-                     f"{shown.mfu:.4f}", f"{shown.hfu:.4f}", *csv_columns(t)])  # fmt: skip
-    return rows
-
-
 # ---- --explain ------------------------------------------------------------------------------
 
 
@@ -513,20 +325,20 @@ def runs_section(runs) -> Section:
 # ---- --exact --------------------------------------------------------------------------------
 
 
-def exact_section(est: Estimate, exacts: list, units: str) -> Section:
-    """Textbook beside exact: what PyTorch saves for this architecture, op by op (memcalc.exact)."""
+def exact_section(est: Estimate, exacts: list, units: str, peaks: list[int] | None = None) -> Section:
+    """Textbook beside exact: what PyTorch saves for this architecture, op by op (memcalc.exact). peaks: the
+    job's step peak per GPU where it is not one GPU's step (a data-parallel rank's, sharded: the verdict)."""
     shape = est.model.shape
     s = Section(
         f"Textbook against exact for this {shape.family}-family model (simulated op by op; memcalc verify measures it)",
         ["tricks", "per layer: textbook", "exact", "outside layers: textbook", "exact", "step peak: textbook", "exact"],
     )
-    for a, lg, m, x in zip(est.activations, est.logits, est.memory, exacts):
+    for a, lg, m, x, peak in zip(est.activations, est.logits, est.memory, exacts, peaks or [x.peak_bytes for x in exacts]):
         xa = x.activations
         # exact bytes under the step peak only: under every exact column the table would not fit 100 columns
         tb_layer = u.size(a.per_layer_bytes, units) if a.formula else NO_FORMULA
         s.rows.append([a.tricks.label, tb_layer, u.size(xa.per_layer_bytes, units), u.size(lg.total_bytes, units),
-                       u.size(xa.outside_bytes, units), textbook_size(m, units),
-                       sized(x.peak_bytes, units)])  # fmt: skip
+                       u.size(xa.outside_bytes, units), textbook_size(m, units), sized(peak, units)])  # fmt: skip
         if xa.n_checkpointed:  # ckpt:N: the checkpointed layers' row
             tb_ckpt = u.size(a.checkpointed_bytes, units)
             s.rows.append([f"  {xa.n_checkpointed} checkpointed", tb_ckpt, u.size(xa.checkpointed_bytes, units),

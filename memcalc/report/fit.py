@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memcalc.memory.toolbox import FitLimits
+from memcalc.engine.fit import FitLimits
 
 from . import units as u
 from .render import Section, sized

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memcalc.errors import InputError
-from memcalc.time.sweep import Sweep
+from memcalc.engine.sweep import Sweep
 
 from .units import UNITS
 

@@ -9,7 +9,7 @@ from . import units as u
 from .render import Section
 
 if TYPE_CHECKING:  # only for annotations
-    from memcalc.time.sweep import Sweep
+    from memcalc.engine.sweep import Sweep
 
 BAR_WIDTH = 40
 

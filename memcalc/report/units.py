@@ -25,6 +25,20 @@ def size(n: int | float, units: str = "gb") -> str:
     return f"{x:.3f} {label}"
 
 
+def pair(a: int, b: int, units: str = "gb") -> tuple[str, str]:
+    """Two sizes a sentence compares, with the digits it takes to tell them apart: 150.2 GB and 150.2 GB
+    become 150.24 GB and 150.19 GB (equal sizes, or sizes a digit cannot part, stay as size() has them)."""
+    first, second = size(a, units), size(b, units)
+    if first != second or a == b:
+        return first, second
+    scale, label = UNITS[units]
+    for digits in range(2, 10):
+        first, second = f"{a / scale:,.{digits}f} {label}", f"{b / scale:,.{digits}f} {label}"
+        if first != second:
+            break
+    return first, second
+
+
 def exact_bytes(n: int) -> str:
     return f"{n:,} B"
 

@@ -24,13 +24,13 @@ from memcalc.memory.estimate import Setup
 from memcalc.model.shape import ModelShape, check_positions, n_params
 from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.parallel.layout import Layout, check_layout, layer_activations, sharded_state, stage_shape_params
+from memcalc.parallel.tp_layer import block_terms
 from memcalc.terms import Term
 
 DEVICES = ("meta", "cpu-gloo", "cuda")  # meta: fake process group, fake tensors, one process per rank
 BACKENDS = {"meta": "fake", "cpu-gloo": "gloo", "cuda": "nccl"}
 TOLERANCE = 0.001  # a row passes within 0.1% when every byte of the difference is named
 MAX_GLOO_RANKS = 8  # real CPU processes on one machine
-SEQ_SPLIT_SCOPES = ("norm1", "norm2", "attention dropout", "mlp dropout")  # memcalc.exact scopes SP splits
 FSDP2 = "torch.distributed.fsdp.fully_shard (FSDP2)"
 DTENSOR = "torch.distributed.tensor.parallel (DTensor)"
 
@@ -317,35 +317,6 @@ def embedding_grad(shape: ModelShape, layout: Layout, w: int) -> tuple[Term, ...
                  w * rows * shape.hidden, "w·(V − V/t)·h", DTENSOR + ", aten.embedding_dense_backward"),)  # fmt: skip
 
 
-def tp_shape(shape: ModelShape, tp: int) -> ModelShape:
-    """The layer one TP rank runs: a/t heads, k/t KV heads, f/t MLP width, the full hidden size."""
-    return replace(shape, n_layers=2, n_heads=shape.n_heads // tp, n_kv_heads=shape.n_kv_heads // tp,
-                   ffn=shape.ffn // tp, name=f"{shape.name} (TP shard 1/{tp})")  # fmt: skip
-
-
-def scope(t: Term) -> str:
-    """memcalc.exact names a term 'scope: op saves what (dtype)'."""
-    return t.name.split(":", 1)[0]
-
-
-def block_terms(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout) -> tuple[Term, ...]:
-    """Bytes one block saves for backward on one TP rank, op by op (memcalc.exact on the TP shard).
-
-    Without SP a TP rank runs the one-GPU layer of its shard (Shoeybi et al. 2019). With SP the
-    norms and the residual dropouts see s/t tokens (Korthikanti et al. 2022, sec. 4.2.2), as does the
-    block input full recompute keeps; the all-gathered attention and MLP inputs are saved whole.
-    """
-    from memcalc.exact.step import exact_activations  # memcalc.sim: loaded only when a check runs
-
-    local = tp_shape(shape, layout.tp)
-    whole = exact_activations(local, seq_len, micro_batch, tricks).terms
-    if not layout.sp:
-        return whole
-    split = SEQ_SPLIT_SCOPES + (("checkpoint",) if tricks.recompute == "full" else ())
-    part = exact_activations(local, seq_len // layout.tp, micro_batch, tricks).terms
-    return tuple(t for t in whole if scope(t) not in split) + tuple(t for t in part if scope(t) in split)
-
-
 def cpu_norm_stats(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout,
                    device: str) -> tuple[Term, ...]:  # fmt: skip
     """On CPU, native_layer_norm keeps mean and rstd in the input dtype (fp32 on CUDA and meta)."""
@@ -382,9 +353,9 @@ def predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     return rows
 
 
-# ---- FSDP2's phases: memcalc.verification.fsdp2's replay, and the fsdp2 engine's charge -------------------
+# ---- FSDP2's phases: memcalc.exact.fsdp2's replay, and the fsdp2 engine's charge -------------------
 
-REPLAY = "memcalc.verification.fsdp2: FSDP2's hooks replayed on memcalc.exact"
+REPLAY = "memcalc.exact.fsdp2: FSDP2's hooks replayed on memcalc.exact"
 
 
 def phase_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout, rank: int,
@@ -392,14 +363,15 @@ def phase_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     """Live bytes between steps and each phase's peak, as memcalc's FSDP2 replay predicts them (CUDA's
     kernels; on CPU, the fake group's, LayerNorm's statistics are 16-bit: named); then the step's peak as
     the fsdp2 engine (estimate --stack fsdp2) charges it, every byte between it and the replay named."""
-    from .fsdp2 import Param, fsdp2_phases  # memcalc.exact's simulator: loaded only when a check runs
+    from memcalc.exact.fsdp2 import Param, fsdp2_phases  # the simulator: loaded only when a check runs
 
     params = [Param(t.name, tp_dims(t, layout.tp, rank % layout.tp)) for t in param_tensors(shape)]
-    cuda, _ = fsdp2_phases(shape, seq_len, micro_batch, tricks, layout, rank // layout.tp, params)
+    g, reshard = layout.shard_group, layout.reshard_after_forward
+    cuda, _ = fsdp2_phases(shape, seq_len, micro_batch, tricks, g, reshard, rank // layout.tp, params)
     run = cuda
     cpu = device != "cuda" and shape.norm == "layernorm" and tricks.precision != "fp32"
     if cpu:
-        run, _ = fsdp2_phases(shape, seq_len, micro_batch, tricks, layout, rank // layout.tp, params, True)
+        run, _ = fsdp2_phases(shape, seq_len, micro_batch, tricks, g, reshard, rank // layout.tp, params, True)
 
     def row(quantity: str, predicted: int, measured: int) -> Prediction:
         diffs = ()
@@ -433,7 +405,7 @@ def engine_peak(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
 
 
 def engine_differences(st, run) -> tuple[Term, ...]:
-    """The replay's peak against the engine's charge, part by part (memcalc.verification.fsdp2.PARTS)."""
+    """The replay's peak against the engine's charge, part by part (memcalc.exact.fsdp2.PARTS)."""
     parts = run.peak_parts
     by_name = {p.name: p.bytes for p in st.state.parts}
     state = by_name["weights"] + by_name["adam_m"] + by_name["adam_v"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memcalc.errors import InputError
-from memcalc.memory.estimate import Setup, compute_for, memory_for
+from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import BINARY, DECIMAL, MAX_BATCH, MAX_SEQ, Model, check_positions, parse_count
 from memcalc.model.tricks import Tricks
-
-from .calibration import Calibration
-from .roofline import step_times
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.plan import layout_estimate
+from memcalc.parallel.verdict import gpu_verdict
+from memcalc.time.calibration import Calibration
 
 # name -> Setup field, limit, suffixes (a sequence of 8k is 8,192 tokens)
 SWEEPABLE = {"seq": ("seq_len", MAX_SEQ, BINARY), "micro-batch": ("micro_batch", MAX_BATCH, DECIMAL)}
@@ -22,7 +23,7 @@ MAX_POINTS = 64
 class SweepPoint:
     value: int
     tricks: Tricks
-    memory_bytes: int  # peak per GPU: model state + activations + logits (+ ZeRO-3 buffers)
+    memory_bytes: int  # the verdict's peak per GPU (memcalc.parallel.verdict)
     fits: bool
     step_seconds: float
     tokens_per_second: float
@@ -77,23 +78,19 @@ def stepping(start: int, stop: int, step: int) -> tuple[int, ...]:
     return tuple(range(start, stop + 1, step))
 
 
-def sweep(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...], name: str,
-          values: tuple[int, ...], cal: Calibration | None = None) -> Sweep:  # fmt: skip
-    """Memory and step time at each value: the roofline's time under cal, else --mfu's."""
+def sweep(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...], name: str, values: tuple[int, ...],
+          timing: Calibration | float | None = None, layout: Layout = Layout()) -> Sweep:  # fmt: skip
+    """Memory (the verdict, as estimate gives it) and step time (timed as estimate times it: the roofline at
+    the calibration, or --mfu's rate) at each value."""
     field = SWEEPABLE[name][0]
-    for tricks in trick_sets:  # the sweep charts the textbook's memory (memory_for)
-        if tricks.recompute == "op":
-            raise InputError(f"--sweep charts the textbook's memory, which has no formula for {tricks.label}")
     points = []
     for value in values:
         at = replace(setup, **{field: value})
         check_positions(model.shape, at.seq_len)
-        if cal is None:
-            times = tuple(compute_for(model, at, gpu, tricks) for tricks in trick_sets)
-        else:
-            times = step_times(model, at, gpu, trick_sets, cal)
-        for tricks, time in zip(trick_sets, times):
-            memory = memory_for(model, at, gpu, tricks)[3]
-            points.append(SweepPoint(value, tricks, memory.total_bytes, memory.fits, time.step_seconds,
+        for tricks in trick_sets:
+            verdict = gpu_verdict(model, at, gpu, tricks, layout)
+            time = layout_estimate(model, at, gpu, tricks, layout, ends_only=True, timing=timing).time
+            points.append(SweepPoint(value, tricks, verdict.peak_bytes, verdict.fits, time.step_seconds,
                                      time.tokens_per_second))  # fmt: skip
-    return Sweep(name, values, gpu.key, gpu.usable_bytes, tuple(points), "--mfu" if cal is None else "roofline")
+    time_model = "--mfu" if isinstance(timing, float) else "roofline"
+    return Sweep(name, values, gpu.key, gpu.usable_bytes, tuple(points), time_model)

@@ -33,12 +33,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from memcalc.exact import mirror
-from memcalc.exact.config import Config
-from memcalc.exact.sim import Graph, Memory, Node, Tensor
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
+
+from . import mirror
+from .config import Config, Phases
+from .sim import Graph, Memory, Node, Tensor
 
 PARTS = ("sharded state", "sharded gradients", "FSDP2 unsharded parameters", "FSDP2 all-gather buffers",
          "bf16 unsharded gradients", "FSDP2 reduce-scatter inputs", "inputs and buffers", "activations and temporaries")  # fmt: skip
@@ -420,6 +420,16 @@ class Fsdp2Phases:
     backward_peak_at: str
     forward_parts: dict[str, int]  # the forward peak split by part (PARTS)
     backward_parts: dict[str, int]
+    inputs_bytes: int = 0  # the token ids, in state_bytes
+    retained_bytes: int = 0  # what forward leaves alive: saved tensors and the loss
+    grads_bytes: int = 0  # the sharded gradients backward leaves
+
+    def phases(self) -> Phases:
+        """The step as memcalc.exact.config.Phases counts one GPU's: state less the inputs, every peak."""
+        return Phases(self.state_bytes - self.grads_bytes - self.inputs_bytes, self.inputs_bytes,
+                      self.state_bytes - self.inputs_bytes, self.retained_bytes, self.grads_bytes,
+                      self.forward_peak_bytes, self.backward_peak_bytes, self.optimizer_peak_bytes,
+                      self.forward_peak_at, self.backward_peak_at, "optimizer: (start)")  # fmt: skip
 
     @property
     def peak_bytes(self) -> int:
@@ -431,13 +441,15 @@ class Fsdp2Phases:
         return self.backward_parts if self.backward_peak_bytes >= self.forward_peak_bytes else self.forward_parts
 
 
-def fsdp2_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout, rank: int,
-                 params: list[Param], cpu_norm_stats: bool = False,
+def fsdp2_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, ranks: int, reshard: bool | None,
+                 rank: int = 0, params: list[Param] | None = None, cpu_norm_stats: bool = False,
                  timeline: bool = False) -> tuple[Fsdp2Phases, Memory]:  # fmt: skip
-    """The measured step of one FSDP2 rank (tp = 1, pp = 1): zero_grad, forward, backward, fused AdamW.
-    params: the parameter tensors as verify/builder.py registers them (on this TP rank); param_dtype is the
-    precision's (bf16, or fp32: torchtitan's mixed_precision_param). cpu_norm_stats: LayerNorm's statistics
-    as the CPU kernel keeps them (the fake process group runs CPU kernels), not CUDA's fp32."""
+    """The measured step of one FSDP2 rank (tp = 1, pp = 1) of `ranks` sharding ranks: zero_grad, forward,
+    backward, fused AdamW. reshard: reshard_after_forward (None: torchtitan's default policy). params: the
+    parameter tensors as verify/builder.py registers them (on this TP rank; None: the built model's, tp = 1);
+    param_dtype is the precision's
+    (bf16, or fp32: torchtitan's mixed_precision_param). cpu_norm_stats: LayerNorm's statistics as the CPU
+    kernel keeps them (the fake process group runs CPU kernels), not CUDA's fp32."""
     cfg = Config(shape, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, "adamw",
                  "reference", "pure", "fused", ckpt_every=tricks.ckpt_every)  # fmt: skip
     mem = Ledger(timeline)
@@ -446,10 +458,13 @@ def fsdp2_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     model = mirror.build(sim, cfg)
     mem.live_bytes -= mem.parts["stand-ins"]  # the built weights stand in for the unsharded ones: not resident
     mem.parts["stand-ins"] = 0
+    if params is None:
+        params = [Param(p.name, tuple(int(d) for d in p.shape)) for p in model.params]
     inputs = verify_inputs(sim, seq_len, micro_batch)
+    inputs_bytes = sum(t.storage.nbytes for t in inputs)
     idx, targets = (sim.view(inputs[0], (micro_batch, seq_len)),) * 2 if len(inputs) == 1 else inputs
-    units = units_for(shape, params, layout.reshard_after_forward)
-    fsdp = FSDP2(sim, units, layout.shard_group, rank, tricks.precision)
+    units = units_for(shape, params, reshard)
+    fsdp = FSDP2(sim, units, ranks, rank, tricks.precision)
     fsdp.params = {p.name: p for p in model.params}
     fsdp.params_tied = shape.tied_embeddings
     mem.grads = fsdp.unsharded_grad_bytes
@@ -462,6 +477,7 @@ def fsdp2_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     loss = mirror.forward(sim, model, idx, targets)
     sim.root_post_forward()
     forward = (mem.peak_bytes, mem.peak_at, mem.at_peak)
+    retained = mem.parts["activations and temporaries"]
     mem.phase = "backward"
     mem.reset_peak()
     sim.backward(loss)
@@ -470,4 +486,18 @@ def fsdp2_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     mem.phase = "optimizer"
     mem.reset_peak()  # fused AdamW updates in place: its peak is what backward leaves
     optimizer = mem.peak_bytes
-    return Fsdp2Phases(state, forward[0], backward[0], optimizer, forward[1], backward[1], forward[2], backward[2]), mem
+    return Fsdp2Phases(state, forward[0], backward[0], optimizer, forward[1], backward[1], forward[2], backward[2],
+                       inputs_bytes, retained, mem.parts["sharded gradients"]), mem  # fmt: skip
+
+
+def fsdp2_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, ranks: int,
+               reshard: bool | None) -> Phases:  # fmt: skip
+    """Rank 0's step on CUDA's kernels, as the fsdp2 stack's verdict counts it: kept on disk between runs
+    (memcalc.exact.cache), as one GPU's step is."""
+    from dataclasses import asdict
+
+    from .cache import remembered
+
+    key = (shape, seq_len, micro_batch, tricks, ranks, reshard)
+    replay = lambda: asdict(fsdp2_phases(shape, seq_len, micro_batch, tricks, ranks, reshard)[0].phases())
+    return Phases(**remembered("fsdp2", key, replay))

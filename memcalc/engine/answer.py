@@ -1,0 +1,99 @@
+"""The engine's one entry point: answer(job) -> Answer, everything `memcalc estimate` prints and its JSON
+serialises. One path for every job: one GPU is the layout of one GPU, --gpus N alone is data parallelism
+over N (the same job as --dp N), and every trick set is answered the same way:
+
+  verdict   what one GPU holds at its step's peak (memcalc.parallel.verdict: the stack's step replayed,
+            sharded inside the step; the textbook where the simulator does not replay the job)
+  layout    the textbook's memory stage by stage and the step time with its traffic (memcalc.parallel.plan
+            layout_estimate: the roofline of each stage's kernels, or --mfu's rate)
+Around them: the whole-model textbook terms (data-parallel jobs: memcalc.memory.estimate), one GPU's
+kernels on the roofline (a one-GPU job), the OOM toolbox (memcalc.engine.toolbox), the whole run, and
+--exact's op-by-op terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.errors import InputError
+from memcalc.exact.kernels import recompute_first
+from memcalc.memory.estimate import Estimate, estimate
+from memcalc.model.tricks import Tricks
+from memcalc.parallel.plan import LayoutEstimate, layout_estimate
+from memcalc.parallel.verdict import Verdict, gpu_verdict
+from memcalc.time.training_run import TrainingRun, runs_for_layouts
+
+from .job import Job
+from .toolbox import Toolbox, toolbox
+
+
+@dataclass(slots=True)
+class Answer:
+    """One job answered, one entry per trick set in every tuple, in the job's order."""
+
+    job: Job
+    verdicts: tuple[Verdict, ...]  # the peak per GPU that decides whether it fits
+    layouts: tuple[LayoutEstimate, ...]  # the textbook's stages and the step time, traffic included
+    textbook: Estimate | None  # the whole-model textbook terms (data-parallel jobs; None with tp, pp, cp or ep)
+    roofline: tuple | None  # one GPU's step on the roofline, kernel by kernel (a one-GPU job timed by it)
+    toolbox: Toolbox | None  # the cheapest way to fit the first trick set (data-parallel jobs)
+    runs: tuple[TrainingRun, ...]  # --tokens: the whole run
+    exact: tuple  # --exact: one GPU's steps op by op (memcalc.exact.step.ExactStep), or one layer per TP rank
+
+    @property
+    def trick_sets(self) -> tuple[Tricks, ...]:
+        return self.job.trick_sets
+
+    @property
+    def fits(self) -> tuple[bool, ...]:
+        return tuple(v.fits for v in self.verdicts)
+
+
+def answer(job: Job) -> Answer:
+    """Everything `memcalc estimate` answers for one job (--sweep is memcalc.engine.sweep's)."""
+    m, s, g, lay = job.model, job.setup, job.gpu, job.layout
+    sets = job.trick_sets
+    layouts = tuple(layout_estimate(m, s, g, t, lay, timing=job.timing) for t in sets)
+    verdicts = tuple(gpu_verdict(m, s, g, t, lay) for t in sets)
+    textbook = estimate(m, s, g, sets) if job.data_parallel else None
+    runs = runs_for_layouts(layouts, job.tokens, job.price) if job.tokens is not None else ()
+    tb = toolbox(m, s, g, sets[0], lay, job.timing) if job.data_parallel else None
+    return Answer(job, verdicts, layouts, textbook, one_gpu_roofline(job), tb, runs, exact_terms(job, layouts))
+
+
+def one_gpu_roofline(job: Job) -> tuple | None:
+    """A one-GPU job's step on the roofline, kernel by kernel (memcalc.time.roofline.step_times), the same
+    step its layout's time composes; None under --mfu or for a job over several GPUs."""
+    if job.layout.world > 1 or isinstance(job.timing, float):
+        return None
+    from memcalc.time.calibration import Calibration, calibration_for
+    from memcalc.time.roofline import step_times
+
+    cal = job.timing if isinstance(job.timing, Calibration) else calibration_for(job.gpu.key)
+    return step_times(job.model, job.setup, job.gpu, job.trick_sets, cal)
+
+
+def exact_terms(job: Job, layouts: tuple[LayoutEstimate, ...]) -> tuple:
+    """--exact: what each trick set saves, op by op: one GPU's step replayed (a data-parallel job: what a
+    layer saves does not depend on data parallelism), or with tensor parallel what one layer saves on one
+    TP rank (memcalc.parallel.tp_layer)."""
+    if not job.exact:
+        return ()
+    if job.data_parallel:
+        from memcalc.exact.step import exact_for
+
+        return tuple(exact_for(job.model, job.setup, t) for t in job.trick_sets)
+    shape = job.model.shape
+    if job.layout.cp > 1:
+        raise InputError("--exact with --cp: ring attention's saved tensors are not simulated; drop --exact or --cp")
+    if shape.is_moe or shape.is_mla:
+        raise InputError("--exact over several GPUs replays a dense block's TP shard; MoE and latent-attention blocks "
+                         "are replayed on one GPU: drop --gpus and the layout (memcalc estimate --exact)")  # fmt: skip
+    from memcalc.parallel.tp_layer import block_terms
+
+    return tuple(block_terms(shape, job.setup.seq_len, job.setup.micro_batch, e.tricks, e.layout) for e in layouts)
+
+
+def compute_order(trick_sets: tuple[Tricks, ...]) -> tuple[Tricks, ...]:
+    """The order the roofline traces trick sets in (those with recompute first: the plain ones reuse them)."""
+    return recompute_first(trick_sets)

@@ -1,0 +1,73 @@
+"""`memcalc fit`: the longest sequence and the largest micro-batch that fit, by the job's own verdict."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from memcalc.memory.setup import Setup
+from memcalc.model.gpus import GPU
+from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, longest_seq
+from memcalc.model.tricks import Tricks
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.verdict import Verdict, gpu_verdict
+
+
+@dataclass(slots=True)
+class FitLimits:
+    """The longest sequence and the largest micro-batch that fit one GPU of the job under a trick set."""
+
+    tricks: Tricks
+    gpu: str
+    usable_bytes: int
+    seq_len: int  # the sequence length the micro-batch limit is computed at
+    micro_batch: int  # the micro-batch the sequence limit is computed at
+    max_seq_len: int  # 0: not even one token fits
+    max_micro_batch: int  # 0: not even one sequence fits
+    memory_at_max_seq: Verdict | None
+    memory_at_max_batch: Verdict | None
+    seq_limit: int  # the longest sequence the model embeds (a learned position table), else MAX_SEQ
+
+    @property
+    def seq_capped(self) -> bool:
+        """Whether the position table, not memory, ends the sequence."""
+        return self.max_seq_len == self.seq_limit < MAX_SEQ
+
+
+def largest(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest n in [1, limit] with fits(n), for fits monotone decreasing; 0 if none."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout = Layout()) -> FitLimits:
+    """The longest sequence (no longer than the model's position table) at setup's micro-batch, and the
+    largest micro-batch at setup's sequence, each by the verdict estimate gives the same job."""
+    check_positions(model.shape, setup.seq_len)
+
+    def memory(seq_len: int, micro_batch: int) -> Verdict:
+        return gpu_verdict(model, replace(setup, seq_len=seq_len, micro_batch=micro_batch), gpu, tricks, layout)
+
+    seq_limit = longest_seq(model.shape)
+    max_seq = largest(lambda s: memory(s, setup.micro_batch).fits, seq_limit)
+    max_batch = largest(lambda b: memory(setup.seq_len, b).fits, MAX_BATCH)
+    return FitLimits(
+        tricks=tricks,
+        gpu=gpu.key,
+        usable_bytes=gpu.usable_bytes,
+        seq_len=setup.seq_len,
+        micro_batch=setup.micro_batch,
+        max_seq_len=max_seq,
+        max_micro_batch=max_batch,
+        memory_at_max_seq=memory(max_seq, setup.micro_batch) if max_seq else None,
+        memory_at_max_batch=memory(setup.seq_len, max_batch) if max_batch else None,
+        seq_limit=seq_limit,
+    )

@@ -1,0 +1,60 @@
+"""What is asked: one Job. The CLI parses options into it; memcalc.engine.answer answers it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memcalc.errors import InputError
+from memcalc.memory.setup import Setup
+from memcalc.memory.state import Parallel
+from memcalc.model.gpus import GPU
+from memcalc.model.shape import Model
+from memcalc.model.tricks import PROGRESSION, Tricks
+from memcalc.parallel.layout import Layout
+from memcalc.time.calibration import Calibration
+
+ONE_GPU = Layout()
+
+
+@dataclass(frozen=True)
+class Job:
+    """Train `model` with `setup` on GPUs of type `gpu` laid out as `layout`, under each trick set.
+
+    setup.micro_batch is one micro-batch, setup.grad_accum the micro-batches each pipeline runs per step;
+    the layout says how the GPUs share the work (--gpus N alone is data parallelism over N, the same job as
+    --dp N), and setup.parallel is set from it (the textbook's model state shards by it). timing: the
+    roofline's calibration (None: the GPU's shipped one) or --mfu's end-to-end rate (a float)."""
+
+    model: Model
+    setup: Setup
+    gpu: GPU
+    layout: Layout = ONE_GPU
+    trick_sets: tuple[Tricks, ...] = PROGRESSION
+    timing: Calibration | float | None = None
+    tokens: int | None = None  # --tokens: the whole run's length
+    price: float | None = None  # --price-per-gpu-hour
+    exact: bool = False  # --exact: beside the textbook, what PyTorch saves, op by op
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "setup", replace(self.setup, parallel=self.parallel))  # one account of the GPUs
+        if not self.trick_sets:
+            raise InputError("no trick sets to estimate")
+        if self.price is not None and self.tokens is None:
+            raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
+
+    @property
+    def data_parallel(self) -> bool:
+        return data_parallel(self.layout)
+
+    @property
+    def parallel(self) -> Parallel:
+        """The layout as the textbook's model state shards it (memcalc.memory.state): over the ranks ZeRO
+        shards over (all data-parallel ranks, or a node's with hybrid shard)."""
+        lay = self.layout
+        return Parallel(lay.shard_group if lay.zero else lay.dp, lay.zero, lay.offload_optimizer)
+
+
+def data_parallel(layout: Layout) -> bool:
+    """Whether every GPU runs the whole model (no tensor, pipeline, context or expert parallel): the
+    textbook's whole-model terms, the toolbox and sweeps apply."""
+    return layout.tp == layout.pp == layout.cp == layout.ep == layout.etp == 1

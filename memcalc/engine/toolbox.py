@@ -1,0 +1,244 @@
+"""Does it fit, and if not, what to do: the OOM toolbox, in order of cost, over the verdict.
+
+Each tool changes the job (its trick set, its micro-batch, its data-parallel GPUs, ZeRO stage or offload)
+and is measured by the same verdict as the job itself (memcalc.parallel.verdict.gpu_verdict). The free
+tools, which make the step faster (bf16, FlashAttention), are always applied; a tool that costs time
+(smaller micro-batches, recompute) is kept only where it lowers the peak, and one that saves nothing or
+costs memory is listed as such and not applied. Of the combinations that fit, the toolbox recommends the
+cheapest: the fewest GPU-seconds per token (GPUs x step time / tokens per step), timed as the job is
+(memcalc.parallel.comm.step_time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from memcalc.errors import InputError
+from memcalc.exact.kernels import step_flops
+from memcalc.memory.setup import Setup
+from memcalc.model.gpus import GPU
+from memcalc.model.shape import Model
+from memcalc.model.tricks import Tricks
+from memcalc.parallel.engines import check_engine, engine_layout
+from memcalc.parallel.layout import Layout, check_layout
+from memcalc.parallel.plan import layout_estimate
+from memcalc.parallel.verdict import Verdict, gpu_verdict
+from memcalc.time.calibration import Calibration
+
+MAX_ZERO_GPUS = 4096  # the ZeRO search tries 2, 4, ... up to this many data-parallel GPUs
+
+
+@dataclass(frozen=True)
+class Config:
+    """One combination the toolbox tries: a trick set, a step, a data-parallel layout."""
+
+    tricks: Tricks
+    setup: Setup
+    layout: Layout
+
+
+@dataclass(slots=True)
+class ToolStep:
+    name: str
+    cost: str  # what it costs, computed for this config
+    saves_alone_bytes: int  # applied on its own to the starting config (negative: it costs memory)
+    saves_bytes: int  # applied to the config before it (negative: it costs memory)
+    kept: bool  # applied: a free tool, or one that lowered the peak (one that saves nothing is shown, not applied)
+    verdict: Verdict  # after this step and every kept one before it
+    gpu_seconds_per_token: float  # GPUs x step time / tokens per step, for the cheapest among those that fit
+    config: Config
+
+    @property
+    def tricks(self) -> Tricks:
+        return self.config.tricks
+
+    @property
+    def setup(self) -> Setup:
+        return self.config.setup
+
+    @property
+    def layout(self) -> Layout:
+        return self.config.layout
+
+
+@dataclass(slots=True)
+class Toolbox:
+    start: Verdict
+    steps: tuple[ToolStep, ...]
+
+    @property
+    def fits_at(self) -> int | None:
+        """The recommended step: of the kept steps that fit, the cheapest per token (-1: it fits already;
+        None: nothing fits)."""
+        if self.start.fits:
+            return -1
+        fitting = [i for i, s in enumerate(self.steps) if s.kept and s.verdict.fits]
+        return min(fitting, key=lambda i: self.steps[i].gpu_seconds_per_token) if fitting else None
+
+
+# A tool looks at a config and returns (name, change, cost), or None where it does not apply. The change is
+# a function of a config, so "saves on its own" applies the same change to the start.
+Change = Callable[[Config], Config]
+Measure = Callable[[Config], Verdict]
+Tool = Callable[[Model, GPU, Config, Measure], "tuple[str, Change, str] | None"]
+
+
+def use_bf16(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+    if c.tricks.precision != "fp32":
+        return None
+    speed = gpu.bf16_tflops / gpu.fp32_tflops
+    return "bf16 mixed precision", with_tricks(precision="bf16"), f"none: {speed:.1f}x the fp32 matmul peak"
+
+
+def use_flash(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+    if c.tricks.flash:
+        return None
+    return "FlashAttention", with_tricks(flash=True, precision="bf16"), "none: faster, no s×s through HBM"
+
+
+def use_smaller_batch(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+    b = c.setup.micro_batch
+    if b == 1:
+        return None
+
+    def change(x: Config) -> Config:
+        return replace(x, setup=replace(x.setup, micro_batch=1, grad_accum=x.setup.grad_accum * b))
+
+    return f"micro-batch 1, {b}x accumulation", change, f"{b}x more, smaller passes"
+
+
+def use_checkpointing(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+    if c.tricks.recompute == "full" and c.tricks.ckpt_every == 1:
+        return None
+    change = with_tricks(recompute="full", ckpt_every=1)  # every block (from ckpt:N, sac or less)
+    before = step_flops(model.shape, c.setup.seq_len, c.tricks).hardware_per_token
+    after = step_flops(model.shape, c.setup.seq_len, change(c).tricks).hardware_per_token
+    return "full activation checkpointing", change, f"+{after / before - 1:.0%} FLOPs per step"
+
+
+def use_zero(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+    """The fewest GPUs (powers of two), then the lowest ZeRO stage, that fit; else ZeRO-3 on the most."""
+    lay = c.layout
+    counts = [n for n in (1 << k for k in range(1, 13)) if max(2, lay.dp) <= n <= MAX_ZERO_GPUS] or [lay.dp]
+    stages = [z for z in range(max(lay.zero, 1), 4) if runs(model, with_zero(counts[0], z)(c))]  # the engine's
+    if not stages:
+        return None
+    i = first(len(counts), lambda i: measure(with_zero(counts[i], stages[-1])(c)).fits)  # the top stage holds least
+    if i is None:
+        gpus, stage = counts[-1], stages[-1]
+    else:
+        gpus = counts[i]
+        stage = next(z for z in stages if z == stages[-1] or measure(with_zero(gpus, z)(c)).fits)
+    # Rajbhandari et al. 2019, sec. 7: stages 1-2 move as much data as data parallel, stage 3 1.5x
+    comm = "1.5x" if stage == 3 else "1x"
+    return f"ZeRO-{stage} over {gpus} GPUs", with_zero(gpus, stage), f"{gpus} GPUs, {comm} data-parallel traffic"
+
+
+def use_offload(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+    lay = c.layout
+    if lay.offload_optimizer or (lay.zero == 0 and lay.shard_ranks > 1):
+        return None  # already offloaded, or ZeRO 0 over several GPUs: a layout the engines refuse
+
+    def change(x: Config) -> Config:
+        return replace(x, layout=replace(x.layout, offload_optimizer=True))
+
+    if not runs(model, change(c)):
+        return None  # an offload the stack's engine does not run (FSDP2 offloads the parameters too)
+    return "CPU offload of optimizer state", change, "optimizer step on the CPU, PCIe traffic"
+
+
+def runs(model: Model, c: Config) -> bool:
+    """Whether the stack's engine runs this layout of this model (memcalc.parallel.engines, layout)."""
+    engine = c.setup.stack.engine
+    try:
+        layout = engine_layout(c.layout, engine)
+        check_engine(layout, engine)
+        check_layout(layout, model.shape, c.setup.seq_len, c.tricks, c.setup.grad_accum, engine)
+    except InputError:
+        return False
+    return True
+
+
+def first(n: int, holds: Callable[[int], bool]) -> int | None:
+    """The least i in [0, n) where holds(i), for holds monotone (False, then True); None if none."""
+    if n == 0 or not holds(n - 1):
+        return None
+    lo, hi = -1, n - 1  # holds(hi); not holds(lo) (lo = -1 stands before the first)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
+
+
+def with_tricks(**changes: object) -> Change:
+    def change(c: Config) -> Config:
+        fields = dict(changes)
+        if fields.get("precision") == "bf16" and c.tricks.precision != "fp32":
+            del fields["precision"]  # keep fp16 where it was chosen; only fp32 must become 16-bit
+        return replace(c, tricks=replace(c.tricks, **fields))
+
+    return change
+
+
+def with_zero(gpus: int, stage: int) -> Change:
+    def change(c: Config) -> Config:
+        return replace(c, layout=replace(c.layout, dp=gpus, zero=stage))
+
+    return change
+
+
+TOOLS: tuple[Tool, ...] = (use_bf16, use_flash, use_smaller_batch, use_checkpointing, use_zero, use_offload)
+FREE = (use_bf16, use_flash)  # faster as well as (mostly) smaller: applied whatever they save
+
+
+def toolbox(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout = Layout(),
+            timing: Calibration | float | None = None) -> Toolbox:  # fmt: skip
+    """Apply the tools in order of cost, each on top of the last it kept, until the config fits.
+
+    ZeRO is the first tool that needs more GPUs; offload follows as the alternative that stays on the GPUs
+    you had: it is applied to the config before ZeRO. A tool that costs time and saved nothing on the GPUs
+    you had is tried again under ZeRO, where the state no longer hides what it saves."""
+
+    def measure(c: Config) -> Verdict:
+        return gpu_verdict(model, c.setup, gpu, c.tricks, c.layout)
+
+    def step(name: str, what: str, change: Change, base: Config, free: bool) -> ToolStep:
+        after, before = change(base), measure(base)
+        verdict = measure(after)
+        kept = free or verdict.peak_bytes < before.peak_bytes
+        alone = start_verdict.peak_bytes - measure(change(start)).peak_bytes
+        price = cost(model, gpu, after, timing) if kept and verdict.fits else 0.0
+        return ToolStep(name, what, alone, before.peak_bytes - verdict.peak_bytes, kept, verdict, price,
+                        after if kept else base)  # fmt: skip
+
+    start = Config(tricks, setup, layout)
+    start_verdict = measure(start)
+    current, before_zero, steps, passed, zeroed = start, start, [], [], False
+    for tool in TOOLS:
+        base = before_zero if tool is use_offload else current
+        applied = tool(model, gpu, base, measure)
+        if applied is None:
+            continue
+        name, change, what = applied
+        steps.append(step(name, what, change, base, tool in FREE))
+        zeroed = zeroed or tool is use_zero
+        if not steps[-1].kept:
+            passed.append((name, change, before_zero))
+            continue
+        if steps[-1].verdict.fits and tool is not use_zero:
+            break
+        if tool is not use_zero:
+            before_zero = steps[-1].config
+        current = steps[-1].config
+    for name, change, base in passed if zeroed else ():  # under ZeRO, what the state hid on the GPUs you had
+        zero = use_zero(model, gpu, change(base), measure)
+        if zero is not None:
+            steps.append(step(f"{name}, then {zero[0]}", zero[2], lambda c, z=zero[1], ch=change: z(ch(c)), base, False))
+    return Toolbox(start_verdict, tuple(steps))
+
+
+def cost(model: Model, gpu: GPU, c: Config, timing: Calibration | float | None) -> float:
+    """GPU-seconds per token: GPUs x step time / tokens per step, timed as estimate times the job."""
+    t = layout_estimate(model, c.setup, gpu, c.tricks, c.layout, ends_only=True, timing=timing).time
+    return c.layout.world * t.step_seconds / t.tokens_per_step

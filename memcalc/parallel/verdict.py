@@ -1,0 +1,158 @@
+"""The verdict: what one GPU of a job holds at its step's peak, and so whether the job fits.
+
+Wherever the exact model replays the step (memcalc.exact: the stack's model, recipe and optimizer, op by
+op), the verdict is that replay on one GPU of the layout, its sharding applied inside the step, phase by
+phase: one GPU's step; one data-parallel rank's under memcalc's generic ZeRO and offload
+(memcalc.exact.zero); one FSDP2 rank's as torchtitan runs it, hook by hook (memcalc.exact.fsdp2, equal to
+PyTorch's FSDP2 on the fake process group to the byte). Everywhere else (tensor, pipeline, context or
+expert parallel; the engines and recipes the simulator does not replay) the textbook decides: the stage of
+the layout that holds the most (memcalc.parallel.layout), with the reason beside it. Every field is one
+GPU's bytes, and none is negative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from memcalc.errors import InputError
+from memcalc.exact.config import Phases, not_replayed, shape_not_replayed
+from memcalc.exact.step import step_phases
+from memcalc.exact.zero import Sharding
+from memcalc.memory.setup import Budget, Setup
+from memcalc.model.gpus import GPU
+from memcalc.model.shape import Model, n_params
+from memcalc.model.tricks import Tricks
+
+from .engines import engine_layout
+from .layout import Layout, check_layout, layout_memory, sharded_state
+
+ONE_GPU = Layout()
+
+
+@dataclass(slots=True)
+class Verdict(Budget):
+    """One trick set's peak on one GPU of the job, and what it was counted from."""
+
+    tricks: Tricks
+    state_bytes: int  # live between steps: weights, master, optimizer state (what this GPU keeps of them)
+    peak_bytes: int  # the step's highest live bytes on this GPU
+    peak_at: str  # where the step peaks: "optimizer: sqrt" (replayed), "stage 0" (the textbook's)
+    usable_bytes: int  # the GPU's memory less the CUDA context reserve
+    host_bytes: int  # this GPU's model state in host memory (offload)
+    host_usable_bytes: int  # its share of the node's host memory
+    phases: Phases | None  # the replayed step on this GPU; None where the textbook decides
+    replay: str  # what was replayed ("one GPU's step", "ZeRO-3 over 64 ranks", ...), "" for the textbook
+    textbook_reason: str  # why the textbook decides ("" where the step is replayed)
+    n_params: int  # the parameters the replay builds: the shape's own count
+
+    @property
+    def replayed(self) -> bool:
+        return self.phases is not None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes
+
+    @property
+    def transient_bytes(self) -> int:
+        """Live at the peak besides the state: activations, logits, gradients, buffers, temporaries, inputs."""
+        return self.peak_bytes - self.state_bytes
+
+    @property
+    def retained_bytes(self) -> int:
+        """What forward leaves alive for backward (saved tensors and the loss); 0 where not replayed."""
+        return self.phases.retained_bytes if self.phases is not None else 0
+
+
+def replay_gap(model: Model, setup: Setup, tricks: Tricks, layout: Layout) -> str:
+    """Why the exact model cannot replay one GPU of this job ("" when it can): the stack, the shape, the
+    routing, and the layout (it replays data parallelism, with the generic engine's ZeRO or FSDP2's)."""
+    s, shape = setup.stack, model.shape
+    reason = not_replayed(s.model, s.recipe, s.impl, setup.optimizer, tricks.precision) or shape_not_replayed(
+        shape, s.model, s.recipe, s.impl
+    )
+    if reason:
+        return reason
+    if not setup.routing.balanced:  # verify's reference router is the balanced one
+        return "the exact model replays balanced routing; a capacity factor or an imbalance is the textbook's"
+    if max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1:
+        return ("the exact model replays data parallelism (ZeRO, FSDP2, offload); tensor, pipeline, context and "
+                "expert parallel are the textbook's")  # fmt: skip
+    if s.engine == "fsdp2" and layout.zero == 3:
+        return fsdp2_gap(setup, tricks, layout)
+    return ""
+
+
+def fsdp2_gap(setup: Setup, tricks: Tricks, layout: Layout) -> str:
+    """What memcalc.exact.fsdp2's replay of one torchtitan rank does not cover (it runs torchtitan's step:
+    one micro-batch, fused AdamW over fp32 shards on the GPU)."""
+    if setup.optimizer != "adamw":
+        return f"the FSDP2 replay runs torchtitan's fused AdamW, not {setup.optimizer}"
+    if setup.grad_accum > 1:
+        return "the FSDP2 replay runs one micro-batch per step, not gradient accumulation"
+    if layout.offload_optimizer or layout.offload_params:
+        return "the FSDP2 replay keeps everything on the GPU; CPUOffloadPolicy is the textbook's"
+    if tricks.precision == "fp16" or tricks.recompute == "op" or tricks.mixed:
+        return f"the FSDP2 replay runs bf16 and fp32 with full or no recompute, not {tricks.label}"
+    return ""
+
+
+@lru_cache(maxsize=4096)  # the toolbox, fit and plan ask for the same jobs again and again
+def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout = ONE_GPU) -> Verdict:
+    """The verdict for one trick set on one GPU of the layout (setup.parallel is not read: the layout says
+    how the GPUs share the work)."""
+    layout = engine_layout(layout, setup.stack.engine)
+    check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, setup.stack.engine)
+    gap = replay_gap(model, setup, tricks, layout)
+    if gap:
+        return textbook_verdict(model, setup, gpu, tricks, layout, gap)
+    shape, s, g = model.shape, setup, layout.shard_group
+    if s.stack.engine == "fsdp2" and layout.zero == 3:
+        from memcalc.exact.fsdp2 import fsdp2_step
+
+        phases = fsdp2_step(shape, s.seq_len, s.micro_batch, tricks, g, layout.reshard_after_forward)
+        replay = f"one FSDP2 rank of {g}, hook by hook"
+    else:
+        sharding = Sharding(layout.zero, g, layout.offload_optimizer, layout.offload_params)
+        phases = step_phases(shape, s.seq_len, s.micro_batch, tricks, s.grad_accum, s.stack, s.optimizer, sharding)
+        replay = replay_text(sharding)
+    own = n_params(shape)
+    state = sharded_state(own, tricks.precision, s.optimizer, g, layout.zero, layout.offload_optimizer,
+                          layout.offload_params, s.stack.recipe)  # fmt: skip
+    peak = max(phases.forward_peak_bytes, phases.backward_peak_bytes, phases.optimizer_peak_bytes)
+    return Verdict(tricks, phases.state_bytes, peak, peak_at(phases), gpu.usable_bytes, state.host_bytes,
+                   host_share(setup, layout), phases, replay, "", own)  # fmt: skip
+
+
+def textbook_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, reason: str) -> Verdict:
+    """The textbook's verdict: the layout's stage that holds the most, per GPU (memcalc.parallel.layout)."""
+    if tricks.recompute == "op":
+        raise InputError(f"{tricks.label}: the textbook has no formula for sac, and {reason}")
+    memory = layout_memory(model, setup, gpu, tricks, layout)
+    st = memory.peak
+    where = f"stage {st.stage}" if layout.pp > 1 else "the textbook's peak"
+    return Verdict(tricks, st.state.total_bytes, st.total_bytes, where, st.usable_bytes, memory.host_bytes,
+                   st.host_usable_bytes, None, "", reason, model.n_params)  # fmt: skip
+
+
+def replay_text(sharding: Sharding) -> str:
+    """What the replay was, in a few words."""
+    if sharding.trivial:
+        return "one GPU's step"
+    parts = [f"ZeRO-{sharding.zero} over {sharding.ranks} ranks" if sharding.shards > 1 else "one GPU's step"]
+    if sharding.offload:
+        parts.append("parameters and optimizer offloaded" if sharding.offload_params else "optimizer offloaded")
+    return ", ".join(parts)
+
+
+def peak_at(p: Phases) -> str:
+    """Where the step peaks: the phase and op ("optimizer: sqrt"); the first to reach it on a tie."""
+    peaks = [(p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),
+             (p.optimizer_peak_bytes, p.optimizer_peak_at)]  # fmt: skip
+    return max(peaks, key=lambda x: x[0])[1]
+
+
+def host_share(setup: Setup, layout: Layout) -> int:
+    """One GPU's share of its node's host memory: the job's GPUs on a node split it."""
+    return setup.host_memory // min(layout.world, layout.gpus_per_node)

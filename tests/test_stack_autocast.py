@@ -11,6 +11,7 @@ reference recipe, term by term.
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 from dataclasses import replace
 
@@ -43,7 +44,8 @@ AUTOCAST = stack_for("torch", impl="reference")  # torch.autocast, the reference
 
 def cpu_config(shape, seq: int, batch: int, tricks: str, grad_accum: int = 1, device: str = "cpu") -> Config:
     t = parse_tricks(tricks)
-    return Config(shape, seq, batch, t.precision, t.flash, t.recompute, grad_accum, recipe="autocast", device=device)
+    return Config(shape, seq, batch, t.precision, t.flash, t.recompute, grad_accum, recipe="autocast", device=device,
+                  ckpt_every=t.ckpt_every)
 
 
 def cpu_shape(shape, tricks: str):
@@ -107,6 +109,30 @@ def test_cpu_step_equals_simulation_selective(family, tricks):
 @pytest.mark.parametrize("family,tricks", [("llama", "fp16,flash"), ("gpt", "bf16,ckpt")])
 def test_cpu_step_equals_simulation_grad_accum(family, tricks):
     check_equal(FAMILIES[family], tricks, batch=1, grad_accum=3)
+
+
+@pytest.mark.parametrize("family,tricks", [("llama", "bf16,flash,ckpt:2"), ("gpt", "fp16,ckpt:2"),
+                                           ("llama", "bf16,ckpt:3")])  # fmt: skip
+def test_cpu_step_equals_simulation_ckpt_n(family, tricks):
+    """ckpt:N under autocast: only every Nth block (from 1) checkpointed, the others keep their activations and
+    their weights' casts (three blocks: ckpt:2 checkpoints the second; ckpt:3 the third)."""
+    check_equal(replace(FAMILIES[family], n_layers=3), tricks)
+
+
+@pytest.mark.parametrize("shape", [["--model", "qwen3-0.6b"], ["--model", "gpt2"], ["--hidden", "256", "--heads", "4"]],
+                         ids=["qwen3-0.6b", "gpt2", "custom"])  # fmt: skip
+@pytest.mark.parametrize("tricks", ["bf16,flash,ckpt:2", "bf16,ckpt:2"])
+def test_verify_the_torch_stack_with_ckpt_n(shape, tricks):
+    """`memcalc verify --device meta ... --layers 2 --seq 64 --tricks bf16,flash,ckpt:2 --stack torch`: the CPU
+    run checkpoints block 1 only, as the replay does (it checkpointed both: saved bytes 91% under the replay's)."""
+    args = ["verify", "--device", "meta", *shape, "--layers", "2", "--seq", "64", "--tricks", tricks, "--stack",
+            "torch", "--format", "json"]  # fmt: skip
+    out = CliRunner().invoke(app, args, env={"NO_COLOR": "1"})
+    assert out.exit_code == 0, out.output
+    rows = {r["quantity"]: r for r in json.loads(out.stdout)["rows"]}
+    judged = [r for r in rows.values() if r["passed"] is not None]
+    assert judged and all(r["measured"] == r["exact"] for r in judged)
+    assert rows["saved for backward, all 2 layers"]["measured"] > 0
 
 
 @pytest.mark.parametrize("name", ["llama3-like", "mqa-tied-wide-heads", "qkv-bias", "mixed"])

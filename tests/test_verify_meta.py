@@ -31,7 +31,7 @@ from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from memcalc.verification.results import VerifyResult  # noqa: E402
 from tests.replay import FIELDS, assert_same_step  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402
-from verify.meta import MetaMeasurement, count_flops, measure_step, saved_at_depth  # noqa: E402
+from verify.meta import MetaMeasurement, count_flops, measure_meta, measure_step, saved_at_depth  # noqa: E402
 from verify.run import verify  # noqa: E402
 
 LLAMA_8B = PRESETS["qwen3-8b"]  # what --params 8e9 picks
@@ -238,6 +238,17 @@ def test_presets_build_with_their_parameter_count():
         shape = PRESETS[name]
         model = build(shape, Kernels(attention="aten-flash"), 1024, torch.bfloat16)
         assert sum(p.numel() for p in model.parameters()) == n_params(shape)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+@pytest.mark.parametrize("layers,tricks", [(1, "bf16,flash,ckpt:2"), (1, "bf16,ckpt:2"), (2, "fp32,ckpt:3")])
+def test_depths_beside_fewer_blocks_than_n(family, layers, tricks):
+    """ckpt:N over fewer than N blocks checkpoints none (memcalc.exact.step.as_run), nor do the depths verify
+    builds beside it: one layer and outside are exact's (depth 2 under ckpt:2 checkpointed its block 1)."""
+    shape, t = replace(TINY[family], n_layers=layers), parse_tricks(tricks)
+    m, a = measure_meta(shape, 24, 1, t), exact_step(shape, 24, 1, t).activations
+    assert (m.saved_one_layer_bytes, m.saved_outside_bytes, m.n_checkpointed) == (a.per_layer_bytes, a.outside_bytes, 0)
+    assert m.linear_in_depth and m.step.saved_bytes == a.total_bytes
 
 
 def test_dropout_and_flash_routing_on_meta():

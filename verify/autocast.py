@@ -32,7 +32,7 @@ from memcalc.model.stacks import Stack, stack_for
 from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build, materialise
-from .meta import StepBytes, measure_step, meta_kernels
+from .meta import StepBytes, kernels_for, measure_step, meta_kernels
 from .recipes import DTYPES, AdamW, adamw_, bitsandbytes, library_optimizer
 from .track import LiveBytes
 
@@ -115,8 +115,9 @@ class AutocastRecipe:
 
 
 def cpu_kernels(tricks: Tricks) -> Kernels:
-    """What runs on CPU: stock SDPA held to its flash backend, and aten.native_dropout (bool mask)."""
-    return Kernels(attention="sdpa-flash" if tricks.flash else "eager", dropout="native", recompute=tricks.recompute)
+    """What runs on CPU: stock SDPA held to its flash backend, and aten.native_dropout (bool mask); the
+    trick set's blocks checkpointed, ckpt:N's every Nth among them, as on meta (kernels_for)."""
+    return kernels_for(tricks, "sdpa-flash" if tricks.flash else "eager", "native")
 
 
 def measure_cpu(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,

@@ -28,7 +28,7 @@ from memcalc.model.tricks import Tricks
 from memcalc.verification.results import DevicePhases
 
 from .builder import Kernels, build, materialise
-from .meta import inputs_for, train_step
+from .meta import inputs_for, kernels_for, train_step
 from .recipes import DTYPES, Recipe, TorchRecipe, recipe_for
 from .track import LiveBytes
 
@@ -51,11 +51,9 @@ def device_kernels(tricks: Tricks, device: str = "cuda") -> Kernels:
     if device != "cuda":
         if tricks.flash:
             raise InputError("flash attention needs CUDA (or the meta device)")
-        return Kernels(attention="eager", dropout="native", recompute=tricks.recompute,
-                   ckpt_every=tricks.ckpt_every)
+        return kernels_for(tricks, "eager", "native")
     attention = ("flash-attn" if flash_attn_available() else "sdpa-flash") if tricks.flash else "eager"
-    return Kernels(attention=attention, dropout="functional", recompute=tricks.recompute,
-                   ckpt_every=tricks.ckpt_every)
+    return kernels_for(tricks, attention, "functional")
 
 
 # -- allocator statistics ----------------------------------------------------------------------------

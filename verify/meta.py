@@ -8,6 +8,8 @@ Three passes over the same model and recipe:
      be linear in them); with ckpt:N at depths N − 1, N and N + 1, for a layer not checkpointed
      (N + 1 less N) and one checkpointed (N less N − 1); with dense blocks before MoE ones, the step
      exact counts outside (memcalc.exact.step.Growth.first_blocks) and a MoE block of each kind past it;
+     every depth built with the trick set as the full depth runs it (memcalc.exact.step.as_run: ckpt:N
+     over fewer than N blocks checkpoints none, so neither do the depths beside it);
   3. FLOPs under FlopCounterMode, forward and backward, in a pass of its own (with non-reentrant
      checkpointing it keeps recomputed tensors alive until it exits).
 Meta runs what CUDA runs because the builder is told to (Kernels): aten.native_dropout and
@@ -55,10 +57,15 @@ def paths_for(stack: Stack):
     return contextlib.nullcontext()
 
 
+def kernels_for(tricks: Tricks, attention: str, dropout: str) -> Kernels:
+    """The attention and dropout kernels named, on any device; the blocks checkpointed are the trick set's
+    (ckpt:N: every Nth from 1, Kernels.checkpointed), each through torch/utils/checkpoint.py's checkpoint."""
+    return Kernels(attention, dropout, tricks.recompute, tricks.ckpt_every)
+
+
 def meta_kernels(tricks: Tricks) -> Kernels:
     """What CUDA runs, called by name: see builder.py's docstring."""
-    return Kernels(attention="aten-flash" if tricks.flash else "eager", dropout="native", recompute=tricks.recompute,
-                   ckpt_every=tricks.ckpt_every)
+    return kernels_for(tricks, "aten-flash" if tricks.flash else "eager", "native")
 
 
 @dataclass(frozen=True)
@@ -249,17 +256,18 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     progress(f"meta: the step at {shape.n_layers} layers")
     step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack=stack, optimizer=optimizer)
     L, grown = shape.n_layers, growth(tricks, shape)
-    n_ckpt = tricks.n_checkpointed(L) if tricks.mixed else 0
+    run = as_run(tricks, L)  # ckpt:N over fewer than N blocks checkpoints none: nor do the builds beside it
+    n_ckpt = run.n_checkpointed(L) if run.mixed else 0
 
     def saved(depth: int) -> int:
-        return saved_at_depth(shape, seq_len, micro_batch, tricks, depth, stack)
+        return saved_at_depth(shape, seq_len, micro_batch, run, depth, stack)
 
     first, plain_depth, ckpt_depth = 0, 1, 0
     if grown is None:  # dense and MoE blocks in another pattern: measured whole only
         progress("meta: saved bytes per layer: not linear in depth (blocks of two kinds interleaved)")
         plain, checkpointed, outside, first, n_ckpt = 0, None, step.saved_bytes, L, 0
     elif grown.dense:  # dense blocks first: the step of first_blocks blocks outside, MoE blocks past it (exact's)
-        run, first = as_run(tricks, L), grown.first_blocks
+        first = grown.first_blocks
         plain_depth, ckpt_depth = layer_blocks(grown, run)
         n_ckpt = run.n_checkpointed(L) - run.n_checkpointed(first) if run.mixed else 0
         depths = sorted({first} | {d + i for d in (plain_depth, ckpt_depth) if d is not None for i in (0, 1)})
@@ -269,7 +277,7 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         checkpointed = saved(ckpt_depth + 1) - saved(ckpt_depth) if ckpt_depth is not None else None
         plain_depth, ckpt_depth = plain_depth or 0, ckpt_depth or 0
     elif n_ckpt:  # ckpt:N: blocks N and N + 1 (from 1) are checkpointed and plain
-        n = tricks.ckpt_every
+        n = run.ckpt_every
         progress(f"meta: saved bytes at depths {n - 1}, {n} and {n + 1}")
         before, at, after = (saved(d) for d in (n - 1, n, n + 1))
         plain, checkpointed, outside = after - at, at - before, before - (n - 1) * (after - at)

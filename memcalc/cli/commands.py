@@ -157,13 +157,15 @@ def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mf
 
 def parse_positive(text: str, name: str, most: float = math.inf) -> float:
     """A finite number in (0, most]: --mfu and --tol are fractions (most 1), times and rates are not."""
+    from memcalc.model.jsonfile import brief
+
     try:
-        value = float(text)
+        value = float(text)  # a number past a double's range is inf (refused below), below it 0.0
     except ValueError:
-        raise InputError(f"{name} must be a number, got {text!r}") from None
+        raise InputError(f"{name} must be a number, got {brief(text)}") from None
     if not (0 < value <= most and math.isfinite(value)):  # also rejects nan
         kind = "a fraction in (0, 1]" if most == 1 else "a positive number"
-        raise InputError(f"{name} must be {kind}, got {text!r}")
+        raise InputError(f"{name} must be {kind}, got {brief(text)}")
     return value
 
 

@@ -177,12 +177,14 @@ def pipeline_run(model, setup, tricks, fsdp, tp, sp: bool, pp, stage, grad_accum
 
 
 def parse_stage(text: str, pp: int) -> int:
+    from memcalc.model.jsonfile import brief
+
     try:
         k = int(text.strip())
     except ValueError:
         k = -1
     if not 0 <= k < pp:
-        raise InputError(f"--stage must be a whole number in [0, {pp}), got {text!r}")
+        raise InputError(f"--stage must be a whole number in [0, {pp}), got {brief(text)}")
     return k
 
 

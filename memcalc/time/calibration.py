@@ -125,7 +125,7 @@ def override(cal: Calibration, text: str) -> Calibration:
         try:
             values[name] = float(value)
         except ValueError:
-            raise InputError(f"--calibration {name} must be a number, got {value!r}") from None
+            raise InputError(f"--calibration {name} must be a number, got {brief(value)}") from None
         check_value(name, values[name])
         sources[name] = "--calibration on the command line"
     return replace(cal, **values, provenance=tuple(sources.items()))

@@ -189,6 +189,12 @@ def test_gemma_is_geglu_and_verified_as_such(tmp_path):
     ("estimate --params 8e9 --explain --format csv", "drop --explain"),
     ("estimate --params 8e9 --exact --optimizer sgd", "--optimizer sgd runs with --optimizer-impl loop or foreach"),
     ("estimate --params 8e9 --exact --gpus 8 --zero 1", "drop --gpus, --zero and --offload"),
+    ("estimate --params 8e9 --no-reshard --stack deepspeed --gpus 8 --zero 3", "not on deepspeed"),
+    ("estimate --params 8e9 --reshard --stack reference", "not on reference"),
+    ("estimate --params 8e9 --reshard --stack fsdp2 --tp 8 --gpus 8", "one data-parallel rank"),
+    ("estimate --params 8e9 --gpus 8 --zero 3 --hybrid", "drop --hybrid"),
+    ("estimate --params 8e9 --gpus 16 --tp 2 --zero 1 --hybrid --gpus-per-node 16", "drop --hybrid"),
+    ("estimate --params 8e9 --gpus 8 --tp 8 --zero 1 --hybrid", "drop --hybrid"),
 ])  # fmt: skip
 def test_options_that_would_be_ignored_are_refused(args, message):
     """Defect 15: each option either works or is refused with one line."""

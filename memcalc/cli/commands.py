@@ -514,7 +514,8 @@ def verify(
                 raise InputError("--reshard/--no-reshard apply to the FSDP2 check: add --fsdp N --stack fsdp2")
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")
-            run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save, not no_linearity)
+            run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save,
+                                         not no_linearity, units)  # fmt: skip
         results = run()
     except InputError as e:
         fail(str(e))

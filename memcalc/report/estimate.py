@@ -191,10 +191,10 @@ def textbook_size(m, units: str) -> str:
 def fit_text(b, units: str, free: bool = False) -> str:
     """A Budget's verdict in a cell: 'yes' (with what is free), 'no, 12.3 GB over', or 'no, host 1.2 TB over'
     when the GPU holds it but the node's CPU memory does not hold what offload moves there."""
-    if b.headroom_bytes < 0:
-        return f"no, {u.size(-b.headroom_bytes, units)} over"
+    if b.headroom_bytes < 0:  # a few bytes over reads as over, not as 0.000 GB
+        return f"no, {u.size_pair(-b.headroom_bytes, 0, units)[0]} over"
     if not b.host_fits:
-        return f"no, host {u.size(b.host_bytes - b.host_usable_bytes, units)} over"
+        return f"no, host {u.size_pair(b.host_bytes - b.host_usable_bytes, 0, units)[0]} over"
     return f"yes, {u.size(b.headroom_bytes, units)} free" if free else "yes"
 
 
@@ -202,18 +202,18 @@ def host_note(b, units: str) -> list[str]:
     """What offload puts in CPU memory against this GPU's share of it, when it puts anything there."""
     if not b.host_bytes:
         return []
-    return [f"host: {u.size(b.host_bytes, units)} per GPU offloaded, against {u.size(b.host_usable_bytes, units)} "
-            "(its share of the node's CPU memory, --host-memory)"]  # fmt: skip
+    held, share = u.size_pair(b.host_bytes, b.host_usable_bytes, units)
+    return [f"host: {held} per GPU offloaded, against {share} (its share of the node's CPU memory, --host-memory)"]
 
 
 def verdict(est: Estimate, tb: Toolbox, units: str) -> str:
     """The answer in one sentence: it fits as it is, the cheapest combination that fits, or nothing does.
     The toolbox starts from the first trick set (fp32 in the progression) and applies the cheapest tools first."""
-    g = f"{u.size(est.gpu.usable_bytes, units)} usable on one {est.gpu.key}"
-    start = f"{tb.start.tricks.label} needs {u.size(tb.start.total_bytes, units)} at its peak, of the {g}"
+    needs, usable = u.size_pair(tb.start.total_bytes, est.gpu.usable_bytes, units)
+    start = f"{tb.start.tricks.label} needs {needs} at its peak, of the {usable} usable on one {est.gpu.key}"
     if not tb.start.host_fits:
-        start += (f", and {u.size(tb.start.host_bytes, units)} of host memory per GPU, of its "
-                  f"{u.size(tb.start.host_usable_bytes, units)} share")  # fmt: skip
+        host, share = u.size_pair(tb.start.host_bytes, tb.start.host_usable_bytes, units)
+        start += f", and {host} of host memory per GPU, of its {share} share"
     if tb.fits_at == -1:
         return f"Fits: {start}."
     if tb.fits_at is None:
@@ -364,7 +364,7 @@ def zero_text(step) -> str:
     if step.setup.micro_batch == 1 and step.setup.grad_accum > 1:
         parts.append(f"micro-batch 1 x {step.setup.grad_accum} accumulation")
     if p.zero:
-        parts.append(f"ZeRO-{p.zero} over {p.gpus} GPUs")
+        parts.append(f"ZeRO-{p.zero} over {u.plural(p.gpus, 'GPU')}")
     if p.offload:
         parts.append("optimizer offloaded to CPU")
     return "".join(", " + x for x in parts)

@@ -1,5 +1,6 @@
-"""What memcalc ships cites its sources themselves (a paper, a datasheet, a measurement said how it was
-made), never a note outside the project that a reader of the package does not have."""
+"""What memcalc ships reads right: it cites its sources themselves (a paper, a datasheet, a measurement
+said how it was made), never a note outside the project that a reader of the package does not have,
+and the README's list of pages says each thing once."""
 
 import re
 import subprocess
@@ -49,3 +50,26 @@ def test_no_shipped_file_cites_a_path_outside_the_project():
 ])  # fmt: skip
 def test_the_check_sees_what_it_is_for(text, cited):
     assert bool(outside_citations(ROOT / "docs" / "page.md", text)) is cited
+
+
+def bullets(markdown: str, heading: str) -> list[str]:
+    """The items of the list under `## heading`, each with its continuation lines joined."""
+    body = markdown.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    items: list[str] = []
+    for line in body.splitlines():
+        if line.startswith("- "):
+            items.append(line[2:])
+        elif line.startswith("  ") and items:
+            items[-1] += " " + line.strip()
+    return items
+
+
+def test_each_documentation_bullet_says_a_thing_once():
+    """A stray copy of an old line ended the docs/parallel.md bullet: "... against their own formulas.
+    every collective, the bubble) and `memcalc plan`."."""
+    items = bullets((ROOT / "README.md").read_text(), "Documentation")
+    assert len(items) >= 8
+    for item in items:
+        words = re.findall(r"[\w`-]+", re.sub(r"\]\([^)]*\)", "]", item).lower())  # a link's target aside
+        grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
+        assert len(grams) == len(set(grams)), item

@@ -183,6 +183,14 @@ BAD_INPUT = [
     (["estimate", "--params", "8e9", "--bogus"], "No such option"),
     (["estimate", "--params"], "requires an argument"),
     (["fit", "--params", "8e9", "--tricks", "bf16,warp"], "unknown trick"),
+    # the rest of docs/options.md's "Bad input" list
+    (["estimate", "--params", "2e12"], "the canonical shapes cover"),
+    (["estimate", "--params", "8e9", "--tp", "3", "--gpus", "3"], "must divide the 32 attention heads"),
+    (["estimate", "--params", "8e9", "--tp", "2", "--gpus", "3"], "do not split into tp 2"),
+    (["estimate", "--params", "8e9", "--pp", "2", "--gpus", "8", "--zero", "3"], "ZeRO-3 with pipeline parallel"),
+    (["estimate", "--params", "8e9", "--offload", "--gpus", "2"], "needs ZeRO >= 1"),
+    (["estimate", "--params", "8e9", "--reshard"], "drop it"),
+    (["estimate", "--model", "llama3-8b", "--pp", "3", "--vpp", "2", "--gpus", "3"], "must divide the 32 layers"),
 ]
 
 
@@ -195,6 +203,13 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and message in lines[0]
     assert result.stdout == ""
+
+
+def test_a_pp_that_does_not_divide_the_layers_is_answered():
+    """docs/options.md said exit 2; the stages are split as torchtitan splits them: 32 layers as 11, 11, 10."""
+    data = json.loads(run("estimate", "--model", "llama3-8b", "--pp", "3", "--gpus", "3", "--tricks", "bf16,flash",
+                          "--format", "json").stdout)  # fmt: skip
+    assert [stage["layers"] for stage in data["stages"][0]] == [11, 11, 10]  # the one trick set's stages
 
 
 @pytest.mark.parametrize("content", ["{", "[]", '"text"'])

@@ -188,6 +188,12 @@ def test_gemma_is_geglu_and_verified_as_such(tmp_path):
     ("estimate --params 8e9 --explain --format json", "drop --explain"),
     ("estimate --params 8e9 --explain --format csv", "drop --explain"),
     ("estimate --params 8e9 --exact --optimizer sgd", "--optimizer sgd runs with --optimizer-impl loop or foreach"),
+    ("estimate --params 8e9 --no-reshard --stack deepspeed --gpus 8 --zero 3", "not on deepspeed"),
+    ("estimate --params 8e9 --reshard --stack reference", "not on reference"),
+    ("estimate --params 8e9 --reshard --stack fsdp2 --tp 8 --gpus 8", "one data-parallel rank"),
+    ("estimate --params 8e9 --gpus 8 --zero 3 --hybrid", "drop --hybrid"),
+    ("estimate --params 8e9 --gpus 16 --tp 2 --zero 1 --hybrid --gpus-per-node 16", "drop --hybrid"),
+    ("estimate --params 8e9 --gpus 8 --tp 8 --zero 1 --hybrid", "drop --hybrid"),
 ])  # fmt: skip
 def test_options_that_would_be_ignored_are_refused(args, message):
     """Defect 15: each option either works or is refused with one line."""
@@ -266,3 +272,24 @@ def test_offload_is_charged_against_the_host_memory():
             "--host-memory", "1T"]  # fmt: skip
     assert as_json(*plan)["fitting"] == 0
     assert "out of host memory" in run(*plan).stdout  # why offloading does not rescue it
+
+
+@pytest.mark.parametrize("args, where", [
+    ("estimate --model gpt2 --tricks bf16", ("setup", "seq_len")),
+    ("fit --model gpt2", ("seq_len",)),
+    ("mfu --model gpt2 --tokens-per-sec 1000", ("seq_len",)),
+    ("plan --model gpt2 --gpus 8 --global-batch 8", ("seq_len",)),
+])  # fmt: skip
+def test_without_seq_a_short_position_table_is_the_default(args, where):
+    """`memcalc estimate --model gpt2` exited 2: the default --seq 4096 is past GPT-2's 1,024 positions."""
+    data = as_json(*args.split())
+    for key in where:
+        data = data[key]
+    assert data == 1024
+    assert as_json("estimate", "--model", "llama3-8b", "--tricks", "bf16")["setup"]["seq_len"] == 4096  # RoPE
+
+
+def test_verify_without_seq_takes_gpt2s_position_table():
+    pytest.importorskip("torch")
+    out = run("verify", "--device", "meta", "--model", "gpt2", "--layers", "2", "--tricks", "bf16,flash")
+    assert out.exit_code == 0 and "seq 1,024" in out.stdout, out.output[-500:]

@@ -115,8 +115,14 @@ def test_fsdp2_shards_fp32_parameters_gradients_and_adam():
     ("megatron", {"dp": 8, "zero": 3, "offload_optimizer": True, "offload_params": True}, "Megatron-LM runs DDP"),
     ("deepspeed", {"pp": 2, "dp": 4, "zero": 3}, "PipelineEngine"),
     ("reference", {"pp": 2, "dp": 4, "zero": 2}, "ZeRO-2 with pipeline parallel is unsupported"),
+    ("reference", {"dp": 8, "zero": 3, "reshard_after_forward": True}, "reshard_after_forward.*not on reference"),
+    ("deepspeed", {"dp": 8, "zero": 3, "reshard_after_forward": False}, "reshard_after_forward.*not on deepspeed"),
+    ("megatron", {"dp": 8, "zero": 1, "reshard_after_forward": False}, "reshard_after_forward.*not on megatron"),
+    ("fsdp2", {"tp": 8, "reshard_after_forward": True}, "reshard_after_forward.*one data-parallel rank"),
+    ("fsdp2", {"reshard_after_forward": False}, "reshard_after_forward.*one data-parallel rank"),
 ])  # fmt: skip
 def test_what_each_engine_refuses(stack, layout, message):
+    """--reshard/--no-reshard were accepted, and ignored, on every stack but FSDP2 sharding over dp > 1."""
     with pytest.raises(InputError, match=message):
         memory(stack, **layout)
 

@@ -105,12 +105,49 @@ def test_file_size_is_capped(tmp_path, flag):
     assert "1 MiB" in one_line_exit_2(run("estimate", *args))
 
 
+def file_args(flag: str, path) -> list[str]:
+    return ["--config", str(path)] if flag == "--config" else ["--params", "8e9", "--calibration", str(path)]
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
 @pytest.mark.parametrize("flag", ["--config", "--calibration"])
 def test_dev_zero_is_refused_without_eating_memory(flag):
-    """Defect 4: --config /dev/zero read without end before the fix; now at most 1 MiB is read."""
-    args = ["--config", "/dev/zero"] if flag == "--config" else ["--params", "8e9", "--calibration", "/dev/zero"]
-    assert "1 MiB" in one_line_exit_2(run("estimate", *args))
+    """Defect 4: --config /dev/zero read without end before the fix; now it is refused unread (not a file)."""
+    assert "not a regular file" in one_line_exit_2(run("estimate", *file_args(flag, "/dev/zero")))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("flag", ["--config", "--calibration"])
+def test_a_named_pipe_is_refused_without_waiting_for_a_writer(tmp_path, flag):
+    """--config FIFO blocked forever in open(); the CLI runs in a subprocess so that the test cannot hang."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    out = subprocess.run([sys.executable, "-m", "memcalc", "estimate", *file_args(flag, fifo)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-500:]
+    assert out.stderr.startswith("error: ") and "not a regular file" in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--config", "--calibration"])
+def test_a_utf8_byte_order_mark_is_read(tmp_path, flag):
+    """A config.json saved with a BOM (Windows editors) was refused with json's "Unexpected UTF-8 BOM"."""
+    path = tmp_path / "with-bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(CONFIG if flag == "--config" else CALIBRATION).encode())
+    out = run("estimate", *file_args(flag, path), "--seq", "128", "--tricks", "bf16")
+    assert out.exit_code == 0, out.output[-500:]
+
+
+def test_a_whole_number_written_as_a_float_is_read(tmp_path):
+    """"hidden_size": 256.0 was refused as "must be a whole number, got 256.0"; 256.5 still is."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "hidden_size": 256.0, "num_hidden_layers": 2.0}))
+    assert (config_model(path).shape.hidden, config_model(path).shape.n_layers) == (256, 2)
+    path.write_text(with_value(CONFIG, "hidden_size", "256.5"))
+    message = one_line_exit_2(run("estimate", "--config", str(path)))
+    assert message == "error: config 'hidden_size' must be a whole number, got 256.5"
 
 
 @pytest.mark.parametrize("flag", ["--config", "--calibration"])

@@ -91,6 +91,7 @@ def test_layouts_more_data_parallel_gpus_never_raise_memory(model, tricks, optim
     assume(model.shape.n_kv_heads % tp == 0 and model.shape.ffn % tp == 0)
     assume(offload != "params" or zero == 3)
     opt, params = offload != "none", offload == "params"
+    hybrid = hybrid and dp > 8 // tp  # hybrid shard applies where dp spans more than a node (8 GPUs, tp first)
     fewer = Layout(tp=tp, dp=dp, zero=zero, hybrid=hybrid, offload_optimizer=opt, offload_params=params)
     more = replace(fewer, dp=2 * dp)
     assert layout_total(model, tricks, optimizer, more) <= layout_total(model, tricks, optimizer, fewer)

@@ -20,6 +20,7 @@ from memcalc.model.flops import textbook_step_flops
 from memcalc.model.gpus import GPU, GPUS
 from memcalc.model.shape import Model, ModelShape, check_positions, n_params
 from memcalc.model.tricks import Tricks, parse_tricks
+from memcalc.report.units import size
 from memcalc.time.calibration import calibration_for
 from memcalc.time.roofline import step_time
 from memcalc.verification.results import DEFAULT_TOL, Row, Timing, VerifyResult
@@ -112,10 +113,6 @@ def attention_name(tricks: Tricks, device: str, ops: tuple[str, ...] = (), stack
     if device == "meta":
         return "aten._scaled_dot_product_flash_attention, called directly (what SDPA's flash backend runs on CUDA)"
     return f"flash: {', '.join(ops) if ops else 'no attention op seen'}"
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 # -- rows ---------------------------------------------------------------------------------------------
@@ -295,7 +292,7 @@ def timing_of(run: DeviceRun, e: ExactStep, setup: Setup, tricks: Tricks, gpu: G
 
 def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None, steps: int = 3,
            layers: int | None = None, tol: float | None = None, progress: Progress | None = None,
-           linearity: bool = True, cpu_limit_bytes: int | None = None) -> VerifyResult:  # fmt: skip
+           linearity: bool = True, cpu_limit_bytes: int | None = None, units: str = "gb") -> VerifyResult:  # fmt: skip
     """Measure one trick set and compare it with memcalc's predictions.
 
     device: cuda, meta, or None (cuda when present, else meta). cpu runs the CUDA path on CPU
@@ -304,6 +301,7 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
     layers: build this many layers instead of the model's. On CUDA a model that the prediction says
       will not fit is built as deep as fits, and an out-of-memory error retries shallower.
     linearity: on CUDA, also measure at half the depth (per-layer bytes are linear in depth).
+    units: gb or gib, for the sizes written into notes and errors (the rows hold bytes).
     Out of memory and a missing flash kernel come back as the result's error; bad input raises
     InputError.
     """
@@ -327,18 +325,19 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
                   micro_batch=setup.micro_batch, grad_accum=setup.grad_accum, layers_requested=shape.n_layers,
                   tolerance=tol)  # fmt: skip
     if on_cpu:
-        result.update(autocast_result(shape, setup, tricks, tol, report))
+        result.update(autocast_result(shape, setup, tricks, tol, report, units))
     elif device == "meta":
         rows, notes = meta_rows(shape, setup, tricks, tol, report)
         result.update(attention=attention_name(tricks, "meta", stack_model=setup.stack.model), gpu_name=None,
                       layers_built=shape.n_layers, layers_note="", rows=tuple(rows), phases=None, timing=None,
                       error=None, notes=notes)  # fmt: skip
     else:
-        result.update(verify_on_device(shape, setup, tricks, device, steps, tol, linearity, cpu_limit_bytes, report))
+        result.update(verify_on_device(shape, setup, tricks, device, steps, tol, linearity, cpu_limit_bytes, report,
+                                       units))  # fmt: skip
     return VerifyResult(**result, seconds=time.perf_counter() - start)
 
 
-def autocast_result(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, report) -> dict:
+def autocast_result(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, report, units: str = "gb") -> dict:
     """An autocast stack, measured on CPU tensors at reduced size beside the CPU replay of that step
     (verify/autocast.py cpu_rows); the CUDA prediction at the size asked in a note."""
     rows, notes, red = cpu_rows(shape, setup, tricks, tol, report, textbook)
@@ -346,7 +345,7 @@ def autocast_result(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float,
     peak, at = max(((p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),
                     (p.optimizer_peak_bytes, p.optimizer_peak_at)), key=lambda x: x[0])  # fmt: skip
     notes += (f"the CUDA prediction at the size asked ({shape.n_layers} layers, seq {setup.seq_len}): whole-step "
-              f"peak {gib(peak)} ({peak:,} B) at {at}",)  # fmt: skip
+              f"peak {size(peak, units)} ({peak:,} B) at {at}",)  # fmt: skip
     if setup.stack.model == "hf":
         from .hf import describe
 
@@ -358,7 +357,7 @@ def autocast_result(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float,
 
 
 def verify_on_device(shape: ModelShape, setup: Setup, tricks: Tricks, device: str, steps: int, tol: float,
-                     linearity: bool, cpu_limit_bytes: int | None, report) -> dict:  # fmt: skip
+                     linearity: bool, cpu_limit_bytes: int | None, report, units: str = "gb") -> dict:  # fmt: skip
     """The deepest model that fits, measured; out of memory retried shallower, then reported."""
     if tricks.flash and device == "cpu":
         raise InputError("flash attention needs CUDA (or the meta device)")
@@ -375,12 +374,12 @@ def verify_on_device(shape: ModelShape, setup: Setup, tricks: Tricks, device: st
     built, note = shape.n_layers, ""
     if predicted(built) > budget:
         built = deepest_fit(shape, lambda layers: predicted(layers) <= budget)
-        need = gib(predicted(shape.n_layers))
-        note = f"{shape.n_layers} layers need {need} (predicted); {built} fit in {gib(budget)}"
+        need = size(predicted(shape.n_layers), units)
+        note = f"{shape.n_layers} layers need {need} (predicted); {built} fit in {size(budget, units)}"
     error, rows, run, timing, notes = None, [], None, None, ()
     for _ in range(RETRIES):
         if built < 1:
-            error = f"out of memory: not even one layer fits ({note or gib(budget) + ' free'})"
+            error = f"out of memory: not even one layer fits ({note or size(budget, units) + ' free'})"
             break
         try:
             rows, run, timing, notes = device_rows(with_layers(shape, built), setup, tricks, tol, stats, steps,
@@ -406,8 +405,8 @@ def verify_on_device(shape: ModelShape, setup: Setup, tricks: Tricks, device: st
 def verify_matrix(model: Model, setup: Setup, device: str | None = None, trick_sets: tuple[Tricks, ...] = MATRIX,
                   steps: int = 3, layers: int | None = None, tol: float | None = None,
                   progress: Progress | None = None, linearity: bool = True,
-                  cpu_limit_bytes: int | None = None,
-                  on_result: Callable[[VerifyResult], None] | None = None) -> list[VerifyResult]:  # fmt: skip
+                  cpu_limit_bytes: int | None = None, on_result: Callable[[VerifyResult], None] | None = None,
+                  units: str = "gb") -> list[VerifyResult]:  # fmt: skip
     """verify() for every trick set in turn; a run that fails is a result (its error), the rest go on.
     progress counts whole runs: (trick set: what runs now, runs done, runs in all); on_result gets
     each result as soon as its run ends (so a run cut short by a time limit keeps what it finished)."""
@@ -416,7 +415,7 @@ def verify_matrix(model: Model, setup: Setup, device: str | None = None, trick_s
         sub = None
         if progress is not None:
             sub = lambda what, done, total, i=i, label=tricks.label: progress(f"{label}: {what}", i, n)  # noqa: E731
-        results.append(verify(model, setup, tricks, device, steps, layers, tol, sub, linearity, cpu_limit_bytes))
+        results.append(verify(model, setup, tricks, device, steps, layers, tol, sub, linearity, cpu_limit_bytes, units))
         if on_result is not None:
             on_result(results[-1])
     if progress is not None:

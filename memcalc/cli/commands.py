@@ -66,7 +66,7 @@ Heads = Annotated[Optional[str], typer.Option("--heads", help="Override the atte
 KvHeads = Annotated[Optional[str], typer.Option("--kv-heads", help="Override the KV heads (GQA).", metavar="N")]
 Ffn = Annotated[Optional[str], typer.Option("--ffn", help="Override the MLP width.", metavar="N")]
 Vocab = Annotated[Optional[str], typer.Option("--vocab", help="Override the vocabulary size.", metavar="N")]
-Seq = Annotated[str, typer.Option("--seq", help="Sequence length in tokens; k and m are binary (8k = 8,192).", metavar="N")]
+Seq = Annotated[Optional[str], typer.Option("--seq", help="Sequence length in tokens; k and m are binary (8k = 8,192).", metavar="N", show_default="4096, or the model's position table if shorter")]  # fmt: skip
 MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per forward/backward pass.", metavar="N")]
 GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
 TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, ckpt:N (every Nth block), selective, sac (torchtitan's per-op policy) (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
@@ -157,13 +157,15 @@ def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mf
 
 def parse_positive(text: str, name: str, most: float = math.inf) -> float:
     """A finite number in (0, most]: --mfu and --tol are fractions (most 1), times and rates are not."""
+    from memcalc.model.jsonfile import brief
+
     try:
-        value = float(text)
+        value = float(text)  # a number past a double's range is inf (refused below), below it 0.0
     except ValueError:
-        raise InputError(f"{name} must be a number, got {text!r}") from None
+        raise InputError(f"{name} must be a number, got {brief(text)}") from None
     if not (0 < value <= most and math.isfinite(value)):  # also rejects nan
         kind = "a fraction in (0, 1]" if most == 1 else "a positive number"
-        raise InputError(f"{name} must be {kind}, got {text!r}")
+        raise InputError(f"{name} must be {kind}, got {brief(text)}")
     return value
 
 
@@ -176,7 +178,7 @@ def estimate(
     params: Params = None, model: ModelName = None, config: Config = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
-    seq: Seq = "4096", micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
+    seq: Seq = None, micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
     optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
@@ -203,10 +205,11 @@ def estimate(
         from memcalc.engine.job import Job
         from memcalc.model.gpus import gpu as find_gpu
 
-        from .inputs import resolve_model, resolve_tricks
+        from .inputs import resolve_model, resolve_tricks, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         trick_sets, the_gpu = resolve_tricks(tricks), find_gpu(gpu)
         routing = build_routing(the_model, capacity_factor, expert_imbalance)
         run = parse_run(tokens, price)
@@ -297,7 +300,7 @@ def plan(
     ffn: Ffn = None, vocab: Vocab = None,
     gpus: Annotated[str, typer.Option("--gpus", help="GPUs in the job (the world size).", metavar="N")] = ...,
     global_batch: Annotated[str, typer.Option("--global-batch", help="Sequences per optimizer step, all GPUs together.", metavar="N")] = ...,
-    seq: Seq = "4096", gpus_per_node: GpusPerNode = None,
+    seq: Seq = None, gpus_per_node: GpusPerNode = None,
     tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
     optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
@@ -315,10 +318,11 @@ def plan(
         from memcalc.model.tricks import check_layer_uniform, parse_tricks
         from memcalc.parallel.plan import plan as run_plan
 
-        from .inputs import resolve_model
+        from .inputs import resolve_model, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         t = parse_tricks(tricks)
         check_layer_uniform(t, "the planner's layouts")
         named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
@@ -359,7 +363,7 @@ def fit(
     params: Params = None, model: ModelName = None, config: Config = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
-    seq: Seq = "4096", micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
+    seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, gpu: GpuOpt = "h100-sxm", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
@@ -371,10 +375,11 @@ def fit(
         from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.tricks import parse_tricks
 
-        from .inputs import resolve_model
+        from .inputs import resolve_model, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
                             optimizer_impl)  # fmt: skip
         layout = build_layout(gpus, None, None, None, None, zero, False, None, False, offload, False, None)
@@ -394,7 +399,7 @@ def fit(
 def mfu(
     params: Params = None, model: ModelName = None, config: Config = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
-    ffn: Ffn = None, vocab: Vocab = None, seq: Seq = "4096",
+    ffn: Ffn = None, vocab: Vocab = None, seq: Seq = None,
     tokens_per_sec: Annotated[Optional[str], typer.Option("--tokens-per-sec", help="Measured tokens per second per GPU.", metavar="X")] = None,
     step_time: Annotated[Optional[str], typer.Option("--step-time", help="Measured seconds per optimizer step (with --global-batch).", metavar="S")] = None,
     global_batch: Annotated[Optional[str], typer.Option("--global-batch", help="Sequences per step, all GPUs together.", metavar="N")] = None,
@@ -410,10 +415,11 @@ def mfu(
         from memcalc.model.tricks import parse_tricks
         from memcalc.time.mfu import mfu_report, tokens_per_gpu_second
 
-        from .inputs import resolve_model
+        from .inputs import resolve_model, seq_for
 
         fmt = check_format(fmt)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         t = parse_tricks(tricks)
         seq_len = parse_seq(seq)
         rate = tokens_per_gpu_second(
@@ -438,7 +444,7 @@ def verify(
     params: Params = None, model: ModelName = None, config: Config = None,
     layers: Annotated[Optional[str], typer.Option("--layers", help="Depth to build (overrides the model's layers).", metavar="N")] = None,
     hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None, ffn: Ffn = None, vocab: Vocab = None,
-    seq: Seq = "4096", micro_batch: MicroBatch = "1",
+    seq: Seq = None, micro_batch: MicroBatch = "1",
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
     stack: StackOpt = "reference", recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, optimizer: Optimizer = "adamw",
     matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
@@ -462,12 +468,13 @@ def verify(
         from memcalc.model.shape import parse_count
         from memcalc.model.tricks import parse_tricks
 
-        from .inputs import resolve_model
+        from .inputs import resolve_model, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         shape_given = any(x is not None for x in (params, model, config, layers, hidden, heads))
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab) \
             if shape_given or step is None else None  # fmt: skip
+        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         setup = build_setup(seq, micro_batch, "1", optimizer, "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl)
         the_tricks = parse_tricks(tricks)
         n_steps = parse_count(steps, "steps", 1000)
@@ -502,7 +509,8 @@ def verify(
                 raise InputError("--reshard/--no-reshard apply to the FSDP2 check: add --fsdp N --stack fsdp2")
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")
-            run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save, not no_linearity)
+            run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save,
+                                         not no_linearity, units)  # fmt: skip
         results = run()
     except InputError as e:
         fail(str(e))

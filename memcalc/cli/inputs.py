@@ -7,7 +7,7 @@ from dataclasses import replace
 from memcalc.errors import InputError
 from memcalc.model.hfconfig import config_model
 from memcalc.model.presets import MAX_PARAMS, canonical_model, gpt, preset_model
-from memcalc.model.shape import MAX_SIZE, Model, n_params, override, parse_count
+from memcalc.model.shape import MAX_SIZE, Model, longest_seq, n_params, override, parse_count
 from memcalc.model.tricks import PROGRESSION, Tricks, parse_tricks
 
 
@@ -55,6 +55,17 @@ def resolve_model(
     shape = replace(base, **{k: v for k, v in sizes.items() if v is not None})
     origin = "custom GPT-style shape from --layers --hidden --heads (GPT-2/3 layer, no position table)"
     return Model(shape, n_params(shape), origin)
+
+
+DEFAULT_SEQ = 4096
+
+
+def seq_for(seq: str | None, model: Model | None) -> str:
+    """--seq as given; without it 4096 tokens, or the model's learned position table where that is shorter
+    (GPT-2: 1,024), so that `--model gpt2` runs as it is."""
+    if seq is not None:
+        return seq
+    return str(DEFAULT_SEQ if model is None else min(DEFAULT_SEQ, longest_seq(model.shape)))
 
 
 def overrides_note(sizes: dict[str, int | None]) -> str:

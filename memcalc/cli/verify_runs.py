@@ -15,7 +15,7 @@ def needs_torch() -> None:
 
 
 def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt: str, save: str | None = None,
-               linearity: bool = True):  # fmt: skip
+               linearity: bool = True, units: str = "gb"):  # fmt: skip
     """verify/ (torch) imported only now; a progress bar on a terminal for the table format."""
     on_result = None if save is None else saver(save)
 
@@ -27,9 +27,9 @@ def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt:
             dev = None if device is None else device.strip().lower()
             if matrix:
                 return verify_matrix(model, setup, device=dev, steps=steps, tol=tol, progress=progress,
-                                     linearity=linearity, on_result=on_result)  # fmt: skip
+                                     linearity=linearity, on_result=on_result, units=units)  # fmt: skip
             return [run_verify(model, setup, tricks, device=dev, steps=steps, tol=tol, progress=progress,
-                               linearity=linearity)]  # fmt: skip
+                               linearity=linearity, units=units)]  # fmt: skip
 
     return run
 
@@ -177,12 +177,14 @@ def pipeline_run(model, setup, tricks, fsdp, tp, sp: bool, pp, stage, grad_accum
 
 
 def parse_stage(text: str, pp: int) -> int:
+    from memcalc.model.jsonfile import brief
+
     try:
         k = int(text.strip())
     except ValueError:
         k = -1
     if not 0 <= k < pp:
-        raise InputError(f"--stage must be a whole number in [0, {pp}), got {text!r}")
+        raise InputError(f"--stage must be a whole number in [0, {pp}), got {brief(text)}")
     return k
 
 

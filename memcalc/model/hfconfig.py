@@ -50,10 +50,13 @@ def field(config: dict, *keys: str, default: object = None, required: bool = Tru
 
 
 def whole(config: dict, *keys: str, default: int | None = None, required: bool = True) -> int | None:
-    """A JSON integer (None where the field is absent and not required)."""
+    """A JSON integer, or a float that is one (256.0, as some exporters write); None where the field is
+    absent and not required."""
     value = field(config, *keys, default=default, required=required)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():  # jsonfile keeps every float finite
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise InputError(f"config {keys[0]!r} must be a whole number, got {brief(value)}")
     return value

@@ -1,8 +1,9 @@
 """Read a small JSON file the user names (a config.json, a calibration) into a dict, with a bounded read.
 
-Every way such a file can be wrong is one InputError line: missing or unreadable, larger than
-MAX_BYTES (never read whole: `--config /dev/zero` or a mistyped weights file reads 1 MiB at most), not
-UTF-8, not JSON, nested deeper than the decoder recurses, an integer no float can hold, a float that
+Every way such a file can be wrong is one InputError line: missing or unreadable, not a regular file
+(a named pipe, `/dev/zero`, a folder: refused before a byte is read), larger than MAX_BYTES (never
+read whole: a mistyped weights file reads 1 MiB at most), not UTF-8 (a byte-order mark is allowed),
+not JSON, nested deeper than the decoder recurses, an integer no float can hold, a float that
 overflows to infinity, the NaN and Infinity literals Python's json accepts, or not a JSON object.
 Wrong types inside the object are the reader's to refuse (memcalc.model.hfconfig, memcalc.time.calibration).
 """
@@ -10,6 +11,8 @@ Wrong types inside the object are the reader's to refuse (memcalc.model.hfconfig
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 from memcalc.errors import InputError
@@ -41,10 +44,18 @@ def read_json_object(path: str | Path, what: str) -> dict:
 
 
 def read_text(p: Path, what: str) -> str:
-    """The file's text, reading at most MAX_BYTES + 1 bytes (enough to know it is too large)."""
+    """The text of a regular file, reading at most MAX_BYTES + 1 bytes (enough to know it is too large).
+
+    Opened without blocking and checked before any read: open() of a named pipe waits for a writer
+    forever, and a device (/dev/zero) or a folder is no file of settings either."""
     try:
-        with p.open("rb") as f:
-            raw = f.read(MAX_BYTES + 1)
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise InputError(f"{what} {p} is not a regular file (a folder, pipe or device): give a {what} file")
+            raw = read_up_to(fd, MAX_BYTES + 1)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise InputError(f"cannot read {what} {p}: {what} file not found") from None
     except OSError as e:
@@ -52,9 +63,18 @@ def read_text(p: Path, what: str) -> str:
     if len(raw) > MAX_BYTES:
         raise InputError(f"{what} {p} is larger than {MAX_BYTES >> 20} MiB: not a {what} file (one is a few KB)")
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # a byte-order mark, as some Windows editors write, is skipped
     except UnicodeDecodeError:
         raise InputError(f"{what} {p} is not UTF-8 text: not a {what} file") from None
+
+
+def read_up_to(fd: int, n: int) -> bytes:
+    """At most n bytes from fd, fewer only at its end (os.read may return less than asked)."""
+    chunks, left = [], n
+    while left and (chunk := os.read(fd, left)):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def whole(digits: str) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from memcalc.errors import InputError
+from memcalc.model.jsonfile import MAX_DIGITS, brief
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("silu", "gelu")  # gelu: the tanh approximation GPT-2 and Gemma use
@@ -444,18 +445,21 @@ def parse_count(text: str, name: str, limit: float = float(MAX_SIZE), suffixes: 
     scale = 1
     if raw and raw[-1].lower() in suffixes:
         scale, raw = suffixes[raw[-1].lower()], raw[:-1]
+    too_large = InputError(f"{name} = {brief(text.strip())} is absurdly large (limit {limit:.3g})")
+    if raw.isdigit() and len(raw) > MAX_DIGITS:  # int() refuses 4,300 digits; no float holds 309
+        raise too_large
     try:
         value = int(raw) * scale if raw.isdigit() else float(raw) * scale
     except ValueError:
-        raise InputError(f"{name} must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise InputError(f"{name} must be a finite number, got {text!r}")
+        raise InputError(f"{name} must be a number, got {brief(text)}") from None
+    if isinstance(value, float) and not math.isfinite(value):  # an int is never converted to float
+        raise InputError(f"{name} must be a finite number, got {brief(text)}")
     if value <= 0:
-        raise InputError(f"{name} must be positive, got {text!r}")
-    if value > limit:
-        raise InputError(f"{name} = {text} is absurdly large (limit {limit:.3g})")
+        raise InputError(f"{name} must be positive, got {brief(text)}")
+    if value > limit:  # Python compares an int with a float exactly
+        raise too_large
     if value != int(value):
-        raise InputError(f"{name} must be a whole number, got {text!r}")
+        raise InputError(f"{name} must be a whole number, got {brief(text)}")
     return int(value)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcalc.errors import InputError
+from memcalc.model.jsonfile import brief
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 RECOMPUTES = ("none", "selective", "full", "op")
@@ -133,8 +134,8 @@ def ckpt_every(name: str) -> int:
     if name == "ckpt":
         return 1
     n = name.removeprefix("ckpt:")
-    if not n.isdigit() or not 1 <= int(n) <= MAX_CKPT_EVERY:
-        raise InputError(f"{name!r}: ckpt:N checkpoints every Nth block; N must be a whole number from 1 to "
+    if not n.isdigit() or len(n) > len(str(MAX_CKPT_EVERY)) or not 1 <= int(n) <= MAX_CKPT_EVERY:
+        raise InputError(f"{brief(name)}: ckpt:N checkpoints every Nth block; N must be a whole number from 1 to "
                          f"{MAX_CKPT_EVERY}")  # fmt: skip
     return int(n)
 

@@ -75,6 +75,12 @@ def check_engine(layout, key: str) -> None:
     if key == "megatron" and layout.offload_params:
         raise InputError("Megatron-LM does not offload parameters (its optimizer CPU offload moves the fp32 "
                          "master and Adam state): drop --offload-params")  # fmt: skip
+    if layout.reshard_after_forward is not None and (key != "fsdp2" or layout.shard_ranks == 1):
+        # torchtitan's fully_shard(reshard_after_forward=...), applied only when dp_shard · cp > 1
+        where = "one data-parallel rank, which FSDP2 does not shard" if key == "fsdp2" else \
+            f"not on {'reference, torch or hf' if key == 'none' else key}"  # fmt: skip
+        raise InputError("--reshard/--no-reshard set FSDP2's reshard_after_forward (--stack fsdp2 over several "
+                         f"data-parallel GPUs), {where}: drop it")  # fmt: skip
 
 
 def engine_layout(layout, key: str):

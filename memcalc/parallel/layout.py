@@ -112,6 +112,10 @@ class Layout:
                             or self.shard_ranks % self.node_shard_ranks):  # fmt: skip
             raise InputError(f"hybrid shard needs whole data-parallel groups inside a node: tp {self.tp}, "
                              f"dp x cp {self.shard_ranks}, {self.gpus_per_node} GPUs per node")  # fmt: skip
+        if self.hybrid and self.shard_ranks == self.node_shard_ranks:
+            raise InputError(f"hybrid shard replicates across nodes, but the data-parallel group (dp x cp = "
+                             f"{self.shard_ranks}) fits in one node of {self.gpus_per_node} GPUs, so nothing is "
+                             "replicated: drop --hybrid")  # fmt: skip
         if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
             raise InputError(f"expert parallel {self.ep} x expert tensor parallel {self.etp} must divide the "
                              f"tp x cp x dp = {self.tp * self.cp * self.dp} GPUs of a stage (Megatron-LM's MoE "

@@ -157,11 +157,10 @@ def verdict(ans: Answer, units: str) -> str:
     The toolbox starts from the first trick set (fp32 in the progression) and applies the cheapest tools first."""
     tb, g = ans.toolbox, ans.job.gpu
     gpus = "one" if ans.job.layout.world == 1 else "each"
-    usable = g.usable_bytes
-    start = f"{tb.start.tricks.label} needs {u.pair(tb.start.total_bytes, usable, units)[0]} at its peak, of the " \
-            f"{u.pair(tb.start.total_bytes, usable, units)[1]} usable on {gpus} {g.key}"  # fmt: skip
+    needs, usable = u.size_pair(tb.start.total_bytes, g.usable_bytes, units)
+    start = f"{tb.start.tricks.label} needs {needs} at its peak, of the {usable} usable on {gpus} {g.key}"
     if not tb.start.host_fits:
-        host, share = u.pair(tb.start.host_bytes, tb.start.host_usable_bytes, units)
+        host, share = u.size_pair(tb.start.host_bytes, tb.start.host_usable_bytes, units)
         start += f", and {host} of host memory per GPU, of its {share} share"
     if tb.fits_at == -1:
         return f"Fits: {start}."

@@ -103,10 +103,10 @@ def textbook_size(m, units: str) -> str:
 def fit_text(b, units: str, free: bool = False) -> str:
     """A Budget's verdict in a cell: 'yes' (with what is free), 'no, 12.3 GB over', or 'no, host 1.2 TB over'
     when the GPU holds it but the node's CPU memory does not hold what offload moves there."""
-    if b.headroom_bytes < 0:
-        return f"no, {u.size(-b.headroom_bytes, units)} over"
+    if b.headroom_bytes < 0:  # a few bytes over reads as over, not as 0.000 GB
+        return f"no, {u.size_pair(-b.headroom_bytes, 0, units)[0]} over"
     if not b.host_fits:
-        return f"no, host {u.size(b.host_bytes - b.host_usable_bytes, units)} over"
+        return f"no, host {u.size_pair(b.host_bytes - b.host_usable_bytes, 0, units)[0]} over"
     return f"yes, {u.size(b.headroom_bytes, units)} free" if free else "yes"
 
 
@@ -114,8 +114,8 @@ def host_note(b, units: str) -> list[str]:
     """What offload puts in CPU memory against this GPU's share of it, when it puts anything there."""
     if not b.host_bytes:
         return []
-    return [f"host: {u.size(b.host_bytes, units)} per GPU offloaded, against {u.size(b.host_usable_bytes, units)} "
-            "(its share of the node's CPU memory, --host-memory)"]  # fmt: skip
+    held, share = u.size_pair(b.host_bytes, b.host_usable_bytes, units)
+    return [f"host: {held} per GPU offloaded, against {share} (its share of the node's CPU memory, --host-memory)"]
 
 
 def state_section(state: ModelState, units: str) -> Section:

@@ -30,7 +30,7 @@ def layout_text(layout: Layout) -> str:
     """'tp 8 + SP x pp 4 (v 2) x cp 1 x dp 2 = 64 GPUs'."""
     tp = f"tp {layout.tp}" + (" + SP" if layout.sp else "")
     pp = f"pp {layout.pp}" + (f" (v {layout.vpp})" if layout.vpp > 1 else "")
-    text = f"{tp} x {pp} x cp {layout.cp} x dp {layout.dp} = {layout.world} GPUs"
+    text = f"{tp} x {pp} x cp {layout.cp} x dp {layout.dp} = {u.plural(layout.world, 'GPU')}"
     if layout.ep > 1 or layout.etp > 1:  # the experts fold into the stage's tp x cp x dp GPUs
         etp = f" x etp {layout.etp}" if layout.etp > 1 else ""
         text += f", experts over ep {layout.ep}{etp} (edp {layout.expert_shard_ranks})"
@@ -199,7 +199,7 @@ def assumption_notes(est: LayoutEstimate) -> list[str]:
 
 
 def cluster_section(est: LayoutEstimate, units: str) -> Section:
-    s = Section(f"Cluster totals over {est.gpus} GPUs", ["quantity", "value"])
+    s = Section(f"Cluster totals over {u.plural(est.gpus, 'GPU')}", ["quantity", "value"])
     s.rows.append(["GPU memory, all GPUs at their peak", sized(est.cluster_bytes, units)])
     if est.cluster_host_bytes:
         s.rows.append(["host memory (offload)", sized(est.cluster_host_bytes, units)])
@@ -233,13 +233,14 @@ def layout_verdict(estimates: list[LayoutEstimate], units: str) -> str:
         mem = estimates[0].memory
         peak = mem.peak
         where = f"stage {peak.stage}" if estimates[0].layout.pp > 1 else "each GPU"
-        needs = f"{where} needs {u.size(peak.total_bytes, units)} of the {usable} usable per GPU"
+        need, of = u.size_pair(peak.total_bytes, estimates[0].gpu.usable_bytes, units)  # distinct when they differ
+        needs = f"{where} needs {need} of the {of} usable per GPU"
         if mem.fits:
             return f"Fits: {needs}."
         host = max(mem.stages, key=lambda st: st.host_bytes)
         if not host.host_fits:
-            needs += (f", and {u.size(host.host_bytes, units)} of host memory per GPU, of its "
-                      f"{u.size(host.host_usable_bytes, units)} share")  # fmt: skip
+            held, share = u.size_pair(host.host_bytes, host.host_usable_bytes, units)
+            needs += f", and {held} of host memory per GPU, of its {share} share"
         return f"Does not fit: {needs}; `memcalc plan` searches the layouts that fit."
     if not fit:
         return f"Does not fit with any of these trick sets ({usable} usable per GPU); `memcalc plan` searches the layouts that fit."
@@ -417,11 +418,11 @@ def alternative_row(alt: Alternative, best: float | None, units: str) -> list[st
     est = alt.estimate
     where = f"{est.layout.label}, b {est.setup.micro_batch}, {recompute_text(est.tricks.recompute)}"
     if not alt.fits:
-        need, usable = u.size(est.memory.total_bytes, units), u.size(est.gpu.usable_bytes, units)
+        need, usable = u.size_pair(est.memory.total_bytes, est.gpu.usable_bytes, units)
         host = max(est.memory.stages, key=lambda st: st.host_bytes)
         if est.memory.total_bytes <= est.gpu.usable_bytes and not host.host_fits:
-            why = (f"out of host memory: needs {u.size(host.host_bytes, units)} per GPU of its "
-                   f"{u.size(host.host_usable_bytes, units)} share")  # fmt: skip
+            held, share = u.size_pair(host.host_bytes, host.host_usable_bytes, units)
+            why = f"out of host memory: needs {held} per GPU of its {share} share"
             return [alt.name, where, "-", "-", why]
         return [alt.name, where, "-", "-", f"out of memory: needs {need} of {usable} at its smallest"]
     tps = est.time.tokens_per_second

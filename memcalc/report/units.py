@@ -14,29 +14,23 @@ def check_units(units: str) -> str:
     return key
 
 
-def size(n: int | float, units: str = "gb") -> str:
-    """427617681408 -> '427.6 GB'; three or four significant digits."""
+def size(n: int | float, units: str = "gb", more: int = 0) -> str:
+    """427617681408 -> '427.6 GB'; three or four significant digits, and `more` decimals after them."""
     scale, label = UNITS[units]
     x = n / scale
-    if abs(x) >= 100:
-        return f"{x:,.1f} {label}"
-    if abs(x) >= 10:
-        return f"{x:.2f} {label}"
-    return f"{x:.3f} {label}"
+    digits = (1 if abs(x) >= 100 else 2 if abs(x) >= 10 else 3) + more
+    return f"{x:,.{digits}f} {label}"
 
 
-def pair(a: int, b: int, units: str = "gb") -> tuple[str, str]:
-    """Two sizes a sentence compares, with the digits it takes to tell them apart: 150.2 GB and 150.2 GB
-    become 150.24 GB and 150.19 GB (equal sizes, or sizes a digit cannot part, stay as size() has them)."""
-    first, second = size(a, units), size(b, units)
-    if first != second or a == b:
-        return first, second
-    scale, label = UNITS[units]
-    for digits in range(2, 10):
-        first, second = f"{a / scale:,.{digits}f} {label}", f"{b / scale:,.{digits}f} {label}"
-        if first != second:
+def size_pair(a: int | float, b: int | float, units: str = "gb") -> tuple[str, str]:
+    """Two sizes one sentence or row compares (needed and usable): as size() prints them, with as many
+    more decimals as it takes to read differently when they differ (150.2 GB against 150.2 GB is
+    150.212 GB against 150.210 GB); 12 more reach below a byte at 1 TB."""
+    for more in range(13):
+        x, y = size(a, units, more), size(b, units, more)
+        if x != y or a == b:
             break
-    return first, second
+    return x, y
 
 
 def exact_bytes(n: int) -> str:

@@ -22,8 +22,9 @@ from memcalc.model.jsonfile import brief, read_json_object
 
 FORMAT = "memcalc-calibration/1"
 FOLDER = Path(__file__).parent / "calibrations"
-H200_MATMUL = "torch.matmul bf16 8192³ at 769–798 TFLOP/s on one H200 (numbers.md), 783.5 / 989"
-H200_COPY = "device-to-device copy at ~4.3 TB/s on one H200 (numbers.md), 4.3 / 4.8"
+# memcalc's own measurement on one H200 (PyTorch, random data), as calibrations/h200.json records it
+H200_MATMUL = "torch.matmul bf16 8192³ at 769–798 TFLOP/s on one H200 (memcalc's measurement, h200.json), 783.5 / 989"
+H200_COPY = "device-to-device copy at ~4.3 TB/s on one H200 (memcalc's measurement, h200.json), 4.3 / 4.8"
 
 # name: (default, meaning, provenance of the default)
 PARAMETERS: dict[str, tuple[float, str, str]] = {
@@ -125,7 +126,7 @@ def override(cal: Calibration, text: str) -> Calibration:
         try:
             values[name] = float(value)
         except ValueError:
-            raise InputError(f"--calibration {name} must be a number, got {value!r}") from None
+            raise InputError(f"--calibration {name} must be a number, got {brief(value)}") from None
         check_value(name, values[name])
         sources[name] = "--calibration on the command line"
     return replace(cal, **values, provenance=tuple(sources.items()))

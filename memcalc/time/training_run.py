@@ -50,7 +50,8 @@ def runs_for_estimate(est, tokens: int, price: float | None, times=None) -> tupl
     GPUs: perfect scaling, communication not counted."""
     gpus = est.setup.parallel.gpus
     model = "roofline" if times else "--mfu"
-    scaling = f"one GPU's rate ({model}) x {gpus} data-parallel GPUs, communication not counted (see --tp/--dp for it)"
+    scaling = (f"one GPU's rate ({model}) x {gpus} data-parallel GPU{'' if gpus == 1 else 's'}, communication not "
+               "counted (see --tp/--dp for it)")  # fmt: skip
     return tuple(training_run(c.tricks, tokens, gpus, c.tokens_per_second * gpus, price, scaling)
                  for c in (times or est.compute))  # fmt: skip
 

@@ -70,7 +70,7 @@ def check_dist(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, 
     if setup.grad_accum != 1:
         raise InputError("distributed verify runs one micro-batch per step: grad-accum must be 1")
     check_positions(shape, setup.seq_len)
-    check_layout(layout, shape, setup.seq_len, tricks, 1)
+    check_layout(layout, shape, setup.seq_len, tricks, 1, "fsdp2" if setup.stack.engine == "fsdp2" else "none")
 
 
 def check_fsdp2(shape: ModelShape, layout: Layout, device: str) -> None:

@@ -10,7 +10,7 @@ from memcalc.cli import app
 from memcalc.report import units as u
 
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
-MISS = "estimate --model qwen3-4b --gpu h200 --tricks bf16,flash"  # 11,776 and 21,226 tokens miss by ~2 MB
+MISS = "estimate --model qwen3-4b --gpu h200 --tricks bf16,flash"  # 11,776 tokens miss by ~2 MB; 47,532 on tp 2 by 1 MB
 
 
 def run(args: str):
@@ -29,7 +29,7 @@ def test_a_pair_of_sizes_gets_the_digits_that_tell_them_apart():
 
 @pytest.mark.parametrize("args, pattern", [
     (f"{MISS} --seq 11776", r"needs ([\d.,]+ GB) at its peak, of the ([\d.,]+ GB) usable"),
-    (f"{MISS} --seq 21226 --dp 1", r"needs ([\d.,]+ GB) of the ([\d.,]+ GB) usable"),
+    (f"{MISS} --seq 47532 --tp 2", r"needs ([\d.,]+ GB) of the ([\d.,]+ GB) usable"),
 ])  # fmt: skip
 def test_a_verdict_that_misses_by_megabytes_shows_the_difference(args, pattern):
     """"needs 150.2 GB at its peak, of the 150.2 GB usable": it did not fit by 2 MB."""
@@ -49,12 +49,13 @@ def test_a_stage_over_by_kilobytes_is_not_zero_over():
 
 
 def test_one_gpu_is_singular():
-    """"= 1 GPUs", "Cluster totals over 1 GPUs", "x 1 data-parallel GPUs"."""
-    out = run("estimate --params 8e9 --tricks bf16,flash --dp 1 --tokens 1e12 --detail")
-    assert "1 GPUs" not in out and "= 1 GPU," in out and "Cluster totals over 1 GPU\n" in out
-    single = run("estimate --params 8e9 --tricks bf16,flash --tokens 1e12")
-    assert "1 data-parallel GPUs" not in single and "x 1 data-parallel GPU," in single
-    assert "x 8 data-parallel GPUs," in run("estimate --params 8e9 --tricks bf16,flash --tokens 1e12 --gpus 8 --zero 1")
+    """"= 1 GPUs", "Cluster totals over 1 GPUs", "x 1 data-parallel GPUs": one GPU reads as one."""
+    for args in ("--tokens 1e12 --detail", "--dp 1 --tokens 1e12 --detail", "--gpus 8 --zero 1 --tokens 1e12 --detail",
+                 "--tp 2 --tokens 1e12 --detail", "--tp 2 --pp 2 --gpus 4"):  # fmt: skip
+        out = run(f"estimate --params 8e9 --tricks bf16,flash {args}")
+        assert not re.search(r"\b1 GPUs\b", out), (args, [line for line in out.splitlines() if "1 GPUs" in line])
+    assert "on 1 GPU\n" in run("estimate --params 8e9 --tricks bf16,flash --tokens 1e12")
+    assert "Cluster totals over 2 GPUs" in run("estimate --params 8e9 --tricks bf16,flash --tp 2 --detail")
 
 
 @pytest.mark.parametrize("units, label, other", [("gb", " GB", " GiB"), ("gib", " GiB", " GB")])

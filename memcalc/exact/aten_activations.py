@@ -6,7 +6,7 @@ the two that save a mask: dropout's and masked_fill's.
 from __future__ import annotations
 
 from .aten_arithmetic import to
-from .aten_operands import size
+from .aten_operands import made, size
 from .sim import Graph, Tensor, nbytes
 
 
@@ -17,13 +17,10 @@ def unary(g: Graph, x: Tensor, op: str, backward_op: str, saves: str, out_dtype:
     saved_bytes, in_dtype = nbytes(x), x.dtype
 
     def rule(gs):
-        out = g.empty(gs[0].shape, in_dtype if out_dtype else gs[0].dtype, backward_op)
-        g.kernel(backward_op, (gs[0], saved_bytes), (out,))
-        return [out]
+        return [made(g, gs[0].shape, backward_op, gs[0], saved_bytes, dtype=in_dtype if out_dtype else gs[0].dtype)]
 
     node = g.begin(op, [x], rule, [(x, "self")] if saves == "self" else [])
-    out = g.empty(x.shape, out_dtype or x.dtype, op)
-    g.kernel(op, (x,), (out,))
+    out = made(g, x.shape, op, x, dtype=out_dtype or x.dtype)
     g.end(node, [out], [(out, "result")] if saves == "result" else [])
     return out
 
@@ -79,9 +76,7 @@ def native_dropout(g: Graph, x: Tensor) -> Tensor:
     mask_bytes = size(x.shape, "bool")
 
     def rule(gs):
-        out = g.empty(gs[0].shape, gs[0].dtype, "native_dropout_backward")
-        g.kernel("native_dropout_backward", (gs[0], mask_bytes), (out,))
-        return [out]
+        return [made(g, gs[0].shape, "native_dropout_backward", gs[0], mask_bytes, dtype=gs[0].dtype)]
 
     node = g.begin("native_dropout", [x], rule)
     out = g.empty(x.shape, x.dtype, "native_dropout")
@@ -97,12 +92,9 @@ def masked_fill(g: Graph, x: Tensor, mask: Tensor) -> Tensor:
     mask_bytes = nbytes(mask)
 
     def rule(gs):
-        out = g.empty(gs[0].shape, gs[0].dtype, "masked_fill")
-        g.kernel("masked_fill", (gs[0], mask_bytes), (out,))
-        return [out]
+        return [made(g, gs[0].shape, "masked_fill", gs[0], mask_bytes, dtype=gs[0].dtype)]
 
     node = g.begin("masked_fill", [x], rule, [(mask, "mask")])
-    out = g.empty(x.shape, x.dtype, "masked_fill")
-    g.kernel("masked_fill", (x, mask), (out,))
+    out = made(g, x.shape, "masked_fill", x, mask, dtype=x.dtype)
     g.end(node, [out])
     return out

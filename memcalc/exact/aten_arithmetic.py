@@ -6,7 +6,7 @@ power, the result of rsqrt.
 
 from __future__ import annotations
 
-from .aten_operands import autocast, broadcast, promote, size
+from .aten_operands import autocast, broadcast, made, promote, size
 from .sim import Graph, Tensor, nbytes
 
 
@@ -17,13 +17,10 @@ def to(g: Graph, x: Tensor, dtype: str) -> Tensor:
     src = x.dtype
 
     def rule(gs):
-        out = g.empty(gs[0].shape, src, "_to_copy")
-        g.kernel("_to_copy", (gs[0],), (out,))
-        return [out]
+        return [made(g, gs[0].shape, "_to_copy", gs[0], dtype=src)]
 
     node = g.begin("_to_copy", [x], rule)
-    out = g.empty(x.shape, dtype, "_to_copy")
-    g.kernel("_to_copy", (x,), (out,))
+    out = made(g, x.shape, "_to_copy", x, dtype=dtype)
     g.end(node, [out])
     return out
 
@@ -33,8 +30,7 @@ def add(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     inputs that need it (an additive mask needs none)."""
     sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
     node = g.begin("add", [a, b], lambda gs: [(gs[0], sa) if ga else None, (gs[0], sb) if gb else None])
-    out = g.empty(broadcast(a.shape, b.shape), promote((a.dtype, sa), (b.dtype, sb)), "add")
-    g.kernel("add", (a, b), (out,))
+    out = made(g, broadcast(a.shape, b.shape), "add", a, b, dtype=promote((a.dtype, sa), (b.dtype, sb)))
     g.end(node, [out])
     return out
 
@@ -42,8 +38,7 @@ def add(g: Graph, a: Tensor, b: Tensor) -> Tensor:
 def add_scalar(g: Graph, a: Tensor) -> Tensor:
     """a + eps: saves nothing; the gradient passes through."""
     node = g.begin("add", [a], lambda gs: [gs[0]])
-    out = g.empty(a.shape, a.dtype, "add")
-    g.kernel("add", (a,), (out,))
+    out = made(g, a.shape, "add", a, dtype=a.dtype)
     g.end(node, [out])
     return out
 
@@ -59,18 +54,15 @@ def mul(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     def rule(gs):
         da = db = None
         if ga:  # grad · b
-            da = g.empty(so, promote((gs[0].dtype, so), tb), "mul")
-            g.kernel("mul", (gs[0], b_bytes), (da,))
+            da = made(g, so, "mul", gs[0], b_bytes, dtype=promote((gs[0].dtype, so), tb))
             da = (da, sa)
         if gb:  # grad · a
-            db = g.empty(so, promote((gs[0].dtype, so), ta), "mul")
-            g.kernel("mul", (gs[0], a_bytes), (db,))
+            db = made(g, so, "mul", gs[0], a_bytes, dtype=promote((gs[0].dtype, so), ta))
             db = (db, sb)
         return [da, db]
 
     node = g.begin("mul", [a, b], rule, ([(b, "other")] if ga else []) + ([(a, "self")] if gb else []))
-    out = g.empty(so, promote(ta, tb), "mul")
-    g.kernel("mul", (a, b), (out,))
+    out = made(g, so, "mul", a, b, dtype=promote(ta, tb))
     g.end(node, [out])
     return out
 
@@ -86,9 +78,7 @@ def mul_scalar_(g: Graph, a: Tensor) -> Tensor:
     shape = a.shape
 
     def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "mul")
-        g.kernel("mul", (gs[0],), (out,))
-        return [out]
+        return [made(g, shape, "mul", gs[0], dtype=gs[0].dtype)]
 
     node = g.begin("mul", [a], rule)
     g.kernel("mul_", (a,), (a,))
@@ -100,13 +90,10 @@ def pointwise(g: Graph, a: Tensor, op: str, backward_op: str) -> Tensor:
     """An elementwise op that saves nothing: its backward reads the gradient and writes one."""
 
     def rule(gs):
-        out = g.empty(gs[0].shape, gs[0].dtype, backward_op)
-        g.kernel(backward_op, (gs[0],), (out,))
-        return [out]
+        return [made(g, gs[0].shape, backward_op, gs[0], dtype=gs[0].dtype)]
 
     node = g.begin(op, [a], rule)
-    out = g.empty(a.shape, a.dtype, op)
-    g.kernel(op, (a,), (out,))
+    out = made(g, a.shape, op, a, dtype=a.dtype)
     g.end(node, [out])
     return out
 
@@ -124,22 +111,16 @@ def div(g: Graph, a: Tensor, b: Tensor) -> Tensor:
 
     def rule(gs):
         dt = gs[0].dtype
-        ab = g.empty(so, dt, "div")  # a / b
-        g.kernel("div", (a_bytes, b_bytes), (ab,))
-        abb = g.empty(so, dt, "div")  # (a / b) / b
-        g.kernel("div", (ab, b_bytes), (abb,))
-        neg = g.empty(so, dt, "neg")  # -grad
-        g.kernel("neg", (gs[0],), (neg,))
-        db = g.empty(so, dt, "mul")
-        g.kernel("mul", (neg, abb), (db,))
+        ab = made(g, so, "div", a_bytes, b_bytes, dtype=dt)  # a / b
+        abb = made(g, so, "div", ab, b_bytes, dtype=dt)  # (a / b) / b
+        neg = made(g, so, "neg", gs[0], dtype=dt)  # -grad
+        db = made(g, so, "mul", neg, abb, dtype=dt)
         del ab, abb, neg
-        da = g.empty(so, dt, "div")  # grad / b
-        g.kernel("div", (gs[0], b_bytes), (da,))
+        da = made(g, so, "div", gs[0], b_bytes, dtype=dt)  # grad / b
         return [(da, sa), (db, sb)]
 
     node = g.begin("div", [a, b], rule, [(a, "self"), (b, "other")])
-    out = g.empty(so, a.dtype, "div")
-    g.kernel("div", (a, b), (out,))
+    out = made(g, so, "div", a, b, dtype=a.dtype)
     g.end(node, [out])
     return out
 
@@ -149,13 +130,11 @@ def div_tensor(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     shape, b_bytes = a.shape, nbytes(b)
 
     def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "div")
-        g.kernel("div", (gs[0], b_bytes), (out,))
+        out = made(g, shape, "div", gs[0], b_bytes, dtype=gs[0].dtype)
         return [out, None]
 
     node = g.begin("div", [a, b], rule, [(b, "other")])
-    out = g.empty(broadcast(a.shape, b.shape), a.dtype, "div")
-    g.kernel("div", (a, b), (out,))
+    out = made(g, broadcast(a.shape, b.shape), "div", a, b, dtype=a.dtype)
     g.end(node, [out])
     return out
 
@@ -175,8 +154,7 @@ def pow_scalar(g: Graph, x: Tensor, exponent: int) -> Tensor:
         return [power_backward(g, shape, dtype, gs[0])]
 
     node = g.begin("pow", [x], rule, [(x, "self")])
-    out = g.empty(x.shape, x.dtype, "pow")
-    g.kernel("pow", (x,), (out,))
+    out = made(g, x.shape, "pow", x, dtype=x.dtype)
     g.end(node, [out])
     return out
 
@@ -184,12 +162,9 @@ def pow_scalar(g: Graph, x: Tensor, exponent: int) -> Tensor:
 def power_backward(g: Graph, shape: tuple, dtype: str, grad: Tensor) -> Tensor:
     """grad · (c · y.pow(k)), as rsqrt's and pow's backwards run it: a pow, a scaling mul and the product,
     three allocations, the first two freed."""
-    p = g.empty(shape, dtype, "pow")
-    g.kernel("pow", (size(shape, dtype),), (p,))
-    scaled = g.empty(shape, dtype, "mul")
-    g.kernel("mul", (p,), (scaled,))
-    out = g.empty(shape, dtype, "mul")
-    g.kernel("mul", (grad, scaled), (out,))
+    p = made(g, shape, "pow", size(shape, dtype), dtype=dtype)
+    scaled = made(g, shape, "mul", p, dtype=dtype)
+    out = made(g, shape, "mul", grad, scaled, dtype=dtype)
     del p, scaled
     return out
 
@@ -203,8 +178,7 @@ def rsqrt(g: Graph, x: Tensor) -> Tensor:
         return [power_backward(g, shape, dtype, gs[0])]
 
     node = g.begin("rsqrt", [x], rule)
-    out = g.empty(x.shape, x.dtype, "rsqrt")
-    g.kernel("rsqrt", (x,), (out,))
+    out = made(g, x.shape, "rsqrt", x, dtype=x.dtype)
     g.end(node, [out], [(out, "result")])
     return out
 
@@ -214,13 +188,10 @@ def mean_last(g: Graph, x: Tensor) -> Tensor:
     shape = x.shape
 
     def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "div")
-        g.kernel("div", (gs[0],), (out,))
-        return [out]
+        return [made(g, shape, "div", gs[0], dtype=gs[0].dtype)]
 
     node = g.begin("mean", [x], rule)
-    out = g.empty(x.shape[:-1] + (1,), x.dtype, "mean")
-    g.kernel("mean", (x,), (out,))
+    out = made(g, x.shape[:-1] + (1,), "mean", x, dtype=x.dtype)
     g.end(node, [out])
     return out
 
@@ -229,7 +200,6 @@ def sum_keepdim(g: Graph, x: Tensor) -> Tensor:
     """x.sum(-1, keepdim=True) (SumBackward1): saves nothing; backward expands the gradient (a view)."""
     shape = x.shape
     node = g.begin("sum", [x], lambda gs: [g.view(gs[0], shape)])
-    out = g.empty(x.shape[:-1] + (1,), x.dtype, "sum")
-    g.kernel("sum", (x,), (out,))
+    out = made(g, x.shape[:-1] + (1,), "sum", x, dtype=x.dtype)
     g.end(node, [out])
     return out

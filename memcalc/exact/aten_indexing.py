@@ -5,7 +5,7 @@ targets, and a mixture of experts' gather, index_select and index_add.
 
 from __future__ import annotations
 
-from .aten_operands import autocast, size
+from .aten_operands import autocast, made, size
 from .config import ITEMSIZE
 from .sim import Graph, Tensor, nbytes
 
@@ -16,8 +16,7 @@ def embedding(g: Graph, w: Tensor, idx: Tensor) -> Tensor:
     shape, idx_bytes = w.shape, nbytes(idx)
 
     def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "embedding_dense_backward")
-        g.kernel("embedding_dense_backward", (gs[0], idx_bytes), (out,))
+        out = made(g, shape, "embedding_dense_backward", gs[0], idx_bytes, dtype=gs[0].dtype)
         return [out, None]
 
     node = g.begin("embedding", [w, idx], rule, [(idx, "indices")])
@@ -35,8 +34,7 @@ def nll_loss(g: Graph, logp: Tensor, target: Tensor) -> Tensor:
     picked = shape[0] * ITEMSIZE[logp.dtype]  # forward reads one log-probability per row
 
     def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "nll_loss_backward")
-        g.kernel("nll_loss_backward", (gs[0], target_bytes), (out,))
+        out = made(g, shape, "nll_loss_backward", gs[0], target_bytes, dtype=gs[0].dtype)
         return [out, None]
 
     node = g.begin("nll_loss_forward", [logp, target], rule, [(target, "target")])
@@ -50,41 +48,31 @@ def nll_loss(g: Graph, logp: Tensor, target: Tensor) -> Tensor:
 def gather(g: Graph, x: Tensor, index: Tensor) -> Tensor:
     """x.gather(1, index) (GatherBackward0): saves x (gather_backward takes it) and the index. Backward: a zero
     x-shaped tensor and an out-of-place scatter_add into a second one."""
-    shape, index_bytes = x.shape, nbytes(index)
-
-    def rule(gs):
-        return [added_into_zeros(g, shape, "scatter_add", index_bytes, gs[0]), None]
-
-    node = g.begin("gather", [x, index], rule, [(x, "self"), (index, "index")])
-    out = g.empty(index.shape, x.dtype, "gather")
-    g.kernel("gather", (index, nbytes(out)), (out,))
-    g.end(node, [out])
-    return out
+    return indexed(g, "gather", "scatter_add", x, index, index.shape, [(x, "self"), (index, "index")])
 
 
 def index_select(g: Graph, x: Tensor, index: Tensor) -> Tensor:
     """x.index_select(0, index) (IndexSelectBackward0): saves the index. Backward: index_select_backward, a zero
     x-shaped tensor and an out-of-place index_add into a second one."""
-    shape, index_bytes = x.shape, nbytes(index)
+    return indexed(g, "index_select", "index_add", x, index, index.shape + x.shape[1:], [(index, "index")])
+
+
+def indexed(g: Graph, op: str, backward_op: str, x: Tensor, index: Tensor, shape: tuple, saved: list) -> Tensor:
+    """An op that picks x's elements at index into a new tensor of that shape, reading as many bytes as it
+    writes; its node saves `saved`. Backward: a zero x-shaped tensor (new_zeros), then an out-of-place
+    backward_op (scatter_add, index_add) of the gradient at index into a second one; the zeros freed."""
+    x_shape, index_bytes = x.shape, nbytes(index)
 
     def rule(gs):
-        return [added_into_zeros(g, shape, "index_add", index_bytes, gs[0]), None]
+        zeros = made(g, x_shape, "new_zeros", dtype=gs[0].dtype)
+        out = made(g, x_shape, backward_op, zeros, index_bytes, gs[0], dtype=gs[0].dtype)
+        del zeros
+        return [out, None]
 
-    node = g.begin("index_select", [x, index], rule, [(index, "index")])
-    out = g.empty(index.shape + x.shape[1:], x.dtype, "index_select")
-    g.kernel("index_select", (index, nbytes(out)), (out,))  # the rows gathered: as many bytes as written
+    node = g.begin(op, [x, index], rule, saved)
+    out = g.empty(shape, x.dtype, op)
+    g.kernel(op, (index, nbytes(out)), (out,))  # the elements gathered: as many bytes as written
     g.end(node, [out])
-    return out
-
-
-def added_into_zeros(g: Graph, shape: tuple, op: str, index_bytes: int, grad: Tensor) -> Tensor:
-    """gather's and index_select's backward: a zero x-shaped tensor (new_zeros), then an out-of-place
-    scatter_add or index_add of the gradient into a second one; the zeros freed."""
-    zeros = g.empty(shape, grad.dtype, "new_zeros")
-    g.kernel("new_zeros", (), (zeros,))
-    out = g.empty(shape, grad.dtype, op)
-    g.kernel(op, (zeros, index_bytes, grad), (out,))
-    del zeros
     return out
 
 
@@ -95,8 +83,7 @@ def index_add_(g: Graph, out: Tensor, index: Tensor, source: Tensor) -> Tensor:
     shape, index_bytes = source.shape, nbytes(index)
 
     def rule(gs):
-        grad = g.empty(shape, gs[0].dtype, "index_select")
-        g.kernel("index_select", (index_bytes, size(shape, gs[0].dtype)), (grad,))
+        grad = made(g, shape, "index_select", index_bytes, size(shape, gs[0].dtype), dtype=gs[0].dtype)
         return [None, None, grad]
 
     node = g.begin("index_add", [out, index, source], rule, [(index, "index"), (source, "source")])

@@ -1,6 +1,6 @@
 """What every aten op's operands decide, for memcalc.exact.aten's ops: the bytes of a contiguous tensor
 (size), the shape of a broadcast (broadcast), the dtype of a result (promote), and what torch.autocast's
-wrapper of an op passes on (autocast).
+wrapper of an op passes on (autocast); and made, a tensor one kernel writes from its operands.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from .config import ITEMSIZE
-from .sim import Graph
+from .sim import Graph, Tensor
 
 
 def size(shape, dtype: str) -> int:
@@ -39,3 +39,11 @@ def autocast(g: Graph, op: str, *tensors):
     """op's inputs as torch.autocast's wrapper of op passes them on: unchanged outside an autocast
     region, or when op is on none of its lists (memcalc.exact.autocast.Autocast.inputs)."""
     return tensors if g.autocast is None else g.autocast.inputs(g, op, tensors)
+
+
+def made(g: Graph, shape, op: str, *inputs: Tensor | int, dtype: str = "fp32") -> Tensor:
+    """A tensor no gradient flows through, made by one kernel from inputs (tensors, or byte counts): an op's
+    output before its node takes it, a backward's gradient, or what the model computes outside autograd."""
+    t = g.empty(shape, dtype, op)
+    g.kernel(op, inputs, (t,))
+    return t

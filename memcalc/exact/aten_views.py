@@ -5,7 +5,7 @@ chunk, whose backward is a cat; cat, whose backward narrows; a slice, whose back
 
 from __future__ import annotations
 
-from .aten_operands import autocast, promote, size
+from .aten_operands import autocast, made, promote, size
 from .sim import Graph, Tensor
 
 
@@ -17,9 +17,7 @@ def view(g: Graph, t: Tensor, shape, grad_copies: bool = False) -> Tensor:
     def rule(gs):
         if not grad_copies:
             return [g.view(gs[0], in_shape)]
-        out = g.empty(in_shape, gs[0].dtype, "clone")
-        g.kernel("clone", (gs[0],), (out,))
-        return [out]
+        return [made(g, in_shape, "clone", gs[0], dtype=gs[0].dtype)]
 
     node = g.begin("view", [t], rule)
     out = g.view(t, shape)
@@ -31,8 +29,7 @@ def reshape_copy(g: Graph, t: Tensor, shape) -> Tensor:
     """reshape of a tensor that cannot be viewed: clone, then _unsafe_view (backward: views)."""
     in_shape = t.shape
     node = g.begin("clone", [t], lambda gs: [g.view(gs[0], in_shape)])
-    out = g.empty(shape, t.dtype, "clone")
-    g.kernel("clone", (t,), (out,))
+    out = made(g, shape, "clone", t, dtype=t.dtype)
     g.end(node, [out])
     return out
 
@@ -44,9 +41,7 @@ def expand(g: Graph, t: Tensor, shape) -> Tensor:
     def rule(gs):
         if gs[0].shape == in_shape:
             return [gs[0]]
-        out = g.empty(in_shape, gs[0].dtype, "sum")
-        g.kernel("sum", (gs[0],), (out,))
-        return [out]
+        return [made(g, in_shape, "sum", gs[0], dtype=gs[0].dtype)]
 
     node = g.begin("expand", [t], rule)
     out = g.view(t, shape)
@@ -64,18 +59,9 @@ def t(g: Graph, w: Tensor) -> Tensor:
 
 
 def chunk2(g: Graph, x: Tensor) -> tuple[Tensor, Tensor]:
-    """x.chunk(2, -1): two views; backward concatenates both gradients (a new tensor)."""
-    shape = x.shape
-
-    def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "cat")
-        g.kernel("cat", tuple(gs), (out,))
-        return [out]
-
-    node = g.begin("split", [x], rule)
-    half = x.shape[:-1] + (x.shape[-1] // 2,)
-    x1, x2 = g.view(x, half), g.view(x, half)
-    g.end(node, [x1, x2])
+    """x.chunk(2, -1): two views, split's."""
+    half = x.shape[-1] // 2
+    x1, x2 = split(g, x, [half, half], len(x.shape) - 1)
     return x1, x2
 
 
@@ -85,9 +71,7 @@ def split(g: Graph, x: Tensor, sizes: list[int], dim: int) -> list[Tensor]:
     shape = x.shape
 
     def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "cat")
-        g.kernel("cat", tuple(gs), (out,))
-        return [out]
+        return [made(g, shape, "cat", *tuple(gs), dtype=gs[0].dtype)]
 
     node = g.begin("split", [x], rule)
     parts = [g.view(x, shape[:dim] + (n,) + shape[dim + 1:]) for n in sizes]
@@ -96,18 +80,8 @@ def split(g: Graph, x: Tensor, sizes: list[int], dim: int) -> list[Tensor]:
 
 
 def split_last(g: Graph, x: Tensor, size: int) -> list[Tensor]:
-    """x.split(size, dim=-1) (SplitBackward0): views; backward concatenates the gradients (a new tensor)."""
-    shape = x.shape
-
-    def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "cat")
-        g.kernel("cat", tuple(gs), (out,))
-        return [out]
-
-    node = g.begin("split", [x], rule)
-    parts = [g.view(x, x.shape[:-1] + (size,)) for _ in range(x.shape[-1] // size)]
-    g.end(node, parts)
-    return parts
+    """x.split(size, dim=-1) (SplitBackward0): views of `size` each, split's."""
+    return split(g, x, [size for _ in range(x.shape[-1] // size)], len(x.shape) - 1)
 
 
 def cat_last(g: Graph, a: Tensor, b: Tensor) -> Tensor:
@@ -115,8 +89,7 @@ def cat_last(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     a, b = autocast(g, "cat", a, b)
     sa, sb = a.shape, b.shape
     node = g.begin("cat", [a, b], lambda gs: [g.view(gs[0], sa), g.view(gs[0], sb)])
-    out = g.empty(a.shape[:-1] + (a.shape[-1] + b.shape[-1],), promote((a.dtype, sa), (b.dtype, sb)), "cat")
-    g.kernel("cat", (a, b), (out,))
+    out = made(g, a.shape[:-1] + (a.shape[-1] + b.shape[-1],), "cat", a, b, dtype=promote((a.dtype, sa), (b.dtype, sb)))
     g.end(node, [out])
     return out
 
@@ -126,37 +99,23 @@ def cat(g: Graph, parts: list[Tensor], dim: int) -> Tensor:
     shapes = [p.shape for p in parts]
     node = g.begin("cat", parts, lambda gs: [g.view(gs[0], s) for s in shapes])
     shape = parts[0].shape[:dim] + (sum(s[dim] for s in shapes),) + parts[0].shape[dim + 1:]
-    out = g.empty(shape, parts[0].dtype, "cat")
-    g.kernel("cat", tuple(parts), (out,))
+    out = made(g, shape, "cat", *tuple(parts), dtype=parts[0].dtype)
     g.end(node, [out])
     return out
 
 
 def slice_last(g: Graph, x: Tensor, start: int, stop: int) -> Tensor:
-    """x[..., start:stop] (SliceBackward0): a view; backward is slice_backward, a zero tensor of x's
-    shape with the gradient copied into the slice."""
-    shape = x.shape
-
-    def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "slice_backward")
-        g.kernel("slice_backward", (gs[0],), (out,))
-        return [out]
-
-    node = g.begin("slice", [x], rule)
-    out = g.view(x, x.shape[:-1] + (stop - start,))
-    g.end(node, [out])
-    return out
+    """x[..., start:stop] (SliceBackward0): a view of stop - start, as narrow_last's."""
+    return narrow_last(g, x, stop - start)
 
 
 def narrow_last(g: Graph, x: Tensor, width: int) -> Tensor:
-    """x[..., :width] (SliceBackward0): a view; backward slice_backward, a zero x-shaped tensor the gradient
-    is copied into."""
+    """x[..., :width] (SliceBackward0): a view; backward is slice_backward, a zero tensor of x's shape with the
+    gradient copied into the slice."""
     shape = x.shape
 
     def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "slice_backward")
-        g.kernel("slice_backward", (gs[0],), (out,))
-        return [out]
+        return [made(g, shape, "slice_backward", gs[0], dtype=gs[0].dtype)]
 
     node = g.begin("slice", [x], rule)
     out = g.view(x, x.shape[:-1] + (width,))
@@ -170,12 +129,9 @@ def pad_last(g: Graph, x: Tensor, width: int) -> Tensor:
     shape = x.shape
 
     def rule(gs):
-        out = g.empty(shape, gs[0].dtype, "constant_pad_nd")
-        g.kernel("constant_pad_nd", (size(shape, gs[0].dtype),), (out,))
-        return [out]
+        return [made(g, shape, "constant_pad_nd", size(shape, gs[0].dtype), dtype=gs[0].dtype)]
 
     node = g.begin("constant_pad_nd", [x], rule)
-    out = g.empty(x.shape[:-1] + (width,), x.dtype, "constant_pad_nd")
-    g.kernel("constant_pad_nd", (x,), (out,))
+    out = made(g, x.shape[:-1] + (width,), "constant_pad_nd", x, dtype=x.dtype)
     g.end(node, [out])
     return out

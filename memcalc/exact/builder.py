@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from memcalc.model.shape import is_moe_layer, moe_layer_count
 
 from . import aten
+from .aten_operands import made
 from .autocast import Autocast, autocast_for
-from .builder_layers import attention, dropout, linear, made, mlp, norm, rope_tables
+from .builder_layers import attention, dropout, linear, mlp, norm, rope_tables
 from .builder_moe import latent, mixture, routing_tables
 from .config import Config
 from .sim import Graph, Tensor

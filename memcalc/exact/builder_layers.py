@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import aten
+from .aten_operands import made
 from .config import Config
 from .sim import Graph, Tensor
 
@@ -38,13 +39,6 @@ def linear(g: Graph, x: Tensor, params: list[Tensor]) -> Tensor:
 def dropout(g: Graph, x: Tensor, p: float, scope: str | None = None) -> Tensor:
     with g.scoped(scope or g.scope):
         return aten.native_dropout(g, x) if p > 0 else x
-
-
-def made(g: Graph, shape, op: str, *inputs: Tensor, dtype: str = "fp32") -> Tensor:
-    """A tensor no gradient flows through, made by one kernel from inputs."""
-    t = g.empty(shape, dtype, op)
-    g.kernel(op, inputs, (t,))
-    return t
 
 
 def rope_tables(g: Graph, T: int, hs: int, dtype: str) -> tuple[Tensor, Tensor]:

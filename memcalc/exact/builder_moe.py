@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import aten
-from .builder_layers import apply_rope, dropout, linear, made, mlp_forward, rms_norm, transpose12
+from .aten_operands import made
+from .builder_layers import apply_rope, dropout, linear, mlp_forward, rms_norm, transpose12
 from .config import Config
 from .sim import Graph, Tensor
 

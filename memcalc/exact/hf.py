@@ -19,13 +19,12 @@ from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
 
 from . import aten
+from .aten_operands import made
 from .autocast import Autocast, autocast_for
-from .builder_layers import made
 from .config import Config
 from .hf_gpt2 import gpt2_model
 from .hf_llama import llama_model
 from .sim import Graph, Tensor
-
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
 

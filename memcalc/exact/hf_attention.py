@@ -11,7 +11,8 @@ and where the gradients reaching q, k and v copy (grad_copies), and F.dropout as
 from __future__ import annotations
 
 from . import aten
-from .builder_layers import made, repeat_kv, transpose12
+from .aten_operands import made
+from .builder_layers import repeat_kv, transpose12
 from .config import Config
 from .sim import Graph, Tensor
 

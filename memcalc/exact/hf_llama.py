@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import aten
-from .builder_layers import made, transpose12
+from .aten_operands import made
+from .builder_layers import transpose12
 from .hf_attention import arange_plus, attention_interface, causal_mask, grad_copies
 from .sim import Graph, Tensor
 

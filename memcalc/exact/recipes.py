@@ -11,8 +11,8 @@ from __future__ import annotations
 from memcalc.errors import InputError
 
 from . import aten
+from .aten_operands import made
 from .builder import Model
-from .builder_layers import made
 from .config import Config, not_replayed, shape_not_replayed
 from .hf import HFModel
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer

@@ -30,7 +30,6 @@ from memcalc.model.tricks import Tricks
 
 from .calibration import Calibration
 
-
 # Parts of the step, in the order the breakdown prints them.
 PARTS = (
     "layer matmuls", "expert matmuls", "router", "dispatch and combine", "attention core", "norms",

@@ -21,7 +21,6 @@ from memcalc.model.tricks import Tricks
 from .calibration import Calibration
 from .roofline import byte_rate, kernel_seconds
 
-
 SEQUENCE_SPLIT = ("norm1", "norm2", "attention dropout", "mlp dropout", "")  # outside TP's column/row pairs
 
 

@@ -26,13 +26,13 @@ def clear_caches() -> None:
     from memcalc.model import shape
     from memcalc.parallel import comm
     from memcalc.parallel import layout as parallel
-    from memcalc.time import roofline
+    from memcalc.time import stages
 
     for fn in (parallel.gpu_params, parallel.sharded_state, parallel.layer_activations, parallel.zero3_buffers,
                parallel.cp_buffers, parallel.logits_terms, parallel.stage_layers, parallel.moe_split, comm.tp_shape,
                comm.unit_fraction, comm.matmul_weights, kernels.step_flops, shape.moe_layer_count,
-               roofline.kernel_table, roofline.stage_kernels, roofline.collapsed, roofline.moe_kernels,
-               roofline.moe_parts, roofline.block_kernels_of_one, roofline.block_lower_bound):  # fmt: skip
+               stages.kernel_table, stages.stage_kernels, stages.collapsed, stages.moe_kernels, stages.moe_parts,
+               stages.block_kernels_of_one, stages.block_lower_bound):  # fmt: skip
         fn.cache_clear()
     kernels.TRACES.clear()
 

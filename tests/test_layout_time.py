@@ -17,7 +17,7 @@ from memcalc.parallel.comm import step_lower_bound, tp_shape
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate, plan
 from memcalc.time.calibration import calibration_for
-from memcalc.time.roofline import block_lower_bound, stage_kernels
+from memcalc.time.stages import block_lower_bound, stage_kernels
 
 H100 = gpu("h100-sxm")
 CAL = calibration_for("h100-sxm")

@@ -224,7 +224,7 @@ def test_expert_parallel_feeds_each_expert_more_tokens():
     the step's FLOPs per GPU stay the same."""
     from memcalc.parallel.comm import tp_shape
     from memcalc.time.calibration import calibration_for
-    from memcalc.time.roofline import stage_kernels
+    from memcalc.time.stages import stage_kernels
 
     h100, t = gpu("h100-sxm"), parse_tricks("bf16,flash")
     shape = tp_shape(preset("qwen3-30b-a3b"), 1)

@@ -1,10 +1,21 @@
-"""Bytes and kernels, op by op: a byte-level replay of verify/'s model and training step. aten holds what
-each aten op allocates and saves, sim runs them under autograd's lifetimes; builder and recipes follow
-verify's builder.py and recipes.py line by line (optimizers: torch.optim's and bitsandbytes' optimizer
-steps; autocast: torch.autocast's lists and cast cache; amp: the stock loop's GradScaler and step, as
-verify/autocast.py), config says what a step is, mirror runs the measured step as verify/meta.py does;
-step turns it into terms, phases and FLOPs, and kernels traces one block's kernels once: the roofline's
-inventory and the FLOPs a step executes (hardware FLOPs).
+"""Bytes and kernels, op by op: a byte-level replay of verify/'s model and training step.
+
+  aten         what each aten op allocates and saves, by family: aten_operands, aten_views,
+               aten_arithmetic, aten_activations, aten_matmul, aten_fused, aten_indexing
+  sim          runs them under autograd's lifetimes
+  builder      verify/builder.py's model line by line: its parameters and forward (builder_layers: the
+               norms, RoPE, attention and MLP; builder_moe: a mixture of experts and latent attention)
+  hf           Transformers' model classes as verify/hf.py trains them (hf_llama, hf_gpt2: the decoders;
+               hf_attention: the causal mask and the attention interface they share)
+  recipes      verify/recipes.py line by line
+  optimizers   torch.optim's and bitsandbytes' optimizer steps
+  autocast     torch.autocast's lists and cast cache
+  amp          the stock loop's GradScaler and step, as verify/autocast.py
+  config       what a step is
+  mirror       runs the measured step as verify/meta.py does
+  step         turns it into terms, phases and FLOPs (cache: kept on disk)
+  kernels      traces one block's kernels once: the roofline's inventory and the FLOPs a step executes
+               (hardware FLOPs)
 
 May import: memcalc.model, memcalc.errors, memcalc.terms.
 """

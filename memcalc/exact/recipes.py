@@ -11,7 +11,8 @@ from __future__ import annotations
 from memcalc.errors import InputError
 
 from . import aten
-from .builder import Model, made
+from .aten_operands import made
+from .builder import Model
 from .config import Config, not_replayed, shape_not_replayed
 from .hf import HFModel
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer

@@ -26,7 +26,7 @@ from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.time.calibration import Calibration, calibration_for
-from memcalc.time.roofline import StageKernels, block_lower_bound, stage_kernels
+from memcalc.time.stages import StageKernels, block_lower_bound, stage_kernels
 
 from .engines import DEEPSPEED_DEFAULTS, grad_reduce_bytes, megatron_bucket_size, reshards_after_forward
 from .experts import busiest_experts_flops, ep_comm, expert_dp_comm

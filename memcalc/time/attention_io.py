@@ -3,7 +3,7 @@
 FlashAttention's claim (Dao et al. 2022, arXiv 2205.14135, Fig. 2) is that standard attention is
 slow because it moves the s×s scores, probabilities and dropout mask through HBM in forward and
 backward, and that the fused kernel wins although it does more FLOPs (its backward recomputes QKᵀ).
-This replays the model's own attention core (memcalc.exact.builder.core: scale, causal mask, softmax,
+This replays the model's own attention core (memcalc.exact.builder_layers.core: scale, causal mask, softmax,
 dropout, the two batched matmuls; or the flash op) forward and backward, kernel by kernel.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.exact.builder import core
+from memcalc.exact.builder_layers import core
 from memcalc.exact.config import Config
 from memcalc.exact.kernels import Kernel
 from memcalc.exact.sim import Graph, Memory

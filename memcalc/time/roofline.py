@@ -12,17 +12,16 @@ the FP32 CUDA-core peak (ATen computes bf16/fp16 elementwise in float: at::opmat
 one after another on one stream, as eager PyTorch runs them: the step is their sum.
 
 One layer is traced and multiplied: every block runs the same kernels (tests/test_roofline.py checks
-it against full-depth traces), so a step costs one one-layer simulation, ~1-3 ms.
+it against full-depth traces), so a step costs one one-layer simulation, ~1-3 ms. One GPU of a parallel
+layout runs the same kernels on the shapes it holds: memcalc.time.stages times them by where they sit.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from dataclasses import dataclass, replace
-from functools import lru_cache
+from dataclasses import dataclass
 
 from memcalc.exact.config import shape_not_replayed
-from memcalc.exact.kernels import STEP_PHASES, Kernel, block_weight, kernels_of, recompute_first, traced_blocks
+from memcalc.exact.kernels import STEP_PHASES, Kernel, block_weight, kernels_of, recompute_first
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
@@ -37,6 +36,8 @@ PARTS = (
     "other elementwise", "logits matmul", "logits and loss", "embedding", "recompute (checkpointing)",
     "gradient accumulation", "optimizer (AdamW)", "fp32 master copies",
 )  # fmt: skip
+
+
 MOE_SCOPES = {"router": "router", "dispatch": "dispatch and combine", "combine": "dispatch and combine",
               "routing tables": "dispatch and combine"}  # a mixture of experts' parts besides its experts' matmuls
 
@@ -250,250 +251,3 @@ def step_times(model, setup, gpu: GPU, trick_sets: tuple[Tricks, ...], cal: Cali
     for t in recompute_first(trick_sets):
         times[t] = step_time(model.shape, s.seq_len, s.micro_batch, s.grad_accum, t, gpu, cal, s.stack, s.optimizer)
     return tuple(times[t] for t in trick_sets)
-
-
-# ---- one GPU of a layout: the same kernels, on the shapes that GPU holds -----------------------------
-
-SEQUENCE_SPLIT = ("norm1", "norm2", "attention dropout", "mlp dropout", "")  # outside TP's column/row pairs
-
-
-@dataclass(frozen=True, slots=True)
-class StageKernels:
-    """Roofline seconds of one GPU's kernels for one micro-batch, by where they sit, from one traced block
-    of the shape that GPU holds (memcalc.parallel.comm composes pipeline stages from them).
-
-    Per block: forward, backward, recompute and the attention core within them (ring attention's window);
-    accumulate: one block's gradient accumulation, run from the second micro-batch on. first: the embedding
-    (and rotary tables), on the first stage; last: the final norm, logits and loss, on the last stage.
-    optimizer_block, optimizer_rest: the optimizer step over one block's parameters and the rest, once per step.
-    """
-
-    block_forward: float
-    block_backward: float
-    block_recompute: float
-    block_attention: float
-    block_accumulate: float
-    first_forward: float
-    first_backward: float
-    last_forward: float
-    last_backward: float
-    last_recompute: float  # a module after the blocks rebuilt in backward (DeepSeek-V3's MTP block)
-    last_accumulate: float
-    optimizer_block: float
-    optimizer_rest: float
-
-
-@lru_cache(maxsize=1024)
-def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU,
-                 cal: Calibration) -> dict[str, tuple[tuple[float, ...], ...]]:  # fmt: skip
-    """Each part of a stage (see StageKernels; 'block_sequence', 'block_core', 'last_core' and
-    'last_sequence' hold the kernels SP and ring attention rescale), as its kernels' larger of compute and memory time, sorted, with
-    prefix sums of weight · time and of weight: a kernel doing x times its work takes max(x·a, launch floor),
-    and the sum over a part is then one bisection (scaled_sum). A block kernel's weight is the share of the
-    model's blocks that run it (memcalc.exact.kernels.block_weight / L): 1, or with dense and MoE blocks
-    traced apart, that kind's share, so that a block part is the average block."""
-    parts: dict[str, list[tuple[float, float]]] = {}
-    if tricks.recompute == "none":  # traced once with full recompute, the plain step is that less its recompute
-        kernels_of(shape, seq_len, micro_batch, replace(tricks, recompute="full"))
-    shares = block_shares(shape, tricks)
-    for k, n in collapsed(shape, seq_len, micro_batch, tricks):
-        if routed(k):
-            continue  # timed per layout by moe_kernels
-        compute, memory, _ = kernel_seconds(k, gpu, cal)
-        parts.setdefault(part_key(k), []).append((max(compute, memory), n * shares.get(k.layer, 1.0)))
-    table = {}
-    for key, pairs in parts.items():
-        pairs.sort()
-        weighted, weights = [0.0], [0.0]
-        for v, w in pairs:
-            weighted.append(weighted[-1] + w * v)
-            weights.append(weights[-1] + w)
-        table[key] = (tuple(v for v, _ in pairs), tuple(weighted), tuple(weights))
-    return table
-
-
-def block_shares(shape: ModelShape, tricks: Tricks) -> dict[int, float]:
-    """The share of the model's blocks each traced block stands for (memcalc.exact.kernels.block_weight /
-    L): 1 for every block when all are alike; with dense and MoE blocks traced apart, its kind's."""
-    if not shape.n_experts:
-        return {}
-    return {t: n / shape.n_layers for t, n in traced_blocks(shape, tricks)[1].items()}
-
-
-@lru_cache(maxsize=256)
-def collapsed(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[tuple[Kernel, int], ...]:
-    """The step's kernels with the equal ones of a block counted once (every routed expert runs the same)."""
-    if not shape.n_experts:  # a dense block repeats few kernels: not worth the keys
-        return tuple((k, 1) for k in kernels_of(shape, seq_len, micro_batch, tricks))
-    seen: dict[tuple, list] = {}
-    for k in kernels_of(shape, seq_len, micro_batch, tricks):
-        key = (k.key(), k.layer)
-        entry = seen.get(key)
-        if entry is None:
-            seen[key] = [k, 1]
-        else:
-            entry[1] += 1
-    return tuple((k, n) for k, n in seen.values())
-
-
-ROUTED_SCOPES = ("router", "dispatch", "experts", "combine")  # on SP's 1/t of the tokens; experts over ep
-
-
-def routed(k: Kernel) -> bool:
-    return k.scope in ROUTED_SCOPES and k.phase in STEP_PHASES
-
-
-@lru_cache(maxsize=256)
-def moe_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU,
-                cal: Calibration) -> tuple[tuple[str, float, float, float, float, bool], ...]:  # fmt: skip
-    """The router's and the routed experts' kernels, each as (part, share, compute time, weight bytes'
-    time, other bytes' time, per expert): an expert matmul reads or writes one expert matrix, h · f_e
-    (or its gradient), whatever its tokens; the rest of its bytes and its FLOPs follow the tokens."""
-    bandwidth, blocks, shares = byte_rate(gpu, cal), block_shares(shape, tricks), {}
-    for k, n in collapsed(shape, seq_len, micro_batch, tricks):
-        if not routed(k):
-            continue
-        compute, memory, _ = kernel_seconds(k, gpu, cal)
-        expert = k.scope == "experts"
-        weight = shape.hidden * shape.routed_ffn * (4 if k.dtype == "fp32" else 2) if expert and k.unit == "tensor" else 0
-        key = (part_key(k), compute, weight / bandwidth, memory - weight / bandwidth, expert)
-        shares[key] = shares.get(key, 0.0) + n * blocks.get(k.layer, 1.0)
-    return tuple((key, w, *rest) for (key, *rest), w in shares.items())
-
-
-@lru_cache(maxsize=4096)
-def moe_parts(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
-              tokens: int, experts: int) -> dict[str, float]:  # fmt: skip
-    """moe_kernels on one GPU of a layout: the MoE layer routes 1/tokens of the traced tokens (SP's share);
-    its experts are 1/experts of them (ep · etp), each receiving `experts` times the traced tokens per
-    expert, so a traced expert kernel stands for 1/experts of a kernel with that many times its tokens:
-    max(compute/t, weights/(ep·etp) + the rest/t, launch/(ep·etp)) (Lepikhin et al. 2021)."""
-    floor, parts = cal.launch_seconds, {}
-    for key, w, compute, weights, rest, expert in moe_kernels(shape, seq_len, micro_batch, tricks, gpu, cal):
-        n = experts if expert else 1
-        seconds = max(compute / tokens, weights / n + rest / tokens, floor / n)
-        parts[key] = parts.get(key, 0.0) + w * seconds
-    return parts
-
-
-def part_key(k: Kernel) -> str:
-    """Where a kernel sits in a stage, and whether SP or ring attention rescales it."""
-    experts = "_experts" if k.scope == "experts" else ""  # routed experts' weights: split over ep, sharded over edp
-    if k.phase == "optimizer":
-        return ("optimizer_block" if k.layer is not None else "optimizer_rest") + experts
-    where = "block" if k.layer is not None else "first" if k.scope in ("embedding", "rope tables") else "last"
-    if k.phase == "accumulate":
-        return f"{where}_accumulate{experts}"
-    phase = k.phase
-    if k.scope == "attention core":  # a block's, or the MTP module's after the blocks
-        return f"{where}_core_{phase}"
-    if (k.scope in SEQUENCE_SPLIT and k.layer is not None) or k.scope == "final norm":
-        return f"{where}_sequence_{phase}"
-    return f"{where}_{phase}"
-
-
-def scaled_sum(entry: tuple[tuple[float, ...], ...] | None, scale: float, floor: float) -> float:
-    """Σ w·max(scale·a, floor) over a part's sorted times a and weights w: the kernels at or under
-    floor/scale take the floor."""
-    if entry is None:
-        return 0.0
-    values, weighted, weights = entry
-    cut = bisect_right(values, floor / scale)
-    return floor * weights[cut] + scale * (weighted[-1] - weighted[cut])
-
-
-@lru_cache(maxsize=8192)
-def stage_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
-                  sequence_split: int = 1, ring: int = 1, grad_shards: int = 1, optimizer_shards: int = 1,
-                  experts: int = 1, expert_grad_shards: int = 1, expert_optimizer_shards: int = 1) -> StageKernels:  # fmt: skip
-    """The kernels of `shape` (one TP rank's: heads, KV heads, MLP width and vocabulary split) at seq_len
-    tokens per sequence (one CP rank's), timed one by one as step_time times them, then:
-      sequence_split t   with SP the norms, dropouts and residual adds run on 1/t of the tokens
-                         (Korthikanti et al. 2022, sec. 4.2.2), as does the final norm
-      ring c             ring attention runs c blocks of (s/c)² per layer: the core does c times the traced work
-      grad_shards n      gradients accumulate into 1/n shards (ZeRO-2, ZeRO-3)
-      optimizer_shards n the optimizer updates 1/n of the parameters (ZeRO >= 1)
-      experts e          a MoE layer's router and experts run on SP's 1/t of the tokens, its routed
-                         experts over e = ep · etp GPUs (moe_parts)
-      expert_grad_shards, expert_optimizer_shards
-                         the routed experts' gradients and optimizer step: 1/e of their tensors, each
-                         1/n of its size over their ZeRO shards (the launches fall with e only)
-    With every factor 1 the step that trace implies is step_time's, kernel for kernel."""
-    table = kernel_table(shape, seq_len, micro_batch, tricks, gpu, cal)
-    unknown = {key for key in table if not key.startswith(PARTS_KNOWN)}
-    if unknown:  # a kernel no stage runs would drop out of the step: never silently
-        raise ValueError(f"kernels outside every stage part: {sorted(unknown)}")
-    floor = cal.launch_seconds
-    moe = moe_parts(shape, seq_len, micro_batch, tricks, gpu, cal, sequence_split, experts) if shape.n_experts else {}
-
-    def part(key: str, scale: float = 1.0) -> float:
-        return scaled_sum(table.get(key), scale, floor)
-
-    def phase(where: str, name: str) -> float:
-        core = part(f"{where}_core_{name}", ring)
-        routed = moe.get(f"{where}_{name}", 0.0) + moe.get(f"{where}_sequence_{name}", 0.0)
-        return part(f"{where}_{name}") + part(f"{where}_sequence_{name}", 1 / sequence_split) + core + routed
-
-    return StageKernels(
-        block_forward=phase("block", "forward"),
-        block_backward=phase("block", "backward"),
-        block_recompute=phase("block", "recompute"),
-        block_attention=sum(part(f"block_core_{name}", ring) for name in ("forward", "backward", "recompute")),
-        block_accumulate=part("block_accumulate", 1 / grad_shards)
-        + part("block_accumulate_experts", 1 / expert_grad_shards) / experts,
-        first_forward=phase("first", "forward"),
-        first_backward=phase("first", "backward"),
-        last_forward=phase("last", "forward"),
-        last_backward=phase("last", "backward"),
-        last_recompute=phase("last", "recompute"),
-        last_accumulate=part("last_accumulate", 1 / grad_shards) + part("first_accumulate", 1 / grad_shards)
-        + part("last_accumulate_experts", 1 / expert_grad_shards) / experts,
-        optimizer_block=part("optimizer_block", 1 / optimizer_shards)
-        + part("optimizer_block_experts", 1 / expert_optimizer_shards) / experts,
-        optimizer_rest=part("optimizer_rest", 1 / optimizer_shards)
-        + part("optimizer_rest_experts", 1 / expert_optimizer_shards) / experts,
-    )
-
-
-PARTS_KNOWN = (
-    "block_forward", "block_backward", "block_recompute", "block_sequence_", "block_core_", "block_accumulate",
-    "first_forward", "first_backward", "first_sequence_forward", "first_sequence_backward", "first_accumulate",
-    "last_forward", "last_backward", "last_recompute", "last_core_", "last_sequence_", "last_accumulate",
-    "optimizer_block", "optimizer_rest",
-)  # fmt: skip
-
-
-@lru_cache(maxsize=1024)
-def block_kernels_of_one(shape: ModelShape, seq_len: int, tricks: Tricks, gpu: GPU,
-                         cal: Calibration) -> tuple[tuple[float, float, str, float], ...]:  # fmt: skip
-    """(compute time, memory time, part key, share) of each forward, backward and recompute kernel of one
-    block at one sequence per micro-batch (block_lower_bound's raw material), the router's and routed
-    experts' apart (moe_kernels); share: how many of it the average block runs (block_shares)."""
-    if tricks.recompute == "none":
-        kernels_of(shape, seq_len, 1, replace(tricks, recompute="full"))
-    out, shares = [], block_shares(shape, tricks)
-    for k, n in collapsed(shape, seq_len, 1, tricks):
-        if k.layer is not None and k.phase in STEP_PHASES and not routed(k):
-            compute, memory, _ = kernel_seconds(k, gpu, cal)
-            out.append((compute, memory, part_key(k), n * shares.get(k.layer, 1.0)))
-    return tuple(out)
-
-
-@lru_cache(maxsize=8192)
-def block_lower_bound(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
-                      sequence_split: int = 1, ring: int = 1, experts: int = 1) -> float:  # fmt: skip
-    """Seconds one block's forward, backward and recompute take at least at micro_batch b, from the kernels
-    of b = 1: each kernel's FLOPs grow b-fold (every one works per token or per sequence) and its bytes do
-    not shrink, so it takes at least max(b · compute₁, memory₁, launch floor); a larger micro-batch only
-    adds kernels (copies where B > 1 keeps tensors apart). A routed expert's kernel likewise, as moe_parts
-    splits it. stage_kernels' block parts are never below it."""
-    floor, total = cal.launch_seconds, 0.0
-    for compute, memory, key, n in block_kernels_of_one(shape, seq_len, tricks, gpu, cal):
-        scale = ring if key.startswith("block_core_") else 1 / sequence_split if "_sequence_" in key else 1.0
-        total += n * max(micro_batch * compute * scale, memory * scale, floor)
-    if shape.n_experts:
-        for key, n, compute, weights, rest, expert in moe_kernels(shape, seq_len, 1, tricks, gpu, cal):
-            if key.startswith("block_"):
-                e = experts if expert else 1
-                total += n * max(micro_batch * compute / sequence_split, weights / e + rest / sequence_split, floor / e)
-    return total

@@ -1,0 +1,156 @@
+"""What Transformers' decoders share around attention, op by op, in bytes on memcalc.exact.sim:
+  masking_utils.py                  create_causal_mask: the packed-sequence check, and for eager a
+                                    (B, 1, T, T) additive mask held through forward
+  ALL_ATTENTION_FUNCTIONS           verify/hf.py's interface on meta: sdpa's training path calling the
+                                    flash op that CUDA's SDPA runs (aten._scaled_dot_product_flash_attention),
+                                    or the model's eager path: modeling_llama.py eager_attention_forward
+                                    (repeat_kv, softmax in fp32), modeling_gpt2.py eager_attention_forward
+and where the gradients reaching q, k and v copy (grad_copies), and F.dropout as CUDA runs it.
+"""
+
+from __future__ import annotations
+
+from . import aten
+from .aten_operands import made
+from .builder_layers import repeat_kv, transpose12
+from .config import Config
+from .sim import Graph, Tensor
+
+
+def causal_mask(g: Graph, cfg: Config, B: int, T: int, position_ids: Tensor, dtype: str) -> Tensor | None:
+    """masking_utils.create_causal_mask with no attention_mask: _preprocess_mask_arguments runs
+    find_packed_sequence_indices; sdpa's mask is skipped (is_causal); eager's is built in
+    inputs_embeds' dtype (dtype: fp32 under autocast, whose embedding is on no list)."""
+    with g.scoped("mask"):
+        find_packed_sequence_indices(g, B, T, position_ids)
+        return None if cfg.flash else eager_mask(g, B, T, dtype)
+
+
+def find_packed_sequence_indices(g: Graph, B: int, T: int, position_ids: Tensor) -> None:
+    """position_ids[:, :1] - 1; torch.diff with it prepended (a cat, then a sub); != 1; cumsum; and
+    (packed[:, -1] == 0).all(): not packed, so None. (position_ids expanded to B rows: a view.)"""
+    first_dummy_value = made(g, (B, 1), "sub", position_ids, dtype="int64")
+    prepended = made(g, (B, T + 1), "cat", first_dummy_value, position_ids, dtype="int64")
+    position_diff = made(g, (B, T), "sub", prepended, dtype="int64")
+    del prepended
+    ne = made(g, (B, T), "ne", position_diff, dtype="bool")
+    packed_sequence_mask = made(g, (B, T), "cumsum", ne, dtype="int64")
+    del ne
+    eq = made(g, (B,), "eq", packed_sequence_mask, dtype="bool")
+    every = made(g, (), "all", eq, dtype="bool")
+    del eq, every
+    del first_dummy_value, position_diff, packed_sequence_mask
+
+
+def eager_mask(g: Graph, B: int, T: int, dtype: str) -> Tensor:
+    """eager_mask: sdpa_mask's bool (1, 1, T, T) from index aranges (kv_idx <= q_idx), expanded to
+    (B, 1, T, T) (a view), then torch.where(mask, 0, finfo.min): (B, 1, T, T) in the model's dtype."""
+    mask = sdpa_mask(g, B, T)
+    zero = made(g, (), "zeros", dtype=dtype)
+    low = made(g, (), "scalar_tensor", dtype=dtype)
+    out = made(g, (B, 1, T, T), "where", mask, zero, low, dtype=dtype)
+    del low, zero, mask
+    return out
+
+
+def sdpa_mask(g: Graph, B: int, T: int) -> Tensor:
+    batch_arange = made(g, (B,), "arange", dtype="int64")
+    head_arange = made(g, (1,), "arange", dtype="int64")
+    q_arange = arange_plus(g, T)  # torch.arange(q_length) + q_offset
+    kv_arange = arange_plus(g, T)
+    mask = made(g, (1, 1, T, T), "le", q_arange, kv_arange, dtype="bool")
+    del batch_arange, head_arange, q_arange, kv_arange
+    return g.view(mask, (B, 1, T, T))  # .expand(batch_size, -1, q_length, kv_length)
+
+
+def arange_plus(g: Graph, n: int) -> Tensor:
+    """torch.arange(n) + offset: the sum is a new tensor, the arange dies."""
+    a = made(g, (n,), "arange", dtype="int64")
+    return made(g, (n,), "add", a, dtype="int64")
+
+
+def attention_interface(g: Graph, cfg: Config, q, k, v, causal, kwargs: tuple):
+    """ALL_ATTENTION_FUNCTIONS[config._attn_implementation]: the flash path or the model's eager
+    function, the core checkpointed under selective recompute (verify/hf.py core_checkpointed, whose
+    closure holds the call's kwargs, position_ids among them, until the recompute)."""
+    if cfg.recompute == "selective":
+        return g.checkpoint(lambda q, k, v, causal, kwargs=kwargs: attention_core(g, cfg, q, k, v, causal),
+                            q, k, v, causal)  # fmt: skip
+    return attention_core(g, cfg, q, k, v, causal)
+
+
+def attention_core(g: Graph, cfg: Config, q, k, v, causal):
+    with g.scoped("attention core"):
+        if cfg.flash:
+            return sdpa_flash_forward(g, q, k, v, cfg.device == "cpu"), None
+        if cfg.shape.positions != "rope":
+            return gpt2_eager_attention(g, cfg, q, k, v, causal)
+        return eager_attention_forward(g, cfg, q, k, v, causal)
+
+
+def sdpa_flash_forward(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False) -> Tensor:
+    """verify/hf.py sdpa_flash_forward: the flash op on q, k, v (GQA: k and v unrepeated), its output
+    reshaped (same shape: a view) and transpose(1, 2).contiguous() (a view: the output is laid out
+    (B, T, n, d)). On CPU tensors (cpu): the stock sdpa path on SDPA's CPU flash kernel."""
+    out = aten.flash_attention(g, q, k, v, cpu)
+    out = aten.view(g, out, out.shape)
+    return transpose12(g, out)
+
+
+def eager_attention_forward(g: Graph, cfg: Config, query, key, value, attention_mask):
+    """modeling_llama.py eager_attention_forward: repeat_kv; matmul(q, kᵀ) * scaling; + the mask;
+    softmax in fp32 (dtype=torch.float32: a cast, then _softmax), cast back to q's dtype; dropout;
+    matmul with v; transpose(1, 2).contiguous() (a copy). The probabilities are returned too."""
+    B, groups = query.shape[0], query.shape[1] // key.shape[1]
+    copied = groups > 1 and key.shape[1] > 1  # repeat_kv made contiguous copies
+    # repeat_kv of one key head is an expand (heads at stride 0); autocast's cast of it (matmul is on
+    # both lists; RoPE left k fp32 under autocast) is laid out contiguous (_to_copy with
+    # preserve_format of a tensor that is not non-overlapping and dense: empty_like's suggested
+    # format), so matmul views it to 3-D where it would copy the expanded view
+    cast_expanded = groups > 1 and not copied and g.autocast is not None and key.dtype != g.autocast.dtype
+    key_states, value_states = repeat_kv(g, key, query.shape[1]), repeat_kv(g, value, query.shape[1])
+    kt = aten.view(g, key_states, key_states.shape[:2] + (key_states.shape[3], key_states.shape[2]))
+    k_copies = B > 1 and not copied and not cast_expanded
+    attn_weights = aten.mul_scalar(g, aten.matmul4(g, query, kt, B > 1, k_copies, False))
+    del kt
+    attn_weights = aten.add(g, attn_weights, attention_mask)
+    attn_weights = aten.to(g, aten.softmax(g, aten.to(g, attn_weights, "fp32")), query.dtype)
+    attn_weights = dropout(g, attn_weights, cfg.shape.dropout)
+    attn_output = aten.matmul4(g, attn_weights, value_states, False, B > 1 and not copied, B > 1)
+    attn_output = aten.reshape_copy(g, transpose12(g, attn_output), (B, query.shape[2], query.shape[1],
+                                                                     query.shape[3]))  # fmt: skip
+    del key_states, value_states
+    return attn_output, attn_weights
+
+
+def gpt2_eager_attention(g: Graph, cfg: Config, query, key, value, attention_mask):
+    """modeling_gpt2.py eager_attention_forward: matmul(q, kᵀ) * scaling; + the mask; softmax in the
+    input's dtype, then .type(value.dtype); dropout (attn_pdrop); matmul with v; transpose(1, 2) (a view). q, k and v are
+    strided views of c_attn's output: matmul copies them where B and the heads cannot merge (B > 1)."""
+    B = query.shape[0]
+    kt = aten.view(g, key, key.shape[:2] + (key.shape[3], key.shape[2]))  # key.transpose(-1, -2)
+    attn_weights = aten.mul_scalar(g, aten.matmul4(g, query, kt, B > 1, B > 1, False))
+    del kt
+    attn_weights = aten.add(g, attn_weights, attention_mask)
+    attn_weights = aten.softmax(g, attn_weights)
+    attn_weights = aten.to(g, attn_weights, value.dtype)  # .type(value.dtype): under autocast fp32 to 16 bits
+    attn_weights = dropout(g, attn_weights, cfg.shape.dropout)
+    attn_output = aten.matmul4(g, attn_weights, value, False, B > 1, B > 1)
+    return transpose12(g, attn_output), attn_weights
+
+
+def grad_copies(cfg: Config) -> tuple[bool, bool, bool]:
+    """Whether the gradient reaching each (B, T, n, d) view of q, k, v arrives laid out so that reshaping
+    it to (B, T, n·d) copies (never with one head). With RoPE (Llama, Qwen) as memcalc.exact.builder_layers'
+    eager path and flash path: the same RoPE, the same layouts. GPT-2: flash's gradients arrive
+    (B, T, n, d)-laid out (no copies); eager's q and v gradients arrive (B, n, T, d)-laid out (copies),
+    k's through kᵀ, whose (n, d) dims merge (none)."""
+    s = cfg.shape
+    if s.positions == "rope":
+        return s.n_heads > 1, s.n_kv_heads > 1, s.n_kv_heads > 1 and not cfg.flash
+    return s.n_heads > 1 and not cfg.flash, False, s.n_kv_heads > 1 and not cfg.flash
+
+
+def dropout(g: Graph, x: Tensor, p: float) -> Tensor:
+    """F.dropout as CUDA runs it: the input itself at p = 0, else aten.native_dropout (a bool mask)."""
+    return aten.native_dropout(g, x) if p > 0 else x

@@ -1,0 +1,154 @@
+"""Transformers' Llama decoder, op by op, in bytes on memcalc.exact.sim:
+  models/llama/modeling_llama.py    LlamaRMSNorm (fp32 upcast), LlamaRotaryEmbedding (fp32 inv_freq,
+                                    cos and sin cast to the model's dtype), apply_rotary_pos_emb and
+                                    rotate_half (slices: their backward writes full-size zeros),
+                                    LlamaAttention, LlamaMLP, LlamaDecoderLayer, LlamaModel
+  models/qwen3/modeling_qwen3.py    the same, with q_norm and k_norm per head before the transpose
+  models/qwen2, models/mistral      the same ops (qwen2: biases on q, k, v)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import aten
+from .aten_operands import made
+from .builder_layers import transpose12
+from .hf_attention import arange_plus, attention_interface, causal_mask, grad_copies
+from .sim import Graph, Tensor
+
+if TYPE_CHECKING:  # only for annotations
+    from .hf import HFModel
+
+
+def llama_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor:
+    """LlamaModel.forward (Qwen2Model, Qwen3Model and MistralModel run the same ops). Each layer gets
+    position_ids and the forward's **kwargs (num_items_in_batch): a checkpointed layer's partial, or
+    a checkpointed attention core's closure, holds them until its recompute."""
+    cfg, s = m.cfg, m.cfg.shape
+    B, T = input_ids.shape
+    with g.scoped("embedding"):
+        inputs_embeds = aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids)
+        position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
+    causal = causal_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
+    hidden_states = inputs_embeds
+    with g.scoped("rope tables"):
+        cos, sin = rotary_embedding(g, m, position_ids, T, hidden_states.dtype)
+    for i in range(s.n_layers):
+        g.layer = i
+        if cfg.recompute == "full":  # GradientCheckpointingLayer: checkpoint(partial(forward, **kwargs), hidden_states)
+            hidden_states = g.checkpoint(lambda x, i=i, causal=causal, cos=cos, sin=sin, kw=(position_ids,) + kwargs:
+                                         decoder_layer(g, m, i, x, causal, cos, sin, kw), hidden_states)  # fmt: skip
+        else:  # (the lambda's defaults are the partial's kwargs: they live until its recompute)
+            hidden_states = decoder_layer(g, m, i, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
+    g.layer = None
+    hidden_states = rms_norm(g, hidden_states, m.p["model.norm.weight"], "final norm")
+    del position_ids, inputs_embeds, causal, cos, sin  # the frame's locals, in order
+    return hidden_states
+
+
+def rotary_embedding(g: Graph, m: HFModel, position_ids: Tensor, T: int, dtype: str) -> tuple[Tensor, Tensor]:
+    """LlamaRotaryEmbedding.forward: position_ids[..., None].float() * inv_freq (fp32), cat with itself,
+    cos() and sin() each times attention_scaling (1.0: a new tensor), then cast to the model's dtype."""
+    half, hs = m.cfg.shape.head_dim // 2, m.cfg.shape.head_dim
+    position = made(g, (1, T, 1), "_to_copy", position_ids)
+    freqs = made(g, (1, T, half), "mul", position, m.rope[0])
+    del position
+    emb = made(g, (1, T, hs), "cat", freqs)
+    cos = scaled(g, made(g, (1, T, hs), "cos", emb))
+    sin = scaled(g, made(g, (1, T, hs), "sin", emb))
+    out = cast(g, cos, dtype), cast(g, sin, dtype)
+    del freqs, emb, cos, sin
+    return out
+
+
+def scaled(g: Graph, x: Tensor) -> Tensor:
+    return made(g, x.shape, "mul", x)
+
+
+def cast(g: Graph, x: Tensor, dtype: str) -> Tensor:
+    """x.to(dtype) of a tensor no gradient flows through: itself when it has that dtype."""
+    return x if x.dtype == dtype else made(g, x.shape, "_to_copy", x, dtype=dtype)
+
+
+def rms_norm(g: Graph, x: Tensor, w: Tensor, scope: str) -> Tensor:
+    """LlamaRMSNorm.forward: to fp32; variance = pow(2).mean(-1); x * rsqrt(variance + eps);
+    weight * that.to(input_dtype). The fp32 product and the variance die when it returns."""
+    with g.scoped(scope):
+        input_dtype = x.dtype
+        hidden_states = aten.to(g, x, "fp32")
+        variance = aten.mean_last(g, aten.pow2(g, hidden_states))
+        hidden_states = aten.mul(g, hidden_states, aten.rsqrt(g, aten.add_scalar(g, variance)))
+        out = aten.mul(g, w, aten.to(g, hidden_states, input_dtype))
+        del hidden_states, variance
+        return out
+
+
+def decoder_layer(g: Graph, m: HFModel, i: int, hidden_states: Tensor, causal, cos, sin, kwargs) -> Tensor:
+    """LlamaDecoderLayer.forward: pre-norm attention and MLP, each added to its residual; kwargs go on
+    to the attention interface."""
+    n = f"model.layers.{i}."
+    residual = hidden_states
+    hidden_states = rms_norm(g, hidden_states, m.p[n + "input_layernorm.weight"], "norm1")
+    with g.scoped("attention"):
+        hidden_states, _ = self_attention(g, m, n + "self_attn.", hidden_states, causal, cos, sin, kwargs)
+    hidden_states = aten.add(g, residual, hidden_states)
+    residual = hidden_states
+    hidden_states = rms_norm(g, hidden_states, m.p[n + "post_attention_layernorm.weight"], "norm2")
+    with g.scoped("mlp"):
+        hidden_states = llama_mlp(g, m, n + "mlp.", hidden_states)
+    hidden_states = aten.add(g, residual, hidden_states)
+    del residual, _
+    return hidden_states
+
+
+def linear(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
+    """nn.Linear: F.linear with the module's weight (and bias)."""
+    return aten.linear(g, x, m.p[name + ".weight"], m.p.get(name + ".bias"))
+
+
+def llama_mlp(g: Graph, m: HFModel, n: str, x: Tensor) -> Tensor:
+    """LlamaMLP.forward: down_proj(act_fn(gate_proj(x)) * up_proj(x)); act_fn silu (SiLUActivation)."""
+    return linear(g, m, n + "down_proj", aten.mul(g, aten.silu(g, linear(g, m, n + "gate_proj", x)),
+                                                  linear(g, m, n + "up_proj", x)))  # fmt: skip
+
+
+def self_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, cos, sin, kwargs):
+    """LlamaAttention.forward (Qwen3Attention: q_norm, k_norm on (B, T, n, d) before the transpose):
+    projections viewed per head and transposed, RoPE, the attention interface, o_proj. The pre-RoPE
+    q and k die as RoPE's results replace them; k and v live until it returns."""
+    s, cfg = m.cfg.shape, m.cfg
+    B, T, _ = hidden_states.shape
+    q_copies, k_copies, v_copies = grad_copies(cfg)
+    query_states = aten.view(g, linear(g, m, n + "q_proj", hidden_states), (B, T, s.n_heads, s.head_dim), q_copies)
+    if m.arch == "qwen3":
+        query_states = rms_norm(g, query_states, m.p[n + "q_norm.weight"], "attention")
+    query_states = transpose12(g, query_states)
+    key_states = aten.view(g, linear(g, m, n + "k_proj", hidden_states), (B, T, s.n_kv_heads, s.head_dim), k_copies)
+    if m.arch == "qwen3":
+        key_states = rms_norm(g, key_states, m.p[n + "k_norm.weight"], "attention")
+    key_states = transpose12(g, key_states)
+    value_states = transpose12(g, aten.view(g, linear(g, m, n + "v_proj", hidden_states),
+                                            (B, T, s.n_kv_heads, s.head_dim), v_copies))  # fmt: skip
+    query_states, key_states = apply_rotary_pos_emb(g, query_states, key_states, cos, sin)
+    attn_output, attn_weights = attention_interface(g, cfg, query_states, key_states, value_states, causal, kwargs)
+    attn_output = aten.view(g, attn_output, (B, T, s.q_dim))  # reshape(*input_shape, -1).contiguous()
+    attn_output = linear(g, m, n + "o_proj", attn_output)
+    del query_states, key_states, value_states
+    return attn_output, attn_weights
+
+
+def apply_rotary_pos_emb(g: Graph, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """cos.unsqueeze(1), sin.unsqueeze(1) (views); q * cos + rotate_half(q) * sin, then k likewise."""
+    cos, sin = g.view(cos, (1, 1) + cos.shape[1:]), g.view(sin, (1, 1) + sin.shape[1:])
+    q_embed = aten.add(g, aten.mul(g, q, cos), aten.mul(g, rotate_half(g, q), sin))
+    k_embed = aten.add(g, aten.mul(g, k, cos), aten.mul(g, rotate_half(g, k), sin))
+    return q_embed, k_embed
+
+
+def rotate_half(g: Graph, x: Tensor) -> Tensor:
+    """x1 = x[..., :d/2], x2 = x[..., d/2:] (slices); torch.cat((-x2, x1), dim=-1)."""
+    half = x.shape[-1] // 2
+    x1 = aten.slice_last(g, x, 0, half)
+    x2 = aten.slice_last(g, x, half, x.shape[-1])
+    return aten.cat_last(g, aten.neg(g, x2), x1)

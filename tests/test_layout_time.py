@@ -40,6 +40,24 @@ def test_a_layout_of_one_gpu_is_the_one_gpu_step():
     assert layout["time_model"] == one["time_model"] == "roofline"
 
 
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt2", "mixtral-8x7b"])
+@pytest.mark.parametrize("stack", ["reference", "torch", "hf", "fsdp2"])
+@pytest.mark.parametrize("tricks", ["fp32", "bf16,flash", "bf16,flash,ckpt:3", "bf16,flash,sac"])
+def test_one_gpu_s_layout_runs_the_stack_s_own_kernels(name, stack, tricks):
+    """Issue 18: one path times every job, so one GPU's layout must be one GPU's roofline step for every stack
+    (autocast's casts, the libraries' optimizers) and trick set (ckpt:N's two kinds of block, sac), at one
+    micro-batch and more: the stage kernels were the reference stack's."""
+    from memcalc.model.tricks import parse_tricks
+    from memcalc.time.roofline import step_times
+
+    model, t = preset_model(name), parse_tricks(tricks)
+    for accum in (1, 2):
+        setup = Setup(1024, grad_accum=accum, stack=STACKS[stack])
+        (one,) = step_times(model, setup, H100, (t,), CAL)
+        layout = layout_estimate(model, setup, H100, t, Layout(), timing=CAL).time
+        assert layout.step_seconds == pytest.approx(one.step_seconds, rel=1e-12), accum
+
+
 def test_stage_kernels_rescale_what_sp_cp_and_zero_split():
     shape, s = tp_shape(LLAMA8B.shape, 4), 4096
     plain = stage_kernels(shape, s, 1, FLASH, H100, CAL)
@@ -156,7 +174,8 @@ def test_plan_searches_fsdp_with_pipeline_parallel_for_405b():
     # FSDP2 (ZeRO-3 over dp × cp) with pipeline parallel over uneven stages: torchtitan's split gives the end
     # stages one layer fewer for the embedding and the head
     p = plan(preset_model("llama3.1-405b"), H100, 512, 8192, 512, stack=STACKS["fsdp2"], top=3)
-    best = p.best[0]
-    assert best.layout.zero == 3 and best.layout.pp > 1
+    piped = next(a for a in p.alternatives if a.name == "with pipeline parallel")
+    best = piped.estimate
+    assert piped.fits and best.layout.zero == 3 and best.layout.pp > 1
     layers = best.memory.stage_layers
     assert sum(layers) == preset("llama3.1-405b").n_layers == 126 and layers[0] == layers[-1] == layers[1] - 1

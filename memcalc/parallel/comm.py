@@ -124,12 +124,13 @@ def tp_shape(shape: ModelShape, tp: int) -> ModelShape:
 
 def roofline_work(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage_layers: tuple[int, ...],
                   cal: Calibration) -> Work:  # fmt: skip
-    """Each stage's kernels on its GPU (memcalc.time.roofline.stage_kernels); the slowest stage's."""
+    """Each stage's kernels on its GPU (memcalc.time.stages.stage_kernels); the slowest stage's."""
     grads = layout.shard_group if layout.zero >= 2 else 1
     experts = layout.ep * layout.etp
     k = stage_kernels(tp_shape(model.shape, layout.tp), setup.seq_len // layout.cp, setup.micro_batch, tricks, gpu,
                       cal, layout.tp if layout.sp else 1, layout.cp, grads, layout.shard_group, experts,
-                      layout.expert_shard_group if layout.zero >= 2 else 1, layout.expert_shard_group)  # fmt: skip
+                      layout.expert_shard_group if layout.zero >= 2 else 1, layout.expert_shard_group,
+                      setup.stack, setup.optimizer)  # fmt: skip
     p = layout.pp
     kinds = {(n, i == 0, i == p - 1) for i, n in enumerate(stage_layers)}  # a handful: the ends and the middle
     works = [stage_work(k, n, first, last) for n, first, last in sorted(kinds)]
@@ -232,7 +233,7 @@ def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
                      traced: bool = True) -> float:  # fmt: skip
     """A step time step_time never goes under, from the kernels of one sequence per micro-batch (one trace
     per TP shard, CP share and recompute mode, not per micro-batch size): the slowest stage's blocks at
-    their lower bound (memcalc.time.roofline.block_lower_bound) through the pipeline with its bubble, the
+    their lower bound (memcalc.time.stages.block_lower_bound) through the pipeline with its bubble, the
     gradient accumulation and the optimizer (which do not depend on the micro-batch), plus the TP and PP
     traffic no compute hides (overlap share 0). Under --mfu the step itself (it is cheap).
     traced=False: a looser bound that traces nothing, the blocks' matmuls alone at the matmul peak the
@@ -245,10 +246,12 @@ def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
     shape, seq, sp = tp_shape(model.shape, layout.tp), setup.seq_len // layout.cp, layout.tp if layout.sp else 1
     if traced:
         experts = layout.ep * layout.etp
-        block = block_lower_bound(shape, seq, setup.micro_batch, tricks, gpu, cal, sp, layout.cp, experts)
+        block = block_lower_bound(shape, seq, setup.micro_batch, tricks, gpu, cal, sp, layout.cp, experts, setup.stack,
+                                  setup.optimizer)  # fmt: skip
         grads = layout.shard_group if layout.zero >= 2 else 1
         k = stage_kernels(shape, seq, 1, tricks, gpu, cal, sp, layout.cp, grads, layout.shard_group, experts,
-                          layout.expert_shard_group if layout.zero >= 2 else 1, layout.expert_shard_group)  # fmt: skip
+                          layout.expert_shard_group if layout.zero >= 2 else 1, layout.expert_shard_group,
+                          setup.stack, setup.optimizer)  # fmt: skip
         once = (m - 1) * layers * k.block_accumulate + (0.0 if layout.offload_optimizer else layers * k.optimizer_block)
     else:
         rate = gpu.peak_flops(tricks.precision) * cal.matmul

@@ -16,6 +16,7 @@ from functools import lru_cache
 from memcalc.exact.kernels import STEP_PHASES, Kernel, kernels_of, traced_blocks
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .calibration import Calibration
@@ -51,19 +52,20 @@ class StageKernels:
 
 
 @lru_cache(maxsize=1024)
-def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU,
-                 cal: Calibration) -> dict[str, tuple[tuple[float, ...], ...]]:  # fmt: skip
+def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
+                 stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> dict[str, tuple[tuple[float, ...], ...]]:  # fmt: skip
     """Each part of a stage (see StageKernels; 'block_sequence', 'block_core', 'last_core' and
     'last_sequence' hold the kernels SP and ring attention rescale), as its kernels' larger of compute and memory time, sorted, with
     prefix sums of weight · time and of weight: a kernel doing x times its work takes max(x·a, launch floor),
     and the sum over a part is then one bisection (scaled_sum). A block kernel's weight is the share of the
     model's blocks that run it (memcalc.exact.kernels.block_weight / L): 1, or with dense and MoE blocks
-    traced apart, that kind's share, so that a block part is the average block."""
+    traced apart (or ckpt:N's plain and checkpointed ones), that kind's share, so that a block part is the
+    average block. The kernels are the stack's own (its model, autocast's casts, its optimizer's)."""
     parts: dict[str, list[tuple[float, float]]] = {}
     if tricks.recompute == "none":  # traced once with full recompute, the plain step is that less its recompute
-        kernels_of(shape, seq_len, micro_batch, replace(tricks, recompute="full"))
+        kernels_of(shape, seq_len, micro_batch, replace(tricks, recompute="full"), stack, optimizer)
     shares = block_shares(shape, tricks)
-    for k, n in collapsed(shape, seq_len, micro_batch, tricks):
+    for k, n in collapsed(shape, seq_len, micro_batch, tricks, stack, optimizer):
         if routed(k):
             continue  # timed per layout by moe_kernels
         compute, memory, _ = kernel_seconds(k, gpu, cal)
@@ -81,19 +83,19 @@ def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
 
 def block_shares(shape: ModelShape, tricks: Tricks) -> dict[int, float]:
     """The share of the model's blocks each traced block stands for (memcalc.exact.kernels.block_weight /
-    L): 1 for every block when all are alike; with dense and MoE blocks traced apart, its kind's."""
-    if not shape.n_experts:
-        return {}
+    L): 1 for every block when all are alike; with dense and MoE blocks, or ckpt:N's plain and checkpointed
+    ones, traced apart, its kind's."""
     return {t: n / shape.n_layers for t, n in traced_blocks(shape, tricks)[1].items()}
 
 
 @lru_cache(maxsize=256)
-def collapsed(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[tuple[Kernel, int], ...]:
+def collapsed(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
+              optimizer: str = "adamw") -> tuple[tuple[Kernel, int], ...]:  # fmt: skip
     """The step's kernels with the equal ones of a block counted once (every routed expert runs the same)."""
     if not shape.n_experts:  # a dense block repeats few kernels: not worth the keys
-        return tuple((k, 1) for k in kernels_of(shape, seq_len, micro_batch, tricks))
+        return tuple((k, 1) for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer))
     seen: dict[tuple, list] = {}
-    for k in kernels_of(shape, seq_len, micro_batch, tricks):
+    for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
         key = (k.key(), k.layer)
         entry = seen.get(key)
         if entry is None:
@@ -111,13 +113,13 @@ def routed(k: Kernel) -> bool:
 
 
 @lru_cache(maxsize=256)
-def moe_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU,
-                cal: Calibration) -> tuple[tuple[str, float, float, float, float, bool], ...]:  # fmt: skip
+def moe_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
+                stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> tuple[tuple[str, float, float, float, float, bool], ...]:  # fmt: skip
     """The router's and the routed experts' kernels, each as (part, share, compute time, weight bytes'
     time, other bytes' time, per expert): an expert matmul reads or writes one expert matrix, h · f_e
     (or its gradient), whatever its tokens; the rest of its bytes and its FLOPs follow the tokens."""
     bandwidth, blocks, shares = byte_rate(gpu, cal), block_shares(shape, tricks), {}
-    for k, n in collapsed(shape, seq_len, micro_batch, tricks):
+    for k, n in collapsed(shape, seq_len, micro_batch, tricks, stack, optimizer):
         if not routed(k):
             continue
         compute, memory, _ = kernel_seconds(k, gpu, cal)
@@ -130,13 +132,14 @@ def moe_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
 
 @lru_cache(maxsize=4096)
 def moe_parts(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
-              tokens: int, experts: int) -> dict[str, float]:  # fmt: skip
+              tokens: int, experts: int, stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> dict[str, float]:  # fmt: skip
     """moe_kernels on one GPU of a layout: the MoE layer routes 1/tokens of the traced tokens (SP's share);
     its experts are 1/experts of them (ep · etp), each receiving `experts` times the traced tokens per
     expert, so a traced expert kernel stands for 1/experts of a kernel with that many times its tokens:
     max(compute/t, weights/(ep·etp) + the rest/t, launch/(ep·etp)) (Lepikhin et al. 2021)."""
     floor, parts = cal.launch_seconds, {}
-    for key, w, compute, weights, rest, expert in moe_kernels(shape, seq_len, micro_batch, tricks, gpu, cal):
+    for key, w, compute, weights, rest, expert in moe_kernels(shape, seq_len, micro_batch, tricks, gpu, cal, stack,
+                                                              optimizer):  # fmt: skip
         n = experts if expert else 1
         seconds = max(compute / tokens, weights / n + rest / tokens, floor / n)
         parts[key] = parts.get(key, 0.0) + w * seconds
@@ -172,7 +175,8 @@ def scaled_sum(entry: tuple[tuple[float, ...], ...] | None, scale: float, floor:
 @lru_cache(maxsize=8192)
 def stage_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
                   sequence_split: int = 1, ring: int = 1, grad_shards: int = 1, optimizer_shards: int = 1,
-                  experts: int = 1, expert_grad_shards: int = 1, expert_optimizer_shards: int = 1) -> StageKernels:  # fmt: skip
+                  experts: int = 1, expert_grad_shards: int = 1, expert_optimizer_shards: int = 1,
+                  stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> StageKernels:  # fmt: skip
     """The kernels of `shape` (one TP rank's: heads, KV heads, MLP width and vocabulary split) at seq_len
     tokens per sequence (one CP rank's), timed one by one as step_time times them, then:
       sequence_split t   with SP the norms, dropouts and residual adds run on 1/t of the tokens
@@ -186,12 +190,13 @@ def stage_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
                          the routed experts' gradients and optimizer step: 1/e of their tensors, each
                          1/n of its size over their ZeRO shards (the launches fall with e only)
     With every factor 1 the step that trace implies is step_time's, kernel for kernel."""
-    table = kernel_table(shape, seq_len, micro_batch, tricks, gpu, cal)
+    table = kernel_table(shape, seq_len, micro_batch, tricks, gpu, cal, stack, optimizer)
     unknown = {key for key in table if not key.startswith(PARTS_KNOWN)}
     if unknown:  # a kernel no stage runs would drop out of the step: never silently
         raise ValueError(f"kernels outside every stage part: {sorted(unknown)}")
     floor = cal.launch_seconds
-    moe = moe_parts(shape, seq_len, micro_batch, tricks, gpu, cal, sequence_split, experts) if shape.n_experts else {}
+    moe = {} if not shape.n_experts else moe_parts(shape, seq_len, micro_batch, tricks, gpu, cal, sequence_split,
+                                                   experts, stack, optimizer)  # fmt: skip
 
     def part(key: str, scale: float = 1.0) -> float:
         return scaled_sum(table.get(key), scale, floor)
@@ -231,15 +236,15 @@ PARTS_KNOWN = (
 
 
 @lru_cache(maxsize=1024)
-def block_kernels_of_one(shape: ModelShape, seq_len: int, tricks: Tricks, gpu: GPU,
-                         cal: Calibration) -> tuple[tuple[float, float, str, float], ...]:  # fmt: skip
+def block_kernels_of_one(shape: ModelShape, seq_len: int, tricks: Tricks, gpu: GPU, cal: Calibration,
+                         stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> tuple[tuple[float, float, str, float], ...]:  # fmt: skip
     """(compute time, memory time, part key, share) of each forward, backward and recompute kernel of one
     block at one sequence per micro-batch (block_lower_bound's raw material), the router's and routed
     experts' apart (moe_kernels); share: how many of it the average block runs (block_shares)."""
     if tricks.recompute == "none":
-        kernels_of(shape, seq_len, 1, replace(tricks, recompute="full"))
+        kernels_of(shape, seq_len, 1, replace(tricks, recompute="full"), stack, optimizer)
     out, shares = [], block_shares(shape, tricks)
-    for k, n in collapsed(shape, seq_len, 1, tricks):
+    for k, n in collapsed(shape, seq_len, 1, tricks, stack, optimizer):
         if k.layer is not None and k.phase in STEP_PHASES and not routed(k):
             compute, memory, _ = kernel_seconds(k, gpu, cal)
             out.append((compute, memory, part_key(k), n * shares.get(k.layer, 1.0)))
@@ -248,18 +253,19 @@ def block_kernels_of_one(shape: ModelShape, seq_len: int, tricks: Tricks, gpu: G
 
 @lru_cache(maxsize=8192)
 def block_lower_bound(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
-                      sequence_split: int = 1, ring: int = 1, experts: int = 1) -> float:  # fmt: skip
+                      sequence_split: int = 1, ring: int = 1, experts: int = 1, stack: Stack = DEFAULT_STACK,
+                      optimizer: str = "adamw") -> float:  # fmt: skip
     """Seconds one block's forward, backward and recompute take at least at micro_batch b, from the kernels
     of b = 1: each kernel's FLOPs grow b-fold (every one works per token or per sequence) and its bytes do
     not shrink, so it takes at least max(b · compute₁, memory₁, launch floor); a larger micro-batch only
     adds kernels (copies where B > 1 keeps tensors apart). A routed expert's kernel likewise, as moe_parts
     splits it. stage_kernels' block parts are never below it."""
     floor, total = cal.launch_seconds, 0.0
-    for compute, memory, key, n in block_kernels_of_one(shape, seq_len, tricks, gpu, cal):
+    for compute, memory, key, n in block_kernels_of_one(shape, seq_len, tricks, gpu, cal, stack, optimizer):
         scale = ring if key.startswith("block_core_") else 1 / sequence_split if "_sequence_" in key else 1.0
         total += n * max(micro_batch * compute * scale, memory * scale, floor)
     if shape.n_experts:
-        for key, n, compute, weights, rest, expert in moe_kernels(shape, seq_len, 1, tricks, gpu, cal):
+        for key, n, compute, weights, rest, expert in moe_kernels(shape, seq_len, 1, tricks, gpu, cal, stack, optimizer):
             if key.startswith("block_"):
                 e = experts if expert else 1
                 total += n * max(micro_batch * compute / sequence_split, weights / e + rest / sequence_split, floor / e)

@@ -11,6 +11,8 @@ CI runs a bounded number of examples (under a minute together); MEMCALC_FUZZ=N r
     MEMCALC_FUZZ=2000 python -m pytest tests/test_fuzz.py
 """
 
+import csv
+import io
 import json
 import math
 import os
@@ -90,12 +92,30 @@ def check(args: list[str], result) -> None:
     if result.exit_code == 2:
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and len(lines[0]) > len("error: "), (where, lines)
-    elif "--format" in args and args[len(args) - 1 - args[::-1].index("--format") + 1] == "json":  # the last wins
+    elif last_format(args) == "json":
         sane(json.loads(result.stdout), where)
+    elif last_format(args) == "csv":
+        sane_csv(result.stdout, where)
+
+
+def last_format(args: list[str]) -> str:
+    """The --format a call asked for (the last one wins), table by default."""
+    return args[len(args) - 1 - args[::-1].index("--format") + 1] if "--format" in args else "table"
+
+
+def sane_csv(text: str, where: str) -> None:
+    """A CSV's byte columns are whole, non-negative numbers (or empty, where the textbook has no formula)."""
+    for row in csv.DictReader(io.StringIO(text)):
+        for key, value in row.items():
+            if key and key.endswith("bytes") and value not in ("", None):
+                assert float(value) >= 0 and float(value).is_integer(), (where, key, value)
+
+
+CHANGES = ("headroom_bytes", "saves_bytes", "saves_alone_bytes")  # signed: below 0, over by (or costs) that much
 
 
 def sane(value, where: str, key: str = "") -> None:
-    """No NaN or infinity anywhere, and no negative byte count (headroom is signed: below 0, over by that)."""
+    """No NaN or infinity anywhere, and no negative byte count but in the fields named as changes."""
     if isinstance(value, dict):
         for k, v in value.items():
             sane(v, where, k)
@@ -105,7 +125,7 @@ def sane(value, where: str, key: str = "") -> None:
     elif isinstance(value, float):
         assert math.isfinite(value), (where, key, value)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith("bytes"):
-        assert (value >= 0 or key == "headroom_bytes") and float(value).is_integer(), (where, key, value)
+        assert (value >= 0 or key in CHANGES) and float(value).is_integer(), (where, key, value)
 
 
 # ---- every call keeps the contract ------------------------------------------------------------------
@@ -168,6 +188,55 @@ def test_verify_on_meta_passes_or_says_why(layers, hidden, heads, kv, seq, trick
     result = run(args)
     check(args, result)
     assert result.exit_code != 1, result.output  # on meta the exact prediction equals the measurement
+
+
+# ---- the jobs people run: mostly valid combinations, every format one verdict ------------------------
+
+VALID = st.fixed_dictionaries({
+    "model": st.sampled_from([["--model", "llama3-8b"], ["--model", "gpt2"], ["--model", "qwen3-0.6b"],
+                              ["--params", "70e9"], ["--model", "mixtral-8x7b"], ["--model", "llama3-70b"],
+                              ["--layers", "4", "--hidden", "512", "--heads", "8"]]),
+    "seq": st.sampled_from(["512", "1024", "2048", "4096", "8192"]),
+    "gpus": st.sampled_from(["1", "2", "8", "64"]), "zero": st.sampled_from(["0", "1", "2", "3"]),
+    "stack": st.sampled_from(["reference", "torch", "hf", "fsdp2", "megatron", "deepspeed"]),
+    "tricks": st.sampled_from([None, "fp32", "bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective",
+                               "bf16,flash,ckpt:2", "bf16,flash,sac"]),
+    "offload": st.booleans(), "micro_batch": st.sampled_from(["1", "2"]),
+})  # fmt: skip
+
+
+def valid_args(job: dict) -> list[str]:
+    args = [*job["model"], "--seq", job["seq"], "--gpus", job["gpus"], "--zero", job["zero"], "--stack", job["stack"],
+            "--micro-batch", job["micro_batch"]]  # fmt: skip
+    return args + (["--tricks", job["tricks"]] if job["tricks"] else []) + (["--offload"] if job["offload"] else [])
+
+
+@examples(12)
+@given(job=VALID)
+def test_the_jobs_people_run_give_one_verdict_in_every_format(job):
+    """Issue 18: the defects lived in mostly valid combinations (ZeRO x GPUs x stack x tricks x offload): each
+    is answered or refused in one line; JSON and CSV are sane; table, JSON and CSV say the same of every
+    trick set (fits, and the peak) and of the job."""
+    args = ["estimate", *valid_args(job)]
+    result = run([*args, "--format", "json"])
+    check([*args, "--format", "json"], result)
+    if result.exit_code:
+        return
+    data = json.loads(result.stdout)
+    table = run(args)
+    check(args, table)
+    rows = run([*args, "--format", "csv"])
+    check([*args, "--format", "csv"], rows)
+    verdicts = data["verdict"]
+    assert len(verdicts) == len(data["trick_sets"]) and all(v["state_bytes"] >= 0 for v in verdicts)
+    text = table.stdout.replace("\n", " ")
+    if "peak_bytes" in rows.stdout.splitlines()[0]:  # a data-parallel job's: one row per trick set
+        csv_rows = list(csv.DictReader(io.StringIO(rows.stdout)))
+        assert [(r["fits"], int(r["peak_bytes"])) for r in csv_rows] == [(str(v["fits"]), v["peak_bytes"])
+                                                                          for v in verdicts]  # fmt: skip
+        assert text.count("Fits: ") == (1 if verdicts[0]["fits"] else 0), text
+    for v in verdicts:
+        assert v["peak_bytes"] >= v["state_bytes"] + (v["phases"]["retained_bytes"] if v["phases"] else 0)
 
 
 # ---- invariants across calls ------------------------------------------------------------------------
@@ -255,5 +324,5 @@ def test_plan_layouts_rerun_through_estimate_give_the_same_numbers(model, gpus, 
     assert result.exit_code == 0, result.output
     for best in json.loads(result.stdout)["best"]:
         again = estimate_json([*model, "--seq", seq, *layout_args(best)])
-        assert again["memory"][0]["total_bytes"] == best["memory"]["total_bytes"]
+        assert again["verdict"][0]["total_bytes"] == best["verdict"]["total_bytes"]  # what plan ranked it by
         assert again["time"][0]["tokens_per_second"] == best["time"]["tokens_per_second"]

@@ -47,10 +47,19 @@ def test_one_gpu_s_layout_runs_the_stack_s_own_kernels(name, stack, tricks):
     """Issue 18: one path times every job, so one GPU's layout must be one GPU's roofline step for every stack
     (autocast's casts, the libraries' optimizers) and trick set (ckpt:N's two kinds of block, sac), at one
     micro-batch and more: the stage kernels were the reference stack's."""
-    from memcalc.model.tricks import parse_tricks
+    from memcalc.errors import InputError
+    from memcalc.model.tricks import layer_uniform, parse_tricks
     from memcalc.time.roofline import step_times
 
     model, t = preset_model(name), parse_tricks(tricks)
+    if stack == "hf" and not layer_uniform(t):  # Transformers checkpoints every layer or none
+        with pytest.raises(InputError, match="every decoder layer"):
+            layout_estimate(model, Setup(1024, stack=STACKS[stack]), H100, t, Layout(), timing=CAL)
+        return
+    if model.shape.is_moe and stack != "reference" and not layer_uniform(t):  # not replayed: the textbook decides
+        with pytest.raises(InputError, match="the textbook"):
+            layout_estimate(model, Setup(1024, stack=STACKS[stack]), H100, t, Layout(), timing=CAL)
+        return
     for accum in (1, 2):
         setup = Setup(1024, grad_accum=accum, stack=STACKS[stack])
         (one,) = step_times(model, setup, H100, (t,), CAL)

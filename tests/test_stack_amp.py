@@ -482,7 +482,7 @@ def test_reduced_size():
     assert s.head_dim == shape.head_dim and s.n_heads // s.n_kv_heads == 4 and arch_for(s) == "qwen3"
     assert s.hidden < shape.hidden and s.hidden // s.n_heads == shape.hidden // shape.n_heads
     assert "2 of 36 layers" in red.note and f"{s.hidden} of 4096 hidden" in red.note
-    assert reduce(shape, 8192, 1, parse_tricks("bf16,flash,ckpt:4"), stack, "adamw").shape.n_layers == 5
+    assert reduce(shape, 8192, 1, parse_tricks("bf16,flash,ckpt:4"), STACKS["torch"], "adamw").shape.n_layers == 5
     gpt = reduce(PRESETS["gpt2"], 1024, 1, parse_tricks("bf16,flash"), STACKS["torch"], "adamw")
     assert gpt.shape.dropout == 0 and "dropout 0" in gpt.note and gpt.shape.max_positions == 64
     small = reduce(TINY["llama"], 24, 1, parse_tricks("bf16"), STACKS["torch"], "adamw")

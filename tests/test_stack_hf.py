@@ -289,3 +289,13 @@ def test_verify_stack_hf_cli():
                                    "--device", "meta"])  # fmt: skip
     assert autocast.exit_code == 0, autocast.output
     assert "real CPU tensors at reduced size" in autocast.output and "Pass:" in autocast.output
+
+
+@pytest.mark.parametrize("command", ["estimate --model llama3-8b --tricks bf16,flash,ckpt:2",
+                                     "estimate --model qwen3-0.6b --tricks bf16,sac --gpus 8 --zero 3",
+                                     "verify --device meta --model gpt2 --layers 2 --seq 64 --tricks bf16,sac"])
+def test_what_transformers_does_not_run_is_refused(command):
+    """Transformers checkpoints every decoder layer or none: ckpt:N and sac were replayed as plain ckpt or none
+    under their own labels."""
+    out = CliRunner().invoke(app, [*command.split(), "--stack", "hf"])
+    assert out.exit_code == 2 and "checkpoints every decoder layer or none" in out.stderr

@@ -230,20 +230,13 @@ def estimate(
                               pp_layers, reshard, ep, etp)  # fmt: skip
         if tricks is None and layout.cp > 1:  # the progression drops the sets context parallel cannot run
             trick_sets = tuple(t for t in trick_sets if t.flash)
-        timing = setup.mfu if mfu is not None or not traced(the_model) else roofline_calibration(the_gpu, calibration)
+        timing = setup.mfu if mfu is not None else roofline_calibration(the_gpu, calibration)
         tokens_n, price_x = run or (None, None)
         job = Job(the_model, setup, the_gpu, layout, trick_sets, timing, tokens_n, price_x, exact)
         show = views.sweep_view(job, sweep, png) if sweep is not None else views.answer_view(job)
         show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
     except InputError as e:
         fail(str(e))
-
-
-def traced(model) -> bool:
-    """Whether the roofline can time this model's step (its kernels traced); else the --mfu time model."""
-    from memcalc.time.roofline import traceable
-
-    return traceable(model.shape)
 
 
 def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None] | None:
@@ -330,10 +323,6 @@ def plan(
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         the_gpu = find_gpu(gpu)
         timing = parse_fraction(mfu, "mfu") if mfu is not None else roofline_calibration(the_gpu, calibration)
-        if mfu is None and not traced(the_model):  # the roofline cannot trace it: the default MFU times it
-            from memcalc.memory.estimate import DEFAULT_MFU
-
-            timing = DEFAULT_MFU
         result = run_plan(
             the_model, the_gpu, parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
             parse_count(global_batch, "global-batch", MAX_BATCH),

@@ -20,7 +20,7 @@ from memcalc.exact.kernels import recompute_first
 from memcalc.memory.estimate import Estimate, estimate
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.plan import LayoutEstimate, layout_estimate
-from memcalc.parallel.verdict import Verdict, gpu_verdict
+from memcalc.parallel.verdict import Verdict
 from memcalc.time.training_run import TrainingRun, runs_for_layouts
 
 from .job import Job
@@ -54,7 +54,7 @@ def answer(job: Job) -> Answer:
     m, s, g, lay = job.model, job.setup, job.gpu, job.layout
     sets = job.trick_sets
     layouts = tuple(layout_estimate(m, s, g, t, lay, timing=job.timing) for t in sets)
-    verdicts = tuple(gpu_verdict(m, s, g, t, lay) for t in sets)
+    verdicts = tuple(e.verdict for e in layouts)
     textbook = estimate(m, s, g, sets) if job.data_parallel else None
     runs = runs_for_layouts(layouts, job.tokens, job.price) if job.tokens is not None else ()
     tb = toolbox(m, s, g, sets[0], lay, job.timing) if job.data_parallel else None

@@ -11,7 +11,7 @@ from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.parallel.layout import Layout
-from memcalc.time.calibration import Calibration
+from memcalc.time.calibration import Calibration, calibration_for
 
 ONE_GPU = Layout()
 
@@ -23,7 +23,8 @@ class Job:
     setup.micro_batch is one micro-batch, setup.grad_accum the micro-batches each pipeline runs per step;
     the layout says how the GPUs share the work (--gpus N alone is data parallelism over N, the same job as
     --dp N), and setup.parallel is set from it (the textbook's model state shards by it). timing: the
-    roofline's calibration (None: the GPU's shipped one) or --mfu's end-to-end rate (a float)."""
+    roofline's calibration (None: the GPU's shipped one) or --mfu's end-to-end rate (a float); a shape whose
+    kernels the exact model does not trace is timed at setup.mfu."""
 
     model: Model
     setup: Setup
@@ -37,6 +38,7 @@ class Job:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "setup", replace(self.setup, parallel=self.parallel))  # one account of the GPUs
+        object.__setattr__(self, "timing", time_model(self))
         if not self.trick_sets:
             raise InputError("no trick sets to estimate")
         if self.price is not None and self.tokens is None:
@@ -58,3 +60,15 @@ def data_parallel(layout: Layout) -> bool:
     """Whether every GPU runs the whole model (no tensor, pipeline, context or expert parallel): the
     textbook's whole-model terms, the toolbox and sweeps apply."""
     return layout.tp == layout.pp == layout.cp == layout.ep == layout.etp == 1
+
+
+def time_model(job: Job) -> Calibration | float:
+    """How the job's step is timed: --mfu's rate as given; else the roofline at the calibration (the GPU's
+    shipped one by default), where memcalc.exact traces the shape's kernels, and setup.mfu where it does not."""
+    if isinstance(job.timing, float):
+        return job.timing
+    from memcalc.time.roofline import traceable
+
+    if not traceable(job.model.shape):
+        return job.setup.mfu
+    return job.timing if job.timing is not None else calibration_for(job.gpu.key)

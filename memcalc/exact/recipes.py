@@ -9,6 +9,7 @@ TorchRecipe  the libraries' optimizers over the model's own parameters (verify/r
 from __future__ import annotations
 
 from memcalc.errors import InputError
+from memcalc.model.stacks import check_tricks, stack_for
 
 from . import aten
 from .aten_operands import made
@@ -24,6 +25,8 @@ def check_simulated(cfg: Config) -> None:
     reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision) or shape_not_replayed(cfg.shape, cfg.model, cfg.recipe, cfg.impl)
     if reason:
         raise InputError(reason)
+    if cfg.model == "hf" and (cfg.ckpt_every > 1 or cfg.recompute == "op"):
+        check_tricks(stack_for("hf"), cfg.tricks)
     if cfg.device not in ("cuda", "cpu"):
         raise InputError(f"the exact model does not replay device {cfg.device!r}; it replays cuda, cpu")
     if cfg.device == "cpu" and cfg.flash and cfg.shape.dropout > 0:

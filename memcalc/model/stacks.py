@@ -90,3 +90,12 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
         raise InputError(f"unknown stack {name!r}; known: {', '.join(STACKS)}")
     changes = {k: v.strip().lower() for k, v in (("recipe", recipe), ("impl", impl)) if v is not None}
     return replace(STACKS[key], **changes) if changes else STACKS[key]
+
+
+def check_tricks(stack: Stack, tricks) -> None:
+    """What the stack's own code can run. Transformers checkpoints every decoder layer or none
+    (PreTrainedModel.gradient_checkpointing_enable wraps each GradientCheckpointingLayer): ckpt:N and
+    torchtitan's per-op sac are not something its Trainer runs."""
+    if stack.model == "hf" and (tricks.mixed or tricks.recompute == "op"):
+        raise InputError(f"{tricks.label}: --stack hf checkpoints every decoder layer or none "
+                         "(gradient_checkpointing_enable): use ckpt, or --stack torch for ckpt:N and sac")  # fmt: skip

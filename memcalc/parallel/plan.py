@@ -23,11 +23,13 @@ from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks, check_layer_uniform, layer_uniform
 from memcalc.time.calibration import Calibration, calibration_for
+from memcalc.time.roofline import traceable
 
 from .comm import StepTime, step_lower_bound, step_time
 from .links import ASSUMPTIONS, Assumptions
 from .engines import ENGINES, engine_layout
 from .layout import Layout, LayoutMemory, check_layout, divisors, layout_memory, stage_layers
+from .verdict import Verdict, gpu_verdict, verdict_fit
 
 MAX_MICRO_BATCH = 16  # sequences per micro-batch the search tries, in powers of two
 MAX_VPP = 8  # virtual stages per GPU the search tries
@@ -45,6 +47,7 @@ class LayoutEstimate:
     layout: Layout
     memory: LayoutMemory | None  # the textbook's stages; None where it has no per-layer formula (ckpt:N, sac)
     time: StepTime
+    verdict: Verdict  # one GPU's peak as the stack allocates it (memcalc.parallel.verdict): whether it fits
 
     @property
     def gpus(self) -> int:
@@ -82,7 +85,7 @@ def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout
         check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, setup.stack.engine)
         memory = None
     time = step_time(model, setup, gpu, tricks, layout, memory, assume, timing)
-    return LayoutEstimate(model, gpu, setup, tricks, layout, memory, time)
+    return LayoutEstimate(model, gpu, setup, tricks, layout, memory, time, gpu_verdict(model, setup, gpu, tricks, layout))
 
 
 @dataclass(slots=True)
@@ -157,6 +160,8 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     check_size("global batch", global_batch, limit=MAX_BATCH)
     check_size("top", top, limit=1000)
     timing = calibration_for(gpu.key) if timing is None else timing
+    if not isinstance(timing, float) and not traceable(model.shape):  # no kernels to time: the default MFU does
+        timing = DEFAULT_MFU
     mfu = timing if isinstance(timing, float) else DEFAULT_MFU
     Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory, stack=stack)  # validates them
     variants = recompute_variants(tricks, recomputes)
@@ -174,7 +179,7 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
                 setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
                               host_memory=host_memory, stack=stack)  # fmt: skip
             memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
-            total, fits = peak_and_fit(memory)
+            total, fits = verdict_fit(model, setup, gpu, t, layout, memory)
             if fits:
                 bound = step_lower_bound(model, setup, gpu, t, layout, memory, assume, timing, False) if prune else 0.0
                 candidates.append((bound, layout, setup, t, memory, total))
@@ -219,17 +224,6 @@ def top_cut(kind_best: dict[tuple, float], top: int) -> float:
     if len(kind_best) < top:
         return math.inf
     return sorted(kind_best.values())[top - 1]
-
-
-def peak_and_fit(memory: LayoutMemory) -> tuple[int, bool]:
-    """memory.total_bytes and memory.fits in one pass over the stages (the search asks for both, thousands
-    of times)."""
-    peak, fits = 0, True
-    for st in memory.stages:
-        total = st.total_bytes
-        peak = max(peak, total)
-        fits = fits and total <= st.usable_bytes and st.host_fits
-    return peak, fits
 
 
 def kind_of(lay: Layout, tricks: Tricks) -> tuple:

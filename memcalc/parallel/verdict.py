@@ -22,10 +22,11 @@ from memcalc.exact.zero import Sharding
 from memcalc.memory.setup import Budget, Setup
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, n_params
+from memcalc.model.stacks import check_tricks
 from memcalc.model.tricks import Tricks
 
 from .engines import engine_layout
-from .layout import Layout, check_layout, layout_memory, sharded_state
+from .layout import Layout, LayoutMemory, check_layout, layout_memory, sharded_state
 
 ONE_GPU = Layout()
 
@@ -103,6 +104,7 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
     """The verdict for one trick set on one GPU of the layout (setup.parallel is not read: the layout says
     how the GPUs share the work)."""
     layout = engine_layout(layout, setup.stack.engine)
+    check_tricks(setup.stack, tricks)
     check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, setup.stack.engine)
     gap = replay_gap(model, setup, tricks, layout)
     if gap:
@@ -129,6 +131,8 @@ def textbook_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
     """The textbook's verdict: the layout's stage that holds the most, per GPU (memcalc.parallel.layout)."""
     if tricks.recompute == "op":
         raise InputError(f"{tricks.label}: the textbook has no formula for sac, and {reason}")
+    if tricks.mixed:  # the per-stage textbook counts one kind of layer; the replay counts ckpt:N's two
+        raise InputError(f"{tricks.label}: the textbook's layouts count ckpt, not ckpt:N, and {reason}")
     memory = layout_memory(model, setup, gpu, tricks, layout)
     st = memory.peak
     where = f"stage {st.stage}" if layout.pp > 1 else "the textbook's peak"
@@ -156,3 +160,19 @@ def peak_at(p: Phases) -> str:
 def host_share(setup: Setup, layout: Layout) -> int:
     """One GPU's share of its node's host memory: the job's GPUs on a node split it."""
     return setup.host_memory // min(layout.world, layout.gpus_per_node)
+
+
+def verdict_fit(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
+                memory: LayoutMemory) -> tuple[int, bool]:  # fmt: skip
+    """gpu_verdict's peak and fit for the planner's thousands of layouts, given their textbook stages (those
+    that can peak): the replay where the simulator replays the job, else the textbook's stage that peaks,
+    read from memory rather than laid out again."""
+    if not replay_gap(model, setup, tricks, engine_layout(layout, setup.stack.engine)):
+        v = gpu_verdict(model, setup, gpu, tricks, layout)
+        return v.total_bytes, v.fits
+    peak, fits = 0, True
+    for st in memory.stages:  # written flat: the search asks thousands of times
+        total = st.total_bytes
+        peak = max(peak, total)
+        fits = fits and total <= st.usable_bytes and st.host_fits
+    return peak, fits

@@ -228,18 +228,16 @@ def layout_sections(est: LayoutEstimate, units: str, detail: bool = False) -> li
 def layout_verdict(estimates: list[LayoutEstimate], units: str) -> str:
     """Whether each trick set's peak stage fits the GPU, in one sentence."""
     usable = u.size(estimates[0].gpu.usable_bytes, units)
-    fit = [e.tricks.label for e in estimates if e.memory.fits]
+    fit = [e.tricks.label for e in estimates if e.verdict.fits]
     if len(estimates) == 1:
-        mem = estimates[0].memory
-        peak = mem.peak
-        where = f"stage {peak.stage}" if estimates[0].layout.pp > 1 else "each GPU"
-        need, of = u.size_pair(peak.total_bytes, estimates[0].gpu.usable_bytes, units)  # distinct when they differ
+        v = estimates[0].verdict
+        where = v.peak_at if estimates[0].layout.pp > 1 else "each GPU"
+        need, of = u.size_pair(v.total_bytes, v.usable_bytes, units)  # distinct when they differ
         needs = f"{where} needs {need} of the {of} usable per GPU"
-        if mem.fits:
+        if v.fits:
             return f"Fits: {needs}."
-        host = max(mem.stages, key=lambda st: st.host_bytes)
-        if not host.host_fits:
-            held, share = u.size_pair(host.host_bytes, host.host_usable_bytes, units)
+        if not v.host_fits:
+            held, share = u.size_pair(v.host_bytes, v.host_usable_bytes, units)
             needs += f", and {held} of host memory per GPU, of its {share} share"
         return f"Does not fit: {needs}; `memcalc plan` searches the layouts that fit."
     if not fit:
@@ -342,7 +340,7 @@ def short_ranking_section(plan: Plan, units: str) -> Section:
     for i, est in enumerate(plan.best, 1):
         t = est.time
         s.rows.append([str(i), est.layout.label, f"{est.setup.micro_batch} x {est.setup.grad_accum}",
-                       est.tricks.recompute, sized(est.memory.total_bytes, units), u.rate(t.tokens_per_second),
+                       est.tricks.recompute, sized(est.verdict.total_bytes, units), u.rate(t.tokens_per_second),
                        u.seconds(t.step_seconds), u.percent(t.mfu)])  # fmt: skip
     ep = ", ep: the experts' expert-parallel GPUs" if any(e.layout.ep > 1 for e in plan.best) else ""
     s.notes.append(f"layout: tp (sp: sequence parallel), pp (v: interleaved stages), cp, dp, ZeRO stage{ep}; "
@@ -358,7 +356,7 @@ def plan_verdict(plan: Plan, units: str) -> str:
     return (f"Fastest: {layout_text(est.layout)}, {sharding_text(est.layout)}, micro-batch {est.setup.micro_batch} x "
             f"{est.setup.grad_accum}, {recompute_text(est.tricks.recompute)}: {u.rate(t.tokens_per_second)} tokens/s, "
             f"{u.seconds(t.step_seconds)} per step, MFU {u.percent(t.mfu)}, "
-            f"{u.size(est.memory.total_bytes, units)} per GPU.")  # fmt: skip
+            f"{u.size(est.verdict.total_bytes, units)} per GPU.")  # fmt: skip
 
 
 def ranking_section(plan: Plan, units: str) -> Section:
@@ -368,7 +366,7 @@ def ranking_section(plan: Plan, units: str) -> Section:
         t = est.time
         s.rows.append([str(i), layout_text(est.layout), sharding_text(est.layout),
                        f"{est.setup.micro_batch} x {est.setup.grad_accum}", est.tricks.recompute,
-                       u.size(est.memory.total_bytes, units), u.rate(t.tokens_per_second), u.seconds(t.step_seconds),
+                       u.size(est.verdict.total_bytes, units), u.rate(t.tokens_per_second), u.seconds(t.step_seconds),
                        u.percent(t.mfu), u.percent(t.bubble_seconds / t.step_seconds),
                        u.seconds(t.exposed_comm_seconds)])  # fmt: skip
     if not plan.best:
@@ -418,10 +416,10 @@ def alternative_row(alt: Alternative, best: float | None, units: str) -> list[st
     est = alt.estimate
     where = f"{est.layout.label}, b {est.setup.micro_batch}, {recompute_text(est.tricks.recompute)}"
     if not alt.fits:
-        need, usable = u.size_pair(est.memory.total_bytes, est.gpu.usable_bytes, units)
-        host = max(est.memory.stages, key=lambda st: st.host_bytes)
-        if est.memory.total_bytes <= est.gpu.usable_bytes and not host.host_fits:
-            held, share = u.size_pair(host.host_bytes, host.host_usable_bytes, units)
+        v = est.verdict
+        need, usable = u.size_pair(v.total_bytes, v.usable_bytes, units)
+        if v.total_bytes <= v.usable_bytes and not v.host_fits:
+            held, share = u.size_pair(v.host_bytes, v.host_usable_bytes, units)
             why = f"out of host memory: needs {held} per GPU of its {share} share"
             return [alt.name, where, "-", "-", why]
         return [alt.name, where, "-", "-", f"out of memory: needs {need} of {usable} at its smallest"]
@@ -457,7 +455,7 @@ def plan_csv_rows(plan: Plan) -> list[list[object]]:
         lay, t = est.layout, est.time
         rows.append([i, lay.tp, lay.sp, lay.pp, lay.vpp, lay.cp, lay.dp, lay.zero, lay.hybrid, lay.offload_optimizer,
                      lay.offload_params, est.setup.micro_batch, est.setup.grad_accum, est.tricks.recompute,
-                     est.memory.total_bytes, f"{t.tokens_per_second:.6g}", f"{t.step_seconds:.6g}",
+                     est.verdict.total_bytes, f"{t.tokens_per_second:.6g}", f"{t.step_seconds:.6g}",
                      f"{t.mfu:.4f}"])  # fmt: skip
     return rows
 

@@ -4,7 +4,6 @@ No `from __future__ import annotations` here: typer reads every option's annotat
 annotations cost it an eval each, 10 ms at every start for the ~100 options of the commands.
 """
 
-import math
 import sys
 from typing import Annotated, Optional
 
@@ -15,6 +14,13 @@ from memcalc.errors import InputError
 from memcalc.report import render
 
 from . import verify_runs, views
+from .inputs import (build_layout, build_routing, build_setup, check_format, parse_fraction, parse_positive,
+                     parse_run, render_units, roofline_calibration)  # fmt: skip
+from .options import (Calibration, CapacityFactor, Config, Cp, DataParallelGpus, Detail, Dp, Ep, EstimateMfu,
+                      Etp, ExactBytes, ExpertImbalance, Ffn, Format, GpuOpt, Gpus, GpusPerNode, GradAccum, Heads,
+                      Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, MicroBatch, ModelName, Offload,
+                      OffloadParams, Optimizer, Params, Pp, PpLayers, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp,
+                      TricksOpt, Units, Vocab, Vpp, Zero)  # fmt: skip
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
 
@@ -56,121 +62,9 @@ def options(
 ) -> None:  # fmt: skip
     """Memory and compute of training a transformer, with the formulas shown and checked."""
 
-# ---- options shared by the commands --------------------------------------------------------
-Params = Annotated[Optional[str], typer.Option("--params", help="Parameter count (8e9, 70B); the shape comes from the canonical table.", metavar="N")]  # fmt: skip
-ModelName = Annotated[Optional[str], typer.Option("--model", help="A preset: see `memcalc presets`.", metavar="NAME")]  # fmt: skip
-Config = Annotated[Optional[str], typer.Option("--config", help="A Hugging Face config.json, read offline.", metavar="PATH")]  # fmt: skip
-Layers = Annotated[Optional[str], typer.Option("--layers", help="Override the number of layers.", metavar="N")]
-Hidden = Annotated[Optional[str], typer.Option("--hidden", help="Override the hidden size.", metavar="N")]
-Heads = Annotated[Optional[str], typer.Option("--heads", help="Override the attention heads.", metavar="N")]
-KvHeads = Annotated[Optional[str], typer.Option("--kv-heads", help="Override the KV heads (GQA).", metavar="N")]
-Ffn = Annotated[Optional[str], typer.Option("--ffn", help="Override the MLP width.", metavar="N")]
-Vocab = Annotated[Optional[str], typer.Option("--vocab", help="Override the vocabulary size.", metavar="N")]
-Seq = Annotated[Optional[str], typer.Option("--seq", help="Sequence length in tokens; k and m are binary (8k = 8,192).", metavar="N", show_default="4096, or the model's position table if shorter")]  # fmt: skip
-MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per forward/backward pass.", metavar="N")]
-GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
-TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, ckpt:N (every Nth block), selective, sac (torchtitan's per-op policy) (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
-Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw, sgd (with momentum) or adam8bit.", metavar="NAME")]
-Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs: data-parallel GPUs that ZeRO shards over; with --tp/--pp/--cp/--dp the world size.", metavar="N", show_default="1")]  # fmt: skip
-DataParallelGpus = Annotated[str, typer.Option("--gpus", help="Data-parallel GPUs that ZeRO shards over.", metavar="N")]
-Tp = Annotated[Optional[str], typer.Option("--tp", help="Tensor-parallel GPUs per layer.", metavar="N")]
-Pp = Annotated[Optional[str], typer.Option("--pp", help="Pipeline stages.", metavar="N")]
-Cp = Annotated[Optional[str], typer.Option("--cp", help="Context-parallel GPUs per sequence (needs flash).", metavar="N")]  # fmt: skip
-Dp = Annotated[Optional[str], typer.Option("--dp", help="Data-parallel replicas (default: what --gpus leaves).", metavar="N")]  # fmt: skip
-Ep = Annotated[Optional[str], typer.Option("--ep", help="Expert-parallel GPUs: each holds 1/N of a MoE layer's experts (within tp x cp x dp).", metavar="N")]  # fmt: skip
-Etp = Annotated[Optional[str], typer.Option("--etp", help="Expert tensor parallel: each expert's MLP split over N GPUs.", metavar="N")]  # fmt: skip
-Sp = Annotated[bool, typer.Option("--sp", help="Sequence parallel on the TP group.")]
-Vpp = Annotated[Optional[str], typer.Option("--vpp", help="Virtual pipeline stages per GPU (interleaved 1F1B).", metavar="N")]  # fmt: skip
-Hybrid = Annotated[bool, typer.Option("--hybrid", help="Shard inside a node, replicate across nodes (FSDP hybrid).")]
-OffloadParams = Annotated[bool, typer.Option("--offload-params", help="Weights and gradients in host memory too (ZeRO-3).")]  # fmt: skip
-GpusPerNode = Annotated[Optional[str], typer.Option("--gpus-per-node", help="GPUs behind one NVLink switch.", metavar="N", show_default="8")]  # fmt: skip
-Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", metavar="STAGE")]
-Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
-HostMemory = Annotated[str, typer.Option("--host-memory", help="CPU memory of one node in bytes (2T, 1.5e12), which offload fills; the job's GPUs on a node share it. Default: a DGX H100/H200's 2 TB for 8 GPUs.", metavar="BYTES")]  # fmt: skip
-GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
-EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline: X is an end-to-end rate, so a layout adds no bubble or communication to it.", metavar="X")]  # fmt: skip
-Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
-Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
-Units = Annotated[str, typer.Option("--units", help="gb (decimal, as GPU datasheets count) or gib (binary).", metavar="UNITS")]
-StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: reference (memcalc's loop, the default), torch (torch.autocast + torch.optim), hf (Hugging Face Transformers' Trainer); over many GPUs fsdp2 (torchtitan), megatron (Megatron-LM), deepspeed (DeepSpeed ZeRO). See docs/stacks.md and docs/parallel.md.", metavar="NAME")]  # fmt: skip
-PpLayers = Annotated[Optional[str], typer.Option("--pp-layers", help="Layers on the first and last pipeline stages, FIRST,LAST (Megatron-LM's --decoder-first/last-pipeline-num-layers; 0 leaves one to the split). Default: even, or torchtitan's split where pp does not divide the layers.", metavar="F,L")]  # fmt: skip
-Reshard = Annotated[Optional[bool], typer.Option("--reshard/--no-reshard", help="FSDP2: free each block's gathered weights after its forward (default: torchtitan's, on without pipeline parallel, off with it).", show_default=False)]  # fmt: skip
-RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="How 16-bit trains, instead of the stack's: master (fp32 master copy), autocast (fp32 weights), pure (16-bit weights and optimizer state).", metavar="NAME")]  # fmt: skip
-ImplOpt = Annotated[Optional[str], typer.Option("--optimizer-impl", help="The optimizer's implementation, instead of the stack's: reference, loop (foreach=False), foreach, fused.", metavar="NAME")]  # fmt: skip
-Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
-CapacityFactor = Annotated[Optional[str], typer.Option("--capacity-factor", help="Mixture of experts: each expert takes at most CF x its balanced tokens, padded to that (Megatron's capacity factor). Default: none, nothing dropped.", metavar="CF")]  # fmt: skip
-ExpertImbalance = Annotated[Optional[str], typer.Option("--expert-imbalance", help="Mixture of experts: the busiest GPU's experts get X times their balanced tokens (default 1: balanced).", metavar="X")]  # fmt: skip
-ExactBytes = Annotated[bool, typer.Option("--bytes", help="Exact byte counts under each value (JSON and CSV always carry them).")]  # fmt: skip
-
-
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise typer.Exit(2)
-
-
-def check_format(fmt: str) -> str:
-    key = fmt.strip().lower()
-    if key not in render.FORMATS:
-        raise InputError(f"unknown format {fmt!r}; choose {', '.join(render.FORMATS)}")
-    return key
-
-
-def build_routing(model, capacity_factor: str | None, imbalance: str | None):
-    """--capacity-factor and --expert-imbalance: the routing assumption of a mixture-of-experts model."""
-    from memcalc.model.moe import BALANCED, Routing
-
-    if capacity_factor is None and imbalance is None:
-        return BALANCED
-    if not model.shape.is_moe:
-        given = " and ".join(f for f, v in (("--capacity-factor", capacity_factor), ("--expert-imbalance", imbalance))
-                             if v is not None)  # fmt: skip
-        raise InputError(f"{given} describe how a mixture of experts routes tokens; {model.shape.name} has no experts")
-    cf = None if capacity_factor is None else parse_positive(capacity_factor, "capacity-factor")
-    x = 1.0 if imbalance is None else parse_positive(imbalance, "expert-imbalance")
-    return Routing(cf, x)
-
-
-def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T",
-                stack="reference", recipe=None, impl=None, routing=None):  # fmt: skip
-    from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
-    from memcalc.model.moe import BALANCED
-    from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
-    from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
-    from memcalc.model.stacks import stack_for
-
-    if optimizer.strip().lower() not in OPTIMIZERS:
-        raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
-    if zero.strip() not in ("0", "1", "2", "3"):
-        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
-    return Setup(
-        seq_len=parse_seq(seq),
-        micro_batch=parse_count(micro_batch, "micro-batch", MAX_BATCH),
-        grad_accum=parse_count(grad_accum, "grad-accum", MAX_BATCH),
-        optimizer=optimizer.strip().lower(),
-        parallel=Parallel(parse_count(gpus, "gpus", MAX_GPUS), int(zero), offload),
-        mfu=parse_fraction(mfu, "mfu"),
-        host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
-        stack=stack_for(stack, recipe, impl),
-        routing=routing or BALANCED,
-    )
-
-
-def parse_positive(text: str, name: str, most: float = math.inf) -> float:
-    """A finite number in (0, most]: --mfu and --tol are fractions (most 1), times and rates are not."""
-    from memcalc.model.jsonfile import brief
-
-    try:
-        value = float(text)  # a number past a double's range is inf (refused below), below it 0.0
-    except ValueError:
-        raise InputError(f"{name} must be a number, got {brief(text)}") from None
-    if not (0 < value <= most and math.isfinite(value)):  # also rejects nan
-        kind = "a fraction in (0, 1]" if most == 1 else "a positive number"
-        raise InputError(f"{name} must be {kind}, got {brief(text)}")
-    return value
-
-
-def parse_fraction(text: str, name: str) -> float:
-    return parse_positive(text, name, most=1)
 
 
 @app.command()
@@ -239,53 +133,6 @@ def estimate(
         fail(str(e))
 
 
-def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None] | None:
-    """--tokens N [--price-per-gpu-hour X]: the length (and price) of the whole run, or None."""
-    from memcalc.model.shape import parse_count
-    from memcalc.time.training_run import MAX_TOKENS
-
-    if tokens is None:
-        if price is not None:
-            raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
-        return None
-    return parse_count(tokens, "tokens", MAX_TOKENS), None if price is None else parse_positive(price, "price-per-gpu-hour")
-
-
-def roofline_calibration(gpu, spec: str | None):
-    """--calibration SPEC: a JSON file, NAME=X overrides, or both (file first), comma-separated."""
-    from memcalc.time.calibration import calibration_for
-
-    items = [x.strip() for x in (spec or "").split(",") if x.strip()]
-    paths, overrides = [x for x in items if "=" not in x], [x for x in items if "=" in x]
-    if len(paths) > 1:
-        raise InputError(f"--calibration takes one file, got {', '.join(paths)}")
-    return calibration_for(gpu.key, paths[0] if paths else None, ",".join(overrides) or None)
-
-
-def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node, pp_layers=None,
-                 reshard=None, ep=None, etp=None):  # fmt: skip
-    from memcalc.memory.state import MAX_GPUS
-    from memcalc.model.shape import parse_count
-    from memcalc.parallel.layout import layout_for
-
-    def count(text, name, default):
-        return default if text is None else parse_count(text, name, MAX_GPUS)
-
-    if zero.strip() not in ("0", "1", "2", "3"):
-        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
-    ends = (pp_layers or "0,0").split(",")
-    if len(ends) != 2:
-        raise InputError(f"--pp-layers takes FIRST,LAST (0 leaves one to the split), got {pp_layers!r}")
-    first, last = (parse_count(x, "pp-layers", MAX_GPUS) if x.strip() not in ("", "0") else 0 for x in ends)
-    return layout_for(
-        gpus=count(gpus, "gpus", None), tp=count(tp, "tp", 1), pp=count(pp, "pp", 1), cp=count(cp, "cp", 1),
-        dp=count(dp, "dp", None), zero=int(zero), sp=sp, vpp=count(vpp, "vpp", 1), hybrid=hybrid,
-        offload_optimizer=offload or offload_params, offload_params=offload_params,
-        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8), first_layers=first, last_layers=last,
-        reshard_after_forward=reshard, ep=count(ep, "ep", 1), etp=count(etp, "etp", 1),
-    )  # fmt: skip
-
-
 @app.command()
 def plan(
     params: Params = None, model: ModelName = None, config: Config = None,
@@ -339,12 +186,6 @@ def plan(
     csv_table = (pr.PLAN_CSV_HEADERS, pr.plan_csv_rows(result))
     render.emit(fmt, result, pr.plan_sections(result, units, detail), pr.plan_preamble(result, units), csv_table,
                 exact=detail or exact_bytes, after=[pr.plan_verdict(result, units)])  # fmt: skip
-
-
-def render_units(units: str) -> str:
-    from memcalc.report.units import check_units
-
-    return check_units(units)
 
 
 @app.command()

@@ -1,7 +1,10 @@
-"""Turn what the user typed into engine inputs: the model, its shape overrides, the trick sets."""
+"""Turn what the user typed into engine inputs: the model, its shape overrides, the trick sets, the step,
+the layout, the time model, the run; and the output's format and units. One InputError line for each
+thing that cannot be."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from memcalc.errors import InputError
@@ -9,6 +12,7 @@ from memcalc.model.hfconfig import config_model
 from memcalc.model.presets import MAX_PARAMS, canonical_model, gpt, preset_model
 from memcalc.model.shape import MAX_SIZE, Model, longest_seq, n_params, override, parse_count
 from memcalc.model.tricks import PROGRESSION, Tricks, parse_tricks
+from memcalc.report import render
 
 
 def optional_count(text: str | None, name: str, limit: float = float(MAX_SIZE)) -> int | None:
@@ -76,3 +80,121 @@ def overrides_note(sizes: dict[str, int | None]) -> str:
 def resolve_tricks(text: str | None) -> tuple[Tricks, ...]:
     """--tricks picks one combination; without it, the progression fp32 -> ... -> bf16+selective."""
     return PROGRESSION if text is None else (parse_tricks(text),)
+
+
+def check_format(fmt: str) -> str:
+    key = fmt.strip().lower()
+    if key not in render.FORMATS:
+        raise InputError(f"unknown format {fmt!r}; choose {', '.join(render.FORMATS)}")
+    return key
+
+
+def build_routing(model, capacity_factor: str | None, imbalance: str | None):
+    """--capacity-factor and --expert-imbalance: the routing assumption of a mixture-of-experts model."""
+    from memcalc.model.moe import BALANCED, Routing
+
+    if capacity_factor is None and imbalance is None:
+        return BALANCED
+    if not model.shape.is_moe:
+        given = " and ".join(f for f, v in (("--capacity-factor", capacity_factor), ("--expert-imbalance", imbalance))
+                             if v is not None)  # fmt: skip
+        raise InputError(f"{given} describe how a mixture of experts routes tokens; {model.shape.name} has no experts")
+    cf = None if capacity_factor is None else parse_positive(capacity_factor, "capacity-factor")
+    x = 1.0 if imbalance is None else parse_positive(imbalance, "expert-imbalance")
+    return Routing(cf, x)
+
+
+def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T",
+                stack="reference", recipe=None, impl=None, routing=None):  # fmt: skip
+    from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
+    from memcalc.model.moe import BALANCED
+    from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
+    from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
+    from memcalc.model.stacks import stack_for
+
+    if optimizer.strip().lower() not in OPTIMIZERS:
+        raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+    if zero.strip() not in ("0", "1", "2", "3"):
+        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
+    return Setup(
+        seq_len=parse_seq(seq),
+        micro_batch=parse_count(micro_batch, "micro-batch", MAX_BATCH),
+        grad_accum=parse_count(grad_accum, "grad-accum", MAX_BATCH),
+        optimizer=optimizer.strip().lower(),
+        parallel=Parallel(parse_count(gpus, "gpus", MAX_GPUS), int(zero), offload),
+        mfu=parse_fraction(mfu, "mfu"),
+        host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
+        stack=stack_for(stack, recipe, impl),
+        routing=routing or BALANCED,
+    )
+
+
+def parse_positive(text: str, name: str, most: float = math.inf) -> float:
+    """A finite number in (0, most]: --mfu and --tol are fractions (most 1), times and rates are not."""
+    from memcalc.model.jsonfile import brief
+
+    try:
+        value = float(text)  # a number past a double's range is inf (refused below), below it 0.0
+    except ValueError:
+        raise InputError(f"{name} must be a number, got {brief(text)}") from None
+    if not (0 < value <= most and math.isfinite(value)):  # also rejects nan
+        kind = "a fraction in (0, 1]" if most == 1 else "a positive number"
+        raise InputError(f"{name} must be {kind}, got {brief(text)}")
+    return value
+
+
+def parse_fraction(text: str, name: str) -> float:
+    return parse_positive(text, name, most=1)
+
+
+def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None] | None:
+    """--tokens N [--price-per-gpu-hour X]: the length (and price) of the whole run, or None."""
+    from memcalc.model.shape import parse_count
+    from memcalc.time.training_run import MAX_TOKENS
+
+    if tokens is None:
+        if price is not None:
+            raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
+        return None
+    return parse_count(tokens, "tokens", MAX_TOKENS), None if price is None else parse_positive(price, "price-per-gpu-hour")
+
+
+def roofline_calibration(gpu, spec: str | None):
+    """--calibration SPEC: a JSON file, NAME=X overrides, or both (file first), comma-separated."""
+    from memcalc.time.calibration import calibration_for
+
+    items = [x.strip() for x in (spec or "").split(",") if x.strip()]
+    paths, overrides = [x for x in items if "=" not in x], [x for x in items if "=" in x]
+    if len(paths) > 1:
+        raise InputError(f"--calibration takes one file, got {', '.join(paths)}")
+    return calibration_for(gpu.key, paths[0] if paths else None, ",".join(overrides) or None)
+
+
+def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node, pp_layers=None,
+                 reshard=None, ep=None, etp=None):  # fmt: skip
+    from memcalc.memory.state import MAX_GPUS
+    from memcalc.model.shape import parse_count
+    from memcalc.parallel.layout import layout_for
+
+    def count(text, name, default):
+        return default if text is None else parse_count(text, name, MAX_GPUS)
+
+    if zero.strip() not in ("0", "1", "2", "3"):
+        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
+    ends = (pp_layers or "0,0").split(",")
+    if len(ends) != 2:
+        raise InputError(f"--pp-layers takes FIRST,LAST (0 leaves one to the split), got {pp_layers!r}")
+    first, last = (parse_count(x, "pp-layers", MAX_GPUS) if x.strip() not in ("", "0") else 0 for x in ends)
+    return layout_for(
+        gpus=count(gpus, "gpus", None), tp=count(tp, "tp", 1), pp=count(pp, "pp", 1), cp=count(cp, "cp", 1),
+        dp=count(dp, "dp", None), zero=int(zero), sp=sp, vpp=count(vpp, "vpp", 1), hybrid=hybrid,
+        offload_optimizer=offload or offload_params, offload_params=offload_params,
+        gpus_per_node=count(gpus_per_node, "gpus-per-node", 8), first_layers=first, last_layers=last,
+        reshard_after_forward=reshard, ep=count(ep, "ep", 1), etp=count(etp, "etp", 1),
+    )  # fmt: skip
+
+
+def render_units(units: str) -> str:
+    from memcalc.report.units import check_units
+
+    return check_units(units)

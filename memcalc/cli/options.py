@@ -1,0 +1,54 @@
+"""The options the commands share, as typer reads them: each one's flag, help and metavar, once.
+
+No `from __future__ import annotations` here: typer reads every option's annotation, and string
+annotations cost it an eval each, 10 ms at every start for the ~100 options of the commands.
+"""
+
+from typing import Annotated, Optional
+
+import typer
+
+Params = Annotated[Optional[str], typer.Option("--params", help="Parameter count (8e9, 70B); the shape comes from the canonical table.", metavar="N")]  # fmt: skip
+ModelName = Annotated[Optional[str], typer.Option("--model", help="A preset: see `memcalc presets`.", metavar="NAME")]  # fmt: skip
+Config = Annotated[Optional[str], typer.Option("--config", help="A Hugging Face config.json, read offline.", metavar="PATH")]  # fmt: skip
+Layers = Annotated[Optional[str], typer.Option("--layers", help="Override the number of layers.", metavar="N")]
+Hidden = Annotated[Optional[str], typer.Option("--hidden", help="Override the hidden size.", metavar="N")]
+Heads = Annotated[Optional[str], typer.Option("--heads", help="Override the attention heads.", metavar="N")]
+KvHeads = Annotated[Optional[str], typer.Option("--kv-heads", help="Override the KV heads (GQA).", metavar="N")]
+Ffn = Annotated[Optional[str], typer.Option("--ffn", help="Override the MLP width.", metavar="N")]
+Vocab = Annotated[Optional[str], typer.Option("--vocab", help="Override the vocabulary size.", metavar="N")]
+Seq = Annotated[Optional[str], typer.Option("--seq", help="Sequence length in tokens; k and m are binary (8k = 8,192).", metavar="N", show_default="4096, or the model's position table if shorter")]  # fmt: skip
+MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per forward/backward pass.", metavar="N")]
+GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
+TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, ckpt:N (every Nth block), selective, sac (torchtitan's per-op policy) (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
+Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw, sgd (with momentum) or adam8bit.", metavar="NAME")]
+Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs: data-parallel GPUs that ZeRO shards over; with --tp/--pp/--cp/--dp the world size.", metavar="N", show_default="1")]  # fmt: skip
+DataParallelGpus = Annotated[str, typer.Option("--gpus", help="Data-parallel GPUs that ZeRO shards over.", metavar="N")]
+Tp = Annotated[Optional[str], typer.Option("--tp", help="Tensor-parallel GPUs per layer.", metavar="N")]
+Pp = Annotated[Optional[str], typer.Option("--pp", help="Pipeline stages.", metavar="N")]
+Cp = Annotated[Optional[str], typer.Option("--cp", help="Context-parallel GPUs per sequence (needs flash).", metavar="N")]  # fmt: skip
+Dp = Annotated[Optional[str], typer.Option("--dp", help="Data-parallel replicas (default: what --gpus leaves).", metavar="N")]  # fmt: skip
+Ep = Annotated[Optional[str], typer.Option("--ep", help="Expert-parallel GPUs: each holds 1/N of a MoE layer's experts (within tp x cp x dp).", metavar="N")]  # fmt: skip
+Etp = Annotated[Optional[str], typer.Option("--etp", help="Expert tensor parallel: each expert's MLP split over N GPUs.", metavar="N")]  # fmt: skip
+Sp = Annotated[bool, typer.Option("--sp", help="Sequence parallel on the TP group.")]
+Vpp = Annotated[Optional[str], typer.Option("--vpp", help="Virtual pipeline stages per GPU (interleaved 1F1B).", metavar="N")]  # fmt: skip
+Hybrid = Annotated[bool, typer.Option("--hybrid", help="Shard inside a node, replicate across nodes (FSDP hybrid).")]
+OffloadParams = Annotated[bool, typer.Option("--offload-params", help="Weights and gradients in host memory too (ZeRO-3).")]  # fmt: skip
+GpusPerNode = Annotated[Optional[str], typer.Option("--gpus-per-node", help="GPUs behind one NVLink switch.", metavar="N", show_default="8")]  # fmt: skip
+Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", metavar="STAGE")]
+Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
+HostMemory = Annotated[str, typer.Option("--host-memory", help="CPU memory of one node in bytes (2T, 1.5e12), which offload fills; the job's GPUs on a node share it. Default: a DGX H100/H200's 2 TB for 8 GPUs.", metavar="BYTES")]  # fmt: skip
+GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
+EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline: X is an end-to-end rate, so a layout adds no bubble or communication to it.", metavar="X")]  # fmt: skip
+Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
+Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]
+Units = Annotated[str, typer.Option("--units", help="gb (decimal, as GPU datasheets count) or gib (binary).", metavar="UNITS")]
+StackOpt = Annotated[str, typer.Option("--stack", help="Whose code trains: reference (memcalc's loop, the default), torch (torch.autocast + torch.optim), hf (Hugging Face Transformers' Trainer); over many GPUs fsdp2 (torchtitan), megatron (Megatron-LM), deepspeed (DeepSpeed ZeRO). See docs/stacks.md and docs/parallel.md.", metavar="NAME")]  # fmt: skip
+PpLayers = Annotated[Optional[str], typer.Option("--pp-layers", help="Layers on the first and last pipeline stages, FIRST,LAST (Megatron-LM's --decoder-first/last-pipeline-num-layers; 0 leaves one to the split). Default: even, or torchtitan's split where pp does not divide the layers.", metavar="F,L")]  # fmt: skip
+Reshard = Annotated[Optional[bool], typer.Option("--reshard/--no-reshard", help="FSDP2: free each block's gathered weights after its forward (default: torchtitan's, on without pipeline parallel, off with it).", show_default=False)]  # fmt: skip
+RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="How 16-bit trains, instead of the stack's: master (fp32 master copy), autocast (fp32 weights), pure (16-bit weights and optimizer state).", metavar="NAME")]  # fmt: skip
+ImplOpt = Annotated[Optional[str], typer.Option("--optimizer-impl", help="The optimizer's implementation, instead of the stack's: reference, loop (foreach=False), foreach, fused.", metavar="NAME")]  # fmt: skip
+Detail = Annotated[bool, typer.Option("--detail", help="Every section behind the answer, with exact byte counts.")]
+CapacityFactor = Annotated[Optional[str], typer.Option("--capacity-factor", help="Mixture of experts: each expert takes at most CF x its balanced tokens, padded to that (Megatron's capacity factor). Default: none, nothing dropped.", metavar="CF")]  # fmt: skip
+ExpertImbalance = Annotated[Optional[str], typer.Option("--expert-imbalance", help="Mixture of experts: the busiest GPU's experts get X times their balanced tokens (default 1: balanced).", metavar="X")]  # fmt: skip
+ExactBytes = Annotated[bool, typer.Option("--bytes", help="Exact byte counts under each value (JSON and CSV always carry them).")]  # fmt: skip

@@ -362,7 +362,8 @@ def phase_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
                       device: str) -> list[Prediction]:  # fmt: skip
     """Live bytes between steps and each phase's peak, as memcalc's FSDP2 replay predicts them (CUDA's
     kernels; on CPU, the fake group's, LayerNorm's statistics are 16-bit: named); then the step's peak as
-    the fsdp2 engine (estimate --stack fsdp2) charges it, every byte between it and the replay named."""
+    the fsdp2 engine's textbook charges it (the textbook column of estimate --stack fsdp2, whose verdict is
+    this replay), every byte between it and the replay named."""
     from memcalc.exact.fsdp2 import Param, fsdp2_phases  # the simulator: loaded only when a check runs
 
     params = [Param(t.name, tp_dims(t, layout.tp, rank % layout.tp)) for t in param_tensors(shape)]
@@ -387,12 +388,12 @@ def phase_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     engine = engine_peak(shape, seq_len, micro_batch, tricks, layout)
     diffs = engine_differences(engine, run)
     rows.append(Prediction("step peak, the fsdp2 engine", engine.total_bytes, diffs,
-                           formula="memcalc.parallel.layout_memory, --stack fsdp2 (estimate's number)"))  # fmt: skip
+                           formula="memcalc.parallel.layout_memory, --stack fsdp2 (estimate's textbook)"))  # fmt: skip
     return rows
 
 
 def engine_peak(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout):
-    """The fsdp2 engine's one stage (pp = 1) for this shape's own parameters, as estimate charges it."""
+    """The fsdp2 engine's one stage (pp = 1) for this shape's own parameters, as the textbook charges it."""
     from memcalc.model.gpus import gpu
     from memcalc.model.shape import Model
     from memcalc.model.stacks import stack_for

@@ -13,7 +13,8 @@ from memcalc.model.presets import preset_model
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate, plan
-from memcalc.report import layout as plan_report
+from memcalc.report import layout as layout_report
+from memcalc.report import plan as plan_report
 from memcalc.report import render
 
 H100 = gpu("h100-sxm")
@@ -139,17 +140,17 @@ def test_layout_sections_and_explain():
     model = preset_model("llama3-70b")
     est = layout_estimate(model, Setup(seq_len=8192, grad_accum=16), H100, Tricks(flash=True),
                           Layout(tp=8, sp=True, pp=4, vpp=2, dp=2, zero=1))  # fmt: skip
-    text = tables(plan_report.layout_sections(est, "gb", detail=True), plan_report.layout_preamble([est]))
+    text = tables(layout_report.layout_sections(est, "gb", detail=True), layout_report.layout_preamble([est]))
     for title in ("Model state", "Activations of one layer", "Peak memory per GPU, by pipeline stage",
                   "Communication per step", "Step time", "Cluster totals over 64 GPUs"):  # fmt: skip
         assert title in text
     assert f"{est.cluster_bytes:,} B" in text
     assert "SP reduce-scatter + all-gather" in text and "PP send/recv" in text
-    explain = "\n".join(plan_report.layout_explain_lines(est))
+    explain = "\n".join(layout_report.layout_explain_lines(est))
     assert "24·s·b·h/t = 24·8,192·1·8,192/8 = 201,326,592 B" in explain
-    rows = plan_report.layout_csv_rows(est)
+    rows = layout_report.layout_csv_rows(est)
     assert len(rows) == 4 and rows[0][7] == est.memory.stages[0].total_bytes
-    assert plan_report.layout_warnings(est) == []
+    assert layout_report.layout_warnings(est) == []
 
 
 def test_tricks_section_lists_one_row_per_trick_set():
@@ -157,6 +158,6 @@ def test_tricks_section_lists_one_row_per_trick_set():
 
     model, layout = preset_model("llama3-8b"), Layout(tp=2, sp=True, dp=4, zero=1)
     ests = [layout_estimate(model, Setup(seq_len=8192), H100, t, layout) for t in PROGRESSION]
-    section = plan_report.tricks_section(ests, "gb")
+    section = layout_report.tricks_section(ests, "gb")
     assert [row[0] for row in section.rows] == [t.label for t in PROGRESSION]
     assert "tp2 sp pp1 cp1 dp4 zero1" in section.title

@@ -181,7 +181,7 @@ def plan(
         )  # fmt: skip
     except InputError as e:
         fail(str(e))
-    from memcalc.report import layout as pr
+    from memcalc.report import plan as pr
 
     csv_table = (pr.PLAN_CSV_HEADERS, pr.plan_csv_rows(result))
     render.emit(fmt, result, pr.plan_sections(result, units, detail), pr.plan_preamble(result, units), csv_table,

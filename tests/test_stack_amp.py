@@ -458,7 +458,8 @@ def test_verify_autocast_refusals(monkeypatch):
     assert out.exit_code == 2 and "sees no CUDA device" in out.output and len(out.output.strip().splitlines()) == 1
     from memcalc.errors import InputError
     from memcalc.memory.estimate import Setup
-    from memcalc.model.shape import Model, n_params
+    from memcalc.model.params import n_params
+    from memcalc.model.shape import Model
     from verify.run import verify
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -495,7 +496,8 @@ def test_reduced_size():
 def stack_time(stack, tricks: str = "bf16,flash", name: str = "qwen3-8b"):
     from memcalc.memory.setup import Setup
     from memcalc.model.gpus import GPUS
-    from memcalc.model.shape import Model, n_params
+    from memcalc.model.params import n_params
+    from memcalc.model.shape import Model
     from memcalc.time.calibration import calibration_for
     from memcalc.time.roofline import step_times
 

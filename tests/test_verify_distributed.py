@@ -14,8 +14,9 @@ import pytest
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
+from memcalc.model.params import n_params
 from memcalc.model.presets import PRESETS
-from memcalc.model.shape import Model, ModelShape, n_params
+from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import parse_tricks
 from memcalc.parallel.layout import Layout
 from memcalc.terms import Term

@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
-from memcalc.model.shape import Model, n_params
+from memcalc.model.params import n_params
+from memcalc.model.shape import Model
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
 from memcalc.verification.distributed import (

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memcalc.model.shape import is_moe_layer, moe_layer_count
+from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
 
 from . import aten
 from .aten_operands import made

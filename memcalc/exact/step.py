@@ -20,7 +20,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from memcalc.model.flops import model_flops
-from memcalc.model.shape import MAX_BATCH, MAX_SEQ, ModelShape, check_positions, check_size, is_moe_layer, moe_layer_count, n_params
+from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
+from memcalc.model.params import n_params
+from memcalc.model.shape import ModelShape, check_positions
+from memcalc.model.sizes import MAX_BATCH, MAX_SEQ, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
-from memcalc.model.shape import ModelShape, check_positions, n_params
+from memcalc.model.params import n_params
+from memcalc.model.shape import ModelShape, check_positions
 from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.parallel.layout import Layout, check_layout, layer_activations, sharded_state, stage_shape_params
 from memcalc.parallel.tp_layer import block_terms

@@ -19,7 +19,8 @@ from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
-from memcalc.model.shape import Model, ModelShape, n_params
+from memcalc.model.params import n_params
+from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.terms import Term

@@ -294,7 +294,8 @@ def param_elements(shape: ModelShape, model: str) -> list[int]:
     """Elements of each parameter, in model.parameters() order, of the stack's model."""
     from memcalc.exact.hf import build as hf_build
     from memcalc.exact.mirror import build
-    from memcalc.exact.sim import Graph, Memory
+    from memcalc.exact.sim import Graph
+    from memcalc.exact.tensors import Memory
 
     cfg = Config(shape, 1, 1, "bf16", True, "none", model=model)
     return [p.numel for p in (hf_build if model == "hf" else build)(Graph(Memory()), cfg).params]

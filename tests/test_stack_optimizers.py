@@ -128,7 +128,8 @@ def test_8b_optimizer_peaks_follow_torch_code():
 def param_elements(shape: ModelShape) -> list[int]:
     """Elements of each parameter of the reference model, in registration order (built in the sim)."""
     from memcalc.exact.builder import build
-    from memcalc.exact.sim import Graph, Memory
+    from memcalc.exact.sim import Graph
+    from memcalc.exact.tensors import Memory
 
     cfg = Config(shape, 1, 1, "bf16", True, "none")
     return [p.numel for p in build(Graph(Memory()), cfg).params]

@@ -19,7 +19,8 @@ from .autocast import Autocast, autocast_for
 from .builder_layers import attention, dropout, linear, mlp, norm, rope_tables
 from .builder_moe import latent, mixture, routing_tables
 from .config import Config
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 
 @dataclass

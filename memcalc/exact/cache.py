@@ -19,7 +19,7 @@ from pathlib import Path
 from memcalc import __version__
 
 SOURCES = Path(__file__).parent  # the simulator: a change to any of its files is a new cache
-MODEL_SOURCES = ("stacks.py", "shape.py", "sizes.py", "moe_mla.py", "params.py", "tricks.py")  # memcalc.model's it runs on
+MODEL_SOURCES = ("stacks.py", "shape.py", "sizes.py", "moe_mla.py", "params.py", "tricks.py")  # of memcalc.model
 
 
 def folder() -> Path | None:

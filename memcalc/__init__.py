@@ -26,7 +26,8 @@ __version__ = "0.1.0"
 
 API = {
     "memcalc.errors": ("InputError",),
-    "memcalc.model.shape": ("Model", "ModelShape", "n_params", "param_counts"),
+    "memcalc.model.shape": ("Model", "ModelShape"),
+    "memcalc.model.params": ("n_params", "param_counts"),
     "memcalc.model.presets": ("PRESETS", "canonical_model", "preset_model"),
     "memcalc.model.hfconfig": ("config_model",),
     "memcalc.model.tricks": ("PROGRESSION", "Tricks", "parse_tricks"),

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.errors import InputError
-from memcalc.model.shape import parse_count, parse_seq
+from memcalc.model.sizes import parse_count, parse_seq
 
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
 

@@ -359,8 +359,8 @@ def test_textbook_against_exact_prose():
 
 def test_moe_counts():
     """docs/moe.md's table of exact counts and its DeepSeek-V3 figures, from the engine."""
+    from memcalc.model.params import n_params, param_counts
     from memcalc.model.presets import PRESETS
-    from memcalc.model.shape import n_params, param_counts
 
     rows = table_rows(read("docs/moe.md"), r"[a-z0-9.-]+")
     for name in ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):

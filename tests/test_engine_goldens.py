@@ -19,8 +19,9 @@ import pytest
 
 from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
+from memcalc.model.params import n_params, norm_params
 from memcalc.model.presets import canonical_shape, preset
-from memcalc.model.shape import Model, n_params, norm_params
+from memcalc.model.shape import Model
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout, layout_memory

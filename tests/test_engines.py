@@ -12,8 +12,9 @@ from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
 from memcalc.memory.state import Parallel, model_state
 from memcalc.model.gpus import gpu
+from memcalc.model.params import n_params
 from memcalc.model.presets import preset, preset_model
-from memcalc.model.shape import Model, n_params
+from memcalc.model.shape import Model
 from memcalc.model.stacks import STACKS, stack_for
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.engines import (

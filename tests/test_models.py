@@ -7,8 +7,10 @@ import pytest
 from memcalc.cli.inputs import resolve_model
 from memcalc.errors import InputError
 from memcalc.model.hfconfig import config_model, shape_from_config
+from memcalc.model.params import n_params, param_counts
 from memcalc.model.presets import CANONICAL, PRESETS, canonical_shape, preset
-from memcalc.model.shape import ModelShape, n_params, override, param_counts, parse_count
+from memcalc.model.shape import ModelShape, override
+from memcalc.model.sizes import parse_count
 
 EXAMPLES = "examples/configs"
 

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from memcalc.errors import InputError
 from memcalc.model.hfconfig import config_model, shape_from_config
+from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
+from memcalc.model.params import active_params, expert_params, n_params, param_counts
 from memcalc.model.presets import PRESETS, preset
-from memcalc.model.shape import (ModelShape, active_params, expert_params, is_moe_layer, moe_layer_count, n_params,
-                                 param_counts)  # fmt: skip
+from memcalc.model.shape import ModelShape
 
 MOE = ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
 

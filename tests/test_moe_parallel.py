@@ -17,8 +17,10 @@ from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
 from memcalc.model.moe import Routing
+from memcalc.model.moe_mla import moe_layer_count
+from memcalc.model.params import expert_params, n_params, param_counts
 from memcalc.model.presets import preset
-from memcalc.model.shape import Model, expert_params, moe_layer_count, n_params, param_counts
+from memcalc.model.shape import Model
 from memcalc.model.tricks import parse_tricks
 from memcalc.parallel.experts import moe_tokens
 from memcalc.parallel.layout import Layout, expert_gpu_params, gpu_params, layout_memory

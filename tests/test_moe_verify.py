@@ -15,10 +15,12 @@ from memcalc.exact.builder import build as mirror_build  # noqa: E402
 from memcalc.exact.config import Config  # noqa: E402
 from memcalc.exact.kernels import counted_flops, kernels_of, traced_blocks  # noqa: E402
 from memcalc.exact.mirror import simulate, trace  # noqa: E402
-from memcalc.exact.sim import Graph, Memory  # noqa: E402
+from memcalc.exact.sim import Graph  # noqa: E402
 from memcalc.exact.step import exact_step, step_phases  # noqa: E402
+from memcalc.exact.tensors import Memory  # noqa: E402
+from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
-from memcalc.model.shape import ModelShape, n_params  # noqa: E402
+from memcalc.model.shape import ModelShape  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
 from tests.replay import FIELDS, assert_same_step  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402

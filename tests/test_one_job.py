@@ -82,7 +82,8 @@ def test_fsdp2_s_verdict_is_what_pytorch_s_fsdp2_holds():
     verdict is the replay verify checks against the fake process group, to the byte."""
     pytest.importorskip("torch")
     from memcalc.memory.estimate import Setup
-    from memcalc.model.shape import Model, n_params
+    from memcalc.model.params import n_params
+    from memcalc.model.shape import Model
     from memcalc.parallel.layout import Layout
     from verify.distributed import verify_distributed
 
@@ -108,7 +109,7 @@ SHARDINGS = [Sharding(1, 8), Sharding(2, 8), Sharding(3, 8), Sharding(2, 4, offl
     ("deepseek-v3", "reference", "bf16,flash,ckpt"),
 ])  # fmt: skip
 def test_a_sharded_step_grows_from_short_ones_as_one_gpu_s_does(name, stack, tricks):
-    """The verdict of a rank grows from two short steps (memcalc.exact.step.Growth): equal to the step replayed
+    """The verdict of a rank grows from two short steps (memcalc.exact.growth.Growth): equal to the step replayed
     at full depth, for every stage and offload; the last block's prefetch of the head and DeepSeek-V3's first
     MoE block prefetching a dense one in backward are the units that differ."""
     shape, st, t = replace(PRESETS[name], n_layers=9), stack_for(stack), parse_tricks(tricks)

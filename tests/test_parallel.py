@@ -10,8 +10,9 @@ from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup, estimate
 from memcalc.memory.state import Parallel
 from memcalc.model.gpus import gpu
+from memcalc.model.params import layer_params, n_params
 from memcalc.model.presets import preset, preset_model
-from memcalc.model.shape import Model, ModelShape, layer_params, n_params
+from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import (
     Layout,

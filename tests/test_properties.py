@@ -10,7 +10,8 @@ from memcalc.memory.activations import textbook_activations
 from memcalc.memory.estimate import Setup, estimate, memory_for
 from memcalc.memory.state import Parallel, model_state
 from memcalc.model.gpus import GPUS
-from memcalc.model.shape import Model, ModelShape, n_params
+from memcalc.model.params import n_params
+from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
 
 PRECISIONS = ("fp32", "fp16", "bf16")

@@ -19,8 +19,9 @@ from memcalc.exact import aten
 from memcalc.exact.config import Config
 from memcalc.exact.kernels import TRACES, kernels_of
 from memcalc.exact.mirror import trace
-from memcalc.exact.sim import Graph, Memory
+from memcalc.exact.sim import Graph
 from memcalc.exact.step import exact_step
+from memcalc.exact.tensors import Memory
 from memcalc.model.gpus import GPUS
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape

@@ -5,8 +5,9 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.errors import InputError
+from memcalc.model.params import param_counts
 from memcalc.model.presets import REACH, canonical_model
-from memcalc.model.shape import ModelShape, param_counts
+from memcalc.model.shape import ModelShape
 
 WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200", "NO_COLOR": "1"}
 ODD_HEAD = ["--model", "llama3-8b", "--hidden", "60", "--heads", "4", "--kv-heads", "2", "--layers", "2", "--seq", "64",

@@ -294,7 +294,8 @@ def param_elements(shape: ModelShape, model: str) -> list[int]:
     """Elements of each parameter, in model.parameters() order, of the stack's model."""
     from memcalc.exact.hf import build as hf_build
     from memcalc.exact.mirror import build
-    from memcalc.exact.sim import Graph, Memory
+    from memcalc.exact.sim import Graph
+    from memcalc.exact.tensors import Memory
 
     cfg = Config(shape, 1, 1, "bf16", True, "none", model=model)
     return [p.numel for p in (hf_build if model == "hf" else build)(Graph(Memory()), cfg).params]
@@ -458,7 +459,8 @@ def test_verify_autocast_refusals(monkeypatch):
     assert out.exit_code == 2 and "sees no CUDA device" in out.output and len(out.output.strip().splitlines()) == 1
     from memcalc.errors import InputError
     from memcalc.memory.estimate import Setup
-    from memcalc.model.shape import Model, n_params
+    from memcalc.model.params import n_params
+    from memcalc.model.shape import Model
     from verify.run import verify
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -495,7 +497,8 @@ def test_reduced_size():
 def stack_time(stack, tricks: str = "bf16,flash", name: str = "qwen3-8b"):
     from memcalc.memory.setup import Setup
     from memcalc.model.gpus import GPUS
-    from memcalc.model.shape import Model, n_params
+    from memcalc.model.params import n_params
+    from memcalc.model.shape import Model
     from memcalc.time.calibration import calibration_for
     from memcalc.time.roofline import step_times
 

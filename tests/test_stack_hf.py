@@ -24,11 +24,13 @@ from memcalc.exact.config import Config  # noqa: E402
 from memcalc.exact.hf import arch_for, param_shapes  # noqa: E402
 from memcalc.exact.hf import build as hf_build  # noqa: E402
 from memcalc.exact.mirror import simulate  # noqa: E402
-from memcalc.exact.sim import Graph, Memory  # noqa: E402
+from memcalc.exact.sim import Graph  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
+from memcalc.exact.tensors import Memory  # noqa: E402
 from memcalc.memory.estimate import Setup  # noqa: E402
+from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
-from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
+from memcalc.model.shape import Model, ModelShape  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from tests.replay import FIELDS, assert_same_step  # noqa: E402

@@ -25,8 +25,9 @@ from memcalc.exact.config import Config  # noqa: E402
 from memcalc.exact.mirror import simulate, trace  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
 from memcalc.memory.estimate import Setup  # noqa: E402
+from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
-from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
+from memcalc.model.shape import Model, ModelShape  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from tests.replay import FIELDS, PEAKS_AT  # noqa: E402
@@ -127,7 +128,8 @@ def test_8b_optimizer_peaks_follow_torch_code():
 def param_elements(shape: ModelShape) -> list[int]:
     """Elements of each parameter of the reference model, in registration order (built in the sim)."""
     from memcalc.exact.builder import build
-    from memcalc.exact.sim import Graph, Memory
+    from memcalc.exact.sim import Graph
+    from memcalc.exact.tensors import Memory
 
     cfg = Config(shape, 1, 1, "bf16", True, "none")
     return [p.numel for p in build(Graph(Memory()), cfg).params]

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 import verify.run as run  # noqa: E402
 from memcalc.errors import InputError  # noqa: E402
 from memcalc.memory.estimate import Setup  # noqa: E402
-from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
+from memcalc.model.params import n_params  # noqa: E402
+from memcalc.model.shape import Model, ModelShape  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
 from verify.cuda import CpuStats, deepest_fit  # noqa: E402
 

@@ -14,20 +14,15 @@ import pytest
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
+from memcalc.model.params import n_params
 from memcalc.model.presets import PRESETS
-from memcalc.model.shape import Model, ModelShape, n_params
+from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import parse_tricks
 from memcalc.parallel.layout import Layout
 from memcalc.terms import Term
-from memcalc.verification.distributed import (
-    Row,
-    check_dist,
-    chunk,
-    fsdp_numel,
-    padded_vocab,
-    param_tensors,
-    rank_coords,
-)  # fmt: skip
+from memcalc.verification.dist_results import Row
+from memcalc.verification.dist_tensors import chunk, fsdp_numel, param_tensors, rank_coords
+from memcalc.verification.distributed import check_dist, padded_vocab
 
 torch = pytest.importorskip("torch")
 from verify.distributed import verify_distributed

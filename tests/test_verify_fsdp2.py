@@ -15,14 +15,17 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.errors import InputError
+from memcalc.exact.fsdp2 import fsdp2_phases
+from memcalc.exact.fsdp2_units import Param, units_for
 from memcalc.memory.estimate import Setup
+from memcalc.model.params import n_params
 from memcalc.model.presets import PRESETS
-from memcalc.model.shape import Model, n_params
+from memcalc.model.shape import Model
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
 from memcalc.parallel.layout import Layout
-from memcalc.verification.distributed import check_dist, param_tensors
-from memcalc.exact.fsdp2 import Param, fsdp2_phases, units_for
+from memcalc.verification.dist_tensors import param_tensors
+from memcalc.verification.distributed import check_dist
 
 torch = pytest.importorskip("torch")
 from verify.distributed import verify_distributed

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
+from memcalc.model.params import n_params
 from memcalc.model.presets import PRESETS
-from memcalc.model.shape import Model, n_params
+from memcalc.model.shape import Model
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
 from memcalc.parallel.layout import Layout, stage_layers

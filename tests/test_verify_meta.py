@@ -22,11 +22,13 @@ from memcalc.errors import InputError  # noqa: E402
 from memcalc.exact.builder import build as mirror_build  # noqa: E402
 from memcalc.exact.config import Config  # noqa: E402
 from memcalc.exact.mirror import simulate  # noqa: E402
-from memcalc.exact.sim import Graph, Memory  # noqa: E402
+from memcalc.exact.sim import Graph  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
+from memcalc.exact.tensors import Memory  # noqa: E402
 from memcalc.memory.estimate import Setup  # noqa: E402
+from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS, canonical_model  # noqa: E402
-from memcalc.model.shape import Model, ModelShape, n_params  # noqa: E402
+from memcalc.model.shape import Model, ModelShape  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from memcalc.verification.results import VerifyResult  # noqa: E402
 from tests.replay import FIELDS, assert_same_step  # noqa: E402
@@ -243,7 +245,7 @@ def test_presets_build_with_their_parameter_count():
 @pytest.mark.parametrize("family", ["llama", "gpt"])
 @pytest.mark.parametrize("layers,tricks", [(1, "bf16,flash,ckpt:2"), (1, "bf16,ckpt:2"), (2, "fp32,ckpt:3")])
 def test_depths_beside_fewer_blocks_than_n(family, layers, tricks):
-    """ckpt:N over fewer than N blocks checkpoints none (memcalc.exact.step.as_run), nor do the depths verify
+    """ckpt:N over fewer than N blocks checkpoints none (memcalc.exact.growth.as_run), nor do the depths verify
     builds beside it: one layer and outside are exact's (depth 2 under ckpt:2 checkpointed its block 1)."""
     shape, t = replace(TINY[family], n_layers=layers), parse_tricks(tricks)
     m, a = measure_meta(shape, 24, 1, t), exact_step(shape, 24, 1, t).activations

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from memcalc.memory.estimate import Setup, memory_for
 from memcalc.memory.state import Parallel, zero3_gather_bytes
 from memcalc.model.gpus import gpu
-from memcalc.model.shape import Model, ModelShape, layer_params, n_params
+from memcalc.model.params import layer_params, n_params
+from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout, layout_memory
 

@@ -7,7 +7,7 @@ moe    a mixture of experts in place of the MLP (MoE), and latent attention (Lat
        attention where the shape has them: the reference blocks memcalc.exact mirrors (issue 13).
 The family only picks the MLP (shape.gated_mlp); every other ModelShape field is honoured as given
 (norm, biases, qk_norm, tied embeddings, learned or rotary positions, dropout), so the parameter
-count equals memcalc.model.shape.param_counts(shape) for any shape.
+count equals memcalc.model.params.param_counts(shape) for any shape.
 
 The model is built on the meta device (nothing allocated) and materialised where it is measured.
 Which kernel runs attention and dropout is an explicit, documented switch (Kernels), because on
@@ -40,7 +40,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memcalc.errors import InputError
-from memcalc.model.shape import ModelShape, check_positions, is_moe_layer, moe_layer_count
+from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
+from memcalc.model.shape import ModelShape, check_positions
 
 ATTENTION_KERNELS = ("eager", "sdpa-flash", "flash-attn", "aten-flash")
 DROPOUT_KERNELS = ("functional", "native")

@@ -25,21 +25,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
-from memcalc.model.shape import Model, n_params
+from memcalc.model.params import n_params
+from memcalc.model.shape import Model
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
-from memcalc.verification.distributed import (
-    BACKENDS,
-    DistResult,
-    check_dist,
-    compare,
-    default_ranks,
-    dist_matrix,
-    model_label,
-    padded_vocab,
-    predictions,
-    rank_coords,
-)
+from memcalc.verification.dist_results import DistResult, model_label
+from memcalc.verification.dist_tensors import rank_coords
+from memcalc.verification.distributed import (BACKENDS, check_dist, compare, default_ranks, dist_matrix, padded_vocab,
+                                              predictions)  # fmt: skip
 
 from .dist_measure import measure_fsdp2, measure_rank
 

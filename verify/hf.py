@@ -37,7 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from memcalc.errors import InputError
 from memcalc.exact.hf import ARCHS, arch_for
-from memcalc.model.shape import ModelShape, check_positions, n_params
+from memcalc.model.params import n_params
+from memcalc.model.shape import ModelShape, check_positions
 from memcalc.model.tricks import Tricks
 
 from .recipes import DTYPES

@@ -7,8 +7,8 @@ Three passes over the same model and recipe:
   2. the same at depth 1 and 2: per-layer saved bytes are the difference (and the full depth must
      be linear in them); with ckpt:N at depths N − 1, N and N + 1, for a layer not checkpointed
      (N + 1 less N) and one checkpointed (N less N − 1); with dense blocks before MoE ones, the step
-     exact counts outside (memcalc.exact.step.Growth.first_blocks) and a MoE block of each kind past it;
-     every depth built with the trick set as the full depth runs it (memcalc.exact.step.as_run: ckpt:N
+     exact counts outside (memcalc.exact.growth.Growth.first_blocks) and a MoE block of each kind past it;
+     every depth built with the trick set as the full depth runs it (memcalc.exact.growth.as_run: ckpt:N
      over fewer than N blocks checkpoints none, so neither do the depths beside it);
   3. FLOPs under FlopCounterMode, forward and backward, in a pass of its own (with non-reentrant
      checkpointing it keeps recomputed tensors alive until it exits).
@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from memcalc.exact.step import as_run, growth, layer_blocks
+from memcalc.exact.growth import as_run, growth, layer_blocks
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
@@ -230,7 +230,7 @@ class MetaMeasurement:
     seconds: float
     saved_checkpointed_layer_bytes: int | None = None  # ckpt:N: one checkpointed layer (depth N less N − 1)
     n_checkpointed: int = 0  # ckpt:N: the layers checkpointed at full depth (past first_blocks)
-    first_blocks: int = 0  # blocks counted in outside: dense blocks first, then MoE ones (memcalc.exact.step.Growth)
+    first_blocks: int = 0  # blocks counted in outside: dense blocks first, then MoE ones (memcalc.exact.growth.Growth)
     plain_depth: int = 1  # saved_one_layer_bytes is the step at this depth + 1 less this depth
     checkpointed_depth: int = 0  # saved_checkpointed_layer_bytes likewise
 

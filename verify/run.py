@@ -18,7 +18,8 @@ from memcalc.memory.estimate import Setup
 from memcalc.memory.state import model_state
 from memcalc.model.flops import textbook_step_flops
 from memcalc.model.gpus import GPU, GPUS
-from memcalc.model.shape import Model, ModelShape, check_positions, n_params
+from memcalc.model.params import n_params
+from memcalc.model.shape import Model, ModelShape, check_positions
 from memcalc.model.tricks import Tricks, parse_tricks
 from memcalc.report.units import size
 from memcalc.time.calibration import calibration_for

@@ -2,7 +2,8 @@
 
   aten         what each aten op allocates and saves, by family: aten_operands, aten_views,
                aten_arithmetic, aten_activations, aten_matmul, aten_fused, aten_indexing
-  sim          runs them under autograd's lifetimes
+  sim          runs them under autograd's lifetimes (tensors: bytes, storages, tensors; backward: the
+               engine; checkpoint: non-reentrant and selective checkpointing)
   builder      verify/builder.py's model line by line: its parameters and forward (builder_layers: the
                norms, RoPE, attention and MLP; builder_moe: a mixture of experts and latent attention)
   hf           Transformers' model classes as verify/hf.py trains them (hf_llama, hf_gpt2: the decoders;
@@ -13,7 +14,10 @@
   amp          the stock loop's GradScaler and step, as verify/autocast.py
   config       what a step is
   mirror       runs the measured step as verify/meta.py does
-  step         turns it into terms, phases and FLOPs (cache: kept on disk)
+  zero         one data-parallel rank's step under ZeRO
+  fsdp2        one rank of FSDP2 as torchtitan runs it (fsdp2_units: its units, groups and their hooks)
+  step         turns it into terms, phases and FLOPs (growth: the full depth grown from two short steps;
+               cache: kept on disk)
   kernels      traces one block's kernels once: the roofline's inventory and the FLOPs a step executes
                (hardware FLOPs)
 

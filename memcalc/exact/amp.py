@@ -21,7 +21,8 @@ from .aten import mul
 from .builder import Model
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
 from .recipes import adamw
-from .sim import Graph, Tensor, layer_of
+from .sim import Graph, layer_of
+from .tensors import Tensor
 
 
 class GradScaler:

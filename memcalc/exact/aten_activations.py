@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .aten_arithmetic import to
 from .aten_operands import made, size
-from .sim import Graph, Tensor, nbytes
+from .sim import Graph
+from .tensors import Tensor, nbytes
 
 
 def unary(g: Graph, x: Tensor, op: str, backward_op: str, saves: str, out_dtype: str = "") -> Tensor:
@@ -88,7 +89,7 @@ def native_dropout(g: Graph, x: Tensor) -> Tensor:
 
 def masked_fill(g: Graph, x: Tensor, mask: Tensor) -> Tensor:
     """x.masked_fill(mask, -inf) (MaskedFillBackward0): saves the mask (a view of the causal buffer).
-    The (T, T) mask broadcasts over batch and heads: read once (see memcalc.exact.sim.nbytes)."""
+    The (T, T) mask broadcasts over batch and heads: read once (see memcalc.exact.tensors.nbytes)."""
     mask_bytes = nbytes(mask)
 
     def rule(gs):

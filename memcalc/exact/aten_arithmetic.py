@@ -7,7 +7,8 @@ power, the result of rsqrt.
 from __future__ import annotations
 
 from .aten_operands import autocast, broadcast, made, promote, size
-from .sim import Graph, Tensor, nbytes
+from .sim import Graph
+from .tensors import Tensor, nbytes
 
 
 def to(g: Graph, x: Tensor, dtype: str) -> Tensor:

@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 from .aten_operands import autocast, size
-from .sim import Graph, Tensor, nbytes
+from .sim import Graph
+from .tensors import Tensor, nbytes
 
 
 def layer_norm(g: Graph, x: Tensor, w: Tensor, b: Tensor) -> Tensor:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .aten_operands import autocast, made, size
 from .config import ITEMSIZE
-from .sim import Graph, Tensor, nbytes
+from .sim import Graph
+from .tensors import Tensor, nbytes
 
 
 def embedding(g: Graph, w: Tensor, idx: Tensor) -> Tensor:

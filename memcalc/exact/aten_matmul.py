@@ -9,7 +9,8 @@ import math
 
 from .aten_operands import autocast
 from .aten_views import expand, reshape_copy, t, view
-from .sim import Graph, Tensor, nbytes
+from .sim import Graph
+from .tensors import Tensor, nbytes
 
 
 def mm(g: Graph, a: Tensor, b: Tensor, kind: str = "linear") -> Tensor:

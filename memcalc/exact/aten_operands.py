@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 from .config import ITEMSIZE
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 
 def size(shape, dtype: str) -> int:

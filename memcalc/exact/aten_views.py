@@ -6,7 +6,8 @@ chunk, whose backward is a cat; cat, whose backward narrows; a slice, whose back
 from __future__ import annotations
 
 from .aten_operands import autocast, made, promote, size
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 
 def view(g: Graph, t: Tensor, shape, grad_copies: bool = False) -> Tensor:

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from memcalc.errors import InputError
 
 from .aten import to as copy_to
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 LOWER, FP32, SET_OPT_DTYPE, APPEND_DTYPE, PROMOTE, BANNED = (
     "lower_precision_fp", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote", "banned")  # fmt: skip

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memcalc.model.shape import is_moe_layer, moe_layer_count
+from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
 
 from . import aten
 from .aten_operands import made
@@ -19,7 +19,8 @@ from .autocast import Autocast, autocast_for
 from .builder_layers import attention, dropout, linear, mlp, norm, rope_tables
 from .builder_moe import latent, mixture, routing_tables
 from .config import Config
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 
 @dataclass

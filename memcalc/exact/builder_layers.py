@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from . import aten
 from .aten_operands import made
 from .config import Config
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 if TYPE_CHECKING:  # only for annotations
     from .builder import Block

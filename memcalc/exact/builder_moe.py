@@ -12,7 +12,8 @@ from . import aten
 from .aten_operands import made
 from .builder_layers import apply_rope, dropout, linear, mlp_forward, rms_norm, transpose12
 from .config import Config
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 if TYPE_CHECKING:  # only for annotations
     from .builder import Block

@@ -19,6 +19,7 @@ from pathlib import Path
 from memcalc import __version__
 
 SOURCES = Path(__file__).parent  # the simulator: a change to any of its files is a new cache
+MODEL_SOURCES = ("stacks.py", "shape.py", "sizes.py", "moe_mla.py", "params.py", "tricks.py")  # of memcalc.model
 
 
 def folder() -> Path | None:
@@ -34,7 +35,7 @@ def folder() -> Path | None:
 def source_stamp() -> str:
     """memcalc's version and each simulator file's size and modification time: cheap, and new on any edit."""
     model = SOURCES.parent / "model"
-    files = sorted(SOURCES.glob("*.py")) + [model / "stacks.py", model / "shape.py", model / "tricks.py"]
+    files = sorted(SOURCES.glob("*.py")) + [model / name for name in MODEL_SOURCES]
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     return f"{__version__} {stats}"
 

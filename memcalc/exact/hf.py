@@ -24,7 +24,8 @@ from .autocast import Autocast, autocast_for
 from .config import Config
 from .hf_gpt2 import gpt2_model
 from .hf_llama import llama_model
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
 

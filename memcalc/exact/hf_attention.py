@@ -14,7 +14,8 @@ from . import aten
 from .aten_operands import made
 from .builder_layers import repeat_kv, transpose12
 from .config import Config
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 
 def causal_mask(g: Graph, cfg: Config, B: int, T: int, position_ids: Tensor, dtype: str) -> Tensor | None:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from . import aten
 from .builder_layers import transpose12
 from .hf_attention import arange_plus, attention_interface, causal_mask, dropout, grad_copies
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 if TYPE_CHECKING:  # only for annotations
     from .hf import HFModel

@@ -15,7 +15,8 @@ from . import aten
 from .aten_operands import made
 from .builder_layers import transpose12
 from .hf_attention import arange_plus, attention_interface, causal_mask, grad_copies
-from .sim import Graph, Tensor
+from .sim import Graph
+from .tensors import Tensor
 
 if TYPE_CHECKING:  # only for annotations
     from .hf import HFModel

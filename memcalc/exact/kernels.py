@@ -18,7 +18,8 @@ from dataclasses import replace
 from functools import lru_cache
 
 from memcalc.model.flops import StepFlops, model_per_token, textbook_step_flops
-from memcalc.model.shape import ModelShape, is_moe_layer, moe_layer_count
+from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
+from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 

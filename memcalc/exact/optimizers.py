@@ -33,7 +33,8 @@ the step does (memcalc.exact.kernels).
 
 from __future__ import annotations
 
-from .sim import Graph, Tensor, layer_of
+from .sim import Graph, layer_of
+from .tensors import Tensor
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer2State: tensors with fewer elements keep fp32 state
 BLOCK = 256  # bitsandbytes Optimizer2State.init_state: elements per absmax

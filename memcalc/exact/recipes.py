@@ -17,7 +17,8 @@ from .builder import Model
 from .config import Config, not_replayed, shape_not_replayed
 from .hf import HFModel
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
-from .sim import Graph, Tensor, layer_of, scope_of
+from .sim import Graph, layer_of, scope_of
+from .tensors import Tensor
 
 
 def check_simulated(cfg: Config) -> None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memcalc.model.moe import BALANCED, Routing
-from memcalc.model.shape import ModelShape, is_moe_layer
+from memcalc.model.moe_mla import is_moe_layer
+from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
 

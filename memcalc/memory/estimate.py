@@ -8,7 +8,8 @@ from memcalc.errors import InputError
 from memcalc.exact.kernels import recompute_first, step_flops
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
-from memcalc.model.shape import Model, check_positions, largest_layer_params
+from memcalc.model.params import largest_layer_params
+from memcalc.model.shape import Model, check_positions
 from memcalc.model.tricks import PROGRESSION, Tricks
 
 from .activations import Activations, AttentionDetail, Logits, attention_detail, logits_memory, textbook_activations

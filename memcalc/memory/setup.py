@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from memcalc.errors import InputError
 from memcalc.model.gpus import GPUS_PER_NODE, HOST_MEMORY_BYTES
 from memcalc.model.moe import BALANCED, Routing
-from memcalc.model.shape import MAX_BATCH, MAX_SEQ, check_size
+from memcalc.model.sizes import MAX_BATCH, MAX_SEQ, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 
 from .state import Parallel

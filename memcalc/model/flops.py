@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 from memcalc.terms import Term
 
-from .shape import ModelShape, idle_params, is_moe_layer, latent_attention_params, moe_layer_count
+from .moe_mla import is_moe_layer, moe_layer_count
+from .params import idle_params, latent_attention_params
+from .shape import ModelShape
 from .tricks import Tricks
 
 

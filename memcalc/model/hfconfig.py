@@ -6,7 +6,7 @@ ratio: Llama, Mistral, Qwen2/3 and Gemma use a gated MLP; GPT-2 does not.
 Mixtral, Qwen3-MoE and DeepSeek-V3 are read with the field names of Transformers'
 models/mixtral/configuration_mixtral.py, models/qwen3_moe/configuration_qwen3_moe.py and
 models/deepseek_v3/configuration_deepseek_v3.py, and their defaults where a field is absent; which
-layers are MoE follows each modeling_*.py's decoder layer (see memcalc.model.shape.is_moe_layer).
+layers are MoE follows each modeling_*.py's decoder layer (see memcalc.model.moe_mla.is_moe_layer).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 from memcalc.errors import InputError
 
 from .jsonfile import brief, read_json_object
-from .shape import Model, ModelShape, n_params
+from .params import n_params
+from .shape import Model, ModelShape
 
 # model_type -> (gated MLP, MLP activation, norm, positions, qkv bias, per-head q/k norm)
 ARCHITECTURES = {

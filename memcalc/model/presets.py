@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from memcalc.errors import InputError
 
-from .shape import Model, ModelShape, n_params
+from .params import n_params
+from .shape import Model, ModelShape
 
 
 def gpt(name: str, n_layers: int, hidden: int, n_heads: int, max_positions: int) -> ModelShape:

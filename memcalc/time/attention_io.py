@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from memcalc.exact.builder_layers import core
 from memcalc.exact.config import Config
 from memcalc.exact.kernels import Kernel
-from memcalc.exact.sim import Graph, Memory
+from memcalc.exact.sim import Graph
+from memcalc.exact.tensors import Memory
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
 

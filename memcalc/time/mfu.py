@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
 from memcalc.model.flops import attention_flops, model_per_token
-from memcalc.model.shape import Model, ModelShape, check_positions, idle_params, param_counts
+from memcalc.model.params import idle_params, param_counts
+from memcalc.model.shape import Model, ModelShape, check_positions
 from memcalc.model.tricks import Tricks, check_layer_uniform
 
 

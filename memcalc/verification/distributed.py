@@ -11,25 +11,36 @@ What one rank of a (dp × tp) job holds, as memcalc.parallel predicts it and as 
   saved by a block  the one-GPU layer of the TP rank's shape (a/t heads, k/t KV heads, f/t MLP),
                     counted op by op by memcalc.exact; with sequence parallelism the norms, dropouts
                     and (full recompute) the checkpointed input hold s/t tokens.
+The parameter tensors and what a rank holds of them: memcalc.verification.dist_tensors; the rows and
+results reported: memcalc.verification.dist_results.
 This module is torch-free: verify/distributed.py measures, this predicts and compares.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
-from memcalc.model.shape import ModelShape, check_positions, n_params
+from memcalc.model.params import n_params
+from memcalc.model.shape import ModelShape, check_positions
 from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.parallel.layout import Layout, check_layout, layer_activations, sharded_state, stage_shape_params
 from memcalc.parallel.tp_layer import block_terms
 from memcalc.terms import Term
 
+from .dist_results import TABLE_HEADERS, DistResult, RankCheck, Row
+from .dist_tensors import LocalCounts, local_counts, param_tensors, rank_coords, tp_dims
+
+# DistResult and TABLE_HEADERS live in dist_results; memcalc.cli and memcalc.report import them from here.
+__all__ = [
+    "BACKENDS", "DEVICES", "DTENSOR", "FSDP2", "MATRIX", "MAX_GLOO_RANKS", "REPLAY", "Prediction", "check_dist",
+    "check_fsdp2", "compare", "default_ranks", "dist_matrix", "padded_vocab", "predictions", "state_differences",
+    "DistResult", "TABLE_HEADERS",
+]  # fmt: skip
+
 DEVICES = ("meta", "cpu-gloo", "cuda")  # meta: fake process group, fake tensors, one process per rank
 BACKENDS = {"meta": "fake", "cpu-gloo": "gloo", "cuda": "nccl"}
-TOLERANCE = 0.001  # a row passes within 0.1% when every byte of the difference is named
 MAX_GLOO_RANKS = 8  # real CPU processes on one machine
 FSDP2 = "torch.distributed.fsdp.fully_shard (FSDP2)"
 DTENSOR = "torch.distributed.tensor.parallel (DTensor)"
@@ -115,109 +126,6 @@ def padded_vocab(shape: ModelShape, tp: int) -> ModelShape:
     if vocab == shape.vocab:
         return shape
     return replace(shape, vocab=vocab, name=f"{shape.name} (vocab padded to {vocab:,})")
-
-
-def rank_coords(layout: Layout, rank: int) -> tuple[int, int]:
-    """(dp rank, tp rank) on the (dp, tp) mesh: TP ranks are neighbours (Megatron-LM's order)."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world:
-        raise InputError(f"rank must be a whole number in [0, {layout.world}), got {rank!r}")
-    return rank // layout.tp, rank % layout.tp
-
-
-# ---- the parameter tensors, as verify/builder.py registers them -------------------------------
-
-
-@dataclass(frozen=True)
-class ParamTensor:
-    name: str
-    dims: tuple[int, ...]
-    tp_dim: int | None  # 0: column-parallel (and its bias) or vocab-parallel; 1: row-parallel; None: replicated
-
-
-def linear(name: str, n_in: int, n_out: int, bias: bool, tp_dim: int | None) -> list[ParamTensor]:
-    """nn.Linear: weight (out, in); a row-parallel layer's bias is replicated (Shoeybi et al. 2019)."""
-    out = [ParamTensor(name + ".weight", (n_out, n_in), tp_dim)]
-    if bias:
-        out.append(ParamTensor(name + ".bias", (n_out,), 0 if tp_dim == 0 else None))
-    return out
-
-
-def norm(shape: ModelShape, name: str) -> list[ParamTensor]:
-    out = [ParamTensor(name + ".weight", (shape.hidden,), None)]
-    if shape.norm == "layernorm":
-        out.append(ParamTensor(name + ".bias", (shape.hidden,), None))
-    return out
-
-
-def block_tensors(shape: ModelShape, i: int) -> list[ParamTensor]:
-    h, q, kv, f = shape.hidden, shape.q_dim, shape.kv_dim, shape.ffn
-    n, qkv_bias = f"blocks.{i}.", shape.linear_bias or shape.qkv_bias
-    out = norm(shape, n + "norm1")
-    out += linear(n + "attn.wq", h, q, qkv_bias, 0) + linear(n + "attn.wk", h, kv, qkv_bias, 0)
-    out += linear(n + "attn.wv", h, kv, qkv_bias, 0) + linear(n + "attn.wo", q, h, shape.linear_bias, 1)
-    if shape.qk_norm:
-        out += [ParamTensor(n + "attn.q_norm.weight", (shape.head_dim,), None),
-                ParamTensor(n + "attn.k_norm.weight", (shape.head_dim,), None)]  # fmt: skip
-    out += norm(shape, n + "norm2")
-    if shape.gated_mlp:  # SwiGLU: gate and up column-parallel, down row-parallel
-        out += linear(n + "mlp.gate", h, f, shape.linear_bias, 0) + linear(n + "mlp.up", h, f, shape.linear_bias, 0)
-        out += linear(n + "mlp.down", f, h, shape.linear_bias, 1)
-    else:
-        out += linear(n + "mlp.fc", h, f, shape.linear_bias, 0) + linear(n + "mlp.proj", f, h, shape.linear_bias, 1)
-    return out
-
-
-def param_tensors(shape: ModelShape) -> list[ParamTensor]:
-    """Every parameter tensor of verify/builder.py's Transformer, with the dim TP splits."""
-    out = [ParamTensor("tok_emb.weight", (shape.vocab, shape.hidden), 0)]  # vocab-parallel
-    if shape.positions == "learned":
-        out.append(ParamTensor("pos_emb.weight", (shape.max_positions, shape.hidden), None))
-    for i in range(shape.n_layers):
-        out += block_tensors(shape, i)
-    out += norm(shape, "norm")
-    if not shape.tied_embeddings:
-        out.append(ParamTensor("lm_head.weight", (shape.vocab, shape.hidden), 0))
-    return out
-
-
-def chunk(n: int, k: int, i: int) -> int:
-    """Rows of piece i when torch.chunk splits n rows k ways: ⌈n/k⌉ each until they run out."""
-    c = -(-n // k)
-    return max(0, min(c, n - i * c))
-
-
-def tp_dims(t: ParamTensor, tp: int, tp_rank: int) -> tuple[int, ...]:
-    """The tensor on one TP rank: DTensor Shard(tp_dim) splits as torch.chunk does."""
-    if t.tp_dim is None or tp == 1:
-        return t.dims
-    dims = list(t.dims)
-    dims[t.tp_dim] = chunk(dims[t.tp_dim], tp, tp_rank)
-    return tuple(dims)
-
-
-def fsdp_numel(dims: tuple[int, ...], g: int, g_rank: int, padded: bool) -> int:
-    """FSDP2 shards dim 0 with torch.chunk; the padded shard is ⌈d0/G⌉ rows on every rank."""
-    rest = math.prod(dims[1:])
-    return (-(-dims[0] // g) if padded else chunk(dims[0], g, g_rank)) * rest
-
-
-@dataclass(slots=True)
-class LocalCounts:
-    """Elements one rank holds, counted tensor by tensor."""
-
-    shard_elements: int  # this rank's FSDP2 chunks (what .float() copies: master, m, v)
-    padded_elements: int  # the padded FSDP2 shards (what weights and reduce-scattered grads occupy)
-
-
-def local_counts(shape: ModelShape, layout: Layout, rank: int) -> LocalCounts:
-    dp_rank, tp_rank = rank_coords(layout, rank)
-    g = layout.shard_group
-    shard_n = padded_n = 0
-    for t in param_tensors(shape):
-        dims = tp_dims(t, layout.tp, tp_rank)
-        shard_n += fsdp_numel(dims, g, dp_rank, False) if g > 1 else math.prod(dims)
-        padded_n += fsdp_numel(dims, g, dp_rank, True) if g > 1 else math.prod(dims)
-    return LocalCounts(shard_n, padded_n)
 
 
 # ---- predictions --------------------------------------------------------------------------------
@@ -364,7 +272,8 @@ def phase_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     kernels; on CPU, the fake group's, LayerNorm's statistics are 16-bit: named); then the step's peak as
     the fsdp2 engine's textbook charges it (the textbook column of estimate --stack fsdp2, whose verdict is
     this replay), every byte between it and the replay named."""
-    from memcalc.exact.fsdp2 import Param, fsdp2_phases  # the simulator: loaded only when a check runs
+    from memcalc.exact.fsdp2 import fsdp2_phases  # the simulator: loaded only when a check runs
+    from memcalc.exact.fsdp2_units import Param
 
     params = [Param(t.name, tp_dims(t, layout.tp, rank % layout.tp)) for t in param_tensors(shape)]
     g, reshard = layout.shard_group, layout.reshard_after_forward
@@ -430,94 +339,7 @@ def engine_differences(st, run) -> tuple[Term, ...]:
     return tuple(t for t in terms if t.value)
 
 
-# ---- results --------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Row:
-    """One quantity on one rank: predicted | measured | error | pass."""
-
-    quantity: str
-    predicted_bytes: int
-    measured_bytes: int
-    differences: tuple[Term, ...]  # every byte between prediction and measurement, named
-    checked: bool  # False: a reference row (the textbook), shown, not judged
-    formula: str
-
-    @property
-    def error_bytes(self) -> int:
-        return self.measured_bytes - self.predicted_bytes
-
-    @property
-    def error(self) -> float:
-        """Relative error of memcalc's number against the measurement."""
-        return self.error_bytes / self.measured_bytes if self.measured_bytes else float(self.error_bytes != 0)
-
-    @property
-    def unexplained_bytes(self) -> int:
-        return self.error_bytes - sum(d.value for d in self.differences)
-
-    @property
-    def exact(self) -> bool:
-        """Prediction and named differences add up to the measurement, to the byte."""
-        return self.unexplained_bytes == 0
-
-    @property
-    def passed(self) -> bool | None:
-        """The prediction with its named differences within 0.1% of the measurement (to the byte so
-        far, everywhere); None: a reference row, not judged."""
-        if not self.checked:
-            return None
-        return abs(self.unexplained_bytes) <= TOLERANCE * self.measured_bytes
-
-
-@dataclass(slots=True)
-class RankCheck:
-    rank: int
-    dp_rank: int
-    tp_rank: int
-    rows: tuple[Row, ...]
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed is not False for r in self.rows)
-
-
-@dataclass(slots=True)
-class DistResult:
-    """The distributed check of one model, setup and layout: one RankCheck per measured rank."""
-
-    model: str
-    n_params: int
-    seq_len: int
-    micro_batch: int
-    tricks: Tricks
-    layout: Layout
-    device: str  # meta (fake process group) | cpu-gloo | cuda
-    backend: str  # fake | gloo | nccl
-    world: int
-    ranks: tuple[RankCheck, ...]
-    torch_version: str
-    seconds: float
-    notes: tuple[str, ...]
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.ranks)
-
-    def table(self) -> list[list[object]]:
-        """rank | quantity | predicted | measured | error | pass | differences: the rows the CLI prints."""
-        out = []
-        for rc in self.ranks:
-            for r in rc.rows:
-                verdict = {True: "yes", False: "NO", None: "ref"}[r.passed]
-                named = "; ".join(f"{d.name}: {d.value:+,} B" for d in r.differences)
-                out.append([rc.rank, r.quantity, r.predicted_bytes, r.measured_bytes, r.error_bytes,
-                            f"{100 * r.error:+.4f}%", verdict, named])  # fmt: skip
-        return out
-
-
-TABLE_HEADERS = ["rank", "quantity", "predicted B", "measured B", "error B", "error", "pass", "named differences"]
+# ---- measured: which ranks, and each prediction beside its measurement -----------------------------
 
 
 def compare(predicted: list[Prediction], measured: dict[str, int], layout: Layout, rank: int) -> RankCheck:
@@ -536,7 +358,3 @@ def default_ranks(layout: Layout, device: str) -> tuple[int, ...]:
     if device == "meta":
         return tuple(sorted({0, layout.world - 1}))
     return tuple(range(layout.world))
-
-
-def model_label(shape: ModelShape) -> str:
-    return f"{shape.name} ({n_params(shape):,} parameters, {shape.n_layers} layers)"

@@ -19,23 +19,15 @@ from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
-from memcalc.model.shape import Model, ModelShape, n_params
+from memcalc.model.params import n_params
+from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.terms import Term
 
-from .distributed import (
-    FSDP2,
-    LocalCounts,
-    ParamTensor,
-    Prediction,
-    RankCheck,
-    Row,
-    block_tensors,
-    fsdp_numel,
-    norm,
-    state_differences,
-)
+from .dist_results import RankCheck, Row
+from .dist_tensors import LocalCounts, ParamTensor, block_tensors, fsdp_numel, norm
+from .distributed import FSDP2, Prediction, state_differences
 
 PIPELINING = "torch/distributed/pipelining/stage.py"
 

@@ -1,0 +1,58 @@
+"""The sizes and counts a user gives, and their limits: MAX_SIZE for layers, heads, widths and vocabularies,
+MAX_SEQ for sequences, MAX_BATCH for batches; check_size holds a size to them, and parse_count / parse_seq
+read '70B', '1.5M', '8k' from the command line (decimal suffixes for counts, binary ones for sequences).
+"""
+
+from __future__ import annotations
+
+import math
+
+from memcalc.errors import InputError
+from memcalc.model.jsonfile import MAX_DIGITS, brief
+
+MAX_SIZE = 1 << 24  # no real layer, head count, width or vocabulary comes near 16.7 million
+MAX_SEQ = 1 << 27  # 134M tokens: beyond any context trained
+MAX_BATCH = 1 << 20
+
+
+def check_size(name: str, value: int, allow_zero: bool = False, limit: int = MAX_SIZE) -> None:
+    """Reject sizes that are not whole numbers in (0, limit]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name} must be a whole number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise InputError(f"{name} must be positive, got {value}")
+    if value > limit:
+        raise InputError(f"{name} = {value} is absurdly large (limit {limit:,})")
+
+
+DECIMAL = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # parameters, tokens, GPUs: 70B, 15T
+BINARY = {"k": 1 << 10, "m": 1 << 20}  # sequence lengths: an 8k context is 8,192 tokens, 32K is 32,768
+
+
+def parse_count(text: str, name: str, limit: float = float(MAX_SIZE), suffixes: dict[str, int] = DECIMAL) -> int:
+    """Parse '8e9', '8B', '70b', '1.5M', '8192', '8k' into a positive int, or raise InputError."""
+    raw = text.strip().replace("_", "").replace(",", "")
+    scale = 1
+    if raw and raw[-1].lower() in suffixes:
+        scale, raw = suffixes[raw[-1].lower()], raw[:-1]
+    too_large = InputError(f"{name} = {brief(text.strip())} is absurdly large (limit {limit:.3g})")
+    if raw.isdigit() and len(raw) > MAX_DIGITS:  # int() refuses 4,300 digits; no float holds 309
+        raise too_large
+    try:
+        value = int(raw) * scale if raw.isdigit() else float(raw) * scale
+    except ValueError:
+        raise InputError(f"{name} must be a number, got {brief(text)}") from None
+    if isinstance(value, float) and not math.isfinite(value):  # an int is never converted to float
+        raise InputError(f"{name} must be a finite number, got {brief(text)}")
+    if value <= 0:
+        raise InputError(f"{name} must be positive, got {brief(text)}")
+    if value > limit:  # Python compares an int with a float exactly
+        raise too_large
+    if value != int(value):
+        raise InputError(f"{name} must be a whole number, got {brief(text)}")
+    return int(value)
+
+
+def parse_seq(text: str, name: str = "seq") -> int:
+    """A sequence length: '8192', '8k' (8,192), '32K' (32,768), '1m' (1,048,576): binary suffixes."""
+    return parse_count(text, name, MAX_SEQ, BINARY)

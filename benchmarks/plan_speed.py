@@ -24,13 +24,12 @@ def clear_caches() -> None:
     """Every cache the search fills, the roofline's traces included: each run starts cold."""
     from memcalc.exact import kernels
     from memcalc.model import moe_mla
-    from memcalc.parallel import comm
-    from memcalc.parallel import layout as parallel
+    from memcalc.parallel import activations, buffers, comm, data_parallel, params, pipeline
     from memcalc.time import stages
 
-    for fn in (parallel.gpu_params, parallel.sharded_state, parallel.layer_activations, parallel.zero3_buffers,
-               parallel.cp_buffers, parallel.logits_terms, parallel.stage_layers, parallel.moe_split, comm.tp_shape,
-               comm.unit_fraction, comm.matmul_weights, kernels.step_flops, moe_mla.moe_layer_count,
+    for fn in (params.gpu_params, params.sharded_state, activations.layer_activations, buffers.zero3_buffers,
+               buffers.cp_buffers, buffers.logits_terms, pipeline.stage_layers, pipeline.moe_split, comm.tp_shape,
+               data_parallel.unit_fraction, comm.matmul_weights, kernels.step_flops, moe_mla.moe_layer_count,
                stages.kernel_table, stages.stage_kernels, stages.collapsed, stages.moe_kernels, stages.moe_parts,
                stages.block_kernels_of_one, stages.block_lower_bound):  # fmt: skip
         fn.cache_clear()

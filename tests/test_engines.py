@@ -25,7 +25,11 @@ from memcalc.parallel.engines import (
     megatron_bucket_size,
     persistent_params,
 )
-from memcalc.parallel.layout import Layout, layer_activations, layout_memory, stage_layers, tp_layer_params
+from memcalc.parallel.activations import layer_activations
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.params import tp_layer_params
+from memcalc.parallel.pipeline import stage_layers
+from memcalc.parallel.stage_memory import layout_memory
 from memcalc.parallel.plan import layout_estimate, plan
 
 H100 = gpu("h100-sxm")

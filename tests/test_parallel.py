@@ -14,17 +14,12 @@ from memcalc.model.params import layer_params, n_params
 from memcalc.model.presets import preset, preset_model
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import (
-    Layout,
-    bubble_fraction,
-    check_layout,
-    held_layers,
-    layer_activations,
-    layout_for,
-    layout_memory,
-    stage_shape_params,
-    tp_layer_params,
-)  # fmt: skip
+from memcalc.parallel.activations import layer_activations
+from memcalc.parallel.checks import check_layout
+from memcalc.parallel.layout import Layout, layout_for
+from memcalc.parallel.params import stage_shape_params, tp_layer_params
+from memcalc.parallel.pipeline import bubble_fraction, held_layers
+from memcalc.parallel.stage_memory import layout_memory
 from memcalc.parallel.plan import layout_estimate
 from memcalc.time.calibration import calibration_for
 from memcalc.time.roofline import step_time as roofline_step

@@ -21,7 +21,8 @@ from memcalc.model.presets import PRESETS
 from memcalc.model.shape import Model
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
-from memcalc.parallel.layout import Layout, stage_layers
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.pipeline import stage_layers
 from memcalc.verification.pipeline import check_pipeline, peak_stage, pipeline_terms, stage_memory_of, stage_tensors
 
 torch = pytest.importorskip("torch")
@@ -88,7 +89,7 @@ def test_measured_peak_split_adds_up():
     """The step's peak, split by part in a repeated step at the count where the measured one peaked: same peak,
     the parts add up to it; the stage's parameters stay gathered (no reshard under PP) and its fp32
     accumulated gradients are as large as the engine charges (llama3-8b's dims divide by 8: no padding)."""
-    from memcalc.parallel.layout import layers_per_stage
+    from memcalc.parallel.pipeline import layers_per_stage
     from verify.distributed import fake_stage
 
     shape = replace(PRESETS["llama3-8b"], n_layers=6)

@@ -12,7 +12,8 @@ from memcalc.model.gpus import gpu
 from memcalc.model.params import layer_params, n_params
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout, layout_memory
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.stage_memory import layout_memory
 
 H100 = gpu("h100-sxm")
 OPTIMIZERS = ("adamw", "sgd", "adam8bit")
@@ -87,7 +88,7 @@ def layout_total(model, tricks, optimizer, layout) -> int:
        st.sampled_from([1, 2]), st.integers(1, 3), st.sampled_from(["none", "optimizer", "params"]), st.booleans())
 @example(TINY, Tricks("fp32"), "adamw", 1, 1, 3, "none", False)  # dp 1 -> 2 under ZeRO-3
 def test_layouts_more_data_parallel_gpus_never_raise_memory(model, tricks, optimizer, dp, tp, zero, offload, hybrid):
-    """Defect 9, per layout (memcalc.parallel.layout): doubling dp under ZeRO >= 1 never raises a GPU's memory,
+    """Defect 9, per layout (memcalc.parallel.stage_memory): doubling dp under ZeRO >= 1 never raises a GPU's memory,
     with tensor parallelism, hybrid shard and optimizer or parameter offload."""
     assume(model.shape.n_kv_heads % tp == 0 and model.shape.ffn % tp == 0)
     assume(offload != "params" or zero == 3)

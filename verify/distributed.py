@@ -245,7 +245,7 @@ def torchrun_ranks(shape, setup: Setup, tricks: Tricks, layout: Layout) -> dict[
 def verify_pipeline(model: Model, setup: Setup, tricks: Tricks, layout: Layout, stage: int) -> DistResult:
     """--fsdp D --pp P --stack fsdp2: stage `stage`'s rank 0 of its FSDP2 group, measured on the fake process
     group (verify/dist_pipeline.py) against the fsdp2 engine's stage (memcalc.verification.pipeline)."""
-    from memcalc.parallel.layout import layers_per_stage
+    from memcalc.parallel.pipeline import layers_per_stage
     from memcalc.verification.pipeline import check_pipeline, stage_check
 
     check_pipeline(model.shape, setup, tricks, layout, stage)

@@ -1,6 +1,7 @@
 """Bytes each GPU moves per training step, their time on the interconnect, and the step time of a layout.
 
-The collectives' bytes and links: memcalc.parallel.links; expert parallel's: memcalc.parallel.experts.
+The collectives' bytes and links: memcalc.parallel.links; expert parallel's: memcalc.parallel.experts; the
+data-parallel and offload traffic: memcalc.parallel.data_parallel. Here: the tp, cp and pp traffic.
 
 Step time: every stage's compute is the roofline of the kernels its GPU runs (memcalc.time.roofline
 stage_kernels: one block traced on the shapes one TP rank holds, the tokens one CP rank holds, SP's
@@ -28,11 +29,14 @@ from memcalc.model.tricks import Tricks
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.stages import StageKernels, block_lower_bound, stage_kernels
 
-from .engines import DEEPSPEED_DEFAULTS, grad_reduce_bytes, megatron_bucket_size, reshards_after_forward
+from .data_parallel import dp_comm, offload_comm, unit_fraction
+from .engines import grad_reduce_bytes
 from .experts import busiest_experts_flops, ep_comm, expert_dp_comm
-from .layout import (Layout, LayoutMemory, bubble_fraction, layers_per_stage, stage_shape_params, stage_weights,
-                     tp_layer_params)  # fmt: skip
-from .links import ASSUMPTIONS, FABRICS, Assumptions, Comm, Fabric, MicroBatch, link_for, ring, send
+from .layout import Layout
+from .links import ASSUMPTIONS, FABRICS, Assumptions, Comm, MicroBatch, link_for, ring, send
+from .params import stage_weights
+from .pipeline import bubble_fraction, layers_per_stage
+from .stage_memory import LayoutMemory
 
 
 @dataclass(slots=True)
@@ -274,15 +278,6 @@ def matmul_weights(shape: ModelShape, tp: int) -> int:
     return (2 * h * shape.q_dim + 2 * h * shape.kv_dim + mlp) // tp
 
 
-@lru_cache(maxsize=1024)
-def unit_fraction(shape: ModelShape, tp: int, pp: int) -> float:
-    """The share of a stage's weights in its largest unit (a block, or the vocab-split embedding): what
-    FSDP2 gathers first and reduces last, with no compute left to hide behind."""
-    vocab = -(-shape.vocab // tp) * shape.hidden
-    whole = max(stage_shape_params(shape, tp, pp, 0), 1)
-    return min(1.0, max(tp_layer_params(shape, tp), vocab) / whole)
-
-
 def tp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
     """Megatron TP: 2 all-reduces forward and 2 backward per layer, of (s/c)·b·h (Shoeybi et al. 2019, sec. 3);
     with SP each is a reduce-scatter + all-gather of the same volume (Korthikanti et al. 2022, sec. 4.2.2);
@@ -329,104 +324,3 @@ def pp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
     link = link_for(fabric, layout.tp * layout.cp * layout.dp * p, layout.gpus_per_node)
     formula = f"2·v · (s/c)·b·h/t·{act}"
     return send("PP send/recv", "pp", p, link, 2 * v, 2 * v * message, formula, assume, assume.overlap_pp, mb.seconds)
-
-
-def dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric, assume: Assumptions,
-            mb: MicroBatch, engine: str = "none", unit: float = 0.0) -> list[Comm]:  # fmt: skip
-    """Gradient and weight traffic over dp × cp, P the weights on one GPU (Rajbhandari et al. 2019, sec. 7);
-    gradients of gw bytes (the engine's reduce dtype), weights of w:
-      ZeRO 0   all-reduce the gradients once per step (2Ψ)
-      ZeRO 1   reduce-scatter the gradients, all-gather the updated weights, once per step (2Ψ)
-      ZeRO 2   the reduce-scatter every micro-batch (gradients live sharded), the all-gather once
-      ZeRO 3   all-gather the weights in forward and again in backward, reduce-scatter the gradients,
-               every micro-batch (3Ψ per micro-batch)
-    FSDP2 without resharding after forward skips the backward all-gather; with pipeline parallel
-    (torch.distributed.pipelining: requires_gradient_sync and reshard_after_backward off until the last
-    micro-batch) it gathers once and reduce-scatters once per step, after the last backward.
-    Hybrid shard: these inside the node, then an all-reduce of each gradient shard across nodes.
-    Windows: gradient traffic hides behind backward, weight gathers behind forward; an engine's last
-    gradient bucket stays exposed (tail): Megatron-LM's bucket_size, DeepSpeed's reduce_bucket_size,
-    FSDP2's last unit (and its first all-gather).
-    """
-    n, z, d = layout.shard_ranks, layout.zero, assume.overlap_dp
-    if n == 1:
-        return []
-    size, grads, g = params * w, params * gw, "dp×cp"
-    tail = gradient_tail(engine, params, n, unit)
-    if z == 0:
-        link = link_for(fabric, layout.tp * n, layout.gpus_per_node)
-        return [ring("DP gradient all-reduce", g, n, link, 1, 2, grads, f"2(n−1)/n · P·{gw}", assume, d,
-                     mb.backward_window, tail)]  # fmt: skip
-    k = layout.shard_group
-    link = link_for(fabric, layout.tp * k, layout.gpus_per_node)
-    each, each_g = f"(n−1)/n · P·{w}", f"(n−1)/n · P·{gw}"
-    if z == 3 and engine == "fsdp2" and layout.pp > 1:
-        out = [
-            ring("FSDP2 weight all-gather, first micro-batch", g, k, link, 1, 1, size, each, assume, d,
-                 mb.forward, unit),
-            ring("FSDP2 gradient reduce-scatter after the last backward", g, k, link, 1, 1, grads, each_g, assume,
-                 d, 0.0),
-        ]  # fmt: skip
-    elif z == 3:
-        out = [ring("ZeRO-3 weight all-gather, forward", g, k, link, m, 1, size, "m · " + each, assume, d,
-                    m * mb.forward, unit if engine == "fsdp2" else 0.0)]  # fmt: skip
-        if engine != "fsdp2" or reshards_after_forward(layout):
-            out.append(ring("ZeRO-3 weight all-gather, backward", g, k, link, m, 1, size, "m · " + each, assume, d,
-                            m * mb.backward_window / 2))  # fmt: skip
-        out.append(ring("ZeRO-3 gradient reduce-scatter", g, k, link, m, 1, grads, "m · " + each_g, assume, d,
-                        m * mb.backward_window / 2, tail))  # fmt: skip
-    else:
-        calls = m if z == 2 else 1
-        scatter = ("m · " if z == 2 else "") + each_g
-        out = [
-            ring(f"ZeRO-{z} gradient reduce-scatter", g, k, link, calls, 1, grads, scatter, assume, d,
-                 calls * mb.backward_window, tail),
-            ring(f"ZeRO-{z} weight all-gather", g, k, link, 1, 1, size, each, assume, d, mb.forward),
-        ]  # fmt: skip
-    if layout.hybrid and n > k:
-        calls = 1 if z == 1 or (engine == "fsdp2" and layout.pp > 1) else m
-        formula = ("m · " if calls > 1 else "") + f"2(r−1)/r · P·{gw}/k"
-        out.append(ring("hybrid: gradient shard all-reduce across nodes", g, n // k, fabric.inter, calls, 2,
-                        grads // k, formula, assume, d, calls * mb.backward_window))  # fmt: skip
-    return out
-
-
-def gradient_tail(engine: str, params: int, ranks: int, unit: float) -> float:
-    """The share of the gradients reduced after the last backward compute: Megatron-LM's last bucket
-    (megatron_bucket_size parameters), DeepSpeed's last reduce bucket (5e8 elements, deepspeed/runtime/zero/
-    config.py), FSDP2's last unit; memcalc's generic layouts assume all of it overlaps."""
-    if engine == "megatron":
-        return min(1.0, megatron_bucket_size(ranks) / params)
-    if engine == "deepspeed":
-        return min(1.0, DEEPSPEED_DEFAULTS.reduce_bucket_size / params)
-    if engine == "fsdp2":
-        return unit
-    return 0.0
-
-
-def offload_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric, assume: Assumptions,
-                 mb: MicroBatch) -> tuple[list[Comm], float]:  # fmt: skip
-    """PCIe traffic and CPU Adam time of offload (Ren et al. 2021, ZeRO-Offload; FSDP CPUOffload).
-
-    Optimizer offload: once per step the gradient shard goes to the host and the updated weights come back.
-    Parameter offload: every micro-batch the weight shard comes up for forward and again for backward,
-    and the gradient shard goes down.
-    """
-    if not layout.offload_optimizer:
-        return [], 0.0
-    shard = -(-params // layout.shard_group)  # parameters this GPU updates
-    size, grads, link, o = shard * w, shard * gw, fabric.host, assume.overlap_offload
-    if layout.offload_params:
-        out = [
-            send("weights host→GPU, forward and backward", "host", 1, link, 2 * m, 2 * m * size, f"2m · P/n·{w}",
-                 assume, o, m * mb.seconds),
-            send("gradients GPU→host", "host", 1, link, m, m * grads, f"m · P/n·{gw}", assume, o,
-                 m * mb.backward_window),
-        ]  # fmt: skip
-    else:
-        out = [
-            send("gradients GPU→host", "host", 1, link, 1, grads, f"P/n·{gw}", assume, o, mb.backward_window),
-            send("updated weights host→GPU", "host", 1, link, 1, size, f"P/n·{w}", assume, o, mb.forward),
-        ]
-    cpu_rate = assume.cpu_adam_params_per_s / layout.gpus_per_node  # the node's GPUs share one host
-    return out, shard / cpu_rate

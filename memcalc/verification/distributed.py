@@ -25,7 +25,10 @@ from memcalc.memory.estimate import Setup
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape, check_positions
 from memcalc.model.tricks import Tricks, check_layer_uniform
-from memcalc.parallel.layout import Layout, check_layout, layer_activations, sharded_state, stage_shape_params
+from memcalc.parallel.activations import layer_activations
+from memcalc.parallel.checks import check_layout
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.params import sharded_state, stage_shape_params
 from memcalc.parallel.tp_layer import block_terms
 from memcalc.terms import Term
 
@@ -306,7 +309,7 @@ def engine_peak(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     from memcalc.model.gpus import gpu
     from memcalc.model.shape import Model
     from memcalc.model.stacks import stack_for
-    from memcalc.parallel.layout import layout_memory
+    from memcalc.parallel.stage_memory import layout_memory
 
     setup = Setup(seq_len=seq_len, micro_batch=micro_batch, stack=stack_for("fsdp2"))
     model = Model(shape, n_params(shape), "verify")

@@ -22,7 +22,8 @@ from memcalc.memory.estimate import Setup
 from memcalc.model.params import n_params
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout, StageMemory
+from memcalc.parallel.layout import Layout
+from memcalc.parallel.stage_memory import StageMemory
 from memcalc.terms import Term
 
 from .dist_results import RankCheck, Row
@@ -55,9 +56,9 @@ def check_pipeline(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layo
 
 def stage_memory_of(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, stage: int
                     ) -> tuple[StageMemory, tuple[int, ...]]:  # fmt: skip
-    """The fsdp2 engine's StageMemory of one stage (memcalc.parallel.layout_memory) and the layers per stage."""
+    """The fsdp2 engine's StageMemory of one stage (memcalc.parallel.stage_memory) and the layers per stage."""
     from memcalc.model.gpus import gpu
-    from memcalc.parallel.layout import layout_memory
+    from memcalc.parallel.stage_memory import layout_memory
 
     memory = layout_memory(Model(shape, n_params(shape), "verify"), setup, gpu("h100-sxm"), tricks, layout)
     return memory.stages[stage], memory.stage_layers
@@ -67,7 +68,7 @@ def peak_stage(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout) 
     """The stage estimate --stack fsdp2 --pp P reports as the layout's peak (its per-GPU number): the default
     stage to check."""
     from memcalc.model.gpus import gpu
-    from memcalc.parallel.layout import layout_memory
+    from memcalc.parallel.stage_memory import layout_memory
 
     return layout_memory(Model(shape, n_params(shape), "verify"), setup, gpu("h100-sxm"), tricks, layout).peak.stage
 

@@ -1,0 +1,93 @@
+"""Pipeline parallel: the split of the transformer layers into stages and what the schedule keeps in flight.
+
+Pipeline stages hold L/p layers each when p divides L; otherwise (and always for FSDP2, as torchtitan
+splits) the embedding and the head count as one layer each and the first and last stages take one layer
+fewer (torchtitan/distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part); first_layers and
+last_layers set the end stages as Megatron-LM's --decoder-first/last-pipeline-num-layers do.
+A mixture of experts splits L/p consecutive layers a stage, its dense and MoE layers counted apart
+(moe_split). Under 1F1B, and interleaved with v virtual stages, a stage keeps the activations of the
+micro-batches its warm-up ran (held_layers); the bubble is the pipeline's idle share (bubble_fraction).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from memcalc.errors import InputError
+from memcalc.model.shape import ModelShape, is_moe_layer
+
+from .engines import ENGINES
+
+if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this module
+    from .layout import Layout
+
+
+def layers_per_stage(layout: Layout, n_layers: int, engine: str = "none") -> tuple[int, ...]:
+    """The transformer layers on each pipeline stage, first to last."""
+    weighted = ENGINES[engine].weighted_split and layout.vpp == 1
+    return stage_layers(layout.pp, layout.first_layers, layout.last_layers, n_layers, weighted)
+
+
+@lru_cache(maxsize=4096)
+def stage_layers(pp: int, first: int, last: int, n_layers: int, weighted: bool = False) -> tuple[int, ...]:
+    """Layers per stage. first/last given: Megatron-LM's uneven split, the middle stages sharing the rest
+    evenly (megatron/core/transformer/transformer_block.py get_num_layers_to_build). Else L/p each when p
+    divides L and the split is not weighted; else torchtitan's: the embedding and the head weigh one layer
+    each, L + 2 are dealt out evenly, the first stages taking the remainder, and the end stages give up one
+    layer each for them (torchtitan/distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part)."""
+    if pp == 1:
+        return (n_layers,)
+    if first or last:
+        return megatron_split(pp, first, last, n_layers)
+    if not weighted and n_layers % pp == 0:
+        return (n_layers // pp,) * pp
+    base, extra = divmod(n_layers + 2, pp)
+    counts = [base + (i < extra) - (i == 0) - (i == pp - 1) for i in range(pp)]
+    if min(counts) < 1:
+        raise InputError(f"pipeline {pp} leaves a stage without layers: {n_layers} layers, with the embedding and "
+                         f"the head counted as one layer each, give fewer than 2 per stage")  # fmt: skip
+    return tuple(counts)
+
+
+def megatron_split(pp: int, first: int, last: int, n_layers: int) -> tuple[int, ...]:
+    """--decoder-first-pipeline-num-layers F, --decoder-last-pipeline-num-layers L: the stages between share
+    what is left evenly (Megatron-LM asserts it divides)."""
+    ends = (first > 0) + (last > 0)
+    rest, middle = n_layers - first - last, pp - ends
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest // middle == 0)):
+        given = " and ".join(x for x in (f"{first} layers on the first stage" if first else "",
+                                         f"{last} on the last" if last else "") if x)  # fmt: skip
+        raise InputError(f"{given}: the other {middle} stages cannot share the remaining {rest} of the {n_layers} "
+                         "layers evenly (Megatron-LM's uneven pipeline split)")  # fmt: skip
+    each = rest // middle if middle else 0
+    return tuple(first if i == 0 and first else last if i == pp - 1 and last else each for i in range(pp))
+
+
+@lru_cache(maxsize=4096)
+def moe_split(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
+    """(dense layers, MoE layers) of one pipeline stage's L/p consecutive layers."""
+    per = shape.n_layers // pp
+    moe = sum(is_moe_layer(shape, i) for i in range(stage * per, (stage + 1) * per))
+    return per - moe, moe
+
+
+def held_layers(layout: Layout, stage: int, micro_batches: int, n_layers: int, layers: int | None = None) -> int:
+    """Layer-micro-batches whose activations a stage keeps at its peak (Korthikanti et al. 2022, sec. 4.2.3).
+
+    1F1B: stage i runs min(p − i, m) forwards before its first backward, so stage 0 holds p micro-batches
+    of its L/p layers: L layers' worth, whatever p. Interleaved with v virtual stages: Megatron-LM's
+    warm-up of 2(p − i − 1) + (v − 1)·p chunks + 1, each of L/(p·v) layers; for stage 0 that is
+    L·(1 + (p − 1)/(p·v)) layers' worth, Korthikanti's interleaving factor. layers: this stage's
+    (uneven splits run 1F1B only).
+    """
+    p, v, m = layout.pp, layout.vpp, micro_batches
+    if v == 1:
+        return min(p - stage, m) * (n_layers // p if layers is None else layers)
+    chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
+    return min(chunks, m * v) * (n_layers // (p * v))
+
+
+def bubble_fraction(layout: Layout, micro_batches: int) -> float:
+    """Pipeline idle over busy time: (p − 1)/m, and (p − 1)/(v·m) interleaved (Narayanan et al. 2021, sec. 2.2)."""
+    return (layout.pp - 1) / (layout.vpp * micro_batches)

@@ -85,8 +85,10 @@ def show_answer(ans, d: render.Display) -> None:
     from memcalc.report import answer as report
     from memcalc.report import estimate as textbook
 
+    from memcalc.report.layout import layout_warnings
+
     est = ans.textbook
-    lines = textbook.warnings(est)
+    lines = textbook.warnings(est) + [w for e in ans.layouts for w in layout_warnings(e) if "selective" not in w]
     if ans.roofline is not None:
         from memcalc.report.roofline import time_warnings
 

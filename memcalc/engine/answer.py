@@ -16,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcalc.errors import InputError
-from memcalc.exact.kernels import recompute_first
 from memcalc.memory.estimate import Estimate, estimate
-from memcalc.model.tricks import Tricks
 from memcalc.parallel.plan import LayoutEstimate, layout_estimate
 from memcalc.parallel.verdict import Verdict
 from memcalc.time.training_run import TrainingRun, runs_for_layouts
@@ -32,8 +30,7 @@ class Answer:
     """One job answered, one entry per trick set in every tuple, in the job's order."""
 
     job: Job
-    verdicts: tuple[Verdict, ...]  # the peak per GPU that decides whether it fits
-    layouts: tuple[LayoutEstimate, ...]  # the textbook's stages and the step time, traffic included
+    layouts: tuple[LayoutEstimate, ...]  # each trick set's verdict, the textbook's stages, the step time
     textbook: Estimate | None  # the whole-model textbook terms (data-parallel jobs; None with tp, pp, cp or ep)
     roofline: tuple | None  # one GPU's step on the roofline, kernel by kernel (a one-GPU job timed by it)
     toolbox: Toolbox | None  # the cheapest way to fit the first trick set (data-parallel jobs)
@@ -41,12 +38,9 @@ class Answer:
     exact: tuple  # --exact: one GPU's steps op by op (memcalc.exact.step.ExactStep), or one layer per TP rank
 
     @property
-    def trick_sets(self) -> tuple[Tricks, ...]:
-        return self.job.trick_sets
-
-    @property
-    def fits(self) -> tuple[bool, ...]:
-        return tuple(v.fits for v in self.verdicts)
+    def verdicts(self) -> tuple[Verdict, ...]:
+        """The peak per GPU that decides whether each trick set fits (memcalc.parallel.verdict)."""
+        return tuple(e.verdict for e in self.layouts)
 
 
 def answer(job: Job) -> Answer:
@@ -54,11 +48,10 @@ def answer(job: Job) -> Answer:
     m, s, g, lay = job.model, job.setup, job.gpu, job.layout
     sets = job.trick_sets
     layouts = tuple(layout_estimate(m, s, g, t, lay, timing=job.timing) for t in sets)
-    verdicts = tuple(e.verdict for e in layouts)
     textbook = estimate(m, s, g, sets) if job.data_parallel else None
     runs = runs_for_layouts(layouts, job.tokens, job.price) if job.tokens is not None else ()
     tb = toolbox(m, s, g, sets[0], lay, job.timing) if job.data_parallel else None
-    return Answer(job, verdicts, layouts, textbook, one_gpu_roofline(job), tb, runs, exact_terms(job, layouts))
+    return Answer(job, layouts, textbook, one_gpu_roofline(job), tb, runs, exact_terms(job, layouts))
 
 
 def one_gpu_roofline(job: Job) -> tuple | None:
@@ -93,7 +86,3 @@ def exact_terms(job: Job, layouts: tuple[LayoutEstimate, ...]) -> tuple:
 
     return tuple(block_terms(shape, job.setup.seq_len, job.setup.micro_batch, e.tricks, e.layout) for e in layouts)
 
-
-def compute_order(trick_sets: tuple[Tricks, ...]) -> tuple[Tricks, ...]:
-    """The order the roofline traces trick sets in (those with recompute first: the plain ones reuse them)."""
-    return recompute_first(trick_sets)

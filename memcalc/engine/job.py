@@ -11,9 +11,8 @@ from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.parallel.layout import Layout
+from memcalc.parallel.verdict import ONE_GPU
 from memcalc.time.calibration import Calibration, calibration_for
-
-ONE_GPU = Layout()
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,7 @@ def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: L
         buffers=tuple(buffers),
         logits=logits,
         usable_bytes=gpu.usable_bytes,
-        host_usable_bytes=setup.host_memory // min(layout.world, layout.gpus_per_node),
+        host_usable_bytes=host_share(setup, layout),
         inputs=inputs,
     )
 
@@ -189,7 +189,7 @@ def moe_stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
         stage=stage, layers=per + (shape.mtp_layers if last else 0), params=params + experts, state=state,
         layer=layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout.tp, layout.sp, layout.cp),
         held=-(-held * dense // per), buffers=tuple(buffers), logits=logits, usable_bytes=gpu.usable_bytes,
-        host_usable_bytes=s.host_memory // min(layout.world, layout.gpus_per_node),
+        host_usable_bytes=host_share(s, layout),
         moe_layer=moe_layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout, s.routing),
         moe_held=-(-held * moe // per), expert_params=experts,
     )  # fmt: skip
@@ -213,3 +213,8 @@ def layout_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: 
         which = sorted({0, p - 1} | ({1} if len(set(counts)) > 1 and p > 2 else set()))
     stages = tuple(stage_memory(model, setup, gpu, tricks, layout, i, counts[i]) for i in which)
     return LayoutMemory(layout, tricks, setup.grad_accum, stages, counts)
+
+
+def host_share(setup: Setup, layout: Layout) -> int:
+    """One GPU's share of its node's host memory, which offload fills: the job's GPUs on a node split it."""
+    return setup.host_memory // min(layout.world, layout.gpus_per_node)

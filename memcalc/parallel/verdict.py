@@ -27,6 +27,7 @@ from memcalc.model.tricks import Tricks
 
 from .engines import engine_layout
 from .layout import Layout, LayoutMemory, check_layout, layout_memory, sharded_state
+from .stage_memory import host_share
 
 ONE_GPU = Layout()
 
@@ -122,8 +123,7 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
     own = n_params(shape)
     state = sharded_state(own, tricks.precision, s.optimizer, g, layout.zero, layout.offload_optimizer,
                           layout.offload_params, s.stack.recipe)  # fmt: skip
-    peak = max(phases.forward_peak_bytes, phases.backward_peak_bytes, phases.optimizer_peak_bytes)
-    return Verdict(tricks, phases.state_bytes, peak, peak_at(phases), gpu.usable_bytes, state.host_bytes,
+    return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), gpu.usable_bytes, state.host_bytes,
                    host_share(setup, layout), phases, replay, "", own)  # fmt: skip
 
 
@@ -155,11 +155,6 @@ def peak_at(p: Phases) -> str:
     peaks = [(p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),
              (p.optimizer_peak_bytes, p.optimizer_peak_at)]  # fmt: skip
     return max(peaks, key=lambda x: x[0])[1]
-
-
-def host_share(setup: Setup, layout: Layout) -> int:
-    """One GPU's share of its node's host memory: the job's GPUs on a node split it."""
-    return setup.host_memory // min(layout.world, layout.gpus_per_node)
 
 
 def verdict_fit(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,

@@ -212,7 +212,7 @@ def fit(
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
                             optimizer_impl)  # fmt: skip
-        layout = build_layout(gpus, None, None, None, None, zero, False, None, False, offload, False, None)
+        layout = build_layout(gpus, zero=zero, offload=offload)  # data parallel: fit solves one GPU of it
         limits = fit_limits(the_model, setup, find_gpu(gpu), parse_tricks(tricks), layout)
     except InputError as e:
         fail(str(e))

@@ -170,8 +170,8 @@ def roofline_calibration(gpu, spec: str | None):
     return calibration_for(gpu.key, paths[0] if paths else None, ",".join(overrides) or None)
 
 
-def build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node, pp_layers=None,
-                 reshard=None, ep=None, etp=None):  # fmt: skip
+def build_layout(gpus, tp=None, pp=None, cp=None, dp=None, zero="0", sp=False, vpp=None, hybrid=False, offload=False,
+                 offload_params=False, gpus_per_node=None, pp_layers=None, reshard=None, ep=None, etp=None):  # fmt: skip
     from memcalc.memory.state import MAX_GPUS
     from memcalc.model.shape import parse_count
     from memcalc.parallel.layout import layout_for

@@ -306,7 +306,7 @@ def test_weighted_trace_equals_a_full_depth_trace(family, tricks):
     full = trace(cfg_of(shape, 64, 2, t))
     weighted = Counter()
     for k in kernels_of(shape, 64, 2, t):
-        weighted[(k.key(), k.layer is None)] += block_weight(k, shape.n_layers, t)
+        weighted[(k.key(), k.layer is None)] += block_weight(k, shape.n_layers, t) * k.count
     assert weighted == Counter((k.key(), k.layer is None) for k in full)
     assert sum(k.counted for k in full) == exact_step(shape, 64, 2, t).flops.counted
 

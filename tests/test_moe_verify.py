@@ -4,7 +4,6 @@ verify/builder.py's reference model, to the byte, allocation by allocation on ti
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -13,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from memcalc.exact.builder import build as mirror_build  # noqa: E402
 from memcalc.exact.config import Config  # noqa: E402
-from memcalc.exact.kernels import counted_flops, kernels_of, traced_blocks  # noqa: E402
+from memcalc.exact.kernels import counted_flops, kernels_of, merged, traced_blocks  # noqa: E402
 from memcalc.exact.mirror import simulate, trace  # noqa: E402
 from memcalc.exact.sim import Graph  # noqa: E402
 from memcalc.exact.step import exact_step, step_phases  # noqa: E402
@@ -70,7 +69,7 @@ def test_tiny_flops_and_parameters(name):
     shape = TINY[name]
     model = build(shape, Kernels(), 32, torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == n_params(shape)
-    sim = mirror_build(Graph(Memory()), Config(shape, 32, 1, "bf16", False, "none"))
+    sim = mirror_build(Graph(Memory()), Config(shape, 32, 1, "bf16", False, "none", collapse=False))
     assert [tuple(p.shape) for p in model.parameters()] == [p.shape for p in sim.params]  # in registration order
     for tricks in ("bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective"):
         t = parse_tricks(tricks)
@@ -93,19 +92,24 @@ def test_dense_blocks_then_moe_grow_to_the_full_depth(layers, dense, tricks):
     assert e.flops.counted == count_flops(shape, 32, 1, t)[0]
 
 
+def launches(kernels) -> list[tuple]:
+    """Each distinct kernel, in the order first launched, with how many times it is (kernels.merged)."""
+    return [(tuple(row[:-2]), row[-1]) for row in merged(kernels)]
+
+
 @pytest.mark.parametrize("tricks", ["bf16", "bf16,flash,ckpt", "fp16"])
 def test_a_dense_and_a_moe_block_traced_stand_for_all(tricks):
     """The roofline traces one dense and one MoE block: every block of the full-depth trace runs its kind's
     kernels, in order, and what runs outside the blocks (routing tables, the MTP module) is the same."""
     shape = replace(DEEPSEEK_LIKE, n_layers=4, first_dense_layers=2)
     t = parse_tricks(tricks)
-    full = trace(Config(shape, 32, 2, t.precision, t.flash, t.recompute))
+    full = trace(Config(shape, 32, 2, t.precision, t.flash, t.recompute, collapse=False))  # each expert's own
     traced = kernels_of(shape, 32, 2, t)
     assert traced_blocks(shape)[1] == {0: 2, 1: 2}
     for layer in range(4):
         kind = 0 if layer < 2 else 1
-        assert [k.key() for k in full if k.layer == layer] == [k.key() for k in traced if k.layer == kind]
-    assert Counter(k.key() for k in full if k.layer is None) == Counter(k.key() for k in traced if k.layer is None)
+        assert launches(k for k in full if k.layer == layer) == launches(k for k in traced if k.layer == kind)
+    assert launches(k for k in full if k.layer is None) == launches(k for k in traced if k.layer is None)
     assert counted_flops(shape, 32, 2, t)[0] == exact_step(shape, 32, 2, t).flops.counted
 
 

@@ -17,7 +17,7 @@ from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.exact import aten
 from memcalc.exact.config import Config
-from memcalc.exact.kernels import TRACES, kernels_of
+from memcalc.exact.kernels import TRACES, kernels_of, merged
 from memcalc.exact.mirror import trace
 from memcalc.exact.sim import Graph
 from memcalc.exact.step import exact_step
@@ -119,11 +119,12 @@ def test_every_layer_runs_the_one_layer_kernels(shape, tricks, batch):
     the rest equal to its outside. So L × one block + outside is the step, exactly."""
     t = parse_tricks(tricks)
     full = trace(Config(shape, 64, batch, t.precision, t.flash, t.recompute))
-    one = kernels_of(shape, 64, batch, t)
-    block = [k.key() for k in one if k.layer == 0]
+    one = kernels_of(shape, 64, batch, t)  # each distinct kernel once, with its count (kernels.merged)
+    block = [(k.key(), k.count) for k in one if k.layer == 0]
     for layer in range(shape.n_layers):
-        assert [k.key() for k in full if k.layer == layer] == block
-    assert Counter(k.key() for k in full if k.layer is None) == Counter(k.key() for k in one if k.layer is None)
+        assert [(tuple(r[:-2]), r[-1]) for r in merged(k for k in full if k.layer == layer)] == block
+    outside = Counter({k.key(): k.count for k in one if k.layer is None})
+    assert Counter(k.key() for k in full if k.layer is None) == outside
 
 
 @pytest.mark.parametrize("tricks", ["fp32", "bf16", "bf16,flash", "fp16"])

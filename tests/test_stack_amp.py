@@ -530,7 +530,7 @@ def test_roofline_times_the_stacks_own_kernels():
            (("reference", STACKS["reference"]), ("torch", STACKS["torch"]), ("hf", STACKS["hf"]))}  # fmt: skip
     assert {"_foreach_sqrt", "_foreach_addcdiv_"} <= ops["torch"] and "_fused_adamw_" in ops["hf"]
     assert not {"_foreach_sqrt", "_fused_adamw_"} & ops["reference"]
-    casts = {name: sum(k.read_bytes for k in kernels_of(shape, 8192, 1, t, st) if k.op == "_to_copy" and k.layer == 0)
+    casts = {name: sum(k.read_bytes * k.count for k in kernels_of(shape, 8192, 1, t, st) if k.op == "_to_copy" and k.layer == 0)
              for name, st in (("reference", STACKS["reference"]), ("torch", STACKS["torch"]))}  # fmt: skip
     assert casts["torch"] > casts["reference"]  # each weight's fp32 read for its bf16 cast, among others
     gpu = GPUS["h100-sxm"]

@@ -233,7 +233,7 @@ def cpu_cuda_differences(cpu: Config) -> tuple[str, ...]:
     for sign, g in ((1, g_cuda), (-1, g_cpu)):
         for t in g.saved_terms:
             key = f"{t.scope}: {t.op.removesuffix('_for_cpu')} saves {t.what} ({t.dtype})"
-            saved[key] = saved.get(key, 0) + sign * t.nbytes
+            saved[key] = saved.get(key, 0) + sign * t.nbytes * t.copies
     terms = [f"{k} {v:+,} B" for k, v in saved.items() if v]
     state = on_cuda.state_bytes - on_cpu.state_bytes
     if state:
@@ -269,7 +269,7 @@ def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, tex
         Row("model state between steps (fp32 weights, optimizer state, scaler)", "bytes", tb["state"],
             ph.state_bytes, step.state_bytes, tol),
         Row("gradients after backward", "bytes", tb["grads"], ph.grads_bytes, step.grads_bytes, tol),
-        Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], sum(t.nbytes for t in g.saved_terms),
+        Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], sum(t.nbytes * t.copies for t in g.saved_terms),
             step.saved_bytes, tol),
         Row("kept after forward (saved, checkpoint inputs, loss)", "bytes", None, ph.retained_bytes,
             step.retained_bytes, tol),

@@ -66,16 +66,18 @@ def chunk2(g: Graph, x: Tensor) -> tuple[Tensor, Tensor]:
     return x1, x2
 
 
-def split(g: Graph, x: Tensor, sizes: list[int], dim: int) -> list[Tensor]:
+def split(g: Graph, x: Tensor, sizes: list, dim: int) -> list[Tensor]:
     """x.split(sizes, dim) (SplitWithSizesBackward0, SplitBackward0): views; backward cats every gradient into
-    one x-shaped tensor."""
+    one x-shaped tensor. A size may be (n, copies): that many equal parts of n in a row, one view standing
+    for them (memcalc.exact.tensors.Region)."""
     shape = x.shape
 
     def rule(gs):
         return [made(g, shape, "cat", *tuple(gs), dtype=gs[0].dtype)]
 
     node = g.begin("split", [x], rule)
-    parts = [g.view(x, shape[:dim] + (n,) + shape[dim + 1:]) for n in sizes]
+    each = [n if isinstance(n, tuple) else (n, 1) for n in sizes]
+    parts = [Tensor(x.storage, shape[:dim] + (n,) + shape[dim + 1:], x.dtype, copies=c) for n, c in each]
     g.end(node, parts)
     return parts
 
@@ -96,10 +98,11 @@ def cat_last(g: Graph, a: Tensor, b: Tensor) -> Tensor:
 
 
 def cat(g: Graph, parts: list[Tensor], dim: int) -> Tensor:
-    """torch.cat(parts, dim) (CatBackward0): saves nothing; backward narrows the gradient (views)."""
-    shapes = [p.shape for p in parts]
-    node = g.begin("cat", parts, lambda gs: [g.view(gs[0], s) for s in shapes])
-    shape = parts[0].shape[:dim] + (sum(s[dim] for s in shapes),) + parts[0].shape[dim + 1:]
+    """torch.cat(parts, dim) (CatBackward0): saves nothing; backward narrows the gradient (views); a part
+    standing for equal copies is that many parts in a row."""
+    shapes = [(p.shape, p.copies) for p in parts]
+    node = g.begin("cat", parts, lambda gs: [Tensor(gs[0].storage, s, gs[0].dtype, copies=c) for s, c in shapes])
+    shape = parts[0].shape[:dim] + (sum(s[dim] * c for s, c in shapes),) + parts[0].shape[dim + 1:]
     out = made(g, shape, "cat", *tuple(parts), dtype=parts[0].dtype)
     g.end(node, [out])
     return out

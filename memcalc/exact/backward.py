@@ -32,7 +32,11 @@ class Backward:
         self.kernel("ones_like", (), (ones,))
         while ready:
             node = heapq.heappop(ready)
+            if node.group != self.region:  # equal copies' nodes run in turn, one copy's simulated (Region)
+                self.leave_region()
             self.layer, self.scope = node.layer, node.scope  # its kernels belong where its forward ran
+            if node.group is not None and self.region is None:
+                self.enter_region(node.group)
             outs, grad, buf = self.run(node, buffers.pop(node)), None, None
             for edge, grad in zip(node.edges, outs):
                 if edge is None or grad is None:
@@ -50,6 +54,7 @@ class Backward:
                 if deps[nxt] == 0:
                     heapq.heappush(ready, nxt)
             del outs, grad, buf  # no lingering references: torch's engine holds none
+        self.leave_region()
         self.grad_enabled, self.in_backward = True, False
         self.layer, self.scope = outer
 

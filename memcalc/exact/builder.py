@@ -17,7 +17,7 @@ from . import aten
 from .aten_operands import made
 from .autocast import Autocast, autocast_for
 from .builder_layers import attention, dropout, linear, mlp, norm, rope_tables
-from .builder_moe import latent, mixture, routing_tables
+from .builder_moe import expert_counts, latent, mixture, routing_tables
 from .config import Config
 from .sim import Graph
 from .tensors import Tensor
@@ -40,11 +40,14 @@ class Block:
 
 @dataclass
 class Experts:
-    """A MoE layer's parameters (verify/builder.py MoE): the router, each expert's MLP, the shared experts'."""
+    """A MoE layer's parameters (verify/builder.py MoE): the router, each expert's MLP, the shared experts'.
+    Experts that receive as many tokens run the same kernels on the same shapes: each run of them is one
+    group, its MLP's parameters standing for all of them (copies; memcalc.exact.tensors.Region)."""
 
     gate: Tensor
-    experts: list[list[list[Tensor]]]
+    experts: list[list[list[Tensor]]]  # per group
     shared: list[list[Tensor]] | None
+    groups: list[tuple[str, int, int]]  # per group: its name (sim.group_of), its experts, each one's tokens
 
 
 @dataclass
@@ -76,12 +79,12 @@ def build(g: Graph, cfg: Config) -> Model:
     """The parameters in the order nn.Module registers them, and the buffers."""
     s, dt, params = cfg.shape, cfg.weights_dtype, []
 
-    def p(shape, name):
-        params.append(g.param(shape, dt, name))
+    def p(shape, name, copies=1):
+        params.append(g.param(shape, dt, name, copies))
         return params[-1]
 
-    def linear(n_in, n_out, bias, name):
-        return [p((n_out, n_in), name + ".weight")] + ([p((n_out,), name + ".bias")] if bias else [])
+    def linear(n_in, n_out, bias, name, copies=1):
+        return [p((n_out, n_in), name + ".weight", copies)] + ([p((n_out,), name + ".bias", copies)] if bias else [])
 
     def norm(dim, name):
         return [p((dim,), name + ".weight")] + ([p((dim,), name + ".bias")] if s.norm == "layernorm" else [])
@@ -89,10 +92,11 @@ def build(g: Graph, cfg: Config) -> Model:
     h = s.hidden
     tok = p((s.vocab, h), "tok_emb.weight")
     pos = p((s.max_positions, h), "pos_emb.weight") if s.positions == "learned" else None
-    blocks = [build_block(s, i, f"blocks.{i}.", p, linear, norm) for i in range(s.n_layers)]
+    runs = expert_runs(cfg)
+    blocks = [build_block(s, i, f"blocks.{i}.", p, linear, norm, runs) for i in range(s.n_layers)]
     final = norm(h, "norm")
     head = None if s.tied_embeddings else p((s.vocab, h), "lm_head.weight")
-    mtp = build_mtp(s, p, linear, norm) if s.mtp_layers else None
+    mtp = build_mtp(s, p, linear, norm, runs) if s.mtp_layers else None
     future = None
     if not cfg.flash:  # register_buffer("future", (T, T) bool)
         future = g.empty((cfg.seq_len, cfg.seq_len), "bool", "buffer future", kind="buffer")
@@ -100,10 +104,31 @@ def build(g: Graph, cfg: Config) -> Model:
     return Model(cfg, tok, pos, blocks, final, head, future, params, mtp, autocast)
 
 
-def build_block(s, i: int, n: str, p, linear, norm, expert: str = "{n}mlp.experts.{e}.") -> Block:
+def expert_runs(cfg: Config) -> list[tuple[int, int, int]]:
+    """The experts of a MoE layer as runs of equal ones, (first, how many, tokens each): the balanced router
+    gives expert e the slots e, e + E, ... of the B·T·k (builder_moe.expert_counts), so at most two runs;
+    one expert per run where cfg.collapse is off, and under torchtitan's per-op policy (recompute "op"),
+    which keeps every second mm of the block: a gated expert's three put neighbours on opposite parities."""
+    s = cfg.shape
+    if not s.n_experts:
+        return []
+    counts = expert_counts(cfg.micro_batch * cfg.seq_len * s.experts_per_token, s.n_experts)
+    if not cfg.collapse or cfg.recompute == "op":
+        return [(e, 1, c) for e, c in enumerate(counts)]
+    runs: list[tuple[int, int, int]] = []
+    for e, c in enumerate(counts):
+        if runs and runs[-1][2] == c:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, c)
+        else:
+            runs.append((e, 1, c))
+    return runs
+
+
+def build_block(s, i: int, n: str, p, linear, norm, runs=(), expert: str = "{n}mlp.experts.{e}.") -> Block:
     """Block i's parameters (verify/builder.py Block), in registration order: norm1, the attention's (latent
-    for MLA), norm2, the MLP's (a mixture of experts: the router, each expert, the shared experts). expert:
-    each expert's name (its first number is the block a parameter belongs to: memcalc.exact.sim.layer_of)."""
+    for MLA), norm2, the MLP's (a mixture of experts: the router, each run of equal experts (expert_runs),
+    the shared experts). expert: an expert's name (its first number is the block a parameter belongs to:
+    memcalc.exact.sim.layer_of); a run's is its first expert's."""
     h, qkv_bias = s.hidden, s.linear_bias or s.qkv_bias
     norm1 = norm(h, n + "norm1")
     wq = wk = wv = wo = []
@@ -129,29 +154,31 @@ def build_block(s, i: int, n: str, p, linear, norm, expert: str = "{n}mlp.expert
     mlp, experts = [], None
     if is_moe_layer(s, i):
         gate = linear(h, s.n_experts, False, n + "mlp.gate")[0]
-        each = [mlp_params(s, s.routed_ffn, expert.format(n=n, e=e), linear) for e in range(s.n_experts)]
+        names = [expert.format(n=n, e=e) for e, _, _ in runs]
+        each = [mlp_params(s, s.routed_ffn, name, linear, copies) for name, (_, copies, _) in zip(names, runs)]
         shared = mlp_params(s, s.shared_ffn, n + "mlp.shared.", linear) if s.n_shared_experts else None
-        experts = Experts(gate, each, shared)
+        experts = Experts(gate, each, shared, [(name[:-1], copies, c) for name, (_, copies, c) in zip(names, runs)])
     else:
         mlp = mlp_params(s, s.ffn, n + "mlp.", linear)
     return Block(norm1, wq, wk, wv, wo, qn, kn, norm2, mlp, latent, experts)
 
 
-def mlp_params(s, width: int, n: str, linear) -> list[list[Tensor]]:
-    """[gate, up, down] or [fc, proj] of an MLP width wide (verify/builder.py make_mlp)."""
+def mlp_params(s, width: int, n: str, linear, copies: int = 1) -> list[list[Tensor]]:
+    """[gate, up, down] or [fc, proj] of an MLP width wide (verify/builder.py make_mlp); copies: of equal experts."""
     h, bias = s.hidden, s.linear_bias
     if s.gated_mlp:
-        return [linear(h, width, bias, n + "gate"), linear(h, width, bias, n + "up"), linear(width, h, bias, n + "down")]
-    return [linear(h, width, bias, n + "fc"), linear(width, h, bias, n + "proj")]
+        return [linear(h, width, bias, n + "gate", copies), linear(h, width, bias, n + "up", copies),
+                linear(width, h, bias, n + "down", copies)]  # fmt: skip
+    return [linear(h, width, bias, n + "fc", copies), linear(width, h, bias, n + "proj", copies)]
 
 
-def build_mtp(s, p, linear, norm) -> Mtp:
+def build_mtp(s, p, linear, norm, runs) -> Mtp:
     """The MTP module's parameters, after the output head's. Their names carry no number (sim.layer_of: none):
     the module runs outside the blocks."""
     h = s.hidden
     hnorm, enorm = norm(h, "mtp.hnorm"), norm(h, "mtp.enorm")
     proj = linear(2 * h, h, False, "mtp.proj")
-    block = build_block(s, s.n_layers - 1, "mtp.block.", p, linear, norm, "{n}mlp.experts.e{e}.")
+    block = build_block(s, s.n_layers - 1, "mtp.block.", p, linear, norm, runs, "{n}mlp.experts.e{e}.")
     return Mtp(hnorm, enorm, proj, block, norm(h, "mtp.norm"))
 
 

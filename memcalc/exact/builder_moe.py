@@ -78,9 +78,13 @@ def mixture(g: Graph, cfg: Config, b: Block, x: Tensor, routing) -> Tensor:
             weights = aten.index_select(g, aten.view(g, aten.to(g, weights, x.dtype), (n,)), order)
         with g.scoped("dispatch"):
             permuted = aten.index_select(g, flat, owner)  # (T·k, h)
-            parts = aten.split(g, permuted, expert_counts(n, s.n_experts), 0)
+            parts = aten.split(g, permuted, [(tokens, copies) for _, copies, tokens in e.groups], 0)
         with g.scoped("experts"):
-            outs = [mlp_forward(g, cfg, w, part) for w, part in zip(e.experts, parts)]
+            outs = []  # the list comprehension's: each expert in turn, a group's simulated once
+            for w, part, (name, copies, _) in zip(e.experts, parts, e.groups):
+                with g.repeated(name, copies):
+                    outs.append(mlp_forward(g, cfg, w, part))
+            del w, part
         with g.scoped("combine"):
             y = aten.cat(g, outs, 0)
             del outs  # the list comprehension's list: a temporary

@@ -79,6 +79,9 @@ class Config:
     # measurement on CPU tensors (verify/autocast.py): CPU's flash kernel saves no RNG state
     device: str = "cuda"
     ckpt_every: int = 1  # with recompute full: every Nth block checkpointed (ckpt:N)
+    # a layer's experts of one token count simulated once for all (memcalc.exact.tensors.Region); False
+    # replays each, as a timeline (which records every allocation) and the test of the two need
+    collapse: bool = True
 
     @property
     def tricks(self) -> Tricks:

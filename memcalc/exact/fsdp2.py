@@ -46,16 +46,16 @@ class Ledger(Memory):
         self.at_peak: dict[str, int] = {}
         self.grads = lambda: 0
 
-    def alloc(self, nbytes: int, op: str) -> None:
+    def alloc(self, nbytes: int, op: str, copies: int = 1) -> None:
         self.parts[category(op)] += nbytes
         higher = self.live_bytes + nbytes > self.peak_bytes
-        super().alloc(nbytes, op)
+        super().alloc(nbytes, op, copies)
         if higher:
             self.at_peak = self.split()
 
-    def free(self, nbytes: int, op: str) -> None:
+    def free(self, nbytes: int, op: str, copies: int = 1) -> None:
         self.parts[category(op)] -= nbytes
-        super().free(nbytes, op)
+        super().free(nbytes, op, copies)
 
     def reset_peak(self) -> None:
         super().reset_peak()
@@ -136,10 +136,10 @@ class FSDPGraph(Graph):
         del state
 
     # -- backward: the engine's nodes, in order ------------------------------------------------------
-    def empty(self, shape, dtype: str, op: str, kind: str = "activation") -> Tensor:
+    def empty(self, shape, dtype: str, op: str, kind: str = "activation", copies: int | None = None) -> Tensor:
         if self.cpu_norm_stats and op == "native_layer_norm" and dtype == "fp32" and tuple(shape)[-1] == 1:
             dtype = self.stats_dtype  # aten.native_layer_norm's CPU kernel: mean and rstd in the input's dtype
-        t = super().empty(shape, dtype, op, kind)
+        t = super().empty(shape, dtype, op, kind, copies)
         if op == "ones_like" and self.fsdp is not None and self.in_backward is False and self.current == "loss":
             self.ones = t  # torch.autograd.backward's grad of the loss: it outlives the final callback
         return t

@@ -32,10 +32,10 @@ class Kernel:
     Storage and Tensor are: thousands are made per step.)"""
 
     __slots__ = ("op", "unit", "dtype", "flops", "counted", "count_kind", "read_bytes", "write_bytes", "phase",
-                 "scope", "layer")  # fmt: skip
+                 "scope", "layer", "count")  # fmt: skip
 
     def __init__(self, op: str, unit: str, dtype: str, flops: int, counted: int, count_kind: str, read_bytes: int,
-                 write_bytes: int, phase: str, scope: str, layer: int | None):  # fmt: skip
+                 write_bytes: int, phase: str, scope: str, layer: int | None, count: int = 1):  # fmt: skip
         self.op = op  # the aten op (mm, _softmax_backward_data, addcdiv_, ...)
         self.unit = unit  # tensor (a matmul), flash (the fused attention kernel) or vector (elementwise, reductions)
         self.dtype = dtype  # its operands' dtype: picks the tensor-core rate
@@ -47,6 +47,7 @@ class Kernel:
         self.phase = phase  # forward | backward | recompute | accumulate | optimizer
         self.scope = scope  # the part of the model: "attention core", "mlp", "loss", ...
         self.layer = layer  # the block it belongs to; None outside the blocks
+        self.count = count  # how many times the step launches it there (equal experts' kernels: one record)
 
     def key(self) -> tuple:
         """Everything but the layer: two blocks run kernels with equal keys."""
@@ -54,7 +55,8 @@ class Kernel:
                 self.write_bytes, self.phase, self.scope)  # fmt: skip
 
     def __repr__(self) -> str:
-        return (f"Kernel({self.phase} {self.scope} {self.op}: {self.flops:,} FLOPs, {self.read_bytes:,} B read, "
+        times = f" x{self.count}" if self.count > 1 else ""
+        return (f"Kernel({self.phase} {self.scope} {self.op}{times}: {self.flops:,} FLOPs, {self.read_bytes:,} B read, "
                 f"{self.write_bytes:,} B written)")  # fmt: skip
 
 
@@ -155,10 +157,23 @@ def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *sta
         cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, model,
                      recipe, impl, ckpt_every=tricks.ckpt_every)  # fmt: skip
         kept = (None, *representatives(one, tricks).values())  # one block of each kind: see traced_blocks
-        return [list(k.key()) + [k.layer] for k in trace(cfg) if k.layer in kept]
+        return merged(k for k in trace(cfg) if k.layer in kept)
 
     key = (one, seq_len, micro_batch, tricks, *stack)
     return tuple(Kernel(*fields) for fields in remembered("kernels", key, trace_fields))
+
+
+def merged(kernels) -> list[list]:
+    """Each distinct kernel of a block (or outside the blocks) once, in the order first launched, with how
+    many times the step launches it: a trace as Kernel's fields, compact on disk and quick to load."""
+    rows: dict[tuple, list] = {}
+    for k in kernels:
+        row = rows.get((k.key(), k.layer))
+        if row is None:
+            rows[(k.key(), k.layer)] = [*k.key(), k.layer, k.count]
+        else:
+            row[-1] += k.count
+    return list(rows.values())
 
 
 def recompute_first(trick_sets) -> list:
@@ -186,7 +201,7 @@ def counted_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
     counted = attention = 0
     for k in kernels_of(shape, seq_len, micro_batch, tricks):
         if k.phase in STEP_PHASES:
-            n = block_weight(k, shape.n_layers, tricks, shape)
+            n = block_weight(k, shape.n_layers, tricks, shape) * k.count
             counted += n * k.counted
             attention += n * k.counted if k.count_kind == "attention" else 0
     return counted, counted - attention // 2

@@ -5,6 +5,8 @@ stack (memcalc.exact.recipes), with every phase's peak; and trace(), the kernels
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import builder, hf, recipes
 from .amp import AutocastRecipe
 from .builder import Model
@@ -90,7 +92,7 @@ def trace(cfg: Config) -> list[Kernel]:
     recipe.backward(loss)
     del loss
     g.stage = "accumulate"
-    for p in model.params:  # a later micro-batch's gradient, added into this one
+    for p in g.each(model.params):  # a later micro-batch's gradient, added into this one
         if p.grad is not None:
             g.layer, g.scope = layer_of(p.name), scope_of(p.name)
             g.accumulate(p)
@@ -117,6 +119,8 @@ def simulate(cfg: Config, timeline: bool = False, every_micro_batch: bool = Fals
     one: the same phases for half the work (tests/test_exact_depth.py). sharding: one data-parallel rank's
     step under ZeRO (memcalc.exact.zero), None (or a trivial one) for one GPU's."""
     check_simulated(cfg)
+    if timeline:  # it records every allocation: each expert's, none standing for another
+        cfg = replace(cfg, collapse=False)
     micro_batches = cfg.grad_accum if timeline or every_micro_batch else replayed(cfg.grad_accum)
     mem = Memory(timeline=[] if timeline else None)
     sharded = sharding is not None and not sharding.trivial

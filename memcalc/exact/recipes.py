@@ -70,7 +70,7 @@ class Recipe:
         if self.precision == "fp32":
             self.masters = self.params
         else:  # p.detach().float()
-            self.masters = [g.empty(p.shape, "fp32", "_to_copy", kind="state") for p in self.params]
+            self.masters = [g.empty(p.shape, "fp32", "_to_copy", kind="state", copies=p.copies) for p in self.params]
         self.m: list[Tensor | None] = [None] * len(self.params)
         self.v: list[Tensor | None] = [None] * len(self.params)
         self.scale = self.growth = None
@@ -82,8 +82,8 @@ class Recipe:
         """What the first optimizer step leaves behind besides new weights: AdamW's m and v. A step
         simulated after this allocates and frees what it would after a real first step."""
         for i, w in enumerate(self.masters):
-            self.m[i] = self.g.empty(w.shape, "fp32", "zeros_like", kind="state")
-            self.v[i] = self.g.empty(w.shape, "fp32", "zeros_like", kind="state")
+            self.m[i] = self.g.empty(w.shape, "fp32", "zeros_like", kind="state", copies=w.copies)
+            self.v[i] = self.g.empty(w.shape, "fp32", "zeros_like", kind="state", copies=w.copies)
 
     def backward(self, loss: Tensor) -> None:
         if self.scale is None:
@@ -107,7 +107,8 @@ class Recipe:
             self.check_finite(found_inf)
             g.kernel("_amp_update_scale_", (self.scale, self.growth, found_inf), (self.scale, self.growth))
             del one
-        for i, (p, w) in enumerate(zip(self.params, self.masters)):
+        for i, p in enumerate(g.each(self.params)):  # equal experts' tensors in turn: see Graph.each
+            w = self.masters[i]
             g.layer, g.scope = layer_of(p.name), scope_of(p.name)
             if self.precision == "fp32":
                 grad = p.grad

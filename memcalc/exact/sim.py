@@ -13,6 +13,10 @@ The pieces mirror PyTorch's own, so that lifetimes come out the same:
 When Graph.kernels is a list, every kernel the step launches is recorded there too (Kernel): its
 FLOPs and the HBM bytes it reads and writes, tagged with the phase, the part of the model and the
 layer it belongs to. memcalc.time.roofline turns them into time.
+
+Equal copies run in turn (a layer's routed experts of one token count: memcalc.exact.builder_moe) are
+simulated once, inside a region (repeated(), and in backward the region their nodes carry): their
+tensors stand for every copy (memcalc.exact.tensors.Region), their kernels are counted once per copy.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from .kernels import Kernel
 from .tensors import Memory, Storage, Tensor, elements
 
 # Memory and Tensor live in memcalc.exact.tensors; memcalc.exact.zero and mirror import them from here.
-__all__ = ["LEAF_SEQ", "VECTOR_FLOPS", "Graph", "Node", "SavedTerm", "layer_of", "scope_of", "Memory", "Tensor"]
+__all__ = ["LEAF_SEQ", "VECTOR_FLOPS", "Graph", "Node", "SavedTerm", "group_of", "layer_of", "scope_of", "Memory",
+           "Tensor"]
 
 LEAF_SEQ = 2**62  # AccumulateGrad runs as soon as it is ready (torch: UINT64_MAX priority)
 # Arithmetic per output element of the elementwise kernels, counted from each op's formula (the
@@ -49,24 +54,26 @@ class SavedTerm:
 
     op: str
     what: str
-    nbytes: int
+    nbytes: int  # one copy's
     dtype: str
     shape: tuple[int, ...]
     layer: int | None  # None outside the blocks
     scope: str  # the part of the model: "attention", "mlp", "head", ...
+    copies: int = 1  # the equal storages it stands for (memcalc.exact.tensors.Region)
 
 
 class Node:
-    __slots__ = ("name", "seq", "edges", "rule", "saved", "n_inputs", "leaf", "layer", "scope", "dtypes")
+    __slots__ = ("name", "seq", "edges", "rule", "saved", "n_inputs", "leaf", "layer", "scope", "dtypes", "group")
 
     def __init__(self, name: str, seq: int, edges: list, rule: Callable, n_inputs: int, layer: int | None = None,
-                 scope: str = ""):  # fmt: skip
+                 scope: str = "", group: tuple | None = None):  # fmt: skip
         self.name, self.seq, self.edges, self.rule = name, seq, edges, rule
         self.saved: list | None = []
         self.n_inputs = n_inputs  # gradient slots: one per forward output
         self.leaf: Tensor | None = None
         self.layer, self.scope = layer, scope  # where its forward ran: its backward's kernels belong there
         self.dtypes: list = []  # its inputs' dtypes: a gradient of another dtype is cast to its input's
+        self.group = group  # (name, copies) of the equal copies it is one of, run in turn; None if single
 
     def __lt__(self, other: Node) -> bool:  # heapq pops the smallest: make that the highest seq
         return self.seq > other.seq
@@ -91,6 +98,48 @@ class Graph(Checkpointing, Backward):
         self.kernels: list[Kernel] | None = None  # every kernel launched, when recording
         self.stage = "forward"  # outside backward: forward, or the recipe's accumulate | optimizer
         self.autocast = None  # the autocast region running (memcalc.exact.autocast.Autocast), if any
+        self.region: tuple[str, int] | None = None  # (name, copies) of the equal copies running, if any
+
+    @property
+    def copies(self) -> int:
+        """How many equal copies what runs now stands for: a region's, else 1."""
+        return 1 if self.region is None else self.region[1]
+
+    @contextlib.contextmanager
+    def repeated(self, name: str, copies: int):
+        """What runs inside is `copies` equal copies run in turn, simulated once (memcalc.exact.tensors.Region);
+        name tells the copies of one group apart from another's (their nodes, in backward)."""
+        if copies == 1:
+            yield
+            return
+        self.enter_region((name, copies))
+        try:
+            yield
+        except StopRecompute:  # the copies before the last would run what the last stops before
+            raise RuntimeError("a recompute stopped early inside a region of equal copies") from None
+        finally:
+            self.leave_region()
+
+    def enter_region(self, group: tuple[str, int]) -> None:
+        self.region = group
+        self.mem.open_region(group[1])
+
+    def leave_region(self) -> None:
+        if self.region is not None:
+            self.region = None
+            self.mem.close_region()
+
+    def each(self, params: list[Tensor]):
+        """The parameters in turn, as a per-tensor loop visits them: a run of one group's copies (a layer's
+        equal experts) inside its region, so that their temporaries peak as they would one after another."""
+        for p in params:
+            group = group_of(p)
+            if group != self.region:
+                self.leave_region()
+                if group is not None:
+                    self.enter_region(group)
+            yield p
+        self.leave_region()
 
     @property
     def layer(self) -> int | None:
@@ -117,36 +166,40 @@ class Graph(Checkpointing, Backward):
         """One kernel: reads and writes are tensors (or byte counts); a matmul passes its FLOPs and the
         kind FlopCounterMode counts it under (counted: its count where that differs from flops)."""
         phase = "recompute" if self.rebuilding is not None else "backward" if self.in_backward else self.stage
+        n = self.copies  # in a region: one copy's kernel, run by each; outside, it reads every copy of a tensor
         if count:
-            self.flops[(phase, count)] = self.flops.get((phase, count), 0) + int(counted or flops)
+            self.flops[(phase, count)] = self.flops.get((phase, count), 0) + n * int(counted or flops)
         if self.kernels is None:
             return
         read = written = most = 0
         for t in reads:
             if t is not None:
-                read += t if t.__class__ is int else t.nbytes
+                read += t if t.__class__ is int else t.nbytes if n > 1 else t.nbytes * t.copies
         for t in writes:
-            written += t.nbytes
-            most = max(most, t.numel)
+            each = 1 if n > 1 else t.copies
+            written += t.nbytes * each
+            most = max(most, t.numel * each)
         if flops is None:  # elementwise: its arithmetic per element times the elements written
             flops = VECTOR_FLOPS.get(op, 1) * most
         self.kernels.append(Kernel(op, unit, dtype, int(flops), int(counted or flops) if count else 0, count,
-                                   read, written, phase, self.scope, self.layer))  # fmt: skip
+                                   read, written, phase, self.scope, self.layer, n))  # fmt: skip
 
     # -- tensors -----------------------------------------------------------------------------
-    def empty(self, shape, dtype: str, op: str, kind: str = "activation") -> Tensor:
-        shape = tuple(shape)
+    def empty(self, shape, dtype: str, op: str, kind: str = "activation", copies: int | None = None) -> Tensor:
+        """A new tensor; copies: how many equal ones it stands for (default: the running region's)."""
+        shape, copies = tuple(shape), self.copies if copies is None else copies
         n = elements(shape)
-        return Tensor(Storage(self.mem, n * ITEMSIZE[dtype], op, kind), shape, dtype, n)
+        return Tensor(Storage(self.mem, n * ITEMSIZE[dtype] * copies, op, kind, copies), shape, dtype, n)
 
     def view(self, t: Tensor, shape) -> Tensor:
         """A tensor over t's storage (no node: callers attach one when t needs grad)."""
-        return Tensor(t.storage, shape, t.dtype)
+        return Tensor(t.storage, shape, t.dtype, copies=t.copies)
 
-    def param(self, shape, dtype: str, name: str) -> Tensor:
-        t = self.empty(shape, dtype, "param " + name, kind="param")
+    def param(self, shape, dtype: str, name: str, copies: int = 1) -> Tensor:
+        """A parameter; with copies > 1, that many equal ones (a group of equal experts: see group_of)."""
+        t = self.empty(shape, dtype, "param " + name, kind="param", copies=copies)
         t.name = name
-        t.grad_fn = Node("AccumulateGrad", LEAF_SEQ, [], None, 1, layer_of(name))
+        t.grad_fn = Node("AccumulateGrad", LEAF_SEQ, [], None, 1, layer_of(name), group=group_of(t))
         t.grad_fn.leaf = t
         return t
 
@@ -160,7 +213,7 @@ class Graph(Checkpointing, Backward):
         if edges.count(None) == len(edges):  # no input needs grad
             return None
         self.seq += 1
-        node = Node(name, self.seq, edges, rule, 0, self.layer, self.scope)
+        node = Node(name, self.seq, edges, rule, 0, self.layer, self.scope, self.region)
         node.dtypes = [None if t is None else t.dtype for t in inputs]
         if saved:
             node.saved = [self.save(t, name, what) for t, what in saved]
@@ -197,13 +250,24 @@ class Graph(Checkpointing, Backward):
         if self.saved_terms is None or t.storage.kind != "activation" or id(t.storage) in self.saved_ids:
             return  # (a saved storage stays alive through forward, so its id is not reused meanwhile)
         self.saved_ids.add(id(t.storage))
-        self.saved_terms.append(SavedTerm(op, what, t.storage.nbytes, t.dtype, t.shape, self.layer, self.scope))
+        s = t.storage
+        self.saved_terms.append(SavedTerm(op, what, s.nbytes // s.copies, t.dtype, t.shape, self.layer, self.scope,
+                                          s.copies))  # fmt: skip
 
 
 def scope_of(name: str) -> str:
     """The scope a parameter's optimizer and accumulation kernels run in: "experts" for a routed expert's
     weights (a layout splits them over ep), else none."""
     return "experts" if ".experts." in name else ""
+
+
+def group_of(p: Tensor) -> tuple[str, int] | None:
+    """The group of equal copies a parameter (or its shard, named as it) stands for: (the name up to the
+    expert's, copies); None for a single one. Its region in backward and in per-tensor loops is that."""
+    if p.copies == 1:
+        return None
+    parts = p.name.split(".")
+    return ".".join(parts[: parts.index("experts") + 2]), p.copies
 
 
 def layer_of(name: str) -> int | None:

@@ -187,18 +187,19 @@ def to_terms(saved) -> tuple[Term, ...]:
         groups.setdefault(term_key(t), []).append(t)
     out = []
     for (scope, op, what, dtype, nbytes, _), ts in groups.items():
-        form = formula(ts[0].shape, ITEMSIZE[dtype], len(ts))
+        n = sum(t.copies for t in ts)  # a saved tensor of equal experts stands for each (SavedTerm.copies)
+        form = formula(ts[0].shape, ITEMSIZE[dtype], n)
         numel = 1
         for d in ts[0].shape:
             numel *= int(d)
         if numel * ITEMSIZE[dtype] != nbytes:  # a view of a larger storage: no tidy formula
-            form = str(nbytes * len(ts))
+            form = str(nbytes * n)
         source = "torch.utils.checkpoint keeps its input" if op == "checkpoint" else f"aten.{op} saves {what}"
         name = f"{scope}: {op} saves {what} ({dtype})"
         if what.endswith("kept by selective checkpointing"):  # memcalc.exact.checkpoint.Checkpointing.outputs
             source = f"torch.utils.checkpoint's selective cache keeps aten.{op}'s outputs (torchtitan's policy)"
             name = f"{scope}: {op} {what} ({dtype})"
-        out.append(Term(name, nbytes * len(ts), form, source))
+        out.append(Term(name, nbytes * n, form, source))
     return tuple(out)
 
 

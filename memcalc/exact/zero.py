@@ -106,8 +106,8 @@ class Zero:
         if sharding.zero == 3:  # the weights are their shards: the built ones stand in, with no bytes
             g.mem.live_bytes -= sum(p.storage.nbytes for p in params)
             where = self.host if sharding.offload_params else g
-            self.shards = [named(where.empty((shard_numel(p.numel, sharding.ranks),), p.dtype,
-                                             "ZeRO-3 shard " + p.name, kind="state"), p) for p in params]  # fmt: skip
+            self.shards = [named(where.empty((shard_numel(p.numel, sharding.ranks),), p.dtype, "ZeRO-3 shard " + p.name,
+                                             kind="state", copies=p.copies), p) for p in params]  # fmt: skip
         else:  # views of the full weights: the optimizer updates this rank's part of each in place
             self.shards = [named(Tensor(p.storage, (shard_numel(p.numel, sharding.shards),), p.dtype), p)
                            for p in params]  # fmt: skip
@@ -167,7 +167,7 @@ class Zero:
     def gather(self, unit) -> None:
         """All-gather a unit's weights (ZeRO-3): full size, in their dtype, onto this GPU."""
         if unit not in self.gathered:
-            self.gathered[unit] = [self.g.empty((p.numel,), p.dtype, "ZeRO-3 gathered " + p.name)
+            self.gathered[unit] = [self.g.empty((p.numel,), p.dtype, "ZeRO-3 gathered " + p.name, copies=p.copies)
                                    for p in self.units[unit]]  # fmt: skip
 
     # -- gradients and the optimizer step ------------------------------------------------------------
@@ -175,10 +175,11 @@ class Zero:
         """Stages 2-3: each full gradient there is reduce-scattered into this rank's shard (on the host when
         offloaded; a later micro-batch's added into the kept one), then freed."""
         where = self.host if self.sharding.offload else self.g
-        for p in params:
+        for p in self.g.each(params):  # equal experts' in turn (Graph.each)
             if p.grad is None:
                 continue
-            out = where.empty((shard_numel(p.numel, self.sharding.ranks),), p.grad.dtype, "reduce-scatter output")
+            out = where.empty((shard_numel(p.numel, self.sharding.ranks),), p.grad.dtype, "reduce-scatter output",
+                              copies=p.copies)  # fmt: skip
             self.grad_shards.setdefault(id(p), out)
             p.grad = None
             del out
@@ -188,7 +189,7 @@ class Zero:
         for p in params:
             if p.grad is not None:
                 size = (shard_numel(p.numel, self.sharding.shards),)
-                self.grad_shards.setdefault(id(p), self.host.empty(size, p.grad.dtype, "gradient to host"))
+                self.grad_shards.setdefault(id(p), self.host.empty(size, p.grad.dtype, "gradient to host", copies=p.copies))
                 p.grad = None
 
     def update(self, recipe) -> None:

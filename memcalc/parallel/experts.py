@@ -4,9 +4,11 @@ busiest GPU's experts receive (memcalc.model.moe.routed_tokens)."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from memcalc.memory.estimate import Setup
 from memcalc.model.moe import routed_tokens
-from memcalc.model.shape import Model, is_moe_layer
+from memcalc.model.shape import Model, ModelShape, is_moe_layer
 
 from .layout import Layout
 from .links import Assumptions, Comm, Fabric, MicroBatch, exposed, link_for, ring
@@ -21,8 +23,13 @@ def moe_tokens(model: Model, setup: Setup, layout: Layout) -> tuple[int, int]:
 
 def stage_moe_layers(model: Model, layout: Layout) -> int:
     """MoE layers on the busiest stage (the last, with the MTP module's block)."""
-    shape, per = model.shape, model.shape.n_layers // layout.pp
-    first = (layout.pp - 1) * per
+    return last_stage_moe_layers(model.shape, layout.pp)
+
+
+@lru_cache(maxsize=1024)
+def last_stage_moe_layers(shape: ModelShape, pp: int) -> int:
+    """MoE layers among the last of pp stages' L/pp blocks, and the MTP module's block if it is one."""
+    first = (pp - 1) * (shape.n_layers // pp)
     mtp = shape.mtp_layers if is_moe_layer(shape, shape.n_layers - 1) else 0
     return sum(is_moe_layer(shape, i) for i in range(first, shape.n_layers)) + mtp
 

@@ -106,6 +106,19 @@ def sharded_state(params: int, precision: str, optimizer: str, shard_group: int,
     return state
 
 
+@lru_cache(maxsize=4096)  # the planner asks for the same few states for every layout
+def moe_sharded_state(params: int, experts: int, precision: str, optimizer: str, shard_group: int,
+                      expert_shard_group: int, zero: int, offload_optimizer: bool, offload_params: bool,
+                      recipe: str = "master") -> ModelState:  # fmt: skip
+    """sharded_state of one GPU's non-expert parameters over the shard group, its routed experts' over
+    their own (expert_shard_group), added part by part (with_experts)."""
+    state = sharded_state(params, precision, optimizer, shard_group, zero, offload_optimizer, offload_params, recipe)
+    if not experts:
+        return state
+    return with_experts(state, sharded_state(experts, precision, optimizer, expert_shard_group, zero,
+                                             offload_optimizer, offload_params, recipe))  # fmt: skip
+
+
 def with_experts(state: ModelState, experts: ModelState) -> ModelState:
     """One GPU's model state with its routed experts' added part by part (each part keeps its bytes per
     parameter; the experts are sharded over their own edp group)."""

@@ -20,7 +20,7 @@ from .activations import LayerActivations, layer_activations, megatron_inputs, m
 from .buffers import cp_buffers, engine_buffers, ep_buffers, logits_terms, zero3_buffers
 from .checks import check_layout
 from .engines import deepspeed_state
-from .params import expert_gpu_params, gpu_params, sharded_state, with_experts
+from .params import expert_gpu_params, gpu_params, moe_sharded_state, sharded_state
 from .pipeline import held_layers, layers_per_stage, moe_split
 
 if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this module
@@ -162,12 +162,9 @@ def moe_stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
     shape, p, s = model.shape, layout.pp, setup
     params = gpu_params(model, layout.tp, p, stage)
     experts = expert_gpu_params(shape, layout, stage)
-    state = sharded_state(params, tricks.precision, s.optimizer, layout.shard_group, layout.zero,
-                          layout.offload_optimizer, layout.offload_params, s.stack.recipe)  # fmt: skip
-    if experts:
-        state = with_experts(state, sharded_state(experts, tricks.precision, s.optimizer, layout.expert_shard_group,
-                                                  layout.zero, layout.offload_optimizer, layout.offload_params,
-                                                  s.stack.recipe))  # fmt: skip
+    state = moe_sharded_state(params, experts, tricks.precision, s.optimizer, layout.shard_group,
+                              layout.expert_shard_group, layout.zero, layout.offload_optimizer,
+                              layout.offload_params, s.stack.recipe)  # fmt: skip
     dense, moe = moe_split(shape, p, stage)
     last = stage == p - 1
     if last:

@@ -207,7 +207,7 @@ def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int
     groups: dict[tuple, list] = {}
     counted = attention = kernels = 0
     for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
-        n = repeats(k, shape.n_layers, grad_accum, tricks, shape)
+        n = repeats(k, shape.n_layers, grad_accum, tricks, shape) * k.count
         if n == 0:
             continue
         rate = rates.get((k.unit, k.dtype)) or rates.setdefault((k.unit, k.dtype), flop_rate(k.unit, k.dtype, gpu, cal))

@@ -65,11 +65,11 @@ def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     if tricks.recompute == "none":  # traced once with full recompute, the plain step is that less its recompute
         kernels_of(shape, seq_len, micro_batch, replace(tricks, recompute="full"), stack, optimizer)
     shares = block_shares(shape, tricks)
-    for k, n in collapsed(shape, seq_len, micro_batch, tricks, stack, optimizer):
+    for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
         if routed(k):
             continue  # timed per layout by moe_kernels
         compute, memory, _ = kernel_seconds(k, gpu, cal)
-        parts.setdefault(part_key(k), []).append((max(compute, memory), n * shares.get(k.layer, 1.0)))
+        parts.setdefault(part_key(k), []).append((max(compute, memory), k.count * shares.get(k.layer, 1.0)))
     table = {}
     for key, pairs in parts.items():
         pairs.sort()
@@ -88,23 +88,6 @@ def block_shares(shape: ModelShape, tricks: Tricks) -> dict[int, float]:
     return {t: n / shape.n_layers for t, n in traced_blocks(shape, tricks)[1].items()}
 
 
-@lru_cache(maxsize=256)
-def collapsed(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
-              optimizer: str = "adamw") -> tuple[tuple[Kernel, int], ...]:  # fmt: skip
-    """The step's kernels with the equal ones of a block counted once (every routed expert runs the same)."""
-    if not shape.n_experts:  # a dense block repeats few kernels: not worth the keys
-        return tuple((k, 1) for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer))
-    seen: dict[tuple, list] = {}
-    for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
-        key = (k.key(), k.layer)
-        entry = seen.get(key)
-        if entry is None:
-            seen[key] = [k, 1]
-        else:
-            entry[1] += 1
-    return tuple((k, n) for k, n in seen.values())
-
-
 ROUTED_SCOPES = ("router", "dispatch", "experts", "combine")  # on SP's 1/t of the tokens; experts over ep
 
 
@@ -119,14 +102,14 @@ def moe_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     time, other bytes' time, per expert): an expert matmul reads or writes one expert matrix, h · f_e
     (or its gradient), whatever its tokens; the rest of its bytes and its FLOPs follow the tokens."""
     bandwidth, blocks, shares = byte_rate(gpu, cal), block_shares(shape, tricks), {}
-    for k, n in collapsed(shape, seq_len, micro_batch, tricks, stack, optimizer):
+    for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
         if not routed(k):
             continue
         compute, memory, _ = kernel_seconds(k, gpu, cal)
         expert = k.scope == "experts"
         weight = shape.hidden * shape.routed_ffn * (4 if k.dtype == "fp32" else 2) if expert and k.unit == "tensor" else 0
         key = (part_key(k), compute, weight / bandwidth, memory - weight / bandwidth, expert)
-        shares[key] = shares.get(key, 0.0) + n * blocks.get(k.layer, 1.0)
+        shares[key] = shares.get(key, 0.0) + k.count * blocks.get(k.layer, 1.0)
     return tuple((key, w, *rest) for (key, *rest), w in shares.items())
 
 
@@ -244,10 +227,10 @@ def block_kernels_of_one(shape: ModelShape, seq_len: int, tricks: Tricks, gpu: G
     if tricks.recompute == "none":
         kernels_of(shape, seq_len, 1, replace(tricks, recompute="full"), stack, optimizer)
     out, shares = [], block_shares(shape, tricks)
-    for k, n in collapsed(shape, seq_len, 1, tricks, stack, optimizer):
+    for k in kernels_of(shape, seq_len, 1, tricks, stack, optimizer):
         if k.layer is not None and k.phase in STEP_PHASES and not routed(k):
             compute, memory, _ = kernel_seconds(k, gpu, cal)
-            out.append((compute, memory, part_key(k), n * shares.get(k.layer, 1.0)))
+            out.append((compute, memory, part_key(k), k.count * shares.get(k.layer, 1.0)))
     return tuple(out)
 
 

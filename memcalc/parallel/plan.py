@@ -12,6 +12,7 @@ m = global batch / (dp · b)) and the recompute mode.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -202,9 +203,10 @@ def timed(model: Model, gpu: GPU, candidates: list[tuple], assume: Assumptions, 
     candidates.sort(key=lambda c: c[0])
     fitting, family_best = [], {}
     kind_best: dict[tuple, float] = {}
+    bests: list[float] = []  # kind_best's values, sorted: the top kinds' cut is bests[top - 1]
     for bound, layout, setup, t, memory, total in candidates:
         kind = kind_of(layout, t)
-        limit = min(kind_best.get(kind, math.inf), top_cut(kind_best, top))
+        limit = min(kind_best.get(kind, math.inf), bests[top - 1] if len(bests) >= top else math.inf)
         families = [name for name, member in FAMILIES if member(layout, t)]
         limit = max([limit] + [family_best[f][5].step_seconds if f in family_best else math.inf for f in families])
         if bound > limit * (1 + 1e-5):  # slower than everything it could displace, whatever its exact time
@@ -215,15 +217,20 @@ def timed(model: Model, gpu: GPU, candidates: list[tuple], assume: Assumptions, 
         entry = (rank_key(time.tokens_per_second, layout, total), layout, setup, t, memory, time)
         fitting.append(entry)
         note(family_best, layout, t, entry)
-        kind_best[kind] = min(kind_best.get(kind, math.inf), time.step_seconds)
+        improve(kind_best, bests, kind, time.step_seconds)
     return fitting, family_best
 
 
-def top_cut(kind_best: dict[tuple, float], top: int) -> float:
-    """The step time a kind must beat to enter the `top` fastest kinds (infinite while fewer are known)."""
-    if len(kind_best) < top:
-        return math.inf
-    return sorted(kind_best.values())[top - 1]
+def improve(kind_best: dict[tuple, float], bests: list[float], kind: tuple, seconds: float) -> None:
+    """A kind's best step time lowered to seconds if faster, bests (every kind's, sorted) kept in step: the
+    step time a kind must beat to enter the `top` fastest kinds is bests[top - 1]."""
+    old = kind_best.get(kind)
+    if old is not None and old <= seconds:
+        return
+    if old is not None:
+        del bests[bisect_left(bests, old)]
+    insort(bests, seconds)
+    kind_best[kind] = seconds
 
 
 def kind_of(lay: Layout, tricks: Tricks) -> tuple:

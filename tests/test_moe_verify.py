@@ -22,8 +22,9 @@ from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
 from tests.replay import FIELDS, assert_same_step  # noqa: E402
+from tests.test_verify_meta import flops_alone  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402
-from verify.meta import count_flops, measure_step  # noqa: E402
+from verify.meta import measure_step  # noqa: E402
 
 ALL_TRICKS = ("fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective", "bf16,flash,selective",
               "bf16,ckpt")  # fmt: skip
@@ -56,12 +57,14 @@ CASES = [("deepseek-like", 1, ALL_TRICKS), ("deepseek-like", 2, ALL_TRICKS), ("q
 @pytest.mark.parametrize("name,batch,trick_sets", CASES)
 def test_tiny_models_allocation_by_allocation(name, batch, trick_sets):
     """Every allocation of forward, backward and the optimizer step, in order: the simulation replays the meta
-    run exactly, for routers, experts, shared experts, latent attention and the MTP module, every trick set."""
+    run exactly, for routers, experts, shared experts, latent attention and the MTP module, every trick set; and
+    the FLOPs counted in that step are the replay's."""
     for tricks in trick_sets:
         t = parse_tricks(tricks)
         phases, g, mem = simulate(Config(TINY[name], 32, batch, t.precision, t.flash, t.recompute), timeline=True)
         step, live = measure_step(TINY[name], 32, batch, t, timeline=True)
         assert_same_step(phases, g, mem, step, live, tricks)
+        assert step.flops == exact_step(TINY[name], 32, batch, t).flops.counted, tricks
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -73,7 +76,7 @@ def test_tiny_flops_and_parameters(name):
     assert [tuple(p.shape) for p in model.parameters()] == [p.shape for p in sim.params]  # in registration order
     for tricks in ("bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective"):
         t = parse_tricks(tricks)
-        assert count_flops(shape, 32, 2, t)[0] == exact_step(shape, 32, 2, t).flops.counted, tricks
+        assert flops_alone(shape, 32, 2, t)[0] == exact_step(shape, 32, 2, t).flops.counted, tricks
 
 
 @pytest.mark.parametrize("layers,dense", [(3, 1), (4, 1), (5, 2), (3, 0)])
@@ -89,7 +92,7 @@ def test_dense_blocks_then_moe_grow_to_the_full_depth(layers, dense, tricks):
     for f in FIELDS:
         assert getattr(e.phases, f) == getattr(grown, f) == getattr(full, f) == getattr(step, f), f
     assert e.activations.total_bytes == step.saved_bytes
-    assert e.flops.counted == count_flops(shape, 32, 1, t)[0]
+    assert e.flops.counted == step.flops
 
 
 def launches(kernels) -> list[tuple]:

@@ -34,8 +34,9 @@ from memcalc.model.shape import Model, ModelShape  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from tests.replay import FIELDS, assert_same_step  # noqa: E402
+from tests.test_verify_meta import flops_alone  # noqa: E402
 from verify.hf import build_hf, cuda_paths, hf_config  # noqa: E402
-from verify.meta import count_flops, measure_step, saved_at_depth  # noqa: E402
+from verify.meta import measure_step, saved_at_depth  # noqa: E402
 from verify.run import verify  # noqa: E402
 
 HF = stack_for("hf", recipe="master", impl="reference")  # the recipe verify/recipes.py trains
@@ -126,18 +127,18 @@ def test_full_size_flash_ckpt(name):
         assert getattr(e.phases, f) == getattr(step, f), f
     assert e.activations.total_bytes == step.saved_bytes
     assert e.activations.per_layer_bytes == 2 * 8192 * 4096  # the layer's input, kept by the checkpoint
+    assert step.flops == e.flops.counted
 
 
 def test_full_size_llama3_flash_depths_and_flops():
     """Llama-3-8B, seq 8192, bf16 + flash, the report's case: per-layer and outside saved bytes from
-    depths 1 and 2, and FlopCounterMode's count."""
+    depths 1 and 2, and FlopCounterMode's count (the step's: the tests beside it)."""
     shape, t = PRESETS["llama3-8b"], parse_tricks("bf16,flash")
     e = exact_step(shape, 8192, 1, t, stack=HF)
     one, two = saved_at_depth(shape, 8192, 1, t, 1, HF), saved_at_depth(shape, 8192, 1, t, 2, HF)
     assert two - one == e.activations.per_layer_bytes == 1_645_281_304
     assert 2 * one - two == e.activations.outside_bytes
-    flops, _ = count_flops(shape, 8192, 1, t, HF)
-    assert flops == e.flops.counted
+    assert flops_alone(shape, 8192, 1, t, HF)[0] == e.flops.counted
 
 
 @pytest.mark.parametrize("shape,tricks", [(GPT_8B, "bf16,flash,ckpt"), (GPT_8B, "bf16,flash"),
@@ -148,6 +149,7 @@ def test_full_size_other_cases(shape, tricks):
     e = exact_step(shape, 8192, 1, t, stack=HF)
     for f in FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
+    assert step.flops == e.flops.counted
 
 
 # -- against memcalc's reference layer ---------------------------------------------------------------

@@ -1,17 +1,16 @@
 """Measuring a training step on the meta device: nothing is allocated, so an 8B model at seq 8192
 runs on a laptop in seconds.
 
-Three passes over the same model and recipe:
+Two passes over the same model and recipe:
   1. the step (a warm-up step, then the measured one) under LiveBytes, with SavedBytes hooks on
-     its forward: the bytes of every phase, exactly as the dispatcher allocates them;
+     its forward: the bytes of every phase, exactly as the dispatcher allocates them; and its FLOPs
+     under FlopCounterMode (StepFlops), over the measured step's first forward and backward;
   2. the same at depth 1 and 2: per-layer saved bytes are the difference (and the full depth must
      be linear in them); with ckpt:N at depths N − 1, N and N + 1, for a layer not checkpointed
      (N + 1 less N) and one checkpointed (N less N − 1); with dense blocks before MoE ones, the step
      exact counts outside (memcalc.exact.growth.Growth.first_blocks) and a MoE block of each kind past it;
      every depth built with the trick set as the full depth runs it (memcalc.exact.growth.as_run: ckpt:N
-     over fewer than N blocks checkpoints none, so neither do the depths beside it);
-  3. FLOPs under FlopCounterMode, forward and backward, in a pass of its own (with non-reentrant
-     checkpointing it keeps recomputed tensors alive until it exits).
+     over fewer than N blocks checkpoints none, so neither do the depths beside it).
 Meta runs what CUDA runs because the builder is told to (Kernels): aten.native_dropout and
 aten._scaled_dot_product_flash_attention, never the CPU paths stock PyTorch takes on meta.
 A stack whose model is "hf" measures Hugging Face Transformers' own model class instead
@@ -26,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.module_tracker import ModuleTracker
 
 from memcalc.exact.growth import as_run, growth, layer_blocks
 from memcalc.model.shape import ModelShape
@@ -86,6 +86,8 @@ class StepBytes:
     backward_peak_at: str
     optimizer_peak_at: str
     saved_by_op: tuple[tuple[str, int], ...]  # (creating op, dtype, shape) -> bytes
+    flops: int | None = None  # FlopCounterMode's count of the first micro-batch's forward and backward (on meta)
+    flops_by_op: tuple[tuple[str, int], ...] = ()  # (op, FLOPs), sorted by op
 
     @property
     def step_peak_bytes(self) -> int:
@@ -108,7 +110,7 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     """Build (unless a model is given), one warm-up step, then the measured step: grad_accum
     forward-backward passes and the optimizer update, by the stack's recipe (recipes.recipe_for, or
     make_recipe(model, precision): verify/autocast.py's for the stock torch loop). Phases are of its
-    last micro-batch; the saved bytes are of its first forward."""
+    last micro-batch; the saved bytes are of its first forward, the FLOPs of its first forward and backward."""
     kernels = kernels or meta_kernels(tricks)
     if model is None:  # the reference model with the kernels asked for, or the stack's
         if stack.model == "reference":
@@ -119,6 +121,7 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     fixed = list(model.parameters()) + list(model.buffers())
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     saved = SavedBytes(fixed + [idx, targets], live)
+    flops = StepFlops() if device == "meta" else None  # on real tensors, what it decomposes would run decomposed
     with paths_for(stack), live:
         live.track(fixed, "weights")
         weights = live.live_bytes
@@ -129,21 +132,22 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         train_step(recipe, idx, targets, grad_accum)
         before = live.live_bytes
         for k in range(grad_accum):
-            live.phase = "forward"
-            live.reset_peak()
-            model.sac_observer = saved.keep if k == 0 else None  # what per-op selective AC keeps counts too
-            with saved.hooks() if k == 0 else contextlib.nullcontext():
-                loss = recipe.forward(idx, targets)
-            model.sac_observer = None
-            saved.release()
-            if k == 0:
-                retained = live.live_bytes - before
-            fwd = (live.peak_bytes, live.peak_at)
-            live.phase = "backward"
-            live.reset_peak()
-            recipe.backward(loss)
-            del loss
-            bwd = (live.peak_bytes, live.peak_at)
+            with live.over(flops) if k == 0 and flops else contextlib.nullcontext():  # FLOPs: the first fwd + bwd
+                live.phase = "forward"
+                live.reset_peak()
+                model.sac_observer = saved.keep if k == 0 else None  # what per-op selective AC keeps counts too
+                with saved.hooks() if k == 0 else contextlib.nullcontext():
+                    loss = recipe.forward(idx, targets)
+                model.sac_observer = None
+                saved.release()
+                if k == 0:
+                    retained = live.live_bytes - before
+                fwd = (live.peak_bytes, live.peak_at)
+                live.phase = "backward"
+                live.reset_peak()
+                recipe.backward(loss)
+                del loss
+                bwd = (live.peak_bytes, live.peak_at)
         grads = live.live_bytes - before
         live.phase = "optimizer"
         live.reset_peak()
@@ -151,8 +155,9 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         opt = (live.peak_bytes, live.peak_at)
         live.phase = ""
     by_op = tuple(sorted(saved.by_op().items(), key=lambda kv: -kv[1]))
+    counted = flops.counted() if flops else (None, ())
     step = StepBytes(shape.n_layers, weights, inputs, before - inputs, saved.total_bytes, retained, grads,
-                     fwd[0], bwd[0], opt[0], fwd[1], bwd[1], opt[1], by_op)  # fmt: skip
+                     fwd[0], bwd[0], opt[0], fwd[1], bwd[1], opt[1], by_op, *counted)  # fmt: skip
     return step, live
 
 
@@ -204,18 +209,34 @@ FLASH_FORMULAS = {
 }
 
 
-def count_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
-                optimizer: str = "adamw") -> tuple[int, dict[str, int]]:  # fmt: skip
-    """FLOPs of one forward and backward under FlopCounterMode (its conventions: matmuls only,
-    causal masking not discounted), on a fresh meta model; and the count per op."""
-    model = build_model(shape, seq_len, tricks, stack)
-    idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
-    recipe = recipe_for(model, tricks.precision, stack, optimizer)
-    with paths_for(stack), FlopCounterMode(display=False, custom_mapping=FLASH_FORMULAS) as counter:
-        loss = recipe.forward(idx, targets)
-        recipe.backward(loss)
-    per_op = {str(k).removeprefix("aten."): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
-    return counter.get_total_flops(), per_op
+class StepFlops(FlopCounterMode):
+    """FlopCounterMode with FLASH_FORMULAS (its conventions: matmuls only, causal masking not discounted,
+    recompute counted), every count Global's: its ModuleTracker is left out, whose multi-grad hooks on each
+    module's inputs and outputs would hold gradients until a module's last one arrives and tie autograd
+    nodes into reference cycles (gc is off under LiveBytes: checkpoint's recomputed tensors would live on),
+    so the bytes measured beside it would not be the step's."""
+
+    def __init__(self):
+        super().__init__(display=False, custom_mapping=FLASH_FORMULAS)
+        assert isinstance(self.mod_tracker, ModuleTracker)  # the attribute this replaces (torch >= 2.4)
+        self.mod_tracker = GlobalOnly()
+
+    def counted(self) -> tuple[int, tuple[tuple[str, int], ...]]:
+        """The FLOPs counted, and per op (sorted by op)."""
+        counts = self.get_flop_counts().get("Global", {})
+        return self.get_total_flops(), tuple(sorted((str(k).removeprefix("aten."), v) for k, v in counts.items()))
+
+
+class GlobalOnly:
+    """What FlopCounterMode asks of its module tracker, tracking no module: one parent, Global."""
+
+    parents = ("Global",)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 @dataclass(frozen=True)
@@ -250,7 +271,7 @@ class MetaMeasurement:
 
 def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None,
                  stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> MetaMeasurement:  # fmt: skip
-    """The three passes, trained by the stack's recipe; progress(what) is called before each."""
+    """The two passes, trained by the stack's recipe; progress(what) is called before each."""
     progress = progress or (lambda what: None)
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
@@ -286,8 +307,5 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         progress("meta: saved bytes at depths 1 and 2")
         one, two = saved(1), saved(2)
         plain, checkpointed, outside = two - one, None, 2 * one - two
-    progress("meta: FLOPs")
-    flops, by_op = count_flops(shape, seq_len, micro_batch, tricks, stack, optimizer)
-    return MetaMeasurement(step, plain, outside, flops, tuple(sorted(by_op.items())), time.perf_counter() - start,
+    return MetaMeasurement(step, plain, outside, step.flops, step.flops_by_op, time.perf_counter() - start,
                            checkpointed, n_ckpt, first, plain_depth, ckpt_depth)  # fmt: skip
-

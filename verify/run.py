@@ -47,7 +47,7 @@ MATRIX = tuple(parse_tricks(t) for t in (
 ))  # fmt: skip
 FIT_MARGIN = 0.92  # of free memory the prediction may fill: allocator rounding, cuBLAS workspaces, kernels' scratch
 RETRIES = 4  # out-of-memory retries, each with 80% of the layers
-STAGES = {"meta": 3, "cuda": 2, "cpu": 2}  # progress calls per run (measure_meta's three passes; device_rows' two)
+STAGES = {"meta": 2, "cuda": 2, "cpu": 2}  # progress calls per run (measure_meta's two passes; device_rows' two)
 Progress = Callable[[str, int, int], None]  # (what runs now, stages done, stages in all)
 
 

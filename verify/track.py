@@ -15,6 +15,7 @@ identity (_cdata); the pack hook holds each storage until forward ends, so no ad
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from dataclasses import dataclass
@@ -90,6 +91,22 @@ class LiveBytes(TorchDispatchMode):
             self.events.append((-size, self.ptrs.pop(key)))
         if self.timeline is not None:
             self.timeline.append((self.phase, "free " + op, -size, self.live_bytes))
+
+    @contextlib.contextmanager
+    def over(self, mode: contextlib.AbstractContextManager):
+        """mode (a dispatch mode, or FlopCounterMode) entered beneath this one (every op reaches LiveBytes first): an op
+        that mode decomposes, as FlopCounterMode decomposes aten.silu_backward, is still one op here. gc stays off.
+        Called while this mode is the one entered last, as it is between ops."""
+        super().__exit__(None, None, None)
+        try:
+            with mode:
+                super().__enter__()
+                try:
+                    yield mode
+                finally:
+                    super().__exit__(None, None, None)
+        finally:
+            super().__enter__()
 
     def __enter__(self):
         gc.collect()  # storages in old reference cycles would otherwise be freed mid-measurement

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from memcalc.records import record
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Term:
     name: str
     value: int  # bytes or FLOPs, as the caller says

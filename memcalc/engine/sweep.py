@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
@@ -12,6 +12,7 @@ from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate
 from memcalc.parallel.verdict import gpu_verdict
+from memcalc.records import record
 from memcalc.time.calibration import Calibration
 
 # name -> Setup field, limit, suffixes (a sequence of 8k is 8,192 tokens)
@@ -19,7 +20,7 @@ SWEEPABLE = {"seq": ("seq_len", MAX_SEQ, BINARY), "micro-batch": ("micro_batch",
 MAX_POINTS = 64
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class SweepPoint:
     value: int
     tricks: Tricks
@@ -29,7 +30,7 @@ class SweepPoint:
     tokens_per_second: float
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Sweep:
     name: str  # seq or micro-batch
     values: tuple[int, ...]

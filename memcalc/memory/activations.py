@@ -14,12 +14,13 @@ latent attention replace the MLP and the attention's linear part by the terms of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.model.moe import BALANCED, Routing
 from memcalc.model.moe_mla import is_moe_layer
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
+from memcalc.records import record
 from memcalc.terms import Term
 
 from .moe import latent_attention_term, moe_terms, mtp_terms
@@ -27,7 +28,7 @@ from .moe import latent_attention_term, moe_terms, mtp_terms
 KORTHIKANTI = "Korthikanti et al. 2022, sec. 4.1"
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class LayerGroup:
     """Layers that keep the same tensors: a model's dense layers, its MoE layers, its MTP modules."""
 
@@ -45,7 +46,7 @@ class LayerGroup:
         return sum(t.value for t in self.rebuilt)
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Activations:
     """Activation memory of one trick set: per-layer terms, all layers, and the backward peak."""
 
@@ -181,7 +182,7 @@ def grouped_activations(shape: ModelShape, seq_len: int, micro_batch: int, trick
                        groups=tuple(groups))  # fmt: skip
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class AttentionDetail:
     """The numbers a course shows about the s×s matrix."""
 
@@ -211,7 +212,7 @@ def attention_detail(shape: ModelShape, seq_len: int, micro_batch: int) -> Atten
     )
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Logits:
     """The output layer's big tensors, kept out of the per-layer textbook numbers."""
 

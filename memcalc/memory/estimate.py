@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.errors import InputError
 from memcalc.exact.kernels import recompute_first, step_flops
 from memcalc.model.flops import Flops, StepFlops, flops
@@ -11,13 +9,14 @@ from memcalc.model.gpus import GPU
 from memcalc.model.params import largest_layer_params
 from memcalc.model.shape import Model, check_positions
 from memcalc.model.tricks import PROGRESSION, Tricks
+from memcalc.records import record
 
 from .activations import Activations, AttentionDetail, Logits, attention_detail, logits_memory, textbook_activations
 from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Budget, Setup  # noqa: F401  (Setup's home for its users)
 from .state import ModelState, model_state, weights_held_elsewhere, zero3_gather_bytes
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Memory(Budget):
     """Peak GPU memory of one trick set: model state + activations at their peak + logits."""
 
@@ -36,7 +35,7 @@ class Memory(Budget):
         return self.model_state_bytes + self.activation_peak_bytes + self.logits_bytes + self.buffer_bytes
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Compute:
     """Step time when the GPU sustains `utilization` of its peak on the FLOPs it executes.
 
@@ -67,7 +66,7 @@ class Compute:
         return self.utilization
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Estimate:
     model: Model
     setup: Setup

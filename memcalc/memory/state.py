@@ -8,9 +8,8 @@ gradients, stage 3 the weights (Rajbhandari et al. 2019, sec. 5, Fig. 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.errors import InputError
+from memcalc.records import record
 
 OPTIMIZERS = ("adamw", "sgd", "adam8bit")
 WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one element
@@ -18,7 +17,7 @@ BNB_BLOCK = 256  # elements per absmax scale in bitsandbytes' block-wise 8-bit o
 MAX_GPUS = 1 << 20
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Parallel:
     """How model state is spread: data-parallel GPUs, ZeRO stage, optimizer offload to host."""
 
@@ -46,7 +45,7 @@ class Parallel:
         return self.zero == 3 and self.gpus > 1
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class StatePart:
     name: str  # "weights", "grads", "master", "adam_m", ...
     dtype: str  # what one element is stored as
@@ -57,7 +56,7 @@ class StatePart:
     formula: str  # template over {N} parameters and {G} GPUs, for --explain
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class ModelState:
     params: int
     precision: str

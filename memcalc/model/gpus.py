@@ -10,9 +10,8 @@ memory_mib is the total that nvidia-smi reports for the card, not the marketing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.errors import InputError
+from memcalc.records import record
 
 MIB = 1 << 20
 # CUDA context + cuBLAS workspaces: a few hundred MB that PyTorch's allocator never sees
@@ -25,7 +24,7 @@ HOST_MEMORY_BYTES = 2 * 10**12
 GPUS_PER_NODE = 8
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class GPU:
     key: str
     name: str

@@ -5,9 +5,10 @@ counted tensor by tensor as verify/builder.py builds them; and the parameters on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
+
+from memcalc.records import record
 
 from .moe_mla import is_moe_layer, moe_layer_count
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from .shape import ModelShape
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ParamCounts:
     """Parameters by place in the model; the total is their sum."""
 

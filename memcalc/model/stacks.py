@@ -23,9 +23,10 @@ DeepSpeed ZeRO an fp32 copy of the gradient partition (grad_partition).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.errors import InputError
+from memcalc.records import record
 
 MODELS = ("reference", "hf")
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
@@ -33,7 +34,7 @@ IMPLS = ("reference", "loop", "foreach", "fused")
 ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Stack:
     key: str
     name: str

@@ -8,11 +8,11 @@ rank's place on the mesh (rank_coords).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
 from memcalc.parallel.layout import Layout
+from memcalc.records import record
 
 
 def rank_coords(layout: Layout, rank: int) -> tuple[int, int]:
@@ -23,7 +23,7 @@ def rank_coords(layout: Layout, rank: int) -> tuple[int, int]:
 
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class ParamTensor:
     name: str
     dims: tuple[int, ...]
@@ -97,7 +97,7 @@ def fsdp_numel(dims: tuple[int, ...], g: int, g_rank: int, padded: bool) -> int:
     return (-(-dims[0] // g) if padded else chunk(dims[0], g, g_rank)) * rest
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class LocalCounts:
     """Elements one rank holds, counted tensor by tensor."""
 

@@ -38,12 +38,12 @@ class LayerGroup:
     rebuilt: tuple[Term, ...]  # what one of them rebuilds during backward
 
     @property
-    def kept_bytes(self) -> int:
-        return sum(t.value for t in self.terms)
+    def kept_bytes(self) -> int:  # sum of a list, not of a generator: faster for a few terms, every estimate
+        return sum([t.value for t in self.terms])
 
     @property
     def rebuilt_bytes(self) -> int:
-        return sum(t.value for t in self.rebuilt)
+        return sum([t.value for t in self.rebuilt])
 
 
 @record(slots=True)
@@ -62,11 +62,11 @@ class Activations:
 
     @property
     def per_layer_bytes(self) -> int:
-        return sum(t.value for t in self.terms)
+        return sum([t.value for t in self.terms])
 
     @property
     def checkpointed_bytes(self) -> int:
-        return sum(t.value for t in self.checkpointed)
+        return sum([t.value for t in self.checkpointed])
 
     @property
     def total_bytes(self) -> int:
@@ -79,7 +79,7 @@ class Activations:
     def rebuilt_bytes(self) -> int:
         if self.groups:  # one layer is rebuilt at a time: the largest
             return max(g.rebuilt_bytes for g in self.groups)
-        return sum(t.value for t in self.rebuilt)
+        return sum([t.value for t in self.rebuilt])
 
     @property
     def peak_bytes(self) -> int:
@@ -104,8 +104,9 @@ def layer_terms(shape: ModelShape, seq_len: int, micro_batch: int, factor: int) 
 
 
 def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks,
-                         routing: Routing = BALANCED) -> Activations:  # fmt: skip
-    """What one trick set keeps per layer, and what backward rebuilds.
+                         routing: Routing = BALANCED, layer: dict[str, Term] | None = None) -> Activations:  # fmt: skip
+    """What one trick set keeps per layer, and what backward rebuilds (layer: layer_terms of this shape,
+    seq_len, micro_batch and the trick set's activation width, where the caller has them already).
 
     flash: the s×s part is never stored (Dao et al. 2022), leaving 34·s·b·h.
     selective: the s×s part is recomputed in backward (Korthikanti sec. 5), also 34·s·b·h kept.
@@ -117,7 +118,7 @@ def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tric
     """
     if tricks.recompute == "op":
         return Activations(tricks, shape.n_layers, (), (), formula=False)
-    t = layer_terms(shape, seq_len, micro_batch, 2 if tricks.precision == "fp32" else 1)
+    t = layer or layer_terms(shape, seq_len, micro_batch, 2 if tricks.precision == "fp32" else 1)
     if shape.is_moe or shape.is_mla or shape.mtp_layers:
         return grouped_activations(shape, seq_len, micro_batch, tricks, routing, t)
     if tricks.mixed:
@@ -220,7 +221,7 @@ class Logits:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.value for t in self.terms)
+        return sum([t.value for t in self.terms])
 
 
 def logits_memory(shape: ModelShape, seq_len: int, micro_batch: int, precision: str) -> Logits:

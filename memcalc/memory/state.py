@@ -8,6 +8,8 @@ gradients, stage 3 the weights (Rajbhandari et al. 2019, sec. 5, Fig. 1).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from memcalc.errors import InputError
 from memcalc.records import record
 
@@ -45,7 +47,7 @@ class Parallel:
         return self.zero == 3 and self.gpus > 1
 
 
-@record(slots=True)
+@record(frozen=True, slots=True)  # frozen: model_state's cache hands the same parts to every caller
 class StatePart:
     name: str  # "weights", "grads", "master", "adam_m", ...
     dtype: str  # what one element is stored as
@@ -56,7 +58,7 @@ class StatePart:
     formula: str  # template over {N} parameters and {G} GPUs, for --explain
 
 
-@record(slots=True)
+@record(frozen=True, slots=True)
 class ModelState:
     params: int
     precision: str
@@ -129,7 +131,11 @@ def grads_part(precision: str, params: int, recipe: str) -> tuple[str, str, int,
     return ("grads", precision, 2 * params, 2, "2·{N}")
 
 
-def model_state(params: int, precision: str, optimizer: str = "adamw", parallel: Parallel = Parallel(),
+NO_PARALLEL = Parallel()  # one GPU, nothing sharded or offloaded
+
+
+@lru_cache(maxsize=1024)  # the same for every sequence and micro-batch: each estimate asks again
+def model_state(params: int, precision: str, optimizer: str = "adamw", parallel: Parallel = NO_PARALLEL,
                 recipe: str = "master") -> ModelState:  # fmt: skip
     """Per-GPU model state. A part is sharded (ceil-divided) when the ZeRO stage reaches it."""
     parts = []
@@ -141,6 +147,14 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", parallel:
             formula = "⌈(" + formula + ")/{G}⌉"
         parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula))
     return ModelState(params, precision, optimizer, parallel, tuple(parts), recipe)
+
+
+@lru_cache(maxsize=1024)
+def state_bytes(params: int, precision: str, optimizer: str, parallel: Parallel,
+                recipe: str) -> tuple[ModelState, int, int]:  # fmt: skip
+    """model_state, and the bytes of it one GPU holds in its own memory and in host memory."""
+    state = model_state(params, precision, optimizer, parallel, recipe)
+    return state, state.total_bytes, state.host_bytes
 
 
 def zero3_gather_bytes(layer_params: int, n_layers: int, precision: str, held_elsewhere: int) -> int:

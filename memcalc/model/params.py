@@ -157,6 +157,8 @@ def n_params(shape: ModelShape) -> int:
 def idle_params(shape: ModelShape) -> int:
     """The routed experts one token does not go to, in every MoE block (MTP modules' too): what training
     FLOPs leave out of 6N."""
+    if not shape.n_experts:  # a dense model: every parameter is active
+        return 0
     counts = param_counts(shape)
     mtp_moe = shape.mtp_layers if shape.n_layers and is_moe_layer(shape, shape.n_layers - 1) else 0
     return counts.idle_per_moe_layer and (shape.n_experts - shape.experts_per_token) * expert_params(shape) * (

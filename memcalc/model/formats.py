@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
 from memcalc.errors import InputError
-from memcalc.records import record
 
 MAX_TERMS = 1 << 20  # accumulation_demo: at ~2 µs a rounding, about 4 s of pure Python at most
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class FloatFormat:
     """A binary floating-point format: 1 sign bit, exp_bits exponent bits, man_bits stored mantissa bits."""
 
@@ -140,7 +140,7 @@ def rel_error(approx: float, exact: float) -> float:
     return abs(approx - exact) / abs(exact)  # |x̂ - x| / |x|
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class RoundingDemo:
     """1 + small: BF16 has too few mantissa bits to see it, FP32 keeps it."""
 
@@ -160,7 +160,7 @@ def rounding_demo() -> RoundingDemo:
     return RoundingDemo(one, small, bf16_sum, fp32_sum, bf16.eps, fp32.eps)
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class UnderflowDemo:
     """A tiny gradient: lost in FP16, kept by a loss scale (Micikevicius et al. 2018, sec. 3.2)."""
 
@@ -183,7 +183,7 @@ def underflow_demo() -> UnderflowDemo:
     )
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class AccumulationDemo:
     """A dot product summed term by term in BF16 and in FP32, against the exact sum."""
 

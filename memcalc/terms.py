@@ -7,6 +7,8 @@ from memcalc.records import record
 
 @record(slots=True)
 class Term:
+    """One number, the formula it came from and its source."""
+
     name: str
     value: int  # bytes or FLOPs, as the caller says
     formula: str  # a template: "2·{s}·{b}·{h}"; {x} names a symbol of the config

@@ -22,6 +22,8 @@ MAX_POINTS = 64
 
 @record(slots=True)
 class SweepPoint:
+    """One trick set at one value of the swept setting: its peak, whether it fits, its step time."""
+
     value: int
     tricks: Tricks
     memory_bytes: int  # the verdict's peak per GPU (memcalc.parallel.verdict)
@@ -32,6 +34,8 @@ class SweepPoint:
 
 @record(slots=True)
 class Sweep:
+    """A job's trick sets over a range of one setting (seq or micro-batch)."""
+
     name: str  # seq or micro-batch
     values: tuple[int, ...]
     gpu: str

@@ -41,6 +41,8 @@ class Config:
 
 @record(slots=True)
 class ToolStep:
+    """One tool of the OOM toolbox, applied after the kept ones before it, and what it saves."""
+
     name: str
     cost: str  # what it costs, computed for this config
     saves_alone_bytes: int  # applied on its own to the starting config (negative: it costs memory)
@@ -65,6 +67,8 @@ class ToolStep:
 
 @record(slots=True)
 class Toolbox:
+    """The first trick set's verdict, then the toolbox's steps in order."""
+
     start: Verdict
     steps: tuple[ToolStep, ...]
 

@@ -70,6 +70,8 @@ class Compute:
 
 @record(slots=True)
 class Estimate:
+    """The textbook's numbers of one job, one entry per trick set in each tuple, in order."""
+
     model: Model
     setup: Setup
     gpu: GPU

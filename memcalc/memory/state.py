@@ -49,6 +49,8 @@ class Parallel:
 
 @record(frozen=True, slots=True)  # frozen: model_state's cache hands the same parts to every caller
 class StatePart:
+    """One part of model state (weights, grads, master, a moment), as one GPU holds it."""
+
     name: str  # "weights", "grads", "master", "adam_m", ...
     dtype: str  # what one element is stored as
     bytes_per_param: float  # before sharding; 8-bit Adam adds its per-block scales
@@ -60,6 +62,8 @@ class StatePart:
 
 @record(frozen=True, slots=True)
 class ModelState:
+    """Every part of model state one GPU holds, in its memory or (offloaded) in host memory."""
+
     params: int
     precision: str
     optimizer: str

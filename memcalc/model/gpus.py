@@ -26,6 +26,8 @@ GPUS_PER_NODE = 8
 
 @record(frozen=True)
 class GPU:
+    """A GPU's dense peak rates, memory and bandwidth, from its datasheet."""
+
     key: str
     name: str
     bf16_tflops: float  # dense tensor-core peak

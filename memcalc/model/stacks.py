@@ -36,6 +36,8 @@ ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 
 @record(frozen=True)
 class Stack:
+    """Whose code trains: the model's op sequence, the 16-bit recipe, the optimizer, the engine."""
+
     key: str
     name: str
     model: str  # reference | hf: whose op sequence

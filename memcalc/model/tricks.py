@@ -23,6 +23,8 @@ MAX_CKPT_EVERY = 1024  # ckpt:N beyond any model's depth checkpoints nothing; re
 
 @record(frozen=True)
 class Tricks:
+    """A trick set: the precision recipe, FlashAttention, and what backward recomputes."""
+
     precision: str = "bf16"  # fp32; or fp16/bf16 mixed precision (16-bit compute, fp32 master)
     flash: bool = False  # FlashAttention: the s x s scores are never stored
     recompute: str = "none"  # none; selective (attention core only); full (whole blocks); op (sac)

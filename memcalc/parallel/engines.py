@@ -32,6 +32,8 @@ FSDP2 = "torch 2.13 torch/distributed/fsdp/_fully_shard"
 
 @record(frozen=True)
 class Engine:
+    """A library that splits a model over GPUs, and the ZeRO stages it runs."""
+
     key: str
     name: str
     zero: tuple[int, ...]  # ZeRO stages it runs

@@ -20,6 +20,8 @@ from memcalc.records import record
 
 @record(frozen=True)
 class Link:
+    """An interconnect and its bandwidth per GPU and direction."""
+
     key: str
     name: str
     gb_per_s: float  # per GPU, per direction, decimal GB/s

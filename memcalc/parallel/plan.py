@@ -103,6 +103,8 @@ class Alternative:
 
 @record(slots=True)
 class Plan:
+    """Every layout of a job over many GPUs that was searched, and those that fit, ranked."""
+
     model: Model
     gpu: GPU
     gpus: int

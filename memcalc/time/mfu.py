@@ -84,6 +84,8 @@ def ours(shape: ModelShape, n: int, s: int, tricks: Tricks) -> tuple[float, floa
 
 @record(frozen=True)
 class Convention:
+    """One published way of counting a step's FLOPs for MFU, and its source."""
+
     key: str
     name: str
     formula: str
@@ -135,6 +137,8 @@ class Utilization:
 
 @record(slots=True)
 class MfuReport:
+    """A measured throughput's MFU and HFU under every convention."""
+
     model: Model
     gpu: str
     precision: str

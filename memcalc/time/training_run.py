@@ -11,6 +11,8 @@ MAX_TOKENS = 1e16  # ten quadrillion: far beyond any corpus trained on
 
 @record(slots=True)
 class TrainingRun:
+    """A whole training run at one trick set: its length, GPUs and throughput."""
+
     tricks: Tricks
     tokens: int  # tokens the whole run trains on
     gpus: int

@@ -55,6 +55,8 @@ class Row:
 
 @record(slots=True)
 class RankCheck:
+    """One rank's rows: its prediction against its measurement."""
+
     rank: int
     dp_rank: int
     tp_rank: int

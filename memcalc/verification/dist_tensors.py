@@ -25,6 +25,8 @@ def rank_coords(layout: Layout, rank: int) -> tuple[int, int]:
 
 @record(frozen=True)
 class ParamTensor:
+    """One parameter tensor of the model, and the dimension TP splits it on."""
+
     name: str
     dims: tuple[int, ...]
     tp_dim: int | None  # 0: column-parallel (and its bias) or vocab-parallel; 1: row-parallel; None: replicated

@@ -3,6 +3,7 @@
 The engine is pure functions over frozen dataclasses; it never imports torch (verify/ does that).
 Its packages, lowest first; each may import only those before it (tests/test_layering.py holds it):
 
+  records        the decorator memcalc's dataclasses are made with (cheaper to create and to hash)
   errors, terms  the error type for bad input, and a number with the formula it came from
   model          what is trained and on what: shapes, presets, config.json, tricks, GPUs, FLOPs
   exact          bytes and kernels op by op: verify's step replayed under autograd's lifetimes

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from memcalc.records import record
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Term:
+    """One number, the formula it came from and its source."""
+
     name: str
     value: int  # bytes or FLOPs, as the caller says
     formula: str  # a template: "2·{s}·{b}·{h}"; {x} names a symbol of the config

@@ -14,6 +14,7 @@ PACKAGE = ROOT / "memcalc"
 
 # Lowest first. A module may import its own layer and those listed before it.
 LAYERS = [
+    {"memcalc.records"},  # the dataclass decorator every layer uses
     {"memcalc.errors", "memcalc.terms"},
     {"memcalc.model"},
     {"memcalc.exact"},

@@ -13,19 +13,18 @@ kernels on the roofline (a one-GPU job), the OOM toolbox (memcalc.engine.toolbox
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Estimate, estimate
 from memcalc.parallel.plan import LayoutEstimate, layout_estimate
 from memcalc.parallel.verdict import Verdict
+from memcalc.records import record
 from memcalc.time.training_run import TrainingRun, runs_for_layouts
 
 from .job import Job
 from .toolbox import Toolbox, toolbox
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Answer:
     """One job answered, one entry per trick set in every tuple, in the job's order."""
 

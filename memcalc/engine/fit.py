@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU
@@ -11,9 +11,10 @@ from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, long
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.verdict import Verdict, gpu_verdict
+from memcalc.records import record
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class FitLimits:
     """The longest sequence and the largest micro-batch that fit one GPU of the job under a trick set."""
 

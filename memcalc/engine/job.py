@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
@@ -12,10 +12,11 @@ from memcalc.model.shape import Model
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.verdict import ONE_GPU
+from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Job:
     """Train `model` with `setup` on GPUs of type `gpu` laid out as `layout`, under each trick set.
 

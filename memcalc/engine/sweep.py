@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
@@ -12,6 +12,7 @@ from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate
 from memcalc.parallel.verdict import gpu_verdict
+from memcalc.records import record
 from memcalc.time.calibration import Calibration
 
 # name -> Setup field, limit, suffixes (a sequence of 8k is 8,192 tokens)
@@ -19,8 +20,10 @@ SWEEPABLE = {"seq": ("seq_len", MAX_SEQ, BINARY), "micro-batch": ("micro_batch",
 MAX_POINTS = 64
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class SweepPoint:
+    """One trick set at one value of the swept setting: its peak, whether it fits, its step time."""
+
     value: int
     tricks: Tricks
     memory_bytes: int  # the verdict's peak per GPU (memcalc.parallel.verdict)
@@ -29,8 +32,10 @@ class SweepPoint:
     tokens_per_second: float
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Sweep:
+    """A job's trick sets over a range of one setting (seq or micro-batch)."""
+
     name: str  # seq or micro-batch
     values: tuple[int, ...]
     gpu: str

@@ -12,7 +12,7 @@ cheapest: the fewest GPU-seconds per token (GPUs x step time / tokens per step),
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
@@ -24,12 +24,13 @@ from memcalc.parallel.engines import check_engine, engine_layout
 from memcalc.parallel.layout import Layout, check_layout
 from memcalc.parallel.plan import layout_estimate
 from memcalc.parallel.verdict import Verdict, gpu_verdict
+from memcalc.records import record
 from memcalc.time.calibration import Calibration
 
 MAX_ZERO_GPUS = 4096  # the ZeRO search tries 2, 4, ... up to this many data-parallel GPUs
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Config:
     """One combination the toolbox tries: a trick set, a step, a data-parallel layout."""
 
@@ -38,8 +39,10 @@ class Config:
     layout: Layout
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class ToolStep:
+    """One tool of the OOM toolbox, applied after the kept ones before it, and what it saves."""
+
     name: str
     cost: str  # what it costs, computed for this config
     saves_alone_bytes: int  # applied on its own to the starting config (negative: it costs memory)
@@ -62,8 +65,10 @@ class ToolStep:
         return self.config.layout
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Toolbox:
+    """The first trick set's verdict, then the toolbox's steps in order."""
+
     start: Verdict
     steps: tuple[ToolStep, ...]
 

@@ -14,12 +14,13 @@ latent attention replace the MLP and the attention's linear part by the terms of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.model.moe import BALANCED, Routing
 from memcalc.model.moe_mla import is_moe_layer
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
+from memcalc.records import record
 from memcalc.terms import Term
 
 from .moe import latent_attention_term, moe_terms, mtp_terms
@@ -27,7 +28,7 @@ from .moe import latent_attention_term, moe_terms, mtp_terms
 KORTHIKANTI = "Korthikanti et al. 2022, sec. 4.1"
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class LayerGroup:
     """Layers that keep the same tensors: a model's dense layers, its MoE layers, its MTP modules."""
 
@@ -37,15 +38,15 @@ class LayerGroup:
     rebuilt: tuple[Term, ...]  # what one of them rebuilds during backward
 
     @property
-    def kept_bytes(self) -> int:
-        return sum(t.value for t in self.terms)
+    def kept_bytes(self) -> int:  # sum of a list, not of a generator: faster for a few terms, every estimate
+        return sum([t.value for t in self.terms])
 
     @property
     def rebuilt_bytes(self) -> int:
-        return sum(t.value for t in self.rebuilt)
+        return sum([t.value for t in self.rebuilt])
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Activations:
     """Activation memory of one trick set: per-layer terms, all layers, and the backward peak."""
 
@@ -61,11 +62,11 @@ class Activations:
 
     @property
     def per_layer_bytes(self) -> int:
-        return sum(t.value for t in self.terms)
+        return sum([t.value for t in self.terms])
 
     @property
     def checkpointed_bytes(self) -> int:
-        return sum(t.value for t in self.checkpointed)
+        return sum([t.value for t in self.checkpointed])
 
     @property
     def total_bytes(self) -> int:
@@ -78,7 +79,7 @@ class Activations:
     def rebuilt_bytes(self) -> int:
         if self.groups:  # one layer is rebuilt at a time: the largest
             return max(g.rebuilt_bytes for g in self.groups)
-        return sum(t.value for t in self.rebuilt)
+        return sum([t.value for t in self.rebuilt])
 
     @property
     def peak_bytes(self) -> int:
@@ -103,8 +104,9 @@ def layer_terms(shape: ModelShape, seq_len: int, micro_batch: int, factor: int) 
 
 
 def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks,
-                         routing: Routing = BALANCED) -> Activations:  # fmt: skip
-    """What one trick set keeps per layer, and what backward rebuilds.
+                         routing: Routing = BALANCED, layer: dict[str, Term] | None = None) -> Activations:  # fmt: skip
+    """What one trick set keeps per layer, and what backward rebuilds (layer: layer_terms of this shape,
+    seq_len, micro_batch and the trick set's activation width, where the caller has them already).
 
     flash: the s×s part is never stored (Dao et al. 2022), leaving 34·s·b·h.
     selective: the s×s part is recomputed in backward (Korthikanti sec. 5), also 34·s·b·h kept.
@@ -116,7 +118,7 @@ def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tric
     """
     if tricks.recompute == "op":
         return Activations(tricks, shape.n_layers, (), (), formula=False)
-    t = layer_terms(shape, seq_len, micro_batch, 2 if tricks.precision == "fp32" else 1)
+    t = layer or layer_terms(shape, seq_len, micro_batch, 2 if tricks.precision == "fp32" else 1)
     if shape.is_moe or shape.is_mla or shape.mtp_layers:
         return grouped_activations(shape, seq_len, micro_batch, tricks, routing, t)
     if tricks.mixed:
@@ -181,7 +183,7 @@ def grouped_activations(shape: ModelShape, seq_len: int, micro_batch: int, trick
                        groups=tuple(groups))  # fmt: skip
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class AttentionDetail:
     """The numbers a course shows about the s×s matrix."""
 
@@ -211,7 +213,7 @@ def attention_detail(shape: ModelShape, seq_len: int, micro_batch: int) -> Atten
     )
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Logits:
     """The output layer's big tensors, kept out of the per-layer textbook numbers."""
 
@@ -219,7 +221,7 @@ class Logits:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.value for t in self.terms)
+        return sum([t.value for t in self.terms])
 
 
 def logits_memory(shape: ModelShape, seq_len: int, micro_batch: int, precision: str) -> Logits:

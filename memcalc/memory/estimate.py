@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.errors import InputError
 from memcalc.exact.kernels import recompute_first, step_flops
 from memcalc.model.flops import Flops, StepFlops, flops
@@ -11,13 +9,16 @@ from memcalc.model.gpus import GPU
 from memcalc.model.params import largest_layer_params
 from memcalc.model.shape import Model, check_positions
 from memcalc.model.tricks import PROGRESSION, Tricks
+from memcalc.records import record
+from memcalc.terms import Term
 
-from .activations import Activations, AttentionDetail, Logits, attention_detail, logits_memory, textbook_activations
+from .activations import (Activations, AttentionDetail, Logits, attention_detail, layer_terms, logits_memory,
+                          textbook_activations)  # fmt: skip
 from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Budget, Setup  # noqa: F401  (Setup's home for its users)
-from .state import ModelState, model_state, weights_held_elsewhere, zero3_gather_bytes
+from .state import ModelState, state_bytes, weights_held_elsewhere, zero3_gather_bytes
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Memory(Budget):
     """Peak GPU memory of one trick set: model state + activations at their peak + logits."""
 
@@ -36,7 +37,7 @@ class Memory(Budget):
         return self.model_state_bytes + self.activation_peak_bytes + self.logits_bytes + self.buffer_bytes
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Compute:
     """Step time when the GPU sustains `utilization` of its peak on the FLOPs it executes.
 
@@ -67,8 +68,10 @@ class Compute:
         return self.utilization
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Estimate:
+    """The textbook's numbers of one job, one entry per trick set in each tuple, in order."""
+
     model: Model
     setup: Setup
     gpu: GPU
@@ -85,28 +88,56 @@ class Estimate:
         return tuple(a.tricks for a in self.activations)
 
 
-def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> tuple[ModelState, Activations, Logits, Memory]:
-    """The memory side of one trick set; shared by estimate(), the toolbox and the fit solver."""
-    state = model_state(model.n_params, tricks.precision, setup.optimizer, setup.parallel, setup.stack.recipe)
-    acts = textbook_activations(model.shape, setup.seq_len, setup.micro_batch, tricks, setup.routing)
-    logits = logits_memory(model.shape, setup.seq_len, setup.micro_batch, tricks.precision)
+def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layer: dict[str, Term] | None = None,
+               logits: Logits | None = None) -> tuple[ModelState, Activations, Logits, Memory]:  # fmt: skip
+    """The memory side of one trick set (layer: its layer_terms, logits: its logits_memory, where the caller
+    has them from a trick set of the same activation width)."""
+    shape, seq, batch = model.shape, setup.seq_len, setup.micro_batch
+    state, held, host = state_bytes(model.n_params, tricks.precision, setup.optimizer, setup.parallel,
+                                    setup.stack.recipe)  # fmt: skip
+    acts = textbook_activations(shape, seq, batch, tricks, setup.routing, layer)
+    logits = logits or logits_memory(shape, seq, batch, tricks.precision)
     buffers = 0
     if setup.parallel.gathers_layers:
         elsewhere = weights_held_elsewhere(state)
-        buffers = zero3_gather_bytes(largest_layer_params(model.shape), model.shape.n_layers, tricks.precision,
-                                     elsewhere)  # fmt: skip
-    memory = Memory(tricks, state.total_bytes, acts.peak_bytes, logits.total_bytes, buffers, gpu.usable_bytes,
-                    state.host_bytes, setup.host_usable_bytes, acts.formula)  # fmt: skip
+        buffers = zero3_gather_bytes(largest_layer_params(shape), shape.n_layers, tricks.precision, elsewhere)
+    memory = Memory(tricks, held, acts.peak_bytes, logits.total_bytes, buffers, gpu.usable_bytes, host,
+                    setup.host_usable_bytes, acts.formula)  # fmt: skip
     return state, acts, logits, memory
 
 
-def in_order(trick_sets: tuple[Tricks, ...], by_tricks: dict) -> tuple:
-    return tuple(by_tricks[t] for t in trick_sets)
+def memory_sides(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...]) -> list[tuple]:
+    """memory_for of each trick set in one pass: Korthikanti's layer terms (per sequence, micro-batch and
+    activation width: fp32's twice 16-bit's) and the logits (per precision) made once for the trick sets
+    that share them, not once per trick set."""
+    if len(trick_sets) == 1:
+        return [memory_for(model, setup, gpu, trick_sets[0])]
+    shape, seq, batch = model.shape, setup.seq_len, setup.micro_batch
+    layers: dict[int, dict[str, Term]] = {}
+    logits: dict[str, Logits] = {}
+    sides = []
+    for t in trick_sets:
+        width = 2 if t.precision == "fp32" else 1
+        if width not in layers:
+            layers[width] = layer_terms(shape, seq, batch, width)
+        if t.precision not in logits:
+            logits[t.precision] = logits_memory(shape, seq, batch, t.precision)
+        sides.append(memory_for(model, setup, gpu, t, layers[width], logits[t.precision]))
+    return sides
 
 
 def compute_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks) -> Compute:
     step = step_flops(model.shape, setup.seq_len, tricks)
     return Compute(tricks, step, setup.tokens_per_step, gpu.peak_flops(tricks.precision), setup.mfu)
+
+
+def computes(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...]) -> tuple[Compute, ...]:
+    """compute_for of each trick set in order, asked in recompute_first's order (a plain step reuses the
+    trace of its step with recompute)."""
+    if len(trick_sets) == 1:
+        return (compute_for(model, setup, gpu, trick_sets[0]),)
+    by_tricks = {t: compute_for(model, setup, gpu, t) for t in recompute_first(trick_sets)}
+    return tuple(by_tricks[t] for t in trick_sets)
 
 
 def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...] = PROGRESSION) -> Estimate:
@@ -115,17 +146,16 @@ def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...
     if not trick_sets:
         raise InputError("no trick sets to estimate")
     check_positions(model.shape, setup.seq_len)
-    sides = [memory_for(model, setup, gpu, t) for t in trick_sets]
-    primary = next((s for s, *_ in sides if s.precision != "fp32"), sides[0][0])
+    states, activations, logits, memory = zip(*memory_sides(model, setup, gpu, trick_sets))
     return Estimate(
         model=model,
         setup=setup,
         gpu=gpu,
-        model_state=primary,
+        model_state=next((state for state in states if state.precision != "fp32"), states[0]),
         flops=flops(model.shape, model.n_params, setup.seq_len),
         attention=attention_detail(model.shape, setup.seq_len, setup.micro_batch),
-        activations=tuple(a for _, a, _, _ in sides),
-        logits=tuple(lg for _, _, lg, _ in sides),
-        memory=tuple(m for *_, m in sides),
-        compute=in_order(trick_sets, {t: compute_for(model, setup, gpu, t) for t in recompute_first(trick_sets)}),
+        activations=activations,
+        logits=logits,
+        memory=memory,
+        compute=computes(model, setup, gpu, trick_sets),
     )

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from memcalc.errors import InputError
 from memcalc.model.gpus import GPUS_PER_NODE, HOST_MEMORY_BYTES
 from memcalc.model.moe import BALANCED, Routing
 from memcalc.model.sizes import MAX_BATCH, MAX_SEQ, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
+from memcalc.records import record
 
 from .state import Parallel
 
@@ -19,7 +19,7 @@ DEFAULT_MFU = 0.4
 MAX_HOST_BYTES = 10**15  # a petabyte of CPU memory in one node: beyond any machine
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Setup:
     """What is trained per step, on how many GPUs, and at what assumed utilisation."""
 

@@ -8,9 +8,10 @@ gradients, stage 3 the weights (Rajbhandari et al. 2019, sec. 5, Fig. 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import lru_cache
 
 from memcalc.errors import InputError
+from memcalc.records import record
 
 OPTIMIZERS = ("adamw", "sgd", "adam8bit")
 WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one element
@@ -18,7 +19,7 @@ BNB_BLOCK = 256  # elements per absmax scale in bitsandbytes' block-wise 8-bit o
 MAX_GPUS = 1 << 20
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Parallel:
     """How model state is spread: data-parallel GPUs, ZeRO stage, optimizer offload to host."""
 
@@ -46,8 +47,10 @@ class Parallel:
         return self.zero == 3 and self.gpus > 1
 
 
-@dataclass(slots=True)
+@record(frozen=True, slots=True)  # frozen: model_state's cache hands the same parts to every caller
 class StatePart:
+    """One part of model state (weights, grads, master, a moment), as one GPU holds it."""
+
     name: str  # "weights", "grads", "master", "adam_m", ...
     dtype: str  # what one element is stored as
     bytes_per_param: float  # before sharding; 8-bit Adam adds its per-block scales
@@ -57,8 +60,10 @@ class StatePart:
     formula: str  # template over {N} parameters and {G} GPUs, for --explain
 
 
-@dataclass(slots=True)
+@record(frozen=True, slots=True)
 class ModelState:
+    """Every part of model state one GPU holds, in its memory or (offloaded) in host memory."""
+
     params: int
     precision: str
     optimizer: str
@@ -130,7 +135,11 @@ def grads_part(precision: str, params: int, recipe: str) -> tuple[str, str, int,
     return ("grads", precision, 2 * params, 2, "2·{N}")
 
 
-def model_state(params: int, precision: str, optimizer: str = "adamw", parallel: Parallel = Parallel(),
+NO_PARALLEL = Parallel()  # one GPU, nothing sharded or offloaded
+
+
+@lru_cache(maxsize=1024)  # the same for every sequence and micro-batch: each estimate asks again
+def model_state(params: int, precision: str, optimizer: str = "adamw", parallel: Parallel = NO_PARALLEL,
                 recipe: str = "master") -> ModelState:  # fmt: skip
     """Per-GPU model state. A part is sharded (ceil-divided) when the ZeRO stage reaches it."""
     parts = []
@@ -142,6 +151,14 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", parallel:
             formula = "⌈(" + formula + ")/{G}⌉"
         parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula))
     return ModelState(params, precision, optimizer, parallel, tuple(parts), recipe)
+
+
+@lru_cache(maxsize=1024)
+def state_bytes(params: int, precision: str, optimizer: str, parallel: Parallel,
+                recipe: str) -> tuple[ModelState, int, int]:  # fmt: skip
+    """model_state, and the bytes of it one GPU holds in its own memory and in host memory."""
+    state = model_state(params, precision, optimizer, parallel, recipe)
+    return state, state.total_bytes, state.host_bytes
 
 
 def zero3_gather_bytes(layer_params: int, n_layers: int, precision: str, held_elsewhere: int) -> int:

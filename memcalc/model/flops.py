@@ -16,8 +16,7 @@ Conventions (all per token, one forward + backward):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from memcalc.records import record
 from memcalc.terms import Term
 
 from .moe_mla import is_moe_layer, moe_layer_count
@@ -26,7 +25,7 @@ from .shape import ModelShape
 from .tricks import Tricks
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Flops:
     """FLOPs per token of one training step under each named convention."""
 
@@ -103,7 +102,7 @@ def flops(shape: ModelShape, n_params: int, seq_len: int) -> Flops:
     )
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class StepFlops:
     """Model FLOPs (what the algorithm needs) and hardware FLOPs (what the GPU runs) per token."""
 

@@ -10,9 +10,8 @@ memory_mib is the total that nvidia-smi reports for the card, not the marketing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.errors import InputError
+from memcalc.records import record
 
 MIB = 1 << 20
 # CUDA context + cuBLAS workspaces: a few hundred MB that PyTorch's allocator never sees
@@ -25,8 +24,10 @@ HOST_MEMORY_BYTES = 2 * 10**12
 GPUS_PER_NODE = 8
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class GPU:
+    """A GPU's dense peak rates, memory and bandwidth, from its datasheet."""
+
     key: str
     name: str
     bf16_tflops: float  # dense tensor-core peak

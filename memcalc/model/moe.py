@@ -18,16 +18,16 @@ share its T·k routed tokens whatever the imbalance: only a capacity factor chan
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from memcalc.errors import InputError
+from memcalc.records import record
 
 from .shape import ModelShape
 
 MAX_IMBALANCE = 1e6
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Routing:
     """The routing assumption: balanced unless a capacity factor or an imbalance is given."""
 

@@ -5,9 +5,10 @@ counted tensor by tensor as verify/builder.py builds them; and the parameters on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
+
+from memcalc.records import record
 
 from .moe_mla import is_moe_layer, moe_layer_count
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from .shape import ModelShape
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ParamCounts:
     """Parameters by place in the model; the total is their sum."""
 
@@ -156,6 +157,8 @@ def n_params(shape: ModelShape) -> int:
 def idle_params(shape: ModelShape) -> int:
     """The routed experts one token does not go to, in every MoE block (MTP modules' too): what training
     FLOPs leave out of 6N."""
+    if not shape.n_experts:  # a dense model: every parameter is active
+        return 0
     counts = param_counts(shape)
     mtp_moe = shape.mtp_layers if shape.n_layers and is_moe_layer(shape, shape.n_layers - 1) else 0
     return counts.idle_per_moe_layer and (shape.n_experts - shape.experts_per_token) * expert_params(shape) * (

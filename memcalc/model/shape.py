@@ -9,9 +9,10 @@ parameters a shape has: params; the limits on sizes and the parsing of '70B' and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.errors import InputError
+from memcalc.records import record
 
 from .moe_mla import check_experts, check_latent, is_moe_layer, moe_layer_count
 from .params import (attention_params, expert_params, mlp_params, mlp_params_of, mtp_params, n_params, norm_params,
@@ -32,7 +33,7 @@ ACTIVATIONS = ("silu", "gelu")  # gelu: the tanh approximation GPT-2 and Gemma u
 POSITIONS = ("learned", "rope", "none")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class ModelShape:
     """A decoder stack. Unset derived sizes (None) take the usual default in __post_init__."""
 
@@ -179,7 +180,7 @@ def check_positions(shape: ModelShape, seq_len: int) -> None:
                          f"position table: give --seq {shape.max_positions} or less")  # fmt: skip
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Model:
     """A shape and the parameter count model state is charged for.
 

@@ -23,9 +23,10 @@ DeepSpeed ZeRO an fp32 copy of the gradient partition (grad_partition).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.errors import InputError
+from memcalc.records import record
 
 MODELS = ("reference", "hf")
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
@@ -33,8 +34,10 @@ IMPLS = ("reference", "loop", "foreach", "fused")
 ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Stack:
+    """Whose code trains: the model's op sequence, the 16-bit recipe, the optimizer, the engine."""
+
     key: str
     name: str
     model: str  # reference | hf: whose op sequence

@@ -11,10 +11,9 @@ Names are the same everywhere (CLI, JSON, verify): fp32, fp16, bf16, flash, ckpt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.errors import InputError
 from memcalc.model.jsonfile import brief
+from memcalc.records import record
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 RECOMPUTES = ("none", "selective", "full", "op")
@@ -22,8 +21,10 @@ TRICK_NAMES = ("fp32", "fp16", "bf16", "flash", "ckpt", "ckpt:N", "selective", "
 MAX_CKPT_EVERY = 1024  # ckpt:N beyond any model's depth checkpoints nothing; refused past this
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Tricks:
+    """A trick set: the precision recipe, FlashAttention, and what backward recomputes."""
+
     precision: str = "bf16"  # fp32; or fp16/bf16 mixed precision (16-bit compute, fp32 master)
     flash: bool = False  # FlashAttention: the s x s scores are never stored
     recompute: str = "none"  # none; selective (attention core only); full (whole blocks); op (sac)

@@ -5,13 +5,13 @@ MoE layer's (moe_layer_activations), and the first stage's activations outside t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from memcalc.model.moe import routed_tokens
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks, check_layer_uniform
+from memcalc.records import record
 from memcalc.terms import Term
 
 from .engines import MEGATRON, MEGATRON_MEMORY
@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this 
 
 KORTHIKANTI_T2 = "Korthikanti et al. 2022, Table 2"
 
-@dataclass(slots=True)
+@record(slots=True)
 class LayerActivations:
     """One layer, one micro-batch, one GPU: the bytes kept for backward and those rebuilt in it."""
 

@@ -18,7 +18,7 @@ over whole steps, so the bubble, the communication and the optimizer are inside 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 
 from memcalc.exact.kernels import step_flops
@@ -26,6 +26,7 @@ from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
+from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.stages import StageKernels, block_lower_bound, stage_kernels
 
@@ -39,7 +40,7 @@ from .pipeline import bubble_fraction, layers_per_stage
 from .stage_memory import LayoutMemory
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class StepTime:
     """One optimizer step of a layout: compute on the slowest stage, the bubble, exposed traffic, the optimizer."""
 
@@ -103,7 +104,7 @@ class StepTime:
         return out
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Work:
     """The slowest stage's compute: one micro-batch, gradient accumulation, the optimizer."""
 

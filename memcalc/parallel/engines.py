@@ -15,12 +15,13 @@ Read from the engines' code at these commits (each formula below names its file)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 
 from memcalc.errors import InputError
 from memcalc.memory.state import ModelState
 from memcalc.model.shape import ModelShape
+from memcalc.records import record
 from memcalc.terms import Term
 
 MEGATRON = "NVIDIA/Megatron-LM@d98e8a64ddf34856e74b24714e3bedb2f5a39553"
@@ -29,8 +30,10 @@ TORCHTITAN = "pytorch/torchtitan@b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"
 FSDP2 = "torch 2.13 torch/distributed/fsdp/_fully_shard"
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Engine:
+    """A library that splits a model over GPUs, and the ZeRO stages it runs."""
+
     key: str
     name: str
     zero: tuple[int, ...]  # ZeRO stages it runs
@@ -107,7 +110,7 @@ def grad_reduce_bytes(key: str, precision: str) -> int:
 # ---- DeepSpeed ZeRO -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class DeepSpeedConfig:
     """deepspeed/runtime/zero/config.py DeepSpeedZeroConfig defaults (elements, not bytes)."""
 

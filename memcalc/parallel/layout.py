@@ -31,10 +31,10 @@ The engine (memcalc.parallel.engines, chosen by the stack) adds its own model st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from memcalc.errors import InputError
 from memcalc.memory.state import MAX_GPUS
+from memcalc.records import record
 
 from .checks import check_layout
 from .params import sharded_state
@@ -45,7 +45,7 @@ __all__ = ["Layout", "LayoutMemory", "StageMemory", "check_layout", "check_world
            "layout_memory", "sharded_state", "stage_layers"]  # fmt: skip
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Layout:
     """How the GPUs of one job are arranged. world = tp · pp · cp · dp."""
 

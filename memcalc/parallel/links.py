@@ -14,13 +14,14 @@ node it runs on NVLink, across nodes on each GPU's own InfiniBand NIC.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.model.gpus import A100_DATASHEET, H100_DATASHEET
+from memcalc.records import record
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Link:
+    """An interconnect and its bandwidth per GPU and direction."""
+
     key: str
     name: str
     gb_per_s: float  # per GPU, per direction, decimal GB/s
@@ -51,7 +52,7 @@ LINKS: dict[str, Link] = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Fabric:
     """The links a GPU type usually comes with: inside a node, between nodes, to its host."""
 
@@ -70,7 +71,7 @@ FABRICS: dict[str, Fabric] = {
 }
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Assumptions:
     """What the time model assumes. An overlap share s hides min(comm, s · window) of a transfer behind
     the compute that can run beside it; what is left is exposed and adds to the step.
@@ -93,7 +94,7 @@ class Assumptions:
 ASSUMPTIONS = Assumptions()
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Comm:
     """One kind of traffic in a step, as one GPU sees it."""
 
@@ -135,7 +136,7 @@ def send(name: str, group: str, ranks: int, link: Link, calls: int, sent: int, f
     return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window))
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class MicroBatch:
     """Seconds one GPU of the slowest stage computes for one micro-batch."""
 

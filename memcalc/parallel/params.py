@@ -5,13 +5,14 @@ the experts' over their own edp group (sharded_state, with_experts)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from memcalc.memory.state import ModelState, Parallel, model_state
 from memcalc.model.shape import (Model, ModelShape, attention_params, expert_params, is_moe_layer, mlp_params,
                                  mlp_params_of, moe_layer_count, mtp_params, n_params, norm_params)  # fmt: skip
+from memcalc.records import record
 
 from .pipeline import layers_per_stage, moe_split
 
@@ -128,7 +129,7 @@ def with_experts(state: ModelState, experts: ModelState) -> ModelState:
     return replace(state, params=state.params + experts.params, parts=parts)
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class StageWeights:
     """The parameters one GPU of a stage holds before ZeRO sharding, its routed experts' among them."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import DEFAULT_MFU, Setup
@@ -23,6 +23,7 @@ from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES
 from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks, check_layer_uniform, layer_uniform
+from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.roofline import traceable
 
@@ -37,7 +38,7 @@ MAX_VPP = 8  # virtual stages per GPU the search tries
 BF16_FLASH = Tricks("bf16", flash=True)  # the recipe the planner assumes unless told
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class LayoutEstimate:
     """One layout of one job: per-GPU memory stage by stage, and the step time."""
 
@@ -89,7 +90,7 @@ def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout
     return LayoutEstimate(model, gpu, setup, tricks, layout, memory, time, gpu_verdict(model, setup, gpu, tricks, layout))
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Alternative:
     """An obvious family of layouts and why its best member loses to the winner."""
 
@@ -101,8 +102,10 @@ class Alternative:
     best_seconds: float  # the same cause in the winner
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Plan:
+    """Every layout of a job over many GPUs that was searched, and those that fit, ranked."""
+
     model: Model
     gpu: GPU
     gpus: int

@@ -6,7 +6,6 @@ engine (memcalc.parallel.engines) lays them out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memcalc.memory.estimate import Budget, Setup
@@ -14,6 +13,7 @@ from memcalc.memory.state import ModelState, weights_held_elsewhere
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, moe_layer_count
 from memcalc.model.tricks import Tricks
+from memcalc.records import record
 from memcalc.terms import Term
 
 from .activations import LayerActivations, layer_activations, megatron_inputs, moe_layer_activations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this 
     from .layout import Layout
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class StageMemory(Budget):
     """The peak memory of one GPU in pipeline stage `stage`: every GPU of a stage holds the same."""
 
@@ -86,7 +86,7 @@ class StageMemory(Budget):
                 + sum(t.value for t in self.inputs))  # fmt: skip
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class LayoutMemory:
     """Per-GPU memory of a layout, stage by stage; the peak is the stage that holds the most."""
 

@@ -12,7 +12,6 @@ GPU's bytes, and none is negative.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 from memcalc.errors import InputError
@@ -24,6 +23,7 @@ from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, n_params
 from memcalc.model.stacks import check_tricks
 from memcalc.model.tricks import Tricks
+from memcalc.records import record
 
 from .engines import engine_layout
 from .layout import Layout, LayoutMemory, check_layout, layout_memory, sharded_state
@@ -32,7 +32,7 @@ from .stage_memory import host_share
 ONE_GPU = Layout()
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Verdict(Budget):
     """One trick set's peak on one GPU of the job, and what it was counted from."""
 

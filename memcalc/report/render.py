@@ -10,9 +10,10 @@ import os
 import shutil
 import sys
 import textwrap
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import field, fields, is_dataclass
 
 from memcalc.model.tricks import Tricks
+from memcalc.records import record
 from memcalc.terms import Term
 
 from . import units as u
@@ -23,7 +24,7 @@ FORMATS = ("table", "json", "markdown", "csv")
 Cell = str | tuple[str, str]
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Display:
     """How a result is shown: the format, the units, and how much of it."""
 
@@ -34,7 +35,7 @@ class Display:
     explain: bool = False  # the formulas with this config's numbers
 
 
-@dataclass
+@record
 class Section:
     """One titled table with notes under it; every output format is made from these."""
 

@@ -10,7 +10,6 @@ and the toolbox of a data-parallel job; one GPU's roofline kernels; the stages o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from memcalc.memory.activations import attention_detail
 from memcalc.memory.estimate import Memory
@@ -18,6 +17,7 @@ from memcalc.model.flops import flops
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.links import Comm
 from memcalc.parallel.layout import LayoutMemory
+from memcalc.records import record
 
 from .render import to_jsonable
 
@@ -25,7 +25,7 @@ from .render import to_jsonable
 STEP_READINGS = ("step_seconds", "tokens_per_second", "mfu", "hfu")
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Time:
     """One trick set's step, as the estimate times it (the roofline, or --mfu's end-to-end rate): the
     whole job's tokens and FLOPs per step, one GPU's utilisation of its dense peak."""

@@ -9,8 +9,6 @@ dropout, the two batched matmuls; or the flash op) forward and backward, kernel 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.exact.builder_layers import core
 from memcalc.exact.config import Config
 from memcalc.exact.kernels import Kernel
@@ -18,12 +16,13 @@ from memcalc.exact.sim import Graph
 from memcalc.exact.tensors import Memory
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
+from memcalc.records import record
 
 from .calibration import Calibration
 from .roofline import kernel_seconds
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class AttentionTime:
     """Forward + backward of the attention core alone (no projections), as the model runs it."""
 

@@ -14,11 +14,12 @@ A parameter the file leaves out takes memcalc's default, whose provenance says s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from memcalc.errors import InputError
 from memcalc.model.jsonfile import brief, read_json_object
+from memcalc.records import record
 
 FORMAT = "memcalc-calibration/1"
 FOLDER = Path(__file__).parent / "calibrations"
@@ -41,7 +42,7 @@ PARAMETERS: dict[str, tuple[float, str, str]] = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Calibration:
     """The achievable fractions of peak (and the per-kernel floor) the roofline runs at."""
 

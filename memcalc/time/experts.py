@@ -12,17 +12,17 @@ weight traffic: it is as memory-bound as its experts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from memcalc.model.gpus import GPU
 from memcalc.model.moe import BALANCED, Routing, routed_tokens
 from memcalc.model.shape import ModelShape
+from memcalc.records import record
 
 from .calibration import Calibration
 from .roofline import byte_rate, flop_rate
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Gemm:
     """(m x k) @ (k x n) in a 16-bit or 32-bit dtype, each operand read once and the result written once."""
 
@@ -46,7 +46,7 @@ class Gemm:
         return self.flops / self.bytes
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class GemmTime:
     """One GEMM's time on a GPU: the larger of its compute and memory times, at least the launch floor."""
 

@@ -7,7 +7,6 @@ Each convention here is written as its source writes it; `memcalc mfu` prints th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
@@ -15,6 +14,7 @@ from memcalc.model.flops import attention_flops, model_per_token
 from memcalc.model.params import idle_params, param_counts
 from memcalc.model.shape import Model, ModelShape, check_positions
 from memcalc.model.tricks import Tricks, check_layer_uniform
+from memcalc.records import record
 
 
 def non_embedding(shape: ModelShape, n_params: int) -> int:
@@ -82,8 +82,10 @@ def ours(shape: ModelShape, n: int, s: int, tricks: Tricks) -> tuple[float, floa
     return f.model_per_token, f.hardware_per_token  # the shape's own layers; hardware: the kernels, counted
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Convention:
+    """One published way of counting a step's FLOPs for MFU, and its source."""
+
     key: str
     name: str
     formula: str
@@ -107,7 +109,7 @@ CONVENTIONS = (
 )
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Utilization:
     """One convention's FLOPs per token, and what the measured throughput makes of them."""
 
@@ -133,8 +135,10 @@ class Utilization:
         return self.hardware_flops_per_token * self.tokens_per_second / self.peak_flops
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class MfuReport:
+    """A measured throughput's MFU and HFU under every convention."""
+
     model: Model
     gpu: str
     precision: str

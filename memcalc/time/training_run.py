@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.errors import InputError
 from memcalc.model.tricks import Tricks
+from memcalc.records import record
 
 MAX_TOKENS = 1e16  # ten quadrillion: far beyond any corpus trained on
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class TrainingRun:
+    """A whole training run at one trick set: its length, GPUs and throughput."""
+
     tricks: Tricks
     tokens: int  # tokens the whole run trains on
     gpus: int

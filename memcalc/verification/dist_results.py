@@ -5,18 +5,17 @@ every byte between them named), a rank's rows (RankCheck), and the check of one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
+from memcalc.records import record
 from memcalc.terms import Term
 
 TOLERANCE = 0.001  # a row passes within 0.1% when every byte of the difference is named
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Row:
     """One quantity on one rank: predicted | measured | error | pass."""
 
@@ -54,8 +53,10 @@ class Row:
         return abs(self.unexplained_bytes) <= TOLERANCE * self.measured_bytes
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class RankCheck:
+    """One rank's rows: its prediction against its measurement."""
+
     rank: int
     dp_rank: int
     tp_rank: int
@@ -66,7 +67,7 @@ class RankCheck:
         return all(r.passed is not False for r in self.rows)
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class DistResult:
     """The distributed check of one model, setup and layout: one RankCheck per measured rank."""
 

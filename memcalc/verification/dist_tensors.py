@@ -8,11 +8,11 @@ rank's place on the mesh (rank_coords).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
 from memcalc.parallel.layout import Layout
+from memcalc.records import record
 
 
 def rank_coords(layout: Layout, rank: int) -> tuple[int, int]:
@@ -23,8 +23,10 @@ def rank_coords(layout: Layout, rank: int) -> tuple[int, int]:
 
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class ParamTensor:
+    """One parameter tensor of the model, and the dimension TP splits it on."""
+
     name: str
     dims: tuple[int, ...]
     tp_dim: int | None  # 0: column-parallel (and its bias) or vocab-parallel; 1: row-parallel; None: replicated
@@ -97,7 +99,7 @@ def fsdp_numel(dims: tuple[int, ...], g: int, g_rank: int, padded: bool) -> int:
     return (-(-dims[0] // g) if padded else chunk(dims[0], g, g_rank)) * rest
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class LocalCounts:
     """Elements one rank holds, counted tensor by tensor."""
 

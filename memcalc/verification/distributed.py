@@ -18,7 +18,7 @@ This module is torch-free: verify/distributed.py measures, this predicts and com
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
@@ -30,6 +30,7 @@ from memcalc.parallel.checks import check_layout
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.params import sharded_state, stage_shape_params
 from memcalc.parallel.tp_layer import block_terms
+from memcalc.records import record
 from memcalc.terms import Term
 
 from .dist_results import TABLE_HEADERS, DistResult, RankCheck, Row
@@ -134,7 +135,7 @@ def padded_vocab(shape: ModelShape, tp: int) -> ModelShape:
 # ---- predictions --------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Prediction:
     """memcalc's number for one quantity and the differences PyTorch's implementation adds, named."""
 

@@ -5,12 +5,14 @@ Torch-free: verify/ fills these in; the CLI renders them (table or JSON via data
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+
+from memcalc.records import record
 
 DEFAULT_TOL = {"cuda": 0.03, "meta": 0.001, "cpu": 0.001}  # relative; the issue's 3% on CUDA, 0.1% on meta
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Row:
     """One compared quantity. tolerance None: shown, not judged."""
 
@@ -38,7 +40,7 @@ class Row:
         return abs(self.error) <= self.tolerance
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class DevicePhases:
     """torch.cuda's allocator statistics for one step, relative to before the model was built."""
 
@@ -55,7 +57,7 @@ class DevicePhases:
         return max(self.forward_peak_bytes, self.backward_peak_bytes, self.optimizer_peak_bytes)
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Timing:
     """Step time by CUDA events, median over the timed steps after warm-up."""
 
@@ -80,7 +82,7 @@ class Timing:
         return (self.step_seconds - self.predicted_seconds) / self.predicted_seconds
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class VerifyResult:
     """One model, setup and trick set, measured and compared."""
 
@@ -116,7 +118,7 @@ class VerifyResult:
         return tuple(r for r in self.rows if r.passed is False)
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class CustomResult:
     """verify --step: the user's own model and step, measured, beside the closest stack's prediction.
     Nothing is judged: the user's code is not memcalc's, the rows say by how much the two differ."""

@@ -59,12 +59,15 @@ def test_the_first_steps_state_stands_for_the_warm_up(tricks):
 
 
 # the libraries' optimizers (memcalc.exact.optimizers) make their state inside their first step, so the
-# shortcut runs the warm-up for them; their foreach and fused kernels span every block at once
+# shortcut runs the warm-up for them; their foreach and fused kernels span every block at once. Every
+# optimizer and recipe tests/test_stack_optimizers.py measures at 8B width on three blocks is here.
 LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "adamw"), ("fp32", "torch", "fused", "adamw"),
            ("fp32", "torch", "loop", "sgd"), ("fp32", "torch", "foreach", "adam8bit"),
            ("bf16,flash,ckpt", "pure", "loop", "adamw"), ("bf16,flash,ckpt", "pure", "foreach", "adamw"),
            ("bf16,flash,ckpt", "pure", "fused", "adamw"), ("bf16,flash", "pure", "foreach", "sgd"),
-           ("bf16,flash,ckpt", "pure", "loop", "adam8bit"),
+           ("bf16,flash,ckpt", "pure", "loop", "adam8bit"), ("bf16,flash,ckpt", "pure", "fused", "adam8bit"),
+           ("bf16,flash,ckpt", "pure", "loop", "sgd"), ("fp16,flash,ckpt", "pure", "foreach", "adamw"),
+           ("fp32,ckpt", "pure", "fused", "adamw"),
            # torch.autocast over fp32 weights (memcalc.exact.autocast), GradScaler for fp16 (memcalc.exact.amp)
            ("bf16", "autocast", "reference", "adamw"), ("bf16,flash,ckpt", "autocast", "reference", "adamw"),
            ("fp16,flash", "autocast", "reference", "adamw"), ("bf16,selective", "autocast", "reference", "adamw"),

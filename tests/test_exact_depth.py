@@ -77,7 +77,7 @@ LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "ada
            ("bf16", "autocast", "loop", "adamw"), ("fp16,flash", "autocast", "loop", "sgd"),
            ("bf16,flash,ckpt", "autocast", "foreach", "adam8bit")]  # fmt: skip
 HF = [("bf16", "master", "reference"), ("bf16,selective", "master", "reference"), ("bf16,flash,ckpt", "master", "reference"),
-      ("fp16,flash", "master", "reference"), ("bf16,flash", "pure", "fused"), ("fp32,ckpt", "master", "foreach"),
+      ("fp16,flash", "master", "reference"), ("bf16,flash", "master", "reference"), ("bf16,flash", "pure", "fused"), ("fp32,ckpt", "master", "foreach"),
       # the hf stack's default: Transformers' model under autocast as Accelerate prepares it, fused AdamW
       ("bf16,flash", "autocast", "fused"), ("bf16,flash,ckpt", "autocast", "fused"), ("fp16,flash", "autocast", "fused"),
       ("bf16", "autocast", "foreach"), ("bf16,selective", "autocast", "fused")]  # fmt: skip

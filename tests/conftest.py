@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import settings
 
 # No per-example deadline: a property holds or not whatever the machine's load, and a shared CI
@@ -35,6 +36,23 @@ _SHARED = bool(os.environ.get("PYTEST_XDIST_WORKER") and _inherited and _inherit
                and os.path.isdir(_inherited))  # fmt: skip
 if not _SHARED:
     os.environ["MEMCALC_CACHE"] = os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="memcalc-cache-")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow(fast): a slow example that runs where MEMCALC_SLOW=1 (.ci/run sets it); "
+                                       "fast names the check of the same thing that runs everywhere")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow are skipped unless MEMCALC_SLOW is set (CI sets it: .ci/run), as tests/test_docs.py
+    skips the examples that take minutes: each names the quick check of the same thing that always runs."""
+    if os.environ.get("MEMCALC_SLOW"):
+        return
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark is not None:
+            assert mark.args, f"{item.nodeid}: @pytest.mark.slow(fast) names the quick check that always runs"
+            item.add_marker(pytest.mark.skip(reason=f"slow, runs where MEMCALC_SLOW=1; everywhere: {mark.args[0]}"))
 
 
 def pytest_unconfigure(config):

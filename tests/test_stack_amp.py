@@ -128,10 +128,13 @@ def test_cpu_transformers_grad_accum():
     check_equal(HF_TINY["gpt2"], "bf16,ckpt", STACKS["hf"], batch=1, grad_accum=3)
 
 
-def test_cpu_transformers_at_8b_width():
-    """Qwen3-8B's layer (h 4096, 32 heads, 8 KV heads, head 128, qk-norm, SwiGLU 12288), one layer, a
-    small vocabulary and 16 tokens, fp32 weights, grads, m and v: what fits a CPU test."""
-    check_equal(replace(PRESETS["qwen3-8b"], n_layers=1, vocab=1024), "bf16,flash", STACKS["hf"], batch=1, seq=16)
+@pytest.mark.parametrize("name", ["qwen3-0.6b", pytest.param("qwen3-8b", marks=pytest.mark.slow(
+    "the same on qwen3-0.6b's layer"))])  # fmt: skip
+def test_cpu_transformers_at_full_width(name):
+    """A real model's layer at its full width (Qwen3-0.6B's: h 1024, 16 heads, 8 KV heads, head 128, qk-norm,
+    SwiGLU 3072; Qwen3-8B's: h 4096, 32 heads, 8 KV heads, SwiGLU 12288, 20 s of real CPU arithmetic), one
+    layer, a small vocabulary and 16 tokens, fp32 weights, grads, m and v: what fits a CPU test."""
+    check_equal(replace(PRESETS[name], n_layers=1, vocab=1024), "bf16,flash", STACKS["hf"], batch=1, seq=16)
 
 
 # -- CPU against CUDA: every difference named ------------------------------------------------------------

@@ -7,7 +7,7 @@ master, no loss scaling), on tiny models allocation by allocation and at 8B widt
 8192, three of them: what is measured is the optimizer's bytes, every one full size). The step grown from
 two and three blocks to qwen3-8b's 36 equals the full-depth replay for each of them
 (tests/test_exact_depth.py, test_grown_phases_with_the_libraries_optimizers); the brief's command below
-verifies one at full depth.
+verifies one three deep, and at full depth where MEMCALC_SLOW=1.
 """
 
 from __future__ import annotations
@@ -224,10 +224,14 @@ def test_estimate_exact_with_the_other_optimizers(args):
     assert ("SGD with momentum (loop" if "sgd" in args else "bitsandbytes AdamW8bit (bf16") in out.stdout
 
 
-def test_verify_meta_pure_foreach_at_8b():
+@pytest.mark.parametrize("layers", [
+    ["--layers", "3"],  # qwen3-8b's blocks three deep (the growth to 36: test_exact_depth's LIBRARY)
+    pytest.param([], marks=pytest.mark.slow("the same command with --layers 3")),
+], ids=["3-layers", "36-layers"])  # fmt: skip
+def test_verify_meta_pure_foreach_at_8b(layers):
     """The brief's command: every row passes, the optimizer-step peak among them."""
     out = CliRunner().invoke(app, ["verify", "--device", "meta", "--stack", "torch", "--recipe", "pure",
                                    "--optimizer-impl", "foreach", "--params", "8e9", "--seq", "8192", "--tricks",
-                                   "bf16,flash,ckpt", "--format", "json"])  # fmt: skip
+                                   "bf16,flash,ckpt", "--format", "json", *layers])  # fmt: skip
     assert out.exit_code == 0, out.output
     assert '"optimizer-step peak"' in out.stdout and "_foreach_sqrt" in out.stdout

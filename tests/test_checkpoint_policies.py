@@ -232,6 +232,8 @@ def test_8b_width_exact_equals_meta(family, policy, flash):
     assert_exact_equals_meta(shape, 8192, 1, tricks_for(policy, flash))
 
 
+@pytest.mark.slow("test_8b_width_exact_equals_meta[flash-ckpt:2-llama] (seven blocks) and "
+                  "test_grown_phases_equal_the_full_depth_replay[bf16,flash,ckpt:2-qwen3-8b-8192]")
 def test_qwen3_8b_ckpt2_full_depth_exact_equals_meta():
     assert_exact_equals_meta(QWEN3_8B, 8192, 1, parse_tricks("bf16,flash,ckpt:2"))
 
@@ -361,10 +363,14 @@ def test_estimate_gives_the_replayed_verdict_and_step_time(tricks):
     assert ("no formula" in row) == (t.recompute == "op")
 
 
-def test_verify_sac_at_8b_passes_every_row():
+@pytest.mark.parametrize("layers", [
+    ["--layers", "3"],  # qwen3-8b's blocks three deep (the growth to 36: test_grown_phases_equal_the_full_depth_replay)
+    pytest.param([], marks=pytest.mark.slow("the same command with --layers 3")),
+], ids=["3-layers", "36-layers"])  # fmt: skip
+def test_verify_sac_at_8b_passes_every_row(layers):
     """`memcalc verify --device meta --tricks bf16,flash,sac --params 8e9 --seq 8192`: every judged row passes."""
     pytest.importorskip("torch")
-    args = ["verify", "--device", "meta", "--tricks", "bf16,flash,sac", "--params", "8e9", "--seq", "8192"]
+    args = ["verify", "--device", "meta", "--tricks", "bf16,flash,sac", "--params", "8e9", "--seq", "8192", *layers]
     out = CliRunner().invoke(app, args, env={"NO_COLOR": "1"})
     assert out.exit_code == 0, out.output
     assert "Pass: all 13 judged rows" in out.stdout and "FAIL" not in out.stdout

@@ -59,12 +59,15 @@ def test_the_first_steps_state_stands_for_the_warm_up(tricks):
 
 
 # the libraries' optimizers (memcalc.exact.optimizers) make their state inside their first step, so the
-# shortcut runs the warm-up for them; their foreach and fused kernels span every block at once
+# shortcut runs the warm-up for them; their foreach and fused kernels span every block at once. Every
+# optimizer and recipe tests/test_stack_optimizers.py measures at 8B width on three blocks is here.
 LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "adamw"), ("fp32", "torch", "fused", "adamw"),
            ("fp32", "torch", "loop", "sgd"), ("fp32", "torch", "foreach", "adam8bit"),
            ("bf16,flash,ckpt", "pure", "loop", "adamw"), ("bf16,flash,ckpt", "pure", "foreach", "adamw"),
            ("bf16,flash,ckpt", "pure", "fused", "adamw"), ("bf16,flash", "pure", "foreach", "sgd"),
-           ("bf16,flash,ckpt", "pure", "loop", "adam8bit"),
+           ("bf16,flash,ckpt", "pure", "loop", "adam8bit"), ("bf16,flash,ckpt", "pure", "fused", "adam8bit"),
+           ("bf16,flash,ckpt", "pure", "loop", "sgd"), ("fp16,flash,ckpt", "pure", "foreach", "adamw"),
+           ("fp32,ckpt", "pure", "fused", "adamw"),
            # torch.autocast over fp32 weights (memcalc.exact.autocast), GradScaler for fp16 (memcalc.exact.amp)
            ("bf16", "autocast", "reference", "adamw"), ("bf16,flash,ckpt", "autocast", "reference", "adamw"),
            ("fp16,flash", "autocast", "reference", "adamw"), ("bf16,selective", "autocast", "reference", "adamw"),
@@ -74,7 +77,7 @@ LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "ada
            ("bf16", "autocast", "loop", "adamw"), ("fp16,flash", "autocast", "loop", "sgd"),
            ("bf16,flash,ckpt", "autocast", "foreach", "adam8bit")]  # fmt: skip
 HF = [("bf16", "master", "reference"), ("bf16,selective", "master", "reference"), ("bf16,flash,ckpt", "master", "reference"),
-      ("fp16,flash", "master", "reference"), ("bf16,flash", "pure", "fused"), ("fp32,ckpt", "master", "foreach"),
+      ("fp16,flash", "master", "reference"), ("bf16,flash", "master", "reference"), ("bf16,flash", "pure", "fused"), ("fp32,ckpt", "master", "foreach"),
       # the hf stack's default: Transformers' model under autocast as Accelerate prepares it, fused AdamW
       ("bf16,flash", "autocast", "fused"), ("bf16,flash,ckpt", "autocast", "fused"), ("fp16,flash", "autocast", "fused"),
       ("bf16", "autocast", "foreach"), ("bf16,selective", "autocast", "fused")]  # fmt: skip

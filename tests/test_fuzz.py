@@ -6,7 +6,8 @@ across calls: a higher ZeRO stage, or more GPUs under ZeRO >= 1, never raises pe
 answer fits in estimate and a clearly larger one does not; plan's best layouts, re-run through
 estimate, give the same numbers.
 
-CI runs a bounded number of examples (under a minute together); MEMCALC_FUZZ=N runs N per test:
+A bounded number of examples runs everywhere; where each costs seconds (a plan, a fit and the estimates that
+check it) CI runs twice as many (MEMCALC_SLOW=1, as .ci/run sets); MEMCALC_FUZZ=N runs N per test:
 
     MEMCALC_FUZZ=2000 python -m pytest tests/test_fuzz.py
 """
@@ -28,9 +29,11 @@ ROOT = Path(__file__).parent.parent
 ENV = {"COLUMNS": "100", "NO_COLOR": "1"}
 
 
-def examples(ci: int) -> settings:
-    """ci examples in CI, or MEMCALC_FUZZ of them when set."""
-    n = int(os.environ.get("MEMCALC_FUZZ", ci))
+def examples(n: int, slow: int | None = None) -> settings:
+    """n examples, slow of them where MEMCALC_SLOW is set (CI), or MEMCALC_FUZZ of them when set."""
+    if slow is not None and os.environ.get("MEMCALC_SLOW"):
+        n = slow
+    n = int(os.environ.get("MEMCALC_FUZZ", n))
     return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -176,7 +179,7 @@ def test_the_other_commands_answer_or_say_why(command, fmt):
     check(args, run(args))
 
 
-@examples(8)
+@examples(4, slow=8)
 @given(layers=st.sampled_from(["1", "2"]), hidden=st.sampled_from(["64", "128", "60"]), heads=st.sampled_from(["4", "2"]),
        kv=st.sampled_from([None, "1", "2", "3"]), seq=st.sampled_from(["32", "64", "0"]),
        tricks=st.sampled_from(["bf16", "bf16,flash", "bf16,flash,ckpt", "fp32", "bf16,selective", "fp16"]),
@@ -211,7 +214,7 @@ def valid_args(job: dict) -> list[str]:
     return args + (["--tricks", job["tricks"]] if job["tricks"] else []) + (["--offload"] if job["offload"] else [])
 
 
-@examples(12)
+@examples(6, slow=12)
 @given(job=VALID)
 def test_the_jobs_people_run_give_one_verdict_in_every_format(job):
     """Issue 18: the defects lived in mostly valid combinations (ZeRO x GPUs x stack x tricks x offload): each
@@ -257,7 +260,7 @@ def totals(data: dict) -> list[int]:
     return [m["total_bytes"] for m in data["verdict"] + data["memory"]]
 
 
-@examples(20)
+@examples(10, slow=20)
 @given(model=st.sampled_from(MODELS), seq=st.sampled_from(["256", "1024"]), gpus=st.sampled_from([2, 4, 64]),
        zero=st.sampled_from([0, 1, 2]), offload=st.booleans())  # fmt: skip
 def test_a_higher_zero_stage_never_raises_memory(model, seq, gpus, zero, offload):
@@ -272,7 +275,7 @@ def test_a_higher_zero_stage_never_raises_memory(model, seq, gpus, zero, offload
     assert all(h <= lo for h, lo in zip(totals(higher), totals(lower))), (base, zero)
 
 
-@examples(20)
+@examples(10, slow=20)
 @given(model=st.sampled_from(MODELS), seq=st.sampled_from(["256", "1024"]), gpus=st.sampled_from([1, 2, 8]),
        factor=st.sampled_from([2, 4, 16]), zero=st.sampled_from([1, 2, 3]))  # fmt: skip
 def test_more_gpus_under_zero_never_raise_memory(model, seq, gpus, factor, zero):
@@ -281,7 +284,7 @@ def test_more_gpus_under_zero_never_raise_memory(model, seq, gpus, factor, zero)
     assert all(m <= f for m, f in zip(totals(many), totals(few))), (base, gpus, factor)
 
 
-@examples(15)
+@examples(8, slow=15)
 @given(model=st.sampled_from(MODELS[:4]), tricks=st.sampled_from(["bf16", "bf16,flash", "bf16,flash,ckpt"]),
        gpu=st.sampled_from(["h100-sxm", "a100-40gb", "h200"]))  # fmt: skip
 def test_fit_answers_what_estimate_says_fits(model, tricks, gpu):
@@ -316,7 +319,7 @@ def layout_args(best: dict) -> list[str]:
     return args
 
 
-@examples(6)
+@examples(3, slow=6)
 @given(model=st.sampled_from([["--model", "llama3-8b"], ["--model", "llama3-70b"], ["--params", "8e9"]]),
        gpus=st.sampled_from(["8", "16", "64"]), batch=st.sampled_from(["16", "64"]),
        seq=st.sampled_from(["2048", "8192"]))  # fmt: skip

@@ -128,10 +128,13 @@ def test_cpu_transformers_grad_accum():
     check_equal(HF_TINY["gpt2"], "bf16,ckpt", STACKS["hf"], batch=1, grad_accum=3)
 
 
-def test_cpu_transformers_at_8b_width():
-    """Qwen3-8B's layer (h 4096, 32 heads, 8 KV heads, head 128, qk-norm, SwiGLU 12288), one layer, a
-    small vocabulary and 16 tokens, fp32 weights, grads, m and v: what fits a CPU test."""
-    check_equal(replace(PRESETS["qwen3-8b"], n_layers=1, vocab=1024), "bf16,flash", STACKS["hf"], batch=1, seq=16)
+@pytest.mark.parametrize("name", ["qwen3-0.6b", pytest.param("qwen3-8b", marks=pytest.mark.slow(
+    "the same on qwen3-0.6b's layer"))])  # fmt: skip
+def test_cpu_transformers_at_full_width(name):
+    """A real model's layer at its full width (Qwen3-0.6B's: h 1024, 16 heads, 8 KV heads, head 128, qk-norm,
+    SwiGLU 3072; Qwen3-8B's: h 4096, 32 heads, 8 KV heads, SwiGLU 12288, 20 s of real CPU arithmetic), one
+    layer, a small vocabulary and 16 tokens, fp32 weights, grads, m and v: what fits a CPU test."""
+    check_equal(replace(PRESETS[name], n_layers=1, vocab=1024), "bf16,flash", STACKS["hf"], batch=1, seq=16)
 
 
 # -- CPU against CUDA: every difference named ------------------------------------------------------------
@@ -439,10 +442,29 @@ def test_verify_torch_stack_at_8b_measures_a_reduced_step_on_cpu():
     assert f"({full.peak_bytes:,} B)" in notes
 
 
-def test_verify_hf_stack_fp16_on_cpu():
+@pytest.fixture
+def measured_once(monkeypatch):
+    """verify.run.verify remembered by its arguments (the progress callback aside) through the test: the CLI's
+    runs of one job in two formats print one measurement. The runs made, by their arguments."""
+    import verify.run as verify_run
+
+    real, runs = verify_run.verify, {}
+
+    def once(*args, progress=None, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in runs:
+            runs[key] = real(*args, progress=progress, **kwargs)
+        return runs[key]
+
+    monkeypatch.setattr(verify_run, "verify", once)
+    return runs
+
+
+def test_verify_hf_stack_fp16_on_cpu(measured_once):
     """verify --stack hf (Transformers' model under autocast, fused AdamW with GradScaler's own path),
-    fp16, eager: its rows equal the replay; the table names the CUDA difference in a note."""
-    args = ["--model", "qwen3-0.6b", "--layers", "2", "--seq", "32", "--tricks", "fp16", "--stack", "hf"]
+    fp16, eager: its rows equal the replay; the table names the CUDA difference in a note. (Eight tokens: the
+    CPU's fp16 matmuls are slow; both formats print one measurement.)"""
+    args = ["--model", "qwen3-0.6b", "--layers", "2", "--seq", "8", "--tricks", "fp16", "--stack", "hf"]
     out, r = verify_json(*args)
     assert out.exit_code == 0, out.output
     assert r["device"] == "cpu" and r["passed"]
@@ -450,6 +472,7 @@ def test_verify_hf_stack_fp16_on_cpu():
     assert "the CUDA prediction for this reduced step saves and keeps what the CPU one does" in r["notes"]
     table = CliRunner().invoke(app, ["verify", *args], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert table.exit_code == 0 and "the CUDA prediction for this reduced step" in table.stdout
+    assert len(measured_once) == 1  # the table printed the measurement the JSON did
 
 
 def test_verify_autocast_refusals(monkeypatch):

@@ -143,10 +143,13 @@ def test_cpu_step_equals_simulation_shape_features(name):
         check_equal(TINY[name], tricks, batch=1)
 
 
-def test_cpu_step_equals_simulation_at_8b_width():
-    """Qwen3-8B's layer (h 4096, 32 heads, 8 KV heads, head 128, qk-norm, SwiGLU 12288), one layer, a
-    small vocabulary and 16 tokens: what fits a CPU test (3.6 GB)."""
-    check_equal(replace(PRESETS["qwen3-8b"], n_layers=1, vocab=1024), "bf16,flash", batch=1, seq=16)
+@pytest.mark.parametrize("name", ["qwen3-0.6b", pytest.param("qwen3-8b", marks=pytest.mark.slow(
+    "the same on qwen3-0.6b's layer"))])  # fmt: skip
+def test_cpu_step_equals_simulation_at_full_width(name):
+    """A real model's layer at its full width (Qwen3-0.6B's: h 1024, 16 heads, 8 KV heads, head 128, qk-norm,
+    SwiGLU 3072; Qwen3-8B's: h 4096, 32 heads, 8 KV heads, SwiGLU 12288, 20 s of real CPU arithmetic), one
+    layer, a small vocabulary and 16 tokens: what fits a CPU test (3.6 GB at 8B)."""
+    check_equal(replace(PRESETS[name], n_layers=1, vocab=1024), "bf16,flash", batch=1, seq=16)
 
 
 def test_the_tracker_is_the_cpu_allocator_under_autocast():

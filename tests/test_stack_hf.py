@@ -2,8 +2,8 @@
 Transformers' own model classes (verify/hf.py) to the byte.
 
 Tiny models allocation by allocation for every architecture feature and trick set, on meta and on
-real CPU tensors; Llama-3-8B and Qwen3-8B at seq 8192; and each place where what is measured here
-is not what CUDA runs, named and pinned down.
+real CPU tensors; Llama-3-8B's, Qwen3-8B's and GPT-2's blocks at 8B width and seq 8192; and each place
+where what is measured here is not what CUDA runs, named and pinned down.
 """
 
 from __future__ import annotations
@@ -117,10 +117,15 @@ def test_grad_accumulation(tricks):
         assert_replayed(TINY[name], 24, 1, parse_tricks(tricks), grad_accum=3)
 
 
+# At 8B width the steps are measured three blocks deep (every byte of a block full size: what is measured is the
+# stack's bytes), but for one at full depth; the step grown from two and three blocks to the full depth equals
+# the full-depth replay for each trick set here (tests/test_exact_depth.py, test_grown_phases_with_transformers_model).
+
+
 @pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b"])
 def test_full_size_flash_ckpt(name):
-    """8B at seq 8192, bf16 + flash + full checkpointing: every byte count of the step."""
-    shape, t = PRESETS[name], parse_tricks("bf16,flash,ckpt")
+    """8B's blocks at seq 8192, three deep, bf16 + flash + full checkpointing: every byte count of the step."""
+    shape, t = replace(PRESETS[name], n_layers=3), parse_tricks("bf16,flash,ckpt")
     step, _ = measure_step(shape, 8192, 1, t, stack=HF)
     e = exact_step(shape, 8192, 1, t, stack=HF)
     for f in FIELDS:
@@ -141,8 +146,9 @@ def test_full_size_llama3_flash_depths_and_flops():
     assert flops_alone(shape, 8192, 1, t, HF)[0] == e.flops.counted
 
 
-@pytest.mark.parametrize("shape,tricks", [(GPT_8B, "bf16,flash,ckpt"), (GPT_8B, "bf16,flash"),
-                                          (PRESETS["qwen3-8b"], "bf16,selective")])  # fmt: skip
+@pytest.mark.parametrize("shape,tricks", [(replace(GPT_8B, n_layers=3), "bf16,flash,ckpt"),
+                                          (GPT_8B, "bf16,flash"),  # the hf stack's step at full depth, 36 blocks
+                                          (replace(PRESETS["qwen3-8b"], n_layers=3), "bf16,selective")])  # fmt: skip
 def test_full_size_other_cases(shape, tricks):
     t = parse_tricks(tricks)
     step, _ = measure_step(shape, 8192, 1, t, stack=HF)

@@ -3,7 +3,11 @@ AdamW8bit's) own, measured on meta, to the byte.
 
 Every implementation (loop = foreach=False, foreach, fused) × optimizer (AdamW, SGD with momentum,
 AdamW8bit) × recipe that applies (fp32; pure bf16 and pure fp16: 16-bit weights, grads and state, no
-master, no loss scaling), on tiny models allocation by allocation and at 8B width (qwen3-8b, seq 8192).
+master, no loss scaling), on tiny models allocation by allocation and at 8B width (qwen3-8b's blocks, seq
+8192, three of them: what is measured is the optimizer's bytes, every one full size). The step grown from
+two and three blocks to qwen3-8b's 36 equals the full-depth replay for each of them
+(tests/test_exact_depth.py, test_grown_phases_with_the_libraries_optimizers); the brief's command below
+verifies one three deep, and at full depth where MEMCALC_SLOW=1.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import functools
 import importlib.util
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -35,6 +40,7 @@ from verify.meta import measure_step  # noqa: E402
 from verify.run import verify  # noqa: E402
 
 QWEN3_8B = PRESETS["qwen3-8b"]
+QWEN3_8B_WIDTH = replace(QWEN3_8B, n_layers=3)  # three full-size blocks: exact_step grows from two and three
 PHASE_FIELDS = FIELDS + PEAKS_AT  # the phases' bytes, their peaks and where they are
 TINY = {  # a 4096-element wq (8-bit state in AdamW8bit) beside 64-element norms (fp32 state)
     "llama": ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",
@@ -88,7 +94,7 @@ def test_fp32_is_fp32_whatever_the_recipe(impl):
 
 @functools.lru_cache(maxsize=None)
 def full_size(shape: ModelShape, tricks: str, optimizer: str, impl: str):
-    """The exact step and the meta measurement at seq 8192 (measured once per test session)."""
+    """The exact step and the meta measurement at seq 8192 (measured once per test process)."""
     t, stack = parse_tricks(tricks), stack_for("torch", "pure", impl)
     step, _ = measure_step(shape, 8192, 1, t, stack=stack, optimizer=optimizer)
     return exact_step(shape, 8192, 1, t, 1, stack, optimizer), step
@@ -96,8 +102,8 @@ def full_size(shape: ModelShape, tricks: str, optimizer: str, impl: str):
 
 @pytest.mark.parametrize("optimizer,impl", OPTIMIZERS)
 def test_8b_pure_bf16_exact_equals_meta(optimizer, impl):
-    """qwen3-8b, seq 8192, pure bf16 + flash + ckpt: every phase and where its peak is, to the byte."""
-    e, step = full_size(QWEN3_8B, "bf16,flash,ckpt", optimizer, impl)
+    """qwen3-8b's blocks, seq 8192, pure bf16 + flash + ckpt: every phase and where its peak is, to the byte."""
+    e, step = full_size(QWEN3_8B_WIDTH, "bf16,flash,ckpt", optimizer, impl)
     for f in PHASE_FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
 
@@ -105,7 +111,7 @@ def test_8b_pure_bf16_exact_equals_meta(optimizer, impl):
 @pytest.mark.parametrize("tricks,impl", [("fp32,ckpt", "loop"), ("fp32,ckpt", "foreach"), ("fp32,ckpt", "fused"),
                                          ("fp16,flash,ckpt", "foreach")])  # fmt: skip
 def test_8b_fp32_and_pure_fp16_exact_equals_meta(tricks, impl):
-    e, step = full_size(QWEN3_8B, tricks, "adamw", impl)
+    e, step = full_size(QWEN3_8B_WIDTH, tricks, "adamw", impl)
     for f in PHASE_FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
 
@@ -137,11 +143,11 @@ def param_elements(shape: ModelShape) -> list[int]:
 
 @needs_bnb
 def test_8bit_state_is_bitsandbytes_layout():
-    """AdamW8bit's state at 8B: uint8 m and v and two fp32 absmax per 256-element block for tensors of
+    """AdamW8bit's state at 8B width: uint8 m and v and two fp32 absmax per 256-element block for tensors of
     4096 elements or more, fp32 m and v below (qwen3's 128-element q/k norms), two 256-entry fp32
     quantile maps (bitsandbytes/optim/optimizer.py Optimizer2State.init_state)."""
-    e, step = full_size(QWEN3_8B, "bf16,flash,ckpt", "adam8bit", "loop")
-    ns = param_elements(QWEN3_8B)
+    e, step = full_size(QWEN3_8B_WIDTH, "bf16,flash,ckpt", "adam8bit", "loop")
+    ns = param_elements(QWEN3_8B_WIDTH)
     big, small = [n for n in ns if n >= 4096], [n for n in ns if n < 4096]
     state = sum(2 * n + 2 * 4 * -(-n // 256) for n in big) + sum(2 * 4 * n for n in small) + 2 * 256 * 4
     assert small and step.state_bytes - step.weights_bytes == state == e.phases.state_bytes - e.phases.weights_bytes
@@ -218,10 +224,14 @@ def test_estimate_exact_with_the_other_optimizers(args):
     assert ("SGD with momentum (loop" if "sgd" in args else "bitsandbytes AdamW8bit (bf16") in out.stdout
 
 
-def test_verify_meta_pure_foreach_at_8b():
+@pytest.mark.parametrize("layers", [
+    ["--layers", "3"],  # qwen3-8b's blocks three deep (the growth to 36: test_exact_depth's LIBRARY)
+    pytest.param([], marks=pytest.mark.slow("the same command with --layers 3")),
+], ids=["3-layers", "36-layers"])  # fmt: skip
+def test_verify_meta_pure_foreach_at_8b(layers):
     """The brief's command: every row passes, the optimizer-step peak among them."""
     out = CliRunner().invoke(app, ["verify", "--device", "meta", "--stack", "torch", "--recipe", "pure",
                                    "--optimizer-impl", "foreach", "--params", "8e9", "--seq", "8192", "--tricks",
-                                   "bf16,flash,ckpt", "--format", "json"])  # fmt: skip
+                                   "bf16,flash,ckpt", "--format", "json", *layers])  # fmt: skip
     assert out.exit_code == 0, out.output
     assert '"optimizer-step peak"' in out.stdout and "_foreach_sqrt" in out.stdout

@@ -10,7 +10,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from memcalc.cli import app
+from memcalc.cli import app, main
 
 WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200", "NO_COLOR": "1"}
 MAIN_JOB = ["estimate", "--params", "8e9", "--seq", "8192"]
@@ -234,6 +234,15 @@ def test_python_dash_m_from_a_checkout():
                          capture_output=True, text=True, env=ENV, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "3,556,769,792" in out.stdout
+
+
+def test_main_builds_the_command_asked_for_alone(monkeypatch, capsys):
+    # main() builds only the named command (start-up); its answer is the whole app's
+    monkeypatch.setattr(sys, "argv", ["memcalc", "gpus", "--format", "json"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(run("gpus", "--format", "json").stdout)
 
 
 def test_estimate_never_imports_torch():

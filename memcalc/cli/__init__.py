@@ -4,6 +4,28 @@ run the engine through a view per mode (views, verify_runs) and hand the result 
 May import: everything in memcalc. Nothing imports it but memcalc.__main__ and the `memcalc` script.
 """
 
-from .commands import app, main
+import gc
 
 __all__ = ["app", "main"]
+
+
+def main() -> None:
+    """The `memcalc` script and `python -m memcalc`. Importing typer, rich and the commands makes some
+    100,000 objects and frees none: the collector's passes over them were a twentieth of the start-up
+    (valgrind), so it waits until they are imported, and then leaves them alone (they live as long as the
+    process); the command itself runs with it on."""
+    gc.disable()
+    try:
+        from .commands import main as run
+    finally:
+        gc.freeze()
+        gc.enable()
+    run()
+
+
+def __getattr__(name: str):
+    if name != "app":
+        raise AttributeError(f"module 'memcalc.cli' has no attribute {name!r}")
+    from .commands import app
+
+    return app

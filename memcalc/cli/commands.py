@@ -13,7 +13,7 @@ from typer.core import TyperGroup
 from memcalc.errors import InputError
 from memcalc.report import render
 
-from . import verify_runs, views
+from . import views
 from .inputs import (build_layout, build_routing, build_setup, check_format, parse_fraction, parse_positive,
                      parse_run, render_units, roofline_calibration)  # fmt: skip
 from .options import (Calibration, CapacityFactor, Config, Cp, DataParallelGpus, Detail, Dp, Ep, EstimateMfu,
@@ -45,7 +45,8 @@ class OneLineErrors(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-app = typer.Typer(cls=OneLineErrors, help=HELP, add_completion=False, no_args_is_help=True)
+APP = {"cls": OneLineErrors, "help": HELP, "add_completion": False, "no_args_is_help": True}
+app = typer.Typer(**APP)
 
 
 def show_version(value: bool) -> None:
@@ -298,6 +299,7 @@ def verify(
         from memcalc.model.shape import parse_count
         from memcalc.model.tricks import parse_tricks
 
+        from . import verify_runs
         from .inputs import resolve_model, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
@@ -378,4 +380,17 @@ def show_reference(name: str, fmt: str) -> None:
 
 
 def main() -> None:
-    app()
+    """The app with only the command asked for built: typer makes every command's options into click
+    objects before it parses, half of it the other commands' (valgrind: 25M of the 51M instructions);
+    `memcalc`, --help, --version or a name that is no command get the whole app."""
+    asked = [c for c in app.registered_commands if sys.argv[1:2] == [command_name(c)]]
+    if not asked:
+        return app()
+    one = typer.Typer(**APP)
+    one.registered_callback, one.registered_commands = app.registered_callback, asked
+    one()
+
+
+def command_name(info) -> str:
+    """A command's name as typer derives it from its function: plan_layouts -> plan-layouts."""
+    return info.name or info.callback.__name__.lower().replace("_", "-")

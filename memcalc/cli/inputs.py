@@ -8,7 +8,6 @@ import math
 from dataclasses import replace
 
 from memcalc.errors import InputError
-from memcalc.model.hfconfig import config_model
 from memcalc.model.presets import MAX_PARAMS, canonical_model, gpt, preset_model
 from memcalc.model.shape import MAX_SIZE, Model, longest_seq, n_params, override, parse_count
 from memcalc.model.tricks import PROGRESSION, Tricks, parse_tricks
@@ -50,6 +49,8 @@ def resolve_model(
         base = canonical_model(parse_count(params, "params", MAX_PARAMS))
         return Model(override(base.shape, **sizes), base.n_params, base.origin + overrides_note(sizes))
     if model or config:
+        from memcalc.model.hfconfig import config_model  # here: only --config reads a config.json
+
         base = preset_model(model) if model else config_model(config)
         shape = override(base.shape, **sizes)
         return Model(shape, n_params(shape), base.origin + overrides_note(sizes))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import math
@@ -120,6 +119,8 @@ def to_markdown(sections: list[Section], preamble: list[str] = (), exact: bool =
 
 
 def to_csv(headers: list[str], rows: list[list[object]]) -> str:
+    import csv  # here: only --format csv writes it
+
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(headers)

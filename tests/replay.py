@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from memcalc.model.shape import ModelShape
+
 FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes", "forward_peak_bytes",
           "backward_peak_bytes", "optimizer_peak_bytes")  # fmt: skip
 PEAKS_AT = ("forward_peak_at", "backward_peak_at", "optimizer_peak_at")
+# the textbook GPT layer at 8B width (MHA, 4h GELU MLP, biases: its linears are aten.addmm), 36 blocks
+GPT_8B = ModelShape(n_layers=36, hidden=4096, n_heads=32, vocab=50257, linear_bias=True, positions="learned",
+                    max_positions=8192, dropout=0.1, name="gpt-8b-width")  # fmt: skip
 
 
 def allocations(timeline, phase: str, state: int) -> list:

@@ -30,13 +30,10 @@ from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
-from tests.replay import FIELDS, PEAKS_AT, assert_same_step
+from tests.replay import FIELDS, GPT_8B, PEAKS_AT, assert_same_step
 
 POLICIES = ("ckpt:2", "ckpt:3", "sac")
 QWEN3_8B = PRESETS["qwen3-8b"]
-# the textbook GPT layer at 8B width (MHA, 4h GELU MLP, biases: its linears are aten.addmm)
-GPT_8B = ModelShape(n_layers=36, hidden=4096, n_heads=32, vocab=50257, linear_bias=True, positions="learned",
-                    max_positions=8192, dropout=0.1, name="gpt-8b-width")  # fmt: skip
 SMALL = {
     "llama": ModelShape(n_layers=7, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",
                         vocab=200, tied_embeddings=False, positions="rope", qk_norm=True),

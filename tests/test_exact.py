@@ -18,10 +18,9 @@ from memcalc.memory.activations import textbook_activations
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import parse_tricks
+from tests.replay import GPT_8B
 
 LLAMA_8B = PRESETS["qwen3-8b"]
-GPT_8B = ModelShape(n_layers=36, hidden=4096, n_heads=32, vocab=50257, linear_bias=True, positions="learned",
-                    max_positions=8192, dropout=0.1, name="gpt-8b-width")  # fmt: skip
 SMALL = ModelShape(n_layers=3, hidden=256, n_heads=8, n_kv_heads=2, ffn=704, gated_mlp=True, norm="rmsnorm",
                    vocab=1000, positions="rope", qk_norm=True, tied_embeddings=False)  # fmt: skip
 

@@ -14,16 +14,21 @@ from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import PROGRESSION, parse_tricks
+from tests.replay import GPT_8B
 
 TRICKS = [*PROGRESSION, parse_tricks("fp16,flash,ckpt"), parse_tricks("fp16"), parse_tricks("fp32,ckpt")]
 
 
-@pytest.mark.parametrize("name, seq", [("qwen3-8b", 8192), ("llama3-8b", 8192), ("gpt2", 1024), ("qwen3-0.6b", 512)])
+SHAPES = {**PRESETS, "gpt-8b-width": GPT_8B}
+
+
+@pytest.mark.parametrize("name, seq", [("qwen3-8b", 8192), ("llama3-8b", 8192), ("gpt2", 1024), ("qwen3-0.6b", 512),
+                                       ("gpt-8b-width", 8192)])  # fmt: skip
 @pytest.mark.parametrize("tricks", TRICKS, ids=lambda t: t.label)
 def test_grown_phases_equal_the_full_depth_replay(name, seq, tricks):
     """At 8B the backward peak moves, with depth, from the loss into the last block's recompute (the
     gradients of the blocks done outgrow the activations they freed): growing each segment finds it."""
-    assert_grown_equals_replay(PRESETS[name], seq, 1, tricks, 1)
+    assert_grown_equals_replay(SHAPES[name], seq, 1, tricks, 1)
 
 
 def assert_grown_equals_replay(shape, seq, mb, tricks, ga):

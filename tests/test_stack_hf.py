@@ -34,6 +34,7 @@ from memcalc.model.shape import Model, ModelShape  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from tests.replay import FIELDS, assert_same_step  # noqa: E402
+from tests.replay import GPT_8B as REPLAY_GPT_8B  # noqa: E402
 from tests.test_verify_meta import flops_alone  # noqa: E402
 from verify.hf import build_hf, cuda_paths, hf_config  # noqa: E402
 from verify.meta import measure_step, saved_at_depth  # noqa: E402
@@ -42,8 +43,7 @@ from verify.run import verify  # noqa: E402
 HF = stack_for("hf", recipe="master", impl="reference")  # the recipe verify/recipes.py trains
 ALL_TRICKS = ("fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective", "bf16,flash,selective",
               "bf16,ckpt")  # fmt: skip
-GPT_8B = ModelShape(n_layers=36, hidden=4096, n_heads=32, vocab=50257, linear_bias=True, positions="learned",
-                    max_positions=8192, dropout=0.1, name="gpt2-8b-width")  # fmt: skip
+GPT_8B = replace(REPLAY_GPT_8B, name="gpt2-8b-width")  # built as Transformers' GPT-2
 
 TINY = {  # each builds as the Transformers architecture named
     "llama": ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",

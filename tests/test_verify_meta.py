@@ -1,7 +1,9 @@
 """The meta-device verification: memcalc.exact's prediction equals the measurement, to the byte.
 
-At full size (an 8B model, seq 8192) for both families and the trick sets the issue names, and on
-tiny models for every shape feature and trick set, allocation by allocation.
+At 8B width (seq 8192) for both families and the trick sets the issue names: two of them verified end to end
+at full depth (36 blocks), the others three blocks deep (at 36 where MEMCALC_SLOW=1; the step grown from two
+and three blocks to 36 equals the full-depth replay: tests/test_exact_depth.py); and on tiny models for every
+shape feature and trick set, allocation by allocation.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from memcalc.model.shape import Model, ModelShape  # noqa: E402
 from memcalc.model.stacks import DEFAULT_STACK, Stack  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from memcalc.verification.results import VerifyResult  # noqa: E402
-from tests.replay import FIELDS, assert_same_step  # noqa: E402
+from tests.replay import FIELDS, GPT_8B, assert_same_step  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402
 from verify.meta import (  # noqa: E402
     FLASH_FORMULAS,
@@ -50,9 +52,6 @@ from verify.recipes import recipe_for  # noqa: E402
 from verify.run import verify  # noqa: E402
 
 LLAMA_8B = PRESETS["qwen3-8b"]  # what --params 8e9 picks
-# the textbook layer at 8B width
-GPT_8B = ModelShape(n_layers=36, hidden=4096, n_heads=32, vocab=50257, linear_bias=True, positions="learned",
-                    max_positions=8192, dropout=0.1, name="gpt-8b-width")  # fmt: skip
 REQUIRED = ("fp32", "bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective")
 
 TINY = {
@@ -91,16 +90,20 @@ def assert_exact_equals_meta(shape: ModelShape, tricks: Tricks, step) -> None:
     assert step.flops == e.flops.counted
 
 
-# Two of the pairs are measured by verify's runs end to end (the tests after this one): each of those
-# asserts the step verify measured, so that an 8B step is measured once per pair.
+# Two of the pairs are measured by verify's runs end to end at full depth (the tests after this one): each of
+# those asserts the step verify measured, so that an 8B step is measured once per pair. The others are measured
+# three blocks deep (every byte of a block full size), at all 36 where MEMCALC_SLOW=1.
 VERIFIED = (("llama", "bf16,flash,ckpt"), ("gpt", "bf16"))
+DEPTHS = [3, pytest.param(36, marks=pytest.mark.slow("the same three blocks deep, and "
+                                                     "tests/test_exact_depth.py's growth to 36"))]  # fmt: skip
 
 
+@pytest.mark.parametrize("layers", DEPTHS)
 @pytest.mark.parametrize("family,tricks", [p for p in itertools.product(("llama", "gpt"), REQUIRED)
                                            if p not in VERIFIED])
-def test_full_size_exact_equals_meta(family, tricks):
-    """8B, seq 8192: every byte count of the step, predicted = measured (no tolerance needed)."""
-    shape, t = (LLAMA_8B if family == "llama" else GPT_8B), parse_tricks(tricks)
+def test_full_size_exact_equals_meta(family, tricks, layers):
+    """8B width, seq 8192: every byte count of the step, predicted = measured (no tolerance needed)."""
+    shape, t = replace(LLAMA_8B if family == "llama" else GPT_8B, n_layers=layers), parse_tricks(tricks)
     step, _ = measure_step(shape, 8192, 1, t)
     assert_exact_equals_meta(shape, t, step)
 
@@ -193,12 +196,14 @@ def test_verify_meta_end_to_end_gpt():
 
 
 def test_full_size_flops_and_depths():
-    """FLOPs under FlopCounterMode, and per-layer saved bytes from depths 1 and 2, at 8B (the step's FLOPs: the
-    tests above)."""
+    """FLOPs under FlopCounterMode in a pass of their own three blocks deep, and per-layer saved bytes from
+    depths 1 and 2, at 8B width (the step's FLOPs: the tests above; grown from two and three blocks to 36 they
+    equal the full-depth replay's: tests/test_exact_depth.py; the verify runs above count them at 36)."""
     for shape, tricks in ((LLAMA_8B, "bf16,flash,selective"), (GPT_8B, "bf16,ckpt")):
         t = parse_tricks(tricks)
+        short = replace(shape, n_layers=3)
+        assert flops_alone(short, 8192, 1, t)[0] == exact_step(short, 8192, 1, t).flops.counted
         e = exact_step(shape, 8192, 1, t)
-        assert flops_alone(shape, 8192, 1, t)[0] == e.flops.counted
         one, two = saved_at_depth(shape, 8192, 1, t, 1), saved_at_depth(shape, 8192, 1, t, 2)
         assert two - one == e.activations.per_layer_bytes
         assert 2 * one - two == e.activations.outside_bytes

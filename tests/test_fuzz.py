@@ -150,7 +150,7 @@ def test_fit_answers_or_says_why(model, options):
     check(args, run(args))
 
 
-@examples(15)
+@examples(8, slow=15)
 @given(model=model_options, gpus=st.sampled_from(["8", "16", "64", "0", "x", "3"]),
        batch=st.sampled_from(["8", "64", "512", "0", "7"]),
        options=some(flag("--seq", ["1024", "4k", "0"]), flag("--tricks", ["bf16,flash", "bf16", "bf16,flash,selective",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from memcalc.exact.kernels import merged
 from memcalc.model.shape import ModelShape
 
 FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes", "forward_peak_bytes",
@@ -27,3 +28,9 @@ def assert_same_step(phases, g, mem, step, live, label) -> None:
     for phase in ("forward", "backward", "optimizer"):
         a, b = allocations(mem.timeline, phase, phases.state_bytes), allocations(live.timeline, phase, step.state_bytes)
         assert a == b, (label, phase)
+
+
+def launches(kernels) -> list[tuple]:
+    """Each distinct kernel, layer aside, in the order first launched, with how many times it is launched
+    (memcalc.exact.kernels.merged): what two blocks, or a trace and its collapsed form, compare by."""
+    return [(tuple(row[:-2]), row[-1]) for row in merged(kernels)]

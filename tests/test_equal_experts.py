@@ -10,13 +10,13 @@ import pytest
 
 from memcalc.exact.builder import expert_runs
 from memcalc.exact.config import Config
-from memcalc.exact.kernels import merged
 from memcalc.exact.mirror import simulate, trace
 from memcalc.exact.step import to_terms
 from memcalc.exact.tensors import Region
 from memcalc.exact.zero import Sharding
 from memcalc.model.presets import preset
 from memcalc.model.tricks import parse_tricks
+from tests.replay import launches
 from tests.test_moe_verify import TINY
 
 TRICKS = ("fp32", "fp16", "bf16,flash,ckpt", "bf16,selective", "bf16,ckpt:2", "bf16,flash,sac")
@@ -36,10 +36,6 @@ def assert_same(cfg: Config, sharding: Sharding | None = None) -> None:
     assert to_terms(ga.saved_terms) == to_terms(gb.saved_terms)
 
 
-def launches(cfg: Config) -> list:
-    return merged(trace(cfg))
-
-
 MOE = [name for name, shape in TINY.items() if shape.n_experts]
 
 
@@ -49,7 +45,7 @@ def test_collapsed_step_equals_every_expert_replayed(name):
     for tricks in TRICKS:
         assert_same(config(TINY[name], 31, 2, tricks))
         cfg = config(TINY[name], 31, 1, tricks, 1)
-        assert launches(cfg) == launches(replace(cfg, collapse=False))
+        assert launches(trace(cfg)) == launches(trace(replace(cfg, collapse=False)))
     assert_same(config(TINY[name], 32, 1, "bf16"))
 
 

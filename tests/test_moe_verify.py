@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from memcalc.exact.builder import build as mirror_build  # noqa: E402
 from memcalc.exact.config import Config  # noqa: E402
-from memcalc.exact.kernels import counted_flops, kernels_of, merged, traced_blocks  # noqa: E402
+from memcalc.exact.kernels import counted_flops, kernels_of, traced_blocks  # noqa: E402
 from memcalc.exact.mirror import simulate, trace  # noqa: E402
 from memcalc.exact.sim import Graph  # noqa: E402
 from memcalc.exact.step import exact_step, step_phases  # noqa: E402
@@ -21,7 +21,7 @@ from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
-from tests.replay import FIELDS, assert_same_step  # noqa: E402
+from tests.replay import FIELDS, assert_same_step, launches  # noqa: E402
 from tests.test_verify_meta import flops_alone  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402
 from verify.meta import measure_step  # noqa: E402
@@ -93,11 +93,6 @@ def test_dense_blocks_then_moe_grow_to_the_full_depth(layers, dense, tricks):
         assert getattr(e.phases, f) == getattr(grown, f) == getattr(full, f) == getattr(step, f), f
     assert e.activations.total_bytes == step.saved_bytes
     assert e.flops.counted == step.flops
-
-
-def launches(kernels) -> list[tuple]:
-    """Each distinct kernel, in the order first launched, with how many times it is (kernels.merged)."""
-    return [(tuple(row[:-2]), row[-1]) for row in merged(kernels)]
 
 
 @pytest.mark.parametrize("tricks", ["bf16", "bf16,flash,ckpt", "fp16"])

@@ -17,7 +17,7 @@ from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.exact import aten
 from memcalc.exact.config import Config
-from memcalc.exact.kernels import TRACES, kernels_of, merged
+from memcalc.exact.kernels import TRACES, kernels_of
 from memcalc.exact.mirror import trace
 from memcalc.exact.sim import Graph
 from memcalc.exact.step import exact_step
@@ -29,6 +29,7 @@ from memcalc.model.tricks import parse_tricks
 from memcalc.time.attention_io import attention_time
 from memcalc.time.calibration import PARAMETERS, calibration_for, defaults, from_dict
 from memcalc.time.roofline import step_time
+from tests.replay import launches
 
 QWEN_8B = PRESETS["qwen3-8b"]
 SMALL = ModelShape(n_layers=3, hidden=256, n_heads=8, n_kv_heads=2, ffn=704, gated_mlp=True, norm="rmsnorm",
@@ -120,9 +121,9 @@ def test_every_layer_runs_the_one_layer_kernels(shape, tricks, batch):
     t = parse_tricks(tricks)
     full = trace(Config(shape, 64, batch, t.precision, t.flash, t.recompute))
     one = kernels_of(shape, 64, batch, t)  # each distinct kernel once, with its count (kernels.merged)
-    block = [(k.key(), k.count) for k in one if k.layer == 0]
+    block = launches(k for k in one if k.layer == 0)
     for layer in range(shape.n_layers):
-        assert [(tuple(r[:-2]), r[-1]) for r in merged(k for k in full if k.layer == layer)] == block
+        assert launches(k for k in full if k.layer == layer) == block
     outside = Counter({k.key(): k.count for k in one if k.layer is None})
     assert Counter(k.key() for k in full if k.layer is None) == outside
 

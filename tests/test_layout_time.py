@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
+from memcalc.model.moe import Routing
 from memcalc.model.presets import preset, preset_model
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import Tricks
@@ -99,7 +100,29 @@ def test_the_bound_never_exceeds_the_step():
         assert block_lower_bound(shape, 8192, b, FLASH, H100, CAL) <= exact.block_forward + exact.block_backward
 
 
-@pytest.mark.parametrize("name, gpus, seq, batch", [("llama3-8b", 16, 4096, 64), ("qwen3-0.6b", 8, 2048, 32)])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_the_bound_never_exceeds_the_step_of_a_mixture_of_experts(name):
+    # the bound counts the MoE layers' routed and shared experts and latent attention at their own width,
+    # the all-to-alls no compute hides and the CPU's Adam under offload: all of them stay at or below the step
+    rng = random.Random(7)
+    model = preset_model(name)
+    pps = [p for p in (1, 2) if model.shape.n_layers % p == 0]  # a MoE's stages are even
+    for _ in range(6):
+        tp, cp, ep = rng.choice([1, 2, 4]), rng.choice([1, 2]), rng.choice([1, 8, 16])
+        offload = rng.random() < 0.3
+        layout = Layout(tp=tp, pp=1 if offload else rng.choice(pps), cp=cp, dp=16, zero=3 if offload else 1, sp=tp > 1, ep=ep,
+                        offload_optimizer=offload)  # fmt: skip
+        routing = rng.choice([Routing(), Routing(capacity_factor=0.5), Routing(imbalance=1.5)])
+        setup = Setup(seq_len=4096, micro_batch=rng.choice([1, 2]), grad_accum=rng.choice([2, 4]), routing=routing)
+        tricks = Tricks(flash=True, recompute=rng.choice(["none", "full"]))
+        est = layout_estimate(model, setup, H100, tricks, layout)
+        for traced in (True, False):
+            bound = step_lower_bound(model, setup, H100, tricks, layout, est.memory, traced=traced)
+            assert 0 < bound <= est.time.step_seconds, (layout, setup, tricks, traced)
+
+
+@pytest.mark.parametrize("name, gpus, seq, batch", [("llama3-8b", 16, 4096, 64), ("qwen3-0.6b", 8, 2048, 32),
+                                                   ("qwen3-30b-a3b", 8, 2048, 16)])
 def test_pruning_changes_nothing(name, gpus, seq, batch):
     pruned = plan(preset_model(name), H100, gpus, seq, batch)
     every = plan(preset_model(name), H100, gpus, seq, batch, prune=False)

@@ -6,7 +6,6 @@ MoE layer's (moe_layer_activations), and the first stage's activations outside t
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from memcalc.model.moe import routed_tokens
 from memcalc.model.shape import ModelShape
@@ -16,11 +15,9 @@ from memcalc.terms import Term
 
 from .engines import MEGATRON, MEGATRON_MEMORY
 
-if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this module
-    from .layout import Layout
-
 
 KORTHIKANTI_T2 = "Korthikanti et al. 2022, Table 2"
+
 
 @record(slots=True)
 class LayerActivations:
@@ -101,16 +98,17 @@ def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
 
 
 @lru_cache(maxsize=4096)
-def moe_layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout,
-                          routing) -> LayerActivations:  # fmt: skip
+def moe_layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, tp: int, sp: bool,
+                          cp: int, ep: int, etp: int, routing) -> LayerActivations:  # fmt: skip
     """A MoE layer on one GPU of the layout: attention and norms as Korthikanti's Table 2 (the MLP's parts left
     out, latent attention's per-head tensors split by tp), then the MoE block of memcalc.memory.moe on this
     GPU's T = (s/c)·b/t tokens (sequence parallel) and the R tokens its E/ep experts receive (routed_tokens
-    over the ep group; etp times as many with expert TP, each expert's MLP 1/etp wide)."""
+    over the ep group; etp times as many with expert TP, each expert's MLP 1/etp wide). Keyed by the layout's
+    sizes it reads, not the layout: the planner's ZeRO and offload variants share one."""
     from memcalc.memory.moe import latent_attention_term
 
     x = 2 if tricks.precision == "fp32" else 1
-    t, sp, c, h, E, k = layout.tp, layout.sp, layout.cp, shape.hidden, shape.n_experts, shape.experts_per_token
+    t, c, h, E, k = tp, cp, shape.hidden, shape.n_experts, shape.experts_per_token
     s, b = seq_len // c, micro_batch
     sbh, rep = s * b * h, t if sp else 1
     if shape.is_mla:  # input and latents replicated, the per-head Q, K, V and projection input split
@@ -122,13 +120,13 @@ def moe_layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tri
     attention = Term("attention (linear part) and norms", linear + x * 4 * sbh // rep, "", KORTHIKANTI_T2)
     scores = Term("attention s×s (softmax, mask, dropout)", x * 5 * shape.n_heads * s * s * b // t, "", KORTHIKANTI_T2)
     T = s * b // rep  # tokens this GPU routes
-    R = routed_tokens(shape, T, routing, layout.ep) * layout.etp  # tokens its experts compute
+    R = routed_tokens(shape, T, routing, ep) * etp  # tokens its experts compute
     w = 2 * x
     per_token = 8 if shape.gated_mlp else 4
     fp32 = 4 * T * h if shape.router_fp32 and x == 1 else 0
     moe = Term("MoE: router, top-k, tokens received, experts, combine, shared experts",
                w * T * h + 4 * T * E + fp32 + 12 * T * k + 8 * T * k + w * R * h + x * per_token * R * shape.routed_ffn
-               // layout.etp + w * T * k * h + w * T * k + 8 * T * k + x * 8 * T * shape.shared_ffn // t,
+               // etp + w * T * k * h + w * T * k + 8 * T * k + x * 8 * T * shape.shared_ffn // t,
                "", "memcalc.memory.moe on this GPU's tokens (docs/moe.md)")  # fmt: skip
     layer_input = Term("layer input (checkpoint)", x * 2 * sbh // rep, "", "Korthikanti et al. 2022, sec. 5")
     return kept_and_rebuilt(tricks, t, sp, c, (attention, scores, moe), scores, layer_input)

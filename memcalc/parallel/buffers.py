@@ -66,11 +66,12 @@ def cp_buffers(shape: ModelShape, seq_len: int, micro_batch: int, tp: int, cp: i
 
 
 @lru_cache(maxsize=1024)
-def ep_buffers(shape: ModelShape, seq_len: int, micro_batch: int, layout: Layout, act_bytes: int, routing) -> Term:
+def ep_buffers(shape: ModelShape, seq_len: int, micro_batch: int, tp: int, sp: bool, cp: int, ep: int, act_bytes: int,
+               routing) -> Term:  # fmt: skip
     """The all-to-all's buffers, one MoE layer at a time: this GPU's T·k routed token copies going out and the R
     coming in (Megatron-LM's MoEAlltoAllTokenDispatcher permutes, then all-to-alls into a new tensor)."""
-    T = seq_len // layout.cp * micro_batch // (layout.tp if layout.sp else 1)
-    R = routed_tokens(shape, T, routing, layout.ep)
+    T = seq_len // cp * micro_batch // (tp if sp else 1)
+    R = routed_tokens(shape, T, routing, ep)
     value = (T * shape.experts_per_token + R) * shape.hidden * act_bytes
     return Term("EP all-to-all send + receive buffers", value, f"(T·k + R)·{{h}}·{act_bytes}",
                 "Megatron-LM MoEAlltoAllTokenDispatcher")  # fmt: skip

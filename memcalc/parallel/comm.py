@@ -24,6 +24,7 @@ from functools import lru_cache
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import GPU
+from memcalc.model.params import latent_attention_params
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.records import record
@@ -32,9 +33,9 @@ from memcalc.time.stages import StageKernels, block_lower_bound, stage_kernels
 
 from .data_parallel import dp_comm, offload_comm, unit_fraction
 from .engines import grad_reduce_bytes
-from .experts import busiest_experts_flops, ep_comm, expert_dp_comm
+from .experts import busiest_experts_flops, ep_comm, expert_dp_comm, moe_tokens
 from .layout import Layout
-from .links import ASSUMPTIONS, FABRICS, Assumptions, Comm, MicroBatch, link_for, ring, send
+from .links import ASSUMPTIONS, FABRICS, Assumptions, Comm, Fabric, MicroBatch, link_for, ring, send
 from .params import stage_weights
 from .pipeline import bubble_fraction, layers_per_stage
 from .stage_memory import LayoutMemory
@@ -260,23 +261,70 @@ def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
         once = (m - 1) * layers * k.block_accumulate + (0.0 if layout.offload_optimizer else layers * k.optimizer_block)
     else:
         rate = gpu.peak_flops(tricks.precision) * cal.matmul
-        block, once = 6 * matmul_weights(model.shape, layout.tp) * setup.micro_batch * seq / rate, 0.0
+        block, once = block_matmul_flops(model, setup, layout) / rate, 0.0
     per_mb = layers * block
-    mb = MicroBatch(per_mb / 3, 2 * per_mb / 3, 0.0, 0.0, layers)
     fabric = FABRICS[gpu.key]
-    args = (layout, model, setup, tricks, fabric, assume, mb)
-    unhidden = sum(c.seconds for c, share in ((tp_comm(*args), assume.overlap_tp), (pp_comm(*args), assume.overlap_pp))
-                   if c is not None and share == 0)  # fmt: skip
+    mb = MicroBatch(per_mb / 3, 2 * per_mb / 3, 0.0, 0.0, layers)
+    if layout.offload_optimizer:  # the CPU's Adam, on the critical path (offload_comm)
+        w, gw = 4 if tricks.precision == "fp32" else 2, grad_reduce_bytes(setup.stack.engine, tricks.precision)
+        once += offload_comm(layout, max(st.params for st in memory.stages), w, gw, m, fabric, assume, mb)[1]
+    unhidden = unhidden_seconds(model, setup, tricks, layout, fabric, assume, layers)
     return (per_mb + unhidden) * (m + (p - 1) / layout.vpp) + once
+
+
+# unhidden_seconds' answers: the planner asks again for every ZeRO and offload variant of a layout
+UNHIDDEN: dict[tuple, float] = {}
+
+
+def unhidden_seconds(model: Model, setup: Setup, tricks: Tricks, layout: Layout, fabric: Fabric,
+                     assume: Assumptions, layers: int) -> float:  # fmt: skip
+    """Per micro-batch, the TP, PP and EP traffic whose overlap share is 0, exposed whatever the compute;
+    remembered by what tp_comm, pp_comm and ep_comm read (the model, sequence, micro-batch, routing, tricks,
+    the layout's sizes, not its sharding)."""
+    key = (model, setup.seq_len, setup.micro_batch, setup.routing, tricks, layout.tp,
+           layout.sp, layout.pp, layout.vpp, layout.cp, layout.dp, layout.ep, layout.etp, layout.gpus_per_node, fabric,
+           assume, layers)  # fmt: skip
+    seconds = UNHIDDEN.get(key)
+    if seconds is None:
+        args = (layout, model, setup, tricks, fabric, assume, MicroBatch(0.0, 0.0, 0.0, 0.0, layers))
+        shares = [(tp_comm(*args), assume.overlap_tp), (pp_comm(*args), assume.overlap_pp)]
+        shares += [(c, assume.overlap_tp if c.name.startswith("ETP") else assume.overlap_ep) for c in ep_comm(*args)]
+        seconds = sum(c.seconds for c, share in shares if c is not None and share == 0)
+        if len(UNHIDDEN) > 1 << 16:
+            UNHIDDEN.clear()
+        UNHIDDEN[key] = seconds
+    return seconds
+
+
+def block_matmul_flops(model: Model, setup: Setup, layout: Layout) -> int:
+    """One block's matmul FLOPs on one GPU for one micro-batch, forward and backward (6 per weight per token),
+    no more than the block's kernels run: Q, K, V, O and the MLP split over tp; a mixture of experts' MoE
+    layer as its R routed tokens through their experts and every token through the shared ones, or the
+    dense layer's MLP where that is less (memcalc.model.moe.routed_tokens)."""
+    shape, tokens = model.shape, setup.micro_batch * (setup.seq_len // layout.cp)
+    flops = 6 * matmul_weights(shape, layout.tp) * tokens
+    if shape.is_moe:
+        n_in, h = (2 if shape.gated_mlp else 1), shape.hidden
+        routed = moe_tokens(model, setup, layout)[1] * (n_in + 1) * h * shape.routed_ffn
+        moe = routed + tokens * (n_in + 1) * h * shape.shared_ffn // layout.tp
+        flops += 6 * min(moe, tokens * (n_in + 1) * h * shape.ffn // layout.tp)
+    return flops
 
 
 @lru_cache(maxsize=256)
 def matmul_weights(shape: ModelShape, tp: int) -> int:
-    """One block's matmul weights on one TP rank: Q, K, V, O and the MLP's matrices, split over tp."""
+    """One block's matmul weights on one TP rank, at most: Q, K, V, O (latent attention's projections, less
+    their norms' weights) and the MLP's matrices, split over tp; a mixture of experts' MLP left out
+    (block_matmul_flops counts it by tokens)."""
     n_in = 2 if shape.gated_mlp else 1
     h = shape.hidden
-    mlp = 0 if shape.n_experts else (n_in + 1) * h * shape.ffn  # a MoE's: left out (a bound stays a bound)
-    return (2 * h * shape.q_dim + 2 * h * shape.kv_dim + mlp) // tp
+    mlp = 0 if shape.n_experts else (n_in + 1) * h * shape.ffn
+    if shape.is_mla:  # memcalc.model.params.latent_attention_params, norm weights left out
+        norm = 2 if shape.norm == "layernorm" else 1
+        attention = latent_attention_params(shape) - norm * (shape.q_lora_rank + shape.kv_lora_rank)
+    else:
+        attention = 2 * h * shape.q_dim + 2 * h * shape.kv_dim
+    return (attention + mlp) // tp
 
 
 def tp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:

@@ -177,7 +177,8 @@ def moe_stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
     if layout.cp > 1:
         buffers.append(cp_buffers(shape, s.seq_len, s.micro_batch, layout.tp, layout.cp, tricks.act_bytes))
     if layout.ep > 1:
-        buffers.append(ep_buffers(shape, s.seq_len, s.micro_batch, layout, tricks.act_bytes, s.routing))
+        buffers.append(ep_buffers(shape, s.seq_len, s.micro_batch, layout.tp, layout.sp, layout.cp, layout.ep,
+                                  tricks.act_bytes, s.routing))  # fmt: skip
     logits = ()
     if last:
         logits = logits_terms(shape, s.seq_len, s.micro_batch, tricks.precision, layout.tp, layout.cp)
@@ -187,7 +188,8 @@ def moe_stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
         layer=layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout.tp, layout.sp, layout.cp),
         held=-(-held * dense // per), buffers=tuple(buffers), logits=logits, usable_bytes=gpu.usable_bytes,
         host_usable_bytes=host_share(s, layout),
-        moe_layer=moe_layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout, s.routing),
+        moe_layer=moe_layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout.tp, layout.sp, layout.cp,
+                                        layout.ep, layout.etp, s.routing),
         moe_held=-(-held * moe // per), expert_params=experts,
     )  # fmt: skip
 

@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memcalc.errors import InputError
@@ -283,3 +283,53 @@ def test_tp_ranks_together_hold_every_layer_parameter(shape):
     replicated = {(t * tp_layer_params(shape, t) - layer_params(shape)) // (t - 1)
                   for t in (2, 4, 8) if not (shape.n_heads % t or shape.n_kv_heads % t or shape.ffn % t)}  # fmt: skip
     assert len(replicated) <= 1
+
+
+def test_the_halves_of_stage_memory_cover_the_layout():
+    # stage_state and stage_activations are remembered by the layout fields they read: every field is read
+    # by one or both, and each leaves alone only what it cannot depend on (a new field must be placed)
+    from dataclasses import fields
+
+    from memcalc.parallel.stage_memory import ACTIVATION_FIELDS, STATE_FIELDS
+
+    every = {f.name for f in fields(Layout)}
+    assert every - set(STATE_FIELDS) == {"sp", "vpp"}
+    assert every - set(ACTIVATION_FIELDS) == {"zero", "hybrid", "offload_optimizer", "offload_params",
+                                              "reshard_after_forward"}  # fmt: skip
+
+
+PEAK_MODELS = {"dense": preset_model("llama3-70b"), "moe": preset_model("qwen3-30b-a3b")}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(kind=st.sampled_from(["dense", "moe"]), stack=st.sampled_from(["reference", "megatron", "deepspeed", "fsdp2"]),
+       tp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2]),
+       dp=st.sampled_from([1, 2, 8]), zero=st.integers(0, 3), hybrid=st.booleans(), sp=st.booleans(),
+       vpp=st.sampled_from([1, 2]), offload=st.sampled_from([(False, False), (True, False), (True, True)]),
+       ep=st.sampled_from([1, 2, 8]), b=st.sampled_from([1, 2]), m=st.sampled_from([1, 4]),
+       recompute=st.sampled_from(["none", "full"]))  # fmt: skip
+def test_the_planner_peak_is_the_layout_memory(kind, stack, tp, pp, cp, dp, zero, hybrid, sp, vpp, offload, ep, b, m,
+                                               recompute):  # fmt: skip
+    # plan decides fit from layout_peak, the sums of each stage's two remembered halves: equal to
+    # layout_memory's stages, and the same whether a half was remembered from another layout or made anew
+    from hypothesis import assume
+
+    from memcalc.model.stacks import STACKS
+    from memcalc.parallel.stage_memory import HALVES, layout_peak
+
+    model = PEAK_MODELS[kind]
+    sp, vpp, zero = sp and tp > 1 or (kind == "moe" and tp > 1), vpp if pp > 1 else 1, 3 if offload[1] else zero
+    tricks, setup = Tricks(flash=True, recompute=recompute), Setup(seq_len=4096, micro_batch=b, grad_accum=m,
+                                                                  stack=STACKS[stack if kind == "dense" else "reference"])  # fmt: skip
+    try:
+        layout = Layout(tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, hybrid=hybrid, sp=sp, vpp=vpp, ep=ep if kind == "moe" else 1,
+                        offload_optimizer=offload[0], offload_params=offload[1])  # fmt: skip
+        memory = layout_memory(model, setup, H100, tricks, layout, ends_only=True)
+    except InputError:
+        assume(False)
+    warm = layout_peak(model, setup, H100, tricks, layout)
+    HALVES.clear()
+    cold = layout_peak(model, setup, H100, tricks, layout)
+    assert (warm.total_bytes, warm.fits, warm.params) == (cold.total_bytes, cold.fits, cold.params)
+    assert (cold.total_bytes, cold.fits, cold.stage_layers) == (memory.total_bytes, memory.fits, memory.stage_layers)
+    assert cold.params == memory.params

@@ -5,13 +5,12 @@ stack (memcalc.exact.recipes), with every phase's peak; and trace(), the kernels
 
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import replace
 
 from . import builder, hf, recipes
 from .amp import AutocastRecipe
 from .builder import Model
+from .collection import no_collection
 from .config import Config, Phases
 from .kernels import Kernel
 from .recipes import Recipe, TorchRecipe, check_simulated
@@ -68,20 +67,6 @@ def update(recipe, zero: Zero | None) -> None:
         recipe.update()
     else:
         zero.update(recipe)
-
-
-@contextmanager
-def no_collection():
-    """The cyclic garbage collector off while a step is simulated: the step's storages are freed by their
-    reference counts, as torch's are (none is in a cycle: the replays equal meta's allocation by allocation),
-    and a collection would only scan the tens of thousands of objects a step makes (~15% of its time)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def trace(cfg: Config) -> list[Kernel]:

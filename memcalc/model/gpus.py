@@ -49,10 +49,10 @@ class GPU:
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s for matmuls in that precision recipe."""
-        tflops = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp32": self.fp32_tflops}[precision]
-        return tflops * 1e12
+        return getattr(self, PEAK_FIELDS[precision]) * 1e12
 
 
+PEAK_FIELDS = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops"}  # GPU.peak_flops by precision
 H100_DATASHEET = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 A100_DATASHEET = "https://www.nvidia.com/en-us/data-center/a100/"  # the specifications table (datasheet r4)
 

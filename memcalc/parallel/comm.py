@@ -31,14 +31,14 @@ from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.stages import StageKernels, block_lower_bound, stage_kernels
 
-from .data_parallel import dp_comm, offload_comm, unit_fraction
+from .data_parallel import cpu_adam_seconds, dp_comm, offload_comm, unit_fraction
 from .engines import grad_reduce_bytes
 from .experts import busiest_experts_flops, ep_comm, expert_dp_comm, moe_tokens
 from .layout import Layout
 from .links import ASSUMPTIONS, FABRICS, Assumptions, Comm, Fabric, MicroBatch, link_for, ring, send
 from .params import stage_weights
 from .pipeline import bubble_fraction, layers_per_stage
-from .stage_memory import LayoutMemory
+from .stage_memory import LayoutMemory, LayoutPeak, layout_memory
 
 
 @record(slots=True)
@@ -234,7 +234,8 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
     )
 
 
-def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, memory: LayoutMemory,
+def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
+                     memory: LayoutMemory | LayoutPeak,
                      assume: Assumptions = ASSUMPTIONS, timing: Calibration | float | None = None,
                      traced: bool = True) -> float:  # fmt: skip
     """A step time step_time never goes under, from the kernels of one sequence per micro-batch (one trace
@@ -245,6 +246,8 @@ def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
     traced=False: a looser bound that traces nothing, the blocks' matmuls alone at the matmul peak the
     roofline allows them (6 FLOPs per weight per token, forward and backward)."""
     if isinstance(timing, float):
+        if isinstance(memory, LayoutPeak):  # step_time reads every kept stage's parameters
+            memory = layout_memory(model, setup, gpu, tricks, layout, ends_only=True)
         return step_time(model, setup, gpu, tricks, layout, memory, assume, timing).step_seconds
     cal = timing if isinstance(timing, Calibration) else calibration_for(gpu.key)
     m, p = setup.grad_accum, layout.pp
@@ -264,10 +267,8 @@ def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
         block, once = block_matmul_flops(model, setup, layout) / rate, 0.0
     per_mb = layers * block
     fabric = FABRICS[gpu.key]
-    mb = MicroBatch(per_mb / 3, 2 * per_mb / 3, 0.0, 0.0, layers)
-    if layout.offload_optimizer:  # the CPU's Adam, on the critical path (offload_comm)
-        w, gw = 4 if tricks.precision == "fp32" else 2, grad_reduce_bytes(setup.stack.engine, tricks.precision)
-        once += offload_comm(layout, max(st.params for st in memory.stages), w, gw, m, fabric, assume, mb)[1]
+    if layout.offload_optimizer:  # the CPU's Adam, on the critical path
+        once += cpu_adam_seconds(layout, memory.params, assume)
     unhidden = unhidden_seconds(model, setup, tricks, layout, fabric, assume, layers)
     return (per_mb + unhidden) * (m + (p - 1) / layout.vpp) + once
 

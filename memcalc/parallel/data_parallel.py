@@ -121,5 +121,11 @@ def offload_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: F
             send("gradients GPU→host", "host", 1, link, 1, grads, f"P/n·{gw}", assume, o, mb.backward_window),
             send("updated weights host→GPU", "host", 1, link, 1, size, f"P/n·{w}", assume, o, mb.forward),
         ]
-    cpu_rate = assume.cpu_adam_params_per_s / layout.gpus_per_node  # the node's GPUs share one host
-    return out, shard / cpu_rate
+    return out, cpu_adam_seconds(layout, params, assume)
+
+
+def cpu_adam_seconds(layout: Layout, params: int, assume: Assumptions) -> float:
+    """The CPU's Adam over this GPU's shard of `params` under optimizer offload, on the step's critical path
+    (no delayed parameter update); the node's GPUs share one host (Ren et al. 2021)."""
+    shard = -(-params // layout.shard_group)
+    return shard / (assume.cpu_adam_params_per_s / layout.gpus_per_node)

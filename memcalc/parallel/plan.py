@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from memcalc.errors import InputError
+from memcalc.exact.collection import no_collection
 from memcalc.memory.estimate import DEFAULT_MFU, Setup
 from memcalc.memory.state import MAX_GPUS
 from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES
@@ -31,6 +32,7 @@ from .comm import StepTime, step_lower_bound, step_time
 from .links import ASSUMPTIONS, Assumptions
 from .engines import ENGINES, engine_layout
 from .layout import Layout, LayoutMemory, check_layout, divisors, layout_memory, stage_layers
+from .stage_memory import layout_peak
 from .verdict import Verdict, gpu_verdict, verdict_fit
 
 MAX_MICRO_BATCH = 16  # sequences per micro-batch the search tries, in powers of two
@@ -167,36 +169,47 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     if not isinstance(timing, float) and not traceable(model.shape):  # no kernels to time: the default MFU does
         timing = DEFAULT_MFU
     mfu = timing if isinstance(timing, float) else DEFAULT_MFU
-    Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory, stack=stack)  # validates them
+    base = Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory, stack=stack)  # validates them
     variants = recompute_variants(tricks, recomputes)
+    found = layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload, stack.engine)
+    with no_collection():  # the search makes some 10^5 short-lived objects, none in a cycle
+        candidates, family_small, searched = fitting(model, gpu, base, expert_layouts(model, found), variants, assume,
+                                                     timing, prune)  # fmt: skip
+        ranked, family_best = timed(model, gpu, candidates, assume, timing, top)
+        ranked.sort(key=lambda e: e[0])
+        best = tuple(layout_estimate(model, s, gpu, t, lay, assume, timing=timing)
+                     for _, lay, s, t, _, _ in distinct(ranked, top))  # fmt: skip
+        others = alternatives(model, gpu, assume, best, family_best, family_small, timing)
+    return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, timing, stack, searched,
+                len(candidates), best, others)  # fmt: skip
+
+
+def fitting(model: Model, gpu: GPU, base: Setup, found: Iterator[tuple[Layout, int, int]], variants: tuple[Tricks, ...],
+            assume: Assumptions, timing: Calibration | float, prune: bool) -> tuple[list[tuple], dict[str, tuple], int]:  # fmt: skip
+    """The layouts found (each with micro-batch b and m micro-batches) under each trick set that fit, with a
+    lower bound on their step (layout_peak's memory, verdict_fit's replay where one applies); per family the
+    layout that needs the least memory of those that do not; how many were searched."""
     candidates, searched = [], 0
     family_small: dict[str, tuple] = {}
     too_big: set[tuple] = set()  # (layout, tricks) that did not fit at a smaller micro-batch
-    for layout, b, m in expert_layouts(model, layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash,
-                                                      offload, stack.engine)):  # fmt: skip
-        setup = None
+    setups: dict[tuple[int, int], Setup] = {}  # one per (b, m): the halves of stage memory are remembered by it
+    for layout, b, m in found:
         for t in variants:
             searched += 1
             if prune and (layout, t) in too_big:  # a larger micro-batch never holds less: skipped unbuilt
                 continue
+            setup = setups.get((b, m))
             if setup is None:
-                setup = Setup(seq_len=seq_len, micro_batch=b, grad_accum=m, optimizer=optimizer, mfu=mfu,
-                              host_memory=host_memory, stack=stack)  # fmt: skip
-            memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
-            total, fits = verdict_fit(model, setup, gpu, t, layout, memory)
+                setup = setups[b, m] = replace(base, micro_batch=b, grad_accum=m)
+            peak = layout_peak(model, setup, gpu, t, layout)
+            total, fits = verdict_fit(model, setup, gpu, t, layout, peak)
             if fits:
-                bound = step_lower_bound(model, setup, gpu, t, layout, memory, assume, timing, False) if prune else 0.0
-                candidates.append((bound, layout, setup, t, memory, total))
+                bound = step_lower_bound(model, setup, gpu, t, layout, peak, assume, timing, False) if prune else 0.0
+                candidates.append((bound, layout, setup, t, peak, total))
             else:
                 too_big.add((layout, t))
-                entry = (total, layout, setup, t, memory)
-                note(family_small, layout, t, entry)  # the least memory first
-    fitting, family_best = timed(model, gpu, candidates, assume, timing, top)
-    fitting.sort(key=lambda e: e[0])
-    best = tuple(layout_estimate(model, s, gpu, t, lay, assume, timing=timing)
-                 for _, lay, s, t, _, _ in distinct(fitting, top))  # fmt: skip
-    return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, timing, stack, searched,
-                len(candidates), best, alternatives(model, gpu, assume, best, family_best, family_small, timing))  # fmt: skip
+                note(family_small, layout, t, (total, layout, setup, t))  # the least memory first
+    return candidates, family_small, searched
 
 
 def timed(model: Model, gpu: GPU, candidates: list[tuple], assume: Assumptions, timing: Calibration | float,
@@ -207,19 +220,25 @@ def timed(model: Model, gpu: GPU, candidates: list[tuple], assume: Assumptions, 
     fitting, family_best = [], {}
     kind_best: dict[tuple, float] = {}
     bests: list[float] = []  # kind_best's values, sorted: the top kinds' cut is bests[top - 1]
-    for bound, layout, setup, t, memory, total in candidates:
+    family_seconds: dict[str, float] = {}  # the step time of each family's best in family_best
+    member_of: dict[tuple, tuple[str, ...]] = {}  # the families of a kind with or without CP (all they read)
+    for bound, layout, setup, t, peak, total in candidates:
         kind = kind_of(layout, t)
         limit = min(kind_best.get(kind, math.inf), bests[top - 1] if len(bests) >= top else math.inf)
-        families = [name for name, member in FAMILIES if member(layout, t)]
-        limit = max([limit] + [family_best[f][5].step_seconds if f in family_best else math.inf for f in families])
+        families = member_of.get((kind, layout.cp > 1))
+        if families is None:
+            families = member_of[kind, layout.cp > 1] = tuple(name for name, member in FAMILIES if member(layout, t))
+        limit = max([limit] + [family_seconds.get(f, math.inf) for f in families])
         if bound > limit * (1 + 1e-5):  # slower than everything it could displace, whatever its exact time
             continue
-        if bound and step_lower_bound(model, setup, gpu, t, layout, memory, assume, timing) > limit * (1 + 1e-5):
+        if bound and step_lower_bound(model, setup, gpu, t, layout, peak, assume, timing) > limit * (1 + 1e-5):
             continue  # the tighter bound, from one traced sequence per micro-batch
+        memory = layout_memory(model, setup, gpu, t, layout, ends_only=True)
         time = step_time(model, setup, gpu, t, layout, memory, assume, timing)
         entry = (rank_key(time.tokens_per_second, layout, total), layout, setup, t, memory, time)
         fitting.append(entry)
         note(family_best, layout, t, entry)
+        family_seconds.update((f, family_best[f][5].step_seconds) for f in families)
         improve(kind_best, bests, kind, time.step_seconds)
     return fitting, family_best
 
@@ -287,9 +306,12 @@ def expert_layouts(model: Model, found: Iterator[tuple[Layout, int, int]]) -> It
     for layout, b, m in found:
         if (layout.tp > 1 and not layout.sp) or shape.n_layers % layout.pp:  # check_experts: SP, even stages
             continue
+        lay = layout
         for ep in divisors(layout.tp * layout.cp * layout.dp):
-            if shape.n_experts % ep == 0:
-                yield replace(layout, ep=ep), b, m
+            if shape.n_experts % ep == 0:  # built as splits builds them (replace() costs twice as much)
+                yield Layout(lay.tp, lay.pp, lay.cp, lay.dp, lay.zero, lay.hybrid, lay.sp, lay.vpp, lay.offload_optimizer,
+                             lay.offload_params, lay.gpus_per_node, ep, lay.etp, lay.first_layers, lay.last_layers,
+                             lay.reshard_after_forward), b, m  # fmt: skip
 
 
 def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, flash: bool,
@@ -377,7 +399,7 @@ def alternatives(model: Model, gpu: GPU, assume: Assumptions, best: tuple[Layout
             cause, mine, theirs = worst_cause(est.time, winner.time)
             out.append(Alternative(name, est, True, cause, mine, theirs))
         elif name in family_small:
-            _, layout, setup, tricks, _ = family_small[name]
+            _, layout, setup, tricks = family_small[name]
             est = layout_estimate(model, setup, gpu, tricks, layout, assume, timing=timing)
             out.append(Alternative(name, est, False, "out of memory", 0.0, 0.0))
     return tuple(out)

@@ -1,11 +1,14 @@
-"""The peak memory of one GPU of each pipeline stage (StageMemory, stage_memory; a mixture of experts'
-in moe_stage_memory) and of the whole layout, the stage that holds the most (LayoutMemory, layout_memory):
-the model state (memcalc.parallel.params), the activations the schedule keeps (memcalc.parallel.activations,
-memcalc.parallel.pipeline) and the transient buffers and logits (memcalc.parallel.buffers), as the stack's
-engine (memcalc.parallel.engines) lays them out."""
+"""The peak memory of one GPU of each pipeline stage (StageMemory, stage_memory) and of the whole layout,
+the stage that holds the most (LayoutMemory, layout_memory; LayoutPeak, layout_peak, the planner's): the
+model state (memcalc.parallel.params) with the buffers its sharding adds (StageState), and the activations
+the schedule keeps (memcalc.parallel.activations, memcalc.parallel.pipeline) with their transient buffers and
+the logits (memcalc.parallel.buffers; StageActivations), as the stack's engine (memcalc.parallel.engines)
+lays them out."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from memcalc.memory.estimate import Budget, Setup
@@ -110,6 +113,11 @@ class LayoutMemory:
         return max(st.state.host_bytes for st in self.stages)
 
     @property
+    def params(self) -> int:
+        """The most parameters a stage's GPU holds (before ZeRO), of the stages kept."""
+        return max(st.params for st in self.stages)
+
+    @property
     def fits(self) -> bool:
         return all(st.fits for st in self.stages)
 
@@ -117,81 +125,145 @@ class LayoutMemory:
 def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage: int,
                  layers: int | None = None) -> StageMemory:  # fmt: skip
     """One GPU of pipeline stage `stage`, holding `layers` transformer layers (default: L/p), as the
-    stack's engine (memcalc.parallel.engines) lays it out."""
-    if moe_layer_count(model.shape):
-        return moe_stage_memory(model, setup, gpu, tricks, layout, stage)
-    shape, p, engine = model.shape, layout.pp, setup.stack.engine
-    layers = shape.n_layers // p if layers is None else layers
-    params = gpu_params(model, layout.tp, p, stage, layers)
-    state = sharded_state(params, tricks.precision, setup.optimizer, layout.shard_group, layout.zero,
-                          layout.offload_optimizer, layout.offload_params, setup.stack.recipe)  # fmt: skip
-    if engine == "deepspeed":
-        state = deepspeed_state(state, layout.zero, layout.offload_optimizer)
-    layer = layer_activations(shape, setup.seq_len, setup.micro_batch, tricks, layout.tp, layout.sp, layout.cp,
-                              "megatron" if engine == "megatron" else "none")  # fmt: skip
-    held = held_layers(layout, stage, setup.grad_accum, shape.n_layers, layers)
-    inputs = ()
-    if engine == "megatron" and stage == 0:
-        inputs = megatron_inputs(shape, setup.seq_len, setup.micro_batch, layout.tp, layout.sp, layout.cp, held, layers)
-    buffers = list(engine_buffers(model, tricks, layout, state, stage, layers, engine))
-    if layout.cp > 1:
-        buffers.append(cp_buffers(shape, setup.seq_len, setup.micro_batch, layout.tp, layout.cp, tricks.act_bytes))
-    logits = ()
-    if stage == p - 1:
-        logits = logits_terms(shape, setup.seq_len, setup.micro_batch, tricks.precision, layout.tp, layout.cp)
+    stack's engine (memcalc.parallel.engines) lays it out: the state it keeps (stage_state) and the
+    activations it holds at its peak (stage_activations)."""
+    layers = model.shape.n_layers // layout.pp if layers is None else layers
+    kept = stage_state(model, setup, tricks, layout, stage, layers)
+    held = stage_activations(model, setup, tricks, layout, stage, layers)
     return StageMemory(
-        stage=stage,
-        layers=layers,
-        params=params,
-        state=state,
-        layer=layer,
-        held=held,
-        buffers=tuple(buffers),
-        logits=logits,
-        usable_bytes=gpu.usable_bytes,
-        host_usable_bytes=host_share(setup, layout),
-        inputs=inputs,
-    )
+        stage=stage, layers=held.layers, params=kept.params, state=kept.state, layer=held.layer, held=held.held,
+        buffers=kept.buffers + held.buffers, logits=held.logits, usable_bytes=gpu.usable_bytes,
+        host_usable_bytes=host_share(setup, layout), moe_layer=held.moe_layer, moe_held=held.moe_held,
+        expert_params=kept.expert_params, inputs=held.inputs,
+    )  # fmt: skip
 
 
-def moe_stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, stage: int) -> StageMemory:
-    """stage_memory for a mixture of experts: the non-expert state over the dp × cp shard group and the routed
-    experts' over their edp group (Megatron-LM theoretical_memory_usage.py weight_and_optimizer_memory); dense
-    and MoE layers' activations apart (the MTP module, on the last stage, as one more MoE layer); the
-    all-to-all's buffers; the last stage's logits once more per MTP module."""
-    shape, p, s = model.shape, layout.pp, setup
-    params = gpu_params(model, layout.tp, p, stage)
-    experts = expert_gpu_params(shape, layout, stage)
-    state = moe_sharded_state(params, experts, tricks.precision, s.optimizer, layout.shard_group,
-                              layout.expert_shard_group, layout.zero, layout.offload_optimizer,
-                              layout.offload_params, s.stack.recipe)  # fmt: skip
-    dense, moe = moe_split(shape, p, stage)
-    last = stage == p - 1
-    if last:
-        moe += shape.mtp_layers
-    held = held_layers(layout, stage, s.grad_accum, shape.n_layers)  # layer-micro-batches of the stage's L/p
-    per = shape.n_layers // p
-    buffers = []
-    if layout.zero == 3 and (layout.shard_group > 1 or layout.offload_params):
-        buffers.append(zero3_buffers(shape, layout.tp, tricks.precision, weights_held_elsewhere(state)))
+@record(slots=True)
+class StageState:
+    """What one GPU of a stage keeps between steps and the buffers its sharding adds (ZeRO-3's gathered
+    layers, the engine's buckets): the half of StageMemory that the micro-batch, the recompute mode, SP
+    and interleaving leave alone. gpu_bytes: its state on the GPU plus those buffers."""
+
+    params: int
+    expert_params: int
+    state: ModelState
+    buffers: tuple[Term, ...]
+    gpu_bytes: int
+    host_bytes: int  # offloaded state
+
+
+@record(slots=True)
+class StageActivations:
+    """The activations one GPU of a stage keeps at its peak, with their transient buffers (CP's ring, EP's
+    all-to-all) and the last stage's logits: the half of StageMemory that ZeRO, offload and hybrid shard
+    leave alone. gpu_bytes: the activations at their peak (one layer rebuilt) plus those buffers and logits."""
+
+    layers: int
+    layer: LayerActivations
+    held: int
+    buffers: tuple[Term, ...]
+    logits: tuple[Term, ...]
+    moe_layer: LayerActivations | None
+    moe_held: int
+    inputs: tuple[Term, ...]
+    gpu_bytes: int
+
+
+# What each half reads of the layout: the state every field but SP and interleaving, the activations every
+# field but how the state is sharded and offloaded (tests/test_parallel.py holds that the two cover Layout).
+STATE_FIELDS = ("tp", "pp", "cp", "dp", "zero", "hybrid", "offload_optimizer", "offload_params", "gpus_per_node", "ep",
+                "etp", "first_layers", "last_layers", "reshard_after_forward")  # fmt: skip
+ACTIVATION_FIELDS = ("tp", "pp", "cp", "dp", "sp", "vpp", "gpus_per_node", "ep", "etp", "first_layers", "last_layers")
+state_key, activation_key = attrgetter(*STATE_FIELDS), attrgetter(*ACTIVATION_FIELDS)
+HALVES: dict[tuple, StageState | StageActivations] = {}  # the planner asks for each half again and again
+
+
+def remembered(key: tuple, compute: Callable[[], StageState | StageActivations]) -> StageState | StageActivations:
+    found = HALVES.get(key)
+    if found is None:
+        if len(HALVES) >= 1 << 15:
+            HALVES.clear()
+        found = HALVES[key] = compute()
+    return found
+
+
+def stage_state(model: Model, setup: Setup, tricks: Tricks, layout: Layout, stage: int, layers: int) -> StageState:
+    """StageState of one GPU of stage `stage`, remembered by what it reads."""
+    key = ("state", model, tricks.precision, setup.optimizer, setup.stack, state_key(layout), stage, layers)
+    return remembered(key, lambda: state_of(model, setup, tricks, layout, stage, layers))
+
+
+def stage_activations(model: Model, setup: Setup, tricks: Tricks, layout: Layout, stage: int,
+                      layers: int) -> StageActivations:  # fmt: skip
+    """StageActivations of one GPU of stage `stage`, remembered by what it reads (the whole setup: the planner
+    keeps one per micro-batch size, whose hash is computed once)."""
+    key = ("activations", model, setup, tricks, activation_key(layout), stage, layers)
+    return remembered(key, lambda: activations_of(model, setup, tricks, layout, stage, layers))
+
+
+def state_of(model: Model, setup: Setup, tricks: Tricks, layout: Layout, stage: int, layers: int) -> StageState:
+    """The model state of a stage's GPU (memcalc.parallel.params), sharded by the layout's ZeRO stage; a
+    mixture of experts' non-expert state over the dp × cp shard group and its routed experts' over their
+    edp group (Megatron-LM theoretical_memory_usage.py weight_and_optimizer_memory); the engine's buffers."""
+    shape, p, engine = model.shape, layout.pp, setup.stack.engine
+    if moe_layer_count(shape):
+        params = gpu_params(model, layout.tp, p, stage)
+        experts = expert_gpu_params(shape, layout, stage)
+        state = moe_sharded_state(params, experts, tricks.precision, setup.optimizer, layout.shard_group,
+                                  layout.expert_shard_group, layout.zero, layout.offload_optimizer,
+                                  layout.offload_params, setup.stack.recipe)  # fmt: skip
+        buffers = ()
+        if layout.zero == 3 and (layout.shard_group > 1 or layout.offload_params):
+            buffers = (zero3_buffers(shape, layout.tp, tricks.precision, weights_held_elsewhere(state)),)
+        params += experts
+    else:
+        params, experts = gpu_params(model, layout.tp, p, stage, layers), 0
+        state = sharded_state(params, tricks.precision, setup.optimizer, layout.shard_group, layout.zero,
+                              layout.offload_optimizer, layout.offload_params, setup.stack.recipe)  # fmt: skip
+        if engine == "deepspeed":
+            state = deepspeed_state(state, layout.zero, layout.offload_optimizer)
+        buffers = engine_buffers(model, tricks, layout, state, stage, layers, engine)
+    gpu_bytes = state.total_bytes + sum(t.value for t in buffers)
+    return StageState(params, experts, state, tuple(buffers), gpu_bytes, state.host_bytes)
+
+
+def activations_of(model: Model, setup: Setup, tricks: Tricks, layout: Layout, stage: int,
+                   layers: int) -> StageActivations:  # fmt: skip
+    """The activations a stage's GPU holds at its peak: the layer-micro-batches in flight (memcalc.parallel.
+    pipeline), one layer by Korthikanti's Table 2 (a MoE layer's apart, the MTP module on the last stage as
+    one more), CP's ring buffers and EP's all-to-all buffers, the last stage's logits (once more per MTP
+    module), and Megatron-LM's first stage's inputs."""
+    shape, p, s, engine = model.shape, layout.pp, setup, setup.stack.engine
+    last, moe_model = stage == p - 1, moe_layer_count(shape) > 0
+    kind = "megatron" if engine == "megatron" and not moe_model else "none"  # a MoE is laid out as the reference's
+    layer = layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout.tp, layout.sp, layout.cp, kind)
+    buffers, moe_layer, moe_held, inputs = [], None, 0, ()
     if layout.cp > 1:
         buffers.append(cp_buffers(shape, s.seq_len, s.micro_batch, layout.tp, layout.cp, tricks.act_bytes))
-    if layout.ep > 1:
-        buffers.append(ep_buffers(shape, s.seq_len, s.micro_batch, layout.tp, layout.sp, layout.cp, layout.ep,
-                                  tricks.act_bytes, s.routing))  # fmt: skip
+    if moe_model:
+        held = held_layers(layout, stage, s.grad_accum, shape.n_layers)  # layer-micro-batches of the stage's L/p
+        per, (dense, moe) = shape.n_layers // p, moe_split(shape, p, stage)
+        moe += shape.mtp_layers if last else 0
+        layers = per + (shape.mtp_layers if last else 0)
+        if layout.ep > 1:
+            buffers.append(ep_buffers(shape, s.seq_len, s.micro_batch, layout.tp, layout.sp, layout.cp, layout.ep,
+                                      tricks.act_bytes, s.routing))  # fmt: skip
+        moe_layer = moe_layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout.tp, layout.sp, layout.cp,
+                                          layout.ep, layout.etp, s.routing)  # fmt: skip
+        held, moe_held = -(-held * dense // per), -(-held * moe // per)
+    else:
+        held = held_layers(layout, stage, s.grad_accum, shape.n_layers, layers)
+        if engine == "megatron" and stage == 0:
+            inputs = megatron_inputs(shape, s.seq_len, s.micro_batch, layout.tp, layout.sp, layout.cp, held, layers)
     logits = ()
     if last:
         logits = logits_terms(shape, s.seq_len, s.micro_batch, tricks.precision, layout.tp, layout.cp)
-        logits *= 1 + shape.mtp_layers
-    return StageMemory(
-        stage=stage, layers=per + (shape.mtp_layers if last else 0), params=params + experts, state=state,
-        layer=layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout.tp, layout.sp, layout.cp),
-        held=-(-held * dense // per), buffers=tuple(buffers), logits=logits, usable_bytes=gpu.usable_bytes,
-        host_usable_bytes=host_share(s, layout),
-        moe_layer=moe_layer_activations(shape, s.seq_len, s.micro_batch, tricks, layout.tp, layout.sp, layout.cp,
-                                        layout.ep, layout.etp, s.routing),
-        moe_held=-(-held * moe // per), expert_params=experts,
-    )  # fmt: skip
+        if moe_model:  # each MTP module's own logits
+            logits *= 1 + shape.mtp_layers
+    kept = held * layer.per_layer_bytes + (moe_held * moe_layer.per_layer_bytes if moe_layer else 0)
+    rebuilt = max(layer.rebuilt_bytes, moe_layer.rebuilt_bytes if moe_layer else 0)
+    total = kept + sum(t.value for t in inputs) + rebuilt + sum(t.value for t in (*buffers, *logits))
+    return StageActivations(layers, layer, held, tuple(buffers), logits, moe_layer, moe_held, inputs, total)
 
 
 def layout_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
@@ -206,12 +278,44 @@ def layout_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: 
     engine = setup.stack.engine
     check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, engine)
     counts = layers_per_stage(layout, model.shape.n_layers, engine)
-    p = layout.pp
-    which = range(p)
-    if ends_only:
-        which = sorted({0, p - 1} | ({1} if len(set(counts)) > 1 and p > 2 else set()))
+    which = peak_stages(layout.pp, counts) if ends_only else range(layout.pp)
     stages = tuple(stage_memory(model, setup, gpu, tricks, layout, i, counts[i]) for i in which)
     return LayoutMemory(layout, tricks, setup.grad_accum, stages, counts)
+
+
+def peak_stages(p: int, counts: tuple[int, ...]) -> list[int]:
+    """The stages that can hold the most: the first (the most micro-batches in flight) and the last (the
+    logits), and the second when stages are uneven."""
+    if p > 2 and min(counts) != max(counts):
+        return [0, 1, p - 1]
+    return [0, p - 1] if p > 1 else [0]
+
+
+@record(slots=True)
+class LayoutPeak:
+    """What the planner asks of a layout's memory before it times it: layout_memory's peak per GPU
+    (ends_only), whether every stage fits (the GPU, and its share of host memory under offload), the layers
+    on every stage and the most parameters a stage's GPU holds."""
+
+    total_bytes: int
+    fits: bool
+    stage_layers: tuple[int, ...]
+    params: int
+
+
+def layout_peak(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout) -> LayoutPeak:
+    """layout_memory(ends_only=True)'s peak and fit, summed from each stage's two halves (stage_state,
+    stage_activations) without building a StageMemory: the planner asks for tens of thousands of layouts,
+    each of which it built valid (layout_memory checks the layout; tests/test_parallel.py holds the two equal)."""
+    counts = layers_per_stage(layout, model.shape.n_layers, setup.stack.engine)
+    host_usable, usable = host_share(setup, layout), gpu.usable_bytes
+    peak, fits, params = 0, True, 0
+    for i in peak_stages(layout.pp, counts):
+        kept = stage_state(model, setup, tricks, layout, i, counts[i])
+        total = kept.gpu_bytes + stage_activations(model, setup, tricks, layout, i, counts[i]).gpu_bytes
+        peak, params = max(peak, total), max(params, kept.params)
+        fits = fits and total <= usable and kept.host_bytes <= host_usable
+    return LayoutPeak(peak, fits, counts, params)
 
 
 def host_share(setup: Setup, layout: Layout) -> int:

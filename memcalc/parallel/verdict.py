@@ -26,8 +26,8 @@ from memcalc.model.tricks import Tricks
 from memcalc.records import record
 
 from .engines import engine_layout
-from .layout import Layout, LayoutMemory, check_layout, layout_memory, sharded_state
-from .stage_memory import host_share
+from .layout import Layout, check_layout, layout_memory, sharded_state
+from .stage_memory import LayoutPeak, host_share
 
 ONE_GPU = Layout()
 
@@ -158,16 +158,10 @@ def peak_at(p: Phases) -> str:
 
 
 def verdict_fit(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
-                memory: LayoutMemory) -> tuple[int, bool]:  # fmt: skip
-    """gpu_verdict's peak and fit for the planner's thousands of layouts, given their textbook stages (those
-    that can peak): the replay where the simulator replays the job, else the textbook's stage that peaks,
-    read from memory rather than laid out again."""
+                peak: LayoutPeak) -> tuple[int, bool]:  # fmt: skip
+    """gpu_verdict's peak and fit for the planner's thousands of layouts, given the textbook's (layout_peak):
+    the replay where the simulator replays the job, else the textbook's stage that peaks."""
     if not replay_gap(model, setup, tricks, engine_layout(layout, setup.stack.engine)):
         v = gpu_verdict(model, setup, gpu, tricks, layout)
         return v.total_bytes, v.fits
-    peak, fits = 0, True
-    for st in memory.stages:  # written flat: the search asks thousands of times
-        total = st.total_bytes
-        peak = max(peak, total)
-        fits = fits and total <= st.usable_bytes and st.host_fits
-    return peak, fits
+    return peak.total_bytes, peak.fits

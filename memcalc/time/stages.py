@@ -243,13 +243,25 @@ def block_lower_bound(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     not shrink, so it takes at least max(b · compute₁, memory₁, launch floor); a larger micro-batch only
     adds kernels (copies where B > 1 keeps tensors apart). A routed expert's kernel likewise, as moe_parts
     splits it. stage_kernels' block parts are never below it."""
-    floor, total = cal.launch_seconds, 0.0
-    for compute, memory, key, n in block_kernels_of_one(shape, seq_len, tricks, gpu, cal, stack, optimizer):
-        scale = ring if key.startswith("block_core_") else 1 / sequence_split if "_sequence_" in key else 1.0
-        total += n * max(micro_batch * compute * scale, memory * scale, floor)
+    total = block_lower_bound_unrouted(shape, seq_len, micro_batch, tricks, gpu, cal, sequence_split, ring, stack,
+                                       optimizer)  # fmt: skip
     if shape.n_experts:
+        floor = cal.launch_seconds
         for key, n, compute, weights, rest, expert in moe_kernels(shape, seq_len, 1, tricks, gpu, cal, stack, optimizer):
             if key.startswith("block_"):
                 e = experts if expert else 1
                 total += n * max(micro_batch * compute / sequence_split, weights / e + rest / sequence_split, floor / e)
+    return total
+
+
+@lru_cache(maxsize=4096)
+def block_lower_bound_unrouted(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU,
+                               cal: Calibration, sequence_split: int = 1, ring: int = 1, stack: Stack = DEFAULT_STACK,
+                               optimizer: str = "adamw") -> float:  # fmt: skip
+    """block_lower_bound's kernels but the router's and the routed experts': the same for every expert-parallel
+    size, remembered apart."""
+    floor, total = cal.launch_seconds, 0.0
+    for compute, memory, key, n in block_kernels_of_one(shape, seq_len, tricks, gpu, cal, stack, optimizer):
+        scale = ring if key.startswith("block_core_") else 1 / sequence_split if "_sequence_" in key else 1.0
+        total += n * max(micro_batch * compute * scale, memory * scale, floor)
     return total

@@ -306,12 +306,9 @@ def expert_layouts(model: Model, found: Iterator[tuple[Layout, int, int]]) -> It
     for layout, b, m in found:
         if (layout.tp > 1 and not layout.sp) or shape.n_layers % layout.pp:  # check_experts: SP, even stages
             continue
-        lay = layout
         for ep in divisors(layout.tp * layout.cp * layout.dp):
-            if shape.n_experts % ep == 0:  # built as splits builds them (replace() costs twice as much)
-                yield Layout(lay.tp, lay.pp, lay.cp, lay.dp, lay.zero, lay.hybrid, lay.sp, lay.vpp, lay.offload_optimizer,
-                             lay.offload_params, lay.gpus_per_node, ep, lay.etp, lay.first_layers, lay.last_layers,
-                             lay.reshard_after_forward), b, m  # fmt: skip
+            if shape.n_experts % ep == 0:
+                yield replace(layout, ep=ep), b, m
 
 
 def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, flash: bool,

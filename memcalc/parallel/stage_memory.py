@@ -56,13 +56,11 @@ class StageMemory(Budget):
 
     @property
     def activation_bytes(self) -> int:
-        moe = self.moe_held * self.moe_layer.per_layer_bytes if self.moe_layer else 0
-        return self.held * self.layer.per_layer_bytes + moe + sum(t.value for t in self.inputs)
+        return kept_bytes(self.layer, self.held, self.moe_layer, self.moe_held, self.inputs)
 
     @property
     def rebuilt_bytes(self) -> int:
-        """One layer rebuilt while its backward runs: the larger kind."""
-        return max(self.layer.rebuilt_bytes, self.moe_layer.rebuilt_bytes if self.moe_layer else 0)
+        return rebuilt_bytes(self.layer, self.moe_layer)
 
     @property
     def activation_peak_bytes(self) -> int:
@@ -260,10 +258,21 @@ def activations_of(model: Model, setup: Setup, tricks: Tricks, layout: Layout, s
         logits = logits_terms(shape, s.seq_len, s.micro_batch, tricks.precision, layout.tp, layout.cp)
         if moe_model:  # each MTP module's own logits
             logits *= 1 + shape.mtp_layers
-    kept = held * layer.per_layer_bytes + (moe_held * moe_layer.per_layer_bytes if moe_layer else 0)
-    rebuilt = max(layer.rebuilt_bytes, moe_layer.rebuilt_bytes if moe_layer else 0)
-    total = kept + sum(t.value for t in inputs) + rebuilt + sum(t.value for t in (*buffers, *logits))
+    total = (kept_bytes(layer, held, moe_layer, moe_held, inputs) + rebuilt_bytes(layer, moe_layer)
+             + sum(t.value for t in (*buffers, *logits)))  # fmt: skip
     return StageActivations(layers, layer, held, tuple(buffers), logits, moe_layer, moe_held, inputs, total)
+
+
+def kept_bytes(layer: LayerActivations, held: int, moe_layer: LayerActivations | None, moe_held: int,
+               inputs: tuple[Term, ...]) -> int:
+    """The activations a stage keeps at its peak: its layer-micro-batches of each kind, and the inputs."""
+    moe = moe_held * moe_layer.per_layer_bytes if moe_layer else 0
+    return held * layer.per_layer_bytes + moe + sum(t.value for t in inputs)
+
+
+def rebuilt_bytes(layer: LayerActivations, moe_layer: LayerActivations | None) -> int:
+    """One layer rebuilt while its backward runs: the larger kind."""
+    return max(layer.rebuilt_bytes, moe_layer.rebuilt_bytes if moe_layer else 0)
 
 
 def layout_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,

@@ -4,7 +4,8 @@ the parameters and model state on one GPU (params), one layer's activations (act
 buffers and logits (buffers), one GPU's memory per stage (stage_memory), the engines that lay them out
 (engines), the links and collectives (links), expert parallel's traffic (experts), the data-parallel and
 offload traffic (data_parallel), the step time of a layout (comm), one TP rank's layer op by op
-(tp_layer), the verdict of a layout (verdict), and the planner that searches every layout (plan).
+(tp_layer), the verdict of a layout (verdict), the layouts a job can run on (search), and the planner that
+ranks them (plan).
 
 May import: memcalc.model, memcalc.memory, memcalc.exact, memcalc.time, memcalc.errors, memcalc.terms.
 """

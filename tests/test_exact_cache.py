@@ -1,8 +1,6 @@
 """memcalc.exact.cache: replayed steps kept on disk give what replaying gives; a cache that cannot be
 used costs nothing but time."""
 
-import json
-
 from memcalc.exact import cache
 from memcalc.exact.step import step_phases
 from memcalc.model.presets import PRESETS
@@ -19,7 +17,7 @@ def test_a_remembered_result_is_read_back(tmp_path, monkeypatch):
 
     assert cache.remembered("probe", ("a", 1), compute) == {"bytes": 42}
     assert cache.remembered("probe", ("a", 1), compute) == {"bytes": 42}
-    assert len(calls) == 1 and len(list(tmp_path.glob("probe-*.json"))) == 1
+    assert len(calls) == 1 and len(list(tmp_path.glob("probe-*.json.zlib"))) == 1
     assert cache.remembered("probe", ("a", 2), compute) == {"bytes": 42} and len(calls) == 2  # another key
 
 
@@ -38,8 +36,8 @@ def test_off_and_unusable_caches_compute(tmp_path, monkeypatch):
     assert cache.remembered("probe", (), compute) == {"n": 3}
     monkeypatch.setenv("MEMCALC_CACHE", str(tmp_path))
     cache.remembered("probe", (), compute)
-    for f in tmp_path.glob("probe-*.json"):
-        f.write_text("{not json")  # a torn or foreign file: replaced by the computed result
+    for f in tmp_path.glob("probe-*.json.zlib"):
+        f.write_bytes(b"{not json")  # a torn or foreign file: replaced by the computed result
     assert cache.remembered("probe", (), compute) == {"n": 5}
 
 
@@ -50,5 +48,5 @@ def test_cached_phases_equal_replayed_ones(tmp_path, monkeypatch):
     fresh = step_phases(*args)
     step_phases.cache_clear()  # the next call reads the file
     assert step_phases(*args) == fresh
-    (entry,) = tmp_path.glob("phases-*.json")
-    assert json.loads(entry.read_text())["optimizer_peak_bytes"] == fresh.optimizer_peak_bytes
+    (entry,) = tmp_path.glob("phases-*.json.zlib")
+    assert cache.read(entry)["optimizer_peak_bytes"] == fresh.optimizer_peak_bytes

@@ -2,9 +2,11 @@
 
 A verdict replays each trick set's step (two and three blocks: a few ms each), some 30 ms for the default
 progression, a third of the whole command. The result depends only on the call's arguments and on the
-simulator's source, so it is kept in one small JSON file per call under $MEMCALC_CACHE (default
+simulator's source, so it is kept in one small file per call under $MEMCALC_CACHE (default
 $XDG_CACHE_HOME/memcalc, else ~/.cache/memcalc), keyed by both; MEMCALC_CACHE=off turns it off. A cache
-that cannot be read or written is ignored: it only ever saves time.
+that cannot be read or written is ignored: it only ever saves time. Each file is the result's JSON
+compressed by zlib: a kernel trace repeats its op and unit names on every row, and compressed it is
+a fourteenth of the size (DeepSeek-V3's 256-GPU plan: 0.9 MB of traces, not 12.9) for 0.1 ms more a read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,17 +52,22 @@ def remembered(kind: str, key: tuple, compute: Callable[[], dict]) -> dict:
         name = hashlib.sha256(f"{kind} {source_stamp()} {key!r}".encode()).hexdigest()[:32]
     except OSError:
         return compute()
-    path = where / f"{kind}-{name}.json"
+    path = where / f"{kind}-{name}.json.zlib"
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read(path)
+    except (OSError, ValueError, zlib.error):
         pass
     value = compute()
     try:
         where.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value))
+        tmp.write_bytes(zlib.compress(json.dumps(value).encode()))
         os.replace(tmp, path)  # whole or not at all, whoever else writes it
     except OSError:
         pass
     return value
+
+
+def read(path: Path) -> dict:
+    """One remembered result, as remembered() wrote it."""
+    return json.loads(zlib.decompress(path.read_bytes()))

@@ -173,3 +173,14 @@ def test_korthikanti_gpt3_layout_on_a100s_lands_near_the_published_time():
     assert est.memory.fits
     assert est.time.step_seconds == pytest.approx(13.75, rel=0.05)
     assert est.time.mfu == pytest.approx(0.514, rel=0.05)
+
+
+def test_the_h800_and_the_hbm2e_h100_are_gh100s_with_their_own_links_and_memory():
+    """DeepSeek-V3's H800 (NVLink at 400 GB/s both ways, 160 GB/s measured: report sec. 3.2.2) and torchtitan's
+    Grand Teton H100 (96 GB HBM2e at 2.4 TB/s) take the H100 SXM's peak and its shipped calibration."""
+    h800, teton, sxm = GPUS["h800"], GPUS["h100-hbm2e"], GPUS["h100-sxm"]
+    assert h800.bf16_tflops == teton.bf16_tflops == sxm.bf16_tflops
+    assert FABRICS["h800"].intra.gb_per_s * Assumptions().efficiency == pytest.approx(160) and FABRICS["h800"].inter.gb_per_s == 50
+    assert teton.bandwidth_gbps == 2400 and teton.memory_bytes > sxm.memory_bytes
+    for key in ("h800", "h100-hbm2e"):
+        assert calibration_for(key).origin.endswith("h100-sxm.json") and calibration_for(key).gpu == key

@@ -34,6 +34,7 @@ import os
 import re
 import runpy
 import shlex
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -89,10 +90,16 @@ def memcalc(args: str) -> str:
 
 
 @cache
-def python(path: str) -> str:
-    out = io.StringIO()
-    with at_root(), contextlib.redirect_stdout(out):
-        runpy.run_path(str(ROOT / path), run_name="__main__")
+def python(spec: str) -> str:
+    """What `python PATH ARGS...` prints, run in this process."""
+    path, *args = shlex.split(spec)
+    out, argv = io.StringIO(), sys.argv
+    sys.argv = [path, *args]
+    try:
+        with at_root(), contextlib.redirect_stdout(out):
+            runpy.run_path(str(ROOT / path), run_name="__main__")
+    finally:
+        sys.argv = argv
     return out.getvalue()
 
 

@@ -55,6 +55,11 @@ class GPU:
 PEAK_FIELDS = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops"}  # GPU.peak_flops by precision
 H100_DATASHEET = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 A100_DATASHEET = "https://www.nvidia.com/en-us/data-center/a100/"  # the specifications table (datasheet r4)
+H800_SOURCE = ("DeepSeek-V3 technical report (arXiv:2412.19437) sec. 3.1 and 3.2.2: H800 SXM, the H100's GH100 "
+               "compute and 80 GB HBM3, NVLink at 400 GB/s both directions; peak and HBM as the H100 SXM datasheet")
+H100_HBM2E_SOURCE = ("pytorch/torchtitan docs/performance.md @ d4c86e3758a84cf23e2e879ab3c995cba9d5e410: Grand Teton, "
+                     "96GB HBM2e at 2.4 TB/s per H100, 500 W; footnote 1 of the page @ 3faaa1a0dee68ce028400e3dafd1735d152cb4f8: "
+                     "95 GB, its peak between the SXM's and the NVL's; no datasheet: the SXM's 989 TFLOP/s stands in, an upper bound")
 
 GPUS: dict[str, GPU] = {
     g.key: g
@@ -65,6 +70,10 @@ GPUS: dict[str, GPU] = {
         GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756, 756, 378, 51, 81559, 2000, H100_DATASHEET),
         GPU("h200", "NVIDIA H200 SXM 141GB", 989, 989, 494.5, 67, 143771, 4800,
             "https://www.nvidia.com/en-us/data-center/h200/"),  # fmt: skip
+        # The export H100: the SXM's compute, memory and HBM3, NVLink cut to 400 GB/s (links.py)
+        GPU("h800", "NVIDIA H800 SXM 80GB", 989, 989, 494.5, 67, 81559, 3350, H800_SOURCE),
+        # Meta's Grand Teton H100 (96 GB HBM2e at 2.4 TB/s, 500 W): no datasheet; the SXM's peak, an upper bound
+        GPU("h100-hbm2e", "NVIDIA H100 96GB HBM2e (Grand Teton)", 989, 989, 494.5, 67, 95 * 1024, 2400, H100_HBM2E_SOURCE),
     )
 }
 DEFAULT_GPU = "h100-sxm"

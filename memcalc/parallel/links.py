@@ -14,7 +14,7 @@ node it runs on NVLink, across nodes on each GPU's own InfiniBand NIC.
 
 from __future__ import annotations
 
-from memcalc.model.gpus import A100_DATASHEET, H100_DATASHEET
+from memcalc.model.gpus import A100_DATASHEET, H100_DATASHEET, H800_SOURCE
 from memcalc.records import record
 
 
@@ -42,6 +42,8 @@ LINKS: dict[str, Link] = {
         Link("nvlink4", "NVLink 4 via NVSwitch", 450,
              f"NVLink 900 GB/s per GPU, both directions: {H100_DATASHEET}; {H200_PAGE}"),
         Link("nvlink3", "NVLink 3 via NVSwitch", 300, f"NVLink 600 GB/s per GPU, both directions: {A100_DATASHEET}"),
+        Link("nvlink-h800", "NVLink 4 via NVSwitch, H800 (export limit)", 200,
+             f"NVLink 400 GB/s per GPU, both directions; 160 GB/s measured (DeepSeek-V3 report sec. 3.2.2): {H800_SOURCE}"),
         Link("pcie5", "PCIe Gen5 x16", 64, f"PCIe Gen5 128 GB/s, both directions: {H100_DATASHEET}"),
         Link("pcie4", "PCIe Gen4 x16", 32, f"PCIe Gen4 64 GB/s, both directions: {A100_DATASHEET}"),
         Link("ndr", "InfiniBand NDR, 400 Gb/s per GPU", 50,
@@ -66,6 +68,8 @@ FABRICS: dict[str, Fabric] = {
     "h100-sxm": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
     "h200": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
     "h100-pcie": Fabric(LINKS["pcie5"], LINKS["ndr"], LINKS["pcie5"]),
+    "h800": Fabric(LINKS["nvlink-h800"], LINKS["ndr"], LINKS["pcie5"]),  # DeepSeek-V3: IB at 50 GB/s per GPU
+    "h100-hbm2e": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
     "a100-80gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
     "a100-40gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
 }

@@ -86,7 +86,7 @@ def from_dict(data: object, origin: str, gpu: str) -> Calibration:
     """A calibration file's contents over memcalc's defaults; anything malformed is an InputError."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InputError(f"{origin}: not a calibration file (needs \"format\": \"{FORMAT}\")")
-    if data.get("gpu") != gpu:
+    if data.get("gpu") not in (gpu, SAME_CHIP.get(gpu)):
         raise InputError(f"{origin} calibrates {brief(data.get('gpu'))}, not {gpu!r}")
     params = data.get("parameters", {})
     if not isinstance(params, dict):
@@ -108,9 +108,13 @@ def load(path: str | Path, gpu: str) -> Calibration:
     return from_dict(read_json_object(path, "calibration"), str(path), gpu)
 
 
+# GPUs with another's compute and HBM type take its shipped calibration: the H800 and the HBM2e H100 are GH100s
+SAME_CHIP = {"h800": "h100-sxm", "h100-hbm2e": "h100-sxm"}
+
+
 def calibration_for(gpu: str, path: str | None = None, overrides: str | None = None) -> Calibration:
-    """The file given, else the one shipped for this GPU, else the defaults; then NAME=X overrides."""
-    shipped = FOLDER / f"{gpu}.json"
+    """The file given, else the one shipped for this GPU (or its chip's), else the defaults; then NAME=X overrides."""
+    shipped = FOLDER / f"{SAME_CHIP.get(gpu, gpu)}.json"
     cal = load(path, gpu) if path else load(shipped, gpu) if shipped.exists() else defaults(gpu)
     return override(cal, overrides) if overrides else cal
 

@@ -1,0 +1,349 @@
+"""memcalc's step time against published training runs: every run of benchmarks/published/ as published.
+
+    python benchmarks/published/report.py     # per run predicted/published tokens/s per GPU, then the summary
+    python benchmarks/published/report.py --summary  # the summary alone
+    python benchmarks/published/report.py --json  # the same as JSON
+
+Each run becomes a memcalc job: its shape, GPU, layout, micro and global batch, sequence, recompute and
+precision as the source gives them; the figure it published becomes tokens per second per GPU under the
+source's own FLOPs convention (published_rate). memcalc's roofline (memcalc.parallel.plan.layout_estimate)
+predicts the same rate; the error is predicted / published - 1. A run memcalc cannot express yet (FP8,
+torch.compile, a mixture of experts' uneven pipeline, a GPU not in its table) is listed with the reason
+and counted apart, never guessed.
+
+The corpus is split by source before anything is fitted (FIT, HELD_OUT): the calibration may learn only
+from the first; both are reported, the held-out part as the estimate of the error on a run nobody tuned for.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # corpus.py beside this file; memcalc from the checkout
+
+from corpus import Run, load  # noqa: E402
+from memcalc.errors import InputError  # noqa: E402
+from memcalc.memory.setup import Setup  # noqa: E402
+from memcalc.model.gpus import GPUS  # noqa: E402
+from memcalc.model.params import n_params  # noqa: E402
+from memcalc.model.presets import gpt, llama  # noqa: E402
+from memcalc.model.shape import Model, ModelShape  # noqa: E402
+from memcalc.model.stacks import STACKS  # noqa: E402
+from memcalc.model.tricks import Tricks  # noqa: E402
+from memcalc.parallel.layout import Layout  # noqa: E402
+from memcalc.parallel.links import ASSUMPTIONS  # noqa: E402
+from memcalc.parallel.plan import layout_estimate  # noqa: E402
+
+# Chosen by source before any fit: Megatron on A100 and H100, FSDP on A100 and H100 (llm-foundry), so that
+# each stack and generation the held-out part holds is also seen here. Everything else is held out.
+FIT = ("narayanan2021", "megatron_lm_readme", "llm_foundry")
+HELD_OUT = ("korthikanti2022", "megatron_lm_readme_2020", "torchtitan_performance", "torchtitan_performance_2024_08",
+            "torchtitan_asynctp_h100", "torchtitan_h200_trainy", "llama3", "bloom", "opt", "deepseek_v3")  # fmt: skip
+# The memcalc engine that shards as the run's stack did: Megatron-DeepSpeed (BLOOM) ran ZeRO-1 beside Megatron's
+# TP and PP; llm-foundry is PyTorch FSDP (FULL_SHARD as FSDP2; SHARD_GRAD_OP, ZeRO-2, as DeepSpeed's engine runs it).
+STACK = {"megatron": "megatron", "megatron-deepspeed": "megatron", "deepspeed": "deepspeed", "torchtitan": "fsdp2",
+         "llm-foundry": "fsdp2"}  # fmt: skip
+# What a source leaves unsaid but its stack did at the time, with the reason. Unlisted: no flash, no SP, v = 1.
+TORCHTITAN = {"flash": True, "sequence_parallel": True,  # SDPA's flash backend; TP always with SP (parallelize_llama)
+              "seq": 8192,  # train_configs/llama3_{8b,70b,405b}.toml seq_len = 8192 at each commit these pages cite
+              "selective": "selective-op"}  # the same files: selective_ac_option = 'op', torchtitan's per-op SAC
+SOURCE_DEFAULTS = {
+    # Megatron-Core r0.8 runs attention in Transformer Engine's fused (flash) kernel, SP on with TP; the README
+    # says TP (--tp-comm-overlap) and PP communication overlap with compute
+    "megatron_lm_readme": {"flash": True, "sequence_parallel": True, "assume": {"overlap_tp": 1.0, "overlap_pp": 1.0}},
+    "torchtitan_performance": TORCHTITAN,
+    "torchtitan_performance_2024_08": TORCHTITAN,
+    "torchtitan_asynctp_h100": TORCHTITAN,
+    "torchtitan_h200_trainy": TORCHTITAN,
+    "llm_foundry": {"flash": True},  # its tables are of attn_impl flash (or triton)
+    # Llama 3 (Dubey et al. 2024, sec. 3.3.2): TP with SP, flash attention; FSDP shards optimizer state and
+    # gradients but keeps the weights after forward (ZeRO-2): memcalc's Megatron engine with ZeRO-1 is the nearest
+    "llama3": {"flash": True, "sequence_parallel": True, "stack": "megatron", "zero": 1},
+    # Narayanan et al. 2021 sec. 5.1: Table 1 runs the interleaved schedule, v not given: the fastest v is taken;
+    # eq. 3, by which every TFLOP/s of the paper (Tables 1 and 2) is counted, assumes full recompute
+    "narayanan2021": {"interleaved": True, "recompute": "full"},
+}
+RECOMPUTE = {None: "none", "none": "none", "full": "full", "selective": "selective", "selective-op": "op"}
+GENERATION = {"v100-16gb": "V100", "v100-32gb": "V100", "a100-40gb": "A100", "a100-80gb": "A100", "h100-sxm": "H100",
+              "h100-pcie": "H100", "h100-hbm2e": "H100", "h800": "H100", "h200": "H200", "b200": "B200"}  # fmt: skip
+MICRO_BATCHES = (1, 2, 4, 8, 16)  # tried, fastest that fits kept, where the source does not give b
+
+
+class Inexpressible(Exception):
+    """A run memcalc cannot yet state as a job; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Row:
+    run: Run
+    part: str  # "fit" or "held-out"
+    published: float | None  # tokens/s per GPU, as the source's figure gives it
+    how: str  # how that rate follows from the published figure
+    predicted: float | None  # memcalc's tokens/s per GPU
+    job: str  # the layout and batch memcalc ran
+    skipped: str = ""  # why the run is not compared
+
+    @property
+    def ratio(self) -> float | None:
+        return self.predicted / self.published if self.predicted and self.published else None
+
+
+# --- the published figure as tokens per second per GPU -------------------------------------------------
+
+
+def megatron_flops_per_token(run: Run) -> float:
+    """Megatron-Core's num_floating_point_operations / tokens (NVIDIA/Megatron-LM megatron/training/training.py
+    lines 73-108 @ f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4): 12·L·h²·((1 + g/a + s/h)·(a·d/h) + f/h·k·(3/2 if
+    SwiGLU) + V/(2·L·h)); the attention term s/h is non-causal."""
+    L, h, s, v = run.layers, run.hidden, run.seq, run.vocab
+    a, g, f = run.heads, run.kv_heads or run.heads, run.ffn or 4 * run.hidden
+    gated = 1.5 if run.gated_mlp else 1.0
+    return 12 * L * h * h * ((1 + g / a + s / h) * 1.0 + f / h * gated + v / (2 * L * h))
+
+
+def narayanan_flops_per_token(run: Run) -> float:
+    """Narayanan et al. 2021 eq. 3 / (B·s): 96·l·h²·(1 + s/6h + V/16lh), recompute's forward included."""
+    L, h, s, v = run.layers, run.hidden, run.seq, run.vocab
+    return 96 * L * h * h * (1 + s / (6 * h) + v / (16 * L * h))
+
+
+def korthikanti_model_flops_per_token(run: Run) -> float:
+    """Korthikanti et al. 2022 sec. 6.3: model FLOPs 72·L·h²·(1 + s/6h + v/12hL) per token."""
+    L, h, s, v = run.layers, run.hidden, run.seq, run.vocab
+    return 72 * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
+
+
+def palm_flops_per_token(run: Run) -> float:
+    """Chowdhery et al. 2022 (PaLM) App. B: 6N + 12·L·h·s (model FLOPs, non-causal attention)."""
+    return 6 * run.params + 12 * run.layers * run.hidden * run.seq
+
+
+def bloom_flops_per_token(run: Run) -> float:
+    """bigscience math/README.md "Calculate TFLOPs": model_size · 4 · 2 per token (recompute counted)."""
+    return 8 * run.params
+
+
+# How each source's TFLOP/s or MFU becomes FLOPs per token; where a source states none, it is not converted.
+CONVENTION = {"narayanan2021": narayanan_flops_per_token, "megatron_lm_readme": megatron_flops_per_token,
+              "korthikanti2022": korthikanti_model_flops_per_token, "llama3": palm_flops_per_token,
+              "bloom": bloom_flops_per_token}  # fmt: skip
+
+
+def published_rate(run: Run) -> tuple[float, str]:
+    """Tokens/s per GPU from the run's figure: read, or step time and batch, or TFLOP/s under its convention."""
+    if run.tokens_per_s_per_gpu:
+        return run.tokens_per_s_per_gpu, "tokens/s per GPU" + (" (derived)" if run.derived else "")
+    if run.tokens_per_s:
+        return run.tokens_per_s / run.gpus, "tokens/s / GPUs"
+    if run.step_s and run.global_batch and run.seq:
+        return run.global_batch * run.seq / (run.step_s * run.gpus), "global batch · seq / step time / GPUs"
+    count = CONVENTION.get(run.source.id)
+    if count is None:
+        raise Inexpressible(f"{run.source.id} states no FLOPs convention to turn its TFLOP/s into tokens/s")
+    if run.tflops_per_gpu:
+        return run.tflops_per_gpu * 1e12 / count(run), f"TFLOP/s / {count.__name__}"
+    peak = GPUS[run.gpu].bf16_tflops * 1e12
+    return run.mfu * peak / count(run), f"MFU · peak / {count.__name__}"
+
+
+# --- the run as a memcalc job --------------------------------------------------------------------------
+
+
+def shape_of(run: Run) -> ModelShape:
+    """The shape as published: a Llama layer where the MLP is gated, else Megatron's GPT (learned positions,
+    biases, dropout 0.1) or MPT's (llm-foundry: ALiBi, no biases, no dropout)."""
+    if run.layers is None or run.hidden is None or run.heads is None:
+        raise Inexpressible("the source gives no model shape")
+    if run.gated_mlp:
+        vocab = run.vocab or 128256  # Llama 3's tokenizer: every gated run here is a Llama 3
+        return llama(run.model, run.layers, run.hidden, run.heads, run.kv_heads or run.heads, run.ffn, vocab, False)
+    if run.vocab is None:
+        raise Inexpressible("the source gives no vocabulary")
+    if run.stack == "llm-foundry":  # MPT: ALiBi (no position table), no biases, no dropout
+        return ModelShape(n_layers=run.layers, hidden=run.hidden, n_heads=run.heads, ffn=run.ffn, vocab=run.vocab,
+                          name=run.model)  # fmt: skip
+    base = gpt(run.model, run.layers, run.hidden, run.heads, run.seq)
+    return replace(base, vocab=run.vocab, ffn=run.ffn or 4 * run.hidden)
+
+
+def tricks_of(run: Run) -> Tricks:
+    if run.precision.startswith("fp8"):
+        raise Inexpressible("FP8 training is not modelled yet")
+    if run.compile:
+        raise Inexpressible("torch.compile's fused kernels are not modelled yet")
+    recompute = run.recompute or defaults(run).get("recompute")
+    if recompute == "selective":
+        recompute = defaults(run).get("selective", "selective")
+    if recompute not in RECOMPUTE:
+        raise Inexpressible(f"recompute {recompute} is not expressible with a layout yet")
+    flash = run.flash if run.flash is not None else defaults(run).get("flash", False)
+    precision = "fp16" if run.gpu.startswith("v100") else "bf16"  # 16-bit mixed precision: one peak either way
+    return Tricks(precision, flash=flash, recompute=RECOMPUTE[recompute])
+
+
+def defaults(run: Run) -> dict:
+    return SOURCE_DEFAULTS.get(run.source.id, {})
+
+
+def stack_of(run: Run) -> str:
+    if "stack" in defaults(run):
+        return defaults(run)["stack"]
+    if run.stack not in STACK:
+        raise Inexpressible(f"no memcalc engine stands in for {run.source.id}'s own stack")
+    return "deepspeed" if run.stack == "llm-foundry" and run.zero == 2 else STACK[run.stack]
+
+
+def degrees(run: Run) -> tuple[int, int]:
+    """tp and pp as published; from the model-parallel size alone, TP over one node and PP the rest
+    (Megatron's practice, Narayanan et al. 2021 sec. 3.3: TP inside a node)."""
+    if run.tp is not None or run.pp is not None:
+        return run.tp or 1, run.pp or 1
+    if run.model_parallel:
+        tp = max(t for t in (1, 2, 4, 8) if run.model_parallel % t == 0 and run.heads % t == 0)
+        return tp, run.model_parallel // tp
+    if run.dp is None:
+        raise Inexpressible("the source gives no layout")
+    return 1, 1
+
+
+def layout_of(run: Run, micro_batch: int, vpp: int) -> tuple[Layout, int]:
+    """The layout and the micro-batches per step, m = global batch / (dp · b)."""
+    (tp, pp), cp = degrees(run), run.cp or 1
+    if run.ep and run.ep > 1:
+        raise Inexpressible("expert parallelism of a published MoE run is not expressible yet")
+    dp = run.dp or run.gpus // (tp * pp * cp)
+    if tp * pp * cp * dp != run.gpus:
+        raise Inexpressible(f"tp·pp·cp = {tp * pp * cp} does not divide {run.gpus} GPUs")
+    global_batch = run.global_batch or micro_batch * dp
+    if global_batch % (micro_batch * dp):
+        raise InputError(f"b {micro_batch} · dp {dp} does not divide the global batch {global_batch}")
+    sp = run.sequence_parallel if run.sequence_parallel is not None else defaults(run).get("sequence_parallel", False)
+    zero = run.zero if run.zero is not None else defaults(run).get("zero", 3 if stack_of(run) == "fsdp2" else 0)
+    layout = Layout(tp=tp, pp=pp, cp=cp, dp=dp, zero=zero if dp * cp > 1 else 0, sp=sp and tp > 1, vpp=vpp,
+                    gpus_per_node=run.gpus_per_node or 8)  # fmt: skip
+    return layout, global_batch // (micro_batch * dp)
+
+
+def choices(run: Run) -> list[tuple[int, int]]:
+    """(b, v) to try: as published, else every micro-batch and, for an interleaved run, every v up to 8."""
+    batches = (run.micro_batch,) if run.micro_batch else MICRO_BATCHES
+    interleaved = defaults(run).get("interleaved") and not run.vpp and (run.pp or 1) > 1
+    vpps = [v for v in range(1, 9) if run.layers % (run.pp * v) == 0] if interleaved else [run.vpp or 1]
+    return [(b, v) for b in batches for v in vpps]
+
+
+def predict(run: Run, timing=None) -> tuple[float, str]:
+    """memcalc's tokens/s per GPU for the run; the micro-batch the source does not give is the fastest that fits."""
+    if run.gpu not in GPUS:
+        raise Inexpressible(f"GPU {run.gpu} is not in memcalc's table")
+    seq = run.seq or defaults(run).get("seq")
+    if seq is None:
+        raise Inexpressible("the source gives no sequence length")
+    assume = replace(ASSUMPTIONS, **defaults(run).get("assume", {}))
+    stack = STACKS[stack_of(run)]
+    shape, tricks = shape_of(run), tricks_of(run)
+    model = Model(shape, n_params(shape), f"published {run.key}")
+    best = None
+    for b, v in choices(run):
+        try:
+            layout, m = layout_of(run, b, v)
+            setup = Setup(seq_len=seq, micro_batch=b, grad_accum=m, stack=stack)
+            est = layout_estimate(model, setup, GPUS[run.gpu], tricks, layout, assume, timing=timing)
+        except InputError as e:
+            if len(choices(run)) == 1:
+                raise Inexpressible(f"memcalc refuses the job: {e}") from None
+            continue
+        key = (est.verdict.fits, est.time.tokens_per_second)
+        if best is None or key > best[0]:
+            best = key, est
+    if best is None:
+        raise Inexpressible("no micro-batch gives a valid job")
+    est = best[1]
+    lay = est.layout
+    job = (f"tp{lay.tp} pp{lay.pp}{f' v{lay.vpp}' if lay.vpp > 1 else ''} cp{lay.cp} dp{lay.dp} z{lay.zero} {stack.key}"
+           f"{' sp' if lay.sp else ''} b{est.setup.micro_batch}{'' if run.micro_batch else '*'} m{est.setup.grad_accum} "
+           f"{est.tricks.label}")  # fmt: skip
+    return est.time.tokens_per_second / lay.world, job
+
+
+def rows(timing=None) -> list[Row]:
+    out = []
+    for run in load():
+        part = "fit" if run.source.id in FIT else "held-out"
+        try:
+            published, how = published_rate(run)
+            predicted, job = predict(run, timing)
+            out.append(Row(run, part, published, how, predicted, job))
+        except Inexpressible as e:
+            out.append(Row(run, part, None, "", None, "", str(e)))
+    return out
+
+
+# --- the summary ---------------------------------------------------------------------------------------
+
+
+def summary(group: list[Row]) -> dict:
+    errors = [abs(r.ratio - 1) for r in group if r.ratio is not None]
+    return {"runs": len(group), "compared": len(errors),
+            "median_abs_error": statistics.median(errors) if errors else None,
+            "worst_abs_error": max(errors) if errors else None}  # fmt: skip
+
+
+def summaries(all_rows: list[Row]) -> dict[str, dict]:
+    groups: dict[str, list[Row]] = {}
+    for r in all_rows:
+        for key in (f"part {r.part}", f"source {r.run.source.id}", f"gpu {GENERATION.get(r.run.gpu, r.run.gpu)}"):
+            groups.setdefault(key, []).append(r)
+    return {k: summary(v) for k, v in sorted(groups.items())}
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def not_compared(all_rows: list[Row]) -> dict[str, int]:
+    """Why runs are left out, by reason (its text before the first colon), most common first."""
+    reasons: dict[str, int] = {}
+    for r in all_rows:
+        if r.ratio is None:
+            reason = r.skipped.split(":")[0]
+            reasons[reason] = reasons.get(reason, 0) + 1
+    return dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
+
+
+def print_summary(table: dict[str, dict], reasons: dict[str, int]) -> None:
+    print(f"{'group':38} {'runs':>4} {'compared':>8} {'median |err|':>12} {'worst |err|':>11}")
+    for key, s in table.items():
+        print(f"{key:38} {s['runs']:4} {s['compared']:8} {pct(s['median_abs_error']):>12} {pct(s['worst_abs_error']):>11}")
+    print("not compared:")
+    for reason, n in reasons.items():
+        print(f"  {n:3}  {reason}")
+
+
+def main(argv: list[str]) -> None:
+    all_rows = rows()
+    table = summaries(all_rows)
+    if "--json" in argv:
+        runs = [{"run": r.run.key, "part": r.part, "published_tokens_per_s_per_gpu": r.published, "how": r.how,
+                 "predicted_tokens_per_s_per_gpu": r.predicted, "ratio": r.ratio, "job": r.job, "skipped": r.skipped}
+                for r in all_rows]  # fmt: skip
+        print(json.dumps({"runs": runs, "summary": table, "not_compared": not_compared(all_rows)}, indent=1))
+        return
+    if "--summary" not in argv:
+        print(f"{'run':58} {'part':8} {'published':>10} {'memcalc':>10} {'ratio':>6}  job / why not compared")
+        for r in all_rows:
+            if r.ratio is None:
+                print(f"{r.run.key:58} {r.part:8} {'':>10} {'':>10} {'':>6}  not compared: {r.skipped}")
+            else:
+                print(f"{r.run.key:58} {r.part:8} {r.published:10,.0f} {r.predicted:10,.0f} {r.ratio:6.2f}  {r.job}")
+        print("\n(b* : micro-batch not published, the fastest that fits; rates are tokens/s per GPU)\n")
+    print_summary(table, not_compared(all_rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -372,3 +372,36 @@ def test_sweep_uses_the_roofline():
         assert p.step_seconds == pytest.approx(step_time(model.shape, p.value, 1, 1, p.tricks, H100, cal).step_seconds,
                                                rel=1e-12)  # fmt: skip
     assert sw.time_model == "roofline" and sw.points[1].step_seconds > sw.points[0].step_seconds
+
+
+def test_a_matmuls_share_of_peak_by_its_size():
+    """calibration matmul_dim: `matmul` at the measured 8192³, d / (d + matmul_dim) as much relative to it
+    for smaller harmonic-mean dimension d, never above the peak; 0 (the default) leaves every shape at `matmul`."""
+    from memcalc.time.calibration import calibration_for, override
+    from memcalc.time.roofline import kernel_rate, matmul_dim
+
+    cal = calibration_for("h100-sxm")
+    assert cal.matmul_dim == 0 and cal.matmul_share(512) == cal.matmul_share(65536) == cal.matmul
+    shaped = override(cal, "matmul_dim=1024")
+    assert shaped.matmul_share(8192) == pytest.approx(cal.matmul)
+    shares = [shaped.matmul_share(d) for d in (256, 1024, 4096, 8192, 65536)]
+    assert shares == sorted(shares) and shares[1] == pytest.approx(cal.matmul * 0.5 * 9216 / 8192)
+    assert override(cal, "matmul=1.0,matmul_dim=4096").matmul_share(1e9) == 1.0
+    with pytest.raises(InputError, match="matmul_dim"):
+        override(cal, "matmul_dim=-1")
+    # the harmonic mean of m, n, k from a kernel's FLOPs and bytes: (4096 × 1024) @ (1024 × 8192) in bf16
+    m, k, n = 4096, 1024, 8192
+    assert matmul_dim(2 * m * k * n, 2 * (m * k + k * n + m * n), "bf16") == pytest.approx(3 / (1 / m + 1 / k + 1 / n))
+    # the roofline charges each traced matmul at its own size: the q projection of Llama 3 8B is 4096³
+    (q,) = [kn for kn in kernels_of(PRESETS["llama3-8b"], 4096, 1, parse_tricks("bf16,flash"))
+            if kn.unit == "tensor" and kn.scope == "attention" and kn.phase == "forward"][:1]  # fmt: skip
+    peak = GPUS["h100-sxm"].peak_flops("bf16")
+    assert kernel_rate(q, GPUS["h100-sxm"], shaped) == pytest.approx(peak * shaped.matmul_share(4096))
+    assert kernel_rate(q, GPUS["h100-sxm"], cal) == peak * cal.matmul
+    from memcalc.time.roofline import step_time as one_gpu_step
+
+    args = (PRESETS["llama3-8b"], 4096, 1, 1, parse_tricks("bf16,flash"), GPUS["h100-sxm"])
+    plain, slower = one_gpu_step(*args, cal), one_gpu_step(*args, shaped)
+    assert slower.step_seconds > plain.step_seconds
+    assert sum(op.seconds for op in slower.ops if op.unit != "tensor") == pytest.approx(
+        sum(op.seconds for op in plain.ops if op.unit != "tensor"))  # only the matmuls move

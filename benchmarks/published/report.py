@@ -38,6 +38,7 @@ from memcalc.model.tricks import Tricks  # noqa: E402
 from memcalc.parallel.layout import Layout  # noqa: E402
 from memcalc.parallel.links import ASSUMPTIONS  # noqa: E402
 from memcalc.parallel.plan import layout_estimate  # noqa: E402
+from memcalc.time.calibration import Calibration  # noqa: E402
 
 # Chosen by source before any fit: Megatron on A100 and H100, FSDP on A100 and H100 (llm-foundry), so that
 # each stack and generation the held-out part holds is also seen here. Everything else is held out.
@@ -156,7 +157,7 @@ def published_rate(run: Run) -> tuple[float, str]:
 
 def shape_of(run: Run) -> ModelShape:
     """The shape as published: a Llama layer where the MLP is gated, else Megatron's GPT (learned positions,
-    biases, dropout 0.1) or MPT's (llm-foundry: ALiBi, no biases, no dropout)."""
+    biases, dropout 0.1; llm-foundry's MPT benchmark shapes the same without dropout)."""
     if run.layers is None or run.hidden is None or run.heads is None:
         raise Inexpressible("the source gives no model shape")
     if run.gated_mlp:
@@ -164,10 +165,9 @@ def shape_of(run: Run) -> ModelShape:
         return llama(run.model, run.layers, run.hidden, run.heads, run.kv_heads or run.heads, run.ffn, vocab, False)
     if run.vocab is None:
         raise Inexpressible("the source gives no vocabulary")
-    if run.stack == "llm-foundry":  # MPT: ALiBi (no position table), no biases, no dropout
-        return ModelShape(n_layers=run.layers, hidden=run.hidden, n_heads=run.heads, ffn=run.ffn, vocab=run.vocab,
-                          name=run.model)  # fmt: skip
     base = gpt(run.model, run.layers, run.hidden, run.heads, run.seq)
+    if run.stack == "llm-foundry":  # its benchmark yamls: GPT's layer (the NumParams column counts the position
+        return replace(base, vocab=run.vocab, ffn=run.ffn, dropout=0.0)  # table and the biases), no dropout
     return replace(base, vocab=run.vocab, ffn=run.ffn or 4 * run.hidden)
 
 
@@ -237,7 +237,7 @@ def choices(run: Run) -> list[tuple[int, int]]:
     return [(b, v) for b in batches for v in vpps]
 
 
-def predict(run: Run, timing=None) -> tuple[float, str]:
+def predict(run: Run, timing: Calibration | None = None) -> tuple[float, str]:
     """memcalc's tokens/s per GPU for the run; the micro-batch the source does not give is the fastest that fits."""
     if run.gpu not in GPUS:
         raise Inexpressible(f"GPU {run.gpu} is not in memcalc's table")
@@ -271,13 +271,14 @@ def predict(run: Run, timing=None) -> tuple[float, str]:
     return est.time.tokens_per_second / lay.world, job
 
 
-def rows(timing=None) -> list[Row]:
+def rows(calibrations: dict[str, Calibration] | None = None, runs: list[Run] | None = None) -> list[Row]:
+    """Every run (or those given) against memcalc, each GPU at its calibration (default: the shipped one)."""
     out = []
-    for run in load():
+    for run in load() if runs is None else runs:
         part = "fit" if run.source.id in FIT else "held-out"
         try:
             published, how = published_rate(run)
-            predicted, job = predict(run, timing)
+            predicted, job = predict(run, (calibrations or {}).get(run.gpu))
             out.append(Row(run, part, published, how, predicted, job))
         except Inexpressible as e:
             out.append(Row(run, part, None, "", None, "", str(e)))

@@ -39,7 +39,11 @@ PARAMETERS: dict[str, tuple[float, str, str]] = {
                "memcalc default: the datasheet rate; elementwise kernels are bandwidth-bound here, so it seldom binds"),
     "launch_us": (4.0, "microseconds a kernel takes at least: eager PyTorch's dispatch and launch",
                   "memcalc assumption (a few microseconds per eager op), to be fitted from verify's measured steps"),
+    "matmul_dim": (0.0, "a matmul's efficiency falls with its size as d / (d + matmul_dim), d the harmonic mean of its "
+                        "dimensions, relative to the 8192³ matmul `matmul` was measured at (0: every shape at `matmul`)",
+                   "memcalc default: no shape effect"),
 }  # fmt: skip
+ANCHOR_DIM = 8192  # the matmul `matmul` is measured at: 8192³ (h200.json)
 
 
 @record(frozen=True)
@@ -52,6 +56,7 @@ class Calibration:
     bandwidth: float
     vector: float
     launch_us: float
+    matmul_dim: float
     origin: str  # the file read, or "memcalc defaults"
     provenance: tuple[tuple[str, str], ...]  # (parameter, where its value comes from), in PARAMETERS order
 
@@ -66,12 +71,24 @@ class Calibration:
     def source(self, name: str) -> str:
         return dict(self.provenance)[name]
 
+    def matmul_share(self, dim: float) -> float:
+        """The fraction of the dense peak a matmul whose dimensions' harmonic mean is dim sustains:
+        `matmul` at the measured 8192³, d / (d + matmul_dim) as much relative to it (small, thin and
+        TP-split matmuls fill fewer of the GPU's tiles and waves), never above the peak."""
+        if not self.matmul_dim:
+            return self.matmul
+        d, d0 = dim, self.matmul_dim
+        return min(1.0, self.matmul * (d / (d + d0)) * ((ANCHOR_DIM + d0) / ANCHOR_DIM))
+
 
 def check_value(name: str, value: object) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if name == "launch_us":
         if not (ok and 0 <= value <= 1000):
             raise InputError(f"calibration launch_us must be in [0, 1000] microseconds, got {brief(value)}")
+    elif name == "matmul_dim":
+        if not (ok and 0 <= value <= 65536):
+            raise InputError(f"calibration matmul_dim must be in [0, 65536] elements, got {brief(value)}")
     elif not (ok and 0 < value <= 1):
         raise InputError(f"calibration {name} must be a fraction in (0, 1], got {brief(value)}")
 

@@ -18,7 +18,7 @@ from memcalc.model.moe import BALANCED, Routing, routed_tokens
 from memcalc.model.shape import ModelShape
 from memcalc.records import record
 
-from .calibration import Calibration
+from .calibration import ANCHOR_DIM, Calibration
 from .roofline import byte_rate, flop_rate
 
 
@@ -89,7 +89,8 @@ def expert_gemms(shape: ModelShape, tokens: int, precision: str, routing: Routin
 def gemm_time(g: Gemm, precision: str, gpu: GPU, cal: Calibration) -> GemmTime:
     """Williams et al. 2009: t = max(FLOPs / (efficiency · peak), bytes / (efficiency · bandwidth), floor)."""
     dtype = "fp32" if g.itemsize == 4 else precision
-    rate, moved = flop_rate("tensor", dtype, gpu, cal), byte_rate(gpu, cal)
+    dim = 3 / (1 / g.m + 1 / g.k + 1 / g.n) if g.m else float(ANCHOR_DIM)  # as roofline.matmul_dim
+    rate, moved = gpu.peak_flops(dtype) * cal.matmul_share(dim), byte_rate(gpu, cal)
     return GemmTime(g, rate / moved, g.flops / rate, g.bytes / moved, cal.launch_seconds)
 
 

@@ -28,7 +28,7 @@ from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
-from .calibration import Calibration
+from .calibration import ANCHOR_DIM, Calibration
 
 # Parts of the step, in the order the breakdown prints them.
 PARTS = (
@@ -68,12 +68,28 @@ def part_of(k: Kernel) -> str:
 
 
 def flop_rate(unit: str, dtype: str, gpu: GPU, cal: Calibration) -> float:
-    """FLOP/s a kernel of this unit and dtype can reach on this GPU."""
+    """FLOP/s a kernel of this unit and dtype can reach on this GPU (a matmul: at the measured 8192³ size)."""
     if unit == "tensor":
         return gpu.peak_flops(dtype) * cal.matmul  # tensor-core peak of its dtype (fp32: CUDA cores)
     if unit == "flash":
         return gpu.peak_flops(dtype) * cal.flash
     return gpu.fp32_tflops * 1e12 * cal.vector  # ATen's elementwise math runs in fp32 (at::opmath_type)
+
+
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def matmul_dim(flops: int, moved: int, dtype: str) -> float:
+    """The harmonic mean of an m×k by k×n matmul's dimensions, 3 / (1/m + 1/n + 1/k), from what it does:
+    2mnk FLOPs over the mk + kn + mn elements it reads and writes is 2 / (1/m + 1/n + 1/k)."""
+    return 1.5 * flops * ITEMSIZE.get(dtype, 2) / moved if moved else float(ANCHOR_DIM)
+
+
+def kernel_rate(k: Kernel, gpu: GPU, cal: Calibration) -> float:
+    """flop_rate, and for a matmul its share at its own size (Calibration.matmul_share)."""
+    if k.unit != "tensor" or not cal.matmul_dim:
+        return flop_rate(k.unit, k.dtype, gpu, cal)
+    return gpu.peak_flops(k.dtype) * cal.matmul_share(matmul_dim(k.flops, k.read_bytes + k.write_bytes, k.dtype))
 
 
 def byte_rate(gpu: GPU, cal: Calibration) -> float:
@@ -82,7 +98,7 @@ def byte_rate(gpu: GPU, cal: Calibration) -> float:
 
 def kernel_seconds(k: Kernel, gpu: GPU, cal: Calibration) -> tuple[float, float, float]:
     """(compute time, memory time, floor): the kernel takes the largest (Williams et al. 2009)."""
-    return (k.flops / flop_rate(k.unit, k.dtype, gpu, cal), (k.read_bytes + k.write_bytes) / byte_rate(gpu, cal),
+    return (k.flops / kernel_rate(k, gpu, cal), (k.read_bytes + k.write_bytes) / byte_rate(gpu, cal),
             cal.launch_seconds)  # fmt: skip
 
 
@@ -210,8 +226,11 @@ def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int
         n = repeats(k, shape.n_layers, grad_accum, tricks, shape) * k.count
         if n == 0:
             continue
-        rate = rates.get((k.unit, k.dtype)) or rates.setdefault((k.unit, k.dtype), flop_rate(k.unit, k.dtype, gpu, cal))
         moved = k.read_bytes + k.write_bytes
+        if k.unit == "tensor" and cal.matmul_dim:
+            rate = kernel_rate(k, gpu, cal)
+        else:
+            rate = rates.get((k.unit, k.dtype)) or rates.setdefault((k.unit, k.dtype), flop_rate(k.unit, k.dtype, gpu, cal))
         compute, memory = k.flops / rate, moved / bandwidth
         kernels += n
         counted += n * k.counted

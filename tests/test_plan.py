@@ -13,6 +13,7 @@ from memcalc.model.presets import preset_model
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate, plan
+from memcalc.parallel.search import layouts
 from memcalc.report import layout as layout_report
 from memcalc.report import plan as plan_report
 from memcalc.report import render
@@ -161,3 +162,27 @@ def test_tricks_section_lists_one_row_per_trick_set():
     section = layout_report.tricks_section(ests, "gb")
     assert [row[0] for row in section.rows] == [t.label for t in PROGRESSION]
     assert "tp2 sp pp1 cp1 dp4 zero1" in section.title
+
+
+def test_without_leaves_features_out_of_the_search():
+    """plan --without: a 2021 Megatron-LM run had no SP and no distributed optimizer; the search leaves
+    them out (and says so), and what it keeps is exactly the full search's layouts without them."""
+    model, g = preset_model("llama3-8b"), gpu("a100-80gb")
+    args = (model, g, 8, 2048, 16)
+    full = plan(*args, tricks=Tricks("bf16", flash=True), top=1000, recomputes=("none",))
+    bare = plan(*args, tricks=Tricks("bf16", flash=True), top=1000, recomputes=("none",),
+                without=("zero", "sp", "interleave", "cp", "offload"))  # fmt: skip
+    assert bare.without == ("cp", "interleave", "offload", "sp", "zero") and bare.searched < full.searched
+    for est in bare.best:
+        lay = est.layout
+        assert not lay.sp and lay.zero == 0 and lay.vpp == 1 and lay.cp == 1 and not lay.offload_optimizer
+    allowed = []  # every layout of the full search that has none of the features, timed one by one
+    for lay, b, m in layouts(model, 8, 8, 2048, 16, True, True):
+        if not (lay.sp or lay.zero or lay.vpp > 1 or lay.cp > 1 or lay.offload_optimizer):
+            est = layout_estimate(model, Setup(seq_len=2048, micro_batch=b, grad_accum=m), g, Tricks("bf16", flash=True), lay)
+            allowed += [est.time.tokens_per_second] if est.verdict.fits else []
+    assert bare.best[0].time.tokens_per_second == pytest.approx(max(allowed))
+    assert bare.best[0].time.tokens_per_second < full.best[0].time.tokens_per_second
+    assert "without sequence parallel" in "\n".join(plan_report.plan_preamble(bare, "gb")).replace("\n  ", " ")
+    with pytest.raises(InputError, match="--without takes"):
+        plan(model, g, 16, 2048, 64, without=("pipelines",))

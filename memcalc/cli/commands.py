@@ -146,6 +146,7 @@ def plan(
     optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
     no_offload: Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")] = False,
+    without: Annotated[Optional[str], typer.Option("--without", help="Features to leave out of the search, as a stack that lacked them: sp, interleave, cp, zero, hybrid, offload (a 2021 Megatron-LM run: sp,zero).", metavar="LIST")] = None,
     host_memory: HostMemory = "2T", stack: StackOpt = "reference", detail: Detail = False, exact_bytes: ExactBytes = False,
     fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
@@ -179,6 +180,7 @@ def plan(
             top=parse_count(top, "top", 1000), offload=not no_offload,
             recomputes=(t.recompute,) if named else ("none", "selective", "full"),
             host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES), stack=stack_for(stack),
+            without=tuple(sorted({w.strip().lower() for w in (without or "").split(",") if w.strip()})),
         )  # fmt: skip
     except InputError as e:
         fail(str(e))

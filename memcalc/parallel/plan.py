@@ -32,7 +32,7 @@ from .comm import StepTime, step_lower_bound, step_time
 from .links import ASSUMPTIONS, Assumptions
 from .engines import engine_layout
 from .layout import Layout, LayoutMemory, check_layout, layout_memory
-from .search import expert_layouts, layouts
+from .search import check_without, expert_layouts, layouts
 from .stage_memory import layout_peak
 from .verdict import Verdict, gpu_verdict, verdict_fit
 
@@ -121,6 +121,7 @@ class Plan:
     fitting: int  # of those, how many fit in memory
     best: tuple[LayoutEstimate, ...]  # the fastest distinct layouts that fit, fastest first, every stage computed
     alternatives: tuple[Alternative, ...]
+    without: tuple[str, ...] = ()  # features left out of the search (search.WITHOUT)
 
     @property
     def tokens_per_step(self) -> int:
@@ -149,7 +150,7 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
          tricks: Tricks = BF16_FLASH, optimizer: str = "adamw", timing: Calibration | float | None = None,
          assume: Assumptions = ASSUMPTIONS, top: int = 5, recomputes: tuple[str, ...] = ("none", "selective", "full"),
          offload: bool = True, host_memory: int = HOST_MEMORY_BYTES, stack: Stack = DEFAULT_STACK,
-         prune: bool = True) -> Plan:  # fmt: skip
+         prune: bool = True, without: tuple[str, ...] = ()) -> Plan:  # fmt: skip
     """Search every valid layout the stack's engine runs, keep those that fit (the GPU, and the host's memory
     for offload), rank them by tokens/s: the roofline's (timing a Calibration, or None for the GPU's shipped
     one) or --mfu's end-to-end rate (timing a float).
@@ -164,13 +165,15 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     check_positions(model.shape, seq_len)
     check_size("global batch", global_batch, limit=MAX_BATCH)
     check_size("top", top, limit=1000)
+    check_without(without)
+    without = tuple(sorted(set(without)))
     timing = calibration_for(gpu.key) if timing is None else timing
     if not isinstance(timing, float) and not traceable(model.shape):  # no kernels to time: the default MFU does
         timing = DEFAULT_MFU
     mfu = timing if isinstance(timing, float) else DEFAULT_MFU
     base = Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory, stack=stack)  # validates them
     variants = recompute_variants(tricks, recomputes)
-    found = layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload, stack.engine)
+    found = layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload, stack.engine, without)
     with no_collection():  # the search makes some 10^5 short-lived objects, none in a cycle
         candidates, family_small, searched = fitting(model, gpu, base, expert_layouts(model, found), variants, assume,
                                                      timing, prune)  # fmt: skip
@@ -180,7 +183,7 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
                      for _, lay, s, t, _, _ in distinct(ranked, top))  # fmt: skip
         others = alternatives(model, gpu, assume, best, family_best, family_small, timing)
     return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, timing, stack, searched,
-                len(candidates), best, others)  # fmt: skip
+                len(candidates), best, others, without)  # fmt: skip
 
 
 def fitting(model: Model, gpu: GPU, base: Setup, found: Iterator[tuple[Layout, int, int]], variants: tuple[Tricks, ...],

@@ -19,12 +19,25 @@ from .layout import Layout, divisors, stage_layers
 
 MAX_MICRO_BATCH = 16  # sequences per micro-batch the search tries, in powers of two
 MAX_VPP = 8  # virtual stages per GPU the search tries
+# What the search can be told to leave out (plan --without): the features a stack did not have, as a 2021
+# Megatron-LM run had no sequence parallelism (Korthikanti et al. 2022) and no distributed optimizer
+WITHOUT = {"sp": "sequence parallel", "interleave": "the interleaved schedule", "cp": "context parallel",
+           "zero": "ZeRO stages 1-3 (plain data parallel only)",
+           "hybrid": "hybrid shard", "offload": "CPU offload"}  # fmt: skip
+
+
+def check_without(without: tuple[str, ...]) -> None:
+    unknown = sorted(set(without) - set(WITHOUT))
+    if unknown:
+        raise InputError(f"--without takes {', '.join(WITHOUT)}; got {', '.join(unknown)}")
 
 
 def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, flash: bool,
-            offload: bool, engine: str = "none") -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
-    """Every valid (layout, micro-batch b, micro-batches m) the engine runs for this job."""
+            offload: bool, engine: str = "none", without: tuple[str, ...] = ()) -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
+    """Every valid (layout, micro-batch b, micro-batches m) the engine runs for this job, without the
+    features named in `without` (WITHOUT's keys)."""
     shape = model.shape
+    offload = offload and "offload" not in without
     for tp in divisors(gpus):
         if tp > gpus_per_node or shape.n_heads % tp or shape.n_kv_heads % tp or shape.ffn % tp:
             continue
@@ -32,13 +45,13 @@ def layouts(model: Model, gpus: int, gpus_per_node: int, seq_len: int, global_ba
             if not splits_layers(pp, shape.n_layers, engine):
                 continue
             for cp in divisors(gpus // (tp * pp)):
-                if cp > 1 and (not flash or seq_len % (2 * cp)):
+                if cp > 1 and (not flash or seq_len % (2 * cp) or "cp" in without):
                     continue
                 dp = gpus // (tp * pp * cp)
                 if global_batch % dp:
                     continue
                 yield from splits(tp, pp, cp, dp, shape.n_layers, seq_len, global_batch // dp, gpus_per_node, offload,
-                                  engine)  # fmt: skip
+                                  engine, without)  # fmt: skip
 
 
 def splits_layers(pp: int, n_layers: int, engine: str) -> bool:
@@ -51,11 +64,13 @@ def splits_layers(pp: int, n_layers: int, engine: str) -> bool:
 
 
 def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_replica: int, gpus_per_node: int,
-           offload: bool, engine: str = "none") -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
-    vpps = [v for v in divisors(n_layers // pp) if v <= MAX_VPP] if pp > 1 and n_layers % pp == 0 else [1]
-    sps = [False] + ([True] if tp > 1 and (seq_len // cp) % tp == 0 else [])
+           offload: bool, engine: str = "none", without: tuple[str, ...] = ()) -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
+    interleaves = pp > 1 and n_layers % pp == 0 and "interleave" not in without
+    vpps = [v for v in divisors(n_layers // pp) if v <= MAX_VPP] if interleaves else [1]
+    sps = [False] + ([True] if tp > 1 and (seq_len // cp) % tp == 0 and "sp" not in without else [])
     batches = [b for b in (1 << k for k in range(5)) if b <= MAX_MICRO_BATCH and per_replica % b == 0]
-    shardings = list(sharding_options(tp, pp, dp * cp, gpus_per_node, offload, engine))
+    shardings = [(z, h, o, p) for z, h, o, p in sharding_options(tp, pp, dp * cp, gpus_per_node, offload, engine)
+                 if not (z and "zero" in without) and not (h and "hybrid" in without)]  # fmt: skip
     for v in vpps:
         for sp in sps:
             # one Layout per sharding, whatever the micro-batch (building one validates it)

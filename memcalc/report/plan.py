@@ -4,6 +4,7 @@ obvious alternatives lose (a layout of one job is memcalc.report.layout's)."""
 from __future__ import annotations
 
 from memcalc.parallel.plan import Alternative, Plan
+from memcalc.parallel.search import WITHOUT
 
 from . import units as u
 from .layout import CAUSES, assumption_notes, held_text, layout_text, sharding_text
@@ -19,10 +20,22 @@ def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
         f"{' + flash' if t.flash else ''}, {plan.optimizer}, stack {plan.stack.label}; timed by "
         + (f"--mfu {plan.timing:g} end to end" if isinstance(plan.timing, float)
            else f"the roofline of each stage's kernels ({plan.timing.origin.rsplit('/', 1)[-1]})"),
-        f"Searched {plan.searched:,} layouts (TP, SP, PP, interleaving, CP, DP, ZeRO 0-3, hybrid shard, offload, "
-        f"micro-batch, recompute{', EP' if plan.model.shape.is_moe else ''}): {plan.fitting:,} fit in "
-        f"{u.size(g.usable_bytes, units)}",
+        f"Searched {plan.searched:,} layouts ({searched(plan)}): {plan.fitting:,} fit in {u.size(g.usable_bytes, units)}",
     ]
+
+
+# What the search varies, each with the search.WITHOUT key that leaves it out (None: always searched)
+SEARCHED = (("TP", None), ("SP", "sp"), ("PP", None), ("interleaving", "interleave"), ("CP", "cp"), ("DP", None),
+            ("ZeRO 0-3", "zero"), ("hybrid shard", "hybrid"), ("offload", "offload"), ("micro-batch", None),
+            ("recompute", None))  # fmt: skip
+
+
+def searched(plan: Plan) -> str:
+    """What the search varied, and what --without left out."""
+    gone = set(plan.without) | ({"hybrid"} if "zero" in plan.without else set())  # hybrid shard is a ZeRO stage's
+    parts = [name for name, key in SEARCHED if key not in gone] + (["EP"] if plan.model.shape.is_moe else [])
+    left = [WITHOUT[k] for k in WITHOUT if k in plan.without]
+    return ", ".join(parts) + (f"; without {', '.join(left)}" if left else "")
 
 
 def short_ranking_section(plan: Plan, units: str) -> Section:

@@ -24,9 +24,30 @@ if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this 
 
 
 def layers_per_stage(layout: Layout, n_layers: int, engine: str = "none") -> tuple[int, ...]:
-    """The transformer layers on each pipeline stage, first to last."""
-    weighted = ENGINES[engine].weighted_split and layout.vpp == 1
-    return stage_layers(layout.pp, layout.first_layers, layout.last_layers, n_layers, weighted)
+    """The transformer layers on each pipeline stage's GPU, first to last: under the interleaved schedule the
+    sum of its v model chunks (chunk_layers)."""
+    if layout.vpp == 1:
+        return stage_layers(layout.pp, layout.first_layers, layout.last_layers, n_layers, ENGINES[engine].weighted_split)
+    chunks, p = chunk_layers(layout, n_layers, engine), layout.pp
+    return tuple(sum(chunks[i::p]) for i in range(p))
+
+
+def chunk_layers(layout: Layout, n_layers: int, engine: str = "none") -> tuple[int, ...]:
+    """The layers of each of the p·v model chunks of the interleaved schedule, chunk j on stage j mod p
+    (Narayanan et al. 2021, sec. 2.2). Megatron-LM needs p·v to divide the layers (L/(p·v) each); torchtitan
+    splits into p·v stages as it splits into p, the embedding and the head weighed as a layer each
+    (_generate_llm_fqn_per_model_part with num_stages = p·v): Llama 3.1 405B's 126 layers go 3, 4, ..., 4, 3
+    over PP 16 x v 2 (torchtitan/distributed/pipeline_parallel.py pipeline_llm, num_virtual_stages)."""
+    p, v = layout.pp, layout.vpp
+    if layout.first_layers or layout.last_layers:
+        raise InputError("uneven first and last stages (--first-layers, --last-layers) run the 1F1B schedule here, "
+                         "not the interleaved one: drop --vpp or them")  # fmt: skip
+    if ENGINES[engine].weighted_split:
+        return stage_layers(p * v, 0, 0, n_layers, True)
+    if n_layers % (p * v):
+        raise InputError(f"pipeline {p} x virtual stages {v} must divide the {n_layers} layers (Megatron-LM's "
+                         "interleaved schedule; torchtitan's, --stack fsdp2, splits them unevenly)")  # fmt: skip
+    return (n_layers // (p * v),) * (p * v)
 
 
 @lru_cache(maxsize=4096)
@@ -72,20 +93,23 @@ def moe_split(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
     return per - moe, moe
 
 
-def held_layers(layout: Layout, stage: int, micro_batches: int, n_layers: int, layers: int | None = None) -> int:
+def held_layers(layout: Layout, stage: int, micro_batches: int, n_layers: int, layers: int | None = None,
+                engine: str = "none") -> int:  # fmt: skip
     """Layer-micro-batches whose activations a stage keeps at its peak (Korthikanti et al. 2022, sec. 4.2.3).
 
     1F1B: stage i runs min(p − i, m) forwards before its first backward, so stage 0 holds p micro-batches
     of its L/p layers: L layers' worth, whatever p. Interleaved with v virtual stages: Megatron-LM's
-    warm-up of 2(p − i − 1) + (v − 1)·p chunks + 1, each of L/(p·v) layers; for stage 0 that is
-    L·(1 + (p − 1)/(p·v)) layers' worth, Korthikanti's interleaving factor. layers: this stage's
-    (uneven splits run 1F1B only).
+    warm-up of 2(p − i − 1) + (v − 1)·p chunk forwards + 1, the k-th on the stage's chunk (k // p) mod v
+    (schedules.py get_model_chunk_id: p micro-batches a chunk, in turn); with L/(p·v) layers a chunk, stage
+    0 holds L·(1 + (p − 1)/(p·v)) layers' worth, Korthikanti's interleaving factor. layers: this stage's
+    (1F1B); interleaved, each chunk's own (chunk_layers, by the engine's split).
     """
     p, v, m = layout.pp, layout.vpp, micro_batches
     if v == 1:
         return min(p - stage, m) * (n_layers // p if layers is None else layers)
-    chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
-    return min(chunks, m * v) * (n_layers // (p * v))
+    mine = chunk_layers(layout, n_layers, engine)[stage::p]
+    forwards = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    return sum(mine[(k // p) % v] for k in range(forwards))
 
 
 def bubble_fraction(layout: Layout, micro_batches: int) -> float:

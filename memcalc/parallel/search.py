@@ -63,10 +63,18 @@ def splits_layers(pp: int, n_layers: int, engine: str) -> bool:
     return True
 
 
+def interleaves(pp: int, v: int, n_layers: int, engine: str) -> bool:
+    """Whether v model chunks a stage are worth trying: p·v divides the layers, or, where the engine splits as
+    torchtitan does (the embedding and the head a layer each), the layers and those two (balanced chunks)."""
+    if n_layers % (pp * v) == 0:
+        return True
+    return ENGINES[engine].weighted_split and (n_layers + 2) % (pp * v) == 0 and splits_layers(pp * v, n_layers, engine)
+
+
 def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_replica: int, gpus_per_node: int,
            offload: bool, engine: str = "none", without: tuple[str, ...] = ()) -> Iterator[tuple[Layout, int, int]]:  # fmt: skip
-    interleaves = pp > 1 and n_layers % pp == 0 and "interleave" not in without
-    vpps = [v for v in divisors(n_layers // pp) if v <= MAX_VPP] if interleaves else [1]
+    vpps = [1] + ([v for v in range(2, MAX_VPP + 1) if interleaves(pp, v, n_layers, engine)]
+                  if pp > 1 and "interleave" not in without else [])  # fmt: skip
     sps = [False] + ([True] if tp > 1 and (seq_len // cp) % tp == 0 and "sp" not in without else [])
     batches = [b for b in (1 << k for k in range(5)) if b <= MAX_MICRO_BATCH and per_replica % b == 0]
     shardings = [(z, h, o, p) for z, h, o, p in sharding_options(tp, pp, dp * cp, gpus_per_node, offload, engine)

@@ -250,7 +250,7 @@ def activations_of(model: Model, setup: Setup, tricks: Tricks, layout: Layout, s
                                           layout.ep, layout.etp, s.routing)  # fmt: skip
         held, moe_held = -(-held * dense // per), -(-held * moe // per)
     else:
-        held = held_layers(layout, stage, s.grad_accum, shape.n_layers, layers)
+        held = held_layers(layout, stage, s.grad_accum, shape.n_layers, layers, engine)
         if engine == "megatron" and stage == 0:
             inputs = megatron_inputs(shape, s.seq_len, s.micro_batch, layout.tp, layout.sp, layout.cp, held, layers)
     logits = ()

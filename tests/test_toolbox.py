@@ -118,3 +118,15 @@ def test_fit_limits_are_tight(layout):
 def test_fit_limits_when_state_alone_is_too_big():
     limits = fit_limits(preset_model("llama3-70b"), Setup(seq_len=2048), H100, parse_tricks("bf16,flash,ckpt"))
     assert limits.max_seq_len == 0 and limits.max_micro_batch == 0 and limits.memory_at_max_seq is None
+
+
+def test_a_tool_the_verdict_cannot_answer_is_left_out():
+    """FSDP2 with torchtitan's per-op SAC is replayed one micro-batch a step; the toolbox's smaller micro-batch
+    (gradient accumulation) leaves the replay, and sac has no textbook: that tool is skipped, the rest answer."""
+    from memcalc.model.stacks import stack_for
+
+    setup = Setup(seq_len=16384, micro_batch=4, stack=stack_for("fsdp2"))
+    box = toolbox(preset_model("llama3-8b"), setup, gpu("h100-sxm"), parse_tricks("bf16,flash,sac"), Layout(dp=8, zero=3))
+    assert box.start.replay.startswith("one FSDP2 rank of 8") and not box.start.fits
+    assert box.steps and not any("accumulation" in s.name for s in box.steps)
+    assert all(s.verdict.replay.startswith("one FSDP2 rank") for s in box.steps)

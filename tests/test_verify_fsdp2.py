@@ -91,6 +91,8 @@ def test_gpt2_tied_layernorm_eager_the_cpu_statistics_named():
     ("llama3-8b", "bf16", Layout(dp=8, zero=3, reshard_after_forward=False), 0),  # --no-reshard: blocks stay gathered
     ("llama3-8b", "bf16,flash,ckpt", Layout(dp=8, zero=3, reshard_after_forward=True), 5),  # 'always'
     ("qwen3-0.6b", "fp32", Layout(dp=8, zero=3), 0),  # param_dtype fp32: no cast, no all-gather copy-in
+    ("llama3-8b", "bf16,flash,sac", Layout(dp=8, zero=3), 0),  # torchtitan's per-op SAC: its kept outputs too
+    ("qwen3-0.6b", "bf16,sac", Layout(dp=8, zero=3), 7),  # eager attention under SAC, tied table
 ])  # fmt: skip
 def test_policies_and_precisions_exact(name, tricks, layout, rank):
     check(name, 3, 512, tricks, layout, ranks=(rank,))

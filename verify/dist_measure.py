@@ -56,7 +56,7 @@ class BlockSaved:
     every block shares are left out; storages are held until forward ends (no reuse of ids)."""
 
     def __init__(self, model: torch.nn.Module, k: int):
-        self.k, self.done = k, 0
+        self.k, self.done, self.model = k, 0, model
         self.excluded = {storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
         self.saved: dict[int, int] = {}
         self.held: list[torch.UntypedStorage] = []
@@ -83,9 +83,21 @@ class BlockSaved:
                 self.held.append(s)
         return t
 
-    def hooks(self) -> saved_tensors_hooks:
+    def keep(self, tensors: list[torch.Tensor]) -> None:
+        """What per-op selective AC keeps instead of saving (builder.sac_contexts' observer): block k's too."""
+        for t in tensors:
+            self.pack(t)
+
+    @contextlib.contextmanager
+    def hooks(self):
+        """The saved-tensor hooks, and the model's per-op SAC observer, for one forward and backward."""
         self.done = 0
-        return saved_tensors_hooks(self.pack, lambda t: t)
+        self.model.sac_observer = self.keep
+        try:
+            with saved_tensors_hooks(self.pack, lambda t: t):
+                yield
+        finally:
+            self.model.sac_observer = None
 
     @property
     def total_bytes(self) -> int:

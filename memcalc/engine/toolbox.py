@@ -226,7 +226,10 @@ def toolbox(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout
         if applied is None:
             continue
         name, change, what = applied
-        steps.append(step(name, what, change, base, tool in FREE))
+        try:
+            steps.append(step(name, what, change, base, tool in FREE))
+        except InputError:  # the change leaves what the verdict can answer (sac with accumulation): no tool here
+            continue
         zeroed = zeroed or tool is use_zero
         if not steps[-1].kept:
             passed.append((name, change, before_zero))
@@ -239,7 +242,11 @@ def toolbox(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout
     for name, change, base in passed if zeroed else ():  # under ZeRO, what the state hid on the GPUs you had
         zero = use_zero(model, gpu, change(base), measure)
         if zero is not None:
-            steps.append(step(f"{name}, then {zero[0]}", zero[2], lambda c, z=zero[1], ch=change: z(ch(c)), base, False))
+            try:
+                steps.append(step(f"{name}, then {zero[0]}", zero[2], lambda c, z=zero[1], ch=change: z(ch(c)), base,
+                                  False))  # fmt: skip
+            except InputError:
+                continue
     return Toolbox(start_verdict, tuple(steps))
 
 

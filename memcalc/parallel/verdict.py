@@ -95,8 +95,8 @@ def fsdp2_gap(setup: Setup, tricks: Tricks, layout: Layout) -> str:
         return "the FSDP2 replay runs one micro-batch per step, not gradient accumulation"
     if layout.offload_optimizer or layout.offload_params:
         return "the FSDP2 replay keeps everything on the GPU; CPUOffloadPolicy is the textbook's"
-    if tricks.precision == "fp16" or tricks.recompute == "op" or tricks.mixed:
-        return f"the FSDP2 replay runs bf16 and fp32 with full or no recompute, not {tricks.label}"
+    if tricks.precision == "fp16" or tricks.mixed:
+        return f"the FSDP2 replay runs bf16 and fp32, each block recomputed alike (none, selective, full or sac), not {tricks.label}"
     return ""
 
 

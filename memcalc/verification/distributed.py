@@ -57,7 +57,8 @@ def check_dist(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, 
     """What the distributed check runs: FSDP2 (ZeRO-3) over dp, DTensor TP (+SP) over tp; one line each."""
     if device not in DEVICES:
         raise InputError(f"unknown verify device {device!r}; known: {', '.join(DEVICES)}")
-    check_layer_uniform(tricks, "distributed verify's checks")
+    if tricks.mixed or (tricks.recompute == "op" and (setup.stack.engine != "fsdp2" or layout.tp > 1)):
+        check_layer_uniform(tricks, "distributed verify's checks (sac: FSDP2 over dp alone)")
     if layout.pp > 1 or layout.cp > 1:
         raise InputError("distributed verify covers data (FSDP2) and tensor parallelism: pp and cp must be 1")
     if layout.zero not in (0, 3):
@@ -247,6 +248,8 @@ def activation_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tr
     cpu = cpu_norm_stats(shape, seq_len, micro_batch, tricks, layout, device)
     checked = Prediction("saved by one block", exact_bytes, cpu,
                          formula="memcalc.exact of the TP shard" + (", norms and dropouts over s/t" if layout.sp else ""))  # fmt: skip
+    if tricks.recompute == "op":  # the textbook has no formula for per-op SAC: the op-by-op count alone
+        return [checked]
     textbook = layer_activations(shape, seq_len, micro_batch, tricks, layout.tp, layout.sp).per_layer_bytes
     gap = Term("op by op (memcalc.exact on the TP shard) less the textbook", exact_bytes - textbook,
                "", "memcalc.exact; Korthikanti et al. 2022, Table 2")  # fmt: skip
@@ -298,6 +301,8 @@ def phase_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
             row("forward peak", cuda.forward_peak_bytes, run.forward_peak_bytes),
             row("backward peak", cuda.backward_peak_bytes, run.backward_peak_bytes),
             row("optimizer peak", cuda.optimizer_peak_bytes, run.optimizer_peak_bytes)]  # fmt: skip
+    if tricks.recompute == "op":  # the engine's textbook has no per-layer formula for per-op SAC
+        return rows
     engine = engine_peak(shape, seq_len, micro_batch, tricks, layout)
     diffs = engine_differences(engine, run)
     rows.append(Prediction("step peak, the fsdp2 engine", engine.total_bytes, diffs,

@@ -1,17 +1,19 @@
-"""Fit the roofline's matmul shape parameter (calibration matmul_dim) per GPU generation on the fitting part
-of the published corpus only; print the error of both parts without it and at the fitted value.
+"""Fit the roofline's efficiencies per GPU generation on the fitting part of the published corpus only, and
+print the error of both parts with the shipped calibration and at the fitted values.
 
     python benchmarks/published/fit.py
 
-`matmul` stays as measured (bf16 8192³ on one H200, h200.json): the fit learns only how much less a
-smaller, thinner or TP-split matmul sustains, d / (d + matmul_dim) relative to 8192³ (d the harmonic mean
-of its dimensions). The objective is the median |log(predicted / published)| over the generation's fitting
-runs; the held-out runs are never used by the fit, only printed beside it. A value is worth shipping in
-memcalc/time/calibrations/ only if the held-out error falls too (docs/step-time.md says what was found).
+Fitted: `matmul` (the share of the dense peak a matmul sustains in a training step, at 8192³), `flash` (the
+flash kernel's) and `matmul_dim` (how much less a smaller or TP-split matmul sustains: d / (d + matmul_dim)
+against 8192³, d the harmonic mean of its dimensions), over GRID. The objective is the median
+|log(predicted / published)| over the generation's fitting runs; the held-out runs are never used by the fit,
+only printed beside it. A value ships in memcalc/time/calibrations/ only where the held-out error falls too
+(docs/step-time.md says what was found and what shipped).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import sys
@@ -25,7 +27,8 @@ from report import FIT, load, rows, summary  # noqa: E402
 from memcalc.time.calibration import calibration_for  # noqa: E402
 
 GENERATIONS = {"A100": ("a100-40gb", "a100-80gb"), "H100": ("h100-sxm", "h100-hbm2e", "h800")}
-GRID = (0, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+GRID = {"matmul": (0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.79, 0.85), "flash": (0.2, 0.25, 0.3, 0.35, 0.4, 0.5),
+        "matmul_dim": (0, 256, 768, 2048)}  # fmt: skip
 
 
 def objective(group) -> float:
@@ -33,26 +36,37 @@ def objective(group) -> float:
     return statistics.median(logs) if logs else math.inf
 
 
-def at(dim: float, gpus: tuple[str, ...], runs) -> tuple[list, list]:
-    """The generation's (fitting, held-out) rows with every GPU of it at matmul_dim = dim."""
-    got = rows({g: replace(calibration_for(g), matmul_dim=float(dim)) for g in gpus}, runs)
+def at(values: dict | None, gpus: tuple[str, ...], runs) -> tuple[list, list]:
+    """The generation's (fitting, held-out) rows with its GPUs at these values (None: as shipped)."""
+    cals = {g: replace(calibration_for(g), **values) for g in gpus} if values else None
+    got = rows(cals, runs)
     return [r for r in got if r.part == "fit"], [r for r in got if r.part != "fit"]
 
 
-def main() -> None:
-    print(f"fitting part: {', '.join(FIT)}; the rest held out")
-    print(f"{'GPUs':5} {'matmul_dim':>10} {'fitting runs':>12} {'median |err|':>12} {'held-out runs':>13} {'median |err|':>12}")
-    for generation, gpus in GENERATIONS.items():
-        runs = [r for r in load() if r.gpu in gpus]
-        best = min(GRID, key=lambda d: objective(at(d, gpus, runs)[0]))
-        for dim in sorted({0, best}):
-            fit, held = (summary(part) for part in at(dim, gpus, runs))
-            print(f"{generation:5} {dim:10} {fit['compared']:12} {pct(fit['median_abs_error']):>12} {held['compared']:13} "
-                  f"{pct(held['median_abs_error']):>12}{'  <- fitted' if dim == best else ''}")  # fmt: skip
+def fitted(gpus: tuple[str, ...], runs) -> dict:
+    names = list(GRID)
+    points = (dict(zip(names, p)) for p in itertools.product(*GRID.values()))
+    return min(points, key=lambda v: objective(at(v, gpus, runs)[0]))
 
 
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
+
+
+def main() -> None:
+    print(f"fitting part: {', '.join(FIT)}; the rest held out")
+    print(f"{'GPUs':5} {'calibration':38} {'fitting runs':>12} {'median |err|':>12} {'held-out runs':>13} "
+          f"{'median |err|':>12}")  # fmt: skip
+    for generation, gpus in GENERATIONS.items():
+        runs = [r for r in load() if r.gpu in gpus]
+        best = fitted(gpus, runs)
+        shipped = calibration_for(gpus[-1])
+        for label, values in (("shipped", None), ("fitted", best)):
+            v = values or {k: getattr(shipped, k) for k in GRID}
+            text = f"{label}: " + ", ".join(f"{k} {v[k]:g}" for k in GRID)
+            fit, held = (summary(part) for part in at(values, gpus, runs))
+            print(f"{generation:5} {text:38} {fit['compared']:12} {pct(fit['median_abs_error']):>12} "
+                  f"{held['compared']:13} {pct(held['median_abs_error']):>12}")  # fmt: skip
 
 
 if __name__ == "__main__":

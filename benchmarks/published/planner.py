@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import Inexpressible, defaults, load, published_rate, shape_of, stack_of, tricks_of  # noqa: E402
+from report import Inexpressible, assumptions, load, published_rate, shape_of, stack_of, tricks_of  # noqa: E402
 
 from memcalc.model.gpus import GPUS  # noqa: E402
 from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.shape import Model  # noqa: E402
 from memcalc.model.stacks import STACKS  # noqa: E402
-from memcalc.parallel.links import ASSUMPTIONS  # noqa: E402
 from memcalc.parallel.plan import plan  # noqa: E402
 
 # The sources planned, and what their stack lacked when the run was made.
@@ -61,7 +60,7 @@ def planned(run) -> Planned:
     if tricks.flash:
         recomputes = tuple(r for r in recomputes if r != "selective") or ("none",)
     shape = shape_of(run)
-    assume = replace(ASSUMPTIONS, **defaults(run).get("assume", {}))
+    assume = assumptions(run)
     p = plan(Model(shape, n_params(shape), run.key), GPUS[run.gpu], run.gpus, run.seq, run.global_batch,
              gpus_per_node=run.gpus_per_node or 8, tricks=tricks, recomputes=recomputes, assume=assume,
              stack=STACKS[stack_of(run)], without=WITHOUT[run.source.id])  # fmt: skip

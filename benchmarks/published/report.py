@@ -36,7 +36,7 @@ from memcalc.model.shape import Model, ModelShape  # noqa: E402
 from memcalc.model.stacks import STACKS  # noqa: E402
 from memcalc.model.tricks import Tricks  # noqa: E402
 from memcalc.parallel.layout import Layout  # noqa: E402
-from memcalc.parallel.links import ASSUMPTIONS  # noqa: E402
+from memcalc.parallel.links import ASSUMPTIONS, Assumptions  # noqa: E402
 from memcalc.parallel.plan import layout_estimate  # noqa: E402
 from memcalc.time.calibration import Calibration  # noqa: E402
 
@@ -190,6 +190,13 @@ def defaults(run: Run) -> dict:
     return SOURCE_DEFAULTS.get(run.source.id, {})
 
 
+def assumptions(run: Run) -> Assumptions:
+    """memcalc's time assumptions, with the source's stack's own where it names them (a run on another stack
+    than its source's, such as Narayanan's DeepSpeed ZeRO-3 rows, keeps memcalc's)."""
+    own = defaults(run).get("assume", {}) if run.stack == run.source.stack else {}
+    return replace(ASSUMPTIONS, **own)
+
+
 def stack_of(run: Run) -> str:
     if "stack" in defaults(run):
         return defaults(run)["stack"]
@@ -244,7 +251,7 @@ def predict(run: Run, timing: Calibration | None = None) -> tuple[float, str]:
     seq = run.seq or defaults(run).get("seq")
     if seq is None:
         raise Inexpressible("the source gives no sequence length")
-    assume = replace(ASSUMPTIONS, **defaults(run).get("assume", {}))
+    assume = assumptions(run)
     stack = STACKS[stack_of(run)]
     shape, tricks = shape_of(run), tricks_of(run)
     model = Model(shape, n_params(shape), f"published {run.key}")

@@ -247,3 +247,23 @@ def test_an_offloaded_optimizer_steps_on_the_cpu_only():
     offload = layout_estimate(model, setup, gpu("h100-sxm"), t, Layout(dp=8, zero=3, ep=8, offload_optimizer=True)).time
     assert on_gpu.optimizer_seconds > 0 and on_gpu.cpu_optimizer_seconds == 0
     assert offload.optimizer_seconds == 0 and offload.cpu_optimizer_seconds > 0
+
+
+def test_deepseek_v3_over_an_uneven_pipeline_of_16():
+    """DeepSeek-V3 trained its 61 layers over PP 16 (report sec. 3.2): the stages split as a dense model's
+    (the embedding and head weighed as a layer each: 3, 4, ..., 4, 2), the first stage holding the three
+    dense layers, each stage's MoE layers counted from its own range, every parameter placed exactly once."""
+    from memcalc.parallel.pipeline import moe_split
+
+    m, lay = model("deepseek-v3"), Layout(pp=16, dp=128, ep=64)
+    shape = m.shape
+    splits = [moe_split(shape, 16, i) for i in range(16)]
+    assert [d + e for d, e in splits] == [3] + [4] * 14 + [2] and splits[0] == (3, 0)
+    assert sum(e for _, e in splits) == moe_layer_count(shape)
+    mem = layout_memory(m, Setup(seq_len=4096, grad_accum=16), H100, parse_tricks("bf16,flash,ckpt"), lay)
+    assert mem.stage_layers == (3,) + (4,) * 14 + (2,)
+    experts = sum(expert_gpu_params(shape, lay, i) for i in range(16)) * lay.ep
+    layers_moe = moe_layer_count(shape) + shape.mtp_layers  # the MTP module's block is a MoE block on the last stage
+    assert experts == layers_moe * shape.n_experts * expert_params(shape)
+    with pytest.raises(InputError, match="no --pp-layers"):
+        layout_memory(m, Setup(seq_len=4096, grad_accum=16), H100, FLASH, replace(lay, first_layers=5))

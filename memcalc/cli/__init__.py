@@ -13,13 +13,17 @@ def main() -> None:
     """The `memcalc` script and `python -m memcalc`. Importing typer, rich and the commands makes some
     100,000 objects and frees none: the collector's passes over them were a twentieth of the start-up
     (valgrind), so it waits until they are imported, and then leaves them alone (they live as long as the
-    process); the command itself runs with it on."""
+    process); the command itself runs with it on, save inside the engine's no_collection blocks, whose
+    survivors it freezes as well (memcalc.exact.collection.FREEZE)."""
     gc.disable()
     try:
+        from memcalc.exact import collection
+
         from .commands import main as run
     finally:
         gc.freeze()
         gc.enable()
+    collection.FREEZE = True  # one command, then the process ends: what the engine's blocks keep, it keeps
     run()
 
 

@@ -297,6 +297,9 @@ def verify(
     detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Build the real model in PyTorch, train a few steps, and hold every prediction against the measurement."""
+    from memcalc.exact import collection
+
+    collection.FREEZE = False  # torch's objects in cycles must be collected: a leaked storage would be measured
     try:
         from memcalc.model.shape import parse_count
         from memcalc.model.tricks import parse_tricks

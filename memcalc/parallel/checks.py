@@ -49,14 +49,15 @@ def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks
 
 def check_experts(layout: Layout, shape: ModelShape, engine: str = "none") -> None:
     """What expert parallelism demands of the model: experts to split, whole experts per GPU. A mixture of
-    experts over GPUs is laid out as Megatron-LM folds it, on the reference engine and L/p layers a stage."""
+    experts over GPUs is laid out as Megatron-LM folds it, on the reference engine, its stages split as a dense
+    model's (pipeline.stage_layers)."""
     if moe_layer_count(shape) and layout.world > 1:
         if engine != "none":
             raise InputError(f"a mixture of experts over GPUs is modelled on the reference stack's engine, not {engine}'s "
                              "(--stack reference)")  # fmt: skip
-        if layout.first_layers or layout.last_layers or shape.n_layers % layout.pp:
-            raise InputError(f"a mixture of experts needs pipeline {layout.pp} to divide its {shape.n_layers} layers "
-                             "evenly (no uneven stages)")  # fmt: skip
+        if layout.first_layers or layout.last_layers:
+            raise InputError("a mixture of experts splits its layers as memcalc's engine does (L/p a stage, else "
+                             "the embedding and head weighed as a layer each): no --pp-layers")  # fmt: skip
     if layout.ep == layout.etp == 1:
         return
     if not moe_layer_count(shape):

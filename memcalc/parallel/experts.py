@@ -12,6 +12,7 @@ from memcalc.model.shape import Model, ModelShape, is_moe_layer
 
 from .layout import Layout
 from .links import Assumptions, Comm, Fabric, MicroBatch, exposed, link_for, ring
+from .pipeline import stage_layers
 
 
 def moe_tokens(model: Model, setup: Setup, layout: Layout) -> tuple[int, int]:
@@ -28,8 +29,8 @@ def stage_moe_layers(model: Model, layout: Layout) -> int:
 
 @lru_cache(maxsize=1024)
 def last_stage_moe_layers(shape: ModelShape, pp: int) -> int:
-    """MoE layers among the last of pp stages' L/pp blocks, and the MTP module's block if it is one."""
-    first = (pp - 1) * (shape.n_layers // pp)
+    """MoE layers among the last of pp stages' blocks (pipeline.stage_layers), and the MTP module's if it is one."""
+    first = shape.n_layers - stage_layers(pp, 0, 0, shape.n_layers)[-1]
     mtp = shape.mtp_layers if is_moe_layer(shape, shape.n_layers - 1) else 0
     return sum(is_moe_layer(shape, i) for i in range(first, shape.n_layers)) + mtp
 

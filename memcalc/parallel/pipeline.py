@@ -4,8 +4,8 @@ Pipeline stages hold L/p layers each when p divides L; otherwise (and always for
 splits) the embedding and the head count as one layer each and the first and last stages take one layer
 fewer (torchtitan/distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part); first_layers and
 last_layers set the end stages as Megatron-LM's --decoder-first/last-pipeline-num-layers do.
-A mixture of experts splits L/p consecutive layers a stage, its dense and MoE layers counted apart
-(moe_split). Under 1F1B, and interleaved with v virtual stages, a stage keeps the activations of the
+A mixture of experts splits its layers the same way, consecutive layers a stage, its dense and MoE layers
+counted apart (moe_split). Under 1F1B, and interleaved with v virtual stages, a stage keeps the activations of the
 micro-batches its warm-up ran (held_layers); the bubble is the pipeline's idle share (bubble_fraction).
 """
 
@@ -87,10 +87,12 @@ def megatron_split(pp: int, first: int, last: int, n_layers: int) -> tuple[int, 
 
 @lru_cache(maxsize=4096)
 def moe_split(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
-    """(dense layers, MoE layers) of one pipeline stage's L/p consecutive layers."""
-    per = shape.n_layers // pp
-    moe = sum(is_moe_layer(shape, i) for i in range(stage * per, (stage + 1) * per))
-    return per - moe, moe
+    """(dense layers, MoE layers) of one pipeline stage's consecutive layers: L/p each, or where p does not
+    divide L the split stage_layers deals (DeepSeek-V3's 61 layers over PP 16: 3, 4, ..., 4, 2)."""
+    counts = stage_layers(pp, 0, 0, shape.n_layers)
+    start = sum(counts[:stage])
+    moe = sum(is_moe_layer(shape, i) for i in range(start, start + counts[stage]))
+    return counts[stage] - moe, moe
 
 
 def held_layers(layout: Layout, stage: int, micro_batches: int, n_layers: int, layers: int | None = None,

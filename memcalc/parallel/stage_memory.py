@@ -239,8 +239,9 @@ def activations_of(model: Model, setup: Setup, tricks: Tricks, layout: Layout, s
     if layout.cp > 1:
         buffers.append(cp_buffers(shape, s.seq_len, s.micro_batch, layout.tp, layout.cp, tricks.act_bytes))
     if moe_model:
-        held = held_layers(layout, stage, s.grad_accum, shape.n_layers)  # layer-micro-batches of the stage's L/p
-        per, (dense, moe) = shape.n_layers // p, moe_split(shape, p, stage)
+        dense, moe = moe_split(shape, p, stage)
+        per = dense + moe  # the stage's layers
+        held = held_layers(layout, stage, s.grad_accum, shape.n_layers, per)  # layer-micro-batches of them
         moe += shape.mtp_layers if last else 0
         layers = per + (shape.mtp_layers if last else 0)
         if layout.ep > 1:

@@ -375,7 +375,7 @@ def test_verify_sac_at_8b_passes_every_row(layers):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["estimate", "--model", "qwen3-8b", "--tricks", "bf16,flash,sac", "--tp", "2"], "the parallel layouts know"),
+    (["estimate", "--model", "qwen3-8b", "--tricks", "bf16,flash,ckpt:2", "--tp", "2"], "the parallel layouts know"),
     (["plan", "--model", "qwen3-8b", "--gpus", "8", "--global-batch", "64", "--tricks", "ckpt:2"], "planner"),
     (["mfu", "--model", "qwen3-8b", "--tricks", "sac", "--tokens-per-sec", "3000"], "published MFU conventions"),
     (["estimate", "--model", "gpt2", "--seq", "1024", "--stack", "megatron", "--tricks", "sac"], "the textbook has no formula for sac"),

@@ -53,3 +53,20 @@ def test_the_job_is_answered_and_searched():
     vpps = {lay.vpp for lay, _, _ in splits(8, 16, 1, 4, 126, 8192, 16, 8, False, "fsdp2")}
     assert vpps == {1, 2, 4}  # 128 = (126 + 2) over 32 and 64 balanced chunks; Megatron-LM's engine: none
     assert {lay.vpp for lay, _, _ in splits(8, 16, 1, 4, 126, 8192, 16, 8, False, "megatron")} == {1}
+
+
+def test_sac_over_a_layout_counts_each_block_op_by_op():
+    """Per-op SAC with TP, SP and PP: no textbook formula, so each block's saved bytes are memcalc.exact's on
+    the TP shard (tp_layer.block_terms, verify --tp checks them on DTensor), held as 1F1B holds any layer's."""
+    from memcalc.parallel.tp_layer import block_terms
+
+    model, tricks = preset_model("llama3-8b"), parse_tricks("bf16,flash,sac")
+    lay = Layout(tp=2, sp=True, pp=4, dp=2)
+    setup = Setup(seq_len=8192, grad_accum=8)
+    mem = layout_memory(model, setup, gpu("h100-sxm"), tricks, lay)
+    first = mem.stages[0]
+    per_layer = sum(t.value for t in block_terms(model.shape, 8192, 1, tricks, lay))
+    assert first.layer.per_layer_bytes == per_layer and first.held == held_layers(lay, 0, 8, 32)
+    assert first.layer.rebuilt_bytes > 0  # one block's recompute in its backward
+    with pytest.raises(InputError, match="ckpt:N"):
+        layout_memory(model, setup, gpu("h100-sxm"), parse_tricks("bf16,flash,ckpt:2"), lay)

@@ -150,11 +150,10 @@ WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200", "NO_COLOR": "1"}
 def test_plan_finds_an_expert_parallel_layout_for_deepseek_v3_on_256_h100s():
     """The issue's check: `memcalc plan` puts DeepSeek-V3's experts over EP on 256 H100s, shows the all-to-all's
     cost, and says why no EP loses."""
-    # docs/moe.md shows this command's output, and tests/test_docs.py holds it to what memcalc prints where
-    # MEMCALC_SLOW=1, as in CI (a cold search takes a minute or two: run once, there)
+    # docs/moe.md shows this command's output, and tests/test_docs.py holds it to what memcalc prints
     command = "memcalc plan --model deepseek-v3 --gpus 256 --global-batch 256 --seq 4096 --top 3 --detail"
     page = (Path(__file__).parent.parent / "docs" / "moe.md").read_text()
-    stdout = page.split(f"<!-- example, takes ~2 min: {command} -->")[1].split("```text\n")[1].split("```")[0]
+    stdout = page.split(f"<!-- example: {command} -->")[1].split("```text\n")[1].split("```")[0]
     verdict = stdout.split("Fastest: ")[1]
     assert "experts over ep " in verdict.splitlines()[0]
     times = stdout.split("Step time of those layouts, by part (seconds)")[1].splitlines()

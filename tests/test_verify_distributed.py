@@ -79,6 +79,21 @@ def test_fsdp_8_ranks_gpt2():
     assert named(block) == {"CPU LayerNorm keeps mean and rstd in 16 bits, not fp32": -8192}
 
 
+@pytest.mark.parametrize("name, tricks, layout", [
+    ("llama3-8b", "bf16,flash,sac", Layout(tp=2, sp=True)),  # SP: its reduce-scatters' outputs are kept too
+    ("llama3-8b", "bf16,flash,sac", Layout(tp=4)),  # the TP shard's kept matmul and flash outputs
+    ("qwen3-0.6b", "bf16,sac", Layout(tp=2, sp=True)),  # eager attention, q/k norms, tied table
+])  # fmt: skip
+def test_per_op_sac_on_a_tp_rank_is_exact(name, tricks, layout):
+    """torchtitan's per-op SAC under DTensor TP: what one block saves and keeps, to the byte (the checkpointed
+    block input over s/t with SP; the outputs of the kept matmuls, the flash op and SP's reduce-scatters)."""
+    shape = two_layers(name)
+    result = verify_distributed(model(shape), Setup(512), parse_tricks(tricks), layout, ranks=(0,))
+    assert_exact(result)
+    block = rows(result, 0)["saved by one block"]
+    assert block.checked and block.error_bytes == 0 and block.measured_bytes > 0
+
+
 def test_tp_sp_8_ranks_llama3_8b():
     # Llama 3 8B layers over TP 8 with sequence parallelism and the flash op, no FSDP
     shape = two_layers("llama3-8b")

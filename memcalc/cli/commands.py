@@ -166,7 +166,8 @@ def plan(
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         t = parse_tricks(tricks)
-        check_layer_uniform(t, "the planner's layouts")
+        if t.mixed or (t.recompute == "op" and the_model.shape.is_moe):  # ckpt:N; sac's MoE layers
+            check_layer_uniform(t, "the planner's layouts")
         named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")

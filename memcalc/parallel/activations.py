@@ -71,6 +71,8 @@ def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     16·s·b·h as 4·s·b·f, for any MLP width f: s·b·h·(18 + 4·f/h)/t with SP and selective recompute; the
     megatron engine charges that (equal to Table 2 at f = 4h).
     """
+    if tricks.recompute == "op" and not tricks.mixed:
+        return sac_layer_activations(shape, seq_len, micro_batch, tricks, tp, sp, cp)
     check_layer_uniform(tricks, "the parallel layouts")
     x = 2 if tricks.precision == "fp32" else 1  # fp32 activations double every byte
     s, b, h, a, t = seq_len // cp, micro_batch, shape.hidden, shape.n_heads, tp
@@ -95,6 +97,24 @@ def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     layer_input = Term("layer input (checkpoint)", x * 2 * sbh // rep, f"{k}2·{sym}{by_rep}",
                        "Korthikanti et al. 2022, sec. 5 and Table 2")  # fmt: skip
     return kept_and_rebuilt(tricks, tp, sp, cp, (replicated, split, scores), scores, layer_input)
+
+
+def sac_layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, tp: int, sp: bool,
+                          cp: int) -> LayerActivations:  # fmt: skip
+    """torchtitan's per-op selective AC on one GPU of a layout, which no textbook formula counts: what
+    memcalc.exact saves per block on the TP rank's shard (tp_layer.block_terms: SP's norms and dropouts over
+    s/t, the all-gathered inputs whole; the matmul and attention outputs SAC keeps), at the CP rank's s/c
+    tokens, and what one block's recompute rebuilds during its backward (memcalc.exact's rebuilt bytes)."""
+    from memcalc.exact.step import exact_activations  # loaded only when a layout asks for sac
+
+    from .layout import Layout
+    from .tp_layer import block_terms, tp_shape
+
+    s = seq_len // cp
+    kept = block_terms(shape, s, micro_batch, tricks, Layout(tp=tp, sp=sp))
+    rebuilt = exact_activations(tp_shape(shape, tp), s, micro_batch, tricks).rebuilt_bytes
+    return LayerActivations(tricks, tp, sp, cp, kept, (Term("one block rebuilt by its recompute (sac)", rebuilt, "",
+                                                            "memcalc.exact, torch.utils.checkpoint"),))  # fmt: skip
 
 
 @lru_cache(maxsize=4096)

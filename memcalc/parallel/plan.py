@@ -80,9 +80,9 @@ def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout
     timing: the roofline's calibration (None: the GPU's shipped one), or --mfu's end-to-end rate."""
     check_positions(model.shape, setup.seq_len)
     layout = engine_layout(layout, setup.stack.engine)
-    if layer_uniform(tricks):
-        memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)
-    else:  # ckpt:N, sac: no per-layer formula; a data-parallel job is timed on its weights alone
+    if layer_uniform(tricks) or (tricks.recompute == "op" and not tricks.mixed and not model.shape.is_moe):
+        memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)  # sac: its blocks op by op
+    else:  # ckpt:N: no per-layer formula; a data-parallel job is timed on its weights alone
         if max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1:
             check_layer_uniform(tricks, "the parallel layouts")
         check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, setup.stack.engine)

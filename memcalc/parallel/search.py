@@ -66,9 +66,9 @@ def splits_layers(pp: int, n_layers: int, engine: str) -> bool:
 def interleaves(pp: int, v: int, n_layers: int, engine: str) -> bool:
     """Whether v model chunks a stage are worth trying: p·v divides the layers, or, where the engine splits as
     torchtitan does (the embedding and the head a layer each), the layers and those two (balanced chunks)."""
-    if n_layers % (pp * v) == 0:
-        return True
-    return ENGINES[engine].weighted_split and (n_layers + 2) % (pp * v) == 0 and splits_layers(pp * v, n_layers, engine)
+    if ENGINES[engine].weighted_split:  # torchtitan's split of p·v chunks: every chunk a layer
+        return (n_layers % (pp * v) == 0 or (n_layers + 2) % (pp * v) == 0) and splits_layers(pp * v, n_layers, engine)
+    return n_layers % (pp * v) == 0
 
 
 def splits(tp: int, pp: int, cp: int, dp: int, n_layers: int, seq_len: int, per_replica: int, gpus_per_node: int,

@@ -38,6 +38,19 @@ def block_terms(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     whole = exact_activations(local, seq_len, micro_batch, tricks).terms
     if not layout.sp:
         return whole
-    split = SEQ_SPLIT_SCOPES + (("checkpoint",) if tricks.recompute == "full" else ())
+    split = SEQ_SPLIT_SCOPES + (("checkpoint",) if tricks.recompute in ("full", "op") else ())
     part = exact_activations(local, seq_len // layout.tp, micro_batch, tricks).terms
-    return tuple(t for t in whole if scope(t) not in split) + tuple(t for t in part if scope(t) in split)
+    terms = tuple(t for t in whole if scope(t) not in split) + tuple(t for t in part if scope(t) in split)
+    return terms + sac_reduce_scatters(shape, seq_len, micro_batch, tricks, layout)
+
+
+def sac_reduce_scatters(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout) -> tuple[Term, ...]:
+    """With SP, per-op SAC also keeps the outputs of the row-parallel projections' reduce-scatters, the
+    attention's and the MLP's, each s/t tokens (torchtitan's _save_list holds
+    _c10d_functional.reduce_scatter_tensor; DTensor's RowwiseParallel(output_layouts=Shard(1)) runs one)."""
+    if not (layout.sp and tricks.recompute == "op"):
+        return ()
+    nbytes = seq_len // layout.tp * micro_batch * shape.hidden * tricks.act_bytes
+    source = "torchtitan _save_list: _c10d_functional.reduce_scatter_tensor; DTensor RowwiseParallel"
+    return tuple(Term(f"{part}: reduce_scatter_tensor output, kept by selective checkpointing (SP)", nbytes,
+                      "{s}/{t}·{b}·{h}·w", source) for part in ("attention", "mlp"))  # fmt: skip

@@ -128,8 +128,9 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
 
 
 def textbook_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, reason: str) -> Verdict:
-    """The textbook's verdict: the layout's stage that holds the most, per GPU (memcalc.parallel.layout)."""
-    if tricks.recompute == "op":
+    """The textbook's verdict: the layout's stage that holds the most, per GPU (memcalc.parallel.layout); under
+    sac each block's saved bytes are memcalc.exact's on the TP shard (activations.sac_layer_activations)."""
+    if tricks.recompute == "op" and (model.shape.is_moe or layout.world == 1):
         raise InputError(f"{tricks.label}: the textbook has no formula for sac, and {reason}")
     if tricks.mixed:  # the per-stage textbook counts one kind of layer; the replay counts ckpt:N's two
         raise InputError(f"{tricks.label}: the textbook's layouts count ckpt, not ckpt:N, and {reason}")

@@ -45,7 +45,7 @@ def short_ranking_section(plan: Plan, units: str) -> Section:
     for i, est in enumerate(plan.best, 1):
         t = est.time
         s.rows.append([str(i), est.layout.label, f"{est.setup.micro_batch} x {est.setup.grad_accum}",
-                       est.tricks.recompute, sized(est.verdict.total_bytes, units), u.rate(t.tokens_per_second),
+                       recompute_name(est.tricks.recompute), sized(est.verdict.total_bytes, units), u.rate(t.tokens_per_second),
                        u.seconds(t.step_seconds), u.percent(t.mfu)])  # fmt: skip
     ep = ", ep: the experts' expert-parallel GPUs" if any(e.layout.ep > 1 for e in plan.best) else ""
     s.notes.append(f"layout: tp (sp: sequence parallel), pp (v: interleaved stages), cp, dp, ZeRO stage{ep}; "
@@ -70,7 +70,7 @@ def ranking_section(plan: Plan, units: str) -> Section:
     for i, est in enumerate(plan.best, 1):
         t = est.time
         s.rows.append([str(i), layout_text(est.layout), sharding_text(est.layout),
-                       f"{est.setup.micro_batch} x {est.setup.grad_accum}", est.tricks.recompute,
+                       f"{est.setup.micro_batch} x {est.setup.grad_accum}", recompute_name(est.tricks.recompute),
                        u.size(est.verdict.total_bytes, units), u.rate(t.tokens_per_second), u.seconds(t.step_seconds),
                        u.percent(t.mfu), u.percent(t.bubble_seconds / t.step_seconds),
                        u.seconds(t.exposed_comm_seconds)])  # fmt: skip
@@ -113,8 +113,13 @@ def alternatives_section(plan: Plan, units: str) -> Section:
     return s
 
 
+def recompute_name(mode: str) -> str:
+    """A recompute mode as the trick is named: torchtitan's per-op selective AC is sac."""
+    return "sac" if mode == "op" else mode
+
+
 def recompute_text(mode: str) -> str:
-    return "no recompute" if mode == "none" else f"{mode} recompute"
+    return "no recompute" if mode == "none" else f"{recompute_name(mode)} recompute"
 
 
 def alternative_row(alt: Alternative, best: float | None, units: str) -> list[str]:

@@ -57,8 +57,8 @@ def check_dist(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout, 
     """What the distributed check runs: FSDP2 (ZeRO-3) over dp, DTensor TP (+SP) over tp; one line each."""
     if device not in DEVICES:
         raise InputError(f"unknown verify device {device!r}; known: {', '.join(DEVICES)}")
-    if tricks.mixed or (tricks.recompute == "op" and (setup.stack.engine != "fsdp2" or layout.tp > 1)):
-        check_layer_uniform(tricks, "distributed verify's checks (sac: FSDP2 over dp alone)")
+    if tricks.mixed:
+        check_layer_uniform(tricks, "distributed verify's checks")
     if layout.pp > 1 or layout.cp > 1:
         raise InputError("distributed verify covers data (FSDP2) and tensor parallelism: pp and cp must be 1")
     if layout.zero not in (0, 3):

@@ -11,6 +11,7 @@ import typer
 from typer.core import TyperGroup
 
 from memcalc.errors import InputError
+from memcalc.exact import collection
 from memcalc.report import render
 
 from . import views
@@ -18,9 +19,9 @@ from .inputs import (build_layout, build_routing, build_setup, check_format, par
                      parse_run, render_units, roofline_calibration)  # fmt: skip
 from .options import (Calibration, CapacityFactor, Config, Cp, DataParallelGpus, Detail, Dp, Ep, EstimateMfu,
                       Etp, ExactBytes, ExpertImbalance, Ffn, Format, GpuOpt, Gpus, GpusPerNode, GradAccum, Heads,
-                      Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, MicroBatch, ModelName, Offload,
+                      Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, MicroBatch, ModelName, NoOffload, Offload,
                       OffloadParams, Optimizer, Params, Pp, PpLayers, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp,
-                      TricksOpt, Units, Vocab, Vpp, Zero)  # fmt: skip
+                      TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
 
@@ -145,8 +146,7 @@ def plan(
     tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
     optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
     top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
-    no_offload: Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")] = False,
-    without: Annotated[Optional[str], typer.Option("--without", help="Features to leave out of the search, as a stack that lacked them: sp, interleave, cp, zero, hybrid, offload (a 2021 Megatron-LM run: sp,zero).", metavar="LIST")] = None,
+    no_offload: NoOffload = False, without: Without = None,
     host_memory: HostMemory = "2T", stack: StackOpt = "reference", detail: Detail = False, exact_bytes: ExactBytes = False,
     fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
@@ -157,7 +157,7 @@ def plan(
         from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
         from memcalc.model.stacks import stack_for
-        from memcalc.model.tricks import check_layer_uniform, parse_tricks
+        from memcalc.model.tricks import check_layer_uniform, layout_counts, parse_tricks
         from memcalc.parallel.plan import plan as run_plan
 
         from .inputs import resolve_model, seq_for
@@ -166,7 +166,7 @@ def plan(
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         t = parse_tricks(tricks)
-        if t.mixed or (t.recompute == "op" and the_model.shape.is_moe):  # ckpt:N; sac's MoE layers
+        if not layout_counts(t, the_model.shape.is_moe):
             check_layer_uniform(t, "the planner's layouts")
         named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
         if mfu is not None and calibration is not None:
@@ -181,7 +181,7 @@ def plan(
             top=parse_count(top, "top", 1000), offload=not no_offload,
             recomputes=(t.recompute,) if named else ("none", "selective", "full"),
             host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES), stack=stack_for(stack),
-            without=tuple(sorted({w.strip().lower() for w in (without or "").split(",") if w.strip()})),
+            without=tuple(w.strip().lower() for w in (without or "").split(",") if w.strip()),
         )  # fmt: skip
     except InputError as e:
         fail(str(e))
@@ -298,8 +298,6 @@ def verify(
     detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Build the real model in PyTorch, train a few steps, and hold every prediction against the measurement."""
-    from memcalc.exact import collection
-
     collection.FREEZE = False  # torch's objects in cycles must be collected: a leaked storage would be measured
     try:
         from memcalc.model.shape import parse_count

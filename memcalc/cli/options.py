@@ -38,6 +38,8 @@ GpusPerNode = Annotated[Optional[str], typer.Option("--gpus-per-node", help="GPU
 Zero = Annotated[str, typer.Option("--zero", help="ZeRO stage 0, 1, 2 or 3.", metavar="STAGE")]
 Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer state (fp32 master + moments) to CPU memory.")]  # fmt: skip
 HostMemory = Annotated[str, typer.Option("--host-memory", help="CPU memory of one node in bytes (2T, 1.5e12), which offload fills; the job's GPUs on a node share it. Default: a DGX H100/H200's 2 TB for 8 GPUs.", metavar="BYTES")]  # fmt: skip
+NoOffload = Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")]
+Without = Annotated[Optional[str], typer.Option("--without", help="Features to leave out of the search, as a stack that lacked them: sp, interleave, cp, zero, hybrid, offload (a 2021 Megatron-LM run: sp,zero).", metavar="LIST")]  # fmt: skip
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
 EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline: X is an end-to-end rate, so a layout adds no bubble or communication to it.", metavar="X")]  # fmt: skip
 Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us, matmul_dim), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip

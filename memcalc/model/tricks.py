@@ -115,6 +115,13 @@ def layer_uniform(tricks: Tricks) -> bool:
     return not (tricks.mixed or tricks.recompute == "op")
 
 
+def layout_counts(tricks: Tricks, moe: bool) -> bool:
+    """Whether a layout's stages can count this trick set block by block: every block alike with a formula
+    (layer_uniform), or per-op SAC on dense blocks, counted op by op on the TP shard (memcalc.parallel.
+    activations.sac_layer_activations). Not ckpt:N, whose blocks differ; not SAC over MoE blocks."""
+    return layer_uniform(tricks) or (tricks.recompute == "op" and not tricks.mixed and not moe)
+
+
 def check_layer_uniform(tricks: Tricks, what: str) -> None:
     """Refuse ckpt:N and sac where `what` models only ckpt and selective (the parallel layouts' per-layer
     formulas, the published MFU conventions): they are replayed op by op for one GPU."""

@@ -31,9 +31,6 @@ def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks
     if shape.ffn % t and moe_layer_count(shape) < shape.n_layers:
         raise InputError(f"tensor parallel {t} must divide the MLP width {shape.ffn}")
     check_experts(layout, shape, engine)
-    if layout.vpp > 1 and moe_layer_count(shape) and shape.n_layers % (layout.pp * layout.vpp):
-        raise InputError(f"pipeline {layout.pp} x virtual stages {layout.vpp} must divide the {shape.n_layers} layers "
-                         "of a mixture of experts")  # fmt: skip
     layers_per_stage(layout, shape.n_layers, engine)  # the engine's split, or why it cannot split them
     if layout.vpp > 1 and micro_batches % layout.pp:
         raise InputError(f"the interleaved schedule needs the micro-batches per step ({micro_batches}) "

@@ -40,13 +40,13 @@ def chunk_layers(layout: Layout, n_layers: int, engine: str = "none") -> tuple[i
     over PP 16 x v 2 (torchtitan/distributed/pipeline_parallel.py pipeline_llm, num_virtual_stages)."""
     p, v = layout.pp, layout.vpp
     if layout.first_layers or layout.last_layers:
-        raise InputError("uneven first and last stages (--first-layers, --last-layers) run the 1F1B schedule here, "
-                         "not the interleaved one: drop --vpp or them")  # fmt: skip
+        raise InputError("uneven first and last stages (--pp-layers) run the 1F1B schedule here, not the interleaved "
+                         "one: drop --vpp or --pp-layers")  # fmt: skip
     if ENGINES[engine].weighted_split:
         return stage_layers(p * v, 0, 0, n_layers, True)
     if n_layers % (p * v):
         raise InputError(f"pipeline {p} x virtual stages {v} must divide the {n_layers} layers (Megatron-LM's "
-                         "interleaved schedule; torchtitan's, --stack fsdp2, splits them unevenly)")  # fmt: skip
+                         "interleaved schedule; torchtitan's, --stack fsdp2, splits a dense model's unevenly)")  # fmt: skip
     return (n_layers // (p * v),) * (p * v)
 
 

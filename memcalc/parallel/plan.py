@@ -23,7 +23,7 @@ from memcalc.memory.state import MAX_GPUS
 from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES
 from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
-from memcalc.model.tricks import Tricks, check_layer_uniform, layer_uniform
+from memcalc.model.tricks import Tricks, check_layer_uniform, layout_counts
 from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.roofline import traceable
@@ -80,8 +80,8 @@ def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout
     timing: the roofline's calibration (None: the GPU's shipped one), or --mfu's end-to-end rate."""
     check_positions(model.shape, setup.seq_len)
     layout = engine_layout(layout, setup.stack.engine)
-    if layer_uniform(tricks) or (tricks.recompute == "op" and not tricks.mixed and not model.shape.is_moe):
-        memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)  # sac: its blocks op by op
+    if layout_counts(tricks, model.shape.is_moe):
+        memory = layout_memory(model, setup, gpu, tricks, layout, ends_only)
     else:  # ckpt:N: no per-layer formula; a data-parallel job is timed on its weights alone
         if max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1:
             check_layer_uniform(tricks, "the parallel layouts")

@@ -117,14 +117,14 @@ def sharding_options(
 def expert_layouts(model: Model, found: Iterator[tuple[Layout, int, int]]) -> Iterator[tuple[Layout, int, int]]:
     """Each layout once per expert-parallel size for a mixture of experts: ep dividing the experts and the
     stage's tp · cp · dp GPUs (MoE parallel folding), expert TP 1; a dense model's layouts as they are.
-    With tp > 1 MoE layers need sequence parallel, and interleaving p·v dividing the layers (check_experts)."""
+    With tp > 1 MoE layers need sequence parallel (check_experts)."""
     shape = model.shape
     if not shape.is_moe:
         yield from found
         return
     for layout, b, m in found:
-        if (layout.tp > 1 and not layout.sp) or (layout.vpp > 1 and shape.n_layers % (layout.pp * layout.vpp)):
-            continue  # check_layout would refuse it
+        if layout.tp > 1 and not layout.sp:  # check_experts would refuse it
+            continue
         for ep in divisors(layout.tp * layout.cp * layout.dp):
             if shape.n_experts % ep == 0:
                 yield replace(layout, ep=ep), b, m

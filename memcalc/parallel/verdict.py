@@ -22,7 +22,7 @@ from memcalc.memory.setup import Budget, Setup
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import Model, n_params
 from memcalc.model.stacks import check_tricks
-from memcalc.model.tricks import Tricks
+from memcalc.model.tricks import Tricks, layout_counts
 from memcalc.records import record
 
 from .engines import engine_layout
@@ -130,10 +130,11 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
 def textbook_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, reason: str) -> Verdict:
     """The textbook's verdict: the layout's stage that holds the most, per GPU (memcalc.parallel.layout); under
     sac each block's saved bytes are memcalc.exact's on the TP shard (activations.sac_layer_activations)."""
-    if tricks.recompute == "op" and (model.shape.is_moe or layout.world == 1):
-        raise InputError(f"{tricks.label}: the textbook has no formula for sac, and {reason}")
     if tricks.mixed:  # the per-stage textbook counts one kind of layer; the replay counts ckpt:N's two
         raise InputError(f"{tricks.label}: the textbook's layouts count ckpt, not ckpt:N, and {reason}")
+    if not layout_counts(tricks, model.shape.is_moe) or (tricks.recompute == "op" and layout.world == 1):
+        # one GPU's sac is its replay's: where that is missing, there is nothing the textbook can add
+        raise InputError(f"{tricks.label}: the textbook has no formula for sac, and {reason}")
     memory = layout_memory(model, setup, gpu, tricks, layout)
     st = memory.peak
     where = f"stage {st.stage}" if layout.pp > 1 else "the textbook's peak"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.exact.config import shape_not_replayed
+from memcalc.exact.config import ITEMSIZE, shape_not_replayed
 from memcalc.exact.kernels import STEP_PHASES, Kernel, block_weight, kernels_of, recompute_first
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
@@ -76,13 +76,10 @@ def flop_rate(unit: str, dtype: str, gpu: GPU, cal: Calibration) -> float:
     return gpu.fp32_tflops * 1e12 * cal.vector  # ATen's elementwise math runs in fp32 (at::opmath_type)
 
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
 def matmul_dim(flops: int, moved: int, dtype: str) -> float:
     """The harmonic mean of an m×k by k×n matmul's dimensions, 3 / (1/m + 1/n + 1/k), from what it does:
     2mnk FLOPs over the mk + kn + mn elements it reads and writes is 2 / (1/m + 1/n + 1/k)."""
-    return 1.5 * flops * ITEMSIZE.get(dtype, 2) / moved if moved else float(ANCHOR_DIM)
+    return 1.5 * flops * ITEMSIZE[dtype] / moved if moved else float(ANCHOR_DIM)
 
 
 def kernel_rate(k: Kernel, gpu: GPU, cal: Calibration) -> float:

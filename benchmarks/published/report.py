@@ -8,7 +8,7 @@ Each run becomes a memcalc job: its shape, GPU, layout, micro and global batch, 
 precision as the source gives them; the figure it published becomes tokens per second per GPU under the
 source's own FLOPs convention (published_rate). memcalc's roofline (memcalc.parallel.plan.layout_estimate)
 predicts the same rate; the error is predicted / published - 1. A run memcalc cannot express yet (FP8,
-torch.compile, a mixture of experts' uneven pipeline, a GPU not in its table) is listed with the reason
+torch.compile, a GPU not in its table, a setup the source leaves out) is listed with the reason
 and counted apart, never guessed.
 
 The corpus is split by source before anything is fitted (FIT, HELD_OUT): the calibration may learn only
@@ -180,7 +180,7 @@ def tricks_of(run: Run) -> Tricks:
     if recompute == "selective":
         recompute = defaults(run).get("selective", "selective")
     if recompute not in RECOMPUTE:
-        raise Inexpressible(f"recompute {recompute} is not expressible with a layout yet")
+        raise Inexpressible(f"recompute {recompute} with its interval (every how many blocks) not published")
     flash = run.flash if run.flash is not None else defaults(run).get("flash", False)
     precision = "fp16" if run.gpu.startswith("v100") else "bf16"  # 16-bit mixed precision: one peak either way
     return Tricks(precision, flash=flash, recompute=RECOMPUTE[recompute])
@@ -222,7 +222,7 @@ def layout_of(run: Run, micro_batch: int, vpp: int) -> tuple[Layout, int]:
     """The layout and the micro-batches per step, m = global batch / (dp · b)."""
     (tp, pp), cp = degrees(run), run.cp or 1
     if run.ep and run.ep > 1:
-        raise Inexpressible("expert parallelism of a published MoE run is not expressible yet")
+        raise Inexpressible("the corpus records no expert shapes (experts, their width, top-k) to build the MoE")
     dp = run.dp or run.gpus // (tp * pp * cp)
     if tp * pp * cp * dp != run.gpus:
         raise Inexpressible(f"tp·pp·cp = {tp * pp * cp} does not divide {run.gpus} GPUs")

@@ -48,9 +48,9 @@ def test_every_run_is_compared_or_says_why(rows):
 def test_the_summary_holds(report, rows):
     table = report.summaries(rows)
     fit, held = table["part fit"], table["part held-out"]
-    assert fit["compared"] >= 54 and held["compared"] >= 32  # runs leave "not compared" as memcalc expresses them
+    assert fit["compared"] >= 54 and held["compared"] >= 64  # runs leave "not compared" as memcalc expresses them
     assert fit["median_abs_error"] <= 0.12
-    assert held["median_abs_error"] <= 0.19  # torchtitan's FSDP runs on A100 over InfiniBand: docs/step-time.md
+    assert held["median_abs_error"] <= 0.18  # torchtitan's FSDP runs on A100 over InfiniBand: docs/step-time.md
     assert table["source korthikanti2022"]["worst_abs_error"] <= 0.06  # Megatron's own schedules, A100, as published
 
 

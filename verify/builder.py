@@ -58,6 +58,7 @@ class Kernels:
     dropout: str = "functional"  # native: aten.native_dropout, what F.dropout runs on CUDA
     recompute: str = "none"  # selective: the attention core only; full: each block (or each Nth); op: sac
     ckpt_every: int = 1  # with full: checkpoint every Nth block (torchtitan's selective_ac_option = N)
+    fp8: str = ""  # torchao float8 training of the blocks' linears: tensorwise | rowwise (verify/float8.py)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -493,7 +494,12 @@ def build(shape: ModelShape, kernels: Kernels, seq_len: int, dtype: torch.dtype)
     """The model on the meta device, parameters in dtype: nothing is allocated."""
     with torch.device("meta"):
         model = Transformer(shape, kernels, seq_len)
-    return model.to(dtype)
+    model = model.to(dtype)
+    if kernels.fp8:
+        from .float8 import convert
+
+        convert(model, kernels.fp8)
+    return model
 
 
 @torch.no_grad()

@@ -60,7 +60,7 @@ def paths_for(stack: Stack):
 def kernels_for(tricks: Tricks, attention: str, dropout: str) -> Kernels:
     """The attention and dropout kernels named, on any device; the blocks checkpointed are the trick set's
     (ckpt:N: every Nth from 1, Kernels.checkpointed), each through torch/utils/checkpoint.py's checkpoint."""
-    return Kernels(attention, dropout, tricks.recompute, tricks.ckpt_every)
+    return Kernels(attention, dropout, tricks.recompute, tricks.ckpt_every, tricks.fp8)
 
 
 def meta_kernels(tricks: Tricks) -> Kernels:

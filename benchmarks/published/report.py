@@ -7,9 +7,9 @@
 Each run becomes a memcalc job: its shape, GPU, layout, micro and global batch, sequence, recompute and
 precision as the source gives them; the figure it published becomes tokens per second per GPU under the
 source's own FLOPs convention (published_rate). memcalc's roofline (memcalc.parallel.plan.layout_estimate)
-predicts the same rate; the error is predicted / published - 1. A run memcalc cannot express yet (FP8,
-torch.compile, a GPU not in its table, a setup the source leaves out) is listed with the reason
-and counted apart, never guessed.
+predicts the same rate; the error is predicted / published - 1. A run memcalc cannot express yet (Transformer
+Engine's FP8, a GPU not in its table, a setup the source leaves out) is listed with the reason and
+counted apart, never guessed.
 
 The corpus is split by source before anything is fitted (FIT, HELD_OUT): the calibration may learn only
 from the first; both are reported, the held-out part as the estimate of the error on a run nobody tuned for.
@@ -171,11 +171,15 @@ def shape_of(run: Run) -> ModelShape:
     return replace(base, vocab=run.vocab, ffn=run.ffn or 4 * run.hidden)
 
 
+# torchao's float8 recipes (memcalc's fp8, fp8:rowwise); "fp8-torchao" unqualified is torchtitan's default,
+# tensorwise (torchtitan/components/quantization/float8.py: recipe_name None -> Float8LinearConfig's defaults)
+FP8 = {"fp8-torchao": "tensorwise", "fp8-torchao-tensorwise": "tensorwise", "fp8-torchao-rowwise": "rowwise"}
+
+
 def tricks_of(run: Run) -> Tricks:
-    if run.precision.startswith("fp8"):
-        raise Inexpressible("FP8 training is not modelled yet")
-    if run.compile:
-        raise Inexpressible("torch.compile's fused kernels are not modelled yet")
+    if run.precision.startswith("fp8") and run.precision not in FP8:
+        raise Inexpressible(f"{run.precision}: only torchao's float8 recipes are modelled (Transformer Engine's and "
+                            "blockwise scaling are not)")  # fmt: skip
     recompute = run.recompute or defaults(run).get("recompute")
     if recompute == "selective":
         recompute = defaults(run).get("selective", "selective")
@@ -183,7 +187,8 @@ def tricks_of(run: Run) -> Tricks:
         raise Inexpressible(f"recompute {recompute} with its interval (every how many blocks) not published")
     flash = run.flash if run.flash is not None else defaults(run).get("flash", False)
     precision = "fp16" if run.gpu.startswith("v100") else "bf16"  # 16-bit mixed precision: one peak either way
-    return Tricks(precision, flash=flash, recompute=RECOMPUTE[recompute])
+    return Tricks(precision, flash=flash, recompute=RECOMPUTE[recompute], fp8=FP8.get(run.precision, ""),
+                  compile=bool(run.compile))  # fmt: skip
 
 
 def defaults(run: Run) -> dict:

@@ -20,7 +20,7 @@ Vocab = Annotated[Optional[str], typer.Option("--vocab", help="Override the voca
 Seq = Annotated[Optional[str], typer.Option("--seq", help="Sequence length in tokens; k and m are binary (8k = 8,192).", metavar="N", show_default="4096, or the model's position table if shorter")]  # fmt: skip
 MicroBatch = Annotated[str, typer.Option("--micro-batch", help="Sequences per forward/backward pass.", metavar="N")]
 GradAccum = Annotated[str, typer.Option("--grad-accum", help="Micro-batches accumulated per optimizer step.", metavar="N")]  # fmt: skip
-TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, flash, ckpt, ckpt:N (every Nth block), selective, sac (torchtitan's per-op policy) (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
+TricksOpt = Annotated[Optional[str], typer.Option("--tricks", help="One combination of fp32, fp16, bf16, fp8 and fp8:rowwise (torchao float8 linears), flash, compile (torch.compile's fused kernels: time), ckpt, ckpt:N (every Nth block), selective, sac (torchtitan's per-op policy) (comma-separated). Default: the progression fp32 -> bf16 -> +flash -> +ckpt, and bf16+selective.", metavar="LIST")]  # fmt: skip
 Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw, sgd (with momentum) or adam8bit.", metavar="NAME")]
 Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs: data-parallel GPUs that ZeRO shards over; with --tp/--pp/--cp/--dp the world size.", metavar="N", show_default="1")]  # fmt: skip
 DataParallelGpus = Annotated[str, typer.Option("--gpus", help="Data-parallel GPUs that ZeRO shards over.", metavar="N")]

@@ -78,6 +78,7 @@ class Model:
 def build(g: Graph, cfg: Config) -> Model:
     """The parameters in the order nn.Module registers them, and the buffers."""
     s, dt, params = cfg.shape, cfg.weights_dtype, []
+    g.fp8 = cfg.fp8
 
     def p(shape, name, copies=1):
         params.append(g.param(shape, dt, name, copies))

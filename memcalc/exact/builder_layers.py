@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import aten
+from .aten_float8 import float8_linear
 from .aten_operands import made
 from .config import Config
 from .sim import Graph
@@ -34,7 +35,12 @@ def norm(g: Graph, x: Tensor, params: list[Tensor], scope: str) -> Tensor:
 
 
 def linear(g: Graph, x: Tensor, params: list[Tensor]) -> Tensor:
-    return aten.linear(g, x, params[0], params[1] if len(params) == 2 else None)
+    """A block's nn.Linear; under fp8 torchao's Float8Linear where torchtitan's float8 converter swaps it in
+    (torchtitan/components/quantization/utils.py module_filter_fn: both dimensions divisible by 16)."""
+    w, b = params[0], params[1] if len(params) == 2 else None
+    if g.fp8 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
+        return float8_linear(g, x, w, b, g.fp8)
+    return aten.linear(g, x, w, b)
 
 
 def dropout(g: Graph, x: Tensor, p: float, scope: str | None = None) -> Tensor:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, "uint64": 8, "int32": 4, "fp64": 8}  # bytes of one element of each dtype the step holds
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, "uint64": 8, "int32": 4, "fp64": 8,
+            "fp8-e4m3": 1, "fp8-e5m2": 1}  # bytes of one element of each dtype the step holds
 
 
 # What the simulator replays (memcalc.model.stacks' choices); anything else it refuses, never guesses.
@@ -82,11 +83,13 @@ class Config:
     # a layer's experts of one token count simulated once for all (memcalc.exact.tensors.Region); False
     # replays each, as a timeline (which records every allocation) and the test of the two need
     collapse: bool = True
+    fp8: str = ""  # torchao float8 training of the blocks' linears (memcalc.exact.aten_float8): tensorwise | rowwise
+    compile: bool = False  # trace() fuses the blocks' elementwise kernels as Inductor does (memcalc.exact.inductor)
 
     @property
     def tricks(self) -> Tricks:
         """The trick set this step runs: which blocks it checkpoints, and how (Tricks.checkpointed)."""
-        return Tricks(self.precision, self.flash, self.recompute, self.ckpt_every)
+        return Tricks(self.precision, self.flash, self.recompute, self.ckpt_every, self.fp8, self.compile)
 
     @property
     def dtype(self) -> str:

@@ -246,7 +246,7 @@ def fsdp2_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     (bf16, or fp32: torchtitan's mixed_precision_param). cpu_norm_stats: LayerNorm's statistics as the CPU
     kernel keeps them (the fake process group runs CPU kernels), not CUDA's fp32."""
     cfg = Config(shape, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, "adamw",
-                 "reference", "pure", "fused", ckpt_every=tricks.ckpt_every)  # fmt: skip
+                 "reference", "pure", "fused", ckpt_every=tricks.ckpt_every, fp8=tricks.fp8)  # fmt: skip
     mem = Ledger(timeline)
     sim = FSDPGraph(mem, cpu_norm_stats)
     sim.stats_dtype = tricks.precision

@@ -155,7 +155,8 @@ def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *sta
         model, recipe, impl, optimizer = stack or (DEFAULT_STACK.model, DEFAULT_STACK.recipe, DEFAULT_STACK.impl,
                                                     "adamw")  # fmt: skip
         cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, model,
-                     recipe, impl, ckpt_every=tricks.ckpt_every)  # fmt: skip
+                     recipe, impl, ckpt_every=tricks.ckpt_every, fp8=tricks.fp8,
+                     compile=tricks.compile)  # fmt: skip
         kept = (None, *representatives(one, tricks).values())  # one block of each kind: see traced_blocks
         return merged(k for k in trace(cfg) if k.layer in kept)
 

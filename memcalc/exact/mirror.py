@@ -12,6 +12,7 @@ from .amp import AutocastRecipe
 from .builder import Model
 from .collection import no_collection
 from .config import Config, Phases
+from .inductor import FusionGraph, fused
 from .kernels import Kernel
 from .recipes import Recipe, TorchRecipe, check_simulated
 from .sim import Graph, Memory, Tensor, layer_of, scope_of
@@ -84,7 +85,7 @@ def trace(cfg: Config) -> list[Kernel]:
 def traced_step(cfg: Config) -> list[Kernel]:
     """trace's step, simulated."""
     check_simulated(cfg)
-    g = Graph(Memory())
+    g = FusionGraph(Memory()) if cfg.compile else Graph(Memory())
     g.kernels = []
     model = build(g, cfg)
     B, T = cfg.micro_batch, cfg.seq_len
@@ -105,7 +106,7 @@ def traced_step(cfg: Config) -> list[Kernel]:
             g.accumulate(p)
     g.layer, g.scope = None, ""
     recipe.update()
-    return g.kernels
+    return fused(g) if cfg.compile else g.kernels
 
 
 def replayed(grad_accum: int) -> int:

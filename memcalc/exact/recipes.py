@@ -28,6 +28,12 @@ def check_simulated(cfg: Config) -> None:
         raise InputError(reason)
     if cfg.model == "hf" and (cfg.ckpt_every > 1 or cfg.recompute == "op"):
         check_tricks(stack_for("hf"), cfg.tricks)
+    if cfg.fp8 and cfg.model != "reference":
+        raise InputError("fp8 (torchao float8) is replayed on memcalc's reference model (--stack reference, torch, "
+                         "fsdp2), not on Transformers' classes")
+    if cfg.fp8 and cfg.shape.n_experts:
+        raise InputError("fp8 with a mixture of experts is not replayed: torchtitan casts grouped experts with "
+                         "torchao's MoE training, not Float8Linear")
     if cfg.device not in ("cuda", "cpu"):
         raise InputError(f"the exact model does not replay device {cfg.device!r}; it replays cuda, cpu")
     if cfg.device == "cpu" and cfg.flash and cfg.shape.dropout > 0:

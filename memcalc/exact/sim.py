@@ -98,6 +98,7 @@ class Graph(Checkpointing, Backward):
         self.kernels: list[Kernel] | None = None  # every kernel launched, when recording
         self.stage = "forward"  # outside backward: forward, or the recipe's accumulate | optimizer
         self.autocast = None  # the autocast region running (memcalc.exact.autocast.Autocast), if any
+        self.fp8 = ""  # torchao's float8 recipe the blocks' linears train in (memcalc.exact.aten_float8), if any
         self.region: tuple[str, int] | None = None  # (name, copies) of the equal copies running, if any
 
     @property

@@ -96,7 +96,8 @@ def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gr
                     n_kv_heads=Sym(shape.n_kv_heads, "k"), head_dim=Sym(shape.head_dim, "d"),
                     ffn=Sym(shape.ffn, "f"), vocab=Sym(shape.vocab, "v"))  # fmt: skip
     return Config(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks.precision, tricks.flash, tricks.recompute,
-                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl, ckpt_every=tricks.ckpt_every)  # fmt: skip
+                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl, ckpt_every=tricks.ckpt_every,
+                  fp8=tricks.fp8)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -334,7 +335,7 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
 
         cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, run.precision, run.flash,
                      run.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl,
-                     ckpt_every=run.ckpt_every)  # fmt: skip
+                     ckpt_every=run.ckpt_every, fp8=run.fp8)  # fmt: skip
         phases, _, mem = simulate(cfg, warm_up=False, sharding=sharding)
         return phases, mem
 

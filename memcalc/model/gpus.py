@@ -1,6 +1,7 @@
 """Dense peak rates, memory and bandwidth of the GPUs memcalc knows.
 
-Rates are dense tensor-core TFLOP/s from each vendor datasheet (sparse figures are 2x these);
+Rates are dense tensor-core TFLOP/s from each vendor datasheet (sparse figures are 2x these; FP8 is the
+datasheet's FP8 Tensor Core row, halved from its with-sparsity figure: 3,958 -> 1,979 on the H100 SXM);
 fp32 is the non-tensor-core rate, which PyTorch uses for fp32 matmuls unless TF32 is switched on
 (torch.backends.cuda.matmul.allow_tf32 defaults to False since PyTorch 1.12). It is also the
 vector rate memcalc.time.roofline gives elementwise kernels: ATen computes bf16/fp16 elementwise math in
@@ -37,6 +38,7 @@ class GPU:
     memory_mib: int  # nvidia-smi memory.total
     bandwidth_gbps: float  # HBM bandwidth, GB/s (decimal)
     source: str
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak (E4M3/E5M2); 0: no FP8 tensor cores (A100)
 
     @property
     def memory_bytes(self) -> int:
@@ -52,7 +54,8 @@ class GPU:
         return getattr(self, PEAK_FIELDS[precision]) * 1e12
 
 
-PEAK_FIELDS = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops"}  # GPU.peak_flops by precision
+PEAK_FIELDS = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops",  # GPU.peak_flops by precision,
+               "fp8-e4m3": "fp8_tflops", "fp8-e5m2": "fp8_tflops"}  # or by a float8 matmul's operands
 H100_DATASHEET = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 A100_DATASHEET = "https://www.nvidia.com/en-us/data-center/a100/"  # the specifications table (datasheet r4)
 H800_SOURCE = ("DeepSeek-V3 technical report (arXiv:2412.19437) sec. 3.1 and 3.2.2: H800 SXM, the H100's GH100 "
@@ -66,14 +69,15 @@ GPUS: dict[str, GPU] = {
     for g in (
         GPU("a100-40gb", "NVIDIA A100 SXM 40GB", 312, 312, 156, 19.5, 40960, 1555, A100_DATASHEET),
         GPU("a100-80gb", "NVIDIA A100 SXM 80GB", 312, 312, 156, 19.5, 81920, 2039, A100_DATASHEET),
-        GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989, 989, 494.5, 67, 81559, 3350, H100_DATASHEET),
-        GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756, 756, 378, 51, 81559, 2000, H100_DATASHEET),
+        GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989, 989, 494.5, 67, 81559, 3350, H100_DATASHEET, 1979),
+        GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756, 756, 378, 51, 81559, 2000, H100_DATASHEET, 1513),
         GPU("h200", "NVIDIA H200 SXM 141GB", 989, 989, 494.5, 67, 143771, 4800,
-            "https://www.nvidia.com/en-us/data-center/h200/"),  # fmt: skip
+            "https://www.nvidia.com/en-us/data-center/h200/", 1979),  # fmt: skip
         # The export H100: the SXM's compute, memory and HBM3, NVLink cut to 400 GB/s (links.py)
-        GPU("h800", "NVIDIA H800 SXM 80GB", 989, 989, 494.5, 67, 81559, 3350, H800_SOURCE),
+        GPU("h800", "NVIDIA H800 SXM 80GB", 989, 989, 494.5, 67, 81559, 3350, H800_SOURCE, 1979),
         # Meta's Grand Teton H100 (96 GB HBM2e at 2.4 TB/s, 500 W): no datasheet; the SXM's peak, an upper bound
-        GPU("h100-hbm2e", "NVIDIA H100 96GB HBM2e (Grand Teton)", 989, 989, 494.5, 67, 95 * 1024, 2400, H100_HBM2E_SOURCE),
+        GPU("h100-hbm2e", "NVIDIA H100 96GB HBM2e (Grand Teton)", 989, 989, 494.5, 67, 95 * 1024, 2400,
+            H100_HBM2E_SOURCE, 1979),  # fmt: skip
     )
 }
 DEFAULT_GPU = "h100-sxm"

@@ -1,6 +1,14 @@
 """Trick sets: a precision recipe, FlashAttention, and how much of a layer backward recomputes.
 
-Names are the same everywhere (CLI, JSON, verify): fp32, fp16, bf16, flash, ckpt, ckpt:N, selective, sac.
+Names are the same everywhere (CLI, JSON, verify): fp32, fp16, bf16, fp8, fp8:rowwise, flash, ckpt, ckpt:N,
+selective, sac.
+  fp8        torchao's float8 training (convert_to_float8_training, as torchtitan's float8 converter applies it):
+             every linear of the blocks cast to float8 on the fly, dynamic tensorwise scaling (e4m3, e5m2 for
+             gradients), the matmuls on the FP8 tensor cores; fp8:rowwise its rowwise recipe (e4m3 throughout,
+             power-of-two scales). The weights, gradients and saved activations stay in the 16-bit recipe.
+  compile    torch.compile of each block, as torchtitan compiles them: Inductor fuses the elementwise kernels
+             between matmuls and attention into one each (memcalc.exact.inductor); the step time counts the
+             fused kernels, the memory is the eager step's (its partitioner is not replayed)
   ckpt       every block under torch.utils.checkpoint (non-reentrant): it keeps the block's input
   ckpt:N     every Nth block so (torchtitan's per-layer selective AC, selective_ac_option = N: a counter
              from 1 over the blocks, a block checkpointed when count % N == 0); the rest keep everything
@@ -17,7 +25,8 @@ from memcalc.records import record
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 RECOMPUTES = ("none", "selective", "full", "op")
-TRICK_NAMES = ("fp32", "fp16", "bf16", "flash", "ckpt", "ckpt:N", "selective", "sac")
+FP8_RECIPES = ("", "tensorwise", "rowwise")  # torchao.float8's Float8LinearRecipeName: none, or the one named
+TRICK_NAMES = ("fp32", "fp16", "bf16", "fp8", "fp8:rowwise", "flash", "compile", "ckpt", "ckpt:N", "selective", "sac")
 MAX_CKPT_EVERY = 1024  # ckpt:N beyond any model's depth checkpoints nothing; refused past this
 
 
@@ -29,6 +38,8 @@ class Tricks:
     flash: bool = False  # FlashAttention: the s x s scores are never stored
     recompute: str = "none"  # none; selective (attention core only); full (whole blocks); op (sac)
     ckpt_every: int = 1  # with full: every Nth block is checkpointed (ckpt:N), the others keep everything
+    fp8: str = ""  # torchao float8 training of the blocks' linears: "" (none), tensorwise or rowwise
+    compile: bool = False  # torch.compile of each block: the step's elementwise kernels fused (time only)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -37,6 +48,10 @@ class Tricks:
             raise InputError(f"unknown recompute {self.recompute!r}; known: {', '.join(RECOMPUTES)}")
         if self.flash and self.precision == "fp32":
             raise InputError("flash needs 16-bit activations: combine it with bf16 or fp16")
+        if self.fp8 not in FP8_RECIPES:
+            raise InputError(f"unknown fp8 recipe {self.fp8!r}; known: tensorwise, rowwise")
+        if self.fp8 and self.precision != "bf16":
+            raise InputError(f"fp8 casts bf16 linears to float8 (torchao); combine it with bf16, not {self.precision}")
         n = self.ckpt_every
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CKPT_EVERY:
             raise InputError(f"ckpt:N needs a whole N from 1 to {MAX_CKPT_EVERY}, got {n!r}")
@@ -69,8 +84,12 @@ class Tricks:
     @property
     def names(self) -> list[str]:
         names = [self.precision]
+        if self.fp8:
+            names.append("fp8" if self.fp8 == "tensorwise" else f"fp8:{self.fp8}")
         if self.flash:
             names.append("flash")
+        if self.compile:
+            names.append("compile")
         if self.recompute == "full":
             names.append("ckpt" if self.ckpt_every == 1 else f"ckpt:{self.ckpt_every}")
         elif self.recompute == "selective":
@@ -90,7 +109,10 @@ def parse_tricks(text: str) -> Tricks:
     if not names:
         raise InputError("no tricks given; choose from " + ", ".join(TRICK_NAMES))
     every = [ckpt_every(n) for n in names if n == "ckpt" or n.startswith("ckpt:")]
+    fp8 = [{"fp8": "tensorwise", "fp8:tensorwise": "tensorwise"}.get(n, n[4:]) for n in names if n.startswith("fp8")]
     for name in names:
+        if name == "fp8:tensorwise":
+            continue
         if name not in TRICK_NAMES and not name.startswith("ckpt:"):
             raise InputError(f"unknown trick {name!r}; known: {', '.join(TRICK_NAMES)}")
     precisions = [n for n in names if n in PRECISIONS]
@@ -105,9 +127,12 @@ def parse_tricks(text: str) -> Tricks:
     if len(modes) > 1:
         raise InputError(f"choose one way to recompute, not {' and '.join(modes)}: {RECOMPUTE_TEXT[modes[0]]}; "
                          f"{RECOMPUTE_TEXT[modes[1]]}")  # fmt: skip
+    if len(set(fp8)) > 1:
+        raise InputError("choose one fp8 recipe: fp8 (tensorwise) or fp8:rowwise")
     recompute = "full" if every else "selective" if "selective" in names else "op" if "sac" in names else "none"
     return Tricks(precision=precisions[0] if precisions else "bf16", flash="flash" in names, recompute=recompute,
-                  ckpt_every=every[0] if every else 1)  # fmt: skip
+                  ckpt_every=every[0] if every else 1, fp8=fp8[0] if fp8 else "",
+                  compile="compile" in names)  # fmt: skip
 
 
 def layer_uniform(tricks: Tricks) -> bool:

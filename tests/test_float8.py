@@ -9,6 +9,7 @@ Time: the float8 matmuls at the FP8 peak; compile's fused kernels read and write
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -24,7 +25,9 @@ from memcalc.model.gpus import gpu
 from memcalc.model.params import n_params
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import Model
+from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import Tricks, parse_tricks
+from memcalc.parallel.layout import Layout
 
 # 8B's width, two blocks, a small vocabulary: the peaks fall inside the blocks, where float8's casts add to them
 SHAPE = replace(PRESETS["llama3-8b"], n_layers=2, vocab=2048)
@@ -43,6 +46,10 @@ def test_names_and_refusals():
     model = Model(SHAPE, n_params(SHAPE), "test")
     with pytest.raises(InputError, match="FP8 tensor cores"):
         Job(model, Setup(2048), gpu("a100-80gb"), trick_sets=(parse_tricks("bf16,fp8"),))
+    for stack in ("megatron", "deepspeed"):
+        with pytest.raises(InputError, match="Transformer Engine"):
+            answer(Job(model, Setup(2048, stack=stack_for(stack)), gpu("h100-sxm"), Layout(dp=8, zero=1),
+                       (parse_tricks("bf16,fp8"),)))  # fmt: skip
 
 
 def test_saved_activations_are_the_16_bit_recipes():
@@ -84,8 +91,6 @@ def test_torch_autocast_equals_torchao_on_cpu():
 
 
 def test_fsdp2_equals_torchao_on_the_fake_process_group():
-    from memcalc.model.stacks import stack_for
-    from memcalc.parallel.layout import Layout
     from verify.distributed import verify_distributed
 
     result = verify_distributed(Model(SHAPE, n_params(SHAPE), "test"), Setup(2048, stack=stack_for("fsdp2")),
@@ -132,3 +137,17 @@ def test_compile_fuses_the_elementwise_kernels():
     eager_bf16, eager_fp8 = step_seconds("bf16,flash"), step_seconds("bf16,flash,fp8")
     compiled_bf16, compiled_fp8 = step_seconds("bf16,flash,compile"), step_seconds("bf16,flash,fp8,compile")
     assert eager_fp8 > eager_bf16 > compiled_bf16 > compiled_fp8
+
+
+def test_plan_keeps_fp8_and_compile():
+    """plan searches the recompute modes of the trick set it is given, float8 and compile kept."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--global-batch", "16", "--stack", "fsdp2"]
+    out = CliRunner().invoke(app, args + ["--tricks", "bf16,fp8,flash,compile", "--format", "json"])
+    assert out.exit_code == 0, out.output
+    text = CliRunner().invoke(app, args + ["--tricks", "bf16,fp8,flash,compile"]).output
+    assert "bf16 + fp8 + flash + compile" in " ".join(text.split())
+    assert json.loads(out.output)["tricks"] == ["bf16", "fp8", "flash", "compile"]

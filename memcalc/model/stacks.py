@@ -102,3 +102,7 @@ def check_tricks(stack: Stack, tricks) -> None:
     if stack.model == "hf" and (tricks.mixed or tricks.recompute == "op"):
         raise InputError(f"{tricks.label}: --stack hf checkpoints every decoder layer or none "
                          "(gradient_checkpointing_enable): use ckpt, or --stack torch for ckpt:N and sac")  # fmt: skip
+    if stack.engine in ("megatron", "deepspeed") and (tricks.fp8 or tricks.compile):
+        what = "fp8 (torchao's float8)" if tricks.fp8 else "compile (torch.compile of each block)"
+        raise InputError(f"{tricks.label}: {what} is modelled as torchtitan runs it, on --stack fsdp2, torch or "
+                         f"reference; --stack {stack.key} runs Transformer Engine's kernels, not modelled")  # fmt: skip

@@ -294,7 +294,7 @@ def recompute_variants(tricks: Tricks, recomputes: tuple[str, ...]) -> tuple[Tri
     if not names:
         raise InputError("selective recompute saves nothing with flash (FlashAttention keeps no s×s scores to "
                          "recompute): name ckpt instead, or neither to search every recompute mode")  # fmt: skip
-    return tuple(Tricks(tricks.precision, tricks.flash, r) for r in names)
+    return tuple(replace(tricks, recompute=r, ckpt_every=1) for r in names)  # fp8 and compile as given
 
 
 def alternatives(model: Model, gpu: GPU, assume: Assumptions, best: tuple[LayoutEstimate, ...],

@@ -3,6 +3,8 @@ obvious alternatives lose (a layout of one job is memcalc.report.layout's)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memcalc.parallel.plan import Alternative, Plan
 from memcalc.parallel.search import WITHOUT
 
@@ -16,8 +18,8 @@ def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
     return [
         f"Model: {plan.model.origin}",
         f"Job: {plan.gpus} x {g.key} ({plan.gpus_per_node} per node), seq {plan.seq_len:,}, global batch "
-        f"{plan.global_batch:,} sequences = {plan.tokens_per_step:,} tokens per step; {t.precision}"
-        f"{' + flash' if t.flash else ''}, {plan.optimizer}, stack {plan.stack.label}; timed by "
+        f"{plan.global_batch:,} sequences = {plan.tokens_per_step:,} tokens per step; "
+        f"{' + '.join(replace(t, recompute='none', ckpt_every=1).names)}, {plan.optimizer}, stack {plan.stack.label}; timed by "
         + (f"--mfu {plan.timing:g} end to end" if isinstance(plan.timing, float)
            else f"the roofline of each stage's kernels ({plan.timing.origin.rsplit('/', 1)[-1]})"),
         f"Searched {plan.searched:,} layouts ({searched(plan)}): {plan.fitting:,} fit in {u.size(g.usable_bytes, units)}",

@@ -197,12 +197,36 @@ def test_moe_is_replayed_on_the_reference_stack_only(stack):
     assert not re.search(r"(^|\s)-\d", out.output.split("\n\n")[-1])  # the answer holds no negative bytes
 
 
-@pytest.mark.parametrize("stack, zero", [("fsdp2", "3"), ("megatron", "1"), ("deepspeed", "3")])
-def test_moe_layouts_run_on_the_reference_engine(stack, zero):
-    """The engines' MoE paths (FSDP2's, Megatron-LM's, DeepSpeed-MoE's) are not modelled: refused in a line."""
+@pytest.mark.parametrize("stack, zero", [("fsdp2", "3"), ("deepspeed", "3")])
+def test_moe_layouts_run_on_the_reference_and_megatron_engines(stack, zero):
+    """FSDP2's and DeepSpeed-MoE's expert paths are not modelled: refused in a line."""
     out = CliRunner().invoke(app, ["estimate", "--model", "mixtral-8x7b", "--seq", "4096", "--stack", stack,
                                    "--gpus", "8", "--zero", zero, "--ep", "8"], env=WIDE)  # fmt: skip
-    assert out.exit_code == 2 and "modelled on the reference stack's engine" in out.output, out.output
+    assert out.exit_code == 2 and "modelled on the reference stack's engine and Megatron-LM's" in out.output, out.output
+
+
+@pytest.mark.parametrize("name, lay", [
+    ("qwen3-30b-a3b", Layout(tp=2, sp=True, dp=8, ep=4, zero=1)),  # edp 4: experts' optimizer over 4, the rest over 8
+    ("mixtral-8x7b", Layout(tp=2, sp=True, pp=4, dp=8, ep=8, zero=1)),  # the first stage, edp 2
+    ("qwen3-30b-a3b", Layout(tp=1, dp=16, ep=8, zero=0)),  # DDP: 18 bytes a parameter
+])  # fmt: skip
+def test_megatron_expert_state_is_megatrons_formula(name, lay):
+    """Megatron-LM's own estimate of one GPU's weights and optimizer state with experts
+    (megatron/training/theoretical_memory_usage.py @ d98e8a64ddf34856e74b24714e3bedb2f5a39553,
+    compute_weight_and_optimizer_memory): the non-expert parameters at 6 + 12/dp bytes with the distributed
+    optimizer (18 without), the experts' at 6 + 12/edp, edp = world / (etp · ep · pp)."""
+    from memcalc.model.stacks import stack_for
+
+    m = model(name)
+    mem = layout_memory(m, Setup(seq_len=4096, stack=stack_for("megatron")), H100, FLASH, lay)
+    stage = mem.stages[0]
+    dense, experts = gpu_params(m, lay.tp, lay.pp, 0), expert_gpu_params(m.shape, lay, 0)
+    edp = lay.world // (lay.etp * lay.ep * lay.pp)
+
+    def per_param(dp):
+        return 6 + 12 / dp if lay.zero else 18
+
+    assert stage.state.total_bytes == pytest.approx(dense * per_param(lay.dp) + experts * per_param(edp), abs=16)
 
 
 def test_the_bound_never_exceeds_the_step_with_experts():

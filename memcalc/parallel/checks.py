@@ -46,12 +46,13 @@ def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks
 
 def check_experts(layout: Layout, shape: ModelShape, engine: str = "none") -> None:
     """What expert parallelism demands of the model: experts to split, whole experts per GPU. A mixture of
-    experts over GPUs is laid out as Megatron-LM folds it, on the reference engine, its stages split as a dense
-    model's (pipeline.stage_layers)."""
+    experts over GPUs is laid out as Megatron-LM folds it, on the reference engine or Megatron-LM's (its
+    recipe's state, the distributed optimizer over dp and, for the experts, over their edp), its stages split
+    as a dense model's (pipeline.stage_layers)."""
     if moe_layer_count(shape) and layout.world > 1:
-        if engine != "none":
-            raise InputError(f"a mixture of experts over GPUs is modelled on the reference stack's engine, not {engine}'s "
-                             "(--stack reference)")  # fmt: skip
+        if engine not in ("none", "megatron"):
+            raise InputError(f"a mixture of experts over GPUs is modelled on the reference stack's engine and "
+                             f"Megatron-LM's, not {engine}'s (--stack reference or megatron)")  # fmt: skip
         if layout.first_layers or layout.last_layers:
             raise InputError("a mixture of experts splits its layers as memcalc's engine does (L/p a stage, else "
                              "the embedding and head weighed as a layer each): no --pp-layers")  # fmt: skip

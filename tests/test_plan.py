@@ -67,7 +67,7 @@ def test_70b_needs_model_parallel_or_sharding(p70):
     assert not ddp.fits and ddp.cause == "out of memory" and ddp.estimate.memory.total_bytes > 1_000_000_000_000
     for a in p70.alternatives:
         if a.fits:
-            assert a.estimate.time.tokens_per_second <= best.time.tokens_per_second
+            assert a.estimate.time.tokens_per_second <= best.time.tokens_per_second * (1 + 1e-3)  # rank_key: 4 digits
             assert a.cause in ("tie",) + tuple(plan_report.CAUSES)
 
 

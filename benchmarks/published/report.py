@@ -88,10 +88,26 @@ class Row:
     predicted: float | None  # memcalc's tokens/s per GPU
     job: str  # the layout and batch memcalc ran
     skipped: str = ""  # why the run is not compared
+    peak_bytes: int | None = None  # memcalc's peak per GPU for that job (the verdict's: the highest stage's)
 
     @property
     def ratio(self) -> float | None:
         return self.predicted / self.published if self.predicted and self.published else None
+
+    @property
+    def published_memory_bytes(self) -> int | None:
+        """The memory the source published, in bytes (torchtitan's is the caching allocator's peak reserved:
+        torchtitan/components/metrics.py logs max_reserved_gib from reserved_bytes.all.peak)."""
+        run = self.run
+        if run.memory_gb is None:
+            return None
+        return round(run.memory_gb * (2**30 if run.memory_unit == "GiB" else 10**9))
+
+    @property
+    def memory_ratio(self) -> float | None:
+        """Published memory / memcalc's peak: the allocator's reserve over what is allocated, and the model's miss."""
+        published = self.published_memory_bytes
+        return published / self.peak_bytes if published and self.peak_bytes else None
 
 
 # --- the published figure as tokens per second per GPU -------------------------------------------------
@@ -249,8 +265,9 @@ def choices(run: Run) -> list[tuple[int, int]]:
     return [(b, v) for b in batches for v in vpps]
 
 
-def predict(run: Run, timing: Calibration | None = None) -> tuple[float, str]:
-    """memcalc's tokens/s per GPU for the run; the micro-batch the source does not give is the fastest that fits."""
+def predict(run: Run, timing: Calibration | None = None) -> tuple[float, str, int]:
+    """memcalc's tokens/s per GPU for the run, its job, and its peak bytes per GPU; the micro-batch the source
+    does not give is the fastest that fits."""
     if run.gpu not in GPUS:
         raise Inexpressible(f"GPU {run.gpu} is not in memcalc's table")
     seq = run.seq or defaults(run).get("seq")
@@ -280,7 +297,7 @@ def predict(run: Run, timing: Calibration | None = None) -> tuple[float, str]:
     job = (f"tp{lay.tp} pp{lay.pp}{f' v{lay.vpp}' if lay.vpp > 1 else ''} cp{lay.cp} dp{lay.dp} z{lay.zero} {stack.key}"
            f"{' sp' if lay.sp else ''} b{est.setup.micro_batch}{'' if run.micro_batch else '*'} m{est.setup.grad_accum} "
            f"{est.tricks.label}")  # fmt: skip
-    return est.time.tokens_per_second / lay.world, job
+    return est.time.tokens_per_second / lay.world, job, est.verdict.peak_bytes
 
 
 def rows(calibrations: dict[str, Calibration] | None = None, runs: list[Run] | None = None) -> list[Row]:
@@ -290,8 +307,8 @@ def rows(calibrations: dict[str, Calibration] | None = None, runs: list[Run] | N
         part = "fit" if run.source.id in FIT else "held-out"
         try:
             published, how = published_rate(run)
-            predicted, job = predict(run, (calibrations or {}).get(run.gpu))
-            out.append(Row(run, part, published, how, predicted, job))
+            predicted, job, peak = predict(run, (calibrations or {}).get(run.gpu))
+            out.append(Row(run, part, published, how, predicted, job, peak_bytes=peak))
         except Inexpressible as e:
             out.append(Row(run, part, None, "", None, "", str(e)))
     return out
@@ -329,6 +346,25 @@ def not_compared(all_rows: list[Row]) -> dict[str, int]:
     return dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
 
 
+def memory_rows(all_rows: list[Row]) -> list[Row]:
+    """The compared runs whose source published their memory."""
+    return [r for r in all_rows if r.memory_ratio is not None]
+
+
+def print_memory(all_rows: list[Row]) -> None:
+    """Published memory against memcalc's peak, run by run, and the median ratio."""
+    shown = memory_rows(all_rows)
+    if not shown:
+        return
+    print(f"\n{'memory: run':58} {'published':>10} {'memcalc':>10} {'ratio':>6}")
+    for r in shown:
+        print(f"{r.run.key:58} {r.published_memory_bytes / 2**30:7.2f} GiB {r.peak_bytes / 2**30:6.2f} GiB "
+              f"{r.memory_ratio:6.2f}")  # fmt: skip
+    ratios = [r.memory_ratio for r in shown]
+    print(f"published / memcalc's peak over {len(ratios)} runs: median {statistics.median(ratios):.2f}, "
+          f"{min(ratios):.2f} to {max(ratios):.2f}")  # fmt: skip
+
+
 def print_summary(table: dict[str, dict], reasons: dict[str, int]) -> None:
     print(f"{'group':38} {'runs':>4} {'compared':>8} {'median |err|':>12} {'worst |err|':>11}")
     for key, s in table.items():
@@ -343,7 +379,9 @@ def main(argv: list[str]) -> None:
     table = summaries(all_rows)
     if "--json" in argv:
         runs = [{"run": r.run.key, "part": r.part, "published_tokens_per_s_per_gpu": r.published, "how": r.how,
-                 "predicted_tokens_per_s_per_gpu": r.predicted, "ratio": r.ratio, "job": r.job, "skipped": r.skipped}
+                 "predicted_tokens_per_s_per_gpu": r.predicted, "ratio": r.ratio, "job": r.job, "skipped": r.skipped,
+                 "published_memory_bytes": r.published_memory_bytes, "peak_bytes": r.peak_bytes,
+                 "memory_ratio": r.memory_ratio}
                 for r in all_rows]  # fmt: skip
         print(json.dumps({"runs": runs, "summary": table, "not_compared": not_compared(all_rows)}, indent=1))
         return
@@ -354,7 +392,9 @@ def main(argv: list[str]) -> None:
                 print(f"{r.run.key:58} {r.part:8} {'':>10} {'':>10} {'':>6}  not compared: {r.skipped}")
             else:
                 print(f"{r.run.key:58} {r.part:8} {r.published:10,.0f} {r.predicted:10,.0f} {r.ratio:6.2f}  {r.job}")
-        print("\n(b* : micro-batch not published, the fastest that fits; rates are tokens/s per GPU)\n")
+        print("\n(b* : micro-batch not published, the fastest that fits; rates are tokens/s per GPU)")
+        print_memory(all_rows)
+        print()
     print_summary(table, not_compared(all_rows))
 
 

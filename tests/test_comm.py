@@ -52,6 +52,18 @@ def test_groups_inside_a_node_use_nvlink_and_across_nodes_infiniband():
     assert comms(run(tp=2, dp=4, zero=1))["ZeRO-1 gradient reduce-scatter"].link == "nvlink4"  # 2 x 4 = 8 GPUs
 
 
+def test_a_cluster_s_own_inter_node_rate():
+    """Assumptions.inter_node_gb_per_s replaces the GPU type's usual inter-node link (BLOOM's cluster: four
+    100 Gb/s Omni-Path links for eight GPUs): the same bytes, 8x the time at 6.25 instead of 50 GB/s."""
+    from memcalc.report.layout import comm_section
+
+    usual, slow = run(tp=8, dp=4, zero=1), run(tp=8, dp=4, zero=1, assume=Assumptions(inter_node_gb_per_s=6.25))
+    a, b = comms(usual)["ZeRO-1 gradient reduce-scatter"], comms(slow)["ZeRO-1 gradient reduce-scatter"]
+    assert a.bytes == b.bytes and b.seconds == pytest.approx(8 * a.seconds)
+    assert comms(slow)["TP all-reduce"].seconds == comms(usual)["TP all-reduce"].seconds  # NVLink as it was
+    assert any("6.25 GB/s per GPU" in str(cell) for row in comm_section(slow, "gb").rows for cell in row)
+
+
 # ---- bytes per collective: ring factors (nccl-tests doc/PERFORMANCE.md) -------------------------------
 
 

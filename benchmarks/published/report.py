@@ -62,6 +62,11 @@ SOURCE_DEFAULTS = {
     "torchtitan_asynctp_h100": TORCHTITAN,
     "torchtitan_h200_trainy": TORCHTITAN,
     "llm_foundry": {"flash": True},  # its tables are of attn_impl flash (or triton)
+    # Megatron-DeepSpeed pipelines through DeepSpeed's PipelineEngine: its TrainSchedule reduces the gradients
+    # over the data-parallel ranks after the last micro-batch's backward, then steps (ReduceGrads, OptimizerStep:
+    # microsoft/DeepSpeed deepspeed/runtime/pipe/schedule.py @ 077e6740178eba4ccff1b3ea9a7981578d3d42e4)
+    # and its cluster (the source's README): 4 Omni-Path links of 100 Gb/s per node of 8 GPUs, 6.25 GB/s a GPU
+    "bloom": {"assume": {"overlap_dp": 0.0, "inter_node_gb_per_s": 4 * 12.5 / 8}},
     # Llama 3 (Dubey et al. 2024, sec. 3.3.2): TP with SP, flash attention; FSDP shards optimizer state and
     # gradients but keeps the weights after forward (ZeRO-2): memcalc's Megatron engine with ZeRO-1 is the nearest
     "llama3": {"flash": True, "sequence_parallel": True, "stack": "megatron", "zero": 1},

@@ -14,6 +14,8 @@ node it runs on NVLink, across nodes on each GPU's own InfiniBand NIC.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memcalc.model.gpus import A100_DATASHEET, H100_DATASHEET, H800_SOURCE
 from memcalc.records import record
 
@@ -93,9 +95,22 @@ class Assumptions:
     # MoE's all-to-all sits between the router and the experts and between the experts and the combine: on
     # the critical path (DeepSeek-V3's DualPipe hides it behind another micro-batch; not modelled)
     overlap_ep: float = 0.0
+    # the inter-node link's rate per GPU and direction, GB/s, where the cluster's is not the GPU type's usual one
+    # (FABRICS); None: FABRICS's
+    inter_node_gb_per_s: float | None = None
 
 
 ASSUMPTIONS = Assumptions()
+
+
+def fabric_for(gpu_key: str, assume: Assumptions) -> Fabric:
+    """The links of a GPU type (FABRICS), with the inter-node one at the rate assumed where one is given."""
+    fabric = FABRICS[gpu_key]
+    rate = assume.inter_node_gb_per_s
+    if rate is None:
+        return fabric
+    given = Link("inter-node", f"inter-node, {rate:g} GB/s per GPU", rate, "assumed (Assumptions.inter_node_gb_per_s)")
+    return replace(fabric, inter=given)
 
 
 @record(slots=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memcalc.parallel.links import FABRICS, LINKS
+from memcalc.parallel.links import LINKS, fabric_for
 from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import LayoutEstimate
 
@@ -63,7 +63,7 @@ def batch_text(est: LayoutEstimate) -> str:
 def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
     """The job: model, layout, batch, GPU; and the trick set (each row's, when several)."""
     est = ests[0]
-    g, lay, fabric = est.gpu, est.layout, FABRICS[est.gpu.key]
+    g, lay, fabric = est.gpu, est.layout, fabric_for(est.gpu.key, est.time.assumptions)
     tricks = (f"{est.tricks.label} ({RECIPES[est.tricks.precision]})" if len(ests) == 1
               else "one row each: " + ", ".join(e.tricks.label for e in ests))  # fmt: skip
     stack = est.setup.stack
@@ -146,7 +146,8 @@ def comm_section(est: LayoutEstimate, units: str) -> Section:
                 ["traffic", "group", "link", "calls", "bytes sent", "formula", "time", "exposed"],
                 align="lllrrlrr")  # fmt: skip
     for c in t.comms:
-        s.rows.append([c.name, f"{c.group} ({c.ranks})", LINKS[c.link].name, f"{c.calls:,}", sized(c.bytes, units),
+        link = LINKS[c.link].name if c.link in LINKS else fabric_for(est.gpu.key, t.assumptions).inter.name
+        s.rows.append([c.name, f"{c.group} ({c.ranks})", link, f"{c.calls:,}", sized(c.bytes, units),
                        c.formula, u.seconds(c.seconds), u.seconds(c.exposed_seconds)])  # fmt: skip
     if not t.comms:
         s.notes.append("no traffic: one GPU")

@@ -55,8 +55,11 @@ TORCHTITAN = {"flash": True, "sequence_parallel": True,  # SDPA's flash backend;
               "selective": "selective-op"}  # the same files: selective_ac_option = 'op', torchtitan's per-op SAC
 SOURCE_DEFAULTS = {
     # Megatron-Core r0.8 runs attention in Transformer Engine's fused (flash) kernel, SP on with TP; the README
-    # says TP (--tp-comm-overlap) and PP communication overlap with compute
-    "megatron_lm_readme": {"flash": True, "sequence_parallel": True, "assume": {"overlap_tp": 1.0, "overlap_pp": 1.0}},
+    # says TP (--tp-comm-overlap) and PP communication overlap with compute, and names --overlap-param-gather,
+    # which runs only with the distributed optimizer (megatron/training/arguments.py @ f2e5db4: "assert
+    # args.use_distributed_optimizer"): ZeRO-1
+    "megatron_lm_readme": {"flash": True, "sequence_parallel": True, "zero": 1,
+                           "assume": {"overlap_tp": 1.0, "overlap_pp": 1.0}},
     "torchtitan_performance": TORCHTITAN,
     "torchtitan_performance_2024_08": TORCHTITAN,
     "torchtitan_asynctp_h100": TORCHTITAN,

@@ -8,7 +8,7 @@ import math
 from dataclasses import replace
 
 from memcalc.errors import InputError
-from memcalc.model.presets import MAX_PARAMS, canonical_model, gpt, preset_model
+from memcalc.model.presets import MAX_PARAMS, PRESETS, canonical_model, gpt, preset_model
 from memcalc.model.shape import MAX_SIZE, Model, longest_seq, n_params, override, parse_count
 from memcalc.model.tricks import PROGRESSION, Tricks, parse_tricks
 from memcalc.report import render
@@ -49,9 +49,13 @@ def resolve_model(
         base = canonical_model(parse_count(params, "params", MAX_PARAMS))
         return Model(override(base.shape, **sizes), base.n_params, base.origin + overrides_note(sizes))
     if model or config:
-        from memcalc.model.hfconfig import config_model  # here: only --config reads a config.json
+        from memcalc.model.hfconfig import config_model, hub_model  # here: only these read a config.json
+        from memcalc.model.hub import is_hub_id
 
-        base = preset_model(model) if model else config_model(config)
+        if model:
+            base = hub_model(model) if model.strip().lower() not in PRESETS and is_hub_id(model) else preset_model(model)
+        else:
+            base = hub_model(config) if is_hub_id(config) else config_model(config)
         shape = override(base.shape, **sizes)
         return Model(shape, n_params(shape), base.origin + overrides_note(sizes))
     if None in (sizes["n_layers"], sizes["hidden"], sizes["n_heads"]):

@@ -169,9 +169,20 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
     )
 
 
-def config_model(path: str | Path) -> Model:
+def config_model(path: str | Path, name: str | None = None, origin: str | None = None) -> Model:
     """--config PATH: the shape from the file and its own parameter count."""
     config = read_config(path)
-    name = config.get("_name_or_path")
-    shape = shape_from_config(config, name=name if isinstance(name, str) and name else Path(path).name)
-    return Model(shape=shape, n_params=n_params(shape), origin=f"config {path}")
+    if name is None:
+        named = config.get("_name_or_path")
+        name = named if isinstance(named, str) and named else Path(path).name
+    shape = shape_from_config(config, name=name)
+    return Model(shape=shape, n_params=n_params(shape), origin=origin or f"config {path}")
+
+
+def hub_model(repo_id: str) -> Model:
+    """--model ORG/NAME (or --config ORG/NAME): the Hub model's config.json (memcalc.model.hub)."""
+    from .hub import hub_config, snapshot_of
+
+    path = hub_config(repo_id)
+    snapshot = snapshot_of(path)
+    return config_model(path, repo_id, f"Hugging Face {repo_id} (config.json{', snapshot ' + snapshot if snapshot else ''})")

@@ -1,0 +1,91 @@
+"""A Hugging Face Hub id (ORG/NAME) as a model: its config.json, from the local cache first.
+
+The cache is huggingface_hub's (huggingface_hub/constants.py): HF_HUB_CACHE, else the older
+HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub;
+a model's files live under models--ORG--NAME/snapshots/<commit>/, the commit a revision names in
+refs/<revision>. Reading the cache needs nothing installed. Only where the cache lacks the file, and
+HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is not set, is config.json downloaded, alone (never the weights),
+through huggingface_hub (`pip install 'memcalc[hub]'`), which keeps it in the same cache.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from memcalc.errors import InputError
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # ORG/NAME as the Hub spells repo ids
+TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's ENV_VARS_TRUE_VALUES
+
+
+def is_hub_id(text: str) -> bool:
+    """ORG/NAME, and not a file or folder here (a path with one slash is read as the path, as is a .json)."""
+    return (bool(HUB_ID.fullmatch(text)) and ".." not in text and not text.lower().endswith(".json")
+            and not Path(text).exists())  # fmt: skip
+
+
+def cache_dir() -> Path:
+    """huggingface_hub's cache folder, from the same variables in the same order."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.path.expandvars(os.environ["HF_HUB_CACHE"])).expanduser()
+    if os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(os.environ["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "huggingface" / "hub"
+
+
+def offline() -> bool:
+    return any((os.environ.get(v) or "").upper() in TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def cached_config(repo_id: str, revision: str = "main") -> Path | None:
+    """config.json of the snapshot refs/<revision> names (or the snapshot <revision> is), if cached."""
+    repo = cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    path = repo / "snapshots" / commit / "config.json"
+    return path if re.fullmatch(r"[\w.-]+", commit) and path.is_file() else None
+
+
+def hub_config(repo_id: str) -> Path:
+    """The path of the Hub model's config.json: cached, or downloaded now; else one line saying what to do."""
+    path = cached_config(repo_id)
+    if path is not None:
+        return path
+    if offline():
+        raise InputError(f"{repo_id}: no config.json in the Hugging Face cache ({cache_dir()}) and HF_HUB_OFFLINE "
+                         "is set: download it once online, or pass --config PATH")  # fmt: skip
+    return downloaded(repo_id)
+
+
+def downloaded(repo_id: str) -> Path:
+    """config.json alone, through huggingface_hub into its cache."""
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError:
+        raise InputError(f"{repo_id} is not in the Hugging Face cache ({cache_dir()}); to download its config.json: "
+                         "pip install 'memcalc[hub]', or pass --config PATH") from None  # fmt: skip
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except GatedRepoError:
+        raise InputError(f"{repo_id} is gated on the Hub: accept its licence on its page and log in "
+                         "(`hf auth login`), or pass --config PATH") from None  # fmt: skip
+    except RepositoryNotFoundError:
+        raise InputError(f"{repo_id}: no such model on the Hugging Face Hub (or it is private: log in with "
+                         "`hf auth login`)") from None  # fmt: skip
+    except LocalEntryNotFoundError:  # what huggingface_hub raises when the Hub cannot be reached
+        raise InputError(f"{repo_id}: the Hugging Face Hub could not be reached and the cache ({cache_dir()}) has "
+                         "no config.json for it: retry online, or pass --config PATH") from None  # fmt: skip
+    except Exception as e:  # a proxy, a repo without config.json: whatever else huggingface_hub raises
+        reason = type(e).__name__ + (f": {str(e).split('. ')[0][:120]}" if str(e).strip() else "")
+        raise InputError(f"{repo_id}: could not fetch config.json from the Hub ({reason}); pass --config PATH") from None
+
+
+def snapshot_of(path: Path) -> str:
+    """The commit a cached file's snapshot folder is named by, shortened."""
+    return path.parent.name[:12] if path.parent.parent.name == "snapshots" else ""

@@ -9,8 +9,6 @@ in high precision unless both its dimensions divide by 16, and its configs leave
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from memcalc.errors import InputError
@@ -20,7 +18,6 @@ HEAD = "lm_head"  # verify/builder.py's output projection: left in high precisio
 
 def convert(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
     """The model with its linears (bar the head, and any with a dimension not divisible by 16) in float8."""
-    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only extensions fail to load on CPU, noisily
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:

@@ -4,8 +4,8 @@ print the error of both parts with the shipped calibration and at the fitted val
     python benchmarks/published/fit.py
 
 Fitted: `matmul` (the share of the dense peak a matmul sustains in a training step, at 8192³) and `flash` (the
-flash kernel's), over GRID; `matmul_dim` (how much less a smaller or TP-split matmul sustains) is held at 0. The objective is the median
-|log(predicted / published)| over the generation's fitting runs; the held-out runs are never used by the fit,
+flash kernel's), over GRID; `matmul_dim` (how much less a smaller or TP-split matmul sustains) is held at 0.
+The objective is the median |log(predicted / published)| over the generation's fitting runs; the held-out runs are never used by the fit,
 only printed beside it. A value ships in memcalc/time/calibrations/ only where the held-out error falls too
 (docs/step-time.md says what was found and what shipped).
 """

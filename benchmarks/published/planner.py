@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import Inexpressible, assumptions, load, published_rate, shape_of, stack_of, tricks_of  # noqa: E402
+from report import Inexpressible, assumptions, job_text, load, published_rate, shape_of, stack_of, tricks_of  # noqa: E402
 
 from memcalc.model.gpus import GPUS  # noqa: E402
 from memcalc.model.params import n_params  # noqa: E402
@@ -67,11 +67,8 @@ def planned(run) -> Planned:
     if not p.best:
         return Planned(run.key, published, None, "", 0.0, "no layout fits")
     top = p.best[0]
-    lay = top.layout
-    layout = (f"tp{lay.tp}{' sp' if lay.sp else ''} pp{lay.pp}{f' v{lay.vpp}' if lay.vpp > 1 else ''} cp{lay.cp} "
-              f"dp{lay.dp} z{lay.zero} b{top.setup.micro_batch} m{top.setup.grad_accum} {top.tricks.label}")  # fmt: skip
     share = top.verdict.total_bytes / GPUS[run.gpu].usable_bytes
-    return Planned(run.key, published, top.time.tokens_per_second / lay.world, layout, share)
+    return Planned(run.key, published, top.time.tokens_per_second / top.layout.world, job_text(top), share)
 
 
 def planned_rows(sources: tuple[str, ...] = tuple(WITHOUT)) -> list[Planned]:

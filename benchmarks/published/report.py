@@ -301,11 +301,17 @@ def predict(run: Run, timing: Calibration | None = None) -> tuple[float, str, in
     if best is None:
         raise Inexpressible("no micro-batch gives a valid job")
     est = best[1]
+    job = job_text(est, stack.key, guessed=not run.micro_batch)
+    return est.time.tokens_per_second / est.layout.world, job, est.verdict.peak_bytes
+
+
+def job_text(est, stack: str = "", guessed: bool = False) -> str:
+    """'tp8 pp2 v8 cp1 dp32 z0 megatron sp b8* m6 bf16+ckpt': a layout estimate's layout, micro-batch (starred
+    where the source did not publish it), micro-batches and tricks."""
     lay = est.layout
-    job = (f"tp{lay.tp} pp{lay.pp}{f' v{lay.vpp}' if lay.vpp > 1 else ''} cp{lay.cp} dp{lay.dp} z{lay.zero} {stack.key}"
-           f"{' sp' if lay.sp else ''} b{est.setup.micro_batch}{'' if run.micro_batch else '*'} m{est.setup.grad_accum} "
-           f"{est.tricks.label}")  # fmt: skip
-    return est.time.tokens_per_second / lay.world, job, est.verdict.peak_bytes
+    return (f"tp{lay.tp} pp{lay.pp}{f' v{lay.vpp}' if lay.vpp > 1 else ''} cp{lay.cp} dp{lay.dp} z{lay.zero}"
+            f"{' ' + stack if stack else ''}{' sp' if lay.sp else ''} b{est.setup.micro_batch}{'*' if guessed else ''} "
+            f"m{est.setup.grad_accum} {est.tricks.label}")  # fmt: skip
 
 
 def rows(calibrations: dict[str, Calibration] | None = None, runs: list[Run] | None = None) -> list[Row]:

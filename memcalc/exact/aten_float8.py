@@ -5,7 +5,7 @@ an autograd.Function that saves its high-precision input and the weight's transp
 on the fly, and multiplies them with torch._scaled_mm; its backward casts the gradient, the weight and the
 input again (each matmul its own cast) for the two backward matmuls. So the saved activations are the
 16-bit recipe's: float8 adds only temporaries, which this module replays in torchao's order, with the
-lifetimes its Python locals give them (tests/test_float8_verify.py holds it to torchao on meta):
+lifetimes its Python locals give them (tests/test_float8.py holds it to torchao on meta):
 
   a cast (hp_tensor_to_float8_dynamic): amax = max(abs(x)) (rowwise: amax over one dim, keepdim), the scale
   448/amax in float64 then float32 (float8_utils.amax_to_scale; rowwise rounds it down to a power of two:
@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 from .aten_arithmetic import add, to
+from .aten_operands import made
 from .aten_views import t as transpose
 from .sim import Graph
 from .tensors import Tensor, nbytes
@@ -38,37 +39,27 @@ def scale_of(g: Graph, x: Tensor | tuple, rowwise: bool, dim: int) -> Tensor:
     (rowwise) one per slice along dim, with the temporaries of torchao's eager ops."""
     shape, dtype, read = shape_of(x)
     amax_shape = tuple(1 if i == dim % len(shape) else n for i, n in enumerate(shape)) if rowwise else ()
-    a = g.empty(shape, dtype, "abs")
-    g.kernel("abs", (read,), (a,))
+    a = made(g, shape, "abs", read, dtype=dtype)
     op = "amax" if rowwise else "max"
 
     def reduce(a=a):  # bound now: `a` is deleted below, once the reduction has read it
-        amax = g.empty(amax_shape, dtype, op)
-        g.kernel(op, (a,), (amax,))
-        return (amax,)
+        return (made(g, amax_shape, op, a, dtype=dtype),)
 
     (amax,) = g.outputs(op, reduce)  # torchtitan's per-op SAC keeps aten.max's output (float8's amax)
     del reduce, a  # abs's output dies with the expression: torch.max(torch.abs(x))
-    wide = step(g, amax, "_to_copy", "fp64")  # amax_to_scale: float64, as compile and eager agree there
-    clamped = step(g, wide, "clamp", "fp64")
+    wide = made(g, amax_shape, "_to_copy", amax, dtype="fp64")  # amax_to_scale: float64, as compile and eager agree
+    clamped = made(g, amax_shape, "clamp", wide, dtype="fp64")
     del wide
-    inverse = step(g, clamped, "reciprocal", "fp64")  # finfo.max / clamp(amax): reciprocal, then mul
+    inverse = made(g, amax_shape, "reciprocal", clamped, dtype="fp64")  # finfo.max / clamp(amax): reciprocal, mul
     del clamped
-    scaled = step(g, inverse, "mul", "fp64")
+    scaled = made(g, amax_shape, "mul", inverse, dtype="fp64")
     del inverse
-    scale = step(g, scaled, "_to_copy", "fp32")
+    scale = made(g, amax_shape, "_to_copy", scaled, dtype="fp32")
     del scaled, amax
     if rowwise:  # _round_scale_down_to_power_of_2: exp2(floor(log2(scale)))
         for op in ("log2", "floor", "exp2"):
-            scale = step(g, scale, op, "fp32")
+            scale = made(g, amax_shape, op, scale, dtype="fp32")
     return scale
-
-
-def step(g: Graph, x: Tensor, op: str, dtype: str) -> Tensor:
-    """One elementwise op on a scale, out of place."""
-    out = g.empty(x.shape, dtype, op)
-    g.kernel(op, (x,), (out,))
-    return out
 
 
 def shape_of(x: Tensor | tuple) -> tuple[tuple, str, Tensor | int]:
@@ -80,17 +71,12 @@ def to_float8(g: Graph, x: Tensor | tuple, fp8: str, rowwise: bool, dim: int) ->
     """hp_tensor_to_float8_dynamic: (float8 data, scale)."""
     scale = scale_of(g, x, rowwise, dim)
     shape, dtype, read = shape_of(x)
-    wide = None
-    if dtype != "fp32":  # tensor.to(torch.float32): no copy when it is float32 already
-        wide = g.empty(shape, "fp32", "_to_copy")
-        g.kernel("_to_copy", (read,), (wide,))
-    scaled = g.empty(shape, "fp32", "mul")  # x * scale
-    g.kernel("mul", (wide if wide is not None else read, scale), (scaled,))
+    # tensor.to(torch.float32): no copy when it is float32 already
+    wide = made(g, shape, "_to_copy", read, dtype="fp32") if dtype != "fp32" else None
+    scaled = made(g, shape, "mul", read if wide is None else wide, scale, dtype="fp32")  # x * scale
     del wide
-    clamped = g.empty(shape, "fp32", "clamp")  # to_fp8_saturated: clamp to the format's range, then cast
-    g.kernel("clamp", (scaled,), (clamped,))
-    data = g.empty(shape, fp8, "_to_copy")
-    g.kernel("_to_copy", (clamped,), (data,))
+    clamped = made(g, shape, "clamp", scaled, dtype="fp32")  # to_fp8_saturated: clamp to its range, then cast
+    data = made(g, shape, "_to_copy", clamped, dtype=fp8)
     del clamped, scaled  # to_fp8_saturated's local, then _ToFloat8ConstrFunc's
     return data, scale
 
@@ -101,28 +87,21 @@ def scaled_mm(g: Graph, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_
     b are copied), the inverse scales, torch._scaled_mm to bf16, and rowwise's float32 post-scale without
     fast accumulation."""
     (a_data, a_scale), (b_data, b_scale) = a, b
-    laid = [made_copy(g, t) if copy else t for t, copy in zip((a_data, b_data), copies)]
-    a_inverse, b_inverse = step(g, a_scale, "reciprocal", "fp32"), step(g, b_scale, "reciprocal", "fp32")
+    # .contiguous() of an operand in the other layout: a copy of its bytes
+    laid = [made(g, t.shape, "clone", t, dtype=t.dtype) if copy else t
+            for t, copy in zip((a_data, b_data), copies)]  # fmt: skip
+    a_inverse = made(g, a_scale.shape, "reciprocal", a_scale)
+    b_inverse = made(g, b_scale.shape, "reciprocal", b_scale)
     post = None
     if post_scale:  # a_inverse_scale * b_inverse_scale: (rows, 1) x (1, cols), the output's shape
-        post = g.empty(out_shape, "fp32", "mul")
-        g.kernel("mul", (a_inverse, b_inverse), (post,))
-        a_inverse = g.empty((), "fp32", "new_ones")
-        g.kernel("new_ones", (), (a_inverse,))
-        b_inverse = g.empty((), "fp32", "new_ones")
-        g.kernel("new_ones", (), (b_inverse,))
+        post = made(g, out_shape, "mul", a_inverse, b_inverse)
+        a_inverse = made(g, (), "new_ones")  # a_inverse_scale.new_ones(()), then b's: the scaling done after
+        b_inverse = made(g, (), "new_ones")
     out = g.empty(out_shape, "bf16", "_scaled_mm")
     flops = 2 * out_shape[0] * inner * out_shape[1]
     g.kernel("_scaled_mm", (laid[0], laid[1], a_inverse, b_inverse), (out,), "tensor", flops, "linear", dtype=laid[0].dtype)
     if post is not None:  # output *= post_inverse_scale
         g.kernel("mul_", (out, post), (out,))
-    return out
-
-
-def made_copy(g: Graph, t: Tensor) -> Tensor:
-    """.contiguous() of a float8 operand in the other layout: a copy of its bytes."""
-    out = g.empty(t.shape, t.dtype, "clone")
-    g.kernel("clone", (t,), (out,))
     return out
 
 

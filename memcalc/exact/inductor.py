@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import itertools
 
-from .config import ITEMSIZE
 from .kernels import STEP_PHASES, Kernel
 from .sim import Graph
-from .tensors import Storage, Tensor, elements
+from .tensors import Storage, Tensor
 
 SERIALS = itertools.count()
 SCALAR_BYTES = 8  # a reduction written to one number (float32 or float64) ends a fused kernel
@@ -56,11 +55,8 @@ class FusionGraph(Graph):
         self.freed: dict[int, int] = {}  # serial -> kernels launched when it was freed
         self.alias: dict[int, int] = {}  # serial -> the serial of the tensor that computes it first (fused())
 
-    def empty(self, shape, dtype: str, op: str, kind: str = "activation", copies: int | None = None) -> Tensor:
-        """Graph.empty's tensor, on a TracedStorage."""
-        shape, copies = tuple(shape), self.copies if copies is None else copies
-        n = elements(shape)
-        return Tensor(TracedStorage(self, self.mem, n * ITEMSIZE[dtype] * copies, op, kind, copies), shape, dtype, n)
+    def storage(self, nbytes: int, op: str, kind: str, copies: int) -> Storage:
+        return TracedStorage(self, self.mem, nbytes, op, kind, copies)
 
     def kernel(self, op: str, reads: tuple, writes: tuple, *args, **kwargs) -> None:
         before = None if self.kernels is None else len(self.kernels)
@@ -114,7 +110,6 @@ def common_subexpressions(g: FusionGraph) -> set[int]:
     lives until the last kernel that reads one of them."""
     seen: dict[tuple, tuple] = {}
     dropped: set[int] = set()
-    g.alias = {}
     for i, k in enumerate(g.kernels):
         if not fusable(k):
             continue

@@ -190,7 +190,11 @@ class Graph(Checkpointing, Backward):
         """A new tensor; copies: how many equal ones it stands for (default: the running region's)."""
         shape, copies = tuple(shape), self.copies if copies is None else copies
         n = elements(shape)
-        return Tensor(Storage(self.mem, n * ITEMSIZE[dtype] * copies, op, kind, copies), shape, dtype, n)
+        return Tensor(self.storage(n * ITEMSIZE[dtype] * copies, op, kind, copies), shape, dtype, n)
+
+    def storage(self, nbytes: int, op: str, kind: str, copies: int) -> Storage:
+        """A new tensor's storage (memcalc.exact.inductor's graph numbers its own)."""
+        return Storage(self.mem, nbytes, op, kind, copies)
 
     def view(self, t: Tensor, shape) -> Tensor:
         """A tensor over t's storage (no node: callers attach one when t needs grad)."""

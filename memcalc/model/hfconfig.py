@@ -185,4 +185,5 @@ def hub_model(repo_id: str) -> Model:
 
     path = hub_config(repo_id)
     snapshot = snapshot_of(path)
-    return config_model(path, repo_id, f"Hugging Face {repo_id} (config.json{', snapshot ' + snapshot if snapshot else ''})")
+    where = f"config.json, snapshot {snapshot}" if snapshot else "config.json"
+    return config_model(path, repo_id, f"Hugging Face {repo_id} ({where})")

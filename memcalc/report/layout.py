@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memcalc.parallel.links import LINKS, fabric_for
+from memcalc.parallel.links import fabric_for
 from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import LayoutEstimate
 
@@ -145,9 +145,10 @@ def comm_section(est: LayoutEstimate, units: str) -> Section:
     s = Section("Communication per step, as one GPU sees it (ring algorithms)",
                 ["traffic", "group", "link", "calls", "bytes sent", "formula", "time", "exposed"],
                 align="lllrrlrr")  # fmt: skip
+    fabric = fabric_for(est.gpu.key, t.assumptions)
+    names = {link.key: link.name for link in (fabric.intra, fabric.inter, fabric.host)}  # every comm rides one
     for c in t.comms:
-        link = LINKS[c.link].name if c.link in LINKS else fabric_for(est.gpu.key, t.assumptions).inter.name
-        s.rows.append([c.name, f"{c.group} ({c.ranks})", link, f"{c.calls:,}", sized(c.bytes, units),
+        s.rows.append([c.name, f"{c.group} ({c.ranks})", names[c.link], f"{c.calls:,}", sized(c.bytes, units),
                        c.formula, u.seconds(c.seconds), u.seconds(c.exposed_seconds)])  # fmt: skip
     if not t.comms:
         s.notes.append("no traffic: one GPU")

@@ -1,6 +1,7 @@
 """Presets against their published parameter counts; config.json reading; shape validation."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -23,6 +24,12 @@ EXACT = {
     "llama3-8b": 8_030_261_248,  # Meta-Llama-3-8B
     "llama3-70b": 70_553_706_496,  # Meta-Llama-3-70B
     "qwen3-8b": 8_190_735_360,  # Qwen3-8B
+    "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
+    "gemma-7b": 8_537_680_896,  # google/gemma-7b
+    "gemma2-9b": 9_241_705_984,  # google/gemma-2-9b
+    "olmo2-7b": 7_298_617_344,  # allenai/OLMo-2-1124-7B
+    "phi3-mini": 3_821_079_552,  # microsoft/Phi-3-mini-4k-instruct
+    "pythia-6.9b": 6_857_302_016,  # EleutherAI/pythia-6.9b
 }
 # Counts published only to 0.1B, (total, non-embedding) from the Qwen3 model cards.
 ROUNDED = {
@@ -117,6 +124,56 @@ def test_example_configs_match_presets(name, preset_name):
     for field in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "gated_mlp", "norm",
                   "vocab", "tied_embeddings", "qk_norm", "positions"):  # fmt: skip
         assert getattr(got, field) == getattr(want, field), field
+
+
+FAMILIES = [("mistral-7b", "mistral-7b"), ("gemma2-9b", "gemma2-9b"), ("gemma3-4b-text", "gemma3-4b"),
+            ("olmo2-7b", "olmo2-7b"), ("phi3-mini-4k", "phi3-mini"), ("pythia-6.9b", "pythia-6.9b")]
+
+
+@pytest.mark.parametrize("name,preset_name", FAMILIES)
+def test_family_configs_read_as_their_presets(name, preset_name):
+    """Each family's config.json (the Hub repo's fields) is its preset, field for field: the architecture's
+    fixed fields (sandwich or post norms, q/k norms, GPT-NeoX's LayerNorm and biases) and the config's
+    choices (softcaps, window and the layers it spares, partial rotary, the parallel residual)."""
+    assert config_model(f"{EXAMPLES}/{name}.json").shape == replace(preset(preset_name), name=f"{name}.json")
+
+
+@pytest.mark.parametrize("edit,expected", [
+    ({}, tuple(range(1, 42, 2))),  # configuration_gemma2.py: every second layer full
+    ({"layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 40}, (0, 1)),
+    ({"sliding_window": None}, ()),
+])  # fmt: skip
+def test_window_layers_from_the_config(edit, expected):
+    config = {**json.loads(open(f"{EXAMPLES}/gemma2-9b.json").read()), **edit}
+    shape = shape_from_config(config)
+    assert shape.global_layers == expected and shape.sliding_window == (4096 if edit.get("sliding_window", 1) else 0)
+
+
+def test_family_defaults_where_the_config_is_silent():
+    """The configuration classes' defaults: Gemma 2's softcaps 50 and 30, Mistral's window 4096, GPT-NeoX's
+    rotary_pct 0.25 and parallel residual; Gemma 3's window pattern 6; Qwen2's window only with
+    use_sliding_window, below max_window_layers full."""
+    sizes = {"hidden_size": 256, "num_hidden_layers": 12, "num_attention_heads": 4, "vocab_size": 100,
+             "intermediate_size": 512}  # fmt: skip
+    gemma2 = shape_from_config({**sizes, "model_type": "gemma2"})
+    assert (gemma2.attn_softcap, gemma2.logit_softcap, gemma2.sliding_window) == (50.0, 30.0, 4096)
+    assert shape_from_config({**sizes, "model_type": "mistral"}).sliding_window == 4096
+    assert shape_from_config({**sizes, "model_type": "mistral", "sliding_window": None}).sliding_window == 0
+    neox = shape_from_config({**sizes, "model_type": "gpt_neox"})
+    assert (neox.rotary_fraction, neox.parallel_residual, neox.rope_dim, neox.gated_mlp) == (0.25, True, 16, False)
+    assert shape_from_config({**sizes, "model_type": "gemma3_text"}).global_layers == (5, 11)
+    assert shape_from_config({**sizes, "model_type": "qwen2"}).sliding_window == 0
+    qwen2 = shape_from_config({**sizes, "model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 8})
+    assert (qwen2.sliding_window, qwen2.global_layers) == (4096, tuple(range(8)))
+    assert shape_from_config({**sizes, "model_type": "phi3"}).sliding_window == 0
+
+
+@pytest.mark.parametrize("model_type,reason", [("gemma3", "vision-language"), ("qwen2_vl", "vision-language"),
+                                               ("llama4", "chunked attention"), ("gpt_oss", "attention sinks"),
+                                               ("qwen3_next", "DeltaNet"), ("mistral3", "Pixtral")])  # fmt: skip
+def test_refused_model_types_say_why(model_type, reason):
+    with pytest.raises(InputError, match=f"model_type '{model_type}' is not supported: .*{reason}"):
+        shape_from_config({"model_type": model_type, "hidden_size": 8})
 
 
 def test_gated_mlp_comes_from_the_architecture_not_the_ratio():

@@ -115,7 +115,7 @@ def test_a_sharded_step_grows_from_short_ones_as_one_gpu_s_does(name, stack, tri
     deep = name == "deepseek-v3"  # 3 dense blocks lead: 8 blocks are the fewest that grow past the two short steps
     shape, st, t = replace(PRESETS[name], n_layers=8 if deep else 9), stack_for(stack), parse_tricks(tricks)
     cfg = Config(shape, 256, 1, t.precision, t.flash, t.recompute, 2, "adamw", st.model, st.recipe, st.impl,
-                 ckpt_every=t.ckpt_every)  # fmt: skip
+                 st.use_cache, ckpt_every=t.ckpt_every)  # fmt: skip
     for sh in SHARDINGS[2:3] if deep else SHARDINGS:  # its 256 experts a block: ZeRO-3, the one that prefetches
         whole = simulate(cfg, warm_up=False, sharding=sh)[0]
         assert step_phases.__wrapped__(shape, 256, 1, t, 2, st, "adamw", sh) == whole, sh

@@ -55,7 +55,7 @@ def cpu_config(shape: ModelShape, seq: int, batch: int, tricks: str, stack, opti
                grad_accum: int = 1, device: str = "cpu") -> Config:  # fmt: skip
     t = parse_tricks(tricks)
     return Config(shape, seq, batch, t.precision, t.flash, t.recompute, grad_accum, optimizer, stack.model,
-                  stack.recipe, stack.impl, device=device)  # fmt: skip
+                  stack.recipe, stack.impl, stack.use_cache, device=device)  # fmt: skip
 
 
 def cpu_shape(shape: ModelShape, tricks: str) -> ModelShape:

@@ -69,14 +69,15 @@ ARCH = {"llama": "llama", "qwen3": "qwen3", "gpt2": "gpt2", "qwen2": "qwen2", "l
 
 
 def config(shape: ModelShape, seq: int, batch: int, tricks: Tricks, grad_accum: int = 1) -> Config:
-    return Config(shape, seq, batch, tricks.precision, tricks.flash, tricks.recompute, grad_accum, model="hf")
+    return Config(shape, seq, batch, tricks.precision, tricks.flash, tricks.recompute, grad_accum, model="hf",
+                  use_cache=HF.use_cache)  # fmt: skip
 
 
 def assert_replayed(shape: ModelShape, seq: int, batch: int, tricks: Tricks, device: str = "meta",
                     grad_accum: int = 1) -> None:  # fmt: skip
     """Every phase's bytes, the saved bytes, and every allocation with the live bytes at it."""
     phases, g, mem = simulate(config(shape, seq, batch, tricks, grad_accum), timeline=True)
-    model = build_hf(shape, tricks, seq, device=device) if device != "meta" else None
+    model = build_hf(shape, tricks, seq, device=device, use_cache=HF.use_cache) if device != "meta" else None
     step, live = measure_step(shape, seq, batch, tricks, device=device, model=model, grad_accum=grad_accum,
                               timeline=True, stack=HF)  # fmt: skip
     assert_same_step(phases, g, mem, step, live, tricks.label)
@@ -190,9 +191,10 @@ def test_eager_attention_saves_fp32_probabilities():
 def test_gpt2_new_gelu_saves_five_tensors():
     """GPT-2's gelu_new is NewGELUActivation, eight elementwise ops: the MLP saves its input, 0.5·x,
     tanh, 1 + tanh and the product (c_proj's input), where the reference's F.gelu saves one and
-    c_proj the output: 3 more (B, T, f) tensors per layer. GPT-2 also drops out the embeddings."""
+    c_proj the output: 3 more (B, T, f) tensors per layer. GPT-2 also drops out the embeddings. (Called
+    without a cache: with one, tests/test_hf_cache.py.)"""
     shape, t, s, h = GPT_8B, parse_tricks("bf16,flash"), 8192, GPT_8B.hidden
-    ref, hf = exact_step(shape, s, 1, t), exact_step(shape, s, 1, t, stack=HF)
+    ref, hf = exact_step(shape, s, 1, t), exact_step(shape, s, 1, t, stack=replace(HF, use_cache=False))
     gelu = [term for term in hf.activations.terms if term.name.startswith("mlp:") and "addmm" not in term.name]
     assert sum(term.value for term in gelu) == 4 * 2 * s * shape.ffn  # pow's x, both of mul's, tanh's result
     assert hf.activations.per_layer_bytes - ref.activations.per_layer_bytes == 3 * 2 * s * shape.ffn
@@ -216,7 +218,8 @@ def test_cpu_layer_norm_keeps_16_bit_statistics():
     """A CPU-only difference: native_layer_norm on CPU returns mean and rstd in bf16 (CUDA: fp32), so
     GPT-2 on CPU in bf16 saves 2 bytes less per row and statistic, in each of 2L + 1 LayerNorms."""
     shape, t, B, T = TINY["gpt2"], parse_tricks("bf16"), 2, 24
-    step, _ = measure_step(shape, T, B, t, device="cpu", model=build_hf(shape, t, T, device="cpu"), stack=HF)
+    step, _ = measure_step(shape, T, B, t, device="cpu", model=build_hf(shape, t, T, device="cpu", use_cache=True),
+                           stack=HF)  # fmt: skip
     _, g, _ = simulate(config(shape, T, B, t))
     norms = 2 * shape.n_layers + 1
     assert sum(x.nbytes for x in g.saved_terms) - step.saved_bytes == norms * 2 * (4 - 2) * B * T
@@ -229,7 +232,7 @@ def test_dropout_routed_to_the_cuda_kernel():
     shape, t, T = replace(TINY["gpt2"], n_layers=1), parse_tricks("bf16"), 24
     routed, _ = measure_step(shape, T, 1, t, stack=HF)
     with cuda_paths(dropout=False):
-        stock, _ = measure_step(shape, T, 1, t, model=build_hf(shape, t, T))
+        stock, _ = measure_step(shape, T, 1, t, model=build_hf(shape, t, T, use_cache=HF.use_cache))
     masks = T * shape.hidden + shape.n_heads * T * T + 2 * T * shape.hidden
     assert stock.saved_bytes - routed.saved_bytes == masks
 

@@ -142,7 +142,7 @@ def measure_autocast(shape: ModelShape, seq_len: int, micro_batch: int, tricks: 
     if stack.model == "hf":
         from .hf import build_hf
 
-        model = build_hf(shape, tricks, seq_len, device=device, autocast=device)
+        model = build_hf(shape, tricks, seq_len, device=device, autocast=device, use_cache=stack.use_cache)
     else:
         model = materialise(build(shape, kernels, seq_len, torch.float32), device)
     made = []
@@ -203,7 +203,7 @@ def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, st
 
     def peak(s: ModelShape) -> int:
         cfg = Config(s, seq, batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, stack.model,
-                     stack.recipe, stack.impl, device="cpu", ckpt_every=tricks.ckpt_every, fp8=tricks.fp8)  # fmt: skip
+                     stack.recipe, stack.impl, stack.use_cache, device="cpu", ckpt_every=tricks.ckpt_every, fp8=tricks.fp8)  # fmt: skip
         return simulate(cfg, warm_up=False)[0].step_peak_bytes
 
     while peak(small) > budget and small.n_heads > 1 and small.hidden % 2 == 0 and small.ffn % 2 == 0:
@@ -256,7 +256,7 @@ def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, tex
     red = reduce(shape, setup.seq_len, setup.micro_batch, tricks, setup.stack, setup.optimizer)
     stack, small = setup.stack, replace(setup, seq_len=red.seq_len, micro_batch=red.micro_batch)
     cfg = Config(red.shape, red.seq_len, red.micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1,
-                 setup.optimizer, stack.model, stack.recipe, stack.impl, device="cpu", ckpt_every=tricks.ckpt_every,
+                 setup.optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache, device="cpu", ckpt_every=tricks.ckpt_every,
                  fp8=tricks.fp8)
     progress(f"cpu: the step at reduced size ({red.shape.n_layers} layers, seq {red.seq_len})")
     ph, g, _ = simulate(cfg)

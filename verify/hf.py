@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memcalc.errors import InputError
-from memcalc.exact.hf import ARCHS, arch_for
+from memcalc.exact.hf import arch_for
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape, check_positions
 from memcalc.model.tricks import Tricks
@@ -59,34 +59,43 @@ def transformers():
     return tf
 
 
-def hf_config(shape: ModelShape, seq_len: int, arch: str | None = None):
-    """The config a Transformers user would load for this shape (use_cache off, as the Trainer sets it)."""
+def hf_config(shape: ModelShape, seq_len: int, arch: str | None = None, use_cache: bool = False):
+    """The config a Transformers user would load for this shape; use_cache as the stack has it (every
+    config's default is on; off, as a Trainer with gradient checkpointing sets it)."""
     tf = transformers()
     arch = arch or arch_for(shape)
-    if arch not in ARCHS:
-        raise InputError(f"unknown Transformers architecture {arch!r}; known: {', '.join(ARCHS)}")
-    if arch == "gpt2":
-        return tf.AutoConfig.for_model(
-            "gpt2", vocab_size=shape.vocab, n_positions=shape.max_positions, n_embd=shape.hidden,
-            n_layer=shape.n_layers, n_head=shape.n_heads, n_inner=shape.ffn, layer_norm_epsilon=NORM_EPS,
-            embd_pdrop=shape.dropout, attn_pdrop=shape.dropout, resid_pdrop=shape.dropout,
-            tie_word_embeddings=shape.tied_embeddings, use_cache=False, bos_token_id=None, eos_token_id=None,
-        )  # fmt: skip
-    extra = {"hidden_act": "silu", "attention_bias": False}
-    if arch == "llama":
-        extra["mlp_bias"] = False
-    if arch == "mistral":
-        extra["sliding_window"] = None  # Mistral 7B v0.2 on: full attention (a window would need a mask)
-    if arch == "qwen2":
-        extra = {"hidden_act": "silu"}  # q, k, v biases are fixed in Qwen2Attention
-    if arch == "gemma":
-        extra = {"hidden_activation": "gelu_pytorch_tanh"}
-    return tf.AutoConfig.for_model(
-        arch, vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
-        num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads, num_key_value_heads=shape.n_kv_heads,
-        head_dim=shape.head_dim, max_position_embeddings=max(seq_len, 2048), rms_norm_eps=NORM_EPS,
-        tie_word_embeddings=shape.tied_embeddings, attention_dropout=shape.dropout, use_cache=False, **extra,
-    )  # fmt: skip
+    if arch not in CONFIGS:
+        raise InputError(f"unknown Transformers architecture {arch!r}; known: {', '.join(CONFIGS)}")
+    return tf.AutoConfig.for_model(arch, **CONFIGS[arch](shape, seq_len) | {"use_cache": use_cache})
+
+
+def gpt2_config(shape: ModelShape, seq_len: int) -> dict:
+    return dict(vocab_size=shape.vocab, n_positions=shape.max_positions, n_embd=shape.hidden,
+                n_layer=shape.n_layers, n_head=shape.n_heads, n_inner=shape.ffn, layer_norm_epsilon=NORM_EPS,
+                embd_pdrop=shape.dropout, attn_pdrop=shape.dropout, resid_pdrop=shape.dropout,
+                tie_word_embeddings=shape.tied_embeddings, use_cache=False, bos_token_id=None,
+                eos_token_id=None)  # fmt: skip
+
+
+def decoder_config(shape: ModelShape, seq_len: int, **extra) -> dict:
+    """The fields Llama's configuration and those written after it share."""
+    return dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
+                num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim,
+                max_position_embeddings=max(seq_len, 2048), rms_norm_eps=NORM_EPS,
+                tie_word_embeddings=shape.tied_embeddings, attention_dropout=shape.dropout, use_cache=False,
+                **extra)  # fmt: skip
+
+
+CONFIGS = {  # model_type -> its config's fields for this shape
+    "gpt2": gpt2_config,
+    "llama": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False, mlp_bias=False),
+    "mistral": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False,
+                                           sliding_window=s.sliding_window or None),  # fmt: skip
+    "qwen2": lambda s, t: decoder_config(s, t, hidden_act="silu"),  # q, k, v biases are fixed in Qwen2Attention
+    "qwen3": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False),
+    "gemma": lambda s, t: decoder_config(s, t, hidden_activation="gelu_pytorch_tanh"),
+}
 
 
 # -- attention ----------------------------------------------------------------------------------------
@@ -273,7 +282,7 @@ def convert_to_fp32(data):
 
 
 def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
-             device: str = "meta", autocast: str | None = None) -> TrainerModel:  # fmt: skip
+             device: str = "meta", autocast: str | None = None, use_cache: bool = False) -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
@@ -283,7 +292,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     tf = transformers()
     check_positions(shape, seq_len)
     register_attention()
-    config = hf_config(shape, seq_len, arch)
+    config = hf_config(shape, seq_len, arch, use_cache)
     amp = autocast is not None and tricks.precision != "fp32"
     dtype = torch.float32 if amp else DTYPES[tricks.precision]
     with torch.device(device):

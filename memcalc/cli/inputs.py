@@ -110,7 +110,7 @@ def build_routing(model, capacity_factor: str | None, imbalance: str | None):
 
 
 def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T",
-                stack="reference", recipe=None, impl=None, routing=None):  # fmt: skip
+                stack="reference", recipe=None, impl=None, routing=None, no_cache=False):  # fmt: skip
     from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
     from memcalc.model.moe import BALANCED
     from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
@@ -129,7 +129,7 @@ def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mf
         parallel=Parallel(parse_count(gpus, "gpus", MAX_GPUS), int(zero), offload),
         mfu=parse_fraction(mfu, "mfu"),
         host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
-        stack=stack_for(stack, recipe, impl),
+        stack=stack_for(stack, recipe, impl, no_cache),
         routing=routing or BALANCED,
     )
 

@@ -76,6 +76,7 @@ class Config:
     model: str = "reference"  # whose op sequence (memcalc.model.stacks): reference | hf
     recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure
     impl: str = "reference"  # the optimizer's implementation: reference | loop | foreach | fused
+    use_cache: bool = False  # hf: the forward keeps Transformers' DynamicCache (memcalc.exact.hf_cache)
     # whose kernels and autocast lists: cuda (the prediction), or cpu to hold the simulator against a
     # measurement on CPU tensors (verify/autocast.py): CPU's flash kernel saves no RNG state
     device: str = "cuda"

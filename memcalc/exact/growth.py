@@ -78,8 +78,10 @@ def growth(tricks: Tricks, shape: ModelShape, tail: int = 0) -> Growth | None:
 def dense_first(shape: ModelShape) -> int | None:
     """How many dense blocks come before the MoE ones: 0 when every block is alike (all dense or all MoE);
     d when d dense blocks come before MoE ones only (DeepSeek-V3's first_k_dense_replace); None for any
-    other pattern."""
+    other pattern, and for windowed layers among global ones."""
     L, moe = shape.n_layers, moe_layer_count(shape)
+    if shape.sliding_window and any(i < L for i in shape.global_layers):
+        return None  # windowed and global layers (Gemma 2/3): their attention differs past the window
     if moe in (0, L):
         return 0
     d = shape.first_dense_layers

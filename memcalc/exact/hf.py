@@ -13,15 +13,14 @@ the attention interface, which both call, memcalc.exact.hf_attention's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
 
-from . import aten
+from . import aten, hf_cache
 from .aten_operands import made
-from .autocast import Autocast, autocast_for
+from .autocast import autocast_for
 from .config import Config
+from .hf_family import Family, HFModel, rope_buffers
 from .hf_gpt2 import gpt2_model
 from .hf_llama import llama_model
 from .sim import Graph
@@ -30,12 +29,19 @@ from .tensors import Tensor
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
 
 
-REPLAYED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+def families() -> dict[str, Family]:
+    """Each architecture replayed, by model_type."""
+    return {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gpt2": GPT2}
 
 
 def arch_for(shape: ModelShape) -> str:
-    """The Transformers architecture whose modeling file builds exactly this shape (mistral builds what
-    llama does: memcalc's shape cannot tell them apart)."""
+    """The Transformers architecture whose modeling file builds exactly this shape: the one it was read from
+    (shape.arch), else the one its fields describe (mistral builds what llama does: the fields cannot tell
+    them apart)."""
+    if shape.arch:
+        if shape.arch not in ARCHS:
+            raise InputError(f"the hf stack builds {', '.join(ARCHS)}, not {shape.arch!r}")
+        return shape.arch
     if not shape.gated_mlp:
         gpt2 = (shape.norm, shape.positions, shape.linear_bias, shape.qk_norm, shape.qkv_bias) == (
             "layernorm", "learned", True, False, False)  # fmt: skip
@@ -54,40 +60,39 @@ def arch_for(shape: ModelShape) -> str:
                      f"{shape.positions} positions); the hf stack builds {', '.join(ARCHS)}")  # fmt: skip
 
 
-@dataclass
-class HFModel:
-    cfg: Config
-    arch: str
-    p: dict[str, Tensor]  # the parameters by name
-    rope: list[Tensor]  # LlamaRotaryEmbedding's inv_freq and original_inv_freq (fp32 buffers)
-    params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
-    autocast: Autocast | None = None  # the autocast recipe's: the forward Accelerate prepared runs under it
-
-
 def param_shapes(s: ModelShape, arch: str) -> list[tuple[str, tuple]]:
     """named_parameters() of the model as __init__ registers them (a tied lm_head is not listed)."""
+    return families()[arch].params(s)
+
+
+def gpt2_params(s: ModelShape) -> list[tuple[str, tuple]]:
+    """GPT2LMHeadModel: Conv1D weights are (in, out)."""
     h, f = s.hidden, s.ffn
-    if arch == "gpt2":  # GPT2LMHeadModel: Conv1D weights are (in, out)
-        out = [("transformer.wte.weight", (s.vocab, h)), ("transformer.wpe.weight", (s.max_positions, h))]
-        for i in range(s.n_layers):
-            n = f"transformer.h.{i}."
-            out += [(n + "ln_1.weight", (h,)), (n + "ln_1.bias", (h,)),
-                    (n + "attn.c_attn.weight", (h, 3 * h)), (n + "attn.c_attn.bias", (3 * h,)),
-                    (n + "attn.c_proj.weight", (h, h)), (n + "attn.c_proj.bias", (h,)),
-                    (n + "ln_2.weight", (h,)), (n + "ln_2.bias", (h,)),
-                    (n + "mlp.c_fc.weight", (h, f)), (n + "mlp.c_fc.bias", (f,)),
-                    (n + "mlp.c_proj.weight", (f, h)), (n + "mlp.c_proj.bias", (h,))]  # fmt: skip
-        out += [("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
-        return out + ([] if s.tied_embeddings else [("lm_head.weight", (s.vocab, h))])
+    out = [("transformer.wte.weight", (s.vocab, h)), ("transformer.wpe.weight", (s.max_positions, h))]
+    for i in range(s.n_layers):
+        n = f"transformer.h.{i}."
+        out += [(n + "ln_1.weight", (h,)), (n + "ln_1.bias", (h,)),
+                (n + "attn.c_attn.weight", (h, 3 * h)), (n + "attn.c_attn.bias", (3 * h,)),
+                (n + "attn.c_proj.weight", (h, h)), (n + "attn.c_proj.bias", (h,)),
+                (n + "ln_2.weight", (h,)), (n + "ln_2.bias", (h,)),
+                (n + "mlp.c_fc.weight", (h, f)), (n + "mlp.c_fc.bias", (f,)),
+                (n + "mlp.c_proj.weight", (f, h)), (n + "mlp.c_proj.bias", (h,))]  # fmt: skip
+    out += [("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
+    return out + ([] if s.tied_embeddings else [("lm_head.weight", (s.vocab, h))])
+
+
+def llama_params(s: ModelShape) -> list[tuple[str, tuple]]:
+    """LlamaForCausalLM (Mistral; Qwen2: q, k, v biases; Qwen3: q_norm, k_norm per head)."""
+    h, f = s.hidden, s.ffn
     out = [("model.embed_tokens.weight", (s.vocab, h))]
     for i in range(s.n_layers):
         n = f"model.layers.{i}."
         for proj, rows in (("q_proj", s.q_dim), ("k_proj", s.kv_dim), ("v_proj", s.kv_dim)):
             out.append((f"{n}self_attn.{proj}.weight", (rows, h)))
-            if arch == "qwen2":  # Qwen2Attention: bias=True on q, k, v
+            if s.qkv_bias:  # Qwen2Attention: bias=True on q, k, v
                 out.append((f"{n}self_attn.{proj}.bias", (rows,)))
         out.append((n + "self_attn.o_proj.weight", (h, s.q_dim)))
-        if arch == "qwen3":
+        if s.qk_norm:
             out += [(n + "self_attn.q_norm.weight", (s.head_dim,)), (n + "self_attn.k_norm.weight", (s.head_dim,))]
         out += [(n + "mlp.gate_proj.weight", (f, h)), (n + "mlp.up_proj.weight", (f, h)),
                 (n + "mlp.down_proj.weight", (h, f)), (n + "input_layernorm.weight", (h,)),
@@ -96,15 +101,19 @@ def param_shapes(s: ModelShape, arch: str) -> list[tuple[str, tuple]]:
     return out + ([] if s.tied_embeddings else [("lm_head.weight", (s.vocab, h))])
 
 
+LLAMA = Family(llama_params, rope_buffers, llama_model, "model.embed_tokens.weight")
+GPT2 = Family(gpt2_params, lambda s: [], gpt2_model, "transformer.wte.weight")
+
+
 def build(g: Graph, cfg: Config) -> HFModel:
     """The parameters in model.parameters() order, in the model's dtype (fp32 under autocast), and the
-    rotary buffers: inv_freq and original_inv_freq, fp32 (hs/2) each (LlamaRotaryEmbedding.__init__)."""
+    rotary embeddings' fp32 buffers (LlamaRotaryEmbedding.__init__: inv_freq and original_inv_freq)."""
     arch = arch_for(cfg.shape)
-    if arch not in REPLAYED:
-        raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(REPLAYED)}")
-    params = [g.param(shape, cfg.weights_dtype, name) for name, shape in param_shapes(cfg.shape, arch)]
-    rope = [] if arch == "gpt2" else [g.empty((cfg.shape.head_dim // 2,), "fp32", "buffer " + name, kind="buffer")
-                                      for name in ("inv_freq", "original_inv_freq")]  # fmt: skip
+    family = families().get(arch)
+    if family is None:
+        raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(families())}")
+    params = [g.param(shape, cfg.weights_dtype, name) for name, shape in family.params(cfg.shape)]
+    rope = [g.empty(shape, "fp32", "buffer " + name, kind="buffer") for name, shape in family.buffers(cfg.shape)]
     autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
     return HFModel(cfg, arch, {p.name: p for p in params}, rope, params, autocast)
 
@@ -120,13 +129,15 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
         num_items_in_batch = num_items(g, labels)
     if m.autocast is None:
         loss, logits = causal_lm(g, m, idx, labels, num_items_in_batch)
-        del logits  # the output dies as the loss is taken from it
+        del logits  # the output (its cache too) dies as the loss is taken from it
+        hf_cache.release(m)
     else:
         with m.autocast.region(g):
             loss, logits = causal_lm(g, m, idx, labels, num_items_in_batch)
         with g.scoped("logits"):
             converted = aten.to(g, logits, "fp32")  # accelerate convert_to_fp32: logits.float()
         del logits, converted
+        hf_cache.release(m)
     with g.scoped("loss"):
         aten.mul_scalar_(g, loss)
     return loss
@@ -149,9 +160,10 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
     (slice_logits_to_keep(h, 0) keeps all: no op), the loss. Its output holds the loss and the logits,
     which live until compute_loss has taken the loss from it."""
     kwargs = (num_items_in_batch,)  # **kwargs: on to the decoder layers and the attention interface
-    hidden_states = gpt2_model(g, m, idx, kwargs) if m.arch == "gpt2" else llama_model(g, m, idx, kwargs)
-    tied = "transformer.wte.weight" if m.arch == "gpt2" else "model.embed_tokens.weight"
-    head = m.p.get("lm_head.weight") or m.p[tied]
+    family = families()[m.arch]
+    hf_cache.start(m)
+    hidden_states = family.decoder(g, m, idx, kwargs)
+    head = m.p.get("lm_head.weight") or m.p[family.table]
     with g.scoped("logits"):
         logits = aten.linear(g, hidden_states, head, None, "logits")  # (B, T, V)
     with g.scoped("loss"):

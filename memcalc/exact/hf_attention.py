@@ -10,7 +10,7 @@ and where the gradients reaching q, k and v copy (grad_copies), and F.dropout as
 
 from __future__ import annotations
 
-from . import aten
+from . import aten, hf_cache
 from .aten_operands import made
 from .builder_layers import repeat_kv, transpose12
 from .config import Config
@@ -23,7 +23,8 @@ def causal_mask(g: Graph, cfg: Config, B: int, T: int, position_ids: Tensor, dty
     find_packed_sequence_indices; sdpa's mask is skipped (is_causal); eager's is built in
     inputs_embeds' dtype (dtype: fp32 under autocast, whose embedding is on no list)."""
     with g.scoped("mask"):
-        find_packed_sequence_indices(g, B, T, position_ids)
+        if not hf_cache.kept(cfg):  # _preprocess_mask_arguments: only without a cache
+            find_packed_sequence_indices(g, B, T, position_ids)
         return None if cfg.flash else eager_mask(g, B, T, dtype)
 
 
@@ -62,6 +63,46 @@ def sdpa_mask(g: Graph, B: int, T: int) -> Tensor:
     mask = made(g, (1, 1, T, T), "le", q_arange, kv_arange, dtype="bool")
     del batch_arange, head_arange, q_arange, kv_arange
     return g.view(mask, (B, 1, T, T))  # .expand(batch_size, -1, q_length, kv_length)
+
+
+def sliding_window_causal_mask(g: Graph, cfg: Config, B: int, T: int, position_ids: Tensor, dtype: str,
+                               window: int) -> Tensor | None:  # fmt: skip
+    """masking_utils.create_sliding_window_causal_mask with no attention_mask: _preprocess_mask_arguments'
+    packed-sequence check; sdpa's mask skipped while kv_length < sliding_window (_ignore_causal_mask_sdpa:
+    is_causal then masks the same keys), else sdpa_mask's bool (B, 1, T, T); eager's additive (B, 1, T, T)
+    from sliding_window_causal_mask_function, in inputs_embeds' dtype."""
+    with g.scoped("mask"):
+        if not hf_cache.kept(cfg):  # _preprocess_mask_arguments: only without a cache
+            find_packed_sequence_indices(g, B, T, position_ids)
+        if cfg.flash:
+            return None if T < window else sliding_window_mask(g, B, T, window)
+        mask = sliding_window_mask(g, B, T, window)
+        zero = made(g, (), "zeros", dtype=dtype)
+        low = made(g, (), "scalar_tensor", dtype=dtype)
+        out = made(g, (B, 1, T, T), "where", mask, zero, low, dtype=dtype)  # eager_mask's torch.where
+        del low, zero, mask
+        return out
+
+
+def sliding_window_mask(g: Graph, B: int, T: int, window: int) -> Tensor:
+    """sdpa_mask with sliding_window_causal_mask_function (and_masks(sliding_window_overlay, causal)),
+    not vmapped: the index aranges; and_mask's result = new_ones((), bool), then result & (kv_idx >
+    q_idx - window) (the difference (1, 1, T, 1), then the comparison), then result & (kv_idx <= q_idx),
+    each product a new (1, 1, T, T) bool; expanded to (B, 1, T, T) (a view)."""
+    batch_arange = made(g, (B,), "arange", dtype="int64")
+    head_arange = made(g, (1,), "arange", dtype="int64")
+    q_arange = arange_plus(g, T)
+    kv_arange = arange_plus(g, T)
+    result = made(g, (), "new_ones", dtype="bool")
+    low = made(g, (1, 1, T, 1), "sub", q_arange, dtype="int64")
+    inside = made(g, (1, 1, T, T), "gt", kv_arange, low, dtype="bool")
+    del low
+    result = made(g, (1, 1, T, T), "bitwise_and", result, inside, dtype="bool")
+    del inside
+    causal = made(g, (1, 1, T, T), "le", kv_arange, q_arange, dtype="bool")
+    result = made(g, (1, 1, T, T), "bitwise_and", result, causal, dtype="bool")
+    del causal, batch_arange, head_arange, q_arange, kv_arange
+    return g.view(result, (B, 1, T, T))  # .expand(batch_size, -1, q_length, kv_length)
 
 
 def arange_plus(g: Graph, n: int) -> Tensor:
@@ -104,6 +145,7 @@ def eager_attention_forward(g: Graph, cfg: Config, query, key, value, attention_
     matmul with v; transpose(1, 2).contiguous() (a copy). The probabilities are returned too."""
     B, groups = query.shape[0], query.shape[1] // key.shape[1]
     copied = groups > 1 and key.shape[1] > 1  # repeat_kv made contiguous copies
+    copied = copied or (groups == 1 and hf_cache.kept(cfg))  # or attention reads the cache's contiguous copies
     # repeat_kv of one key head is an expand (heads at stride 0); autocast's cast of it (matmul is on
     # both lists; RoPE left k fp32 under autocast) is laid out contiguous (_to_copy with
     # preserve_format of a tensor that is not non-overlapping and dense: empty_like's suggested
@@ -128,15 +170,15 @@ def gpt2_eager_attention(g: Graph, cfg: Config, query, key, value, attention_mas
     """modeling_gpt2.py eager_attention_forward: matmul(q, kᵀ) * scaling; + the mask; softmax in the
     input's dtype, then .type(value.dtype); dropout (attn_pdrop); matmul with v; transpose(1, 2) (a view). q, k and v are
     strided views of c_attn's output: matmul copies them where B and the heads cannot merge (B > 1)."""
-    B = query.shape[0]
+    B, strided = query.shape[0], not hf_cache.kept(cfg)  # a cache's copies of k and v are contiguous
     kt = aten.view(g, key, key.shape[:2] + (key.shape[3], key.shape[2]))  # key.transpose(-1, -2)
-    attn_weights = aten.mul_scalar(g, aten.matmul4(g, query, kt, B > 1, B > 1, False))
+    attn_weights = aten.mul_scalar(g, aten.matmul4(g, query, kt, B > 1, B > 1 and strided, False))
     del kt
     attn_weights = aten.add(g, attn_weights, attention_mask)
     attn_weights = aten.softmax(g, attn_weights)
     attn_weights = aten.to(g, attn_weights, value.dtype)  # .type(value.dtype): under autocast fp32 to 16 bits
     attn_weights = dropout(g, attn_weights, cfg.shape.dropout)
-    attn_output = aten.matmul4(g, attn_weights, value, False, B > 1, B > 1)
+    attn_output = aten.matmul4(g, attn_weights, value, False, B > 1 and strided, B > 1)
     return transpose12(g, attn_output), attn_weights
 
 
@@ -145,11 +187,16 @@ def grad_copies(cfg: Config) -> tuple[bool, bool, bool]:
     it to (B, T, n·d) copies (never with one head). With RoPE (Llama, Qwen) as memcalc.exact.builder_layers'
     eager path and flash path: the same RoPE, the same layouts. GPT-2: flash's gradients arrive
     (B, T, n, d)-laid out (no copies); eager's q and v gradients arrive (B, n, T, d)-laid out (copies),
-    k's through kᵀ, whose (n, d) dims merge (none)."""
+    k's through kᵀ, whose (n, d) dims merge (none). With a cache, attention runs on its copies, contiguous
+    (B, n, T, d): flash's gradients come back so (CUDA's kernel and the meta function allocate them like
+    their inputs; CPU's lays them out (B, T, n, d)), and reshaping them through the transpose copies (eager's
+    k gradient still comes through kᵀ)."""
     s = cfg.shape
+    cached = hf_cache.kept(cfg) and cfg.device != "cpu"  # CPU's flash kernel lays its gradients out (B, T, n, d)
     if s.positions == "rope":
-        return s.n_heads > 1, s.n_kv_heads > 1, s.n_kv_heads > 1 and not cfg.flash
-    return s.n_heads > 1 and not cfg.flash, False, s.n_kv_heads > 1 and not cfg.flash
+        return s.n_heads > 1, s.n_kv_heads > 1, s.n_kv_heads > 1 and (not cfg.flash or cached)
+    return (s.n_heads > 1 and not cfg.flash, s.n_kv_heads > 1 and cached and cfg.flash,
+            s.n_kv_heads > 1 and (not cfg.flash or cached))  # fmt: skip
 
 
 def dropout(g: Graph, x: Tensor, p: float) -> Tensor:

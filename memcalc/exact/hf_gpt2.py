@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import aten
+from . import aten, hf_cache
 from .builder_layers import transpose12
 from .hf_attention import arange_plus, attention_interface, causal_mask, dropout, grad_copies
 from .sim import Graph
 from .tensors import Tensor
 
 if TYPE_CHECKING:  # only for annotations
-    from .hf import HFModel
+    from .hf_family import HFModel
 
 
 def gpt2_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor:
@@ -92,6 +92,7 @@ def gpt2_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, 
     key_states = transpose12(g, aten.view(g, key_states, shape, k_copies))
     value_states = transpose12(g, aten.view(g, value_states, shape, v_copies))
     query_states = transpose12(g, aten.view(g, query_states, shape, q_copies))
+    key_states, value_states = hf_cache.update(g, m, key_states, value_states)
     attn_output, attn_weights = attention_interface(g, cfg, query_states, key_states, value_states, causal, kwargs)
     if cfg.flash:
         attn_output = aten.view(g, attn_output, (B, T, h))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import aten
+from . import aten, hf_cache
 from .aten_operands import made
 from .builder_layers import transpose12
 from .hf_attention import arange_plus, attention_interface, causal_mask, grad_copies
@@ -19,7 +19,7 @@ from .sim import Graph
 from .tensors import Tensor
 
 if TYPE_CHECKING:  # only for annotations
-    from .hf import HFModel
+    from .hf_family import HFModel
 
 
 def llama_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor:
@@ -122,16 +122,17 @@ def self_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, 
     B, T, _ = hidden_states.shape
     q_copies, k_copies, v_copies = grad_copies(cfg)
     query_states = aten.view(g, linear(g, m, n + "q_proj", hidden_states), (B, T, s.n_heads, s.head_dim), q_copies)
-    if m.arch == "qwen3":
+    if s.qk_norm:
         query_states = rms_norm(g, query_states, m.p[n + "q_norm.weight"], "attention")
     query_states = transpose12(g, query_states)
     key_states = aten.view(g, linear(g, m, n + "k_proj", hidden_states), (B, T, s.n_kv_heads, s.head_dim), k_copies)
-    if m.arch == "qwen3":
+    if s.qk_norm:
         key_states = rms_norm(g, key_states, m.p[n + "k_norm.weight"], "attention")
     key_states = transpose12(g, key_states)
     value_states = transpose12(g, aten.view(g, linear(g, m, n + "v_proj", hidden_states),
                                             (B, T, s.n_kv_heads, s.head_dim), v_copies))  # fmt: skip
     query_states, key_states = apply_rotary_pos_emb(g, query_states, key_states, cos, sin)
+    key_states, value_states = hf_cache.update(g, m, key_states, value_states)
     attn_output, attn_weights = attention_interface(g, cfg, query_states, key_states, value_states, causal, kwargs)
     attn_output = aten.view(g, attn_output, (B, T, s.q_dim))  # reshape(*input_shape, -1).contiguous()
     attn_output = linear(g, m, n + "o_proj", attn_output)

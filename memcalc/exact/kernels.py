@@ -126,7 +126,7 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape
         return ()
     if shape_not_replayed(shape, stack.model, stack.recipe, stack.impl):
         return ()
-    return (stack.model, stack.recipe, stack.impl, optimizer)
+    return (stack.model, stack.recipe, stack.impl, optimizer) + ((True,) if stack.use_cache else ())
 
 
 def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | None = None) -> int:
@@ -152,10 +152,10 @@ def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *sta
     def trace_fields() -> list:
         from .mirror import trace  # here, not at import: a cached trace never simulates
 
-        model, recipe, impl, optimizer = stack or (DEFAULT_STACK.model, DEFAULT_STACK.recipe, DEFAULT_STACK.impl,
-                                                    "adamw")  # fmt: skip
+        model, recipe, impl, optimizer, *cache = stack or (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
+                                                           DEFAULT_STACK.impl, "adamw")  # fmt: skip
         cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, model,
-                     recipe, impl, ckpt_every=tricks.ckpt_every, fp8=tricks.fp8,
+                     recipe, impl, bool(cache), ckpt_every=tricks.ckpt_every, fp8=tricks.fp8,
                      compile=tricks.compile)  # fmt: skip
         kept = (None, *representatives(one, tricks).values())  # one block of each kind: see traced_blocks
         return merged(k for k in trace(cfg) if k.layer in kept)

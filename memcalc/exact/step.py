@@ -96,7 +96,7 @@ def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gr
                     n_kv_heads=Sym(shape.n_kv_heads, "k"), head_dim=Sym(shape.head_dim, "d"),
                     ffn=Sym(shape.ffn, "f"), vocab=Sym(shape.vocab, "v"))  # fmt: skip
     return Config(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks.precision, tricks.flash, tricks.recompute,
-                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl, ckpt_every=tricks.ckpt_every,
+                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache, ckpt_every=tricks.ckpt_every,
                   fp8=tricks.fp8)  # fmt: skip
 
 
@@ -334,7 +334,7 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
         from .mirror import simulate  # here, not at import: a cached verdict never simulates
 
         cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, run.precision, run.flash,
-                     run.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl,
+                     run.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache,
                      ckpt_every=run.ckpt_every, fp8=run.fp8)  # fmt: skip
         phases, _, mem = simulate(cfg, warm_up=False, sharding=sharding)
         return phases, mem

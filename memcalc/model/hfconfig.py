@@ -1,7 +1,9 @@
 """Read a Hugging Face config.json offline (standard library only) into a ModelShape.
 
-Whether the MLP is gated is decided by the architecture (model_type), never by the FFN/hidden
-ratio: Llama, Mistral, Qwen2/3 and Gemma use a gated MLP; GPT-2 does not.
+What is fixed by the architecture (model_type) is taken from it, never guessed from sizes: whether the MLP is
+gated (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo 2; not GPT-2, GPT-NeoX), where the norms stand (Gemma
+2/3's sandwich, OLMo 2's post-norms), which q/k norms there are. What the config chooses is read: softcaps,
+partial rotary positions, GPT-NeoX's parallel residual, the sliding window and the layers it spares.
 
 Mixtral, Qwen3-MoE and DeepSeek-V3 are read with the field names of Transformers'
 models/mixtral/configuration_mixtral.py, models/qwen3_moe/configuration_qwen3_moe.py and
@@ -19,17 +21,37 @@ from .jsonfile import brief, read_json_object
 from .params import n_params
 from .shape import Model, ModelShape
 
-# model_type -> (gated MLP, MLP activation, norm, positions, qkv bias, per-head q/k norm)
+LLAMA = dict(gated_mlp=True, activation="silu", norm="rmsnorm", positions="rope")
+GEMMA = dict(LLAMA, activation="gelu")  # GeGLU: gelu_pytorch_tanh (modeling_gemma.py GemmaMLP)
+# model_type -> the ModelShape fields its modeling_<type>.py fixes (the rest are read from the config)
 ARCHITECTURES = {
-    "llama": (True, "silu", "rmsnorm", "rope", False, False),
-    "mistral": (True, "silu", "rmsnorm", "rope", False, False),
-    "qwen2": (True, "silu", "rmsnorm", "rope", True, False),
-    "qwen3": (True, "silu", "rmsnorm", "rope", False, True),
-    "gemma": (True, "gelu", "rmsnorm", "rope", False, False),  # GeGLU: gelu_pytorch_tanh (modeling_gemma.py)
-    "gpt2": (False, "gelu", "layernorm", "learned", False, False),
-    "mixtral": (True, "silu", "rmsnorm", "rope", False, False),
-    "qwen3_moe": (True, "silu", "rmsnorm", "rope", False, True),
-    "deepseek_v3": (True, "silu", "rmsnorm", "rope", False, False),
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": dict(LLAMA, qkv_bias=True),
+    "qwen3": dict(LLAMA, qk_norm=True),
+    "gemma": GEMMA,
+    "gemma2": dict(GEMMA, norm_layout="sandwich"),  # Gemma2DecoderLayer: four RMSNorms
+    "gemma3_text": dict(GEMMA, norm_layout="sandwich", qk_norm=True),  # Gemma3Attention q_norm, k_norm per head
+    "phi3": LLAMA,  # Phi3Attention qkv_proj and Phi3MLP gate_up_proj: fused, the same parameters
+    "olmo2": dict(LLAMA, norm_layout="post", qk_norm=True, qk_norm_over="all"),  # Olmo2Attention q_norm(q_proj(x))
+    "gpt_neox": dict(positions="rope", norm="layernorm", linear_bias=True),  # GPTNeoXLayer, GELU MLP
+    "gpt2": dict(norm="layernorm", positions="learned", linear_bias=True),
+    "mixtral": LLAMA,
+    "qwen3_moe": dict(LLAMA, qk_norm=True),
+    "deepseek_v3": LLAMA,
+}
+SOFTCAPS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}}  # where absent
+WINDOWS = {"mistral": 4096, "phi3": None, "qwen2": 4096, "gemma2": 4096, "gemma3_text": 4096}  # where absent
+# model_types people bring that memcalc does not read, and why
+REFUSED = {
+    "gemma3": "Gemma 3's vision-language model (a SigLIP tower beside the decoder); its text_config as a "
+              "config of model_type gemma3_text is read",
+    "qwen2_vl": "a vision-language model (a vision transformer beside the decoder, M-RoPE)",
+    "qwen2_5_vl": "a vision-language model (a vision transformer beside the decoder, M-RoPE)",
+    "mistral3": "a vision-language model (a Pixtral vision tower beside the decoder)",
+    "llama4": "a vision-language mixture of experts (chunked attention, interleaved MoE layers, a vision tower)",
+    "gpt_oss": "a mixture of experts with attention sinks and MXFP4 experts, neither modelled",
+    "qwen3_next": "a hybrid of gated DeltaNet linear attention and gated attention, with a mixture of experts",
 }
 MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3")  # the mixture-of-experts architectures memcalc reads
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -85,6 +107,8 @@ def architecture(config: dict) -> str:
         raise InputError(f"config 'model_type' must be a string, got {brief(model_type)}")
     model_type = model_type.lower()
     moe_like = "moe" in model_type or any(config.get(k) for k in MOE_KEYS)
+    if model_type in REFUSED:
+        raise InputError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]}")
     if moe_like and model_type not in MOE_TYPES:
         raise InputError(f"mixture-of-experts model_type {brief(model_type or '(missing)')} is not supported; "
                          f"memcalc reads {', '.join(MOE_TYPES)}")  # fmt: skip
@@ -140,33 +164,75 @@ def experts(config: dict, model_type: str) -> dict:
 
 def shape_from_config(config: dict, name: str = "config") -> ModelShape:
     model_type = architecture(config)
-    gated, activation, norm, positions, qkv_bias, qk_norm = ARCHITECTURES[model_type]
+    fixed = ARCHITECTURES[model_type]
     is_gpt2 = model_type == "gpt2"
-    hidden = whole(config, "hidden_size", "n_embd")
-    ffn = whole(config, "intermediate_size", "n_inner", required=not is_gpt2)
     moe = experts(config, model_type) if model_type in MOE_TYPES else {}
     head_dim = None if model_type == "deepseek_v3" else whole(config, "head_dim", required=False)  # V3: rope part
+    hidden = whole(config, "hidden_size", "n_embd")
+    n_layers = whole(config, "num_hidden_layers", "n_layer")
     return ModelShape(
-        n_layers=whole(config, "num_hidden_layers", "n_layer"),
+        n_layers=n_layers,
         hidden=hidden,
         n_heads=whole(config, "num_attention_heads", "n_head"),
         n_kv_heads=whole(config, "num_key_value_heads", required=False),
         head_dim=head_dim,
-        ffn=ffn,
-        gated_mlp=gated,
-        activation=activation,
-        norm=norm,
+        ffn=whole(config, "intermediate_size", "n_inner", required=not is_gpt2),
         vocab=whole(config, "vocab_size"),
-        tied_embeddings=flag(config, "tie_word_embeddings", default=is_gpt2 or model_type == "gemma"),
+        tied_embeddings=flag(config, "tie_word_embeddings", default=is_gpt2 or model_type.startswith("gemma")),
         dropout=fraction(config, "attention_dropout", "attn_pdrop"),
-        linear_bias=is_gpt2,
-        qkv_bias=qkv_bias,
-        qk_norm=qk_norm,
-        positions=positions,
         max_positions=whole(config, "n_positions", "max_position_embeddings") if is_gpt2 else 0,
         name=name,
+        arch=model_type,
+        **fixed,
+        **wiring(config, model_type, n_layers),
         **moe,
     )
+
+
+def wiring(config: dict, model_type: str, n_layers: int) -> dict:
+    """The config's own choices of the families' fields: softcaps (Gemma 2), partial rotary (GPT-NeoX
+    rotary_pct, Phi-3 partial_rotary_factor), the parallel residual (GPT-NeoX) and the sliding window."""
+    caps = SOFTCAPS.get(model_type, {}) | config  # configuration_gemma2.py: 50 and 30 where absent
+    out = dict(attn_softcap=fraction(caps, "attn_logit_softcapping"),
+               logit_softcap=fraction(caps, "final_logit_softcapping"))  # fmt: skip
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    default_fraction = 0.25 if model_type == "gpt_neox" else 1.0  # configuration_gpt_neox.py rotary_pct
+    out["rotary_fraction"] = fraction(rope, "partial_rotary_factor") or fraction(
+        config, "partial_rotary_factor", "rotary_pct") or default_fraction  # fmt: skip
+    if model_type == "gpt_neox":
+        out["parallel_residual"] = flag(config, "use_parallel_residual", default=True)
+    return out | window(config, model_type, n_layers)
+
+
+def window(config: dict, model_type: str, n_layers: int) -> dict:
+    """sliding_window and the layers that keep full attention: the config's layer_types where it has them, else
+    each configuration_<type>.py's default (Gemma 2: every second layer global; Gemma 3: every
+    sliding_window_pattern-th, 6; Qwen2: with use_sliding_window, the layers below max_window_layers; Mistral
+    and Phi-3: every layer, where sliding_window is set). Families without a window ignore the field."""
+    if model_type not in WINDOWS:
+        return {}
+    size = whole(config, "sliding_window", required=False) if "sliding_window" in config else WINDOWS[model_type]
+    if model_type == "qwen2" and not flag(config, "use_sliding_window", default=False):
+        size = 0
+    if not size:
+        return {}
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n_layers or any(
+                t not in ("sliding_attention", "full_attention") for t in types):  # fmt: skip
+            raise InputError(f"config 'layer_types' must list sliding_attention or full_attention for each of the "
+                             f"{n_layers} layers, got {brief(types)}")  # fmt: skip
+        full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    elif model_type == "gemma2":
+        full = tuple(i for i in range(n_layers) if (i + 1) % 2 == 0)
+    elif model_type == "gemma3_text":
+        pattern = whole(config, "sliding_window_pattern", default=6)
+        full = tuple(i for i in range(n_layers) if (i + 1) % pattern == 0)
+    elif model_type == "qwen2":
+        full = tuple(range(min(n_layers, whole(config, "max_window_layers", default=28))))
+    else:
+        full = ()
+    return {} if len(full) == n_layers else dict(sliding_window=size, global_layers=full)
 
 
 def config_model(path: str | Path, name: str | None = None, origin: str | None = None) -> Model:

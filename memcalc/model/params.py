@@ -55,8 +55,14 @@ def norm_params(shape: ModelShape) -> int:
     return 2 * shape.hidden if shape.norm == "layernorm" else shape.hidden
 
 
+def block_norm_params(shape: ModelShape) -> int:
+    """A block's norms over hidden (two; four in Gemma 2/3's sandwich) and its q/k norms (per head: head_dim
+    each, Qwen3; over the projections: q_dim and kv_dim, OLMo 2): what TP replicates."""
+    return shape.norms_per_layer * norm_params(shape) + sum(shape.qk_norm_widths)
+
+
 def attention_params(shape: ModelShape) -> int:
-    """W_q, W_k, W_v, W_o (+ biases, + per-head q/k norm weights); latent attention's projections under MLA."""
+    """W_q, W_k, W_v, W_o (+ biases, + q/k norm weights); latent attention's projections under MLA."""
     if shape.is_mla:
         return latent_attention_params(shape)
     h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
@@ -66,8 +72,7 @@ def attention_params(shape: ModelShape) -> int:
         biases = q + 2 * kv + h
     elif shape.qkv_bias:
         biases = q + 2 * kv
-    qk_norm = 2 * shape.head_dim if shape.qk_norm else 0
-    return weights + biases + qk_norm
+    return weights + biases + sum(shape.qk_norm_widths)
 
 
 def latent_attention_params(shape: ModelShape) -> int:
@@ -109,13 +114,13 @@ def moe_mlp_params(shape: ModelShape) -> int:
 
 
 def layer_params(shape: ModelShape) -> int:
-    """One block with the dense MLP: attention + MLP + the two pre-norms."""
-    return attention_params(shape) + mlp_params(shape) + 2 * norm_params(shape)
+    """One block with the dense MLP: attention + MLP + its norms (two; four in the sandwich)."""
+    return attention_params(shape) + mlp_params(shape) + shape.norms_per_layer * norm_params(shape)
 
 
 def moe_layer_params(shape: ModelShape) -> int:
-    """One block whose MLP is the mixture: attention + router + experts + shared experts + the two norms."""
-    return attention_params(shape) + moe_mlp_params(shape) + 2 * norm_params(shape)
+    """One block whose MLP is the mixture: attention + router + experts + shared experts + its norms."""
+    return attention_params(shape) + moe_mlp_params(shape) + shape.norms_per_layer * norm_params(shape)
 
 
 def largest_layer_params(shape: ModelShape) -> int:

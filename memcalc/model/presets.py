@@ -22,18 +22,32 @@ def gpt(name: str, n_layers: int, hidden: int, n_heads: int, max_positions: int)
 
 def llama(name: str, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, ffn: int,
           vocab: int, tied: bool, head_dim: int | None = None, qk_norm: bool = False) -> ModelShape:  # fmt: skip
-    """Llama/Qwen layer: GQA, RMSNorm, SwiGLU, RoPE, no biases, no dropout."""
+    """Llama/Qwen layer: GQA, RMSNorm, SwiGLU, RoPE, no biases, no dropout (Transformers' llama, or qwen3 with
+    its q/k norms)."""
     return ModelShape(
         n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         ffn=ffn, gated_mlp=True, norm="rmsnorm", vocab=vocab, tied_embeddings=tied,
-        positions="rope", qk_norm=qk_norm, name=name,
+        positions="rope", qk_norm=qk_norm, name=name, arch="qwen3" if qk_norm else "llama",
     )  # fmt: skip
 
 
+def transformers_family(name: str, arch: str, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, ffn: int,
+                        vocab: int, tied: bool, head_dim: int | None = None, **wiring) -> ModelShape:  # fmt: skip
+    """A shape of one of the Transformers families memcalc.model.hfconfig reads: its architecture's fixed
+    fields (ARCHITECTURES), the sizes, and the config's own choices (window, softcaps, partial rotary)."""
+    from .hfconfig import ARCHITECTURES
+
+    return ModelShape(n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                      ffn=ffn, vocab=vocab, tied_embeddings=tied, name=name, arch=arch,
+                      **ARCHITECTURES[arch], **wiring)  # fmt: skip
+
+
 def mixture(base: ModelShape, n_experts: int, per_token: int, expert_ffn: int | None = None, **more) -> ModelShape:
-    """A Llama/Qwen shape whose MLPs are mixtures of n_experts SwiGLU experts, per_token of them per token."""
+    """A Llama/Qwen shape whose MLPs are mixtures of n_experts SwiGLU experts, per_token of them per token
+    (Transformers' mixtral, qwen3_moe, deepseek_v3)."""
+    arch = {"llama": "mixtral", "qwen3": "qwen3_moe"}[base.arch] if "q_lora_rank" not in more else "deepseek_v3"
     return replace(base, n_experts=n_experts, experts_per_token=per_token, expert_ffn=expert_ffn,
-                   norm_topk_prob=True, **more)  # fmt: skip
+                   norm_topk_prob=True, arch=arch, **more)  # fmt: skip
 
 
 # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, sec. 4.2 and config.json): MLA with a 1536-rank query and
@@ -61,6 +75,24 @@ PRESETS: dict[str, ModelShape] = {
     "qwen3-8b": llama("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, False, 128, True),  # 8.2B
     "qwen3-14b": llama("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, False, 128, True),  # 14.8B
     "qwen3-32b": llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, False, 128, True),  # 32.8B
+    # the Transformers families (config.json of each Hub repo named; tests/test_models.py holds the counts)
+    "mistral-7b": transformers_family("mistral-7b", "mistral", 32, 4096, 32, 8, 14336, 32000, False,
+                                      sliding_window=4096),  # 7,241,732,096 (mistralai/Mistral-7B-v0.1)
+    "gemma-7b": transformers_family("gemma-7b", "gemma", 28, 3072, 16, 16, 24576, 256000, True,
+                                    256),  # 8,537,680,896 (google/gemma-7b)
+    "gemma2-9b": transformers_family("gemma2-9b", "gemma2", 42, 3584, 16, 8, 14336, 256000, True, 256,
+                                     attn_softcap=50.0, logit_softcap=30.0, sliding_window=4096,
+                                     global_layers=tuple(range(1, 42, 2))),  # 9,241,705,984 (google/gemma-2-9b)
+    "gemma3-4b": transformers_family("gemma3-4b", "gemma3_text", 34, 2560, 8, 4, 10240, 262208, True, 256,
+                                     sliding_window=1024, global_layers=tuple(range(5, 34, 6))),
+    # 3,880,263,168: google/gemma-3-4b-pt's text_config (its vision tower apart)
+    "olmo2-7b": transformers_family("olmo2-7b", "olmo2", 32, 4096, 32, 32, 11008, 100352,
+                                    False),  # 7,298,617,344 (allenai/OLMo-2-1124-7B)
+    "phi3-mini": transformers_family("phi3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, False,
+                                     sliding_window=2047),  # 3,821,079,552 (microsoft/Phi-3-mini-4k-instruct)
+    "pythia-6.9b": transformers_family("pythia-6.9b", "gpt_neox", 32, 4096, 32, 32, 16384, 50432, False,
+                                       rotary_fraction=0.25, parallel_residual=True),  # 6,857,302,016
+    # (EleutherAI/pythia-6.9b)
     # mixtures of experts: total / active per token (tests/test_moe.py holds the exact counts against these)
     "mixtral-8x7b": mixture(llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, False), 8, 2),  # 46.7B / 12.9B
     "qwen3-30b-a3b": mixture(llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, False, 128, True),

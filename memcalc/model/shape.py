@@ -21,7 +21,7 @@ from .sizes import BINARY, DECIMAL, MAX_BATCH, MAX_SEQ, MAX_SIZE, check_size, pa
 
 # Names moved to sizes, moe_mla and params, still imported from here by memcalc.cli, engine, parallel and report.
 __all__ = [
-    "ACTIVATIONS", "NORMS", "POSITIONS", "Model", "ModelShape", "check_positions", "longest_seq", "override",
+    "ACTIVATIONS", "NORMS", "NORM_LAYOUTS", "POSITIONS", "QK_NORMS", "Model", "ModelShape", "check_positions", "longest_seq", "override",
     "BINARY", "DECIMAL", "MAX_BATCH", "MAX_SEQ", "MAX_SIZE", "check_size", "parse_count", "parse_seq",
     "is_moe_layer", "moe_layer_count",
     "attention_params", "expert_params", "mlp_params", "mlp_params_of", "mtp_params", "n_params", "norm_params",
@@ -29,6 +29,8 @@ __all__ = [
 ]  # fmt: skip
 
 NORMS = ("layernorm", "rmsnorm")
+NORM_LAYOUTS = ("pre", "sandwich", "post")  # where a block's norms stand: see ModelShape.norm_layout
+QK_NORMS = ("head", "all")
 ACTIVATIONS = ("silu", "gelu")  # gelu: the tanh approximation GPT-2 and Gemma use
 POSITIONS = ("learned", "rope", "none")
 
@@ -77,6 +79,17 @@ class ModelShape:
     qk_nope_head_dim: int = 0  # the part without positions
     v_head_dim: int = 0
     mtp_layers: int = 0  # multi-token prediction modules after the stack (DeepSeek-V3 num_nextn_predict_layers)
+    # The Transformers families (memcalc.model.hfconfig): how a block is wired and what attention sees.
+    arch: str = ""  # the Transformers model_type whose modeling file builds it ("": inferred, memcalc.exact.hf)
+    norm_layout: str = "pre"  # pre: x + f(norm(x)) (Llama); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
+    #                          post: x + norm(f(x)) (OLMo 2)
+    qk_norm_over: str = "head"  # the q/k norm over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2)
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX use_parallel_residual)
+    rotary_fraction: float = 1.0  # the share of each head RoPE rotates (GPT-NeoX rotary_pct 0.25)
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2: 50)
+    logit_softcap: float = 0.0  # the same on the logits (Gemma 2: 30)
+    sliding_window: int = 0  # each query sees the last sliding_window keys (Mistral 4096); 0: all of them
+    global_layers: tuple[int, ...] = ()  # under a window, the layers that still see every key (Gemma 2: odd)
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "vocab"):
@@ -112,6 +125,23 @@ class ModelShape:
                              f"got head_dim {self.head_dim} (hidden {self.hidden}, {self.n_heads} heads)")  # fmt: skip
         if not 0.0 <= self.dropout < 1.0:
             raise InputError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_wiring(self)
+
+    @property
+    def norms_per_layer(self) -> int:
+        """Norms over hidden in one block: two, four in the sandwich (Gemma 2/3's pre- and post-norms)."""
+        return 4 if self.norm_layout == "sandwich" else 2
+
+    @property
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """The q and k norms' weight lengths: head_dim each (per head), or the projections' widths (OLMo 2)."""
+        if not self.qk_norm:
+            return (0, 0)
+        return (self.q_dim, self.kv_dim) if self.qk_norm_over == "all" else (self.head_dim, self.head_dim)
+
+    def window_at(self, layer: int) -> int:
+        """Layer's sliding window, 0 where it sees every key."""
+        return 0 if layer in self.global_layers else self.sliding_window
 
     @property
     def is_moe(self) -> bool:
@@ -133,8 +163,9 @@ class ModelShape:
 
     @property
     def rope_dim(self) -> int:
-        """The dimensions RoPE rotates in each q/k head: all of head_dim, or MLA's qk_rope_head_dim."""
-        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+        """The dimensions RoPE rotates in each q/k head: int(head_dim * rotary_fraction) (all of it but for
+        GPT-NeoX's rotary_ndims and Phi's partial_rotary_factor), or MLA's qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else int(self.head_dim * self.rotary_fraction)
 
     @property
     def v_dim(self) -> int:
@@ -161,10 +192,40 @@ class ModelShape:
     @property
     def family(self) -> str:
         """'llama' for a gated-MLP RMSNorm stack, 'gpt' for the textbook GPT-2/3 layer; 'moe' (with latent
-        attention 'moe+mla') where MLPs are mixtures of experts."""
+        attention 'moe+mla') where MLPs are mixtures of experts; a Transformers family's own model_type
+        (gemma2, olmo2, gpt_neox...) where its block is wired otherwise than Llama's or GPT-2's."""
         if self.is_moe:
             return "moe+mla" if self.is_mla else "moe"
+        if self.arch not in ("", "llama", "mistral", "qwen2", "qwen3", "gpt2"):
+            return self.arch
         return "llama" if self.gated_mlp else "gpt"
+
+
+def check_wiring(shape: ModelShape) -> None:
+    """The Transformers families' fields (norm layout, q/k norm, parallel residual, partial rotary, softcaps,
+    sliding window) keep their own rules."""
+    if shape.norm_layout not in NORM_LAYOUTS:
+        raise InputError(f"unknown norm layout {shape.norm_layout!r}; known: {', '.join(NORM_LAYOUTS)}")
+    if shape.qk_norm_over not in QK_NORMS:
+        raise InputError(f"unknown q/k norm {shape.qk_norm_over!r}; known: {', '.join(QK_NORMS)}")
+    if shape.parallel_residual and shape.norm_layout != "pre":
+        raise InputError("a parallel residual (GPT-NeoX) takes pre-norms: norm_layout must be pre")
+    if not 0.0 < shape.rotary_fraction <= 1.0:
+        raise InputError(f"rotary_fraction must be in (0, 1], got {shape.rotary_fraction}")
+    if shape.rotary_fraction < 1.0 and (shape.positions != "rope" or shape.rope_dim < 2 or shape.rope_dim % 2):
+        raise InputError(f"partial rotary positions need rope and an even number of rotated dimensions, got "
+                         f"{shape.rope_dim} of head_dim {shape.head_dim}")  # fmt: skip
+    for name in ("attn_softcap", "logit_softcap"):
+        if getattr(shape, name) < 0:
+            raise InputError(f"{name} must be 0 (none) or positive, got {getattr(shape, name)}")
+    check_size("sliding_window", shape.sliding_window, allow_zero=True)
+    if shape.global_layers and not shape.sliding_window:
+        raise InputError("global_layers name the layers without a sliding window: give sliding_window too")
+    if any(i < 0 for i in shape.global_layers) or len(set(shape.global_layers)) < len(shape.global_layers):
+        raise InputError("global_layers must be distinct layer indices")  # (a shallower copy keeps them all)
+    if shape.is_mla and (shape.sliding_window or shape.qk_norm_over != "head" or shape.rotary_fraction < 1.0):
+        raise InputError("latent attention with a sliding window, whole-projection q/k norms or partial rotary "
+                         "positions is not modelled")  # fmt: skip
 
 
 def longest_seq(shape: ModelShape) -> int:

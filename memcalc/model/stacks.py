@@ -45,6 +45,7 @@ class Stack:
     impl: str  # reference | loop | foreach | fused: the optimizer's implementation
     source: str  # where its choices come from
     engine: str = "none"  # none | fsdp2 | megatron | deepspeed: whose code splits the model over GPUs
+    use_cache: bool = False  # hf: the forward keeps Transformers' DynamicCache (config.use_cache, its default)
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
@@ -57,6 +58,8 @@ class Stack:
         """'torch (autocast, foreach)': the key, and what it was changed to where it was."""
         base = STACKS.get(self.key)
         changed = [x for x, y in ((self.recipe, base and base.recipe), (self.impl, base and base.impl)) if x != y]
+        if base and self.use_cache != base.use_cache:
+            changed.append("cache" if self.use_cache else "no cache")
         return self.key + (f" ({', '.join(changed)})" if changed else "")
 
 
@@ -70,7 +73,8 @@ STACKS: dict[str, Stack] = {
               "(torch/optim/optimizer.py, _default_to_fused_or_foreach)"),  # fmt: skip
         Stack("hf", "Hugging Face Transformers (Trainer)", "hf", "autocast", "fused",
               "TrainingArguments: optim adamw_torch_fused for torch >= 2.8, bf16=True autocasts "
-              "(transformers/training_args.py)"),  # fmt: skip
+              "(transformers/training_args.py); the model's config.use_cache, on by default, keeps a "
+              "DynamicCache through forward (memcalc/exact/hf_cache.py)", use_cache=True),  # fmt: skip
         Stack("fsdp2", "FSDP2 as torchtitan runs it", "reference", "autocast", "fused",
               "torchtitan/distributed/fsdp.py apply_fsdp_to_decoder: fully_shard per block with "
               "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters; "
@@ -86,12 +90,17 @@ STACKS: dict[str, Stack] = {
 DEFAULT_STACK = STACKS["reference"]
 
 
-def stack_for(name: str = "reference", recipe: str | None = None, impl: str | None = None) -> Stack:
-    """--stack NAME, with --recipe and --optimizer-impl changing what it picks."""
+def stack_for(name: str = "reference", recipe: str | None = None, impl: str | None = None,
+              no_cache: bool = False) -> Stack:  # fmt: skip
+    """--stack NAME, with --recipe, --optimizer-impl and --no-cache changing what it picks."""
     key = name.strip().lower()
     if key not in STACKS:
         raise InputError(f"unknown stack {name!r}; known: {', '.join(STACKS)}")
-    changes = {k: v.strip().lower() for k, v in (("recipe", recipe), ("impl", impl)) if v is not None}
+    changes: dict = {k: v.strip().lower() for k, v in (("recipe", recipe), ("impl", impl)) if v is not None}
+    if no_cache:
+        if not STACKS[key].use_cache:
+            raise InputError(f"--no-cache turns off Transformers' DynamicCache (--stack hf); --stack {key} keeps none")
+        changes["use_cache"] = False
     return replace(STACKS[key], **changes) if changes else STACKS[key]
 
 

@@ -208,9 +208,8 @@ def persistent_params(shape: ModelShape, tp: int, threshold: int) -> int:
     """One layer's parameters in tensors of fewer than `threshold` elements: the norms, q/k norms and biases
     (row-parallel biases replicated, column-parallel ones split over tp). Per layer; the caller multiplies."""
     h, q, kv, f = shape.hidden, shape.q_dim // tp, shape.kv_dim // tp, shape.ffn // tp
-    tensors = [h, h] * (2 if shape.norm == "layernorm" else 1)
-    if shape.qk_norm:
-        tensors += [shape.head_dim, shape.head_dim]
+    tensors = [h] * shape.norms_per_layer * (2 if shape.norm == "layernorm" else 1)
+    tensors += [width for width in shape.qk_norm_widths if width]
     if shape.linear_bias:
         tensors += [q, kv, kv, h, f * (2 if shape.gated_mlp else 1), h]
     elif shape.qkv_bias:

@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from memcalc.memory.state import ModelState, Parallel, model_state
+from memcalc.model.params import block_norm_params
 from memcalc.model.shape import (Model, ModelShape, attention_params, expert_params, is_moe_layer, mlp_params,
                                  mlp_params_of, moe_layer_count, mtp_params, n_params, norm_params)  # fmt: skip
 from memcalc.records import record
@@ -26,10 +27,10 @@ def tp_layer_params(shape: ModelShape, tp: int) -> int:
     Column-parallel, split by tp: W_q, W_k, W_v and their biases; the MLP's W_in (W_gate, W_up) and biases.
     Row-parallel, split by tp: W_o, W_down; their biases are replicated. Norms and q/k-norms are replicated.
     """
-    replicated = 2 * norm_params(shape) + (2 * shape.head_dim if shape.qk_norm else 0)
+    replicated = block_norm_params(shape)
     if shape.linear_bias:
         replicated += 2 * shape.hidden  # output-projection and W_down biases
-    split = attention_params(shape) + mlp_params(shape) + 2 * norm_params(shape) - replicated
+    split = attention_params(shape) + mlp_params(shape) + shape.norms_per_layer * norm_params(shape) - replicated
     return split // tp + replicated
 
 
@@ -37,13 +38,14 @@ def tp_moe_layer_params(shape: ModelShape, tp: int) -> int:
     """A MoE layer's parameters on one TP rank, its routed experts apart (expert_gpu_params): attention split as
     a dense layer's (latent attention's down projections and their norms replicated, as Megatron-LM's MLA), the
     shared experts split like an MLP, the router and the norms replicated."""
-    replicated = 2 * norm_params(shape) + shape.hidden * shape.n_experts + (2 * shape.head_dim if shape.qk_norm else 0)
+    replicated = block_norm_params(shape) + shape.hidden * shape.n_experts
     if shape.is_mla:  # q_a, kv_a and their norms on every TP rank
         norm = 2 if shape.norm == "layernorm" else 1
         replicated += shape.q_lora_rank * (shape.hidden + norm) + shape.hidden * (shape.kv_lora_rank + shape.qk_rope_head_dim)
         replicated += norm * shape.kv_lora_rank
     shared = mlp_params_of(shape, shape.shared_ffn) if shape.n_shared_experts else 0
-    split = attention_params(shape) + shared + 2 * norm_params(shape) + shape.hidden * shape.n_experts - replicated
+    split = (attention_params(shape) + shared + shape.norms_per_layer * norm_params(shape) + shape.hidden * shape.n_experts
+             - replicated)  # fmt: skip
     return split // tp + replicated
 
 

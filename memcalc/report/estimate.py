@@ -48,6 +48,23 @@ def heads_text(shape, head_dim: bool) -> str:
     return f"{u.plural(shape.n_heads, 'head')} ({shape.n_kv_heads} KV" + (f", head_dim {shape.head_dim})" if head_dim else ")")
 
 
+def wiring_text(shape) -> str:
+    """What sets a Transformers family's block apart (memcalc.model.hfconfig), '' for a Llama or GPT block:
+    '; sandwich norms, attention softcap 50, logit softcap 30, sliding window 4096 in 21 of 42 layers'."""
+    parts = [{"sandwich": "sandwich norms", "post": "post-norms"}.get(shape.norm_layout, "")]
+    parts.append("q/k norms over the projections" if shape.qk_norm and shape.qk_norm_over == "all" else "")
+    parts.append("parallel residual" if shape.parallel_residual else "")
+    parts.append(f"RoPE on {shape.rope_dim} of {shape.head_dim} dims" if shape.rotary_fraction < 1 else "")
+    parts.append(f"attention softcap {shape.attn_softcap:g}" if shape.attn_softcap else "")
+    parts.append(f"logit softcap {shape.logit_softcap:g}" if shape.logit_softcap else "")
+    if shape.sliding_window:
+        local = shape.n_layers - len(shape.global_layers)
+        where = "every layer" if local == shape.n_layers else f"{local} of {shape.n_layers} layers"
+        parts.append(f"sliding window {shape.sliding_window:,} in {where}")
+    text = ", ".join(p for p in parts if p)
+    return f"; {text}" if text else ""
+
+
 def params_text(model) -> str:
     """'8,000,000,000 parameters'; a mixture: its active ones too, and an MTP module's apart."""
     from memcalc.model.shape import param_counts
@@ -67,7 +84,8 @@ def preamble(est: Estimate, units: str = "gb") -> list[str]:
     return [
         f"Model: {m.origin}",
         f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {heads_text(shape, True)}, {mlp}, {shape.norm}, "
-        f"vocab {shape.vocab:,}{', tied embeddings' if shape.tied_embeddings else ''}; {params_text(m)}",
+        f"vocab {shape.vocab:,}{', tied embeddings' if shape.tied_embeddings else ''}{wiring_text(shape)}; "
+        f"{params_text(m)}",
         f"Setup: seq {s.seq_len:,} x micro-batch {s.micro_batch} x grad-accum {s.grad_accum} = "
         f"{s.tokens_per_step:,} tokens per GPU step; {s.optimizer}; {u.plural(p.gpus, 'GPU')}, ZeRO {p.zero}"
         f"{', optimizer offloaded to CPU' if p.offload else ''}",
@@ -86,7 +104,7 @@ def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
     return [
         f"Model: {est.model.origin}",
         f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {heads_text(shape, False)}, {mlp_text(shape)}, "
-        f"vocab {shape.vocab:,}; {params_text(est.model)}",
+        f"vocab {shape.vocab:,}{wiring_text(shape)}; {params_text(est.model)}",
         f"Step: seq {s.seq_len:,} x micro-batch {s.micro_batch}{accum} = {s.tokens_per_step:,} tokens per GPU; "
         f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(g.usable_bytes, units)} usable)"
     ]

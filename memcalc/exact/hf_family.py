@@ -1,0 +1,44 @@
+"""What memcalc.exact.hf's families share: the model being replayed (HFModel) and how one Transformers
+architecture is built (Family): its named_parameters(), its fp32 buffers and its decoder's forward.
+
+Each family's module (hf_llama, hf_gpt2, hf_gemma, hf_olmo2, hf_phi3, hf_gpt_neox) defines its Family;
+memcalc.exact.hf picks one by the shape's architecture. This module imports nothing of theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from memcalc.model.shape import ModelShape
+
+from .autocast import Autocast
+from .config import Config
+from .sim import Graph
+from .tensors import Tensor
+
+
+@dataclass
+class HFModel:
+    cfg: Config
+    arch: str
+    p: dict[str, Tensor]  # the parameters by name
+    rope: list[Tensor]  # the rotary embeddings' fp32 buffers, in model.buffers() order
+    params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
+    autocast: Autocast | None = None  # the autocast recipe's: the forward Accelerate prepared runs under it
+    cache: list[tuple[Tensor, Tensor]] | None = None  # the forward's DynamicCache: each layer's keys and values
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Transformers architecture as memcalc.exact.hf replays it."""
+
+    params: Callable[[ModelShape], list[tuple[str, tuple]]]  # named_parameters(), names and shapes, in order
+    buffers: Callable[[ModelShape], list[tuple[str, tuple]]]  # model.buffers(): fp32, names and shapes
+    decoder: Callable[[Graph, HFModel, Tensor, tuple], Tensor]  # XModel.forward: token ids -> hidden states
+    table: str  # the token embedding's name: what a tied lm_head reuses
+
+
+def rope_buffers(shape: ModelShape) -> list[tuple[str, tuple]]:
+    """LlamaRotaryEmbedding.__init__: inv_freq and original_inv_freq, rope_dim/2 each (fp32)."""
+    return [(name, (shape.rope_dim // 2,)) for name in ("inv_freq", "original_inv_freq")]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 from collections.abc import Mapping
 
@@ -37,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memcalc.errors import InputError
 from memcalc.exact.hf import arch_for
+from memcalc.exact.hf_gemma import flash_refused, gemma_layer_types, gemma_window
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape, check_positions
 from memcalc.model.tricks import Tricks
@@ -87,6 +89,16 @@ def decoder_config(shape: ModelShape, seq_len: int, **extra) -> dict:
                 **extra)  # fmt: skip
 
 
+def gemma_config(shape: ModelShape, seq_len: int, **extra) -> dict:
+    """Gemma 2's and Gemma 3's fields (configuration_gemma2.py, configuration_gemma3.py): GeGLU
+    (hidden_activation), scores scaled by head_dim ** -0.5 (query_pre_attn_scalar), each layer's type
+    and the window (memcalc.exact.hf_gemma: a shape without one gets one longer than the sequence),
+    the final logits' softcap where the shape has one."""
+    return decoder_config(shape, seq_len, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=shape.head_dim,
+                          layer_types=gemma_layer_types(shape), sliding_window=gemma_window(shape, seq_len),
+                          final_logit_softcapping=shape.logit_softcap or None, **extra)  # fmt: skip
+
+
 CONFIGS = {  # model_type -> its config's fields for this shape
     "gpt2": gpt2_config,
     "llama": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False, mlp_bias=False),
@@ -94,7 +106,13 @@ CONFIGS = {  # model_type -> its config's fields for this shape
                                            sliding_window=s.sliding_window or None),  # fmt: skip
     "qwen2": lambda s, t: decoder_config(s, t, hidden_act="silu"),  # q, k, v biases are fixed in Qwen2Attention
     "qwen3": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False),
-    "gemma": lambda s, t: decoder_config(s, t, hidden_activation="gelu_pytorch_tanh"),
+    "gemma": lambda s, t: decoder_config(s, t, hidden_act="gelu_pytorch_tanh"),  # GemmaMLP: ACT2FN[hidden_act]
+    "gemma2": lambda s, t: gemma_config(s, t, attn_logit_softcapping=s.attn_softcap or None),
+    "gemma3_text": lambda s, t: gemma_config(s, t),  # Gemma3Attention passes no softcap to attention
+    "olmo2": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False),
+    "phi3": lambda s, t: decoder_config(s, t, hidden_act="silu", resid_pdrop=s.dropout, embd_pdrop=s.dropout,
+                                        sliding_window=s.sliding_window or None,
+                                        partial_rotary_factor=s.rotary_fraction, pad_token_id=None),  # fmt: skip
 }
 
 
@@ -110,12 +128,40 @@ def sdpa_flash_forward(module, query, key, value, attention_mask, dropout: float
     the output is laid out (B, T, n, d) (CUDA's kernel transposes q to (B, T, n, d) and writes its
     output so; the meta function's empty_like(query) lays it out in q's dimension order, the same)."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if attention_mask is not None or (groups > 1 and key.shape[-1] > 256):
-        raise InputError("Transformers' sdpa would not reach the flash kernel here: a mask, or GQA with head_dim > 256")
+    if attention_mask is not None:
+        return sdpa_masked_forward(module, query, key, value, attention_mask, dropout, scaling)
+    if groups > 1 and key.shape[-1] > 256:
+        raise InputError("Transformers' sdpa would not reach the flash kernel here: GQA with head_dim > 256")
     q_length = query.shape[2]
     causal = q_length > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
     out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout, causal, False,
                                                             scale=scaling)[0]  # fmt: skip
+    out = out.reshape(out.shape[0], -1, q_length, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_masked_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None):
+    """integrations/sdpa_attention.py sdpa_attention_forward given a mask (a sliding window at seq >= the
+    window) as it runs on CUDA: use_gqa_in_sdpa is False with a mask, so repeat_kv; is_causal False; then
+    F.scaled_dot_product_attention's CUDA path, which the meta device does not take (it runs the math
+    fallback): the bool mask made additive in q's dtype (aten/src/ATen/native/transformers/attention.cpp
+    convert_boolean_attn_mask, where(mask, 0, -inf)), the flash kernel refused for the mask
+    (sdp_utils.cpp check_for_attn_mask), so the memory-efficient kernel, its bias expanded to
+    (B, nh, Tq, Tk) and its last dim padded to a multiple of 16 (attention.cpp preprocess_mask)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    B, nh, q_length, _ = query.shape
+    kv_length = key.shape[2]
+    mask = attention_mask[:, :, :, :kv_length]
+    bias = torch.where(mask, torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device),
+                       torch.scalar_tensor(-math.inf, dtype=query.dtype, device=query.device))  # fmt: skip
+    bias = bias.expand(B, nh, q_length, kv_length)
+    if kv_length % 16:
+        bias = F.pad(bias, (0, 16 - kv_length % 16))[..., :kv_length]
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout, False,
+                                                                scale=scaling)[0]  # fmt: skip
     out = out.reshape(out.shape[0], -1, q_length, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
 
@@ -293,6 +339,8 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     check_positions(shape, seq_len)
     register_attention()
     config = hf_config(shape, seq_len, arch, use_cache)
+    if tricks.flash and flash_refused(config.model_type):  # as memcalc.exact.hf_gemma refuses it
+        raise InputError(flash_refused(config.model_type))
     amp = autocast is not None and tricks.precision != "fp32"
     dtype = torch.float32 if amp else DTYPES[tricks.precision]
     with torch.device(device):

@@ -6,7 +6,7 @@ The models call them by this module's names (aten.mm); each family is written in
   aten_arithmetic   casts, add, mul, div, pow, rsqrt, mean and sum
   aten_activations  the activations, softmax and log-softmax, dropout, masked_fill
   aten_matmul       mm, addmm, bmm, F.linear and 4-D torch.matmul
-  aten_fused        native_layer_norm and the flash attention kernel
+  aten_fused        native_layer_norm and the flash and memory-efficient attention kernels
   aten_indexing     embedding, nll_loss, gather, index_select, index_add
 
 Each op is written as autograd runs it: g.begin() makes the node and packs the saved inputs, the
@@ -26,9 +26,9 @@ keep byte counts of the tensors they read, never the tensors: a reference would 
 """
 
 from .aten_activations import gelu, log_softmax, masked_fill, native_dropout, sigmoid, silu, softmax, tanh
-from .aten_arithmetic import (add, add_scalar, div, div_tensor, mean_last, mul, mul_scalar, mul_scalar_, neg, pow2,
-                              pow_scalar, rsqrt, sum_keepdim, to)  # fmt: skip
-from .aten_fused import flash_attention, layer_norm
+from .aten_arithmetic import (add, add_scalar, div, div_scalar, div_tensor, mean_last, mul, mul_scalar, mul_scalar_,
+                              neg, pow2, pow_scalar, rsqrt, sum_keepdim, to)  # fmt: skip
+from .aten_fused import efficient_attention, flash_attention, layer_norm
 from .aten_indexing import embedding, gather, index_add_, index_select, nll_loss
 from .aten_matmul import addmm, bmm, linear, matmul4, mm
 from .aten_operands import autocast, promote, size
@@ -36,9 +36,9 @@ from .aten_views import (cat, cat_last, chunk2, expand, narrow_last, pad_last, r
                          split_last, t, view)  # fmt: skip
 
 __all__ = [
-    "add", "add_scalar", "addmm", "autocast", "bmm", "cat", "cat_last", "chunk2", "div", "div_tensor", "embedding",
-    "expand", "flash_attention", "gather", "gelu", "index_add_", "index_select", "layer_norm", "linear", "log_softmax",
-    "masked_fill", "matmul4", "mean_last", "mm", "mul", "mul_scalar", "mul_scalar_", "narrow_last", "native_dropout",
-    "neg", "nll_loss", "pad_last", "pow2", "pow_scalar", "promote", "reshape_copy", "rsqrt", "sigmoid", "silu", "size",
-    "slice_last", "softmax", "split", "split_last", "sum_keepdim", "t", "tanh", "to", "view",
+    "add", "add_scalar", "addmm", "autocast", "bmm", "cat", "cat_last", "chunk2", "div", "div_scalar", "div_tensor",
+    "efficient_attention", "embedding", "expand", "flash_attention", "gather", "gelu", "index_add_", "index_select", "layer_norm", "linear",
+    "log_softmax", "masked_fill", "matmul4", "mean_last", "mm", "mul", "mul_scalar", "mul_scalar_", "narrow_last",
+    "native_dropout", "neg", "nll_loss", "pad_last", "pow2", "pow_scalar", "promote", "reshape_copy", "rsqrt",
+    "sigmoid", "silu", "size", "slice_last", "softmax", "split", "split_last", "sum_keepdim", "t", "tanh", "to", "view",
 ]  # fmt: skip

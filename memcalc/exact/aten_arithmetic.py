@@ -87,6 +87,12 @@ def mul_scalar_(g: Graph, a: Tensor) -> Tensor:
     return a
 
 
+def div_scalar(g: Graph, a: Tensor) -> Tensor:
+    """a / c for a Python number (DivBackward0 of a wrapped number: nothing on the device saved);
+    backward makes grad / c."""
+    return pointwise(g, a, "div", "div")
+
+
 def pointwise(g: Graph, a: Tensor, op: str, backward_op: str) -> Tensor:
     """An elementwise op that saves nothing: its backward reads the gradient and writes one."""
 

@@ -1,5 +1,6 @@
 """The fused aten kernels that keep statistics for their backward (memcalc.exact.aten): native_layer_norm
-(fp32 mean and rstd) and the flash attention kernel (logsumexp, and on CUDA the Philox seed and offset).
+(fp32 mean and rstd), the flash attention kernel (logsumexp, and on CUDA the Philox seed and offset) and the
+memory-efficient one that SDPA runs with a mask.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ def layer_norm(g: Graph, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     return out
 
 
-def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False) -> Tensor:
+def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False, mask: Tensor | None = None) -> Tensor:
     """aten._scaled_dot_product_flash_attention (ScaledDotProductFlashAttentionBackward0): output
     (laid out as q), logsumexp (B, nh, T) fp32, the Philox seed (2 x uint64) and offset (uint64);
     saves q, k, v, output, logsumexp, seed, offset. Backward: grad q, k, v. On CPU, SDPA's flash
-    backend is aten._scaled_dot_product_flash_attention_for_cpu: no dropout, so no seed or offset.
-    Autocast wraps SDPA (and CUDA's flash op): q, k, v cast to 16 bits, value first.
+    backend is aten._scaled_dot_product_flash_attention_for_cpu: no dropout, so no seed or offset; it takes
+    an additive mask (attn_mask, saved), where CUDA's flash kernel takes none. Autocast wraps SDPA (and CUDA's flash op): q, k, v cast to 16 bits, value first.
 
     HBM traffic is Q, K, V, O and the logsumexp (forward), and Q, K, V, O, dO, logsumexp in, dQ, dK,
     dV out (backward): the s×s scores stay on chip (Dao et al. 2022, sec. 3.1). The kernel is causal
@@ -61,14 +62,50 @@ def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False
     def kernel():
         out = g.empty(q.shape, q.dtype, name)
         lse = g.empty(q.shape[:3], "fp32", name)
-        g.kernel(name, (q, k, v), (out, lse), "flash", one, "attention", 2 * one, dt)  # QKᵀ and PV, causal half
+        g.kernel(name, (q, k, v, mask), (out, lse), "flash", one, "attention", 2 * one, dt)  # QKᵀ and PV, causal half
         return (out, lse) if cpu else (out, lse, g.empty((2,), "uint64", name), g.empty((), "uint64", name))
 
-    node = g.begin(name, [q, k, v], rule, [(q, "query"), (k, "key"), (v, "value")])
+    inputs = [(q, "query"), (k, "key"), (v, "value")] + ([(mask, "attn_mask")] if mask is not None else [])
+    node = g.begin(name, [q, k, v], rule, inputs)
     if cpu:
         out, lse = g.outputs(name, kernel, ("output", "logsumexp"))
         g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp")])
         return out
     out, lse, seed, offset = g.outputs(name, kernel, ("output", "logsumexp", "philox_seed", "philox_offset"))
     g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp"), (seed, "philox_seed"), (offset, "philox_offset")])
+    return out
+
+
+def efficient_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """aten._scaled_dot_product_efficient_attention with an additive bias, compute_log_sumexp, not causal
+    (ScaledDotProductEfficientAttentionBackward0): output (B, nh, T, d) laid out (B, T, nh, d), logsumexp
+    (B, nh, T rounded up to 32) fp32, the Philox seed and offset (0-d int64 each); saves q, k, v, the bias,
+    output, logsumexp, seed, offset. Backward: grad q, k, v, each laid out (B, T, nh, d) (the meta function's
+    empty_permuted; CUDA's kernel lays them out as its inputs and adds an fp32 (B, nh, T) delta), none for
+    the bias. With dropout CUDA makes the seed and offset on the CPU. K and V come in with every head
+    (repeat_kv). The kernel reads the bias block by block and skips none: it executes every FLOP
+    FlopCounterMode counts."""
+    q, k, v = autocast(g, "scaled_dot_product_attention", q, k, v)
+    sq, sk, sv = q.shape, k.shape, v.shape
+    B, nh, Tq, d = q.shape
+    one = 2 * B * nh * Tq * k.shape[2] * d  # one (B·nh) x Tq x Tk matmul over d
+    name, op = "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"
+    lse_shape = (B, nh, -(-Tq // 32) * 32)
+    read, dt = nbytes(q) + nbytes(k) + nbytes(v) + nbytes(bias), q.dtype
+    o_bytes, lse_bytes = size(q.shape, q.dtype), size(lse_shape, "fp32")
+
+    def rule(gs):
+        grads = [g.empty(sq, gs[0].dtype, op), g.empty(sk, gs[0].dtype, op), g.empty(sv, gs[0].dtype, op)]
+        g.kernel(op, (read, o_bytes, gs[0], lse_bytes), tuple(grads), "flash", 5 * one, "attention", 5 * one, dt)
+        return grads
+
+    def kernel():
+        out = g.empty(q.shape, q.dtype, name)
+        lse = g.empty(lse_shape, "fp32", name)
+        g.kernel(name, (q, k, v, bias), (out, lse), "flash", 2 * one, "attention", 2 * one, dt)  # QKᵀ and PV
+        return out, lse, g.empty((), "int64", name), g.empty((), "int64", name)
+
+    node = g.begin(name, [q, k, v], rule, [(q, "query"), (k, "key"), (v, "value"), (bias, "attn_bias")])
+    out, lse, seed, offset = g.outputs(name, kernel, ("output", "logsumexp", "philox_seed", "philox_offset"))
+    g.end(node, [out, lse], [(out, "output"), (lse, "log_sumexp"), (seed, "philox_seed"), (offset, "philox_offset")])
     return out

@@ -54,11 +54,36 @@ def shape_not_replayed(shape: ModelShape, model: str = "reference", recipe: str 
     libraries' optimizers or Transformers' classes."""
     if shape.mtp_layers > 1:
         return "the exact model replays one multi-token prediction module, not more"
+    wired = wiring_not_built(shape)
+    if model == "reference" and wired:
+        return f"memcalc's reference layer does not build {wired} yet (--stack hf replays Transformers' classes)"
     if (shape.n_experts or shape.is_mla or shape.mtp_layers) and (model, recipe, impl) != ("reference", "master",
                                                                                           "reference"):  # fmt: skip
         return ("the exact model replays a mixture of experts, latent attention and MTP on the reference stack "
                 "only (--stack reference)")  # fmt: skip
     return None
+
+
+def window_not_built(shape: ModelShape, seq_len: int, model: str = "reference") -> str | None:
+    """Why memcalc's reference layer cannot give the verdict for a sliding window shorter than the sequence
+    (it attends every key, as without one), or None: the hf stack replays Transformers' masks. (The step's
+    kernels are still traced on it for the time: causal flash over every key.)"""
+    window = min((shape.window_at(i) for i in range(shape.n_layers) if shape.window_at(i)), default=0)
+    if model != "reference" or not window or seq_len <= window:
+        return None
+    return (f"memcalc's reference layer attends every key, and {shape.name or 'the model'}'s sliding window of "
+            f"{window:,} is shorter than seq {seq_len:,} (--stack hf replays Transformers' mask)")
+
+
+def wiring_not_built(shape: ModelShape) -> str:
+    """The Transformers families' wiring memcalc's reference layer (verify/builder.py) does not build: '' when
+    it builds every part of the shape."""
+    parts = [{"sandwich": "sandwich norms", "post": "post-norms"}.get(shape.norm_layout, ""),
+             "q/k norms over the projections" if shape.qk_norm and shape.qk_norm_over == "all" else "",
+             "a parallel residual" if shape.parallel_residual else "",
+             "partial rotary positions" if shape.rotary_fraction < 1 else "",
+             "softcapping" if shape.attn_softcap or shape.logit_softcap else ""]  # fmt: skip
+    return ", ".join(p for p in parts if p)
 
 
 @dataclass(frozen=True)

@@ -21,17 +21,21 @@ from .aten_operands import made
 from .autocast import autocast_for
 from .config import Config
 from .hf_family import Family, HFModel, rope_buffers
+from .hf_gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .hf_gpt2 import gpt2_model
 from .hf_llama import llama_model
+from .hf_olmo2 import OLMO2
+from .hf_phi3 import PHI3
 from .sim import Graph
 from .tensors import Tensor
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "olmo2", "phi3", "gemma2", "gemma3_text")
 
 
 def families() -> dict[str, Family]:
     """Each architecture replayed, by model_type."""
-    return {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gpt2": GPT2}
+    return {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gpt2": GPT2, "olmo2": OLMO2,
+            "phi3": PHI3, "gemma": GEMMA, "gemma2": GEMMA2, "gemma3_text": GEMMA3_TEXT}
 
 
 def arch_for(shape: ModelShape) -> str:
@@ -113,7 +117,8 @@ def build(g: Graph, cfg: Config) -> HFModel:
     if family is None:
         raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(families())}")
     params = [g.param(shape, cfg.weights_dtype, name) for name, shape in family.params(cfg.shape)]
-    rope = [g.empty(shape, "fp32", "buffer " + name, kind="buffer") for name, shape in family.buffers(cfg.shape)]
+    rope = [g.empty(b[1], cfg.weights_dtype if b[2:] == ("weights",) else "fp32", "buffer " + b[0], kind="buffer")
+            for b in family.buffers(cfg.shape)]  # (name, shape), fp32, or (name, shape, "weights"): the model's dtype
     autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
     return HFModel(cfg, arch, {p.name: p for p in params}, rope, params, autocast)
 
@@ -166,6 +171,10 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
     head = m.p.get("lm_head.weight") or m.p[family.table]
     with g.scoped("logits"):
         logits = aten.linear(g, hidden_states, head, None, "logits")  # (B, T, V)
+        if m.cfg.shape.logit_softcap:  # Gemma2ForCausalLM.forward: / final_logit_softcapping, tanh, * it
+            logits = aten.div_scalar(g, logits)
+            logits = aten.tanh(g, logits)
+            logits = aten.mul_scalar(g, logits)
     with g.scoped("loss"):
         loss = for_causal_lm_loss(g, logits, labels, num_items_in_batch)
     del kwargs, hidden_states

@@ -28,6 +28,15 @@ def causal_mask(g: Graph, cfg: Config, B: int, T: int, position_ids: Tensor, dty
         return None if cfg.flash else eager_mask(g, B, T, dtype)
 
 
+def decoder_mask(g: Graph, cfg: Config, B: int, T: int, position_ids: Tensor, dtype: str) -> Tensor | None:
+    """MistralModel.forward, Phi3Model.forward: mask_function = create_sliding_window_causal_mask where
+    config.sliding_window is set (every layer, the shape's window), else create_causal_mask (Llama's)."""
+    window = cfg.shape.sliding_window
+    if not window:
+        return causal_mask(g, cfg, B, T, position_ids, dtype)
+    return sliding_window_causal_mask(g, cfg, B, T, position_ids, dtype, window)
+
+
 def find_packed_sequence_indices(g: Graph, B: int, T: int, position_ids: Tensor) -> None:
     """position_ids[:, :1] - 1; torch.diff with it prepended (a cat, then a sub); != 1; cumsum; and
     (packed[:, -1] == 0).all(): not packed, so None. (position_ids expanded to B rows: a view.)"""
@@ -111,41 +120,92 @@ def arange_plus(g: Graph, n: int) -> Tensor:
     return made(g, (n,), "add", a, dtype="int64")
 
 
-def attention_interface(g: Graph, cfg: Config, q, k, v, causal, kwargs: tuple):
+def attention_interface(g: Graph, cfg: Config, q, k, v, causal, kwargs: tuple, contiguous_qk: bool = False):
     """ALL_ATTENTION_FUNCTIONS[config._attn_implementation]: the flash path or the model's eager
     function, the core checkpointed under selective recompute (verify/hf.py core_checkpointed, whose
-    closure holds the call's kwargs, position_ids among them, until the recompute)."""
+    closure holds the call's kwargs, position_ids among them, until the recompute). contiguous_qk: q and
+    k arrive contiguous in (B, n, T, d), RoPE's result concatenated with the part it passes (Phi-3,
+    GPT-NeoX), where Llama's RoPE leaves them laid out (B, T, n, d) as the projections were."""
     if cfg.recompute == "selective":
-        return g.checkpoint(lambda q, k, v, causal, kwargs=kwargs: attention_core(g, cfg, q, k, v, causal),
+        return g.checkpoint(lambda q, k, v, causal, kwargs=kwargs: attention_core(g, cfg, q, k, v, causal,
+                                                                                  contiguous_qk),
                             q, k, v, causal)  # fmt: skip
-    return attention_core(g, cfg, q, k, v, causal)
+    return attention_core(g, cfg, q, k, v, causal, contiguous_qk)
 
 
-def attention_core(g: Graph, cfg: Config, q, k, v, causal):
+def attention_core(g: Graph, cfg: Config, q, k, v, causal, contiguous_qk: bool = False):
     with g.scoped("attention core"):
+        if cfg.flash and causal is not None:  # a sliding window's mask at seq >= the window
+            return sdpa_masked_forward(g, q, k, v, causal, cfg.device == "cpu", contiguous_qk), None
         if cfg.flash:
-            return sdpa_flash_forward(g, q, k, v, cfg.device == "cpu"), None
+            return sdpa_flash_forward(g, q, k, v, cfg.device == "cpu", contiguous_qk), None
         if cfg.shape.positions != "rope":
             return gpt2_eager_attention(g, cfg, q, k, v, causal)
-        return eager_attention_forward(g, cfg, q, k, v, causal)
+        return eager_attention_forward(g, cfg, q, k, v, causal, contiguous_qk)
 
 
-def sdpa_flash_forward(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False) -> Tensor:
+def sdpa_flash_forward(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False,
+                       contiguous_q: bool = False) -> Tensor:  # fmt: skip
     """verify/hf.py sdpa_flash_forward: the flash op on q, k, v (GQA: k and v unrepeated), its output
-    reshaped (same shape: a view) and transpose(1, 2).contiguous() (a view: the output is laid out
-    (B, T, n, d)). On CPU tensors (cpu): the stock sdpa path on SDPA's CPU flash kernel."""
+    reshaped (same shape: a view) and transpose(1, 2).contiguous(): a view where the output is laid out
+    (B, T, n, d), as CUDA's kernel and the meta function lay it out when q is (empty_like of q's
+    transpose, flash_api.cpp mha_fwd), a copy where q is contiguous in (B, n, T, d) (contiguous_q). On
+    CPU tensors (cpu): the stock sdpa path on SDPA's CPU flash kernel, whose output is laid out as q is
+    (torch 2.13, measured), as CUDA's."""
     out = aten.flash_attention(g, q, k, v, cpu)
     out = aten.view(g, out, out.shape)
+    if contiguous_q:
+        return aten.reshape_copy(g, transpose12(g, out), (out.shape[0], out.shape[2], out.shape[1], out.shape[3]))
     return transpose12(g, out)
 
 
-def eager_attention_forward(g: Graph, cfg: Config, query, key, value, attention_mask):
+def sdpa_masked_forward(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cpu: bool = False,
+                        contiguous_q: bool = False) -> Tensor:  # fmt: skip
+    """verify/hf.py sdpa_masked_forward: Transformers' sdpa given a mask (integrations/sdpa_attention.py:
+    use_gqa_in_sdpa is False with one, so repeat_kv copies k and v to every head; is_causal False), then
+    F.scaled_dot_product_attention: the bool mask made additive in q's dtype (attention.cpp
+    convert_boolean_attn_mask: where(mask, 0, -inf), (B, 1, T, T)); CUDA's flash kernel takes no mask, so
+    SDPA runs the memory-efficient one (sdp_utils.cpp's order: flash, efficient, math), the bias expanded to
+    (B, nh, T, T) (a view) and, where T is not a multiple of 16, padded (preprocess_mask: constant_pad_nd of
+    the expanded bias, then a slice). On CPU tensors SDPA's CPU flash kernel takes the additive mask. The
+    efficient kernel's output is laid out (B, T, nh, d) whatever q's layout: its transpose(1, 2).contiguous()
+    is a view; the CPU kernel's is laid out as q (a copy where q is contiguous, sdpa_flash_forward's)."""
+    B, nh, T, _ = q.shape
+    k, v = repeat_kv(g, k, nh), repeat_kv(g, v, nh)
+    q, k, v = aten.autocast(g, "scaled_dot_product_attention", q, k, v)
+    zero = made(g, (), "scalar_tensor", dtype=q.dtype)
+    low = made(g, (), "scalar_tensor", dtype=q.dtype)
+    bias = made(g, mask.shape, "where", mask, zero, low, dtype=q.dtype)
+    del zero, low
+    if cpu:
+        out = aten.view(g, aten.flash_attention(g, q, k, v, True, bias), (B, nh, T, q.shape[3]))
+        del bias
+        if contiguous_q:  # (the repeated k and v, sdpa_attention_forward's locals, live until it returns)
+            return aten.reshape_copy(g, transpose12(g, out), (B, T, nh, out.shape[3]))
+        return transpose12(g, out)
+    else:
+        Tk = k.shape[2]
+        full = g.view(bias, (B, nh, T, Tk))  # attn_mask.expand(B, nh, Tq, Tk)
+        if Tk % 16:  # attn_mask.value() = preprocess_mask(...): the unpadded bias dies
+            padded = made(g, (B, nh, T, Tk + 16 - Tk % 16), "constant_pad_nd", full, dtype=q.dtype)
+            full = g.view(padded, (B, nh, T, Tk))  # padded_bias.slice(-1, 0, Tk)
+            del padded, bias
+        out = aten.efficient_attention(g, q, k, v, full)
+        del full
+    del q, k, v
+    return transpose12(g, aten.view(g, out, out.shape))
+
+
+def eager_attention_forward(g: Graph, cfg: Config, query, key, value, attention_mask, contiguous_qk: bool = False):
     """modeling_llama.py eager_attention_forward: repeat_kv; matmul(q, kᵀ) * scaling; + the mask;
     softmax in fp32 (dtype=torch.float32: a cast, then _softmax), cast back to q's dtype; dropout;
-    matmul with v; transpose(1, 2).contiguous() (a copy). The probabilities are returned too."""
+    matmul with v; transpose(1, 2).contiguous() (a copy). The probabilities are returned too. matmul
+    copies q, and k and v unless repeat_kv copied them, where B > 1 and they are not contiguous in
+    (B, n, T, d): a cache's copies are (k and v), and RoPE's concatenated results (q and k, contiguous_qk)."""
     B, groups = query.shape[0], query.shape[1] // key.shape[1]
     copied = groups > 1 and key.shape[1] > 1  # repeat_kv made contiguous copies
     copied = copied or (groups == 1 and hf_cache.kept(cfg))  # or attention reads the cache's contiguous copies
+    k_copied = copied or (groups == 1 and contiguous_qk)
     # repeat_kv of one key head is an expand (heads at stride 0); autocast's cast of it (matmul is on
     # both lists; RoPE left k fp32 under autocast) is laid out contiguous (_to_copy with
     # preserve_format of a tensor that is not non-overlapping and dense: empty_like's suggested
@@ -153,9 +213,13 @@ def eager_attention_forward(g: Graph, cfg: Config, query, key, value, attention_
     cast_expanded = groups > 1 and not copied and g.autocast is not None and key.dtype != g.autocast.dtype
     key_states, value_states = repeat_kv(g, key, query.shape[1]), repeat_kv(g, value, query.shape[1])
     kt = aten.view(g, key_states, key_states.shape[:2] + (key_states.shape[3], key_states.shape[2]))
-    k_copies = B > 1 and not copied and not cast_expanded
-    attn_weights = aten.mul_scalar(g, aten.matmul4(g, query, kt, B > 1, k_copies, False))
+    k_copies = B > 1 and not k_copied and not cast_expanded
+    attn_weights = aten.mul_scalar(g, aten.matmul4(g, query, kt, B > 1 and not contiguous_qk, k_copies, False))
     del kt
+    if cfg.shape.attn_softcap:  # modeling_gemma2.py eager_attention_forward: / softcap, tanh, * softcap
+        attn_weights = aten.div_scalar(g, attn_weights)  # (each rebinding drops the tensor before it)
+        attn_weights = aten.tanh(g, attn_weights)
+        attn_weights = aten.mul_scalar(g, attn_weights)
     attn_weights = aten.add(g, attn_weights, attention_mask)
     attn_weights = aten.to(g, aten.softmax(g, aten.to(g, attn_weights, "fp32")), query.dtype)
     attn_weights = dropout(g, attn_weights, cfg.shape.dropout)
@@ -182,7 +246,7 @@ def gpt2_eager_attention(g: Graph, cfg: Config, query, key, value, attention_mas
     return transpose12(g, attn_output), attn_weights
 
 
-def grad_copies(cfg: Config) -> tuple[bool, bool, bool]:
+def grad_copies(cfg: Config, masked: bool = False) -> tuple[bool, bool, bool]:
     """Whether the gradient reaching each (B, T, n, d) view of q, k, v arrives laid out so that reshaping
     it to (B, T, n·d) copies (never with one head). With RoPE (Llama, Qwen) as memcalc.exact.builder_layers'
     eager path and flash path: the same RoPE, the same layouts. GPT-2: flash's gradients arrive
@@ -192,6 +256,8 @@ def grad_copies(cfg: Config) -> tuple[bool, bool, bool]:
     their inputs; CPU's lays them out (B, T, n, d)), and reshaping them through the transpose copies (eager's
     k gradient still comes through kᵀ)."""
     s = cfg.shape
+    if masked and s.positions == "rope":  # sdpa_masked_forward: k and v repeated to every head
+        return s.n_heads > 1, s.n_kv_heads > 1, s.n_kv_heads > 1 and s.n_kv_heads < s.n_heads
     cached = hf_cache.kept(cfg) and cfg.device != "cpu"  # CPU's flash kernel lays its gradients out (B, T, n, d)
     if s.positions == "rope":
         return s.n_heads > 1, s.n_kv_heads > 1, s.n_kv_heads > 1 and (not cfg.flash or cached)

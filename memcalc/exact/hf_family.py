@@ -1,5 +1,5 @@
 """What memcalc.exact.hf's families share: the model being replayed (HFModel) and how one Transformers
-architecture is built (Family): its named_parameters(), its fp32 buffers and its decoder's forward.
+architecture is built (Family): its named_parameters(), its buffers and its decoder's forward.
 
 Each family's module (hf_llama, hf_gpt2, hf_gemma, hf_olmo2, hf_phi3, hf_gpt_neox) defines its Family;
 memcalc.exact.hf picks one by the shape's architecture. This module imports nothing of theirs.
@@ -23,7 +23,7 @@ class HFModel:
     cfg: Config
     arch: str
     p: dict[str, Tensor]  # the parameters by name
-    rope: list[Tensor]  # the rotary embeddings' fp32 buffers, in model.buffers() order
+    rope: list[Tensor]  # model.buffers() in order: rotary tables fp32, Gemma's embed_scale in the model's dtype
     params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
     autocast: Autocast | None = None  # the autocast recipe's: the forward Accelerate prepared runs under it
     cache: list[tuple[Tensor, Tensor]] | None = None  # the forward's DynamicCache: each layer's keys and values
@@ -34,7 +34,7 @@ class Family:
     """One Transformers architecture as memcalc.exact.hf replays it."""
 
     params: Callable[[ModelShape], list[tuple[str, tuple]]]  # named_parameters(), names and shapes, in order
-    buffers: Callable[[ModelShape], list[tuple[str, tuple]]]  # model.buffers(): fp32, names and shapes
+    buffers: Callable[[ModelShape], list[tuple]]  # model.buffers(): name, shape (and "weights": the model's dtype)
     decoder: Callable[[Graph, HFModel, Tensor, tuple], Tensor]  # XModel.forward: token ids -> hidden states
     table: str  # the token embedding's name: what a tied lm_head reuses
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from memcalc.errors import InputError
+
 from . import aten, hf_cache
 from .aten_operands import made
 from .builder_layers import transpose12
-from .hf_attention import arange_plus, attention_interface, causal_mask, grad_copies
+from .hf_attention import arange_plus, attention_interface, decoder_mask, grad_copies
 from .sim import Graph
 from .tensors import Tensor
 
@@ -27,24 +29,36 @@ def llama_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tenso
     position_ids and the forward's **kwargs (num_items_in_batch): a checkpointed layer's partial, or
     a checkpointed attention core's closure, holds them until its recompute."""
     cfg, s = m.cfg, m.cfg.shape
+    if s.sliding_window and m.arch != "mistral":
+        raise InputError(f"the hf stack replays Mistral's sliding window, not {m.arch}'s (Qwen2's use_sliding_window "
+                         "layers: not built yet)")  # fmt: skip
     B, T = input_ids.shape
     with g.scoped("embedding"):
         inputs_embeds = aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids)
+        hf_cache.made(g, m)  # cache = DynamicCache(config=self.config)
         position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
-    causal = causal_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
+    causal = decoder_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)  # Mistral's window where set
     hidden_states = inputs_embeds
     with g.scoped("rope tables"):
         cos, sin = rotary_embedding(g, m, position_ids, T, hidden_states.dtype)
-    for i in range(s.n_layers):
-        g.layer = i
-        if cfg.recompute == "full":  # GradientCheckpointingLayer: checkpoint(partial(forward, **kwargs), hidden_states)
-            hidden_states = g.checkpoint(lambda x, i=i, causal=causal, cos=cos, sin=sin, kw=(position_ids,) + kwargs:
-                                         decoder_layer(g, m, i, x, causal, cos, sin, kw), hidden_states)  # fmt: skip
-        else:  # (the lambda's defaults are the partial's kwargs: they live until its recompute)
-            hidden_states = decoder_layer(g, m, i, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
-    g.layer = None
+    hidden_states = decoder_layers(g, m, decoder_layer, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
     hidden_states = rms_norm(g, hidden_states, m.p["model.norm.weight"], "final norm")
     del position_ids, inputs_embeds, causal, cos, sin  # the frame's locals, in order
+    return hidden_states
+
+
+def decoder_layers(g: Graph, m: HFModel, layer, hidden_states: Tensor, causal, cos, sin, kwargs: tuple) -> Tensor:
+    """XModel.forward's loop over its layers (layer: the family's decoder layer), each checkpointed whole
+    under full recompute (GradientCheckpointingLayer: checkpoint(partial(forward, **kwargs), hidden_states):
+    the lambda's defaults are the partial's kwargs, which live until its recompute)."""
+    for i in range(m.cfg.shape.n_layers):
+        g.layer = i
+        if m.cfg.recompute == "full":
+            hidden_states = g.checkpoint(lambda x, i=i, causal=causal, cos=cos, sin=sin, kw=kwargs:
+                                         layer(g, m, i, x, causal, cos, sin, kw), hidden_states)  # fmt: skip
+        else:
+            hidden_states = layer(g, m, i, hidden_states, causal, cos, sin, kwargs)
+    g.layer = None
     return hidden_states
 
 
@@ -120,7 +134,7 @@ def self_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, 
     q and k die as RoPE's results replace them; k and v live until it returns."""
     s, cfg = m.cfg.shape, m.cfg
     B, T, _ = hidden_states.shape
-    q_copies, k_copies, v_copies = grad_copies(cfg)
+    q_copies, k_copies, v_copies = grad_copies(cfg, cfg.flash and causal is not None)  # a window's mask
     query_states = aten.view(g, linear(g, m, n + "q_proj", hidden_states), (B, T, s.n_heads, s.head_dim), q_copies)
     if s.qk_norm:
         query_states = rms_norm(g, query_states, m.p[n + "q_norm.weight"], "attention")

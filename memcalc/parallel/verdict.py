@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memcalc.errors import InputError
-from memcalc.exact.config import Phases, not_replayed, shape_not_replayed
+from memcalc.exact.config import Phases, not_replayed, shape_not_replayed, window_not_built
 from memcalc.exact.step import step_phases
 from memcalc.exact.zero import Sharding
 from memcalc.memory.setup import Budget, Setup
@@ -71,9 +71,9 @@ def replay_gap(model: Model, setup: Setup, tricks: Tricks, layout: Layout) -> st
     """Why the exact model cannot replay one GPU of this job ("" when it can): the stack, the shape, the
     routing, and the layout (it replays data parallelism, with the generic engine's ZeRO or FSDP2's)."""
     s, shape = setup.stack, model.shape
-    reason = not_replayed(s.model, s.recipe, s.impl, setup.optimizer, tricks.precision) or shape_not_replayed(
-        shape, s.model, s.recipe, s.impl
-    )
+    reason = (not_replayed(s.model, s.recipe, s.impl, setup.optimizer, tricks.precision)
+              or shape_not_replayed(shape, s.model, s.recipe, s.impl)
+              or window_not_built(shape, setup.seq_len, s.model))  # fmt: skip
     if reason:
         return reason
     if not setup.routing.balanced:  # verify's reference router is the balanced one

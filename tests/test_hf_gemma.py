@@ -25,8 +25,7 @@ from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
-from tests.replay import FIELDS  # noqa: E402
-from tests.test_stack_hf import ALL_TRICKS, HF, config  # noqa: E402
+from tests.test_stack_hf import ALL_TRICKS, HF, assert_same_phases, config  # noqa: E402
 from tests.test_stack_hf import assert_replayed as replayed  # noqa: E402
 from verify.hf import build_hf  # noqa: E402
 from verify.meta import measure_step  # noqa: E402
@@ -163,12 +162,7 @@ FULL_SIZE = [("gemma-7b", 8192, "fp32"), ("gemma-7b", 8192, "bf16"), ("gemma-7b"
 @pytest.mark.parametrize("name,seq,tricks", FULL_SIZE)
 def test_full_size_three_blocks(name, seq, tricks):
     """Every phase's bytes as measured on meta, and FlopCounterMode's count."""
-    shape, t = replace(PRESETS[name], n_layers=3), parse_tricks(tricks)
-    step, _ = measure_step(shape, seq, 1, t, stack=HF)
-    e = exact_step(shape, seq, 1, t, stack=HF)
-    for f in FIELDS:
-        assert getattr(e.phases, f) == getattr(step, f), f
-    assert step.flops == e.flops.counted
+    assert_same_phases(replace(PRESETS[name], n_layers=3), seq, tricks)
 
 
 @pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3_text"])

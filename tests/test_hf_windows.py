@@ -27,9 +27,7 @@ from memcalc.model.hfconfig import ARCHITECTURES  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
-from tests.replay import FIELDS  # noqa: E402
-from tests.test_stack_hf import ALL_TRICKS, HF, assert_replayed  # noqa: E402
-from verify.meta import measure_step  # noqa: E402
+from tests.test_stack_hf import ALL_TRICKS, HF, assert_replayed, assert_same_phases  # noqa: E402
 
 BASE = dict(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, vocab=200, tied_embeddings=False,
             sliding_window=16)  # fmt: skip
@@ -83,13 +81,8 @@ def test_the_window_costs_the_mask_and_repeated_heads():
 def test_full_size_three_blocks(name, seq, tricks):
     """Every phase's bytes as measured on meta, and FlopCounterMode's count (the efficient kernel: every
     score, as counted)."""
-    shape, t = replace(PRESETS[name], n_layers=3), parse_tricks(tricks)
-    assert shape.sliding_window < seq
-    step, _ = measure_step(shape, seq, 1, t, stack=HF)
-    e = exact_step(shape, seq, 1, t, stack=HF)
-    for f in FIELDS:
-        assert getattr(e.phases, f) == getattr(step, f), f
-    assert step.flops == e.flops.counted
+    assert PRESETS[name].sliding_window < seq
+    assert_same_phases(replace(PRESETS[name], n_layers=3), seq, tricks)
 
 
 @pytest.mark.parametrize("name", ["mistral", "phi3-partial-rotary"])

@@ -153,9 +153,14 @@ def test_full_size_llama3_flash_depths_and_flops():
                                           (GPT_8B, "bf16,flash"),  # the hf stack's step at full depth, 36 blocks
                                           (replace(PRESETS["qwen3-8b"], n_layers=3), "bf16,selective")])  # fmt: skip
 def test_full_size_other_cases(shape, tricks):
+    assert_same_phases(shape, 8192, tricks)
+
+
+def assert_same_phases(shape: ModelShape, seq: int, tricks: str) -> None:
+    """Every phase's bytes as measured on meta (micro-batch 1), and FlopCounterMode's count."""
     t = parse_tricks(tricks)
-    step, _ = measure_step(shape, 8192, 1, t, stack=HF)
-    e = exact_step(shape, 8192, 1, t, stack=HF)
+    step, _ = measure_step(shape, seq, 1, t, stack=HF)
+    e = exact_step(shape, seq, 1, t, stack=HF)
     for f in FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
     assert step.flops == e.flops.counted

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import aten
-from .aten_operands import made as made_as
+from .aten_operands import made
 from .config import Config
 from .sim import Graph
 from .tensors import Tensor
@@ -40,29 +40,30 @@ def start(m: HFModel) -> None:
     m.cache = [] if kept(m.cfg) else None
 
 
-def made(g: Graph, m: HFModel) -> None:
+def construct(g: Graph, m: HFModel) -> None:
     """DynamicCache(config=self.config), made after the embedding: each DynamicSlidingWindowLayer.__init__'s
     torch.tensor(self.sliding_window, dtype=torch.long) on the CPU, 8 bytes there (lift_fresh) where the
     model runs on CPU tensors, kept by the cache."""
     if m.cache is None or m.cfg.device != "cpu":
         return
     s = m.cfg.shape
-    m.cache.append(tuple(made_as(g, (), "lift_fresh", dtype="int64") for i in range(s.n_layers) if s.window_at(i)))
+    m.cache.append(tuple(made(g, (), "lift_fresh", dtype="int64") for i in range(s.n_layers) if s.window_at(i)))
 
 
 def update(g: Graph, m: HFModel, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
     """cache.update(key_states, value_states, layer_idx) for layer g.layer: DynamicLayer.lazy_initialization's
     two empty tensors (torch.tensor([])), and a sliding layer's move of its _sliding_window_tensor to the keys'
-    device, a new 0-d tensor it keeps (on CPU tensors the same one, made with the cache); then torch.cat([self.keys, key_states], dim=-2) and the same for the values:
-    the copies, kept by the cache and returned (a sliding layer keeps views of them,
+    device, a new 0-d tensor it keeps (on CPU tensors the same one, made with the cache); then
+    torch.cat([self.keys, key_states], dim=-2) and the same for the values: the copies, kept by the cache
+    and returned (a sliding layer keeps views of them,
     full_key_states[:, :, -sliding_window + 1:]). Without a cache (or a layer checkpointed whole): the
     states."""
     if m.cache is None:
         return key_states, value_states
-    empty_keys = made_as(g, (0,), "tensor", dtype=key_states.dtype)
-    empty_values = made_as(g, (0,), "tensor", dtype=value_states.dtype)
+    empty_keys = made(g, (0,), "tensor", dtype=key_states.dtype)
+    empty_values = made(g, (0,), "tensor", dtype=value_states.dtype)
     sliding = m.cfg.shape.window_at(g.layer) and m.cfg.device != "cpu"
-    window = made_as(g, (), "_to_copy", dtype="int64") if sliding else None
+    window = made(g, (), "_to_copy", dtype="int64") if sliding else None
     keys = aten.cat(g, [key_states], 2)
     values = aten.cat(g, [value_states], 2)
     del empty_keys, empty_values  # self.keys, self.values rebound to the copies

@@ -139,7 +139,7 @@ def gemma_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tenso
     B, T = input_ids.shape
     with g.scoped("embedding"):
         inputs_embeds = scaled_embedding(g, m, input_ids)
-        hf_cache.made(g, m)  # cache = DynamicCache(config=self.config)
+        hf_cache.construct(g, m)  # cache = DynamicCache(config=self.config)
         position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
     masks = causal_masks(g, m, B, T, position_ids, inputs_embeds.dtype)
     hidden_states = inputs_embeds

@@ -25,24 +25,33 @@ if TYPE_CHECKING:  # only for annotations
 
 
 def llama_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor:
-    """LlamaModel.forward (Qwen2Model, Qwen3Model and MistralModel run the same ops). Each layer gets
-    position_ids and the forward's **kwargs (num_items_in_batch): a checkpointed layer's partial, or
-    a checkpointed attention core's closure, holds them until its recompute."""
-    cfg, s = m.cfg, m.cfg.shape
-    if s.sliding_window and m.arch != "mistral":
+    """LlamaModel.forward (Qwen2Model, Qwen3Model and MistralModel run the same ops)."""
+    if m.cfg.shape.sliding_window and m.arch != "mistral":
         raise InputError(f"the hf stack replays Mistral's sliding window, not {m.arch}'s (Qwen2's use_sliding_window "
                          "layers: not built yet)")  # fmt: skip
+    return decoder_forward(g, m, input_ids, kwargs, decoder_layer, rms_norm)
+
+
+def decoder_forward(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple, layer, norm,
+                    rope_dtype: str = "") -> Tensor:  # fmt: skip
+    """LlamaModel.forward's ops, which MistralModel, Phi3Model and Olmo2Model run too: the embedding, the
+    DynamicCache, position_ids, the mask (decoder_mask: Mistral's and Phi-3's window where set), the rotary
+    tables (cast to the model's dtype; rope_dtype where they stay so, Olmo2RotaryEmbedding's fp32), the
+    layers (layer: the family's decoder layer), the final norm (norm: the family's). Each layer gets
+    position_ids and the forward's **kwargs (num_items_in_batch): a checkpointed layer's partial, or a
+    checkpointed attention core's closure, holds them until its recompute."""
+    cfg = m.cfg
     B, T = input_ids.shape
     with g.scoped("embedding"):
         inputs_embeds = aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids)
-        hf_cache.made(g, m)  # cache = DynamicCache(config=self.config)
+        hf_cache.construct(g, m)  # cache = DynamicCache(config=self.config)
         position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
-    causal = decoder_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)  # Mistral's window where set
+    causal = decoder_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
     hidden_states = inputs_embeds
     with g.scoped("rope tables"):
-        cos, sin = rotary_embedding(g, m, position_ids, T, hidden_states.dtype)
-    hidden_states = decoder_layers(g, m, decoder_layer, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
-    hidden_states = rms_norm(g, hidden_states, m.p["model.norm.weight"], "final norm")
+        cos, sin = rotary_embedding(g, m, position_ids, T, rope_dtype or hidden_states.dtype)
+    hidden_states = decoder_layers(g, m, layer, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
+    hidden_states = norm(g, hidden_states, m.p["model.norm.weight"], "final norm")
     del position_ids, inputs_embeds, causal, cos, sin  # the frame's locals, in order
     return hidden_states
 
@@ -64,14 +73,16 @@ def decoder_layers(g: Graph, m: HFModel, layer, hidden_states: Tensor, causal, c
 
 def rotary_embedding(g: Graph, m: HFModel, position_ids: Tensor, T: int, dtype: str) -> tuple[Tensor, Tensor]:
     """LlamaRotaryEmbedding.forward: position_ids[..., None].float() * inv_freq (fp32), cat with itself,
-    cos() and sin() each times attention_scaling (1.0: a new tensor), then cast to the model's dtype."""
-    half, hs = m.cfg.shape.head_dim // 2, m.cfg.shape.head_dim
+    cos() and sin() each times attention_scaling (1.0: a new tensor), then cast to the model's dtype. Over
+    rope_dim: head_dim, or Phi-3's int(head_dim * partial_rotary_factor) (compute_default_rope_parameters:
+    inv_freq has rope_dim / 2 entries)."""
+    half, width = m.cfg.shape.rope_dim // 2, m.cfg.shape.rope_dim
     position = made(g, (1, T, 1), "_to_copy", position_ids)
     freqs = made(g, (1, T, half), "mul", position, m.rope[0])
     del position
-    emb = made(g, (1, T, hs), "cat", freqs)
-    cos = scaled(g, made(g, (1, T, hs), "cos", emb))
-    sin = scaled(g, made(g, (1, T, hs), "sin", emb))
+    emb = made(g, (1, T, width), "cat", freqs)
+    cos = scaled(g, made(g, (1, T, width), "cos", emb))
+    sin = scaled(g, made(g, (1, T, width), "sin", emb))
     out = cast(g, cos, dtype), cast(g, sin, dtype)
     del freqs, emb, cos, sin
     return out

@@ -17,9 +17,9 @@ from memcalc.model.shape import ModelShape
 
 from . import aten, hf_cache
 from .builder_layers import transpose12
-from .hf_attention import arange_plus, attention_interface, causal_mask, grad_copies
+from .hf_attention import attention_interface, grad_copies
 from .hf_family import Family, rope_buffers
-from .hf_llama import decoder_layers, linear, llama_mlp, rotary_embedding, rotate_half
+from .hf_llama import decoder_forward, linear, llama_mlp, rotate_half
 from .sim import Graph
 from .tensors import Tensor
 
@@ -58,22 +58,9 @@ def check_olmo2(s: ModelShape) -> None:
 
 
 def olmo2_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor:
-    """Olmo2Model.forward: LlamaModel's (embedding, position_ids, create_causal_mask, the rotary tables,
-    the layers, the final norm), but the rotary tables stay fp32 and the norm is Olmo2RMSNorm."""
-    cfg = m.cfg
-    B, T = input_ids.shape
-    with g.scoped("embedding"):
-        inputs_embeds = aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids)
-        hf_cache.made(g, m)  # cache = DynamicCache(config=self.config)
-        position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
-    causal = causal_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
-    hidden_states = inputs_embeds
-    with g.scoped("rope tables"):
-        cos, sin = rotary_embedding(g, m, position_ids, T, "fp32")  # Olmo2RotaryEmbedding: no .to(x.dtype)
-    hidden_states = decoder_layers(g, m, decoder_layer, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
-    hidden_states = rms_norm(g, hidden_states, m.p["model.norm.weight"], "final norm")
-    del position_ids, inputs_embeds, causal, cos, sin  # the frame's locals, in order
-    return hidden_states
+    """Olmo2Model.forward: LlamaModel's ops, but the rotary tables stay fp32 (Olmo2RotaryEmbedding: no
+    .to(x.dtype)) and the norms are Olmo2RMSNorm."""
+    return decoder_forward(g, m, input_ids, kwargs, decoder_layer, rms_norm, "fp32")
 
 
 def rms_norm(g: Graph, x: Tensor, w: Tensor, scope: str) -> Tensor:

@@ -16,11 +16,10 @@ from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
 
 from . import aten, hf_cache
-from .aten_operands import made
 from .builder_layers import transpose12
-from .hf_attention import arange_plus, attention_interface, decoder_mask, dropout, grad_copies
+from .hf_attention import attention_interface, dropout, grad_copies
 from .hf_family import Family, rope_buffers
-from .hf_llama import cast, decoder_layers, linear, rms_norm, rotate_half, scaled
+from .hf_llama import decoder_forward, linear, rms_norm, rotate_half
 from .sim import Graph
 from .tensors import Tensor
 
@@ -56,39 +55,9 @@ def check_phi3(s: ModelShape) -> None:
 
 
 def phi3_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor:
-    """Phi3Model.forward: the embedding, position_ids, the mask (create_sliding_window_causal_mask when
-    config.sliding_window is set, else create_causal_mask), the rotary tables, the layers (each
-    checkpointed whole under full recompute), the final norm."""
-    cfg = m.cfg
-    B, T = input_ids.shape
-    with g.scoped("embedding"):
-        inputs_embeds = aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids)
-        hf_cache.made(g, m)  # cache = DynamicCache(config=self.config)
-        position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
-    causal = decoder_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
-    hidden_states = inputs_embeds
-    with g.scoped("rope tables"):
-        cos, sin = rotary_embedding(g, m, position_ids, T, hidden_states.dtype)
-    hidden_states = decoder_layers(g, m, decoder_layer, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
-    hidden_states = rms_norm(g, hidden_states, m.p["model.norm.weight"], "final norm")
-    del position_ids, inputs_embeds, causal, cos, sin  # the frame's locals, in order
-    return hidden_states
-
-
-def rotary_embedding(g: Graph, m: HFModel, position_ids: Tensor, T: int, dtype: str) -> tuple[Tensor, Tensor]:
-    """Phi3RotaryEmbedding.forward: LlamaRotaryEmbedding's over rope_dim (inv_freq has rope_dim/2 entries:
-    compute_default_rope_parameters' int(head_dim * partial_rotary_factor)): position_ids[..., None].float()
-    * inv_freq, cat with itself, cos() and sin() each times attention_scaling, cast to x's dtype."""
-    half, width = m.cfg.shape.rope_dim // 2, m.cfg.shape.rope_dim
-    position = made(g, (1, T, 1), "_to_copy", position_ids)
-    freqs = made(g, (1, T, half), "mul", position, m.rope[0])
-    del position
-    emb = made(g, (1, T, width), "cat", freqs)
-    cos = scaled(g, made(g, (1, T, width), "cos", emb))
-    sin = scaled(g, made(g, (1, T, width), "sin", emb))
-    out = cast(g, cos, dtype), cast(g, sin, dtype)
-    del freqs, emb, cos, sin
-    return out
+    """Phi3Model.forward: LlamaModel's ops (the mask create_sliding_window_causal_mask where
+    config.sliding_window is set, the rotary tables over rope_dim), with Phi-3's layers."""
+    return decoder_forward(g, m, input_ids, kwargs, decoder_layer, rms_norm)
 
 
 def decoder_layer(g: Graph, m: HFModel, i: int, hidden_states: Tensor, causal, cos, sin, kwargs) -> Tensor:

@@ -164,8 +164,11 @@ class ModelShape:
     @property
     def rope_dim(self) -> int:
         """The dimensions RoPE rotates in each q/k head: int(head_dim * rotary_fraction) (all of it but for
-        GPT-NeoX's rotary_ndims and Phi's partial_rotary_factor), or MLA's qk_rope_head_dim."""
-        return self.qk_rope_head_dim if self.kv_lora_rank else int(self.head_dim * self.rotary_fraction)
+        GPT-NeoX's rotary_ndims and Phi's partial_rotary_factor), or MLA's qk_rope_head_dim; head_dim itself
+        when whole (an exact term's formula keeps its symbol)."""
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
+        return self.head_dim if self.rotary_fraction == 1 else int(self.head_dim * self.rotary_fraction)
 
     @property
     def v_dim(self) -> int:

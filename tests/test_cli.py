@@ -167,7 +167,7 @@ BAD_INPUT = [
     (["estimate", "--params", "8e9", "--kv-heads", "5"], "must divide heads"),
     (["estimate", "--model", "gpt5"], "unknown model 'gpt5'"),
     (["estimate", "--params", "8e9", "--tricks", "bf16,turbo"], "unknown trick 'turbo'"),
-    (["estimate", "--params", "8e9", "--tricks", "fp32,flash"], "flash needs 16-bit"),
+    (["estimate", "--params", "8e9", "--tricks", "fp32,flash"], "fp32,flash is Transformers"),
     (["estimate", "--params", "8e9", "--tricks", "fp32,bf16"], "choose one precision"),
     (["estimate", "--params", "8e9", "--tricks", "ckpt,selective"], "drop selective or ckpt"),
     (["estimate", "--params", "8e9", "--gpu", "tpu-v5"], "unknown GPU 'tpu-v5'"),

@@ -15,18 +15,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memcalc.exact.hf import arch_for, param_shapes  # noqa: E402
-from memcalc.exact.hf import build as hf_build  # noqa: E402
-from memcalc.exact.sim import Graph  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
-from memcalc.exact.tensors import Memory  # noqa: E402
 from memcalc.model.hfconfig import ARCHITECTURES  # noqa: E402
-from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
-from tests.test_stack_hf import ALL_TRICKS, HF, assert_replayed, assert_same_phases, config  # noqa: E402
-from verify.hf import build_hf  # noqa: E402
+from tests.test_stack_hf import ALL_TRICKS, HF, assert_parameters, assert_replayed, assert_same_phases  # noqa: E402
 from verify.meta import measure_step  # noqa: E402
 
 BASE = dict(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, vocab=200, tied_embeddings=False)
@@ -44,13 +38,7 @@ TINY = {
 @pytest.mark.parametrize("name", TINY)
 def test_parameters_as_transformers_registers_them(name):
     """named_parameters(), names, shapes and order (Phi-3's qkv_proj and gate_up_proj one matrix each)."""
-    shape, t = TINY[name], parse_tricks("bf16")
-    model = build_hf(shape, t, 24).model
-    assert arch_for(shape) == shape.arch
-    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_shapes(shape, shape.arch)
-    sim = hf_build(Graph(Memory()), config(shape, 24, 1, t))
-    assert [p.name for p in sim.params] == [n for n, _ in model.named_parameters()]
-    assert sum(p.numel() for p in model.parameters()) == n_params(shape)
+    assert_parameters(TINY[name])
 
 
 @pytest.mark.parametrize("name,batch", [(n, 1) for n in TINY] + [("olmo2", 2), ("phi3-partial-rotary-dropout", 2)])

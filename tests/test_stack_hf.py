@@ -156,6 +156,18 @@ def test_full_size_other_cases(shape, tricks):
     assert_same_phases(shape, 8192, tricks)
 
 
+def assert_parameters(shape: ModelShape) -> None:
+    """named_parameters() of Transformers' model for this shape, names, shapes and order, as the replay
+    registers them (arch_for the shape's own architecture), and its count."""
+    t = parse_tricks("bf16")
+    model = build_hf(shape, t, 24).model
+    assert arch_for(shape) == shape.arch
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_shapes(shape, shape.arch)
+    sim = hf_build(Graph(Memory()), config(shape, 24, 1, t))
+    assert [p.name for p in sim.params] == [n for n, _ in model.named_parameters()]
+    assert sum(p.numel() for p in model.parameters()) == n_params(shape)
+
+
 def assert_same_phases(shape: ModelShape, seq: int, tricks: str) -> None:
     """Every phase's bytes as measured on meta (micro-batch 1), and FlopCounterMode's count."""
     t = parse_tricks(tricks)

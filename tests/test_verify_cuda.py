@@ -34,7 +34,8 @@ def model_of(shape: ModelShape) -> Model:
 
 
 @pytest.mark.parametrize("shape,tricks", [(LLAMA, "fp32"), (LLAMA, "bf16"), (LLAMA, "fp16"), (LLAMA, "bf16,ckpt"),
-                                          (LLAMA, "bf16,selective"), (GPT, "fp32"), (GPT, "fp32,ckpt")])  # fmt: skip
+                                          (LLAMA, "bf16,selective"), (GPT, "fp32"), (GPT, "fp32,ckpt"),
+                                          (GPT, "bf16")])  # fmt: skip
 def test_cpu_stand_in_equals_exact(shape, tricks):
     stages = []
     r = run.verify(model_of(shape), SETUP, parse_tricks(tricks), device="cpu", steps=2,

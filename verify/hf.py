@@ -113,6 +113,13 @@ CONFIGS = {  # model_type -> its config's fields for this shape
     "phi3": lambda s, t: decoder_config(s, t, hidden_act="silu", resid_pdrop=s.dropout, embd_pdrop=s.dropout,
                                         sliding_window=s.sliding_window or None,
                                         partial_rotary_factor=s.rotary_fraction, pad_token_id=None),  # fmt: skip
+    "gpt_neox": lambda s, t: dict(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.n_layers,
+                                  num_attention_heads=s.n_heads, intermediate_size=s.ffn, hidden_act="gelu",
+                                  rotary_pct=s.rotary_fraction, use_parallel_residual=s.parallel_residual,
+                                  max_position_embeddings=max(t, 2048), layer_norm_eps=NORM_EPS,
+                                  attention_dropout=s.dropout, hidden_dropout=s.dropout, attention_bias=True,
+                                  tie_word_embeddings=s.tied_embeddings, bos_token_id=None,
+                                  eos_token_id=None),  # fmt: skip
 }
 
 
@@ -130,6 +137,8 @@ def sdpa_flash_forward(module, query, key, value, attention_mask, dropout: float
     groups = getattr(module, "num_key_value_groups", 1)
     if attention_mask is not None:
         return sdpa_masked_forward(module, query, key, value, attention_mask, dropout, scaling)
+    if query.dtype == torch.float32:
+        return sdpa_fp32_forward(module, query, key, value, dropout, scaling)
     if groups > 1 and key.shape[-1] > 256:
         raise InputError("Transformers' sdpa would not reach the flash kernel here: GQA with head_dim > 256")
     q_length = query.shape[2]
@@ -137,6 +146,24 @@ def sdpa_flash_forward(module, query, key, value, attention_mask, dropout: float
     out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout, causal, False,
                                                             scale=scaling)[0]  # fmt: skip
     out = out.reshape(out.shape[0], -1, q_length, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_fp32_forward(module, query, key, value, dropout: float = 0.0, scaling=None):
+    """integrations/sdpa_attention.py sdpa_attention_forward at fp32 as it runs on CUDA: SDPA's flash kernel
+    takes 16 bits only (sdp_utils.cpp check_dtypes_flash_attention), so one key head per query head runs the
+    memory-efficient kernel, causal, no bias; grouped heads (enable_gqa) the math path, which the
+    memory-efficient kernel's check on head counts leaves (check_batch_size_and_num_heads_dense) and which
+    the meta device itself runs (attention.cpp _scaled_dot_product_attention_math); then the output
+    transposed and made contiguous."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    q_length = query.shape[2]
+    if groups > 1:
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=q_length > 1,
+                                             scale=scaling, enable_gqa=True)  # fmt: skip
+    else:
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, None, True, dropout,
+                                                                    q_length > 1, scale=scaling)[0]  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -107,6 +107,10 @@ def attention_name(tricks: Tricks, device: str, ops: tuple[str, ...] = (), stack
     if stack_model == "hf":
         if not tricks.flash:
             return "Transformers' eager_attention_forward (the model's modeling file): the scores materialised"
+        if tricks.precision == "fp32":  # CUDA's flash kernel takes 16 bits only
+            return ("Transformers' sdpa path at fp32: SDPA's memory-efficient kernel "
+                    "(aten._scaled_dot_product_efficient_attention) for one key head per query head, its math "
+                    "path for grouped heads")  # fmt: skip
         return ("Transformers' sdpa path (integrations/sdpa_attention.py) down to aten._flash_attention_forward, "
                 "the kernel CUDA's SDPA flash backend runs")  # fmt: skip
     if not tricks.flash:
@@ -234,7 +238,8 @@ def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, sta
     progress(f"training {shape.n_layers} layers on {stats.device}")
     run = measure_device(shape, setup.seq_len, setup.micro_batch, tricks, stats, steps, setup.grad_accum,
                          stack=setup.stack, optimizer=setup.optimizer)  # fmt: skip
-    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack, setup.optimizer)
+    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack, setup.optimizer,
+                   stats.device)  # CPU tensors (the stand-in): CPU's kernels
     tb, ph, d, L = textbook(shape, setup, tricks), e.phases, run.phases, shape.n_layers
     where = {"forward": ph.forward_peak_at, "backward": ph.backward_peak_at, "optimizer": ph.optimizer_peak_at}
     rows = [
@@ -253,7 +258,7 @@ def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, sta
     if linearity and L > 1:
         r2 = measure_retained(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, stats)
         e2 = exact_step(with_layers(shape, L2), setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack,
-                        setup.optimizer)  # fmt: skip
+                        setup.optimizer, stats.device)  # fmt: skip
         exact, measured = (ph.retained_bytes - e2.phases.retained_bytes) / (L - L2), (d.retained_bytes - r2) / (L - L2)
         rows.append(Row(f"kept after forward, per layer (depths {L} and {L2})", "bytes", tb["layer"], exact, measured,
                         tol))  # fmt: skip

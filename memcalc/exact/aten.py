@@ -25,7 +25,8 @@ reads and writes in HBM (each operand once) and, for matmuls, its FLOPs (2·m·k
 keep byte counts of the tensors they read, never the tensors: a reference would change lifetimes.
 """
 
-from .aten_activations import gelu, log_softmax, masked_fill, native_dropout, sigmoid, silu, softmax, tanh
+from .aten_activations import (gelu, log_softmax, masked_fill, native_dropout, safe_softmax, sigmoid, silu, softmax,
+                               tanh)  # fmt: skip
 from .aten_arithmetic import (add, add_scalar, div, div_scalar, div_tensor, mean_last, mul, mul_scalar, mul_scalar_,
                               neg, pow2, pow_scalar, rsqrt, sum_keepdim, to)  # fmt: skip
 from .aten_fused import efficient_attention, flash_attention, layer_norm
@@ -40,5 +41,5 @@ __all__ = [
     "efficient_attention", "embedding", "expand", "flash_attention", "gather", "gelu", "index_add_", "index_select", "layer_norm", "linear",
     "log_softmax", "masked_fill", "matmul4", "mean_last", "mm", "mul", "mul_scalar", "mul_scalar_", "narrow_last",
     "native_dropout", "neg", "nll_loss", "pad_last", "pow2", "pow_scalar", "promote", "reshape_copy", "rsqrt",
-    "sigmoid", "silu", "size", "slice_last", "softmax", "split", "split_last", "sum_keepdim", "t", "tanh", "to", "view",
+    "safe_softmax", "sigmoid", "silu", "size", "slice_last", "softmax", "split", "split_last", "sum_keepdim", "t", "tanh", "to", "view",
 ]  # fmt: skip

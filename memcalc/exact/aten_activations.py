@@ -54,6 +54,12 @@ def softmax(g: Graph, x: Tensor) -> Tensor:
     return in_fp32(g, x, "softmax.int", "_softmax", "_softmax_backward_data")
 
 
+def safe_softmax(g: Graph, x: Tensor) -> Tensor:
+    """aten._safe_softmax(x, -1) (SafeSoftmaxBackward0: _softmax_backward_data of its result), which SDPA's
+    math path runs: saves its output."""
+    return unary(g, x, "_safe_softmax", "_softmax_backward_data", "result")
+
+
 def log_softmax(g: Graph, x: Tensor) -> Tensor:
     """aten._log_softmax(x, 1) (LogSoftmaxBackward0): saves its output. F.cross_entropy calls it with
     the input's own dtype (aten/src/ATen/native/LossNLL.cpp cross_entropy_loss), which CUDA's

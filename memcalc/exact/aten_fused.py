@@ -1,5 +1,5 @@
 """The fused aten kernels that keep statistics for their backward (memcalc.exact.aten): native_layer_norm
-(fp32 mean and rstd), the flash attention kernel (logsumexp, and on CUDA the Philox seed and offset) and the
+(its mean and rstd), the flash attention kernel (logsumexp, and on CUDA the Philox seed and offset) and the
 memory-efficient one that SDPA runs with a mask.
 """
 
@@ -10,13 +10,15 @@ from .sim import Graph
 from .tensors import Tensor, nbytes
 
 
-def layer_norm(g: Graph, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    """aten.native_layer_norm (NativeLayerNormBackward0): output, and fp32 mean and rstd (B, T, 1);
-    saves input, weight, bias, mean, rstd. Backward: grad input, grad weight, grad bias."""
+def layer_norm(g: Graph, x: Tensor, w: Tensor, b: Tensor, cpu: bool = False) -> Tensor:
+    """aten.native_layer_norm (NativeLayerNormBackward0): output, and mean and rstd (B, T, 1), fp32 on CUDA
+    (layer_norm_kernel.cu: the accumulate type); on CPU tensors (cpu) in the input's dtype unless the
+    weight's differs (layer_norm.cpp layer_norm_cpu: param_scalar_type(input, mixed_type)); saves input,
+    weight, bias, mean, rstd. Backward: grad input, grad weight, grad bias."""
     x, w, b = autocast(g, "layer_norm", x, w, b)
     sx, sw = x.shape, w.shape
-    stat = x.shape[:-1] + (1,)
-    read = nbytes(x) + nbytes(w) + 2 * size(stat, "fp32")  # input, weight, mean, rstd
+    stat, stat_dtype = x.shape[:-1] + (1,), x.dtype if cpu and x.dtype == w.dtype else "fp32"
+    read = nbytes(x) + nbytes(w) + 2 * size(stat, stat_dtype)  # input, weight, mean, rstd
 
     def rule(gs):
         op = "native_layer_norm_backward"
@@ -26,8 +28,8 @@ def layer_norm(g: Graph, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
 
     node = g.begin("native_layer_norm", [x, w, b], rule, [(x, "input"), (w, "weight"), (b, "bias")])
     out = g.empty(x.shape, x.dtype, "native_layer_norm")
-    mean = g.empty(stat, "fp32", "native_layer_norm")
-    rstd = g.empty(stat, "fp32", "native_layer_norm")
+    mean = g.empty(stat, stat_dtype, "native_layer_norm")
+    rstd = g.empty(stat, stat_dtype, "native_layer_norm")
     g.kernel("native_layer_norm", (x, w, b), (out, mean, rstd))
     g.end(node, [out, mean, rstd], [(mean, "mean"), (rstd, "rstd")])
     return out
@@ -76,36 +78,41 @@ def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False
     return out
 
 
-def efficient_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-    """aten._scaled_dot_product_efficient_attention with an additive bias, compute_log_sumexp, not causal
+def efficient_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+    """aten._scaled_dot_product_efficient_attention with compute_log_sumexp, given an additive bias (not
+    causal), or without one causal (is_causal: fp32, which the flash kernel refuses)
     (ScaledDotProductEfficientAttentionBackward0): output (B, nh, T, d) laid out (B, T, nh, d), logsumexp
     (B, nh, T rounded up to 32) fp32, the Philox seed and offset (0-d int64 each); saves q, k, v, the bias,
     output, logsumexp, seed, offset. Backward: grad q, k, v, each laid out (B, T, nh, d) (the meta function's
     empty_permuted; CUDA's kernel lays them out as its inputs and adds an fp32 (B, nh, T) delta), none for
     the bias. With dropout CUDA makes the seed and offset on the CPU. K and V come in with every head
-    (repeat_kv). The kernel reads the bias block by block and skips none: it executes every FLOP
-    FlopCounterMode counts."""
+    (repeat_kv, or MHA). With a bias the kernel reads it block by block and skips none: it executes every
+    FLOP FlopCounterMode counts; causal, it skips the blocks above the diagonal: half."""
     q, k, v = autocast(g, "scaled_dot_product_attention", q, k, v)
     sq, sk, sv = q.shape, k.shape, v.shape
     B, nh, Tq, d = q.shape
     one = 2 * B * nh * Tq * k.shape[2] * d  # one (B·nh) x Tq x Tk matmul over d
     name, op = "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"
     lse_shape = (B, nh, -(-Tq // 32) * 32)
-    read, dt = nbytes(q) + nbytes(k) + nbytes(v) + nbytes(bias), q.dtype
+    read, dt = nbytes(q) + nbytes(k) + nbytes(v) + (nbytes(bias) if bias is not None else 0), q.dtype
     o_bytes, lse_bytes = size(q.shape, q.dtype), size(lse_shape, "fp32")
+    run = 1 if bias is not None else 2  # causal: half the blocks executed
 
     def rule(gs):
         grads = [g.empty(sq, gs[0].dtype, op), g.empty(sk, gs[0].dtype, op), g.empty(sv, gs[0].dtype, op)]
-        g.kernel(op, (read, o_bytes, gs[0], lse_bytes), tuple(grads), "flash", 5 * one, "attention", 5 * one, dt)
+        g.kernel(op, (read, o_bytes, gs[0], lse_bytes), tuple(grads), "flash", 5 * one // run, "attention", 5 * one,
+                 dt)  # fmt: skip
         return grads
 
     def kernel():
         out = g.empty(q.shape, q.dtype, name)
         lse = g.empty(lse_shape, "fp32", name)
-        g.kernel(name, (q, k, v, bias), (out, lse), "flash", 2 * one, "attention", 2 * one, dt)  # QKᵀ and PV
+        inputs = (q, k, v) + ((bias,) if bias is not None else ())
+        g.kernel(name, inputs, (out, lse), "flash", 2 * one // run, "attention", 2 * one, dt)  # QKᵀ and PV
         return out, lse, g.empty((), "int64", name), g.empty((), "int64", name)
 
-    node = g.begin(name, [q, k, v], rule, [(q, "query"), (k, "key"), (v, "value"), (bias, "attn_bias")])
+    saved = [(q, "query"), (k, "key"), (v, "value")] + ([(bias, "attn_bias")] if bias is not None else [])
+    node = g.begin(name, [q, k, v], rule, saved)
     out, lse, seed, offset = g.outputs(name, kernel, ("output", "logsumexp", "philox_seed", "philox_offset"))
     g.end(node, [out, lse], [(out, "output"), (lse, "log_sumexp"), (seed, "philox_seed"), (offset, "philox_offset")])
     return out

@@ -215,7 +215,7 @@ def transformer(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
             x = block(g, cfg, b, x, cos, sin, future, routing)
     g.layer = None
     last = x if m.mtp is not None else None  # the MTP module's input
-    x = norm(g, x, m.norm, "final norm")
+    x = norm(g, x, m.norm, "final norm", cfg.device == "cpu")
     weight = m.tok_emb if m.lm_head is None else m.lm_head
     with g.scoped("logits"):
         logits = aten.linear(g, x, weight, None, "logits")  # (B, T, V)
@@ -230,13 +230,13 @@ def transformer(g: Graph, m: Model, idx: Tensor, targets: Tensor) -> Tensor:
 def block(g: Graph, cfg: Config, b: Block, x, cos, sin, future, routing=()) -> Tensor:
     """Block.forward (verify/builder.py Block): x + dropout(attention(norm1(x))), then x + dropout(mlp(norm2(x))),
     the attention latent (MLA) and the MLP a mixture of experts where the block has them."""
-    p = cfg.shape.dropout
+    p, cpu = cfg.shape.dropout, cfg.device == "cpu"
     attend = latent if b.latent is not None else attention
-    x = aten.add(g, x, dropout(g, attend(g, cfg, b, norm(g, x, b.norm1, "norm1"), cos, sin, future), p,
+    x = aten.add(g, x, dropout(g, attend(g, cfg, b, norm(g, x, b.norm1, "norm1", cpu), cos, sin, future), p,
                                "attention dropout"))  # fmt: skip
     if b.experts is not None:
-        return aten.add(g, x, dropout(g, mixture(g, cfg, b, norm(g, x, b.norm2, "norm2"), routing), p, "mlp dropout"))
-    return aten.add(g, x, dropout(g, mlp(g, cfg, b, norm(g, x, b.norm2, "norm2")), p, "mlp dropout"))
+        return aten.add(g, x, dropout(g, mixture(g, cfg, b, norm(g, x, b.norm2, "norm2", cpu), routing), p, "mlp dropout"))
+    return aten.add(g, x, dropout(g, mlp(g, cfg, b, norm(g, x, b.norm2, "norm2", cpu)), p, "mlp dropout"))
 
 
 # torchtitan v0.1.0 (f7084fc7), torchtitan/models/llama3/infra/parallelize.py: _save_list, the ops whose

@@ -29,9 +29,10 @@ def rms_norm(g: Graph, x: Tensor, w: Tensor) -> Tensor:
     return aten.mul(g, aten.to(g, aten.mul(g, x32, rstd), x.dtype), w)
 
 
-def norm(g: Graph, x: Tensor, params: list[Tensor], scope: str) -> Tensor:
+def norm(g: Graph, x: Tensor, params: list[Tensor], scope: str, cpu: bool = False) -> Tensor:
+    """LayerNorm (weight and bias; cpu: on CPU tensors, whose statistics keep the input's dtype) or RMSNorm."""
     with g.scoped(scope):
-        return aten.layer_norm(g, x, *params) if len(params) == 2 else rms_norm(g, x, params[0])
+        return aten.layer_norm(g, x, *params, cpu) if len(params) == 2 else rms_norm(g, x, params[0])
 
 
 def linear(g: Graph, x: Tensor, params: list[Tensor]) -> Tensor:

@@ -7,8 +7,8 @@ the same time. Citations name the file and the function mirrored. This module: w
 builds a shape, its parameters, and the Trainer's step around the model (trainer.py compute_loss,
 LlamaForCausalLM.forward and GPT2LMHeadModel.forward, loss/loss_utils.py ForCausalLMLoss: logits.float(),
 labels padded and shifted, cross-entropy summed and divided by num_items_in_batch). The decoders are
-memcalc.exact.hf_llama's (Llama, Mistral, Qwen2, Qwen3) and memcalc.exact.hf_gpt2's; the causal mask and
-the attention interface, which both call, memcalc.exact.hf_attention's.
+memcalc.exact.hf_llama's (Llama, Mistral, Qwen2, Qwen3), hf_gpt2's, hf_gemma's, hf_olmo2's, hf_phi3's and
+hf_gpt_neox's; the causal mask and the attention interface, which all call, memcalc.exact.hf_attention's.
 """
 
 from __future__ import annotations
@@ -23,19 +23,22 @@ from .config import Config
 from .hf_family import Family, HFModel, rope_buffers
 from .hf_gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .hf_gpt2 import gpt2_model
+from .hf_gpt_neox import GPT_NEOX
 from .hf_llama import llama_model
 from .hf_olmo2 import OLMO2
 from .hf_phi3 import PHI3
 from .sim import Graph
 from .tensors import Tensor
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "olmo2", "phi3", "gemma2", "gemma3_text")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "olmo2", "phi3", "gemma2", "gemma3_text",
+         "gpt_neox")
 
 
 def families() -> dict[str, Family]:
     """Each architecture replayed, by model_type."""
     return {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gpt2": GPT2, "olmo2": OLMO2,
-            "phi3": PHI3, "gemma": GEMMA, "gemma2": GEMMA2, "gemma3_text": GEMMA3_TEXT}
+            "phi3": PHI3, "gemma": GEMMA, "gemma2": GEMMA2, "gemma3_text": GEMMA3_TEXT,
+            "gpt_neox": GPT_NEOX}
 
 
 def arch_for(shape: ModelShape) -> str:

@@ -137,6 +137,10 @@ def attention_core(g: Graph, cfg: Config, q, k, v, causal, contiguous_qk: bool =
     with g.scoped("attention core"):
         if cfg.flash and causal is not None:  # a sliding window's mask at seq >= the window
             return sdpa_masked_forward(g, q, k, v, causal, cfg.device == "cpu", contiguous_qk), None
+        if math_path(cfg):
+            return sdpa_math_forward(g, q, k, v, contiguous_qk), None
+        if cfg.flash and cfg.precision == "fp32" and cfg.device != "cpu":  # CUDA's flash kernel takes 16 bits only
+            return sdpa_efficient_forward(g, q, k, v), None
         if cfg.flash:
             return sdpa_flash_forward(g, q, k, v, cfg.device == "cpu", contiguous_qk), None
         if cfg.shape.positions != "rope":
@@ -194,6 +198,50 @@ def sdpa_masked_forward(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
         del full
     del q, k, v
     return transpose12(g, aten.view(g, out, out.shape))
+
+
+def sdpa_efficient_forward(g: Graph, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """verify/hf.py sdpa_flash_forward at fp32 with one key head per query head: SDPA on CUDA refuses the flash
+    kernel for fp32 (sdp_utils.cpp check_dtypes_flash_attention) and takes the memory-efficient one, causal,
+    no bias; its output is laid out (B, T, nh, d) whatever q's layout, so transpose(1, 2).contiguous() is a
+    view."""
+    out = aten.efficient_attention(g, q, k, v, None)
+    return transpose12(g, aten.view(g, out, out.shape))
+
+
+def sdpa_math_forward(g: Graph, q: Tensor, k: Tensor, v: Tensor, contiguous_q: bool = False) -> Tensor:
+    """verify/hf.py sdpa_flash_forward at fp32 with grouped key heads (enable_gqa): on CUDA SDPA's flash and
+    cuDNN kernels refuse fp32 and the memory-efficient one grouped heads (sdp_utils.cpp), so it runs its math
+    path (attention.cpp _scaled_dot_product_attention_math, as on meta): q * √scale; the causal mask
+    ones(T, T).tril() made additive (where: fp32 (T, T)); k and v repeat_interleave'd to every head
+    (unsqueeze, expand, clone: copies even of one key head); matmul(q, kᵀ * √scale), + the mask (a new
+    (B, nh, T, T)), _safe_softmax (saves its result), matmul with v. Its locals (the scaled q, the mask, the
+    repeated k and v) live until it returns; then transpose(1, 2).contiguous() copies."""
+    B, nh, T, d = q.shape
+    query = aten.mul_scalar(g, q)
+    ones = made(g, (T, T), "ones", dtype="bool")
+    tril = made(g, (T, T), "tril", ones, dtype="bool")
+    del ones
+    zero = made(g, (), "scalar_tensor", dtype=q.dtype)
+    low = made(g, (), "scalar_tensor", dtype=q.dtype)
+    mask = made(g, (T, T), "where", tril, zero, low, dtype=q.dtype)
+    del tril, zero, low
+    key, value = repeat_interleave(g, k, nh), repeat_interleave(g, v, nh)
+    kt = aten.mul_scalar(g, aten.view(g, key, (B, nh, d, T)))  # key.transpose(-2, -1) * √scale
+    attn = aten.matmul4(g, query, kt, B > 1 and not contiguous_q, False, False)
+    del kt  # the temporary dies with the expression (saved by bmm where autograd records)
+    attn = aten.add(g, attn, mask)
+    attn = aten.safe_softmax(g, attn)
+    out = aten.matmul4(g, attn, value, False, False, B > 1)  # its gradient arrives through the transpose
+    del attn, query, mask, key, value
+    return aten.reshape_copy(g, transpose12(g, out), (B, T, nh, d))
+
+
+def repeat_interleave(g: Graph, x: Tensor, n_heads: int) -> Tensor:
+    """x.repeat_interleave(n_heads // nkv, dim=-3): unsqueeze, expand, clone (contiguous), view."""
+    B, nkv, T, hs = x.shape
+    x5 = aten.expand(g, aten.view(g, x, (B, nkv, 1, T, hs)), (B, nkv, n_heads // nkv, T, hs))
+    return aten.reshape_copy(g, x5, (B, n_heads, T, hs))
 
 
 def eager_attention_forward(g: Graph, cfg: Config, query, key, value, attention_mask, contiguous_qk: bool = False):
@@ -254,15 +302,25 @@ def grad_copies(cfg: Config, masked: bool = False) -> tuple[bool, bool, bool]:
     k's through kᵀ, whose (n, d) dims merge (none). With a cache, attention runs on its copies, contiguous
     (B, n, T, d): flash's gradients come back so (CUDA's kernel and the meta function allocate them like
     their inputs; CPU's lays them out (B, T, n, d)), and reshaping them through the transpose copies (eager's
-    k gradient still comes through kᵀ)."""
+    k gradient still comes through kᵀ); the memory-efficient kernel's (fp32) are laid out (B, T, n, d) by the
+    meta function (empty_permuted), where CUDA's lays them out as its inputs: one copy of v's a layer more
+    there."""
     s = cfg.shape
+    masked = masked or math_path(cfg)  # sdpa_math_forward repeats k and v as the masked call does
     if masked and s.positions == "rope":  # sdpa_masked_forward: k and v repeated to every head
         return s.n_heads > 1, s.n_kv_heads > 1, s.n_kv_heads > 1 and s.n_kv_heads < s.n_heads
     cached = hf_cache.kept(cfg) and cfg.device != "cpu"  # CPU's flash kernel lays its gradients out (B, T, n, d)
+    cached = cached and not (cfg.flash and cfg.precision == "fp32")  # sdpa_efficient_forward's, as meta lays them
     if s.positions == "rope":
         return s.n_heads > 1, s.n_kv_heads > 1, s.n_kv_heads > 1 and (not cfg.flash or cached)
     return (s.n_heads > 1 and not cfg.flash, s.n_kv_heads > 1 and cached and cfg.flash,
             s.n_kv_heads > 1 and (not cfg.flash or cached))  # fmt: skip
+
+
+def math_path(cfg: Config) -> bool:
+    """Whether CUDA's SDPA runs its math path (sdpa_math_forward): fp32 with grouped key heads."""
+    s = cfg.shape
+    return cfg.flash and cfg.precision == "fp32" and cfg.device != "cpu" and s.n_kv_heads < s.n_heads
 
 
 def dropout(g: Graph, x: Tensor, p: float) -> Tensor:

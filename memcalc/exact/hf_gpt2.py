@@ -49,7 +49,8 @@ def gpt2_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor
 
 
 def layer_norm(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
-    return aten.layer_norm(g, x, m.p[name + ".weight"], m.p[name + ".bias"])
+    """nn.LayerNorm: F.layer_norm with the module's weight and bias."""
+    return aten.layer_norm(g, x, m.p[name + ".weight"], m.p[name + ".bias"], m.cfg.device == "cpu")
 
 
 def conv1d(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from functools import lru_cache
 from memcalc.model.flops import StepFlops, model_per_token, textbook_step_flops
 from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
 from memcalc.model.shape import ModelShape
-from memcalc.model.stacks import DEFAULT_STACK, Stack
+from memcalc.model.stacks import DEFAULT_STACK, STACKS, Stack
 from memcalc.model.tricks import Tricks
 
 from .cache import remembered
@@ -198,9 +198,11 @@ def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
 def counted_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[int, int]:
     """FLOPs of one micro-batch's forward, backward and recompute as FlopCounterMode counts them (matmuls
     only, attention non-causal, flash's backward as five matmuls), and the same with every attention
-    matmul halved: what a causal kernel executes."""
+    matmul halved: what a causal kernel executes. SDPA at fp32 (fp32,flash) is Transformers' alone
+    (memcalc.model.stacks.check_tricks): its count is the hf stack's."""
     counted = attention = 0
-    for k in kernels_of(shape, seq_len, micro_batch, tricks):
+    stack = STACKS["hf"] if tricks.flash and tricks.precision == "fp32" else DEFAULT_STACK
+    for k in kernels_of(shape, seq_len, micro_batch, tricks, stack):
         if k.phase in STEP_PHASES:
             n = block_weight(k, shape.n_layers, tricks, shape) * k.count
             counted += n * k.counted

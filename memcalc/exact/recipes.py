@@ -26,8 +26,8 @@ def check_simulated(cfg: Config) -> None:
     reason = not_replayed(cfg.model, cfg.recipe, cfg.impl, cfg.optimizer, cfg.precision) or shape_not_replayed(cfg.shape, cfg.model, cfg.recipe, cfg.impl)
     if reason:
         raise InputError(reason)
-    if cfg.model == "hf" and (cfg.ckpt_every > 1 or cfg.recompute == "op"):
-        check_tricks(stack_for("hf"), cfg.tricks)
+    if (cfg.model == "hf" and (cfg.ckpt_every > 1 or cfg.recompute == "op")) or (cfg.flash and cfg.precision == "fp32"):
+        check_tricks(stack_for(cfg.model), cfg.tricks)
     if cfg.fp8 and cfg.model != "reference":
         raise InputError("fp8 (torchao float8) is replayed on memcalc's reference model (--stack reference, torch, "
                          "fsdp2), not on Transformers' classes")

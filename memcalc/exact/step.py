@@ -49,9 +49,13 @@ class Sym(int):
         return (Sym, (int(self), self.name))
 
     def __mul__(self, other):
+        if not isinstance(other, int):  # a fraction (rotary_fraction): a plain product, no symbol
+            return int(self) * other
         return Sym(int(self) * int(other), f"{self.name}·{_name(other)}")
 
     def __rmul__(self, other):
+        if not isinstance(other, int):
+            return other * int(self)
         return self if int(other) == 1 else Sym(int(other) * int(self), f"{_name(other)}·{self.name}")
 
     def __floordiv__(self, other):
@@ -90,14 +94,14 @@ def symbols(shape: ModelShape, seq_len: int, micro_batch: int) -> dict[str, int]
 
 
 def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
-           stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> Config:  # fmt: skip
-    """The simulated step, its sizes carrying their symbols."""
+           stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", device: str = "cuda") -> Config:  # fmt: skip
+    """The simulated step, its sizes carrying their symbols (device: cuda, or cpu for CPU tensors' kernels)."""
     named = replace(shape, hidden=Sym(shape.hidden, "h"), n_heads=Sym(shape.n_heads, "a"),
                     n_kv_heads=Sym(shape.n_kv_heads, "k"), head_dim=Sym(shape.head_dim, "d"),
                     ffn=Sym(shape.ffn, "f"), vocab=Sym(shape.vocab, "v"))  # fmt: skip
     return Config(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks.precision, tricks.flash, tricks.recompute,
                   grad_accum, optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache, ckpt_every=tricks.ckpt_every,
-                  fp8=tricks.fp8)  # fmt: skip
+                  fp8=tricks.fp8, device=device)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -229,8 +233,9 @@ def flop_terms(flops: dict) -> tuple[Term, ...]:
 
 @functools.lru_cache(maxsize=256)
 def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
-               stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> ExactStep:  # fmt: skip
-    """Simulate verify's step on one GPU: the model as the stack builds it, trained as it trains it.
+               stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", device: str = "cuda") -> ExactStep:  # fmt: skip
+    """Simulate verify's step on one GPU: the model as the stack builds it, trained as it trains it (device
+    cpu: as CPU tensors run it, for verify's CPU stand-in).
 
     Two short steps are simulated and grown to the depth (Growth, grown_phases): a unit is one block,
     or with ckpt:N a group of N (N − 1 plain and one checkpointed), plus the blocks left over (L mod N,
@@ -252,7 +257,7 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     L, run, grown = shape.n_layers, as_run(tricks, shape.n_layers), growth(tricks, shape)
 
     def at(layers: int):
-        cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, run, grad_accum, stack, optimizer)
+        cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, run, grad_accum, stack, optimizer, device)
         return simulate(cfg, warm_up=False)
 
     if grown is None:  # dense and MoE blocks in another pattern: replayed whole, nothing per layer

@@ -108,6 +108,10 @@ def check_tricks(stack: Stack, tricks) -> None:
     """What the stack's own code can run. Transformers checkpoints every decoder layer or none
     (PreTrainedModel.gradient_checkpointing_enable wraps each GradientCheckpointingLayer): ckpt:N and
     torchtitan's per-op sac are not something its Trainer runs."""
+    if tricks.flash and tricks.precision == "fp32" and stack.model != "hf":
+        raise InputError("fp32,flash is Transformers' sdpa at fp32 (--stack hf: SDPA's memory-efficient kernel, or "
+                         "its math path for grouped heads); FlashAttention needs 16 bits: combine flash with bf16 "
+                         "or fp16")  # fmt: skip
     if stack.model == "hf" and (tricks.mixed or tricks.recompute == "op"):
         raise InputError(f"{tricks.label}: --stack hf checkpoints every decoder layer or none "
                          "(gradient_checkpointing_enable): use ckpt, or --stack torch for ckpt:N and sac")  # fmt: skip

@@ -46,8 +46,6 @@ class Tricks:
             raise InputError(f"unknown precision {self.precision!r}; known: {', '.join(PRECISIONS)}")
         if self.recompute not in RECOMPUTES:
             raise InputError(f"unknown recompute {self.recompute!r}; known: {', '.join(RECOMPUTES)}")
-        if self.flash and self.precision == "fp32":
-            raise InputError("flash needs 16-bit activations: combine it with bf16 or fp16")
         if self.fp8 not in FP8_RECIPES:
             raise InputError(f"unknown fp8 recipe {self.fp8!r}; known: tensorwise, rowwise")
         if self.fp8 and self.precision != "bf16":

@@ -14,6 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from typer.testing import CliRunner  # noqa: E402
+
+from memcalc.cli import app  # noqa: E402
 from memcalc.errors import InputError  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
 from memcalc.model.hfconfig import ARCHITECTURES  # noqa: E402
@@ -77,3 +80,10 @@ def test_other_stacks_refuse(stack):
     """FlashAttention itself needs 16 bits: fp32,flash is Transformers' sdpa, on --stack hf alone."""
     with pytest.raises(InputError, match="fp32,flash is Transformers' sdpa"):
         exact_step(PRESETS["llama3-8b"], 1024, 1, parse_tricks("fp32,flash"), stack=STACKS[stack])
+
+
+def test_shapes_the_hf_stack_does_not_build_refused():
+    """No other stack runs SDPA at fp32: a mixture of experts on --stack hf (whose verdict is the textbook's)
+    gets one line saying so, not another stack's step."""
+    r = CliRunner().invoke(app, ["estimate", "--model", "mixtral-8x7b", "--stack", "hf", "--tricks", "fp32,flash"])
+    assert r.exit_code == 2 and "fp32,flash (Transformers' sdpa at fp32) is replayed where" in r.output

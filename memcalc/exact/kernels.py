@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 
+from memcalc.errors import InputError
 from memcalc.model.flops import StepFlops, model_per_token, textbook_step_flops
 from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
 from memcalc.model.shape import ModelShape
@@ -124,7 +125,11 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape
         return ()
     if not_replayed(stack.model, stack.recipe, stack.impl, optimizer, tricks.precision):
         return ()
-    if shape_not_replayed(shape, stack.model, stack.recipe, stack.impl):
+    reason = shape_not_replayed(shape, stack.model, stack.recipe, stack.impl)
+    if reason and tricks.flash and tricks.precision == "fp32":  # no other stack runs SDPA at fp32
+        raise InputError(f"fp32,flash (Transformers' sdpa at fp32) is replayed where the hf stack builds the model: "
+                         f"{reason}; use fp32 (eager attention) or bf16,flash")  # fmt: skip
+    if reason:
         return ()
     return (stack.model, stack.recipe, stack.impl, optimizer) + ((True,) if stack.use_cache else ())
 
@@ -195,14 +200,18 @@ def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
     return None
 
 
+def flops_stack(tricks: Tricks) -> Stack:
+    """The stack whose trace counts a trick set's FLOPs: the reference's, but for SDPA at fp32 (fp32,flash),
+    which is Transformers' alone (memcalc.model.stacks.check_tricks)."""
+    return STACKS["hf"] if tricks.flash and tricks.precision == "fp32" else DEFAULT_STACK
+
+
 def counted_flops(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks) -> tuple[int, int]:
     """FLOPs of one micro-batch's forward, backward and recompute as FlopCounterMode counts them (matmuls
     only, attention non-causal, flash's backward as five matmuls), and the same with every attention
-    matmul halved: what a causal kernel executes. SDPA at fp32 (fp32,flash) is Transformers' alone
-    (memcalc.model.stacks.check_tricks): its count is the hf stack's."""
+    matmul halved: what a causal kernel executes."""
     counted = attention = 0
-    stack = STACKS["hf"] if tricks.flash and tricks.precision == "fp32" else DEFAULT_STACK
-    for k in kernels_of(shape, seq_len, micro_batch, tricks, stack):
+    for k in kernels_of(shape, seq_len, micro_batch, tricks, flops_stack(tricks)):
         if k.phase in STEP_PHASES:
             n = block_weight(k, shape.n_layers, tricks, shape) * k.count
             counted += n * k.counted
@@ -217,7 +226,8 @@ def step_flops(shape: ModelShape, seq_len: int, tricks: Tricks) -> StepFlops:
     forward up to the last tensor its backward needs (non-reentrant checkpointing stops early there, so
     a Llama block's down projection is not rerun), not Korthikanti's whole extra forward (8N).
     A shape the simulator cannot build yet gets the textbook's count (memcalc.model.flops)."""
-    if shape_not_replayed(shape):
+    stack = flops_stack(tricks)
+    if shape_not_replayed(shape, stack.model, stack.recipe, stack.impl):
         return textbook_step_flops(shape, seq_len, tricks)
     counted, _ = counted_flops(shape, seq_len, 1, tricks)
     return StepFlops(tricks, model_per_token(shape, seq_len), counted // seq_len)  # b·s tokens: exact division

@@ -20,7 +20,7 @@ from . import aten, hf_cache
 from .aten_operands import made
 from .autocast import autocast_for
 from .config import Config
-from .hf_family import Family, HFModel, rope_buffers
+from .hf_family import Family, HFModel, decoder_params, rope_buffers
 from .hf_gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .hf_gpt2 import gpt2_model
 from .hf_gpt_neox import GPT_NEOX
@@ -91,9 +91,9 @@ def gpt2_params(s: ModelShape) -> list[tuple[str, tuple]]:
 def llama_params(s: ModelShape) -> list[tuple[str, tuple]]:
     """LlamaForCausalLM (Mistral; Qwen2: q, k, v biases; Qwen3: q_norm, k_norm per head)."""
     h, f = s.hidden, s.ffn
-    out = [("model.embed_tokens.weight", (s.vocab, h))]
-    for i in range(s.n_layers):
-        n = f"model.layers.{i}."
+
+    def layer(n: str) -> list[tuple[str, tuple]]:
+        out = []
         for proj, rows in (("q_proj", s.q_dim), ("k_proj", s.kv_dim), ("v_proj", s.kv_dim)):
             out.append((f"{n}self_attn.{proj}.weight", (rows, h)))
             if s.qkv_bias:  # Qwen2Attention: bias=True on q, k, v
@@ -101,11 +101,11 @@ def llama_params(s: ModelShape) -> list[tuple[str, tuple]]:
         out.append((n + "self_attn.o_proj.weight", (h, s.q_dim)))
         if s.qk_norm:
             out += [(n + "self_attn.q_norm.weight", (s.head_dim,)), (n + "self_attn.k_norm.weight", (s.head_dim,))]
-        out += [(n + "mlp.gate_proj.weight", (f, h)), (n + "mlp.up_proj.weight", (f, h)),
-                (n + "mlp.down_proj.weight", (h, f)), (n + "input_layernorm.weight", (h,)),
-                (n + "post_attention_layernorm.weight", (h,))]  # fmt: skip
-    out.append(("model.norm.weight", (h,)))
-    return out + ([] if s.tied_embeddings else [("lm_head.weight", (s.vocab, h))])
+        return out + [(n + "mlp.gate_proj.weight", (f, h)), (n + "mlp.up_proj.weight", (f, h)),
+                      (n + "mlp.down_proj.weight", (h, f)), (n + "input_layernorm.weight", (h,)),
+                      (n + "post_attention_layernorm.weight", (h,))]  # fmt: skip
+
+    return decoder_params(s, layer)
 
 
 LLAMA = Family(llama_params, rope_buffers, llama_model, "model.embed_tokens.weight")

@@ -42,3 +42,13 @@ class Family:
 def rope_buffers(shape: ModelShape) -> list[tuple[str, tuple]]:
     """LlamaRotaryEmbedding.__init__: inv_freq and original_inv_freq, rope_dim/2 each (fp32)."""
     return [(name, (shape.rope_dim // 2,)) for name in ("inv_freq", "original_inv_freq")]
+
+
+def decoder_params(s: ModelShape, layer: Callable[[str], list[tuple[str, tuple]]]) -> list[tuple[str, tuple]]:
+    """named_parameters() as LlamaForCausalLM and the decoders written after it register them: model.embed_tokens,
+    each layer's (layer: the family's, given the layer's prefix), model.norm, then lm_head where untied."""
+    out = [("model.embed_tokens.weight", (s.vocab, s.hidden))]
+    for i in range(s.n_layers):
+        out += layer(f"model.layers.{i}.")
+    out.append(("model.norm.weight", (s.hidden,)))
+    return out + ([] if s.tied_embeddings else [("lm_head.weight", (s.vocab, s.hidden))])

@@ -23,9 +23,9 @@ from memcalc.model.shape import ModelShape
 from . import aten, hf_cache
 from .aten_operands import made
 from .builder_layers import transpose12
-from .hf_attention import arange_plus, attention_interface, causal_mask, grad_copies, sliding_window_causal_mask
-from .hf_family import Family
-from .hf_llama import apply_rotary_pos_emb, cast, linear, scaled
+from .hf_attention import arange_plus, causal_mask, grad_copies, sliding_window_causal_mask
+from .hf_family import Family, decoder_params
+from .hf_llama import cast, linear, scaled, self_attention
 from .sim import Graph
 from .tensors import Tensor
 
@@ -100,11 +100,7 @@ def params_of(arch: str):
 
     def params(s: ModelShape) -> list[tuple[str, tuple]]:
         check_gemma(s, arch)
-        out = [("model.embed_tokens.weight", (s.vocab, s.hidden))]
-        for i in range(s.n_layers):
-            out += layer_params(s, f"model.layers.{i}.", arch == "gemma3_text", arch != "gemma")
-        out.append(("model.norm.weight", (s.hidden,)))
-        return out + ([] if s.tied_embeddings else [("lm_head.weight", (s.vocab, s.hidden))])
+        return decoder_params(s, lambda n: layer_params(s, n, arch == "gemma3_text", arch != "gemma"))
 
     return params
 
@@ -230,7 +226,8 @@ def decoder_layer(g: Graph, m: HFModel, i: int, hidden_states: Tensor, causal, c
     residual = hidden_states
     hidden_states = rms_norm(g, hidden_states, m.p[n + "input_layernorm.weight"], "norm1")
     with g.scoped("attention"):
-        hidden_states, _ = self_attention(g, m, i, n + "self_attn.", hidden_states, causal, cos, sin, kwargs)
+        hidden_states, _ = self_attention(g, m, n + "self_attn.", hidden_states, causal, cos, sin, kwargs,
+                                          projections)  # fmt: skip
     if sandwich:
         hidden_states = rms_norm(g, hidden_states, m.p[n + "post_attention_layernorm.weight"], "attention norm")
     hidden_states = aten.add(g, residual, hidden_states)
@@ -253,14 +250,14 @@ def gemma_mlp(g: Graph, m: HFModel, n: str, x: Tensor) -> Tensor:
                                                   linear(g, m, n + "up_proj", x)))  # fmt: skip
 
 
-def self_attention(g: Graph, m: HFModel, i: int, n: str, hidden_states: Tensor, causal, cos, sin, kwargs):
+def projections(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal) -> tuple[Tensor, Tensor, Tensor]:
     """GemmaAttention.forward (Gemma2Attention's: Llama's ops), Gemma3Attention.forward: q, k, v projected,
     viewed per head and transposed; Gemma 3: q_norm and k_norm on the (B, n, T, d) views (Gemma3RMSNorm per
-    head); RoPE; the cache's update; the attention interface (Gemma 2: its softcap among the kwargs, no tensor);
-    o_proj. The pre-RoPE q and k die as RoPE's results replace them; k and v live until it returns."""
-    s, cfg = m.cfg.shape, m.cfg
+    head). RoPE, the cache, the interface (Gemma 2: its softcap among the kwargs, no tensor) and o_proj are
+    Llama's (hf_llama.self_attention)."""
+    s = m.cfg.shape
     B, T, _ = hidden_states.shape
-    q_copies, k_copies, v_copies = grad_copies(cfg, cfg.flash and causal is not None)  # a window's mask
+    q_copies, k_copies, v_copies = grad_copies(m.cfg, m.cfg.flash and causal is not None)  # a window's mask
     query_states = transpose12(g, aten.view(g, linear(g, m, n + "q_proj", hidden_states),
                                             (B, T, s.n_heads, s.head_dim), q_copies))  # fmt: skip
     key_states = transpose12(g, aten.view(g, linear(g, m, n + "k_proj", hidden_states),
@@ -270,13 +267,7 @@ def self_attention(g: Graph, m: HFModel, i: int, n: str, hidden_states: Tensor, 
     if s.qk_norm:
         query_states = rms_norm(g, query_states, m.p[n + "q_norm.weight"], "attention")
         key_states = rms_norm(g, key_states, m.p[n + "k_norm.weight"], "attention")
-    query_states, key_states = apply_rotary_pos_emb(g, query_states, key_states, cos, sin)
-    key_states, value_states = hf_cache.update(g, m, key_states, value_states)
-    attn_output, attn_weights = attention_interface(g, cfg, query_states, key_states, value_states, causal, kwargs)
-    attn_output = aten.view(g, attn_output, (B, T, s.q_dim))  # reshape(*input_shape, -1).contiguous()
-    attn_output = linear(g, m, n + "o_proj", attn_output)
-    del query_states, key_states, value_states
-    return attn_output, attn_weights
+    return query_states, key_states, value_states
 
 
 GEMMA = Family(params_of("gemma"), gemma_buffers, gemma_model, "model.embed_tokens.weight")

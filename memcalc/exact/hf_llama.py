@@ -139,13 +139,30 @@ def llama_mlp(g: Graph, m: HFModel, n: str, x: Tensor) -> Tensor:
                                                   linear(g, m, n + "up_proj", x)))  # fmt: skip
 
 
-def self_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, cos, sin, kwargs):
-    """LlamaAttention.forward (Qwen3Attention: q_norm, k_norm on (B, T, n, d) before the transpose):
-    projections viewed per head and transposed, RoPE, the attention interface, o_proj. The pre-RoPE
-    q and k die as RoPE's results replace them; k and v live until it returns."""
+def self_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, cos, sin, kwargs, project=None,
+                   rope=None):  # fmt: skip
+    """LlamaAttention.forward, which OLMo 2's and Gemma's attention follow: q, k, v projected, viewed per head
+    and transposed (project: the family's, Llama's projections by default), RoPE (rope: the family's
+    apply_rotary_pos_emb), the cache's update, the attention interface, o_proj. The pre-RoPE q and k die as
+    RoPE's results replace them; k and v live until it returns."""
     s, cfg = m.cfg.shape, m.cfg
     B, T, _ = hidden_states.shape
-    q_copies, k_copies, v_copies = grad_copies(cfg, cfg.flash and causal is not None)  # a window's mask
+    query_states, key_states, value_states = (project or projections)(g, m, n, hidden_states, causal)
+    query_states, key_states = (rope or apply_rotary_pos_emb)(g, query_states, key_states, cos, sin)
+    key_states, value_states = hf_cache.update(g, m, key_states, value_states)
+    attn_output, attn_weights = attention_interface(g, cfg, query_states, key_states, value_states, causal, kwargs)
+    attn_output = aten.view(g, attn_output, (B, T, s.q_dim))  # reshape(*input_shape, -1).contiguous()
+    attn_output = linear(g, m, n + "o_proj", attn_output)
+    del query_states, key_states, value_states
+    return attn_output, attn_weights
+
+
+def projections(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal) -> tuple[Tensor, Tensor, Tensor]:
+    """LlamaAttention.forward's q_proj, k_proj, v_proj, each viewed (B, T, n, d) and transposed (Qwen3Attention:
+    q_norm, k_norm on the (B, T, n, d) views, before the transpose)."""
+    s = m.cfg.shape
+    B, T, _ = hidden_states.shape
+    q_copies, k_copies, v_copies = grad_copies(m.cfg, m.cfg.flash and causal is not None)  # a window's mask
     query_states = aten.view(g, linear(g, m, n + "q_proj", hidden_states), (B, T, s.n_heads, s.head_dim), q_copies)
     if s.qk_norm:
         query_states = rms_norm(g, query_states, m.p[n + "q_norm.weight"], "attention")
@@ -156,13 +173,7 @@ def self_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, 
     key_states = transpose12(g, key_states)
     value_states = transpose12(g, aten.view(g, linear(g, m, n + "v_proj", hidden_states),
                                             (B, T, s.n_kv_heads, s.head_dim), v_copies))  # fmt: skip
-    query_states, key_states = apply_rotary_pos_emb(g, query_states, key_states, cos, sin)
-    key_states, value_states = hf_cache.update(g, m, key_states, value_states)
-    attn_output, attn_weights = attention_interface(g, cfg, query_states, key_states, value_states, causal, kwargs)
-    attn_output = aten.view(g, attn_output, (B, T, s.q_dim))  # reshape(*input_shape, -1).contiguous()
-    attn_output = linear(g, m, n + "o_proj", attn_output)
-    del query_states, key_states, value_states
-    return attn_output, attn_weights
+    return query_states, key_states, value_states
 
 
 def apply_rotary_pos_emb(g: Graph, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
 
-from . import aten, hf_cache
+from . import aten
 from .builder_layers import transpose12
-from .hf_attention import attention_interface, grad_copies
-from .hf_family import Family, rope_buffers
-from .hf_llama import decoder_forward, linear, llama_mlp, rotate_half
+from .hf_attention import grad_copies
+from .hf_family import Family, decoder_params, rope_buffers
+from .hf_llama import decoder_forward, linear, llama_mlp, rotate_half, self_attention
 from .sim import Graph
 from .tensors import Tensor
 
@@ -33,17 +33,12 @@ def olmo2_params(s: ModelShape) -> list[tuple[str, tuple]]:
     post_feedforward_layernorm."""
     check_olmo2(s)
     h, f = s.hidden, s.ffn
-    out = [("model.embed_tokens.weight", (s.vocab, h))]
-    for i in range(s.n_layers):
-        n = f"model.layers.{i}."
-        out += [(n + "self_attn.q_proj.weight", (s.q_dim, h)), (n + "self_attn.k_proj.weight", (s.kv_dim, h)),
-                (n + "self_attn.v_proj.weight", (s.kv_dim, h)), (n + "self_attn.o_proj.weight", (h, s.q_dim)),
-                (n + "self_attn.q_norm.weight", (s.q_dim,)), (n + "self_attn.k_norm.weight", (s.kv_dim,)),
-                (n + "mlp.gate_proj.weight", (f, h)), (n + "mlp.up_proj.weight", (f, h)),
-                (n + "mlp.down_proj.weight", (h, f)), (n + "post_attention_layernorm.weight", (h,)),
-                (n + "post_feedforward_layernorm.weight", (h,))]  # fmt: skip
-    out.append(("model.norm.weight", (h,)))
-    return out + ([] if s.tied_embeddings else [("lm_head.weight", (s.vocab, h))])
+    return decoder_params(s, lambda n: [
+        (n + "self_attn.q_proj.weight", (s.q_dim, h)), (n + "self_attn.k_proj.weight", (s.kv_dim, h)),
+        (n + "self_attn.v_proj.weight", (s.kv_dim, h)), (n + "self_attn.o_proj.weight", (h, s.q_dim)),
+        (n + "self_attn.q_norm.weight", (s.q_dim,)), (n + "self_attn.k_norm.weight", (s.kv_dim,)),
+        (n + "mlp.gate_proj.weight", (f, h)), (n + "mlp.up_proj.weight", (f, h)), (n + "mlp.down_proj.weight", (h, f)),
+        (n + "post_attention_layernorm.weight", (h,)), (n + "post_feedforward_layernorm.weight", (h,))])  # fmt: skip
 
 
 def check_olmo2(s: ModelShape) -> None:
@@ -82,7 +77,8 @@ def decoder_layer(g: Graph, m: HFModel, i: int, hidden_states: Tensor, causal, c
     n = f"model.layers.{i}."
     residual = hidden_states
     with g.scoped("attention"):
-        hidden_states, _ = self_attention(g, m, n + "self_attn.", hidden_states, causal, cos, sin, kwargs)
+        hidden_states, _ = self_attention(g, m, n + "self_attn.", hidden_states, causal, cos, sin, kwargs,
+                                          projections, apply_rotary_pos_emb)  # fmt: skip
     hidden_states = rms_norm(g, hidden_states, m.p[n + "post_attention_layernorm.weight"], "norm1")
     hidden_states = aten.add(g, residual, hidden_states)
     residual = hidden_states
@@ -94,25 +90,19 @@ def decoder_layer(g: Graph, m: HFModel, i: int, hidden_states: Tensor, causal, c
     return hidden_states
 
 
-def self_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, cos, sin, kwargs):
-    """Olmo2Attention.forward: q_norm(q_proj(x)), k_norm(k_proj(x)), v_proj(x); then each viewed per
-    head and transposed; RoPE; the cache's update; the attention interface; o_proj."""
-    s, cfg = m.cfg.shape, m.cfg
+def projections(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal) -> tuple[Tensor, Tensor, Tensor]:
+    """Olmo2Attention.forward: q_norm(q_proj(x)), k_norm(k_proj(x)), v_proj(x); then each viewed per head
+    and transposed (RoPE, the cache, the interface and o_proj are Llama's: hf_llama.self_attention)."""
+    s = m.cfg.shape
     B, T, _ = hidden_states.shape
-    q_copies, k_copies, v_copies = grad_copies(cfg, cfg.flash and causal is not None)  # a window's mask
+    q_copies, k_copies, v_copies = grad_copies(m.cfg, m.cfg.flash and causal is not None)  # a window's mask
     query_states = rms_norm(g, linear(g, m, n + "q_proj", hidden_states), m.p[n + "q_norm.weight"], "attention")
     key_states = rms_norm(g, linear(g, m, n + "k_proj", hidden_states), m.p[n + "k_norm.weight"], "attention")
     value_states = linear(g, m, n + "v_proj", hidden_states)
     query_states = transpose12(g, aten.view(g, query_states, (B, T, s.n_heads, s.head_dim), q_copies))
     key_states = transpose12(g, aten.view(g, key_states, (B, T, s.n_kv_heads, s.head_dim), k_copies))
     value_states = transpose12(g, aten.view(g, value_states, (B, T, s.n_kv_heads, s.head_dim), v_copies))
-    query_states, key_states = apply_rotary_pos_emb(g, query_states, key_states, cos, sin)
-    key_states, value_states = hf_cache.update(g, m, key_states, value_states)
-    attn_output, attn_weights = attention_interface(g, cfg, query_states, key_states, value_states, causal, kwargs)
-    attn_output = aten.view(g, attn_output, (B, T, s.q_dim))  # reshape(*input_shape, -1).contiguous()
-    attn_output = linear(g, m, n + "o_proj", attn_output)
-    del query_states, key_states, value_states
-    return attn_output, attn_weights
+    return query_states, key_states, value_states
 
 
 def apply_rotary_pos_emb(g: Graph, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

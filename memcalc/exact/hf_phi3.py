@@ -18,7 +18,7 @@ from memcalc.model.shape import ModelShape
 from . import aten, hf_cache
 from .builder_layers import transpose12
 from .hf_attention import attention_interface, dropout, grad_copies
-from .hf_family import Family, rope_buffers
+from .hf_family import Family, decoder_params, rope_buffers
 from .hf_llama import decoder_forward, linear, rms_norm, rotate_half
 from .sim import Graph
 from .tensors import Tensor
@@ -33,15 +33,10 @@ def phi3_params(s: ModelShape) -> list[tuple[str, tuple]]:
     post_attention_layernorm."""
     check_phi3(s)
     h, f = s.hidden, s.ffn
-    out = [("model.embed_tokens.weight", (s.vocab, h))]
-    for i in range(s.n_layers):
-        n = f"model.layers.{i}."
-        out += [(n + "self_attn.o_proj.weight", (h, s.q_dim)), (n + "self_attn.qkv_proj.weight",
-                                                                 (s.q_dim + 2 * s.kv_dim, h)),
-                (n + "mlp.gate_up_proj.weight", (2 * f, h)), (n + "mlp.down_proj.weight", (h, f)),
-                (n + "input_layernorm.weight", (h,)), (n + "post_attention_layernorm.weight", (h,))]  # fmt: skip
-    out.append(("model.norm.weight", (h,)))
-    return out + ([] if s.tied_embeddings else [("lm_head.weight", (s.vocab, h))])
+    return decoder_params(s, lambda n: [
+        (n + "self_attn.o_proj.weight", (h, s.q_dim)), (n + "self_attn.qkv_proj.weight", (s.q_dim + 2 * s.kv_dim, h)),
+        (n + "mlp.gate_up_proj.weight", (2 * f, h)), (n + "mlp.down_proj.weight", (h, f)),
+        (n + "input_layernorm.weight", (h,)), (n + "post_attention_layernorm.weight", (h,))])  # fmt: skip
 
 
 def check_phi3(s: ModelShape) -> None:

@@ -113,13 +113,10 @@ CONFIGS = {  # model_type -> its config's fields for this shape
     "phi3": lambda s, t: decoder_config(s, t, hidden_act="silu", resid_pdrop=s.dropout, embd_pdrop=s.dropout,
                                         sliding_window=s.sliding_window or None,
                                         partial_rotary_factor=s.rotary_fraction, pad_token_id=None),  # fmt: skip
-    "gpt_neox": lambda s, t: dict(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.n_layers,
-                                  num_attention_heads=s.n_heads, intermediate_size=s.ffn, hidden_act="gelu",
-                                  rotary_pct=s.rotary_fraction, use_parallel_residual=s.parallel_residual,
-                                  max_position_embeddings=max(t, 2048), layer_norm_eps=NORM_EPS,
-                                  attention_dropout=s.dropout, hidden_dropout=s.dropout, attention_bias=True,
-                                  tie_word_embeddings=s.tied_embeddings, bos_token_id=None,
-                                  eos_token_id=None),  # fmt: skip
+    "gpt_neox": lambda s, t: decoder_config(s, t, hidden_act="gelu", rotary_pct=s.rotary_fraction,
+                                            use_parallel_residual=s.parallel_residual, layer_norm_eps=NORM_EPS,
+                                            hidden_dropout=s.dropout, attention_bias=True, bos_token_id=None,
+                                            eos_token_id=None),  # fmt: skip
 }
 
 

@@ -70,9 +70,11 @@ SOURCE_DEFAULTS = {
     # microsoft/DeepSpeed deepspeed/runtime/pipe/schedule.py @ 077e6740178eba4ccff1b3ea9a7981578d3d42e4)
     # and its cluster (the source's README): 4 Omni-Path links of 100 Gb/s per node of 8 GPUs, 6.25 GB/s a GPU
     "bloom": {"assume": {"overlap_dp": 0.0, "inter_node_gb_per_s": 4 * 12.5 / 8}},
-    # Llama 3 (Dubey et al. 2024, sec. 3.3.2): TP with SP, flash attention; FSDP shards optimizer state and
-    # gradients but keeps the weights after forward (ZeRO-2): memcalc's Megatron engine with ZeRO-1 is the nearest
-    "llama3": {"flash": True, "sequence_parallel": True, "stack": "megatron", "zero": 1},
+    # Llama 3 (Dubey et al. 2024, sec. 3.3.2): TP with SP, flash attention, PyTorch FSDP that keeps the weights
+    # gathered from forward to backward, an interleaved pipeline schedule with v not given and one layer fewer
+    # on the first and last stages: torchtitan's FSDP2 engine (Meta's public form of that stack) runs the same,
+    # FSDP2 not resharding after forward under PP (reshards_after_forward) and splitting 126 layers unevenly
+    "llama3": {"flash": True, "sequence_parallel": True, "stack": "fsdp2", "interleaved": True},
     # Narayanan et al. 2021 sec. 5.1: Table 1 runs the interleaved schedule, v not given: the fastest v is taken;
     # eq. 3, by which every TFLOP/s of the paper (Tables 1 and 2) is counted, assumes full recompute
     "narayanan2021": {"interleaved": True, "recompute": "full"},
@@ -269,7 +271,7 @@ def choices(run: Run) -> list[tuple[int, int]]:
     """(b, v) to try: as published, else every micro-batch and, for an interleaved run, every v up to 8."""
     batches = (run.micro_batch,) if run.micro_batch else MICRO_BATCHES
     interleaved = defaults(run).get("interleaved") and not run.vpp and (run.pp or 1) > 1
-    vpps = [v for v in range(1, 9) if run.layers % (run.pp * v) == 0] if interleaved else [run.vpp or 1]
+    vpps = list(range(1, 9)) if interleaved else [run.vpp or 1]  # a v the engine cannot split is refused
     return [(b, v) for b in batches for v in vpps]
 
 

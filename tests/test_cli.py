@@ -287,7 +287,7 @@ def test_plan_ranks_layouts_that_fit():
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["fitting"] > 0 and len(data["best"]) == 5
-    speeds = [b["time"]["tokens_per_second"] for b in data["best"]]
+    speeds = [float(f"{b['time']['tokens_per_second']:.4g}") for b in data["best"]]  # plan's equal speed: 4 digits
     assert speeds == sorted(speeds, reverse=True)
     for best in data["best"]:
         assert best["memory"]["fits"] and best["layout"]["tp"] * best["layout"]["pp"] * best["layout"]["cp"] * \

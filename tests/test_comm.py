@@ -11,7 +11,7 @@ from memcalc.model.tricks import Tricks
 from memcalc.parallel.links import FABRICS, LINKS, Assumptions
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate
-from memcalc.time.calibration import calibration_for
+from memcalc.time.calibration import calibration_for, defaults
 from memcalc.time.roofline import step_time as roofline_step
 
 H100 = gpu("h100-sxm")
@@ -178,10 +178,12 @@ def test_exposed_traffic_is_never_negative_nor_more_than_sent(tp, pp, cp, dp, ze
 def test_korthikanti_gpt3_layout_on_a100s_lands_near_the_published_time():
     # Korthikanti et al. 2022, Table 5: GPT-3 175B on 64 A100s (t 8, p 8, SP + selective recompute), global
     # batch 64: 13.75 s per iteration, MFU 51.4%. The roofline of each stage's kernels at memcalc's default
-    # efficiencies (no A100 calibration ships), the bubble and the exposed TP traffic: 13.96 s, 50.6%
+    # efficiencies, the bubble and the exposed TP traffic: 13.96 s, 50.6%. (The A100 calibration that ships,
+    # fitted on other sources' runs, gives 15.2 s: benchmarks/published holds it to this table as held out.)
     model = preset_model("gpt3-175b")
     setup = Setup(seq_len=2048, micro_batch=1, grad_accum=64)
-    est = layout_estimate(model, setup, gpu("a100-80gb"), Tricks(recompute="selective"), Layout(tp=8, pp=8, sp=True))
+    est = layout_estimate(model, setup, gpu("a100-80gb"), Tricks(recompute="selective"), Layout(tp=8, pp=8, sp=True),
+                          timing=defaults("a100-80gb"))  # fmt: skip
     assert est.memory.fits
     assert est.time.step_seconds == pytest.approx(13.75, rel=0.05)
     assert est.time.mfu == pytest.approx(0.514, rel=0.05)
@@ -196,3 +198,18 @@ def test_the_h800_and_the_hbm2e_h100_are_gh100s_with_their_own_links_and_memory(
     assert teton.bandwidth_gbps == 2400 and teton.memory_bytes > sxm.memory_bytes
     for key in ("h800", "h100-hbm2e"):
         assert calibration_for(key).origin.endswith("h100-sxm.json") and calibration_for(key).gpu == key
+
+
+def test_a_ring_across_nodes_runs_on_the_nics_of_its_ranks_in_each_node():
+    """NCCL lays a channel on each NIC and sums them (src/graph/tuning.cc busBw = nChannels · bwInter): a
+    ring with k ranks in each node crosses on k NICs at once, never faster than NVLink; a send uses one."""
+    from memcalc.parallel.links import link_for
+
+    a100 = FABRICS["a100-80gb"]
+    assert link_for(a100, 8, 8, 8) is a100.intra  # one node: NVLink
+    assert link_for(a100, 64, 8, 64).gb_per_s == min(a100.intra.gb_per_s, 8 * a100.inter.gb_per_s) == 200
+    assert link_for(a100, 8 * 16, 8, 16).gb_per_s == 25  # dp 16 strided by tp 8: one rank per node
+    assert link_for(a100, 4 * 16, 8, 16).gb_per_s == 50  # strided by tp 4: two per node, two NICs
+    assert link_for(a100, 64, 8).gb_per_s == 25  # point-to-point: each GPU's own
+    h100 = FABRICS["h100-sxm"]
+    assert link_for(h100, 64, 8, 64).gb_per_s == min(h100.intra.gb_per_s, 8 * h100.inter.gb_per_s) == 400

@@ -37,7 +37,7 @@ def p70(timed_plan):
 
 def test_the_issue_job_ranks_layouts_that_fit(p70):
     assert len(p70.best) == 5 and p70.fitting >= 5
-    speeds = [e.time.tokens_per_second for e in p70.best]
+    speeds = [float(f"{e.time.tokens_per_second:.4g}") for e in p70.best]  # equal speed to 4 digits (rank_key)
     assert speeds == sorted(speeds, reverse=True)
     for est in p70.best:
         assert est.memory.fits and est.memory.total_bytes <= H100.usable_bytes

@@ -49,9 +49,16 @@ def test_the_summary_holds(report, rows):
     table = report.summaries(rows)
     fit, held = table["part fit"], table["part held-out"]
     assert fit["compared"] >= 54 and held["compared"] >= 64  # runs leave "not compared" as memcalc expresses them
-    assert fit["median_abs_error"] <= 0.11
-    assert held["median_abs_error"] <= 0.10  # the issue's bound; its worst run: docs/step-time.md
-    assert table["source korthikanti2022"]["worst_abs_error"] <= 0.06  # Megatron's own schedules, A100, as published
+    assert fit["median_abs_error"] <= 0.07  # the issue's bounds; the worst runs: docs/step-time.md
+    assert held["median_abs_error"] <= 0.10
+    # Megatron's own schedules on A100s, as published, held out: the A100's matmul and flash are fitted on
+    # Narayanan et al.'s 2021 runs and llm-foundry's, and Korthikanti et al.'s 2022 runs of the same jobs on the
+    # same Selene ran ~10% faster (GPT 1T, full recompute: 22 against 20 tokens/s per GPU), so 0.87-0.96x
+    assert table["source korthikanti2022"]["median_abs_error"] <= 0.10
+    assert table["source korthikanti2022"]["worst_abs_error"] <= 0.15
+    # torchtitan's FSDP2 on 64 A100s: ring collectives on all the node's NICs (memcalc.parallel.links.link_for);
+    # with one NIC a GPU they were predicted at 0.42-0.85x; the 405B Float8 row, read as eager, stays apart
+    assert table["source torchtitan_performance_2024_08"]["median_abs_error"] <= 0.10
 
 
 def test_published_rates_follow_each_sources_convention(report):

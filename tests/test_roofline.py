@@ -287,10 +287,13 @@ def test_shipped_calibrations():
         assert [name for name, _ in cal.provenance] == list(PARAMETERS)
         assert "H200" in cal.source("matmul") and "FlashAttention-3" in cal.source("flash")
     h100, h200 = calibration_for("h100-sxm"), calibration_for("h200")
-    assert h200.matmul == 0.79 and h200.flash == 0.35  # measured there, and FlashAttention-3's figure
     assert (h100.matmul, h100.flash) == (0.6, 0.2) and "benchmarks/published/fit.py" in h100.source("matmul")
-    assert calibration_for("a100-80gb") == defaults("a100-80gb")
-    assert "not measured on this GPU" in calibration_for("a100-80gb").source("matmul")
+    assert (h200.matmul, h200.flash) == (h100.matmul, h100.flash)  # one GH100 die: the H100's fitted compute
+    assert "carried over from h100-sxm.json" in h200.source("matmul") and "769–798" in h200.source("matmul")
+    a100, a100_40 = calibration_for("a100-80gb"), calibration_for("a100-40gb")
+    assert a100.origin.endswith("a100-80gb.json") and (a100.matmul, a100.flash) == (0.7, 0.35)
+    assert "benchmarks/published/fit.py" in a100.source("matmul") and a100.bandwidth == defaults("a100-80gb").bandwidth
+    assert (a100_40.matmul, a100_40.flash, a100_40.origin) == (a100.matmul, a100.flash, a100.origin)  # one GA100
 
 
 def test_calibration_files_and_overrides(tmp_path):

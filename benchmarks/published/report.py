@@ -60,6 +60,10 @@ SOURCE_DEFAULTS = {
     # args.use_distributed_optimizer"): ZeRO-1
     "megatron_lm_readme": {"flash": True, "sequence_parallel": True, "zero": 1,
                            "assume": {"overlap_tp": 1.0, "overlap_pp": 1.0}},
+    # Megatron-LM in 2020 reduces gradients with its `local` DDP after the whole forward-backward: train_step
+    # calls model.allreduce_params() once backward_step has returned (megatron/training.py @ 50a4b5f), nothing
+    # overlaps
+    "megatron_lm_readme_2020": {"assume": {"overlap_dp": 0.0}},
     "torchtitan_performance": TORCHTITAN,
     "torchtitan_performance_2024_08": TORCHTITAN,
     "torchtitan_asynctp_h100": TORCHTITAN,

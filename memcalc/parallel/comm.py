@@ -340,7 +340,7 @@ def tp_comm(layout, model, setup, tricks, fabric, assume, mb) -> Comm | None:
     message = setup.seq_len // layout.cp * setup.micro_batch * model.shape.hidden * act
     name = "SP reduce-scatter + all-gather" if layout.sp else "TP all-reduce"
     calls = per_layer * mb.layers
-    link = link_for(fabric, t, layout.gpus_per_node)
+    link = link_for(fabric, t, layout.gpus_per_node, t)
     formula = f"{per_layer}·L/p · 2(t−1)/t · (s/c)·b·h·{act}"
     return ring(name, "tp", t, link, calls, 2, message, formula, assume, assume.overlap_tp, mb.seconds)
 

@@ -47,11 +47,11 @@ def dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric
     size, grads, g = params * w, params * gw, "dp×cp"
     tail = gradient_tail(engine, params, n, unit)
     if z == 0:
-        link = link_for(fabric, layout.tp * n, layout.gpus_per_node)
+        link = link_for(fabric, layout.tp * n, layout.gpus_per_node, n)
         return [ring("DP gradient all-reduce", g, n, link, 1, 2, grads, f"2(n−1)/n · P·{gw}", assume, d,
                      mb.backward_window, tail)]  # fmt: skip
     k = layout.shard_group
-    link = link_for(fabric, layout.tp * k, layout.gpus_per_node)
+    link = link_for(fabric, layout.tp * k, layout.gpus_per_node, k)
     each, each_g = f"(n−1)/n · P·{w}", f"(n−1)/n · P·{gw}"
     if z == 3 and engine == "fsdp2" and layout.pp > 1:
         out = [

@@ -71,7 +71,7 @@ def ep_comm(layout, model, setup, tricks, fabric, assume, mb) -> list[Comm]:
         out.append(Comm("EP all-to-all dispatch + combine", "ep", ep, link.key, calls, calls * busier, formula,
                         calls * seconds, exposed(calls * seconds, assume.overlap_ep, mb.seconds)))  # fmt: skip
     if etp > 1:
-        link = link_for(fabric, etp, layout.gpus_per_node)
+        link = link_for(fabric, etp, layout.gpus_per_node, etp)
         out.append(ring("ETP all-gather + reduce-scatter of expert tokens", "ep", etp, link, calls, 1,
                         R * h * act, f"{calls // stage_moe_layers(model, layout)}·L_moe · (e−1)/e · R·h·{act}",
                         assume, assume.overlap_tp, mb.seconds))  # fmt: skip
@@ -87,7 +87,7 @@ def expert_dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric:
     if not params or n == 1:
         return []
     g, grads, weights = "edp", params * gw, params * w
-    link = link_for(fabric, layout.tp * layout.cp * layout.dp, layout.gpus_per_node)
+    link = link_for(fabric, layout.tp * layout.cp * layout.dp, layout.gpus_per_node, n)
     if z == 0:
         return [ring("expert gradient all-reduce", g, n, link, 1, 2, grads, f"2(n−1)/n · P_e·{gw}", assume, d,
                      mb.backward_window)]  # fmt: skip

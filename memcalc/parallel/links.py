@@ -9,7 +9,8 @@ and receives as much at the same time, so a collective takes factor · B / (link
 Latency (the α of α-β models) is left out: the messages here are megabytes and more.
 
 A group of n ranks `stride` apart spans stride·n consecutive GPUs (rank order tp, cp, dp, pp); inside one
-node it runs on NVLink, across nodes on each GPU's own InfiniBand NIC.
+node it runs on NVLink, across nodes on InfiniBand: a ring collective on the NICs of all its ranks in a node
+(link_for), point-to-point sends on each GPU's own NIC.
 """
 
 from __future__ import annotations
@@ -128,9 +129,40 @@ class Comm:
     exposed_seconds: float  # what overlap leaves on the critical path
 
 
-def link_for(fabric: Fabric, span: int, gpus_per_node: int) -> Link:
-    """NVLink when the group's span of consecutive ranks fits in a node, else the NIC between nodes."""
-    return fabric.intra if span <= gpus_per_node else fabric.inter
+# A ring collective through several nodes crosses between them on every NIC of the group's ranks in a node:
+# NCCL lays one channel on each NIC in turn (src/graph/search.cc) and its bus bandwidth is the channels' sum
+# (src/graph/tuning.cc, busBw = nChannels · bwInter); all-reduce busbw ~45 GB/s with 4 GPUs per node, ~90 GB/s
+# with 8 on the same 4 nodes (NVIDIA/nccl issue #1168).
+RING_NICS = "NCCL: a channel per NIC, busBw = nChannels · bwInter (src/graph/tuning.cc); NVIDIA/nccl#1168"
+
+
+def link_for(fabric: Fabric, span: int, gpus_per_node: int, ranks: int = 1) -> Link:
+    """NVLink when the group's span of consecutive ranks fits in a node; else the NICs between nodes. A ring
+    collective over `ranks` runs on the NICs of the group's ranks in one node at once (ranks · gpus_per_node
+    / span of them, at most NVLink's rate); point-to-point and all-to-all traffic (ranks 1) on each GPU's own."""
+    if span <= gpus_per_node:
+        return fabric.intra
+    per_node = max(1, min(ranks, gpus_per_node * ranks // span))
+    if per_node == 1:
+        return fabric.inter
+    rate = min(fabric.intra.gb_per_s, per_node * fabric.inter.gb_per_s)
+    return Link(f"{fabric.inter.key}x{per_node}", nics_name(fabric.inter, per_node), rate,
+                f"{fabric.inter.source}; {RING_NICS}")
+
+
+def nics_name(inter: Link, per_node: int) -> str:
+    return f"{inter.name}, {per_node} NICs of each node in the ring"
+
+
+def link_name(fabric: Fabric, key: str) -> str:
+    """The name of the link a Comm rides (Comm.link): one of the fabric's, or its NICs k at a time ('ndrx8')."""
+    for link in (fabric.intra, fabric.inter, fabric.host):
+        if link.key == key:
+            return link.name
+    base, _, per_node = key.rpartition("x")
+    if base != fabric.inter.key or not per_node.isdigit():
+        raise ValueError(f"no link {key!r} in this fabric")  # a bug: every Comm rides one of the fabric's links
+    return nics_name(fabric.inter, int(per_node))
 
 
 def exposed(seconds: float, share: float, window: float, tail: float = 0.0) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memcalc.parallel.links import fabric_for
+from memcalc.parallel.links import fabric_for, link_name
 from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import LayoutEstimate
 
@@ -146,10 +146,9 @@ def comm_section(est: LayoutEstimate, units: str) -> Section:
                 ["traffic", "group", "link", "calls", "bytes sent", "formula", "time", "exposed"],
                 align="lllrrlrr")  # fmt: skip
     fabric = fabric_for(est.gpu.key, t.assumptions)
-    names = {link.key: link.name for link in (fabric.intra, fabric.inter, fabric.host)}  # every comm rides one
     for c in t.comms:
-        s.rows.append([c.name, f"{c.group} ({c.ranks})", names[c.link], f"{c.calls:,}", sized(c.bytes, units),
-                       c.formula, u.seconds(c.seconds), u.seconds(c.exposed_seconds)])  # fmt: skip
+        s.rows.append([c.name, f"{c.group} ({c.ranks})", link_name(fabric, c.link), f"{c.calls:,}",
+                       sized(c.bytes, units), c.formula, u.seconds(c.seconds), u.seconds(c.exposed_seconds)])
     if not t.comms:
         s.notes.append("no traffic: one GPU")
     s.notes.append("ring bytes: all-reduce 2(n−1)/n, reduce-scatter and all-gather (n−1)/n of the buffer "

@@ -126,7 +126,7 @@ def load(path: str | Path, gpu: str) -> Calibration:
 
 
 # GPUs with another's compute and HBM type take its shipped calibration: the H800 and the HBM2e H100 are GH100s
-SAME_CHIP = {"h800": "h100-sxm", "h100-hbm2e": "h100-sxm"}
+SAME_CHIP = {"h800": "h100-sxm", "h100-hbm2e": "h100-sxm", "a100-40gb": "a100-80gb"}
 
 
 def calibration_for(gpu: str, path: str | None = None, overrides: str | None = None) -> Calibration:

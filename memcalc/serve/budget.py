@@ -1,0 +1,159 @@
+"""vLLM's memory budget on one GPU, and the paged KV cache it holds: blocks, requests, context.
+
+The budget (vllm/v1/worker/gpu_worker.py@35d5cda123ec28581759b6d34cde8052314fb1e6
+Worker.determine_available_memory; vllm/utils/mem_utils.py@a6d5c39009eb73797b276cc557ca9659c396ca14
+memory_profiling):
+
+    available = total x gpu_memory_utilization - (weights + activation peak + non-torch increase)
+
+total is the device's memory (torch.cuda.mem_get_info), the activation peak the rise of torch's
+allocated peak during profile_run (a forward of max_num_batched_tokens tokens and the sampler), and
+non-torch what grew outside torch's allocator since start-up. The CUDA context comes before the
+baseline and CUDA graphs are captured after the cache is allocated: both live in the 1 - utilization
+margin, not in the budget.
+
+The cache (vllm/v1/core/kv_cache_utils.py@001cabc1be16a59a70d720ed61a13b678c060a18): a block holds
+block_size tokens of one layer (its page: block_size x bytes per token). One kind of layer: one group of
+all of them, num_blocks = available // page // layers (get_num_blocks). Full and sliding layers together
+(the hybrid allocator, _get_kv_cache_groups_uniform_page_size): groups of group_size layers, group_size
+the fewest layers of a kind (the most, if that is under 1.5 times the fewest), each kind in
+ceil(count / group_size) groups; a block is a page in each of group_size tensors, so num_blocks =
+available // page // group_size, and one request takes, for each group, the blocks its kind reserves.
+"""
+
+from __future__ import annotations
+
+import math
+
+from memcalc.model.shape import moe_layer_count
+from memcalc.model.sizes import MAX_SEQ
+from memcalc.records import record
+
+from .job import ServeJob
+from .kv import KVLayer
+from .weights import Weights
+
+
+@record(frozen=True)
+class ActivationPeak:
+    """The profile run's peak of live activations on one GPU, part by part (bytes): the largest wins."""
+
+    tokens: int  # max_num_batched_tokens
+    requests: int  # min(tokens, max_num_seqs): the rows the sampler runs on
+    attention: int
+    mlp: int
+    sampler: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.attention, self.mlp, self.sampler)
+
+    @property
+    def at(self) -> str:
+        return max(("attention", self.attention), ("mlp", self.mlp), ("sampler", self.sampler), key=lambda p: p[1])[0]
+
+
+def activation_peak(job: ServeJob) -> ActivationPeak:
+    """What profile_run's forward holds at once in one block, as vLLM's fused layers allocate it, and
+    its sampler's logits. Inference frees each op's input when the next is done; live are the residual
+    and the block's input (2·T·h), and then
+      attention   the merged qkv projection and the attention output (MLA: q, kv_b's output, the
+                  assembled keys, the output)
+      MLP         the merged gate_up output (2f) and SiluAndMul's (f); a plain MLP f and f
+      experts     fused_moe's buffers: cache13 of M·k·max(N, h) and cache2 of M·k·N/2, N = 2f_e its
+                  w13 width (vllm/model_executor/layers/fused_moe/fused_moe.py fused_experts_impl), and
+                  the router's logits
+      sampler     the T·h hidden states, the R x vocab logits in 16 bits and their float32 copy
+                  (vllm/v1/sample/sampler.py Sampler.forward: logits.to(torch.float32))."""
+    shape, tp, b = job.model.shape, job.tp, job.activation_bytes
+    T, h = job.batched_tokens, shape.hidden
+    R = min(T, job.seqs)
+    live = 2 * T * h * b
+    if shape.is_mla:
+        H = shape.n_heads // tp
+        widths = H * (2 * shape.head_dim + shape.qk_nope_head_dim + 2 * shape.v_head_dim)
+    else:
+        kv = 2 * max(1, shape.n_kv_heads // tp) * shape.head_dim
+        widths = 2 * shape.q_dim // tp + kv
+    attention = live + T * widths * b
+    f = shape.ffn // tp
+    dense = live + T * (3 * f if shape.gated_mlp else 2 * f) * b
+    mlp = dense if moe_layer_count(shape) < shape.n_layers else 0
+    if shape.is_moe:
+        n = 2 * (shape.routed_ffn // (1 if job.expert_parallel else tp))
+        k = shape.experts_per_token
+        moe = live + T * k * (max(n, h) + n // 2) * b + T * shape.n_experts * b
+        mlp = max(mlp, moe)
+    sampler = T * h * b + R * shape.vocab * (b + 4)
+    return ActivationPeak(T, R, attention, mlp, sampler)
+
+
+@record(frozen=True)
+class Budget:
+    """vLLM's split of one GPU's memory (bytes), and the paged KV cache that fills what is left."""
+
+    total: int
+    utilization: float
+    weights: int
+    activations: int
+    non_torch: int
+    block_size: int
+    page_bytes: int  # one block of one layer
+    group_size: int  # layers that share a block (the tensors a block spans)
+    groups: tuple[tuple[KVLayer, int], ...]  # each kind of layer and its number of groups
+
+    @property
+    def requested(self) -> int:
+        return int(self.total * self.utilization)
+
+    @property
+    def available(self) -> int:
+        """For the KV cache: int(total x utilization - non-KV memory), as determine_available_memory."""
+        return int(self.total * self.utilization - (self.weights + self.activations + self.non_torch))
+
+    @property
+    def num_blocks(self) -> int:
+        return max(0, self.available // self.page_bytes // self.group_size)
+
+    @property
+    def cache_tokens(self) -> int:
+        """vLLM's "GPU KV cache size: N tokens": num_blocks // groups x block_size (_report_kv_cache_config)."""
+        return self.num_blocks // sum(n for _, n in self.groups) * self.block_size
+
+    def request_blocks(self, context: int, batched: int) -> int:
+        """Blocks one request of `context` tokens takes: each group's kind's reservation."""
+        return sum(n * kind.paged_blocks(context, self.block_size, batched) for kind, n in self.groups)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_blocks * self.page_bytes * self.group_size
+
+
+def groups_of(layers: tuple[KVLayer, ...]) -> tuple[int, tuple[tuple[KVLayer, int], ...]]:
+    """(group_size, each kind's number of groups), as vLLM groups the layers (see the module)."""
+    counts = [k.count for k in layers]
+    few, many = min(counts), max(counts)
+    size = many if len(layers) == 1 or many < few * 1.5 else few
+    return size, tuple((k, math.ceil(k.count / size)) for k in layers)
+
+
+def budget(job: ServeJob, weights: Weights, layers: tuple[KVLayer, ...], peak: ActivationPeak,
+           non_torch: int = 0) -> Budget:  # fmt: skip
+    """The GPU's memory as vLLM splits it for this job."""
+    size, groups = groups_of(layers)
+    page = job.page_tokens * layers[0].bytes_per_token
+    assert all(k.bytes_per_token == layers[0].bytes_per_token for k in layers)  # one page size (same heads)
+    return Budget(job.gpu.memory_bytes, job.gpu_memory_utilization, weights.total_bytes, peak.peak, non_torch,
+                  job.page_tokens, page, size, groups)  # fmt: skip
+
+
+def longest_context(b: Budget, batched: int) -> int:
+    """The longest request the blocks hold (estimate_max_model_len's binary search), 0 if not one token."""
+    low, high, best = 1, MAX_SEQ, 0
+    while low <= high:
+        mid = (low + high) // 2
+        if b.request_blocks(mid, batched) <= b.num_blocks:
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return best

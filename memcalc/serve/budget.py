@@ -96,7 +96,6 @@ class Budget:
     utilization: float
     weights: int
     activations: int
-    non_torch: int
     block_size: int
     page_bytes: int  # one block of one layer
     group_size: int  # layers that share a block (the tensors a block spans)
@@ -109,7 +108,7 @@ class Budget:
     @property
     def available(self) -> int:
         """For the KV cache: int(total x utilization - non-KV memory), as determine_available_memory."""
-        return int(self.total * self.utilization - (self.weights + self.activations + self.non_torch))
+        return int(self.total * self.utilization - (self.weights + self.activations))
 
     @property
     def num_blocks(self) -> int:
@@ -137,13 +136,13 @@ def groups_of(layers: tuple[KVLayer, ...]) -> tuple[int, tuple[tuple[KVLayer, in
     return size, tuple((k, math.ceil(k.count / size)) for k in layers)
 
 
-def budget(job: ServeJob, weights: Weights, layers: tuple[KVLayer, ...], peak: ActivationPeak,
-           non_torch: int = 0) -> Budget:  # fmt: skip
-    """The GPU's memory as vLLM splits it for this job."""
+def budget(job: ServeJob, weights: Weights, layers: tuple[KVLayer, ...], peak: ActivationPeak) -> Budget:
+    """The GPU's memory as vLLM splits it for this job. The non-torch increase vLLM measures (NCCL,
+    attention backends' workspaces) is not modelled: it is left out, so the budget is an upper bound."""
     size, groups = groups_of(layers)
     page = job.page_tokens * layers[0].bytes_per_token
     assert all(k.bytes_per_token == layers[0].bytes_per_token for k in layers)  # one page size (same heads)
-    return Budget(job.gpu.memory_bytes, job.gpu_memory_utilization, weights.total_bytes, peak.peak, non_torch,
+    return Budget(job.gpu.memory_bytes, job.gpu_memory_utilization, weights.total_bytes, peak.peak,
                   job.page_tokens, page, size, groups)  # fmt: skip
 
 

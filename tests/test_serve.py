@@ -1,0 +1,160 @@
+"""memcalc.serve against its formulas' sources: the KV cache per token, the weights' formats, and vLLM's
+blocks, concurrency and longest context as vLLM's own code computes them (tests/vllm_kv.py, transcribed)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc.model.gpus import gpu
+from memcalc.model.presets import preset_model
+from memcalc.model.sizes import MAX_SEQ
+from memcalc.serve.answer import serve
+from memcalc.serve.job import ServeJob
+from memcalc.serve.kv import kv_layers, token_bytes
+from memcalc.serve.weights import Matrix, matrix_bytes, serving_weights
+from memcalc.time.calibration import calibration_for
+
+from tests import vllm_kv
+
+
+def job(model: str, g: str = "h100-sxm", context: int = 8192, **kw) -> ServeJob:
+    return ServeJob(preset_model(model), gpu(g), context, calibration_for(g), **kw)
+
+
+@pytest.mark.parametrize("model, per_token", [
+    ("llama3-8b", 2 * 32 * 8 * 128 * 2),  # 131,072 B: 128 KiB a token, the figure vLLM's docs quote
+    ("qwen3-30b-a3b", 2 * 48 * 4 * 128 * 2),
+    ("gpt2", 2 * 12 * 12 * 64 * 2),  # multi-head: every head cached
+    ("mistral-7b", 2 * 32 * 8 * 128 * 2),  # a window keeps fewer tokens, not fewer bytes per token
+])  # fmt: skip
+def test_kv_per_token_is_2_layers_kv_heads_head_dim_bytes(model, per_token):
+    a = serve(job(model))
+    assert a.kv.bytes_per_token == per_token
+    assert serve(job(model, kv_dtype="fp8")).kv.bytes_per_token == per_token // 2
+
+
+def test_mla_caches_the_latent_and_the_rope_key():
+    """DeepSeek-V3: 61 layers x (512 + 64) x 2 bytes, one head whatever the 128 query heads; on every TP rank."""
+    shape = preset_model("deepseek-v3").shape
+    assert serve(job("deepseek-v3")).kv.bytes_per_token == 61 * (512 + 64) * 2 == 70_272
+    assert token_bytes(shape, 8, 2) == token_bytes(shape, 1, 2)
+
+
+def test_tp_splits_kv_heads_and_replicates_past_them():
+    """llama3-8b's 8 KV heads: 4 per GPU at tp 2, 1 at tp 8, still 1 at tp 16 (vLLM replicates)."""
+    shape = preset_model("llama3-8b").shape
+    assert [token_bytes(shape, tp, 2) // (2 * 128 * 2) for tp in (1, 2, 8, 16)] == [8, 4, 1, 1]
+
+
+def test_sliding_layers_keep_the_window_less_one():
+    """gemma3-4b: 29 sliding layers of 1,024 keep 1,023 tokens (DynamicSlidingWindowLayer), 5 keep all."""
+    a = serve(job("gemma3-4b", context=8192))
+    per_layer = 2 * 4 * 256 * 2
+    assert {(k.window, k.count) for k in a.kv.layers} == {(0, 5), (1024, 29)}
+    assert a.kv.request_bytes == per_layer * (5 * 8192 + 29 * 1023)
+    assert serve(job("gemma3-4b", context=500)).kv.request_bytes == per_layer * 34 * 500
+
+
+def test_weight_formats_by_hand():
+    """One 4096 x 4096 matrix: bf16 2 B a weight; fp8 1 B + two fp32 scales; AWQ int4 0.5 B + per group of
+    128 inputs and column an fp16 scale and a 4-bit zero; GPTQ int4 the same + an int32 g_idx per input."""
+    m, n = Matrix("o", 4096, 4096), 4096 * 4096
+    groups = 4096 // 128 * 4096
+    assert matrix_bytes(m, "bf16") == 2 * n
+    assert matrix_bytes(m, "fp8") == n + 8
+    assert matrix_bytes(m, "int4-awq") == n // 2 + 2 * groups + groups // 2
+    assert matrix_bytes(m, "int4-gptq") == n // 2 + 2 * groups + groups // 2 + 4 * 4096
+    assert matrix_bytes(m, "int8") == n + 2 * groups + groups + 4 * 4096
+
+
+def test_bf16_weights_are_the_parameter_count_and_tp_splits_them():
+    w = serving_weights(job("llama3-8b"))
+    assert w.total_bytes == 2 * 8_030_261_248 and w.params == 8_030_261_248
+    halves = serving_weights(job("llama3-8b", tp=2))
+    norms = 2 * (2 * 32 + 1) * 4096  # two per block and the final one: replicated; all else halves
+    assert halves.total_bytes == (w.total_bytes - norms) // 2 + norms
+    moe = serving_weights(job("qwen3-30b-a3b"))
+    assert moe.params == preset_model("qwen3-30b-a3b").n_params
+
+
+def test_expert_parallel_holds_whole_experts():
+    ep = serving_weights(job("qwen3-30b-a3b", tp=2, expert_parallel=True))
+    assert ep.local_experts == 64
+    assert serving_weights(job("qwen3-30b-a3b", tp=2)).local_experts == 128
+
+
+def test_budget_is_total_times_utilization_less_non_kv():
+    a = serve(job("llama3-8b"))
+    b = a.budget
+    assert b.total == gpu("h100-sxm").memory_bytes
+    assert b.available == int(b.total * 0.9 - b.weights - b.activations)
+    assert b.num_blocks == b.available // (16 * 131_072 // 32) // 32
+    assert b.cache_bytes <= b.available < b.cache_bytes + b.page_bytes * b.group_size
+
+
+VLLM_CASES = [  # three kinds of cache: one group (GQA, MLA), all layers sliding, and the hybrid allocator
+    ("llama3-8b", "h100-sxm", 8192, {}), ("qwen3-30b-a3b", "h100-sxm", 8192, {}),
+    ("deepseek-v3", "h100-sxm", 8192, {"tp": 16, "weights": "int4-awq"}),
+    ("gemma3-4b", "a100-40gb", 32768, {}), ("mistral-7b", "a100-40gb", 16384, {"kv_dtype": "fp8"}),
+    ("llama3-8b", "a100-40gb", 4096, {"tp": 2, "block_size": 32}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model, g, context, kw", VLLM_CASES)
+def test_blocks_concurrency_and_longest_context_are_vllms(model, g, context, kw):
+    """memcalc's paged cache against vLLM's code on the same available memory: num_blocks, the maximum
+    concurrency it logs, the KV cache size in tokens and estimate_max_model_len."""
+    a = serve(job(model, g, context, **kw))
+    j, b = a.job, a.budget
+    specs = vllm_kv.layer_specs(j.model.shape, j.tp, j.page_tokens, j.kv_bytes)
+    groups = vllm_kv.get_kv_cache_groups(specs)
+    blocks = vllm_kv.num_blocks_of(groups, b.available)
+    config = vllm_kv.Config(context, j.batched_tokens)
+    assert b.num_blocks == blocks > 0
+    assert a.max_concurrency == vllm_kv.get_max_concurrency(config, groups, blocks)
+    assert b.cache_tokens == vllm_kv.cache_tokens(groups, blocks)
+    longest = vllm_kv.estimate_max_model_len(vllm_kv.Config(MAX_SEQ, j.batched_tokens), groups, b.available)
+    assert a.longest_context == longest
+
+
+def test_hybrid_groups_as_vllm_groups_them():
+    """gemma3-4b: 5 full + 29 sliding layers -> groups of 5: one full group, six sliding (one padded)."""
+    b = serve(job("gemma3-4b")).budget
+    assert b.group_size == 5 and sorted(n for _, n in b.groups) == [1, 6]
+
+
+@settings(max_examples=30, deadline=None)
+@given(context=st.integers(1, 200_000), util=st.floats(0.5, 1.0), fp8=st.booleans())
+def test_more_context_never_fits_more_requests(context, util, fp8):
+    kv = "fp8" if fp8 else "auto"
+    a = serve(job("gemma3-4b", "a100-40gb", context, kv_dtype=kv, gpu_memory_utilization=util), advise=False)
+    longer = serve(replace(a.job, context=context + 4096), advise=False)
+    assert longer.max_concurrency <= a.max_concurrency
+    assert a.budget.cache_bytes <= max(0, a.budget.available)
+    assert (a.requests >= 1) == (a.longest_context >= context)
+
+
+def test_decode_is_memory_bound_and_prefill_compute_bound():
+    t = serve(job("llama3-8b", batch=8)).time
+    assert t.decode.linear.bound == "memory" and t.prefill.linear.bound == "compute"
+    assert t.tokens_per_second == 8 / t.tpot_seconds
+    # batch 1: the step reads every weight and one request's cache at the calibrated bandwidth
+    one = serve(job("llama3-8b", batch=1))
+    cal, g = calibration_for("h100-sxm"), gpu("h100-sxm")
+    weights_read = one.weights.total_bytes - one.weights.table_bytes
+    assert one.time.decode.linear.memory_seconds == weights_read / (g.bandwidth_gbps * 1e9 * cal.bandwidth)
+
+
+def test_what_to_change_when_nothing_fits():
+    a = serve(job("llama3-8b", "a100-40gb", 1_000_000))
+    assert not a.fits and a.requests == 0
+    assert any(c.requests >= 1 for c in a.changes) or all(c.longest_context < 1_000_000 for c in a.changes)
+    assert {c.change for c in a.changes} >= {"--kv-cache-dtype fp8", "--tp 2"}
+
+
+def test_kv_layers_follow_the_pipeline_stage():
+    assert sum(k.count for k in kv_layers(job("llama3-8b", pp=4))) == 8

@@ -158,3 +158,64 @@ def test_what_to_change_when_nothing_fits():
 
 def test_kv_layers_follow_the_pipeline_stage():
     assert sum(k.count for k in kv_layers(job("llama3-8b", pp=4))) == 8
+
+
+def run(*args: str):
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    return CliRunner().invoke(app, ["serve", *args])
+
+
+def test_the_issue_command_answers_requests_and_tokens_per_second():
+    out = run("--model", "llama3-8b", "--gpu", "h100-sxm", "--context", "8192")
+    assert out.exit_code == 0, out.output
+    a = serve(job("llama3-8b"))
+    assert f"{a.requests:,} concurrent requests of 8,192 tokens fit" in out.stdout
+    assert "tokens/s" in out.stdout and "Maximum concurrency" in out.stdout
+
+
+def test_json_serialises_the_answer():
+    import json
+
+    out = run("--model", "qwen3-30b-a3b", "--context", "4k", "--kv-cache-dtype", "fp8", "--format", "json")
+    data = json.loads(out.stdout)
+    a = serve(job("qwen3-30b-a3b", context=4096, kv_dtype="fp8"))
+    assert data["requests"] == a.requests and data["budget"]["num_blocks"] == a.budget.num_blocks
+    assert data["kv"]["bytes_per_token"] == 48 * 4 * 128 * 2
+    assert data["time"]["tokens_per_second"] == a.time.tokens_per_second
+    assert set(data) >= {"job", "weights", "kv", "activations", "budget", "max_concurrency", "longest_context",
+                         "time", "changes", "fits"}  # fmt: skip
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "llama3-8b", "--weights", "int3"), "unknown weight format"),
+    (("--model", "llama3-8b", "--tp", "3"), "must divide the 32 attention heads"),
+    (("--model", "llama3-8b", "--expert-parallel"), "this model is dense"),
+    (("--model", "llama3-8b", "--gpu-memory-utilization", "1.5"), "fraction"),
+    (("--model", "llama3-8b", "--kv-cache-dtype", "int8"), "unknown KV cache dtype"),
+    (("--model", "qwen3-30b-a3b", "--dp", "2"), "--dp without --expert-parallel"),
+])  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    out = run(*args)
+    assert out.exit_code == 2 and "Traceback" not in out.output
+    assert out.stderr.startswith("error: ") and message in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+def test_the_numbers_docs_serving_quotes():
+    """docs/serving.md's prose: each number it writes by hand, computed."""
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).parent.parent / "docs" / "serving.md").read_text().split())
+    qwen = serve(job("qwen3-30b-a3b"))
+    assert f"cache {qwen.kv.bytes_per_token // 1024} KiB" in text
+    assert f"alone ({qwen.weights.total_bytes / 1e9:.0f} GB in bf16)" in text
+    awq = serve(job("qwen3-30b-a3b", "a100-40gb", weights="int4-awq"))
+    assert f"bring it to {awq.weights.total_bytes / 1e9:.1f} GB" in text
+    shape = preset_model("deepseek-v3").shape
+    latent, heads = shape.kv_lora_rank + shape.qk_rope_head_dim, shape.n_heads * (shape.head_dim + shape.v_head_dim)
+    assert f"would take {heads // latent} times more" in text
+    assert f"{2 * 32 * 8 * 128 * 2:,} bytes for Llama-3-8B" in text
+    fp8 = serve(job("qwen3-30b-a3b", kv_dtype="fp8"))
+    assert fp8.requests >= 2 * qwen.requests  # "twice the requests"

@@ -15,6 +15,7 @@ from memcalc.model.sizes import MAX_SEQ
 from memcalc.serve.answer import serve
 from memcalc.serve.job import ServeJob
 from memcalc.serve.kv import kv_layers, token_bytes
+from memcalc.serve.stages import pipeline_stages
 from memcalc.serve.weights import Matrix, matrix_bytes, serving_weights
 from memcalc.time.calibration import calibration_for
 
@@ -71,29 +72,35 @@ def test_weight_formats_by_hand():
     assert matrix_bytes(m, "int8") == n + 2 * groups + groups + 4 * 4096
 
 
+def weights(j: ServeJob):
+    """The weights of a job of one stage."""
+    (stage,) = pipeline_stages(j.model.shape.n_layers, 1)
+    return serving_weights(j, stage)
+
+
 def test_bf16_weights_are_the_parameter_count_and_tp_splits_them():
-    w = serving_weights(job("llama3-8b"))
+    w = weights(job("llama3-8b"))
     assert w.total_bytes == 2 * 8_030_261_248 and w.params == 8_030_261_248
-    halves = serving_weights(job("llama3-8b", tp=2))
+    halves = weights(job("llama3-8b", tp=2))
     norms = 2 * (2 * 32 + 1) * 4096  # two per block and the final one: replicated; all else halves
     assert halves.total_bytes == (w.total_bytes - norms) // 2 + norms
-    moe = serving_weights(job("qwen3-30b-a3b"))
+    moe = weights(job("qwen3-30b-a3b"))
     assert moe.params == preset_model("qwen3-30b-a3b").n_params
 
 
 def test_expert_parallel_holds_whole_experts():
-    ep = serving_weights(job("qwen3-30b-a3b", tp=2, expert_parallel=True))
+    ep = weights(job("qwen3-30b-a3b", tp=2, expert_parallel=True))
     assert ep.local_experts == 64
-    assert serving_weights(job("qwen3-30b-a3b", tp=2)).local_experts == 128
+    assert weights(job("qwen3-30b-a3b", tp=2)).local_experts == 128
 
 
 def test_budget_is_total_times_utilization_less_non_kv():
     a = serve(job("llama3-8b"))
     b = a.budget
     assert b.total == gpu("h100-sxm").memory_bytes
-    assert b.available == int(b.total * 0.9 - b.weights - b.activations)
+    assert b.available == int(b.total * 0.9 - b.binding.weights - b.binding.activations)
     assert b.num_blocks == b.available // (16 * 131_072 // 32) // 32
-    assert b.cache_bytes <= b.available < b.cache_bytes + b.page_bytes * b.group_size
+    assert b.cache_bytes <= b.available < b.cache_bytes + b.page_bytes * b.binding.group_size
 
 
 VLLM_CASES = [  # three kinds of cache: one group (GQA, MLA), all layers sliding, and the hybrid allocator
@@ -101,6 +108,8 @@ VLLM_CASES = [  # three kinds of cache: one group (GQA, MLA), all layers sliding
     ("deepseek-v3", "h100-sxm", 8192, {"tp": 16, "weights": "int4-awq"}),
     ("gemma3-4b", "a100-40gb", 32768, {}), ("mistral-7b", "a100-40gb", 16384, {"kv_dtype": "fp8"}),
     ("llama3-8b", "a100-40gb", 4096, {"tp": 2, "block_size": 32}),
+    ("llama3-70b", "h100-sxm", 32768, {"tp": 2, "pp": 3}), ("gemma3-4b", "a100-40gb", 8192, {"pp": 4}),
+    ("deepseek-v3", "h200", 16384, {"tp": 8, "pp": 2, "weights": "fp8"}),
 ]  # fmt: skip
 
 
@@ -111,20 +120,23 @@ def test_blocks_concurrency_and_longest_context_are_vllms(model, g, context, kw)
     a = serve(job(model, g, context, **kw))
     j, b = a.job, a.budget
     specs = vllm_kv.layer_specs(j.model.shape, j.tp, j.page_tokens, j.kv_bytes)
-    groups = vllm_kv.get_kv_cache_groups(specs)
-    blocks = vllm_kv.num_blocks_of(groups, b.available)
+    groups, blocks = vllm_kv.get_kv_cache_configs(specs, j.pp, [s.available for s in b.stages])
     config = vllm_kv.Config(context, j.batched_tokens)
     assert b.num_blocks == blocks > 0
     assert a.max_concurrency == vllm_kv.get_max_concurrency(config, groups, blocks)
     assert b.cache_tokens == vllm_kv.cache_tokens(groups, blocks)
-    longest = vllm_kv.estimate_max_model_len(vllm_kv.Config(MAX_SEQ, j.batched_tokens), groups, b.available)
+    longest = vllm_kv.auto_fit_max_model_len(vllm_kv.Config(MAX_SEQ, j.batched_tokens), specs, j.pp,
+                                             [s.available for s in b.stages])
     assert a.longest_context == longest
 
 
 def test_hybrid_groups_as_vllm_groups_them():
     """gemma3-4b: 5 full + 29 sliding layers -> groups of 5: one full group, six sliding (one padded)."""
     b = serve(job("gemma3-4b")).budget
-    assert b.group_size == 5 and sorted(n for _, n in b.groups) == [1, 6]
+    assert b.binding.group_size == 5 and [len(g.layers) for g in b.groups] == [5, 5, 5, 5, 5, 4, 5]
+    specs = vllm_kv.layer_specs(preset_model("gemma3-4b").shape, 1, 16, 2)
+    names = [[int(n.split(".")[2]) for n in g.layer_names] for g in vllm_kv.get_kv_cache_groups(specs)]
+    assert names == [list(g.layers) for g in b.groups]
 
 
 @settings(max_examples=30, deadline=None)
@@ -156,8 +168,17 @@ def test_what_to_change_when_nothing_fits():
     assert {c.change for c in a.changes} >= {"--kv-cache-dtype fp8", "--tp 2"}
 
 
-def test_kv_layers_follow_the_pipeline_stage():
-    assert sum(k.count for k in kv_layers(job("llama3-8b", pp=4))) == 8
+def test_pipeline_stages_split_as_vllm_splits_them():
+    """get_pp_indices: 80 layers over 3 stages are 27, 27, 26 (the remainder before the last stage); 61 over 4
+    are 15, 15, 16, 15; the first stage holds the embedding, the last the head."""
+    assert [len(s.layers()) for s in pipeline_stages(80, 3)] == [27, 27, 26]
+    assert [len(s.layers()) for s in pipeline_stages(61, 4)] == [15, 15, 16, 15]
+    j = job("llama3-8b", pp=4)
+    first, *_, last = pipeline_stages(32, 4)
+    assert sum(k.count for k in kv_layers(j, first.layers())) == 8
+    table = 128256 * 4096
+    assert weights(job("llama3-8b")).params - table * 2 == sum(
+        serving_weights(j, s).params for s in pipeline_stages(32, 4)) - table * 2
 
 
 def run(*args: str):

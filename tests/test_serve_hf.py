@@ -23,7 +23,7 @@ CASES = [("gpt2", 3, 700), ("llama3-8b", 3, 2000), ("mistral-7b", 2, 5000), ("ge
 
 def memcalc_kv(shape, context: int) -> KVCache:
     job = ServeJob(Model(shape, 1, shape.name), gpu("h100-sxm"), context, calibration_for("h100-sxm"))
-    return KVCache(kv_layers(job), context, job.kv_bytes)
+    return KVCache(kv_layers(job, range(shape.n_layers)), context, job.kv_bytes)
 
 
 def per_layer(shape) -> list[tuple[int, int]]:

@@ -8,7 +8,10 @@ Transcribed, function by function and with vLLM's names, from vllm-project/vllm
       is_kv_cache_spec_uniform, _get_kv_cache_groups_uniform_page_size, get_kv_cache_config_from_groups,
       get_num_blocks, get_max_concurrency_for_kv_cache_config, _max_memory_usage_bytes_from_groups,
       _estimate_max_model_len_from_groups, _report_kv_cache_config's token count
+      and get_kv_cache_configs' projection onto each pipeline stage (_project_kv_cache_groups_to_worker)
+      and its minimum over the stages
   vllm/config/model.py @ 18ec6629253632af0a384f2ffbb8c6b28af322e7: get_head_size, get_num_kv_heads
+  vllm/distributed/utils.py @ 5a6541db9bfa77756459722f69e8c89a0b47a14d: get_pp_indices
 A torch dtype is its size in bytes here; decode context parallel is 1; num_gpu_blocks_override unset;
 the hybrid allocator on (the default), per-token-head quantization and padding off.
 """
@@ -155,7 +158,7 @@ def get_max_concurrency(config: Config, kv_cache_groups: list[KVCacheGroupSpec],
 
 
 def max_memory_usage_bytes_from_groups(config: Config, kv_cache_groups: list[KVCacheGroupSpec]) -> int:
-    group_size = max(len(group.layer_names) for group in kv_cache_groups)
+    group_size = max(len(group.layer_names) for group in kv_cache_groups)  # a worker's projected groups
     page_size = kv_cache_groups[0].kv_cache_spec.page_size_bytes
     blocks_needed = sum(cdiv(group.kv_cache_spec.max_memory_usage_bytes(config), page_size)
                         for group in kv_cache_groups)
@@ -183,3 +186,41 @@ def estimate_max_model_len(config: Config, kv_cache_groups: list[KVCacheGroupSpe
 def cache_tokens(kv_cache_groups: list[KVCacheGroupSpec], num_blocks: int) -> int:
     """_report_kv_cache_config: "GPU KV cache size: N tokens"."""
     return num_blocks // len(kv_cache_groups) * min(g.kv_cache_spec.block_size for g in kv_cache_groups)
+
+
+def get_pp_indices(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    layers_per_partition = num_hidden_layers // pp_size
+    partitions = [layers_per_partition for _ in range(pp_size)]
+    if remaining_layers := num_hidden_layers % pp_size:
+        for i in range(2, remaining_layers + 2):
+            partitions[-i] += 1
+    start_layer = sum(partitions[:pp_rank])
+    return start_layer, start_layer + partitions[pp_rank]
+
+
+def project_kv_cache_groups_to_worker(global_kv_cache_groups: list[KVCacheGroupSpec],
+                                      worker_spec: dict[str, AttentionSpec]) -> list[KVCacheGroupSpec]:
+    return [KVCacheGroupSpec([n for n in group.layer_names if n in worker_spec], group.kv_cache_spec)
+            for group in global_kv_cache_groups]
+
+
+def workers_of(specs: dict[str, AttentionSpec], pp: int) -> list[dict[str, AttentionSpec]]:
+    """Each pipeline rank's layers' specs (the model runner of rank r builds layers get_pp_indices gives it)."""
+    items = list(specs.items())
+    return [dict(items[slice(*get_pp_indices(len(items), rank, pp))]) for rank in range(pp)]
+
+
+def get_kv_cache_configs(specs: dict[str, AttentionSpec], pp: int, available_memory: list[int]):
+    """(global groups, num_blocks): every worker's blocks from its projected groups, then the smallest."""
+    global_groups = get_kv_cache_groups(specs)
+    blocks = [num_blocks_of(project_kv_cache_groups_to_worker(global_groups, w), mem)
+              for w, mem in zip(workers_of(specs, pp), available_memory)]
+    return global_groups, min(blocks)
+
+
+def auto_fit_max_model_len(config: Config, specs: dict[str, AttentionSpec], pp: int,
+                           available_memory: list[int]) -> int:
+    """_auto_fit_max_model_len: the longest max_model_len every worker's projected groups hold."""
+    global_groups = get_kv_cache_groups(specs)
+    return min(estimate_max_model_len(config, project_kv_cache_groups_to_worker(global_groups, w), mem)
+               for w, mem in zip(workers_of(specs, pp), available_memory))

@@ -30,17 +30,26 @@ def serve_preamble(a: ServeAnswer, units: str) -> list[str]:
             f"max_num_seqs {j.seqs:,}; context {j.context:,} tokens a request"]  # fmt: skip
 
 
+def profile_label(a: ServeAnswer) -> str:
+    p = a.activations
+    sampled = f", {p.requests:,} sampled" if p.sampler else ""
+    return f"profile run: {p.tokens:,} tokens{sampled} ({p.at})"
+
+
 def budget_section(a: ServeAnswer, units: str) -> Section:
     b, j = a.budget, a.job
-    s = Section("Memory on one GPU, as vLLM splits it", ["part", "bytes", "how"])
+    st = b.binding.stage
+    where = "" if st.pp == 1 else \
+        f" (pipeline stage {st.index} of {st.pp}, layers {st.start}-{st.end - 1}: the fewest blocks)"
+    s = Section(f"Memory on one GPU{where}, as vLLM splits it", ["part", "bytes", "how"])
     s.rows = [
         ["GPU memory", sized(b.total, units), "torch.cuda.mem_get_info's total"],
         [f"x {b.utilization:g} utilization", sized(b.requested, units), "what vLLM may use"],
-        ["- weights", sized(b.weights, units), f"{u.params(a.weights.params)} parameters, {WEIGHT_LABELS[j.weights]}"],
-        ["- activation peak", sized(b.activations, units),
-         f"profile run: {a.activations.tokens:,} tokens, {a.activations.requests:,} sampled ({a.activations.at})"],
+        ["- weights", sized(b.binding.weights, units),
+         f"{u.params(a.weights.params)} parameters, {WEIGHT_LABELS[j.weights]}"],
+        ["- activation peak", sized(b.binding.activations, units), profile_label(a)],
         ["= KV cache", sized(max(0, b.available), units) if b.available >= 0 else f"{u.size(b.available, units)}",
-         f"{b.num_blocks:,} blocks of {b.block_size} tokens x {b.group_size} layers"],
+         f"{b.num_blocks:,} blocks of {b.block_size} tokens x {b.binding.group_size} layers"],
     ]  # fmt: skip
     s.notes = ["vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (weights + "
                "activation peak + non-torch memory); the CUDA context and CUDA graphs sit in the 1 - utilization "
@@ -79,9 +88,11 @@ def context_label(n: int) -> str:
 def fit_section(a: ServeAnswer) -> Section:
     b, j = a.budget, a.job
     s = Section(f"What fits at {j.context:,} tokens a request", ["", "value"])
+    blocks = b.request_blocks(j.context, j.batched_tokens)
     s.rows = [["KV cache size", f"{b.cache_tokens:,} tokens"],
+              ["a request's blocks", f"{blocks:,} of {b.num_blocks:,}"],
               ["maximum concurrency", f"{a.max_concurrency:.2f}x"],
-              ["concurrent requests", f"{a.requests:,}" + (f" (max_num_seqs {j.seqs:,})" if a.requests == j.seqs else "")],
+              ["concurrent requests", f"{a.requests:,}" + (" (max_num_seqs)" if a.requests == j.seqs else "")],
               ["longest context, one request", context_label(a.longest_context)]]  # fmt: skip
     s.notes = ["as vLLM logs them: \"GPU KV cache size\", \"Maximum concurrency for N tokens per request\" "
                "(vllm/v1/core/kv_cache_utils.py); the longest context is estimate_max_model_len's"]
@@ -91,7 +102,8 @@ def fit_section(a: ServeAnswer) -> Section:
 def time_section(a: ServeAnswer) -> Section:
     t, j = a.time, a.job
     s = Section(f"Time on the roofline, batch {t.batch:,}", ["", "value", "bound by"])
-    s.rows = [["time to first token", u.seconds(t.ttft_seconds), f"{t.prefill.linear.bound} (prefill of {j.context:,})"],
+    s.rows = [["time to first token", u.seconds(t.ttft_seconds),
+               f"{t.prefill.linear.bound} (prefill of {j.context:,})"],
               ["time per output token", u.seconds(t.tpot_seconds), f"{t.decode.linear.bound} (decode)"],
               ["decode tokens/s", u.rate(t.tokens_per_second), f"{t.batch:,} requests"]]  # fmt: skip
     cal = j.calibration
@@ -105,7 +117,7 @@ def detail_sections(a: ServeAnswer, units: str) -> list[Section]:
     w, p = a.weights, a.activations
     weights = Section("Weights on one GPU", ["part", "bytes"])
     weights.rows = [[f"{w.layers} blocks' linear weights ({WEIGHT_LABELS[w.fmt]})", sized(w.matrices_bytes, units)],
-                    ["embedding, head, norms, biases, routers (16-bit)", sized(w.sixteen_bit_bytes, units)]]  # fmt: skip
+                    ["embedding, head, norms, biases, routers (16-bit)", sized(w.sixteen_bit_bytes, units)]]
     peak = Section("Profile run's activations, by part", ["part", "bytes"])
     peak.rows = [[name, sized(getattr(p, name), units)] for name in ("attention", "mlp", "sampler")]
     roof = Section("Roofline parts", ["step", "part", "FLOPs", "bytes", "compute", "memory"])
@@ -133,8 +145,9 @@ def serve_sections(a: ServeAnswer, units: str, detail: bool = False) -> list[Sec
 def serve_verdict(a: ServeAnswer) -> str:
     j, b = a.job, a.budget
     if b.available <= 0:
-        return (f"Does not fit: the weights and the activation peak take {u.size(b.weights + b.activations)} of the "
-                f"{u.size(b.requested)} vLLM may use, and nothing is left for the KV cache.")  # fmt: skip
+        taken = b.binding.weights + b.binding.activations
+        return (f"Does not fit: the weights and the activation peak take {u.size(taken)} of the "
+                f"{u.size(b.requested)} vLLM may use, and nothing is left for the KV cache.")
     if a.requests < 1:
         return (f"Does not fit: not one request of {j.context:,} tokens; the longest the KV cache holds is "
                 f"{context_label(a.longest_context)}.")  # fmt: skip

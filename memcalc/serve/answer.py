@@ -10,6 +10,7 @@ from memcalc.records import record
 from .budget import ActivationPeak, Budget, activation_peak, budget, longest_context
 from .job import WEIGHT_FORMATS, ServeJob
 from .kv import KVCache, kv_layers
+from .stages import Stage, pipeline_stages
 from .timing import ServeTime, serve_time
 from .weights import Weights, serving_weights
 
@@ -28,7 +29,7 @@ class ServeAnswer:
     """What one GPU of the server holds and does (bytes are integers, one GPU's)."""
 
     job: ServeJob
-    weights: Weights
+    weights: Weights  # the binding stage's GPU (every GPU without pipeline parallel)
     kv: KVCache
     activations: ActivationPeak
     budget: Budget
@@ -43,22 +44,39 @@ class ServeAnswer:
         return self.requests >= (self.job.batch or 1)
 
 
-def fitting(job: ServeJob) -> tuple[Weights, KVCache, ActivationPeak, Budget, float, int, int]:
-    weights, layers = serving_weights(job), kv_layers(job)
-    kv = KVCache(layers, job.context, job.kv_bytes)
-    peak = activation_peak(job)
-    b = budget(job, weights, layers, peak)
-    per_request = b.request_blocks(job.context, job.batched_tokens)
-    concurrency = b.num_blocks / per_request
-    return weights, kv, peak, b, concurrency, min(int(concurrency), job.seqs), longest_context(b, job.batched_tokens)
+@record(frozen=True)
+class StageParts:
+    """One pipeline stage's GPU: its weights, KV cache and profile-run peak."""
+
+    stage: Stage
+    weights: Weights
+    kv: KVCache
+    activations: ActivationPeak
+
+
+def stage_parts(job: ServeJob) -> tuple[StageParts, ...]:
+    out = []
+    for st in pipeline_stages(job.model.shape.n_layers, job.pp):
+        kv = KVCache(kv_layers(job, st.layers()), job.context, job.kv_bytes)
+        out.append(StageParts(st, serving_weights(job, st), kv, activation_peak(job, st)))
+    return tuple(out)
+
+
+def fitting(job: ServeJob) -> tuple[tuple[StageParts, ...], Budget, float, int, int]:
+    parts = stage_parts(job)
+    b = budget(job, tuple((p.stage, p.weights, p.activations) for p in parts))
+    concurrency = b.num_blocks / b.request_blocks(job.context, job.batched_tokens)
+    return parts, b, concurrency, min(int(concurrency), job.seqs), longest_context(b, job.batched_tokens)
 
 
 def serve(job: ServeJob, advise: bool = True) -> ServeAnswer:
-    """The answer for the job; with advise, the changes that would fit it where it does not."""
-    weights, kv, peak, b, concurrency, requests, longest = fitting(job)
+    """The answer for the job; with advise, the changes that would fit it where it does not. The memory
+    shown is the binding stage's GPU (the one with the fewest blocks); the time crosses every stage."""
+    parts, b, concurrency, requests, longest = fitting(job)
     batch = job.batch or max(1, requests)
-    time = serve_time(job, weights, kv, batch)
-    answer = ServeAnswer(job, weights, kv, peak, b, concurrency, requests, longest, time)
+    time = serve_time(job, tuple((p.weights, p.kv) for p in parts), batch)
+    one = parts[b.binding.stage.index]
+    answer = ServeAnswer(job, one.weights, one.kv, one.activations, b, concurrency, requests, longest, time)
     if advise and not answer.fits:
         answer = replace(answer, changes=changes(job))
     return answer

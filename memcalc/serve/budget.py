@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 
-from memcalc.model.shape import moe_layer_count
+from memcalc.model.shape import is_moe_layer
 from memcalc.model.sizes import MAX_SEQ
 from memcalc.records import record
 
 from .job import ServeJob
-from .kv import KVLayer
+from .kv import KVLayer, kv_layers
+from .stages import Stage
 from .weights import Weights
 
 
@@ -53,7 +54,7 @@ class ActivationPeak:
         return max(("attention", self.attention), ("mlp", self.mlp), ("sampler", self.sampler), key=lambda p: p[1])[0]
 
 
-def activation_peak(job: ServeJob) -> ActivationPeak:
+def activation_peak(job: ServeJob, stage: Stage) -> ActivationPeak:
     """What profile_run's forward holds at once in one block, as vLLM's fused layers allocate it, and
     its sampler's logits. Inference frees each op's input when the next is done; live are the residual
     and the block's input (2·T·h), and then
@@ -66,6 +67,7 @@ def activation_peak(job: ServeJob) -> ActivationPeak:
       sampler     the T·h hidden states, the R x vocab logits in 16 bits and their float32 copy
                   (vllm/v1/sample/sampler.py Sampler.forward: logits.to(torch.float32))."""
     shape, tp, b = job.model.shape, job.tp, job.activation_bytes
+    moe_layers = sum(is_moe_layer(shape, i) for i in stage.layers())
     T, h = job.batched_tokens, shape.hidden
     R = min(T, job.seqs)
     live = 2 * T * h * b
@@ -78,72 +80,115 @@ def activation_peak(job: ServeJob) -> ActivationPeak:
     attention = live + T * widths * b
     f = shape.ffn // tp
     dense = live + T * (3 * f if shape.gated_mlp else 2 * f) * b
-    mlp = dense if moe_layer_count(shape) < shape.n_layers else 0
-    if shape.is_moe:
-        n = 2 * (shape.routed_ffn // (1 if job.expert_parallel else tp))
+    mlp = dense if moe_layers < len(stage.layers()) else 0
+    if moe_layers:
+        n = (2 if shape.gated_mlp else 1) * (shape.routed_ffn // (1 if job.expert_parallel else tp))
         k = shape.experts_per_token
         moe = live + T * k * (max(n, h) + n // 2) * b + T * shape.n_experts * b
         mlp = max(mlp, moe)
-    sampler = T * h * b + R * shape.vocab * (b + 4)
+    sampler = T * h * b + R * shape.vocab * (b + 4) if stage.last else 0  # the last stage samples
     return ActivationPeak(T, R, attention, mlp, sampler)
 
 
 @record(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups: a kind of layer, and the layers of it the group takes."""
+
+    kind: KVLayer  # window and bytes per token (count: the model's layers of that kind)
+    layers: tuple[int, ...]
+
+
+def kv_groups(kinds: tuple[KVLayer, ...], windows: list[int]) -> tuple[int, tuple[KVGroup, ...]]:
+    """(group_size, the groups) over the whole model, as vLLM groups the layers (see the module): each
+    kind's layers dealt round-robin into ceil(count / group_size) groups (layers[i::num_groups])."""
+    counts = [k.count for k in kinds]
+    few, many = min(counts), max(counts)
+    size = many if len(kinds) == 1 or many < few * 1.5 else few
+    out = []
+    for kind in kinds:
+        layers = [i for i, w in enumerate(windows) if w == kind.window]
+        n = math.ceil(len(layers) / size)
+        out += [KVGroup(kind, tuple(layers[i::n])) for i in range(n)]
+    return size, tuple(out)
+
+
+@record(frozen=True)
+class StageBudget:
+    """One pipeline stage's GPU: vLLM's split of its memory (bytes), and the blocks that fill the rest."""
+
+    stage: Stage
+    weights: int
+    activations: int
+    available: int  # int(total x utilization - weights - activations): for the KV cache
+    group_size: int  # the most layers of the stage in one group: the tensors a block spans here
+    num_blocks: int  # available // page // group_size (kv_cache_utils.py get_num_blocks)
+
+
+@record(frozen=True)
 class Budget:
-    """vLLM's split of one GPU's memory (bytes), and the paged KV cache that fills what is left."""
+    """vLLM's split of each GPU's memory and the paged KV cache; every stage keeps the fewest blocks any
+    stage has (kv_cache_utils.py get_kv_cache_configs: "the smallest among all ranks")."""
 
     total: int
     utilization: float
-    weights: int
-    activations: int
     block_size: int
     page_bytes: int  # one block of one layer
-    group_size: int  # layers that share a block (the tensors a block spans)
-    groups: tuple[tuple[KVLayer, int], ...]  # each kind of layer and its number of groups
+    groups: tuple[KVGroup, ...]
+    stages: tuple[StageBudget, ...]
 
     @property
     def requested(self) -> int:
         return int(self.total * self.utilization)
 
     @property
-    def available(self) -> int:
-        """For the KV cache: int(total x utilization - non-KV memory), as determine_available_memory."""
-        return int(self.total * self.utilization - (self.weights + self.activations))
+    def binding(self) -> StageBudget:
+        """The stage with the fewest blocks: the one that decides (the only one without pipeline parallel)."""
+        return min(self.stages, key=lambda s: s.num_blocks)
 
     @property
     def num_blocks(self) -> int:
-        return max(0, self.available // self.page_bytes // self.group_size)
+        return self.binding.num_blocks
+
+    @property
+    def available(self) -> int:
+        return self.binding.available
 
     @property
     def cache_tokens(self) -> int:
         """vLLM's "GPU KV cache size: N tokens": num_blocks // groups x block_size (_report_kv_cache_config)."""
-        return self.num_blocks // sum(n for _, n in self.groups) * self.block_size
+        return self.num_blocks // len(self.groups) * self.block_size
 
     def request_blocks(self, context: int, batched: int) -> int:
-        """Blocks one request of `context` tokens takes: each group's kind's reservation."""
-        return sum(n * kind.paged_blocks(context, self.block_size, batched) for kind, n in self.groups)
+        """Blocks one request of `context` tokens takes: each group's kind's reservation
+        (_max_memory_usage_bytes_from_groups, every group counted on every stage)."""
+        return sum(g.kind.paged_blocks(context, self.block_size, batched) for g in self.groups)
 
     @property
     def cache_bytes(self) -> int:
-        return self.num_blocks * self.page_bytes * self.group_size
+        """The binding stage's KV cache tensors."""
+        return self.num_blocks * self.page_bytes * self.binding.group_size
 
 
-def groups_of(layers: tuple[KVLayer, ...]) -> tuple[int, tuple[tuple[KVLayer, int], ...]]:
-    """(group_size, each kind's number of groups), as vLLM groups the layers (see the module)."""
-    counts = [k.count for k in layers]
-    few, many = min(counts), max(counts)
-    size = many if len(layers) == 1 or many < few * 1.5 else few
-    return size, tuple((k, math.ceil(k.count / size)) for k in layers)
+def stage_budget(job: ServeJob, stage: Stage, weights: int, activations: int, page: int,
+                 groups: tuple[KVGroup, ...]) -> StageBudget:  # fmt: skip
+    """determine_available_memory and get_num_blocks on the stage's GPU, its groups being the model's
+    projected onto its layers (_project_kv_cache_groups_to_worker)."""
+    available = int(job.gpu.memory_bytes * job.gpu_memory_utilization - (weights + activations))
+    size = max(sum(1 for i in g.layers if stage.start <= i < stage.end) for g in groups)
+    return StageBudget(stage, weights, activations, available, size, max(0, available // page // size))
 
 
-def budget(job: ServeJob, weights: Weights, layers: tuple[KVLayer, ...], peak: ActivationPeak) -> Budget:
-    """The GPU's memory as vLLM splits it for this job. The non-torch increase vLLM measures (NCCL,
+def budget(job: ServeJob, stages: tuple[tuple[Stage, Weights, ActivationPeak], ...]) -> Budget:
+    """Each GPU's memory as vLLM splits it for this job. The non-torch increase vLLM measures (NCCL,
     attention backends' workspaces) is not modelled: it is left out, so the budget is an upper bound."""
-    size, groups = groups_of(layers)
-    page = job.page_tokens * layers[0].bytes_per_token
-    assert all(k.bytes_per_token == layers[0].bytes_per_token for k in layers)  # one page size (same heads)
-    return Budget(job.gpu.memory_bytes, job.gpu_memory_utilization, weights.total_bytes, peak.peak,
-                  job.page_tokens, page, size, groups)  # fmt: skip
+    shape = job.model.shape
+    windows = [shape.window_at(i) for i in range(shape.n_layers)]
+    kinds = kv_layers(job, range(shape.n_layers))
+    assert all(k.bytes_per_token == kinds[0].bytes_per_token for k in kinds)  # one page size (same heads)
+    page = job.page_tokens * kinds[0].bytes_per_token
+    _, groups = kv_groups(kinds, windows)
+    per_stage = tuple(stage_budget(job, st, w.total_bytes, p.peak, page, groups) for st, w, p in stages)
+    return Budget(job.gpu.memory_bytes, job.gpu_memory_utilization, job.page_tokens, page, groups, per_stage)
 
 
 def longest_context(b: Budget, batched: int) -> int:

@@ -64,13 +64,13 @@ def token_bytes(shape: ModelShape, tp: int, element: int) -> int:
     return heads * (shape.head_dim + shape.v_dim) * element
 
 
-def kv_layers(job: ServeJob) -> tuple[KVLayer, ...]:
-    """The layers of the GPU's pipeline stage (the first ceil(layers / pp)), grouped by window."""
+def kv_layers(job: ServeJob, layers: range) -> tuple[KVLayer, ...]:
+    """These layers' caches on one GPU, grouped by window in the order the first of each comes (as vLLM
+    groups the layers' specs: a dict in layer order)."""
     shape = job.model.shape
-    n = math.ceil(shape.n_layers / job.pp)
     per_token = token_bytes(shape, job.tp, job.kv_bytes)
-    windows = [shape.window_at(i) for i in range(n)]
-    return tuple(KVLayer(w, per_token, windows.count(w)) for w in sorted(set(windows)))
+    windows = [shape.window_at(i) for i in layers]
+    return tuple(KVLayer(w, per_token, windows.count(w)) for w in dict.fromkeys(windows))
 
 
 @record(frozen=True)

@@ -14,7 +14,7 @@ A forward step is two parts, each at the larger of its compute and its memory ti
 Prefill runs one request's `context` tokens (causal: query i sees min(i, window) keys); its time is the
 time to first token. Decode runs `batch` requests, one token each, each reading `context` keys per layer
 (a sliding layer its window): the time per output token, and batch / that the tokens per second.
-With pipeline stages a token crosses every stage in turn: pp x one stage's step.
+With pipeline stages a token crosses every stage in turn: a step is the stages' steps summed.
 Not modelled: scheduling and sampling, CPU overheads and kernel launches (CUDA graphs remove most of
 them in decode), tensor parallel's all-reduces, chunked prefill mixing prefills into decode steps.
 """
@@ -47,18 +47,31 @@ class Roof:
         return "compute" if self.compute_seconds >= self.memory_seconds else "memory"
 
 
+def total(parts: tuple[Roof, ...]) -> Roof:
+    """Parts run one after another: FLOPs, bytes and each time added."""
+    return Roof(sum(r.flops for r in parts), sum(r.bytes for r in parts), sum(r.compute_seconds for r in parts),
+                sum(r.memory_seconds for r in parts))  # fmt: skip
+
+
 @record(frozen=True)
 class Step:
-    """A forward step of `tokens` tokens on one GPU: its linear and attention parts."""
+    """A forward step of `tokens` tokens: its linear and attention parts on each stage's GPU in turn."""
 
     tokens: int
-    linear: Roof
-    attention: Roof
-    stages: int  # pipeline stages a token crosses
+    linears: tuple[Roof, ...]  # one per pipeline stage
+    attentions: tuple[Roof, ...]
 
     @property
     def seconds(self) -> float:
-        return (self.linear.seconds + self.attention.seconds) * self.stages
+        return sum(r.seconds for r in self.linears + self.attentions)
+
+    @property
+    def linear(self) -> Roof:
+        return total(self.linears)
+
+    @property
+    def attention(self) -> Roof:
+        return total(self.attentions)
 
 
 @record(frozen=True)
@@ -118,7 +131,7 @@ def prefill_step(job: ServeJob, weights: Weights, kv: KVCache, cal: Calibration)
     written = sum(k.count * k.bytes_per_token * k.kept(P) for k in kv.layers)
     attention = roof(keys * attention_flops_per_key(job, False), written, job.gpu.peak_flops("bf16"), cal.flash,
                      job, cal)  # fmt: skip
-    return Step(P, linear, attention, job.pp)
+    return Step(P, (linear,), (attention,))
 
 
 def decode_step(job: ServeJob, weights: Weights, kv: KVCache, batch: int, cal: Calibration) -> Step:
@@ -130,9 +143,16 @@ def decode_step(job: ServeJob, weights: Weights, kv: KVCache, batch: int, cal: C
     keys = sum(k.count * (min(job.context, k.window) if k.window else job.context) for k in kv.layers)
     attention = roof(batch * keys * attention_flops_per_key(job, True), batch * kv.request_bytes,
                      job.gpu.peak_flops("bf16"), cal.flash, job, cal)  # fmt: skip
-    return Step(batch, linear, attention, job.pp)
+    return Step(batch, (linear,), (attention,))
 
 
-def serve_time(job: ServeJob, weights: Weights, kv: KVCache, batch: int) -> ServeTime:
+def summed(steps: list[Step]) -> Step:
+    """The stages' steps one after another."""
+    return Step(steps[0].tokens, sum((s.linears for s in steps), ()), sum((s.attentions for s in steps), ()))
+
+
+def serve_time(job: ServeJob, stages: tuple[tuple[Weights, KVCache], ...], batch: int) -> ServeTime:
     cal = job.calibration
-    return ServeTime(batch, prefill_step(job, weights, kv, cal), decode_step(job, weights, kv, batch, cal))
+    prefill = summed([prefill_step(job, w, kv, cal) for w, kv in stages])
+    decode = summed([decode_step(job, w, kv, batch, cal) for w, kv in stages])
+    return ServeTime(batch, prefill, decode)

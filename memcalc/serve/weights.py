@@ -22,7 +22,8 @@ and, without expert parallel, each expert's width; k and v keep at least one hea
 heads replicated where tp exceeds the KV heads (vllm/model_executor/layers/linear.py
 QKVParallelLinear: num_kv_head_replicas); latent attention's q_a and kv_a projections are replicated
 (vllm/model_executor/models/deepseek_v2.py). Expert parallel gives each of the tp x dp GPUs n_experts/ep
-whole experts. Pipeline parallel keeps ceil(layers / pp) blocks on the stage that holds the most.
+whole experts. Pipeline parallel gives a stage its layers (memcalc.serve.stages), the first the embedding,
+the last the final norm and the output head: a tied head is a copy of the embedding there.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from __future__ import annotations
 import math
 
 from memcalc.model.params import layer_params, moe_layer_params, norm_params
-from memcalc.model.shape import ModelShape, moe_layer_count
+from memcalc.model.shape import ModelShape, is_moe_layer
 from memcalc.records import record
 
 from .job import ServeJob
+from .stages import Stage
 
 GROUP = 128  # the group size of GPTQ and AWQ checkpoints (q_group_size / group_size 128)
 VOCAB_PADDING = 64  # vllm/model_executor/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
@@ -122,7 +124,7 @@ class Weights:
     """One GPU's weights: the blocks' linear matrices in the format, and what stays 16-bit."""
 
     fmt: str
-    layers: int  # blocks on this GPU (the largest pipeline stage)
+    layers: int  # blocks on this GPU (its pipeline stage's)
     moe_layers: int  # of them, blocks whose MLP is a mixture of experts
     matrices_bytes: int  # the blocks' linear weights, with their scales and zeros
     sixteen_bit_bytes: int  # embedding, output head, norms, biases, routers
@@ -149,35 +151,27 @@ class Weights:
         return self.params - self.table_params - idle
 
 
-def stage_layers(shape: ModelShape, pp: int) -> tuple[int, int]:
-    """(dense blocks, MoE blocks) on the pipeline stage with the most blocks: ceil(layers / pp), the
-    MoE ones first (an upper bound on a stage's share of them)."""
-    n = math.ceil(shape.n_layers / pp)
-    moe = min(n, moe_layer_count(shape))
-    return n - moe, moe
-
-
-def serving_weights(job: ServeJob) -> Weights:
-    """One GPU's weights in the job's format, laid out over its tp, pp and ep. Under pipeline parallel the
-    stage is charged both the embedding and the output head (the first and last stages' parts together:
-    an upper bound on either)."""
+def serving_weights(job: ServeJob, stage: Stage) -> Weights:
+    """One GPU's weights in the job's format: its pipeline stage's blocks and tables, split by tp and ep."""
     shape, fmt, tp = job.model.shape, job.weights, job.tp
-    dense, moe = stage_layers(shape, job.pp)
+    moe = sum(is_moe_layer(shape, i) for i in stage.layers())
+    dense = len(stage.layers()) - moe
     vocab = math.ceil(shape.vocab / VOCAB_PADDING) * VOCAB_PADDING // tp
-    positions = shape.max_positions * shape.hidden if shape.positions == "learned" else 0
-    untied = not shape.tied_embeddings or job.pp > 1  # a tied head's copy on the last stage
-    tables = vocab * shape.hidden * (2 if untied else 1) + positions + norm_params(shape)
+    table = vocab * shape.hidden
+    positions = shape.max_positions * shape.hidden if shape.positions == "learned" and stage.first else 0
+    head = table if stage.last and (not shape.tied_embeddings or not stage.first) else 0  # a tied copy apart
+    embedding = table if stage.first else 0
+    tables = embedding + positions + head + (norm_params(shape) if stage.last else 0)
     blocks = [(dense, block_matrices(shape, False, tp), block_rest(shape, False))]
     if moe:
         blocks.append((moe, block_matrices(shape, True, tp, job.ep), block_rest(shape, True)))
     matrices = sum(n * sum(matrix_bytes(m, fmt) for m in ms) for n, ms, _ in blocks)
     params = sum(n * (sum(m.params for m in ms) + rest) for n, ms, rest in blocks) + tables
-    local = shape.n_experts // job.ep if moe else 0
     one = mlp_matrices(shape, shape.routed_ffn, 1 if job.ep > 1 else tp) if moe else []
-    table = vocab * shape.hidden + positions if untied else positions
+    unread = positions + (embedding if head or not stage.last else 0)  # an embedding that is not the head
     return Weights(fmt, dense + moe, moe, matrices, 2 * (sum(n * r for n, _, r in blocks) + tables), params,
-                   local, sum(matrix_bytes(m, fmt) for m in one), sum(m.params for m in one), 2 * table,
-                   table)  # fmt: skip
+                   shape.n_experts // job.ep if moe else 0, sum(matrix_bytes(m, fmt) for m in one),
+                   sum(m.params for m in one), 2 * unread, unread)  # fmt: skip
 
 
 def experts_touched(local: int, n_experts: int, per_token: int, tokens: int) -> float:

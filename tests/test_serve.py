@@ -33,9 +33,9 @@ def job(model: str, g: str = "h100-sxm", context: int = 8192, **kw) -> ServeJob:
     ("mistral-7b", 2 * 32 * 8 * 128 * 2),  # a window keeps fewer tokens, not fewer bytes per token
 ])  # fmt: skip
 def test_kv_per_token_is_2_layers_kv_heads_head_dim_bytes(model, per_token):
-    a = serve(job(model))
+    a = serve(job(model, context=1024))
     assert a.kv.bytes_per_token == per_token
-    assert serve(job(model, kv_dtype="fp8")).kv.bytes_per_token == per_token // 2
+    assert serve(job(model, context=1024, kv_dtype="fp8")).kv.bytes_per_token == per_token // 2
 
 
 def test_mla_caches_the_latent_and_the_rope_key():
@@ -240,3 +240,44 @@ def test_the_numbers_docs_serving_quotes():
     assert f"{2 * 32 * 8 * 128 * 2:,} bytes for Llama-3-8B" in text
     fp8 = serve(job("qwen3-30b-a3b", kv_dtype="fp8"))
     assert fp8.requests >= 2 * qwen.requests  # "twice the requests"
+
+
+def test_activation_peak_by_hand():
+    """llama3-8b at vLLM's 8,192 batched tokens and 1,024 sequences on an H100: the sampler's 1,024 x 128,256
+    logits in bf16 and float32 beside the 8,192 x 4,096 hidden states; the MLP's residual, input, gate_up
+    (2 x 14,336) and SiluAndMul output (14,336); attention's qkv (4,096 + 2 x 1,024) and output (4,096)."""
+    p = serve(job("llama3-8b")).activations
+    T, h = 8192, 4096
+    assert p.sampler == T * h * 2 + 1024 * 128256 * (2 + 4) == 855_113_728
+    assert p.mlp == 2 * T * h * 2 + T * 3 * 14336 * 2 == 838_860_800
+    assert p.attention == 2 * T * h * 2 + T * (4096 + 2 * 1024 + 4096) * 2
+    assert p.peak == p.sampler and p.at == "sampler"
+    small = serve(job("llama3-8b", "a100-40gb")).activations  # 2,048 tokens and 256 sequences there
+    assert (small.tokens, small.requests) == (2048, 256)
+    moe = serve(job("qwen3-30b-a3b")).activations  # fused_moe: cache13 M·k·max(2·768, 2048), cache2 M·k·768
+    assert moe.mlp == 2 * T * 2048 * 2 + T * 8 * (2048 + 768) * 2 + T * 128 * 2
+
+
+def test_kv_cache_memory_is_taken_as_given():
+    a = serve(job("llama3-8b", kv_cache_memory=20 * 10**9))
+    assert a.budget.available == 20 * 10**9
+    assert a.budget.num_blocks == 20 * 10**9 // (16 * 4096) // 32
+
+
+def test_context_past_a_learned_position_table_is_refused():
+    from memcalc.errors import InputError
+
+    with pytest.raises(InputError, match="give --context 1024 or less"):
+        job("gpt2", context=2048)
+    assert serve(job("gpt2", context=1024)).longest_context <= 1024
+
+
+@settings(max_examples=20, deadline=None)
+@given(model=st.sampled_from(["llama3-8b", "qwen3-30b-a3b", "gemma3-4b", "deepseek-v3", "gpt2"]),
+       tp=st.sampled_from([1, 2, 4]))  # fmt: skip
+def test_smaller_formats_hold_fewer_bytes(model, tp):
+    sizes = [weights(job(model, context=512, weights=f, tp=tp)).total_bytes
+             for f in ("bf16", "int8", "fp8", "int4-gptq", "int4-awq")]  # int8's group scales outweigh fp8's two
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    assert all(weights(job(model, context=512, weights=f, tp=tp)).params == weights(job(model, context=512, tp=tp)).params
+               for f in ("fp8", "int4-awq"))  # fmt: skip

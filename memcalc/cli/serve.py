@@ -25,6 +25,7 @@ MaxSeqs = Annotated[Optional[str], typer.Option("--max-num-seqs", help="Requests
 ServeTp = Annotated[str, typer.Option("--tp", help="Tensor-parallel GPUs (vLLM --tensor-parallel-size).", metavar="N")]  # fmt: skip
 ServePp = Annotated[str, typer.Option("--pp", help="Pipeline stages (vLLM --pipeline-parallel-size).", metavar="N")]
 ServeDp = Annotated[str, typer.Option("--dp", help="With --expert-parallel: data-parallel attention replicas the experts are split over too.", metavar="N")]  # fmt: skip
+KvCacheMemory = Annotated[Optional[str], typer.Option("--kv-cache-memory", help="The KV cache's bytes per GPU (20e9, 20G), as vLLM's --kv-cache-memory: no profiling, gpu-memory-utilization not applied.", metavar="BYTES")]  # fmt: skip
 ExpertParallel = Annotated[bool, typer.Option("--expert-parallel", help="Split the experts whole over tp x dp GPUs (vLLM --enable-expert-parallel).")]  # fmt: skip
 
 
@@ -34,7 +35,7 @@ def serve(
     ffn: Ffn = None, vocab: Vocab = None, context: Context = "8192", weights: Weights = "bf16",
     kv_cache_dtype: KvDtype = "auto", batch: Batch = None, gpu: GpuOpt = "h100-sxm",
     gpu_memory_utilization: Utilization = "0.9", block_size: BlockSize = None,
-    max_num_batched_tokens: BatchedTokens = None, max_num_seqs: MaxSeqs = None,
+    max_num_batched_tokens: BatchedTokens = None, max_num_seqs: MaxSeqs = None, kv_cache_memory: KvCacheMemory = None,
     tp: ServeTp = "1", pp: ServePp = "1", dp: ServeDp = "1", expert_parallel: ExpertParallel = False,
     calibration: Calibration = None, detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
     units: Units = "gb",
@@ -58,7 +59,7 @@ def serve(
             parse_fraction(gpu_memory_utilization, "gpu-memory-utilization"),
             optional_count(block_size, "block-size", 1 << 16),
             None if max_num_batched_tokens is None else parse_seq(max_num_batched_tokens, "max-num-batched-tokens"),
-            optional_count(max_num_seqs, "max-num-seqs", MAX_BATCH),
+            optional_count(max_num_seqs, "max-num-seqs", MAX_BATCH), optional_count(kv_cache_memory, "kv-cache-memory", 1 << 50),
         )  # fmt: skip
         result = answer(job)
     except InputError as e:

@@ -51,6 +51,9 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
         ["= KV cache", sized(max(0, b.available), units) if b.available >= 0 else f"{u.size(b.available, units)}",
          f"{b.num_blocks:,} blocks of {b.block_size} tokens x {b.binding.group_size} layers"],
     ]  # fmt: skip
+    if j.kv_cache_memory is not None:
+        s.rows[-1][0] = "KV cache, given"
+        s.rows.insert(-1, ["", "", "--kv-cache-memory: no profiling, utilization not applied"])
     s.notes = ["vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (weights + "
                "activation peak + non-torch memory); the CUDA context and CUDA graphs sit in the 1 - utilization "
                "margin",

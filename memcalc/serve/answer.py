@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from memcalc.model.shape import longest_seq
 from memcalc.records import record
 
 from .budget import ActivationPeak, Budget, activation_peak, budget, longest_context
@@ -66,7 +67,8 @@ def fitting(job: ServeJob) -> tuple[tuple[StageParts, ...], Budget, float, int, 
     parts = stage_parts(job)
     b = budget(job, tuple((p.stage, p.weights, p.activations) for p in parts))
     concurrency = b.num_blocks / b.request_blocks(job.context, job.batched_tokens)
-    return parts, b, concurrency, min(int(concurrency), job.seqs), longest_context(b, job.batched_tokens)
+    longest = longest_context(b, job.batched_tokens, longest_seq(job.model.shape))
+    return parts, b, concurrency, min(int(concurrency), job.seqs), longest
 
 
 def serve(job: ServeJob, advise: bool = True) -> ServeAnswer:
@@ -93,9 +95,9 @@ def alternatives(job: ServeJob) -> list[tuple[str, ServeJob]]:
             out.append((f"--weights {fmt}", replace(job, weights=fmt)))
     if job.model.shape.n_heads % (2 * job.tp) == 0:
         out.append((f"--tp {2 * job.tp}", replace(job, tp=2 * job.tp)))
-    if job.gpu_memory_utilization < 0.95:
+    if job.gpu_memory_utilization < 0.95 and job.kv_cache_memory is None:
         out.append(("--gpu-memory-utilization 0.95", replace(job, gpu_memory_utilization=0.95)))
-    if job.context > 1:
+    if job.context > 1 and job.kv_cache_memory is None:
         out.append((f"--context {job.context // 2}", replace(job, context=job.context // 2)))
     return out
 

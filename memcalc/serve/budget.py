@@ -172,8 +172,9 @@ class Budget:
 def stage_budget(job: ServeJob, stage: Stage, weights: int, activations: int, page: int,
                  groups: tuple[KVGroup, ...]) -> StageBudget:  # fmt: skip
     """determine_available_memory and get_num_blocks on the stage's GPU, its groups being the model's
-    projected onto its layers (_project_kv_cache_groups_to_worker)."""
-    available = int(job.gpu.memory_bytes * job.gpu_memory_utilization - (weights + activations))
+    projected onto its layers (_project_kv_cache_groups_to_worker). --kv-cache-memory is taken as given,
+    as determine_available_memory returns cache_config.kv_cache_memory_bytes without profiling."""
+    available = job.kv_cache_memory or int(job.gpu.memory_bytes * job.gpu_memory_utilization - (weights + activations))
     size = max(sum(1 for i in g.layers if stage.start <= i < stage.end) for g in groups)
     return StageBudget(stage, weights, activations, available, size, max(0, available // page // size))
 
@@ -191,9 +192,10 @@ def budget(job: ServeJob, stages: tuple[tuple[Stage, Weights, ActivationPeak], .
     return Budget(job.gpu.memory_bytes, job.gpu_memory_utilization, job.page_tokens, page, groups, per_stage)
 
 
-def longest_context(b: Budget, batched: int) -> int:
-    """The longest request the blocks hold (estimate_max_model_len's binary search), 0 if not one token."""
-    low, high, best = 1, MAX_SEQ, 0
+def longest_context(b: Budget, batched: int, limit: int = MAX_SEQ) -> int:
+    """The longest request the blocks hold (estimate_max_model_len's binary search up to `limit`, the
+    model's position table where it has one), 0 if not one token."""
+    low, high, best = 1, limit, 0
     while low <= high:
         mid = (low + high) // 2
         if b.request_blocks(mid, batched) <= b.num_blocks:

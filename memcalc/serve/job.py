@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from memcalc.errors import InputError
 from memcalc.model.gpus import GPU
-from memcalc.model.shape import Model
+from memcalc.model.shape import Model, longest_seq
 from memcalc.model.sizes import MAX_BATCH, MAX_SEQ
 from memcalc.records import record
 from memcalc.time.calibration import Calibration
@@ -47,9 +47,13 @@ class ServeJob:
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    kv_cache_memory: int | None = None  # vLLM --kv-cache-memory: the cache's bytes per GPU, no profiling
 
     def __post_init__(self) -> None:
         shape = self.model.shape
+        if self.context > longest_seq(shape):
+            raise InputError(f"context {self.context:,} exceeds the {shape.max_positions:,} rows of {shape.name}'s "
+                             f"learned position table: give --context {shape.max_positions} or less")  # fmt: skip
         if self.weights not in WEIGHT_FORMATS:
             raise InputError(f"unknown weight format {self.weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
         if self.kv_dtype not in KV_DTYPES:
@@ -73,7 +77,8 @@ class ServeJob:
             raise InputError("--dp without --expert-parallel is that many copies of this server: ask for one")
         for name, value, top in (("batch", self.batch, MAX_BATCH), ("block-size", self.block_size, 1 << 16),
                                  ("max-num-batched-tokens", self.max_num_batched_tokens, MAX_SEQ),
-                                 ("max-num-seqs", self.max_num_seqs, MAX_BATCH)):  # fmt: skip
+                                 ("max-num-seqs", self.max_num_seqs, MAX_BATCH),
+                                 ("kv-cache-memory", self.kv_cache_memory, 1 << 50)):  # fmt: skip
             if value is not None and not 1 <= value <= top:
                 raise InputError(f"--{name} must be 1 to {top:,}, got {value:,}")
 

@@ -3,6 +3,7 @@
 No `from __future__ import annotations` here: typer reads every option's annotation.
 """
 
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -63,7 +64,7 @@ def serve(
         )  # fmt: skip
         result = answer(job)
     except InputError as e:
-        print(f"error: {e}", file=__import__("sys").stderr)
+        print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2)
     from memcalc.report import serve as report
 

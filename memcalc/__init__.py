@@ -10,6 +10,7 @@ Its packages, lowest first; each may import only those before it (tests/test_lay
   memory         bytes by formula: model state, textbook activations, the estimate, the toolbox
   time           seconds: the roofline, calibrations, MFU conventions, training runs, sweeps
   parallel       beyond one GPU: layouts, collectives, the planner, the verdict (what one GPU holds)
+  serve          serving: weights at serving precision, the KV cache, vLLM's budget, decode time
   engine         the entry point: a Job in, its Answer out; the toolbox, fit and sweeps around it
   verification   the torch-free side of `memcalc verify`: rows, results, one rank's prediction
   report         result objects formatted and laid out as tables, Markdown, CSV and JSON

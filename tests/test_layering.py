@@ -21,6 +21,7 @@ LAYERS = [
     {"memcalc.memory"},
     {"memcalc.time"},
     {"memcalc.parallel"},
+    {"memcalc.serve"},  # serving: weights, KV cache, vLLM's budget, decode time
     {"memcalc.engine"},
     {"memcalc.verification"},
     {"memcalc.report"},

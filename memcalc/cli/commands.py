@@ -15,6 +15,7 @@ from memcalc.exact import collection
 from memcalc.report import render
 
 from . import views
+from .serve import serve
 from .inputs import (build_layout, build_routing, build_setup, check_format, parse_fraction, parse_positive,
                      parse_run, render_units, roofline_calibration)  # fmt: skip
 from .options import (Calibration, CapacityFactor, Config, Cp, DataParallelGpus, Detail, Dp, Ep, EstimateMfu,
@@ -353,6 +354,9 @@ def verify(
         fail(str(e))
     if not verify_runs.show_verify(results, render.Display(fmt, units, detail, detail or exact_bytes)):
         raise typer.Exit(1)
+
+
+app.command()(serve)  # `memcalc serve` (memcalc/cli/serve.py)
 
 
 @app.command()

@@ -1,0 +1,72 @@
+"""`memcalc serve`: options into a ServeJob, memcalc.serve's answer, memcalc.report.serve's tables.
+
+No `from __future__ import annotations` here: typer reads every option's annotation.
+"""
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from memcalc.errors import InputError
+from memcalc.report import render
+
+from .inputs import check_format, parse_fraction, render_units, roofline_calibration
+from .options import (Calibration, Config, Detail, ExactBytes, Ffn, Format, GpuOpt, Heads, Hidden, KvHeads, Layers,
+                      ModelName, Params, Units, Vocab)  # fmt: skip
+
+Context = Annotated[str, typer.Option("--context", help="Tokens of one request, prompt and output together (vLLM's --max-model-len); k and m are binary.", metavar="N")]  # fmt: skip
+Weights = Annotated[str, typer.Option("--weights", help="The weights' serving format: bf16, fp16, fp8 (per-tensor scales), int8 (GPTQ), int4-awq or int4-gptq (group 128).", metavar="FMT")]  # fmt: skip
+KvDtype = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the activations' 16 bits) or fp8, as vLLM's --kv-cache-dtype.", metavar="DTYPE")]  # fmt: skip
+Batch = Annotated[Optional[str], typer.Option("--batch", help="Requests decoded together, for the time (default: the most that fit).", metavar="N")]  # fmt: skip
+Utilization = Annotated[str, typer.Option("--gpu-memory-utilization", help="vLLM's share of the GPU's memory for weights, activations and the KV cache.", metavar="X")]  # fmt: skip
+BlockSize = Annotated[Optional[str], typer.Option("--block-size", help="Tokens per KV block (default: vLLM's, 16; 64 under MLA).", metavar="N")]  # fmt: skip
+BatchedTokens = Annotated[Optional[str], typer.Option("--max-num-batched-tokens", help="Tokens one step schedules, the profile run's size (default: vLLM serve's, 8192 on a GPU of 70 GiB or more that is no A100, else 2048).", metavar="N")]  # fmt: skip
+MaxSeqs = Annotated[Optional[str], typer.Option("--max-num-seqs", help="Requests one step runs at most (default: vLLM serve's, 1024 or 256 as above).", metavar="N")]  # fmt: skip
+ServeTp = Annotated[str, typer.Option("--tp", help="Tensor-parallel GPUs (vLLM --tensor-parallel-size).", metavar="N")]  # fmt: skip
+ServePp = Annotated[str, typer.Option("--pp", help="Pipeline stages (vLLM --pipeline-parallel-size).", metavar="N")]
+ServeDp = Annotated[str, typer.Option("--dp", help="With --expert-parallel: data-parallel attention replicas the experts are split over too.", metavar="N")]  # fmt: skip
+KvCacheMemory = Annotated[Optional[str], typer.Option("--kv-cache-memory", help="The KV cache's bytes per GPU (20e9, 20G), as vLLM's --kv-cache-memory: no profiling, gpu-memory-utilization not applied.", metavar="BYTES")]  # fmt: skip
+ExpertParallel = Annotated[bool, typer.Option("--expert-parallel", help="Split the experts whole over tp x dp GPUs (vLLM --enable-expert-parallel).")]  # fmt: skip
+
+
+def serve(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None, context: Context = "8192", weights: Weights = "bf16",
+    kv_cache_dtype: KvDtype = "auto", batch: Batch = None, gpu: GpuOpt = "h100-sxm",
+    gpu_memory_utilization: Utilization = "0.9", block_size: BlockSize = None,
+    max_num_batched_tokens: BatchedTokens = None, max_num_seqs: MaxSeqs = None, kv_cache_memory: KvCacheMemory = None,
+    tp: ServeTp = "1", pp: ServePp = "1", dp: ServeDp = "1", expert_parallel: ExpertParallel = False,
+    calibration: Calibration = None, detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
+    units: Units = "gb",
+) -> None:  # fmt: skip
+    """Serving with vLLM: weights, KV cache, the requests and context that fit one GPU, and decode speed."""
+    try:
+        from memcalc.model.gpus import gpu as find_gpu
+        from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
+        from memcalc.serve.answer import serve as answer
+        from memcalc.serve.job import ServeJob
+
+        from .inputs import optional_count, resolve_model
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        the_gpu = find_gpu(gpu)
+        job = ServeJob(
+            the_model, the_gpu, parse_seq(context, "context"), roofline_calibration(the_gpu, calibration),
+            weights.strip().lower(), kv_cache_dtype.strip().lower(), optional_count(batch, "batch", MAX_BATCH),
+            parse_count(tp, "tp", 4096), parse_count(pp, "pp", 4096), parse_count(dp, "dp", 4096), expert_parallel,
+            parse_fraction(gpu_memory_utilization, "gpu-memory-utilization"),
+            optional_count(block_size, "block-size", 1 << 16),
+            None if max_num_batched_tokens is None else parse_seq(max_num_batched_tokens, "max-num-batched-tokens"),
+            optional_count(max_num_seqs, "max-num-seqs", MAX_BATCH), optional_count(kv_cache_memory, "kv-cache-memory", 1 << 50),
+        )  # fmt: skip
+        result = answer(job)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2)
+    from memcalc.report import serve as report
+
+    render.emit(fmt, result, report.serve_sections(result, units, detail), report.serve_preamble(result, units),
+                exact=detail or exact_bytes, after=[report.serve_verdict(result)])  # fmt: skip

@@ -1,0 +1,123 @@
+"""What `memcalc serve` is asked (ServeJob), and vLLM's defaults for what it leaves out.
+
+vLLM's defaults, each from its source (vllm-project/vllm):
+  gpu_memory_utilization 0.9          vllm/config/cache.py CacheConfig.gpu_memory_utilization
+  block_size 16, 64 under MLA         vllm/platforms/cuda.py@1c0d9ecf5bad600df3e001bf642dd48c5ed25cc6
+                                      CudaPlatformBase.check_and_update_config (FlashMLA forces 64 before
+                                      Blackwell)
+  max_num_batched_tokens, max_num_seqs   vllm/engine/arg_utils.py@99d7eb5d6a512cfcc5a2b104f24ebf2d6cda772b
+                                      EngineArgs._set_default_args: `vllm serve` (OPENAI_API_SERVER) takes
+                                      8192 and 1024 on a GPU of at least 70 GiB that is no A100, else 2048
+                                      and 256
+"""
+
+from __future__ import annotations
+
+from memcalc.errors import InputError
+from memcalc.model.gpus import GPU
+from memcalc.model.shape import Model, longest_seq
+from memcalc.model.sizes import MAX_BATCH, MAX_SEQ
+from memcalc.records import record
+from memcalc.time.calibration import Calibration
+
+GIB = 1 << 30
+WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "int8", "int4-awq", "int4-gptq")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp8")
+DEFAULT_UTILIZATION = 0.9  # vllm/config/cache.py CacheConfig.gpu_memory_utilization
+CUDA_BLOCK_SIZE, FLASHMLA_BLOCK_SIZE = 16, 64  # vllm/platforms/cuda.py check_and_update_config
+
+
+@record(frozen=True)
+class ServeJob:
+    """One GPU of a vLLM server: the model, the GPU, the context each request holds, the formats, the
+    engine's settings (None: vLLM's default for this GPU and model) and the layout over GPUs."""
+
+    model: Model
+    gpu: GPU
+    context: int  # tokens of one request, prompt and output together (vLLM's max_model_len)
+    calibration: Calibration  # the roofline's efficiencies, as training uses them
+    weights: str = "bf16"
+    kv_dtype: str = "auto"  # auto: the weights' activation dtype (vLLM --kv-cache-dtype auto)
+    batch: int | None = None  # requests decoded together for the time; None: the most that fit
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1  # data-parallel replicas; with expert_parallel they share the experts
+    expert_parallel: bool = False  # vLLM --enable-expert-parallel: experts split over tp x dp GPUs whole
+    gpu_memory_utilization: float = DEFAULT_UTILIZATION
+    block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    kv_cache_memory: int | None = None  # vLLM --kv-cache-memory: the cache's bytes per GPU, no profiling
+
+    def __post_init__(self) -> None:
+        shape = self.model.shape
+        if self.context > longest_seq(shape):
+            raise InputError(f"context {self.context:,} exceeds the {shape.max_positions:,} rows of {shape.name}'s "
+                             f"learned position table: give --context {shape.max_positions} or less")  # fmt: skip
+        if self.weights not in WEIGHT_FORMATS:
+            raise InputError(f"unknown weight format {self.weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise InputError(f"unknown KV cache dtype {self.kv_dtype!r}; known: {', '.join(KV_DTYPES)}")
+        if not 1 <= self.context <= MAX_SEQ:
+            raise InputError(f"context must be 1 to {MAX_SEQ:,} tokens, got {self.context:,}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InputError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("tp", "pp", "dp"):
+            if not 1 <= getattr(self, name) <= 4096:
+                raise InputError(f"--{name} must be 1 to 4,096, got {getattr(self, name)}")
+        if shape.n_heads % self.tp:
+            raise InputError(f"--tp {self.tp} must divide the {shape.n_heads} attention heads (vLLM splits them)")
+        if self.pp > shape.n_layers:
+            raise InputError(f"--pp {self.pp} is more stages than the {shape.n_layers} layers")
+        if self.expert_parallel and not shape.is_moe:
+            raise InputError("--expert-parallel splits a mixture of experts; this model is dense")
+        if self.expert_parallel and shape.n_experts % self.ep:
+            raise InputError(f"expert parallel over tp x dp = {self.ep} GPUs must divide the {shape.n_experts} experts")
+        if self.dp > 1 and not self.expert_parallel:
+            raise InputError("--dp without --expert-parallel is that many copies of this server: ask for one")
+        for name, value, top in (("batch", self.batch, MAX_BATCH), ("block-size", self.block_size, 1 << 16),
+                                 ("max-num-batched-tokens", self.max_num_batched_tokens, MAX_SEQ),
+                                 ("max-num-seqs", self.max_num_seqs, MAX_BATCH),
+                                 ("kv-cache-memory", self.kv_cache_memory, 1 << 50)):  # fmt: skip
+            if value is not None and not 1 <= value <= top:
+                raise InputError(f"--{name} must be 1 to {top:,}, got {value:,}")
+
+    @property
+    def ep(self) -> int:
+        """GPUs the experts are split over: tp x dp under expert parallel (vLLM's EP group), else none."""
+        return self.tp * self.dp if self.expert_parallel else 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def large_gpu(self) -> bool:
+        """vLLM's larger batch defaults: at least 70 GiB and not an A100 (arg_utils.py, PR #17885)."""
+        return self.gpu.memory_bytes >= 70 * GIB and "a100" not in self.gpu.key
+
+    @property
+    def batched_tokens(self) -> int:
+        """max_num_batched_tokens: the tokens one step schedules, the profile run's size."""
+        return self.max_num_batched_tokens or (8192 if self.large_gpu else 2048)
+
+    @property
+    def seqs(self) -> int:
+        """max_num_seqs, as vLLM caps it: never more than max_num_batched_tokens (arg_utils.py)."""
+        return self.max_num_seqs or min(1024 if self.large_gpu else 256, self.batched_tokens)
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens per KV block: --block-size, else 16 (64 under MLA, FlashMLA's)."""
+        return self.block_size or (FLASHMLA_BLOCK_SIZE if self.model.shape.is_mla else CUDA_BLOCK_SIZE)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of an activation: fp16 for an fp16 model, else bf16 (fp8 and weight-only int formats
+        compute in 16 bits)."""
+        return 2
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of one cached element: 1 for fp8 (vLLM --kv-cache-dtype fp8, per-tensor scales), else 2."""
+        return 1 if self.kv_dtype == "fp8" else self.activation_bytes

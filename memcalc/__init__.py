@@ -43,6 +43,7 @@ API = {
     "memcalc.engine.toolbox": ("toolbox",),
     "memcalc.engine.fit": ("fit_limits",),
     "memcalc.exact.step": ("exact_step",),
+    "memcalc.exact.timeline": ("Timeline", "step_timeline"),
     "memcalc.exact.kernels": ("step_flops",),
     "memcalc.time.calibration": ("calibration_for",),
     "memcalc.time.roofline": ("step_time", "step_times"),

@@ -298,7 +298,9 @@ def test_json_keys_table():
     """docs/output.md's table of `estimate --format json` keys: exactly the top-level keys, with a layout
     and without (one schema), and every key a row names exists under its key in one of the two."""
     data = json.loads(memcalc("estimate --params 8e9 --seq 8192 --tokens 15e12 --price-per-gpu-hour 2 --format json"))
-    data |= {"exact": json.loads(memcalc("estimate --model gpt2 --seq 1024 --exact --format json"))["exact"]}
+    data |= {"exact": json.loads(memcalc("estimate --model gpt2 --seq 1024 --exact --format json"))["exact"],
+             "timeline": json.loads(memcalc("estimate --model gpt2 --seq 1024 --tricks bf16 --timeline --format json"))
+             ["timeline"]}  # fmt: skip
     layout = json.loads(memcalc("estimate --params 8e9 --seq 8192 --tp 2 --pp 2 --dp 2 --zero 1 --format json"))
     rows = table_rows(read("docs/output.md"), r"`[a-z_]+`")
     assert {r.strip("`") for r in rows} == set(data) == set(layout)

@@ -39,10 +39,11 @@ ONE_GPU = estimate_json()
     ("--tp", "1"), ("--tp", "2", "--pp", "2"), ("--tp", "2", "--sp", "--dp", "4", "--zero", "1", "--tokens", "1e12"),
     ("--tricks", "bf16,flash", "--tp", "1"), ("--mfu", "0.4"), ("--tp", "2", "--mfu", "0.4"), ("--exact",),
     ("--gpus", "8", "--zero", "3"), ("--tp", "2", "--exact", "--tricks", "bf16,flash"),
+    ("--timeline", "--tricks", "bf16,flash", "--tricks", "bf16,flash,ckpt"),
 ])  # fmt: skip
 def test_one_schema(args):
     """The same top-level keys in the same order, and the same keys in every `memory` and `time` entry,
-    for one GPU, a layout, several trick sets or one, --mfu or the roofline, --exact."""
+    for one GPU, a layout, several trick sets or one, --mfu or the roofline, --exact, --timeline."""
     data = estimate_json(*args)
     assert list(data) == list(ONE_GPU)
     keys = element_keys(data)

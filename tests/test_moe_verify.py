@@ -150,6 +150,6 @@ def test_memcalc_verify_passes_every_row(name):
     from verify.run import meta_rows
 
     shape = replace(TINY[name], n_layers=4)
-    rows, _ = meta_rows(shape, Setup(seq_len=32), parse_tricks("bf16,flash"), 0.0, lambda what: None)
+    rows, _, _ = meta_rows(shape, Setup(seq_len=32), parse_tricks("bf16,flash"), 0.0, lambda what: None)
     judged = [r for r in rows if r.measured is not None and r.tolerance is not None]
     assert len(judged) >= 12 and all(r.exact == r.measured for r in judged), [(r.quantity, r.exact, r.measured) for r in judged]

@@ -245,13 +245,18 @@ def cpu_cuda_differences(cpu: Config) -> tuple[str, ...]:
     return (f"the CUDA prediction for this reduced step differs from the CPU one by: {'; '.join(terms)} ({peaks})",)
 
 
-def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, textbook) -> tuple[list, tuple, Reduced]:
+def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, textbook,
+             timeline: bool = False) -> tuple[list, tuple, Reduced, object]:  # fmt: skip
     """verify's rows for an autocast stack: the stock loop measured on CPU tensors at reduced size
     (measure_cpu) beside the exact prediction for that same reduced step on the CPU policy, judged as
-    verify judges them; notes say what was reduced and how the CUDA prediction differs."""
+    verify judges them; notes say what was reduced and how the CUDA prediction differs. timeline: the
+    measured step laid over that replay, allocation by allocation (memcalc.verification.timeline.Overlay),
+    else None."""
     from memcalc.exact.mirror import simulate
     from memcalc.exact.recipes import recipe_note
+    from memcalc.exact.timeline import timeline_of
     from memcalc.verification.results import Row
+    from memcalc.verification.timeline import Overlay, measured
 
     red = reduce(shape, setup.seq_len, setup.micro_batch, tricks, setup.stack, setup.optimizer)
     stack, small = setup.stack, replace(setup, seq_len=red.seq_len, micro_batch=red.micro_batch)
@@ -259,9 +264,10 @@ def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, tex
                  setup.optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache, device="cpu", ckpt_every=tricks.ckpt_every,
                  fp8=tricks.fp8)
     progress(f"cpu: the step at reduced size ({red.shape.n_layers} layers, seq {red.seq_len})")
-    ph, g, _ = simulate(cfg)
-    step, _, recipe = measure_cpu(red.shape, red.seq_len, red.micro_batch, tricks, stack=stack,
-                                  optimizer=setup.optimizer)  # fmt: skip
+    ph, g, mem = simulate(cfg, timeline=timeline)
+    step, live, recipe = measure_cpu(red.shape, red.seq_len, red.micro_batch, tricks, stack=stack,
+                                     optimizer=setup.optimizer, timeline=timeline)  # fmt: skip
+    overlay = Overlay(timeline_of(g, mem, tricks, stack.label), measured(live.timeline, "cpu")) if timeline else None
     progress("cpu: the CUDA prediction beside it")
     tb, L = textbook(red.shape, small, tricks), red.shape.n_layers
     at = {p: (getattr(step, p + "_peak_at"), getattr(ph, p + "_peak_at")) for p in ("forward", "backward", "optimizer")}
@@ -282,4 +288,4 @@ def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, tex
     skipped = ("GradScaler skipped the measured step (an inf or nan gradient)",) if recipe.skipped else ()
     notes = (red.note, recipe_note(cfg) + "; the exact column is the replay of this reduced step with CPU's "
              "autocast lists") + cpu_cuda_differences(cfg) + skipped  # fmt: skip
-    return rows, notes, red
+    return rows, notes, red, overlay

@@ -254,6 +254,7 @@ class MetaMeasurement:
     first_blocks: int = 0  # blocks counted in outside: dense blocks first, then MoE ones (memcalc.exact.growth.Growth)
     plain_depth: int = 1  # saved_one_layer_bytes is the step at this depth + 1 less this depth
     checkpointed_depth: int = 0  # saved_checkpointed_layer_bytes likewise
+    timeline: list | None = None  # timeline=True: the full-depth step's events (phase, op, ±bytes, live)
 
     @property
     def saved_from_depths(self) -> int:
@@ -270,12 +271,14 @@ class MetaMeasurement:
 
 
 def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, progress=None,
-                 stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> MetaMeasurement:  # fmt: skip
-    """The two passes, trained by the stack's recipe; progress(what) is called before each."""
+                 stack: Stack = DEFAULT_STACK, optimizer: str = "adamw",
+                 timeline: bool = False) -> MetaMeasurement:  # fmt: skip
+    """The two passes, trained by the stack's recipe; progress(what) is called before each. timeline: keep
+    the full-depth step's every allocation and free (LiveBytes.timeline)."""
     progress = progress or (lambda what: None)
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
-    step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack=stack, optimizer=optimizer)
+    step, live = measure_step(shape, seq_len, micro_batch, tricks, timeline=timeline, stack=stack, optimizer=optimizer)
     L, grown = shape.n_layers, growth(tricks, shape)
     run = as_run(tricks, L)  # ckpt:N over fewer than N blocks checkpoints none: nor do the builds beside it
     n_ckpt = run.n_checkpointed(L) if run.mixed else 0
@@ -308,4 +311,4 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         one, two = saved(1), saved(2)
         plain, checkpointed, outside = two - one, None, 2 * one - two
     return MetaMeasurement(step, plain, outside, step.flops, step.flops_by_op, time.perf_counter() - start,
-                           checkpointed, n_ckpt, first, plain_depth, ckpt_depth)  # fmt: skip
+                           checkpointed, n_ckpt, first, plain_depth, ckpt_depth, live.timeline)  # fmt: skip

@@ -24,7 +24,9 @@ from memcalc.model.tricks import Tricks, parse_tricks
 from memcalc.report.units import size
 from memcalc.time.calibration import calibration_for
 from memcalc.time.roofline import step_time
+from memcalc.exact.timeline import step_timeline
 from memcalc.verification.results import DEFAULT_TOL, Row, Timing, VerifyResult
+from memcalc.verification.timeline import Overlay, measured
 
 from .cuda import (
     OOM,
@@ -169,8 +171,11 @@ def flop_rows(e: ExactStep, measured: int | None, tb: dict[str, int], tol: float
     ]  # fmt: skip
 
 
-def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progress) -> tuple[list[Row], tuple]:
-    m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress, setup.stack, setup.optimizer)
+def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progress,
+              timeline: bool = False) -> tuple[list[Row], tuple, Overlay | None]:  # fmt: skip
+    """The rows on meta, and with timeline the measured step laid over the predicted one (Overlay)."""
+    m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress, setup.stack, setup.optimizer,
+                     timeline)  # fmt: skip
     e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer)
     tb, s, ph, a, L = textbook(shape, setup, tricks), m.step, e.phases, e.activations, shape.n_layers
     where = {"forward": s.forward_peak_at, "backward": s.backward_peak_at, "optimizer": s.optimizer_peak_at}
@@ -199,7 +204,19 @@ def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progr
         from .hf import describe
 
         notes += (describe(shape),)
-    return rows, notes
+    overlay = None
+    if timeline:
+        predicted = step_timeline(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer)
+        overlay = Overlay(predicted, measured(m.timeline, "meta"))
+        rows.append(overlay_row(overlay))
+    return rows, notes, overlay
+
+
+def overlay_row(overlay: Overlay) -> Row:
+    """The timeline judged: every event coincides (the same op and bytes, the same live bytes after it)."""
+    n = max(len(overlay.predicted.ops), len(overlay.measured.ops))
+    return Row("events of the step (allocations, frees) as predicted (--timeline)", "count", None, n,
+               overlay.coinciding, 0.0, overlay.first_difference or "each: the same op, bytes and live bytes")
 
 
 def textbook_gaps(tricks: Tricks) -> tuple[str, ...]:
@@ -298,7 +315,8 @@ def timing_of(run: DeviceRun, e: ExactStep, setup: Setup, tricks: Tricks, gpu: G
 
 def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None, steps: int = 3,
            layers: int | None = None, tol: float | None = None, progress: Progress | None = None,
-           linearity: bool = True, cpu_limit_bytes: int | None = None, units: str = "gb") -> VerifyResult:  # fmt: skip
+           linearity: bool = True, cpu_limit_bytes: int | None = None, units: str = "gb",
+           timeline: bool = False) -> VerifyResult:  # fmt: skip
     """Measure one trick set and compare it with memcalc's predictions.
 
     device: cuda, meta, or None (cuda when present, else meta). cpu runs the CUDA path on CPU
@@ -308,6 +326,8 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
       will not fit is built as deep as fits, and an out-of-memory error retries shallower.
     linearity: on CUDA, also measure at half the depth (per-layer bytes are linear in depth).
     units: gb or gib, for the sizes written into notes and errors (the rows hold bytes).
+    timeline: lay the step measured on meta (an autocast stack's on CPU tensors) over the prediction,
+      allocation by allocation (the result's timeline), and judge that every one coincides.
     Out of memory and a missing flash kernel come back as the result's error; bad input raises
     InputError.
     """
@@ -330,23 +350,29 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
                   device_reason=reason, torch_version=torch.__version__, seq_len=setup.seq_len,
                   micro_batch=setup.micro_batch, grad_accum=setup.grad_accum, layers_requested=shape.n_layers,
                   tolerance=tol)  # fmt: skip
+    if timeline and not on_cpu and device != "meta":
+        raise InputError("--timeline lays the step measured on meta (or, for an autocast stack, on CPU tensors) "
+                         f"over the prediction; {device} is measured by its allocator's counters: --device meta")
     if on_cpu:
-        result.update(autocast_result(shape, setup, tricks, tol, report, units))
+        result.update(autocast_result(shape, setup, tricks, tol, report, units, timeline))
     elif device == "meta":
-        rows, notes = meta_rows(shape, setup, tricks, tol, report)
+        rows, notes, overlay = meta_rows(shape, setup, tricks, tol, report, timeline)
         result.update(attention=attention_name(tricks, "meta", stack_model=setup.stack.model), gpu_name=None,
                       layers_built=shape.n_layers, layers_note="", rows=tuple(rows), phases=None, timing=None,
-                      error=None, notes=notes)  # fmt: skip
+                      error=None, notes=notes, timeline=overlay)  # fmt: skip
     else:
         result.update(verify_on_device(shape, setup, tricks, device, steps, tol, linearity, cpu_limit_bytes, report,
                                        units))  # fmt: skip
     return VerifyResult(**result, seconds=time.perf_counter() - start)
 
 
-def autocast_result(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, report, units: str = "gb") -> dict:
+def autocast_result(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, report, units: str = "gb",
+                    timeline: bool = False) -> dict:  # fmt: skip
     """An autocast stack, measured on CPU tensors at reduced size beside the CPU replay of that step
     (verify/autocast.py cpu_rows); the CUDA prediction at the size asked in a note."""
-    rows, notes, red = cpu_rows(shape, setup, tricks, tol, report, textbook)
+    rows, notes, red, overlay = cpu_rows(shape, setup, tricks, tol, report, textbook, timeline)
+    if overlay is not None:
+        rows.append(overlay_row(overlay))
     p = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer).phases
     peak, at = max(((p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),
                     (p.optimizer_peak_bytes, p.optimizer_peak_at)), key=lambda x: x[0])  # fmt: skip
@@ -359,7 +385,7 @@ def autocast_result(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float,
     attention = ("SDPA's CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu)" if tricks.flash
                  else attention_name(tricks, "cpu", stack_model=setup.stack.model))  # fmt: skip
     return dict(attention=attention, gpu_name=None, layers_built=red.shape.n_layers, layers_note=red.note,
-                rows=tuple(rows), phases=None, timing=None, error=None, notes=notes)
+                rows=tuple(rows), phases=None, timing=None, error=None, notes=notes, timeline=overlay)
 
 
 def verify_on_device(shape: ModelShape, setup: Setup, tricks: Tricks, device: str, steps: int, tol: float,

@@ -87,7 +87,9 @@ def estimate(
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1k:64k or micro-batch=1:64 (doubling), seq=1k:8k:1k (a step) or seq=1k,4k,6k (a list): memory and step time against it.", metavar="SPEC")] = None,
-    png: Annotated[Optional[str], typer.Option("--png", help="With --sweep: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
+    png: Annotated[Optional[str], typer.Option("--png", help="With --sweep or --timeline: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
+    svg: Annotated[Optional[str], typer.Option("--svg", help="With --timeline: also draw it to this SVG (needs matplotlib).", metavar="PATH")] = None,
+    timeline: Annotated[bool, typer.Option("--timeline", help="Live memory over the step, allocation by allocation, from the replay: the phases, the peak and its op, what is live there (costs what --exact costs).")] = False,
     exact: Annotated[bool, typer.Option("--exact", help="Beside the textbook: what PyTorch saves for this architecture, simulated op by op (0.1-0.4 s per trick set).")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
     detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
@@ -110,10 +112,16 @@ def estimate(
         trick_sets, the_gpu = resolve_tricks(tricks), find_gpu(gpu)
         routing = build_routing(the_model, capacity_factor, expert_imbalance)
         run = parse_run(tokens, price)
-        if png is not None and sweep is None:
-            raise InputError("--png draws a sweep: add --sweep seq=A:B or micro-batch=A:B")
-        if exact and sweep is not None:
-            raise InputError("--exact simulates single steps: drop --sweep")
+        if png is not None and sweep is None and not timeline:
+            raise InputError("--png draws a sweep or a timeline: add --sweep seq=A:B (or micro-batch=A:B) or "
+                             "--timeline")  # fmt: skip
+        if timeline and (exact or explain):
+            raise InputError(f"--timeline draws the replayed step; {'--exact' if exact else '--explain'} is another "
+                             "view of it: drop one")  # fmt: skip
+        if svg is not None and not timeline:
+            raise InputError("--svg draws a timeline: add --timeline")
+        if (exact or timeline) and sweep is not None:
+            raise InputError(f"{'--exact' if exact else '--timeline'} simulates single steps: drop --sweep")
         if sweep is not None and tokens is not None:
             raise InputError("--tokens times a run at one setting: drop --sweep or --tokens")
         if explain and fmt in ("json", "csv"):
@@ -129,8 +137,11 @@ def estimate(
             trick_sets = tuple(t for t in trick_sets if t.flash)
         timing = setup.mfu if mfu is not None else roofline_calibration(the_gpu, calibration)
         tokens_n, price_x = run or (None, None)
-        job = Job(the_model, setup, the_gpu, layout, trick_sets, timing, tokens_n, price_x, exact)
-        show = views.sweep_view(job, sweep, png) if sweep is not None else views.answer_view(job)
+        job = Job(the_model, setup, the_gpu, layout, trick_sets, timing, tokens_n, price_x, exact, timeline)
+        if sweep is not None:
+            show = views.sweep_view(job, sweep, png)
+        else:
+            show = views.timeline_view(job, png, svg) if timeline else views.answer_view(job)
         show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
     except InputError as e:
         fail(str(e))
@@ -296,6 +307,9 @@ def verify(
     save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
     step: Annotated[Optional[str], typer.Option("--step", help="Measure your own model and step: FILE.py:FUNCTION or MODULE:FUNCTION (docs/verify.md).", metavar="FN")] = None,
     no_linearity: Annotated[bool, typer.Option("--no-linearity", help="Skip the second, shallower build that checks saved bytes are linear in depth.")] = False,
+    timeline: Annotated[bool, typer.Option("--timeline", help="Lay the live bytes measured at each allocation (meta; CPU tensors for an autocast stack) over the predicted ones, and judge that each coincides.")] = False,
+    png: Annotated[Optional[str], typer.Option("--png", help="With --timeline: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
+    svg: Annotated[Optional[str], typer.Option("--svg", help="With --timeline: also draw it to this SVG (needs matplotlib).", metavar="PATH")] = None,
     detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Build the real model in PyTorch, train a few steps, and hold every prediction against the measurement."""
@@ -319,6 +333,8 @@ def verify(
         tolerance = None if tol is None else parse_fraction(tol, "tol")
         if step is None and device is not None and device.strip().lower() not in ("cuda", "meta"):
             raise InputError(f"unknown device {device!r}; choose cuda or meta")
+        images = verify_runs.timeline_images(timeline, png, svg, matrix, step is not None or fsdp is not None
+                                             or tp is not None or sp, device)  # fmt: skip
         verify_runs.needs_torch()
         if step is not None:
             given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None), ("--tol", tol is not None),
@@ -348,8 +364,9 @@ def verify(
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")
             run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save,
-                                         not no_linearity, units)  # fmt: skip
+                                         not no_linearity, units, timeline)  # fmt: skip
         results = run()
+        verify_runs.draw_timeline(results, images, units)
     except InputError as e:
         fail(str(e))
     if not verify_runs.show_verify(results, render.Display(fmt, units, detail, detail or exact_bytes)):

@@ -82,9 +82,12 @@ def overrides_note(sizes: dict[str, int | None]) -> str:
     return f", overridden: {given}" if given else ""
 
 
-def resolve_tricks(text: str | None) -> tuple[Tricks, ...]:
-    """--tricks picks one combination; without it, the progression fp32 -> ... -> bf16+selective."""
-    return PROGRESSION if text is None else (parse_tricks(text),)
+def resolve_tricks(texts: list[str] | None) -> tuple[Tricks, ...]:
+    """Each --tricks picks one combination (repeated: several, in the order given, each once); without it,
+    the progression fp32 -> ... -> bf16+selective."""
+    if not texts:
+        return PROGRESSION
+    return tuple(dict.fromkeys(parse_tricks(text) for text in texts))
 
 
 def check_format(fmt: str) -> str:

@@ -15,7 +15,7 @@ def needs_torch() -> None:
 
 
 def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt: str, save: str | None = None,
-               linearity: bool = True, units: str = "gb"):  # fmt: skip
+               linearity: bool = True, units: str = "gb", timeline: bool = False):  # fmt: skip
     """verify/ (torch) imported only now; a progress bar on a terminal for the table format."""
     on_result = None if save is None else saver(save)
 
@@ -29,9 +29,48 @@ def single_run(model, setup, tricks, matrix: bool, steps: int, device, tol, fmt:
                 return verify_matrix(model, setup, device=dev, steps=steps, tol=tol, progress=progress,
                                      linearity=linearity, on_result=on_result, units=units)  # fmt: skip
             return [run_verify(model, setup, tricks, device=dev, steps=steps, tol=tol, progress=progress,
-                               linearity=linearity, units=units)]  # fmt: skip
+                               linearity=linearity, units=units, timeline=timeline)]  # fmt: skip
 
     return run
+
+
+def timeline_images(timeline: bool, png: str | None, svg: str | None, matrix: bool, other: bool,
+                    device: str | None) -> list:  # fmt: skip
+    """--timeline's checks before torch loads: one trick set on one GPU, measured on meta (verify/run.py
+    refuses CUDA where it picks it), the image paths, matplotlib."""
+    from memcalc.report.plot import check_image, pyplot
+
+    images = [(path, suffix, flag) for path, suffix, flag in ((png, ".png", "--png"), (svg, ".svg", "--svg")) if path]
+    if images and not timeline:
+        raise InputError(f"{images[0][2]} draws the timeline: add --timeline")
+    if timeline and (matrix or other):
+        raise InputError("--timeline overlays one trick set's step on one GPU: drop --matrix, --step, --fsdp, --tp "
+                         "and --sp")  # fmt: skip
+    if timeline and device is not None and device.strip().lower() == "cuda":
+        raise InputError("--timeline lays the step measured on meta (or, for an autocast stack, on CPU tensors) over "
+                         "the prediction; CUDA is measured by its allocator's counters: --device meta")  # fmt: skip
+    for path, suffix, flag in images:
+        check_image(path, suffix)
+        pyplot(flag)
+    return [(path, flag) for path, _, flag in images]
+
+
+def draw_timeline(results, images: list, units: str) -> None:
+    """The measured step drawn dashed over the predicted one, into each image asked for."""
+    if not images:
+        return
+    from memcalc.report.timeline import measured_series, series_of
+    from memcalc.report.timeline_plot import save_timeline
+
+    overlay = results[0].timeline
+    if overlay is None:  # the run ended early (its error says why)
+        return
+    p, m = overlay.predicted, overlay.measured
+    for path, flag in images:
+        save_timeline([series_of(p, "predicted"), measured_series(m)], path, units,
+                      title=f"{results[0].model}, {p.tricks.label}: measured on {m.device} over the prediction",
+                      flag=flag, dashed=(1,), marks=[[], list(overlay.differing)])  # fmt: skip
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def saver(folder: str, dist: bool = False):
@@ -188,6 +227,20 @@ def parse_stage(text: str, pp: int) -> int:
     return k
 
 
+def overlay_lines(r, d: render.Display) -> list[str]:
+    """--timeline in the text formats: the prediction's chart over the measurement's, × where they differ."""
+    if r.timeline is None or d.fmt not in ("table", "markdown"):
+        return []
+    from memcalc.report.timeline import chart_lines, measured_series, series_of
+
+    o = r.timeline
+    lines = chart_lines([series_of(o.predicted, "predicted"), measured_series(o.measured)], d.units,
+                        marks=[[], list(o.differing)])  # fmt: skip
+    verdict = o.first_difference or f"all {o.coinciding:,} events coincide: the same op, bytes and live bytes"
+    head = ["", f"The step event by event, predicted and measured on {o.measured.device}: {verdict}"]
+    return head + (["```text", *lines, "```"] if d.fmt == "markdown" else lines)
+
+
 class progress_bar:
     """A rich progress bar fed by verify's progress(what, done, total) calls; a no-op when off."""
 
@@ -230,7 +283,7 @@ def show_verify(results, d: render.Display) -> bool:
         return all(r.passed for r in results)
     if isinstance(results, list) and len(results) == 1:
         r = results[0]
-        render.emit(d.fmt, to_dict(r), vr.verify_sections(r, d.units, d.detail), vr.verify_preamble(r),
+        render.emit(d.fmt, to_dict(r), vr.verify_sections(r, d.units, d.detail), vr.verify_preamble(r) + overlay_lines(r, d),
                     (vr.CSV_HEADERS, vr.csv_rows(results)), exact=d.exact, after=[vr.verify_verdict(results)])  # fmt: skip
         passed = r.passed
     elif isinstance(results, list):

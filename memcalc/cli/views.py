@@ -28,6 +28,51 @@ def sweep_view(job, spec: str, png: str | None):
     return lambda display: show_sweep(swept, display, png)
 
 
+def timeline_view(job, png: str | None, svg: str | None):
+    """--timeline: the job's answer with each trick set's step recorded; the image paths checked, and
+    matplotlib found, before the work."""
+    from memcalc.engine.answer import answer
+    from memcalc.report.plot import check_image, pyplot
+
+    asked = ((png, ".png", "--png"), (svg, ".svg", "--svg"))
+    images = [(check_image(path, suffix), flag) for path, suffix, flag in asked if path is not None]
+    for _, flag in images:
+        pyplot(flag)
+    ans = answer(job)
+    return lambda display: show_timeline(ans, display, images)
+
+
+def show_timeline(ans, d: render.Display, images: list) -> None:
+    """The chart of each trick set's step on one axis, what is live at each peak, the verdict; or the JSON
+    (the answer's, its timelines under `timeline`), or every allocation as CSV."""
+    from memcalc.report import answer as report
+    from memcalc.report import timeline as chart
+
+    tls = ans.timelines
+    for path, flag in images:
+        from memcalc.report.timeline_plot import save_timeline
+
+        title = f"{ans.job.model.shape.name or 'the model'}, seq {ans.job.setup.seq_len:,}: live memory over one step"
+        save_timeline([chart.series_of(t) for t in tls], path, d.units, ans.job.gpu.usable_bytes, ans.job.gpu.key,
+                      title, flag)  # fmt: skip
+        print(f"wrote {path}", file=sys.stderr)  # stderr: stdout stays the chart, JSON or CSV
+    if d.fmt == "json":
+        return emit_json(ans)
+    if d.fmt == "csv":
+        sys.stdout.write(render.to_csv(chart.CSV_HEADERS, chart.csv_rows(tls)))
+        return
+    lines = chart.chart_lines([chart.series_of(t) for t in tls], d.units)
+    top = len(max((t.at_peak for t in tls), key=len)) if d.detail else chart.TOP_GROUPS
+    sections = [chart.at_peak_section(t, d.units, top) for t in tls]
+    preamble = report.preamble(ans, d.units, d.detail) + ["", "Live memory over the step, event by event "
+                                                          "(each allocation, the frees between two as one; the replay's), from the model state up"]  # fmt: skip
+    if d.fmt == "markdown":
+        preamble += ["", "```text", *lines, "```"]
+    else:
+        preamble += lines
+    render.emit(d.fmt, None, sections, preamble, exact=d.exact, after=[report.verdict(ans, d.units)])
+
+
 def show_sweep(swept, d: render.Display, png: str | None = None) -> None:
     from memcalc.report import sweep as report
 

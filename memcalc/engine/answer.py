@@ -7,8 +7,8 @@ over N (the same job as --dp N), and every trick set is answered the same way:
   layout    the textbook's memory stage by stage and the step time with its traffic (memcalc.parallel.plan
             layout_estimate: the roofline of each stage's kernels, or --mfu's rate)
 Around them: the whole-model textbook terms (data-parallel jobs: memcalc.memory.estimate), one GPU's
-kernels on the roofline (a one-GPU job), the OOM toolbox (memcalc.engine.toolbox), the whole run, and
---exact's op-by-op terms.
+kernels on the roofline (a one-GPU job), the OOM toolbox (memcalc.engine.toolbox), the whole run,
+--exact's op-by-op terms, and --timeline's step allocation by allocation (memcalc.engine.timeline).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class Answer:
     toolbox: Toolbox | None  # the cheapest way to fit the first trick set (data-parallel jobs)
     runs: tuple[TrainingRun, ...]  # --tokens: the whole run
     exact: tuple  # --exact: one GPU's steps op by op (memcalc.exact.step.ExactStep), or one layer per TP rank
+    timelines: tuple = ()  # --timeline: each step allocation by allocation (memcalc.exact.timeline.Timeline)
 
     @property
     def verdicts(self) -> tuple[Verdict, ...]:
@@ -50,7 +51,12 @@ def answer(job: Job) -> Answer:
     textbook = estimate(m, s, g, sets) if job.data_parallel else None
     runs = runs_for_layouts(layouts, job.tokens, job.price) if job.tokens is not None else ()
     tb = toolbox(m, s, g, sets[0], lay, job.timing) if job.data_parallel else None
-    return Answer(job, layouts, textbook, one_gpu_roofline(job), tb, runs, exact_terms(job, layouts))
+    timelines = ()
+    if job.timeline:
+        from .timeline import step_timelines
+
+        timelines = step_timelines(job, tuple(e.verdict for e in layouts))
+    return Answer(job, layouts, textbook, one_gpu_roofline(job), tb, runs, exact_terms(job, layouts), timelines)
 
 
 def one_gpu_roofline(job: Job) -> tuple | None:

@@ -35,6 +35,7 @@ class Job:
     tokens: int | None = None  # --tokens: the whole run's length
     price: float | None = None  # --price-per-gpu-hour
     exact: bool = False  # --exact: beside the textbook, what PyTorch saves, op by op
+    timeline: bool = False  # --timeline: each trick set's step, allocation by allocation
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "setup", replace(self.setup, parallel=self.parallel))  # one account of the GPUs

@@ -20,6 +20,7 @@
                cache: kept on disk)
   kernels      traces one block's kernels once: the roofline's inventory and the FLOPs a step executes
                (hardware FLOPs)
+  timeline     the step event by event, at full depth, for --timeline (events: what each allocation is)
 
 May import: memcalc.model, memcalc.errors, memcalc.terms.
 """

@@ -62,6 +62,7 @@ class Backward:
         if node.leaf is not None:  # AccumulateGrad: the first gradient is stolen, not copied
             if node.leaf.grad is None:
                 node.leaf.grad = grads[0]
+                self.mark(grads[0], "gradient", node.leaf.name)
             else:
                 self.accumulate(node.leaf)
             return []

@@ -12,6 +12,7 @@ from .amp import AutocastRecipe
 from .builder import Model
 from .collection import no_collection
 from .config import Config, Phases
+from .events import Recording
 from .inductor import FusionGraph, fused
 from .kernels import Kernel
 from .recipes import Recipe, TorchRecipe, check_simulated
@@ -140,6 +141,8 @@ def simulated(cfg: Config, timeline: bool, every_micro_batch: bool, warm_up: boo
     mem = Memory(timeline=[] if timeline else None)
     sharded = sharding is not None and not sharding.trivial
     g = ZeroGraph(mem) if sharded else Graph(mem)
+    if timeline:  # what each allocation is (memcalc.exact.events), for memcalc.exact.timeline
+        g.recording = Recording(mem)
     model = build(g, cfg)
     zero = Zero(g, model.params, sharding) if sharded else None
     weights = mem.live_bytes

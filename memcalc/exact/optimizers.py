@@ -51,6 +51,7 @@ def zeros_like(g: Graph, p: Tensor, dtype: str | None = None, op: str = "zeros_l
     """torch.zeros_like(p, dtype=dtype): optimizer state, of the parameter's dtype unless told."""
     t = g.empty(p.shape, dtype or p.dtype, op, kind="state")
     g.kernel(op, (), (t,))
+    g.mark(t, "state", p.name)
     return t
 
 

@@ -77,6 +77,8 @@ class Recipe:
             self.masters = self.params
         else:  # p.detach().float()
             self.masters = [g.empty(p.shape, "fp32", "_to_copy", kind="state", copies=p.copies) for p in self.params]
+            for p, w in zip(self.params, self.masters):
+                g.mark(w, "master", p.name)
         self.m: list[Tensor | None] = [None] * len(self.params)
         self.v: list[Tensor | None] = [None] * len(self.params)
         self.scale = self.growth = None
@@ -90,6 +92,8 @@ class Recipe:
         for i, w in enumerate(self.masters):
             self.m[i] = self.g.empty(w.shape, "fp32", "zeros_like", kind="state", copies=w.copies)
             self.v[i] = self.g.empty(w.shape, "fp32", "zeros_like", kind="state", copies=w.copies)
+            self.g.mark(self.m[i], "state", self.params[i].name)
+            self.g.mark(self.v[i], "state", self.params[i].name)
 
     def backward(self, loss: Tensor) -> None:
         if self.scale is None:

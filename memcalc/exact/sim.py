@@ -100,6 +100,7 @@ class Graph(Checkpointing, Backward):
         self.autocast = None  # the autocast region running (memcalc.exact.autocast.Autocast), if any
         self.fp8 = ""  # torchao's float8 recipe the blocks' linears train in (memcalc.exact.aten_float8), if any
         self.region: tuple[str, int] | None = None  # (name, copies) of the equal copies running, if any
+        self.recording = None  # what each allocation is, under a timeline (memcalc.exact.events.Recording)
 
     @property
     def copies(self) -> int:
@@ -193,7 +194,9 @@ class Graph(Checkpointing, Backward):
         return Tensor(self.storage(n * ITEMSIZE[dtype] * copies, op, kind, copies), shape, dtype, n)
 
     def storage(self, nbytes: int, op: str, kind: str, copies: int) -> Storage:
-        """A new tensor's storage (memcalc.exact.inductor's graph numbers its own)."""
+        """A new tensor's storage (memcalc.exact.inductor's graph numbers its own; a recording notes its origin)."""
+        if self.recording is not None:
+            return self.recording.storage(self, nbytes, op, kind, copies)
         return Storage(self.mem, nbytes, op, kind, copies)
 
     def view(self, t: Tensor, shape) -> Tensor:
@@ -247,11 +250,17 @@ class Graph(Checkpointing, Backward):
         self.note_saved(t, op, what)
         return t.storage
 
+    def mark(self, t: Tensor, role: str, detail: str) -> None:
+        """Under a timeline, what t's storage turned out to be (memcalc.exact.events.Recording.note)."""
+        if self.recording is not None:
+            self.recording.note(t.storage, role, detail)
+
     def record_saves(self) -> None:
         """From now on, note every activation storage saved for backward, once per storage."""
         self.saved_terms, self.saved_ids = [], set()
 
     def note_saved(self, t: Tensor, op: str, what: str) -> None:
+        self.mark(t, "saved", f"{op}: {what}")
         if self.saved_terms is None or t.storage.kind != "activation" or id(t.storage) in self.saved_ids:
             return  # (a saved storage stays alive through forward, so its id is not reused meanwhile)
         self.saved_ids.add(id(t.storage))

@@ -111,13 +111,13 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
     if gap:
         return textbook_verdict(model, setup, gpu, tricks, layout, gap)
     shape, s, g = model.shape, setup, layout.shard_group
-    if s.stack.engine == "fsdp2" and layout.zero == 3:
+    sharding = replay_sharding(setup, layout)
+    if sharding is None:
         from memcalc.exact.fsdp2 import fsdp2_step
 
         phases = fsdp2_step(shape, s.seq_len, s.micro_batch, tricks, g, layout.reshard_after_forward)
         replay = f"one FSDP2 rank of {g}, hook by hook"
     else:
-        sharding = Sharding(layout.zero, g, layout.offload_optimizer, layout.offload_params)
         phases = step_phases(shape, s.seq_len, s.micro_batch, tricks, s.grad_accum, s.stack, s.optimizer, sharding)
         replay = replay_text(sharding)
     own = n_params(shape)
@@ -125,6 +125,15 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
                           layout.offload_params, s.stack.recipe)  # fmt: skip
     return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), gpu.usable_bytes, state.host_bytes,
                    host_share(setup, layout), phases, replay, "", own)  # fmt: skip
+
+
+def replay_sharding(setup: Setup, layout: Layout) -> Sharding | None:
+    """How the verdict's replay shards the step (layout as engine_layout gives it): memcalc's generic ZeRO
+    and offload over the shard group (memcalc.exact.zero; trivial for one GPU's step), or None where FSDP2's
+    own replay (memcalc.exact.fsdp2) runs it."""
+    if setup.stack.engine == "fsdp2" and layout.zero == 3:
+        return None
+    return Sharding(layout.zero, layout.shard_group, layout.offload_optimizer, layout.offload_params)
 
 
 def textbook_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, reason: str) -> Verdict:

@@ -1,4 +1,6 @@
-"""--sweep ... --png PATH: the sweep as a PNG, where matplotlib is installed (pip install 'memcalc[plot]')."""
+"""--sweep ... --png PATH: the sweep as a PNG, where matplotlib is installed (pip install 'memcalc[plot]');
+the paths --png and --svg may write, and matplotlib imported only when a figure is drawn (memcalc.report
+.timeline_plot draws --timeline's)."""
 
 from __future__ import annotations
 
@@ -11,27 +13,51 @@ from .units import UNITS
 
 
 def check_png(path: str) -> str:
-    """Where --png may write: a file ending in .png, in a folder that exists. (matplotlib would pick
-    another format from another suffix, or add .png to a name without one, a folder's name included.)"""
-    p = Path(path)
-    if p.suffix.lower() != ".png":
-        raise InputError(f"--png writes a PNG file: give a path ending in .png, got {path!r}")
+    """Where --png may write (check_image)."""
+    return check_image(path, ".png")
+
+
+def check_image(path: str, suffix: str) -> str:
+    """Where --png or --svg may write: a file ending in the suffix, in a folder that exists. (matplotlib
+    would pick another format from another suffix, or add one to a name without it, a folder's included.)"""
+    p, flag, kind = Path(path), "--" + suffix[1:], suffix[1:].upper()
+    if p.suffix.lower() != suffix:
+        raise InputError(f"{flag} writes a{'n' if kind == 'SVG' else ''} {kind} file: give a path ending in {suffix}, "
+                         f"got {path!r}")  # fmt: skip
     if p.is_dir():
-        raise InputError(f"--png {path} is a folder: give a file path, e.g. {p / 'sweep.png'}")
+        raise InputError(f"{flag} {path} is a folder: give a file path, e.g. {p / ('timeline' + suffix)}")
     if not p.parent.is_dir():
-        raise InputError(f"--png {path}: the folder {p.parent} does not exist")
+        raise InputError(f"{flag} {path}: the folder {p.parent} does not exist")
     return path
 
 
-def save_png(sw: Sweep, path: str, units: str = "gb") -> None:
-    """Two panels against the swept value: peak memory per GPU (with the usable line) and step time."""
+def pyplot(flag: str = "--png"):
+    """matplotlib's pyplot on the Agg backend (no display), or one line saying how to get it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        raise InputError("--png needs matplotlib: pip install 'memcalc[plot]'") from None
+        raise InputError(f"{flag} needs matplotlib: pip install 'memcalc[plot]'") from None
+    return plt
+
+
+def save(fig, path: str) -> None:
+    """Write the figure (its format from the suffix) and close it; a path that cannot be written is bad input."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+def save_png(sw: Sweep, path: str, units: str = "gb") -> None:
+    """Two panels against the swept value: peak memory per GPU (with the usable line) and step time."""
+    plt = pyplot("--png")
     scale, unit = UNITS[units]
     fig, (mem, time) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label in dict.fromkeys(p.tricks.label for p in sw.points):
@@ -48,9 +74,4 @@ def save_png(sw: Sweep, path: str, units: str = "gb") -> None:
         ax.grid(True, which="both", alpha=0.3)
     mem.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as e:
-        raise InputError(f"cannot write {path}: {e.strerror}") from None
-    finally:
-        plt.close(fig)
+    save(fig, path)

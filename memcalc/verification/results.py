@@ -108,6 +108,7 @@ class VerifyResult:
     error: str | None  # why the run did not finish (out of memory, no flash kernel, ...)
     seconds: float  # wall time of this run
     notes: tuple[str, ...] = ()
+    timeline: object = None  # --timeline: the measured step over the predicted (memcalc.verification.timeline.Overlay)
 
     @property
     def passed(self) -> bool:
@@ -146,5 +147,8 @@ def to_dict(result: VerifyResult | CustomResult) -> dict:
         return out  # the user's step is measured, not judged
     if result.timing is not None:
         out["timing"]["predicted_error"] = result.timing.predicted_error
+    if result.timeline is not None:  # where the measurement leaves the prediction
+        o = result.timeline
+        out["timeline"] |= {"coinciding": o.coinciding, "first_difference": o.first_difference}
     out["passed"] = result.passed
     return out

@@ -1,0 +1,32 @@
+"""--timeline: each trick set's step allocation by allocation (memcalc.exact.timeline), the same replay as
+the verdict's (memcalc.parallel.verdict: one GPU's step, or one data-parallel rank's under ZeRO) run at
+full depth with every allocation recorded, so that the series' highest point is the verdict's peak."""
+
+from __future__ import annotations
+
+from memcalc.errors import InputError
+from memcalc.exact.timeline import Timeline, step_timeline
+from memcalc.parallel.engines import engine_layout
+from memcalc.parallel.verdict import Verdict, replay_sharding
+
+
+def step_timelines(job, verdicts: tuple[Verdict, ...]) -> tuple[Timeline, ...]:
+    """One Timeline per trick set of the job; refused where the verdict is not a replay it can record."""
+    if not job.data_parallel:
+        raise InputError("--timeline replays one GPU's whole step: drop --tp, --pp, --cp and --ep (data parallel "
+                         "and ZeRO are replayed)")  # fmt: skip
+    s, shape = job.setup, job.model.shape
+    sharding = replay_sharding(s, engine_layout(job.layout, s.stack.engine))
+    if sharding is None:
+        raise InputError("--timeline records memcalc's ZeRO replay; FSDP2's is hook by hook, not recorded: "
+                         "drop --stack fsdp2 or --zero 3")  # fmt: skip
+    out = []
+    for v in verdicts:
+        if not v.replayed:
+            raise InputError(f"--timeline: {v.tricks.label} is not replayed op by op: {v.textbook_reason}")
+        t = step_timeline(shape, s.seq_len, s.micro_batch, v.tricks, s.grad_accum, s.stack, s.optimizer, sharding)
+        if (t.peak_bytes, t.peak_at) != (v.peak_bytes, v.peak_at):  # the full depth and the grown step disagree: a bug
+            raise RuntimeError(f"{v.tricks.label}: the timeline peaks at {t.peak_bytes:,} B ({t.peak_at}), the "
+                               f"verdict at {v.peak_bytes:,} B ({v.peak_at})")  # fmt: skip
+        out.append(t)
+    return tuple(out)

@@ -100,6 +100,7 @@ class Run:
     recompute: str | None = None
     flash: bool | None = None
     compile: bool | None = None
+    async_tp: bool | None = None  # torchtitan's asynchronous TP: its collectives decomposed under the matmuls
     # the measured figures, exactly as published
     tflops_per_gpu: float | None = None
     mfu: float | None = None

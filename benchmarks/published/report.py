@@ -229,6 +229,8 @@ def assumptions(run: Run) -> Assumptions:
     """memcalc's time assumptions, with the source's stack's own where it names them (a run on another stack
     than its source's, such as Narayanan's DeepSpeed ZeRO-3 rows, keeps memcalc's)."""
     own = defaults(run).get("assume", {}) if run.stack == run.source.stack else {}
+    if run.async_tp:  # torchtitan's async TP runs each TP all-gather and reduce-scatter in pieces under the
+        own = {**own, "overlap_tp": 1.0}  # matmul of the piece before (torch/distributed/_symmetric_memory)
     return replace(ASSUMPTIONS, **own)
 
 

@@ -89,8 +89,8 @@ def preamble(est: Estimate, units: str = "gb") -> list[str]:
         f"Setup: seq {s.seq_len:,} x micro-batch {s.micro_batch} x grad-accum {s.grad_accum} = "
         f"{s.tokens_per_step:,} tokens per GPU step; {s.optimizer}; {u.plural(p.gpus, 'GPU')}, ZeRO {p.zero}"
         f"{', optimizer offloaded to CPU' if p.offload else ''}",
-        f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes, units)} total, {u.size(g.usable_bytes, units)} usable "
-        f"after the CUDA context reserve",
+        f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes, units)} total, {u.size(est.memory[0].usable_bytes, units)} "
+        f"usable after the headroom",
     ]
 
 
@@ -106,7 +106,7 @@ def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
         f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {heads_text(shape, False)}, {mlp_text(shape)}, "
         f"vocab {shape.vocab:,}{wiring_text(shape)}; {params_text(est.model)}",
         f"Step: seq {s.seq_len:,} x micro-batch {s.micro_batch}{accum} = {s.tokens_per_step:,} tokens per GPU; "
-        f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(g.usable_bytes, units)} usable)"
+        f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(est.memory[0].usable_bytes, units)} usable)"
     ]
 
 

@@ -9,6 +9,7 @@ from memcalc.parallel.plan import Alternative, Plan
 from memcalc.parallel.search import WITHOUT
 
 from . import units as u
+from .headroom import headroom_line
 from .layout import CAUSES, assumption_notes, held_text, layout_text, sharding_text
 from .render import Section, sized
 
@@ -22,8 +23,9 @@ def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
         f"{' + '.join(replace(t, recompute='none', ckpt_every=1).names)}, {plan.optimizer}, stack {plan.stack.label}; timed by "
         + (f"--mfu {plan.timing:g} end to end" if isinstance(plan.timing, float)
            else f"the roofline of each stage's kernels ({plan.timing.origin.rsplit('/', 1)[-1]})"),
-        f"Searched {plan.searched:,} layouts ({searched(plan)}): {plan.fitting:,} fit in {u.size(g.usable_bytes, units)}",
-    ]
+        f"Searched {plan.searched:,} layouts ({searched(plan)}): {plan.fitting:,} fit in the GPU less its headroom"
+        + (f" ({u.size(plan.best[0].verdict.usable_bytes, units)} for the fastest)" if plan.best else ""),
+    ] + ([headroom_line(plan.best[0].headroom, units)] if plan.best else [])
 
 
 # What the search varies, each with the search.WITHOUT key that leaves it out (None: always searched)

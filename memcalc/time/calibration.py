@@ -126,7 +126,7 @@ def load(path: str | Path, gpu: str) -> Calibration:
 
 
 # GPUs of another's generation take its shipped calibration: the H800, the HBM2e H100, the H100 NVL and the H20 are
-# GH100s (Hopper, sm90) and take h100-sxm.json; the H100 PCIe keeps the defaults (its 350 W clocks differ). Every
+# GH100s (Hopper, sm90) and take h100-sxm.json; the H100 PCIe keeps the defaults, as before. Every
 # other card has no shipped calibration of its generation (Ampere, Ada, Blackwell, Volta, Turing, CDNA): defaults.
 SAME_CHIP = {"h800": "h100-sxm", "h100-hbm2e": "h100-sxm", "h100-nvl": "h100-sxm", "h20": "h100-sxm"}
 

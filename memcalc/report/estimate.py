@@ -121,11 +121,11 @@ def textbook_size(m, units: str) -> str:
 def fit_text(b, units: str, free: bool = False) -> str:
     """A Budget's verdict in a cell: 'yes' (with what is free), 'no, 12.3 GB over', or 'no, host 1.2 TB over'
     when the GPU holds it but the node's CPU memory does not hold what offload moves there."""
-    if b.headroom_bytes < 0:  # a few bytes over reads as over, not as 0.000 GB
-        return f"no, {u.size_pair(-b.headroom_bytes, 0, units)[0]} over"
+    if b.free_bytes < 0:  # a few bytes over reads as over, not as 0.000 GB
+        return f"no, {u.size_pair(-b.free_bytes, 0, units)[0]} over"
     if not b.host_fits:
         return f"no, host {u.size_pair(b.host_bytes - b.host_usable_bytes, 0, units)[0]} over"
-    return f"yes, {u.size(b.headroom_bytes, units)} free" if free else "yes"
+    return f"yes, {u.size(b.free_bytes, units)} free" if free else "yes"
 
 
 def host_note(b, units: str) -> list[str]:

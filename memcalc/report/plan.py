@@ -85,13 +85,13 @@ def ranking_section(plan: Plan, units: str) -> Section:
 
 def best_memory_section(plan: Plan, units: str) -> Section:
     s = Section("Memory per GPU of those layouts, at the stage that peaks",
-                ["#", "stage", "model state", "activations", "buffers", "logits", "total", "headroom"])  # fmt: skip
+                ["#", "stage", "model state", "activations", "buffers", "logits", "total", "free"])  # fmt: skip
     for i, est in enumerate(plan.best, 1):
         st = est.memory.peak
         s.rows.append([str(i), f"{st.stage} of {est.layout.pp}", u.size(st.state.total_bytes, units),
                        (u.size(st.activation_peak_bytes, units), held_text(st, units)), u.size(st.buffer_bytes, units),
                        u.size(st.logits_bytes, units), sized(st.total_bytes, units),
-                       u.size(st.headroom_bytes, units)])  # fmt: skip
+                       u.size(st.free_bytes, units)])  # fmt: skip
     return s
 
 

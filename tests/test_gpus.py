@@ -37,6 +37,13 @@ def test_bf16_refused_without_bf16_tensor_cores(key, command):
     assert cli(command, "--model", "gpt2", "--seq", "512", "--tricks", "fp16,flash", "--gpu", key).exit_code == 0
 
 
+def test_mfu_and_plan_refuse_bf16_on_volta():
+    mfu = cli("mfu", "--model", "gpt2", "--tokens-per-sec", "1000", "--gpu", "v100-32gb")
+    assert mfu.exit_code == 2 and "bf16 needs bf16 tensor cores" in mfu.output
+    p = cli("plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--gpu", "t4")
+    assert p.exit_code == 2 and p.output.count("\n") == 1 and "use fp16" in p.output
+
+
 def test_consumer_peaks_are_fp32_accumulate():
     """Ada whitepaper: RTX 4090 FP16 tensor with FP32 accumulate 165.2 dense, half the 330.3 of FP16 accumulate."""
     assert gpu("rtx4090").bf16_tflops == 165.2 and gpu("rtx3090").bf16_tflops == 71
@@ -96,7 +103,8 @@ def test_headroom_is_its_parts():
     assert cublas_workspace("sm80") == 8 * MIB + 128 * 1024 + MIB and cublas_workspace("gfx942") == 204 * MIB
     r = cli("estimate", "--model", "gpt2", "--gpus", "8", "--zero", "1", "--format", "json")
     room = json.loads(r.stdout)["headroom"]
-    assert room["total_bytes"] == sum(room[k] for k in ("context_bytes", "cublas_bytes", "nccl_bytes", "allocator_bytes"))
+    parts = ("context_bytes", "cublas_bytes", "nccl_bytes", "allocator_bytes")
+    assert room["total_bytes"] == sum(room[k] for k in parts)
     text = " ".join(cli("estimate", "--model", "gpt2", "--gpus", "8", "--zero", "1").stdout.split())  # wrapped
     assert "Headroom" in text and "a default, not a measurement" in text and "expandable_segments" in text
 

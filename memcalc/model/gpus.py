@@ -124,6 +124,7 @@ def find_gpu(spec: str, memory: str | None = None, headroom: str | None = None) 
     card = load_gpu(spec) if looks_like_file(spec) else gpu(spec)
     if memory is not None:
         card = replace(card, memory_cap_bytes=parse_memory(memory, "gpu-memory"))
+        card = replace(card, name=f"{card.name} (--gpu-memory {memory.strip()})")
     if headroom is not None:
         parse_headroom(headroom)  # refused here, once, with its flag's name
         card = replace(card, headroom_spec=headroom.strip())

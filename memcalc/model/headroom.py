@@ -77,7 +77,7 @@ def parse_headroom(text: str) -> tuple[int | None, float | None]:
         try:
             share = float(raw.rstrip("%")) / (100 if raw.endswith("%") else 1)
         except ValueError:
-            raise InputError(f"--headroom takes a size (2GB) or the allocator's share (10%, 0.1); got {text!r}") from None
+            raise InputError(f"--headroom takes a size (2GB) or the allocator's share (10%); got {text!r}") from None
         if not (math.isfinite(share) and 0 <= share < 1):
             raise InputError(f"--headroom share must be in [0%, 100%), got {text!r}")
         return None, share

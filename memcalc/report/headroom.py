@@ -13,9 +13,10 @@ def headroom_line(h: Headroom, units: str = "gb") -> str:
     if h.given and not h.context_bytes:
         return f"Headroom {total} kept back of each GPU, as --headroom {h.given} gives it"
     comms = f"{h.communicators} communicator{'s' if h.communicators != 1 else ''}"
-    share = "a default, not a measurement: GMLake measures 15%" if not h.given else f"--headroom {h.given}"
+    share = (f"--headroom {h.given}" if h.given
+             else "a default, not a measurement: GMLake measures 15%; --headroom sets it")
     nccl = f" + NCCL {u.size(h.nccl_bytes, units)} ({comms}, NCCL_BUFFSIZE)" if h.communicators else ""
     return (f"Headroom {total} kept back: CUDA context {u.size(h.context_bytes, units)} (unsloth-zoo#1053)"
             f" + cuBLAS {u.size(h.cublas_bytes, units)} (CublasHandlePool.cpp){nccl}"
             f" + allocator {h.allocator_share:.0%} {u.size(h.allocator_bytes, units)} ({share}; "
-            "expandable_segments lowers it; --headroom sets it; docs/gpus.md)")
+            "expandable_segments lowers it; docs/gpus.md)")

@@ -70,15 +70,17 @@ def gpu_rows() -> list:
 
 
 def gpu_sections() -> list[Section]:
+    from memcalc.parallel.links import LINKS
+
     s = Section(
-        "GPUs (--gpu KEY, or --gpu FILE.json): dense peak TFLOP/s, memory, bandwidth, links",
-        ["key", "name", "bf16", "fp16", "tf32", "fp32", "fp8", "memory", "bandwidth", "in a node"],
-        align="llrrrrrrrl",
+        "GPUs (--gpu KEY, or --gpu FILE.json): dense peak TFLOP/s, memory, bandwidth",
+        ["key", "name", "bf16", "fp16", "tf32", "fp32", "fp8", "memory", "bandwidth"],
+        align="llrrrrrrr",
     )
     for g in GPUS.values():
         s.rows.append([g.key + (" (default)" if g.key == DEFAULT_GPU else ""), g.name, rate(g.bf16_tflops),
                        rate(g.fp16_tflops), rate(g.tf32_tflops), rate(g.fp32_tflops), rate(g.fp8_tflops),
-                       f"{g.memory_mib:,} MiB", f"{g.bandwidth_gbps / 1000:g} TB/s", g.intra])  # fmt: skip
+                       f"{g.memory_mib:,} MiB", f"{g.bandwidth_gbps / 1000:g} TB/s"])  # fmt: skip
     s.notes = [
         "rates: vendor datasheets, dense (sparse figures are 2x); bf16/fp16 with fp32 accumulate, as PyTorch's "
         "matmuls run (GeForce: half the fp16-accumulate rate); fp32 is the non-tensor-core rate PyTorch uses unless "
@@ -86,6 +88,11 @@ def gpu_sections() -> list[Section]:
         "memory: the driver's total; each fit verdict keeps a headroom back (CUDA context, cuBLAS workspaces, NCCL "
         "buffers, the allocator's share): --headroom, --gpu-memory, docs/gpus.md",
     ]
+    fabrics: dict[str, list[str]] = {}
+    for g in GPUS.values():
+        fabrics.setdefault(g.intra, []).append(g.key)
+    s.notes += [f"in a node, {LINKS[link].name} ({LINKS[link].gb_per_s:g} GB/s per direction): {', '.join(keys)}"
+                for link, keys in fabrics.items()]  # fmt: skip
     sources: dict[str, list[str]] = {}
     for g in GPUS.values():
         sources.setdefault(g.source, []).append(g.key)

@@ -32,14 +32,16 @@ A10_PAGE = "https://www.nvidia.com/en-us/data-center/products/a10-gpu/"
 A10G_SOURCE = ("AWS's GA102 part (EC2 G5), no NVIDIA datasheet: FP16/BF16 tensor 70, TF32 35, FP32 35 TFLOPS, 24 GB "
                "GDDR6 at 600 GB/s, https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/")
 L4_PAGE = "https://www.nvidia.com/en-us/data-center/l4/"
-L40S_PAGE = "https://www.nvidia.com/en-us/data-center/l40s/"
+L40S_PAGE = ("https://www.nvidia.com/en-us/data-center/l40s/ (datasheet: BF16/FP16 tensor 362.05 dense, 733 with "
+             "sparsity; TF32 183; FP8 733; FP32 91.6)")
 AMPERE_GA102 = ("https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf, RTX 3090: "
                 "FP16/BF16 tensor with FP32 accumulate 71 dense (142 with FP16 accumulate)")
 ADA_WHITEPAPER = ("https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf, RTX 4090: "
                   "FP16/BF16 tensor with FP32 accumulate 165.2 dense (330.3 with FP16 accumulate), FP8 330.3")
 BLACKWELL_RTX = ("https://images.nvidia.com/aem-dam/Solutions/geforce/blackwell/"
-                 "nvidia-rtx-blackwell-gpu-architecture.pdf, "
-                 "RTX 5090: FP16/BF16 tensor with FP32 accumulate 209.5 dense (419 with FP16 accumulate), FP8 419")
+                 "nvidia-rtx-blackwell-gpu-architecture.pdf, RTX 5090: NVIDIA's 838.4 FP16 and 1,676.8 FP8 tensor "
+                 "TFLOPS are sparse with FP16 accumulate; halved for dense and again for FP32 accumulate, as GeForce "
+                 "runs it (the Ada whitepaper's ratio): 209.6, FP8 419.2, TF32 104.8")
 H100_NVL = f"{H100_DATASHEET} (H100 NVL column, per GPU: 94 GB HBM3 at 3.9 TB/s; NVLink bridges join pairs)"
 HGX_B200 = ("https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU: FP8 4.5, BF16 2.25, TF32 1.125 PFLOPS "
             "dense, FP32 75 TFLOPS, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s)")
@@ -78,7 +80,7 @@ GPUS: dict[str, GPU] = {
         GPU("rtx4090", "NVIDIA GeForce RTX 4090 24GB", 165.2, 165.2, 82.6, 82.6, 24564, 1008, ADA_WHITEPAPER, 330.3,
             "sm89", "pcie4", "hdr", "pcie4"),
         GPU("l4", "NVIDIA L4 24GB", 121, 121, 60, 30.3, 23034, 300, L4_PAGE, 242.5, "sm89", "pcie4", "hdr", "pcie4"),
-        GPU("l40s", "NVIDIA L40S 48GB", 366.5, 366.5, 183, 91.6, 46068, 864, L40S_PAGE, 733, "sm89", "pcie4", "hdr",
+        GPU("l40s", "NVIDIA L40S 48GB", 362.05, 362.05, 183, 91.6, 46068, 864, L40S_PAGE, 733, "sm89", "pcie4", "hdr",
             "pcie4"),
         # Hopper (sm90)
         GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989, 989, 494.5, 67, 81559, 3350, H100_DATASHEET, 1979),
@@ -96,7 +98,7 @@ GPUS: dict[str, GPU] = {
         GPU("b200", "NVIDIA B200 180GB", 2250, 2250, 1125, 75, 183359, 8000, HGX_B200, 4500, "sm100", "nvlink5"),
         GPU("gb200", "NVIDIA GB200 186GB (one GPU)", 2500, 2500, 1250, 90, 189471, 8000,
             GB200_NVL72, 5000, "sm100", "nvlink5", "ndr", "c2c"),
-        GPU("rtx5090", "NVIDIA GeForce RTX 5090 32GB", 209.5, 209.5, 104.8, 104.8, 32607, 1792, BLACKWELL_RTX, 419,
+        GPU("rtx5090", "NVIDIA GeForce RTX 5090 32GB", 209.6, 209.6, 104.8, 104.8, 32607, 1792, BLACKWELL_RTX, 419.2,
             "sm120", "pcie5", "hdr", "pcie5"),
         # AMD Instinct (ROCm): bf16 is the dense matrix-core peak
         GPU("mi250x", "AMD Instinct MI250X (one GCD) 64GB", 191.5, 191.5, 0, 23.95, 65520, 1638.4, MI250X_PAGE, 0,

@@ -81,6 +81,8 @@ def parse_headroom(text: str) -> tuple[int | None, float | None]:
         if not (math.isfinite(share) and 0 <= share < 1):
             raise InputError(f"--headroom share must be in [0%, 100%), got {text!r}")
         return None, share
+    if raw.replace(".", "", 1).isdigit():  # '2' is neither 2 bytes nor 2 GB: say which
+        raise InputError(f"--headroom {text!r}: give a size with its unit (2GB) or a share (10%)")
     return parse_memory(text, "headroom"), None
 
 

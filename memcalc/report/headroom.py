@@ -8,7 +8,7 @@ from . import units as u
 
 
 def headroom_line(h: Headroom, units: str = "gb") -> str:
-    """'Headroom 4.89 GB kept back of each GPU: CUDA context ... + allocator 5% ...' (memcalc.model.headroom)."""
+    """'Headroom 4.894 GB kept back: CUDA context ... + allocator 5% ...', each part with its source."""
     total = u.size(h.total_bytes, units)
     if h.given and not h.context_bytes:
         return f"Headroom {total} kept back of each GPU, as --headroom {h.given} gives it"
@@ -19,4 +19,4 @@ def headroom_line(h: Headroom, units: str = "gb") -> str:
     return (f"Headroom {total} kept back: CUDA context {u.size(h.context_bytes, units)} (unsloth-zoo#1053)"
             f" + cuBLAS {u.size(h.cublas_bytes, units)} (CublasHandlePool.cpp){nccl}"
             f" + allocator {h.allocator_share:.0%} {u.size(h.allocator_bytes, units)} ({share}; "
-            "expandable_segments lowers it; docs/gpus.md)")
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lowers it; docs/gpus.md)")

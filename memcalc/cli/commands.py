@@ -19,9 +19,9 @@ from .inputs import (build_layout, build_routing, build_setup, check_format, par
                      parse_run, render_units, resolve_gpu, roofline_calibration)  # fmt: skip
 from .options import (Calibration, CapacityFactor, Config, Cp, DataParallelGpus, Detail, Dp, Ep, EstimateMfu,
                       Etp, ExactBytes, ExpertImbalance, Ffn, Format, GpuMemory, GpuOpt, Gpus, GpusPerNode, GradAccum,
-                      Heads, HeadroomOpt, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, MicroBatch, ModelName, NoOffload, Offload,
-                      NoCache, OffloadParams, Optimizer, Params, Pp, PpLayers, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp,
-                      TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
+                      Heads, HeadroomOpt, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, MicroBatch, ModelName,
+                      NoOffload, Offload, NoCache, OffloadParams, Optimizer, Params, Pp, PpLayers, RecipeOpt, Reshard,
+                      Seq, Sp, StackOpt, Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
 
@@ -222,13 +222,16 @@ def fit(
     except InputError as e:
         fail(str(e))
     from memcalc.report import fit as report
-    from memcalc.report.headroom import headroom_line
+    from memcalc.report.headroom import fragmentation_note, headroom_line
 
     rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch, limits.max_seq_len,
              limits.max_micro_batch]]  # fmt: skip
     headers = ["gpu", "tricks", "seq_len", "micro_batch", "max_seq_len", "max_micro_batch"]
     render.emit(fmt, limits, report.fit_sections(limits, units, detail),
-                [f"Model: {the_model.origin}", headroom_line(limits.headroom, units)], (headers, rows),
+                [f"Model: {the_model.origin}", headroom_line(limits.headroom, units),
+                 *fragmentation_note(limits.headroom, [v.free_bytes for v in (limits.memory_at_max_seq,
+                                                                              limits.memory_at_max_batch) if v])],
+                (headers, rows),
                 exact=detail or exact_bytes, after=[report.fit_verdict(limits)])  # fmt: skip
 
 

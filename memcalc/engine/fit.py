@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU, check_precision
-from memcalc.model.headroom import Headroom, headroom
+from memcalc.model.headroom import Headroom, headroom, usable_bytes
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, longest_seq
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
@@ -63,11 +63,10 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
     seq_limit = longest_seq(model.shape)
     max_seq = largest(lambda s: memory(s, setup.micro_batch).fits, seq_limit)
     max_batch = largest(lambda b: memory(setup.seq_len, b).fits, MAX_BATCH)
-    room = headroom(gpu, layout.groups)
     return FitLimits(
         tricks=tricks,
         gpu=gpu.key,
-        usable_bytes=gpu.memory_bytes - room.total_bytes,
+        usable_bytes=usable_bytes(gpu, layout.groups),
         seq_len=setup.seq_len,
         micro_batch=setup.micro_batch,
         max_seq_len=max_seq,
@@ -75,5 +74,5 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
         memory_at_max_seq=memory(max_seq, setup.micro_batch) if max_seq else None,
         memory_at_max_batch=memory(setup.seq_len, max_batch) if max_batch else None,
         seq_limit=seq_limit,
-        headroom=room,
+        headroom=headroom(gpu, layout.groups),
     )

@@ -7,7 +7,7 @@ from dataclasses import replace
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU
-from memcalc.model.headroom import Headroom, headroom
+from memcalc.model.headroom import Headroom, headroom, usable_bytes
 from memcalc.model.shape import BINARY, DECIMAL, MAX_BATCH, MAX_SEQ, Model, check_positions, parse_count
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
@@ -100,5 +100,5 @@ def sweep(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...], 
             points.append(SweepPoint(value, tricks, verdict.peak_bytes, verdict.fits, time.step_seconds,
                                      time.tokens_per_second))  # fmt: skip
     time_model = "--mfu" if isinstance(timing, float) else "roofline"
-    room = headroom(gpu, layout.groups)
-    return Sweep(name, values, gpu.key, gpu.memory_bytes - room.total_bytes, tuple(points), time_model, room)
+    usable, room = usable_bytes(gpu, layout.groups), headroom(gpu, layout.groups)
+    return Sweep(name, values, gpu.key, usable, tuple(points), time_model, room)

@@ -25,8 +25,8 @@ H100_HBM2E_SOURCE = ("pytorch/torchtitan docs/performance.md @ d4c86e3758a84cf23
                      "95 GB, its peak between the SXM's and the NVL's; no datasheet: the SXM's 989 TFLOP/s stands in, an upper bound")
 H20_SOURCE = ("no NVIDIA datasheet is public (the China export part): 96 GB HBM3 at 4.0 TB/s, FP16/BF16 148, TF32 74, "
               "FP32 44, FP8 296 dense, NVLink 900 GB/s, as reported at https://willitrunai.com/es/gpus/h20-96gb")
-V100_DATASHEET = ("https://images.nvidia.com/content/technologies/volta/pdf/"
-                  "volta-v100-datasheet-update-us-1165301-r5.pdf")
+V100_DATASHEET = ("NVIDIA V100 datasheet (volta-v100-datasheet-update-us-1165301-r5.pdf): "
+                  "https://www.nvidia.com/en-us/data-center/v100/")
 T4_PAGE = "https://www.nvidia.com/en-us/data-center/tesla-t4/"  # FP16 65 TFLOPS is its mixed FP16/FP32 rate
 A10_PAGE = "https://www.nvidia.com/en-us/data-center/products/a10-gpu/"
 A10G_SOURCE = ("AWS's GA102 part (EC2 G5), no NVIDIA datasheet: FP16/BF16 tensor 70, TF32 35, FP32 35 TFLOPS, 24 GB "
@@ -38,8 +38,8 @@ AMPERE_GA102 = ("https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-arc
                 "FP16/BF16 tensor with FP32 accumulate 71 dense (142 with FP16 accumulate)")
 ADA_WHITEPAPER = ("https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf, RTX 4090: "
                   "FP16/BF16 tensor with FP32 accumulate 165.2 dense (330.3 with FP16 accumulate), FP8 330.3")
-BLACKWELL_RTX = ("https://images.nvidia.com/aem-dam/Solutions/geforce/blackwell/"
-                 "nvidia-rtx-blackwell-gpu-architecture.pdf, RTX 5090: NVIDIA's 838.4 FP16 and 1,676.8 FP8 tensor "
+BLACKWELL_RTX = ("NVIDIA RTX Blackwell GPU architecture whitepaper (images.nvidia.com, "
+                 "nvidia-rtx-blackwell-gpu-architecture.pdf), RTX 5090: NVIDIA's 838.4 FP16 and 1,676.8 FP8 tensor "
                  "TFLOPS are sparse with FP16 accumulate; halved for dense and again for FP32 accumulate, as GeForce "
                  "runs it (the Ada whitepaper's ratio): 209.6, FP8 419.2, TF32 104.8")
 H100_NVL = f"{H100_DATASHEET} (H100 NVL column, per GPU: 94 GB HBM3 at 3.9 TB/s; NVLink bridges join pairs)"

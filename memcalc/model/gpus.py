@@ -20,6 +20,8 @@ from dataclasses import replace
 from memcalc.errors import InputError
 from memcalc.records import record
 
+from .sizes import parse_bytes
+
 MIB = 1 << 20
 # Host (CPU) memory of one node, which offload fills: a DGX H100 or DGX H200 holds 2 TB for its 8 GPUs
 # (NVIDIA DGX H100/H200 datasheets, "System Memory 2TB"). --host-memory changes it.
@@ -123,35 +125,12 @@ def find_gpu(spec: str, memory: str | None = None, headroom: str | None = None) 
 
     card = load_gpu(spec) if looks_like_file(spec) else gpu(spec)
     if memory is not None:
-        card = replace(card, memory_cap_bytes=parse_memory(memory, "gpu-memory"))
+        card = replace(card, memory_cap_bytes=parse_bytes(memory, "gpu-memory", MAX_MEMORY_MIB * MIB))
         card = replace(card, name=f"{card.name} (--gpu-memory {memory.strip()})")
     if headroom is not None:
         parse_headroom(headroom)  # refused here, once, with its flag's name
         card = replace(card, headroom_spec=headroom.strip())
     return card
-
-
-SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-              "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
-
-
-def parse_memory(text: str, name: str) -> int:
-    """A size in bytes: '24GB' and '24G' (decimal, as datasheets count), '22.5GiB' (binary), '24e9'."""
-    raw = text.strip().lower().replace("_", "").replace(",", "")
-    digits = raw.rstrip("kmgtib")
-    unit = raw[len(digits):]
-    if unit not in SIZE_UNITS:
-        raise InputError(f"--{name} takes a size such as 24GB, 22.5GiB or 24e9; got {text!r}")
-    try:
-        value = float(digits) * SIZE_UNITS[unit]
-    except ValueError:
-        raise InputError(f"--{name} takes a size such as 24GB, 22.5GiB or 24e9; got {text!r}") from None
-    if not math.isfinite(value) or value < 1:
-        raise InputError(f"--{name} must be a positive size, got {text!r}")
-    if value > MAX_MEMORY_MIB * MIB:
-        raise InputError(f"--{name} = {text!r} is absurdly large (limit {MAX_MEMORY_MIB * MIB:.3g} bytes)")
-    return int(value)
-
 
 def __getattr__(name: str):
     """The table and its sources (memcalc.model.gpu_table) under their old home's names: GPUS, DEFAULT_GPU, ..."""

@@ -13,11 +13,13 @@ share; --headroom 0 keeps nothing back (planning to the last byte).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from memcalc.errors import InputError
 from memcalc.records import record
 
-from .gpus import GPU, MIB, parse_memory
+from .gpus import GPU, MAX_MEMORY_MIB, MIB
+from .sizes import parse_bytes
 
 # pytorch/pytorch#86509 (CUDA_MODULE_LOADING=LAZY, PyTorch's default since 1.13): 287,047,680 bytes used after a
 # first tensor; unslothai/unsloth-zoo#1053: 426 MiB on an RTX 6000 Ada under PyTorch 2.10 + CUDA 13.0. The later
@@ -83,7 +85,7 @@ def parse_headroom(text: str) -> tuple[int | None, float | None]:
         return None, share
     if raw.replace(".", "", 1).isdigit():  # '2' is neither 2 bytes nor 2 GB: say which
         raise InputError(f"--headroom {text!r}: give a size with its unit (2GB) or a share (10%)")
-    return parse_memory(text, "headroom"), None
+    return parse_bytes(text, "headroom", MAX_MEMORY_MIB * MIB), None
 
 
 def cublas_workspace(arch: str) -> int:
@@ -95,6 +97,7 @@ def cublas_workspace(arch: str) -> int:
     return blas + min(1 * MIB, blas)
 
 
+@lru_cache(maxsize=4096)  # the planner asks it of every layout it searches
 def headroom(gpu: GPU, groups: tuple[int, ...] = ()) -> Headroom:
     """The headroom of one GPU of a job whose parallel groups have these sizes (a communicator each > 1)."""
     fixed, share = parse_headroom(gpu.headroom_spec) if gpu.headroom_spec else (None, None)

@@ -13,7 +13,7 @@ from memcalc.engine.toolbox import Toolbox
 
 from . import estimate as textbook
 from . import units as u
-from .headroom import headroom_line
+from .headroom import fragmentation_note, headroom_line
 from .layout import sharding_text, time_section, comm_section
 from .render import Section, sized
 
@@ -34,7 +34,8 @@ def preamble(ans: Answer, units: str, detail: bool) -> list[str]:
     lay = ans.job.layout
     if lay.hybrid or lay.offload_params:
         lines.append(f"  sharding: {sharding_text(lay)}")
-    return lines + [headroom_line(ans.layouts[0].headroom, units)]
+    room = ans.layouts[0].headroom
+    return lines + [headroom_line(room, units)] + fragmentation_note(room, [v.free_bytes for v in ans.verdicts])
 
 
 def summary_section(ans: Answer, units: str) -> Section:

@@ -7,7 +7,7 @@ from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import LayoutEstimate
 
 from . import units as u
-from .headroom import headroom_line
+from .headroom import fragmentation_note, headroom_line
 from .estimate import RECIPES, explain_term, fit_text, host_note, recipe_text, state_section
 from .render import Section, sized
 
@@ -79,7 +79,7 @@ def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
         f"GPU: {g.name} ({g.key}): {u.size(est.verdict.usable_bytes, units)} usable; {fabric.intra.name} in a node, "
         f"{fabric.inter.name} between nodes, {fabric.host.name} to the host",
         headroom_line(est.headroom, units),
-    ]
+    ] + fragmentation_note(est.headroom, [e.verdict.free_bytes for e in ests])
 
 
 def layer_section(est: LayoutEstimate, units: str) -> Section:

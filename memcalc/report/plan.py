@@ -9,7 +9,7 @@ from memcalc.parallel.plan import Alternative, Plan
 from memcalc.parallel.search import WITHOUT
 
 from . import units as u
-from .headroom import headroom_line
+from .headroom import fragmentation_note, headroom_line
 from .layout import CAUSES, assumption_notes, held_text, layout_text, sharding_text
 from .render import Section, sized
 
@@ -25,7 +25,12 @@ def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
            else f"the roofline of each stage's kernels ({plan.timing.origin.rsplit('/', 1)[-1]})"),
         f"Searched {plan.searched:,} layouts ({searched(plan)}): {plan.fitting:,} fit in the GPU less its headroom"
         + (f" ({u.size(plan.best[0].verdict.usable_bytes, units)} for the fastest)" if plan.best else ""),
-    ] + ([headroom_line(plan.best[0].headroom, units)] if plan.best else [])
+    ] + (top_headroom(plan.best[0], units) if plan.best else [])
+
+
+def top_headroom(top, units: str) -> list[str]:
+    """The fastest layout's headroom, and the fragmentation note where its verdict is close."""
+    return [headroom_line(top.headroom, units)] + fragmentation_note(top.headroom, [top.verdict.free_bytes])
 
 
 # What the search varies, each with the search.WITHOUT key that leaves it out (None: always searched)

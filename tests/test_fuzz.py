@@ -114,7 +114,7 @@ def sane_csv(text: str, where: str) -> None:
                 assert float(value) >= 0 and float(value).is_integer(), (where, key, value)
 
 
-CHANGES = ("headroom_bytes", "saves_bytes", "saves_alone_bytes")  # signed: below 0, over by (or costs) that much
+CHANGES = ("free_bytes", "saves_bytes", "saves_alone_bytes")  # signed: below 0, over by (or costs) that much
 
 
 def sane(value, where: str, key: str = "") -> None:

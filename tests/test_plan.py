@@ -40,7 +40,8 @@ def test_the_issue_job_ranks_layouts_that_fit(p70):
     speeds = [float(f"{e.time.tokens_per_second:.4g}") for e in p70.best]  # equal speed to 4 digits (rank_key)
     assert speeds == sorted(speeds, reverse=True)
     for est in p70.best:
-        assert est.memory.fits and est.memory.total_bytes <= H100.usable_bytes
+        assert est.memory.fits and est.verdict.fits and est.verdict.total_bytes <= est.verdict.usable_bytes
+        assert est.verdict.usable_bytes == H100.memory_bytes - est.headroom.total_bytes
         assert est.gpus == 64 and est.global_batch == 512 and est.time.tokens_per_step == 512 * 8192
         assert len(est.memory.stages) == est.layout.pp  # every stage, for the breakdown and cluster totals
 

@@ -43,7 +43,7 @@ def test_a_stage_over_by_kilobytes_is_not_zero_over():
     from memcalc.report.estimate import fit_text
 
     class Over:
-        headroom_bytes, host_fits = -200_000, True
+        free_bytes, host_fits = -200_000, True
 
     assert fit_text(Over, "gb") == "no, 0.0002 GB over"
 

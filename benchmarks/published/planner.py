@@ -67,7 +67,7 @@ def planned(run) -> Planned:
     if not p.best:
         return Planned(run.key, published, None, "", 0.0, "no layout fits")
     top = p.best[0]
-    share = top.verdict.total_bytes / GPUS[run.gpu].usable_bytes
+    share = top.verdict.total_bytes / top.verdict.usable_bytes  # of the GPU less its headroom
     return Planned(run.key, published, top.time.tokens_per_second / top.layout.world, job_text(top), share)
 
 

@@ -17,12 +17,12 @@ from memcalc.report import render
 from . import views
 from .serve import serve
 from .inputs import (build_layout, build_routing, build_setup, check_format, parse_fraction, parse_positive,
-                     parse_run, render_units, roofline_calibration)  # fmt: skip
+                     parse_run, render_units, resolve_gpu, roofline_calibration)  # fmt: skip
 from .options import (Calibration, CapacityFactor, Config, Cp, DataParallelGpus, Detail, Dp, Ep, EstimateMfu,
-                      Etp, ExactBytes, ExpertImbalance, Ffn, Format, GpuOpt, Gpus, GpusPerNode, GradAccum, Heads,
-                      Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, MicroBatch, ModelName, NoOffload, Offload,
-                      NoCache, OffloadParams, Optimizer, Params, Pp, PpLayers, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp,
-                      TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
+                      Etp, ExactBytes, ExpertImbalance, Ffn, Format, GpuMemory, GpuOpt, Gpus, GpusPerNode, GradAccum,
+                      Heads, HeadroomOpt, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, MicroBatch, ModelName,
+                      NoOffload, Offload, NoCache, OffloadParams, Optimizer, Params, Pp, PpLayers, RecipeOpt, Reshard,
+                      Seq, Sp, StackOpt, Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
 
@@ -82,7 +82,8 @@ def estimate(
     ep: Ep = None, etp: Etp = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     pp_layers: PpLayers = None, reshard: Reshard = None,
-    gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
+    gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,
+    mfu: EstimateMfu = None, calibration: Calibration = None,
     capacity_factor: CapacityFactor = None, expert_imbalance: ExpertImbalance = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
@@ -102,14 +103,14 @@ def estimate(
     """
     try:
         from memcalc.engine.job import Job
-        from memcalc.model.gpus import gpu as find_gpu
 
         from .inputs import resolve_model, resolve_tricks, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        trick_sets, the_gpu = resolve_tricks(tricks), find_gpu(gpu)
+        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
+        trick_sets = resolve_tricks(tricks, the_gpu)
         routing = build_routing(the_model, capacity_factor, expert_imbalance)
         run = parse_run(tokens, price)
         if png is not None and sweep is None and not timeline:
@@ -156,7 +157,8 @@ def plan(
     global_batch: Annotated[str, typer.Option("--global-batch", help="Sequences per optimizer step, all GPUs together.", metavar="N")] = ...,
     seq: Seq = None, gpus_per_node: GpusPerNode = None,
     tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
-    optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", mfu: EstimateMfu = None, calibration: Calibration = None,
+    optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,
+    mfu: EstimateMfu = None, calibration: Calibration = None,
     top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
     no_offload: NoOffload = False, without: Without = None,
     host_memory: HostMemory = "2T", stack: StackOpt = "reference", no_cache: NoCache = False, detail: Detail = False,
@@ -166,7 +168,6 @@ def plan(
     try:
         from memcalc.memory.estimate import MAX_HOST_BYTES
         from memcalc.memory.state import MAX_GPUS
-        from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
         from memcalc.model.stacks import stack_for
         from memcalc.model.tricks import check_layer_uniform, layout_counts, parse_tricks
@@ -183,7 +184,7 @@ def plan(
         named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
-        the_gpu = find_gpu(gpu)
+        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
         timing = parse_fraction(mfu, "mfu") if mfu is not None else roofline_calibration(the_gpu, calibration)
         result = run_plan(
             the_model, the_gpu, parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
@@ -212,13 +213,13 @@ def fit(
     seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
-    optimizer_impl: ImplOpt = None, no_cache: NoCache = False, gpu: GpuOpt = "h100-sxm", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
+    optimizer_impl: ImplOpt = None, no_cache: NoCache = False, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
+    headroom: HeadroomOpt = None, detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
     units: Units = "gb",
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
     try:
         from memcalc.engine.fit import fit_limits
-        from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.tricks import parse_tricks
 
         from .inputs import resolve_model, seq_for
@@ -229,15 +230,20 @@ def fit(
         setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
                             optimizer_impl, no_cache=no_cache)  # fmt: skip
         layout = build_layout(gpus, zero=zero, offload=offload)  # data parallel: fit solves one GPU of it
-        limits = fit_limits(the_model, setup, find_gpu(gpu), parse_tricks(tricks), layout)
+        limits = fit_limits(the_model, setup, resolve_gpu(gpu, gpu_memory, headroom), parse_tricks(tricks), layout)
     except InputError as e:
         fail(str(e))
     from memcalc.report import fit as report
+    from memcalc.report.headroom import fragmentation_note, headroom_line
 
     rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch, limits.max_seq_len,
              limits.max_micro_batch]]  # fmt: skip
     headers = ["gpu", "tricks", "seq_len", "micro_batch", "max_seq_len", "max_micro_batch"]
-    render.emit(fmt, limits, report.fit_sections(limits, units, detail), [f"Model: {the_model.origin}"], (headers, rows),
+    render.emit(fmt, limits, report.fit_sections(limits, units, detail),
+                [f"Model: {the_model.origin}", headroom_line(limits.headroom, units),
+                 *fragmentation_note(limits.headroom, [v.free_bytes for v in (limits.memory_at_max_seq,
+                                                                              limits.memory_at_max_batch) if v])],
+                (headers, rows),
                 exact=detail or exact_bytes, after=[report.fit_verdict(limits)])  # fmt: skip
 
 
@@ -256,7 +262,6 @@ def mfu(
     """MFU and HFU of a measured throughput under every FLOPs convention in use, side by side."""
     try:
         from memcalc.memory.state import MAX_GPUS
-        from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
         from memcalc.model.tricks import parse_tricks
         from memcalc.time.mfu import mfu_report, tokens_per_gpu_second
@@ -274,7 +279,7 @@ def mfu(
             None if global_batch is None else parse_count(global_batch, "global-batch", MAX_BATCH),
             seq_len, None if gpus is None else parse_count(gpus, "gpus", MAX_GPUS),
         )  # fmt: skip
-        result = mfu_report(the_model, find_gpu(gpu), t, seq_len, rate)
+        result = mfu_report(the_model, resolve_gpu(gpu), t, seq_len, rate)
     except InputError as e:
         fail(str(e))
     from memcalc.report import mfu as report

@@ -82,12 +82,28 @@ def overrides_note(sizes: dict[str, int | None]) -> str:
     return f", overridden: {given}" if given else ""
 
 
-def resolve_tricks(texts: list[str] | None) -> tuple[Tricks, ...]:
+def resolve_tricks(texts: list[str] | None, gpu=None) -> tuple[Tricks, ...]:
     """Each --tricks picks one combination (repeated: several, in the order given, each once); without it,
-    the progression fp32 -> ... -> bf16+selective."""
-    if not texts:
-        return PROGRESSION
-    return tuple(dict.fromkeys(parse_tricks(text) for text in texts))
+    the progression fp32 -> ... -> bf16+selective (fp16 in place of bf16 on a card without bf16 tensor
+    cores: V100, T4)."""
+    if texts:
+        return tuple(dict.fromkeys(parse_tricks(text) for text in texts))
+    if gpu is not None and not gpu.bf16_tflops:
+        return tuple(replace(t, precision="fp16") if t.precision == "bf16" else t for t in PROGRESSION)
+    return PROGRESSION
+
+
+def resolve_gpu(spec: str, memory: str | None = None, headroom: str | None = None):
+    """--gpu KEY or FILE.json, --gpu-memory, --headroom: the card, checked whole here (its links, what its
+    headroom leaves) so that a bad file or flag is one line before anything is computed."""
+    from memcalc.model.gpus import find_gpu
+    from memcalc.model.headroom import headroom as headroom_of
+    from memcalc.parallel.links import fabric_of
+
+    card = find_gpu(spec, memory, headroom)
+    fabric_of(card)
+    headroom_of(card)
+    return card
 
 
 def check_format(fmt: str) -> str:

@@ -40,7 +40,9 @@ Offload = Annotated[bool, typer.Option("--offload", help="Offload optimizer stat
 HostMemory = Annotated[str, typer.Option("--host-memory", help="CPU memory of one node in bytes (2T, 1.5e12), which offload fills; the job's GPUs on a node share it. Default: a DGX H100/H200's 2 TB for 8 GPUs.", metavar="BYTES")]  # fmt: skip
 NoOffload = Annotated[bool, typer.Option("--no-offload", help="Leave CPU offload out of the search.")]
 Without = Annotated[Optional[str], typer.Option("--without", help="Features to leave out of the search, as a stack that lacked them: sp, interleave, cp, zero, hybrid, offload (a 2021 Megatron-LM run: sp,zero).", metavar="LIST")]  # fmt: skip
-GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type: see `memcalc gpus`.", metavar="KEY")]
+GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type (see `memcalc gpus`), or a JSON file describing one (docs/gpus.md).", metavar="KEY|FILE")]  # fmt: skip
+GpuMemory = Annotated[Optional[str], typer.Option("--gpu-memory", help="Use at most this much of each GPU (24GB, 22.5GiB): a card shared, or one not in the table.", metavar="SIZE")]  # fmt: skip
+HeadroomOpt = Annotated[Optional[str], typer.Option("--headroom", help="What each verdict keeps back of the GPU beyond the tensors: a size (2GB) in place of memcalc's account (CUDA context, cuBLAS, NCCL, allocator 5%), or the allocator's share (10%); 0: none. See docs/gpus.md.", metavar="SIZE|%")]  # fmt: skip
 EstimateMfu = Annotated[Optional[str], typer.Option("--mfu", help="Time the step as hardware FLOPs / (X · peak) instead of by the roofline: X is an end-to-end rate, so a layout adds no bubble or communication to it.", metavar="X")]  # fmt: skip
 Calibration = Annotated[Optional[str], typer.Option("--calibration", help="The roofline's efficiencies: a calibration JSON, NAME=X overrides (matmul, flash, bandwidth, vector, launch_us, matmul_dim), or both: my.json,matmul=0.7. Default: the file shipped for --gpu, else memcalc's defaults.", metavar="SPEC")]  # fmt: skip
 Format = Annotated[str, typer.Option("--format", help="table, json, markdown or csv.", metavar="FMT")]

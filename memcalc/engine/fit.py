@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from memcalc.memory.setup import Setup
-from memcalc.model.gpus import GPU
+from memcalc.model.gpus import GPU, check_precision
+from memcalc.model.headroom import Headroom, headroom, usable_bytes
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, longest_seq
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
@@ -20,7 +21,7 @@ class FitLimits:
 
     tricks: Tricks
     gpu: str
-    usable_bytes: int
+    usable_bytes: int  # the GPU's memory less the headroom
     seq_len: int  # the sequence length the micro-batch limit is computed at
     micro_batch: int  # the micro-batch the sequence limit is computed at
     max_seq_len: int  # 0: not even one token fits
@@ -28,6 +29,7 @@ class FitLimits:
     memory_at_max_seq: Verdict | None
     memory_at_max_batch: Verdict | None
     seq_limit: int  # the longest sequence the model embeds (a learned position table), else MAX_SEQ
+    headroom: Headroom | None = None  # what usable_bytes keeps back, by part
 
     @property
     def seq_capped(self) -> bool:
@@ -53,6 +55,7 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
     """The longest sequence (no longer than the model's position table) at setup's micro-batch, and the
     largest micro-batch at setup's sequence, each by the verdict estimate gives the same job."""
     check_positions(model.shape, setup.seq_len)
+    check_precision(gpu, tricks.precision, tricks.fp8)
 
     def memory(seq_len: int, micro_batch: int) -> Verdict:
         return gpu_verdict(model, replace(setup, seq_len=seq_len, micro_batch=micro_batch), gpu, tricks, layout)
@@ -63,7 +66,7 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
     return FitLimits(
         tricks=tricks,
         gpu=gpu.key,
-        usable_bytes=gpu.usable_bytes,
+        usable_bytes=usable_bytes(gpu, layout.groups),
         seq_len=setup.seq_len,
         micro_batch=setup.micro_batch,
         max_seq_len=max_seq,
@@ -71,4 +74,5 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
         memory_at_max_seq=memory(max_seq, setup.micro_batch) if max_seq else None,
         memory_at_max_batch=memory(setup.seq_len, max_batch) if max_batch else None,
         seq_limit=seq_limit,
+        headroom=headroom(gpu, layout.groups),
     )

@@ -7,7 +7,7 @@ from dataclasses import replace
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
 from memcalc.memory.state import Parallel
-from memcalc.model.gpus import GPU
+from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.shape import Model
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.parallel.layout import Layout
@@ -44,8 +44,8 @@ class Job:
             raise InputError("no trick sets to estimate")
         if self.price is not None and self.tokens is None:
             raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
-        if any(t.fp8 for t in self.trick_sets) and not self.gpu.fp8_tflops:
-            raise InputError(f"fp8 needs FP8 tensor cores (Hopper or later); the {self.gpu.name} has none")
+        for t in self.trick_sets:
+            check_precision(self.gpu, t.precision, t.fp8)
 
     @property
     def data_parallel(self) -> bool:

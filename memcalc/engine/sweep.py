@@ -7,6 +7,7 @@ from dataclasses import replace
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU
+from memcalc.model.headroom import Headroom, headroom, usable_bytes
 from memcalc.model.shape import BINARY, DECIMAL, MAX_BATCH, MAX_SEQ, Model, check_positions, parse_count
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.layout import Layout
@@ -39,9 +40,10 @@ class Sweep:
     name: str  # seq or micro-batch
     values: tuple[int, ...]
     gpu: str
-    usable_bytes: int
+    usable_bytes: int  # the GPU's memory less the headroom
     points: tuple[SweepPoint, ...]  # value-major: every trick set at the first value, then the next
     time_model: str = "roofline"  # or --mfu
+    headroom: Headroom | None = None  # what usable_bytes keeps back, by part
 
 
 def parse_sweep(spec: str) -> tuple[str, tuple[int, ...]]:
@@ -98,4 +100,5 @@ def sweep(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...], 
             points.append(SweepPoint(value, tricks, verdict.peak_bytes, verdict.fits, time.step_seconds,
                                      time.tokens_per_second))  # fmt: skip
     time_model = "--mfu" if isinstance(timing, float) else "roofline"
-    return Sweep(name, values, gpu.key, gpu.usable_bytes, tuple(points), time_model)
+    usable, room = usable_bytes(gpu, layout.groups), headroom(gpu, layout.groups)
+    return Sweep(name, values, gpu.key, usable, tuple(points), time_model, room)

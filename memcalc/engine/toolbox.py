@@ -92,8 +92,9 @@ Tool = Callable[[Model, GPU, Config, Measure], "tuple[str, Change, str] | None"]
 def use_bf16(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
     if c.tricks.precision != "fp32":
         return None
-    speed = gpu.bf16_tflops / gpu.fp32_tflops
-    return "bf16 mixed precision", with_tricks(precision="bf16"), f"none: {speed:.1f}x the fp32 matmul peak"
+    half = "bf16" if gpu.bf16_tflops else "fp16"  # Volta and Turing have no bf16 tensor cores
+    speed = gpu.peak_flops(half) / gpu.peak_flops("fp32")
+    return f"{half} mixed precision", with_tricks(precision=half), f"none: {speed:.1f}x the fp32 matmul peak"
 
 
 def use_flash(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:

@@ -6,6 +6,7 @@ from memcalc.errors import InputError
 from memcalc.exact.kernels import recompute_first, step_flops
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
+from memcalc.model.headroom import usable_bytes
 from memcalc.model.params import largest_layer_params
 from memcalc.model.shape import Model, check_positions
 from memcalc.model.tricks import PROGRESSION, Tricks
@@ -27,7 +28,7 @@ class Memory(Budget):
     activation_peak_bytes: int
     logits_bytes: int
     buffer_bytes: int  # ZeRO-3's gathered layers, when it shards over several GPUs
-    usable_bytes: int  # the GPU's memory less the CUDA context reserve
+    usable_bytes: int  # the GPU's memory less the headroom (memcalc.model.headroom)
     host_bytes: int  # model state offloaded to CPU memory, one GPU's part
     host_usable_bytes: int  # one GPU's share of the node's CPU memory
     formula: bool = True  # False: the textbook has no formula for these activations (sac): not a verdict
@@ -101,7 +102,8 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layer: dict
     if setup.parallel.gathers_layers:
         elsewhere = weights_held_elsewhere(state)
         buffers = zero3_gather_bytes(largest_layer_params(shape), shape.n_layers, tricks.precision, elsewhere)
-    memory = Memory(tricks, held, acts.peak_bytes, logits.total_bytes, buffers, gpu.usable_bytes, host,
+    usable = usable_bytes(gpu, (setup.parallel.gpus,))
+    memory = Memory(tricks, held, acts.peak_bytes, logits.total_bytes, buffers, usable, host,
                     setup.host_usable_bytes, acts.formula)  # fmt: skip
     return state, acts, logits, memory
 

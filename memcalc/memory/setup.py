@@ -71,5 +71,6 @@ class Budget:
         return self.host_bytes <= self.host_usable_bytes
 
     @property
-    def headroom_bytes(self) -> int:
+    def free_bytes(self) -> int:
+        """What is left of the usable memory at the peak (negative: over by that much)."""
         return self.usable_bytes - self.total_bytes

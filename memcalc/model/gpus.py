@@ -1,53 +1,70 @@
-"""Dense peak rates, memory and bandwidth of the GPUs memcalc knows.
+"""A GPU as memcalc sees it: dense peak rates, memory, bandwidth, architecture and links; the table of the
+cards people train on (memcalc.model.gpu_table), a card described in a JSON file (--gpu FILE.json), and a
+cap on what the job may use of it (--gpu-memory).
 
-Rates are dense tensor-core TFLOP/s from each vendor datasheet (sparse figures are 2x these; FP8 is the
-datasheet's FP8 Tensor Core row, halved from its with-sparsity figure: 3,958 -> 1,979 on the H100 SXM);
-fp32 is the non-tensor-core rate, which PyTorch uses for fp32 matmuls unless TF32 is switched on
-(torch.backends.cuda.matmul.allow_tf32 defaults to False since PyTorch 1.12). It is also the
+Rates are dense tensor-core TFLOP/s (sparse figures are 2x these), at the accumulate PyTorch's matmuls use:
+fp32 accumulate for bf16 and fp16 (cuBLAS's CUBLAS_COMPUTE_32F), which GeForce cards run at half their
+fp16-accumulate rate. fp32 is the non-tensor-core rate, which PyTorch uses for fp32 matmuls unless TF32 is
+switched on (torch.backends.cuda.matmul.allow_tf32 defaults to False since PyTorch 1.12). It is also the
 vector rate memcalc.time.roofline gives elementwise kernels: ATen computes bf16/fp16 elementwise math in
 fp32 (at::opmath_type), so the datasheets' 16-bit non-tensor rates do not apply.
-memory_mib is the total that nvidia-smi reports for the card, not the marketing "GB".
+memory_mib is the total the driver reports for the card (nvidia-smi, rocm-smi), not the marketing "GB".
+What PyTorch holds beyond the tensors (context, workspaces, allocator) is memcalc.model.headroom's.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 from memcalc.errors import InputError
 from memcalc.records import record
 
+from .sizes import parse_bytes
+
 MIB = 1 << 20
-# CUDA context + cuBLAS workspaces: a few hundred MB that PyTorch's allocator never sees
-# (pytorch/pytorch#107667: ~300 MB context with lazy loading). Kept out of the fit verdict's
-# usable memory; calibrated by `memcalc verify` on a real GPU.
-CUDA_RESERVE_BYTES = 512 * MIB
 # Host (CPU) memory of one node, which offload fills: a DGX H100 or DGX H200 holds 2 TB for its 8 GPUs
 # (NVIDIA DGX H100/H200 datasheets, "System Memory 2TB"). --host-memory changes it.
 HOST_MEMORY_BYTES = 2 * 10**12
 GPUS_PER_NODE = 8
+MAX_TFLOPS = 1e6  # a million TFLOP/s on one chip: beyond any card (a GB200 is 2,500 dense bf16)
+MAX_MEMORY_MIB = 1 << 24  # 16 TiB on one card
 
 
 @record(frozen=True)
 class GPU:
-    """A GPU's dense peak rates, memory and bandwidth, from its datasheet."""
+    """A GPU's dense peak rates, memory, bandwidth and links, from its datasheet; with what this job may use
+    of its memory (memory_cap_bytes, --gpu-memory) and the headroom asked for (--headroom)."""
 
     key: str
     name: str
-    bf16_tflops: float  # dense tensor-core peak
+    bf16_tflops: float  # dense tensor-core peak, fp32 accumulate; 0: no bf16 (Volta, Turing)
     fp16_tflops: float
-    tf32_tflops: float
+    tf32_tflops: float  # 0: no TF32 (before Ampere)
     fp32_tflops: float  # non-tensor-core
-    memory_mib: int  # nvidia-smi memory.total
-    bandwidth_gbps: float  # HBM bandwidth, GB/s (decimal)
+    memory_mib: int  # the driver's total (nvidia-smi memory.total)
+    bandwidth_gbps: float  # HBM/GDDR bandwidth, GB/s (decimal)
     source: str
     fp8_tflops: float = 0.0  # dense FP8 tensor-core peak (E4M3/E5M2); 0: no FP8 tensor cores (A100)
+    arch: str = "sm90"  # CUDA compute capability (sm90) or ROCm target (gfx942): cuBLAS's workspace follows it
+    intra: str = "nvlink4"  # memcalc.parallel.links.LINKS keys: inside a node,
+    inter: str = "ndr"  # between nodes,
+    host: str = "pcie5"  # and to the host
+    memory_cap_bytes: int = 0  # --gpu-memory: at most this much of the card is the job's; 0: all of it
+    headroom_spec: str = ""  # --headroom as given ("2GB", "10%"); "": memcalc.model.headroom's default
+
+    def __post_init__(self) -> None:
+        check_gpu(self)
 
     @property
     def memory_bytes(self) -> int:
-        return self.memory_mib * MIB
+        """The card's memory, or the --gpu-memory cap below it."""
+        card = self.memory_mib * MIB
+        return min(card, self.memory_cap_bytes) if self.memory_cap_bytes else card
 
     @property
-    def usable_bytes(self) -> int:
-        """What PyTorch's allocator can hand out: total less the CUDA context reserve."""
-        return self.memory_bytes - CUDA_RESERVE_BYTES
+    def rocm(self) -> bool:
+        return self.arch.startswith("gfx")
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s for matmuls in that precision recipe."""
@@ -56,35 +73,70 @@ class GPU:
 
 PEAK_FIELDS = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops",  # GPU.peak_flops by precision,
                "fp8-e4m3": "fp8_tflops", "fp8-e5m2": "fp8_tflops"}  # or by a float8 matmul's operands
-H100_DATASHEET = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
-A100_DATASHEET = "https://www.nvidia.com/en-us/data-center/a100/"  # the specifications table (datasheet r4)
-H800_SOURCE = ("DeepSeek-V3 technical report (arXiv:2412.19437) sec. 3.1 and 3.2.2: H800 SXM, the H100's GH100 "
-               "compute and 80 GB HBM3, NVLink at 400 GB/s both directions; peak and HBM as the H100 SXM datasheet")
-H100_HBM2E_SOURCE = ("pytorch/torchtitan docs/performance.md @ d4c86e3758a84cf23e2e879ab3c995cba9d5e410: Grand Teton, "
-                     "96GB HBM2e at 2.4 TB/s per H100, 500 W; footnote 1 of the page @ 3faaa1a0dee68ce028400e3dafd1735d152cb4f8: "
-                     "95 GB, its peak between the SXM's and the NVL's; no datasheet: the SXM's 989 TFLOP/s stands in, an upper bound")
+RATES = ("bf16_tflops", "fp16_tflops", "tf32_tflops", "fp32_tflops", "fp8_tflops")
+REQUIRED_RATES = ("fp16_tflops", "fp32_tflops")  # every card memcalc times has these; bf16, tf32, fp8 may be 0
 
-GPUS: dict[str, GPU] = {
-    g.key: g
-    for g in (
-        GPU("a100-40gb", "NVIDIA A100 SXM 40GB", 312, 312, 156, 19.5, 40960, 1555, A100_DATASHEET),
-        GPU("a100-80gb", "NVIDIA A100 SXM 80GB", 312, 312, 156, 19.5, 81920, 2039, A100_DATASHEET),
-        GPU("h100-sxm", "NVIDIA H100 SXM 80GB", 989, 989, 494.5, 67, 81559, 3350, H100_DATASHEET, 1979),
-        GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756, 756, 378, 51, 81559, 2000, H100_DATASHEET, 1513),
-        GPU("h200", "NVIDIA H200 SXM 141GB", 989, 989, 494.5, 67, 143771, 4800,
-            "https://www.nvidia.com/en-us/data-center/h200/", 1979),  # fmt: skip
-        # The export H100: the SXM's compute, memory and HBM3, NVLink cut to 400 GB/s (links.py)
-        GPU("h800", "NVIDIA H800 SXM 80GB", 989, 989, 494.5, 67, 81559, 3350, H800_SOURCE, 1979),
-        # Meta's Grand Teton H100 (96 GB HBM2e at 2.4 TB/s, 500 W): no datasheet; the SXM's peak, an upper bound
-        GPU("h100-hbm2e", "NVIDIA H100 96GB HBM2e (Grand Teton)", 989, 989, 494.5, 67, 95 * 1024, 2400,
-            H100_HBM2E_SOURCE, 1979),  # fmt: skip
-    )
-}
-DEFAULT_GPU = "h100-sxm"
+
+def check_gpu(g: GPU) -> None:
+    """One line for each way a GPU record can be wrong (a JSON file's fields arrive here too)."""
+    for name in ("key", "name", "source", "arch", "intra", "inter", "host"):
+        if not isinstance(getattr(g, name), str) or not getattr(g, name).strip():
+            raise InputError(f"GPU {name} must be a non-empty string, got {getattr(g, name)!r}")
+    for name in RATES + ("bandwidth_gbps",):
+        value = getattr(g, name)
+        zero_ok = name not in REQUIRED_RATES + ("bandwidth_gbps",)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or (value == 0 and not zero_ok) or value > MAX_TFLOPS:
+            need = "a number >= 0 (0: none)" if zero_ok else "a positive number"
+            raise InputError(f"GPU {g.key}: {name} must be {need}, got {value!r}")
+    if isinstance(g.memory_mib, bool) or not isinstance(g.memory_mib, int) or not 0 < g.memory_mib <= MAX_MEMORY_MIB:
+        raise InputError(f"GPU {g.key}: memory_mib must be a whole number of MiB in [1, {MAX_MEMORY_MIB:,}], "
+                         f"got {g.memory_mib!r}")  # fmt: skip
+    if g.memory_cap_bytes > g.memory_mib * MIB:
+        raise InputError(f"--gpu-memory {g.memory_cap_bytes:,} bytes is more than the {g.name} has "
+                         f"({g.memory_mib:,} MiB = {g.memory_mib * MIB:,} bytes)")  # fmt: skip
+
+
+def check_precision(g: GPU, precision: str, fp8: bool = False) -> None:
+    """Refuse a recipe the card has no tensor cores for: bf16 before Ampere (torch.cuda.is_bf16_supported() is
+    False on sm70/sm75: no bf16 matmul units, bf16 arithmetic emulated), fp8 before Hopper/Ada."""
+    if precision == "bf16" and not g.bf16_tflops:
+        raise InputError(f"bf16 needs bf16 tensor cores (Ampere or later); the {g.name} has none "
+                         "(torch.cuda.is_bf16_supported() is False there): use fp16")  # fmt: skip
+    if fp8 and not g.fp8_tflops:
+        raise InputError(f"fp8 needs FP8 tensor cores (Hopper or later); the {g.name} has none")
 
 
 def gpu(key: str) -> GPU:
+    """A card of the table by its key (case and spaces ignored)."""
+    from .gpu_table import GPUS
+
     name = key.strip().lower()
     if name not in GPUS:
-        raise InputError(f"unknown GPU {key!r}; known: {', '.join(GPUS)}")
+        raise InputError(f"unknown GPU {key!r}; known: {', '.join(GPUS)}; or a JSON file describing one "
+                         "(docs/gpus.md)")  # fmt: skip
     return GPUS[name]
+
+
+def find_gpu(spec: str, memory: str | None = None, headroom: str | None = None) -> GPU:
+    """--gpu KEY or --gpu FILE.json, capped at --gpu-memory SIZE, with --headroom as given."""
+    from .gpu_file import load_gpu, looks_like_file
+    from .headroom import parse_headroom
+
+    card = load_gpu(spec) if looks_like_file(spec) else gpu(spec)
+    if memory is not None:
+        card = replace(card, memory_cap_bytes=parse_bytes(memory, "gpu-memory", MAX_MEMORY_MIB * MIB))
+        card = replace(card, name=f"{card.name} (--gpu-memory {memory.strip()})")
+    if headroom is not None:
+        parse_headroom(headroom)  # refused here, once, with its flag's name
+        card = replace(card, headroom_spec=headroom.strip())
+    return card
+
+def __getattr__(name: str):
+    """The table and its sources (memcalc.model.gpu_table) under their old home's names: GPUS, DEFAULT_GPU, ..."""
+    from . import gpu_table
+
+    try:
+        return getattr(gpu_table, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -27,6 +27,7 @@ def check_size(name: str, value: int, allow_zero: bool = False, limit: int = MAX
 
 DECIMAL = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # parameters, tokens, GPUs: 70B, 15T
 BINARY = {"k": 1 << 10, "m": 1 << 20}  # sequence lengths: an 8k context is 8,192 tokens, 32K is 32,768
+BINARY_BYTES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}  # 22.5GiB
 
 
 def parse_count(text: str, name: str, limit: float = float(MAX_SIZE), suffixes: dict[str, int] = DECIMAL) -> int:
@@ -56,3 +57,14 @@ def parse_count(text: str, name: str, limit: float = float(MAX_SIZE), suffixes: 
 def parse_seq(text: str, name: str = "seq") -> int:
     """A sequence length: '8192', '8k' (8,192), '32K' (32,768), '1m' (1,048,576): binary suffixes."""
     return parse_count(text, name, MAX_SEQ, BINARY)
+
+
+def parse_bytes(text: str, name: str, limit: float) -> int:
+    """A size in bytes as parse_count reads one (24G, 24e9, 2T: decimal), with its unit spelt out too:
+    '24GB' (decimal, as datasheets count) or '22.5GiB' (binary)."""
+    raw = text.strip()
+    if raw.lower().endswith("ib"):
+        return parse_count(raw[:-2], name, limit, BINARY_BYTES)
+    if raw.lower().endswith("b") and raw[-2:-1].isalpha():  # '24GB', not '24B' (parse_count's billions)
+        raw = raw[:-1]
+    return parse_count(raw, name, limit)

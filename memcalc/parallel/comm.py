@@ -179,7 +179,7 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
       --mfu X    step = hardware FLOPs of the step / (GPUs · X · peak); the traffic is listed, not added
     """
     m, engine = setup.grad_accum, setup.stack.engine
-    fabric = fabric_for(gpu.key, assume)
+    fabric = fabric_for(gpu, assume)
     if memory is None:  # the per-layer textbook has no formula for the trick set (ckpt:N, sac): its weights alone
         stage_layers, stages = layers_per_stage(layout, model.shape.n_layers, engine), stage_weights(model, layout, engine)
     else:
@@ -266,7 +266,7 @@ def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layou
         rate = gpu.peak_flops(tricks.precision) * cal.matmul
         block, once = block_matmul_flops(model, setup, layout) / rate, 0.0
     per_mb = layers * block
-    fabric = fabric_for(gpu.key, assume)
+    fabric = fabric_for(gpu, assume)
     if layout.offload_optimizer:  # the CPU's Adam, on the critical path
         once += cpu_adam_seconds(layout, memory.params, assume)
     unhidden = unhidden_seconds(model, setup, tricks, layout, fabric, assume, layers)

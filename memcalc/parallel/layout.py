@@ -113,6 +113,11 @@ class Layout:
         return self.tp * self.pp * self.cp * self.dp
 
     @property
+    def groups(self) -> tuple[int, ...]:
+        """The parallel groups' sizes: an NCCL communicator each where more than one (memcalc.model.headroom)."""
+        return (self.tp, self.cp, self.pp, self.dp, self.ep)
+
+    @property
     def shard_ranks(self) -> int:
         """The dp × cp ranks that hold the same weights and reduce their gradients together."""
         return self.dp * self.cp

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from memcalc.model.gpus import A100_DATASHEET, H100_DATASHEET, H800_SOURCE
+from memcalc.errors import InputError
+from memcalc.model.gpu_table import A100_DATASHEET, GB200_NVL72, GPUS, H100_DATASHEET, H800_SOURCE, HGX_B200
+from memcalc.model.gpu_table import MI300X_PAGE, V100_DATASHEET
+from memcalc.model.gpus import GPU
 from memcalc.records import record
 
 
@@ -38,21 +41,39 @@ class Link:
 H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
 DGX_H100 = "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html"
 DGX_A100 = "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html"
+DGX_2 = "https://docs.nvidia.com/dgx/dgx2-user-guide/introduction-to-dgx2.html"
+FRONTIER = "https://docs.olcf.ornl.gov/systems/frontier_user_guide.html"  # a node's 4 MI250X (8 GCDs), 4 NICs
+PCIE_SPEC = "PCI-SIG base specifications: x16 at 16/32/64 GB/s per direction for Gen3/4/5"
 
 LINKS: dict[str, Link] = {
     k.key: k
     for k in (
+        Link("nvlink5", "NVLink 5 via NVSwitch", 900, f"NVLink 1.8 TB/s per GPU, both directions: {HGX_B200}"),
         Link("nvlink4", "NVLink 4 via NVSwitch", 450,
              f"NVLink 900 GB/s per GPU, both directions: {H100_DATASHEET}; {H200_PAGE}"),
         Link("nvlink3", "NVLink 3 via NVSwitch", 300, f"NVLink 600 GB/s per GPU, both directions: {A100_DATASHEET}"),
+        Link("nvlink2", "NVLink 2 (DGX-1 mesh, DGX-2 NVSwitch)", 150,
+             f"NVLink 300 GB/s per GPU, both directions: {V100_DATASHEET}"),
         Link("nvlink-h800", "NVLink 4 via NVSwitch, H800 (export limit)", 200,
              f"NVLink 400 GB/s per GPU, both directions; 160 GB/s measured (DeepSeek-V3 report sec. 3.2.2): {H800_SOURCE}"),
+        Link("xgmi-mi300", "AMD Infinity Fabric, 7 links to the node's 7 peers", 448,
+             f"7 links x 128 GB/s both directions (896 GB/s peer bandwidth): {MI300X_PAGE}"),
+        Link("xgmi-mi250x", "AMD Infinity Fabric between MI250X GCDs", 50,
+             f"50-100 GB/s per direction between GCDs of different MI250X, 200 within one: {FRONTIER}"),
         Link("pcie5", "PCIe Gen5 x16", 64, f"PCIe Gen5 128 GB/s, both directions: {H100_DATASHEET}"),
         Link("pcie4", "PCIe Gen4 x16", 32, f"PCIe Gen4 64 GB/s, both directions: {A100_DATASHEET}"),
+        Link("pcie3", "PCIe Gen3 x16", 16, f"PCIe Gen3 32 GB/s, both directions: {V100_DATASHEET}; {PCIE_SPEC}"),
+        Link("c2c", "NVLink-C2C to the Grace CPU", 450, f"NVLink-C2C 900 GB/s, both directions: {GB200_NVL72}"),
+        Link("if-cpu", "AMD Infinity Fabric to the CPU", 36,
+             f"36 GB/s per direction from each GCD to the CPU: {FRONTIER}"),
         Link("ndr", "InfiniBand NDR, 400 Gb/s per GPU", 50,
              f"DGX H100: 8 ConnectX-7 400 Gb/s NICs, one per GPU: {DGX_H100}"),
         Link("hdr", "InfiniBand HDR, 200 Gb/s per GPU", 25,
              f"DGX A100: 8 ConnectX-6 200 Gb/s HDR NICs, one per GPU: {DGX_A100}"),
+        Link("edr", "InfiniBand EDR, 100 Gb/s per two GPUs", 6.25,
+             f"DGX-2: 8 EDR 100 Gb/s NICs for 16 V100s (DGX-1: 4 for 8): {DGX_2}"),
+        Link("slingshot", "HPE Slingshot, 200 Gb/s per two GCDs", 12.5,
+             f"Frontier: 4 Slingshot 200 Gb/s (25 GB/s) NICs for a node's 8 GCDs: {FRONTIER}"),
     )
 }  # fmt: skip
 
@@ -66,16 +87,20 @@ class Fabric:
     host: Link
 
 
-# H100 PCIe cards pair up over NVLink bridges at most; eight in a node talk over PCIe.
-FABRICS: dict[str, Fabric] = {
-    "h100-sxm": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
-    "h200": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
-    "h100-pcie": Fabric(LINKS["pcie5"], LINKS["ndr"], LINKS["pcie5"]),
-    "h800": Fabric(LINKS["nvlink-h800"], LINKS["ndr"], LINKS["pcie5"]),  # DeepSeek-V3: IB at 50 GB/s per GPU
-    "h100-hbm2e": Fabric(LINKS["nvlink4"], LINKS["ndr"], LINKS["pcie5"]),
-    "a100-80gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
-    "a100-40gb": Fabric(LINKS["nvlink3"], LINKS["hdr"], LINKS["pcie4"]),
-}
+def fabric_of(gpu: GPU) -> Fabric:
+    """The links the GPU record names (GPU.intra, .inter, .host). PCIe cards (A10, L4, L40S, GeForce, H100 PCIe
+    and NVL) have no NVLink switch: eight in a node talk over PCIe, NVLink bridges join pairs at most. Their
+    inter-node link is an assumption (a 200 Gb/s NIC per GPU, as a DGX A100): their servers vary."""
+    links = []
+    for part in ("intra", "inter", "host"):
+        key = getattr(gpu, part)
+        if key not in LINKS:
+            raise InputError(f"GPU {gpu.key}: unknown {part} link {key!r}; known: {', '.join(LINKS)}")
+        links.append(LINKS[key])
+    return Fabric(*links)
+
+
+FABRICS: dict[str, Fabric] = {key: fabric_of(g) for key, g in GPUS.items()}
 
 
 @record(frozen=True)
@@ -104,9 +129,9 @@ class Assumptions:
 ASSUMPTIONS = Assumptions()
 
 
-def fabric_for(gpu_key: str, assume: Assumptions) -> Fabric:
-    """The links of a GPU type (FABRICS), with the inter-node one at the rate assumed where one is given."""
-    fabric = FABRICS[gpu_key]
+def fabric_for(gpu: GPU, assume: Assumptions) -> Fabric:
+    """The links of a GPU (fabric_of), with the inter-node one at the rate assumed where one is given."""
+    fabric = fabric_of(gpu)
     rate = assume.inter_node_gb_per_s
     if rate is None:
         return fabric

@@ -20,7 +20,8 @@ from memcalc.errors import InputError
 from memcalc.exact.collection import no_collection
 from memcalc.memory.estimate import DEFAULT_MFU, Setup
 from memcalc.memory.state import MAX_GPUS
-from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES
+from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES, check_precision
+from memcalc.model.headroom import Headroom, headroom
 from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks, check_layer_uniform, layout_counts
@@ -51,6 +52,7 @@ class LayoutEstimate:
     memory: LayoutMemory | None  # the textbook's stages; None where it has no per-layer formula (ckpt:N, sac)
     time: StepTime
     verdict: Verdict  # one GPU's peak as the stack allocates it (memcalc.parallel.verdict): whether it fits
+    headroom: Headroom  # what the verdict's usable_bytes keeps back of the GPU, by part (memcalc.model.headroom)
 
     @property
     def gpus(self) -> int:
@@ -88,7 +90,8 @@ def layout_estimate(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout
         check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, setup.stack.engine)
         memory = None
     time = step_time(model, setup, gpu, tricks, layout, memory, assume, timing)
-    return LayoutEstimate(model, gpu, setup, tricks, layout, memory, time, gpu_verdict(model, setup, gpu, tricks, layout))
+    verdict = gpu_verdict(model, setup, gpu, tricks, layout)
+    return LayoutEstimate(model, gpu, setup, tricks, layout, memory, time, verdict, headroom(gpu, layout.groups))
 
 
 @record(slots=True)
@@ -166,6 +169,7 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     check_size("global batch", global_batch, limit=MAX_BATCH)
     check_size("top", top, limit=1000)
     check_without(without)
+    check_precision(gpu, tricks.precision, tricks.fp8)
     without = tuple(sorted(set(without)))
     timing = calibration_for(gpu.key) if timing is None else timing
     if not isinstance(timing, float) and not traceable(model.shape):  # no kernels to time: the default MFU does

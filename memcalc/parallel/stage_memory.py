@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from memcalc.memory.estimate import Budget, Setup
 from memcalc.memory.state import ModelState, weights_held_elsewhere
 from memcalc.model.gpus import GPU
+from memcalc.model.headroom import usable_bytes
 from memcalc.model.shape import Model, moe_layer_count
 from memcalc.model.tricks import Tricks
 from memcalc.records import record
@@ -130,7 +131,7 @@ def stage_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: L
     held = stage_activations(model, setup, tricks, layout, stage, layers)
     return StageMemory(
         stage=stage, layers=held.layers, params=kept.params, state=kept.state, layer=held.layer, held=held.held,
-        buffers=kept.buffers + held.buffers, logits=held.logits, usable_bytes=gpu.usable_bytes,
+        buffers=kept.buffers + held.buffers, logits=held.logits, usable_bytes=usable_bytes(gpu, layout.groups),
         host_usable_bytes=host_share(setup, layout), moe_layer=held.moe_layer, moe_held=held.moe_held,
         expert_params=kept.expert_params, inputs=held.inputs,
     )  # fmt: skip
@@ -318,7 +319,7 @@ def layout_peak(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
     stage_activations) without building a StageMemory: the planner asks for tens of thousands of layouts,
     each of which it built valid (layout_memory checks the layout; tests/test_parallel.py holds the two equal)."""
     counts = layers_per_stage(layout, model.shape.n_layers, setup.stack.engine)
-    host_usable, usable = host_share(setup, layout), gpu.usable_bytes
+    host_usable, usable = host_share(setup, layout), usable_bytes(gpu, layout.groups)
     peak, fits, params = 0, True, 0
     for i in peak_stages(layout.pp, counts):
         kept = stage_state(model, setup, tricks, layout, i, counts[i])

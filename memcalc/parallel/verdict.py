@@ -20,6 +20,7 @@ from memcalc.exact.step import step_phases
 from memcalc.exact.zero import Sharding
 from memcalc.memory.setup import Budget, Setup
 from memcalc.model.gpus import GPU
+from memcalc.model.headroom import usable_bytes
 from memcalc.model.shape import Model, n_params
 from memcalc.model.stacks import check_tricks
 from memcalc.model.tricks import Tricks, layout_counts
@@ -40,7 +41,7 @@ class Verdict(Budget):
     state_bytes: int  # live between steps: weights, master, optimizer state (what this GPU keeps of them)
     peak_bytes: int  # the step's highest live bytes on this GPU
     peak_at: str  # where the step peaks: "optimizer: sqrt" (replayed), "stage 0" (the textbook's)
-    usable_bytes: int  # the GPU's memory less the CUDA context reserve
+    usable_bytes: int  # the GPU's memory less the headroom (memcalc.model.headroom)
     host_bytes: int  # this GPU's model state in host memory (offload)
     host_usable_bytes: int  # its share of the node's host memory
     phases: Phases | None  # the replayed step on this GPU; None where the textbook decides
@@ -123,7 +124,8 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
     own = n_params(shape)
     state = sharded_state(own, tricks.precision, s.optimizer, g, layout.zero, layout.offload_optimizer,
                           layout.offload_params, s.stack.recipe)  # fmt: skip
-    return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), gpu.usable_bytes, state.host_bytes,
+    usable = usable_bytes(gpu, layout.groups)
+    return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), usable, state.host_bytes,
                    host_share(setup, layout), phases, replay, "", own)  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from memcalc.engine.toolbox import Toolbox
 
 from . import estimate as textbook
 from . import units as u
+from .headroom import fragmentation_note, headroom_line
 from .layout import sharding_text, time_section, comm_section
 from .render import Section, sized
 
@@ -33,7 +34,8 @@ def preamble(ans: Answer, units: str, detail: bool) -> list[str]:
     lay = ans.job.layout
     if lay.hybrid or lay.offload_params:
         lines.append(f"  sharding: {sharding_text(lay)}")
-    return lines
+    room = ans.layouts[0].headroom
+    return lines + [headroom_line(room, units)] + fragmentation_note(room, [v.free_bytes for v in ans.verdicts])
 
 
 def summary_section(ans: Answer, units: str) -> Section:
@@ -157,7 +159,7 @@ def verdict(ans: Answer, units: str) -> str:
     The toolbox starts from the first trick set (fp32 in the progression) and applies the cheapest tools first."""
     tb, g = ans.toolbox, ans.job.gpu
     gpus = "one" if ans.job.layout.world == 1 else "each"
-    needs, usable = u.size_pair(tb.start.total_bytes, g.usable_bytes, units)
+    needs, usable = u.size_pair(tb.start.total_bytes, tb.start.usable_bytes, units)
     start = f"{tb.start.tricks.label} needs {needs} at its peak, of the {usable} usable on {gpus} {g.key}"
     if not tb.start.host_fits:
         host, share = u.size_pair(tb.start.host_bytes, tb.start.host_usable_bytes, units)

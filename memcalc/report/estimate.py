@@ -89,8 +89,8 @@ def preamble(est: Estimate, units: str = "gb") -> list[str]:
         f"Setup: seq {s.seq_len:,} x micro-batch {s.micro_batch} x grad-accum {s.grad_accum} = "
         f"{s.tokens_per_step:,} tokens per GPU step; {s.optimizer}; {u.plural(p.gpus, 'GPU')}, ZeRO {p.zero}"
         f"{', optimizer offloaded to CPU' if p.offload else ''}",
-        f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes, units)} total, {u.size(g.usable_bytes, units)} usable "
-        f"after the CUDA context reserve",
+        f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes, units)} total, {u.size(est.memory[0].usable_bytes, units)} "
+        f"usable after the headroom",
     ]
 
 
@@ -106,7 +106,7 @@ def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
         f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {heads_text(shape, False)}, {mlp_text(shape)}, "
         f"vocab {shape.vocab:,}{wiring_text(shape)}; {params_text(est.model)}",
         f"Step: seq {s.seq_len:,} x micro-batch {s.micro_batch}{accum} = {s.tokens_per_step:,} tokens per GPU; "
-        f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(g.usable_bytes, units)} usable)"
+        f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(est.memory[0].usable_bytes, units)} usable)"
     ]
 
 
@@ -121,11 +121,11 @@ def textbook_size(m, units: str) -> str:
 def fit_text(b, units: str, free: bool = False) -> str:
     """A Budget's verdict in a cell: 'yes' (with what is free), 'no, 12.3 GB over', or 'no, host 1.2 TB over'
     when the GPU holds it but the node's CPU memory does not hold what offload moves there."""
-    if b.headroom_bytes < 0:  # a few bytes over reads as over, not as 0.000 GB
-        return f"no, {u.size_pair(-b.headroom_bytes, 0, units)[0]} over"
+    if b.free_bytes < 0:  # a few bytes over reads as over, not as 0.000 GB
+        return f"no, {u.size_pair(-b.free_bytes, 0, units)[0]} over"
     if not b.host_fits:
         return f"no, host {u.size_pair(b.host_bytes - b.host_usable_bytes, 0, units)[0]} over"
-    return f"yes, {u.size(b.headroom_bytes, units)} free" if free else "yes"
+    return f"yes, {u.size(b.free_bytes, units)} free" if free else "yes"
 
 
 def host_note(b, units: str) -> list[str]:

@@ -7,6 +7,7 @@ from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import LayoutEstimate
 
 from . import units as u
+from .headroom import fragmentation_note, headroom_line
 from .estimate import RECIPES, explain_term, fit_text, host_note, recipe_text, state_section
 from .render import Section, sized
 
@@ -63,7 +64,7 @@ def batch_text(est: LayoutEstimate) -> str:
 def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
     """The job: model, layout, batch, GPU; and the trick set (each row's, when several)."""
     est = ests[0]
-    g, lay, fabric = est.gpu, est.layout, fabric_for(est.gpu.key, est.time.assumptions)
+    g, lay, fabric = est.gpu, est.layout, fabric_for(est.gpu, est.time.assumptions)
     tricks = (f"{est.tricks.label} ({RECIPES[est.tricks.precision]})" if len(ests) == 1
               else "one row each: " + ", ".join(e.tricks.label for e in ests))  # fmt: skip
     stack = est.setup.stack
@@ -75,9 +76,10 @@ def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
         f"Layout: {layout_text(lay)}, {lay.gpus_per_node} per node; {sharding_text(lay)}",
         f"Batch: {batch_text(est)}",
         f"Tricks: {tricks}; {est.setup.optimizer}",
-        f"GPU: {g.name} ({g.key}): {u.size(g.usable_bytes, units)} usable; {fabric.intra.name} in a node, "
+        f"GPU: {g.name} ({g.key}): {u.size(est.verdict.usable_bytes, units)} usable; {fabric.intra.name} in a node, "
         f"{fabric.inter.name} between nodes, {fabric.host.name} to the host",
-    ]
+        headroom_line(est.headroom, units),
+    ] + fragmentation_note(est.headroom, [e.verdict.free_bytes for e in ests])
 
 
 def layer_section(est: LayoutEstimate, units: str) -> Section:
@@ -105,7 +107,7 @@ def layer_section(est: LayoutEstimate, units: str) -> Section:
 def stages_section(est: LayoutEstimate, units: str) -> Section:
     mem = est.memory
     s = Section(
-        f"Peak memory per GPU, by pipeline stage ({u.size(est.gpu.usable_bytes, units)} usable)",
+        f"Peak memory per GPU, by pipeline stage ({u.size(est.verdict.usable_bytes, units)} usable)",
         ["stage", "layers", "params", "model state", "activations", "buffers", "logits", "total", "fits?"],
         align="rrrrrrrrl",
     )
@@ -145,7 +147,7 @@ def comm_section(est: LayoutEstimate, units: str) -> Section:
     s = Section("Communication per step, as one GPU sees it (ring algorithms)",
                 ["traffic", "group", "link", "calls", "bytes sent", "formula", "time", "exposed"],
                 align="lllrrlrr")  # fmt: skip
-    fabric = fabric_for(est.gpu.key, t.assumptions)
+    fabric = fabric_for(est.gpu, t.assumptions)
     for c in t.comms:
         s.rows.append([c.name, f"{c.group} ({c.ranks})", link_name(fabric, c.link), f"{c.calls:,}",
                        sized(c.bytes, units), c.formula, u.seconds(c.seconds), u.seconds(c.exposed_seconds)])
@@ -228,7 +230,7 @@ def layout_sections(est: LayoutEstimate, units: str, detail: bool = False) -> li
 
 def layout_verdict(estimates: list[LayoutEstimate], units: str) -> str:
     """Whether each trick set's peak stage fits the GPU, in one sentence."""
-    usable = u.size(estimates[0].gpu.usable_bytes, units)
+    usable = u.size(estimates[0].verdict.usable_bytes, units)
     fit = [e.tricks.label for e in estimates if e.verdict.fits]
     if len(estimates) == 1:
         v = estimates[0].verdict
@@ -250,7 +252,7 @@ def tricks_section(estimates: list[LayoutEstimate], units: str) -> Section:
     """One layout under several trick sets (estimate's progression): per-GPU peak memory and speed of each."""
     est = estimates[0]
     s = Section(
-        f"Peak memory per GPU under {est.layout.label} ({u.size(est.gpu.usable_bytes, units)} usable)",
+        f"Peak memory per GPU under {est.layout.label} ({u.size(est.verdict.usable_bytes, units)} usable)",
         ["tricks", "model state", "activations", "buffers", "logits", "total", "fits?", "tokens/s", "MFU"],
         align="lrrrrrlrr",
     )

@@ -9,6 +9,7 @@ from memcalc.parallel.plan import Alternative, Plan
 from memcalc.parallel.search import WITHOUT
 
 from . import units as u
+from .headroom import fragmentation_note, headroom_line
 from .layout import CAUSES, assumption_notes, held_text, layout_text, sharding_text
 from .render import Section, sized
 
@@ -22,8 +23,14 @@ def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
         f"{' + '.join(replace(t, recompute='none', ckpt_every=1).names)}, {plan.optimizer}, stack {plan.stack.label}; timed by "
         + (f"--mfu {plan.timing:g} end to end" if isinstance(plan.timing, float)
            else f"the roofline of each stage's kernels ({plan.timing.origin.rsplit('/', 1)[-1]})"),
-        f"Searched {plan.searched:,} layouts ({searched(plan)}): {plan.fitting:,} fit in {u.size(g.usable_bytes, units)}",
-    ]
+        f"Searched {plan.searched:,} layouts ({searched(plan)}): {plan.fitting:,} fit in the GPU less its headroom"
+        + (f" ({u.size(plan.best[0].verdict.usable_bytes, units)} for the fastest)" if plan.best else ""),
+    ] + (top_headroom(plan.best[0], units) if plan.best else [])
+
+
+def top_headroom(top, units: str) -> list[str]:
+    """The fastest layout's headroom, and the fragmentation note where its verdict is close."""
+    return [headroom_line(top.headroom, units)] + fragmentation_note(top.headroom, [top.verdict.free_bytes])
 
 
 # What the search varies, each with the search.WITHOUT key that leaves it out (None: always searched)
@@ -83,13 +90,13 @@ def ranking_section(plan: Plan, units: str) -> Section:
 
 def best_memory_section(plan: Plan, units: str) -> Section:
     s = Section("Memory per GPU of those layouts, at the stage that peaks",
-                ["#", "stage", "model state", "activations", "buffers", "logits", "total", "headroom"])  # fmt: skip
+                ["#", "stage", "model state", "activations", "buffers", "logits", "total", "free"])  # fmt: skip
     for i, est in enumerate(plan.best, 1):
         st = est.memory.peak
         s.rows.append([str(i), f"{st.stage} of {est.layout.pp}", u.size(st.state.total_bytes, units),
                        (u.size(st.activation_peak_bytes, units), held_text(st, units)), u.size(st.buffer_bytes, units),
                        u.size(st.logits_bytes, units), sized(st.total_bytes, units),
-                       u.size(st.headroom_bytes, units)])  # fmt: skip
+                       u.size(st.free_bytes, units)])  # fmt: skip
     return s
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from memcalc.model import formats as fm
-from memcalc.model.gpus import CUDA_RESERVE_BYTES, DEFAULT_GPU, GPUS
+from memcalc.model.gpu_table import DEFAULT_GPU, GPUS
 from memcalc.model.presets import CANONICAL, PRESETS, canonical_shape
 from memcalc.model.shape import param_counts
 
@@ -70,25 +70,38 @@ def gpu_rows() -> list:
 
 
 def gpu_sections() -> list[Section]:
+    from memcalc.parallel.links import LINKS
+
     s = Section(
-        "GPUs (--gpu KEY): dense peak TFLOP/s, memory, bandwidth",
-        ["key", "name", "bf16", "fp16", "tf32", "fp32", "memory", "bandwidth"],
-        align="llrrrrrr",
+        "GPUs (--gpu KEY, or --gpu FILE.json): dense peak TFLOP/s, memory, bandwidth",
+        ["key", "name", "bf16", "fp16", "tf32", "fp32", "fp8", "memory", "bandwidth"],
+        align="llrrrrrrr",
     )
     for g in GPUS.values():
-        s.rows.append([g.key + (" (default)" if g.key == DEFAULT_GPU else ""), g.name, f"{g.bf16_tflops:g}",
-                       f"{g.fp16_tflops:g}", f"{g.tf32_tflops:g}", f"{g.fp32_tflops:g}",
+        s.rows.append([g.key + (" (default)" if g.key == DEFAULT_GPU else ""), g.name, rate(g.bf16_tflops),
+                       rate(g.fp16_tflops), rate(g.tf32_tflops), rate(g.fp32_tflops), rate(g.fp8_tflops),
                        f"{g.memory_mib:,} MiB", f"{g.bandwidth_gbps / 1000:g} TB/s"])  # fmt: skip
     s.notes = [
-        "rates: vendor datasheets, dense (sparse figures are 2x); fp32 is the non-tensor-core rate PyTorch uses "
-        "unless TF32 is enabled",
-        f"memory: nvidia-smi's total; the fit verdict keeps {u.size(CUDA_RESERVE_BYTES)} back for the CUDA context",
+        "rates: vendor datasheets, dense (sparse figures are 2x); bf16/fp16 with fp32 accumulate, as PyTorch's "
+        "matmuls run (GeForce: half the fp16-accumulate rate); fp32 is the non-tensor-core rate PyTorch uses unless "
+        "TF32 is enabled; - : no such tensor cores (bf16 and fp8 jobs are refused there)",
+        "memory: the driver's total; each fit verdict keeps a headroom back (CUDA context, cuBLAS workspaces, NCCL "
+        "buffers, the allocator's share): --headroom, --gpu-memory, docs/gpus.md",
     ]
+    fabrics: dict[str, list[str]] = {}
+    for g in GPUS.values():
+        fabrics.setdefault(g.intra, []).append(g.key)
+    s.notes += [f"in a node, {LINKS[link].name} ({LINKS[link].gb_per_s:g} GB/s per direction): {', '.join(keys)}"
+                for link, keys in fabrics.items()]  # fmt: skip
     sources: dict[str, list[str]] = {}
     for g in GPUS.values():
         sources.setdefault(g.source, []).append(g.key)
     s.notes += [f"{', '.join(keys)}: {url}" for url, keys in sources.items()]
     return [s]
+
+
+def rate(tflops: float) -> str:
+    return f"{tflops:g}" if tflops else "-"
 
 
 def format_rows() -> dict:
@@ -133,8 +146,8 @@ def preset_csv() -> tuple[list[str], list[list[object]]]:
 
 
 def gpu_csv() -> tuple[list[str], list[list[object]]]:
-    headers = ["key", "name", "bf16_tflops", "fp16_tflops", "tf32_tflops", "fp32_tflops", "memory_bytes",
-               "bandwidth_gbps", "source"]  # fmt: skip
+    headers = ["key", "name", "bf16_tflops", "fp16_tflops", "tf32_tflops", "fp32_tflops", "fp8_tflops", "memory_bytes",
+               "bandwidth_gbps", "arch", "intra", "inter", "host", "source"]  # fmt: skip
     return headers, [[getattr(g, h) for h in headers] for g in GPUS.values()]
 
 

@@ -80,7 +80,7 @@ def answer_json(ans) -> dict:
         "activations": est.activations if data_parallel else [], "logits": est.logits if data_parallel else [],
         "memory": est.memory if data_parallel else [peak_memory(e.memory) for e in ans.layouts],
         "stages": [e.memory.stages if e.memory is not None else [] for e in ans.layouts],
-        "verdict": ans.verdicts, "not_replayed": next((v.textbook_reason for v in ans.verdicts if not v.replayed), ""),
+        "verdict": ans.verdicts, "headroom": first.headroom, "not_replayed": next((v.textbook_reason for v in ans.verdicts if not v.replayed), ""),
         "time_model": first.time.time_model, "time": [layout_time(e.time) for e in ans.layouts],
         "roofline": [roofline_detail(t) for t in ans.roofline] if ans.roofline else [],
         "calibration": first.time.calibration, "assumptions": first.time.assumptions, "toolbox": ans.toolbox,

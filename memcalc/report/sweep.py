@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from . import render
 from . import units as u
+from .headroom import fragmentation_note, headroom_line
 from .render import Section
 
 if TYPE_CHECKING:  # only for annotations
@@ -17,6 +18,9 @@ def sweep_sections(sw: Sweep, units: str) -> list[Section]:
     biggest = max(max(p.memory_bytes for p in sw.points), sw.usable_bytes)
     memory = Section(f"Peak memory per GPU against {sw.name} ({sw.gpu}: │ marks {u.size(sw.usable_bytes, units)} usable)",
                      [sw.name, "tricks", "memory", "", "fits?"], align="rllrl")  # fmt: skip
+    memory.notes = [headroom_line(sw.headroom, units)] if sw.headroom else []
+    if sw.headroom:
+        memory.notes += fragmentation_note(sw.headroom, [sw.usable_bytes - p.memory_bytes for p in sw.points])
     slowest = max(p.step_seconds for p in sw.points)
     model = "every kernel against the roofs" if sw.time_model == "roofline" else "hardware FLOPs at --mfu"
     time = Section(f"Step time against {sw.name} ({model})", [sw.name, "tricks", "step time", "", "tokens/s"],

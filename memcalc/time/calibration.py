@@ -125,8 +125,12 @@ def load(path: str | Path, gpu: str) -> Calibration:
     return from_dict(read_json_object(path, "calibration"), str(path), gpu)
 
 
-# GPUs with another's compute and HBM type take its shipped calibration: the H800 and the HBM2e H100 are GH100s
-SAME_CHIP = {"h800": "h100-sxm", "h100-hbm2e": "h100-sxm", "a100-40gb": "a100-80gb"}
+# GPUs of another's generation take its shipped calibration: the H800, the HBM2e H100, the H100 NVL and the H20 are
+# GH100s (Hopper, sm90) and take h100-sxm.json, the A100 40GB (GA100, SXM) a100-80gb.json; the H100 PCIe and the
+# A100 PCIe keep the defaults (lower power, lower clocks). Every other card has no shipped calibration of its
+# generation (Ada, Blackwell, Volta, Turing, CDNA): defaults.
+SAME_CHIP = {"h800": "h100-sxm", "h100-hbm2e": "h100-sxm", "h100-nvl": "h100-sxm", "h20": "h100-sxm",
+             "a100-40gb": "a100-80gb"}
 
 
 def calibration_for(gpu: str, path: str | None = None, overrides: str | None = None) -> Calibration:

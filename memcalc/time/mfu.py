@@ -11,6 +11,7 @@ from collections.abc import Callable
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
 from memcalc.model.flops import attention_flops, model_per_token
+from memcalc.model.gpus import check_precision
 from memcalc.model.params import idle_params, param_counts
 from memcalc.model.shape import Model, ModelShape, check_positions
 from memcalc.model.tricks import Tricks, check_layer_uniform
@@ -177,6 +178,7 @@ def check_possible(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_s
 def mfu_report(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_second: float) -> MfuReport:
     check_positions(model.shape, seq_len)
     check_layer_uniform(tricks, "the published MFU conventions")
+    check_precision(gpu, tricks.precision, tricks.fp8)  # no bf16 peak to hold a V100's throughput against
     check_possible(model, gpu, tricks, seq_len, tokens_per_second)
     peak = gpu.peak_flops(tricks.precision)
     rows = []

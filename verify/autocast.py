@@ -33,7 +33,7 @@ from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build, materialise
 from .meta import StepBytes, kernels_for, measure_step, meta_kernels
-from .recipes import DTYPES, AdamW, adamw_, bitsandbytes, library_optimizer
+from .recipes import DTYPES, AdamW, adamw_, bitsandbytes, library_optimizer, trained
 from .track import LiveBytes
 
 
@@ -72,7 +72,7 @@ class AutocastRecipe:
 
     def __init__(self, model: torch.nn.Module, precision: str, device_type: str, optimizer=None):
         self.model, self.precision, self.device_type = model, precision, device_type
-        self.optimizer = optimizer if optimizer is not None else ReferenceAdamW(model.parameters())
+        self.optimizer = optimizer if optimizer is not None else ReferenceAdamW(trained(model))
         self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
         self.skipped = 0
 
@@ -142,13 +142,14 @@ def measure_autocast(shape: ModelShape, seq_len: int, micro_batch: int, tricks: 
     if stack.model == "hf":
         from .hf import build_hf
 
-        model = build_hf(shape, tricks, seq_len, device=device, autocast=device, use_cache=stack.use_cache)
+        model = build_hf(shape, tricks, seq_len, device=device, autocast=device, use_cache=stack.use_cache,
+                         finetune=stack.finetune)  # fmt: skip
     else:
         model = materialise(build(shape, kernels, seq_len, torch.float32), device)
     made = []
 
     def recipe_for(m, precision):
-        params = list(m.parameters())
+        params = trained(m)
         opt = None if stack.impl == "reference" else library_optimizer(params, optimizer, stack.impl)
         made.append(AutocastRecipe(m, precision, device, opt))
         return made[0]

@@ -44,7 +44,7 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
     if stack.model == "hf":
         from .hf import build_hf
 
-        return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache)
+        return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache, finetune=stack.finetune)
     return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
 
 
@@ -276,7 +276,7 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
     step, _ = measure_step(shape, seq_len, micro_batch, tricks, stack=stack, optimizer=optimizer)
-    L, grown = shape.n_layers, growth(tricks, shape)
+    L, grown = shape.n_layers, growth(tricks, shape, first=stack.finetune.lead_blocks)
     run = as_run(tricks, L)  # ckpt:N over fewer than N blocks checkpoints none: nor do the builds beside it
     n_ckpt = run.n_checkpointed(L) if run.mixed else 0
 

@@ -24,7 +24,7 @@ class HFModel:
     arch: str
     p: dict[str, Tensor]  # the parameters by name
     rope: list[Tensor]  # model.buffers() in order: rotary tables fp32, Gemma's embed_scale in the model's dtype
-    params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
+    params: list[Tensor] = field(default_factory=list)  # those that train (all but frozen), in parameters() order
     autocast: Autocast | None = None  # the autocast recipe's: the forward Accelerate prepared runs under it
     cache: list[tuple[Tensor, Tensor]] | None = None  # the forward's DynamicCache: each layer's keys and values
 

@@ -39,8 +39,8 @@ def not_replayed(finetune: Finetune, arch: str, model: str) -> str | None:
         return ("LoRA and frozen weights are replayed on Transformers' classes wrapped by PEFT (--stack hf), "
                 f"not on --stack {model}'s model")  # fmt: skip
     if arch not in LORA_ARCHS:
-        what = "LoRA" if finetune.lora else "frozen weights"
-        return f"{what} are replayed on Transformers' {', '.join(LORA_ARCHS)}, not {arch}"
+        what = "LoRA is" if finetune.lora else "frozen weights are"
+        return f"{what} replayed on Transformers' {', '.join(LORA_ARCHS)}, not {arch}"
     if finetune.quantize:
         return f"--quantize {finetune.quantize} (bitsandbytes' quantised base) is not replayed yet"
     return None

@@ -69,7 +69,7 @@ class ModelState:
     optimizer: str
     parallel: Parallel
     parts: tuple[StatePart, ...]
-    recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure | main_grad | grad_partition
+    recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure | main_grad | grad_partition | lora
 
     @property
     def total_bytes(self) -> int:
@@ -151,6 +151,26 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", parallel:
             formula = "⌈(" + formula + ")/{G}⌉"
         parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula))
     return ModelState(params, precision, optimizer, parallel, tuple(parts), recipe)
+
+
+@lru_cache(maxsize=256)
+def finetune_state(params: int, trained: int, frozen_dtype: str, precision: str, optimizer: str, recipe: str,
+                   lora: bool) -> ModelState:  # fmt: skip
+    """Model state on one GPU when only some weights train (memcalc.model.finetune): the frozen weights in their
+    dtype and nothing else for them (no gradient, master or optimizer state: the optimizer is given only what
+    requires grad); the trained ones by the recipe, LoRA's adapters in fp32 whatever the precision (PEFT upcasts
+    them: peft/tuners/tuners_utils.py cast_adapter_dtype), so theirs are fp32 weights, grads and moments."""
+    frozen = params - trained
+    w = WIDTH[frozen_dtype]
+    parts = [StatePart("frozen weights", frozen_dtype, w * frozen / params, w * frozen, 1, False, f"{w}·{frozen}")]
+    rows = unsharded_parts("fp32" if lora else precision, optimizer, trained, "master" if lora else recipe)
+    if lora and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
+        rows.append(("loss_scale", "fp32+int32", 8, 99, "8"))
+    for name, dtype, size, _, formula in rows:
+        per_param = 0.0 if name == "loss_scale" else size / params
+        label = name if name == "loss_scale" else ("adapter " if lora else "trained ") + name
+        parts.append(StatePart(label, dtype, per_param, size, 1, False, formula.replace("{N}", str(trained))))
+    return ModelState(params, precision, optimizer, NO_PARALLEL, tuple(parts), "lora" if lora else recipe)
 
 
 @lru_cache(maxsize=1024)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from memcalc.errors import InputError
 from memcalc.records import record
 
+from .params import layer_params, n_params
 from .shape import ModelShape
 
 # The linear projections of a Llama-style block, as Transformers names them (modeling_llama.py LlamaAttention,
@@ -71,6 +72,22 @@ def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     h, f = shape.hidden, shape.ffn
     return {"q_proj": (shape.q_dim, h), "k_proj": (shape.kv_dim, h), "v_proj": (shape.kv_dim, h),
             "o_proj": (h, shape.q_dim), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}  # fmt: skip
+
+
+def frozen_params(shape: ModelShape, finetune: Finetune) -> int:
+    """The weights that do not train: the whole base under LoRA; else the frozen parts (a tied head is the
+    embedding's table, counted once)."""
+    if finetune.lora:
+        return n_params(shape)
+    table = shape.vocab * shape.hidden
+    tables = ("embeddings" in finetune.freeze) + ("head" in finetune.freeze)
+    tables = min(tables, 1) if shape.tied_embeddings else tables
+    return tables * table + finetune.frozen_blocks * layer_params(shape)
+
+
+def trained_params(shape: ModelShape, finetune: Finetune) -> int:
+    """What the optimizer holds: LoRA's adapters, or every weight not frozen."""
+    return adapter_params(shape, finetune) if finetune.lora else n_params(shape) - frozen_params(shape, finetune)
 
 
 def adapter_params(shape: ModelShape, finetune: Finetune) -> int:

@@ -130,3 +130,17 @@ def test_refusals():
         finetune_for("16", targets="q,wq")
     with pytest.raises(InputError, match="already freezes"):
         finetune_for("16", freeze="embeddings")
+
+
+@pytest.mark.parametrize("extra", [["--recipe", "pure", "--tricks", "bf16,flash,ckpt"], ["--tricks", "bf16"]])
+def test_verify_with_lora(extra):
+    """memcalc verify --stack hf --lora R: on meta where nothing autocasts (--recipe pure), on CPU tensors at
+    reduced size under the Trainer's autocast; every judged row passes."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    args = ["verify", "--model", "llama3-8b", "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
+            "--ffn", "512", "--vocab", "512", "--seq", "64", "--stack", "hf", "--lora", "8", "--device", "meta"]
+    r = CliRunner().invoke(app, args + extra)
+    assert r.exit_code == 0 and "Pass: all" in r.output, r.output

@@ -8,7 +8,7 @@ from memcalc.model.finetune import trained_params
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
 from memcalc.model.params import largest_layer_params
-from memcalc.model.shape import Model, check_positions
+from memcalc.model.shape import Model, ModelShape, check_positions
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.records import record
 from memcalc.terms import Term
@@ -94,7 +94,7 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layer: dict
     """The memory side of one trick set (layer: its layer_terms, logits: its logits_memory, where the caller
     has them from a trick set of the same activation width)."""
     shape, seq, batch = model.shape, setup.seq_len, setup.micro_batch
-    state, held, host = state_for(model, setup, tricks.precision)
+    state, held, host = state_for(model.shape, model.n_params, setup, tricks.precision)
     acts = textbook_activations(shape, seq, batch, tricks, setup.routing, layer)
     logits = logits or logits_memory(shape, seq, batch, tricks.precision)
     buffers = 0
@@ -106,15 +106,15 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layer: dict
     return state, acts, logits, memory
 
 
-def state_for(model: Model, setup: Setup, precision: str) -> tuple[ModelState, int, int]:
-    """The textbook's model state, and what of it is on the GPU and on the host: every weight trained, or some
-    frozen (LoRA, --freeze: memcalc.memory.state.finetune_state, on the GPU alone)."""
+def state_for(shape: ModelShape, params: int, setup: Setup, precision: str) -> tuple[ModelState, int, int]:
+    """The textbook's model state of `params` parameters, and what of it is on the GPU and on the host: every
+    weight trained, or some frozen (LoRA, --freeze: memcalc.memory.state.finetune_state, on the GPU alone)."""
     ft, recipe = setup.stack.finetune, setup.stack.recipe
     if ft.trains_all:
-        return state_bytes(model.n_params, precision, setup.optimizer, setup.parallel, recipe)
+        return state_bytes(params, precision, setup.optimizer, setup.parallel, recipe)
     frozen_dtype = precision if ft.lora or not (precision == "fp32" or recipe == "autocast") else "fp32"
-    state = finetune_state(model.n_params, trained_params(model.shape, ft), frozen_dtype, precision, setup.optimizer,
-                           recipe, ft.lora)  # fmt: skip
+    state = finetune_state(params, trained_params(shape, ft), frozen_dtype, precision, setup.optimizer, recipe,
+                           ft.lora)  # fmt: skip
     return state, state.total_bytes, 0
 
 

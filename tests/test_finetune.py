@@ -33,7 +33,7 @@ def test_llama3_8b_adapters():
 def test_lora_state_is_the_frozen_base_and_fp32_adapters():
     """The base in bf16 (2 bytes), nothing else for it; each adapter parameter 16 bytes (fp32 weight, grad, m, v)."""
     a = adapter_params(LLAMA, Finetune(16))
-    st = finetune_state(n_params(LLAMA) + a, a, "bf16", "bf16", "adamw", "autocast", True)
+    st = finetune_state(n_params(LLAMA), n_params(LLAMA), a, "bf16", "bf16", "adamw", "autocast", True)
     assert st.total_bytes == 2 * n_params(LLAMA) + 16 * a
     assert [p.name for p in st.parts] == ["frozen weights", "adapter weights", "adapter grads", "adapter adam_m",
                                           "adapter adam_v"]  # fmt: skip
@@ -54,11 +54,14 @@ def test_estimate_and_fit_answer():
     assert "LoRA r=16" in r.output and out
     r = run("fit", "--model", "llama3-8b", "--lora", "16", "--tricks", "bf16,flash,ckpt", "--gpu", "a100-40gb")
     assert r.exit_code == 0 and "Longest sequence that fits" in r.output, r.output
+    r = run("fit", "--model", "llama3-8b", "--lora", "16", "--quantize", "nf4", "--gpu", "a100-40gb")
+    assert r.exit_code == 0 and "Longest sequence that fits" in r.output, r.output
 
 
 @pytest.mark.parametrize("args,says", [
     (["--lora", "16", "--stack", "torch"], "--stack hf"),
     (["--quantize", "nf4"], "option of LoRA"),
+    (["--lora", "16", "--quantize", "int8"], "8-bit base is not replayed"),
     (["--lora", "16", "--lora-targets", "q,wq"], "unknown LoRA target"),
     (["--lora", "16", "--freeze", "head"], "already freezes"),
     (["--lora", "16", "--zero", "2", "--gpus", "4"], "plain data parallelism"),
@@ -93,3 +96,21 @@ def test_frozen_weights_run_no_weight_gradient_gemms():
     full, frozen = linear_flops(Finetune()), linear_flops(Finetune(freeze=("embeddings",), frozen_blocks=16))
     assert full["backward"] == 2 * full["forward"]
     assert frozen["backward"] == frozen["forward"] == full["forward"]
+
+
+def test_qlora_storage_is_the_replays():
+    """QLoRA on Llama-3-8B: the textbook's frozen weights (embeddings, head, norms in bf16), 4-bit weights
+    (bitsandbytes' packed nf4 with double quantisation) and fp32 adapters are the replay's weights less the rotary
+    buffers (2 x 64 fp32): 5.87 GB where the bf16 base is 16.06 GB."""
+    from dataclasses import replace
+
+    from memcalc.exact.step import exact_step
+    from memcalc.memory.estimate import Setup, state_for
+    from memcalc.model.stacks import stack_for
+    from memcalc.model.tricks import parse_tricks
+
+    stack = replace(stack_for("hf"), finetune=Finetune(16, quantize="nf4"))
+    st = state_for(LLAMA, n_params(LLAMA), Setup(seq_len=2048, stack=stack), "bf16")[0]
+    weights = sum(p.bytes for p in st.parts if p.name in ("frozen weights", "4-bit weights", "adapter weights"))
+    e = exact_step(LLAMA, 2048, 1, parse_tricks("bf16,flash,ckpt"), stack=stack)
+    assert e.phases.weights_bytes - 2 * 64 * 4 == weights == 5_870_313_344

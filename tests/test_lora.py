@@ -66,7 +66,7 @@ def test_peft_parameters_as_peft_registers_them(name):
 
 
 @pytest.mark.parametrize("name,tricks", [("llama", t) for t in ("bf16", "fp32", "fp16", "bf16,flash,ckpt",
-                                                                 "bf16,selective", "bf16,ckpt")]
+                                                                 "bf16,selective")]
                          + [("qwen3", "bf16,flash"), ("qwen2", "bf16,flash,ckpt")])  # fmt: skip
 def test_lora_allocation_by_allocation(name, tricks):
     """No ckpt: the first block's input needs no gradient, so its norm and base projections save nothing; with
@@ -118,12 +118,54 @@ def test_lora_at_8b_width(name, tricks):
     assert e.phases.grads_bytes == 4 * adapter_params(shape, Finetune(16))
 
 
+QLORA = Finetune(4, quantize="nf4")
+
+
+@pytest.mark.parametrize("name,tricks", [("llama", "bf16"), ("llama", "bf16,flash,ckpt"), ("qwen2", "bf16,selective")])
+def test_qlora_allocation_by_allocation(name, tricks):
+    """bitsandbytes' 4-bit projections (nf4, double quantisation) under PEFT's bnb LoRA on meta, with CUDA's
+    training path for the matmul (verify/qlora.py): the packed weights and their quantisation state; in forward
+    the dequantised absmax (+ offset) and weight buffers of each matmul, PEFT's clone of the base's output; in
+    backward the weight dequantised again; Qwen2's biases through addmm."""
+    pytest.importorskip("bitsandbytes")
+    assert_meta(TINY[name], tricks, replace(PURE, finetune=QLORA), batch=2 if name == "qwen2" else 1)
+
+
+@pytest.mark.parametrize("tricks", ["bf16", "fp16,ckpt"])
+def test_qlora_on_cpu_under_autocast(tricks):
+    """The Trainer's QLoRA step on real CPU tensors, bitsandbytes' CPU backend quantising and computing: its
+    gemm_4bit (backends/default/ops.py) is one op whose dequantised buffers the tracker does not see, and PEFT casts
+    the adapters' input to fp32 there even under autocast (torch.is_autocast_enabled() asks CUDA's); the
+    replay says both for device cpu."""
+    pytest.importorskip("bitsandbytes")
+    stack, shape = replace(TRAINER, finetune=QLORA), TINY["llama"]
+    phases, g, mem = simulate(step_config(shape, 24, 2, tricks, stack, device="cpu"), timeline=True)
+    step, live, recipe = measure_cpu(shape, 24, 2, parse_tricks(tricks), 1, True, stack)
+    assert recipe.skipped == 0
+    assert_same_step(phases, g, mem, step, live, tricks)
+
+
+def test_qlora_at_8b_width():
+    """QLoRA r=16 on Llama-3-8B's blocks at seq 2048, three deep: every phase, the saved bytes and the FLOPs equal
+    bitsandbytes and PEFT on meta."""
+    pytest.importorskip("bitsandbytes")
+    shape, t = replace(PRESETS["llama3-8b"], n_layers=3), parse_tricks("bf16,flash,ckpt")
+    stack = replace(PURE, finetune=Finetune(16, quantize="nf4"))
+    step, _ = measure_step(shape, 2048, 1, t, stack=stack)
+    e = exact_step(shape, 2048, 1, t, stack=stack)
+    for f in FIELDS:
+        assert getattr(e.phases, f) == getattr(step, f), f
+    assert e.activations.total_bytes == step.saved_bytes and step.flops == e.flops.counted
+
+
 def test_refusals():
     shape = TINY["llama"]
     with pytest.raises(InputError, match="--stack hf"):
         exact_step(shape, 24, 1, parse_tricks("bf16"), stack=replace(stack_for("reference"), finetune=LORA))
     with pytest.raises(InputError, match="not gpt2"):
         exact_step(TINY["gpt2"], 24, 1, parse_tricks("bf16"), stack=replace(MASTER, finetune=LORA))
+    with pytest.raises(InputError, match="8-bit base is not replayed"):
+        exact_step(shape, 24, 1, parse_tricks("bf16"), stack=replace(MASTER, finetune=Finetune(4, quantize="int8")))
     with pytest.raises(InputError, match="option of LoRA"):
         finetune_for(quantize="nf4")
     with pytest.raises(InputError, match="unknown LoRA target"):

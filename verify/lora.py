@@ -14,6 +14,8 @@ memcalc.exact.hf_lora replays both.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import warnings
 
 from torch import nn
@@ -35,6 +37,11 @@ def peft():
 def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool) -> nn.Module:
     """get_peft_model with the LoraConfig the job names, or the weights frozen; the model itself when every
     weight trains."""
+    if finetune.quantize:
+        from .qlora import quantized
+
+        weight = next(model.parameters())
+        model = quantized(model, weight.dtype, weight.device.type)
     if finetune.lora:
         lib = peft()
         config = lib.LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha,
@@ -47,3 +54,22 @@ def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool) -> nn.Module:
         if not trainable(name, finetune, tied):
             p.requires_grad_(False)
     return model
+
+
+def held_tensors(model: nn.Module) -> list:
+    """Tensors the model keeps on its device besides parameters and buffers: 4-bit layers' quantisation state."""
+    if "bitsandbytes" not in sys.modules:
+        return []
+    from .qlora import quant_tensors
+
+    return quant_tensors(model)
+
+
+def meta_paths():
+    """What a meta run of a QLoRA model holds over its step: a 4-bit layer's matmul as CUDA runs it in training
+    (verify/qlora.py cuda_gemm_4bit); nothing where bitsandbytes is not loaded."""
+    if "bitsandbytes" not in sys.modules:
+        return contextlib.nullcontext()
+    from .qlora import cuda_gemm_4bit
+
+    return cuda_gemm_4bit()

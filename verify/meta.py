@@ -33,6 +33,7 @@ from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build
+from .lora import held_tensors, meta_paths
 from .recipes import DTYPES, Recipe, TorchRecipe, recipe_for
 from .track import LiveBytes, SavedBytes
 
@@ -48,13 +49,17 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
     return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
 
 
-def paths_for(stack: Stack):
-    """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths)."""
-    if stack.model == "hf":
-        from .hf import cuda_paths
+@contextlib.contextmanager
+def paths_for(stack: Stack, device: str = "meta"):
+    """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths; on meta
+    a QLoRA model's 4-bit matmuls as CUDA's, verify/lora.py meta_paths)."""
+    if stack.model != "hf":
+        yield
+        return
+    from .hf import cuda_paths
 
-        return cuda_paths()
-    return contextlib.nullcontext()
+    with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext():
+        yield
 
 
 def kernels_for(tricks: Tricks, attention: str, dropout: str) -> Kernels:
@@ -118,11 +123,11 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         else:
             model = build_model(shape, seq_len, tricks, stack, device)
     idx, targets = inputs_for(shape, seq_len, micro_batch, device)
-    fixed = list(model.parameters()) + list(model.buffers())
+    fixed = list(model.parameters()) + list(model.buffers()) + held_tensors(model)
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     saved = SavedBytes(fixed + [idx, targets], live)
     flops = StepFlops() if device == "meta" else None  # on real tensors, what it decomposes would run decomposed
-    with paths_for(stack), live:
+    with paths_for(stack, device), live:
         live.track(fixed, "weights")
         weights = live.live_bytes
         live.track([idx, targets], "input")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
 
-from . import aten, hf_cache, hf_lora
+from . import aten, hf_cache, hf_lora, hf_qlora
 from .aten_operands import made
 from .autocast import autocast_for
 from .config import Config
@@ -121,13 +121,19 @@ def build(g: Graph, cfg: Config) -> HFModel:
     if family is None:
         raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(families())}")
     hf_lora.check(cfg.finetune, arch, cfg.model)
-    params = [hf_lora.parameter(g, cfg, name, shape)
-              for name, shape in hf_lora.with_adapters(family.params(cfg.shape), cfg.finetune)]  # fmt: skip
+    quant, params = {}, []
+    for name, shape in hf_lora.with_adapters(family.params(cfg.shape), cfg.finetune):
+        if hf_qlora.quantized(name, cfg.finetune.quantize):  # QLoRA's 4-bit projections
+            quant[name.removesuffix(".weight")] = hf_qlora.quantize(g, name, shape)
+            params.append(quant[name.removesuffix(".weight")].data)
+        else:
+            params.append(hf_lora.parameter(g, cfg, name, shape))
+    shared = [hf_qlora.dynamic_map(g)] if quant else []  # the nested quantisation's code, made once
     rope = [g.empty(b[1], cfg.weights_dtype if b[2:] == ("weights",) else "fp32", "buffer " + b[0], kind="buffer")
             for b in family.buffers(cfg.shape)]  # (name, shape), fp32, or (name, shape, "weights"): the model's dtype
     autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
     trained = [p for p in params if p.requires_grad]  # what the optimizer holds: all but frozen weights
-    return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast)
+    return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast, quant=quant, held=shared)
 
 
 def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:

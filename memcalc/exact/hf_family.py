@@ -27,6 +27,8 @@ class HFModel:
     params: list[Tensor] = field(default_factory=list)  # those that train (all but frozen), in parameters() order
     autocast: Autocast | None = None  # the autocast recipe's: the forward Accelerate prepared runs under it
     cache: list[tuple[Tensor, Tensor]] | None = None  # the forward's DynamicCache: each layer's keys and values
+    quant: dict = field(default_factory=dict)  # QLoRA: each 4-bit projection's QuantWeight (memcalc.exact.hf_qlora)
+    held: list[Tensor] = field(default_factory=list)  # besides parameters and buffers: QLoRA's shared dynamic map
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from .aten_operands import made
 from .builder_layers import transpose12
 from .hf_attention import arange_plus, attention_interface, decoder_mask, grad_copies
 from .hf_lora import lora_linear, require_grad
+from .hf_qlora import linear4bit, lora_linear4bit
 from .sim import Graph
 from .tensors import Tensor
 
@@ -132,7 +133,10 @@ def decoder_layer(g: Graph, m: HFModel, i: int, hidden_states: Tensor, causal, c
 
 
 def linear(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
-    """nn.Linear: F.linear with the module's weight (and bias); PEFT's LoRA Linear where it wraps the module."""
+    """nn.Linear: F.linear with the module's weight (and bias); PEFT's LoRA Linear where it wraps the module;
+    bitsandbytes' Linear4bit where QLoRA quantised it."""
+    if name in m.quant:  # QLoRA's 4-bit base (memcalc.exact.hf_qlora), under LoRA or not
+        return (lora_linear4bit if name + ".lora_A.weight" in m.p else linear4bit)(g, m, name, x)
     if name + ".lora_A.weight" in m.p:
         return lora_linear(g, m, name, x)
     return aten.linear(g, x, m.p[name + ".weight"], m.p.get(name + ".bias"))

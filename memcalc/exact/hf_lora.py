@@ -41,8 +41,8 @@ def not_replayed(finetune: Finetune, arch: str, model: str) -> str | None:
     if arch not in LORA_ARCHS:
         what = "LoRA is" if finetune.lora else "frozen weights are"
         return f"{what} replayed on Transformers' {', '.join(LORA_ARCHS)}, not {arch}"
-    if finetune.quantize:
-        return f"--quantize {finetune.quantize} (bitsandbytes' quantised base) is not replayed yet"
+    if finetune.quantize not in ("", "nf4"):
+        return f"--quantize {finetune.quantize}: bitsandbytes' 8-bit base is not replayed yet (nf4 is: QLoRA)"
     return None
 
 

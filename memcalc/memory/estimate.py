@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from memcalc.errors import InputError
 from memcalc.exact.kernels import recompute_first, step_flops
-from memcalc.model.finetune import trained_params
+from memcalc.model.finetune import frozen_params, quantized_weights, trained_params
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
 from memcalc.model.params import largest_layer_params
@@ -113,8 +113,10 @@ def state_for(shape: ModelShape, params: int, setup: Setup, precision: str) -> t
     if ft.trains_all:
         return state_bytes(params, precision, setup.optimizer, setup.parallel, recipe)
     frozen_dtype = precision if ft.lora or not (precision == "fp32" or recipe == "autocast") else "fp32"
-    state = finetune_state(params, trained_params(shape, ft), frozen_dtype, precision, setup.optimizer, recipe,
-                           ft.lora)  # fmt: skip
+    quantized = quantized_weights(shape) if ft.quantize else (0, 0)
+    frozen = frozen_params(shape, ft) - quantized[0]
+    state = finetune_state(params, frozen, trained_params(shape, ft), frozen_dtype, precision, setup.optimizer,
+                           recipe, ft.lora, quantized)  # fmt: skip
     return state, state.total_bytes, 0
 
 

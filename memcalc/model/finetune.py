@@ -90,6 +90,24 @@ def trained_params(shape: ModelShape, finetune: Finetune) -> int:
     return adapter_params(shape, finetune) if finetune.lora else n_params(shape) - frozen_params(shape, finetune)
 
 
+def nf4_bytes(rows: int, cols: int) -> int:
+    """One weight as bitsandbytes 0.50 stores it in 4 bits with double quantisation (functional.quantize_4bit,
+    compress_statistics=True): the packed data (n+1)//2, one uint8 absmax per 64 elements, one fp32 absmax per
+    256 of those, its own copy of the 256-entry fp32 dynamic map, the 16-entry fp32 nf4 code, the fp32 offset."""
+    n = rows * cols
+    blocks = -(-n // 64)
+    return (n + 1) // 2 + blocks + 4 * -(-blocks // 256) + 4 * 256 + 4 * 16 + 4
+
+
+def quantized_weights(shape: ModelShape) -> tuple[int, int]:
+    """QLoRA's 4-bit weights, every projection of the blocks (transformers/integrations/bitsandbytes.py
+    replace_with_bnb_linear: every nn.Linear but lm_head): their count, and their bytes with the shared
+    dynamic map (functional.name2qmap, 256 fp32)."""
+    dims = projection_shapes(shape).values()
+    count = shape.n_layers * sum(r * c for r, c in dims)
+    return count, shape.n_layers * sum(nf4_bytes(r, c) for r, c in dims) + 4 * 256
+
+
 def adapter_params(shape: ModelShape, finetune: Finetune) -> int:
     """LoRA's trainable parameters: r·(in + out) per targeted projection per block (lora_A (r, in), lora_B
     (out, r): peft/tuners/lora/layer.py LoraLayer.update_layer)."""

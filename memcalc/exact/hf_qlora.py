@@ -112,9 +112,11 @@ def matmul_4bit(g: Graph, x: Tensor, q: QuantWeight, bias: Tensor | None, cuda: 
                  dtype=x.dtype)  # fmt: skip
         g.end(node, [out])
         return out
-    absmax_dq = made(g, (q.blocks,), "empty_like", q.absmax, q.absmax2, q.code2)  # dequantised into
+    absmax_dq = g.empty((q.blocks,), "fp32", "empty_like")  # torch.empty_like(absmax_8bit, dtype=fp32)
+    g.kernel("dequantize_blockwise", (q.absmax, q.absmax2, q.code2), (absmax_dq,))
     absmax = made(g, (q.blocks,), "add", absmax_dq, q.offset)  # absmax_dq + absmax_offset
-    w = made(g, (N, K), "empty", q.data, absmax, dtype=x.dtype)  # B_dq, dequantize_4bit into it
+    w = g.empty((N, K), x.dtype, "empty")  # B_dq = torch.empty(shapeB, dtype=A.dtype)
+    g.kernel("dequantize_4bit", (q.data, absmax), (w,))
     op = "mm" if bias is None else "addmm"  # F.linear(A, B_dq, bias) on the fold
     out = g.empty(lead + (N,), x.dtype, op)
     g.kernel(op, (x, w) if bias is None else (bias, x, w), (out,), "tensor", flops, "linear", dtype=x.dtype)

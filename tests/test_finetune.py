@@ -114,3 +114,22 @@ def test_qlora_storage_is_the_replays():
     weights = sum(p.bytes for p in st.parts if p.name in ("frozen weights", "4-bit weights", "adapter weights"))
     e = exact_step(LLAMA, 2048, 1, parse_tricks("bf16,flash,ckpt"), stack=stack)
     assert e.phases.weights_bytes - 2 * 64 * 4 == weights == 5_870_313_344
+
+
+def test_the_numbers_docs_finetune_quotes():
+    """docs/finetune.md's prose: the adapter count, bytes per adapter parameter and per 4-bit parameter, the
+    MLP's dequantised buffer, and bitsandbytes' token limit for its fused kernel, each computed here."""
+    from pathlib import Path
+
+    from memcalc.exact.hf_qlora import MAX_FUSED_TOKENS
+    from memcalc.model.finetune import quantized_weights
+
+    page = " ".join((Path(__file__).resolve().parent.parent / "docs" / "finetune.md").read_text().split())
+    a = adapter_params(LLAMA, Finetune(16))
+    st = finetune_state(n_params(LLAMA), n_params(LLAMA), a, "bf16", "bf16", "adamw", "autocast", True)
+    per_adapter = sum(p.bytes for p in st.parts if p.name.startswith("adapter")) // a
+    count, size = quantized_weights(LLAMA)
+    assert f"{per_adapter} bytes an adapter parameter, {a:,} of them here" in page
+    assert f"{size / count:.2f} bytes a parameter with double quantisation" in page
+    assert f"{LLAMA.hidden} × {LLAMA.ffn} × 2 bytes for Llama-3-8B" in page
+    assert f"more than {MAX_FUSED_TOKENS:,} tokens a micro-batch" in page and f"Below {MAX_FUSED_TOKENS:,} tokens" in page

@@ -69,7 +69,7 @@ class ModelState:
     optimizer: str
     parallel: Parallel
     parts: tuple[StatePart, ...]
-    recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure | main_grad | grad_partition | lora
+    recipe: str = "master"  # how 16 bits train: master | autocast | pure | main_grad | grad_partition | lora | qlora
 
     @property
     def total_bytes(self) -> int:
@@ -173,7 +173,8 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
         per_param = 0.0 if name == "loss_scale" else size / params
         label = name if name == "loss_scale" else ("adapter " if lora else "trained ") + name
         parts.append(StatePart(label, dtype, per_param, size, 1, False, formula.replace("{N}", str(trained))))
-    return ModelState(params, precision, optimizer, NO_PARALLEL, tuple(parts), "lora" if lora else recipe)
+    how = ("qlora" if quantized[0] else "lora") if lora else recipe
+    return ModelState(params, precision, optimizer, NO_PARALLEL, tuple(parts), how)
 
 
 @lru_cache(maxsize=1024)

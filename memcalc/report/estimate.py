@@ -16,7 +16,8 @@ RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed p
 HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 master)",
        "main_grad": "{p} weights, fp32 main_grad and master (Megatron-LM)",
        "grad_partition": "{p} mixed precision with an fp32 gradient partition (DeepSpeed ZeRO)",
-       "lora": "LoRA: a frozen {p} base, fp32 adapters"}
+       "lora": "LoRA: a frozen {p} base, fp32 adapters",
+       "qlora": "QLoRA: a frozen nf4 base computing in {p}, fp32 adapters"}
 
 
 def recipe_text(precision: str, recipe: str = "master") -> str:

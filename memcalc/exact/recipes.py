@@ -48,7 +48,18 @@ def recipe_for(g: Graph, m: Model) -> Recipe | TorchRecipe:
 
 
 def recipe_note(cfg: Config) -> str:
-    """What the simulated optimizer step is, in a line."""
+    """What the simulated step trains and its optimizer step are, in a line."""
+    ft = cfg.finetune
+    if ft.lora:  # PEFT's adapters over a base loaded in the trick set's dtype (memcalc.exact.hf_lora)
+        base = "an nf4 base (bitsandbytes, double quantisation)" if ft.quantize else f"a {cfg.precision} base"
+        cast = " under torch.autocast" if cfg.recipe == "autocast" and cfg.precision != "fp32" else ""
+        return f"PEFT's LoRA r={ft.lora_rank} over {base}{cast}; {optimizer_note(cfg, 'fp32', '')} over the adapters alone"
+    frozen = f"; {ft.label}: no grads or optimizer state for them" if not ft.trains_all else ""
+    return training_note(cfg) + frozen
+
+
+def training_note(cfg: Config) -> str:
+    """What the simulated optimizer step is when every weight (or all but the frozen ones) trains."""
     if cfg.recipe == "autocast" and cfg.precision != "fp32":
         scaler = ", GradScaler" if cfg.precision == "fp16" else ""
         return (f"torch.autocast over fp32 weights ({cfg.device.upper()}'s lists; weight casts cached through "

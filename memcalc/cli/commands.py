@@ -153,7 +153,8 @@ def plan(
     no_offload: NoOffload = False, without: Without = None,
     host_memory: HostMemory = "2T", stack: StackOpt = None, no_cache: NoCache = False, detail: Detail = False,
     exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb", lora: Lora = None,
-    lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None, freeze: Freeze = None,
+    lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None,
+    freeze: Freeze = None,
 ) -> None:  # fmt: skip
     """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
     try:
@@ -206,8 +207,8 @@ def fit(
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, no_cache: NoCache = False, gpu: GpuOpt = "h100-sxm", detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
-    units: Units = "gb", lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None,
-    freeze: Freeze = None,
+    units: Units = "gb", lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
+    quantize: Quantize = None, freeze: Freeze = None,
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
     try:
@@ -289,7 +290,8 @@ def verify(
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
     stack: StackOpt = None, recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, no_cache: NoCache = False,
     lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None,
-    freeze: Freeze = None, optimizer: Optimizer = "adamw", matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
+    freeze: Freeze = None,
+    optimizer: Optimizer = "adamw", matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta.", metavar="DEV", show_default="cuda when present, else meta")] = None,
     tol: Annotated[Optional[str], typer.Option("--tol", help="Relative tolerance per row.", metavar="X", show_default="0.03 on cuda, 0.001 on meta")] = None,

@@ -68,7 +68,8 @@ MAX_TRACES = 512
 
 
 @lru_cache(maxsize=1024)
-def traced_blocks(shape: ModelShape, tricks: Tricks = Tricks(), finetune: Finetune = FULL) -> tuple[ModelShape, dict[int, int]]:
+def traced_blocks(shape: ModelShape, tricks: Tricks = Tricks(),
+                  finetune: Finetune = FULL) -> tuple[ModelShape, dict[int, int]]:  # fmt: skip
     """The shape whose step is traced, and how many of the model's blocks each traced block stands for: those
     of its kind (every block of a kind runs the same kernels; routing and RoPE tables are made outside the
     blocks). A kind is a block's MLP, dense or MoE, and with ckpt:N whether it is checkpointed: one block

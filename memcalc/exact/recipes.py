@@ -53,7 +53,8 @@ def recipe_note(cfg: Config) -> str:
     if ft.lora:  # PEFT's adapters over a base loaded in the trick set's dtype (memcalc.exact.hf_lora)
         base = "an nf4 base (bitsandbytes, double quantisation)" if ft.quantize else f"a {cfg.precision} base"
         cast = " under torch.autocast" if cfg.recipe == "autocast" and cfg.precision != "fp32" else ""
-        return f"PEFT's LoRA r={ft.lora_rank} over {base}{cast}; {optimizer_note(cfg, 'fp32', '')} over the adapters alone"
+        optimizer = optimizer_note(cfg, "fp32", "")
+        return f"PEFT's LoRA r={ft.lora_rank} over {base}{cast}; {optimizer} over the adapters alone"
     frozen = f"; {ft.label}: no grads or optimizer state for them" if not ft.trains_all else ""
     return training_note(cfg) + frozen
 

@@ -186,3 +186,13 @@ def test_verify_with_lora(extra):
             "--ffn", "512", "--vocab", "512", "--seq", "64", "--stack", "hf", "--lora", "8", "--device", "meta"]
     r = CliRunner().invoke(app, args + extra)
     assert r.exit_code == 0 and "Pass: all" in r.output, r.output
+
+
+def test_a_model_without_4bit_layers_holds_no_quantisation_state():
+    """After a QLoRA model was built on meta (bitsandbytes' shared dynamic map made there), another model's
+    measured weights are its parameters and buffers alone."""
+    pytest.importorskip("bitsandbytes")
+    from verify.lora import held_tensors
+
+    build_hf(TINY["llama"], parse_tricks("bf16"), 24, finetune=QLORA)
+    assert held_tensors(build_hf(TINY["llama"], parse_tricks("bf16"), 24)) == []

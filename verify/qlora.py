@@ -64,8 +64,7 @@ def quant_tensors(model: nn.Module) -> list[torch.Tensor]:
     though they are neither parameters nor buffers."""
     from bitsandbytes.functional import name2qmap
 
-    device = next(model.parameters()).device
-    out = [t for t in name2qmap.values() if t.device == device]
+    out = []
     for module in model.modules():
         state = getattr(getattr(module, "weight", None), "quant_state", None)
         if state is None:
@@ -73,7 +72,10 @@ def quant_tensors(model: nn.Module) -> list[torch.Tensor]:
         out += [state.absmax, state.code, state.offset]
         if state.state2 is not None:
             out += [state.state2.absmax, state.state2.code]
-    return out
+    if not out:  # no 4-bit layer: the map, made for another model, is not this one's
+        return out
+    device = next(model.parameters()).device
+    return out + [t for t in name2qmap.values() if t.device == device]
 
 
 def dequant_linear(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,

@@ -33,7 +33,7 @@ from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build, materialise
 from .meta import StepBytes, kernels_for, measure_step, meta_kernels
-from .recipes import DTYPES, AdamW, adamw_, bitsandbytes, library_optimizer
+from .recipes import DTYPES, AdamW, adamw_, bitsandbytes, library_optimizer, trained
 from .track import LiveBytes
 
 
@@ -72,7 +72,7 @@ class AutocastRecipe:
 
     def __init__(self, model: torch.nn.Module, precision: str, device_type: str, optimizer=None):
         self.model, self.precision, self.device_type = model, precision, device_type
-        self.optimizer = optimizer if optimizer is not None else ReferenceAdamW(model.parameters())
+        self.optimizer = optimizer if optimizer is not None else ReferenceAdamW(trained(model))
         self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
         self.skipped = 0
 
@@ -142,13 +142,14 @@ def measure_autocast(shape: ModelShape, seq_len: int, micro_batch: int, tricks: 
     if stack.model == "hf":
         from .hf import build_hf
 
-        model = build_hf(shape, tricks, seq_len, device=device, autocast=device, use_cache=stack.use_cache)
+        model = build_hf(shape, tricks, seq_len, device=device, autocast=device, use_cache=stack.use_cache,
+                         finetune=stack.finetune)  # fmt: skip
     else:
         model = materialise(build(shape, kernels, seq_len, torch.float32), device)
     made = []
 
     def recipe_for(m, precision):
-        params = list(m.parameters())
+        params = trained(m)
         opt = None if stack.impl == "reference" else library_optimizer(params, optimizer, stack.impl)
         made.append(AutocastRecipe(m, precision, device, opt))
         return made[0]
@@ -187,13 +188,14 @@ class Reduced:
 
 def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack, optimizer: str,
            budget: int = CPU_BUDGET) -> Reduced:  # fmt: skip
-    """The reduced step: at most 2 layers (ckpt:N: N + 1, one checkpointed and one not), seq at most 64,
+    """The reduced step: at most 2 layers (ckpt:N: N + 1, one checkpointed and one not; frozen blocks: those
+    that run otherwise and one more), seq at most 64,
     micro-batch at most 2, vocabulary at most 1024 (a learned position table as long as the sequence),
     dropout 0 with flash (CPU's flash kernel has none); then heads halved (hidden, KV heads while more
     than one, and the MLP with them; head_dim kept) until the CPU replay's step peak is within budget."""
     from memcalc.exact.mirror import simulate
 
-    layers = min(shape.n_layers, tricks.ckpt_every + 1 if tricks.mixed else 2)
+    layers = min(shape.n_layers, max(tricks.ckpt_every + 1 if tricks.mixed else 2, stack.finetune.lead_blocks + 1))
     seq, batch = min(seq_len, MAX_CPU_SEQ), min(micro_batch, MAX_CPU_BATCH)
     small = replace(shape, n_layers=layers, vocab=min(shape.vocab, MAX_CPU_VOCAB))
     if small.positions == "learned":
@@ -203,7 +205,8 @@ def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, st
 
     def peak(s: ModelShape) -> int:
         cfg = Config(s, seq, batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, stack.model,
-                     stack.recipe, stack.impl, stack.use_cache, device="cpu", ckpt_every=tricks.ckpt_every, fp8=tricks.fp8)  # fmt: skip
+                     stack.recipe, stack.impl, stack.use_cache, device="cpu", ckpt_every=tricks.ckpt_every, fp8=tricks.fp8,
+                     finetune=stack.finetune)  # fmt: skip
         return simulate(cfg, warm_up=False)[0].step_peak_bytes
 
     while peak(small) > budget and small.n_heads > 1 and small.hidden % 2 == 0 and small.ffn % 2 == 0:
@@ -262,7 +265,7 @@ def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, tex
     stack, small = setup.stack, replace(setup, seq_len=red.seq_len, micro_batch=red.micro_batch)
     cfg = Config(red.shape, red.seq_len, red.micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1,
                  setup.optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache, device="cpu", ckpt_every=tricks.ckpt_every,
-                 fp8=tricks.fp8)
+                 fp8=tricks.fp8, finetune=stack.finetune)
     progress(f"cpu: the step at reduced size ({red.shape.n_layers} layers, seq {red.seq_len})")
     ph, g, mem = simulate(cfg, timeline=timeline)
     step, live, recipe = measure_cpu(red.shape, red.seq_len, red.micro_batch, tricks, stack=stack,

@@ -39,10 +39,12 @@ from torch.utils.checkpoint import checkpoint
 from memcalc.errors import InputError
 from memcalc.exact.hf import arch_for
 from memcalc.exact.hf_gemma import flash_refused, gemma_layer_types, gemma_window
+from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape, check_positions
 from memcalc.model.tricks import Tricks
 
+from .lora import fine_tuned
 from .recipes import DTYPES
 
 FLASH = "memcalc_sdpa"  # the flash path of "sdpa" (a name with "flash" in it asks the hub for a kernel)
@@ -352,13 +354,15 @@ def convert_to_fp32(data):
 
 
 def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
-             device: str = "meta", autocast: str | None = None, use_cache: bool = False) -> TrainerModel:  # fmt: skip
+             device: str = "meta", autocast: str | None = None, use_cache: bool = False,
+             finetune: Finetune = FULL) -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
     which the issue names, is its deprecated alias in Transformers 5). autocast (a device type): the
     weights in fp32, the forward under torch.autocast in the trick set's 16-bit dtype, as the Trainer
-    runs a model loaded in fp32 with bf16=True or fp16=True."""
+    runs a model loaded in fp32 with bf16=True or fp16=True. finetune: LoRA by PEFT over a base loaded in the trick
+    set's dtype (under autocast too, as LoRA scripts load it), or weights frozen (verify/lora.py)."""
     tf = transformers()
     check_positions(shape, seq_len)
     register_attention()
@@ -366,7 +370,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     if tricks.flash and flash_refused(config.model_type):  # as memcalc.exact.hf_gemma refuses it
         raise InputError(flash_refused(config.model_type))
     amp = autocast is not None and tricks.precision != "fp32"
-    dtype = torch.float32 if amp else DTYPES[tricks.precision]
+    dtype = torch.float32 if amp and not finetune.lora else DTYPES[tricks.precision]
     with torch.device(device):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                     attn_implementation=attention_for(tricks, device))  # fmt: skip
@@ -377,6 +381,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     if count != n_params(shape):  # the architecture was picked to build exactly this shape
         raise InputError(f"Transformers' {config.model_type} has {count:,} parameters, memcalc's shape "
                          f"{n_params(shape):,}")  # fmt: skip
+    model = fine_tuned(model, finetune, shape.tied_embeddings)
     return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None)
 
 

@@ -33,6 +33,7 @@ from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build
+from .lora import held_tensors, meta_paths
 from .recipes import DTYPES, Recipe, TorchRecipe, recipe_for
 from .track import LiveBytes, SavedBytes
 
@@ -44,17 +45,21 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
     if stack.model == "hf":
         from .hf import build_hf
 
-        return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache)
+        return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache, finetune=stack.finetune)
     return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
 
 
-def paths_for(stack: Stack):
-    """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths)."""
-    if stack.model == "hf":
-        from .hf import cuda_paths
+@contextlib.contextmanager
+def paths_for(stack: Stack, device: str = "meta"):
+    """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths; on meta
+    a QLoRA model's 4-bit matmuls as CUDA's, verify/lora.py meta_paths)."""
+    if stack.model != "hf":
+        yield
+        return
+    from .hf import cuda_paths
 
-        return cuda_paths()
-    return contextlib.nullcontext()
+    with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext():
+        yield
 
 
 def kernels_for(tricks: Tricks, attention: str, dropout: str) -> Kernels:
@@ -118,11 +123,11 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         else:
             model = build_model(shape, seq_len, tricks, stack, device)
     idx, targets = inputs_for(shape, seq_len, micro_batch, device)
-    fixed = list(model.parameters()) + list(model.buffers())
+    fixed = list(model.parameters()) + list(model.buffers()) + held_tensors(model)
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     saved = SavedBytes(fixed + [idx, targets], live)
     flops = StepFlops() if device == "meta" else None  # on real tensors, what it decomposes would run decomposed
-    with paths_for(stack), live:
+    with paths_for(stack, device), live:
         live.track(fixed, "weights")
         weights = live.live_bytes
         live.track([idx, targets], "input")
@@ -279,7 +284,7 @@ def measure_meta(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     start = time.perf_counter()
     progress(f"meta: the step at {shape.n_layers} layers")
     step, live = measure_step(shape, seq_len, micro_batch, tricks, timeline=timeline, stack=stack, optimizer=optimizer)
-    L, grown = shape.n_layers, growth(tricks, shape)
+    L, grown = shape.n_layers, growth(tricks, shape, first=stack.finetune.lead_blocks)
     run = as_run(tricks, L)  # ckpt:N over fewer than N blocks checkpoints none: nor do the builds beside it
     n_ckpt = run.n_checkpointed(L) if run.mixed else 0
 

@@ -54,12 +54,18 @@ def adamw_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s
     w.addcdiv_(m, denom, value=-hp.lr / bias1)
 
 
+def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the optimizer is given: the parameters that require grad (the Trainer's create_optimizer takes
+    those alone: trainer.py get_decay_parameter_names ... if p.requires_grad), every one but frozen weights."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 class Recipe:
     """A model and its optimizer state for one precision; step() = forward, backward, update."""
 
     def __init__(self, model: torch.nn.Module, precision: str, hp: AdamW = AdamW()):
         self.model, self.precision, self.hp = model, precision, hp
-        self.params = list(model.parameters())
+        self.params = trained(model)
         device = self.params[0].device
         with torch.no_grad():  # fp32 master weights for the 16-bit recipes, made once
             self.masters = self.params if precision == "fp32" else [p.detach().float() for p in self.params]
@@ -192,7 +198,7 @@ class TorchRecipe:
 
     def __init__(self, model: torch.nn.Module, precision: str, optimizer: str = "adamw", impl: str = "foreach"):
         self.model, self.precision = model, precision
-        self.params = list(model.parameters())
+        self.params = trained(model)
         self.optimizer = library_optimizer(self.params, optimizer, impl)
         self.on_meta = impl == "fused" and self.params[0].device.type == "meta"
         self.skipped = 0  # no loss scaler: no step is ever skipped

@@ -14,8 +14,7 @@ import torch
 from memcalc.errors import InputError
 from memcalc.exact.step import ExactStep, exact_step
 from memcalc.memory.activations import logits_memory, textbook_activations
-from memcalc.memory.estimate import Setup
-from memcalc.memory.state import model_state
+from memcalc.memory.estimate import Setup, state_for
 from memcalc.model.flops import textbook_step_flops
 from memcalc.model.gpus import GPU, GPUS
 from memcalc.model.params import n_params
@@ -127,16 +126,16 @@ def attention_name(tricks: Tricks, device: str, ops: tuple[str, ...] = (), stack
 
 def textbook(shape: ModelShape, setup: Setup, tricks: Tricks) -> dict[str, int | None]:
     """memcalc estimate's numbers for the model as built; None where the textbook has no formula (sac)."""
-    state = model_state(n_params(shape), tricks.precision, setup.optimizer, recipe=setup.stack.recipe)
-    parts = {p.name: p.bytes for p in state.parts}
+    state = state_for(shape, n_params(shape), setup, tricks.precision)[0]  # one GPU's (verify's setup)
+    weights, grads = (sum(p.bytes for p in state.parts if p.name.endswith(what)) for what in ("weights", "grads"))
     acts = textbook_activations(shape, setup.seq_len, setup.micro_batch, tricks)
     logits = logits_memory(shape, setup.seq_len, setup.micro_batch, tricks.precision).total_bytes
     flops = textbook_step_flops(shape, setup.seq_len, tricks)
     known = acts.formula
     return {
-        "weights": parts["weights"],
-        "state": state.total_bytes - parts["grads"],
-        "grads": parts["grads"],
+        "weights": weights,
+        "state": state.total_bytes - grads,
+        "grads": grads,
         "layer": acts.per_layer_bytes if known else None,
         "checkpointed": acts.checkpointed_bytes,
         "outside": logits,
@@ -179,15 +178,16 @@ def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progr
     e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer)
     tb, s, ph, a, L = textbook(shape, setup, tricks), m.step, e.phases, e.activations, shape.n_layers
     where = {"forward": s.forward_peak_at, "backward": s.backward_peak_at, "optimizer": s.optimizer_peak_at}
-    first = m.first_blocks  # dense blocks before MoE ones: one MoE layer, and the first blocks counted outside
-    outside = f"outside the MoE layers (and the first {first} blocks)" if first else "outside the layers"
+    first = m.first_blocks  # dense blocks before MoE ones (or fine-tuning's first blocks, frozen or with an input
+    later = " MoE" if shape.n_experts else " later"  # needing no grad): one layer past them; they count outside
+    outside = f"outside the{later} layers (and the first {first} blocks)" if first else "outside the layers"
     plain, n = L - first - m.n_checkpointed, m.n_checkpointed
     rows = [
         Row("weights and buffers", "bytes", tb["weights"], ph.weights_bytes, s.weights_bytes, tol),
         Row("model state between steps (weights, master, AdamW m and v)", "bytes", tb["state"], ph.state_bytes,
             s.state_bytes, tol),
         Row("gradients after backward", "bytes", tb["grads"], ph.grads_bytes, s.grads_bytes, tol),
-    ] + layer_rows(m, a, tb, tol) + [
+    ] + layer_rows(m, a, tb, tol, later) + [
         Row(f"saved for backward, {outside}", "bytes", None if first else tb["outside"], a.outside_bytes,
             m.saved_outside_bytes, tol, "textbook: the logits and their fp32 copy"),
         Row(f"saved for backward, all {L} layers", "bytes", tb["saved"], a.total_bytes, s.saved_bytes, tol,
@@ -230,14 +230,15 @@ def textbook_gaps(tricks: Tricks) -> tuple[str, ...]:
     return ()
 
 
-def layer_rows(m, a, tb: dict, tol: float) -> list[Row]:
+def layer_rows(m, a, tb: dict, tol: float, later: str = " MoE") -> list[Row]:
     """Saved for backward by one layer: from depths 1 and 2; with ckpt:N one layer of each kind, from
     depths N − 1, N and N + 1; with dense blocks before MoE ones, a MoE layer (of each kind) past the
-    blocks exact counts outside, where the textbook has no row of its own. sac saves the outputs its
+    blocks exact counts outside (later: " MoE", or " later" past fine-tuning's first blocks), where the textbook
+    has no row of its own. sac saves the outputs its
     policy keeps (counted as saved: they are kept for backward), and the textbook has no formula for it."""
     none = "; textbook: no formula for sac" if tb["layer"] is None else ""
     first = m.first_blocks
-    kind, tb_layer, tb_ckpt = (" MoE", None, None) if first else ("", tb["layer"], tb["checkpointed"])
+    kind, tb_layer, tb_ckpt = (later, None, None) if first else ("", tb["layer"], tb["checkpointed"])
     p, c = m.plain_depth, m.checkpointed_depth
     if m.saved_checkpointed_layer_bytes is None:
         return [Row(f"saved for backward, one{kind} layer", "bytes", tb_layer, a.per_layer_bytes,

@@ -142,16 +142,20 @@ class SavedBytes:
     def __init__(self, exclude: Iterable[torch.Tensor], live: LiveBytes | None = None):
         self.excluded = {storage_key(t) for t in exclude if t is not None}
         self.live = live
-        self.saved: dict[int, Saved] = {}
-        self._held: list[torch.UntypedStorage] = []
+        self.saved: dict[int, Saved] = {}  # one entry per storage saved, in order
+        self.alive: dict[int, int] = {}  # storage key -> its entry, while the storage lives
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Count a saved storage once; one freed during forward (saved by a node nothing needs, such as a
+        checkpoint's _NoopSaveInputs in a frozen block) is let go, and a later storage at its key is new."""
         storage = t.untyped_storage()
         key = storage._cdata
-        if key not in self.excluded and key not in self.saved:
+        if key not in self.excluded and key not in self.alive:
             op = self.live.creators.get(key, "?") if self.live is not None else "?"
-            self.saved[key] = Saved(storage.nbytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape), op)
-            self._held.append(storage)
+            self.alive[key] = len(self.saved)
+            self.saved[len(self.saved)] = Saved(storage.nbytes(), str(t.dtype).removeprefix("torch."),
+                                                tuple(t.shape), op)  # fmt: skip
+            weakref.finalize(storage, self.alive.pop, key, None)
         return t
 
     def keep(self, tensors) -> None:
@@ -164,8 +168,8 @@ class SavedBytes:
         return saved_tensors_hooks(self.pack, lambda t: t)
 
     def release(self) -> None:
-        """Drop the storages held during forward (call once forward is over)."""
-        self._held.clear()
+        """Forget this forward's storages (call once forward is over): a later forward's are counted anew."""
+        self.alive.clear()
 
     @property
     def total_bytes(self) -> int:

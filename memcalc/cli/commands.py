@@ -19,10 +19,11 @@ from .serve import serve
 from .inputs import (build_layout, build_routing, build_setup, check_format, parse_fraction, parse_positive,
                      parse_run, render_units, resolve_gpu, roofline_calibration)  # fmt: skip
 from .options import (Calibration, CapacityFactor, Config, Cp, DataParallelGpus, Detail, Dp, Ep, EstimateMfu,
-                      Etp, ExactBytes, ExpertImbalance, Ffn, Format, GpuMemory, GpuOpt, Gpus, GpusPerNode, GradAccum,
-                      Heads, HeadroomOpt, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, MicroBatch, ModelName,
-                      NoOffload, Offload, NoCache, OffloadParams, Optimizer, Params, Pp, PpLayers, RecipeOpt, Reshard,
-                      Seq, Sp, StackOpt, Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
+                      Etp, ExactBytes, ExpertImbalance, Ffn, Format, Freeze, GpuMemory, GpuOpt, Gpus, GpusPerNode,
+                      GradAccum, Heads, HeadroomOpt, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, Lora,
+                      LoraDropout, LoraTargets, MicroBatch, ModelName, NoOffload, Offload, NoCache, OffloadParams,
+                      Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp, TricksOpt,
+                      Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
 
@@ -77,9 +78,11 @@ def estimate(
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = None, micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
     optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
-    host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
+    host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, no_cache: NoCache = False, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     ep: Ep = None, etp: Etp = None,
+    lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None,
+    freeze: Freeze = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     pp_layers: PpLayers = None, reshard: Reshard = None,
     gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,
@@ -131,7 +134,8 @@ def estimate(
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
-                            stack, recipe, optimizer_impl, routing, no_cache)  # fmt: skip
+                            stack, recipe, optimizer_impl, routing, no_cache,
+                            (lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
         layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node,
                               pp_layers, reshard, ep, etp)  # fmt: skip
         if tricks is None and layout.cp > 1:  # the progression drops the sets context parallel cannot run
@@ -161,19 +165,20 @@ def plan(
     mfu: EstimateMfu = None, calibration: Calibration = None,
     top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
     no_offload: NoOffload = False, without: Without = None,
-    host_memory: HostMemory = "2T", stack: StackOpt = "reference", no_cache: NoCache = False, detail: Detail = False,
-    exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
+    host_memory: HostMemory = "2T", stack: StackOpt = None, no_cache: NoCache = False, detail: Detail = False,
+    exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb", lora: Lora = None,
+    lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None,
+    freeze: Freeze = None,
 ) -> None:  # fmt: skip
     """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
     try:
         from memcalc.memory.estimate import MAX_HOST_BYTES
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
-        from memcalc.model.stacks import stack_for
         from memcalc.model.tricks import check_layer_uniform, layout_counts, parse_tricks
         from memcalc.parallel.plan import plan as run_plan
 
-        from .inputs import resolve_model, seq_for
+        from .inputs import finetune_stack, resolve_model, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
@@ -193,7 +198,8 @@ def plan(
             tricks=t, optimizer=optimizer.strip().lower(), timing=timing,
             top=parse_count(top, "top", 1000), offload=not no_offload,
             recomputes=(t.recompute,) if named else ("none", "selective", "full"),
-            host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES), stack=stack_for(stack, no_cache=no_cache),
+            host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
+            stack=finetune_stack(stack, None, None, no_cache, (lora, lora_targets, lora_dropout, quantize, freeze)),
             without=tuple(w.strip().lower() for w in (without or "").split(",") if w.strip()),
         )  # fmt: skip
     except InputError as e:
@@ -212,10 +218,11 @@ def fit(
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
-    host_memory: HostMemory = "2T", stack: StackOpt = "reference", recipe: RecipeOpt = None,
+    host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, no_cache: NoCache = False, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
     headroom: HeadroomOpt = None, detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
-    units: Units = "gb",
+    units: Units = "gb", lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
+    quantize: Quantize = None, freeze: Freeze = None,
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
     try:
@@ -228,7 +235,8 @@ def fit(
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
-                            optimizer_impl, no_cache=no_cache)  # fmt: skip
+                            optimizer_impl, no_cache=no_cache,
+                            finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
         layout = build_layout(gpus, zero=zero, offload=offload)  # data parallel: fit solves one GPU of it
         limits = fit_limits(the_model, setup, resolve_gpu(gpu, gpu_memory, headroom), parse_tricks(tricks), layout)
     except InputError as e:
@@ -297,7 +305,9 @@ def verify(
     hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None, ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = None, micro_batch: MicroBatch = "1",
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
-    stack: StackOpt = "reference", recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, no_cache: NoCache = False,
+    stack: StackOpt = None, recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, no_cache: NoCache = False,
+    lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None,
+    freeze: Freeze = None,
     optimizer: Optimizer = "adamw", matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta.", metavar="DEV", show_default="cuda when present, else meta")] = None,
@@ -332,7 +342,8 @@ def verify(
             if shape_given or step is None else None  # fmt: skip
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         setup = build_setup(seq, micro_batch, "1", optimizer, "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl,
-                            no_cache=no_cache)  # fmt: skip
+                            no_cache=no_cache,
+                            finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
         the_tricks = parse_tricks(tricks)
         n_steps = parse_count(steps, "steps", 1000)
         tolerance = None if tol is None else parse_fraction(tol, "tol")

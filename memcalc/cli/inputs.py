@@ -129,12 +129,11 @@ def build_routing(model, capacity_factor: str | None, imbalance: str | None):
 
 
 def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T",
-                stack="reference", recipe=None, impl=None, routing=None, no_cache=False):  # fmt: skip
+                stack=None, recipe=None, impl=None, routing=None, no_cache=False, finetune=None):  # fmt: skip
     from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
     from memcalc.model.moe import BALANCED
     from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
     from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
-    from memcalc.model.stacks import stack_for
 
     if optimizer.strip().lower() not in OPTIMIZERS:
         raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
@@ -148,9 +147,28 @@ def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mf
         parallel=Parallel(parse_count(gpus, "gpus", MAX_GPUS), int(zero), offload),
         mfu=parse_fraction(mfu, "mfu"),
         host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
-        stack=stack_for(stack, recipe, impl, no_cache),
+        stack=finetune_stack(stack, recipe, impl, no_cache, finetune),
         routing=routing or BALANCED,
     )
+
+
+def finetune_stack(stack, recipe, impl, no_cache, finetune):
+    """--stack with --lora or --freeze (finetune: those options as given, memcalc.model.finetune.finetune_for):
+    PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
+    stack is refused; without them, reference is the default."""
+    from dataclasses import replace
+
+    from memcalc.model.finetune import finetune_for
+    from memcalc.model.stacks import stack_for
+
+    finetune = finetune_for(*(finetune or ()))
+    chosen = stack_for(stack or ("reference" if finetune.trains_all else "hf"), recipe, impl, no_cache)
+    if finetune.trains_all:
+        return chosen
+    if chosen.model != "hf":
+        raise InputError(f"{finetune.label}: PEFT's LoRA and frozen weights are replayed on Transformers' classes "
+                         f"(--stack hf), not --stack {chosen.key}")  # fmt: skip
+    return replace(chosen, finetune=finetune)
 
 
 def parse_positive(text: str, name: str, most: float = math.inf) -> float:

@@ -14,6 +14,8 @@ from memcalc.parallel.layout import Layout
 from memcalc.parallel.verdict import Verdict, gpu_verdict
 from memcalc.records import record
 
+from .job import check_finetune
+
 
 @record(slots=True)
 class FitLimits:
@@ -56,6 +58,7 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
     largest micro-batch at setup's sequence, each by the verdict estimate gives the same job."""
     check_positions(model.shape, setup.seq_len)
     check_precision(gpu, tricks.precision, tricks.fp8)
+    check_finetune(model, setup, layout)
 
     def memory(seq_len: int, micro_batch: int) -> Verdict:
         return gpu_verdict(model, replace(setup, seq_len=seq_len, micro_batch=micro_batch), gpu, tricks, layout)

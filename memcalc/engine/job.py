@@ -11,7 +11,7 @@ from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.shape import Model
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.parallel.layout import Layout
-from memcalc.parallel.verdict import ONE_GPU
+from memcalc.parallel.verdict import ONE_GPU, plain_data_parallel
 from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 
@@ -46,6 +46,7 @@ class Job:
             raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
         for t in self.trick_sets:
             check_precision(self.gpu, t.precision, t.fp8)
+        check_finetune(self.model, self.setup, self.layout)
 
     @property
     def data_parallel(self) -> bool:
@@ -63,6 +64,20 @@ def data_parallel(layout: Layout) -> bool:
     """Whether every GPU runs the whole model (no tensor, pipeline, context or expert parallel): the
     textbook's whole-model terms, the toolbox and sweeps apply."""
     return layout.tp == layout.pp == layout.cp == layout.ep == layout.etp == 1
+
+
+def check_finetune(model: Model, setup: Setup, lay: Layout) -> None:
+    """LoRA and frozen weights (memcalc.model.finetune) are replayed on one GPU, or each GPU of plain data
+    parallelism (every GPU holds the whole model and its adapters); sharded, split or offloaded, refused."""
+    ft = setup.stack.finetune
+    if ft.trains_all:
+        return
+    if not plain_data_parallel(lay):
+        raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of plain data parallelism (no ZeRO, "
+                         "offload, tensor, pipeline, context or expert parallel)")  # fmt: skip
+    if ft.frozen_blocks >= model.shape.n_layers:
+        raise InputError(f"--freeze {ft.frozen_blocks}: {model.shape.name or 'the model'} has "
+                         f"{model.shape.n_layers} blocks; leave one to train")  # fmt: skip
 
 
 def time_model(job: Job) -> Calibration | float:

@@ -27,6 +27,8 @@ from memcalc.parallel.verdict import Verdict, gpu_verdict
 from memcalc.records import record
 from memcalc.time.calibration import Calibration
 
+from .job import check_finetune
+
 MAX_ZERO_GPUS = 4096  # the ZeRO search tries 2, 4, ... up to this many data-parallel GPUs
 
 
@@ -155,12 +157,14 @@ def use_offload(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[st
 
 
 def runs(model: Model, c: Config) -> bool:
-    """Whether the stack's engine runs this layout of this model (memcalc.parallel.engines, layout)."""
+    """Whether the stack's engine runs this layout of this model (memcalc.parallel.engines, layout), and the
+    fine-tuning is replayed on it (LoRA and frozen weights: plain data parallelism, memcalc.engine.job)."""
     engine = c.setup.stack.engine
     try:
         layout = engine_layout(c.layout, engine)
         check_engine(layout, engine)
         check_layout(layout, model.shape, c.setup.seq_len, c.tricks, c.setup.grad_accum, engine)
+        check_finetune(model, c.setup, layout)
     except InputError:
         return False
     return True

@@ -65,6 +65,8 @@ class Backward:
                 self.mark(grads[0], "gradient", node.leaf.name)
             else:
                 self.accumulate(node.leaf)
+            if node.leaf.storage.kind == "activation":  # a tensor made a leaf (memcalc.exact.hf_lora.require_grad)
+                node.leaf.grad_fn = None  # holds its AccumulateGrad weakly: it dies with the graph, and its .grad
             return []
         rebuilt = any(isinstance(s, Slot) for s in node.saved)
         if rebuilt:  # a checkpointed node: rebuild its region at the first unpack

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 
@@ -110,6 +111,7 @@ class Config:
     # replays each, as a timeline (which records every allocation) and the test of the two need
     collapse: bool = True
     fp8: str = ""  # torchao float8 training of the blocks' linears (memcalc.exact.aten_float8): tensorwise | rowwise
+    finetune: Finetune = FULL  # which weights train: all, LoRA's adapters (memcalc.exact.hf_lora), all but some
     compile: bool = False  # trace() fuses the blocks' elementwise kernels as Inductor does (memcalc.exact.inductor)
 
     @property

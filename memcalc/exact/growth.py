@@ -62,12 +62,15 @@ class Growth:
         return min(self.short, self.n_layers) if self.dense else 0
 
 
-def growth(tricks: Tricks, shape: ModelShape, tail: int = 0) -> Growth | None:
+def growth(tricks: Tricks, shape: ModelShape, tail: int = 0, first: int = 0) -> Growth | None:
     """How the step grows (Growth); None for blocks in a pattern it does not grow (MoE every other
-    block, or dense blocks among MoE ones past the first: replayed whole). tail: end units that differ."""
+    block, or dense blocks among MoE ones past the first: replayed whole). tail: end units that differ;
+    first: blocks at the start that run otherwise (frozen ones: memcalc.model.finetune.Finetune.lead_blocks),
+    grown past as dense blocks before MoE ones are."""
     L, dense = shape.n_layers, dense_first(shape)
     if dense is None:
         return None
+    dense = min(max(dense, first), L)
     run = as_run(tricks, L)
     unit = run.ckpt_every if run.mixed else 1
     units, left = divmod(L, unit)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from memcalc.errors import InputError
 from memcalc.model.shape import ModelShape
 
-from . import aten, hf_cache
+from . import aten, hf_cache, hf_lora, hf_qlora
 from .aten_operands import made
 from .autocast import autocast_for
 from .config import Config
@@ -113,17 +113,27 @@ GPT2 = Family(gpt2_params, lambda s: [], gpt2_model, "transformer.wte.weight")
 
 
 def build(g: Graph, cfg: Config) -> HFModel:
-    """The parameters in model.parameters() order, in the model's dtype (fp32 under autocast), and the
-    rotary embeddings' fp32 buffers (LlamaRotaryEmbedding.__init__: inv_freq and original_inv_freq)."""
+    """The parameters in model.parameters() order, in the model's dtype (fp32 under autocast; a LoRA model's as
+    memcalc.exact.hf_lora loads it), and the rotary embeddings' fp32 buffers (LlamaRotaryEmbedding.__init__:
+    inv_freq and original_inv_freq). HFModel.params: those that train."""
     arch = arch_for(cfg.shape)
     family = families().get(arch)
     if family is None:
         raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(families())}")
-    params = [g.param(shape, cfg.weights_dtype, name) for name, shape in family.params(cfg.shape)]
+    hf_lora.check(cfg.finetune, arch, cfg.model)
+    quant, params = {}, []
+    for name, shape in hf_lora.with_adapters(family.params(cfg.shape), cfg.finetune):
+        if hf_qlora.quantized(name, cfg.finetune.quantize):  # QLoRA's 4-bit projections
+            quant[name.removesuffix(".weight")] = hf_qlora.quantize(g, name, shape)
+            params.append(quant[name.removesuffix(".weight")].data)
+        else:
+            params.append(hf_lora.parameter(g, cfg, name, shape))
+    shared = [hf_qlora.dynamic_map(g)] if quant else []  # the nested quantisation's code, made once
     rope = [g.empty(b[1], cfg.weights_dtype if b[2:] == ("weights",) else "fp32", "buffer " + b[0], kind="buffer")
             for b in family.buffers(cfg.shape)]  # (name, shape), fp32, or (name, shape, "weights"): the model's dtype
     autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
-    return HFModel(cfg, arch, {p.name: p for p in params}, rope, params, autocast)
+    trained = [p for p in params if p.requires_grad]  # what the optimizer holds: all but frozen weights
+    return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast, quant=quant, held=shared)
 
 
 def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:

@@ -24,9 +24,11 @@ class HFModel:
     arch: str
     p: dict[str, Tensor]  # the parameters by name
     rope: list[Tensor]  # model.buffers() in order: rotary tables fp32, Gemma's embed_scale in the model's dtype
-    params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
+    params: list[Tensor] = field(default_factory=list)  # those that train (all but frozen), in parameters() order
     autocast: Autocast | None = None  # the autocast recipe's: the forward Accelerate prepared runs under it
     cache: list[tuple[Tensor, Tensor]] | None = None  # the forward's DynamicCache: each layer's keys and values
+    quant: dict = field(default_factory=dict)  # QLoRA: each 4-bit projection's QuantWeight (memcalc.exact.hf_qlora)
+    held: list[Tensor] = field(default_factory=list)  # besides parameters and buffers: QLoRA's shared dynamic map
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from . import aten, hf_cache
 from .aten_operands import made
 from .builder_layers import transpose12
 from .hf_attention import arange_plus, attention_interface, decoder_mask, grad_copies
+from .hf_lora import lora_linear, require_grad
+from .hf_qlora import linear4bit, lora_linear4bit
 from .sim import Graph
 from .tensors import Tensor
 
@@ -44,6 +46,8 @@ def decoder_forward(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple, laye
     B, T = input_ids.shape
     with g.scoped("embedding"):
         inputs_embeds = aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids)
+        if cfg.recompute == "full":  # activation_checkpointing_enable's enable_input_require_grads hook
+            inputs_embeds = require_grad(g, inputs_embeds)
         hf_cache.construct(g, m)  # cache = DynamicCache(config=self.config)
         position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
     causal = decoder_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
@@ -129,7 +133,12 @@ def decoder_layer(g: Graph, m: HFModel, i: int, hidden_states: Tensor, causal, c
 
 
 def linear(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
-    """nn.Linear: F.linear with the module's weight (and bias)."""
+    """nn.Linear: F.linear with the module's weight (and bias); PEFT's LoRA Linear where it wraps the module;
+    bitsandbytes' Linear4bit where QLoRA quantised it."""
+    if name in m.quant:  # QLoRA's 4-bit base (memcalc.exact.hf_qlora), under LoRA or not
+        return (lora_linear4bit if name + ".lora_A.weight" in m.p else linear4bit)(g, m, name, x)
+    if name + ".lora_A.weight" in m.p:
+        return lora_linear(g, m, name, x)
     return aten.linear(g, x, m.p[name + ".weight"], m.p.get(name + ".bias"))
 
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from memcalc.errors import InputError
+from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.flops import StepFlops, model_per_token, textbook_step_flops
 from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
 from memcalc.model.shape import ModelShape
@@ -67,7 +68,8 @@ MAX_TRACES = 512
 
 
 @lru_cache(maxsize=1024)
-def traced_blocks(shape: ModelShape, tricks: Tricks = Tricks()) -> tuple[ModelShape, dict[int, int]]:
+def traced_blocks(shape: ModelShape, tricks: Tricks = Tricks(),
+                  finetune: Finetune = FULL) -> tuple[ModelShape, dict[int, int]]:  # fmt: skip
     """The shape whose step is traced, and how many of the model's blocks each traced block stands for: those
     of its kind (every block of a kind runs the same kernels; routing and RoPE tables are made outside the
     blocks). A kind is a block's MLP, dense or MoE, and with ckpt:N whether it is checkpointed: one block
@@ -75,6 +77,10 @@ def traced_blocks(shape: ModelShape, tricks: Tricks = Tricks()) -> tuple[ModelSh
     dense block then a MoE one (N of each with ckpt:N) when the model has both."""
     n = tricks.ckpt_every if tricks.mixed else 1
     moe, L = moe_layer_count(shape), shape.n_layers
+    if finetune.lead_blocks:  # one block of each fine-tuning kind: frozen, the first trained, the rest
+        traced = replace(shape, n_layers=len(set(finetune_kind(finetune, i) for i in range(L))))
+        count = Counter(finetune_kind(finetune, i) for i in range(L))
+        return traced, {t: count[kind] for kind, t in fine_representatives(finetune, traced.n_layers).items()}
     if not shape.n_experts:
         traced = replace(shape, n_layers=n)
     else:  # the pattern made plain: dense blocks first, then MoE ones
@@ -88,6 +94,27 @@ def traced_blocks(shape: ModelShape, tricks: Tricks = Tricks()) -> tuple[ModelSh
 def block_kind(shape: ModelShape, tricks: Tricks, i: int) -> tuple[bool, bool]:
     """Block i's kind: whether its MLP is a mixture of experts, whether it runs under checkpoint."""
     return is_moe_layer(shape, i), tricks.checkpointed(i)
+
+
+def finetune_kind(finetune: Finetune, i: int) -> str:
+    """Block i's kind under fine-tuning: frozen, the first trained one whose input needs no gradient (its ops
+    save and compute less: memcalc.model.finetune.Finetune.lead_blocks), or plain."""
+    if i < finetune.frozen_blocks:
+        return "frozen"
+    return "first" if i < finetune.lead_blocks else "plain"
+
+
+def traced_finetune(finetune: Finetune) -> Finetune:
+    """The fine-tuning of the traced blocks: one frozen block stands for all of them."""
+    return replace(finetune, frozen_blocks=min(finetune.frozen_blocks, 1))
+
+
+def fine_representatives(finetune: Finetune, traced_layers: int) -> dict[str, int]:
+    """The traced block of each fine-tuning kind."""
+    first: dict[str, int] = {}
+    for t in range(traced_layers):
+        first.setdefault(finetune_kind(traced_finetune(finetune), t), t)
+    return first
 
 
 def representatives(traced: ModelShape, tricks: Tricks) -> dict[tuple[bool, bool], int]:
@@ -107,7 +134,7 @@ def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     kernels less the recompute ones, in the same order (tests/test_roofline.py). The stack's own step
     (its model, autocast's casts, its optimizer's kernels) where the exact model replays it
     (traced_stack), else the reference stack's."""
-    one = traced_blocks(shape, tricks)[0]
+    one = traced_blocks(shape, tricks, stack.finetune)[0]
     key = (one, seq_len, micro_batch, tricks) + traced_stack(stack, optimizer, tricks, shape)
     if key not in TRACES:
         if len(TRACES) >= MAX_TRACES:
@@ -131,16 +158,20 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape
                          f"{reason}; use fp32 (eager attention) or bf16,flash")  # fmt: skip
     if reason:
         return ()
-    return (stack.model, stack.recipe, stack.impl, optimizer) + ((True,) if stack.use_cache else ())
+    tuned = () if stack.finetune.trains_all else (traced_finetune(stack.finetune),)
+    return (stack.model, stack.recipe, stack.impl, optimizer) + ((True,) if stack.use_cache else ()) + tuned
 
 
-def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | None = None) -> int:
+def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | None = None,
+                 finetune: Finetune = FULL) -> int:  # fmt: skip
     """How many of the step's n_layers blocks run a traced kernel like k: 1 outside the blocks; every
     block; or with ckpt:N, the traced group's last block's for the n_layers // N checkpointed blocks and
     its first block's for the others (with fewer than N blocks, none is checkpointed); with dense and MoE
     blocks (a shape given), those of its block's kind (traced_blocks)."""
     if k.layer is None:
         return 1
+    if finetune.lead_blocks:  # frozen blocks, the first trained, the rest: each kind's count (traced_blocks)
+        return traced_blocks(replace(shape, n_layers=n_layers), tricks, finetune)[1].get(k.layer, 0)
     if shape is not None and shape.n_experts:
         full = shape if shape.n_layers == n_layers else replace(shape, n_layers=n_layers)
         return traced_blocks(full, tricks)[1].get(k.layer, 0)
@@ -157,12 +188,13 @@ def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *sta
     def trace_fields() -> list:
         from .mirror import trace  # here, not at import: a cached trace never simulates
 
-        model, recipe, impl, optimizer, *cache = stack or (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
-                                                           DEFAULT_STACK.impl, "adamw")  # fmt: skip
+        model, recipe, impl, optimizer, *rest = stack or (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
+                                                          DEFAULT_STACK.impl, "adamw")  # fmt: skip
+        finetune = next((x for x in rest if isinstance(x, Finetune)), FULL)
         cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, model,
-                     recipe, impl, bool(cache), ckpt_every=tricks.ckpt_every, fp8=tricks.fp8,
+                     recipe, impl, True in rest, ckpt_every=tricks.ckpt_every, fp8=tricks.fp8, finetune=finetune,
                      compile=tricks.compile)  # fmt: skip
-        kept = (None, *representatives(one, tricks).values())  # one block of each kind: see traced_blocks
+        kept = (None, *representatives(one, tricks).values()) if finetune.trains_all else (None, *range(one.n_layers))
         return merged(k for k in trace(cfg) if k.layer in kept)
 
     key = (one, seq_len, micro_batch, tricks, *stack)

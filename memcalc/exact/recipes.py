@@ -11,11 +11,11 @@ from __future__ import annotations
 from memcalc.errors import InputError
 from memcalc.model.stacks import check_tricks, stack_for
 
-from . import aten
+from . import aten, hf_lora
 from .aten_operands import made
 from .builder import Model
 from .config import Config, not_replayed, shape_not_replayed
-from .hf import HFModel
+from .hf import HFModel, arch_for
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
 from .sim import Graph, layer_of, scope_of
 from .tensors import Tensor
@@ -34,6 +34,8 @@ def check_simulated(cfg: Config) -> None:
     if cfg.fp8 and cfg.shape.n_experts:
         raise InputError("fp8 with a mixture of experts is not replayed: torchtitan casts grouped experts with "
                          "torchao's MoE training, not Float8Linear")
+    if not cfg.finetune.trains_all:
+        hf_lora.check(cfg.finetune, arch_for(cfg.shape) if cfg.model == "hf" else "", cfg.model)
     if cfg.device not in ("cuda", "cpu"):
         raise InputError(f"the exact model does not replay device {cfg.device!r}; it replays cuda, cpu")
     if cfg.device == "cpu" and cfg.flash and cfg.shape.dropout > 0:
@@ -46,7 +48,19 @@ def recipe_for(g: Graph, m: Model) -> Recipe | TorchRecipe:
 
 
 def recipe_note(cfg: Config) -> str:
-    """What the simulated optimizer step is, in a line."""
+    """What the simulated step trains and its optimizer step are, in a line."""
+    ft = cfg.finetune
+    if ft.lora:  # PEFT's adapters over a base loaded in the trick set's dtype (memcalc.exact.hf_lora)
+        base = "an nf4 base (bitsandbytes, double quantisation)" if ft.quantize else f"a {cfg.precision} base"
+        cast = " under torch.autocast" if cfg.recipe == "autocast" and cfg.precision != "fp32" else ""
+        optimizer = optimizer_note(cfg, "fp32", "")
+        return f"PEFT's LoRA r={ft.lora_rank} over {base}{cast}; {optimizer} over the adapters alone"
+    frozen = f"; {ft.label}: no grads or optimizer state for them" if not ft.trains_all else ""
+    return training_note(cfg) + frozen
+
+
+def training_note(cfg: Config) -> str:
+    """What the simulated optimizer step is when every weight (or all but the frozen ones) trains."""
     if cfg.recipe == "autocast" and cfg.precision != "fp32":
         scaler = ", GradScaler" if cfg.precision == "fp16" else ""
         return (f"torch.autocast over fp32 weights ({cfg.device.upper()}'s lists; weight casts cached through "
@@ -75,10 +89,12 @@ class Recipe:
         self.params = m.params
         if self.precision == "fp32":
             self.masters = self.params
-        else:  # p.detach().float()
-            self.masters = [g.empty(p.shape, "fp32", "_to_copy", kind="state", copies=p.copies) for p in self.params]
+        else:  # p.detach().float(): an fp32 parameter (LoRA's adapters, memcalc.exact.hf_lora) is its own
+            self.masters = [p if p.dtype == "fp32" else g.empty(p.shape, "fp32", "_to_copy", kind="state",
+                                                                 copies=p.copies) for p in self.params]  # fmt: skip
             for p, w in zip(self.params, self.masters):
-                g.mark(w, "master", p.name)
+                if w is not p:
+                    g.mark(w, "master", p.name)
         self.m: list[Tensor | None] = [None] * len(self.params)
         self.v: list[Tensor | None] = [None] * len(self.params)
         self.scale = self.growth = None
@@ -120,7 +136,7 @@ class Recipe:
         for i, p in enumerate(g.each(self.params)):  # equal experts' tensors in turn: see Graph.each
             w = self.masters[i]
             g.layer, g.scope = layer_of(p.name), scope_of(p.name)
-            if self.precision == "fp32":
+            if self.precision == "fp32" or p.grad.dtype == "fp32":
                 grad = p.grad
             else:  # p.grad.float()
                 grad = g.empty(p.shape, "fp32", "_to_copy")

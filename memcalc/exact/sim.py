@@ -22,6 +22,7 @@ tensors stand for every copy (memcalc.exact.tensors.Region), their kernels are c
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -88,7 +89,7 @@ class Graph(Checkpointing, Backward):
         self.grad_enabled = True
         self._layer: int | None = None  # the block being run (see layer)
         self.saved_terms: list[SavedTerm] | None = None  # see record_saves()
-        self.saved_ids: set[int] = set()
+        self.saved_ids: dict[int, weakref.ref] = {}  # id of each storage noted -> the storage, while it lives
         self.scope = ""  # the part of the model running, for SavedTerm.scope
         self.frame: Frame | None = None  # the checkpoint region running forward
         self.rebuilding: Frame | None = None  # the region being recomputed in backward
@@ -257,13 +258,16 @@ class Graph(Checkpointing, Backward):
 
     def record_saves(self) -> None:
         """From now on, note every activation storage saved for backward, once per storage."""
-        self.saved_terms, self.saved_ids = [], set()
+        self.saved_terms, self.saved_ids = [], {}
 
     def note_saved(self, t: Tensor, op: str, what: str) -> None:
         self.mark(t, "saved", f"{op}: {what}")
-        if self.saved_terms is None or t.storage.kind != "activation" or id(t.storage) in self.saved_ids:
-            return  # (a saved storage stays alive through forward, so its id is not reused meanwhile)
-        self.saved_ids.add(id(t.storage))
+        if self.saved_terms is None or t.storage.kind != "activation":
+            return
+        noted = self.saved_ids.get(id(t.storage))
+        if noted is not None and noted() is t.storage:  # once per storage; one freed in forward (saved by a
+            return  # node nothing needs: a frozen block's checkpoint) may leave its id to a new one
+        self.saved_ids[id(t.storage)] = weakref.ref(t.storage)
         s = t.storage
         self.saved_terms.append(SavedTerm(op, what, s.nbytes // s.copies, t.dtype, t.shape, self.layer, self.scope,
                                           s.copies))  # fmt: skip

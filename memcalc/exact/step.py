@@ -101,7 +101,7 @@ def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gr
                     ffn=Sym(shape.ffn, "f"), vocab=Sym(shape.vocab, "v"))  # fmt: skip
     return Config(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks.precision, tricks.flash, tricks.recompute,
                   grad_accum, optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache, ckpt_every=tricks.ckpt_every,
-                  fp8=tricks.fp8, device=device)  # fmt: skip
+                  fp8=tricks.fp8, device=device, finetune=stack.finetune)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,8 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     from .mirror import simulate  # here, not at import: a cached verdict never simulates (memcalc.exact.cache)
     from .recipes import recipe_note
 
-    L, run, grown = shape.n_layers, as_run(tricks, shape.n_layers), growth(tricks, shape)
+    L, run = shape.n_layers, as_run(tricks, shape.n_layers)
+    grown = growth(tricks, shape, first=stack.finetune.lead_blocks)
 
     def at(layers: int):
         cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, run, grad_accum, stack, optimizer, device)
@@ -333,14 +334,14 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     if sharding is not None and sharding.trivial:
         sharding = None  # a rank that holds what one GPU holds: one GPU's step, and its cache entry
     tail = 1 if sharding is not None and sharding.zero == 3 else 0  # the last block prefetches the head
-    run, grown = as_run(tricks, shape.n_layers), growth(tricks, shape, tail)
+    run, grown = as_run(tricks, shape.n_layers), growth(tricks, shape, tail, stack.finetune.lead_blocks)
 
     def at(layers: int):
         from .mirror import simulate  # here, not at import: a cached verdict never simulates
 
         cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, run.precision, run.flash,
                      run.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache,
-                     ckpt_every=run.ckpt_every, fp8=run.fp8)  # fmt: skip
+                     ckpt_every=run.ckpt_every, fp8=run.fp8, finetune=stack.finetune)  # fmt: skip
         phases, _, mem = simulate(cfg, warm_up=False, sharding=sharding)
         return phases, mem
 

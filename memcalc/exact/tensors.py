@@ -144,7 +144,7 @@ class Region:
 
 
 class Storage:
-    __slots__ = ("mem", "nbytes", "op", "kind", "copies")
+    __slots__ = ("mem", "nbytes", "op", "kind", "copies", "__weakref__")
 
     # kind: activation | param | buffer | input | state | cached (an activation a selective checkpoint keeps)
     # nbytes: all its copies' bytes (see Region)

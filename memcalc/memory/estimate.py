@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from memcalc.errors import InputError
 from memcalc.exact.kernels import recompute_first, step_flops
+from memcalc.model.finetune import frozen_params, quantized_weights, trained_params
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import usable_bytes
 from memcalc.model.params import largest_layer_params
-from memcalc.model.shape import Model, check_positions
+from memcalc.model.shape import Model, ModelShape, check_positions
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.records import record
 from memcalc.terms import Term
@@ -16,7 +17,7 @@ from memcalc.terms import Term
 from .activations import (Activations, AttentionDetail, Logits, attention_detail, layer_terms, logits_memory,
                           textbook_activations)  # fmt: skip
 from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Budget, Setup  # noqa: F401  (Setup's home for its users)
-from .state import ModelState, state_bytes, weights_held_elsewhere, zero3_gather_bytes
+from .state import ModelState, finetune_state, state_bytes, weights_held_elsewhere, zero3_gather_bytes
 
 
 @record(slots=True)
@@ -94,8 +95,7 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layer: dict
     """The memory side of one trick set (layer: its layer_terms, logits: its logits_memory, where the caller
     has them from a trick set of the same activation width)."""
     shape, seq, batch = model.shape, setup.seq_len, setup.micro_batch
-    state, held, host = state_bytes(model.n_params, tricks.precision, setup.optimizer, setup.parallel,
-                                    setup.stack.recipe)  # fmt: skip
+    state, held, host = state_for(model.shape, model.n_params, setup, tricks.precision)
     acts = textbook_activations(shape, seq, batch, tricks, setup.routing, layer)
     logits = logits or logits_memory(shape, seq, batch, tricks.precision)
     buffers = 0
@@ -106,6 +106,20 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layer: dict
     memory = Memory(tricks, held, acts.peak_bytes, logits.total_bytes, buffers, usable, host,
                     setup.host_usable_bytes, acts.formula)  # fmt: skip
     return state, acts, logits, memory
+
+
+def state_for(shape: ModelShape, params: int, setup: Setup, precision: str) -> tuple[ModelState, int, int]:
+    """The textbook's model state of `params` parameters, and what of it is on the GPU and on the host: every
+    weight trained, or some frozen (LoRA, --freeze: memcalc.memory.state.finetune_state, on the GPU alone)."""
+    ft, recipe = setup.stack.finetune, setup.stack.recipe
+    if ft.trains_all:
+        return state_bytes(params, precision, setup.optimizer, setup.parallel, recipe)
+    frozen_dtype = precision if ft.lora or not (precision == "fp32" or recipe == "autocast") else "fp32"
+    quantized = quantized_weights(shape) if ft.quantize else (0, 0)
+    frozen = frozen_params(shape, ft) - quantized[0]
+    state = finetune_state(params, frozen, trained_params(shape, ft), frozen_dtype, precision, setup.optimizer,
+                           recipe, ft.lora, quantized)  # fmt: skip
+    return state, state.total_bytes, 0
 
 
 def memory_sides(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...]) -> list[tuple]:

@@ -69,7 +69,7 @@ class ModelState:
     optimizer: str
     parallel: Parallel
     parts: tuple[StatePart, ...]
-    recipe: str = "master"  # how a 16-bit precision trains: master | autocast | pure | main_grad | grad_partition
+    recipe: str = "master"  # how 16 bits train: master | autocast | pure | main_grad | grad_partition | lora | qlora
 
     @property
     def total_bytes(self) -> int:
@@ -151,6 +151,30 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", parallel:
             formula = "⌈(" + formula + ")/{G}⌉"
         parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula))
     return ModelState(params, precision, optimizer, parallel, tuple(parts), recipe)
+
+
+@lru_cache(maxsize=256)
+def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, precision: str, optimizer: str,
+                   recipe: str, lora: bool, quantized: tuple[int, int] = (0, 0)) -> ModelState:  # fmt: skip
+    """Model state on one GPU when only some weights train (memcalc.model.finetune): the frozen weights in their
+    dtype (QLoRA's 4-bit ones as bitsandbytes stores them: quantized = (their count, their bytes)) and nothing
+    else for them (no gradient, master or optimizer state: the optimizer is given only what requires grad); the
+    trained ones by the recipe, LoRA's adapters in fp32 whatever the precision (PEFT upcasts them:
+    peft/tuners/tuners_utils.py cast_adapter_dtype), so theirs are fp32 weights, grads and moments."""
+    w = WIDTH[frozen_dtype]
+    parts = [StatePart("frozen weights", frozen_dtype, w * frozen / params, w * frozen, 1, False, f"{w}·{frozen}")]
+    if quantized[0]:
+        parts.append(StatePart("4-bit weights", "nf4", quantized[1] / params, quantized[1], 1, False,
+                               f"{quantized[1]} (packed nf4, absmax, nested state, codes)"))  # fmt: skip
+    rows = unsharded_parts("fp32" if lora else precision, optimizer, trained, "master" if lora else recipe)
+    if lora and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
+        rows.append(("loss_scale", "fp32+int32", 8, 99, "8"))
+    for name, dtype, size, _, formula in rows:
+        per_param = 0.0 if name == "loss_scale" else size / params
+        label = name if name == "loss_scale" else ("adapter " if lora else "trained ") + name
+        parts.append(StatePart(label, dtype, per_param, size, 1, False, formula.replace("{N}", str(trained))))
+    how = ("qlora" if quantized[0] else "lora") if lora else recipe
+    return ModelState(params, precision, optimizer, NO_PARALLEL, tuple(parts), how)
 
 
 @lru_cache(maxsize=1024)

@@ -28,6 +28,8 @@ from dataclasses import replace
 from memcalc.errors import InputError
 from memcalc.records import record
 
+from .finetune import FULL, Finetune
+
 MODELS = ("reference", "hf")
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
@@ -46,6 +48,7 @@ class Stack:
     source: str  # where its choices come from
     engine: str = "none"  # none | fsdp2 | megatron | deepspeed: whose code splits the model over GPUs
     use_cache: bool = False  # hf: the forward keeps Transformers' DynamicCache (config.use_cache, its default)
+    finetune: Finetune = FULL  # which weights train (memcalc.model.finetune): all, or LoRA's adapters, or all but some
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
@@ -60,6 +63,8 @@ class Stack:
         changed = [x for x, y in ((self.recipe, base and base.recipe), (self.impl, base and base.impl)) if x != y]
         if base and self.use_cache != base.use_cache:
             changed.append("cache" if self.use_cache else "no cache")
+        if self.finetune.label:
+            changed.append(self.finetune.label)
         return self.key + (f" ({', '.join(changed)})" if changed else "")
 
 

@@ -23,6 +23,7 @@ from functools import lru_cache
 
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.estimate import Setup
+from memcalc.model.finetune import trained_params
 from memcalc.model.gpus import GPU
 from memcalc.model.params import latent_attention_params
 from memcalc.model.shape import Model, ModelShape
@@ -205,6 +206,9 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
     params = max(st.params - st.expert_params for st in stages)  # the stage with the most weights syncs longest
     w = 4 if tricks.precision == "fp32" else 2  # bytes of a weight while computing
     gw = grad_reduce_bytes(engine, tricks.precision)  # bytes of a gradient on the wire
+    ft = setup.stack.finetune
+    if not ft.trains_all:  # plain data parallelism all-reduces what trains: LoRA's fp32 adapters, the unfrozen rest
+        params, gw = trained_params(model.shape, ft), 4 if ft.lora else gw
     host, cpu = offload_comm(layout, max(st.params for st in stages), w, gw, m, fabric, assume, mb)
     unit = unit_fraction(model.shape, layout.tp, layout.pp) if engine == "fsdp2" else 0.0
     dp = dp_comm(layout, params, w, gw, m, fabric, assume, mb, engine, unit)

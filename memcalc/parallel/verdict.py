@@ -87,6 +87,13 @@ def replay_gap(model: Model, setup: Setup, tricks: Tricks, layout: Layout) -> st
     return ""
 
 
+def plain_data_parallel(layout: Layout) -> bool:
+    """Every GPU holds the whole model and its whole step (no ZeRO, offload, tensor, pipeline, context or expert
+    parallel): where LoRA and frozen weights are replayed (memcalc.engine.job.check_finetune)."""
+    splits = max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1
+    return not (splits or layout.zero or layout.offload_optimizer or layout.offload_params)
+
+
 def fsdp2_gap(setup: Setup, tricks: Tricks, layout: Layout) -> str:
     """What memcalc.exact.fsdp2's replay of one torchtitan rank does not cover (it runs torchtitan's step:
     one micro-batch, fused AdamW over fp32 shards on the GPU)."""

@@ -15,7 +15,9 @@ from .render import Section, sized
 RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision + loss scaling"}
 HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 master)",
        "main_grad": "{p} weights, fp32 main_grad and master (Megatron-LM)",
-       "grad_partition": "{p} mixed precision with an fp32 gradient partition (DeepSpeed ZeRO)"}
+       "grad_partition": "{p} mixed precision with an fp32 gradient partition (DeepSpeed ZeRO)",
+       "lora": "LoRA: a frozen {p} base, fp32 adapters",
+       "qlora": "QLoRA: a frozen nf4 base computing in {p}, fp32 adapters"}
 
 
 def recipe_text(precision: str, recipe: str = "master") -> str:
@@ -377,9 +379,10 @@ def exact_section(est: Estimate, exacts: list, units: str, peaks: list[int] | No
         s.notes += [f"exact ({', '.join(labels)}): {note}" for note, labels in by_note.items()]
         s.notes.append(f"exact: model state for the shape's own {first.n_params:,} parameters")
     blocks = first.activations.first_blocks
-    if blocks:  # dense blocks before MoE ones: the step at that depth is exact's "outside", a MoE block its layer
-        s.notes.append(f"exact's per layer is a MoE layer's; its outside holds the first {blocks} blocks too (the "
-                       f"step at depth {blocks}, from which the MoE layers grow): the textbook's are the heaviest "
+    if blocks:  # dense blocks before MoE ones (or fine-tuning's first blocks): the step at that depth is "outside"
+        later = "MoE" if est.model.shape.n_experts else "later"
+        s.notes.append(f"exact's per layer is a {later} layer's; its outside holds the first {blocks} blocks too (the "
+                       f"step at depth {blocks}, from which the {later} layers grow): the textbook's are the heaviest "
                        "layer's and the logits")  # fmt: skip
     return s
 

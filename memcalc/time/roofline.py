@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from memcalc.exact.config import ITEMSIZE, shape_not_replayed
 from memcalc.exact.kernels import STEP_PHASES, Kernel, block_weight, kernels_of, recompute_first
+from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
@@ -203,12 +204,13 @@ class StepTime:
                 for p in PARTS if p in split}  # fmt: skip
 
 
-def repeats(k: Kernel, n_layers: int, grad_accum: int, tricks: Tricks, shape: ModelShape | None = None) -> int:
+def repeats(k: Kernel, n_layers: int, grad_accum: int, tricks: Tricks, shape: ModelShape | None = None,
+            finetune: Finetune = FULL) -> int:  # fmt: skip
     """How often a traced kernel runs in the step: per block like its own (memcalc.exact.kernels.block_weight:
     of its kind, dense or MoE, with a shape), per micro-batch (accumulation adds into the gradients from the
     second micro-batch on; the optimizer runs once)."""
     per_step = grad_accum if k.phase in STEP_PHASES else grad_accum - 1 if k.phase == "accumulate" else 1
-    return per_step * block_weight(k, n_layers, tricks, shape)
+    return per_step * block_weight(k, n_layers, tricks, shape, finetune)
 
 
 def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int, tricks: Tricks, gpu: GPU,
@@ -220,7 +222,7 @@ def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int
     groups: dict[tuple, list] = {}
     counted = attention = kernels = 0
     for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
-        n = repeats(k, shape.n_layers, grad_accum, tricks, shape) * k.count
+        n = repeats(k, shape.n_layers, grad_accum, tricks, shape, stack.finetune) * k.count
         if n == 0:
             continue
         moved = k.read_bytes + k.write_bytes

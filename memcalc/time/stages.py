@@ -16,6 +16,7 @@ from functools import lru_cache
 from memcalc.exact.kernels import STEP_PHASES, Kernel, kernels_of, traced_blocks
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
+from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
@@ -64,7 +65,7 @@ def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     parts: dict[str, list[tuple[float, float]]] = {}
     if tricks.recompute == "none":  # traced once with full recompute, the plain step is that less its recompute
         kernels_of(shape, seq_len, micro_batch, replace(tricks, recompute="full"), stack, optimizer)
-    shares = block_shares(shape, tricks)
+    shares = block_shares(shape, tricks, stack.finetune)
     for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
         if routed(k):
             continue  # timed per layout by moe_kernels
@@ -81,11 +82,11 @@ def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     return table
 
 
-def block_shares(shape: ModelShape, tricks: Tricks) -> dict[int, float]:
+def block_shares(shape: ModelShape, tricks: Tricks, finetune: Finetune = FULL) -> dict[int, float]:
     """The share of the model's blocks each traced block stands for (memcalc.exact.kernels.block_weight /
     L): 1 for every block when all are alike; with dense and MoE blocks, or ckpt:N's plain and checkpointed
     ones, traced apart, its kind's."""
-    return {t: n / shape.n_layers for t, n in traced_blocks(shape, tricks)[1].items()}
+    return {t: n / shape.n_layers for t, n in traced_blocks(shape, tricks, finetune)[1].items()}
 
 
 ROUTED_SCOPES = ("router", "dispatch", "experts", "combine")  # on SP's 1/t of the tokens; experts over ep
@@ -101,7 +102,7 @@ def moe_kernels(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     """The router's and the routed experts' kernels, each as (part, share, compute time, weight bytes'
     time, other bytes' time, per expert): an expert matmul reads or writes one expert matrix, h · f_e
     (or its gradient), whatever its tokens; the rest of its bytes and its FLOPs follow the tokens."""
-    bandwidth, blocks, shares = byte_rate(gpu, cal), block_shares(shape, tricks), {}
+    bandwidth, blocks, shares = byte_rate(gpu, cal), block_shares(shape, tricks, stack.finetune), {}
     for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
         if not routed(k):
             continue
@@ -226,7 +227,7 @@ def block_kernels_of_one(shape: ModelShape, seq_len: int, tricks: Tricks, gpu: G
     experts' apart (moe_kernels); share: how many of it the average block runs (block_shares)."""
     if tricks.recompute == "none":
         kernels_of(shape, seq_len, 1, replace(tricks, recompute="full"), stack, optimizer)
-    out, shares = [], block_shares(shape, tricks)
+    out, shares = [], block_shares(shape, tricks, stack.finetune)
     for k in kernels_of(shape, seq_len, 1, tricks, stack, optimizer):
         if k.layer is not None and k.phase in STEP_PHASES and not routed(k):
             compute, memory, _ = kernel_seconds(k, gpu, cal)

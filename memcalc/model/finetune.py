@@ -1,0 +1,174 @@
+"""Fine-tuning: which weights train. Full training (FULL) trains every weight; LoRA (Hu et al. 2021) freezes the
+base model and trains two low-rank matrices beside each targeted linear layer, as PEFT builds them
+(peft/tuners/lora/layer.py LoraLayer.update_layer: lora_A (r, in), lora_B (out, r), B initialised to zeros).
+
+The record travels with the stack (memcalc.model.stacks.Stack.finetune), so the textbook's model state, the
+exact replay, its kernels (the time) and verify all read the same one.
+"""
+
+from __future__ import annotations
+
+from memcalc.errors import InputError
+from memcalc.records import record
+
+from .params import layer_params, n_params
+from .shape import ModelShape
+
+# The linear projections of a Llama-style block, as Transformers names them (modeling_llama.py LlamaAttention,
+# LlamaMLP); PEFT's target_modules="all-linear" takes every nn.Linear but the output layer
+# (peft/tuners/tuners_utils.py _maybe_include_all_linear_layers: lm_head excluded), which is these.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_RANK = 1 << 16
+QUANTIZE = ("nf4", "int8")
+FREEZABLE = ("embeddings", "head")
+
+
+@record(frozen=True)
+class Finetune:
+    """What trains: rank 0 is full training (every weight, or all but the frozen parts); rank r > 0 is LoRA
+    over `targets` (Transformers' projection names) with lora_dropout, the base frozen."""
+
+    lora_rank: int = 0
+    targets: tuple[str, ...] = PROJECTIONS
+    lora_dropout: float = 0.0  # LoraConfig's default (peft/tuners/lora/config.py)
+    lora_alpha: int = 8  # LoraConfig's default: scaling = alpha / r, a multiply either way
+    quantize: str = ""  # the frozen base's storage: "" (the model's dtype), nf4 or int8 (bitsandbytes)
+    freeze: tuple[str, ...] = ()  # full training: "embeddings", "head" frozen
+    frozen_blocks: int = 0  # full training: the first N blocks frozen
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def trains_all(self) -> bool:
+        """Every weight trains: plain training, nothing frozen."""
+        return not self.lora and not self.freeze and not self.frozen_blocks
+
+    @property
+    def lead_blocks(self) -> int:
+        """Blocks at the start that run otherwise than the rest: the frozen ones, and the first whose input needs
+        no gradient (a frozen embedding's output, LoRA's included), whose ops save less. memcalc.exact.growth
+        keeps them in both short steps it grows from, as it keeps dense blocks before MoE ones."""
+        if self.lora or "embeddings" in self.freeze:
+            return self.frozen_blocks + 1
+        return self.frozen_blocks
+
+    @property
+    def label(self) -> str:
+        """'lora 16', 'qlora nf4 16', 'frozen embeddings, 2 blocks' or '' for full training."""
+        if self.lora:
+            return (f"QLoRA ({self.quantize}) r={self.lora_rank}" if self.quantize else f"LoRA r={self.lora_rank}")
+        blocks = f"the first {self.frozen_blocks} block" + ("s" if self.frozen_blocks > 1 else "")
+        frozen = list(self.freeze) + ([blocks] if self.frozen_blocks else [])
+        return "frozen: " + ", ".join(frozen) if frozen else ""
+
+
+FULL = Finetune()
+
+
+def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection of one block (modeling_llama.py LlamaAttention, LlamaMLP)."""
+    h, f = shape.hidden, shape.ffn
+    return {"q_proj": (shape.q_dim, h), "k_proj": (shape.kv_dim, h), "v_proj": (shape.kv_dim, h),
+            "o_proj": (h, shape.q_dim), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}  # fmt: skip
+
+
+def frozen_params(shape: ModelShape, finetune: Finetune) -> int:
+    """The weights that do not train: the whole base under LoRA; else the frozen parts (a tied head is the
+    embedding's table, counted once)."""
+    if finetune.lora:
+        return n_params(shape)
+    table = shape.vocab * shape.hidden
+    tables = ("embeddings" in finetune.freeze) + ("head" in finetune.freeze)
+    tables = min(tables, 1) if shape.tied_embeddings else tables
+    return tables * table + finetune.frozen_blocks * layer_params(shape)
+
+
+def trained_params(shape: ModelShape, finetune: Finetune) -> int:
+    """What the optimizer holds: LoRA's adapters, or every weight not frozen."""
+    return adapter_params(shape, finetune) if finetune.lora else n_params(shape) - frozen_params(shape, finetune)
+
+
+def nf4_bytes(rows: int, cols: int) -> int:
+    """One weight as bitsandbytes 0.50 stores it in 4 bits with double quantisation (functional.quantize_4bit,
+    compress_statistics=True): the packed data (n+1)//2, one uint8 absmax per 64 elements, one fp32 absmax per
+    256 of those, its own copy of the 256-entry fp32 dynamic map, the 16-entry fp32 nf4 code, the fp32 offset."""
+    n = rows * cols
+    blocks = -(-n // 64)
+    return (n + 1) // 2 + blocks + 4 * -(-blocks // 256) + 4 * 256 + 4 * 16 + 4
+
+
+def quantized_weights(shape: ModelShape) -> tuple[int, int]:
+    """QLoRA's 4-bit weights, every projection of the blocks (transformers/integrations/bitsandbytes.py
+    replace_with_bnb_linear: every nn.Linear but lm_head): their count, and their bytes with the shared
+    dynamic map (functional.name2qmap, 256 fp32)."""
+    dims = projection_shapes(shape).values()
+    count = shape.n_layers * sum(r * c for r, c in dims)
+    return count, shape.n_layers * sum(nf4_bytes(r, c) for r, c in dims) + 4 * 256
+
+
+def adapter_params(shape: ModelShape, finetune: Finetune) -> int:
+    """LoRA's trainable parameters: r·(in + out) per targeted projection per block (lora_A (r, in), lora_B
+    (out, r): peft/tuners/lora/layer.py LoraLayer.update_layer)."""
+    if not finetune.lora:
+        return 0
+    per_block = sum(sum(dims) for name, dims in projection_shapes(shape).items() if name in finetune.targets)
+    return shape.n_layers * finetune.lora_rank * per_block
+
+
+def parse_targets(text: str | None) -> tuple[str, ...]:
+    """--lora-targets q,k,v,o (or q_proj,...; 'all-linear', the default: every projection of the blocks)."""
+    if text is None or text.strip().lower() == "all-linear":
+        return PROJECTIONS
+    names = []
+    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
+        name = item if item.endswith("_proj") else item + "_proj"
+        if name not in PROJECTIONS:
+            raise InputError(f"unknown LoRA target {item!r}; the blocks' projections: "
+                             f"{', '.join(p.removesuffix('_proj') for p in PROJECTIONS)} (or all-linear)")  # fmt: skip
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise InputError("--lora-targets names no projection")
+    return tuple(p for p in PROJECTIONS if p in names)  # PEFT wraps them in the modules' order
+
+
+def parse_freeze(text: str | None) -> tuple[tuple[str, ...], int]:
+    """--freeze embeddings,head,N: the parts frozen, and how many blocks from the first."""
+    parts, blocks = [], 0
+    for item in (x.strip().lower() for x in (text or "").split(",") if x.strip()):
+        if item.isdigit():
+            blocks = int(item)
+        elif item in FREEZABLE:
+            parts.append(item)
+        else:
+            raise InputError(f"--freeze takes {', '.join(FREEZABLE)} and a number of blocks, got {item!r}")
+    return tuple(p for p in FREEZABLE if p in parts), blocks
+
+
+def finetune_for(lora: str | None = None, targets: str | None = None, dropout: str | None = None,
+                 quantize: str | None = None, freeze: str | None = None) -> Finetune:  # fmt: skip
+    """The CLI's options as one record; options that do not apply refused in one line."""
+    from .sizes import parse_count
+
+    rank = 0 if lora is None else parse_count(lora, "lora", MAX_RANK)
+    if not rank:
+        for flag, value in (("--lora-targets", targets), ("--lora-dropout", dropout), ("--quantize", quantize)):
+            if value is not None:
+                raise InputError(f"{flag} is an option of LoRA: give --lora R (QLoRA is --lora R --quantize nf4)")
+    q = (quantize or "").strip().lower()
+    if q and q not in QUANTIZE:
+        raise InputError(f"unknown --quantize {quantize!r}; known: {', '.join(QUANTIZE)}")
+    frozen, blocks = parse_freeze(freeze)
+    if rank and (frozen or blocks):
+        raise InputError("--freeze is for full training: LoRA already freezes every base weight")
+    p = 0.0
+    if dropout is not None:
+        try:
+            p = float(dropout)
+        except ValueError:
+            raise InputError(f"--lora-dropout must be a number in [0, 1), got {dropout!r}") from None
+        if not 0 <= p < 1:
+            raise InputError(f"--lora-dropout must be a number in [0, 1), got {dropout!r}")
+    return Finetune(rank, parse_targets(targets), p, quantize=q, freeze=frozen, frozen_blocks=blocks)

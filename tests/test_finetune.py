@@ -1,0 +1,135 @@
+"""Fine-tuning modes through the CLI and the textbook (no torch): LoRA's adapter count and model state, frozen
+parts, and the options that do not apply, refused in one line (the replay itself: tests/test_lora.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.memory.state import finetune_state
+from memcalc.model.finetune import Finetune, adapter_params, frozen_params, parse_targets, trained_params
+from memcalc.model.params import layer_params, n_params
+from memcalc.model.presets import PRESETS
+
+LLAMA = PRESETS["llama3-8b"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_llama3_8b_adapters():
+    """r=16 on every projection: 32 blocks x 16 x (q 4096+4096, k 4096+1024, v 4096+1024, o 4096+4096, gate,
+    up, down 3 x (4096+14336)) = 41,943,040, the count PEFT's print_trainable_parameters reports for
+    Meta-Llama-3-8B with target_modules="all-linear"; q and v alone: 32 x 16 x 14,336."""
+    assert adapter_params(LLAMA, Finetune(16)) == 41_943_040
+    assert adapter_params(LLAMA, Finetune(16, parse_targets("q,v"))) == 32 * 16 * (8192 + 5120)
+    assert frozen_params(LLAMA, Finetune(16)) == n_params(LLAMA)
+
+
+def test_lora_state_is_the_frozen_base_and_fp32_adapters():
+    """The base in bf16 (2 bytes), nothing else for it; each adapter parameter 16 bytes (fp32 weight, grad, m, v)."""
+    a = adapter_params(LLAMA, Finetune(16))
+    st = finetune_state(n_params(LLAMA), n_params(LLAMA), a, "bf16", "bf16", "adamw", "autocast", True)
+    assert st.total_bytes == 2 * n_params(LLAMA) + 16 * a
+    assert [p.name for p in st.parts] == ["frozen weights", "adapter weights", "adapter grads", "adapter adam_m",
+                                          "adapter adam_v"]  # fmt: skip
+
+
+def test_frozen_parts_count():
+    """--freeze embeddings,head,4 on untied Llama-3-8B: two tables and four blocks hold no grads or state."""
+    ft = Finetune(freeze=("embeddings", "head"), frozen_blocks=4)
+    assert frozen_params(LLAMA, ft) == 2 * 128256 * 4096 + 4 * layer_params(LLAMA)
+    assert trained_params(LLAMA, ft) == n_params(LLAMA) - frozen_params(LLAMA, ft)
+
+
+def test_estimate_and_fit_answer():
+    r = run("estimate", "--model", "llama3-8b", "--seq", "2048", "--lora", "16", "--tricks", "bf16,flash,ckpt",
+            "--gpu", "a100-40gb", "--format", "json")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert "LoRA r=16" in r.output and out
+    r = run("fit", "--model", "llama3-8b", "--lora", "16", "--tricks", "bf16,flash,ckpt", "--gpu", "a100-40gb")
+    assert r.exit_code == 0 and "Longest sequence that fits" in r.output, r.output
+    r = run("fit", "--model", "llama3-8b", "--lora", "16", "--quantize", "nf4", "--gpu", "a100-40gb")
+    assert r.exit_code == 0 and "Longest sequence that fits" in r.output, r.output
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--lora", "16", "--stack", "torch"], "--stack hf"),
+    (["--quantize", "nf4"], "option of LoRA"),
+    (["--lora", "16", "--quantize", "int8"], "8-bit base is not replayed"),
+    (["--lora", "16", "--lora-targets", "q,wq"], "unknown LoRA target"),
+    (["--lora", "16", "--freeze", "head"], "already freezes"),
+    (["--lora", "16", "--zero", "2", "--gpus", "4"], "plain data parallelism"),
+    (["--freeze", "32"], "leave one to train"),
+    (["--lora", "16", "--lora-dropout", "1.5"], "lora-dropout"),
+])  # fmt: skip
+def test_refused_in_one_line(args, says):
+    r = run("estimate", "--model", "llama3-8b", "--seq", "1024", *args)
+    assert r.exit_code == 2 and says in r.output and r.output.count("\n") == 1, r.output
+
+
+def test_frozen_weights_run_no_weight_gradient_gemms():
+    """The roofline's kernels are the replay's: a block whose weights are frozen runs no weight-gradient GEMM
+    (aten.mm's backward makes a weight's gradient only when it requires grad), and one whose input needs no
+    gradient either runs none at all. With the embedding and the first 16 of 32 blocks frozen, the blocks'
+    backward is 16 blocks' dgrad + wgrad (2 x forward each) = the forward of all 32; training all, 2 x."""
+    from dataclasses import replace
+
+    from memcalc.exact.kernels import block_weight, kernels_of
+    from memcalc.model.stacks import stack_for
+    from memcalc.model.tricks import parse_tricks
+
+    t = parse_tricks("bf16,flash")
+
+    def linear_flops(ft: Finetune) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for k in kernels_of(LLAMA, 2048, 1, t, replace(stack_for("hf"), finetune=ft)):
+            if k.count_kind == "linear":
+                out[k.phase] = out.get(k.phase, 0) + k.flops * k.count * block_weight(k, 32, t, LLAMA, ft)
+        return out
+
+    full, frozen = linear_flops(Finetune()), linear_flops(Finetune(freeze=("embeddings",), frozen_blocks=16))
+    assert full["backward"] == 2 * full["forward"]
+    assert frozen["backward"] == frozen["forward"] == full["forward"]
+
+
+def test_qlora_storage_is_the_replays():
+    """QLoRA on Llama-3-8B: the textbook's frozen weights (embeddings, head, norms in bf16), 4-bit weights
+    (bitsandbytes' packed nf4 with double quantisation) and fp32 adapters are the replay's weights less the rotary
+    buffers (2 x 64 fp32): 5.87 GB where the bf16 base is 16.06 GB."""
+    from dataclasses import replace
+
+    from memcalc.exact.step import exact_step
+    from memcalc.memory.estimate import Setup, state_for
+    from memcalc.model.stacks import stack_for
+    from memcalc.model.tricks import parse_tricks
+
+    stack = replace(stack_for("hf"), finetune=Finetune(16, quantize="nf4"))
+    st = state_for(LLAMA, n_params(LLAMA), Setup(seq_len=2048, stack=stack), "bf16")[0]
+    weights = sum(p.bytes for p in st.parts if p.name in ("frozen weights", "4-bit weights", "adapter weights"))
+    e = exact_step(LLAMA, 2048, 1, parse_tricks("bf16,flash,ckpt"), stack=stack)
+    assert e.phases.weights_bytes - 2 * 64 * 4 == weights == 5_870_313_344
+
+
+def test_the_numbers_docs_finetune_quotes():
+    """docs/finetune.md's prose: the adapter count, bytes per adapter parameter and per 4-bit parameter, the
+    MLP's dequantised buffer, and bitsandbytes' token limit for its fused kernel, each computed here."""
+    from pathlib import Path
+
+    from memcalc.exact.hf_qlora import MAX_FUSED_TOKENS
+    from memcalc.model.finetune import quantized_weights
+
+    page = " ".join((Path(__file__).resolve().parent.parent / "docs" / "finetune.md").read_text().split())
+    a = adapter_params(LLAMA, Finetune(16))
+    st = finetune_state(n_params(LLAMA), n_params(LLAMA), a, "bf16", "bf16", "adamw", "autocast", True)
+    per_adapter = sum(p.bytes for p in st.parts if p.name.startswith("adapter")) // a
+    count, size = quantized_weights(LLAMA)
+    assert f"{per_adapter} bytes an adapter parameter, {a:,} of them here" in page
+    assert f"{size / count:.2f} bytes a parameter with double quantisation" in page
+    assert f"{LLAMA.hidden} × {LLAMA.ffn} × 2 bytes for Llama-3-8B" in page
+    assert f"more than {MAX_FUSED_TOKENS:,} tokens a micro-batch" in page and f"Below {MAX_FUSED_TOKENS:,} tokens" in page

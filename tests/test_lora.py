@@ -1,0 +1,198 @@
+"""LoRA and frozen weights on the hf stack: memcalc.exact.hf_lora's replay equals PEFT's LoRA (peft 0.21) on
+Transformers' own classes, measured on meta allocation by allocation at tiny size and phase by phase at 8B width
+three blocks deep, and on real CPU tensors under the Trainer's autocast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from memcalc.errors import InputError  # noqa: E402
+from memcalc.exact.config import Config  # noqa: E402
+from memcalc.exact.hf import build as hf_build  # noqa: E402
+from memcalc.exact.mirror import simulate  # noqa: E402
+from memcalc.exact.sim import Graph  # noqa: E402
+from memcalc.exact.step import exact_step  # noqa: E402
+from memcalc.exact.tensors import Memory  # noqa: E402
+from memcalc.model.finetune import Finetune, adapter_params, finetune_for  # noqa: E402
+from memcalc.model.presets import PRESETS  # noqa: E402
+from memcalc.model.stacks import stack_for  # noqa: E402
+from memcalc.model.tricks import parse_tricks  # noqa: E402
+from tests.replay import FIELDS, assert_same_step  # noqa: E402
+from tests.test_stack_hf import TINY  # noqa: E402
+from verify.autocast import measure_cpu  # noqa: E402
+from verify.hf import build_hf  # noqa: E402
+from verify.meta import measure_step  # noqa: E402
+
+LORA = Finetune(4)
+MASTER = stack_for("hf", recipe="master", impl="reference")  # the tests' hf recipe (tests/test_stack_hf.py)
+PURE = stack_for("hf", recipe="pure", impl="fused")  # a bf16 model trained without autocast by fused AdamW
+TRAINER = stack_for("hf")  # the Trainer: bf16=True autocasts, adamw_torch_fused
+
+
+def step_config(shape, seq: int, batch: int, tricks: str, stack, device: str = "cuda") -> Config:
+    t = parse_tricks(tricks)
+    return Config(shape, seq, batch, t.precision, t.flash, t.recompute, model="hf", recipe=stack.recipe,
+                  impl=stack.impl, use_cache=stack.use_cache, device=device, finetune=stack.finetune)  # fmt: skip
+
+
+def assert_meta(shape, tricks: str, stack, batch: int = 1, seq: int = 24) -> None:
+    """Every phase, the saved bytes and every allocation with the live bytes at it, against PEFT on meta."""
+    phases, g, mem = simulate(step_config(shape, seq, batch, tricks, stack), timeline=True)
+    step, live = measure_step(shape, seq, batch, parse_tricks(tricks), timeline=True, stack=stack)
+    assert_same_step(phases, g, mem, step, live, tricks)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2"])
+def test_peft_parameters_as_peft_registers_them(name):
+    """named_parameters() of get_peft_model's model: names (less PEFT's prefixes), shapes, dtypes (the base in
+    bf16, the adapters upcast to fp32) and which train, as the replay builds them; the adapters' count."""
+    shape, stack = TINY[name], replace(MASTER, finetune=LORA)
+    model = build_hf(shape, parse_tricks("bf16"), 24, finetune=LORA).model
+    real = [(n.removeprefix("base_model.model.").replace(".base_layer", "").replace(".default", ""), tuple(p.shape),
+             str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in model.named_parameters()]  # fmt: skip
+    g = Graph(Memory())
+    sim = hf_build(g, step_config(shape, 24, 1, "bf16", stack))
+    dtypes = {"bfloat16": "bf16", "float32": "fp32"}
+    assert [(n, s, dtypes[d], r) for n, s, d, r in real] == [(p.name, p.shape, p.dtype, p.requires_grad)
+                                                             for p in sim.p.values()]  # fmt: skip
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == adapter_params(shape, LORA)
+
+
+@pytest.mark.parametrize("name,tricks", [("llama", t) for t in ("bf16", "fp32", "fp16", "bf16,flash,ckpt",
+                                                                 "bf16,selective")]
+                         + [("qwen3", "bf16,flash"), ("qwen2", "bf16,flash,ckpt")])  # fmt: skip
+def test_lora_allocation_by_allocation(name, tricks):
+    """No ckpt: the first block's input needs no gradient, so its norm and base projections save nothing; with
+    ckpt the embedding's output is made to require grad (enable_input_require_grads), a leaf whose .grad dies
+    with the graph."""
+    assert_meta(TINY[name], tricks, replace(MASTER, finetune=LORA))
+
+
+@pytest.mark.parametrize("tricks", ["bf16", "bf16,flash,ckpt"])
+def test_lora_dropout_and_targets(tricks):
+    """lora_dropout > 0: nn.Dropout on the adapters' fp32 input saves its mask; q and v alone wrapped."""
+    ft = Finetune(8, ("q_proj", "v_proj"), 0.1)
+    assert_meta(TINY["qwen2"], tricks, replace(PURE, finetune=ft), batch=2)
+
+
+@pytest.mark.parametrize("tricks", ["bf16", "bf16,flash,ckpt", "bf16,selective"])
+def test_frozen_parts(tricks):
+    """Full training with the embedding, the head (tied: the same table) and the first block frozen: no
+    gradient, no optimizer state for them; the frozen block's checkpointed core saves inputs nobody needs,
+    freed in forward (selective)."""
+    ft = Finetune(freeze=("embeddings", "head"), frozen_blocks=1)
+    assert_meta(TINY["llama-mha-tied"], tricks, replace(PURE, finetune=ft))
+
+
+@pytest.mark.parametrize("tricks", ["bf16", "bf16,ckpt", "fp16,flash"])
+def test_lora_under_the_trainers_autocast_on_cpu(tricks):
+    """The Trainer's step (bf16=True: Accelerate's autocast; fused AdamW over the fp32 adapters) on real CPU
+    tensors with CPU's autocast lists: PEFT casts the base's 16-bit output to the adapters' fp32, autocast casts
+    it back for lora_A (and lora_A's weight, cached)."""
+    stack = replace(TRAINER, finetune=Finetune(4, lora_dropout=0.05))
+    shape = TINY["llama"]
+    phases, g, mem = simulate(step_config(shape, 24, 2, tricks, stack, device="cpu"), timeline=True)
+    step, live, recipe = measure_cpu(shape, 24, 2, parse_tricks(tricks), 1, True, stack)
+    assert recipe.skipped == 0
+    assert_same_step(phases, g, mem, step, live, tricks)
+
+
+@pytest.mark.parametrize("name,tricks", [("llama3-8b", "bf16,flash,ckpt"), ("qwen3-8b", "bf16,flash")])
+def test_lora_at_8b_width(name, tricks):
+    """LoRA r=16 on every projection at 8B width, seq 2048, three blocks deep: every phase, the saved bytes and
+    FlopCounterMode's count equal PEFT's on meta. The gradients are the adapters' alone, in fp32."""
+    shape, t, stack = replace(PRESETS[name], n_layers=3), parse_tricks(tricks), replace(PURE, finetune=Finetune(16))
+    step, _ = measure_step(shape, 2048, 1, t, stack=stack)
+    e = exact_step(shape, 2048, 1, t, stack=stack)
+    for f in FIELDS:
+        assert getattr(e.phases, f) == getattr(step, f), f
+    assert e.activations.total_bytes == step.saved_bytes
+    assert step.flops == e.flops.counted
+    assert e.phases.grads_bytes == 4 * adapter_params(shape, Finetune(16))
+
+
+QLORA = Finetune(4, quantize="nf4")
+
+
+@pytest.mark.parametrize("name,tricks", [("llama", "bf16"), ("llama", "bf16,flash,ckpt"), ("qwen2", "bf16,selective")])
+def test_qlora_allocation_by_allocation(name, tricks):
+    """bitsandbytes' 4-bit projections (nf4, double quantisation) under PEFT's bnb LoRA on meta, with CUDA's
+    training path for the matmul (verify/qlora.py): the packed weights and their quantisation state; in forward
+    the dequantised absmax (+ offset) and weight buffers of each matmul, PEFT's clone of the base's output; in
+    backward the weight dequantised again; Qwen2's biases through addmm."""
+    pytest.importorskip("bitsandbytes")
+    assert_meta(TINY[name], tricks, replace(PURE, finetune=QLORA), batch=2 if name == "qwen2" else 1)
+
+
+@pytest.mark.parametrize("tricks", ["bf16", "fp16,ckpt"])
+def test_qlora_on_cpu_under_autocast(tricks):
+    """The Trainer's QLoRA step on real CPU tensors, bitsandbytes' CPU backend quantising and computing: its
+    gemm_4bit (backends/default/ops.py) is one op whose dequantised buffers the tracker does not see, and PEFT casts
+    the adapters' input to fp32 there even under autocast (torch.is_autocast_enabled() asks CUDA's); the
+    replay says both for device cpu."""
+    pytest.importorskip("bitsandbytes")
+    stack, shape = replace(TRAINER, finetune=QLORA), TINY["llama"]
+    phases, g, mem = simulate(step_config(shape, 24, 2, tricks, stack, device="cpu"), timeline=True)
+    step, live, recipe = measure_cpu(shape, 24, 2, parse_tricks(tricks), 1, True, stack)
+    assert recipe.skipped == 0
+    assert_same_step(phases, g, mem, step, live, tricks)
+
+
+def test_qlora_at_8b_width():
+    """QLoRA r=16 on Llama-3-8B's blocks at seq 2048, three deep: every phase, the saved bytes and the FLOPs equal
+    bitsandbytes and PEFT on meta."""
+    pytest.importorskip("bitsandbytes")
+    shape, t = replace(PRESETS["llama3-8b"], n_layers=3), parse_tricks("bf16,flash,ckpt")
+    stack = replace(PURE, finetune=Finetune(16, quantize="nf4"))
+    step, _ = measure_step(shape, 2048, 1, t, stack=stack)
+    e = exact_step(shape, 2048, 1, t, stack=stack)
+    for f in FIELDS:
+        assert getattr(e.phases, f) == getattr(step, f), f
+    assert e.activations.total_bytes == step.saved_bytes and step.flops == e.flops.counted
+
+
+def test_refusals():
+    shape = TINY["llama"]
+    with pytest.raises(InputError, match="--stack hf"):
+        exact_step(shape, 24, 1, parse_tricks("bf16"), stack=replace(stack_for("reference"), finetune=LORA))
+    with pytest.raises(InputError, match="not gpt2"):
+        exact_step(TINY["gpt2"], 24, 1, parse_tricks("bf16"), stack=replace(MASTER, finetune=LORA))
+    with pytest.raises(InputError, match="8-bit base is not replayed"):
+        exact_step(shape, 24, 1, parse_tricks("bf16"), stack=replace(MASTER, finetune=Finetune(4, quantize="int8")))
+    with pytest.raises(InputError, match="option of LoRA"):
+        finetune_for(quantize="nf4")
+    with pytest.raises(InputError, match="unknown LoRA target"):
+        finetune_for("16", targets="q,wq")
+    with pytest.raises(InputError, match="already freezes"):
+        finetune_for("16", freeze="embeddings")
+
+
+@pytest.mark.parametrize("extra", [["--recipe", "pure", "--tricks", "bf16,flash,ckpt"], ["--tricks", "bf16"]])
+def test_verify_with_lora(extra):
+    """memcalc verify --stack hf --lora R: on meta where nothing autocasts (--recipe pure), on CPU tensors at
+    reduced size under the Trainer's autocast; every judged row passes."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    args = ["verify", "--model", "llama3-8b", "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
+            "--ffn", "512", "--vocab", "512", "--seq", "64", "--stack", "hf", "--lora", "8", "--device", "meta"]
+    r = CliRunner().invoke(app, args + extra)
+    assert r.exit_code == 0 and "Pass: all" in r.output, r.output
+
+
+def test_a_model_without_4bit_layers_holds_no_quantisation_state():
+    """After a QLoRA model was built on meta (bitsandbytes' shared dynamic map made there), another model's
+    measured weights are its parameters and buffers alone."""
+    pytest.importorskip("bitsandbytes")
+    from verify.lora import held_tensors
+
+    build_hf(TINY["llama"], parse_tricks("bf16"), 24, finetune=QLORA)
+    assert held_tensors(build_hf(TINY["llama"], parse_tricks("bf16"), 24)) == []

@@ -48,13 +48,13 @@ def test_frozen_parts_count():
 
 def test_estimate_and_fit_answer():
     r = run("estimate", "--model", "llama3-8b", "--seq", "2048", "--lora", "16", "--tricks", "bf16,flash,ckpt",
-            "--gpu", "a100-40gb", "--format", "json")  # fmt: skip
+            "--gpu", "rtx4090", "--format", "json")  # fmt: skip
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert "LoRA r=16" in r.output and out
-    r = run("fit", "--model", "llama3-8b", "--lora", "16", "--tricks", "bf16,flash,ckpt", "--gpu", "a100-40gb")
+    r = run("fit", "--model", "llama3-8b", "--lora", "16", "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090")
     assert r.exit_code == 0 and "Longest sequence that fits" in r.output, r.output
-    r = run("fit", "--model", "llama3-8b", "--lora", "16", "--quantize", "nf4", "--gpu", "a100-40gb")
+    r = run("fit", "--model", "llama3-8b", "--lora", "16", "--quantize", "nf4", "--gpu", "rtx4090")
     assert r.exit_code == 0 and "Longest sequence that fits" in r.output, r.output
 
 

@@ -232,7 +232,7 @@ def test_the_numbers_docs_serving_quotes():
     qwen = serve(job("qwen3-30b-a3b"))
     assert f"cache {qwen.kv.bytes_per_token // 1024} KiB" in text
     assert f"alone ({qwen.weights.total_bytes / 1e9:.0f} GB in bf16)" in text
-    awq = serve(job("qwen3-30b-a3b", "a100-40gb", weights="int4-awq"))
+    awq = serve(job("qwen3-30b-a3b", "rtx4090", weights="int4-awq"))
     assert f"bring it to {awq.weights.total_bytes / 1e9:.1f} GB" in text
     shape = preset_model("deepseek-v3").shape
     latent, heads = shape.kv_lora_rank + shape.qk_rope_head_dim, shape.n_heads * (shape.head_dim + shape.v_head_dim)

@@ -53,7 +53,7 @@ def show_timeline(ans, d: render.Display, images: list) -> None:
         from memcalc.report.timeline_plot import save_timeline
 
         title = f"{ans.job.model.shape.name or 'the model'}, seq {ans.job.setup.seq_len:,}: live memory over one step"
-        save_timeline([chart.series_of(t) for t in tls], path, d.units, ans.job.gpu.usable_bytes, ans.job.gpu.key,
+        save_timeline([chart.series_of(t) for t in tls], path, d.units, ans.verdicts[0].usable_bytes, ans.job.gpu.key,
                       title, flag)  # fmt: skip
         print(f"wrote {path}", file=sys.stderr)  # stderr: stdout stays the chart, JSON or CSV
     if d.fmt == "json":

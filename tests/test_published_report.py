@@ -48,7 +48,7 @@ def test_every_run_is_compared_or_says_why(rows):
 def test_the_summary_holds(report, rows):
     table = report.summaries(rows)
     fit, held = table["part fit"], table["part held-out"]
-    assert fit["compared"] >= 54 and held["compared"] >= 64  # runs leave "not compared" as memcalc expresses them
+    assert fit["compared"] >= 57 and held["compared"] >= 64  # runs leave "not compared" as memcalc expresses them
     assert fit["median_abs_error"] <= 0.07  # the issue's bounds; the worst runs: docs/step-time.md
     assert held["median_abs_error"] <= 0.10
     # Megatron's own schedules on A100s, as published, held out: the A100's matmul and flash are fitted on

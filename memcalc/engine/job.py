@@ -44,8 +44,9 @@ class Job:
             raise InputError("no trick sets to estimate")
         if self.price is not None and self.tokens is None:
             raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
-        if any(t.fp8 for t in self.trick_sets) and not self.gpu.fp8_tflops:
-            raise InputError(f"fp8 needs FP8 tensor cores (Hopper or later); the {self.gpu.name} has none")
+        fp8 = [t.fp8_name for t in self.trick_sets if t.fp8]
+        if fp8 and not self.gpu.fp8_tflops:
+            raise InputError(f"{fp8[0]} needs FP8 tensor cores (Hopper or later); the {self.gpu.name} has none")
 
     @property
     def data_parallel(self) -> bool:

@@ -24,8 +24,8 @@ _Linear.backward: grad_output_preprocess (module/base.py) casts the gradient to 
   to an fp32 bias's dtype); dgrad =
   fp8_gemm(weight_t_fp8, grad_output_c), wgrad = fp8_gemm(inputmat_t, grad_output_t), both to bf16.
 Per module, once per forward (prepare_forward) and once per backward (_prepare_backward):
-  amax_and_scale_update (pytorch/fp8.py fused_amax_and_scale_update, jit-scripted): the max over the history
-  (torch.max(dim=0)), its roll (torch.roll), and the scale and its inverse (pointwise: one fused kernel).
+  amax_and_scale_update (pytorch/fp8.py fused_amax_and_scale_update, under torch.compile): the max over the
+  history, the scale and its inverse from it, the history's roll (scale_update: two kernels).
 """
 
 from __future__ import annotations
@@ -72,11 +72,13 @@ def check_dims(rows: int, w: Tensor) -> None:
 
 
 def scale_update(g: Graph, n: int) -> None:
-    """amax_and_scale_update over one direction's n fp8 tensors: max over the history, its roll, the scales."""
+    """amax_and_scale_update over one direction's n fp8 tensors: fused_amax_and_scale_update is wrapped in
+    jit_fuser, torch.compile on torch 2 (pytorch/jit.py @ v0.10), so Inductor's two kernels: the max over the
+    history with the new scale and scale_inv computed from it (a reduction and its pointwise epilogue), and
+    the history rolled by one row with its first row zeroed (update_amax_history: roll, fill_)."""
     history = AMAX_HISTORY_LEN * n * 4
-    g.kernel("te_amax_max", (history,), (n * 4,))
+    g.kernel("te_scale_update", (history, n * 4, n * 4, n), (n * 4, n * 4))  # history, scale, scale_inv, mask
     g.kernel("te_amax_roll", (history,), (history,))
-    g.kernel("te_scale_update", (n * 4, n * 4, n * 4, n), (n * 4, n * 4))  # amax, scale, scale_inv, mask
 
 
 def cast_transpose(g: Graph, x: Tensor | int, shape: tuple, fp8: str, bias: bool = False) -> tuple[Tensor, ...]:

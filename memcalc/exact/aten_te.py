@@ -20,12 +20,14 @@ _Linear.forward (transformer_engine/pytorch/module/linear.py @ v0.10):
     e4m3 transpose, one byte an element, not the 16-bit input; the fp8 forward copies (inputmat, weight_fp8)
     die as forward returns
 _Linear.backward: grad_output_preprocess (module/base.py) casts the gradient to e5m2 with its transpose,
-  fused with the bias gradient where there is a bias (fp8_cast_transpose_bgrad_fused: bf16, which autograd casts
-  to an fp32 bias's dtype); dgrad =
-  fp8_gemm(weight_t_fp8, grad_output_c), wgrad = fp8_gemm(inputmat_t, grad_output_t), both to bf16.
+  fused with the bias gradient where there is a bias (fp8_cast_transpose_bgrad_fused; a bf16 gradient, which
+  autograd casts to an fp32 bias's dtype); dgrad = fp8_gemm(weight_t_fp8, grad_output_c), wgrad =
+  fp8_gemm(inputmat_t, grad_output_t), both to bf16.
 Per module, once per forward (prepare_forward) and once per backward (_prepare_backward):
   amax_and_scale_update (pytorch/fp8.py fused_amax_and_scale_update, under torch.compile): the max over the
   history, the scale and its inverse from it, the history's roll (scale_update: two kernels).
+Not replayed: the amax all-reduce at each fp8_autocast exit and in backward (global_amax_reduction), TE's
+tensor-parallel paths, is_first_microbatch's cached fp8 weights, LayerNormLinear's fused norm and cast.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def test_every_run_is_compared_or_says_why(rows):
 def test_the_summary_holds(report, rows):
     table = report.summaries(rows)
     fit, held = table["part fit"], table["part held-out"]
-    assert fit["compared"] >= 54 and held["compared"] >= 64  # runs leave "not compared" as memcalc expresses them
+    assert fit["compared"] >= 57 and held["compared"] >= 64  # runs leave "not compared" as memcalc expresses them
     assert fit["median_abs_error"] <= 0.07  # the issue's bounds; the worst runs: docs/step-time.md
     assert held["median_abs_error"] <= 0.10
     # Megatron's own schedules on A100s, as published, held out: the A100's matmul and flash are fitted on
@@ -59,6 +59,17 @@ def test_the_summary_holds(report, rows):
     # torchtitan's FSDP2 on 64 A100s: ring collectives on all the node's NICs (memcalc.parallel.links.link_for);
     # with one NIC a GPU they were predicted at 0.42-0.85x; the 405B Float8 row, read as eager, stays apart
     assert table["source torchtitan_performance_2024_08"]["median_abs_error"] <= 0.10
+
+
+def test_transformer_engines_rows_are_compared_as_the_docs_say(rows):
+    """The corpus's "fp8-te" rows (llm-foundry's amp_fp8 on H100) run as fp8:te (Transformer Engine's delayed
+    scaling); docs/fp8-and-compile.md and docs/step-time.md quote their ratios, held here to the report's."""
+    te = [r for r in rows if r.run.precision == "fp8-te"]
+    assert len(te) == 3 and all(r.ratio and "fp8:te" in r.job for r in te), [r.skipped for r in te]
+    ratios = [f"{r.ratio:.2f}x" for r in te]
+    docs = FOLDER.parent.parent / "docs"
+    assert f"{ratios[0]}, {ratios[1]} and {ratios[2]}" in " ".join((docs / "fp8-and-compile.md").read_text().split())
+    assert f"land at {min(ratios)[:-1]}-{max(ratios)}" in (docs / "step-time.md").read_text()
 
 
 def test_published_rates_follow_each_sources_convention(report):

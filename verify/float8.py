@@ -12,12 +12,15 @@ from __future__ import annotations
 import torch
 
 from memcalc.errors import InputError
+from memcalc.model.tricks import Tricks, check_measurable
 
 HEAD = "lm_head"  # verify/builder.py's output projection: left in high precision
 
 
 def convert(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
     """The model with its linears (bar the head, and any with a dimension not divisible by 16) in float8."""
+    if recipe == "te":  # Transformer Engine, not torchao: nothing here can run its te.Linear
+        check_measurable(Tricks(fp8=recipe))
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:

@@ -7,8 +7,8 @@
 Each run becomes a memcalc job: its shape, GPU, layout, micro and global batch, sequence, recompute and
 precision as the source gives them; the figure it published becomes tokens per second per GPU under the
 source's own FLOPs convention (published_rate). memcalc's roofline (memcalc.parallel.plan.layout_estimate)
-predicts the same rate; the error is predicted / published - 1. A run memcalc cannot express yet (Transformer
-Engine's FP8, a GPU not in its table, a setup the source leaves out) is listed with the reason and
+predicts the same rate; the error is predicted / published - 1. A run memcalc cannot express yet (blockwise
+FP8, a GPU not in its table, a setup the source leaves out) is listed with the reason and
 counted apart, never guessed.
 
 The corpus is split by source before anything is fitted (FIT, HELD_OUT): the calibration may learn only
@@ -202,14 +202,17 @@ def shape_of(run: Run) -> ModelShape:
 
 
 # torchao's float8 recipes (memcalc's fp8, fp8:rowwise); "fp8-torchao" unqualified is torchtitan's default,
-# tensorwise (torchtitan/components/quantization/float8.py: recipe_name None -> Float8LinearConfig's defaults)
-FP8 = {"fp8-torchao": "tensorwise", "fp8-torchao-tensorwise": "tensorwise", "fp8-torchao-rowwise": "rowwise"}
+# tensorwise (torchtitan/components/quantization/float8.py: recipe_name None -> Float8LinearConfig's defaults).
+# Transformer Engine's delayed scaling (fp8:te): "fp8-te" unqualified is llm-foundry's amp_fp8, which is Composer's
+# DelayedScaling (composer/core/precision.py @ v0.16.3: Format.HYBRID, amax_history_len 16, amax_compute_algo max)
+FP8 = {"fp8-torchao": "tensorwise", "fp8-torchao-tensorwise": "tensorwise", "fp8-torchao-rowwise": "rowwise",
+       "fp8-te": "te", "fp8-te-delayed": "te"}  # fmt: skip
 
 
 def tricks_of(run: Run) -> Tricks:
     if run.precision.startswith("fp8") and run.precision not in FP8:
-        raise Inexpressible(f"{run.precision}: only torchao's float8 recipes are modelled (Transformer Engine's and "
-                            "blockwise scaling are not)")  # fmt: skip
+        raise Inexpressible(f"{run.precision}: only torchao's float8 recipes and Transformer Engine's delayed scaling "
+                            "are modelled (blockwise scaling is not)")  # fmt: skip
     recompute = run.recompute or defaults(run).get("recompute")
     if recompute == "selective":
         recompute = defaults(run).get("selective", "selective")

@@ -331,7 +331,7 @@ def verify(
     collection.FREEZE = False  # torch's objects in cycles must be collected: a leaked storage would be measured
     try:
         from memcalc.model.shape import parse_count
-        from memcalc.model.tricks import parse_tricks
+        from memcalc.model.tricks import check_measurable, parse_tricks
 
         from . import verify_runs
         from .inputs import resolve_model, seq_for
@@ -345,6 +345,7 @@ def verify(
                             no_cache=no_cache,
                             finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
         the_tricks = parse_tricks(tricks)
+        check_measurable(the_tricks)
         n_steps = parse_count(steps, "steps", 1000)
         tolerance = None if tol is None else parse_fraction(tol, "tol")
         if step is None and device is not None and device.strip().lower() not in ("cuda", "meta"):

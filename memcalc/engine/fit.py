@@ -57,7 +57,7 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
     """The longest sequence (no longer than the model's position table) at setup's micro-batch, and the
     largest micro-batch at setup's sequence, each by the verdict estimate gives the same job."""
     check_positions(model.shape, setup.seq_len)
-    check_precision(gpu, tricks.precision, tricks.fp8)
+    check_precision(gpu, tricks.precision, tricks.fp8_name)
     check_finetune(model, setup, layout)
 
     def memory(seq_len: int, micro_batch: int) -> Verdict:

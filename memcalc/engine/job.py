@@ -45,7 +45,7 @@ class Job:
         if self.price is not None and self.tokens is None:
             raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
         for t in self.trick_sets:
-            check_precision(self.gpu, t.precision, t.fp8)
+            check_precision(self.gpu, t.precision, t.fp8_name)
         check_finetune(self.model, self.setup, self.layout)
 
     @property

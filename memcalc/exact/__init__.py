@@ -1,7 +1,8 @@
 """Bytes and kernels, op by op: a byte-level replay of verify/'s model and training step.
 
   aten         what each aten op allocates and saves, by family: aten_operands, aten_views,
-               aten_arithmetic, aten_activations, aten_matmul, aten_fused, aten_indexing
+               aten_arithmetic, aten_activations, aten_matmul, aten_fused, aten_indexing; the fp8 linears:
+               aten_float8 (torchao's Float8Linear), aten_te (Transformer Engine's te.Linear)
   sim          runs them under autograd's lifetimes (tensors: bytes, storages, tensors; backward: the
                engine; checkpoint: non-reentrant and selective checkpointing)
   builder      verify/builder.py's model line by line: its parameters and forward (builder_layers: the

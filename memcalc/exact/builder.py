@@ -15,6 +15,7 @@ from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
 
 from . import aten
 from .aten_operands import made
+from .aten_te import meta_tensors, workspace
 from .autocast import Autocast, autocast_for
 from .builder_layers import attention, dropout, linear, mlp, norm, rope_tables
 from .builder_moe import expert_counts, latent, mixture, routing_tables
@@ -73,6 +74,7 @@ class Model:
     params: list[Tensor] = field(default_factory=list)  # in model.parameters() order
     mtp: Mtp | None = None  # the multi-token prediction module
     autocast: Autocast | None = None  # the autocast recipe's: forward runs under it
+    te_buffers: list[Tensor] = field(default_factory=list)  # fp8:te's meta tensors and cuBLAS workspace
 
 
 def build(g: Graph, cfg: Config) -> Model:
@@ -102,7 +104,16 @@ def build(g: Graph, cfg: Config) -> Model:
     if not cfg.flash:  # register_buffer("future", (T, T) bool)
         future = g.empty((cfg.seq_len, cfg.seq_len), "bool", "buffer future", kind="buffer")
     autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
-    return Model(cfg, tok, pos, blocks, final, head, future, params, mtp, autocast)
+    return Model(cfg, tok, pos, blocks, final, head, future, params, mtp, autocast, te_buffers(g, cfg, blocks))
+
+
+def te_buffers(g: Graph, cfg: Config, blocks: list[Block]) -> list[Tensor]:
+    """Under fp8:te, what Transformer Engine keeps from the first step on: each block linear's fp8 meta
+    tensors and the one cuBLAS workspace (memcalc.exact.aten_te)."""
+    if cfg.fp8 != "te":
+        return []
+    linears = [lin for blk in blocks for lin in (blk.wq, blk.wk, blk.wv, blk.wo, *blk.mlp) if lin]
+    return [workspace(g)] + [t for _ in linears for t in meta_tensors(g)]
 
 
 def expert_runs(cfg: Config) -> list[tuple[int, int, int]]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from . import aten
 from .aten_float8 import float8_linear
 from .aten_operands import made
+from .aten_te import te_linear
 from .config import Config
 from .sim import Graph
 from .tensors import Tensor
@@ -37,8 +38,11 @@ def norm(g: Graph, x: Tensor, params: list[Tensor], scope: str, cpu: bool = Fals
 
 def linear(g: Graph, x: Tensor, params: list[Tensor]) -> Tensor:
     """A block's nn.Linear; under fp8 torchao's Float8Linear where torchtitan's float8 converter swaps it in
-    (torchtitan/components/quantization/utils.py module_filter_fn: both dimensions divisible by 16)."""
+    (torchtitan/components/quantization/utils.py module_filter_fn: both dimensions divisible by 16); under
+    fp8:te Transformer Engine's te.Linear (memcalc.exact.aten_te)."""
     w, b = params[0], params[1] if len(params) == 2 else None
+    if g.fp8 == "te":  # Transformer Engine's te.Linear (llm-foundry's fc_type te): every linear of the blocks
+        return te_linear(g, x, w, b)
     if g.fp8 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
         return float8_linear(g, x, w, b, g.fp8)
     return aten.linear(g, x, w, b)

@@ -225,7 +225,7 @@ def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
     one, seq_len, micro_batch, tricks, *stack = key
     if tricks.recompute != "none":
         return None
-    for recompute in ("selective", "full", "op"):
+    for recompute in ("selective", "full") + (() if tricks.fp8 == "te" else ("op",)):  # fp8:te has no sac
         traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute), *stack))
         if traced is not None:
             return tuple(k for k in traced if k.phase != "recompute")

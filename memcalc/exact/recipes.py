@@ -29,8 +29,11 @@ def check_simulated(cfg: Config) -> None:
     if (cfg.model == "hf" and (cfg.ckpt_every > 1 or cfg.recompute == "op")) or (cfg.flash and cfg.precision == "fp32"):
         check_tricks(stack_for(cfg.model), cfg.tricks)
     if cfg.fp8 and cfg.model != "reference":
-        raise InputError("fp8 (torchao float8) is replayed on memcalc's reference model (--stack reference, torch, "
+        raise InputError(f"{cfg.tricks.fp8_name} is replayed on memcalc's reference model (--stack reference, torch, "
                          "fsdp2), not on Transformers' classes")
+    if cfg.fp8 == "te" and (cfg.shape.n_experts or cfg.shape.is_mla):
+        raise InputError("fp8:te is replayed on dense blocks (te.Linear for each linear, as llm-foundry's fc_type te "
+                         "builds them), not on a mixture of experts or latent attention")
     if cfg.fp8 and cfg.shape.n_experts:
         raise InputError("fp8 with a mixture of experts is not replayed: torchtitan casts grouped experts with "
                          "torchao's MoE training, not Float8Linear")

@@ -179,6 +179,9 @@ class Graph(Checkpointing, Backward):
             if t is not None:
                 read += t if t.__class__ is int else t.nbytes if n > 1 else t.nbytes * t.copies
         for t in writes:
+            if t.__class__ is int:  # bytes written into a tensor that exists already (an amax slot)
+                written += t
+                continue
             each = 1 if n > 1 else t.copies
             written += t.nbytes * each
             most = max(most, t.numel * each)

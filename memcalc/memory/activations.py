@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from memcalc.model.moe import BALANCED, Routing
 from memcalc.model.moe_mla import is_moe_layer
+from memcalc.model.params import linear_weights
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.records import record
@@ -121,13 +122,30 @@ def textbook_activations(shape: ModelShape, seq_len: int, micro_batch: int, tric
     t = layer or layer_terms(shape, seq_len, micro_batch, 2 if tricks.precision == "fp32" else 1)
     if shape.is_moe or shape.is_mla or shape.mtp_layers:
         return grouped_activations(shape, seq_len, micro_batch, tricks, routing, t)
+    mlp = (t["mlp"],)
+    if tricks.fp8 == "te":
+        t, mlp = te_layer_terms(shape, seq_len * micro_batch * shape.hidden, t)
     if tricks.mixed:
         n = tricks.n_checkpointed(shape.n_layers)
-        (kept, _), (ckpt, rebuilt) = kept_and_rebuilt(t, plain_layer(tricks), (t["mlp"],)), kept_and_rebuilt(
-            t, every_layer(tricks), (t["mlp"],))  # fmt: skip
+        (kept, _), (ckpt, rebuilt) = kept_and_rebuilt(t, plain_layer(tricks), mlp), kept_and_rebuilt(
+            t, every_layer(tricks), mlp)  # fmt: skip
         return Activations(tricks, shape.n_layers, kept, rebuilt if n else (), ckpt, n)
-    kept, rebuilt = kept_and_rebuilt(t, tricks, (t["mlp"],))
+    kept, rebuilt = kept_and_rebuilt(t, tricks, mlp)
     return Activations(tricks, shape.n_layers, kept, rebuilt)
+
+
+TE_SAVED = "transformer_engine/pytorch/module/linear.py @ v0.10 _Linear.forward: save_for_backward"
+
+
+def te_layer_terms(shape: ModelShape, sbh: int, t: dict[str, Term]) -> tuple[dict[str, Term], tuple[Term, ...]]:
+    """Korthikanti's terms under fp8:te: each te.Linear keeps its input as an fp8 transpose, one byte an element
+    (attention 11 -> 9: the QKV and projection inputs; MLP 19 -> 14: its input and the GeLU output), and the fp8
+    transpose of its weight, one byte a weight of the layer's linears (the MLP part carries both)."""
+    attention = Term("attention (linear part; QKV, projection inputs in fp8)", 9 * sbh, "9·{s}·{b}·{h}",
+                     f"{KORTHIKANTI}; {TE_SAVED}")  # fmt: skip
+    mlp = Term("MLP (its input, GeLU output in fp8)", 14 * sbh, "14·{s}·{b}·{h}", f"{KORTHIKANTI}; {TE_SAVED}")
+    weights = Term("the linears' fp8 weight transposes (weight_t_fp8)", linear_weights(shape), "", TE_SAVED)
+    return {**t, "attention": attention, "mlp": mlp}, (mlp, weights)
 
 
 def plain_layer(tricks: Tricks) -> Tricks:

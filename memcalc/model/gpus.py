@@ -97,14 +97,15 @@ def check_gpu(g: GPU) -> None:
                          f"({g.memory_mib:,} MiB = {g.memory_mib * MIB:,} bytes)")  # fmt: skip
 
 
-def check_precision(g: GPU, precision: str, fp8: bool = False) -> None:
+def check_precision(g: GPU, precision: str, fp8: str = "") -> None:
     """Refuse a recipe the card has no tensor cores for: bf16 before Ampere (torch.cuda.is_bf16_supported() is
-    False on sm70/sm75: no bf16 matmul units, bf16 arithmetic emulated), fp8 before Hopper/Ada."""
+    False on sm70/sm75: no bf16 matmul units, bf16 arithmetic emulated), fp8 (the recipe's trick name:
+    fp8, fp8:rowwise, fp8:te) before Hopper/Ada."""
     if precision == "bf16" and not g.bf16_tflops:
         raise InputError(f"bf16 needs bf16 tensor cores (Ampere or later); the {g.name} has none "
                          "(torch.cuda.is_bf16_supported() is False there): use fp16")  # fmt: skip
     if fp8 and not g.fp8_tflops:
-        raise InputError(f"fp8 needs FP8 tensor cores (Hopper or later); the {g.name} has none")
+        raise InputError(f"{fp8} needs FP8 tensor cores (Hopper or later); the {g.name} has none")
 
 
 def gpu(key: str) -> GPU:

@@ -75,6 +75,13 @@ def attention_params(shape: ModelShape) -> int:
     return weights + biases + sum(shape.qk_norm_widths)
 
 
+def linear_weights(shape: ModelShape) -> int:
+    """The weights of a dense block's linears (W_q, W_k, W_v, W_o and the MLP's), no biases: what fp8:te keeps
+    an fp8 transpose of for backward, one byte each (memcalc.exact.aten_te)."""
+    h, q, kv, f = shape.hidden, shape.q_dim, shape.kv_dim, shape.ffn
+    return h * q + 2 * h * kv + q * h + (3 if shape.gated_mlp else 2) * h * f
+
+
 def latent_attention_params(shape: ModelShape) -> int:
     """Multi-head latent attention (modeling_deepseek_v3.py DeepseekV3Attention; Megatron-LM
     theoretical_memory_usage.py self_attn_term): q_a (h x r_q), its norm, q_b (r_q x H·d_qk), or one W_q

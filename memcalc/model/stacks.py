@@ -121,6 +121,9 @@ def check_tricks(stack: Stack, tricks) -> None:
         raise InputError(f"{tricks.label}: --stack hf checkpoints every decoder layer or none "
                          "(gradient_checkpointing_enable): use ckpt, or --stack torch for ckpt:N and sac")  # fmt: skip
     if stack.engine in ("megatron", "deepspeed") and (tricks.fp8 or tricks.compile):
-        what = "fp8 (torchao's float8)" if tricks.fp8 else "compile (torch.compile of each block)"
-        raise InputError(f"{tricks.label}: {what} is modelled as torchtitan runs it, on --stack fsdp2, torch or "
-                         f"reference; --stack {stack.key} runs Transformer Engine's kernels, not modelled")  # fmt: skip
+        what = f"{tricks.fp8_name} ({FP8_WHAT[tricks.fp8]})" if tricks.fp8 else "compile (torch.compile of each block)"
+        raise InputError(f"{tricks.label}: {what} is replayed on --stack fsdp2, torch or reference; --stack "
+                         f"{stack.key}'s own Transformer Engine modules are not modelled")  # fmt: skip
+
+
+FP8_WHAT = {"tensorwise": "torchao's float8", "rowwise": "torchao's float8", "te": "Transformer Engine's te.Linear"}

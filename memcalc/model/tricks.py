@@ -1,11 +1,15 @@
 """Trick sets: a precision recipe, FlashAttention, and how much of a layer backward recomputes.
 
-Names are the same everywhere (CLI, JSON, verify): fp32, fp16, bf16, fp8, fp8:rowwise, flash, ckpt, ckpt:N,
-selective, sac.
+Names are the same everywhere (CLI, JSON, verify): fp32, fp16, bf16, fp8, fp8:rowwise, fp8:te, flash, ckpt,
+ckpt:N, selective, sac.
   fp8        torchao's float8 training (convert_to_float8_training, as torchtitan's float8 converter applies it):
              every linear of the blocks cast to float8 on the fly, dynamic tensorwise scaling (e4m3, e5m2 for
              gradients), the matmuls on the FP8 tensor cores; fp8:rowwise its rowwise recipe (e4m3 throughout,
              power-of-two scales). The weights, gradients and saved activations stay in the 16-bit recipe.
+  fp8:te     Transformer Engine's te.Linear for every linear of the blocks, under fp8_autocast with delayed
+             scaling (DelayedScaling, Format.HYBRID: e4m3 forward, e5m2 gradients; the scale from an amax
+             history), as Composer's amp_fp8 and llm-foundry's fc_type te run it (memcalc.exact.aten_te):
+             each linear saves its input as an fp8 transpose and the weight's fp8 transpose for backward.
   compile    torch.compile of each block, as torchtitan compiles them: Inductor fuses the elementwise kernels
              between matmuls and attention into one each (memcalc.exact.inductor); the step time counts the
              fused kernels, the memory is the eager step's (its partitioner is not replayed)
@@ -25,8 +29,10 @@ from memcalc.records import record
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 RECOMPUTES = ("none", "selective", "full", "op")
-FP8_RECIPES = ("", "tensorwise", "rowwise")  # torchao.float8's Float8LinearRecipeName: none, or the one named
-TRICK_NAMES = ("fp32", "fp16", "bf16", "fp8", "fp8:rowwise", "flash", "compile", "ckpt", "ckpt:N", "selective", "sac")
+# torchao.float8's Float8LinearRecipeName (none, tensorwise, rowwise), or Transformer Engine's delayed scaling (te)
+FP8_RECIPES = ("", "tensorwise", "rowwise", "te")
+TRICK_NAMES = ("fp32", "fp16", "bf16", "fp8", "fp8:rowwise", "fp8:te", "flash", "compile", "ckpt", "ckpt:N",
+               "selective", "sac")  # fmt: skip
 MAX_CKPT_EVERY = 1024  # ckpt:N beyond any model's depth checkpoints nothing; refused past this
 
 
@@ -38,7 +44,7 @@ class Tricks:
     flash: bool = False  # FlashAttention: the s x s scores are never stored
     recompute: str = "none"  # none; selective (attention core only); full (whole blocks); op (sac)
     ckpt_every: int = 1  # with full: every Nth block is checkpointed (ckpt:N), the others keep everything
-    fp8: str = ""  # torchao float8 training of the blocks' linears: "" (none), tensorwise or rowwise
+    fp8: str = ""  # the blocks' linears in fp8: "" (none), torchao's tensorwise or rowwise, or te (Transformer Engine)
     compile: bool = False  # torch.compile of each block: the step's elementwise kernels fused (time only)
 
     def __post_init__(self) -> None:
@@ -47,9 +53,14 @@ class Tricks:
         if self.recompute not in RECOMPUTES:
             raise InputError(f"unknown recompute {self.recompute!r}; known: {', '.join(RECOMPUTES)}")
         if self.fp8 not in FP8_RECIPES:
-            raise InputError(f"unknown fp8 recipe {self.fp8!r}; known: tensorwise, rowwise")
+            raise InputError(f"unknown fp8 recipe {self.fp8!r}; known: tensorwise, rowwise, te")
         if self.fp8 and self.precision != "bf16":
-            raise InputError(f"fp8 casts bf16 linears to float8 (torchao); combine it with bf16, not {self.precision}")
+            raise InputError(f"{self.fp8_name} casts bf16 linears to float8; combine it with bf16, "
+                             f"not {self.precision}")  # fmt: skip
+        if self.fp8 == "te" and (self.compile or self.recompute == "op"):
+            raise InputError("fp8:te runs Transformer Engine's own CUDA extensions, which torch.compile does not "
+                             "trace and a per-op checkpoint policy does not see: combine it with ckpt or selective, "
+                             "not compile or sac")  # fmt: skip
         n = self.ckpt_every
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CKPT_EVERY:
             raise InputError(f"ckpt:N needs a whole N from 1 to {MAX_CKPT_EVERY}, got {n!r}")
@@ -80,10 +91,15 @@ class Tricks:
         return 4 if self.precision == "fp32" else 2
 
     @property
+    def fp8_name(self) -> str:
+        """The fp8 recipe's trick name: fp8 (torchao tensorwise), fp8:rowwise, fp8:te; "" without fp8."""
+        return "" if not self.fp8 else "fp8" if self.fp8 == "tensorwise" else f"fp8:{self.fp8}"
+
+    @property
     def names(self) -> list[str]:
         names = [self.precision]
         if self.fp8:
-            names.append("fp8" if self.fp8 == "tensorwise" else f"fp8:{self.fp8}")
+            names.append(self.fp8_name)
         if self.flash:
             names.append("flash")
         if self.compile:
@@ -126,11 +142,19 @@ def parse_tricks(text: str) -> Tricks:
         raise InputError(f"choose one way to recompute, not {' and '.join(modes)}: {RECOMPUTE_TEXT[modes[0]]}; "
                          f"{RECOMPUTE_TEXT[modes[1]]}")  # fmt: skip
     if len(set(fp8)) > 1:
-        raise InputError("choose one fp8 recipe: fp8 (tensorwise) or fp8:rowwise")
+        raise InputError("choose one fp8 recipe: fp8 (torchao tensorwise), fp8:rowwise or fp8:te (Transformer Engine)")
     recompute = "full" if every else "selective" if "selective" in names else "op" if "sac" in names else "none"
     return Tricks(precision=precisions[0] if precisions else "bf16", flash="flash" in names, recompute=recompute,
                   ckpt_every=every[0] if every else 1, fp8=fp8[0] if fp8 else "",
                   compile="compile" in names)  # fmt: skip
+
+
+def check_measurable(tricks: Tricks) -> None:
+    """What memcalc verify can measure: not fp8:te, whose te.Linear needs Transformer Engine's CUDA extensions
+    (a build against the local CUDA toolkit, no CPU or meta kernels)."""
+    if tricks.fp8 == "te":
+        raise InputError(f"{tricks.label}: verify cannot measure fp8:te without Transformer Engine and a CUDA GPU "
+                         "(its te.Linear runs no CPU or meta kernels); memcalc estimate replays it")  # fmt: skip
 
 
 def layer_uniform(tricks: Tricks) -> bool:

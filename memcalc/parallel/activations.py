@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memcalc.model.moe import routed_tokens
+from memcalc.model.params import linear_weights
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.records import record
@@ -91,12 +92,35 @@ def layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
         split = Term("Q, K, V, projection input (8·s·b·h), MLP activation in/out (4·s·b·f)",
                      x * (8 * sbh + 4 * sbf) // t, f"{k}(8·{sym} + 4·{sym_f}){by_t}",
                      f"{MEGATRON} {MEGATRON_MEMORY} compute_activation_memory: 18 + 4·f/h")  # fmt: skip
+    if tricks.fp8 == "te":
+        replicated, split, weights = te_terms(shape, sbh, t, rep, sym, by_t, by_rep, where)
     s_sq = "{s}²" if cp == 1 else "({s}/{c})²"
     scores = Term("attention s×s (softmax, mask, dropout)", x * 5 * a * s * s * b // t,
                   f"{k}5·{{a}}·{s_sq}·{{b}}{by_t}", KORTHIKANTI_T2)  # fmt: skip
     layer_input = Term("layer input (checkpoint)", x * 2 * sbh // rep, f"{k}2·{sym}{by_rep}",
                        "Korthikanti et al. 2022, sec. 5 and Table 2")  # fmt: skip
+    if tricks.fp8 == "te":  # the fp8 weight transposes are saved as the layer's forward runs, rebuilt with it
+        return kept_and_rebuilt(tricks, tp, sp, cp, (replicated, split, weights, scores), scores, layer_input)
     return kept_and_rebuilt(tricks, tp, sp, cp, (replicated, split, scores), scores, layer_input)
+
+
+TE_LINEAR = "transformer_engine/pytorch/module/linear.py @ v0.10 _Linear.forward: save_for_backward"
+
+
+def te_terms(shape: ModelShape, sbh: int, t: int, rep: int, sym: str, by_t: str, by_rep: str,
+             where: str) -> tuple[Term, Term, Term]:  # fmt: skip
+    """Table 2's terms under fp8:te: each te.Linear saves its input as an e4m3 transpose, one byte an element
+    (the QKV and MLP inputs 2 -> 1 of the 10, the projection input 2 -> 1 and the GeLU output, the second MLP
+    linear's input, 8 -> 4 of the 24), and the e4m3 transpose of its weight, one byte a weight of the block's
+    linears (on this TP rank: 1/t of them), for each micro-batch in flight."""
+    h, q, kv, f, m = shape.hidden, shape.q_dim, shape.kv_dim, shape.ffn, 3 if shape.gated_mlp else 2
+    replicated = Term("norm inputs, QKV and MLP inputs (fp8), dropout masks", 8 * sbh // rep, f"8·{sym}{by_rep}",
+                      f"{KORTHIKANTI_T2}{where}; the linears' inputs in fp8: {TE_LINEAR}")  # fmt: skip
+    split = Term("Q, K, V, projection input (fp8), GeLU in, GeLU out (fp8)", 19 * sbh // t, f"19·{sym}{by_t}",
+                 f"{KORTHIKANTI_T2}; the linears' inputs in fp8: {TE_LINEAR}")  # fmt: skip
+    weights = Term("the linears' fp8 weight transposes (weight_t_fp8)", linear_weights(shape) // t,
+                   f"({h}·{q} + 2·{h}·{kv} + {q}·{h} + {m}·{h}·{f}) B" + by_t, TE_LINEAR)  # fmt: skip
+    return replicated, split, weights
 
 
 def sac_layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, tp: int, sp: bool,

@@ -169,7 +169,7 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     check_size("global batch", global_batch, limit=MAX_BATCH)
     check_size("top", top, limit=1000)
     check_without(without)
-    check_precision(gpu, tricks.precision, tricks.fp8)
+    check_precision(gpu, tricks.precision, tricks.fp8_name)
     without = tuple(sorted(set(without)))
     timing = calibration_for(gpu.key) if timing is None else timing
     if not isinstance(timing, float) and not traceable(model.shape):  # no kernels to time: the default MFU does

@@ -178,7 +178,7 @@ def check_possible(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_s
 def mfu_report(model: Model, gpu, tricks: Tricks, seq_len: int, tokens_per_second: float) -> MfuReport:
     check_positions(model.shape, seq_len)
     check_layer_uniform(tricks, "the published MFU conventions")
-    check_precision(gpu, tricks.precision, tricks.fp8)  # no bf16 peak to hold a V100's throughput against
+    check_precision(gpu, tricks.precision, tricks.fp8_name)  # no bf16 peak to hold a V100's throughput against
     check_possible(model, gpu, tricks, seq_len, tokens_per_second)
     peak = gpu.peak_flops(tricks.precision)
     rows = []

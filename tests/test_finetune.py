@@ -67,6 +67,7 @@ def test_estimate_and_fit_answer():
     (["--lora", "16", "--zero", "2", "--gpus", "4"], "plain data parallelism"),
     (["--freeze", "32"], "leave one to train"),
     (["--lora", "16", "--lora-dropout", "1.5"], "lora-dropout"),
+    (["--lora", "16", "--freeze", "2,4"], "one number of blocks"),
 ])  # fmt: skip
 def test_refused_in_one_line(args, says):
     r = run("estimate", "--model", "llama3-8b", "--seq", "1024", *args)
@@ -133,3 +134,13 @@ def test_the_numbers_docs_finetune_quotes():
     assert f"{size / count:.2f} bytes a parameter with double quantisation" in page
     assert f"{LLAMA.hidden} × {LLAMA.ffn} × 2 bytes for Llama-3-8B" in page
     assert f"more than {MAX_FUSED_TOKENS:,} tokens a micro-batch" in page and f"Below {MAX_FUSED_TOKENS:,} tokens" in page
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("how", [["--lora", "16"], ["--freeze", "embeddings"], ["--lora", "16", "--quantize", "nf4"]])
+def test_experts_and_latent_attention_are_refused(model, how):
+    """PEFT's LoRA is replayed on the dense decoders (hf_lora.LORA_ARCHS): a mixture of experts or latent
+    attention is one line, never a step whose state counts one dense MLP's adapters."""
+    for command in ("estimate", "fit"):
+        r = run(command, "--model", model, "--seq", "1024", *how)
+        assert r.exit_code == 2 and "the hf stack builds" in r.output and r.output.count("\n") == 1, r.output

@@ -281,3 +281,20 @@ def test_smaller_formats_hold_fewer_bytes(model, tp):
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
     assert all(weights(job(model, context=512, weights=f, tp=tp)).params == weights(job(model, context=512, tp=tp)).params
                for f in ("fp8", "int4-awq"))  # fmt: skip
+
+
+def test_a_model_too_big_shows_no_negative_cache():
+    """DeepSeek-V3's weights on a 24 GB card: the KV cache is 0 bytes and the shortfall is said, never a
+    negative size (vLLM raises "No available memory for the cache blocks")."""
+    a = serve(job("deepseek-v3", "rtx4090"))
+    b = a.budget.binding
+    assert b.available == 0 and b.num_blocks == 0
+    assert b.shortfall == -int(a.budget.total * 0.9 - (b.weights + b.activations)) > 0
+    assert not a.fits and all(c.requests >= 0 and c.longest_context >= 0 for c in a.changes)
+
+
+def test_flashmla_blocks_only_where_flashmla_runs():
+    """vLLM forces 64-token blocks under MLA where FlashMLA runs (Hopper, Blackwell), else keeps 16."""
+    assert job("deepseek-v3", "h100-sxm").page_tokens == 64
+    assert job("deepseek-v3", "a100-80gb").page_tokens == job("deepseek-v3", "rtx4090").page_tokens == 16
+    assert job("llama3-8b", "h100-sxm").page_tokens == 16

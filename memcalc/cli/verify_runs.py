@@ -69,7 +69,7 @@ def draw_timeline(results, images: list, units: str) -> None:
     for path, flag in images:
         save_timeline([series_of(p, "predicted"), measured_series(m)], path, units,
                       title=f"{results[0].model}, {p.tricks.label}: measured on {m.device} over the prediction",
-                      flag=flag, dashed=(1,), marks=[[], list(overlay.differing)])  # fmt: skip
+                      flag=flag, dashed=(1,), marks=[[], list(overlay.measured_marks)])  # fmt: skip
         print(f"wrote {path}", file=sys.stderr)
 
 
@@ -235,7 +235,7 @@ def overlay_lines(r, d: render.Display) -> list[str]:
 
     o = r.timeline
     lines = chart_lines([series_of(o.predicted, "predicted"), measured_series(o.measured)], d.units,
-                        marks=[[], list(o.differing)])  # fmt: skip
+                        marks=[[], list(o.measured_marks)])  # fmt: skip
     verdict = o.first_difference or f"all {o.coinciding:,} events coincide: the same op, bytes and live bytes"
     head = ["", f"The step event by event, predicted and measured on {o.measured.device}: {verdict}"]
     return head + (["```text", *lines, "```"] if d.fmt == "markdown" else lines)

@@ -75,6 +75,12 @@ def check_finetune(model: Model, setup: Setup, lay: Layout) -> None:
     if not plain_data_parallel(lay):
         raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of plain data parallelism (no ZeRO, "
                          "offload, tensor, pipeline, context or expert parallel)")  # fmt: skip
+    from memcalc.exact.hf import arch_for
+    from memcalc.exact.hf_lora import not_replayed
+
+    why = not_replayed(ft, arch_for(model.shape), "hf")  # a mixture of experts or latent attention: not built
+    if why:
+        raise InputError(why)
     if ft.frozen_blocks >= model.shape.n_layers:
         raise InputError(f"--freeze {ft.frozen_blocks}: {model.shape.name or 'the model'} has "
                          f"{model.shape.n_layers} blocks; leave one to train")  # fmt: skip

@@ -139,6 +139,8 @@ def parse_freeze(text: str | None) -> tuple[tuple[str, ...], int]:
     parts, blocks = [], 0
     for item in (x.strip().lower() for x in (text or "").split(",") if x.strip()):
         if item.isdigit():
+            if blocks:
+                raise InputError(f"--freeze takes one number of blocks (the first N), got {blocks} and {item}")
             blocks = int(item)
         elif item in FREEZABLE:
             parts.append(item)

@@ -32,7 +32,7 @@ def load_gpu(path: str) -> GPU:
     """The card the file describes (see the module's docstring)."""
     from .gpu_table import GPUS
 
-    data = read_json_object(path.strip(), "GPU file")
+    data = read_json_object(path.strip(), "GPU")
     unknown = [k for k in data if k not in REQUIRED and k not in OPTIONAL]
     if unknown:
         raise InputError(f"GPU file {path}: unknown field {brief(unknown[0])}; known: "

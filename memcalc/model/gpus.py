@@ -105,7 +105,7 @@ def check_precision(g: GPU, precision: str, fp8: str = "") -> None:
         raise InputError(f"bf16 needs bf16 tensor cores (Ampere or later); the {g.name} has none "
                          "(torch.cuda.is_bf16_supported() is False there): use fp16")  # fmt: skip
     if fp8 and not g.fp8_tflops:
-        raise InputError(f"{fp8} needs FP8 tensor cores (Hopper or later); the {g.name} has none")
+        raise InputError(f"{fp8} needs FP8 tensor cores (Ada, Hopper or later); the {g.name} has none")
 
 
 def gpu(key: str) -> GPU:

@@ -83,7 +83,7 @@ def parse_headroom(text: str) -> tuple[int | None, float | None]:
         if not (math.isfinite(share) and 0 <= share < 1):
             raise InputError(f"--headroom share must be in [0%, 100%), got {text!r}")
         return None, share
-    if raw.replace(".", "", 1).isdigit():  # '2' is neither 2 bytes nor 2 GB: say which
+    if not raw.rstrip("0123456789.eE+-"):  # '2' (or 5e9) is neither 2 bytes nor 2 GB: say which
         raise InputError(f"--headroom {text!r}: give a size with its unit (2GB) or a share (10%)")
     return parse_bytes(text, "headroom", MAX_MEMORY_MIB * MIB), None
 
@@ -94,7 +94,7 @@ def cublas_workspace(arch: str) -> int:
         blas = 128 * MIB if arch.startswith(("gfx94", "gfx95")) else 32 * MIB
         return blas + 76 * MIB
     blas = 32 * MIB if arch == "sm90" else 4096 * 1024 * 2 + 16 * 1024 * 8
-    return blas + min(1 * MIB, blas)
+    return blas + MIB  # cuBLASLt's own workspace: 1 MiB
 
 
 @lru_cache(maxsize=4096)  # the planner asks it of every layout it searches

@@ -48,8 +48,9 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
         ["- weights", sized(b.binding.weights, units),
          f"{u.params(a.weights.params)} parameters, {WEIGHT_LABELS[j.weights]}"],
         ["- activation peak", sized(b.binding.activations, units), profile_label(a)],
-        ["= KV cache", sized(max(0, b.available), units) if b.available >= 0 else f"{u.size(b.available, units)}",
-         f"{b.num_blocks:,} blocks of {b.block_size} tokens x {b.binding.group_size} layers"],
+        ["= KV cache", sized(b.available, units),
+         f"short by {u.size(b.binding.shortfall, units)}: the weights and activations exceed it"
+         if b.binding.shortfall else f"{b.num_blocks:,} blocks of {b.block_size} tokens x {b.binding.group_size} layers"],
     ]  # fmt: skip
     if j.kv_cache_memory is not None:
         s.rows[-1][0] = "KV cache, given"
@@ -98,7 +99,8 @@ def fit_section(a: ServeAnswer) -> Section:
               ["concurrent requests", f"{a.requests:,}" + (" (max_num_seqs)" if a.requests == j.seqs else "")],
               ["longest context, one request", context_label(a.longest_context)]]  # fmt: skip
     s.notes = ["as vLLM logs them: \"GPU KV cache size\", \"Maximum concurrency for N tokens per request\" "
-               "(vllm/v1/core/kv_cache_utils.py); the longest context is estimate_max_model_len's"]
+               "(vllm/v1/core/kv_cache_utils.py); the longest context is estimate_max_model_len's search, "
+               "not stopped at max_model_len as vLLM's is"]
     return s
 
 
@@ -147,7 +149,7 @@ def serve_sections(a: ServeAnswer, units: str, detail: bool = False) -> list[Sec
 
 def serve_verdict(a: ServeAnswer) -> str:
     j, b = a.job, a.budget
-    if b.available <= 0:
+    if b.binding.shortfall or not b.available:
         taken = b.binding.weights + b.binding.activations
         return (f"Does not fit: the weights and the activation peak take {u.size(taken)} of the "
                 f"{u.size(b.requested)} vLLM may use, and nothing is left for the KV cache.")

@@ -97,8 +97,10 @@ def alternatives(job: ServeJob) -> list[tuple[str, ServeJob]]:
         out.append((f"--tp {2 * job.tp}", replace(job, tp=2 * job.tp)))
     if job.gpu_memory_utilization < 0.95 and job.kv_cache_memory is None:
         out.append(("--gpu-memory-utilization 0.95", replace(job, gpu_memory_utilization=0.95)))
-    if job.context > 1 and job.kv_cache_memory is None:
-        out.append((f"--context {job.context // 2}", replace(job, context=job.context // 2)))
+    if job.kv_cache_memory is None:
+        held = fitting(job)[-1]  # the longest request the blocks hold, if shorter than asked
+        if 0 < held < job.context:
+            out.append((f"--context {held}", replace(job, context=held)))
     return out
 
 

@@ -119,7 +119,8 @@ class StageBudget:
     stage: Stage
     weights: int
     activations: int
-    available: int  # int(total x utilization - weights - activations): for the KV cache
+    available: int  # int(total x utilization - weights - activations) for the KV cache, 0 if they exceed it
+    shortfall: int  # by how much they exceed it (0: they fit)
     group_size: int  # the most layers of the stage in one group: the tensors a block spans here
     num_blocks: int  # available // page // group_size (kv_cache_utils.py get_num_blocks)
 
@@ -174,9 +175,10 @@ def stage_budget(job: ServeJob, stage: Stage, weights: int, activations: int, pa
     """determine_available_memory and get_num_blocks on the stage's GPU, its groups being the model's
     projected onto its layers (_project_kv_cache_groups_to_worker). --kv-cache-memory is taken as given,
     as determine_available_memory returns cache_config.kv_cache_memory_bytes without profiling."""
-    available = job.kv_cache_memory or int(job.gpu.memory_bytes * job.gpu_memory_utilization - (weights + activations))
+    left = job.kv_cache_memory or int(job.gpu.memory_bytes * job.gpu_memory_utilization - (weights + activations))
+    available, shortfall = max(0, left), max(0, -left)
     size = max(sum(1 for i in g.layers if stage.start <= i < stage.end) for g in groups)
-    return StageBudget(stage, weights, activations, available, size, max(0, available // page // size))
+    return StageBudget(stage, weights, activations, available, shortfall, size, available // page // size)
 
 
 def budget(job: ServeJob, stages: tuple[tuple[Stage, Weights, ActivationPeak], ...]) -> Budget:

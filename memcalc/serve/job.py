@@ -108,13 +108,16 @@ class ServeJob:
 
     @property
     def page_tokens(self) -> int:
-        """Tokens per KV block: --block-size, else 16 (64 under MLA, FlashMLA's)."""
-        return self.block_size or (FLASHMLA_BLOCK_SIZE if self.model.shape.is_mla else CUDA_BLOCK_SIZE)
+        """Tokens per KV block: --block-size, else 16; 64 under MLA on a GPU FlashMLA runs on (Hopper and
+        Blackwell datacenter parts, sm90 and sm100: vllm/attention/ops/flashmla.py is_flashmla_supported; elsewhere
+        vLLM's Triton MLA keeps 16)."""
+        flashmla = self.model.shape.is_mla and self.gpu.arch in ("sm90", "sm100")
+        return self.block_size or (FLASHMLA_BLOCK_SIZE if flashmla else CUDA_BLOCK_SIZE)
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes of an activation: fp16 for an fp16 model, else bf16 (fp8 and weight-only int formats
-        compute in 16 bits)."""
+        """Bytes of an activation: 2, every weight format computing in 16 bits (bf16 or fp16; fp8 and the
+        weight-only int formats dequantize to them)."""
         return 2
 
     @property

@@ -49,6 +49,12 @@ class Overlay:
         return tuple(out + list(range(n, max(len(p.ops), len(m.ops)))))
 
     @property
+    def measured_marks(self) -> tuple[int, ...]:
+        """The differing events the measured series has (where the prediction runs longer, its extra events
+        are past the measurement's end: the first difference names them)."""
+        return tuple(i for i in self.differing if i < len(self.measured.live_bytes))
+
+    @property
     def coinciding(self) -> int:
         """How many events coincide."""
         return max(len(self.predicted.ops), len(self.measured.ops)) - len(self.differing)

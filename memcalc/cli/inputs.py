@@ -5,7 +5,10 @@ thing that cannot be."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
+
+import typer
 
 from memcalc.errors import InputError
 from memcalc.model.presets import MAX_PARAMS, PRESETS, canonical_model, gpt, preset_model
@@ -104,6 +107,13 @@ def resolve_gpu(spec: str, memory: str | None = None, headroom: str | None = Non
     fabric_of(card)
     headroom_of(card)
     return card
+
+
+
+def fail(message: str) -> None:
+    """Bad input: one line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
 
 
 def check_format(fmt: str) -> str:

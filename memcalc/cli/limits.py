@@ -1,0 +1,103 @@
+"""`memcalc fit` (the longest sequence and largest micro-batch one GPU holds under a trick set) and `memcalc
+mfu` (a measured throughput's MFU and HFU under every FLOPs convention), registered in commands.
+
+No `from __future__ import annotations` here: typer reads every option's annotation.
+"""
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from memcalc.errors import InputError
+from memcalc.report import render
+
+from .inputs import build_layout, build_setup, check_format, fail, parse_positive, render_units, resolve_gpu
+from .options import (Config, DataParallelGpus, Detail, ExactBytes, Ffn, Format, Freeze, GpuMemory, GpuOpt,
+                      HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers, Lora, LoraDropout,
+                      LoraTargets, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params, Quantize, RecipeOpt,
+                      Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
+
+def fit(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None,
+    seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
+    optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
+    host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
+    optimizer_impl: ImplOpt = None, no_cache: NoCache = False, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
+    headroom: HeadroomOpt = None, detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
+    units: Units = "gb", lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
+    quantize: Quantize = None, freeze: Freeze = None,
+) -> None:  # fmt: skip
+    """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
+    try:
+        from memcalc.engine.fit import fit_limits
+        from memcalc.model.tricks import parse_tricks
+
+        from .inputs import resolve_model, seq_for
+
+        fmt, units = check_format(fmt), render_units(units)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
+        setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
+                            optimizer_impl, no_cache=no_cache,
+                            finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
+        layout = build_layout(gpus, zero=zero, offload=offload)  # data parallel: fit solves one GPU of it
+        limits = fit_limits(the_model, setup, resolve_gpu(gpu, gpu_memory, headroom), parse_tricks(tricks), layout)
+    except InputError as e:
+        fail(str(e))
+    from memcalc.report import fit as report
+    from memcalc.report.headroom import fragmentation_note, headroom_line
+
+    rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch, limits.max_seq_len,
+             limits.max_micro_batch]]  # fmt: skip
+    headers = ["gpu", "tricks", "seq_len", "micro_batch", "max_seq_len", "max_micro_batch"]
+    render.emit(fmt, limits, report.fit_sections(limits, units, detail),
+                [f"Model: {the_model.origin}", headroom_line(limits.headroom, units),
+                 *fragmentation_note(limits.headroom, [v.free_bytes for v in (limits.memory_at_max_seq,
+                                                                              limits.memory_at_max_batch) if v])],
+                (headers, rows),
+                exact=detail or exact_bytes, after=[report.fit_verdict(limits)])  # fmt: skip
+
+
+def mfu(
+    params: Params = None, model: ModelName = None, config: Config = None,
+    layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
+    ffn: Ffn = None, vocab: Vocab = None, seq: Seq = None,
+    tokens_per_sec: Annotated[Optional[str], typer.Option("--tokens-per-sec", help="Measured tokens per second per GPU.", metavar="X")] = None,
+    step_time: Annotated[Optional[str], typer.Option("--step-time", help="Measured seconds per optimizer step (with --global-batch).", metavar="S")] = None,
+    global_batch: Annotated[Optional[str], typer.Option("--global-batch", help="Sequences per step, all GPUs together.", metavar="N")] = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the step ran on (with --step-time; --tokens-per-sec is per GPU).", metavar="N", show_default="1")] = None,
+    tricks: Annotated[str, typer.Option("--tricks", help="Precision (the peak it is held against) and recompute (for HFU).", metavar="LIST")] = "bf16",
+    gpu: GpuOpt = "h100-sxm", fmt: Format = "table",
+) -> None:  # fmt: skip
+    """MFU and HFU of a measured throughput under every FLOPs convention in use, side by side."""
+    try:
+        from memcalc.memory.state import MAX_GPUS
+        from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
+        from memcalc.model.tricks import parse_tricks
+        from memcalc.time.mfu import mfu_report, tokens_per_gpu_second
+
+        from .inputs import resolve_model, seq_for
+
+        fmt = check_format(fmt)
+        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
+        t = parse_tricks(tricks)
+        seq_len = parse_seq(seq)
+        rate = tokens_per_gpu_second(
+            None if tokens_per_sec is None else parse_positive(tokens_per_sec, "tokens-per-sec"),
+            None if step_time is None else parse_positive(step_time, "step-time"),
+            None if global_batch is None else parse_count(global_batch, "global-batch", MAX_BATCH),
+            seq_len, None if gpus is None else parse_count(gpus, "gpus", MAX_GPUS),
+        )  # fmt: skip
+        result = mfu_report(the_model, resolve_gpu(gpu), t, seq_len, rate)
+    except InputError as e:
+        fail(str(e))
+    from memcalc.report import mfu as report
+
+    for warning in report.mfu_warnings(result):
+        print(f"warning: {warning}", file=sys.stderr)
+    csv_table = (report.MFU_CSV_HEADERS, report.mfu_csv_rows(result))
+    render.emit(fmt, result, report.mfu_sections(result), report.mfu_preamble(result), csv_table)

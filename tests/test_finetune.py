@@ -61,7 +61,7 @@ def test_estimate_and_fit_answer():
 @pytest.mark.parametrize("args,says", [
     (["--lora", "16", "--stack", "torch"], "--stack hf"),
     (["--quantize", "nf4"], "option of LoRA"),
-    (["--lora", "16", "--quantize", "int8"], "8-bit base is not replayed"),
+    (["--lora", "16", "--quantize", "int8"], "LLM.int8()"),
     (["--lora", "16", "--lora-targets", "q,wq"], "unknown LoRA target"),
     (["--lora", "16", "--freeze", "head"], "already freezes"),
     (["--lora", "16", "--zero", "2", "--gpus", "4"], "plain data parallelism"),

@@ -7,11 +7,12 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from memcalc.cli import app
+from memcalc.errors import InputError
 from memcalc.exact.step import step_phases
 from memcalc.exact.timeline import ranges, step_timeline
 from memcalc.model.presets import PRESETS
@@ -64,7 +65,10 @@ def test_the_series_peaks_where_the_grown_step_does(layers, seq, micro_batch, tr
     shape = ModelShape(n_layers=layers, hidden=64, n_heads=4, n_kv_heads=2, ffn=160, gated_mlp=True, norm="rmsnorm",
                        vocab=200, tied_embeddings=False, positions="rope")  # fmt: skip
     t, s = parse_tricks(tricks), stack_for(stack)
-    p = step_phases(shape, seq, micro_batch, t, grad_accum, s)
+    try:
+        p = step_phases(shape, seq, micro_batch, t, grad_accum, s)
+    except InputError:  # a trick set the stack refuses (hf checkpoints every layer or none: no ckpt:3)
+        assume(False)
     tl = step_timeline(shape, seq, micro_batch, t, grad_accum, s)
     assert (tl.peak_bytes, tl.peak_at) == (p.step_peak_bytes, max(
         [(p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),

@@ -42,7 +42,9 @@ def not_replayed(finetune: Finetune, arch: str, model: str) -> str | None:
         what = "LoRA is" if finetune.lora else "frozen weights are"
         return f"{what} replayed on Transformers' {', '.join(LORA_ARCHS)}, not {arch}"
     if finetune.quantize not in ("", "nf4"):
-        return f"--quantize {finetune.quantize}: bitsandbytes' 8-bit base is not replayed yet (nf4 is: QLoRA)"
+        return (f"--quantize {finetune.quantize}: bitsandbytes' LLM.int8() splits out the input columns past "
+                "llm_int8_threshold (6.0 in Transformers' BitsAndBytesConfig), as many as the data has: its "
+                "memory is not a function of the shape, so it is not replayed (nf4 is: QLoRA)")  # fmt: skip
     return None
 
 

@@ -1,5 +1,7 @@
 """Bytes per collective with the ring factors named, the link table, the bubble, step time and MFU."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -213,3 +215,24 @@ def test_a_ring_across_nodes_runs_on_the_nics_of_its_ranks_in_each_node():
     assert link_for(a100, 64, 8).gb_per_s == 25  # point-to-point: each GPU's own
     h100 = FABRICS["h100-sxm"]
     assert link_for(h100, 64, 8, 64).gb_per_s == min(h100.intra.gb_per_s, 8 * h100.inter.gb_per_s) == 400
+
+
+def test_tied_embeddings_sync_between_the_first_and_last_stage_on_megatron():
+    """finalize_model_grads._allreduce_word_embedding_grads: once per step, the word embedding's V/t·h
+    gradients all-reduced between the two stages that hold it (two ranks: one message each way), exposed;
+    not where the embedding is untied, without a pipeline, or on another engine."""
+    from memcalc.model.stacks import STACKS
+
+    gpt = preset_model("gpt3-175b")
+    setup = Setup(seq_len=2048, micro_batch=1, grad_accum=16, stack=STACKS["megatron"])
+    lay = Layout(tp=8, pp=8, dp=2, sp=True)
+    est = layout_estimate(gpt, setup, H100, Tricks(flash=True), lay)
+    (tied,) = [c for c in est.time.comms if c.name.startswith("tied embedding")]
+    gw = 4  # Megatron-LM's fp32 main_grad under bf16
+    assert tied.bytes == -(-gpt.shape.vocab // 8) * gpt.shape.hidden * gw and tied.calls == 1
+    assert tied.link == "ndr" and tied.exposed_seconds == tied.seconds == tied.bytes / (50e9 * 0.8)
+    llama = preset_model("llama3-70b")  # untied
+    untied = layout_estimate(llama, replace(setup, grad_accum=16), H100, Tricks(flash=True), lay)
+    assert not [c for c in untied.time.comms if c.name.startswith("tied embedding")]
+    one_stage = layout_estimate(gpt, setup, H100, Tricks(flash=True), Layout(tp=8, dp=2, sp=True))
+    assert not [c for c in one_stage.time.comms if c.name.startswith("tied embedding")]

@@ -32,7 +32,7 @@ from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.stages import StageKernels, block_lower_bound, stage_kernels
 
-from .data_parallel import cpu_adam_seconds, dp_comm, offload_comm, unit_fraction
+from .data_parallel import cpu_adam_seconds, dp_comm, offload_comm, tied_embedding_comm, unit_fraction
 from .engines import grad_reduce_bytes
 from .experts import busiest_experts_flops, ep_comm, expert_dp_comm, moe_tokens
 from .layout import Layout
@@ -213,6 +213,7 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
     unit = unit_fraction(model.shape, layout.tp, layout.pp) if engine == "fsdp2" else 0.0
     dp = dp_comm(layout, params, w, gw, m, fabric, assume, mb, engine, unit)
     dp += expert_dp_comm(layout, experts, w, gw, m, fabric, assume, mb)
+    dp += tied_embedding_comm(layout, model.shape, gw, engine, fabric, assume) if ft.trains_all else []
     tokens = layout.dp * m * setup.micro_batch * setup.seq_len
     f = step_flops(model.shape, setup.seq_len, tricks)
     comms = tuple(per_step + dp + host)

@@ -84,6 +84,21 @@ def dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric
     return out
 
 
+
+def tied_embedding_comm(layout: Layout, shape: ModelShape, gw: int, engine: str, fabric: Fabric,
+                        assume: Assumptions) -> list[Comm]:  # fmt: skip
+    """Megatron-LM's pipeline keeps the tied word embedding on the first stage and its copy on the last, and
+    all-reduces their gradients between the two once per step, after the data-parallel reduction and before
+    the optimizer, nothing left to hide behind (megatron/core/distributed/finalize_model_grads.py
+    _allreduce_word_embedding_grads @ d98e8a64ddf34856e74b24714e3bedb2f5a39553): vocab/t · h gradients, two
+    ranks a whole pipeline apart."""
+    if engine != "megatron" or layout.pp == 1 or not shape.tied_embeddings:
+        return []
+    grads = -(-shape.vocab // layout.tp) * shape.hidden * gw
+    link = link_for(fabric, layout.tp * layout.cp * layout.dp * layout.pp, layout.gpus_per_node)
+    return [ring("tied embedding gradient all-reduce, first and last stage", "pp", 2, link, 1, 2, grads,
+                 f"2(n−1)/n · V/t·h·{gw}, n = 2", assume, 0.0, 0.0)]  # fmt: skip
+
 def gradient_tail(engine: str, params: int, ranks: int, unit: float) -> float:
     """The share of the gradients reduced after the last backward compute: Megatron-LM's last bucket
     (megatron_bucket_size parameters), DeepSpeed's last reduce bucket (5e8 elements, deepspeed/runtime/zero/

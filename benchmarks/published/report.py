@@ -62,8 +62,10 @@ SOURCE_DEFAULTS = {
                            "assume": {"overlap_tp": 1.0, "overlap_pp": 1.0}},
     # Megatron-LM in 2020 reduces gradients with its `local` DDP after the whole forward-backward: train_step
     # calls model.allreduce_params() once backward_step has returned (megatron/training.py @ 50a4b5f), nothing
-    # overlaps
-    "megatron_lm_readme_2020": {"assume": {"overlap_dp": 0.0}},
+    # overlaps. At the README's commit (5281919) it has --fp16 and no bf16 (megatron/arguments.py), and every
+    # GPT-2 example script passes --checkpoint-activations (examples/pretrain_gpt2*.sh): without it none of the
+    # twelve jobs fits (memcalc: 43-80 GB a GPU on 32 and 40 GB cards; with it 21-28 GB)
+    "megatron_lm_readme_2020": {"assume": {"overlap_dp": 0.0}, "recompute": "full", "precision": "fp16"},
     "torchtitan_performance": TORCHTITAN,
     "torchtitan_performance_2024_08": TORCHTITAN,
     "torchtitan_asynctp_h100": TORCHTITAN,
@@ -219,7 +221,8 @@ def tricks_of(run: Run) -> Tricks:
     if recompute not in RECOMPUTE:
         raise Inexpressible(f"recompute {recompute} with its interval (every how many blocks) not published")
     flash = run.flash if run.flash is not None else defaults(run).get("flash", False)
-    precision = "fp16" if run.gpu.startswith("v100") else "bf16"  # 16-bit mixed precision: one peak either way
+    precision = run.precision if run.precision in ("fp16", "bf16") else defaults(run).get("precision")
+    precision = precision or ("fp16" if run.gpu.startswith("v100") else "bf16")  # 16-bit mixed: one peak either way
     return Tricks(precision, flash=flash, recompute=RECOMPUTE[recompute], fp8=FP8.get(run.precision, ""),
                   compile=bool(run.compile))  # fmt: skip
 

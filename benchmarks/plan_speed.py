@@ -30,7 +30,7 @@ def clear_caches() -> None:
     for fn in (params.gpu_params, params.sharded_state, activations.layer_activations, buffers.zero3_buffers,
                buffers.cp_buffers, buffers.logits_terms, pipeline.stage_layers, pipeline.moe_split, comm.tp_shape,
                data_parallel.unit_fraction, comm.matmul_weights, kernels.step_flops, moe_mla.moe_layer_count,
-               stages.kernel_table, stages.stage_kernels, stages.moe_kernels, stages.moe_parts,
+               stages.kernel_parts, stages.kernel_table, stages.stage_kernels, stages.moe_kernels, stages.moe_parts,
                stages.block_kernels_of_one, stages.block_lower_bound):  # fmt: skip
         fn.cache_clear()
     kernels.TRACES.clear()

@@ -5,18 +5,25 @@ whichever worker is free: a test must not count on another having run in its pro
 `python -m pytest -n0 ...` runs them all in the pytest process instead.
 """
 
+import functools
 import gc
 import os
 import shutil
 import tempfile
 
 import pytest
+import typer.testing
 from hypothesis import settings
 
 # No per-example deadline: a property holds or not whatever the machine's load, and a shared CI
 # runner (or two xdist workers on two cores) can stretch one example past hypothesis's 200 ms.
 settings.register_profile("memcalc", deadline=None)
 settings.load_profile("memcalc")
+
+# typer's CliRunner builds the click command from the app's functions' signatures at every invoke (~8 ms,
+# a thousand invokes a run): build each app's once. A click command keeps no state between invocations.
+if hasattr(typer.testing, "_get_command"):
+    typer.testing._get_command = functools.cache(typer.testing._get_command)
 
 # One intra-op thread per process, set before torch is imported. The tensors here are tiny: with
 # two xdist workers on two cores, two OpenMP threads each only contend (the CPU stand-in tests

@@ -93,10 +93,20 @@ def planner(report):
         sys.path.remove(str(FOLDER))
 
 
+def assert_planned_within_20_percent(planner, sources: tuple[str, ...], jobs: int) -> None:
+    got = planner.planned_rows(sources)
+    assert len(got) == jobs and all(0.8 <= r.ratio <= 1.2 for r in got), [(r.key, r.ratio) for r in got]
+
+
 def test_the_planner_promises_no_more_than_megatrons_own_searches_measured(planner):
     """Given the kernels and tricks the runs had (no flash; Narayanan 2021 without SP or the distributed
-    optimizer, Korthikanti 2022 with SP; Megatron-Core's 2024 README with flash and SP, no offload), plan's
-    top layout is within 20% of what Megatron-LM measured with the layouts its authors searched for
-    (Narayanan et al. 2021 Table 1, Korthikanti et al. 2022, the README's model table)."""
-    got = planner.planned_rows(("narayanan2021", "korthikanti2022", "megatron_lm_readme"))
-    assert len(got) == 30 and all(0.8 <= r.ratio <= 1.2 for r in got), [(r.key, r.ratio) for r in got]
+    optimizer, Korthikanti 2022 with SP), plan's top layout is within 20% of what Megatron-LM measured with the
+    layouts its authors searched for (Narayanan et al. 2021 Table 1, Korthikanti et al. 2022)."""
+    assert_planned_within_20_percent(planner, ("narayanan2021", "korthikanti2022"), 19)
+
+
+@pytest.mark.slow("test_the_planner_promises_no_more_than_megatrons_own_searches_measured: the papers' 19 jobs")
+def test_the_planner_promises_no_more_than_megatron_cores_readme_measured(planner):
+    """Megatron-Core's 2024 README model table, with flash and SP, the distributed optimizer and CP, no offload:
+    the larger search (some 10 s here) of the same bound."""
+    assert_planned_within_20_percent(planner, ("megatron_lm_readme",), 11)

@@ -151,6 +151,8 @@ TINY_LLAMA = ModelShape(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=96, 
                         vocab=1000, positions="rope", tied_embeddings=False, name="tiny-llama")  # fmt: skip
 
 
+@pytest.mark.slow("the fake process group's ranks, exact against the replay: test_fsdp_8_ranks_gpt2, "
+                  "test_tp_sp_8_ranks_llama3_8b and test_recompute_keeps_the_sequence_split_input")
 def test_gloo_2_ranks_equal_the_fake_process_group():
     # Both jobs in one test, one after the other: under pytest-xdist two tests could run at once, each
     # spawning two ranks (four processes on two cores), each rendezvousing on a port from free_port()

@@ -147,7 +147,7 @@ def test_the_engine_row_names_every_byte():
 
 
 def test_cli_matrix_and_save(tmp_path):
-    args = ["verify", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "256", "--fsdp", "8", "--stack", "fsdp2"]
+    args = ["verify", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "256", "--fsdp", "2", "--stack", "fsdp2"]
     out = CliRunner().invoke(app, [*args, "--matrix", "--save", str(tmp_path), "--format", "json"])
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)

@@ -111,11 +111,12 @@ def inputs_for(shape: ModelShape, seq_len: int, micro_batch: int, device: str) -
 def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, device: str = "meta",
                  kernels: Kernels | None = None, model: torch.nn.Module | None = None, grad_accum: int = 1,
                  timeline: bool = False, stack: Stack = DEFAULT_STACK, optimizer: str = "adamw",
-                 make_recipe=None) -> tuple[StepBytes, LiveBytes]:  # fmt: skip
+                 make_recipe=None, count_flops: bool = True) -> tuple[StepBytes, LiveBytes]:  # fmt: skip
     """Build (unless a model is given), one warm-up step, then the measured step: grad_accum
     forward-backward passes and the optimizer update, by the stack's recipe (recipes.recipe_for, or
     make_recipe(model, precision): verify/autocast.py's for the stock torch loop). Phases are of its
-    last micro-batch; the saved bytes are of its first forward, the FLOPs of its first forward and backward."""
+    last micro-batch; the saved bytes are of its first forward, the FLOPs of its first forward and backward
+    (on meta; count_flops=False leaves them uncounted, None: FlopCounterMode is a third of a small step's time)."""
     kernels = kernels or meta_kernels(tricks)
     if model is None:  # the reference model with the kernels asked for, or the stack's
         if stack.model == "reference":
@@ -126,7 +127,7 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     fixed = list(model.parameters()) + list(model.buffers()) + held_tensors(model)
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     saved = SavedBytes(fixed + [idx, targets], live)
-    flops = StepFlops() if device == "meta" else None  # on real tensors, what it decomposes would run decomposed
+    flops = StepFlops() if device == "meta" and count_flops else None  # on real tensors its decompositions would run
     with paths_for(stack, device), live:
         live.track(fixed, "weights")
         weights = live.live_bytes

@@ -53,27 +53,34 @@ class StageKernels:
 
 
 @lru_cache(maxsize=1024)
-def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
-                 stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> dict[str, tuple[tuple[float, ...], ...]]:  # fmt: skip
+def kernel_parts(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, stack: Stack = DEFAULT_STACK,
+                 optimizer: str = "adamw") -> dict[str, tuple[tuple[Kernel, float], ...]]:  # fmt: skip
     """Each part of a stage (see StageKernels; 'block_sequence', 'block_core', 'last_core' and
-    'last_sequence' hold the kernels SP and ring attention rescale), as its kernels' larger of compute and memory time, sorted, with
-    prefix sums of weight · time and of weight: a kernel doing x times its work takes max(x·a, launch floor),
-    and the sum over a part is then one bisection (scaled_sum). A block kernel's weight is the share of the
-    model's blocks that run it (memcalc.exact.kernels.block_weight / L): 1, or with dense and MoE blocks
-    traced apart (or ckpt:N's plain and checkpointed ones), that kind's share, so that a block part is the
-    average block. The kernels are the stack's own (its model, autocast's casts, its optimizer's)."""
-    parts: dict[str, list[tuple[float, float]]] = {}
+    'last_sequence' hold the kernels SP and ring attention rescale) as its kernels, each with its weight:
+    the share of the model's blocks that run it (memcalc.exact.kernels.block_weight / L) times its count.
+    A block kernel's share is 1, or with dense and MoE blocks traced apart (or ckpt:N's plain and
+    checkpointed ones), that kind's share, so that a block part is the average block. What the GPU and
+    calibration do not change: kernel_table times it on each. The routed experts are moe_kernels'."""
+    parts: dict[str, list[tuple[Kernel, float]]] = {}
     if tricks.recompute == "none":  # traced once with full recompute, the plain step is that less its recompute
         kernels_of(shape, seq_len, micro_batch, replace(tricks, recompute="full"), stack, optimizer)
     shares = block_shares(shape, tricks, stack.finetune)
     for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
-        if routed(k):
-            continue  # timed per layout by moe_kernels
-        compute, memory, _ = kernel_seconds(k, gpu, cal)
-        parts.setdefault(part_key(k), []).append((max(compute, memory), k.count * shares.get(k.layer, 1.0)))
+        if not routed(k):  # timed per layout by moe_kernels
+            parts.setdefault(part_key(k), []).append((k, k.count * shares.get(k.layer, 1.0)))
+    return {key: tuple(kernels) for key, kernels in parts.items()}
+
+
+@lru_cache(maxsize=1024)
+def kernel_table(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, gpu: GPU, cal: Calibration,
+                 stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> dict[str, tuple[tuple[float, ...], ...]]:  # fmt: skip
+    """kernel_parts on this GPU: each part's kernels as their larger of compute and memory time, sorted,
+    with prefix sums of weight · time and of weight: a kernel doing x times its work takes max(x·a, launch
+    floor), and the sum over a part is then one bisection (scaled_sum). The kernels are the stack's own
+    (its model, autocast's casts, its optimizer's)."""
     table = {}
-    for key, pairs in parts.items():
-        pairs.sort()
+    for key, kernels in kernel_parts(shape, seq_len, micro_batch, tricks, stack, optimizer).items():
+        pairs = sorted((max(kernel_seconds(k, gpu, cal)[:2]), w) for k, w in kernels)
         weighted, weights = [0.0], [0.0]
         for v, w in pairs:
             weighted.append(weighted[-1] + w * v)

@@ -119,9 +119,9 @@ def test_headroom_flag(spec, total):
     assert data["verdict"][0]["usable_bytes"] == data["gpu"]["memory_bytes"] - total
     share = json.loads(cli("estimate", "--model", "gpt2", "--headroom", "15%", "--format", "json").stdout)["headroom"]
     assert share["allocator_share"] == 0.15 and share["context_bytes"] == CONTEXT_BYTES
-    for bad in ("150%", "-1GB", "90GB"):
+    for bad in ("150%", "-1GB", "-2GiB", "90GB"):
         r = cli("estimate", "--model", "gpt2", "--headroom", bad)
-        assert r.exit_code == 2 and r.output.count("\n") == 1, (bad, r.output)
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and bad in r.output, (bad, r.output)  # as typed
 
 
 QUICK_PLANS = {("llama3-8b", 8, "rtx4090"), ("gpt2", 16, "h100-sxm")}  # a 24 GB card an 8B barely fits; a wide search

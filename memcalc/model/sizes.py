@@ -30,9 +30,12 @@ BINARY = {"k": 1 << 10, "m": 1 << 20}  # sequence lengths: an 8k context is 8,19
 BINARY_BYTES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}  # 22.5GiB
 
 
-def parse_count(text: str, name: str, limit: float = float(MAX_SIZE), suffixes: dict[str, int] = DECIMAL) -> int:
-    """Parse '8e9', '8B', '70b', '1.5M', '8192', '8k' into a positive int, or raise InputError."""
+def parse_count(text: str, name: str, limit: float = float(MAX_SIZE), suffixes: dict[str, int] = DECIMAL,
+                given: str | None = None) -> int:  # fmt: skip
+    """Parse '8e9', '8B', '70b', '1.5M', '8192', '8k' into a positive int, or raise InputError naming what
+    the user typed (given: the whole of it, where a caller took a unit off text)."""
     raw = text.strip().replace("_", "").replace(",", "")
+    text = text if given is None else given
     scale = 1
     if raw and raw[-1].lower() in suffixes:
         scale, raw = suffixes[raw[-1].lower()], raw[:-1]
@@ -64,7 +67,7 @@ def parse_bytes(text: str, name: str, limit: float) -> int:
     '24GB' (decimal, as datasheets count) or '22.5GiB' (binary)."""
     raw = text.strip()
     if raw.lower().endswith("ib"):
-        return parse_count(raw[:-2], name, limit, BINARY_BYTES)
+        return parse_count(raw[:-2], name, limit, BINARY_BYTES, given=text)
     if raw.lower().endswith("b") and raw[-2:-1].isalpha():  # '24GB', not '24B' (parse_count's billions)
         raw = raw[:-1]
-    return parse_count(raw, name, limit)
+    return parse_count(raw, name, limit, given=text)

@@ -4,7 +4,7 @@ memcalc's shape becomes a Transformers config (llama, mistral, qwen2, qwen3, gem
 model is AutoModelForCausalLM.from_config's, built on the meta device in the activation dtype (a
 model loaded in bf16). What runs is the installed library's code (transformers/models/<arch>/
 modeling_<arch>.py); memcalc.exact.hf mirrors it line by line. Three switches make meta and CPU
-run what CUDA runs, as verify/builder.py's Kernels do for the reference model:
+run what CUDA runs, as verify/builder_layers.py's Kernels do for the reference model:
 
   attention  "sdpa" on CUDA reaches aten._scaled_dot_product_flash_attention through
              F.scaled_dot_product_attention; on meta SDPA takes its math path. FLASH, registered

@@ -1,6 +1,6 @@
-"""The layers of verify/builder.py's blocks, op by op, in bytes on memcalc.exact.sim: RMSNorm and
-LayerNorm, linear, dropout, the rotary tables and RoPE, attention (eager, or the flash kernel; its core
-what selective recompute rebuilds) and the MLP (a dense block's, or an expert's).
+"""The layers of verify/builder.py's blocks (verify/builder_layers.py), op by op, in bytes on
+memcalc.exact.sim: RMSNorm and LayerNorm, linear, dropout, the rotary tables and RoPE, attention (eager, or
+the flash kernel; its core what selective recompute rebuilds) and the MLP (a dense block's, or an expert's).
 
 Each function mirrors the PyTorch code of the same name line by line. Where a reshape copies depends on
 memory layout, which the simulator does not track; those places say so (a_copies, b_copies, grad_copies)

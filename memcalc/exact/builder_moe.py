@@ -1,4 +1,4 @@
-"""verify/builder.py's mixture of experts and latent attention, op by op, in bytes on memcalc.exact.sim:
+"""verify/builder_moe.py's mixture of experts and latent attention, op by op, in bytes on memcalc.exact.sim:
 the balanced routing tables, the router's scores, the tokens permuted to their experts and combined back,
 the shared experts (MoE.forward), and DeepSeek's multi-head latent attention (LatentAttention.forward and
 its core, eager or flash).

@@ -25,6 +25,7 @@ from memcalc.exact.tensors import Memory
 from memcalc.model.gpus import GPUS
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
 from memcalc.time.attention_io import attention_time
 from memcalc.time.calibration import PARAMETERS, calibration_for, defaults, from_dict
@@ -137,6 +138,24 @@ def test_a_step_without_recompute_is_one_with_it_less_the_recompute(tricks, reco
         plain = trace(Config(shape, 64, 2, t.precision, t.flash, "none"))
         other = trace(Config(shape, 64, 2, t.precision, t.flash, recompute))
         assert [(k.key(), k.layer) for k in plain] == [(k.key(), k.layer) for k in other if k.phase != "recompute"]
+
+
+@pytest.mark.parametrize("tricks,stack", [("bf16,flash,compile", "reference"), ("bf16,flash,fp8,compile", "reference"),
+                                          ("bf16,flash", "hf"), ("bf16", "hf")])  # fmt: skip
+def test_a_plain_step_is_the_same_whichever_was_traced_first(tricks, stack):
+    """Where checkpointing whole blocks changes the forward (torch.compile's fused kernels write only a checkpointed
+    block's output; Transformers drops its cache under gradient checkpointing), the plain step is not taken from
+    the full or per-op recompute trace: traced alone or after them, the same kernels (kernels.without_recompute)."""
+    t, the_stack = parse_tricks(tricks), stack_for(stack)
+    TRACES.clear()
+    alone = kernels_of(SMALL, 96, 1, t, the_stack)
+    TRACES.clear()
+    for recompute in ("full", "op") if stack == "reference" else ("full",):
+        twin = kernels_of(SMALL, 96, 1, replace(t, recompute=recompute), the_stack)
+        assert [k.key() for k in twin if k.phase != "recompute"] != [k.key() for k in alone]  # they do differ
+    after = kernels_of(SMALL, 96, 1, t, the_stack)
+    assert [(k.key(), k.layer, k.count) for k in after] == [(k.key(), k.layer, k.count) for k in alone]
+    TRACES.clear()
 
 
 def test_plain_steps_reuse_a_recompute_trace():

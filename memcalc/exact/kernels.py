@@ -220,12 +220,32 @@ def recompute_first(trick_sets) -> list:
     return sorted(trick_sets, key=lambda t: t.recompute == "none")
 
 
+def whole_blocks_keep_the_forward(tricks: Tricks, stack_key: tuple) -> bool:
+    """Whether checkpointing whole blocks (full, op) leaves the forward's kernels as they are. Not under
+    torch.compile, whose fused kernels then write only a block's output (min-cut partitioning: a checkpointed
+    block keeps nothing inside), nor for a model that drops its cache when checkpointed (Transformers'
+    use_cache, memcalc.exact.hf_cache; True in a trace key's stack part: traced_stack)."""
+    return not tricks.compile and True not in stack_key
+
+
+def full_twin(shape: ModelShape, tricks: Tricks, stack: Stack = DEFAULT_STACK,
+              optimizer: str = "adamw") -> Tricks | None:  # fmt: skip
+    """The trick set with full recompute whose trace, traced first, gives the plain step too (without_recompute);
+    None where it would not."""
+    if tricks.recompute != "none":
+        return None
+    keeps = whole_blocks_keep_the_forward(tricks, traced_stack(stack, optimizer, tricks, shape))
+    return replace(tricks, recompute="full") if keeps else None
+
+
 def without_recompute(key: tuple) -> tuple[Kernel, ...] | None:
-    """A traced step with recompute, its recompute kernels left out; None if none was traced."""
+    """A traced step with recompute, its recompute kernels left out; None if none was traced (selective
+    recompute's always serves; whole blocks' where they keep the forward's kernels)."""
     one, seq_len, micro_batch, tricks, *stack = key
     if tricks.recompute != "none":
         return None
-    for recompute in ("selective", "full") + (() if tricks.fp8 == "te" else ("op",)):  # fp8:te has no sac
+    whole = ("full",) + (() if tricks.fp8 == "te" else ("op",))  # fp8:te has no sac
+    for recompute in ("selective",) + (whole if whole_blocks_keep_the_forward(tricks, tuple(stack)) else ()):
         traced = TRACES.get((one, seq_len, micro_batch, replace(tricks, recompute=recompute), *stack))
         if traced is not None:
             return tuple(k for k in traced if k.phase != "recompute")

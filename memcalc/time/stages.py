@@ -10,10 +10,10 @@ least one block can take at a larger micro-batch, from the kernels of one sequen
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
-from memcalc.exact.kernels import STEP_PHASES, Kernel, kernels_of, traced_blocks
+from memcalc.exact.kernels import STEP_PHASES, Kernel, full_twin, kernels_of, traced_blocks
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
 from memcalc.model.finetune import FULL, Finetune
@@ -62,8 +62,9 @@ def kernel_parts(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     checkpointed ones), that kind's share, so that a block part is the average block. What the GPU and
     calibration do not change: kernel_table times it on each. The routed experts are moe_kernels'."""
     parts: dict[str, list[tuple[Kernel, float]]] = {}
-    if tricks.recompute == "none":  # traced once with full recompute, the plain step is that less its recompute
-        kernels_of(shape, seq_len, micro_batch, replace(tricks, recompute="full"), stack, optimizer)
+    twin = full_twin(shape, tricks, stack, optimizer)
+    if twin is not None:  # traced once with full recompute, the plain step is that less its recompute
+        kernels_of(shape, seq_len, micro_batch, twin, stack, optimizer)
     shares = block_shares(shape, tricks, stack.finetune)
     for k in kernels_of(shape, seq_len, micro_batch, tricks, stack, optimizer):
         if not routed(k):  # timed per layout by moe_kernels
@@ -232,8 +233,9 @@ def block_kernels_of_one(shape: ModelShape, seq_len: int, tricks: Tricks, gpu: G
     """(compute time, memory time, part key, share) of each forward, backward and recompute kernel of one
     block at one sequence per micro-batch (block_lower_bound's raw material), the router's and routed
     experts' apart (moe_kernels); share: how many of it the average block runs (block_shares)."""
-    if tricks.recompute == "none":
-        kernels_of(shape, seq_len, 1, replace(tricks, recompute="full"), stack, optimizer)
+    twin = full_twin(shape, tricks, stack, optimizer)
+    if twin is not None:  # as kernel_parts: one trace for both
+        kernels_of(shape, seq_len, 1, twin, stack, optimizer)
     out, shares = [], block_shares(shape, tricks, stack.finetune)
     for k in kernels_of(shape, seq_len, 1, tricks, stack, optimizer):
         if k.layer is not None and k.phase in STEP_PHASES and not routed(k):

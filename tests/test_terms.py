@@ -11,7 +11,7 @@ from memcalc.memory.estimate import Setup, estimate
 from memcalc.memory.state import Parallel
 from memcalc.model.flops import flop_terms
 from memcalc.model.gpus import gpu
-from memcalc.report.estimate import explain_lines, symbols
+from memcalc.report.explain import explain_lines, symbols
 from memcalc.terms import Term
 
 

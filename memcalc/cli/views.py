@@ -129,7 +129,7 @@ def show_answer(ans, d: render.Display) -> None:
     """A data-parallel job: the verdict per trick set with the whole-model textbook beside it."""
     from memcalc.report import answer as report
     from memcalc.report import estimate as textbook
-
+    from memcalc.report import explain
     from memcalc.report.layout import layout_warnings
 
     est = ans.textbook
@@ -150,11 +150,11 @@ def show_answer(ans, d: render.Display) -> None:
     render.emit(d.fmt, None, sections, report.preamble(ans, d.units, d.detail), (report.CSV_HEADERS, csv_rows),
                 exact=d.exact, after=[report.verdict(ans, d.units)])  # fmt: skip
     if d.explain and d.fmt in ("table", "markdown"):
-        lines = textbook.explain_lines(est, ans.roofline is None and ans.job.layout.world == 1)
+        lines = explain.explain_lines(est, ans.roofline is None and ans.job.layout.world == 1)
         if ans.roofline is not None:
             from memcalc.report.roofline import explain_lines
 
             lines += explain_lines(ans.roofline, ans.layouts[0].time.calibration)
         if ans.exact:
-            lines += textbook.exact_explain_lines(est, list(ans.exact))
+            lines += explain.exact_explain_lines(est, list(ans.exact))
         render.print_lines([""] + lines)

@@ -8,7 +8,8 @@ from memcalc.parallel.plan import LayoutEstimate
 
 from . import units as u
 from .headroom import fragmentation_note, headroom_line
-from .estimate import RECIPES, explain_term, fit_text, host_note, recipe_text, state_section
+from .estimate import RECIPES, fit_text, host_note, recipe_text, state_section
+from .explain import explain_term
 from .render import Section, sized
 
 CAUSES = {

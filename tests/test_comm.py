@@ -66,6 +66,30 @@ def test_a_cluster_s_own_inter_node_rate():
     assert any("6.25 GB/s per GPU" in str(cell) for row in comm_section(slow, "gb").rows for cell in row)
 
 
+
+def test_a_cluster_s_measured_nccl_efficiency_between_nodes():
+    """Assumptions.inter_node_efficiency: the busbw / link rate NCCL reached between nodes where it was measured
+    (BLOOM's cluster: 40.5 Gb/s through a 100 Gb/s Omni-Path link) replaces the assumed 80% on that link alone,
+    also where a ring runs on several NICs of a node, and is named with the link."""
+    from memcalc.parallel.links import fabric_for, link_for
+
+    measured = Assumptions(inter_node_efficiency=0.4)
+    usual, slow = run(tp=8, dp=4, zero=1), run(tp=8, dp=4, zero=1, assume=measured)
+    a, b = comms(usual)["ZeRO-1 gradient reduce-scatter"], comms(slow)["ZeRO-1 gradient reduce-scatter"]
+    assert a.bytes == b.bytes and a.link == b.link == "ndr" and b.seconds == pytest.approx(2 * a.seconds)
+    assert comms(slow)["TP all-reduce"].seconds == comms(usual)["TP all-reduce"].seconds  # NVLink at 80%
+    fabric = fabric_for(gpu("a100-80gb"), measured)
+    assert fabric.inter.efficiency == 0.4 and "NCCL at 40% of it (measured)" in fabric.inter.name
+    two_nics = link_for(fabric, 4 * 16, 8, 16)  # two ranks a node: two NICs, each at the measured 40%
+    assert two_nics.reached(measured) == pytest.approx(2 * 25e9 * 0.4)
+    assert link_for(fabric, 64, 8, 64).reached(measured) == pytest.approx(8 * 25e9 * 0.4)  # 8 NICs, under NVLink
+    line_rate = Assumptions(inter_node_efficiency=1.0)  # 8 NDR NICs at 400 GB/s outrun NVLink 4 at 80% of 450
+    assert link_for(fabric_for(H100, line_rate), 64, 8, 64).reached(line_rate) == pytest.approx(450e9 * 0.8)
+    assert fabric_for(gpu("a100-80gb"), ASSUME).inter.efficiency is None  # not measured: Assumptions.efficiency
+    from memcalc.report.layout import assumption_notes
+
+    assert "reach 80% of their rate (40% between nodes, as measured)" in assumption_notes(slow)[0]
+
 # ---- bytes per collective: ring factors (nccl-tests doc/PERFORMANCE.md) -------------------------------
 
 

@@ -50,7 +50,7 @@ def test_the_summary_holds(report, rows):
     fit, held = table["part fit"], table["part held-out"]
     assert fit["compared"] >= 57 and held["compared"] >= 64  # runs leave "not compared" as memcalc expresses them
     assert fit["median_abs_error"] <= 0.07  # the issue's bounds; the worst runs: docs/step-time.md
-    assert held["median_abs_error"] <= 0.10
+    assert held["median_abs_error"] <= 0.10 and held["worst_abs_error"] <= 0.25
     # Megatron's own schedules on A100s, as published, held out: the A100's matmul and flash are fitted on
     # Narayanan et al.'s 2021 runs and llm-foundry's, and Korthikanti et al.'s 2022 runs of the same jobs on the
     # same Selene ran ~10% faster (GPT 1T, full recompute: 22 against 20 tokens/s per GPU), so 0.87-0.96x
@@ -70,6 +70,15 @@ def test_transformer_engines_rows_are_compared_as_the_docs_say(rows):
     docs = FOLDER.parent.parent / "docs"
     assert f"{ratios[0]}, {ratios[1]} and {ratios[2]}" in " ".join((docs / "fp8-and-compile.md").read_text().split())
     assert f"land at {min(ratios)[:-1]}-{max(ratios)}" in (docs / "step-time.md").read_text()
+
+
+def test_bloom_runs_as_docs_step_time_says(rows):
+    """BLOOM's three steps, with NCCL at the 40.5% of an Omni-Path link its repository measured on the run's
+    nodes (report.SOURCE_DEFAULTS): docs/step-time.md quotes their range, held here to the report's."""
+    ratios = sorted(r.ratio for r in rows if r.run.source.id == "bloom")
+    assert len(ratios) == 3 and all(0.85 <= x <= 1.15 for x in ratios), ratios
+    text = " ".join((FOLDER.parent.parent / "docs" / "step-time.md").read_text().split())
+    assert f"the three steps land at {ratios[0]:.2f}-{ratios[-1]:.2f}x" in text
 
 
 def test_published_rates_follow_each_sources_convention(report):

@@ -74,8 +74,12 @@ SOURCE_DEFAULTS = {
     # Megatron-DeepSpeed pipelines through DeepSpeed's PipelineEngine: its TrainSchedule reduces the gradients
     # over the data-parallel ranks after the last micro-batch's backward, then steps (ReduceGrads, OptimizerStep:
     # microsoft/DeepSpeed deepspeed/runtime/pipe/schedule.py @ 077e6740178eba4ccff1b3ea9a7981578d3d42e4)
-    # and its cluster (the source's README): 4 Omni-Path links of 100 Gb/s per node of 8 GPUs, 6.25 GB/s a GPU
-    "bloom": {"assume": {"overlap_dp": 0.0, "inter_node_gb_per_s": 4 * 12.5 / 8}},
+    # and its cluster (the source's README): 4 Omni-Path links of 100 Gb/s per node of 8 GPUs, 6.25 GB/s a GPU,
+    # on which NCCL reached 40.5 Gb/s of bus bandwidth, 40.5% of a link: a 4 GB all-reduce over 32 ranks on 4 of
+    # the run's gpu_p5 nodes, NCCL 2.10.3, both of its channels on one link into and one out of each node
+    # (experiments/bandwidth/all_reduce_bench-a100-n4.txt @ 358e3c8fec24285ccefef0e1ad6a77d189fd8933; the
+    # folder's README: "an issue with nccl that doesn't fully utilize Intel OPA full bandwidth")
+    "bloom": {"assume": {"overlap_dp": 0.0, "inter_node_gb_per_s": 4 * 12.5 / 8, "inter_node_efficiency": 40.5 / 100}},
     # Llama 3 (Dubey et al. 2024, sec. 3.3.2): TP with SP, flash attention, PyTorch FSDP that keeps the weights
     # gathered from forward to backward, an interleaved pipeline schedule with v not given and one layer fewer
     # on the first and last stages: torchtitan's FSDP2 engine (Meta's public form of that stack) runs the same,

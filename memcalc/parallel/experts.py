@@ -65,8 +65,8 @@ def ep_comm(layout, model, setup, tricks, fabric, assume, mb) -> list[Comm]:
         local = max(1, min(ep, layout.gpus_per_node // etp))  # group members in this GPU's node
         inter = busier * (ep - local) // (ep - 1)
         link = fabric.inter if inter else fabric.intra
-        seconds = max(inter / (fabric.inter.bytes_per_s * assume.efficiency),
-                      (busier - inter) / (fabric.intra.bytes_per_s * assume.efficiency))  # NVLink and NICs at once
+        seconds = max(inter / fabric.inter.reached(assume),
+                      (busier - inter) / fabric.intra.reached(assume))  # NVLink and NICs at once
         formula = f"{calls // stage_moe_layers(model, layout)}·L_moe · (ep−1)/ep · max(T·k, R)·h·{act}"
         out.append(Comm("EP all-to-all dispatch + combine", "ep", ep, link.key, calls, calls * busier, formula,
                         calls * seconds, exposed(calls * seconds, assume.overlap_ep, mb.seconds)))  # fmt: skip

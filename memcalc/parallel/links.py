@@ -5,7 +5,8 @@ Ring algorithms (NCCL; nccl-tests doc/PERFORMANCE.md, "bus bandwidth"): over n r
   all-reduce      2(n − 1)/n · B
   reduce-scatter   (n − 1)/n · B   (B: the full, unsharded buffer)
   all-gather       (n − 1)/n · B
-and receives as much at the same time, so a collective takes factor · B / (link rate · efficiency).
+and receives as much at the same time, so a collective takes factor · B / (link rate · efficiency), the
+efficiency NCCL reached on the cluster's link where it was measured (Link.efficiency), else the one assumed.
 Latency (the α of α-β models) is left out: the messages here are megabytes and more.
 
 A group of n ranks `stride` apart spans stride·n consecutive GPUs (rank order tp, cp, dp, pp); inside one
@@ -32,10 +33,16 @@ class Link:
     name: str
     gb_per_s: float  # per GPU, per direction, decimal GB/s
     source: str
+    efficiency: float | None = None  # busbw / rate NCCL reaches on it, where the cluster's was measured; None: assumed
 
     @property
     def bytes_per_s(self) -> float:
         return self.gb_per_s * 1e9
+
+    def reached(self, assume: Assumptions) -> float:
+        """Bytes per second a large collective moves on it: its rate at the efficiency measured for it, else
+        at the one assumed (Assumptions.efficiency)."""
+        return self.bytes_per_s * (assume.efficiency if self.efficiency is None else self.efficiency)
 
 
 H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
@@ -124,19 +131,28 @@ class Assumptions:
     # the inter-node link's rate per GPU and direction, GB/s, where the cluster's is not the GPU type's usual one
     # (FABRICS); None: FABRICS's
     inter_node_gb_per_s: float | None = None
+    # busbw / link rate NCCL reaches between nodes where it was measured on the cluster (nccl-tests and the like,
+    # large messages, one ring's hop between two nodes); None: efficiency
+    inter_node_efficiency: float | None = None
 
 
 ASSUMPTIONS = Assumptions()
 
 
 def fabric_for(gpu: GPU, assume: Assumptions) -> Fabric:
-    """The links of a GPU (fabric_of), with the inter-node one at the rate assumed where one is given."""
+    """The links of a GPU (fabric_of), with the inter-node one at the rate and efficiency assumed where given."""
     fabric = fabric_of(gpu)
-    rate = assume.inter_node_gb_per_s
-    if rate is None:
+    rate, efficiency = assume.inter_node_gb_per_s, assume.inter_node_efficiency
+    if rate is None and efficiency is None:
         return fabric
-    given = Link("inter-node", f"inter-node, {rate:g} GB/s per GPU", rate, "assumed (Assumptions.inter_node_gb_per_s)")
-    return replace(fabric, inter=given)
+    inter = fabric.inter
+    if rate is not None:
+        inter = Link("inter-node", f"inter-node, {rate:g} GB/s per GPU", rate, "assumed (Assumptions.inter_node_gb_per_s)")
+    if efficiency is None:
+        return replace(fabric, inter=inter)
+    inter = replace(inter, name=f"{inter.name}, NCCL at {efficiency:.0%} of it (measured)", efficiency=efficiency)
+    # NVLink's named too, so that link_for weighs a node's NICs against it at what each reaches
+    return replace(fabric, intra=replace(fabric.intra, efficiency=assume.efficiency), inter=inter)
 
 
 @record(slots=True)
@@ -170,9 +186,10 @@ def link_for(fabric: Fabric, span: int, gpus_per_node: int, ranks: int = 1) -> L
     per_node = max(1, min(ranks, gpus_per_node * ranks // span))
     if per_node == 1:
         return fabric.inter
-    rate = min(fabric.intra.gb_per_s, per_node * fabric.inter.gb_per_s)
-    return Link(f"{fabric.inter.key}x{per_node}", nics_name(fabric.inter, per_node), rate,
-                f"{fabric.inter.source}; {RING_NICS}")
+    nics = replace(fabric.inter, gb_per_s=per_node * fabric.inter.gb_per_s)
+    binding = min((fabric.intra, nics), key=lambda link: link.gb_per_s * (link.efficiency or 1.0))  # at most NVLink's
+    return Link(f"{fabric.inter.key}x{per_node}", nics_name(fabric.inter, per_node), binding.gb_per_s,
+                f"{fabric.inter.source}; {RING_NICS}", binding.efficiency)
 
 
 def nics_name(inter: Link, per_node: int) -> str:
@@ -201,14 +218,14 @@ def ring(name: str, group: str, ranks: int, link: Link, calls: int, factor: int,
     """`calls` ring collectives of `message` bytes each: factor 2 for all-reduce, 1 for all-gather or
     reduce-scatter, times (n − 1)/n (NCCL bus bytes). `window`: the compute all the calls can hide behind."""
     sent = calls * factor * (ranks - 1) * message // ranks
-    seconds = sent / (link.bytes_per_s * assume.efficiency)
+    seconds = sent / link.reached(assume)
     return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window, tail))
 
 
 def send(name: str, group: str, ranks: int, link: Link, calls: int, sent: int, formula: str,
          assume: Assumptions, share: float, window: float) -> Comm:  # fmt: skip
     """Point-to-point traffic: `sent` bytes in all, sent while as much is received."""
-    seconds = sent / (link.bytes_per_s * assume.efficiency)
+    seconds = sent / link.reached(assume)
     return Comm(name, group, ranks, link.key, calls, sent, formula, seconds, exposed(seconds, share, window))
 
 

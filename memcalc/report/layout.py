@@ -193,8 +193,10 @@ def assumption_notes(est: LayoutEstimate) -> list[str]:
     a = est.time.assumptions
     if est.time.utilization is not None:
         return ["--mfu is an end-to-end rate: the bubble, the traffic and the optimizer are inside it, not added"]
+    measured = a.inter_node_efficiency
+    between = "" if measured is None else f" ({u.percent(measured, 0)} between nodes, as measured)"
     return [
-        f"assumed: links reach {u.percent(a.efficiency, 0)} of their rate; overlap shares dp {a.overlap_dp:g}, "
+        f"assumed: links reach {u.percent(a.efficiency, 0)} of their rate{between}; overlap shares dp {a.overlap_dp:g}, "
         f"tp {a.overlap_tp:g}, pp {a.overlap_pp:g}, cp {a.overlap_cp:g}, offload {a.overlap_offload:g}; "
         f"CPU Adam {a.cpu_adam_params_per_s:.0e} params/s per host"
     ] + ([f"expert parallel's all-to-all: overlap share {a.overlap_ep:g} (on the critical path); every token copy "

@@ -32,9 +32,11 @@ def rows(report):
 
 
 def test_the_split_is_by_source_and_covers_the_corpus(report, rows):
-    assert not set(report.FIT) & set(report.HELD_OUT)
-    assert {r.run.source.id for r in rows} == set(report.FIT) | set(report.HELD_OUT)
-    assert all(r.part == ("fit" if r.run.source.id in report.FIT else "held-out") for r in rows)
+    from sources import FIT, HELD_OUT  # beside report.py, on the path while its fixture holds
+
+    assert not set(FIT) & set(HELD_OUT)
+    assert {r.run.source.id for r in rows} == set(FIT) | set(HELD_OUT)
+    assert all(r.part == ("fit" if r.run.source.id in FIT else "held-out") for r in rows)
 
 
 def test_every_run_is_compared_or_says_why(rows):
@@ -74,7 +76,7 @@ def test_transformer_engines_rows_are_compared_as_the_docs_say(rows):
 
 def test_bloom_runs_as_docs_step_time_says(rows):
     """BLOOM's three steps, with NCCL at the 40.5% of an Omni-Path link its repository measured on the run's
-    nodes (report.SOURCE_DEFAULTS): docs/step-time.md quotes their range, held here to the report's."""
+    nodes (sources.SOURCE_DEFAULTS): docs/step-time.md quotes their range, held here to the report's."""
     ratios = sorted(r.ratio for r in rows if r.run.source.id == "bloom")
     assert len(ratios) == 3 and all(0.85 <= x <= 1.15 for x in ratios), ratios
     text = " ".join((FOLDER.parent.parent / "docs" / "step-time.md").read_text().split())

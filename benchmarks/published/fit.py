@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import FIT, load, rows, summary  # noqa: E402
+from report import load, rows, summary  # noqa: E402
+from sources import FIT  # noqa: E402
 
 from memcalc.time.calibration import calibration_for  # noqa: E402
 

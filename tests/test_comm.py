@@ -66,7 +66,6 @@ def test_a_cluster_s_own_inter_node_rate():
     assert any("6.25 GB/s per GPU" in str(cell) for row in comm_section(slow, "gb").rows for cell in row)
 
 
-
 def test_a_cluster_s_measured_nccl_efficiency_between_nodes():
     """Assumptions.inter_node_efficiency: the busbw / link rate NCCL reached between nodes where it was measured
     (BLOOM's cluster: 40.5 Gb/s through a 100 Gb/s Omni-Path link) replaces the assumed 80% on that link alone,

@@ -71,6 +71,7 @@ def test_a_cluster_s_measured_nccl_efficiency_between_nodes():
     (BLOOM's cluster: 40.5 Gb/s through a 100 Gb/s Omni-Path link) replaces the assumed 80% on that link alone,
     also where a ring runs on several NICs of a node, and is named with the link."""
     from memcalc.parallel.links import fabric_for, link_for
+    from memcalc.report.layout import assumption_notes
 
     measured = Assumptions(inter_node_efficiency=0.4)
     usual, slow = run(tp=8, dp=4, zero=1), run(tp=8, dp=4, zero=1, assume=measured)
@@ -85,9 +86,8 @@ def test_a_cluster_s_measured_nccl_efficiency_between_nodes():
     line_rate = Assumptions(inter_node_efficiency=1.0)  # 8 NDR NICs at 400 GB/s outrun NVLink 4 at 80% of 450
     assert link_for(fabric_for(H100, line_rate), 64, 8, 64).reached(line_rate) == pytest.approx(450e9 * 0.8)
     assert fabric_for(gpu("a100-80gb"), ASSUME).inter.efficiency is None  # not measured: Assumptions.efficiency
-    from memcalc.report.layout import assumption_notes
-
     assert "reach 80% of their rate (40% between nodes, as measured)" in assumption_notes(slow)[0]
+
 
 # ---- bytes per collective: ring factors (nccl-tests doc/PERFORMANCE.md) -------------------------------
 

@@ -146,19 +146,19 @@ def test_the_engine_row_names_every_byte():
 # ---- the command line ---------------------------------------------------------------------------------
 
 
-FSDP2_CLI = ["verify", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "256", "--fsdp", "2", "--stack", "fsdp2"]
+FSDP2_CLI = ["verify", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "256", "--stack", "fsdp2"]
 
 
 def test_cli_table_says_the_reshard_policy():
-    table = CliRunner().invoke(app, [*FSDP2_CLI, "--tricks", "bf16,flash", "--no-reshard"], env={"COLUMNS": "200"})
+    args = [*FSDP2_CLI, "--fsdp", "2", "--tricks", "bf16,flash", "--no-reshard"]
+    table = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert table.exit_code == 0 and "reshard after forward: never" in table.stdout and "Pass" in table.stdout
 
 
 @pytest.mark.slow("test_policies_and_precisions_exact (each trick set on FSDP2), test_cli_table_says_the_reshard_policy "
                   "and tests/test_gpu_matrix.py's --matrix --save")  # fmt: skip
 def test_cli_matrix_and_save(tmp_path):
-    args = FSDP2_CLI
-    out = CliRunner().invoke(app, [*args, "--matrix", "--save", str(tmp_path), "--format", "json"])
+    out = CliRunner().invoke(app, [*FSDP2_CLI, "--fsdp", "8", "--matrix", "--save", str(tmp_path), "--format", "json"])
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert [d["tricks"] for d in data] == [["fp32"], ["bf16"], ["bf16", "flash"], ["bf16", "flash", "ckpt"],

@@ -1,4 +1,4 @@
-"""The layers of verify/builder.py's blocks (verify/builder_layers.py), op by op, in bytes on
+"""The layers of verify/builder.py's blocks (they are verify/builder_layers.py's), op by op, in bytes on
 memcalc.exact.sim: RMSNorm and LayerNorm, linear, dropout, the rotary tables and RoPE, attention (eager, or
 the flash kernel; its core what selective recompute rebuilds) and the MLP (a dense block's, or an expert's).
 

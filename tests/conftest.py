@@ -30,11 +30,11 @@ if hasattr(typer.testing, "_get_command"):
 # of test_verify_cuda.py ran 1.5x slower even alone). A value set by the user is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# memcalc remembers replayed steps on disk (memcalc.exact.cache): the tests keep theirs apart, fresh for
+# memcalc remembers replayed steps on disk (memcalc.exact.base.cache): the tests keep theirs apart, fresh for
 # each run, so that they replay every step and never read a developer's cache. One folder per run: the
 # pytest process makes it and its xdist workers inherit it through the environment (the environment is
 # copied when they start), so a step one worker replayed the other reads (the cache writes each file
-# whole: memcalc.exact.cache.remembered). A worker takes the folder only where MEMCALC_TEST_CACHE names
+# whole: memcalc.exact.base.cache.remembered). A worker takes the folder only where MEMCALC_TEST_CACHE names
 # the MEMCALC_CACHE its own run made; else (a worker of no such run) it makes its own. The tests of the
 # cache itself point MEMCALC_CACHE at folders of their own (tmp_path).
 _RUN_CACHE = "MEMCALC_TEST_CACHE"

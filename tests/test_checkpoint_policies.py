@@ -19,10 +19,10 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.errors import InputError
-from memcalc.exact.builder import torchtitan_policy
-from memcalc.exact.config import Config
+from memcalc.exact.builder.model import torchtitan_policy
+from memcalc.exact.base.config import StepConfig
 from memcalc.exact.kernels import block_weight, kernels_of
-from memcalc.exact.mirror import simulate, trace
+from memcalc.exact.replay.meta import simulate, trace
 from memcalc.exact.step import config, exact_step
 from memcalc.memory.activations import layer_terms, textbook_activations
 from memcalc.model.flops import textbook_step_flops
@@ -47,8 +47,8 @@ def tricks_for(policy: str, flash: bool):
     return parse_tricks(("bf16,flash," if flash else "bf16,") + policy)
 
 
-def cfg_of(shape, seq, batch, t, grad_accum=1) -> Config:
-    return Config(shape, seq, batch, t.precision, t.flash, t.recompute, grad_accum, ckpt_every=t.ckpt_every)
+def cfg_of(shape, seq, batch, t, grad_accum=1) -> StepConfig:
+    return StepConfig(shape, seq, batch, t, grad_accum=grad_accum)
 
 
 # -- the trick names ----------------------------------------------------------------------------------

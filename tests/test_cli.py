@@ -264,7 +264,7 @@ def test_estimate_never_imports_torch():
 
 
 def test_a_cached_verdict_never_loads_the_simulator(tmp_path):
-    # the verdict's replay is kept on disk (memcalc.exact.cache): a second run reads it, and imports
+    # the verdict's replay is kept on disk (memcalc.exact.base.cache): a second run reads it, and imports
     # neither the simulator's ops and models nor any library the stacks are checked against
     code = (
         "import sys\n"
@@ -272,8 +272,8 @@ def test_a_cached_verdict_never_loads_the_simulator(tmp_path):
         "from memcalc.cli import app\n"
         "r = CliRunner().invoke(app, ['estimate', '--params', '8e9', '--seq', '8192'])\n"
         "assert r.exit_code == 0, r.output\n"
-        "print([m for m in ('memcalc.exact.aten', 'memcalc.exact.mirror', 'memcalc.exact.hf', 'transformers',\n"
-        "                   'bitsandbytes', 'torch') if m in sys.modules])\n"
+        "print([m for m in ('memcalc.exact.aten', 'memcalc.exact.replay.meta', 'memcalc.exact.hf.model',\n"
+        "                   'transformers', 'bitsandbytes', 'torch') if m in sys.modules])\n"
     )
     env = {**ENV, "MEMCALC_CACHE": str(tmp_path)}
     first, second = (subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

@@ -1,4 +1,4 @@
-"""memcalc.exact.collection: the collector held off inside the engine's blocks; the command line (one command,
+"""memcalc.exact.base.collection: the collector held off inside the engine's blocks; the command line (one command,
 then exit) freezes what survives them, verify (torch's objects in cycles) never does."""
 
 import gc
@@ -6,7 +6,7 @@ import gc
 from typer.testing import CliRunner
 
 from memcalc.cli import app
-from memcalc.exact import collection
+from memcalc.exact.base import collection
 
 
 def test_a_block_turns_the_collector_back_on_and_freezes_only_when_told(monkeypatch):

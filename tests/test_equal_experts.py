@@ -1,4 +1,4 @@
-"""Equal experts simulated once (memcalc.exact.tensors.Region): the collapsed step equals the step that
+"""Equal experts simulated once (memcalc.exact.sim.tensors.Region): the collapsed step equals the step that
 replays every expert, to the byte, in every phase and segment, in its FLOPs, saved tensors and kernels;
 under ZeRO and offload too, and at full width with uneven token counts."""
 
@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from memcalc.exact.builder import expert_runs
-from memcalc.exact.config import Config
-from memcalc.exact.mirror import simulate, trace
+from memcalc.exact.builder.model import expert_runs
+from memcalc.exact.base.config import StepConfig
+from memcalc.exact.replay.meta import simulate, trace
 from memcalc.exact.step import to_terms
-from memcalc.exact.tensors import Region
-from memcalc.exact.zero import Sharding
+from memcalc.exact.sim.tensors import Region
+from memcalc.exact.replay.zero import Sharding
 from memcalc.model.presets import preset
 from memcalc.model.tricks import parse_tricks
 from tests.replay import launches
@@ -23,12 +23,12 @@ TRICKS = ("fp32", "fp16", "bf16,flash,ckpt", "bf16,selective", "bf16,ckpt:2", "b
 SHARDINGS = (Sharding(1, 4), Sharding(2, 4), Sharding(3, 4), Sharding(2, 4, True), Sharding(3, 4, True, True))
 
 
-def config(shape, seq: int, batch: int, tricks: str, grad_accum: int = 2) -> Config:
+def config(shape, seq: int, batch: int, tricks: str, grad_accum: int = 2) -> StepConfig:
     t = parse_tricks(tricks)
-    return Config(shape, seq, batch, t.precision, t.flash, t.recompute, grad_accum, ckpt_every=t.ckpt_every)
+    return StepConfig(shape, seq, batch, t, grad_accum=grad_accum)
 
 
-def assert_same(cfg: Config, sharding: Sharding | None = None) -> None:
+def assert_same(cfg: StepConfig, sharding: Sharding | None = None) -> None:
     (pa, ga, ma), (pb, gb, mb) = simulate(cfg, sharding=sharding), simulate(replace(cfg, collapse=False), sharding=sharding)
     assert pa == pb
     assert ma.segments == mb.segments  # each block's peak in each phase: what the depth growth reads

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from memcalc.exact import mirror
-from memcalc.exact.config import Config
-from memcalc.exact.mirror import simulate
+from memcalc.exact.replay import meta as mirror
+from memcalc.exact.base.config import StepConfig
+from memcalc.exact.replay.meta import simulate
 from memcalc.exact.step import exact_step
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
@@ -20,9 +20,9 @@ GPT = ModelShape(n_layers=3, hidden=64, n_heads=4, vocab=200, linear_bias=True, 
 TRICKS = ("fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective")
 
 
-def config(shape, tricks: str, grad_accum: int, batch: int = 1) -> Config:
+def config(shape, tricks: str, grad_accum: int, batch: int = 1) -> StepConfig:
     t = parse_tricks(tricks)
-    return Config(shape, 32, batch, t.precision, t.flash, t.recompute, grad_accum)
+    return StepConfig(shape, 32, batch, t, grad_accum=grad_accum)
 
 
 @pytest.mark.parametrize("shape", [LLAMA, GPT], ids=["llama", "gpt"])

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memcalc.exact.config import Config
-from memcalc.exact.mirror import simulate
+from memcalc.exact.base.config import StepConfig
+from memcalc.exact.replay.meta import simulate
 from memcalc.exact.step import config, exact_step
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
@@ -59,11 +59,11 @@ def test_grown_phases_for_any_shape(shape, seq, mb, ga, tricks):
 
 @pytest.mark.parametrize("tricks", TRICKS, ids=lambda t: t.label)
 def test_the_first_steps_state_stands_for_the_warm_up(tricks):
-    cfg = Config(replace(PRESETS["qwen3-0.6b"], n_layers=2), 256, 2, tricks.precision, tricks.flash, tricks.recompute)
+    cfg = StepConfig(replace(PRESETS["qwen3-0.6b"], n_layers=2), 256, 2, tricks)
     assert simulate(cfg, warm_up=False)[0] == simulate(cfg)[0]
 
 
-# the libraries' optimizers (memcalc.exact.optimizers) make their state inside their first step, so the
+# the libraries' optimizers (memcalc.exact.train.optimizers) make their state inside their first step, so the
 # shortcut runs the warm-up for them; their foreach and fused kernels span every block at once. Every
 # optimizer and recipe tests/test_stack_optimizers.py measures at 8B width on three blocks is here.
 LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "adamw"), ("fp32", "torch", "fused", "adamw"),
@@ -73,7 +73,8 @@ LIBRARY = [("fp32", "torch", "loop", "adamw"), ("fp32", "torch", "foreach", "ada
            ("bf16,flash,ckpt", "pure", "loop", "adam8bit"), ("bf16,flash,ckpt", "pure", "fused", "adam8bit"),
            ("bf16,flash,ckpt", "pure", "loop", "sgd"), ("fp16,flash,ckpt", "pure", "foreach", "adamw"),
            ("fp32,ckpt", "pure", "fused", "adamw"),
-           # torch.autocast over fp32 weights (memcalc.exact.autocast), GradScaler for fp16 (memcalc.exact.amp)
+           # torch.autocast over fp32 weights (memcalc.exact.aten.cast_policy), GradScaler for fp16
+           # (memcalc.exact.train.amp)
            ("bf16", "autocast", "reference", "adamw"), ("bf16,flash,ckpt", "autocast", "reference", "adamw"),
            ("fp16,flash", "autocast", "reference", "adamw"), ("bf16,selective", "autocast", "reference", "adamw"),
            # the stock loop's defaults: autocast driving torch.optim (GradScaler for fp16; fused AdamW its own path)

@@ -122,7 +122,7 @@ def test_the_numbers_docs_finetune_quotes():
     MLP's dequantised buffer, and bitsandbytes' token limit for its fused kernel, each computed here."""
     from pathlib import Path
 
-    from memcalc.exact.hf_qlora import MAX_FUSED_TOKENS
+    from memcalc.exact.hf.qlora import MAX_FUSED_TOKENS
     from memcalc.model.finetune import quantized_weights
 
     page = " ".join((Path(__file__).resolve().parent.parent / "docs" / "finetune.md").read_text().split())

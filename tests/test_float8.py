@@ -1,6 +1,6 @@
 """FP8 training (torchao's float8 linears) and torch.compile's fused kernels.
 
-Memory: memcalc.exact.aten_float8 replays torchao's Float8Linear op by op; held here to torchao itself
+Memory: memcalc.exact.aten.float8 replays torchao's Float8Linear op by op; held here to torchao itself
 (convert_to_float8_training on verify/builder.py's model, measured on meta: every op the float8 subclass
 runs reaches the counter) for both recipes, with checkpointing and torchtitan's per-op SAC, under the
 reference recipe, torch.autocast (on CPU tensors) and FSDP2 on the fake process group.
@@ -17,9 +17,10 @@ import pytest
 from memcalc.engine.answer import answer
 from memcalc.engine.job import Job
 from memcalc.errors import InputError
-from memcalc.exact.config import Config
-from memcalc.exact.kernels import STEP_PHASES, kernels_of
-from memcalc.exact.mirror import simulate
+from memcalc.exact.base.config import StepConfig
+from memcalc.exact.base.kernel import STEP_PHASES
+from memcalc.exact.kernels import kernels_of
+from memcalc.exact.replay.meta import simulate
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import gpu
 from memcalc.model.params import n_params
@@ -54,9 +55,9 @@ def test_names_and_refusals():
 
 def test_saved_activations_are_the_16_bit_recipes():
     """Float8Linear saves its bf16 input and the weight: only temporaries differ (the forward peak rises)."""
-    plain = simulate(Config(SHAPE, 4096, 2, "bf16", True, "none"))[0]
+    plain = simulate(StepConfig(SHAPE, 4096, 2, Tricks("bf16", True)))[0]
     for recipe in ("tensorwise", "rowwise"):
-        fp8 = simulate(Config(SHAPE, 4096, 2, "bf16", True, "none", fp8=recipe))[0]
+        fp8 = simulate(StepConfig(SHAPE, 4096, 2, Tricks("bf16", True, fp8=recipe)))[0]
         assert fp8.retained_bytes == plain.retained_bytes
         assert fp8.forward_peak_bytes > plain.forward_peak_bytes
 
@@ -71,7 +72,7 @@ def test_reference_recipe_equals_torchao_on_meta(tricks):
     from verify.meta import measure_step
 
     t = parse_tricks(tricks)
-    phases = simulate(Config(SHAPE, 4096, 2, t.precision, t.flash, t.recompute, fp8=t.fp8))[0]
+    phases = simulate(StepConfig(SHAPE, 4096, 2, replace(t, compile=False)))[0]
     step, _ = measure_step(SHAPE, 4096, 2, t)
     for f in FIELDS:
         assert getattr(phases, f) == getattr(step, f), f

@@ -1,4 +1,4 @@
-"""Transformers' DynamicCache in training (memcalc.exact.hf_cache): what the hf stack keeps when the model
+"""Transformers' DynamicCache in training (memcalc.exact.hf.dynamic_cache): what the hf stack keeps when the model
 is called with use_cache (every config's default), held to the byte against Transformers 5.24 on meta.
 
 Each attention layer's keys and values are cat-copied into the cache after RoPE and attention runs on the
@@ -19,7 +19,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from memcalc.cli import app  # noqa: E402
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.mirror import simulate  # noqa: E402
+from memcalc.exact.replay.meta import simulate  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
@@ -35,7 +35,8 @@ CACHED, UNCACHED = replace(HF, use_cache=True), replace(HF, use_cache=False)
 def assert_step(name: str, batch: int, tricks: str, stack, device: str = "meta") -> None:
     """Every allocation of forward, backward and the optimizer step, the cache kept or not as the stack says."""
     shape, t = TINY[name], parse_tricks(tricks)
-    phases, g, mem = simulate(replace(config(shape, 24, batch, t), use_cache=stack.use_cache), timeline=True)
+    cfg = config(shape, 24, batch, t)
+    phases, g, mem = simulate(replace(cfg, stack=replace(cfg.stack, use_cache=stack.use_cache)), timeline=True)
     model = build_hf(shape, t, 24, device=device, use_cache=stack.use_cache) if device != "meta" else None
     step, live = measure_step(shape, 24, batch, t, device=device, model=model, timeline=True, stack=stack,
                               count_flops=False)  # fmt: skip

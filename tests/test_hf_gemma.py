@@ -1,4 +1,4 @@
-"""Transformers' Gemma, Gemma 2 and Gemma 3 (text) on the hf stack: memcalc.exact.hf_gemma's replay equals the
+"""Transformers' Gemma, Gemma 2 and Gemma 3 (text) on the hf stack: memcalc.exact.hf.gemma's replay equals the
 measurement of Transformers' own GemmaForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (verify/hf.py) to
 the byte: tiny models allocation by allocation for every trick set each runs, on meta and on real CPU tensors;
 the published shapes (gemma-7b, gemma2-9b, gemma3-4b) three blocks deep at full width; what each adds to
@@ -16,11 +16,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.hf import arch_for, families, param_shapes  # noqa: E402
-from memcalc.exact.hf import build as hf_build  # noqa: E402
-from memcalc.exact.sim import Graph  # noqa: E402
+from memcalc.exact.hf.model import arch_for, families, param_shapes  # noqa: E402
+from memcalc.exact.hf.model import build as hf_build  # noqa: E402
+from memcalc.exact.sim.graph import Graph  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
-from memcalc.exact.tensors import Memory  # noqa: E402
+from memcalc.exact.sim.tensors import LiveBytes  # noqa: E402
 from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape  # noqa: E402
@@ -77,7 +77,7 @@ def test_parameters_and_buffers_as_transformers_registers_them(name, tricks):
     shape, t = TINY[name], parse_tricks(tricks)
     model = build_hf(shape, t, 24).model
     assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_shapes(shape, ARCH[name])
-    sim = hf_build(Graph(Memory()), config(shape, 24, 1, t))
+    sim = hf_build(Graph(LiveBytes()), config(shape, 24, 1, t))
     assert [p.name for p in sim.params] == [n for n, _ in model.named_parameters()]
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     measured = [(n, tuple(b.shape), dtype[b.dtype]) for n, b in model.named_buffers()]
@@ -113,7 +113,7 @@ def test_windows_shorter_than_the_sequence():
     """Eager attention builds the same (B, 1, T, T) masks whatever the window (their values differ), and
     Transformers' DynamicSlidingWindowLayer keeps views of its copies: the step's bytes do not change. sdpa
     at seq >= the window gives the sliding layers a mask, and SDPA runs them on the memory-efficient kernel
-    (memcalc.exact.hf_attention sdpa_masked_forward); the global layers stay on flash."""
+    (memcalc.exact.hf.attention sdpa_masked_forward); the global layers stay on flash."""
     for name in ("gemma2", "gemma3_text"):
         for tricks in ("fp32", "bf16,selective"):
             assert_replayed(replace(TINY[name], sliding_window=16), 24, 2, tricks)

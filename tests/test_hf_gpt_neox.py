@@ -1,4 +1,4 @@
-"""Transformers' GPT-NeoX (Pythia) on the hf stack: memcalc.exact.hf_gpt_neox's replay equals the measurement
+"""Transformers' GPT-NeoX (Pythia) on the hf stack: memcalc.exact.hf.gpt_neox's replay equals the measurement
 of Transformers' own GPTNeoXForCausalLM (verify/hf.py) to the byte: tiny models allocation by allocation for
 every trick set, on meta and on real CPU tensors; pythia-6.9b three blocks deep at full width; and what its
 parallel residual changes (one LayerNorm input saved for both branches). Measured with Transformers 5.24.
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.hf import param_shapes  # noqa: E402
+from memcalc.exact.hf.model import param_shapes  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
 from memcalc.model.hfconfig import ARCHITECTURES  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402

@@ -1,4 +1,4 @@
-"""Transformers' OLMo 2 and Phi-3 on the hf stack: memcalc.exact.hf_olmo2's and hf_phi3's replays equal the
+"""Transformers' OLMo 2 and Phi-3 on the hf stack: memcalc.exact.hf.olmo2's and hf_phi3's replays equal the
 measurement of Transformers' own Olmo2ForCausalLM and Phi3ForCausalLM (verify/hf.py) to the byte: tiny
 models allocation by allocation for every trick set, on meta and on real CPU tensors; olmo2-7b and
 phi3-mini three blocks deep at full width; and what each adds to Llama's step (OLMo 2's fp32 q/k norms over

@@ -3,12 +3,12 @@ Phi-3's create_sliding_window_causal_mask on every layer (Gemma 2's and 3's alte
 tests/test_hf_gemma.py). Eager attention takes the additive (B, 1, T, T) mask, as without a window; sdpa
 takes the bool mask from seq >= the window, skips GQA-in-SDPA (repeat_kv copies k and v to every head)
 and runs on CUDA's memory-efficient kernel with the mask made an additive bias
-(memcalc.exact.hf_attention sdpa_masked_forward, verify/hf.py's). Held to the byte against Transformers'
+(memcalc.exact.hf.attention sdpa_masked_forward, verify/hf.py's). Held to the byte against Transformers'
 own classes on meta (tiny shapes allocation by allocation; Mistral 7B at seq 8192 with its window of 4096
 and Phi-3-mini at 4096, three blocks deep at full width, with FlopCounterMode's count) and on real CPU
 tensors (SDPA's CPU flash kernel, which takes the mask). Where CUDA differs from the meta device: its
 efficient kernel lays the gradients of q, k and v out as its inputs, where the meta function lays them
-out (B, T, n, d) (named in memcalc.exact.hf_attention grad_copies), and it adds an fp32 (B, n, T)
+out (B, T, n, d) (named in memcalc.exact.hf.attention grad_copies), and it adds an fp32 (B, n, T)
 scratch in backward.
 """
 

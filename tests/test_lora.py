@@ -1,4 +1,4 @@
-"""LoRA and frozen weights on the hf stack: memcalc.exact.hf_lora's replay equals PEFT's LoRA (peft 0.21) on
+"""LoRA and frozen weights on the hf stack: memcalc.exact.hf.lora's replay equals PEFT's LoRA (peft 0.21) on
 Transformers' own classes, measured on meta allocation by allocation at tiny size and phase by phase at 8B width
 three blocks deep, and on real CPU tensors under the Trainer's autocast.
 """
@@ -14,12 +14,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.config import Config  # noqa: E402
-from memcalc.exact.hf import build as hf_build  # noqa: E402
-from memcalc.exact.mirror import simulate  # noqa: E402
-from memcalc.exact.sim import Graph  # noqa: E402
+from memcalc.exact.base.config import StepConfig  # noqa: E402
+from memcalc.exact.hf.model import build as hf_build  # noqa: E402
+from memcalc.exact.replay.meta import simulate  # noqa: E402
+from memcalc.exact.sim.graph import Graph  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
-from memcalc.exact.tensors import Memory  # noqa: E402
+from memcalc.exact.sim.tensors import LiveBytes  # noqa: E402
 from memcalc.model.finetune import Finetune, adapter_params, finetune_for  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
@@ -36,10 +36,10 @@ PURE = stack_for("hf", recipe="pure", impl="fused")  # a bf16 model trained with
 TRAINER = stack_for("hf")  # the Trainer: bf16=True autocasts, adamw_torch_fused
 
 
-def step_config(shape, seq: int, batch: int, tricks: str, stack, device: str = "cuda") -> Config:
+def step_config(shape, seq: int, batch: int, tricks: str, stack, device: str = "cuda") -> StepConfig:
     t = parse_tricks(tricks)
-    return Config(shape, seq, batch, t.precision, t.flash, t.recompute, model="hf", recipe=stack.recipe,
-                  impl=stack.impl, use_cache=stack.use_cache, device=device, finetune=stack.finetune)  # fmt: skip
+    return StepConfig(shape, seq, batch, replace(t, ckpt_every=1, fp8="", compile=False), replace(stack, model="hf"),
+                      device=device)  # fmt: skip
 
 
 def assert_meta(shape, tricks: str, stack, batch: int = 1, seq: int = 24) -> None:
@@ -57,7 +57,7 @@ def test_peft_parameters_as_peft_registers_them(name):
     model = build_hf(shape, parse_tricks("bf16"), 24, finetune=LORA).model
     real = [(n.removeprefix("base_model.model.").replace(".base_layer", "").replace(".default", ""), tuple(p.shape),
              str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in model.named_parameters()]  # fmt: skip
-    g = Graph(Memory())
+    g = Graph(LiveBytes())
     sim = hf_build(g, step_config(shape, 24, 1, "bf16", stack))
     dtypes = {"bfloat16": "bf16", "float32": "fp32"}
     assert [(n, s, dtypes[d], r) for n, s, d, r in real] == [(p.name, p.shape, p.dtype, p.requires_grad)

@@ -10,17 +10,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.exact.builder import build as mirror_build  # noqa: E402
-from memcalc.exact.config import Config  # noqa: E402
+from memcalc.exact.base.config import StepConfig  # noqa: E402
+from memcalc.exact.builder.model import build as mirror_build  # noqa: E402
 from memcalc.exact.kernels import counted_flops, kernels_of, traced_blocks  # noqa: E402
-from memcalc.exact.mirror import simulate, trace  # noqa: E402
-from memcalc.exact.sim import Graph  # noqa: E402
+from memcalc.exact.replay.meta import simulate, trace  # noqa: E402
+from memcalc.exact.sim.graph import Graph  # noqa: E402
+from memcalc.exact.sim.tensors import LiveBytes  # noqa: E402
 from memcalc.exact.step import exact_step, step_phases  # noqa: E402
-from memcalc.exact.tensors import Memory  # noqa: E402
 from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape  # noqa: E402
-from memcalc.model.tricks import parse_tricks  # noqa: E402
+from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from tests.replay import FIELDS, assert_same_step, launches  # noqa: E402
 from tests.test_verify_meta import flops_alone  # noqa: E402
 from verify.builder import Kernels, build  # noqa: E402
@@ -61,7 +61,7 @@ def test_tiny_models_allocation_by_allocation(name, batch, trick_sets):
     the FLOPs counted in that step are the replay's."""
     for tricks in trick_sets:
         t = parse_tricks(tricks)
-        phases, g, mem = simulate(Config(TINY[name], 32, batch, t.precision, t.flash, t.recompute), timeline=True)
+        phases, g, mem = simulate(StepConfig(TINY[name], 32, batch, t), timeline=True)
         step, live = measure_step(TINY[name], 32, batch, t, timeline=True)
         assert_same_step(phases, g, mem, step, live, tricks)
         assert step.flops == exact_step(TINY[name], 32, batch, t).flops.counted, tricks
@@ -72,7 +72,7 @@ def test_tiny_flops_and_parameters(name):
     shape = TINY[name]
     model = build(shape, Kernels(), 32, torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == n_params(shape)
-    sim = mirror_build(Graph(Memory()), Config(shape, 32, 1, "bf16", False, "none", collapse=False))
+    sim = mirror_build(Graph(LiveBytes()), StepConfig(shape, 32, 1, Tricks("bf16"), collapse=False))
     assert [tuple(p.shape) for p in model.parameters()] == [p.shape for p in sim.params]  # in registration order
     for tricks in ("bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective"):
         t = parse_tricks(tricks)
@@ -87,7 +87,7 @@ def test_dense_blocks_then_moe_grow_to_the_full_depth(layers, dense, tricks):
     shape = replace(DEEPSEEK_LIKE, n_layers=layers, first_dense_layers=dense)
     t = parse_tricks(tricks)
     e, grown = exact_step(shape, 32, 1, t), step_phases(shape, 32, 1, t)
-    full, _, _ = simulate(Config(shape, 32, 1, t.precision, t.flash, t.recompute), warm_up=False)
+    full, _, _ = simulate(StepConfig(shape, 32, 1, t), warm_up=False)
     step, _ = measure_step(shape, 32, 1, t)
     for f in FIELDS:
         assert getattr(e.phases, f) == getattr(grown, f) == getattr(full, f) == getattr(step, f), f
@@ -101,7 +101,7 @@ def test_a_dense_and_a_moe_block_traced_stand_for_all(tricks):
     kernels, in order, and what runs outside the blocks (routing tables, the MTP module) is the same."""
     shape = replace(DEEPSEEK_LIKE, n_layers=4, first_dense_layers=2)
     t = parse_tricks(tricks)
-    full = trace(Config(shape, 32, 2, t.precision, t.flash, t.recompute, collapse=False))  # each expert's own
+    full = trace(StepConfig(shape, 32, 2, t, collapse=False))  # each expert's own
     traced = kernels_of(shape, 32, 2, t)
     assert traced_blocks(shape)[1] == {0: 2, 1: 2}
     for layer in range(4):
@@ -116,7 +116,7 @@ def test_uneven_shares_are_exact_too(tricks):
     """3 experts, 32·2 routed slots: the first expert gets one more (a stable sort orders the slots), as any
     sequence length fit or a sweep tries may need."""
     odd, t = replace(QWEN_LIKE, n_experts=3), parse_tricks(tricks)
-    phases, _, mem = simulate(Config(odd, 32, 1, t.precision, t.flash, t.recompute), timeline=True)
+    phases, _, mem = simulate(StepConfig(odd, 32, 1, t), timeline=True)
     step, live = measure_step(odd, 32, 1, t, timeline=True)
     for f in FIELDS:
         assert getattr(phases, f) == getattr(step, f), f

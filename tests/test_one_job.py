@@ -11,10 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import app
-from memcalc.exact.config import Config
-from memcalc.exact.mirror import simulate
+from memcalc.exact.base.config import StepConfig
+from memcalc.exact.replay.meta import simulate
+from memcalc.exact.replay.zero import Sharding
 from memcalc.exact.step import step_phases
-from memcalc.exact.zero import Sharding
+from memcalc.model.finetune import FULL
 from memcalc.model.presets import PRESETS
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
@@ -114,8 +115,7 @@ def test_a_sharded_step_grows_from_short_ones_as_one_gpu_s_does(name, stack, tri
     MoE block prefetching a dense one in backward are the units that differ."""
     deep = name == "deepseek-v3"  # 3 dense blocks lead: 8 blocks are the fewest that grow past the two short steps
     shape, st, t = replace(PRESETS[name], n_layers=8 if deep else 9), stack_for(stack), parse_tricks(tricks)
-    cfg = Config(shape, 256, 1, t.precision, t.flash, t.recompute, 2, "adamw", st.model, st.recipe, st.impl,
-                 st.use_cache, ckpt_every=t.ckpt_every)  # fmt: skip
+    cfg = StepConfig(shape, 256, 1, t, replace(st, finetune=FULL), grad_accum=2)
     for sh in SHARDINGS[2:3] if deep else SHARDINGS:  # its 256 experts a block: ZeRO-3, the one that prefetches
         whole = simulate(cfg, warm_up=False, sharding=sh)[0]
         assert step_phases.__wrapped__(shape, 256, 1, t, 2, st, "adamw", sh) == whole, sh

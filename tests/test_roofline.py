@@ -16,17 +16,17 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.exact import aten
-from memcalc.exact.config import Config
+from memcalc.exact.base.config import StepConfig
 from memcalc.exact.kernels import TRACES, kernels_of
-from memcalc.exact.mirror import trace
-from memcalc.exact.sim import Graph
+from memcalc.exact.replay.meta import trace
+from memcalc.exact.sim.graph import Graph
+from memcalc.exact.sim.tensors import LiveBytes
 from memcalc.exact.step import exact_step
-from memcalc.exact.tensors import Memory
 from memcalc.model.gpus import GPUS
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import stack_for
-from memcalc.model.tricks import parse_tricks
+from memcalc.model.tricks import Tricks, parse_tricks
 from memcalc.time.attention_io import attention_time
 from memcalc.time.calibration import PARAMETERS, calibration_for, defaults, from_dict
 from memcalc.time.roofline import step_time
@@ -44,7 +44,7 @@ BF16_GPUS = [k for k, g in GPUS.items() if g.bf16_tflops]  # bf16 trick sets: Vo
 
 
 def recording() -> Graph:
-    g = Graph(Memory())
+    g = Graph(LiveBytes())
     g.kernels = []
     return g
 
@@ -97,7 +97,7 @@ def test_adamw_bytes_per_parameter(precision, per_param):
     """recipes.adamw_ per fp32 element: w·(1-lr·wd) 8, lerp 12, v·b2 8, addcmul 12, sqrt 8, div 8,
     add 8, addcdiv 16 = 80 B; the 16-bit recipes add grad.float() 2 + 4 and the copy back 4 + 2."""
     shape = replace(SMALL, n_layers=1)
-    ks = trace(Config(shape, 64, 1, precision, False, "none"))
+    ks = trace(StepConfig(shape, 64, 1, Tricks(precision)))
     moved = sum(k.read_bytes + k.write_bytes for k in ks if k.phase == "optimizer")
     assert moved == per_param * exact_step(shape, 64, 1, parse_tricks(precision)).n_params
 
@@ -107,7 +107,7 @@ def test_adamw_bytes_per_parameter(precision, per_param):
 def test_matmul_flops_are_flopcountermode_s(shape, tricks):
     """The kernels' counted FLOPs add up to FlopCounterMode's count (memcalc.exact, equal to meta's)."""
     t = parse_tricks(tricks)
-    ks = trace(Config(shape, 128, 2, t.precision, t.flash, t.recompute))
+    ks = trace(StepConfig(shape, 128, 2, t))
     assert sum(k.counted for k in ks) == exact_step(shape, 128, 2, t).flops.counted
 
 
@@ -121,7 +121,7 @@ def test_every_layer_runs_the_one_layer_kernels(shape, tricks, batch):
     """A full-depth step's kernels: each block's equal (in order) to the one-layer trace's block, and
     the rest equal to its outside. So L × one block + outside is the step, exactly."""
     t = parse_tricks(tricks)
-    full = trace(Config(shape, 64, batch, t.precision, t.flash, t.recompute))
+    full = trace(StepConfig(shape, 64, batch, t))
     one = kernels_of(shape, 64, batch, t)  # each distinct kernel once, with its count (kernels.merged)
     block = launches(k for k in one if k.layer == 0)
     for layer in range(shape.n_layers):
@@ -135,8 +135,8 @@ def test_every_layer_runs_the_one_layer_kernels(shape, tricks, batch):
 def test_a_step_without_recompute_is_one_with_it_less_the_recompute(tricks, recompute):
     t = parse_tricks(tricks)
     for shape in (SMALL, GPT):
-        plain = trace(Config(shape, 64, 2, t.precision, t.flash, "none"))
-        other = trace(Config(shape, 64, 2, t.precision, t.flash, recompute))
+        plain = trace(StepConfig(shape, 64, 2, replace(t, recompute="none")))
+        other = trace(StepConfig(shape, 64, 2, replace(t, recompute=recompute)))
         assert [(k.key(), k.layer) for k in plain] == [(k.key(), k.layer) for k in other if k.phase != "recompute"]
 
 
@@ -172,7 +172,7 @@ def test_step_time_sums_every_kernel():
     """step_time from one layer equals the hand sum of max(compute, memory, floor) over a full trace."""
     cal, t = calibration_for("h100-sxm"), parse_tricks("bf16,selective")
     got = step_time(SMALL, 256, 2, 3, t, H100, cal)
-    full = trace(Config(SMALL, 256, 2, t.precision, t.flash, t.recompute))
+    full = trace(StepConfig(SMALL, 256, 2, t))
     bw, floor = H100.bandwidth_gbps * 1e9 * cal.bandwidth, cal.launch_seconds
 
     def seconds(k):
@@ -392,9 +392,9 @@ def test_calibration_and_mfu_options(tmp_path):
 
 
 def test_sweep_uses_the_roofline():
+    from memcalc.engine.sweep import sweep
     from memcalc.memory.estimate import Setup
     from memcalc.model.presets import canonical_model
-    from memcalc.engine.sweep import sweep
 
     model, cal = canonical_model(8_000_000_000), calibration_for("h100-sxm")
     sw = sweep(model, Setup(seq_len=8192), H100, (parse_tricks("bf16,flash"),), "seq", (2048, 8192), cal)

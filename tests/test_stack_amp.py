@@ -27,16 +27,16 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from memcalc.cli import app  # noqa: E402
-from memcalc.exact.config import Config  # noqa: E402
-from memcalc.exact.mirror import simulate  # noqa: E402
+from memcalc.exact.base.config import StepConfig  # noqa: E402
+from memcalc.exact.replay.meta import simulate  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape  # noqa: E402
 from memcalc.model.stacks import STACKS, stack_for  # noqa: E402
-from memcalc.model.tricks import parse_tricks  # noqa: E402
+from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
+from tests.replay import assert_same_step  # noqa: E402
 from tests.test_stack_hf import TINY as HF_TINY  # noqa: E402
 from tests.test_tracker import allocator_events  # noqa: E402
-from tests.replay import assert_same_step  # noqa: E402
 from tests.test_verify_meta import TINY  # noqa: E402
 from verify.autocast import measure_autocast, measure_cpu  # noqa: E402
 from verify.hf import build_hf  # noqa: E402
@@ -52,10 +52,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def cpu_config(shape: ModelShape, seq: int, batch: int, tricks: str, stack, optimizer: str = "adamw",
-               grad_accum: int = 1, device: str = "cpu") -> Config:  # fmt: skip
+               grad_accum: int = 1, device: str = "cpu") -> StepConfig:  # fmt: skip
     t = parse_tricks(tricks)
-    return Config(shape, seq, batch, t.precision, t.flash, t.recompute, grad_accum, optimizer, stack.model,
-                  stack.recipe, stack.impl, stack.use_cache, device=device)  # fmt: skip
+    return StepConfig(shape, seq, batch, replace(t, ckpt_every=1, fp8=""), stack, optimizer, grad_accum, device)
 
 
 def cpu_shape(shape: ModelShape, tricks: str) -> ModelShape:
@@ -140,7 +139,7 @@ def test_cpu_transformers_at_full_width(name):
 # -- CPU against CUDA: every difference named ------------------------------------------------------------
 
 
-def optimizer_allocations(cfg: Config) -> Counter:
+def optimizer_allocations(cfg: StepConfig) -> Counter:
     _, _, mem = simulate(cfg, timeline=True)
     return Counter((op, d) for p, op, d, _ in mem.timeline if p == "optimizer" and d > 0)
 
@@ -295,13 +294,13 @@ def by_term(terms) -> Counter:
 
 def param_elements(shape: ModelShape, model: str) -> list[int]:
     """Elements of each parameter, in model.parameters() order, of the stack's model."""
-    from memcalc.exact.hf import build as hf_build
-    from memcalc.exact.mirror import build
-    from memcalc.exact.sim import Graph
-    from memcalc.exact.tensors import Memory
+    from memcalc.exact.hf.model import build as hf_build
+    from memcalc.exact.replay.meta import build
+    from memcalc.exact.sim.graph import Graph
+    from memcalc.exact.sim.tensors import LiveBytes
 
-    cfg = Config(shape, 1, 1, "bf16", True, "none", model=model)
-    return [p.numel for p in (hf_build if model == "hf" else build)(Graph(Memory()), cfg).params]
+    cfg = StepConfig(shape, 1, 1, Tricks("bf16", True), STACKS["hf" if model == "hf" else "reference"])
+    return [p.numel for p in (hf_build if model == "hf" else build)(Graph(LiveBytes()), cfg).params]
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b"])
@@ -497,8 +496,8 @@ def test_reduced_size():
     not), seq 64, micro-batch 2, vocabulary 1024, dropout 0 under flash; heads halved with hidden,
     KV heads and the MLP until the replay's peak fits the budget; head_dim, the GQA ratio and the
     architecture kept."""
+    from memcalc.exact.hf.model import arch_for
     from verify.autocast import reduce
-    from memcalc.exact.hf import arch_for
 
     shape, stack = PRESETS["qwen3-8b"], STACKS["hf"]
     red = reduce(shape, 8192, 4, parse_tricks("bf16,flash"), stack, "adamw")

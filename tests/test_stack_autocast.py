@@ -24,15 +24,15 @@ from typer.testing import CliRunner  # noqa: E402
 
 from memcalc.cli import app  # noqa: E402
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.autocast import POLICIES  # noqa: E402
-from memcalc.exact.config import Config  # noqa: E402
-from memcalc.exact.mirror import simulate  # noqa: E402
+from memcalc.exact.aten.cast_policy import POLICIES  # noqa: E402
+from memcalc.exact.base.config import StepConfig  # noqa: E402
+from memcalc.exact.replay.meta import simulate  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
-from memcalc.model.stacks import stack_for  # noqa: E402
+from memcalc.model.stacks import DEFAULT_STACK, stack_for  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
-from tests.test_tracker import allocator_events, check_same_events  # noqa: E402
 from tests.replay import assert_same_step  # noqa: E402
+from tests.test_tracker import allocator_events, check_same_events  # noqa: E402
 from tests.test_verify_meta import GPT_8B, TINY  # noqa: E402
 from verify.autocast import AutocastRecipe, cpu_kernels, measure_cpu  # noqa: E402
 from verify.builder import build, materialise  # noqa: E402
@@ -42,10 +42,10 @@ FAMILIES = {"llama": TINY["llama"], "gpt": TINY["gpt"]}  # Qwen3-like (GQA, qk-n
 AUTOCAST = stack_for("torch", impl="reference")  # torch.autocast, the reference per-tensor AdamW step
 
 
-def cpu_config(shape, seq: int, batch: int, tricks: str, grad_accum: int = 1, device: str = "cpu") -> Config:
+def cpu_config(shape, seq: int, batch: int, tricks: str, grad_accum: int = 1, device: str = "cpu") -> StepConfig:
     t = parse_tricks(tricks)
-    return Config(shape, seq, batch, t.precision, t.flash, t.recompute, grad_accum, recipe="autocast", device=device,
-                  ckpt_every=t.ckpt_every)
+    return StepConfig(shape, seq, batch, t, replace(DEFAULT_STACK, recipe="autocast"), grad_accum=grad_accum,
+                      device=device)
 
 
 def cpu_shape(shape, tricks: str):
@@ -199,7 +199,7 @@ def test_cpu_mixed_dtype_ops_copy_an_input_the_tracker_does_not_see():
 # -- CUDA's lists against CPU's -----------------------------------------------------------------
 
 
-def layer_terms(cfg: Config) -> tuple[Counter, int]:
+def layer_terms(cfg: StepConfig) -> tuple[Counter, int]:
     """One layer's saved tensors, (part, op, tensor, dtype) -> bytes; and what a recompute rebuilds."""
     _, g, _ = simulate(cfg)
     out: Counter = Counter()

@@ -1,4 +1,4 @@
-"""The Hugging Face Transformers stack: memcalc.exact.hf's prediction equals the measurement of
+"""The Hugging Face Transformers stack: memcalc.exact.hf.model's prediction equals the measurement of
 Transformers' own model classes (verify/hf.py) to the byte.
 
 Tiny models allocation by allocation for every architecture feature and trick set, on meta and on
@@ -20,18 +20,18 @@ from typer.testing import CliRunner  # noqa: E402
 
 from memcalc.cli import app  # noqa: E402
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.config import Config  # noqa: E402
-from memcalc.exact.hf import arch_for, param_shapes  # noqa: E402
-from memcalc.exact.hf import build as hf_build  # noqa: E402
-from memcalc.exact.mirror import simulate  # noqa: E402
-from memcalc.exact.sim import Graph  # noqa: E402
+from memcalc.exact.base.config import StepConfig  # noqa: E402
+from memcalc.exact.hf.model import arch_for, param_shapes  # noqa: E402
+from memcalc.exact.hf.model import build as hf_build  # noqa: E402
+from memcalc.exact.replay.meta import simulate  # noqa: E402
+from memcalc.exact.sim.graph import Graph  # noqa: E402
+from memcalc.exact.sim.tensors import LiveBytes  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
-from memcalc.exact.tensors import Memory  # noqa: E402
 from memcalc.memory.estimate import Setup  # noqa: E402
 from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import Model, ModelShape  # noqa: E402
-from memcalc.model.stacks import stack_for  # noqa: E402
+from memcalc.model.stacks import DEFAULT_STACK, stack_for  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from tests.replay import FIELDS, assert_same_step  # noqa: E402
 from tests.replay import GPT_8B as REPLAY_GPT_8B  # noqa: E402
@@ -69,10 +69,11 @@ ARCH = {"llama": "llama", "qwen3": "qwen3", "gpt2": "gpt2", "qwen2": "qwen2", "l
 
 
 def config(shape: ModelShape, seq: int, batch: int, tricks: Tricks, grad_accum: int = 1,
-           device: str = "meta") -> Config:  # fmt: skip
+           device: str = "meta") -> StepConfig:  # fmt: skip
     """The replay's job; on CPU tensors it is told so (Transformers makes some tensors on the device)."""
-    return Config(shape, seq, batch, tricks.precision, tricks.flash, tricks.recompute, grad_accum, model="hf",
-                  use_cache=HF.use_cache, device="cpu" if device == "cpu" else "cuda")  # fmt: skip
+    stack = replace(DEFAULT_STACK, model="hf", use_cache=HF.use_cache)
+    return StepConfig(shape, seq, batch, replace(tricks, ckpt_every=1), stack, grad_accum=grad_accum,
+                      device="cpu" if device == "cpu" else "cuda")  # fmt: skip
 
 
 def assert_replayed(shape: ModelShape, seq: int, batch: int, tricks: Tricks, device: str = "meta",
@@ -101,7 +102,7 @@ def test_parameters_and_buffers_as_transformers_registers_them(name):
     shape = TINY[name]
     model = build_hf(shape, parse_tricks("bf16"), 24).model
     assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_shapes(shape, ARCH[name])
-    sim = hf_build(Graph(Memory()), config(shape, 24, 1, parse_tricks("bf16")))
+    sim = hf_build(Graph(LiveBytes()), config(shape, 24, 1, parse_tricks("bf16")))
     assert [p.name for p in sim.params] == [n for n, _ in model.named_parameters()]
     buffers = [(tuple(b.shape), b.dtype) for b in model.buffers()]
     assert buffers == [((shape.head_dim // 2,), torch.float32)] * len(sim.rope)  # inv_freq, original_inv_freq
@@ -164,7 +165,7 @@ def assert_parameters(shape: ModelShape) -> None:
     model = build_hf(shape, t, 24).model
     assert arch_for(shape) == shape.arch
     assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_shapes(shape, shape.arch)
-    sim = hf_build(Graph(Memory()), config(shape, 24, 1, t))
+    sim = hf_build(Graph(LiveBytes()), config(shape, 24, 1, t))
     assert [p.name for p in sim.params] == [n for n, _ in model.named_parameters()]
     assert sum(p.numel() for p in model.parameters()) == n_params(shape)
 

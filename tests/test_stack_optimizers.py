@@ -1,4 +1,4 @@
-"""The libraries' optimizers: memcalc.exact.optimizers' step equals torch.optim's (and bitsandbytes'
+"""The libraries' optimizers: memcalc.exact.train.optimizers' step equals torch.optim's (and bitsandbytes'
 AdamW8bit's) own, measured on meta, to the byte.
 
 Every implementation (loop = foreach=False, foreach, fused) × optimizer (AdamW, SGD with momentum,
@@ -26,14 +26,14 @@ from typer.testing import CliRunner  # noqa: E402
 
 from memcalc.cli import app  # noqa: E402
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.config import Config  # noqa: E402
-from memcalc.exact.mirror import simulate, trace  # noqa: E402
+from memcalc.exact.base.config import StepConfig  # noqa: E402
+from memcalc.exact.replay.meta import simulate, trace  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
 from memcalc.memory.estimate import Setup  # noqa: E402
 from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import Model, ModelShape  # noqa: E402
-from memcalc.model.stacks import stack_for  # noqa: E402
+from memcalc.model.stacks import DEFAULT_STACK, stack_for  # noqa: E402
 from memcalc.model.tricks import Tricks, parse_tricks  # noqa: E402
 from tests.replay import FIELDS, PEAKS_AT  # noqa: E402
 from verify.meta import measure_step  # noqa: E402
@@ -56,8 +56,8 @@ OPTIMIZERS = [("adamw", impl) for impl in ("loop", "foreach", "fused")] + [("sgd
 
 def sim_and_meta(shape: ModelShape, seq: int, tricks: Tricks, optimizer: str, impl: str, recipe: str = "pure"):
     stack = stack_for("torch", recipe, impl)
-    cfg = Config(shape, seq, 1, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, stack.model,
-                 stack.recipe, stack.impl)  # fmt: skip
+    cfg = StepConfig(shape, seq, 1, tricks, replace(DEFAULT_STACK, model=stack.model, recipe=stack.recipe,
+                                                     impl=stack.impl), optimizer)  # fmt: skip
     phases, _, mem = simulate(cfg, timeline=True)
     step, live = measure_step(shape, seq, 1, tricks, timeline=True, stack=stack, optimizer=optimizer, count_flops=False)
     return phases, mem, step, live
@@ -133,12 +133,12 @@ def test_8b_optimizer_peaks_follow_torch_code():
 
 def param_elements(shape: ModelShape) -> list[int]:
     """Elements of each parameter of the reference model, in registration order (built in the sim)."""
-    from memcalc.exact.builder import build
-    from memcalc.exact.sim import Graph
-    from memcalc.exact.tensors import Memory
+    from memcalc.exact.builder.model import build
+    from memcalc.exact.sim.graph import Graph
+    from memcalc.exact.sim.tensors import LiveBytes
 
-    cfg = Config(shape, 1, 1, "bf16", True, "none")
-    return [p.numel for p in build(Graph(Memory()), cfg).params]
+    cfg = StepConfig(shape, 1, 1, Tricks("bf16", True))
+    return [p.numel for p in build(Graph(LiveBytes()), cfg).params]
 
 
 @needs_bnb
@@ -183,11 +183,11 @@ def test_traced_step_is_the_second():
     step is a later one; a fused kernel reads and writes each tensor of its group once."""
     shape = TINY["llama"]
     for optimizer, impl in (("adamw", "fused"), ("sgd", "loop"), ("adamw", "foreach")):
-        cfg = Config(shape, 16, 1, "bf16", False, "none", 1, optimizer, "reference", "pure", impl)
+        cfg = StepConfig(shape, 16, 1, Tricks("bf16"), replace(DEFAULT_STACK, recipe="pure", impl=impl), optimizer)
         ops = [k for k in trace(cfg) if k.phase == "optimizer"]
         assert not {"zeros_like", "zeros", "clone"} & {k.op for k in ops}, (optimizer, impl)
-    fused = [k for k in trace(Config(shape, 16, 1, "bf16", False, "none", 1, "adamw", "reference", "pure", "fused"))
-             if k.op == "_fused_adamw_"]  # fmt: skip
+    pure = replace(DEFAULT_STACK, recipe="pure", impl="fused")
+    fused = [k for k in trace(StepConfig(shape, 16, 1, Tricks("bf16"), pure)) if k.op == "_fused_adamw_"]
     weights = 2 * sum(param_elements(shape))
     steps = 4 * len(param_elements(shape))
     assert sum(k.read_bytes for k in fused) == 4 * weights + steps  # params, grads, m, v, step counters

@@ -1,5 +1,5 @@
 """FP8 training with Transformer Engine's delayed scaling (fp8:te): te.Linear as TransformerEngine v0.10 runs it
-under Composer's amp_fp8 (memcalc.exact.aten_te).
+under Composer's amp_fp8 (memcalc.exact.aten.te).
 
 Memory: one te.Linear by hand, its saved bytes and fp8 meta tensors from the TE source; the step's saved
 activations against the bf16 step's. Time: the GEMMs at the FP8 peak, the fused cast-transpose kernels
@@ -18,12 +18,12 @@ from memcalc.cli import app
 from memcalc.engine.answer import answer
 from memcalc.engine.job import Job
 from memcalc.errors import InputError
-from memcalc.exact.aten_te import AMAX_HISTORY_LEN, CUBLAS_WORKSPACE, meta_tensors, te_linear
-from memcalc.exact.config import Config
+from memcalc.exact.aten.te import AMAX_HISTORY_LEN, CUBLAS_WORKSPACE, meta_tensors, te_linear
+from memcalc.exact.base.config import StepConfig
 from memcalc.exact.kernels import kernels_of
-from memcalc.exact.mirror import simulate
-from memcalc.exact.sim import Graph
-from memcalc.exact.tensors import Memory
+from memcalc.exact.replay.meta import simulate
+from memcalc.exact.sim.graph import Graph
+from memcalc.exact.sim.tensors import LiveBytes
 from memcalc.memory.activations import textbook_activations
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import gpu
@@ -72,7 +72,7 @@ def test_one_te_linear_by_hand():
     ctx.save_for_backward(inputmat_t (fp8, in x rows), weight, weight_t_fp8 (fp8, in x out),
     scaling_fwd.scale_inv.clone()): 256·256 + 256·512 bytes of fp8 and 3 fp32; the fp8 input itself and the
     fp8 weight (module/base.py get_fp8_weights_empty_tensors, is_first_microbatch None) die with forward."""
-    g = Graph(Memory())
+    g = Graph(LiveBytes())
     g.kernels = []
     x = g.param((4, 64, 256), "bf16", "x")
     w, b = g.param((512, 256), "bf16", "w"), g.param((512,), "bf16", "b")
@@ -100,7 +100,7 @@ def test_meta_tensors():
     """module/base.py @ v0.10 set_meta_tensor: per GEMM 3 fp8 tensors forward (input, weight, output) and 2
     backward (grad_output, grad_input); scale and scale_inv (n fp32), amax_history (amax_history_len x n
     fp32), the non-weight mask (n bools). Composer's amp_fp8: amax_history_len = 16."""
-    g = Graph(Memory())
+    g = Graph(LiveBytes())
     metas = meta_tensors(g)
     assert AMAX_HISTORY_LEN == 16
     assert [t.shape for t in metas] == [(3,), (3,), (16, 3), (3,), (2,), (2,), (16, 2), (2,)]
@@ -111,7 +111,8 @@ def test_the_step_saves_fp8_inputs_and_weight_transposes():
     """One block of Llama 3 8B's width: each of its 7 linears saves its input as an fp8 transpose (the bf16 step
     saves q/k/v's and gate/up's shared input once, in bf16), and the fp8 transpose of its weight."""
     seq, b = 1024, 1
-    plain, te = (simulate(Config(replace(SHAPE, n_layers=1), seq, b, "bf16", True, "none", fp8=f)) for f in ("", "te"))
+    plain, te = (simulate(StepConfig(replace(SHAPE, n_layers=1), seq, b, Tricks("bf16", True, fp8=f)))
+                 for f in ("", "te"))
     saved = {t.what: 0 for t in te[1].saved_terms}
     for t in te[1].saved_terms:
         saved[t.what] += t.nbytes

@@ -2,7 +2,7 @@
 
 One process plays one rank on the fake process group: fp32 parameters under MixedPrecisionPolicy(bf16, fp32),
 torchtitan's units and reshard policy, torch.optim.AdamW(fused=True), zero_grad(set_to_none) first. Live
-bytes are counted on the fake tensors, FSDP2's storage resizes included. memcalc.exact.fsdp2 replays
+bytes are counted on the fake tensors, FSDP2's storage resizes included. memcalc.exact.replay.fsdp2 replays
 the same step on memcalc.exact: live bytes between steps and each phase's peak equal to the byte. Models are
 presets at full width with few layers (every per-rank byte of a layer is full size).
 """
@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.errors import InputError
-from memcalc.exact.fsdp2 import fsdp2_phases
-from memcalc.exact.fsdp2_units import Param, units_for
+from memcalc.exact.replay.fsdp2 import fsdp2_phases
+from memcalc.exact.replay.fsdp2_units import Param, units_for
 from memcalc.memory.estimate import Setup
 from memcalc.model.params import n_params
 from memcalc.model.presets import PRESETS

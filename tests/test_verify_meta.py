@@ -23,12 +23,12 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 import verify.run as verify_run  # noqa: E402
 from memcalc.cli import app  # noqa: E402
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.builder import build as mirror_build  # noqa: E402
-from memcalc.exact.config import Config  # noqa: E402
-from memcalc.exact.mirror import simulate  # noqa: E402
-from memcalc.exact.sim import Graph  # noqa: E402
+from memcalc.exact.builder.model import build as mirror_build  # noqa: E402
+from memcalc.exact.base.config import StepConfig  # noqa: E402
+from memcalc.exact.replay.meta import simulate  # noqa: E402
+from memcalc.exact.sim.graph import Graph  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
-from memcalc.exact.tensors import Memory  # noqa: E402
+from memcalc.exact.sim.tensors import LiveBytes  # noqa: E402
 from memcalc.memory.estimate import Setup  # noqa: E402
 from memcalc.model.params import n_params  # noqa: E402
 from memcalc.model.presets import PRESETS, canonical_model  # noqa: E402
@@ -75,7 +75,7 @@ ALL_TRICKS = ("fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,sel
 
 
 def sim_vs_meta(shape: ModelShape, seq: int, batch: int, tricks: Tricks, grad_accum: int = 1):
-    cfg = Config(shape, seq, batch, tricks.precision, tricks.flash, tricks.recompute, grad_accum)
+    cfg = StepConfig(shape, seq, batch, tricks, grad_accum=grad_accum)
     phases, g, mem = simulate(cfg, timeline=True)
     step, live = measure_step(shape, seq, batch, tricks, grad_accum=grad_accum, timeline=True)
     return phases, g, mem, step, live
@@ -275,7 +275,7 @@ def test_parameters_as_built(name):
     shape = TINY[name]
     model = build(shape, Kernels(), 24, torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == n_params(shape)
-    sim = mirror_build(Graph(Memory()), Config(shape, 24, 1, "bf16", False, "none"))
+    sim = mirror_build(Graph(LiveBytes()), StepConfig(shape, 24, 1, Tricks("bf16")))
     assert [tuple(p.shape) for p in model.parameters()] == [p.shape for p in sim.params]
     assert [n for n, _ in model.named_parameters()] == [p.name for p in sim.params]
 

@@ -9,7 +9,7 @@
 Autocast does nothing on the meta device: its dispatch keys (AutocastCPU, AutocastCUDA) are per
 device. So this loop is measured on CPU tensors at reduced size, with LiveBytes watching CPU storages
 (tests/test_tracker.py proves its figures are the CPU allocator's), and memcalc.exact is held against
-it with CPU's autocast lists (Config(device="cpu")). The CUDA prediction differs from the CPU run
+it with CPU's autocast lists (StepConfig(device="cpu")). The CUDA prediction differs from the CPU run
 only where the lists and kernels differ: tests/test_stack_autocast.py names and tests each difference.
 
 On CPU, SDPA's flash backend is aten._scaled_dot_product_flash_attention_for_cpu (cpu_kernels): it
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from memcalc.exact.config import Config
+from memcalc.exact.base.config import StepConfig
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import Stack, stack_for
 from memcalc.model.tricks import Tricks
@@ -193,7 +193,7 @@ def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, st
     micro-batch at most 2, vocabulary at most 1024 (a learned position table as long as the sequence),
     dropout 0 with flash (CPU's flash kernel has none); then heads halved (hidden, KV heads while more
     than one, and the MLP with them; head_dim kept) until the CPU replay's step peak is within budget."""
-    from memcalc.exact.mirror import simulate
+    from memcalc.exact.replay.meta import simulate
 
     layers = min(shape.n_layers, max(tricks.ckpt_every + 1 if tricks.mixed else 2, stack.finetune.lead_blocks + 1))
     seq, batch = min(seq_len, MAX_CPU_SEQ), min(micro_batch, MAX_CPU_BATCH)
@@ -204,9 +204,7 @@ def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, st
         small = replace(small, dropout=0.0)
 
     def peak(s: ModelShape) -> int:
-        cfg = Config(s, seq, batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, stack.model,
-                     stack.recipe, stack.impl, stack.use_cache, device="cpu", ckpt_every=tricks.ckpt_every, fp8=tricks.fp8,
-                     finetune=stack.finetune)  # fmt: skip
+        cfg = StepConfig(s, seq, batch, tricks, stack, optimizer, device="cpu")
         return simulate(cfg, warm_up=False)[0].step_peak_bytes
 
     while peak(small) > budget and small.n_heads > 1 and small.hidden % 2 == 0 and small.ffn % 2 == 0:
@@ -224,12 +222,12 @@ def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, st
     return Reduced(replace(small, name=shape.name), seq, batch, tuple(changes))
 
 
-def cpu_cuda_differences(cpu: Config) -> tuple[str, ...]:
+def cpu_cuda_differences(cpu: StepConfig) -> tuple[str, ...]:
     """What the CUDA prediction of the same reduced step adds to the CPU one, term by term: the
     replay with CUDA's lists and kernels less the replay with CPU's (tests/test_stack_autocast.py and
     tests/test_stack_amp.py name and test each: CUDA's fp32 softmax and pow, the flash kernel's RNG
     state, torch.optim's loop and foreach step counters, hosted on the CPU)."""
-    from memcalc.exact.mirror import simulate
+    from memcalc.exact.replay.meta import simulate
 
     (on_cpu, g_cpu, _), (on_cuda, g_cuda, _) = simulate(cpu), simulate(replace(cpu, device="cuda"))
     saved: dict[str, int] = {}
@@ -255,17 +253,15 @@ def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, tex
     verify judges them; notes say what was reduced and how the CUDA prediction differs. timeline: the
     measured step laid over that replay, allocation by allocation (memcalc.verification.timeline.Overlay),
     else None."""
-    from memcalc.exact.mirror import simulate
-    from memcalc.exact.recipes import recipe_note
+    from memcalc.exact.replay.meta import simulate
+    from memcalc.exact.train.recipes import recipe_note
     from memcalc.exact.timeline import timeline_of
     from memcalc.verification.results import Row
     from memcalc.verification.timeline import Overlay, measured
 
     red = reduce(shape, setup.seq_len, setup.micro_batch, tricks, setup.stack, setup.optimizer)
     stack, small = setup.stack, replace(setup, seq_len=red.seq_len, micro_batch=red.micro_batch)
-    cfg = Config(red.shape, red.seq_len, red.micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1,
-                 setup.optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache, device="cpu", ckpt_every=tricks.ckpt_every,
-                 fp8=tricks.fp8, finetune=stack.finetune)
+    cfg = StepConfig(red.shape, red.seq_len, red.micro_batch, tricks, stack, setup.optimizer, device="cpu")
     progress(f"cpu: the step at reduced size ({red.shape.n_layers} layers, seq {red.seq_len})")
     ph, g, mem = simulate(cfg, timeline=timeline)
     step, live, recipe = measure_cpu(red.shape, red.seq_len, red.micro_batch, tricks, stack=stack,

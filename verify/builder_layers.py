@@ -1,6 +1,6 @@
 """The plain PyTorch layers of verify's reference model (verify/builder.py assembles them): the kernel
 switch (Kernels), dropout, RMSNorm and LayerNorm, rotary tables, the attention kernels (eager, SDPA's flash
-backend, the aten flash op, flash-attn), attention, and the GPT and gated MLPs. memcalc/exact/builder_layers.py
+backend, the aten flash op, flash-attn), attention, and the GPT and gated MLPs. memcalc/exact/builder/layers.py
 replays them op by op.
 """
 

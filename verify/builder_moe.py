@@ -1,6 +1,6 @@
 """verify's reference mixture of experts and latent attention (DeepSeek-V3's blocks; verify/builder.py
 puts them in its blocks where the shape has them): the balanced routing, the router's scores, the MoE MLP as
-Megatron-LM's MoELayer runs it on one GPU, and multi-head latent attention. memcalc/exact/builder_moe.py
+Megatron-LM's MoELayer runs it on one GPU, and multi-head latent attention. memcalc/exact/builder/moe.py
 replays them op by op.
 """
 

@@ -99,7 +99,8 @@ def notes(given, built, layout: Layout, engine: str = "none") -> tuple[str, ...]
         out.append("peaks: live bytes on the rank (fake tensors, FSDP2's storage resizes counted), the third step: "
                    "between steps, forward (from zero_grad), backward, optimizer")  # fmt: skip
     elif engine == "fsdp2":
-        out.append("peaks are checked with tp 1: DTensor TP's collectives are not replayed (memcalc.exact.fsdp2)")
+        out.append("peaks are checked with tp 1: DTensor TP's collectives are not replayed "
+                   "(memcalc.exact.replay.fsdp2)")
     if built.vocab != given.vocab:
         out.append(f"vocabulary padded from {given.vocab:,} to {built.vocab:,} rows, a multiple of tp {layout.tp} "
                    "(Megatron-LM pads to 128·tp): each TP rank holds ⌈V/t⌉ rows, as memcalc charges")  # fmt: skip

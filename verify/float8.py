@@ -4,7 +4,7 @@ convert_to_float8_training swaps each nn.Linear for torchao's Float8Linear (torc
 with Float8LinearConfig.from_recipe_name(recipe); torchtitan's module_filter_fn
 (torchtitan/components/quantization/utils.py @ b5bcd76c66d0acb1a08b176d9639425bc55e0b2a) keeps a linear
 in high precision unless both its dimensions divide by 16, and its configs leave the output head out
-(filter_fqns = ["output"] / ["lm_head"]). memcalc.exact.aten_float8 replays the same linears.
+(filter_fqns = ["output"] / ["lm_head"]). memcalc.exact.aten.float8 replays the same linears.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 memcalc's shape becomes a Transformers config (llama, mistral, qwen2, qwen3, gemma, gpt2) and the
 model is AutoModelForCausalLM.from_config's, built on the meta device in the activation dtype (a
 model loaded in bf16). What runs is the installed library's code (transformers/models/<arch>/
-modeling_<arch>.py); memcalc.exact.hf mirrors it line by line. Three switches make meta and CPU
+modeling_<arch>.py); memcalc.exact.hf.model mirrors it line by line. Three switches make meta and CPU
 run what CUDA runs, as verify/builder_layers.py's Kernels do for the reference model:
 
   attention  "sdpa" on CUDA reaches aten._scaled_dot_product_flash_attention through
@@ -37,8 +37,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memcalc.errors import InputError
-from memcalc.exact.hf import arch_for
-from memcalc.exact.hf_gemma import flash_refused, gemma_layer_types, gemma_window
+from memcalc.exact.hf.model import arch_for
+from memcalc.exact.hf.gemma import flash_refused, gemma_layer_types, gemma_window
 from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape, check_positions
@@ -94,7 +94,7 @@ def decoder_config(shape: ModelShape, seq_len: int, **extra) -> dict:
 def gemma_config(shape: ModelShape, seq_len: int, **extra) -> dict:
     """Gemma 2's and Gemma 3's fields (configuration_gemma2.py, configuration_gemma3.py): GeGLU
     (hidden_activation), scores scaled by head_dim ** -0.5 (query_pre_attn_scalar), each layer's type
-    and the window (memcalc.exact.hf_gemma: a shape without one gets one longer than the sequence),
+    and the window (memcalc.exact.hf.gemma: a shape without one gets one longer than the sequence),
     the final logits' softcap where the shape has one."""
     return decoder_config(shape, seq_len, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=shape.head_dim,
                           layer_types=gemma_layer_types(shape), sliding_window=gemma_window(shape, seq_len),
@@ -367,7 +367,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     check_positions(shape, seq_len)
     register_attention()
     config = hf_config(shape, seq_len, arch, use_cache)
-    if tricks.flash and flash_refused(config.model_type):  # as memcalc.exact.hf_gemma refuses it
+    if tricks.flash and flash_refused(config.model_type):  # as memcalc.exact.hf.gemma refuses it
         raise InputError(flash_refused(config.model_type))
     amp = autocast is not None and tricks.precision != "fp32"
     dtype = torch.float32 if amp and not finetune.lora else DTYPES[tricks.precision]

@@ -9,7 +9,7 @@
 On meta, PEFT builds its adapters on meta too (peft/tuners/tuners_utils.py _move_adapter_to_device_of_base_layer
 skips a meta adapter; cast_adapter_dtype then upcasts them to fp32, as on any device). Frozen parts of a full
 training run are requires_grad_(False) on the weights named (the embedding, the head, the first N blocks).
-memcalc.exact.hf_lora replays both.
+memcalc.exact.hf.lora replays both.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import warnings
 from torch import nn
 
 from memcalc.errors import InputError
-from memcalc.exact.hf_lora import trainable
+from memcalc.exact.hf.lora import trainable
 from memcalc.model.finetune import Finetune
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.optim.optimizer as optimizer_module
 
 from memcalc.errors import InputError
-from memcalc.exact.config import untrainable
+from memcalc.exact.base.config import untrainable
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -224,7 +224,7 @@ class TorchRecipe:
 
 
 def check_recipe(precision: str, stack: Stack, optimizer: str) -> None:
-    """What is trained (memcalc.exact.config.untrainable: the same rules the simulator keeps). The
+    """What is trained (memcalc.exact.base.config.untrainable: the same rules the simulator keeps). The
     autocast recipe trains through verify/autocast.py (autocast runs on CPU and CUDA tensors only)."""
     if optimizer not in ("adamw", "sgd", "adam8bit"):
         raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, adam8bit")

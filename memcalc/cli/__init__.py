@@ -14,10 +14,10 @@ def main() -> None:
     100,000 objects and frees none: the collector's passes over them were a twentieth of the start-up
     (valgrind), so it waits until they are imported, and then leaves them alone (they live as long as the
     process); the command itself runs with it on, save inside the engine's no_collection blocks, whose
-    survivors it freezes as well (memcalc.exact.collection.FREEZE)."""
+    survivors it freezes as well (memcalc.exact.base.collection.FREEZE)."""
     gc.disable()
     try:
-        from memcalc.exact import collection
+        from memcalc.exact.base import collection
 
         from .commands import main as run
     finally:

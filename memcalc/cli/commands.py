@@ -11,7 +11,7 @@ import typer
 from typer.core import TyperGroup
 
 from memcalc.errors import InputError
-from memcalc.exact import collection
+from memcalc.exact.base import collection
 from memcalc.report import render
 
 from . import views

@@ -99,7 +99,7 @@ def saver(folder: str, dist: bool = False):
 def custom_run(model, setup, tricks, spec: str, device: str | None):
     """--step FILE:FUNCTION: the user's step measured (verify/custom.py), and, given a model, the stack's
     prediction for that shape beside it. model None: measured only."""
-    from memcalc.exact.config import not_replayed
+    from memcalc.exact.base.config import not_replayed
 
     dev = "meta" if device is None else device.strip().lower()
     if dev not in ("meta", "cpu"):

@@ -75,8 +75,8 @@ def check_finetune(model: Model, setup: Setup, lay: Layout) -> None:
     if not plain_data_parallel(lay):
         raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of plain data parallelism (no ZeRO, "
                          "offload, tensor, pipeline, context or expert parallel)")  # fmt: skip
-    from memcalc.exact.hf import arch_for
-    from memcalc.exact.hf_lora import not_replayed
+    from memcalc.exact.hf.model import arch_for
+    from memcalc.exact.hf.lora import not_replayed
 
     why = not_replayed(ft, arch_for(model.shape), "hf")  # a mixture of experts or latent attention: not built
     if why:

@@ -33,7 +33,7 @@ MAX_ZERO_GPUS = 4096  # the ZeRO search tries 2, 4, ... up to this many data-par
 
 
 @record(frozen=True)
-class Config:
+class Combination:
     """One combination the toolbox tries: a trick set, a step, a data-parallel layout."""
 
     tricks: Tricks
@@ -52,19 +52,19 @@ class ToolStep:
     kept: bool  # applied: a free tool, or one that lowered the peak (one that saves nothing is shown, not applied)
     verdict: Verdict  # after this step and every kept one before it
     gpu_seconds_per_token: float  # GPUs x step time / tokens per step, for the cheapest among those that fit
-    config: Config
+    combination: Combination
 
     @property
     def tricks(self) -> Tricks:
-        return self.config.tricks
+        return self.combination.tricks
 
     @property
     def setup(self) -> Setup:
-        return self.config.setup
+        return self.combination.setup
 
     @property
     def layout(self) -> Layout:
-        return self.config.layout
+        return self.combination.layout
 
 
 @record(slots=True)
@@ -86,12 +86,12 @@ class Toolbox:
 
 # A tool looks at a config and returns (name, change, cost), or None where it does not apply. The change is
 # a function of a config, so "saves on its own" applies the same change to the start.
-Change = Callable[[Config], Config]
-Measure = Callable[[Config], Verdict]
-Tool = Callable[[Model, GPU, Config, Measure], "tuple[str, Change, str] | None"]
+Change = Callable[[Combination], Combination]
+Measure = Callable[[Combination], Verdict]
+Tool = Callable[[Model, GPU, Combination, Measure], "tuple[str, Change, str] | None"]
 
 
-def use_bf16(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+def use_bf16(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
     if c.tricks.precision != "fp32":
         return None
     half = "bf16" if gpu.bf16_tflops else "fp16"  # Volta and Turing have no bf16 tensor cores
@@ -99,24 +99,24 @@ def use_bf16(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, 
     return f"{half} mixed precision", with_tricks(precision=half), f"none: {speed:.1f}x the fp32 matmul peak"
 
 
-def use_flash(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+def use_flash(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
     if c.tricks.flash:
         return None
     return "FlashAttention", with_tricks(flash=True, precision="bf16"), "none: faster, no s×s through HBM"
 
 
-def use_smaller_batch(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+def use_smaller_batch(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
     b = c.setup.micro_batch
     if b == 1:
         return None
 
-    def change(x: Config) -> Config:
+    def change(x: Combination) -> Combination:
         return replace(x, setup=replace(x.setup, micro_batch=1, grad_accum=x.setup.grad_accum * b))
 
     return f"micro-batch 1, {b}x accumulation", change, f"{b}x more, smaller passes"
 
 
-def use_checkpointing(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+def use_checkpointing(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
     if c.tricks.recompute == "full" and c.tricks.ckpt_every == 1:
         return None
     change = with_tricks(recompute="full", ckpt_every=1)  # every block (from ckpt:N, sac or less)
@@ -125,7 +125,7 @@ def use_checkpointing(model: Model, gpu: GPU, c: Config, measure: Measure) -> tu
     return "full activation checkpointing", change, f"+{after / before - 1:.0%} FLOPs per step"
 
 
-def use_zero(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+def use_zero(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
     """The fewest GPUs (powers of two), then the lowest ZeRO stage, that fit; else ZeRO-3 on the most."""
     lay = c.layout
     counts = [n for n in (1 << k for k in range(1, 13)) if max(2, lay.dp) <= n <= MAX_ZERO_GPUS] or [lay.dp]
@@ -143,12 +143,12 @@ def use_zero(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, 
     return f"ZeRO-{stage} over {gpus} GPUs", with_zero(gpus, stage), f"{gpus} GPUs, {comm} data-parallel traffic"
 
 
-def use_offload(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
+def use_offload(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
     lay = c.layout
     if lay.offload_optimizer or (lay.zero == 0 and lay.shard_ranks > 1):
         return None  # already offloaded, or ZeRO 0 over several GPUs: a layout the engines refuse
 
-    def change(x: Config) -> Config:
+    def change(x: Combination) -> Combination:
         return replace(x, layout=replace(x.layout, offload_optimizer=True))
 
     if not runs(model, change(c)):
@@ -156,7 +156,7 @@ def use_offload(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[st
     return "CPU offload of optimizer state", change, "optimizer step on the CPU, PCIe traffic"
 
 
-def runs(model: Model, c: Config) -> bool:
+def runs(model: Model, c: Combination) -> bool:
     """Whether the stack's engine runs this layout of this model (memcalc.parallel.engines, layout), and the
     fine-tuning is replayed on it (LoRA and frozen weights: plain data parallelism, memcalc.engine.job)."""
     engine = c.setup.stack.engine
@@ -182,7 +182,7 @@ def first(n: int, holds: Callable[[int], bool]) -> int | None:
 
 
 def with_tricks(**changes: object) -> Change:
-    def change(c: Config) -> Config:
+    def change(c: Combination) -> Combination:
         fields = dict(changes)
         if fields.get("precision") == "bf16" and c.tricks.precision != "fp32":
             del fields["precision"]  # keep fp16 where it was chosen; only fp32 must become 16-bit
@@ -192,7 +192,7 @@ def with_tricks(**changes: object) -> Change:
 
 
 def with_zero(gpus: int, stage: int) -> Change:
-    def change(c: Config) -> Config:
+    def change(c: Combination) -> Combination:
         return replace(c, layout=replace(c.layout, dp=gpus, zero=stage))
 
     return change
@@ -210,10 +210,10 @@ def toolbox(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout
     you had: it is applied to the config before ZeRO. A tool that costs time and saved nothing on the GPUs
     you had is tried again under ZeRO, where the state no longer hides what it saves."""
 
-    def measure(c: Config) -> Verdict:
+    def measure(c: Combination) -> Verdict:
         return gpu_verdict(model, c.setup, gpu, c.tricks, c.layout)
 
-    def step(name: str, what: str, change: Change, base: Config, free: bool) -> ToolStep:
+    def step(name: str, what: str, change: Change, base: Combination, free: bool) -> ToolStep:
         after, before = change(base), measure(base)
         verdict = measure(after)
         kept = free or verdict.peak_bytes < before.peak_bytes
@@ -222,7 +222,7 @@ def toolbox(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout
         return ToolStep(name, what, alone, before.peak_bytes - verdict.peak_bytes, kept, verdict, price,
                         after if kept else base)  # fmt: skip
 
-    start = Config(tricks, setup, layout)
+    start = Combination(tricks, setup, layout)
     start_verdict = measure(start)
     current, before_zero, steps, passed, zeroed = start, start, [], [], False
     for tool in TOOLS:
@@ -242,8 +242,8 @@ def toolbox(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout
         if steps[-1].verdict.fits and tool is not use_zero:
             break
         if tool is not use_zero:
-            before_zero = steps[-1].config
-        current = steps[-1].config
+            before_zero = steps[-1].combination
+        current = steps[-1].combination
     for name, change, base in passed if zeroed else ():  # under ZeRO, what the state hid on the GPUs you had
         zero = use_zero(model, gpu, change(base), measure)
         if zero is not None:
@@ -255,7 +255,7 @@ def toolbox(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout
     return Toolbox(start_verdict, tuple(steps))
 
 
-def cost(model: Model, gpu: GPU, c: Config, timing: Calibration | float | None) -> float:
+def cost(model: Model, gpu: GPU, c: Combination, timing: Calibration | float | None) -> float:
     """GPU-seconds per token: GPUs x step time / tokens per step, timed as estimate times the job."""
     t = layout_estimate(model, c.setup, gpu, c.tricks, c.layout, ends_only=True, timing=timing).time
     return c.layout.world * t.step_seconds / t.tokens_per_step

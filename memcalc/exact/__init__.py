@@ -1,27 +1,19 @@
-"""Bytes and kernels, op by op: a byte-level replay of verify/'s model and training step.
+"""Bytes and kernels, op by op: a byte-level replay of verify/'s models and training steps, without torch.
 
-  aten         what each aten op allocates and saves, by family: aten_operands, aten_views,
-               aten_arithmetic, aten_activations, aten_matmul, aten_fused, aten_indexing; the fp8 linears:
-               aten_float8 (torchao's Float8Linear), aten_te (Transformer Engine's te.Linear)
-  sim          runs them under autograd's lifetimes (tensors: bytes, storages, tensors; backward: the
-               engine; checkpoint: non-reentrant and selective checkpointing)
-  builder      verify/builder.py's model line by line: its parameters and forward (builder_layers: the
-               norms, RoPE, attention and MLP; builder_moe: a mixture of experts and latent attention)
-  hf           Transformers' model classes as verify/hf.py trains them (hf_llama, hf_gpt2: the decoders;
-               hf_attention: the causal mask and the attention interface they share)
-  recipes      verify/recipes.py line by line
-  optimizers   torch.optim's and bitsandbytes' optimizer steps
-  autocast     torch.autocast's lists and cast cache
-  amp          the stock loop's GradScaler and step, as verify/autocast.py
-  config       what a step is
-  mirror       runs the measured step as verify/meta.py does
-  zero         one data-parallel rank's step under ZeRO
-  fsdp2        one rank of FSDP2 as torchtitan runs it (fsdp2_units: its units, groups and their hooks)
-  step         turns it into terms, phases and FLOPs (growth: the full depth grown from two short steps;
-               cache: kept on disk)
-  kernels      traces one block's kernels once: the roofline's inventory and the FLOPs a step executes
-               (hardware FLOPs)
-  timeline     the step event by event, at full depth, for --timeline (events: what each allocation is)
+Its rooms, lowest first; each imports only those before it (tests/test_layering.py holds it):
+  base      the records every room shares: StepConfig and Phases, Kernel, the disk cache
+  sim       PyTorch's eager memory in bytes: tensors and their storages, autograd's graph and backward
+            engine, activation checkpointing, what each allocation is
+  aten      the aten ops: what each allocates, saves and launches; torch.autocast's cast policy; the fp8
+            linears (torchao's Float8Linear, Transformer Engine's te.Linear)
+  builder   memcalc's reference model, as verify/builder.py builds it
+  hf        Transformers' model classes as verify/hf.py trains them; PEFT's LoRA and bitsandbytes' QLoRA
+  train     the training recipes: the reference loop, torch.optim and bitsandbytes' optimizers, torch.amp
+  replay    the step as verify runs it: one GPU (meta), a ZeRO rank, an FSDP2 rank; torch.compile's kernels
+and on top, the entry points the rest of memcalc calls:
+  kernels   one block's kernels traced once: the roofline's inventory and the FLOPs a step executes
+  step      the step's terms, phases and FLOPs (exact_step, step_phases), grown to full depth (growth)
+  timeline  the step event by event, at full depth, for --timeline
 
-May import: memcalc.model, memcalc.errors, memcalc.terms.
+May import: memcalc.model, memcalc.errors, memcalc.records, memcalc.terms.
 """

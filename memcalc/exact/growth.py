@@ -16,7 +16,7 @@ from memcalc.model.moe_mla import is_moe_layer, moe_layer_count
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 
-from .config import Phases
+from .base.config import Phases
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Growth:
     so both short steps hold them: the first unit (Transformers builds its masks in its first block), or
     with d dense blocks before MoE ones (DeepSeek-V3's first_k_dense_replace) as many units as hold
     them. The shorter step has one unit more, the longer two; and as many tail units as differ at the end
-    (under ZeRO-3 the last block prefetches the head, not a block: memcalc.exact.zero), in both; under
+    (under ZeRO-3 the last block prefetches the head, not a block: memcalc.exact.replay.zero), in both; under
     ZeRO-3 the first MoE unit after dense ones is a lead unit too (its backward prefetches a dense one)."""
 
     unit: int  # blocks per unit
@@ -112,7 +112,7 @@ def as_run(tricks: Tricks, layers: int) -> Tricks:
 def grown_phases(short: Phases, long: Phases, m2, m3, grown: Growth) -> Phases:
     """A step's phases at grown.units units of blocks (see Growth) from its two short steps. What a step
     holds is affine in the units once the lead units, which may do what later ones do not, are in both;
-    a phase's peak is the highest of its segments' (memcalc.exact.tensors.Memory): its start, before the
+    a phase's peak is the highest of its segments' (memcalc.exact.sim.tensors.LiveBytes): its start, before the
     blocks, after them, and inside a block, where past the lead the live bytes are affine in how many
     units the phase has done (each frees a unit's activations, or keeps them, and adds its gradients) for
     a block at a given place in its unit. So across the units each place peaks in a lead unit, the first
@@ -124,7 +124,7 @@ def grown_phases(short: Phases, long: Phases, m2, m3, grown: Growth) -> Phases:
     for phase in ("forward", "backward", "optimizer"):
         peak, at_op = -1, ""
         for a, (b, op) in candidates(m2.segments[phase], m3.segments[phase], grown):  # in the order the phase runs them
-            if grow(a, b, grown) > peak:  # the first to reach the peak names it, as Memory's running peak does
+            if grow(a, b, grown) > peak:  # the first to reach the peak names it, as LiveBytes's running peak does
                 peak, at_op = grow(a, b, grown), op
         grown_fields[f"{phase}_peak_bytes"], grown_fields[f"{phase}_peak_at"] = peak, at_op
     return replace(long, **grown_fields)

@@ -1,6 +1,6 @@
 """One block's kernels, traced once: what the roofline times, and the FLOPs a step really executes.
 
-Every block of the stack runs the same kernels, so one block is traced (memcalc.exact.mirror.trace) and
+Every block of the stack runs the same kernels, so one block is traced (memcalc.exact.replay.meta.trace) and
 the rest is multiplication (tests/test_roofline.py checks it against full-depth traces). With ckpt:N the
 blocks are of two kinds: one group of N is traced, its first block (plain) weighted by the blocks not
 checkpointed and its last (checkpointed) by those that are (block_weight;
@@ -25,44 +25,10 @@ from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, STACKS, Stack
 from memcalc.model.tricks import Tricks
 
-from .cache import remembered
-from .config import Config, not_replayed, shape_not_replayed
+from .base.cache import remembered
+from .base.config import StepConfig, not_replayed, shape_not_replayed
+from .base.kernel import STEP_PHASES, Kernel
 
-
-class Kernel:
-    """One kernel of the step: what it computes and what it moves through HBM. (A plain record, as
-    Storage and Tensor are: thousands are made per step.)"""
-
-    __slots__ = ("op", "unit", "dtype", "flops", "counted", "count_kind", "read_bytes", "write_bytes", "phase",
-                 "scope", "layer", "count")  # fmt: skip
-
-    def __init__(self, op: str, unit: str, dtype: str, flops: int, counted: int, count_kind: str, read_bytes: int,
-                 write_bytes: int, phase: str, scope: str, layer: int | None, count: int = 1):  # fmt: skip
-        self.op = op  # the aten op (mm, _softmax_backward_data, addcdiv_, ...)
-        self.unit = unit  # tensor (a matmul), flash (the fused attention kernel) or vector (elementwise, reductions)
-        self.dtype = dtype  # its operands' dtype: picks the tensor-core rate
-        self.flops = flops  # what it executes (a causal flash kernel skips the masked half)
-        self.counted = counted  # what FlopCounterMode counts for it: matmuls only, attention non-causal
-        self.count_kind = count_kind  # linear | logits | attention for a counted matmul, else ""
-        self.read_bytes = read_bytes  # inputs read from HBM, each once (a broadcast input: its own size)
-        self.write_bytes = write_bytes  # outputs written
-        self.phase = phase  # forward | backward | recompute | accumulate | optimizer
-        self.scope = scope  # the part of the model: "attention core", "mlp", "loss", ...
-        self.layer = layer  # the block it belongs to; None outside the blocks
-        self.count = count  # how many times the step launches it there (equal experts' kernels: one record)
-
-    def key(self) -> tuple:
-        """Everything but the layer: two blocks run kernels with equal keys."""
-        return (self.op, self.unit, self.dtype, self.flops, self.counted, self.count_kind, self.read_bytes,
-                self.write_bytes, self.phase, self.scope)  # fmt: skip
-
-    def __repr__(self) -> str:
-        times = f" x{self.count}" if self.count > 1 else ""
-        return (f"Kernel({self.phase} {self.scope} {self.op}{times}: {self.flops:,} FLOPs, {self.read_bytes:,} B read, "
-                f"{self.write_bytes:,} B written)")  # fmt: skip
-
-
-STEP_PHASES = ("forward", "backward", "recompute")  # run once per micro-batch
 TRACES: dict[tuple, tuple[Kernel, ...]] = {}  # (one-layer shape, seq, micro-batch, tricks) -> kernels
 MAX_TRACES = 512
 
@@ -146,7 +112,7 @@ def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
 def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape) -> tuple:
     """What a trace key adds for a stack: nothing for the reference stack's AdamW (its traces and their
     cache keys as they always were); (model, recipe, impl, optimizer) for a stack the exact model
-    replays; nothing, so the reference stack's step, for one it does not (memcalc.exact.config)."""
+    replays; nothing, so the reference stack's step, for one it does not (memcalc.exact.base.config)."""
     if (stack.model, stack.recipe, stack.impl, optimizer) == (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
                                                               DEFAULT_STACK.impl, "adamw"):  # fmt: skip
         return ()
@@ -182,18 +148,17 @@ def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | N
 
 
 def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *stack: str) -> tuple[Kernel, ...]:
-    """memcalc.exact.mirror.trace of the one-block step, kept on disk between runs (memcalc.exact.cache);
+    """memcalc.exact.replay.meta.trace of the one-block step, kept on disk between runs (memcalc.exact.base.cache);
     stack: traced_stack's (model, recipe, impl, optimizer), or none for the reference stack's."""
 
     def trace_fields() -> list:
-        from .mirror import trace  # here, not at import: a cached trace never simulates
+        from .replay.meta import trace  # here, not at import: a cached trace never simulates
 
         model, recipe, impl, optimizer, *rest = stack or (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
                                                           DEFAULT_STACK.impl, "adamw")  # fmt: skip
         finetune = next((x for x in rest if isinstance(x, Finetune)), FULL)
-        cfg = Config(one, seq_len, micro_batch, tricks.precision, tricks.flash, tricks.recompute, 1, optimizer, model,
-                     recipe, impl, True in rest, ckpt_every=tricks.ckpt_every, fp8=tricks.fp8, finetune=finetune,
-                     compile=tricks.compile)  # fmt: skip
+        code = replace(DEFAULT_STACK, model=model, recipe=recipe, impl=impl, use_cache=True in rest, finetune=finetune)
+        cfg = StepConfig(one, seq_len, micro_batch, tricks, code, optimizer)
         kept = (None, *representatives(one, tricks).values()) if finetune.trains_all else (None, *range(one.n_layers))
         return merged(k for k in trace(cfg) if k.layer in kept)
 
@@ -224,7 +189,7 @@ def whole_blocks_keep_the_forward(tricks: Tricks, stack_key: tuple) -> bool:
     """Whether checkpointing whole blocks (full, op) leaves the forward's kernels as they are. Not under
     torch.compile, whose fused kernels then write only a block's output (min-cut partitioning: a checkpointed
     block keeps nothing inside), nor for a model that drops its cache when checkpointed (Transformers'
-    use_cache, memcalc.exact.hf_cache; True in a trace key's stack part: traced_stack)."""
+    use_cache, memcalc.exact.hf.dynamic_cache; True in a trace key's stack part: traced_stack)."""
     return not tricks.compile and True not in stack_key
 
 

@@ -5,8 +5,8 @@ The textbook (memcalc.memory.activations, Korthikanti et al. 2022) counts a GPT-
 fp32, RoPE, no dropout) saves different tensors, and a training step holds more than saved tensors:
 logits and their fp32 copy, backward's gradients, the optimizer's temporaries.
 
-memcalc.exact runs verify/'s model and training step in bytes (memcalc.exact.mirror on memcalc.exact.sim): every
-aten op's outputs, the tensors its autograd node saves, and what its backward allocates, under
+memcalc.exact runs verify/'s model and training step in bytes (memcalc.exact.replay.meta on
+memcalc.exact.sim.graph): every aten op's outputs, the tensors its autograd node saves, and what its backward allocates, under
 autograd's own lifetimes. On the meta device it equals the measurement to the byte (tests/). What
 it leaves out is what only a CUDA run has: the caching allocator's 512-byte rounding and reserved
 pool, cuBLAS workspaces, kernels' private buffers (flash-attention's backward accumulators), and
@@ -27,12 +27,12 @@ from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
 
-from .cache import remembered
-from .config import ITEMSIZE, Config, Phases
-from .growth import Growth, as_run, grow, growth, grown_phases, layer_blocks
-from .zero import Sharding
+from .base.cache import remembered
+from .base.config import ITEMSIZE, Phases, StepConfig
+from .growth import Growth, as_run, grow, grown_phases, growth, layer_blocks
+from .replay.zero import Sharding
 
-SIM = "memcalc.exact.sim: verify/'s step replayed in bytes"
+SIM = "memcalc.exact.sim.graph: verify/'s step replayed in bytes"
 
 
 class Sym(int):
@@ -94,14 +94,12 @@ def symbols(shape: ModelShape, seq_len: int, micro_batch: int) -> dict[str, int]
 
 
 def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
-           stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", device: str = "cuda") -> Config:  # fmt: skip
+           stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", device: str = "cuda") -> StepConfig:  # fmt: skip
     """The simulated step, its sizes carrying their symbols (device: cuda, or cpu for CPU tensors' kernels)."""
     named = replace(shape, hidden=Sym(shape.hidden, "h"), n_heads=Sym(shape.n_heads, "a"),
                     n_kv_heads=Sym(shape.n_kv_heads, "k"), head_dim=Sym(shape.head_dim, "d"),
                     ffn=Sym(shape.ffn, "f"), vocab=Sym(shape.vocab, "v"))  # fmt: skip
-    return Config(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks.precision, tricks.flash, tricks.recompute,
-                  grad_accum, optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache, ckpt_every=tricks.ckpt_every,
-                  fp8=tricks.fp8, device=device, finetune=stack.finetune)  # fmt: skip
+    return StepConfig(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks, stack, optimizer, grad_accum, device)
 
 
 @dataclass(frozen=True)
@@ -201,7 +199,7 @@ def to_terms(saved) -> tuple[Term, ...]:
             form = str(nbytes * n)
         source = "torch.utils.checkpoint keeps its input" if op == "checkpoint" else f"aten.{op} saves {what}"
         name = f"{scope}: {op} saves {what} ({dtype})"
-        if what.endswith("kept by selective checkpointing"):  # memcalc.exact.checkpoint.Checkpointing.outputs
+        if what.endswith("kept by selective checkpointing"):  # memcalc.exact.sim.checkpoint.Checkpointing.outputs
             source = f"torch.utils.checkpoint's selective cache keeps aten.{op}'s outputs (torchtitan's policy)"
             name = f"{scope}: {op} {what} ({dtype})"
         out.append(Term(name, nbytes * n, form, source))
@@ -251,8 +249,8 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
     check_positions(shape, seq_len)
 
-    from .mirror import simulate  # here, not at import: a cached verdict never simulates (memcalc.exact.cache)
-    from .recipes import recipe_note
+    from .replay.meta import simulate  # here, not at import: a cached verdict never simulates (base.cache)
+    from .train.recipes import recipe_note
 
     L, run = shape.n_layers, as_run(tricks, shape.n_layers)
     grown = growth(tricks, shape, first=stack.finetune.lead_blocks)
@@ -324,8 +322,8 @@ def exact_for(model, setup, tricks: Tricks) -> ExactStep:
 def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
                 stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", sharding: Sharding | None = None) -> Phases:  # fmt: skip
     """exact_step's phases alone, for the verdict: its sizes plain ints (no formulas), no terms; kept on
-    disk between runs (memcalc.exact.cache). sharding: one data-parallel rank's step under ZeRO
-    (memcalc.exact.zero), grown from short steps as one GPU's is; None for one GPU's."""
+    disk between runs (memcalc.exact.base.cache). sharding: one data-parallel rank's step under ZeRO
+    (memcalc.exact.replay.zero), grown from short steps as one GPU's is; None for one GPU's."""
     check_size("seq", seq_len, limit=MAX_SEQ)
     check_size("micro-batch", micro_batch, limit=MAX_BATCH)
     check_size("grad-accum", grad_accum, limit=MAX_BATCH)
@@ -337,11 +335,9 @@ def step_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     run, grown = as_run(tricks, shape.n_layers), growth(tricks, shape, tail, stack.finetune.lead_blocks)
 
     def at(layers: int):
-        from .mirror import simulate  # here, not at import: a cached verdict never simulates
+        from .replay.meta import simulate  # here, not at import: a cached verdict never simulates
 
-        cfg = Config(replace(shape, n_layers=layers), seq_len, micro_batch, run.precision, run.flash,
-                     run.recompute, grad_accum, optimizer, stack.model, stack.recipe, stack.impl, stack.use_cache,
-                     ckpt_every=run.ckpt_every, fp8=run.fp8, finetune=stack.finetune)  # fmt: skip
+        cfg = StepConfig(replace(shape, n_layers=layers), seq_len, micro_batch, run, stack, optimizer, grad_accum)
         phases, _, mem = simulate(cfg, warm_up=False, sharding=sharding)
         return phases, mem
 

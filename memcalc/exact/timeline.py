@@ -1,5 +1,5 @@
-"""One training step's live memory, allocation by allocation: the replay's own events (memcalc.exact.mirror
-simulate(timeline=True), at full depth, each allocation's origin noted by memcalc.exact.events), so the
+"""One training step's live memory, allocation by allocation: the replay's own events (memcalc.exact.replay.meta
+simulate(timeline=True), at full depth, each allocation's origin noted by memcalc.exact.sim.events), so the
 series' highest point is the peak that replay reaches, and the verdict's (memcalc.engine.answer checks).
 
 A point is one allocation of the measured step (a warm-up, where the stack runs one, is left out), or the
@@ -16,10 +16,10 @@ from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
-from .events import Origin
 from .growth import as_run
-from .sim import layer_of
-from .zero import Sharding
+from .replay.zero import Sharding
+from .sim.events import Origin
+from .sim.graph import layer_of
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -90,7 +90,7 @@ def step_timeline(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
     """One GPU's step (sharding: one data-parallel rank's under ZeRO) replayed at full depth with every
     allocation recorded, as memcalc.exact.step's step_phases replays it (no warm-up where the reference
     recipe makes its first step's state instead)."""
-    from .mirror import simulate
+    from .replay.meta import simulate
     from .step import config
 
     cfg = config(shape, seq_len, micro_batch, as_run(tricks, shape.n_layers), grad_accum, stack, optimizer)

@@ -77,7 +77,7 @@ def attention_params(shape: ModelShape) -> int:
 
 def linear_weights(shape: ModelShape) -> int:
     """The weights of a dense block's linears (W_q, W_k, W_v, W_o and the MLP's), no biases: what fp8:te keeps
-    an fp8 transpose of for backward, one byte each (memcalc.exact.aten_te)."""
+    an fp8 transpose of for backward, one byte each (memcalc.exact.aten.te)."""
     h, q, kv, f = shape.hidden, shape.q_dim, shape.kv_dim, shape.ffn
     return h * q + 2 * h * kv + q * h + (3 if shape.gated_mlp else 2) * h * f
 

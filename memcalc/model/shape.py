@@ -80,7 +80,7 @@ class ModelShape:
     v_head_dim: int = 0
     mtp_layers: int = 0  # multi-token prediction modules after the stack (DeepSeek-V3 num_nextn_predict_layers)
     # The Transformers families (memcalc.model.hfconfig): how a block is wired and what attention sees.
-    arch: str = ""  # the Transformers model_type whose modeling file builds it ("": inferred, memcalc.exact.hf)
+    arch: str = ""  # the Transformers model_type whose modeling file builds it ("": inferred, memcalc.exact.hf.model)
     norm_layout: str = "pre"  # pre: x + f(norm(x)) (Llama); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
     #                          post: x + norm(f(x)) (OLMo 2)
     qk_norm_over: str = "head"  # the q/k norm over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2)

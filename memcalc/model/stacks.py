@@ -79,7 +79,7 @@ STACKS: dict[str, Stack] = {
         Stack("hf", "Hugging Face Transformers (Trainer)", "hf", "autocast", "fused",
               "TrainingArguments: optim adamw_torch_fused for torch >= 2.8, bf16=True autocasts "
               "(transformers/training_args.py); the model's config.use_cache, on by default, keeps a "
-              "DynamicCache through forward (memcalc/exact/hf_cache.py)", use_cache=True),  # fmt: skip
+              "DynamicCache through forward (memcalc/exact/hf/dynamic_cache.py)", use_cache=True),  # fmt: skip
         Stack("fsdp2", "FSDP2 as torchtitan runs it", "reference", "autocast", "fused",
               "torchtitan/distributed/fsdp.py apply_fsdp_to_decoder: fully_shard per block with "
               "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters; "

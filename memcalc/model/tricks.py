@@ -8,10 +8,10 @@ ckpt:N, selective, sac.
              power-of-two scales). The weights, gradients and saved activations stay in the 16-bit recipe.
   fp8:te     Transformer Engine's te.Linear for every linear of the blocks, under fp8_autocast with delayed
              scaling (DelayedScaling, Format.HYBRID: e4m3 forward, e5m2 gradients; the scale from an amax
-             history), as Composer's amp_fp8 and llm-foundry's fc_type te run it (memcalc.exact.aten_te):
+             history), as Composer's amp_fp8 and llm-foundry's fc_type te run it (memcalc.exact.aten.te):
              each linear saves its input as an fp8 transpose and the weight's fp8 transpose for backward.
   compile    torch.compile of each block, as torchtitan compiles them: Inductor fuses the elementwise kernels
-             between matmuls and attention into one each (memcalc.exact.inductor); the step time counts the
+             between matmuls and attention into one each (memcalc.exact.replay.inductor); the step time counts the
              fused kernels, the memory is the eager step's (its partitioner is not replayed)
   ckpt       every block under torch.utils.checkpoint (non-reentrant): it keeps the block's input
   ckpt:N     every Nth block so (torchtitan's per-layer selective AC, selective_ac_option = N: a counter

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from memcalc.errors import InputError
-from memcalc.exact.collection import no_collection
+from memcalc.exact.base.collection import no_collection
 from memcalc.memory.estimate import DEFAULT_MFU, Setup
 from memcalc.memory.state import MAX_GPUS
 from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES, check_precision

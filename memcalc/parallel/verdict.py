@@ -3,7 +3,7 @@
 Wherever the exact model replays the step (memcalc.exact: the stack's model, recipe and optimizer, op by
 op), the verdict is that replay on one GPU of the layout, its sharding applied inside the step, phase by
 phase: one GPU's step; one data-parallel rank's under memcalc's generic ZeRO and offload
-(memcalc.exact.zero); one FSDP2 rank's as torchtitan runs it, hook by hook (memcalc.exact.fsdp2, equal to
+(memcalc.exact.replay.zero); one FSDP2 rank's as torchtitan runs it, hook by hook (memcalc.exact.replay.fsdp2, equal to
 PyTorch's FSDP2 on the fake process group to the byte). Everywhere else (tensor, pipeline, context or
 expert parallel; the engines and recipes the simulator does not replay) the textbook decides: the stage of
 the layout that holds the most (memcalc.parallel.layout), with the reason beside it. Every field is one
@@ -15,9 +15,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memcalc.errors import InputError
-from memcalc.exact.config import Phases, not_replayed, shape_not_replayed, window_not_built
+from memcalc.exact.base.config import Phases, not_replayed, shape_not_replayed, window_not_built
 from memcalc.exact.step import step_phases
-from memcalc.exact.zero import Sharding
+from memcalc.exact.replay.zero import Sharding
 from memcalc.memory.setup import Budget, Setup
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import usable_bytes
@@ -95,7 +95,7 @@ def plain_data_parallel(layout: Layout) -> bool:
 
 
 def fsdp2_gap(setup: Setup, tricks: Tricks, layout: Layout) -> str:
-    """What memcalc.exact.fsdp2's replay of one torchtitan rank does not cover (it runs torchtitan's step:
+    """What memcalc.exact.replay.fsdp2's replay of one torchtitan rank does not cover (it runs torchtitan's step:
     one micro-batch, fused AdamW over fp32 shards on the GPU)."""
     if setup.optimizer != "adamw":
         return f"the FSDP2 replay runs torchtitan's fused AdamW, not {setup.optimizer}"
@@ -121,7 +121,7 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
     shape, s, g = model.shape, setup, layout.shard_group
     sharding = replay_sharding(setup, layout)
     if sharding is None:
-        from memcalc.exact.fsdp2 import fsdp2_step
+        from memcalc.exact.replay.fsdp2 import fsdp2_step
 
         phases = fsdp2_step(shape, s.seq_len, s.micro_batch, tricks, g, layout.reshard_after_forward)
         replay = f"one FSDP2 rank of {g}, hook by hook"
@@ -138,8 +138,8 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
 
 def replay_sharding(setup: Setup, layout: Layout) -> Sharding | None:
     """How the verdict's replay shards the step (layout as engine_layout gives it): memcalc's generic ZeRO
-    and offload over the shard group (memcalc.exact.zero; trivial for one GPU's step), or None where FSDP2's
-    own replay (memcalc.exact.fsdp2) runs it."""
+    and offload over the shard group (memcalc.exact.replay.zero; trivial for one GPU's step), or None where FSDP2's
+    own replay (memcalc.exact.replay.fsdp2) runs it."""
     if setup.stack.engine == "fsdp2" and layout.zero == 3:
         return None
     return Sharding(layout.zero, layout.shard_group, layout.offload_optimizer, layout.offload_params)

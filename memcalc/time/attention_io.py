@@ -3,19 +3,20 @@
 FlashAttention's claim (Dao et al. 2022, arXiv 2205.14135, Fig. 2) is that standard attention is
 slow because it moves the s×s scores, probabilities and dropout mask through HBM in forward and
 backward, and that the fused kernel wins although it does more FLOPs (its backward recomputes QKᵀ).
-This replays the model's own attention core (memcalc.exact.builder_layers.core: scale, causal mask, softmax,
+This replays the model's own attention core (memcalc.exact.builder.layers.core: scale, causal mask, softmax,
 dropout, the two batched matmuls; or the flash op) forward and backward, kernel by kernel.
 """
 
 from __future__ import annotations
 
-from memcalc.exact.builder_layers import core
-from memcalc.exact.config import Config
-from memcalc.exact.kernels import Kernel
-from memcalc.exact.sim import Graph
-from memcalc.exact.tensors import Memory
+from memcalc.exact.builder.layers import core
+from memcalc.exact.base.config import StepConfig
+from memcalc.exact.base.kernel import Kernel
+from memcalc.exact.sim.graph import Graph
+from memcalc.exact.sim.tensors import LiveBytes
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
+from memcalc.model.tricks import Tricks
 from memcalc.records import record
 
 from .calibration import Calibration
@@ -38,8 +39,8 @@ def attention_kernels(batch: int, heads: int, seq_len: int, head_dim: int, preci
     """The kernels of the model's attention core, forward and backward, from q, k, v of shape
     (batch, heads, seq, head_dim); dO is a ones tensor (its making is not counted)."""
     shape = ModelShape(n_layers=1, hidden=heads * head_dim, n_heads=heads, vocab=1, dropout=dropout)
-    cfg = Config(shape, seq_len, batch, precision, flash, "none")
-    g = Graph(Memory())
+    cfg = StepConfig(shape, seq_len, batch, Tricks(precision, flash))
+    g = Graph(LiveBytes())
     g.kernels = []
     q, k, v = (g.param((batch, heads, seq_len, head_dim), precision, name) for name in "qkv")
     future = None if flash else g.empty((seq_len, seq_len), "bool", "buffer future", kind="buffer")

@@ -1,6 +1,6 @@
 """Step time from the hardware: each kernel of the step against the GPU's two roofs.
 
-For every kernel of a training step (memcalc.exact.mirror.trace: the same per-op inventory the exact
+For every kernel of a training step (memcalc.exact.replay.meta.trace: the same per-op inventory the exact
 memory model replays, forward, backward, checkpoint recompute, gradient accumulation, the optimizer
 and the bf16<->fp32 copies), its time on one GPU is
 
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.exact.config import ITEMSIZE, shape_not_replayed
-from memcalc.exact.kernels import STEP_PHASES, Kernel, block_weight, kernels_of, recompute_first
+from memcalc.exact.base.config import ITEMSIZE, shape_not_replayed
+from memcalc.exact.base.kernel import STEP_PHASES, Kernel
+from memcalc.exact.kernels import block_weight, kernels_of, recompute_first
 from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.flops import model_flops
 from memcalc.model.gpus import GPU

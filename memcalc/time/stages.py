@@ -13,7 +13,8 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 
-from memcalc.exact.kernels import STEP_PHASES, Kernel, full_twin, kernels_of, traced_blocks
+from memcalc.exact.base.kernel import STEP_PHASES, Kernel
+from memcalc.exact.kernels import full_twin, kernels_of, traced_blocks
 from memcalc.model.gpus import GPU
 from memcalc.model.shape import ModelShape
 from memcalc.model.finetune import FULL, Finetune

@@ -268,9 +268,9 @@ def predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
     return rows
 
 
-# ---- FSDP2's phases: memcalc.exact.fsdp2's replay, and the fsdp2 engine's charge -------------------
+# ---- FSDP2's phases: memcalc.exact.replay.fsdp2's replay, and the fsdp2 engine's charge -------------------
 
-REPLAY = "memcalc.exact.fsdp2: FSDP2's hooks replayed on memcalc.exact"
+REPLAY = "memcalc.exact.replay.fsdp2: FSDP2's hooks replayed on memcalc.exact"
 
 
 def phase_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, layout: Layout, rank: int,
@@ -279,8 +279,8 @@ def phase_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tricks:
     kernels; on CPU, the fake group's, LayerNorm's statistics are 16-bit: named); then the step's peak as
     the fsdp2 engine's textbook charges it (the textbook column of estimate --stack fsdp2, whose verdict is
     this replay), every byte between it and the replay named."""
-    from memcalc.exact.fsdp2 import fsdp2_phases  # the simulator: loaded only when a check runs
-    from memcalc.exact.fsdp2_units import Param
+    from memcalc.exact.replay.fsdp2 import fsdp2_phases  # the simulator: loaded only when a check runs
+    from memcalc.exact.replay.fsdp2_units import Param
 
     params = [Param(t.name, tp_dims(t, layout.tp, rank % layout.tp)) for t in param_tensors(shape)]
     g, reshard = layout.shard_group, layout.reshard_after_forward
@@ -324,7 +324,7 @@ def engine_peak(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Trick
 
 
 def engine_differences(st, run) -> tuple[Term, ...]:
-    """The replay's peak against the engine's charge, part by part (memcalc.exact.fsdp2.PARTS)."""
+    """The replay's peak against the engine's charge, part by part (memcalc.exact.replay.fsdp2.PARTS)."""
     parts = run.peak_parts
     by_name = {p.name: p.bytes for p in st.state.parts}
     state = by_name["weights"] + by_name["adam_m"] + by_name["adam_v"]

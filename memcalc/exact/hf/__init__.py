@@ -1,0 +1,16 @@
+"""Hugging Face Transformers' causal language models, as verify/hf.py trains them, op by op on memcalc.exact.sim.
+
+  model          the families by model_type (families, arch_for), build and forward, the loss
+                 (ForCausalLMLoss)
+  family         what the families share: the model being replayed (HFModel) and one architecture (Family)
+  attention      the causal mask and the attention interface the decoders share (masking_utils, sdpa, eager)
+  dynamic_cache  Transformers' DynamicCache in a training step
+  llama, gpt2, gpt_neox, gemma, olmo2, phi3
+                 each family's decoder, as its modeling file writes it
+  lora, qlora    PEFT's LoRA and frozen weights (verify/lora.py); bitsandbytes' 4-bit base (verify/qlora.py)
+
+Adding a family: docs/architecture.md.
+
+May import: memcalc.exact.builder (its layers), memcalc.exact.aten, memcalc.exact.sim, memcalc.exact.base,
+and what they may.
+"""

@@ -1,0 +1,136 @@
+"""PEFT's LoRA, and frozen weights, on Transformers' classes, op by op in bytes on memcalc.exact.sim.graph.
+
+What verify/lora.py builds: get_peft_model(model, LoraConfig(r, target_modules, lora_dropout)) over a model
+loaded in the trick set's dtype. Each targeted nn.Linear becomes peft/tuners/lora/layer.py Linear: its
+base_layer (the frozen weight, requires_grad False: peft/tuners/tuners_utils.py BaseTuner
+_mark_only_adapters_as_trainable), lora_A (r, in) and lora_B (out, r), upcast to fp32 whatever the base's
+dtype (tuners_utils.py cast_adapter_dtype, autocast_adapter_dtype=True). Frozen weights hold no gradient,
+no master copy and no optimizer state; an op whose weight does not require grad saves only what its input's
+gradient needs (aten.mm saves self only when mat2 requires grad), and an op whose inputs need none saves
+nothing: so the first block, whose input comes from a frozen embedding, saves less still, unless gradient
+checkpointing is on, which makes the embedding's output require grad (modeling_utils.py
+enable_input_require_grads, called by _activation_checkpointing_enable and PeftModel.__init__).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memcalc.errors import InputError
+from memcalc.model.finetune import Finetune
+
+from .. import aten
+from ..sim.graph import LEAF_SEQ, Graph, Node, layer_of
+from ..sim.tensors import Tensor
+from .attention import dropout
+
+if TYPE_CHECKING:
+    from .family import HFModel
+
+LORA_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # Llama's decoder_forward; projections as finetune.PROJECTIONS
+ADAPTERS = ("lora_A", "lora_B")
+
+
+def not_replayed(finetune: Finetune, arch: str, model: str) -> str | None:
+    """Why the replay cannot run this fine-tuning, or None."""
+    if finetune.trains_all:
+        return None
+    if model != "hf":
+        return ("LoRA and frozen weights are replayed on Transformers' classes wrapped by PEFT (--stack hf), "
+                f"not on --stack {model}'s model")  # fmt: skip
+    if arch not in LORA_ARCHS:
+        what = "LoRA is" if finetune.lora else "frozen weights are"
+        return f"{what} replayed on Transformers' {', '.join(LORA_ARCHS)}, not {arch}"
+    if finetune.quantize not in ("", "nf4"):
+        return (f"--quantize {finetune.quantize}: bitsandbytes' LLM.int8() splits out the input columns past "
+                "llm_int8_threshold (6.0 in Transformers' BitsAndBytesConfig), as many as the data has: its "
+                "memory is not a function of the shape, so it is not replayed (nf4 is: QLoRA)")  # fmt: skip
+    return None
+
+
+def with_adapters(params: list[tuple[str, tuple]], finetune: Finetune) -> list[tuple[str, tuple]]:
+    """named_parameters() of the PEFT model: each targeted projection's base weight (and bias), then its
+    lora_A (r, in) and lora_B (out, r) (LoraLayer.update_layer registers them after base_layer)."""
+    if not finetune.lora:
+        return params
+    out = []
+    for k, (name, shape) in enumerate(params):
+        out.append((name, shape))
+        module, _, leaf = name.rpartition(".")
+        nxt = params[k + 1][0] if k + 1 < len(params) else ""
+        if module.rpartition(".")[2] in finetune.targets and not nxt.startswith(module + "."):
+            rows, cols = params[[n for n, _ in params].index(module + ".weight")][1]
+            out += [(module + ".lora_A.weight", (finetune.lora_rank, cols)),
+                    (module + ".lora_B.weight", (rows, finetune.lora_rank))]  # fmt: skip
+    return out
+
+
+def trainable(name: str, finetune: Finetune, tied: bool) -> bool:
+    """Whether the parameter trains: LoRA's adapters alone, or every weight but the frozen parts (a tied head is
+    the embedding's table: freezing either freezes it)."""
+    if finetune.lora:
+        return name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS
+    if "embeddings" in finetune.freeze and name.endswith("embed_tokens.weight"):
+        return False
+    if "head" in finetune.freeze and (name == "lm_head.weight" or (tied and name.endswith("embed_tokens.weight"))):
+        return False
+    layer = layer_of(name)
+    return layer is None or layer >= finetune.frozen_blocks
+
+
+def dtype_of(name: str, cfg) -> str:
+    """A LoRA model's base is loaded in the trick set's dtype (from_pretrained(dtype=...), as PEFT's and QLoRA's
+    examples load it, whatever the recipe); its adapters are fp32 (cast_adapter_dtype). Otherwise the recipe's."""
+    if not cfg.finetune.lora:
+        return cfg.weights_dtype
+    return "fp32" if name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS else cfg.precision
+
+
+def parameter(g: Graph, cfg, name: str, shape: tuple) -> Tensor:
+    """A parameter as the model holds it: trainable (an AccumulateGrad leaf) or frozen (requires_grad False)."""
+    dtype = dtype_of(name, cfg)
+    if trainable(name, cfg.finetune, cfg.shape.tied_embeddings):
+        return g.param(shape, dtype, name)
+    t = g.empty(shape, dtype, "param " + name, kind="param")
+    t.name = name
+    return t
+
+
+def require_grad(g: Graph, x: Tensor) -> Tensor:
+    """enable_input_require_grads' hook, output.requires_grad_(True): a tensor no gradient reaches becomes a leaf
+    that requires one (its gradient is accumulated into its .grad); one that requires grad already is unchanged."""
+    if x.grad_fn is None:
+        x.grad_fn = Node("AccumulateGrad", LEAF_SEQ, [], None, 1, g.layer, g.scope)
+        x.grad_fn.leaf = x
+    return x
+
+
+def lora_linear(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
+    """peft/tuners/lora/layer.py Linear.forward: result = base_layer(x); x cast to lora_A's dtype
+    (_cast_input_dtype: x.to(dtype) when they differ); result = result + lora_B(lora_A(dropout(x))) * scaling
+    (nn.Identity at lora_dropout 0, else nn.Dropout: F.dropout); result.to(the base's result dtype)."""
+    result = aten.linear(g, x, m.p[name + ".weight"], m.p.get(name + ".bias"))
+    torch_result_dtype = result.dtype
+    a, b = m.p[name + ".lora_A.weight"], m.p[name + ".lora_B.weight"]
+    x = aten.to(g, x, a.dtype)
+    result = aten.add(g, result, adapter(g, x, a, b, m.cfg.finetune.lora_dropout))
+    result = aten.to(g, result, torch_result_dtype)
+    del x
+    return result
+
+
+def adapter(g: Graph, x: Tensor, a: Tensor, b: Tensor, p: float) -> Tensor:
+    """lora_B(lora_A(dropout(x))) * scaling: each temporary is held while the op it is passed to runs (nn.Linear's
+    input, though autocast hands F.linear a cast copy), then dies unless saved."""
+    dropped = dropout(g, x, p)
+    down = aten.linear(g, dropped, a, None)
+    del dropped
+    up = aten.linear(g, down, b, None)
+    del down
+    return aten.mul_scalar(g, up)
+
+
+def check(finetune: Finetune, arch: str, model: str) -> None:
+    reason = not_replayed(finetune, arch, model)
+    if reason:
+        raise InputError(reason)

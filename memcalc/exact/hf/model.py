@@ -1,0 +1,212 @@
+"""Hugging Face Transformers' causal language models, op by op, in bytes on memcalc.exact.sim.graph.
+
+What verify/hf.py builds (AutoModelForCausalLM.from_config, trained as the Trainer does) replayed
+without torch: the parameters in named_parameters() order, and each forward function of
+transformers 5.x's modeling files line by line, so that Python keeps the same temporaries alive for
+the same time. Citations name the file and the function mirrored. This module: which architecture
+builds a shape, its parameters, and the Trainer's step around the model (trainer.py compute_loss,
+LlamaForCausalLM.forward and GPT2LMHeadModel.forward, loss/loss_utils.py ForCausalLMLoss: logits.float(),
+labels padded and shifted, cross-entropy summed and divided by num_items_in_batch). The decoders are
+memcalc.exact.hf.llama's (Llama, Mistral, Qwen2, Qwen3), hf_gpt2's, hf_gemma's, hf_olmo2's, hf_phi3's and
+hf_gpt_neox's; the causal mask and the attention interface, which all call, memcalc.exact.hf.attention's.
+"""
+
+from __future__ import annotations
+
+from memcalc.errors import InputError
+from memcalc.model.shape import ModelShape
+
+from .. import aten
+from ..aten.cast_policy import autocast_for
+from ..aten.operands import made
+from ..base.config import StepConfig
+from ..sim.graph import Graph
+from ..sim.tensors import Tensor
+from . import dynamic_cache, lora, qlora
+from .family import Family, HFModel, decoder_params, rope_buffers
+from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
+from .gpt2 import gpt2_model
+from .gpt_neox import GPT_NEOX
+from .llama import llama_model
+from .olmo2 import OLMO2
+from .phi3 import PHI3
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "olmo2", "phi3", "gemma2", "gemma3_text",
+         "gpt_neox")
+
+
+def families() -> dict[str, Family]:
+    """Each architecture replayed, by model_type."""
+    return {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gpt2": GPT2, "olmo2": OLMO2,
+            "phi3": PHI3, "gemma": GEMMA, "gemma2": GEMMA2, "gemma3_text": GEMMA3_TEXT,
+            "gpt_neox": GPT_NEOX}
+
+
+def arch_for(shape: ModelShape) -> str:
+    """The Transformers architecture whose modeling file builds exactly this shape: the one it was read from
+    (shape.arch), else the one its fields describe (mistral builds what llama does: the fields cannot tell
+    them apart)."""
+    if shape.arch:
+        if shape.arch not in ARCHS:
+            raise InputError(f"the hf stack builds {', '.join(ARCHS)}, not {shape.arch!r}")
+        return shape.arch
+    if not shape.gated_mlp:
+        gpt2 = (shape.norm, shape.positions, shape.linear_bias, shape.qk_norm, shape.qkv_bias) == (
+            "layernorm", "learned", True, False, False)  # fmt: skip
+        if gpt2 and shape.n_kv_heads == shape.n_heads and shape.head_dim * shape.n_heads == shape.hidden:
+            return "gpt2"
+    elif shape.norm == "rmsnorm" and shape.positions == "rope" and not shape.linear_bias:
+        if shape.qk_norm and not shape.qkv_bias and shape.activation == "silu":
+            return "qwen3"
+        if shape.qkv_bias and not shape.qk_norm and shape.activation == "silu":
+            return "qwen2"
+        if not shape.qk_norm and not shape.qkv_bias and shape.activation == "gelu" and shape.tied_embeddings:
+            return "gemma"
+        if not shape.qk_norm and not shape.qkv_bias and shape.activation == "silu":
+            return "llama"
+    raise InputError(f"no Transformers architecture builds {shape.name}'s shape ({shape.family} family, {shape.norm}, "
+                     f"{shape.positions} positions); the hf stack builds {', '.join(ARCHS)}")  # fmt: skip
+
+
+def param_shapes(s: ModelShape, arch: str) -> list[tuple[str, tuple]]:
+    """named_parameters() of the model as __init__ registers them (a tied lm_head is not listed)."""
+    return families()[arch].params(s)
+
+
+def gpt2_params(s: ModelShape) -> list[tuple[str, tuple]]:
+    """GPT2LMHeadModel: Conv1D weights are (in, out)."""
+    h, f = s.hidden, s.ffn
+    out = [("transformer.wte.weight", (s.vocab, h)), ("transformer.wpe.weight", (s.max_positions, h))]
+    for i in range(s.n_layers):
+        n = f"transformer.h.{i}."
+        out += [(n + "ln_1.weight", (h,)), (n + "ln_1.bias", (h,)),
+                (n + "attn.c_attn.weight", (h, 3 * h)), (n + "attn.c_attn.bias", (3 * h,)),
+                (n + "attn.c_proj.weight", (h, h)), (n + "attn.c_proj.bias", (h,)),
+                (n + "ln_2.weight", (h,)), (n + "ln_2.bias", (h,)),
+                (n + "mlp.c_fc.weight", (h, f)), (n + "mlp.c_fc.bias", (f,)),
+                (n + "mlp.c_proj.weight", (f, h)), (n + "mlp.c_proj.bias", (h,))]  # fmt: skip
+    out += [("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
+    return out + ([] if s.tied_embeddings else [("lm_head.weight", (s.vocab, h))])
+
+
+def llama_params(s: ModelShape) -> list[tuple[str, tuple]]:
+    """LlamaForCausalLM (Mistral; Qwen2: q, k, v biases; Qwen3: q_norm, k_norm per head)."""
+    h, f = s.hidden, s.ffn
+
+    def layer(n: str) -> list[tuple[str, tuple]]:
+        out = []
+        for proj, rows in (("q_proj", s.q_dim), ("k_proj", s.kv_dim), ("v_proj", s.kv_dim)):
+            out.append((f"{n}self_attn.{proj}.weight", (rows, h)))
+            if s.qkv_bias:  # Qwen2Attention: bias=True on q, k, v
+                out.append((f"{n}self_attn.{proj}.bias", (rows,)))
+        out.append((n + "self_attn.o_proj.weight", (h, s.q_dim)))
+        if s.qk_norm:
+            out += [(n + "self_attn.q_norm.weight", (s.head_dim,)), (n + "self_attn.k_norm.weight", (s.head_dim,))]
+        return out + [(n + "mlp.gate_proj.weight", (f, h)), (n + "mlp.up_proj.weight", (f, h)),
+                      (n + "mlp.down_proj.weight", (h, f)), (n + "input_layernorm.weight", (h,)),
+                      (n + "post_attention_layernorm.weight", (h,))]  # fmt: skip
+
+    return decoder_params(s, layer)
+
+
+LLAMA = Family(llama_params, rope_buffers, llama_model, "model.embed_tokens.weight")
+GPT2 = Family(gpt2_params, lambda s: [], gpt2_model, "transformer.wte.weight")
+
+
+def build(g: Graph, cfg: StepConfig) -> HFModel:
+    """The parameters in model.parameters() order, in the model's dtype (fp32 under autocast; a LoRA model's as
+    memcalc.exact.hf.lora loads it), and the rotary embeddings' fp32 buffers (LlamaRotaryEmbedding.__init__:
+    inv_freq and original_inv_freq). HFModel.params: those that train."""
+    arch = arch_for(cfg.shape)
+    family = families().get(arch)
+    if family is None:
+        raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(families())}")
+    lora.check(cfg.finetune, arch, cfg.model)
+    quant, params = {}, []
+    for name, shape in lora.with_adapters(family.params(cfg.shape), cfg.finetune):
+        if qlora.quantized(name, cfg.finetune.quantize):  # QLoRA's 4-bit projections
+            quant[name.removesuffix(".weight")] = qlora.quantize(g, name, shape)
+            params.append(quant[name.removesuffix(".weight")].data)
+        else:
+            params.append(lora.parameter(g, cfg, name, shape))
+    shared = [qlora.dynamic_map(g)] if quant else []  # the nested quantisation's code, made once
+    rope = [g.empty(b[1], cfg.weights_dtype if b[2:] == ("weights",) else "fp32", "buffer " + b[0], kind="buffer")
+            for b in family.buffers(cfg.shape)]  # (name, shape), fp32, or (name, shape, "weights"): the model's dtype
+    autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
+    trained = [p for p in params if p.requires_grad]  # what the optimizer holds: all but frozen weights
+    return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast, quant=quant, held=shared)
+
+
+def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
+    """verify/hf.py TrainerModel.forward: the Trainer's count of labels (trainer.py
+    _get_num_items_in_batch), the model called with labels and that count (compute_loss), and the
+    loss scaled by the process count in place (loss *= 1). Under autocast the model's forward is the
+    one Accelerate prepared (verify/hf.py amp_forward): the forward in the autocast region, then its
+    16-bit logits converted to an fp32 copy (convert_to_fp32), the output (both logits) dropped once
+    compute_loss has taken the loss."""
+    with g.scoped("loss"):
+        num_items_in_batch = num_items(g, labels)
+    if m.autocast is None:
+        loss, logits = causal_lm(g, m, idx, labels, num_items_in_batch)
+        del logits  # the output (its cache too) dies as the loss is taken from it
+        dynamic_cache.release(m)
+    else:
+        with m.autocast.region(g):
+            loss, logits = causal_lm(g, m, idx, labels, num_items_in_batch)
+        with g.scoped("logits"):
+            converted = aten.to(g, logits, "fp32")  # accelerate convert_to_fp32: logits.float()
+        del logits, converted
+        dynamic_cache.release(m)
+    with g.scoped("loss"):
+        aten.mul_scalar_(g, loss)
+    return loss
+
+
+def num_items(g: Graph, labels: Tensor) -> Tensor:
+    """sum(x.ne(-100).sum() for x in [labels[..., 1:]]): a bool temporary, a 0-d count, and 0 + it."""
+    B, T = labels.shape
+    ne = made(g, (B, T - 1), "ne", labels, dtype="bool")
+    counted = made(g, (), "sum", ne, dtype="int64")
+    del ne
+    total = made(g, (), "add", counted, dtype="int64")
+    del counted
+    return total
+
+
+def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
+              num_items_in_batch: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """LlamaForCausalLM.forward / GPT2LMHeadModel.forward: the decoder, the head on every position
+    (slice_logits_to_keep(h, 0) keeps all: no op), the loss. Its output holds the loss and the logits,
+    which live until compute_loss has taken the loss from it."""
+    kwargs = (num_items_in_batch,)  # **kwargs: on to the decoder layers and the attention interface
+    family = families()[m.arch]
+    dynamic_cache.start(m)
+    hidden_states = family.decoder(g, m, idx, kwargs)
+    head = m.p.get("lm_head.weight") or m.p[family.table]
+    with g.scoped("logits"):
+        logits = aten.linear(g, hidden_states, head, None, "logits")  # (B, T, V)
+        if m.cfg.shape.logit_softcap:  # Gemma2ForCausalLM.forward: / final_logit_softcapping, tanh, * it
+            logits = aten.div_scalar(g, logits)
+            logits = aten.tanh(g, logits)
+            logits = aten.mul_scalar(g, logits)
+    with g.scoped("loss"):
+        loss = for_causal_lm_loss(g, logits, labels, num_items_in_batch)
+    del kwargs, hidden_states
+    return loss, logits  # CausalLMOutputWithPast(loss, logits)
+
+
+def for_causal_lm_loss(g: Graph, logits: Tensor, labels: Tensor, num_items_in_batch: Tensor) -> Tensor:
+    """loss/loss_utils.py ForCausalLMLoss: logits.float(); labels padded by one ignore_index and
+    shifted (labels[..., 1:].contiguous(): a view of the padded labels for one row, since a size-1
+    dim does not break contiguity; a copy for more); fixed_cross_entropy with reduction "sum", then
+    / num_items_in_batch."""
+    B, T, V = logits.shape
+    logits = aten.to(g, logits, "fp32")
+    labels = made(g, (B, T + 1), "constant_pad_nd", labels, dtype="int64")
+    shift_labels = g.view(labels, (B, T)) if B == 1 else made(g, (B, T), "clone", labels, dtype="int64")
+    logits = aten.view(g, logits, (B * T, V))
+    shift_labels = g.view(shift_labels, (B * T,))
+    loss = aten.nll_loss(g, aten.log_softmax(g, logits), shift_labels)  # F.cross_entropy, reduction "sum"
+    loss = aten.div_tensor(g, loss, num_items_in_batch)
+    del logits, labels, shift_labels  # the frame's locals, in order
+    return loss

@@ -1,0 +1,214 @@
+"""One data-parallel rank of memcalc's generic ZeRO, replayed in bytes: the stack's own step (its model,
+recipe and optimizer, memcalc.exact.replay.meta) with each phase holding what a rank holds under ZeRO.
+
+Rajbhandari et al. 2019 (sec. 5, Fig. 1) shard over the G ranks of a data-parallel group: stage 1 the
+optimizer state, stage 2 the gradients too, stage 3 the weights too. The moments in time, per rank:
+  state      each tensor's optimizer state (fp32 master, moments) for its shard, ⌈numel/G⌉ elements;
+             stage 3 keeps the weights' shard only (the built weights are stand-ins: no bytes)
+  forward    stage 3 gathers each unit's weights before it runs, the next unit's as a prefetch, and frees
+             them as the unit ends (units: the embedding, each block, the head; FSDP's per-block
+             wrapping, as the textbook's two gathered layers assume)
+  backward   stage 3 gathers again, prefetching the unit before; stages 2-3 reduce-scatter a unit's
+             gradients as backward leaves it: the shard is kept, the full gradients freed
+  optimizer  the stack's optimizer over the shards: its temporaries shard-sized; the full gradients of
+             stage 1 released shard by shard, as the one-GPU step releases them tensor by tensor; the
+             updated weights all-gathered in place (stages 1-2)
+  offload    (ZeRO-Offload, Ren et al. 2021) the optimizer state lives on the host and the optimizer steps
+             there: each gradient leaves the GPU as it is reduced (stages 2-3) or after backward, and the
+             GPU's optimizer phase allocates nothing; parameter offload keeps the weights' shards on the
+             host too (ZeRO-Infinity, Rajbhandari et al. 2021), gathered onto the GPU unit by unit
+Collectives run in place or into their output, with no staging buffers: engines with their own buffers
+(FSDP2's, memcalc.exact.replay.fsdp2) are replayed on their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ..sim.graph import Graph, layer_of
+from ..sim.tensors import LiveBytes, Tensor
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one rank holds the model state: the ZeRO stage over `ranks`, and what is offloaded."""
+
+    zero: int = 0
+    ranks: int = 1  # the data-parallel ranks ZeRO shards over
+    offload: bool = False  # optimizer state on the host, the optimizer step there
+    offload_params: bool = False  # the weights' shards on the host too (stage 3)
+
+    @property
+    def shards(self) -> int:
+        """How many ways the optimizer state is split: the ranks under ZeRO >= 1, else 1."""
+        return self.ranks if self.zero >= 1 else 1
+
+    @property
+    def trivial(self) -> bool:
+        """Whether a rank holds what one GPU holds: nothing sharded, nothing offloaded."""
+        return self.shards == 1 and not self.offload
+
+
+def shard_numel(numel: int, ranks: int) -> int:
+    """One rank's part of a tensor: ⌈numel/G⌉ elements (the last rank's may be padding)."""
+    return -(-numel // ranks)
+
+
+TOKEN_TABLES = ("tok_emb.weight", "model.embed_tokens.weight", "transformer.wte.weight")  # builder's, hf's
+
+
+def unit_of(name: str) -> int | str:
+    """The unit a parameter is gathered with: its block, or the embedding ("before": the token and position
+    tables) or the head ("after": the final norm, the output layer, the MTP module)."""
+    layer = layer_of(name)
+    if layer is not None:
+        return layer
+    return "before" if "emb" in name or ".wte." in name or ".wpe." in name else "after"
+
+
+def units_of(params: list[Tensor]) -> dict[int | str, list[Tensor]]:
+    """The parameters of each unit in the order forward runs them; a tied token table in the head's too."""
+    blocks = sorted({u for p in params if isinstance(u := unit_of(p.name), int)})
+    units: dict[int | str, list[Tensor]] = {u: [] for u in ["before", *blocks, "after"]}
+    for p in params:
+        units[unit_of(p.name)].append(p)
+    if not any(p.name.startswith("lm_head") for p in params):  # tied: the output layer is the token table
+        units["after"] += [p for p in params if p.name in TOKEN_TABLES]
+    return units
+
+
+class ZeroGraph(Graph):
+    """memcalc.exact.sim.graph.Graph whose unit boundaries, in forward and backward, call the rank's Zero."""
+
+    def __init__(self, mem: LiveBytes):
+        super().__init__(mem)
+        self.zero: Zero | None = None
+
+    @Graph.layer.setter
+    def layer(self, value: int | None) -> None:
+        Graph.layer.fset(self, value)
+        if self.zero is not None and self.rebuilding is None:
+            self.zero.at(value, self.in_backward)
+
+
+class Zero:
+    """One rank's shards, its gathered units and its reduced gradients (see the module doc)."""
+
+    def __init__(self, g: ZeroGraph, params: list[Tensor], sharding: Sharding):
+        self.g, self.sharding, self.params = g, sharding, params
+        self.host = Graph(LiveBytes())  # what lives in host memory: not this GPU's bytes
+        self.units = units_of(params)
+        self.order = list(self.units)
+        self.gathered: dict[int | str, list[Tensor]] = {}
+        self.grad_shards: dict[int, Tensor] = {}  # id(parameter) -> this rank's reduced gradient
+        self.phase, self.current, self.seen_block = "idle", None, False
+        g.zero = self
+        if sharding.zero == 3:  # the weights are their shards: the built ones stand in, with no bytes
+            g.mem.live_bytes -= sum(p.storage.nbytes for p in params)
+            where = self.host if sharding.offload_params else g
+            self.shards = [named(where.empty((shard_numel(p.numel, sharding.ranks),), p.dtype, "ZeRO-3 shard " + p.name,
+                                             kind="state", copies=p.copies), p) for p in params]  # fmt: skip
+        else:  # views of the full weights: the optimizer updates this rank's part of each in place
+            self.shards = [named(Tensor(p.storage, (shard_numel(p.numel, sharding.shards),), p.dtype), p)
+                           for p in params]  # fmt: skip
+
+    def optimizer_model(self, model) -> SimpleNamespace:
+        """What the stack's recipe is built over: this rank's shards of the model's parameters."""
+        return SimpleNamespace(cfg=model.cfg, params=self.shards, autocast=getattr(model, "autocast", None))
+
+    def made_state(self, before: int) -> None:
+        """Optimizer offload: the state the recipe made since `before` (live bytes then) is the host's."""
+        if self.sharding.offload:
+            self.g.mem.live_bytes = before
+
+    # -- the unit boundaries ---------------------------------------------------------------------
+    def start(self, phase: str) -> None:
+        """forward or backward begins; forward enters the embedding's unit at once."""
+        self.phase, self.current, self.seen_block = phase, None, False
+        if phase == "forward":
+            self.enter("before")
+
+    def at(self, layer: int | None, backward: bool) -> None:
+        """The graph moved to block `layer` (None: outside the blocks) in forward or in backward."""
+        if self.phase != ("backward" if backward else "forward"):
+            return
+        if layer is not None:
+            self.seen_block = True
+        unit = layer if layer is not None else "before" if backward and self.seen_block else "after"
+        if unit != self.current:
+            if self.current is not None:
+                self.leave(self.current)
+            self.enter(unit)
+
+    def end(self) -> None:
+        """The phase is over: its last unit left; after backward every gradient not yet reduced is."""
+        if self.current is not None:
+            self.leave(self.current)
+        if self.phase == "backward":
+            if self.sharding.zero >= 2:
+                self.reduce_scatter(self.params)
+            elif self.sharding.offload:
+                self.to_host(self.params)
+        self.phase, self.current = "idle", None
+
+    def enter(self, unit) -> None:
+        self.current = unit
+        if self.sharding.zero == 3:
+            i = self.order.index(unit) + (-1 if self.phase == "backward" else 1)
+            self.gather(unit)
+            if 0 <= i < len(self.order):
+                self.gather(self.order[i])  # prefetch the unit that runs next
+
+    def leave(self, unit) -> None:
+        self.gathered.pop(unit, None)
+        if self.phase == "backward" and self.sharding.zero >= 2:
+            self.reduce_scatter(self.units[unit])
+
+    def gather(self, unit) -> None:
+        """All-gather a unit's weights (ZeRO-3): full size, in their dtype, onto this GPU."""
+        if unit not in self.gathered:
+            self.gathered[unit] = [self.g.empty((p.numel,), p.dtype, "ZeRO-3 gathered " + p.name, copies=p.copies)
+                                   for p in self.units[unit]]  # fmt: skip
+
+    # -- gradients and the optimizer step ------------------------------------------------------------
+    def reduce_scatter(self, params) -> None:
+        """Stages 2-3: each full gradient there is reduce-scattered into this rank's shard (on the host when
+        offloaded; a later micro-batch's added into the kept one), then freed."""
+        where = self.host if self.sharding.offload else self.g
+        for p in self.g.each(params):  # equal experts' in turn (Graph.each)
+            if p.grad is None:
+                continue
+            out = where.empty((shard_numel(p.numel, self.sharding.ranks),), p.grad.dtype, "reduce-scatter output",
+                              copies=p.copies)  # fmt: skip
+            self.grad_shards.setdefault(id(p), out)
+            p.grad = None
+            del out
+
+    def to_host(self, params) -> None:
+        """Stages 0-1 offloaded: after backward each full gradient is copied to the host, then freed here."""
+        for p in params:
+            if p.grad is not None:
+                size = (shard_numel(p.numel, self.sharding.shards),)
+                self.grad_shards.setdefault(id(p), self.host.empty(size, p.grad.dtype, "gradient to host", copies=p.copies))
+                p.grad = None
+
+    def update(self, recipe) -> None:
+        """The stack's optimizer step over the shards, each holding its gradient's shard (stages 0-1: a view
+        of the full gradient, which lives until the optimizer lets go of it); offloaded, the host's step."""
+        for p, s in zip(self.params, self.shards):
+            shard = self.grad_shards.pop(id(p), None)
+            if shard is None and p.grad is not None:
+                shard = Tensor(p.grad.storage, s.shape, p.grad.dtype)
+            s.grad, p.grad = shard, None
+            del shard
+        if not self.sharding.offload:
+            recipe.update()
+        for s in self.shards:
+            s.grad = None
+
+
+def named(t: Tensor, p: Tensor) -> Tensor:
+    """t, named as the parameter it is a shard of (the optimizer's kernels go to that parameter's layer)."""
+    t.name = p.name
+    return t

@@ -47,7 +47,7 @@ API = {
     "memcalc.exact.timeline": ("Timeline", "step_timeline"),
     "memcalc.exact.kernels": ("step_flops",),
     "memcalc.time.calibration": ("calibration_for",),
-    "memcalc.time.roofline": ("step_time", "step_times"),
+    "memcalc.time.roofline": ("Roofline", "roofline", "rooflines"),
     "memcalc.parallel.layout": ("Layout", "layout_for"),
     "memcalc.parallel.plan": ("layout_estimate", "plan"),
 }

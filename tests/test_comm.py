@@ -14,7 +14,7 @@ from memcalc.parallel.links import FABRICS, LINKS, Assumptions
 from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate
 from memcalc.time.calibration import calibration_for, defaults
-from memcalc.time.roofline import step_time as roofline_step
+from memcalc.time.roofline import roofline as roofline_step
 
 H100 = gpu("h100-sxm")
 LLAMA8B = preset_model("llama3-8b")

@@ -317,12 +317,12 @@ def test_json_keys_table():
 
 def test_step_time_prose():
     """docs/step-time.md's reading of the 8B step on the H100 and H200."""
-    from memcalc import Setup, canonical_model, gpu, step_times
+    from memcalc import Setup, canonical_model, gpu, rooflines
     from memcalc.model.tricks import PROGRESSION
     from memcalc.time.calibration import calibration_for
 
     model = canonical_model(8_000_000_000)
-    fp32, bf16, flash, *_ = step_times(model, Setup(seq_len=8192), gpu("h100-sxm"), PROGRESSION,
+    fp32, bf16, flash, *_ = rooflines(model, Setup(seq_len=8192), gpu("h100-sxm"), PROGRESSION,
                                        calibration_for("h100-sxm"))  # fmt: skip
 
     def ms(part, t):

@@ -15,7 +15,7 @@ from memcalc.model.gpus import gpu
 from memcalc.model.presets import preset_model
 from memcalc.model.tricks import parse_tricks
 from memcalc.time.calibration import calibration_for
-from memcalc.time.roofline import step_times
+from memcalc.time.roofline import rooflines
 
 JOB = ["estimate", "--model", "llama3-8b", "--seq", "4096"]
 
@@ -65,7 +65,7 @@ def test_one_step_time_the_roofline_s():
     assert "compute" not in ONE_GPU and ONE_GPU["time_model"] == "roofline"
     model, g = preset_model("llama3-8b"), gpu("h100-sxm")
     trick_sets = tuple(parse_tricks(t) for t in ("fp32", "bf16", "bf16,flash", "bf16,flash,ckpt", "bf16,selective"))
-    times = step_times(model, Setup(seq_len=4096), g, trick_sets, calibration_for("h100-sxm"))
+    times = rooflines(model, Setup(seq_len=4096), g, trick_sets, calibration_for("h100-sxm"))
     for t, time, kernels in zip(times, ONE_GPU["time"], ONE_GPU["roofline"], strict=True):
         for key in ("step_seconds", "tokens_per_second", "mfu", "hfu"):
             assert time[key] == pytest.approx(getattr(t, key), rel=1e-12), key

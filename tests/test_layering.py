@@ -201,3 +201,14 @@ def test_every_room_of_exact_is_layered():
     for room in rooms:
         doc = ast.get_docstring(ast.parse((PACKAGE / "exact" / room / "__init__.py").read_text())) or ""
         assert "May import" in doc, f"memcalc/exact/{room}/__init__.py: say what it may import"
+
+
+def test_each_class_name_means_one_thing():
+    """No two modules of memcalc define a class of the same name (Memory, Model, Config and StepTime each once
+    named two things: the live bytes and the textbook's memory, the replayed model and the user's)."""
+    defined: dict[str, list[str]] = {}
+    for path in MODULES:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, []).append(module_name(path))
+    assert {name: where for name, where in defined.items() if len(where) > 1} == {}

@@ -50,7 +50,7 @@ def test_one_gpu_s_layout_runs_the_stack_s_own_kernels(name, stack, tricks):
     micro-batch and more: the stage kernels were the reference stack's."""
     from memcalc.errors import InputError
     from memcalc.model.tricks import layer_uniform, parse_tricks
-    from memcalc.time.roofline import step_times
+    from memcalc.time.roofline import rooflines
 
     model, t = preset_model(name), parse_tricks(tricks)
     if stack == "hf" and not layer_uniform(t):  # Transformers checkpoints every layer or none
@@ -63,7 +63,7 @@ def test_one_gpu_s_layout_runs_the_stack_s_own_kernels(name, stack, tricks):
         return
     for accum in (1, 2):
         setup = Setup(1024, grad_accum=accum, stack=STACKS[stack])
-        (one,) = step_times(model, setup, H100, (t,), CAL)
+        (one,) = rooflines(model, setup, H100, (t,), CAL)
         layout = layout_estimate(model, setup, H100, t, Layout(), timing=CAL).time
         assert layout.step_seconds == pytest.approx(one.step_seconds, rel=1e-12), accum
 

@@ -22,7 +22,7 @@ from memcalc.parallel.pipeline import bubble_fraction, held_layers
 from memcalc.parallel.stage_memory import layout_memory
 from memcalc.parallel.plan import layout_estimate
 from memcalc.time.calibration import calibration_for
-from memcalc.time.roofline import step_time as roofline_step
+from memcalc.time.roofline import roofline as roofline_step
 
 GPT3 = preset("gpt3-175b")  # a 96, h 12288, L 96 (Brown et al. 2020)
 H100 = gpu("h100-sxm")

@@ -29,7 +29,7 @@ from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import Tricks, parse_tricks
 from memcalc.time.attention_io import attention_time
 from memcalc.time.calibration import PARAMETERS, calibration_for, defaults, from_dict
-from memcalc.time.roofline import step_time
+from memcalc.time.roofline import roofline
 from tests.replay import launches
 
 QWEN_8B = PRESETS["qwen3-8b"]
@@ -171,7 +171,7 @@ def test_plain_steps_reuse_a_recompute_trace():
 def test_step_time_sums_every_kernel():
     """step_time from one layer equals the hand sum of max(compute, memory, floor) over a full trace."""
     cal, t = calibration_for("h100-sxm"), parse_tricks("bf16,selective")
-    got = step_time(SMALL, 256, 2, 3, t, H100, cal)
+    got = roofline(SMALL, 256, 2, 3, t, H100, cal)
     full = trace(StepConfig(SMALL, 256, 2, t))
     bw, floor = H100.bandwidth_gbps * 1e9 * cal.bandwidth, cal.launch_seconds
 
@@ -196,8 +196,8 @@ def test_bf16_over_fp32_is_the_h100_peak_ratio_when_matmul_bound():
     matmul-bound config (wide, short sequences, accumulated) within 10% of it."""
     shape = ModelShape(n_layers=2, hidden=16384, n_heads=32, ffn=65536, vocab=1024, positions="none")
     cal, ratio = calibration_for("h100-sxm"), H100.bf16_tflops / H100.fp32_tflops
-    fp32 = step_time(shape, 512, 16, 16, parse_tricks("fp32"), H100, cal)
-    bf16 = step_time(shape, 512, 16, 16, parse_tricks("bf16"), H100, cal)
+    fp32 = roofline(shape, 512, 16, 16, parse_tricks("fp32"), H100, cal)
+    bf16 = roofline(shape, 512, 16, 16, parse_tricks("bf16"), H100, cal)
     assert fp32.parts["layer matmuls"][0] / bf16.parts["layer matmuls"][0] == pytest.approx(ratio, rel=1e-9)
     assert 0.9 * ratio < fp32.step_seconds / bf16.step_seconds < ratio
 
@@ -217,7 +217,7 @@ def test_flash_is_faster_with_more_flops(gpu):
             flash = attention_time(1, heads, seq, head_dim, half, True, g, cal)
             assert flash.seconds < std.seconds and flash.bytes < std.bytes
             assert flash.flops_counted * 6 == std.flops_counted * 7
-    step = {t: step_time(QWEN_8B, 8192, 1, 1, parse_tricks(t), g, cal).parts["attention core"][0]
+    step = {t: roofline(QWEN_8B, 8192, 1, 1, parse_tricks(t), g, cal).parts["attention core"][0]
             for t in (half, f"{half},flash")}  # fmt: skip
     assert step[f"{half},flash"] < step[half]
 
@@ -244,14 +244,14 @@ def test_no_elementwise_kernel_is_compute_bound_at_8b():
     launch-bound in every recipe."""
     cal = calibration_for("h100-sxm")
     for tricks in TRICKS:
-        t = step_time(QWEN_8B, 8192, 1, 1, parse_tricks(tricks), H100, cal)
+        t = roofline(QWEN_8B, 8192, 1, 1, parse_tricks(tricks), H100, cal)
         assert not [op.name for op in t.ops if op.unit == "vector" and op.bound == "compute"]
 
 
 def test_mfu_conventions():
     cal = calibration_for("h100-sxm")
-    flash = step_time(QWEN_8B, 8192, 1, 1, parse_tricks("bf16,flash"), H100, cal)
-    ckpt = step_time(QWEN_8B, 8192, 1, 1, parse_tricks("bf16,flash,ckpt"), H100, cal)
+    flash = roofline(QWEN_8B, 8192, 1, 1, parse_tricks("bf16,flash"), H100, cal)
+    ckpt = roofline(QWEN_8B, 8192, 1, 1, parse_tricks("bf16,flash,ckpt"), H100, cal)
     e = exact_step(QWEN_8B, 8192, 1, parse_tricks("bf16,flash,ckpt")).flops
     assert (ckpt.model_flops, ckpt.model_flops_causal, ckpt.counted_flops, ckpt.counted_flops_causal) == (
         e.model, e.model_causal, e.counted, e.counted_causal)  # memcalc.exact's conventions, per step
@@ -285,18 +285,18 @@ trick_sets = st.sampled_from([parse_tricks(t) for t in ("fp32", "bf16", "fp16", 
 @given(shapes(), st.integers(8, 2048), st.integers(1, 3), trick_sets, st.sampled_from(BF16_GPUS))
 def test_step_time_grows_with_layers_and_sequence(shape, seq, batch, tricks, gpu):
     cal, g = calibration_for(gpu), GPUS[gpu]
-    base = step_time(shape, seq, batch, 1, tricks, g, cal).step_seconds
-    assert step_time(replace(shape, n_layers=shape.n_layers + 1), seq, batch, 1, tricks, g, cal).step_seconds > base
-    assert step_time(shape, 2 * seq, batch, 1, tricks, g, cal).step_seconds >= base
+    base = roofline(shape, seq, batch, 1, tricks, g, cal).step_seconds
+    assert roofline(replace(shape, n_layers=shape.n_layers + 1), seq, batch, 1, tricks, g, cal).step_seconds > base
+    assert roofline(shape, 2 * seq, batch, 1, tricks, g, cal).step_seconds >= base
 
 
 @settings(max_examples=25, deadline=None)
 @given(shapes(), st.integers(8, 2048), st.integers(1, 3), trick_sets, st.integers(1, 4))
 def test_checkpointing_never_makes_a_step_faster(shape, seq, batch, tricks, accum):
     cal = calibration_for("h100-sxm")
-    plain = step_time(shape, seq, batch, accum, tricks, H100, cal)
+    plain = roofline(shape, seq, batch, accum, tricks, H100, cal)
     for recompute in ("selective", "full"):
-        t = step_time(shape, seq, batch, accum, replace(tricks, recompute=recompute), H100, cal)
+        t = roofline(shape, seq, batch, accum, replace(tricks, recompute=recompute), H100, cal)
         assert t.step_seconds > plain.step_seconds
         assert t.step_seconds - plain.step_seconds == pytest.approx(t.recompute_seconds, rel=1e-9)
 
@@ -399,7 +399,7 @@ def test_sweep_uses_the_roofline():
     model, cal = canonical_model(8_000_000_000), calibration_for("h100-sxm")
     sw = sweep(model, Setup(seq_len=8192), H100, (parse_tricks("bf16,flash"),), "seq", (2048, 8192), cal)
     for p in sw.points:
-        assert p.step_seconds == pytest.approx(step_time(model.shape, p.value, 1, 1, p.tricks, H100, cal).step_seconds,
+        assert p.step_seconds == pytest.approx(roofline(model.shape, p.value, 1, 1, p.tricks, H100, cal).step_seconds,
                                                rel=1e-12)  # fmt: skip
     assert sw.time_model == "roofline" and sw.points[1].step_seconds > sw.points[0].step_seconds
 
@@ -428,7 +428,7 @@ def test_a_matmuls_share_of_peak_by_its_size():
     peak = GPUS["h100-sxm"].peak_flops("bf16")
     assert kernel_rate(q, GPUS["h100-sxm"], shaped) == pytest.approx(peak * shaped.matmul_share(4096))
     assert kernel_rate(q, GPUS["h100-sxm"], cal) == peak * cal.matmul
-    from memcalc.time.roofline import step_time as one_gpu_step
+    from memcalc.time.roofline import roofline as one_gpu_step
 
     args = (PRESETS["llama3-8b"], 4096, 1, 1, parse_tricks("bf16,flash"), GPUS["h100-sxm"])
     plain, slower = one_gpu_step(*args, cal), one_gpu_step(*args, shaped)

@@ -522,11 +522,11 @@ def stack_time(stack, tricks: str = "bf16,flash", name: str = "qwen3-8b"):
     from memcalc.model.params import n_params
     from memcalc.model.shape import Model
     from memcalc.time.calibration import calibration_for
-    from memcalc.time.roofline import step_times
+    from memcalc.time.roofline import rooflines
 
     shape, gpu = PRESETS[name], GPUS["h100-sxm"]
     model = Model(shape, n_params(shape), name)
-    return step_times(model, Setup(8192, stack=stack), gpu, (parse_tricks(tricks),), calibration_for(gpu.key))[0]
+    return rooflines(model, Setup(8192, stack=stack), gpu, (parse_tricks(tricks),), calibration_for(gpu.key))[0]
 
 
 def seconds_by_phase(t) -> dict[str, float]:
@@ -545,7 +545,7 @@ def test_roofline_times_the_stacks_own_kernels():
     from memcalc.exact.kernels import kernels_of
     from memcalc.model.gpus import GPUS
     from memcalc.time.calibration import calibration_for
-    from memcalc.time.roofline import step_time
+    from memcalc.time.roofline import roofline
 
     shape, t = PRESETS["qwen3-8b"], parse_tricks("bf16,flash")
     ops = {name: {k.op for k in kernels_of(shape, 8192, 1, t, st)} for name, st in
@@ -556,7 +556,7 @@ def test_roofline_times_the_stacks_own_kernels():
              for name, st in (("reference", STACKS["reference"]), ("torch", STACKS["torch"]))}  # fmt: skip
     assert casts["torch"] > casts["reference"]  # each weight's fp32 read for its bf16 cast, among others
     gpu = GPUS["h100-sxm"]
-    plain = step_time(shape, 8192, 1, 1, t, gpu, calibration_for(gpu.key))
+    plain = roofline(shape, 8192, 1, 1, t, gpu, calibration_for(gpu.key))
     assert stack_time(STACKS["reference"]) == plain
     default, same_step = stack_time(STACKS["torch"]), stack_time(stack_for("torch", impl="reference"))
     a, b = seconds_by_phase(default), seconds_by_phase(same_step)

@@ -115,7 +115,7 @@ def test_timing_carries_the_roofline_prediction():
     from memcalc.report import verify as vr
     from memcalc.report.render import to_json
     from memcalc.time.calibration import calibration_for
-    from memcalc.time.roofline import step_time
+    from memcalc.time.roofline import roofline
     from memcalc.verification.results import to_dict
     from verify.cuda import DeviceRun
 
@@ -124,7 +124,7 @@ def test_timing_carries_the_roofline_prediction():
     assert r.timing.predicted_seconds is None  # the CPU stand-in is no GPU of the table
     device = DeviceRun(4, r.phases, (0.010, 0.012, 0.011), ())
     timing = run.timing_of(device, run.exact_step(LLAMA, 32, 2, t), SETUP, t, h100, LLAMA)
-    predicted = step_time(LLAMA, 32, 2, 1, t, h100, calibration_for("h100-sxm"))
+    predicted = roofline(LLAMA, 32, 2, 1, t, h100, calibration_for("h100-sxm"))
     assert timing.predicted_seconds == predicted.step_seconds and timing.calibration == "h100-sxm.json"
     assert timing.predicted_error == pytest.approx(0.011 / predicted.step_seconds - 1)
     data = json.loads(to_json(to_dict(replace(r, timing=timing))))

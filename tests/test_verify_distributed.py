@@ -20,7 +20,7 @@ from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import parse_tricks
 from memcalc.parallel.layout import Layout
 from memcalc.terms import Term
-from memcalc.verification.dist_results import Row
+from memcalc.verification.dist_results import RankRow
 from memcalc.verification.dist_tensors import chunk, fsdp_numel, param_tensors, rank_coords
 from memcalc.verification.distributed import check_dist, padded_vocab
 
@@ -36,11 +36,11 @@ def model(shape: ModelShape) -> Model:
     return Model(shape, n_params(shape), "test")
 
 
-def rows(result, rank: int) -> dict[str, Row]:
+def rows(result, rank: int) -> dict[str, RankRow]:
     return {r.quantity: r for rc in result.ranks if rc.rank == rank for r in rc.rows}
 
 
-def named(row: Row) -> dict[str, int]:
+def named(row: RankRow) -> dict[str, int]:
     return {d.name.split(" (")[0].split(":")[0]: d.value for d in row.differences}
 
 
@@ -227,10 +227,10 @@ def test_padded_vocab_and_rank_coords():
 
 def test_row_passes_within_a_tenth_of_a_percent_of_what_is_named():
     diff = (Term("padding", 10, "", ""),)
-    assert Row("weights", 10_000, 10_010, diff, True, "").exact
-    assert Row("weights", 10_000, 10_015, diff, True, "").passed  # 5 bytes unnamed: within 0.1%
-    assert not Row("weights", 10_000, 10_100, (), True, "").passed  # 100 bytes unnamed: 1%
-    assert Row("textbook", 1, 2, (), False, "").passed is None
+    assert RankRow("weights", 10_000, 10_010, diff, True, "").exact
+    assert RankRow("weights", 10_000, 10_015, diff, True, "").passed  # 5 bytes unnamed: within 0.1%
+    assert not RankRow("weights", 10_000, 10_100, (), True, "").passed  # 100 bytes unnamed: 1%
+    assert RankRow("textbook", 1, 2, (), False, "").passed is None
 
 
 # ---- bad input: one line each ---------------------------------------------------------------

@@ -19,7 +19,7 @@ from memcalc.model.shape import Model, ModelShape, check_positions
 from memcalc.model.tricks import Tricks, parse_tricks
 from memcalc.report.units import size
 from memcalc.time.calibration import calibration_for
-from memcalc.time.roofline import step_time
+from memcalc.time.roofline import roofline
 from memcalc.exact.timeline import step_timeline
 from memcalc.verification.results import DEFAULT_TOL, Row, Timing, VerifyResult
 from memcalc.verification.timeline import Overlay, measured
@@ -217,7 +217,7 @@ def timing_of(run: DeviceRun, e: ExactStep, setup: Setup, tricks: Tricks, gpu: G
     predicted = None
     if gpu is not None and shape is not None:
         cal = calibration_for(gpu.key)
-        predicted = step_time(shape, setup.seq_len, setup.micro_batch, setup.grad_accum, tricks, gpu, cal)
+        predicted = roofline(shape, setup.seq_len, setup.micro_batch, setup.grad_accum, tricks, gpu, cal)
     return Timing(len(run.step_seconds), t, run.step_seconds, tokens / t, model_tf, hw_tf, peak,
                   model_tf / peak if peak else None, hw_tf / peak if peak else None,
                   predicted.step_seconds if predicted else None, predicted.calibration if predicted else "",

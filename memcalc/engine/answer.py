@@ -60,15 +60,15 @@ def answer(job: Job) -> Answer:
 
 
 def one_gpu_roofline(job: Job) -> tuple | None:
-    """A one-GPU job's step on the roofline, kernel by kernel (memcalc.time.roofline.step_times), the same
+    """A one-GPU job's step on the roofline, kernel by kernel (memcalc.time.roofline.rooflines), the same
     step its layout's time composes; None under --mfu or for a job over several GPUs."""
     if job.layout.world > 1 or isinstance(job.timing, float):
         return None
     from memcalc.time.calibration import Calibration, calibration_for
-    from memcalc.time.roofline import step_times
+    from memcalc.time.roofline import rooflines
 
     cal = job.timing if isinstance(job.timing, Calibration) else calibration_for(job.gpu.key)
-    return step_times(job.model, job.setup, job.gpu, job.trick_sets, cal)
+    return rooflines(job.model, job.setup, job.gpu, job.trick_sets, cal)
 
 
 def exact_terms(job: Job, layouts: tuple[LayoutEstimate, ...]) -> tuple:

@@ -16,12 +16,12 @@ from memcalc.terms import Term
 
 from .activations import (Activations, AttentionDetail, Logits, attention_detail, layer_terms, logits_memory,
                           textbook_activations)  # fmt: skip
-from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Budget, Setup  # noqa: F401  (Setup's home for its users)
+from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Fits, Setup  # noqa: F401  (Setup's home for its users)
 from .state import ModelState, finetune_state, state_bytes, weights_held_elsewhere, zero3_gather_bytes
 
 
 @record(slots=True)
-class Memory(Budget):
+class Memory(Fits):
     """Peak GPU memory of one trick set: model state + activations at their peak + logits."""
 
     tricks: Tricks

@@ -1,4 +1,4 @@
-"""What is trained per step, on how many GPUs (Setup), and whether a result fits them (Budget)."""
+"""What is trained per step, on how many GPUs (Setup), and whether a result fits them (Fits)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class Setup:
         return self.tokens_per_micro_batch * self.grad_accum
 
 
-class Budget:
+class Fits:
     """For results with total_bytes and usable_bytes (the GPU), host_bytes and host_usable_bytes (its share
     of the node's CPU memory, which offload fills): does it fit, and by how much."""
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from memcalc.memory.estimate import Budget, Setup
+from memcalc.memory.estimate import Fits, Setup
 from memcalc.memory.state import ModelState, weights_held_elsewhere
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import usable_bytes
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this 
 
 
 @record(slots=True)
-class StageMemory(Budget):
+class StageMemory(Fits):
     """The peak memory of one GPU in pipeline stage `stage`: every GPU of a stage holds the same."""
 
     stage: int

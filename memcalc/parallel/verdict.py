@@ -18,7 +18,7 @@ from memcalc.errors import InputError
 from memcalc.exact.base.config import Phases, not_replayed, shape_not_replayed, window_not_built
 from memcalc.exact.step import step_phases
 from memcalc.exact.replay.zero import Sharding
-from memcalc.memory.setup import Budget, Setup
+from memcalc.memory.setup import Fits, Setup
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import usable_bytes
 from memcalc.model.shape import Model, n_params
@@ -34,7 +34,7 @@ ONE_GPU = Layout()
 
 
 @record(slots=True)
-class Verdict(Budget):
+class Verdict(Fits):
     """One trick set's peak on one GPU of the job, and what it was counted from."""
 
     tricks: Tricks

@@ -120,8 +120,9 @@ def textbook_size(m, units: str) -> str:
 
 
 def fit_text(b, units: str, free: bool = False) -> str:
-    """A Budget's verdict in a cell: 'yes' (with what is free), 'no, 12.3 GB over', or 'no, host 1.2 TB over'
-    when the GPU holds it but the node's CPU memory does not hold what offload moves there."""
+    """A result's verdict in a cell (memcalc.memory.setup.Fits): 'yes' (with what is free), 'no, 12.3 GB over',
+    or 'no, host 1.2 TB over' when the GPU holds it but the node's CPU memory does not hold what offload moves
+    there."""
     if b.free_bytes < 0:  # a few bytes over reads as over, not as 0.000 GB
         return f"no, {u.size_pair(-b.free_bytes, 0, units)[0]} over"
     if not b.host_fits:

@@ -10,13 +10,13 @@ from .render import Section
 if TYPE_CHECKING:  # only for annotations
     from memcalc.memory.estimate import Estimate
     from memcalc.time.calibration import Calibration
-    from memcalc.time.roofline import StepTime
+    from memcalc.time.roofline import Roofline
 
 BOUND = {"compute": "C", "memory": "M", "launch": "L"}
 TOP_OPS = 3  # slowest operations shown per trick set
 
 
-def time_section(est: Estimate, times: tuple[StepTime, ...], cal: Calibration) -> Section:
+def time_section(est: Estimate, times: tuple[Roofline, ...], cal: Calibration) -> Section:
     g, f = est.gpu, est.flops
     s = Section(
         f"Step time on the {g.key}: every kernel at max(FLOPs / compute roof, bytes / HBM roof), summed",
@@ -44,7 +44,7 @@ def time_section(est: Estimate, times: tuple[StepTime, ...], cal: Calibration) -
     return s
 
 
-def time_warnings(times: tuple[StepTime, ...]) -> list[str]:
+def time_warnings(times: tuple[Roofline, ...]) -> list[str]:
     """An MFU or HFU above 100% is said, with why (printed on stderr in every format)."""
     from .mfu import above_100
 
@@ -57,7 +57,7 @@ def cal_origin(cal: Calibration) -> str:
     return "calibration " + cal.origin.rsplit("/", 1)[-1]
 
 
-def parts_section(times: tuple[StepTime, ...]) -> Section:
+def parts_section(times: tuple[Roofline, ...]) -> Section:
     """Seconds per part of the step, one column per trick set, with its share and what bounds it."""
     parts = [t.parts for t in times]
     s = Section("Where the step time goes (share of the step; C compute-, M memory-, L launch-bound)",
@@ -73,7 +73,7 @@ def parts_section(times: tuple[StepTime, ...]) -> Section:
     return s
 
 
-def ops_section(times: tuple[StepTime, ...]) -> Section:
+def ops_section(times: tuple[Roofline, ...]) -> Section:
     s = Section(f"The {TOP_OPS} slowest operations of each step (summed over layers)",
                 ["tricks", "operation", "part", "time", "share", "bound", "FLOPs/byte"], align="lllrrlr")  # fmt: skip
     for t in times:
@@ -84,12 +84,12 @@ def ops_section(times: tuple[StepTime, ...]) -> Section:
     return s
 
 
-def roofline_sections(est: Estimate, times: tuple[StepTime, ...], cal: Calibration) -> list[Section]:
+def roofline_sections(est: Estimate, times: tuple[Roofline, ...], cal: Calibration) -> list[Section]:
     sections = [time_section(est, times, cal), parts_section(times), ops_section(times)]
     return sections + ([experts_section(est, times, cal)] if est.model.shape.is_moe else [])
 
 
-def experts_section(est: Estimate, times: tuple[StepTime, ...], cal: Calibration) -> Section:
+def experts_section(est: Estimate, times: tuple[Roofline, ...], cal: Calibration) -> Section:
     """A MoE layer's forward GEMMs against the roofline: each expert's few tokens make it memory-bound."""
     from memcalc.time.experts import compute_bound_tokens, expert_gemms, gemm_time
 
@@ -116,7 +116,7 @@ def experts_section(est: Estimate, times: tuple[StepTime, ...], cal: Calibration
     return sec
 
 
-def explain_lines(times: tuple[StepTime, ...], cal: Calibration) -> list[str]:
+def explain_lines(times: tuple[Roofline, ...], cal: Calibration) -> list[str]:
     lines = ["", f"Step time, roofline ({cal_origin(cal)}):"]
     for name, source in cal.provenance:
         lines.append(f"  {name} = {getattr(cal, name):g}: {source}")
@@ -131,7 +131,7 @@ def explain_lines(times: tuple[StepTime, ...], cal: Calibration) -> list[str]:
 CSV_HEADERS = ["mfu_causal", "hfu_causal", "recompute_seconds", "memory_bound_seconds"]
 
 
-def csv_columns(t: StepTime | None) -> list[object]:
+def csv_columns(t: Roofline | None) -> list[object]:
     if t is None:
         return [""] * len(CSV_HEADERS)
     return [f"{t.mfu_causal:.4f}", f"{t.hfu_causal:.4f}", f"{t.recompute_seconds:.6g}", f"{t.memory_bound_seconds:.6g}"]

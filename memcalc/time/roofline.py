@@ -139,7 +139,7 @@ class OpTime:
 
 
 @dataclass(slots=True)
-class StepTime:
+class Roofline:
     """Predicted time of one optimizer step of one trick set on one GPU, op by op."""
 
     tricks: Tricks
@@ -214,8 +214,8 @@ def repeats(k: Kernel, n_layers: int, grad_accum: int, tricks: Tricks, shape: Mo
     return per_step * block_weight(k, n_layers, tricks, shape, finetune)
 
 
-def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int, tricks: Tricks, gpu: GPU,
-              cal: Calibration, stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> StepTime:  # fmt: skip
+def roofline(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int, tricks: Tricks, gpu: GPU,
+              cal: Calibration, stack: Stack = DEFAULT_STACK, optimizer: str = "adamw") -> Roofline:  # fmt: skip
     """The roofline time of one optimizer step of the shape as built (its own parameters), trained as the
     stack trains it (memcalc.exact.kernels.kernels_of: its model, autocast's casts, its optimizer)."""
     rates: dict[tuple[str, str], float] = {}
@@ -253,7 +253,7 @@ def step_time(shape: ModelShape, seq_len: int, micro_batch: int, grad_accum: int
     tokens = seq_len * micro_batch
     model, model_causal = model_flops(shape, seq_len, tokens)
     label = cal.origin if cal.origin == "memcalc defaults" else cal.origin.rsplit("/", 1)[-1]
-    return StepTime(tricks, gpu.key, label, tokens * grad_accum, gpu.peak_flops(tricks.precision),
+    return Roofline(tricks, gpu.key, label, tokens * grad_accum, gpu.peak_flops(tricks.precision),
                     model * grad_accum, model_causal * grad_accum, counted, counted - attention // 2, kernels,
                     tuple(ops))  # fmt: skip
 
@@ -263,10 +263,10 @@ def traceable(shape: ModelShape) -> bool:
     return not shape_not_replayed(shape)
 
 
-def step_times(model, setup, gpu: GPU, trick_sets: tuple[Tricks, ...], cal: Calibration) -> tuple[StepTime, ...]:
-    """step_time for a memcalc Model and an estimate Setup, one per trick set (those with recompute
+def rooflines(model, setup, gpu: GPU, trick_sets: tuple[Tricks, ...], cal: Calibration) -> tuple[Roofline, ...]:
+    """roofline for a memcalc Model and an estimate Setup, one per trick set (those with recompute
     first, so that the plain ones reuse their traces)."""
     s, times = setup, {}
     for t in recompute_first(trick_sets):
-        times[t] = step_time(model.shape, s.seq_len, s.micro_batch, s.grad_accum, t, gpu, cal, s.stack, s.optimizer)
+        times[t] = roofline(model.shape, s.seq_len, s.micro_batch, s.grad_accum, t, gpu, cal, s.stack, s.optimizer)
     return tuple(times[t] for t in trick_sets)

@@ -16,7 +16,7 @@ TOLERANCE = 0.001  # a row passes within 0.1% when every byte of the difference 
 
 
 @record(slots=True)
-class Row:
+class RankRow:
     """One quantity on one rank: predicted | measured | error | pass."""
 
     quantity: str
@@ -60,7 +60,7 @@ class RankCheck:
     rank: int
     dp_rank: int
     tp_rank: int
-    rows: tuple[Row, ...]
+    rows: tuple[RankRow, ...]
 
     @property
     def passed(self) -> bool:

@@ -33,7 +33,7 @@ from memcalc.parallel.tp_layer import block_terms
 from memcalc.records import record
 from memcalc.terms import Term
 
-from .dist_results import TABLE_HEADERS, DistResult, RankCheck, Row
+from .dist_results import TABLE_HEADERS, DistResult, RankCheck, RankRow
 from .dist_tensors import LocalCounts, local_counts, param_tensors, rank_coords, tp_dims
 
 # DistResult and TABLE_HEADERS live in dist_results; memcalc.cli and memcalc.report import them from here.
@@ -357,7 +357,7 @@ def compare(predicted: list[Prediction], measured: dict[str, int], layout: Layou
     rows = []
     for p in predicted:
         key = next((k for k in ("saved by one block", "step peak") if p.quantity.startswith(k)), p.quantity)
-        rows.append(Row(p.quantity, p.predicted_bytes, measured[key], p.differences, p.checked, p.formula))
+        rows.append(RankRow(p.quantity, p.predicted_bytes, measured[key], p.differences, p.checked, p.formula))
     return RankCheck(rank, dp_rank, tp_rank, tuple(rows))
 
 

@@ -26,7 +26,7 @@ from memcalc.parallel.layout import Layout
 from memcalc.parallel.stage_memory import StageMemory
 from memcalc.terms import Term
 
-from .dist_results import RankCheck, Row
+from .dist_results import RankCheck, RankRow
 from .dist_tensors import LocalCounts, ParamTensor, block_tensors, fsdp_numel, norm
 from .distributed import FSDP2, Prediction, state_differences
 
@@ -228,6 +228,6 @@ def stage_check(shape: ModelShape, setup: Setup, tricks: Tricks, layout: Layout,
     values["sharded state"] = measured["weights"] + measured["grads"] + measured["optimizer state"]
     values["step peak, the fsdp2 engine"] = measured["step peak"]
     values["gradient reduce peak"] = measured["reduce peak"]
-    rows = tuple(Row(p.quantity, p.predicted_bytes, values[p.quantity], p.differences, p.checked, p.formula)
+    rows = tuple(RankRow(p.quantity, p.predicted_bytes, values[p.quantity], p.differences, p.checked, p.formula)
                  for p in preds)  # fmt: skip
     return RankCheck(stage * layout.dp, 0, 0, rows)

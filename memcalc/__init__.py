@@ -35,7 +35,7 @@ API = {
     "memcalc.model.tricks": ("PROGRESSION", "Tricks", "parse_tricks"),
     "memcalc.model.gpus": ("GPU", "GPUS", "find_gpu", "gpu"),
     "memcalc.model.headroom": ("Headroom", "headroom", "usable_bytes"),
-    "memcalc.memory.state": ("Parallel", "model_state"),
+    "memcalc.memory.state": ("StateSharding", "model_state", "state_sharding"),
     "memcalc.memory.activations": ("textbook_activations",),
     "memcalc.memory.estimate": ("Estimate", "Setup", "estimate"),
     "memcalc.parallel.verdict": ("Verdict", "gpu_verdict"),
@@ -48,7 +48,7 @@ API = {
     "memcalc.exact.kernels": ("step_flops",),
     "memcalc.time.calibration": ("calibration_for",),
     "memcalc.time.roofline": ("Roofline", "roofline", "rooflines"),
-    "memcalc.parallel.layout": ("Layout", "layout_for"),
+    "memcalc.model.layout": ("Layout", "layout_for"),
     "memcalc.parallel.plan": ("layout_estimate", "plan"),
 }
 WHERE = {name: module for module, names in API.items() for name in names}

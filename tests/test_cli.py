@@ -366,7 +366,7 @@ def test_exact_beside_textbook():
 def test_exact_with_a_layout_is_the_tp_shard_op_by_op():
     from memcalc.cli.inputs import resolve_model
     from memcalc.model.tricks import parse_tricks
-    from memcalc.parallel.layout import Layout
+    from memcalc.model.layout import Layout
     from memcalc.verification.distributed import block_terms
 
     args = ["estimate", "--model", "llama3-8b", "--seq", "4096", "--tp", "4", "--sp", "--gpus", "4",

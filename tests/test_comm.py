@@ -11,7 +11,7 @@ from memcalc.model.gpus import GPUS, gpu
 from memcalc.model.presets import preset_model
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.links import FABRICS, LINKS, Assumptions
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.parallel.plan import layout_estimate
 from memcalc.time.calibration import calibration_for, defaults
 from memcalc.time.roofline import roofline as roofline_step

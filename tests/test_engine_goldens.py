@@ -24,7 +24,7 @@ from memcalc.model.presets import canonical_shape, preset
 from memcalc.model.shape import Model
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.parallel.stage_memory import layout_memory
 
 H100 = gpu("h100-sxm")

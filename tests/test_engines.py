@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
-from memcalc.memory.state import Parallel, model_state
+from memcalc.memory.state import StateSharding, model_state
 from memcalc.model.gpus import gpu
 from memcalc.model.params import n_params
 from memcalc.model.presets import preset, preset_model
@@ -26,7 +26,7 @@ from memcalc.parallel.engines import (
     persistent_params,
 )
 from memcalc.parallel.activations import layer_activations
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.parallel.params import tp_layer_params
 from memcalc.parallel.pipeline import stage_layers
 from memcalc.parallel.stage_memory import layout_memory
@@ -67,7 +67,7 @@ def test_megatron_charges_18_bytes_and_6_plus_12_over_d():
     # theoretical_memory_usage.py num_bytes_per_parameter: 18, or 6 + 12/d with the distributed optimizer)
     assert parts(model_state(N, "bf16", recipe="main_grad")) == {"weights": 2, "grads": 4, "master": 4, "adam_m": 4,
                                                                   "adam_v": 4}  # fmt: skip
-    assert model_state(N, "bf16", "adamw", Parallel(8, 1), "main_grad").total_bytes == (6 + 12 / 8) * N
+    assert model_state(N, "bf16", "adamw", StateSharding(8, 1), "main_grad").total_bytes == (6 + 12 / 8) * N
     # fp16 keeps its gradients in 16 bits (accumulate_allreduce_grads_in_fp32 is set for bf16 only)
     assert model_state(N, "fp16", recipe="main_grad").bytes_per_param == 16
 
@@ -83,7 +83,7 @@ def test_megatron_distributed_optimizer_shards_over_dp_times_cp():
 def test_deepspeed_keeps_an_fp32_gradient_partition(zero, per_gpu):
     # 16-bit params and grads, fp32 grads of the partition (stage_1_and_2.py step: .to(fp32)), fp32 master,
     # m, v; ZeRO-2 is estimate_zero2_model_states_mem_needs' 2 + 18/N
-    st = model_state(N, "bf16", "adamw", Parallel(8, zero), "grad_partition")
+    st = model_state(N, "bf16", "adamw", StateSharding(8, zero), "grad_partition")
     assert st.total_bytes == per_gpu * N
 
 

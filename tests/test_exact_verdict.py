@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 from memcalc import Setup, canonical_model, gpu, parse_tricks, preset_model
 from memcalc.cli import app
 from memcalc.engine.toolbox import toolbox
-from memcalc.memory.state import Parallel, model_state
-from memcalc.parallel.layout import Layout
+from memcalc.memory.state import StateSharding, model_state
+from memcalc.model.layout import Layout
 from memcalc.parallel.verdict import gpu_verdict
 
 H100 = gpu("h100-sxm")
@@ -53,9 +53,9 @@ def test_zero_shards_the_state_inside_the_step():
     previous = one
     for zero in (1, 2, 3):
         v = gpu_verdict(model, Setup(8192), H100, t, Layout(dp=8, zero=zero))
-        optimizer = sum(p.bytes for p in model_state(n, "bf16", parallel=Parallel(8, zero)).parts if p.name != "weights"
+        optimizer = sum(p.bytes for p in model_state(n, "bf16", sharding=StateSharding(8, zero)).parts if p.name != "weights"
                         and p.name != "grads")  # fmt: skip
-        weights = 2 * n if zero < 3 else sum(p.bytes for p in model_state(n, "bf16", parallel=Parallel(8, 3)).parts
+        weights = 2 * n if zero < 3 else sum(p.bytes for p in model_state(n, "bf16", sharding=StateSharding(8, 3)).parts
                                              if p.name == "weights")  # fmt: skip
         assert abs(v.state_bytes - weights - optimizer) <= 8 * 4 * 300  # per-tensor rounding of the shards
         assert v.peak_bytes >= v.state_bytes + v.retained_bytes and v.state_bytes >= 0

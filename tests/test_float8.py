@@ -28,7 +28,7 @@ from memcalc.model.presets import PRESETS
 from memcalc.model.shape import Model
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import Tricks, parse_tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 
 # 8B's width, two blocks, a small vocabulary: the peaks fall inside the blocks, where float8's casts add to them
 SHAPE = replace(PRESETS["llama3-8b"], n_layers=2, vocab=2048)

@@ -5,7 +5,7 @@ import pytest
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.activations import attention_detail, logits_memory, textbook_activations
 from memcalc.memory.estimate import Setup, estimate
-from memcalc.memory.state import Parallel, model_state
+from memcalc.memory.state import StateSharding, model_state
 from memcalc.model.flops import flops, korthikanti_selective_overhead
 from memcalc.model.gpus import gpu
 from memcalc.model.presets import canonical_model, preset
@@ -124,16 +124,16 @@ def test_zero_per_device_formulas():
     psi, nd = 7_500_000_000, 64
     expected = {0: (4 + 12) * psi, 1: 4 * psi + 12 * psi / nd, 2: 2 * psi + 14 * psi / nd, 3: 16 * psi / nd}
     for stage, paper in expected.items():
-        got = model_state(psi, "bf16", "adamw", Parallel(gpus=nd, zero=stage)).total_bytes
+        got = model_state(psi, "bf16", "adamw", StateSharding(gpus=nd, zero=stage)).total_bytes
         assert got == pytest.approx(paper, abs=nd)  # ceil-division per part
-    assert model_state(psi, "bf16", "adamw", Parallel(nd, 1)).total_bytes / 1e9 == pytest.approx(31.4, abs=0.05)
-    assert model_state(psi, "bf16", "adamw", Parallel(nd, 2)).total_bytes / 1e9 == pytest.approx(16.6, abs=0.05)
-    assert model_state(psi, "bf16", "adamw", Parallel(nd, 3)).total_bytes / 1e9 == pytest.approx(1.88, abs=0.01)
+    assert model_state(psi, "bf16", "adamw", StateSharding(nd, 1)).total_bytes / 1e9 == pytest.approx(31.4, abs=0.05)
+    assert model_state(psi, "bf16", "adamw", StateSharding(nd, 2)).total_bytes / 1e9 == pytest.approx(16.6, abs=0.05)
+    assert model_state(psi, "bf16", "adamw", StateSharding(nd, 3)).total_bytes / 1e9 == pytest.approx(1.88, abs=0.01)
 
 
 def test_offload_moves_optimizer_state_to_host():
     # ZeRO-Offload (Ren et al. 2021): fp32 master + moments on the CPU, 16-bit weights and grads stay
-    st = model_state(N_8B, "bf16", "adamw", Parallel(offload=True))
+    st = model_state(N_8B, "bf16", "adamw", StateSharding(offload=True))
     assert st.total_bytes == 32_000_000_000
     assert st.host_bytes == 96_000_000_000
 

@@ -10,7 +10,8 @@ from memcalc.model.gpus import gpu
 from memcalc.model.presets import preset_model
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import parse_tricks
-from memcalc.parallel.layout import Layout, layout_memory
+from memcalc.model.layout import Layout
+from memcalc.parallel.stage_memory import layout_memory
 from memcalc.parallel.pipeline import chunk_layers, held_layers, layers_per_stage
 from memcalc.parallel.search import splits
 

@@ -15,7 +15,7 @@ from memcalc.model.presets import preset, preset_model
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.comm import step_lower_bound, tp_shape
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.parallel.plan import layout_estimate, plan
 from memcalc.time.calibration import calibration_for
 from memcalc.time.stages import block_lower_bound, stage_kernels

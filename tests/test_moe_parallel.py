@@ -23,7 +23,7 @@ from memcalc.model.presets import preset
 from memcalc.model.shape import Model
 from memcalc.model.tricks import parse_tricks
 from memcalc.parallel.experts import moe_tokens
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.parallel.params import expert_gpu_params, gpu_params
 from memcalc.parallel.stage_memory import layout_memory
 from memcalc.parallel.plan import layout_estimate

@@ -85,7 +85,7 @@ def test_fsdp2_s_verdict_is_what_pytorch_s_fsdp2_holds():
     from memcalc.memory.estimate import Setup
     from memcalc.model.params import n_params
     from memcalc.model.shape import Model
-    from memcalc.parallel.layout import Layout
+    from memcalc.model.layout import Layout
     from verify.distributed import verify_distributed
 
     shape = replace(PRESETS["llama3-8b"], n_layers=4)

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup, estimate
-from memcalc.memory.state import Parallel
 from memcalc.model.gpus import gpu
 from memcalc.model.params import layer_params, n_params
 from memcalc.model.presets import preset, preset_model
@@ -16,7 +15,7 @@ from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.activations import layer_activations
 from memcalc.parallel.checks import check_layout
-from memcalc.parallel.layout import Layout, layout_for
+from memcalc.model.layout import Layout, layout_for
 from memcalc.parallel.params import stage_shape_params, tp_layer_params
 from memcalc.parallel.pipeline import bubble_fraction, held_layers
 from memcalc.parallel.stage_memory import layout_memory
@@ -214,12 +213,12 @@ tricks_sets = st.builds(
 @given(shapes(), st.integers(1, 1 << 14), st.integers(1, 8), st.integers(1, 8), tricks_sets,
        st.sampled_from([1, 2, 8, 64]), st.sampled_from([0, 1, 2, 3]), st.booleans())  # fmt: skip
 def test_one_gpu_layout_equals_the_single_gpu_estimate(shape, seq, b, m, tricks, dp, zero, offload):
-    # TP = PP = CP = 1: every byte as memcalc.memory.estimate with Parallel(dp, zero, offload), and the same step time
+    # TP = PP = CP = 1: every byte as memcalc.memory.estimate of the same layout, and the same step time
     offload = offload and (zero > 0 or dp == 1)
     model = Model(shape, n_params(shape), "test")
-    setup = Setup(seq_len=seq, micro_batch=b, grad_accum=m, parallel=Parallel(dp, zero, offload))
-    est = estimate(model, setup, H100, (tricks,))
-    lay = layout_estimate(model, setup, H100, tricks, Layout(dp=dp, zero=zero, offload_optimizer=offload))
+    setup, layout = Setup(seq_len=seq, micro_batch=b, grad_accum=m), Layout(dp=dp, zero=zero, offload_optimizer=offload)
+    est = estimate(model, setup, H100, (tricks,), layout)
+    lay = layout_estimate(model, setup, H100, tricks, layout)
     (st_,) = lay.memory.stages
     assert st_.state.parts == est.model_state.parts
     assert st_.state.total_bytes == est.memory[0].model_state_bytes

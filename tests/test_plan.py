@@ -11,7 +11,7 @@ from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
 from memcalc.model.presets import preset_model
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.parallel.plan import layout_estimate, plan
 from memcalc.parallel.search import layouts
 from memcalc.report import layout as layout_report
@@ -187,3 +187,18 @@ def test_without_leaves_features_out_of_the_search():
     assert "without sequence parallel" in "\n".join(plan_report.plan_preamble(bare, "gb")).replace("\n  ", " ")
     with pytest.raises(InputError, match="--without takes"):
         plan(model, g, 16, 2048, 64, without=("pipelines",))
+
+
+def test_a_plan_row_says_its_gpus_once():
+    """Each row's JSON has one record of its GPUs, the layout: its setup once carried parallel {gpus 1, zero 0}
+    beside a layout of dp 4 zero 2 (Setup.parallel, gone: how the GPUs share the work is the layout's alone)."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "--params", "8e9", "--gpus", "8", "--global-batch", "64", "--seq", "4096",
+                                 "--format", "json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["best"]
+    assert rows and all("parallel" not in row["setup"] for row in rows)
+    assert all(row["layout"]["world"] == 8 for row in rows)

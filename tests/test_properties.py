@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.activations import textbook_activations
 from memcalc.memory.estimate import Setup, estimate, memory_for
-from memcalc.memory.state import Parallel, model_state
+from memcalc.memory.state import StateSharding, model_state
 from memcalc.model.gpus import GPUS
 from memcalc.model.headroom import usable_bytes
 from memcalc.model.params import n_params
@@ -91,11 +91,11 @@ def test_gqa_with_kv_heads_equal_to_heads_is_mha(shape):
 @given(st.integers(1, 10**13), st.sampled_from(PRECISIONS), st.sampled_from(["adamw", "sgd", "adam8bit"]),
        st.integers(1, 4096), st.integers(0, 3))  # fmt: skip
 def test_zero_never_increases_state_and_more_gpus_never_hurt(params, precision, optimizer, gpus, stage):
-    base = model_state(params, precision, optimizer, Parallel(gpus, 0)).total_bytes
-    sharded = model_state(params, precision, optimizer, Parallel(gpus, stage)).total_bytes
-    more = model_state(params, precision, optimizer, Parallel(gpus * 2, stage)).total_bytes
+    base = model_state(params, precision, optimizer, StateSharding(gpus, 0)).total_bytes
+    sharded = model_state(params, precision, optimizer, StateSharding(gpus, stage)).total_bytes
+    more = model_state(params, precision, optimizer, StateSharding(gpus * 2, stage)).total_bytes
     assert sharded <= base and more <= sharded
-    assert model_state(params, precision, optimizer, Parallel(1, stage)).total_bytes == base
+    assert model_state(params, precision, optimizer, StateSharding(1, stage)).total_bytes == base
 
 
 @given(shapes(), st.integers(1, 1 << 16), tricks_sets)

@@ -7,7 +7,7 @@ from dataclasses import FrozenInstanceError, asdict, dataclass, field, fields, r
 
 import pytest
 
-from memcalc.memory.state import NO_PARALLEL, model_state
+from memcalc.memory.state import NOT_SHARDED, model_state
 from memcalc.model.presets import preset
 from memcalc.model.tricks import Tricks
 from memcalc.records import HASH, record
@@ -68,7 +68,7 @@ def test_engine_inputs_hash_as_their_fields():
 def test_defaults_factories_and_frozen_slots():
     assert Cell(1).items == [] and Cell(1).items is not Cell(1).items  # default_factory: one list each
     assert Cell(1, [2]).items == [2] and Point(1).y == "a"
-    state = model_state(8_000_000_000, "bf16", "adamw", NO_PARALLEL)  # frozen, with slots
+    state = model_state(8_000_000_000, "bf16", "adamw", NOT_SHARDED)  # frozen, with slots
     assert pickle.loads(pickle.dumps(state)) == state and copy.deepcopy(state) == state
     with pytest.raises(FrozenInstanceError):
         state.params = 1

@@ -17,7 +17,7 @@ from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
 from memcalc.model.presets import canonical_model
 from memcalc.model.tricks import PROGRESSION
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 
 
 def test_parse_sweep():

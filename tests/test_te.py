@@ -33,7 +33,7 @@ from memcalc.model.shape import Model
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import Tricks, parse_tricks
 from memcalc.parallel.activations import layer_activations
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 
 TE = Tricks("bf16", True, fp8="te")
 SHAPE = replace(PRESETS["llama3-8b"], n_layers=2, vocab=2048)

@@ -8,7 +8,7 @@ import pytest
 
 from memcalc.cli.inputs import resolve_model
 from memcalc.memory.estimate import Setup, estimate
-from memcalc.memory.state import Parallel
+from memcalc.model.layout import Layout
 from memcalc.model.flops import flop_terms
 from memcalc.model.gpus import gpu
 from memcalc.report.explain import explain_lines, symbols
@@ -23,10 +23,10 @@ def evaluate(expression: str) -> Fraction:
 
 
 CASES = [
-    dict(params="8e9", seq=8192, micro_batch=1, parallel=Parallel()),
-    dict(params="8e9", seq=8192, micro_batch=3, parallel=Parallel(8, 3)),
-    dict(model="gpt3-175b", seq=2048, micro_batch=2, parallel=Parallel(64, 1, True)),
-    dict(model="qwen3-0.6b", seq=1000, micro_batch=5, parallel=Parallel(3, 2)),
+    dict(params="8e9", seq=8192, micro_batch=1, layout=Layout()),
+    dict(params="8e9", seq=8192, micro_batch=3, layout=Layout(dp=8, zero=3)),
+    dict(model="gpt3-175b", seq=2048, micro_batch=2, layout=Layout(dp=64, zero=1, offload_optimizer=True)),
+    dict(model="qwen3-0.6b", seq=1000, micro_batch=5, layout=Layout(dp=3, zero=2)),
 ]
 
 
@@ -34,8 +34,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_every_term_evaluates_to_its_value(case, optimizer):
     model = resolve_model(params=case.get("params"), model=case.get("model"))
-    setup = Setup(case["seq"], case["micro_batch"], optimizer=optimizer, parallel=case["parallel"])
-    est = estimate(model, setup, gpu("h100-sxm"))
+    setup = Setup(case["seq"], case["micro_batch"], optimizer=optimizer)
+    est = estimate(model, setup, gpu("h100-sxm"), layout=case["layout"])
     syms = symbols(est)
     terms = [t for a in est.activations for t in a.terms + a.rebuilt]
     terms += [t for lg in est.logits for t in lg.terms]

@@ -13,7 +13,7 @@ from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
 from memcalc.model.presets import canonical_model, preset_model
 from memcalc.model.tricks import Tricks, parse_tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.parallel.verdict import gpu_verdict
 from memcalc.report.answer import toolbox_section
 

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.engine.toolbox import toolbox
 from memcalc.memory.estimate import Setup
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.model.gpus import gpu
 from memcalc.model.presets import canonical_model, preset_model
 from memcalc.model.tricks import Tricks, parse_tricks

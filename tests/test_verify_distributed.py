@@ -18,7 +18,7 @@ from memcalc.model.params import n_params
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import parse_tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.terms import Term
 from memcalc.verification.dist_results import RankRow
 from memcalc.verification.dist_tensors import chunk, fsdp_numel, param_tensors, rank_coords
@@ -210,7 +210,7 @@ def test_distcheck_needs_no_torch():
     code = textwrap.dedent("""
         import sys
         from memcalc.verification.distributed import predictions
-        from memcalc.parallel.layout import Layout
+        from memcalc.model.layout import Layout
         from memcalc.model.presets import PRESETS
         from memcalc.model.tricks import Tricks
         predictions(PRESETS["qwen3-0.6b"], 1024, 1, Tricks(), Layout(dp=8, tp=2, zero=3, sp=True), 15, "meta")

@@ -23,7 +23,7 @@ from memcalc.model.presets import PRESETS
 from memcalc.model.shape import Model
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.verification.dist_tensors import param_tensors
 from memcalc.verification.distributed import check_dist
 

@@ -21,7 +21,7 @@ from memcalc.model.presets import PRESETS
 from memcalc.model.shape import Model
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.parallel.pipeline import stage_layers
 from memcalc.verification.pipeline import check_pipeline, peak_stage, pipeline_terms, stage_memory_of, stage_tensors
 

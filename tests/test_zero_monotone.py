@@ -7,12 +7,12 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from memcalc.memory.estimate import Setup, memory_for
-from memcalc.memory.state import Parallel, zero3_gather_bytes
+from memcalc.memory.state import zero3_gather_bytes
 from memcalc.model.gpus import gpu
 from memcalc.model.params import layer_params, n_params
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.parallel.stage_memory import layout_memory
 
 H100 = gpu("h100-sxm")
@@ -51,9 +51,9 @@ tricks_sets = st.sampled_from([Tricks("fp32"), Tricks("bf16"), Tricks("fp16"), T
 gpu_counts = st.sampled_from([1, 2, 3, 4, 8, 16, 64, 1024])
 
 
-def total(model, tricks, optimizer, parallel) -> int:
-    setup = Setup(seq_len=64, optimizer=optimizer, parallel=parallel)
-    return memory_for(model, setup, H100, tricks)[3].total_bytes
+def total(model, tricks, optimizer, gpus: int, zero: int, offload: bool) -> int:
+    layout = Layout(dp=gpus, zero=zero, offload_optimizer=offload)
+    return memory_for(model, Setup(seq_len=64, optimizer=optimizer), H100, tricks, layout)[3].total_bytes
 
 
 @settings(max_examples=300, deadline=None)
@@ -62,8 +62,8 @@ def total(model, tricks, optimizer, parallel) -> int:
 @example(TINY, Tricks("fp32"), "adamw", 1, 1, 3, False)  # 1 -> 2 GPUs under ZeRO-3
 def test_more_gpus_never_raise_per_gpu_memory(model, tricks, optimizer, gpus, factor, zero, offload):
     """Defect 9: under ZeRO >= 1 (with or without optimizer offload), per-GPU memory never grows with the GPUs."""
-    fewer = total(model, tricks, optimizer, Parallel(gpus, zero, offload))
-    more = total(model, tricks, optimizer, Parallel(gpus * factor + 1, zero, offload))
+    fewer = total(model, tricks, optimizer, gpus, zero, offload)
+    more = total(model, tricks, optimizer, gpus * factor + 1, zero, offload)
     assert more <= fewer
 
 
@@ -74,8 +74,8 @@ def test_a_higher_zero_stage_never_raises_per_gpu_memory(model, tricks, optimize
     """Defect 9: ZeRO-3's gathered layers (two layers' weights + one layer's gradients) never cost more than
     the stage saves; before the fix a 1-4-layer model on 2 GPUs held more under ZeRO-3 than under ZeRO-2."""
     assume(not offload or zero >= 1 or gpus == 1)  # offload over several GPUs needs ZeRO >= 1
-    lower = total(model, tricks, optimizer, Parallel(gpus, zero, offload))
-    higher = total(model, tricks, optimizer, Parallel(gpus, zero + 1, offload))
+    lower = total(model, tricks, optimizer, gpus, zero, offload)
+    higher = total(model, tricks, optimizer, gpus, zero + 1, offload)
     assert higher <= lower
 
 
@@ -127,5 +127,5 @@ def test_deep_models_keep_their_buffers():
     from memcalc.model.presets import canonical_model
 
     model = canonical_model(8_000_000_000)
-    memory = memory_for(model, Setup(8192, parallel=Parallel(8, 3)), H100, Tricks("bf16"))[3]
+    memory = memory_for(model, Setup(8192), H100, Tricks("bf16"), Layout(dp=8, zero=3))[3]
     assert memory.buffer_bytes == 3 * 2 * layer_params(model.shape)

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 
 from .builder import build, init_weights
 from .dist_plan import parallelize

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 
 from .builder import Transformer, build, rope_tables, sac_contexts
 from .dist_measure import CountingFakeMode, count_resizes, local, storage_bytes, to_fake

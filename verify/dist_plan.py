@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 
 
 def block_plan(block: nn.Module, sp: bool) -> dict:

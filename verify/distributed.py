@@ -28,7 +28,7 @@ from memcalc.memory.estimate import Setup
 from memcalc.model.params import n_params
 from memcalc.model.shape import Model
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
+from memcalc.model.layout import Layout
 from memcalc.verification.dist_results import DistResult, model_label
 from memcalc.verification.dist_tensors import rank_coords
 from memcalc.verification.distributed import (BACKENDS, check_dist, compare, default_ranks, dist_matrix, padded_vocab,

@@ -64,9 +64,6 @@ def pick_device(device: str | None) -> tuple[str, str]:
 
 
 def check_setup(setup: Setup) -> None:
-    p = setup.parallel
-    if p.gpus != 1 or p.zero or p.offload:
-        raise InputError("verify measures one GPU: drop --gpus, --zero and --offload")
     if setup.grad_accum != 1:  # the recipe runs one micro-batch per optimizer step
         raise InputError(f"verify measures one micro-batch per step: grad_accum must be 1, got {setup.grad_accum}")
 

@@ -36,7 +36,7 @@ from memcalc.model.presets import gpt, llama  # noqa: E402
 from memcalc.model.shape import Model, ModelShape  # noqa: E402
 from memcalc.model.stacks import STACKS  # noqa: E402
 from memcalc.model.tricks import Tricks  # noqa: E402
-from memcalc.parallel.layout import Layout  # noqa: E402
+from memcalc.model.layout import Layout  # noqa: E402
 from memcalc.parallel.links import ASSUMPTIONS, Assumptions  # noqa: E402
 from memcalc.parallel.plan import layout_estimate  # noqa: E402
 from memcalc.time.calibration import Calibration  # noqa: E402

@@ -129,7 +129,7 @@ def estimate(
                              "formula and source: drop --explain")  # fmt: skip
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
-        setup = build_setup(seq, micro_batch, grad_accum, optimizer, "1", "0", False, mfu or "0.4", host_memory,
+        setup = build_setup(seq, micro_batch, grad_accum, optimizer, mfu or "0.4", host_memory,
                             stack, recipe, optimizer_impl, routing, no_cache,
                             (lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
         layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node,
@@ -254,7 +254,7 @@ def verify(
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab) \
             if shape_given or step is None else None  # fmt: skip
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        setup = build_setup(seq, micro_batch, "1", optimizer, "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl,
+        setup = build_setup(seq, micro_batch, "1", optimizer, "0.4", "2T", stack, recipe, optimizer_impl,
                             no_cache=no_cache,
                             finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
         the_tricks = parse_tricks(tricks)

@@ -138,23 +138,20 @@ def build_routing(model, capacity_factor: str | None, imbalance: str | None):
     return Routing(cf, x)
 
 
-def build_setup(seq, micro_batch, grad_accum, optimizer, gpus, zero, offload, mfu, host_memory="2T",
-                stack=None, recipe=None, impl=None, routing=None, no_cache=False, finetune=None):  # fmt: skip
+def build_setup(seq, micro_batch, grad_accum, optimizer, mfu, host_memory="2T", stack=None, recipe=None, impl=None,
+                routing=None, no_cache=False, finetune=None):  # fmt: skip
     from memcalc.memory.estimate import MAX_HOST_BYTES, Setup
+    from memcalc.memory.state import OPTIMIZERS
     from memcalc.model.moe import BALANCED
-    from memcalc.memory.state import MAX_GPUS, OPTIMIZERS, Parallel
     from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
 
     if optimizer.strip().lower() not in OPTIMIZERS:
         raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
-    if zero.strip() not in ("0", "1", "2", "3"):
-        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {zero!r}")
     return Setup(
         seq_len=parse_seq(seq),
         micro_batch=parse_count(micro_batch, "micro-batch", MAX_BATCH),
         grad_accum=parse_count(grad_accum, "grad-accum", MAX_BATCH),
         optimizer=optimizer.strip().lower(),
-        parallel=Parallel(parse_count(gpus, "gpus", MAX_GPUS), int(zero), offload),
         mfu=parse_fraction(mfu, "mfu"),
         host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
         stack=finetune_stack(stack, recipe, impl, no_cache, finetune),
@@ -226,7 +223,7 @@ def build_layout(gpus, tp=None, pp=None, cp=None, dp=None, zero="0", sp=False, v
                  offload_params=False, gpus_per_node=None, pp_layers=None, reshard=None, ep=None, etp=None):  # fmt: skip
     from memcalc.memory.state import MAX_GPUS
     from memcalc.model.shape import parse_count
-    from memcalc.parallel.layout import layout_for
+    from memcalc.model.layout import layout_for
 
     def count(text, name, default):
         return default if text is None else parse_count(text, name, MAX_GPUS)

@@ -40,7 +40,7 @@ def fit(
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        setup = build_setup(seq, micro_batch, "1", optimizer, gpus, zero, offload, "0.4", host_memory, stack, recipe,
+        setup = build_setup(seq, micro_batch, "1", optimizer, "0.4", host_memory, stack, recipe,
                             optimizer_impl, no_cache=no_cache,
                             finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
         layout = build_layout(gpus, zero=zero, offload=offload)  # data parallel: fit solves one GPU of it

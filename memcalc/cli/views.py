@@ -24,7 +24,7 @@ def sweep_view(job, spec: str, png: str | None):
         raise InputError("--sweep works on a data-parallel job (--gpus, --zero, --offload); drop --tp, --pp, --cp, --ep")
     points = parse_sweep(spec)
     png = None if png is None else check_png(png)  # before the work: a bad path is an input error
-    swept = sweep(job.model, job.setup, job.gpu, job.trick_sets, *points, job.timing, job.layout)
+    swept = sweep(job.model, job.setup, job.gpu, job.trick_sets, *points, job.time_model, job.layout)
     return lambda display: show_sweep(swept, display, png)
 
 

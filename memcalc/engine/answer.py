@@ -46,11 +46,11 @@ class Answer:
 def answer(job: Job) -> Answer:
     """Everything `memcalc estimate` answers for one job (--sweep is memcalc.engine.sweep's)."""
     m, s, g, lay = job.model, job.setup, job.gpu, job.layout
-    sets = job.trick_sets
-    layouts = tuple(layout_estimate(m, s, g, t, lay, timing=job.timing) for t in sets)
-    textbook = estimate(m, s, g, sets) if job.data_parallel else None
+    sets, timing = job.trick_sets, job.time_model
+    layouts = tuple(layout_estimate(m, s, g, t, lay, timing=timing) for t in sets)
+    textbook = estimate(m, s, g, sets, lay) if job.data_parallel else None
     runs = runs_for_layouts(layouts, job.tokens, job.price) if job.tokens is not None else ()
-    tb = toolbox(m, s, g, sets[0], lay, job.timing) if job.data_parallel else None
+    tb = toolbox(m, s, g, sets[0], lay, timing) if job.data_parallel else None
     timelines = ()
     if job.timeline:
         from .timeline import step_timelines
@@ -62,13 +62,12 @@ def answer(job: Job) -> Answer:
 def one_gpu_roofline(job: Job) -> tuple | None:
     """A one-GPU job's step on the roofline, kernel by kernel (memcalc.time.roofline.rooflines), the same
     step its layout's time composes; None under --mfu or for a job over several GPUs."""
-    if job.layout.world > 1 or isinstance(job.timing, float):
+    timing = job.time_model
+    if job.layout.world > 1 or isinstance(timing, float):
         return None
-    from memcalc.time.calibration import Calibration, calibration_for
     from memcalc.time.roofline import rooflines
 
-    cal = job.timing if isinstance(job.timing, Calibration) else calibration_for(job.gpu.key)
-    return rooflines(job.model, job.setup, job.gpu, job.trick_sets, cal)
+    return rooflines(job.model, job.setup, job.gpu, job.trick_sets, timing)
 
 
 def exact_terms(job: Job, layouts: tuple[LayoutEstimate, ...]) -> tuple:

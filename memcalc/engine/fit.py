@@ -8,9 +8,9 @@ from dataclasses import replace
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.headroom import Headroom, headroom, usable_bytes
+from memcalc.model.layout import Layout
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, longest_seq
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
 from memcalc.parallel.verdict import Verdict, gpu_verdict
 from memcalc.records import record
 

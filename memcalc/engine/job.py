@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
-from memcalc.memory.state import Parallel
 from memcalc.model.gpus import GPU, check_precision
+from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.shape import Model
 from memcalc.model.tricks import PROGRESSION, Tricks
-from memcalc.parallel.layout import Layout
-from memcalc.parallel.verdict import ONE_GPU, plain_data_parallel
+from memcalc.parallel.verdict import plain_data_parallel
 from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 
@@ -21,10 +19,10 @@ class Job:
     """Train `model` with `setup` on GPUs of type `gpu` laid out as `layout`, under each trick set.
 
     setup.micro_batch is one micro-batch, setup.grad_accum the micro-batches each pipeline runs per step;
-    the layout says how the GPUs share the work (--gpus N alone is data parallelism over N, the same job as
-    --dp N), and setup.parallel is set from it (the textbook's model state shards by it). timing: the
-    roofline's calibration (None: the GPU's shipped one) or --mfu's end-to-end rate (a float); a shape whose
-    kernels the exact model does not trace is timed at setup.mfu."""
+    the layout, the one record of the GPUs, says how they share the work (--gpus N alone is data parallelism
+    over N, the same job as --dp N; the textbook's model state shards as it says). timing: the roofline's
+    calibration (None: the GPU's shipped one) or --mfu's end-to-end rate (a float), as given; time_model is
+    what times the step."""
 
     model: Model
     setup: Setup
@@ -38,8 +36,6 @@ class Job:
     timeline: bool = False  # --timeline: each trick set's step, allocation by allocation
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "setup", replace(self.setup, parallel=self.parallel))  # one account of the GPUs
-        object.__setattr__(self, "timing", time_model(self))
         if not self.trick_sets:
             raise InputError("no trick sets to estimate")
         if self.price is not None and self.tokens is None:
@@ -53,11 +49,16 @@ class Job:
         return data_parallel(self.layout)
 
     @property
-    def parallel(self) -> Parallel:
-        """The layout as the textbook's model state shards it (memcalc.memory.state): over the ranks ZeRO
-        shards over (all data-parallel ranks, or a node's with hybrid shard)."""
-        lay = self.layout
-        return Parallel(lay.shard_group if lay.zero else lay.dp, lay.zero, lay.offload_optimizer)
+    def time_model(self) -> Calibration | float:
+        """How the step is timed: --mfu's rate as given; else the roofline at the calibration (the GPU's shipped
+        one by default), where memcalc.exact traces the shape's kernels, and setup.mfu where it does not."""
+        if isinstance(self.timing, float):
+            return self.timing
+        from memcalc.time.roofline import traceable
+
+        if not traceable(self.model.shape):
+            return self.setup.mfu
+        return self.timing if self.timing is not None else calibration_for(self.gpu.key)
 
 
 def data_parallel(layout: Layout) -> bool:
@@ -75,8 +76,8 @@ def check_finetune(model: Model, setup: Setup, lay: Layout) -> None:
     if not plain_data_parallel(lay):
         raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of plain data parallelism (no ZeRO, "
                          "offload, tensor, pipeline, context or expert parallel)")  # fmt: skip
-    from memcalc.exact.hf.model import arch_for
     from memcalc.exact.hf.lora import not_replayed
+    from memcalc.exact.hf.model import arch_for
 
     why = not_replayed(ft, arch_for(model.shape), "hf")  # a mixture of experts or latent attention: not built
     if why:
@@ -85,14 +86,3 @@ def check_finetune(model: Model, setup: Setup, lay: Layout) -> None:
         raise InputError(f"--freeze {ft.frozen_blocks}: {model.shape.name or 'the model'} has "
                          f"{model.shape.n_layers} blocks; leave one to train")  # fmt: skip
 
-
-def time_model(job: Job) -> Calibration | float:
-    """How the job's step is timed: --mfu's rate as given; else the roofline at the calibration (the GPU's
-    shipped one by default), where memcalc.exact traces the shape's kernels, and setup.mfu where it does not."""
-    if isinstance(job.timing, float):
-        return job.timing
-    from memcalc.time.roofline import traceable
-
-    if not traceable(job.model.shape):
-        return job.setup.mfu
-    return job.timing if job.timing is not None else calibration_for(job.gpu.key)

@@ -8,9 +8,9 @@ from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import Headroom, headroom, usable_bytes
+from memcalc.model.layout import Layout
 from memcalc.model.shape import BINARY, DECIMAL, MAX_BATCH, MAX_SEQ, Model, check_positions, parse_count
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
 from memcalc.parallel.plan import layout_estimate
 from memcalc.parallel.verdict import gpu_verdict
 from memcalc.records import record

@@ -18,10 +18,11 @@ from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU
+from memcalc.model.layout import Layout
 from memcalc.model.shape import Model
 from memcalc.model.tricks import Tricks
+from memcalc.parallel.checks import check_layout
 from memcalc.parallel.engines import check_engine, engine_layout
-from memcalc.parallel.layout import Layout, check_layout
 from memcalc.parallel.plan import layout_estimate
 from memcalc.parallel.verdict import Verdict, gpu_verdict
 from memcalc.records import record

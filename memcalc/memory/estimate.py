@@ -1,4 +1,5 @@
-"""One estimate: model state, activations, logits, FLOPs and time for each trick set, on one GPU."""
+"""One estimate: model state, activations, logits, FLOPs and time for each trick set, on one GPU of a
+data-parallel layout (the textbook's model state shards as the layout says)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from memcalc.model.finetune import frozen_params, quantized_weights, trained_par
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import usable_bytes
+from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.params import largest_layer_params
 from memcalc.model.shape import Model, ModelShape, check_positions
 from memcalc.model.tricks import PROGRESSION, Tricks
@@ -16,8 +18,8 @@ from memcalc.terms import Term
 
 from .activations import (Activations, AttentionDetail, Logits, attention_detail, layer_terms, logits_memory,
                           textbook_activations)  # fmt: skip
-from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Fits, Setup  # noqa: F401  (Setup's home for its users)
-from .state import ModelState, finetune_state, state_bytes, weights_held_elsewhere, zero3_gather_bytes
+from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Fits, Setup, host_share  # noqa: F401  (Setup's home for its users)
+from .state import ModelState, finetune_state, state_bytes, state_sharding, weights_held_elsewhere, zero3_gather_bytes
 
 
 @record(slots=True)
@@ -77,6 +79,7 @@ class Estimate:
     model: Model
     setup: Setup
     gpu: GPU
+    layout: Layout  # data parallelism alone: dp, ZeRO, offload (memcalc.model.layout)
     model_state: ModelState  # of the first 16-bit trick set (the recipe the field trains with)
     flops: Flops
     attention: AttentionDetail
@@ -90,30 +93,32 @@ class Estimate:
         return tuple(a.tricks for a in self.activations)
 
 
-def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layer: dict[str, Term] | None = None,
-               logits: Logits | None = None) -> tuple[ModelState, Activations, Logits, Memory]:  # fmt: skip
-    """The memory side of one trick set (layer: its layer_terms, logits: its logits_memory, where the caller
-    has them from a trick set of the same activation width)."""
-    shape, seq, batch = model.shape, setup.seq_len, setup.micro_batch
-    state, held, host = state_for(model.shape, model.n_params, setup, tricks.precision)
+def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout = ONE_GPU,
+               layer: dict[str, Term] | None = None, logits: Logits | None = None,
+               ) -> tuple[ModelState, Activations, Logits, Memory]:  # fmt: skip
+    """The memory side of one trick set on one GPU of a data-parallel layout (layer: its layer_terms, logits: its
+    logits_memory, where the caller has them from a trick set of the same activation width)."""
+    shape, seq, batch, sharding = model.shape, setup.seq_len, setup.micro_batch, state_sharding(layout)
+    state, held, host = state_for(model.shape, model.n_params, setup, tricks.precision, layout)
     acts = textbook_activations(shape, seq, batch, tricks, setup.routing, layer)
     logits = logits or logits_memory(shape, seq, batch, tricks.precision)
     buffers = 0
-    if setup.parallel.gathers_layers:
+    if sharding.gathers_layers:
         elsewhere = weights_held_elsewhere(state)
         buffers = zero3_gather_bytes(largest_layer_params(shape), shape.n_layers, tricks.precision, elsewhere)
-    usable = usable_bytes(gpu, (setup.parallel.gpus,))
+    usable = usable_bytes(gpu, layout.groups)
     memory = Memory(tricks, held, acts.peak_bytes, logits.total_bytes, buffers, usable, host,
-                    setup.host_usable_bytes, acts.formula)  # fmt: skip
+                    host_share(setup, layout), acts.formula)  # fmt: skip
     return state, acts, logits, memory
 
 
-def state_for(shape: ModelShape, params: int, setup: Setup, precision: str) -> tuple[ModelState, int, int]:
+def state_for(shape: ModelShape, params: int, setup: Setup, precision: str,
+              layout: Layout = ONE_GPU) -> tuple[ModelState, int, int]:  # fmt: skip
     """The textbook's model state of `params` parameters, and what of it is on the GPU and on the host: every
     weight trained, or some frozen (LoRA, --freeze: memcalc.memory.state.finetune_state, on the GPU alone)."""
     ft, recipe = setup.stack.finetune, setup.stack.recipe
     if ft.trains_all:
-        return state_bytes(params, precision, setup.optimizer, setup.parallel, recipe)
+        return state_bytes(params, precision, setup.optimizer, state_sharding(layout), recipe)
     frozen_dtype = precision if ft.lora or not (precision == "fp32" or recipe == "autocast") else "fp32"
     quantized = quantized_weights(shape) if ft.quantize else (0, 0)
     frozen = frozen_params(shape, ft) - quantized[0]
@@ -122,12 +127,13 @@ def state_for(shape: ModelShape, params: int, setup: Setup, precision: str) -> t
     return state, state.total_bytes, 0
 
 
-def memory_sides(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...]) -> list[tuple]:
+def memory_sides(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...],
+                 layout: Layout = ONE_GPU) -> list[tuple]:  # fmt: skip
     """memory_for of each trick set in one pass: Korthikanti's layer terms (per sequence, micro-batch and
     activation width: fp32's twice 16-bit's) and the logits (per precision) made once for the trick sets
     that share them, not once per trick set."""
     if len(trick_sets) == 1:
-        return [memory_for(model, setup, gpu, trick_sets[0])]
+        return [memory_for(model, setup, gpu, trick_sets[0], layout)]
     shape, seq, batch = model.shape, setup.seq_len, setup.micro_batch
     layers: dict[int, dict[str, Term]] = {}
     logits: dict[str, Logits] = {}
@@ -138,7 +144,7 @@ def memory_sides(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks,
             layers[width] = layer_terms(shape, seq, batch, width)
         if t.precision not in logits:
             logits[t.precision] = logits_memory(shape, seq, batch, t.precision)
-        sides.append(memory_for(model, setup, gpu, t, layers[width], logits[t.precision]))
+        sides.append(memory_for(model, setup, gpu, t, layout, layers[width], logits[t.precision]))
     return sides
 
 
@@ -156,17 +162,19 @@ def computes(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...
     return tuple(by_tricks[t] for t in trick_sets)
 
 
-def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...] = PROGRESSION) -> Estimate:
-    """The textbook for each trick set in order, on one GPU of setup.parallel's data parallelism: the
-    lesson's numbers (the verdict, what the stack really allocates, is memcalc.parallel.verdict's)."""
+def estimate(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...] = PROGRESSION,
+             layout: Layout = ONE_GPU) -> Estimate:  # fmt: skip
+    """The textbook for each trick set in order, on one GPU of the layout's data parallelism (dp, ZeRO,
+    offload): the lesson's numbers (the verdict, what the stack really allocates, is memcalc.parallel.verdict's)."""
     if not trick_sets:
         raise InputError("no trick sets to estimate")
     check_positions(model.shape, setup.seq_len)
-    states, activations, logits, memory = zip(*memory_sides(model, setup, gpu, trick_sets))
+    states, activations, logits, memory = zip(*memory_sides(model, setup, gpu, trick_sets, layout))
     return Estimate(
         model=model,
         setup=setup,
         gpu=gpu,
+        layout=layout,
         model_state=next((state for state in states if state.precision != "fp32"), states[0]),
         flops=flops(model.shape, model.n_params, setup.seq_len),
         attention=attention_detail(model.shape, setup.seq_len, setup.micro_batch),

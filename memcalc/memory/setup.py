@@ -1,17 +1,18 @@
-"""What is trained per step, on how many GPUs (Setup), and whether a result fits them (Fits)."""
+"""What is trained per step (Setup; how the GPUs share it is the job's Layout, memcalc.model.layout), one GPU's
+share of its node's host memory (host_share), and whether a result fits (Fits)."""
 
 from __future__ import annotations
 
 import math
 
 from memcalc.errors import InputError
-from memcalc.model.gpus import GPUS_PER_NODE, HOST_MEMORY_BYTES
+from memcalc.model.gpus import HOST_MEMORY_BYTES
+from memcalc.model.layout import Layout
 from memcalc.model.moe import BALANCED, Routing
 from memcalc.model.sizes import MAX_BATCH, MAX_SEQ, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.records import record
 
-from .state import Parallel
 
 # Default MFU: Llama 3 trained at 38-43% BF16 MFU on 16K H100s (Dubey et al. 2024, Table 4);
 # Korthikanti et al. 2022 Table 5 reports 41-56% on A100s. 0.4 sits at the low end of both.
@@ -21,13 +22,13 @@ MAX_HOST_BYTES = 10**15  # a petabyte of CPU memory in one node: beyond any mach
 
 @record(frozen=True)
 class Setup:
-    """What is trained per step, on how many GPUs, and at what assumed utilisation."""
+    """What is trained per step, by whose code (the stack), and at what assumed utilisation; not on how many GPUs:
+    that is the job's Layout."""
 
     seq_len: int
     micro_batch: int = 1
     grad_accum: int = 1
     optimizer: str = "adamw"
-    parallel: Parallel = Parallel()
     mfu: float = DEFAULT_MFU
     host_memory: int = HOST_MEMORY_BYTES  # CPU memory of one node, which offload fills
     stack: Stack = DEFAULT_STACK  # whose code trains: model, precision recipe, optimizer implementation
@@ -42,11 +43,6 @@ class Setup:
             raise InputError(f"mfu must be a fraction in (0, 1], got {self.mfu!r}")
 
     @property
-    def host_usable_bytes(self) -> int:
-        """One GPU's share of its node's host memory: the job's GPUs on a node split it."""
-        return self.host_memory // min(self.parallel.gpus, GPUS_PER_NODE)
-
-    @property
     def tokens_per_micro_batch(self) -> int:
         return self.seq_len * self.micro_batch
 
@@ -54,6 +50,11 @@ class Setup:
     def tokens_per_step(self) -> int:
         """Tokens one GPU processes per optimizer step (all accumulated micro-batches)."""
         return self.tokens_per_micro_batch * self.grad_accum
+
+
+def host_share(setup: Setup, layout: Layout) -> int:
+    """One GPU's share of its node's host memory, which offload fills: the job's GPUs on a node split it."""
+    return setup.host_memory // min(layout.world, layout.gpus_per_node)
 
 
 class Fits:

@@ -11,17 +11,19 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memcalc.errors import InputError
+from memcalc.model.layout import Layout
+from memcalc.model.sizes import MAX_GPUS  # noqa: F401  (the CLI's limit on --gpus)
 from memcalc.records import record
 
 OPTIMIZERS = ("adamw", "sgd", "adam8bit")
 WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one element
 BNB_BLOCK = 256  # elements per absmax scale in bitsandbytes' block-wise 8-bit optimizers
-MAX_GPUS = 1 << 20
 
 
 @record(frozen=True)
-class Parallel:
-    """How model state is spread: data-parallel GPUs, ZeRO stage, optimizer offload to host."""
+class StateSharding:
+    """How the textbook's model state is spread (the input of model_state; a job's is its layout's:
+    state_sharding): over how many data-parallel ranks, at which ZeRO stage, the optimizer offloaded or not."""
 
     gpus: int = 1
     zero: int = 0  # 0 replicates everything; 1, 2, 3 as Rajbhandari et al. 2019
@@ -67,7 +69,7 @@ class ModelState:
     params: int
     precision: str
     optimizer: str
-    parallel: Parallel
+    sharding: StateSharding
     parts: tuple[StatePart, ...]
     recipe: str = "master"  # how 16 bits train: master | autocast | pure | main_grad | grad_partition | lora | qlora
 
@@ -135,22 +137,28 @@ def grads_part(precision: str, params: int, recipe: str) -> tuple[str, str, int,
     return ("grads", precision, 2 * params, 2, "2·{N}")
 
 
-NO_PARALLEL = Parallel()  # one GPU, nothing sharded or offloaded
+NOT_SHARDED = StateSharding()  # one GPU, nothing sharded or offloaded
+
+
+def state_sharding(layout: Layout) -> StateSharding:
+    """The layout's sharding of model state: over its ZeRO group (dp × cp, or a node's part with hybrid shard),
+    or, without ZeRO, replicated on its dp ranks; the optimizer offloaded where the layout offloads it."""
+    return StateSharding(layout.shard_group if layout.zero else layout.dp, layout.zero, layout.offload_optimizer)
 
 
 @lru_cache(maxsize=1024)  # the same for every sequence and micro-batch: each estimate asks again
-def model_state(params: int, precision: str, optimizer: str = "adamw", parallel: Parallel = NO_PARALLEL,
+def model_state(params: int, precision: str, optimizer: str = "adamw", sharding: StateSharding = NOT_SHARDED,
                 recipe: str = "master") -> ModelState:  # fmt: skip
     """Per-GPU model state. A part is sharded (ceil-divided) when the ZeRO stage reaches it."""
     parts = []
     for name, dtype, size, stage, formula in unsharded_parts(precision, optimizer, params, recipe):
-        shards = parallel.gpus if parallel.zero >= stage else 1
-        on_host = parallel.offload and stage == 1  # optimizer state: master weights and moments
+        shards = sharding.gpus if sharding.zero >= stage else 1
+        on_host = sharding.offload and stage == 1  # optimizer state: master weights and moments
         per_param = 0.0 if name == "loss_scale" else size / params
         if shards > 1:
             formula = "⌈(" + formula + ")/{G}⌉"
         parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula))
-    return ModelState(params, precision, optimizer, parallel, tuple(parts), recipe)
+    return ModelState(params, precision, optimizer, sharding, tuple(parts), recipe)
 
 
 @lru_cache(maxsize=256)
@@ -174,14 +182,14 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
         label = name if name == "loss_scale" else ("adapter " if lora else "trained ") + name
         parts.append(StatePart(label, dtype, per_param, size, 1, False, formula.replace("{N}", str(trained))))
     how = ("qlora" if quantized[0] else "lora") if lora else recipe
-    return ModelState(params, precision, optimizer, NO_PARALLEL, tuple(parts), how)
+    return ModelState(params, precision, optimizer, NOT_SHARDED, tuple(parts), how)
 
 
 @lru_cache(maxsize=1024)
-def state_bytes(params: int, precision: str, optimizer: str, parallel: Parallel,
+def state_bytes(params: int, precision: str, optimizer: str, sharding: StateSharding,
                 recipe: str) -> tuple[ModelState, int, int]:  # fmt: skip
     """model_state, and the bytes of it one GPU holds in its own memory and in host memory."""
-    state = model_state(params, precision, optimizer, parallel, recipe)
+    state = model_state(params, precision, optimizer, sharding, recipe)
     return state, state.total_bytes, state.host_bytes
 
 

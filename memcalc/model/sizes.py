@@ -13,6 +13,7 @@ from memcalc.model.jsonfile import MAX_DIGITS, brief
 MAX_SIZE = 1 << 24  # no real layer, head count, width or vocabulary comes near 16.7 million
 MAX_SEQ = 1 << 27  # 134M tokens: beyond any context trained
 MAX_BATCH = 1 << 20
+MAX_GPUS = 1 << 20  # GPUs in one job, and in each of its parallel groups
 
 
 def check_size(name: str, value: int, allow_zero: bool = False, limit: int = MAX_SIZE) -> None:

@@ -16,7 +16,6 @@ from memcalc.terms import Term
 
 from .engines import MEGATRON, MEGATRON_MEMORY
 
-
 KORTHIKANTI_T2 = "Korthikanti et al. 2022, Table 2"
 
 
@@ -130,8 +129,8 @@ def sac_layer_activations(shape: ModelShape, seq_len: int, micro_batch: int, tri
     s/t, the all-gathered inputs whole; the matmul and attention outputs SAC keeps), at the CP rank's s/c
     tokens, and what one block's recompute rebuilds during its backward (memcalc.exact's rebuilt bytes)."""
     from memcalc.exact.step import exact_activations  # loaded only when a layout asks for sac
+    from memcalc.model.layout import Layout
 
-    from .layout import Layout
     from .tp_layer import block_terms, tp_shape
 
     s = seq_len // cp

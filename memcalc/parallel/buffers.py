@@ -5,9 +5,9 @@ gathered layers and buckets (engine_buffers, ZeRO-3's zero3_buffers), context pa
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from memcalc.memory.state import ModelState, weights_held_elsewhere, zero3_gather_bytes
+from memcalc.model.layout import Layout
 from memcalc.model.moe import routed_tokens
 from memcalc.model.shape import Model, ModelShape, norm_params
 from memcalc.model.tricks import Tricks
@@ -15,9 +15,6 @@ from memcalc.terms import Term
 
 from .engines import deepspeed_buffers, fsdp2_buffers, reshards_after_forward
 from .params import tp_layer_params
-
-if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this module
-    from .layout import Layout
 
 
 def engine_buffers(model: Model, tricks: Tricks, layout: Layout, state: ModelState, stage: int, layers: int,

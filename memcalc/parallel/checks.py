@@ -4,17 +4,13 @@ mixture of experts' among them (check_experts): one InputError line each. What a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from memcalc.errors import InputError
+from memcalc.model.layout import Layout
 from memcalc.model.shape import ModelShape, moe_layer_count
 from memcalc.model.tricks import Tricks
 
 from .engines import check_engine
 from .pipeline import layers_per_stage
-
-if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this module
-    from .layout import Layout
 
 
 def check_layout(layout: Layout, shape: ModelShape, seq_len: int, tricks: Tricks, micro_batches: int,

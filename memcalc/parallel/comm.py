@@ -25,6 +25,7 @@ from memcalc.exact.kernels import step_flops
 from memcalc.memory.estimate import Setup
 from memcalc.model.finetune import trained_params
 from memcalc.model.gpus import GPU
+from memcalc.model.layout import Layout
 from memcalc.model.params import latent_attention_params
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
@@ -35,7 +36,6 @@ from memcalc.time.stages import StageKernels, block_lower_bound, stage_kernels
 from .data_parallel import cpu_adam_seconds, dp_comm, offload_comm, tied_embedding_comm, unit_fraction
 from .engines import grad_reduce_bytes
 from .experts import busiest_experts_flops, ep_comm, expert_dp_comm, moe_tokens
-from .layout import Layout
 from .links import ASSUMPTIONS, Assumptions, Comm, Fabric, MicroBatch, fabric_for, link_for, ring, send
 from .params import stage_weights
 from .pipeline import bubble_fraction, layers_per_stage

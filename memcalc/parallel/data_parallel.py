@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from memcalc.model.layout import Layout
 from memcalc.model.shape import ModelShape
 
 from .engines import DEEPSPEED_DEFAULTS, megatron_bucket_size, reshards_after_forward
-from .layout import Layout
 from .links import Assumptions, Comm, Fabric, MicroBatch, link_for, ring, send
 from .params import stage_shape_params, tp_layer_params
 

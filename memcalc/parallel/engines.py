@@ -1,6 +1,6 @@
 """Engine stacks: what FSDP2 (as torchtitan runs it), Megatron-LM and DeepSpeed ZeRO hold on one GPU.
 
-memcalc.parallel.layout splits a model over tp · pp · cp · dp GPUs; an engine decides, on top of that:
+memcalc.model.layout splits a model over tp · pp · cp · dp GPUs; an engine decides, on top of that:
   which ZeRO stages it runs, and which of them combine with pipeline parallel
   its model state: the stack's recipe (memcalc.memory.state), and what offload moves to the host
   its transient buffers: gathered parameters, unsharded gradients, reduce buckets

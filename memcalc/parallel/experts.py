@@ -7,10 +7,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memcalc.memory.estimate import Setup
+from memcalc.model.layout import Layout
 from memcalc.model.moe import routed_tokens
 from memcalc.model.shape import Model, ModelShape, is_moe_layer
 
-from .layout import Layout
 from .links import Assumptions, Comm, Fabric, MicroBatch, exposed, link_for, ring
 from .pipeline import stage_layers
 

@@ -19,8 +19,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memcalc.errors import InputError
-from memcalc.model.gpu_table import A100_DATASHEET, GB200_NVL72, GPUS, H100_DATASHEET, H800_SOURCE, HGX_B200
-from memcalc.model.gpu_table import MI300X_PAGE, V100_DATASHEET
+from memcalc.model.gpu_table import (
+    A100_DATASHEET,
+    GB200_NVL72,
+    GPUS,
+    H100_DATASHEET,
+    H800_SOURCE,
+    HGX_B200,
+    MI300X_PAGE,
+    V100_DATASHEET,
+)
 from memcalc.model.gpus import GPU
 from memcalc.records import record
 

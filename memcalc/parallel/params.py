@@ -7,18 +7,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
-from memcalc.memory.state import ModelState, Parallel, model_state
+from memcalc.memory.state import ModelState, StateSharding, model_state
+from memcalc.model.layout import Layout
 from memcalc.model.params import block_norm_params
-from memcalc.model.shape import (Model, ModelShape, attention_params, expert_params, is_moe_layer, mlp_params,
-                                 mlp_params_of, moe_layer_count, mtp_params, n_params, norm_params)  # fmt: skip
+from memcalc.model.shape import (
+    Model,
+    ModelShape,
+    attention_params,
+    expert_params,
+    is_moe_layer,
+    mlp_params,
+    mlp_params_of,  # fmt: skip
+    moe_layer_count,
+    mtp_params,
+    n_params,
+    norm_params,
+)
 from memcalc.records import record
 
 from .pipeline import layers_per_stage, moe_split
-
-if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this module
-    from .layout import Layout
 
 
 def tp_layer_params(shape: ModelShape, tp: int) -> int:
@@ -102,7 +110,7 @@ def sharded_state(params: int, precision: str, optimizer: str, shard_group: int,
 
     Parameter offload (FSDP CPUOffload(offload_params=True)) puts the weight and gradient shards on the host.
     """
-    state = model_state(params, precision, optimizer, Parallel(shard_group, zero, offload_optimizer), recipe)
+    state = model_state(params, precision, optimizer, StateSharding(shard_group, zero, offload_optimizer), recipe)
     if offload_params:
         parts = tuple(replace(p, on_host=True) if p.name in ("weights", "grads") else p for p in state.parts)
         state = replace(state, parts=parts)

@@ -12,15 +12,12 @@ micro-batches its warm-up ran (held_layers); the bubble is the pipeline's idle s
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from memcalc.errors import InputError
+from memcalc.model.layout import Layout
 from memcalc.model.shape import ModelShape, is_moe_layer
 
 from .engines import ENGINES
-
-if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this module
-    from .layout import Layout
 
 
 def layers_per_stage(layout: Layout, n_layers: int, engine: str = "none") -> tuple[int, ...]:

@@ -22,6 +22,7 @@ from memcalc.memory.estimate import DEFAULT_MFU, Setup
 from memcalc.memory.state import MAX_GPUS
 from memcalc.model.gpus import GPU, HOST_MEMORY_BYTES, check_precision
 from memcalc.model.headroom import Headroom, headroom
+from memcalc.model.layout import Layout
 from memcalc.model.shape import MAX_BATCH, Model, check_positions, check_size
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks, check_layer_uniform, layout_counts
@@ -29,12 +30,12 @@ from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.roofline import traceable
 
+from .checks import check_layout
 from .comm import StepTime, step_lower_bound, step_time
-from .links import ASSUMPTIONS, Assumptions
 from .engines import engine_layout
-from .layout import Layout, LayoutMemory, check_layout, layout_memory
+from .links import ASSUMPTIONS, Assumptions
 from .search import check_without, expert_layouts, layouts
-from .stage_memory import layout_peak
+from .stage_memory import LayoutMemory, layout_memory, layout_peak
 from .verdict import Verdict, gpu_verdict, plain_data_parallel, verdict_fit
 
 BF16_FLASH = Tricks("bf16", flash=True)  # the recipe the planner assumes unless told

@@ -8,14 +8,16 @@ May import: memcalc.model, memcalc.errors and this package's layout and engines.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 
 from memcalc.errors import InputError
+from memcalc.model.layout import Layout
 from memcalc.model.shape import Model
 
 from .engines import ENGINES
-from .layout import Layout, divisors, stage_layers
+from .pipeline import stage_layers
 
 MAX_MICRO_BATCH = 16  # sequences per micro-batch the search tries, in powers of two
 MAX_VPP = 8  # virtual stages per GPU the search tries
@@ -128,3 +130,8 @@ def expert_layouts(model: Model, found: Iterator[tuple[Layout, int, int]]) -> It
         for ep in divisors(layout.tp * layout.cp * layout.dp):
             if shape.n_experts % ep == 0:
                 yield replace(layout, ep=ep), b, m
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
 from memcalc.memory.estimate import Fits, Setup
+from memcalc.memory.setup import host_share
 from memcalc.memory.state import ModelState, weights_held_elsewhere
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import usable_bytes
+from memcalc.model.layout import Layout
 from memcalc.model.shape import Model, moe_layer_count
 from memcalc.model.tricks import Tricks
 from memcalc.records import record
@@ -26,9 +27,6 @@ from .checks import check_layout
 from .engines import deepspeed_state
 from .params import expert_gpu_params, gpu_params, moe_sharded_state, sharded_state
 from .pipeline import held_layers, layers_per_stage, moe_split
-
-if TYPE_CHECKING:  # only for annotations: memcalc.parallel.layout imports this module
-    from .layout import Layout
 
 
 @record(slots=True)
@@ -283,8 +281,8 @@ def layout_memory(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: 
     the second when stages are uneven).
 
     setup.micro_batch is b, setup.grad_accum the micro-batches m each pipeline runs per step;
-    setup.parallel is not read: the layout replaces it. With tp = pp = cp = 1 every number equals
-    memcalc.memory.estimate's with Parallel(dp, zero, offload) (ZeRO-3 adds its gathered-layer buffers).
+    With tp = pp = cp = 1 every number equals memcalc.memory.estimate's for the same layout (ZeRO-3 adds
+    its gathered-layer buffers).
     """
     engine = setup.stack.engine
     check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, engine)
@@ -328,7 +326,3 @@ def layout_peak(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
         fits = fits and total <= usable and kept.host_bytes <= host_usable
     return LayoutPeak(peak, fits, counts, params)
 
-
-def host_share(setup: Setup, layout: Layout) -> int:
-    """One GPU's share of its node's host memory, which offload fills: the job's GPUs on a node split it."""
-    return setup.host_memory // min(layout.world, layout.gpus_per_node)

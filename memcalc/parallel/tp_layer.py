@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from memcalc.model.layout import Layout
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
 from memcalc.terms import Term
-
-from .layout import Layout
 
 SEQ_SPLIT_SCOPES = ("norm1", "norm2", "attention dropout", "mlp dropout")  # memcalc.exact scopes SP splits
 

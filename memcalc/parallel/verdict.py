@@ -6,7 +6,7 @@ phase: one GPU's step; one data-parallel rank's under memcalc's generic ZeRO and
 (memcalc.exact.replay.zero); one FSDP2 rank's as torchtitan runs it, hook by hook (memcalc.exact.replay.fsdp2, equal to
 PyTorch's FSDP2 on the fake process group to the byte). Everywhere else (tensor, pipeline, context or
 expert parallel; the engines and recipes the simulator does not replay) the textbook decides: the stage of
-the layout that holds the most (memcalc.parallel.layout), with the reason beside it. Every field is one
+the layout that holds the most (memcalc.parallel.stage_memory), with the reason beside it. Every field is one
 GPU's bytes, and none is negative.
 """
 
@@ -16,21 +16,21 @@ from functools import lru_cache
 
 from memcalc.errors import InputError
 from memcalc.exact.base.config import Phases, not_replayed, shape_not_replayed, window_not_built
-from memcalc.exact.step import step_phases
 from memcalc.exact.replay.zero import Sharding
-from memcalc.memory.setup import Fits, Setup
+from memcalc.exact.step import step_phases
+from memcalc.memory.setup import Fits, Setup, host_share
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import usable_bytes
+from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.shape import Model, n_params
 from memcalc.model.stacks import check_tricks
 from memcalc.model.tricks import Tricks, layout_counts
 from memcalc.records import record
 
+from .checks import check_layout
 from .engines import engine_layout
-from .layout import Layout, check_layout, layout_memory, sharded_state
-from .stage_memory import LayoutPeak, host_share
-
-ONE_GPU = Layout()
+from .params import sharded_state
+from .stage_memory import LayoutPeak, layout_memory
 
 
 @record(slots=True)
@@ -110,8 +110,7 @@ def fsdp2_gap(setup: Setup, tricks: Tricks, layout: Layout) -> str:
 
 @lru_cache(maxsize=4096)  # the toolbox, fit and plan ask for the same jobs again and again
 def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout = ONE_GPU) -> Verdict:
-    """The verdict for one trick set on one GPU of the layout (setup.parallel is not read: the layout says
-    how the GPUs share the work)."""
+    """The verdict for one trick set on one GPU of the layout."""
     layout = engine_layout(layout, setup.stack.engine)
     check_tricks(setup.stack, tricks)
     check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, setup.stack.engine)

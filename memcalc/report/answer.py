@@ -14,7 +14,7 @@ from memcalc.engine.toolbox import Toolbox
 from . import estimate as textbook
 from . import units as u
 from .headroom import fragmentation_note, headroom_line
-from .layout import sharding_text, time_section, comm_section
+from .layout import comm_section, sharding_text, time_section
 from .render import Section, sized
 
 DETAIL_HINT = "--detail: every part; --bytes: exact bytes; --explain: the formulas; --exact: what PyTorch saves"
@@ -67,7 +67,7 @@ def summary_section(ans: Answer, units: str) -> Section:
         f"activations (Korthikanti et al. 2022{moe}) + logits",
     ]
     s.notes += [f"{', '.join(labels)} *: by formula, the stack's engine's state and buffers on one GPU of the "
-                f"layout (memcalc.parallel.layout), since {reason}" for reason, labels in by_reason(ans).items()]
+                f"layout (memcalc.model.layout), since {reason}" for reason, labels in by_reason(ans).items()]
     s.notes.append(f"step time: {time_model_text(ans)}; MFU: model FLOPs / step time / dense peak")
     s.notes += moe_notes(ans)
     return s

@@ -4,12 +4,11 @@ have their own modules beside it)."""
 from __future__ import annotations
 
 from memcalc.memory.estimate import Estimate
-from memcalc.memory.state import ModelState, model_state
+from memcalc.memory.state import ModelState, model_state, state_sharding
 from memcalc.model.flops import korthikanti_selective_overhead
 
 from . import units as u
 from .render import Section, sized
-
 
 RECIPES = {"fp32": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision + loss scaling"}
 HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 master)",
@@ -81,7 +80,7 @@ def params_text(model) -> str:
 def preamble(est: Estimate, units: str = "gb") -> list[str]:
     m, s, shape, g = est.model, est.setup, est.model.shape, est.gpu
     mlp = mlp_text(shape)
-    p = s.parallel
+    p = state_sharding(est.layout)
     return [
         f"Model: {m.origin}",
         f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {heads_text(shape, True)}, {mlp}, {shape.norm}, "
@@ -97,7 +96,7 @@ def preamble(est: Estimate, units: str = "gb") -> list[str]:
 
 def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
     """The model line (which shape, its own count), and one line for the step and the GPU."""
-    s, p, g = est.setup, est.setup.parallel, est.gpu
+    s, p, g = est.setup, state_sharding(est.layout), est.gpu
     accum = f" x grad-accum {s.grad_accum}" if s.grad_accum > 1 else ""
     gpus = "one" if p.gpus == 1 else f"{p.gpus:,} x"
     sharding = (f", ZeRO-{p.zero}" if p.zero else "") + (", optimizer offloaded to CPU" if p.offload else "")
@@ -162,7 +161,7 @@ def other_recipes(est: Estimate, units: str = "gb") -> list[str]:
         if tricks.precision in seen:
             continue
         seen.add(tricks.precision)
-        st = model_state(est.model.n_params, tricks.precision, est.setup.optimizer, est.setup.parallel,
+        st = model_state(est.model.n_params, tricks.precision, est.setup.optimizer, state_sharding(est.layout),
                          est.setup.stack.recipe)  # fmt: skip
         parts = " + ".join(f"{p.name} {p.bytes_per_param:g}" for p in st.parts if p.bytes_per_param)
         notes.append(f"{recipe_text(tricks.precision, st.recipe)}: {parts} = {st.bytes_per_param:g} bytes/param "

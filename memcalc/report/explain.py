@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from memcalc.memory.estimate import Estimate
+from memcalc.memory.state import state_sharding
 from memcalc.model.flops import flop_terms, layer_weights, stack_weights
 from memcalc.terms import Term
 
@@ -15,7 +16,7 @@ def symbols(est: Estimate) -> dict[str, int]:
     shape, s = est.model.shape, est.setup
     return {
         "s": s.seq_len, "b": s.micro_batch, "h": shape.hidden, "a": shape.n_heads, "d": shape.head_dim,
-        "L": shape.n_layers, "v": shape.vocab, "N": est.model.n_params, "G": s.parallel.gpus,
+        "L": shape.n_layers, "v": shape.vocab, "N": est.model.n_params, "G": state_sharding(est.layout).gpus,
         "W": layer_weights(shape),
     } | moe_explain_symbols(est)  # fmt: skip
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from memcalc.model.layout import Layout
 from memcalc.parallel.links import fabric_for, link_name
-from memcalc.parallel.layout import Layout, StageMemory
 from memcalc.parallel.plan import LayoutEstimate
+from memcalc.parallel.stage_memory import StageMemory
 
 from . import units as u
-from .headroom import fragmentation_note, headroom_line
 from .estimate import RECIPES, fit_text, host_note, recipe_text, state_section
 from .explain import explain_term
+from .headroom import fragmentation_note, headroom_line
 from .render import Section, sized
 
 CAUSES = {

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memcalc.errors import InputError
 from memcalc.engine.sweep import Sweep
+from memcalc.errors import InputError
 
 from .units import UNITS
 

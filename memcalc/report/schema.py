@@ -10,13 +10,12 @@ and the toolbox of a data-parallel job; one GPU's roofline kernels; the stages o
 
 from __future__ import annotations
 
-
 from memcalc.memory.activations import attention_detail
 from memcalc.memory.estimate import Memory
 from memcalc.model.flops import flops
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.links import Comm
-from memcalc.parallel.layout import LayoutMemory
+from memcalc.parallel.stage_memory import LayoutMemory
 from memcalc.records import record
 
 from .render import to_jsonable

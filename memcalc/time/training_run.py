@@ -46,17 +46,6 @@ def training_run(tricks: Tricks, tokens: int, gpus: int, tokens_per_second: floa
     return TrainingRun(tricks, tokens, gpus, tokens_per_second, price, scaling)
 
 
-def runs_for_estimate(est, tokens: int, price: float | None, times=None) -> tuple[TrainingRun, ...]:
-    """One GPU's rate (the roofline's step times when given, else --mfu's) times the data-parallel
-    GPUs: perfect scaling, communication not counted."""
-    gpus = est.setup.parallel.gpus
-    model = "roofline" if times else "--mfu"
-    scaling = (f"one GPU's rate ({model}) x {gpus} data-parallel GPU{'' if gpus == 1 else 's'}, communication not "
-               "counted (see --tp/--dp for it)")  # fmt: skip
-    return tuple(training_run(c.tricks, tokens, gpus, c.tokens_per_second * gpus, price, scaling)
-                 for c in (times or est.compute))  # fmt: skip
-
-
 def runs_for_layouts(ests, tokens: int, price: float | None) -> tuple[TrainingRun, ...]:
     """A layout's step time already holds its communication, bubble and offload."""
     scaling = "the layout's step time: compute, bubble and exposed communication"

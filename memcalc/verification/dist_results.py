@@ -5,10 +5,10 @@ every byte between them named), a rank's rows (RankCheck), and the check of one 
 
 from __future__ import annotations
 
+from memcalc.model.layout import Layout
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
 from memcalc.records import record
 from memcalc.terms import Term
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 from memcalc.errors import InputError
+from memcalc.model.layout import Layout
 from memcalc.model.shape import ModelShape
-from memcalc.parallel.layout import Layout
 from memcalc.records import record
 
 

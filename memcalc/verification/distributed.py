@@ -22,12 +22,12 @@ from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
+from memcalc.model.layout import Layout
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape, check_positions
 from memcalc.model.tricks import Tricks, check_layer_uniform
 from memcalc.parallel.activations import layer_activations
 from memcalc.parallel.checks import check_layout
-from memcalc.parallel.layout import Layout
 from memcalc.parallel.params import sharded_state, stage_shape_params
 from memcalc.parallel.tp_layer import block_terms
 from memcalc.records import record
@@ -254,7 +254,7 @@ def activation_predictions(shape: ModelShape, seq_len: int, micro_batch: int, tr
     gap = Term("op by op (memcalc.exact on the TP shard) less the textbook", exact_bytes - textbook,
                "", "memcalc.exact; Korthikanti et al. 2022, Table 2")  # fmt: skip
     reference = Prediction("saved by one block, Korthikanti Table 2", textbook, (gap,) + cpu, checked=False,
-                           formula="memcalc.parallel.layout.layer_activations")  # fmt: skip
+                           formula="memcalc.parallel.activations.layer_activations")  # fmt: skip
     return [checked, reference]
 
 

@@ -19,10 +19,10 @@ from dataclasses import replace
 
 from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
+from memcalc.model.layout import Layout
 from memcalc.model.params import n_params
 from memcalc.model.shape import Model, ModelShape
 from memcalc.model.tricks import Tricks
-from memcalc.parallel.layout import Layout
 from memcalc.parallel.stage_memory import StageMemory
 from memcalc.terms import Term
 
@@ -188,7 +188,7 @@ def peak_terms(st: StageMemory, parts: dict[str, int], state: tuple[Term, ...], 
              "", PIPELINING),
         Term(f"the held activations op by op (memcalc.exact) less the textbook's: {st.held} layer-micro-batches "
              "in flight (1F1B)", st.held * (layer_exact - st.layer.per_layer_bytes), "held·(exact − textbook) per layer",
-             "memcalc.exact; Korthikanti et al. 2022, Table 2; memcalc.parallel.layout held_layers"),
+             "memcalc.exact; Korthikanti et al. 2022, Table 2; memcalc.parallel.pipeline held_layers"),
         Term(REST[phase], parts["activations and temporaries"] - st.held * layer_exact - st.layer.rebuilt_bytes
              - st.logits_bytes, "", "verify/dist_pipeline.py, measured"),
     ]  # fmt: skip

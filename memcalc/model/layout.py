@@ -21,28 +21,18 @@ E/ep experts each (expert parallel, Lepikhin et al. 2021), etp split each expert
 a dense one, and ZeRO shards the experts' state over the edp ranks holding the same experts
 (megatron/training/theoretical_memory_usage.py: expert_data_parallel_size = world / (etp · ep · pp)).
 
-Per-GPU memory, beside this module: what a model, its sequence and the engine demand of a layout
-(checks); the split of layers into pipeline stages and the schedule (pipeline); the parameters and model
-state on one GPU (params); one layer's activations (activations); transient buffers and logits (buffers);
-one GPU's memory per stage and the layout's peak (stage_memory). Callers' names are re-exported (__all__).
-The engine (memcalc.parallel.engines, chosen by the stack) adds its own model state, buffers and rules.
+This is the one record of how a job's GPUs are laid out: one GPU is Layout(), --gpus N alone is
+Layout(dp=N). What a layout holds and how long its step takes are memcalc.parallel's (checks, pipeline,
+params, activations, buffers, stage_memory, comm); the textbook's model state shards as the layout says
+(memcalc.memory.state.state_sharding).
 """
 
 from __future__ import annotations
 
-import math
-
 from memcalc.errors import InputError
-from memcalc.memory.state import MAX_GPUS
 from memcalc.records import record
 
-from .checks import check_layout
-from .params import sharded_state
-from .pipeline import stage_layers
-from .stage_memory import LayoutMemory, StageMemory, layout_memory
-
-__all__ = ["Layout", "LayoutMemory", "StageMemory", "check_layout", "check_world", "divisors", "layout_for",
-           "layout_memory", "sharded_state", "stage_layers"]  # fmt: skip
+from .sizes import MAX_GPUS
 
 
 @record(frozen=True)
@@ -167,6 +157,9 @@ class Layout:
         return " ".join(parts)
 
 
+ONE_GPU = Layout()
+
+
 def layout_for(gpus: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, **rest) -> Layout:
     """The layout for --gpus N --tp --pp --cp [--dp]: dp defaults to what is left; a given world must match."""
     if dp is None:
@@ -186,8 +179,3 @@ def check_world(layout: Layout, gpus: int) -> None:
     if layout.world != gpus:
         raise InputError(f"world size: tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp} = "
                          f"{layout.world}, not the {gpus} GPUs given")  # fmt: skip
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from memcalc.errors import InputError  # noqa: E402
-from memcalc.exact.hf.model import arch_for, families, param_shapes  # noqa: E402
+from memcalc.exact.hf.model import FAMILIES, arch_for, param_shapes  # noqa: E402
 from memcalc.exact.hf.model import build as hf_build  # noqa: E402
 from memcalc.exact.sim.graph import Graph  # noqa: E402
 from memcalc.exact.step import exact_step  # noqa: E402
@@ -81,7 +81,7 @@ def test_parameters_and_buffers_as_transformers_registers_them(name, tricks):
     assert [p.name for p in sim.params] == [n for n, _ in model.named_parameters()]
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     measured = [(n, tuple(b.shape), dtype[b.dtype]) for n, b in model.named_buffers()]
-    listed = families()[ARCH[name]].buffers(shape)
+    listed = FAMILIES[ARCH[name]].buffers(shape)
     assert [(n, s) for n, s, _ in measured] == [(b[0], b[1]) for b in listed]
     assert [d for _, _, d in measured] == [b.dtype for b in sim.rope]
     assert measured[0] == ("model.embed_tokens.embed_scale", (), t.precision)

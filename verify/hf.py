@@ -37,8 +37,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memcalc.errors import InputError
-from memcalc.exact.hf.model import arch_for
-from memcalc.exact.hf.gemma import flash_refused, gemma_layer_types, gemma_window
+from memcalc.exact.hf.family import NORM_EPS  # noqa: F401  (verify/serve.py's too)
+from memcalc.exact.hf.gemma import flash_refused
+from memcalc.exact.hf.model import FAMILIES, arch_for
 from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape, check_positions
@@ -50,7 +51,6 @@ from .recipes import DTYPES
 FLASH = "memcalc_sdpa"  # the flash path of "sdpa" (a name with "flash" in it asks the hub for a kernel)
 CPU_FLASH = "memcalc_sdpa_cpu"  # on real CPU tensors: Transformers' sdpa, SDPA held to its flash backend
 SELECTIVE = {"eager": "memcalc_eager_core", FLASH: "memcalc_sdpa_core", CPU_FLASH: "memcalc_sdpa_cpu_core"}
-NORM_EPS = 1e-5
 IGNORE_INDEX = -100  # transformers/loss/loss_utils.py ForCausalLMLoss
 
 
@@ -68,58 +68,9 @@ def hf_config(shape: ModelShape, seq_len: int, arch: str | None = None, use_cach
     config's default is on; off, as a Trainer with gradient checkpointing sets it)."""
     tf = transformers()
     arch = arch or arch_for(shape)
-    if arch not in CONFIGS:
-        raise InputError(f"unknown Transformers architecture {arch!r}; known: {', '.join(CONFIGS)}")
-    return tf.AutoConfig.for_model(arch, **CONFIGS[arch](shape, seq_len) | {"use_cache": use_cache})
-
-
-def gpt2_config(shape: ModelShape, seq_len: int) -> dict:
-    return dict(vocab_size=shape.vocab, n_positions=shape.max_positions, n_embd=shape.hidden,
-                n_layer=shape.n_layers, n_head=shape.n_heads, n_inner=shape.ffn, layer_norm_epsilon=NORM_EPS,
-                embd_pdrop=shape.dropout, attn_pdrop=shape.dropout, resid_pdrop=shape.dropout,
-                tie_word_embeddings=shape.tied_embeddings, use_cache=False, bos_token_id=None,
-                eos_token_id=None)  # fmt: skip
-
-
-def decoder_config(shape: ModelShape, seq_len: int, **extra) -> dict:
-    """The fields Llama's configuration and those written after it share."""
-    return dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
-                num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
-                num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim,
-                max_position_embeddings=max(seq_len, 2048), rms_norm_eps=NORM_EPS,
-                tie_word_embeddings=shape.tied_embeddings, attention_dropout=shape.dropout, use_cache=False,
-                **extra)  # fmt: skip
-
-
-def gemma_config(shape: ModelShape, seq_len: int, **extra) -> dict:
-    """Gemma 2's and Gemma 3's fields (configuration_gemma2.py, configuration_gemma3.py): GeGLU
-    (hidden_activation), scores scaled by head_dim ** -0.5 (query_pre_attn_scalar), each layer's type
-    and the window (memcalc.exact.hf.gemma: a shape without one gets one longer than the sequence),
-    the final logits' softcap where the shape has one."""
-    return decoder_config(shape, seq_len, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=shape.head_dim,
-                          layer_types=gemma_layer_types(shape), sliding_window=gemma_window(shape, seq_len),
-                          final_logit_softcapping=shape.logit_softcap or None, **extra)  # fmt: skip
-
-
-CONFIGS = {  # model_type -> its config's fields for this shape
-    "gpt2": gpt2_config,
-    "llama": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False, mlp_bias=False),
-    "mistral": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False,
-                                           sliding_window=s.sliding_window or None),  # fmt: skip
-    "qwen2": lambda s, t: decoder_config(s, t, hidden_act="silu"),  # q, k, v biases are fixed in Qwen2Attention
-    "qwen3": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False),
-    "gemma": lambda s, t: decoder_config(s, t, hidden_act="gelu_pytorch_tanh"),  # GemmaMLP: ACT2FN[hidden_act]
-    "gemma2": lambda s, t: gemma_config(s, t, attn_logit_softcapping=s.attn_softcap or None),
-    "gemma3_text": lambda s, t: gemma_config(s, t),  # Gemma3Attention passes no softcap to attention
-    "olmo2": lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False),
-    "phi3": lambda s, t: decoder_config(s, t, hidden_act="silu", resid_pdrop=s.dropout, embd_pdrop=s.dropout,
-                                        sliding_window=s.sliding_window or None,
-                                        partial_rotary_factor=s.rotary_fraction, pad_token_id=None),  # fmt: skip
-    "gpt_neox": lambda s, t: decoder_config(s, t, hidden_act="gelu", rotary_pct=s.rotary_fraction,
-                                            use_parallel_residual=s.parallel_residual, layer_norm_eps=NORM_EPS,
-                                            hidden_dropout=s.dropout, attention_bias=True, bos_token_id=None,
-                                            eos_token_id=None),  # fmt: skip
-}
+    if arch not in FAMILIES:
+        raise InputError(f"unknown Transformers architecture {arch!r}; known: {', '.join(FAMILIES)}")
+    return tf.AutoConfig.for_model(arch, **FAMILIES[arch].config(shape, seq_len) | {"use_cache": use_cache})
 
 
 # -- attention ----------------------------------------------------------------------------------------

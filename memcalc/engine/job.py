@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU, check_precision
@@ -76,10 +75,9 @@ def check_finetune(model: Model, setup: Setup, lay: Layout) -> None:
     if not plain_data_parallel(lay):
         raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of plain data parallelism (no ZeRO, "
                          "offload, tensor, pipeline, context or expert parallel)")  # fmt: skip
-    from memcalc.exact.hf.lora import not_replayed
-    from memcalc.exact.hf.model import arch_for
+    from memcalc.exact.hf.model import arch_for, finetune_not_replayed
 
-    why = not_replayed(ft, arch_for(model.shape), "hf")  # a mixture of experts or latent attention: not built
+    why = finetune_not_replayed(ft, arch_for(model.shape), "hf")  # a mixture of experts or latent attention: not built
     if why:
         raise InputError(why)
     if ft.frozen_blocks >= model.shape.n_layers:

@@ -1,8 +1,10 @@
-"""What memcalc.exact.hf.model's families share: the model being replayed (HFModel) and how one Transformers
-architecture is built (Family): its named_parameters(), its buffers and its decoder's forward.
+"""What memcalc.exact.hf.model's families share: the model being replayed (HFModel) and one Transformers
+architecture (Family): the config Transformers builds it from, its named_parameters(), its buffers, its
+decoder's forward, and whether PEFT's LoRA is replayed on it.
 
-Each family's module (hf_llama, hf_gpt2, hf_gemma, hf_olmo2, hf_phi3, hf_gpt_neox) defines its Family;
-memcalc.exact.hf.model picks one by the shape's architecture. This module imports nothing of theirs.
+Each family's module (llama, gpt2, gemma, olmo2, phi3, gpt_neox) defines its Family; memcalc.exact.hf.model
+lists them by model_type (FAMILIES) and picks one by the shape's architecture; verify/hf.py builds each from
+its config. This module imports nothing of theirs.
 """
 
 from __future__ import annotations
@@ -33,12 +35,27 @@ class HFModel:
 
 @dataclass(frozen=True)
 class Family:
-    """One Transformers architecture as memcalc.exact.hf.model replays it."""
+    """One Transformers architecture as memcalc.exact.hf.model replays it and verify/hf.py builds it."""
 
     params: Callable[[ModelShape], list[tuple[str, tuple]]]  # named_parameters(), names and shapes, in order
     buffers: Callable[[ModelShape], list[tuple]]  # model.buffers(): name, shape (and "weights": the model's dtype)
     decoder: Callable[[Graph, HFModel, Tensor, tuple], Tensor]  # XModel.forward: token ids -> hidden states
     table: str  # the token embedding's name: what a tied lm_head reuses
+    config: Callable[[ModelShape, int], dict]  # its configuration_<type>.py fields for a shape at a sequence length
+    lora: bool = False  # PEFT's LoRA replayed on it: Llama's decoder, projections as memcalc.model.finetune's
+
+
+NORM_EPS = 1e-5  # every norm's eps in the configs memcalc builds (it changes no byte)
+
+
+def decoder_config(shape: ModelShape, seq_len: int, **extra) -> dict:
+    """The fields Llama's configuration and those written after it share (configuration_llama.py)."""
+    return dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
+                num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim,
+                max_position_embeddings=max(seq_len, 2048), rms_norm_eps=NORM_EPS,
+                tie_word_embeddings=shape.tied_embeddings, attention_dropout=shape.dropout, use_cache=False,
+                **extra)  # fmt: skip
 
 
 def rope_buffers(shape: ModelShape) -> list[tuple[str, tuple]]:

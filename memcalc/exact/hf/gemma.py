@@ -27,7 +27,7 @@ from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from . import dynamic_cache
 from .attention import arange_plus, causal_mask, grad_copies, sliding_window_causal_mask
-from .family import Family, decoder_params
+from .family import Family, decoder_config, decoder_params
 from .llama import cast, linear, scaled, self_attention
 
 if TYPE_CHECKING:  # only for annotations
@@ -271,6 +271,21 @@ def projections(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal) -> 
     return query_states, key_states, value_states
 
 
-GEMMA = Family(params_of("gemma"), gemma_buffers, gemma_model, "model.embed_tokens.weight")
-GEMMA2 = Family(params_of("gemma2"), gemma_buffers, gemma_model, "model.embed_tokens.weight")
-GEMMA3_TEXT = Family(params_of("gemma3_text"), gemma3_buffers, gemma_model, "model.embed_tokens.weight")
+
+
+def gemma_config(shape: ModelShape, seq_len: int, **extra) -> dict:
+    """Gemma 2's and Gemma 3's fields (configuration_gemma2.py, configuration_gemma3.py): GeGLU
+    (hidden_activation), scores scaled by head_dim ** -0.5 (query_pre_attn_scalar), each layer's type
+    and the window (a shape without one gets one longer than the sequence: gemma_window), the final logits'
+    softcap where the shape has one."""
+    return decoder_config(shape, seq_len, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=shape.head_dim,
+                          layer_types=gemma_layer_types(shape), sliding_window=gemma_window(shape, seq_len),
+                          final_logit_softcapping=shape.logit_softcap or None, **extra)  # fmt: skip
+
+
+GEMMA = Family(params_of("gemma"), gemma_buffers, gemma_model, "model.embed_tokens.weight",
+               lambda s, t: decoder_config(s, t, hidden_act="gelu_pytorch_tanh"))  # GemmaMLP: ACT2FN[hidden_act]
+GEMMA2 = Family(params_of("gemma2"), gemma_buffers, gemma_model, "model.embed_tokens.weight",
+                lambda s, t: gemma_config(s, t, attn_logit_softcapping=s.attn_softcap or None))
+GEMMA3_TEXT = Family(params_of("gemma3_text"), gemma3_buffers, gemma_model, "model.embed_tokens.weight",
+                     gemma_config)  # Gemma3Attention passes no softcap to attention

@@ -21,7 +21,7 @@ from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from . import dynamic_cache
 from .attention import arange_plus, attention_interface, causal_mask, dropout
-from .family import Family, rope_buffers
+from .family import NORM_EPS, Family, decoder_config, rope_buffers
 from .gpt2 import layer_norm
 from .llama import decoder_layers, linear, rotary_embedding, rotate_half
 from .phi3 import rotary_part
@@ -153,4 +153,8 @@ def apply_rotary_pos_emb(g: Graph, q: Tensor, k: Tensor, cos: Tensor, sin: Tenso
     return q_embed, k_embed
 
 
-GPT_NEOX = Family(neox_params, rope_buffers, neox_model, "gpt_neox.embed_in.weight")
+GPT_NEOX = Family(neox_params, rope_buffers, neox_model, "gpt_neox.embed_in.weight",
+                  lambda s, t: decoder_config(s, t, hidden_act="gelu", rotary_pct=s.rotary_fraction,
+                                              use_parallel_residual=s.parallel_residual, layer_norm_eps=NORM_EPS,
+                                              hidden_dropout=s.dropout, attention_bias=True, bos_token_id=None,
+                                              eos_token_id=None))  # fmt: skip

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memcalc.errors import InputError
 from memcalc.model.finetune import Finetune
 
 from .. import aten
@@ -27,25 +26,7 @@ from .attention import dropout
 if TYPE_CHECKING:
     from .family import HFModel
 
-LORA_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # Llama's decoder_forward; projections as finetune.PROJECTIONS
 ADAPTERS = ("lora_A", "lora_B")
-
-
-def not_replayed(finetune: Finetune, arch: str, model: str) -> str | None:
-    """Why the replay cannot run this fine-tuning, or None."""
-    if finetune.trains_all:
-        return None
-    if model != "hf":
-        return ("LoRA and frozen weights are replayed on Transformers' classes wrapped by PEFT (--stack hf), "
-                f"not on --stack {model}'s model")  # fmt: skip
-    if arch not in LORA_ARCHS:
-        what = "LoRA is" if finetune.lora else "frozen weights are"
-        return f"{what} replayed on Transformers' {', '.join(LORA_ARCHS)}, not {arch}"
-    if finetune.quantize not in ("", "nf4"):
-        return (f"--quantize {finetune.quantize}: bitsandbytes' LLM.int8() splits out the input columns past "
-                "llm_int8_threshold (6.0 in Transformers' BitsAndBytesConfig), as many as the data has: its "
-                "memory is not a function of the shape, so it is not replayed (nf4 is: QLoRA)")  # fmt: skip
-    return None
 
 
 def with_adapters(params: list[tuple[str, tuple]], finetune: Finetune) -> list[tuple[str, tuple]]:
@@ -128,9 +109,3 @@ def adapter(g: Graph, x: Tensor, a: Tensor, b: Tensor, p: float) -> Tensor:
     up = aten.linear(g, down, b, None)
     del down
     return aten.mul_scalar(g, up)
-
-
-def check(finetune: Finetune, arch: str, model: str) -> None:
-    reason = not_replayed(finetune, arch, model)
-    if reason:
-        raise InputError(reason)

@@ -13,7 +13,10 @@ hf_gpt_neox's; the causal mask and the attention interface, which all call, memc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memcalc.errors import InputError
+from memcalc.model.finetune import Finetune
 from memcalc.model.shape import ModelShape
 
 from .. import aten
@@ -23,7 +26,7 @@ from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from . import dynamic_cache, lora, qlora
-from .family import Family, HFModel, decoder_params, rope_buffers
+from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
 from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .gpt2 import gpt2_model
 from .gpt_neox import GPT_NEOX
@@ -31,15 +34,29 @@ from .llama import llama_model
 from .olmo2 import OLMO2
 from .phi3 import PHI3
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "olmo2", "phi3", "gemma2", "gemma3_text",
-         "gpt_neox")
+
+def finetune_not_replayed(finetune: Finetune, arch: str, model: str) -> str | None:
+    """Why the replay cannot run this fine-tuning (LoRA, QLoRA, frozen weights), or None."""
+    if finetune.trains_all:
+        return None
+    if model != "hf":
+        return ("LoRA and frozen weights are replayed on Transformers' classes wrapped by PEFT (--stack hf), "
+                f"not on --stack {model}'s model")  # fmt: skip
+    with_lora = [name for name, family in FAMILIES.items() if family.lora]
+    if arch not in with_lora:
+        what = "LoRA is" if finetune.lora else "frozen weights are"
+        return f"{what} replayed on Transformers' {', '.join(with_lora)}, not {arch}"
+    if finetune.quantize not in ("", "nf4"):
+        return (f"--quantize {finetune.quantize}: bitsandbytes' LLM.int8() splits out the input columns past "
+                "llm_int8_threshold (6.0 in Transformers' BitsAndBytesConfig), as many as the data has: its "
+                "memory is not a function of the shape, so it is not replayed (nf4 is: QLoRA)")  # fmt: skip
+    return None
 
 
-def families() -> dict[str, Family]:
-    """Each architecture replayed, by model_type."""
-    return {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gpt2": GPT2, "olmo2": OLMO2,
-            "phi3": PHI3, "gemma": GEMMA, "gemma2": GEMMA2, "gemma3_text": GEMMA3_TEXT,
-            "gpt_neox": GPT_NEOX}
+def check_finetune(finetune: Finetune, arch: str, model: str) -> None:
+    reason = finetune_not_replayed(finetune, arch, model)
+    if reason:
+        raise InputError(reason)
 
 
 def arch_for(shape: ModelShape) -> str:
@@ -47,8 +64,8 @@ def arch_for(shape: ModelShape) -> str:
     (shape.arch), else the one its fields describe (mistral builds what llama does: the fields cannot tell
     them apart)."""
     if shape.arch:
-        if shape.arch not in ARCHS:
-            raise InputError(f"the hf stack builds {', '.join(ARCHS)}, not {shape.arch!r}")
+        if shape.arch not in FAMILIES:
+            raise InputError(f"the hf stack builds {', '.join(FAMILIES)}, not {shape.arch!r}")
         return shape.arch
     if not shape.gated_mlp:
         gpt2 = (shape.norm, shape.positions, shape.linear_bias, shape.qk_norm, shape.qkv_bias) == (
@@ -65,12 +82,12 @@ def arch_for(shape: ModelShape) -> str:
         if not shape.qk_norm and not shape.qkv_bias and shape.activation == "silu":
             return "llama"
     raise InputError(f"no Transformers architecture builds {shape.name}'s shape ({shape.family} family, {shape.norm}, "
-                     f"{shape.positions} positions); the hf stack builds {', '.join(ARCHS)}")  # fmt: skip
+                     f"{shape.positions} positions); the hf stack builds {', '.join(FAMILIES)}")  # fmt: skip
 
 
 def param_shapes(s: ModelShape, arch: str) -> list[tuple[str, tuple]]:
     """named_parameters() of the model as __init__ registers them (a tied lm_head is not listed)."""
-    return families()[arch].params(s)
+    return FAMILIES[arch].params(s)
 
 
 def gpt2_params(s: ModelShape) -> list[tuple[str, tuple]]:
@@ -109,8 +126,35 @@ def llama_params(s: ModelShape) -> list[tuple[str, tuple]]:
     return decoder_params(s, layer)
 
 
-LLAMA = Family(llama_params, rope_buffers, llama_model, "model.embed_tokens.weight")
-GPT2 = Family(gpt2_params, lambda s: [], gpt2_model, "transformer.wte.weight")
+def gpt2_config(shape: ModelShape, seq_len: int) -> dict:
+    """configuration_gpt2.py's fields."""
+    return dict(vocab_size=shape.vocab, n_positions=shape.max_positions, n_embd=shape.hidden,
+                n_layer=shape.n_layers, n_head=shape.n_heads, n_inner=shape.ffn, layer_norm_epsilon=NORM_EPS,
+                embd_pdrop=shape.dropout, attn_pdrop=shape.dropout, resid_pdrop=shape.dropout,
+                tie_word_embeddings=shape.tied_embeddings, use_cache=False, bos_token_id=None,
+                eos_token_id=None)  # fmt: skip
+
+
+def llama_family(fields: Callable[[ModelShape], dict]) -> Family:
+    """A model_type LlamaModel's forward builds, its config's own fields (biases, window) given by `fields`."""
+    return Family(llama_params, rope_buffers, llama_model, "model.embed_tokens.weight",
+                  lambda s, t: decoder_config(s, t, hidden_act="silu", **fields(s)), lora=True)  # fmt: skip
+
+
+# model_type -> the family that replays it: the one list of what the hf stack builds (docs/architecture.md: adding one)
+FAMILIES: dict[str, Family] = {
+    "llama": llama_family(lambda s: dict(attention_bias=False, mlp_bias=False)),
+    "mistral": llama_family(lambda s: dict(attention_bias=False, sliding_window=s.sliding_window or None)),
+    "qwen2": llama_family(lambda s: {}),  # q, k, v biases are fixed in Qwen2Attention
+    "qwen3": llama_family(lambda s: dict(attention_bias=False)),
+    "gemma": GEMMA,
+    "gpt2": Family(gpt2_params, lambda s: [], gpt2_model, "transformer.wte.weight", gpt2_config),
+    "olmo2": OLMO2,
+    "phi3": PHI3,
+    "gemma2": GEMMA2,
+    "gemma3_text": GEMMA3_TEXT,
+    "gpt_neox": GPT_NEOX,
+}
 
 
 def build(g: Graph, cfg: StepConfig) -> HFModel:
@@ -118,10 +162,10 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     memcalc.exact.hf.lora loads it), and the rotary embeddings' fp32 buffers (LlamaRotaryEmbedding.__init__:
     inv_freq and original_inv_freq). HFModel.params: those that train."""
     arch = arch_for(cfg.shape)
-    family = families().get(arch)
+    family = FAMILIES.get(arch)
     if family is None:
-        raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(families())}")
-    lora.check(cfg.finetune, arch, cfg.model)
+        raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(FAMILIES)}")
+    check_finetune(cfg.finetune, arch, cfg.model)
     quant, params = {}, []
     for name, shape in lora.with_adapters(family.params(cfg.shape), cfg.finetune):
         if qlora.quantized(name, cfg.finetune.quantize):  # QLoRA's 4-bit projections
@@ -179,7 +223,7 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
     (slice_logits_to_keep(h, 0) keeps all: no op), the loss. Its output holds the loss and the logits,
     which live until compute_loss has taken the loss from it."""
     kwargs = (num_items_in_batch,)  # **kwargs: on to the decoder layers and the attention interface
-    family = families()[m.arch]
+    family = FAMILIES[m.arch]
     dynamic_cache.start(m)
     hidden_states = family.decoder(g, m, idx, kwargs)
     head = m.p.get("lm_head.weight") or m.p[family.table]

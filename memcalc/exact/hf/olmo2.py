@@ -20,7 +20,7 @@ from ..builder.layers import transpose12
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from .attention import grad_copies
-from .family import Family, decoder_params, rope_buffers
+from .family import Family, decoder_config, decoder_params, rope_buffers
 from .llama import decoder_forward, linear, llama_mlp, rotate_half, self_attention
 
 if TYPE_CHECKING:  # only for annotations
@@ -118,4 +118,5 @@ def apply_rotary_pos_emb(g: Graph, q: Tensor, k: Tensor, cos: Tensor, sin: Tenso
     return out
 
 
-OLMO2 = Family(olmo2_params, rope_buffers, olmo2_model, "model.embed_tokens.weight")
+OLMO2 = Family(olmo2_params, rope_buffers, olmo2_model, "model.embed_tokens.weight",
+               lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False))

@@ -21,7 +21,7 @@ from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from . import dynamic_cache
 from .attention import attention_interface, dropout, grad_copies
-from .family import Family, decoder_params, rope_buffers
+from .family import Family, decoder_config, decoder_params, rope_buffers
 from .llama import decoder_forward, linear, rms_norm, rotate_half
 
 if TYPE_CHECKING:  # only for annotations
@@ -135,4 +135,7 @@ def rotary_part(g: Graph, x: Tensor, rotary_dim: int) -> Tensor:
     return x if rotary_dim == x.shape[-1] else aten.slice_last(g, x, 0, rotary_dim)
 
 
-PHI3 = Family(phi3_params, rope_buffers, phi3_model, "model.embed_tokens.weight")
+PHI3 = Family(phi3_params, rope_buffers, phi3_model, "model.embed_tokens.weight",
+              lambda s, t: decoder_config(s, t, hidden_act="silu", resid_pdrop=s.dropout, embd_pdrop=s.dropout,
+                                          sliding_window=s.sliding_window or None,
+                                          partial_rotary_factor=s.rotary_fraction, pad_token_id=None))  # fmt: skip

@@ -15,8 +15,7 @@ from .. import aten
 from ..aten.operands import made
 from ..base.config import StepConfig, not_replayed, shape_not_replayed
 from ..builder.model import Transformer
-from ..hf import lora
-from ..hf.model import HFModel, arch_for
+from ..hf.model import HFModel, arch_for, check_finetune
 from ..sim.graph import Graph, layer_of, scope_of
 from ..sim.tensors import Tensor
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
@@ -39,7 +38,7 @@ def check_simulated(cfg: StepConfig) -> None:
         raise InputError("fp8 with a mixture of experts is not replayed: torchtitan casts grouped experts with "
                          "torchao's MoE training, not Float8Linear")
     if not cfg.finetune.trains_all:
-        lora.check(cfg.finetune, arch_for(cfg.shape) if cfg.model == "hf" else "", cfg.model)
+        check_finetune(cfg.finetune, arch_for(cfg.shape) if cfg.model == "hf" else "", cfg.model)
     if cfg.device not in ("cuda", "cpu"):
         raise InputError(f"the exact model does not replay device {cfg.device!r}; it replays cuda, cpu")
     if cfg.device == "cpu" and cfg.flash and cfg.shape.dropout > 0:

@@ -139,8 +139,8 @@ def test_the_numbers_docs_finetune_quotes():
 @pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b"])
 @pytest.mark.parametrize("how", [["--lora", "16"], ["--freeze", "embeddings"], ["--lora", "16", "--quantize", "nf4"]])
 def test_experts_and_latent_attention_are_refused(model, how):
-    """PEFT's LoRA is replayed on the dense decoders (the families with lora=True, memcalc.exact.hf.model.FAMILIES): a mixture of experts or latent
-    attention is one line, never a step whose state counts one dense MLP's adapters."""
+    """PEFT's LoRA is replayed on the dense decoders (memcalc.exact.hf.model.FAMILIES, those with lora=True): a
+    mixture of experts or latent attention is one line, never a step whose state counts one dense MLP's adapters."""
     for command in ("estimate", "fit"):
         r = run(command, "--model", model, "--seq", "1024", *how)
         assert r.exit_code == 2 and "the hf stack builds" in r.output and r.output.count("\n") == 1, r.output

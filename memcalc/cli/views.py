@@ -18,12 +18,12 @@ def answer_view(job):
 def sweep_view(job, spec: str, png: str | None):
     from memcalc.engine.sweep import parse_sweep, sweep
     from memcalc.errors import InputError
-    from memcalc.report.plot import check_png
+    from memcalc.report.plot import check_image
 
     if not job.data_parallel:
         raise InputError("--sweep works on a data-parallel job (--gpus, --zero, --offload); drop --tp, --pp, --cp, --ep")
     points = parse_sweep(spec)
-    png = None if png is None else check_png(png)  # before the work: a bad path is an input error
+    png = None if png is None else check_image(png, ".png")  # before the work: a bad path is an input error
     swept = sweep(job.model, job.setup, job.gpu, job.trick_sets, *points, job.timing, job.layout)
     return lambda display: show_sweep(swept, display, png)
 

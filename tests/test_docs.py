@@ -158,13 +158,23 @@ def sh_commands(text: str) -> list[str]:
     return lines
 
 
+MODEL_OPTIONS = ("params", "model", "config", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+
+
 def parse_only(args: list[str]) -> None:
-    """The command exists and accepts these options (click parses them; nothing runs)."""
+    """The command exists and accepts these options (click parses them; nothing runs), and names its model
+    as the command would resolve it (memcalc.cli.inputs.resolve_model: a model is an option click cannot
+    require, one of several; verify --step without one measures the step's own)."""
+    from memcalc.cli.inputs import resolve_model
+
     group = typer.main.get_command(app)
     name, *rest = args
     command = group.commands.get(name)
     assert command is not None, f"no command `memcalc {name}`"
-    command.make_context(name, rest).close()
+    with command.make_context(name, rest) as ctx:
+        given = dict(ctx.params)
+    if "model" in given and given.get("step") is None:
+        resolve_model(*(given[k] for k in MODEL_OPTIONS))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
@@ -181,8 +191,11 @@ def test_commands_run(page):
 
 
 def test_parse_only_rejects_what_memcalc_would():
-    parse_only(["verify", "--device", "cuda", "--matrix", "--format", "json"])
-    for bad in (["verify", "--no-such-option"], ["nosuch"], ["estimate", "--seq"]):
+    parse_only(["verify", "--model", "qwen3-8b", "--device", "cuda", "--matrix", "--format", "json"])
+    parse_only(["verify", "--step", "my_step.py:train_step", "--device", "cuda"])  # the step brings its model
+    for bad in (["verify", "--no-such-option"], ["nosuch"], ["estimate", "--seq"],
+                ["verify", "--matrix", "--device", "cuda"], ["plan", "--gpus", "8", "--global-batch", "8"],
+                ["estimate", "--model", "no-such-preset"], ["fit", "--params", "-8e9"]):  # fmt: skip
         with pytest.raises(Exception):  # noqa: B017 - click's UsageError, vendored by some typer releases
             parse_only(bad)
 

@@ -187,3 +187,18 @@ def test_without_leaves_features_out_of_the_search():
     assert "without sequence parallel" in "\n".join(plan_report.plan_preamble(bare, "gb")).replace("\n  ", " ")
     with pytest.raises(InputError, match="--without takes"):
         plan(model, g, 16, 2048, 64, without=("pipelines",))
+
+
+def test_the_ranking_says_what_it_shows():
+    """'6 fit' above two rows: the rows are the fastest layout of each kind (kind_of), and --top cuts the kinds."""
+    args, kw = (preset_model("llama3-8b"), H100, 1, 2048, 4), {"recomputes": ("full",)}  # --tricks bf16,flash,ckpt
+    p = plan(*args, **kw)
+    assert (p.fitting, p.fitting_kinds, len(p.best)) == (6, 2, 2)
+    text = tables(plan_report.plan_sections(p, "gb"))
+    assert "Fastest layouts that fit, one per kind: all 2 kinds (6 layouts)" in text
+    assert "a kind: the layouts that differ only in how dp, cp and the micro-batch split the batch" in text
+    one = plan(*args, **kw, top=1)
+    assert len(one.best) == 1
+    assert ("Fastest layouts that fit, one per kind: the best 1 of 2 kinds (6 layouts; --top N for more)"
+            in tables(plan_report.plan_sections(one, "gb", detail=True)))  # fmt: skip
+    assert json.loads(render.to_json(one))["fitting_kinds"] == 2

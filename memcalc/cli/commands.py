@@ -159,7 +159,7 @@ def plan(
     tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
     optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,
     mfu: EstimateMfu = None, calibration: Calibration = None,
-    top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
+    top: Annotated[str, typer.Option("--top", help="How many kinds of layout to show, the fastest of each.", metavar="N")] = "5",
     no_offload: NoOffload = False, without: Without = None,
     host_memory: HostMemory = "2T", stack: StackOpt = None, no_cache: NoCache = False, detail: Detail = False,
     exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb", lora: Lora = None,

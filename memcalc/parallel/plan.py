@@ -122,7 +122,9 @@ class Plan:
     stack: Stack
     searched: int  # valid layouts evaluated (each with one micro-batch size and recompute mode)
     fitting: int  # of those, how many fit in memory
-    best: tuple[LayoutEstimate, ...]  # the fastest distinct layouts that fit, fastest first, every stage computed
+    fitting_kinds: int  # how many kinds (kind_of) the layouts that fit are of
+    best: tuple[LayoutEstimate, ...]  # the fastest of each of the `top` fastest kinds that fit, fastest first, every
+    # stage computed: min(top, fitting_kinds) of them
     alternatives: tuple[Alternative, ...]
     without: tuple[str, ...] = ()  # features left out of the search (search.WITHOUT)
 
@@ -189,7 +191,7 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
                      for _, lay, s, t, _, _ in distinct(ranked, top))  # fmt: skip
         others = alternatives(model, gpu, assume, best, family_best, family_small, timing)
     return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, timing, stack, searched,
-                len(candidates), best, others, without)  # fmt: skip
+                len(candidates), len({kind_of(c[1], c[3]) for c in candidates}), best, others, without)  # fmt: skip
 
 
 def fitting(model: Model, gpu: GPU, base: Setup, found: Iterator[tuple[Layout, int, int]], variants: tuple[Tricks, ...],

@@ -17,7 +17,7 @@ from memcalc.report import render
 from . import views
 from .limits import fit, mfu
 from .serve import serve
-from .inputs import (build_layout, build_routing, build_setup, check_format, fail, parse_fraction, parse_run,
+from .inputs import (build_layout, build_routing, build_setup, check_format, fail, parse_fraction, parse_run, warn,
                      render_units, resolve_gpu, roofline_calibration)  # fmt: skip
 from .options import (Calibration, CapacityFactor, Config, Cp, Detail, Dp, Ep, EstimateMfu,
                       Etp, ExactBytes, ExpertImbalance, Ffn, Format, Freeze, GpuMemory, GpuOpt, Gpus, GpusPerNode,
@@ -109,7 +109,7 @@ def estimate(
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
-        trick_sets = resolve_tricks(tricks, the_gpu)
+        trick_sets, said = resolve_tricks(tricks, the_gpu)
         routing = build_routing(the_model, capacity_factor, expert_imbalance)
         run = parse_run(tokens, price)
         if png is not None and sweep is None and not timeline:
@@ -143,6 +143,7 @@ def estimate(
             show = views.sweep_view(job, sweep, png)
         else:
             show = views.timeline_view(job, png, svg) if timeline else views.answer_view(job)
+        warn(said)  # the input was good and the answer is computed: what to know of the trick sets, then the answer
         show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
     except InputError as e:
         fail(str(e))
@@ -171,15 +172,15 @@ def plan(
         from memcalc.memory.estimate import MAX_HOST_BYTES
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
-        from memcalc.model.tricks import check_layer_uniform, layout_counts, parse_tricks
+        from memcalc.model.tricks import check_layer_uniform, layout_counts
         from memcalc.parallel.plan import plan as run_plan
 
-        from .inputs import finetune_stack, resolve_model, seq_for
+        from .inputs import finetune_stack, resolve_model, resolve_tricks, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        t = parse_tricks(tricks)
+        (t,), said = resolve_tricks([tricks], None)
         if not layout_counts(t, the_model.shape.is_moe):
             check_layer_uniform(t, "the planner's layouts")
         named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
@@ -200,6 +201,7 @@ def plan(
         )  # fmt: skip
     except InputError as e:
         fail(str(e))
+    warn(said)
     from memcalc.report import plan as pr
 
     csv_table = (pr.PLAN_CSV_HEADERS, pr.plan_csv_rows(result))
@@ -244,10 +246,10 @@ def verify(
     collection.FREEZE = False  # torch's objects in cycles must be collected: a leaked storage would be measured
     try:
         from memcalc.model.shape import parse_count
-        from memcalc.model.tricks import check_measurable, parse_tricks
+        from memcalc.model.tricks import check_measurable
 
         from . import verify_runs
-        from .inputs import resolve_model, seq_for
+        from .inputs import resolve_model, resolve_tricks, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         shape_given = any(x is not None for x in (params, model, config, layers, hidden, heads))
@@ -257,7 +259,7 @@ def verify(
         setup = build_setup(seq, micro_batch, "1", optimizer, "1", "0", False, "0.4", "2T", stack, recipe, optimizer_impl,
                             no_cache=no_cache,
                             finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
-        the_tricks = parse_tricks(tricks)
+        (the_tricks,), said = resolve_tricks([tricks], None)
         check_measurable(the_tricks)
         n_steps = parse_count(steps, "steps", 1000)
         tolerance = None if tol is None else parse_fraction(tol, "tol")
@@ -299,6 +301,7 @@ def verify(
         verify_runs.draw_timeline(results, images, units)
     except InputError as e:
         fail(str(e))
+    warn([] if matrix else said)  # --matrix measures every trick set but the one named
     if not verify_runs.show_verify(results, render.Display(fmt, units, detail, detail or exact_bytes)):
         raise typer.Exit(1)
 

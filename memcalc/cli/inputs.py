@@ -13,7 +13,7 @@ import typer
 from memcalc.errors import InputError
 from memcalc.model.presets import MAX_PARAMS, PRESETS, canonical_model, gpt, preset_model
 from memcalc.model.shape import MAX_SIZE, Model, longest_seq, n_params, override, parse_count
-from memcalc.model.tricks import PROGRESSION, Tricks, parse_tricks
+from memcalc.model.tricks import PROGRESSION, Tricks, parse_tricks, trick_warnings
 from memcalc.report import render
 
 
@@ -85,15 +85,16 @@ def overrides_note(sizes: dict[str, int | None]) -> str:
     return f", overridden: {given}" if given else ""
 
 
-def resolve_tricks(texts: list[str] | None, gpu=None) -> tuple[Tricks, ...]:
+def resolve_tricks(texts: list[str] | None, gpu=None,
+                   default: tuple[Tricks, ...] = PROGRESSION) -> tuple[tuple[Tricks, ...], list[str]]:  # fmt: skip
     """Each --tricks picks one combination (repeated: several, in the order given, each once); without it,
-    the progression fp32 -> ... -> bf16+selective (fp16 in place of bf16 on a card without bf16 tensor
-    cores: V100, T4)."""
-    if texts:
-        return tuple(dict.fromkeys(parse_tricks(text) for text in texts))
-    if gpu is not None and not gpu.bf16_tflops:
-        return tuple(replace(t, precision="fp16") if t.precision == "bf16" else t for t in PROGRESSION)
-    return PROGRESSION
+    the command's default (estimate's: the progression fp32 -> ... -> bf16+selective), fp16 in place of bf16
+    on a card without bf16 tensor cores (V100, T4). With what every command says of them on stderr once its
+    input is good (warn): memcalc.model.tricks.trick_warnings."""
+    sets = tuple(dict.fromkeys(parse_tricks(text) for text in texts)) if texts else default
+    if not texts and gpu is not None and not gpu.bf16_tflops:
+        sets = tuple(replace(t, precision="fp16") if t.precision == "bf16" else t for t in sets)
+    return sets, [w for t in sets for w in trick_warnings(t)]
 
 
 def resolve_gpu(spec: str, memory: str | None = None, headroom: str | None = None):
@@ -114,6 +115,12 @@ def fail(message: str) -> None:
     """Bad input: one line on stderr, exit code 2."""
     print(f"error: {message}", file=sys.stderr)
     raise typer.Exit(2)
+
+
+def warn(lines) -> None:
+    """What the user should know beside the answer, each line once on stderr (stdout stays the answer)."""
+    for line in dict.fromkeys(lines):
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def check_format(fmt: str) -> str:

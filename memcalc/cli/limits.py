@@ -4,7 +4,6 @@ mfu` (a measured throughput's MFU and HFU under every FLOPs convention), registe
 No `from __future__ import annotations` here: typer reads every option's annotation.
 """
 
-import sys
 from typing import Annotated, Optional
 
 import typer
@@ -12,7 +11,7 @@ import typer
 from memcalc.errors import InputError
 from memcalc.report import render
 
-from .inputs import build_layout, build_setup, check_format, fail, parse_positive, render_units, resolve_gpu
+from .inputs import build_layout, build_setup, check_format, fail, parse_positive, render_units, resolve_gpu, warn
 from .options import (Config, DataParallelGpus, Detail, ExactBytes, Ffn, Format, Freeze, GpuMemory, GpuOpt,
                       HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers, Lora, LoraDropout,
                       LoraTargets, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params, Quantize, RecipeOpt,
@@ -33,9 +32,8 @@ def fit(
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
     try:
         from memcalc.engine.fit import fit_limits
-        from memcalc.model.tricks import parse_tricks
 
-        from .inputs import resolve_model, seq_for
+        from .inputs import resolve_model, resolve_tricks, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
@@ -44,9 +42,11 @@ def fit(
                             optimizer_impl, no_cache=no_cache,
                             finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
         layout = build_layout(gpus, zero=zero, offload=offload)  # data parallel: fit solves one GPU of it
-        limits = fit_limits(the_model, setup, resolve_gpu(gpu, gpu_memory, headroom), parse_tricks(tricks), layout)
+        (t,), said = resolve_tricks([tricks], None)
+        limits = fit_limits(the_model, setup, resolve_gpu(gpu, gpu_memory, headroom), t, layout)
     except InputError as e:
         fail(str(e))
+    warn(said)
     from memcalc.report import fit as report
     from memcalc.report.headroom import fragmentation_note, headroom_line
 
@@ -76,15 +76,14 @@ def mfu(
     try:
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
-        from memcalc.model.tricks import parse_tricks
         from memcalc.time.mfu import mfu_report, tokens_per_gpu_second
 
-        from .inputs import resolve_model, seq_for
+        from .inputs import resolve_model, resolve_tricks, seq_for
 
         fmt = check_format(fmt)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        t = parse_tricks(tricks)
+        (t,), said = resolve_tricks([tricks], None)
         seq_len = parse_seq(seq)
         rate = tokens_per_gpu_second(
             None if tokens_per_sec is None else parse_positive(tokens_per_sec, "tokens-per-sec"),
@@ -97,7 +96,6 @@ def mfu(
         fail(str(e))
     from memcalc.report import mfu as report
 
-    for warning in report.mfu_warnings(result):
-        print(f"warning: {warning}", file=sys.stderr)
+    warn(said + report.mfu_warnings(result))
     csv_table = (report.MFU_CSV_HEADERS, report.mfu_csv_rows(result))
     render.emit(fmt, result, report.mfu_sections(result), report.mfu_preamble(result), csv_table)

@@ -298,11 +298,12 @@ def note(table: dict[str, tuple], layout: Layout, tricks: Tricks, entry: tuple) 
 
 
 def recompute_variants(tricks: Tricks, recomputes: tuple[str, ...]) -> tuple[Tricks, ...]:
-    """The trick sets to try; with flash, selective recompute has nothing left to recompute and is skipped."""
-    names = [r for r in recomputes if not (tricks.flash and r == "selective")]
-    if not names:
-        raise InputError("selective recompute saves nothing with flash (FlashAttention keeps no s×s scores to "
-                         "recompute): name ckpt instead, or neither to search every recompute mode")  # fmt: skip
+    """The trick sets to try. Searched beside other modes, selective recompute with flash is left out: it keeps
+    what none keeps and recomputes the attention core for it (memcalc.model.tricks.trick_warnings); named
+    alone (--tricks bf16,flash,selective), it is what the job runs and is ranked, with that warning."""
+    if not recomputes:
+        raise InputError("name a recompute mode to search: none, selective or full")
+    names = [r for r in recomputes if not (tricks.flash and r == "selective" and len(recomputes) > 1)]
     return tuple(replace(tricks, recompute=r, ckpt_every=1) for r in names)  # fp8 and compile as given
 
 

@@ -206,15 +206,6 @@ def activations_section(est: Estimate, units: str) -> Section:
     return s
 
 
-def warnings(est: Estimate) -> list[str]:
-    """Things the user should know that are not numbers: printed to stderr in every format."""
-    return [
-        f"{t.label}: selective recompute saves nothing here: FlashAttention already keeps no s×s scores"
-        for t in est.trick_sets
-        if t.recompute == "selective" and t.flash
-    ]
-
-
 def logits_section(est: Estimate, units: str) -> Section:
     s = Section("Logits and loss (kept out of the per-layer numbers)", ["recipe", "tensor", "bytes"], align="llr")
     seen = set()

@@ -37,10 +37,12 @@ def test_bf16_refused_without_bf16_tensor_cores(key, command):
 
 
 def test_mfu_and_plan_refuse_bf16_on_volta():
-    mfu = cli("mfu", "--model", "gpt2", "--tokens-per-sec", "1000", "--gpu", "v100-32gb")
+    """A bf16 named is refused; their default runs in fp16 there (tests/test_trick_rules.py)."""
+    mfu = cli("mfu", "--model", "gpt2", "--tokens-per-sec", "1000", "--gpu", "v100-32gb", "--tricks", "bf16")
     assert mfu.exit_code == 2 and "bf16 needs bf16 tensor cores" in mfu.output
-    p = cli("plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--gpu", "t4")
+    p = cli("plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--gpu", "t4", "--tricks", "bf16,flash")
     assert p.exit_code == 2 and p.output.count("\n") == 1 and "use fp16" in p.output
+    assert cli("mfu", "--model", "gpt2", "--tokens-per-sec", "1000", "--gpu", "v100-32gb").exit_code == 0
 
 
 def test_consumer_peaks_are_fp32_accumulate():

@@ -51,6 +51,7 @@ class OneLineErrors(TyperGroup):
 
 APP = {"cls": OneLineErrors, "help": HELP, "add_completion": False, "no_args_is_help": True}
 app = typer.Typer(**APP)
+PLAN_TRICKS = "bf16,flash"  # plan without --tricks; fp16 in place of bf16 where a card lacks it
 
 
 def show_version(value: bool) -> None:
@@ -157,7 +158,7 @@ def plan(
     gpus: Annotated[str, typer.Option("--gpus", help="GPUs in the job (the world size).", metavar="N")] = ...,
     global_batch: Annotated[str, typer.Option("--global-batch", help="Sequences per optimizer step, all GPUs together.", metavar="N")] = ...,
     seq: Seq = None, gpus_per_node: GpusPerNode = None,
-    tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
+    tricks: Annotated[Optional[str], typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST", show_default=PLAN_TRICKS)] = None,
     optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,
     mfu: EstimateMfu = None, calibration: Calibration = None,
     top: Annotated[str, typer.Option("--top", help="How many kinds of layout to show, the fastest of each.", metavar="N")] = "5",
@@ -180,13 +181,13 @@ def plan(
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        (t,), said = resolve_tricks([tricks], None)
+        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
+        (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, PLAN_TRICKS)
         if not layout_counts(t, the_model.shape.is_moe):
             check_layer_uniform(t, "the planner's layouts")
         named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
-        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
         timing = parse_fraction(mfu, "mfu") if mfu is not None else roofline_calibration(the_gpu, calibration)
         result = run_plan(
             the_model, the_gpu, parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),

@@ -85,16 +85,22 @@ def overrides_note(sizes: dict[str, int | None]) -> str:
     return f", overridden: {given}" if given else ""
 
 
-def resolve_tricks(texts: list[str] | None, gpu=None,
-                   default: tuple[Tricks, ...] = PROGRESSION) -> tuple[tuple[Tricks, ...], list[str]]:  # fmt: skip
+def resolve_tricks(texts: list[str] | None, gpu=None, default: str | None = None) -> tuple[tuple[Tricks, ...], list[str]]:
     """Each --tricks picks one combination (repeated: several, in the order given, each once); without it,
-    the command's default (estimate's: the progression fp32 -> ... -> bf16+selective), fp16 in place of bf16
-    on a card without bf16 tensor cores (V100, T4). With what every command says of them on stderr once its
-    input is good (warn): memcalc.model.tricks.trick_warnings."""
-    sets = tuple(dict.fromkeys(parse_tricks(text) for text in texts)) if texts else default
-    if not texts and gpu is not None and not gpu.bf16_tflops:
-        sets = tuple(replace(t, precision="fp16") if t.precision == "bf16" else t for t in sets)
-    return sets, [w for t in sets for w in trick_warnings(t)]
+    the command's default (None: estimate's progression fp32 -> ... -> bf16+selective), fp16 in place of
+    bf16 on a card without bf16 tensor cores (V100, T4; a bf16 named there is refused: check_precision).
+    With what every command says of them on stderr once its input is good (warn): that switch, and
+    memcalc.model.tricks.trick_warnings."""
+    from memcalc.model.gpus import half_precision
+
+    said = []
+    sets = tuple(dict.fromkeys(parse_tricks(text) for text in texts)) if texts else \
+        (parse_tricks(default),) if default else PROGRESSION  # fmt: skip
+    if not texts and gpu is not None and half_precision(gpu) != "bf16" and any(t.precision == "bf16" for t in sets):
+        sets = tuple(replace(t, precision=half_precision(gpu)) if t.precision == "bf16" else t for t in sets)
+        said.append(f"the {gpu.name} has no bf16 tensor cores (Volta, Turing): fp16 in place of bf16 in the default "
+                    "tricks; --tricks names others")  # fmt: skip
+    return sets, said + [w for t in sets for w in trick_warnings(t)]
 
 
 def resolve_gpu(spec: str, memory: str | None = None, headroom: str | None = None):

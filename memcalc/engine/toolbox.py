@@ -17,7 +17,7 @@ from dataclasses import replace
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.setup import Setup
-from memcalc.model.gpus import GPU
+from memcalc.model.gpus import GPU, half_precision
 from memcalc.model.shape import Model
 from memcalc.model.tricks import Tricks
 from memcalc.parallel.engines import check_engine, engine_layout
@@ -94,7 +94,7 @@ Tool = Callable[[Model, GPU, Config, Measure], "tuple[str, Change, str] | None"]
 def use_bf16(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
     if c.tricks.precision != "fp32":
         return None
-    half = "bf16" if gpu.bf16_tflops else "fp16"  # Volta and Turing have no bf16 tensor cores
+    half = half_precision(gpu)  # Volta and Turing have no bf16 tensor cores
     speed = gpu.peak_flops(half) / gpu.peak_flops("fp32")
     return f"{half} mixed precision", with_tricks(precision=half), f"none: {speed:.1f}x the fp32 matmul peak"
 
@@ -102,7 +102,8 @@ def use_bf16(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, 
 def use_flash(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
     if c.tricks.flash:
         return None
-    return "FlashAttention", with_tricks(flash=True, precision="bf16"), "none: faster, no s×s through HBM"
+    half = half_precision(gpu)  # flash runs in 16 bits
+    return "FlashAttention", with_tricks(flash=True, precision=half), "none: faster, no s×s through HBM"
 
 
 def use_smaller_batch(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
@@ -184,8 +185,8 @@ def first(n: int, holds: Callable[[int], bool]) -> int | None:
 def with_tricks(**changes: object) -> Change:
     def change(c: Config) -> Config:
         fields = dict(changes)
-        if fields.get("precision") == "bf16" and c.tricks.precision != "fp32":
-            del fields["precision"]  # keep fp16 where it was chosen; only fp32 must become 16-bit
+        if "precision" in fields and c.tricks.precision != "fp32":
+            del fields["precision"]  # keep the 16-bit recipe chosen; only fp32 must become 16-bit
         return replace(c, tricks=replace(c.tricks, **fields))
 
     return change

@@ -108,6 +108,11 @@ def check_precision(g: GPU, precision: str, fp8: str = "") -> None:
         raise InputError(f"{fp8} needs FP8 tensor cores (Ada, Hopper or later); the {g.name} has none")
 
 
+def half_precision(g: GPU) -> str:
+    """The 16-bit recipe the card runs: bf16, or fp16 where it has no bf16 tensor cores (check_precision)."""
+    return "bf16" if g.bf16_tflops else "fp16"
+
+
 def gpu(key: str) -> GPU:
     """A card of the table by its key (case and spaces ignored)."""
     from .gpu_table import GPUS

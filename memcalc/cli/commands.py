@@ -234,7 +234,7 @@ def verify(
     pp: Annotated[Optional[str], typer.Option("--pp", help="With --fsdp N --stack fsdp2: check one rank of a pipeline stage (torchtitan's FSDP + PP, 1F1B).", metavar="P")] = None,
     stage: Annotated[Optional[str], typer.Option("--stage", help="With --pp: the stage to check (default: the one estimate reports as the layout's peak).", metavar="K")] = None,
     grad_accum: Annotated[Optional[str], typer.Option("--grad-accum", help="With --pp: micro-batches per step.", metavar="N", show_default="P")] = None,
-    dist_device: Annotated[str, typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV")] = "meta",
+    dist_device: Annotated[Optional[str], typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV", show_default="meta")] = None,
     save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
     step: Annotated[Optional[str], typer.Option("--step", help="Measure your own model and step: FILE.py:FUNCTION or MODULE:FUNCTION (docs/verify.md).", metavar="FN")] = None,
     no_linearity: Annotated[bool, typer.Option("--no-linearity", help="Skip the second, shallower build that checks saved bytes are linear in depth.")] = False,
@@ -272,6 +272,7 @@ def verify(
         if step is not None:
             given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None), ("--tol", tol is not None),
                                            ("--fsdp/--tp/--sp", fsdp is not None or tp is not None or sp),
+                                           ("--dist-device", dist_device is not None),
                                            ("--reshard", reshard is not None),
                                            ("--pp/--stage/--grad-accum", pp is not None or stage is not None or grad_accum is not None)) if on]  # fmt: skip
             if given:
@@ -286,14 +287,18 @@ def verify(
                 raise InputError("--save writes the runs of --matrix: add --matrix")
             if pp is not None or stage is not None or grad_accum is not None:
                 run = verify_runs.pipeline_run(the_model, setup, the_tricks, fsdp, tp, sp, pp, stage, grad_accum,
-                                               dist_device, matrix, reshard)  # fmt: skip
+                                               dist_device or "meta", matrix, reshard)  # fmt: skip
             else:
-                run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device, matrix, save, reshard)
+                run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device or "meta", matrix, save,
+                                           reshard)  # fmt: skip
         else:
             if pp is not None or stage is not None or grad_accum is not None:
                 raise InputError("--pp/--stage/--grad-accum check a pipeline stage's rank: add --fsdp N --stack fsdp2")
             if reshard is not None:
                 raise InputError("--reshard/--no-reshard apply to the FSDP2 check: add --fsdp N --stack fsdp2")
+            if dist_device is not None:
+                raise InputError("--dist-device applies to --fsdp and --tp, where their ranks run (meta, cpu-gloo or "
+                                 "cuda): add --fsdp N or --tp N, or drop it (one GPU's check runs on --device)")  # fmt: skip
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")
             run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save,

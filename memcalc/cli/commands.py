@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from memcalc.errors import InputError
+from memcalc.errors import InputError, subject
 from memcalc.exact import collection
 from memcalc.report import render
 
@@ -276,12 +276,13 @@ def verify(
                                            ("--reshard", reshard is not None),
                                            ("--pp/--stage/--grad-accum", pp is not None or stage is not None or grad_accum is not None)) if on]  # fmt: skip
             if given:
-                raise InputError(f"{' and '.join(given)} do not apply to --step, which measures your step once")
+                raise InputError(f"{subject(given, 'does not apply', 'do not apply')} to --step, which measures your "
+                                 "step once")  # fmt: skip
             run = verify_runs.custom_run(the_model, setup, the_tricks, step, device)
         elif fsdp is not None or tp is not None or sp:
             given = [flag for flag, on in (("--device", device is not None), ("--tol", tol is not None)) if on]
             if given:
-                raise InputError(f"{' and '.join(given)} apply to one GPU's verify; --fsdp/--tp check one rank "
+                raise InputError(f"{subject(given, 'applies', 'apply')} to one GPU's verify; --fsdp/--tp check one rank "
                                  "on --dist-device (meta, cpu-gloo or cuda) and compare bytes exactly")  # fmt: skip
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")

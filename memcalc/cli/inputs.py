@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import typer
 
-from memcalc.errors import InputError
+from memcalc.errors import InputError, subject
 from memcalc.model.presets import MAX_PARAMS, PRESETS, canonical_model, gpt, preset_model
 from memcalc.model.shape import MAX_SIZE, Model, longest_seq, n_params, override, parse_count
 from memcalc.model.tricks import PROGRESSION, Tricks, parse_tricks, trick_warnings
@@ -143,9 +143,9 @@ def build_routing(model, capacity_factor: str | None, imbalance: str | None):
     if capacity_factor is None and imbalance is None:
         return BALANCED
     if not model.shape.is_moe:
-        given = " and ".join(f for f, v in (("--capacity-factor", capacity_factor), ("--expert-imbalance", imbalance))
-                             if v is not None)  # fmt: skip
-        raise InputError(f"{given} describe how a mixture of experts routes tokens; {model.shape.name} has no experts")
+        given = [f for f, v in (("--capacity-factor", capacity_factor), ("--expert-imbalance", imbalance)) if v is not None]
+        raise InputError(f"{subject(given, 'describes', 'describe')} how a mixture of experts routes tokens; "
+                         f"{model.shape.name} has no experts")  # fmt: skip
     cf = None if capacity_factor is None else parse_positive(capacity_factor, "capacity-factor")
     x = 1.0 if imbalance is None else parse_positive(imbalance, "expert-imbalance")
     return Routing(cf, x)

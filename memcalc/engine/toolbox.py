@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Literal
 
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
@@ -67,6 +68,11 @@ class ToolStep:
         return self.config.layout
 
 
+# Where a job fits (Toolbox.outcome): as it is, after the step fits_at names, or neither
+FITS_AS_IT_IS, FITS_AFTER_A_STEP, FITS_NOWHERE = "fits as it is", "fits after a step", "fits nowhere"
+Outcome = Literal["fits as it is", "fits after a step", "fits nowhere"]
+
+
 @record(slots=True)
 class Toolbox:
     """The first trick set's verdict, then the toolbox's steps in order."""
@@ -76,12 +82,20 @@ class Toolbox:
 
     @property
     def fits_at(self) -> int | None:
-        """The recommended step: of the kept steps that fit, the cheapest per token (-1: it fits already;
-        None: nothing fits)."""
+        """The recommended step, an index into steps: of the kept steps that fit, the cheapest per token. None
+        where no step is recommended: the job fits as it is, or nothing fits (outcome says which)."""
         if self.start.fits:
-            return -1
+            return None
         fitting = [i for i, s in enumerate(self.steps) if s.kept and s.verdict.fits]
         return min(fitting, key=lambda i: self.steps[i].gpu_seconds_per_token) if fitting else None
+
+    @property
+    def outcome(self) -> Outcome:
+        """Where the job fits: as it is (start), after a step (steps[fits_at]), or nowhere: neither the job
+        nor any step the toolbox kept fits."""
+        if self.start.fits:
+            return FITS_AS_IT_IS
+        return FITS_NOWHERE if self.fits_at is None else FITS_AFTER_A_STEP
 
 
 # A tool looks at a config and returns (name, change, cost), or None where it does not apply. The change is

@@ -106,17 +106,17 @@ Tool = Callable[[Model, GPU, Config, Measure], "tuple[str, Change, str] | None"]
 
 
 def use_bf16(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
-    if c.tricks.precision != "fp32":
-        return None
     half = half_precision(gpu)  # Volta and Turing have no bf16 tensor cores
+    if c.tricks.precision != "fp32" or not gpu.peak_flops(half):  # a --gpu file may give no 16-bit rate
+        return None
     speed = gpu.peak_flops(half) / gpu.peak_flops("fp32")
     return f"{half} mixed precision", with_tricks(precision=half), f"none: {speed:.1f}x the fp32 matmul peak"
 
 
 def use_flash(model: Model, gpu: GPU, c: Config, measure: Measure) -> tuple[str, Change, str] | None:
-    if c.tricks.flash:
-        return None
     half = half_precision(gpu)  # flash runs in 16 bits
+    if c.tricks.flash or not gpu.peak_flops(half):
+        return None
     return "FlashAttention", with_tricks(flash=True, precision=half), "none: faster, no s×s through HBM"
 
 

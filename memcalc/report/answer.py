@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from memcalc.engine.answer import Answer
 from memcalc.engine.toolbox import FITS_AS_IT_IS, FITS_NOWHERE, Toolbox
+from memcalc.model.gpus import roofline_gaps
 
 from . import estimate as textbook
 from . import units as u
@@ -23,7 +24,9 @@ DETAIL_HINT = "--detail: every part; --bytes: exact bytes; --explain: the formul
 def time_model_text(ans: Answer) -> str:
     t = ans.layouts[0].time
     if t.utilization is not None:
-        return f"hardware FLOPs at {u.percent(t.utilization)} of peak (--mfu)"
+        gaps = roofline_gaps(ans.job.gpu)
+        why = f"the card's file gives no {', '.join(gaps)} for the roofline" if gaps else "--mfu"
+        return f"hardware FLOPs at {u.percent(t.utilization)} of peak ({why})"
     return "a roofline over every kernel" + (" and the step's traffic" if ans.job.layout.world > 1 else "")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from memcalc.memory.estimate import Estimate
 from memcalc.memory.state import ModelState, model_state
 from memcalc.model.flops import korthikanti_selective_overhead
+from memcalc.model.gpus import half_precision
 
 from . import units as u
 from .render import Section, sized
@@ -218,6 +219,16 @@ def logits_section(est: Estimate, units: str) -> Section:
     return s
 
 
+def peak_line(g) -> str:
+    """The card's dense peaks (0: none, or not given by a --gpu file), and its 16-bit recipe's speed-up over
+    fp32 where it has both."""
+    rates = ", ".join(f"{name} {getattr(g, name + '_tflops'):g}" for name in ("bf16", "fp16", "tf32", "fp32"))
+    half = half_precision(g)
+    known = g.peak_flops(half) and g.fp32_tflops
+    ratio = f": {half}/fp32 = {g.peak_flops(half) / g.peak_flops('fp32'):.1f}x" if known else ""
+    return f"peak {g.key}: {rates} TFLOP/s dense{ratio}"
+
+
 def compute_section(est: Estimate) -> Section:
     f, g = est.flops, est.gpu
     s = Section(
@@ -235,8 +246,7 @@ def compute_section(est: Estimate) -> Section:
         f"{f.attention_per_token_causal:,} causal",
         "model/hardware FLOPs as Korthikanti et al. 2022 sec. 6.3, non-causal attention; "
         "MFU = model FLOPs / time / peak, HFU counts recompute too",
-        f"peak {g.key}: bf16 {g.bf16_tflops:g}, fp16 {g.fp16_tflops:g}, tf32 {g.tf32_tflops:g}, "
-        f"fp32 {g.fp32_tflops:g} TFLOP/s dense: bf16/fp32 = {g.bf16_tflops / g.fp32_tflops:.1f}x",
+        peak_line(g),
     ]
     selective = next((c for c in est.compute if c.tricks.recompute == "selective" and not c.tricks.flash), None)
     if selective:

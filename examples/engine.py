@@ -20,6 +20,7 @@ box = toolbox(llama, Setup(seq_len=8192), gpu("h100-sxm"), parse_tricks("bf16,fl
 for step in box.steps:
     after = f"{step.verdict.total_bytes / 1e9:6.1f} GB, fits: {step.verdict.fits}" if step.kept else "not applied"
     print(f"{step.name:45s} -> {after}")
+print(f"{box.outcome}" + (f": {box.steps[box.fits_at].name}" if box.fits_at is not None else ""))
 
 # The longest sequence one H200 can train the 8B model at, with checkpointing.
 limits = fit_limits(model, Setup(seq_len=8192), gpu("h200"), parse_tricks("bf16,flash,ckpt"))

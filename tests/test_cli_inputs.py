@@ -132,7 +132,7 @@ def test_messages_say_what_to_change():
     a layout of several trick sets headed by the first alone."""
     out = run("plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--seq", "1024", "--tricks",
               "bf16,flash,selective")  # fmt: skip
-    assert out.exit_code == 2 and "name ckpt instead" in out.stderr
+    assert out.exit_code == 0 and "drop selective, or name ckpt" in out.stderr  # ranked, as every command computes it
     bare = run()
     assert bare.exit_code == 0 and "error" not in bare.output and "Commands" in bare.output
     version = run("--version")
@@ -180,9 +180,9 @@ def test_gemma_is_geglu_and_verified_as_such(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    ("verify --params 8e9 --fsdp 8 --tol 0.01", "--tol apply to one GPU's verify"),
+    ("verify --params 8e9 --fsdp 8 --tol 0.01", "--tol applies to one GPU's verify"),
     ("verify --params 8e9 --tp 2 --save out", "add --matrix"),
-    ("verify --params 8e9 --fsdp 8 --device cuda", "--device apply to one GPU's verify"),
+    ("verify --params 8e9 --fsdp 8 --device cuda", "--device applies to one GPU's verify"),
     ("mfu --params 8e9 --tokens-per-sec 3000 --gpus 8", "per GPU already: drop --gpus"),
     ("estimate --params 8e9 --sweep seq=1k:4k --tokens 1e12", "drop --sweep or --tokens"),
     ("estimate --params 8e9 --explain --format json", "drop --explain"),
@@ -293,3 +293,27 @@ def test_verify_without_seq_takes_gpt2s_position_table():
     pytest.importorskip("torch")
     out = run("verify", "--device", "meta", "--model", "gpt2", "--layers", "2", "--tricks", "bf16,flash")
     assert out.exit_code == 0 and "seq 1,024" in out.stdout, out.output[-500:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["estimate", "--model", "gpt2", "--capacity-factor", "1.25"],
+     "--capacity-factor describes how a mixture of experts routes tokens; gpt2 has no experts"),
+    (["estimate", "--model", "gpt2", "--capacity-factor", "1.25", "--expert-imbalance", "2"],
+     "--capacity-factor and --expert-imbalance describe how a mixture of experts routes tokens"),
+    (["verify", "--model", "gpt2", "--fsdp", "2", "--device", "meta"], "--device applies to one GPU's verify"),
+    (["verify", "--model", "gpt2", "--fsdp", "2", "--device", "meta", "--tol", "0.1"],
+     "--device and --tol apply to one GPU's verify"),
+])  # fmt: skip
+def test_refusals_agree_with_what_they_name(args, message):
+    """'--capacity-factor describe': the options named were joined into a subject whose verb stayed plural."""
+    out = run(*args)
+    assert out.exit_code == 2 and len(out.stderr.strip().splitlines()) == 1 and message in out.stderr
+
+
+def test_latent_attention_fields_agree_with_their_verb():
+    from dataclasses import replace
+
+    from memcalc.model.presets import preset
+
+    with pytest.raises(InputError, match="^q_lora_rank, qk_rope_head_dim and v_head_dim describe latent attention"):
+        replace(preset("mixtral-8x7b"), q_lora_rank=64, qk_rope_head_dim=64, v_head_dim=128)

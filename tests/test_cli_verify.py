@@ -64,6 +64,9 @@ def test_a_failed_row_exits_1(monkeypatch):
     (["verify", "--model", "gpt2", "--seq", "1024", "--tp", "5"], "must divide"),
     (["verify", "--model", "gpt2", "--fsdp", "4", "--dist-device", "tpu"], "unknown verify device"),
     (["verify", "--model", "gpt2", "--seq", "4096"], "learned position table"),
+    # accepted and ignored before: it picks where --fsdp/--tp run their ranks
+    (["verify", "--model", "gpt2", "--dist-device", "cpu-gloo"], "--dist-device applies to --fsdp and --tp"),
+    (["verify", "--model", "gpt2", "--dist-device", "meta", "--matrix"], "--dist-device applies to --fsdp and --tp"),
 ])  # fmt: skip
 def test_bad_input(args, message):
     out = run(*args)

@@ -94,8 +94,9 @@ def test_the_state_of_a_tiny_step_by_hand(tiny, device, step_count):
         (["--step", "{tiny}:nothing"], "has no function nothing"),
         (["--step", "{tiny}:broken"], "your step raised RuntimeError"),
         (["--step", "{tiny}:not_a_step"], "must return (model, optimizer, loss)"),
-        (["--step", "{tiny}:build", "--matrix"], "--matrix do not apply to --step"),
-        (["--step", "{tiny}:build", "--fsdp", "2"], "--fsdp/--tp/--sp do not apply to --step"),
+        (["--step", "{tiny}:build", "--matrix"], "--matrix does not apply to --step"),
+        (["--step", "{tiny}:build", "--fsdp", "2"], "--fsdp/--tp/--sp does not apply to --step"),
+        (["--step", "{tiny}:build", "--matrix", "--tol", "0.1"], "--matrix and --tol do not apply to --step"),
         (["--step", "{tiny}:build", "--device", "cuda"], "measures on meta or cpu"),
     ],
 )

@@ -37,10 +37,12 @@ def test_bf16_refused_without_bf16_tensor_cores(key, command):
 
 
 def test_mfu_and_plan_refuse_bf16_on_volta():
-    mfu = cli("mfu", "--model", "gpt2", "--tokens-per-sec", "1000", "--gpu", "v100-32gb")
+    """A bf16 named is refused; their default runs in fp16 there (tests/test_trick_rules.py)."""
+    mfu = cli("mfu", "--model", "gpt2", "--tokens-per-sec", "1000", "--gpu", "v100-32gb", "--tricks", "bf16")
     assert mfu.exit_code == 2 and "bf16 needs bf16 tensor cores" in mfu.output
-    p = cli("plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--gpu", "t4")
+    p = cli("plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--gpu", "t4", "--tricks", "bf16,flash")
     assert p.exit_code == 2 and p.output.count("\n") == 1 and "use fp16" in p.output
+    assert cli("mfu", "--model", "gpt2", "--tokens-per-sec", "1000", "--gpu", "v100-32gb").exit_code == 0
 
 
 def test_consumer_peaks_are_fp32_accumulate():
@@ -66,8 +68,59 @@ def test_a_card_from_a_file(tmp_path):
     assert data["verdict"][0]["usable_bytes"] == 46068 * MIB - data["headroom"]["total_bytes"]
 
 
+MINIMAL = {"name": "NVIDIA A40 48GB", "memory_mib": 46068, "bf16_tflops": 149.7}  # what a datasheet's first lines say
+MINIMAL_SAYS = ("warning: a40 (NVIDIA A40 48GB): fp16_tflops = bf16_tflops (every bf16 card's datasheet gives one "
+                "figure for both); no fp32_tflops, bandwidth_gbps: step time by --mfu end to end (0.4 unless given), "
+                "not the roofline; fp32 refused")  # fmt: skip
+
+
+def test_a_minimal_file_is_a_card(tmp_path):
+    """name, memory and one peak rate: the key is the file's stem, the source the file; fp16 runs at the bf16
+    rate; what the roofline needs and the file lacks is unknown, and the step is timed end to end instead."""
+    path = tmp_path / "a40.json"
+    path.write_text(json.dumps(MINIMAL))
+    r = cli("estimate", "--model", "gpt2", "--seq", "512", "--gpu", str(path), "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines() == [MINIMAL_SAYS]
+    data = json.loads(r.stdout)
+    g = data["gpu"]
+    assert (g["key"], g["source"], g["fp16_tflops"], g["fp32_tflops"], g["bandwidth_gbps"]) == ("a40", str(path),
+                                                                                                 149.7, 0, 0)
+    assert [v["tricks"][0] for v in data["verdict"]] == ["bf16"] * 4  # the progression without its fp32 row
+    table = cli("estimate", "--model", "gpt2", "--seq", "512", "--gpu", str(path))
+    assert "step time: hardware FLOPs at 40.0% of peak (the card's file gives no fp32_tflops, bandwidth_gbps " \
+           "for the roofline)" in " ".join(table.stdout.split())  # fmt: skip
+    for args in (["plan", "--gpus", "8", "--global-batch", "8"], ["fit"], ["mfu", "--tokens-per-sec", "1000"]):
+        done = cli(*args, "--model", "gpt2", "--gpu", str(path))
+        assert done.exit_code == 0 and done.stderr.splitlines() == [MINIMAL_SAYS], done.output
+    for args, says in ((["--tricks", "fp32"], "fp32 needs the card's fp32_tflops, which "),
+                       (["--calibration", "matmul=0.5"], "--calibration tunes the roofline, which needs ")):
+        refused = cli("estimate", "--model", "gpt2", "--gpu", str(path), *args)
+        assert refused.exit_code == 2 and refused.output.count("\n") == 1 and says in refused.output, refused.output
+
+
+def test_a_file_without_a_16_bit_rate_times_fp32_alone(tmp_path):
+    """The default leaves out the sets the card has no peak for (and says nothing of Volta); the roofline,
+    asked of a card whose file lacks its rates from Python, is one InputError rather than a division by 0."""
+    from memcalc import Job, Layout, Setup, answer, parse_tricks
+    from memcalc.errors import InputError
+    from memcalc.model.gpu_file import load_gpu
+
+    old = write(tmp_path, {"name": "Old card", "memory_mib": 16000, "fp32_tflops": 10, "bandwidth_gbps": 500})
+    r = cli("estimate", "--model", "gpt2", "--seq", "512", "--gpu", old, "--format", "json")
+    assert r.exit_code == 0 and r.stderr.splitlines() == ["warning: card (Old card): no fp16_tflops: fp16 refused"]
+    assert [v["tricks"] for v in json.loads(r.stdout)["verdict"]] == [["fp32"]]
+    minimal = load_gpu(write(tmp_path, MINIMAL))
+    with pytest.raises(InputError, match="the roofline needs the card's fp32_tflops and bandwidth_gbps"):
+        answer(Job(preset_model("gpt2"), Setup(seq_len=512), minimal, Layout(), (parse_tricks("bf16"),), None))
+
+
 @pytest.mark.parametrize("change, says", [
     ({"memory_mib": None}, "missing field 'memory_mib'"),
+    ({"bf16_tflops": None, "fp16_tflops": None, "fp32_tflops": None},
+     "needs a peak rate: bf16_tflops, fp16_tflops or fp32_tflops"),
+    ({"name": None}, "missing field 'name'"),
+    ({"fp32_tflops": 0}, "fp32_tflops must be a positive number"),
     ({"fp16_tflops": 0}, "fp16_tflops must be a positive number"),
     ({"bf16_tflops": -1}, "bf16_tflops must be a positive number"),
     ({"colour": "green"}, "unknown field 'colour'"),

@@ -83,32 +83,64 @@ def test_offline_without_the_file_is_one_line(env, tmp_path):
 
 
 def test_a_download_is_the_config_alone(env, tmp_path, monkeypatch):
-    """Online, the missing config.json is fetched with hf_hub_download(repo, "config.json"), nothing else."""
+    """Online, the missing config.json is fetched with hf_hub_download(repo, "config.json"), nothing else,
+    after one HEAD of its URL (hub.answered) that the Hub answers."""
     import huggingface_hub
 
     env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
-    asked = []
+    asked, heads = [], []
 
     def fake(repo_id, filename, **kwargs):
         asked.append((repo_id, filename))
         return str(LLAMA)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda url, **kwargs: heads.append(url))
     assert hub_model("meta-llama/Llama-3.1-8B").n_params == 8_030_261_248
     assert asked == [("meta-llama/Llama-3.1-8B", "config.json")]
+    assert heads == [huggingface_hub.hf_hub_url("meta-llama/Llama-3.1-8B", "config.json")]
 
 
-def test_gated_and_missing_repos_say_what_to_do(env, tmp_path, monkeypatch):
+@pytest.mark.parametrize("refusing", ["get_hf_file_metadata", "hf_hub_download"])
+def test_gated_and_missing_repos_say_what_to_do(env, tmp_path, monkeypatch, refusing):
+    """The Hub refuses the first HEAD (hub.answered) or, where that passed, the download."""
     import huggingface_hub
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda url, **kwargs: None)
     for error, message in ((GatedRepoError, "gated on the Hub"), (RepositoryNotFoundError, "no such model")):
         def raising(*args, error=error, **kwargs):
             e = error.__new__(error)  # as huggingface_hub raises it, without the HTTP response it is built from
             Exception.__init__(e, "refused")
             raise e
 
-        monkeypatch.setattr(huggingface_hub, "hf_hub_download", raising)
+        monkeypatch.setattr(huggingface_hub, refusing, raising)
         with pytest.raises(InputError, match=message):
             hub_model("meta-llama/Llama-3.1-8B")
+
+
+def test_an_unreachable_hub_is_one_line_at_once(env, tmp_path):
+    """No network, the model not cached: huggingface_hub retried its HEAD five times with back-off (1+2+4+8+8 s)
+    and logged every try, 13 lines over 23 s. Here the Hub is a localhost port nothing listens on (bound, so
+    that nothing else takes it, and never listened on: each connection is refused), in its own process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("huggingface_hub")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "empty"), "NO_COLOR": "1"}
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "memcalc", "estimate", "--model", "some-org/some-model", "--seq",
+                              "2048"], capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+        took = time.monotonic() - start
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        f"error: some-org/some-model: the Hugging Face Hub ({endpoint}) could not be reached (Connection refused) and "
+        f"the cache ({tmp_path / 'empty'}) has no config.json for it: retry online, or pass --config PATH"]
+    assert took < 10, f"{took:.1f} s"

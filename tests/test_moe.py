@@ -173,7 +173,7 @@ def test_latent_attention_params():
     (dict(expert_ffn=0), "expert_ffn must be positive"),
     (dict(dense_layers=(-1,)), "a dense layer index must be positive"),
     (dict(dense_layers=[1]), "dense_layers must be a tuple"),
-    (dict(q_lora_rank=64), "q_lora_rank describe latent attention (MLA), which needs kv_lora_rank > 0"),
+    (dict(q_lora_rank=64), "q_lora_rank describes latent attention (MLA), which needs kv_lora_rank > 0"),
 ])  # fmt: skip
 def test_bad_expert_fields(changes, message):
     with pytest.raises(InputError, match=re.escape(message)):
@@ -385,7 +385,7 @@ def test_capacity_factor_moves_the_peak_and_imbalance_on_one_gpu_does_not():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "qwen3-8b", "--expert-imbalance", "2"], "--expert-imbalance describe how a mixture of experts"),
+    (["--model", "qwen3-8b", "--expert-imbalance", "2"], "--expert-imbalance describes how a mixture of experts"),
     (["--model", "qwen3-30b-a3b", "--expert-imbalance", "0.5"], "expert imbalance must be at least 1"),
     (["--model", "qwen3-30b-a3b", "--capacity-factor", "0"], "capacity-factor must be a positive number"),
     (["--model", "qwen3-30b-a3b", "--capacity-factor", "lots"], "capacity-factor must be a number"),

@@ -103,7 +103,7 @@ def test_nothing_fits():
     ({"gpus": 0}, "gpus must be positive"),
     ({"global_batch": 0}, "global batch must be positive"),
     ({"seq_len": 0}, "seq must be positive"),
-    ({"recomputes": ("selective",)}, "name ckpt instead"),
+    ({"recomputes": ()}, "name a recompute mode"),  # selective alone beside flash is searched: test_trick_rules.py
 ])  # fmt: skip
 def test_bad_plan_input(kwargs, message):
     args = {"model": preset_model("gpt2"), "gpu": H100, "gpus": 8, "seq_len": 1024, "global_batch": 8, **kwargs}
@@ -202,3 +202,18 @@ def test_a_plan_row_says_its_gpus_once():
     rows = json.loads(r.stdout)["best"]
     assert rows and all("parallel" not in row["setup"] for row in rows)
     assert all(row["layout"]["world"] == 8 for row in rows)
+
+
+def test_the_ranking_says_what_it_shows():
+    """'6 fit' above two rows: the rows are the fastest layout of each kind (kind_of), and --top cuts the kinds."""
+    args, kw = (preset_model("llama3-8b"), H100, 1, 2048, 4), {"recomputes": ("full",)}  # --tricks bf16,flash,ckpt
+    p = plan(*args, **kw)
+    assert (p.fitting, p.fitting_kinds, len(p.best)) == (6, 2, 2)
+    text = tables(plan_report.plan_sections(p, "gb"))
+    assert "Fastest layouts that fit, one per kind: all 2 kinds (6 layouts)" in text
+    assert "a kind: the layouts that differ only in how dp, cp and the micro-batch split the batch" in text
+    one = plan(*args, **kw, top=1)
+    assert len(one.best) == 1
+    assert ("Fastest layouts that fit, one per kind: the best 1 of 2 kinds (6 layouts; --top N for more)"
+            in tables(plan_report.plan_sections(one, "gb", detail=True)))  # fmt: skip
+    assert json.loads(render.to_json(one))["fitting_kinds"] == 2

@@ -62,13 +62,34 @@ def test_micro_batch_step_keeps_the_tokens_per_step():
 
 
 def test_a_config_that_fits_needs_no_tools():
+    """fits_at was -1 here, an index that reads the last step (steps[-1] is the bf16 step it applied)."""
     box = toolbox(preset_model("gpt2"), Setup(seq_len=1024), H100, Tricks("bf16"))
-    assert box.start.fits and box.fits_at == -1
+    assert box.start.fits and box.outcome == "fits as it is" and box.fits_at is None
 
 
 def test_activations_too_large_for_any_gpu_count():
     box = toolbox(MODEL_8B, Setup(seq_len=1 << 22), H100, Tricks("bf16", flash=True))
-    assert box.fits_at is None
+    assert box.outcome == "fits nowhere" and box.fits_at is None
+
+
+def test_the_json_says_where_the_job_fits():
+    """Each outcome in the estimate's JSON: its name, and the index of the step that fits or null (never -1)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    def toolbox_json(*args):
+        out = CliRunner().invoke(app, ["estimate", *args, "--format", "json"])
+        return json.loads(out.stdout)["toolbox"]
+
+    for args, outcome in ((["--model", "gpt2", "--seq", "1024"], "fits as it is"),
+                          (["--params", "8e9", "--seq", "4m", "--tricks", "bf16,flash"], "fits nowhere")):  # fmt: skip
+        tb = toolbox_json(*args)
+        assert (tb["outcome"], tb["fits_at"]) == (outcome, None)
+    tb = toolbox_json("--params", "8e9", "--seq", "8192")
+    assert tb["outcome"] == "fits after a step" and tb["steps"][tb["fits_at"]]["verdict"]["fits"]
 
 
 def test_a_step_that_saves_nothing_is_not_taken():

@@ -63,4 +63,4 @@ def test_zero_paper_baseline():
 def test_gpt2_on_two_gpus_fits_without_tools():
     """Defect 1: the small job that fits easily needs no step at all."""
     box = toolbox(preset_model("gpt2"), Setup(1024), H100, parse_tricks("bf16,flash,ckpt"), Layout(dp=2))
-    assert box.fits_at == -1
+    assert box.outcome == "fits as it is" and box.fits_at is None

@@ -10,14 +10,14 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from memcalc.errors import InputError
+from memcalc.errors import InputError, subject
 from memcalc.exact.base import collection
 from memcalc.report import render
 
 from . import views
 from .limits import fit, mfu
 from .serve import serve
-from .inputs import (build_layout, build_routing, build_setup, check_format, fail, parse_fraction, parse_run,
+from .inputs import (build_layout, build_routing, build_setup, check_format, fail, parse_fraction, parse_run, warn,
                      render_units, resolve_gpu, roofline_calibration)  # fmt: skip
 from .options import (Calibration, CapacityFactor, Config, Cp, Detail, Dp, Ep, EstimateMfu,
                       Etp, ExactBytes, ExpertImbalance, Ffn, Format, Freeze, GpuMemory, GpuOpt, Gpus, GpusPerNode,
@@ -51,6 +51,7 @@ class OneLineErrors(TyperGroup):
 
 APP = {"cls": OneLineErrors, "help": HELP, "add_completion": False, "no_args_is_help": True}
 app = typer.Typer(**APP)
+PLAN_TRICKS = "bf16,flash"  # plan without --tricks; fp16 in place of bf16 where a card lacks it
 
 
 def show_version(value: bool) -> None:
@@ -109,7 +110,7 @@ def estimate(
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
         the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
-        trick_sets = resolve_tricks(tricks, the_gpu)
+        trick_sets, said = resolve_tricks(tricks, the_gpu)
         routing = build_routing(the_model, capacity_factor, expert_imbalance)
         run = parse_run(tokens, price)
         if png is not None and sweep is None and not timeline:
@@ -143,6 +144,7 @@ def estimate(
             show = views.sweep_view(job, sweep, png)
         else:
             show = views.timeline_view(job, png, svg) if timeline else views.answer_view(job)
+        warn(said)  # the input was good and the answer is computed: what to know of the trick sets, then the answer
         show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
     except InputError as e:
         fail(str(e))
@@ -156,10 +158,10 @@ def plan(
     gpus: Annotated[str, typer.Option("--gpus", help="GPUs in the job (the world size).", metavar="N")] = ...,
     global_batch: Annotated[str, typer.Option("--global-batch", help="Sequences per optimizer step, all GPUs together.", metavar="N")] = ...,
     seq: Seq = None, gpus_per_node: GpusPerNode = None,
-    tricks: Annotated[str, typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST")] = "bf16,flash",
+    tricks: Annotated[Optional[str], typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST", show_default=PLAN_TRICKS)] = None,
     optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,
     mfu: EstimateMfu = None, calibration: Calibration = None,
-    top: Annotated[str, typer.Option("--top", help="How many layouts to show.", metavar="N")] = "5",
+    top: Annotated[str, typer.Option("--top", help="How many kinds of layout to show, the fastest of each.", metavar="N")] = "5",
     no_offload: NoOffload = False, without: Without = None,
     host_memory: HostMemory = "2T", stack: StackOpt = None, no_cache: NoCache = False, detail: Detail = False,
     exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb", lora: Lora = None,
@@ -171,21 +173,21 @@ def plan(
         from memcalc.memory.estimate import MAX_HOST_BYTES
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
-        from memcalc.model.tricks import check_layer_uniform, layout_counts, parse_tricks
+        from memcalc.model.tricks import check_layer_uniform, layout_counts
         from memcalc.parallel.plan import plan as run_plan
 
-        from .inputs import finetune_stack, resolve_model, seq_for
+        from .inputs import finetune_stack, resolve_model, resolve_tricks, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        t = parse_tricks(tricks)
+        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
+        (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, PLAN_TRICKS)
         if not layout_counts(t, the_model.shape.is_moe):
             check_layer_uniform(t, "the planner's layouts")
         named = t.recompute != "none"  # ckpt or selective named: the recompute mode is fixed
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
-        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
         timing = parse_fraction(mfu, "mfu") if mfu is not None else roofline_calibration(the_gpu, calibration)
         result = run_plan(
             the_model, the_gpu, parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
@@ -200,6 +202,7 @@ def plan(
         )  # fmt: skip
     except InputError as e:
         fail(str(e))
+    warn(said)
     from memcalc.report import plan as pr
 
     csv_table = (pr.PLAN_CSV_HEADERS, pr.plan_csv_rows(result))
@@ -231,7 +234,7 @@ def verify(
     pp: Annotated[Optional[str], typer.Option("--pp", help="With --fsdp N --stack fsdp2: check one rank of a pipeline stage (torchtitan's FSDP + PP, 1F1B).", metavar="P")] = None,
     stage: Annotated[Optional[str], typer.Option("--stage", help="With --pp: the stage to check (default: the one estimate reports as the layout's peak).", metavar="K")] = None,
     grad_accum: Annotated[Optional[str], typer.Option("--grad-accum", help="With --pp: micro-batches per step.", metavar="N", show_default="P")] = None,
-    dist_device: Annotated[str, typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV")] = "meta",
+    dist_device: Annotated[Optional[str], typer.Option("--dist-device", help="With --fsdp/--tp: meta (fake process group), cpu-gloo or cuda.", metavar="DEV", show_default="meta")] = None,
     save: Annotated[Optional[str], typer.Option("--save", help="With --matrix: write each run's JSON into this folder as soon as it ends.", metavar="DIR")] = None,
     step: Annotated[Optional[str], typer.Option("--step", help="Measure your own model and step: FILE.py:FUNCTION or MODULE:FUNCTION (docs/verify.md).", metavar="FN")] = None,
     no_linearity: Annotated[bool, typer.Option("--no-linearity", help="Skip the second, shallower build that checks saved bytes are linear in depth.")] = False,
@@ -244,10 +247,10 @@ def verify(
     collection.FREEZE = False  # torch's objects in cycles must be collected: a leaked storage would be measured
     try:
         from memcalc.model.shape import parse_count
-        from memcalc.model.tricks import check_measurable, parse_tricks
+        from memcalc.model.tricks import check_measurable
 
         from . import verify_runs
-        from .inputs import resolve_model, seq_for
+        from .inputs import resolve_model, resolve_tricks, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         shape_given = any(x is not None for x in (params, model, config, layers, hidden, heads))
@@ -257,7 +260,7 @@ def verify(
         setup = build_setup(seq, micro_batch, "1", optimizer, "0.4", "2T", stack, recipe, optimizer_impl,
                             no_cache=no_cache,
                             finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
-        the_tricks = parse_tricks(tricks)
+        (the_tricks,), said = resolve_tricks([tricks], None)
         check_measurable(the_tricks)
         n_steps = parse_count(steps, "steps", 1000)
         tolerance = None if tol is None else parse_fraction(tol, "tol")
@@ -269,28 +272,34 @@ def verify(
         if step is not None:
             given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None), ("--tol", tol is not None),
                                            ("--fsdp/--tp/--sp", fsdp is not None or tp is not None or sp),
+                                           ("--dist-device", dist_device is not None),
                                            ("--reshard", reshard is not None),
                                            ("--pp/--stage/--grad-accum", pp is not None or stage is not None or grad_accum is not None)) if on]  # fmt: skip
             if given:
-                raise InputError(f"{' and '.join(given)} do not apply to --step, which measures your step once")
+                raise InputError(f"{subject(given, 'does not apply', 'do not apply')} to --step, which measures your "
+                                 "step once")  # fmt: skip
             run = verify_runs.custom_run(the_model, setup, the_tricks, step, device)
         elif fsdp is not None or tp is not None or sp:
             given = [flag for flag, on in (("--device", device is not None), ("--tol", tol is not None)) if on]
             if given:
-                raise InputError(f"{' and '.join(given)} apply to one GPU's verify; --fsdp/--tp check one rank "
+                raise InputError(f"{subject(given, 'applies', 'apply')} to one GPU's verify; --fsdp/--tp check one rank "
                                  "on --dist-device (meta, cpu-gloo or cuda) and compare bytes exactly")  # fmt: skip
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")
             if pp is not None or stage is not None or grad_accum is not None:
                 run = verify_runs.pipeline_run(the_model, setup, the_tricks, fsdp, tp, sp, pp, stage, grad_accum,
-                                               dist_device, matrix, reshard)  # fmt: skip
+                                               dist_device or "meta", matrix, reshard)  # fmt: skip
             else:
-                run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device, matrix, save, reshard)
+                run = verify_runs.dist_run(the_model, setup, the_tricks, fsdp, tp, sp, dist_device or "meta", matrix, save,
+                                           reshard)  # fmt: skip
         else:
             if pp is not None or stage is not None or grad_accum is not None:
                 raise InputError("--pp/--stage/--grad-accum check a pipeline stage's rank: add --fsdp N --stack fsdp2")
             if reshard is not None:
                 raise InputError("--reshard/--no-reshard apply to the FSDP2 check: add --fsdp N --stack fsdp2")
+            if dist_device is not None:
+                raise InputError("--dist-device applies to --fsdp and --tp, where their ranks run (meta, cpu-gloo or "
+                                 "cuda): add --fsdp N or --tp N, or drop it (one GPU's check runs on --device)")  # fmt: skip
             if save is not None and not matrix:
                 raise InputError("--save writes the runs of --matrix: add --matrix")
             run = verify_runs.single_run(the_model, setup, the_tricks, matrix, n_steps, device, tolerance, fmt, save,
@@ -299,6 +308,7 @@ def verify(
         verify_runs.draw_timeline(results, images, units)
     except InputError as e:
         fail(str(e))
+    warn([] if matrix else said)  # --matrix measures every trick set but the one named
     if not verify_runs.show_verify(results, render.Display(fmt, units, detail, detail or exact_bytes)):
         raise typer.Exit(1)
 

@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import typer
 
-from memcalc.errors import InputError
+from memcalc.errors import InputError, subject
 from memcalc.model.presets import MAX_PARAMS, PRESETS, canonical_model, gpt, preset_model
 from memcalc.model.shape import MAX_SIZE, Model, longest_seq, n_params, override, parse_count
-from memcalc.model.tricks import PROGRESSION, Tricks, parse_tricks
+from memcalc.model.tricks import PROGRESSION, Tricks, parse_tricks, trick_warnings
 from memcalc.report import render
 
 
@@ -85,15 +85,36 @@ def overrides_note(sizes: dict[str, int | None]) -> str:
     return f", overridden: {given}" if given else ""
 
 
-def resolve_tricks(texts: list[str] | None, gpu=None) -> tuple[Tricks, ...]:
+def resolve_tricks(texts: list[str] | None, gpu=None, default: str | None = None) -> tuple[tuple[Tricks, ...], list[str]]:
     """Each --tricks picks one combination (repeated: several, in the order given, each once); without it,
-    the progression fp32 -> ... -> bf16+selective (fp16 in place of bf16 on a card without bf16 tensor
-    cores: V100, T4)."""
+    the command's default (None: estimate's progression fp32 -> ... -> bf16+selective), fp16 in place of
+    bf16 on a card without bf16 tensor cores (V100, T4; a bf16 named there is refused: check_precision),
+    without fp32 on a card whose --gpu file gives no fp32 rate. With what every command says on stderr once
+    its input is good (warn): what the card's file left out (GPU.derived), that switch, and
+    memcalc.model.tricks.trick_warnings."""
+    said = [f"{gpu.key} ({gpu.name}): {gpu.derived}"] if gpu is not None and gpu.derived else []
     if texts:
-        return tuple(dict.fromkeys(parse_tricks(text) for text in texts))
-    if gpu is not None and not gpu.bf16_tflops:
-        return tuple(replace(t, precision="fp16") if t.precision == "bf16" else t for t in PROGRESSION)
-    return PROGRESSION
+        sets = tuple(dict.fromkeys(parse_tricks(text) for text in texts))
+    else:
+        sets = (parse_tricks(default),) if default else PROGRESSION
+        if gpu is not None:
+            sets, switched = default_on(gpu, sets)
+            said += switched
+    return sets, said + [w for t in sets for w in trick_warnings(t)]
+
+
+def default_on(gpu, sets: tuple[Tricks, ...]) -> tuple[tuple[Tricks, ...], list[str]]:
+    """A default's trick sets as the card runs them: fp16 in place of bf16 where it has no bf16 tensor cores,
+    and only those it has a peak for (a --gpu file may give no fp32 or fp16 rate; with none left, the sets as
+    they were, for check_precision to refuse in one line). With the switch said."""
+    from memcalc.model.gpus import half_precision
+
+    said, half = [], half_precision(gpu)
+    if half != "bf16" and gpu.peak_flops(half) and any(t.precision == "bf16" for t in sets):
+        sets = tuple(replace(t, precision=half) if t.precision == "bf16" else t for t in sets)
+        said.append(f"the {gpu.name} has no bf16 tensor cores (Volta, Turing): fp16 in place of bf16 in the default "
+                    "tricks; --tricks names others")  # fmt: skip
+    return tuple(t for t in sets if gpu.peak_flops(t.precision)) or sets, said
 
 
 def resolve_gpu(spec: str, memory: str | None = None, headroom: str | None = None):
@@ -116,6 +137,12 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def warn(lines) -> None:
+    """What the user should know beside the answer, each line once on stderr (stdout stays the answer)."""
+    for line in dict.fromkeys(lines):
+        print(f"warning: {line}", file=sys.stderr)
+
+
 def check_format(fmt: str) -> str:
     key = fmt.strip().lower()
     if key not in render.FORMATS:
@@ -130,9 +157,9 @@ def build_routing(model, capacity_factor: str | None, imbalance: str | None):
     if capacity_factor is None and imbalance is None:
         return BALANCED
     if not model.shape.is_moe:
-        given = " and ".join(f for f, v in (("--capacity-factor", capacity_factor), ("--expert-imbalance", imbalance))
-                             if v is not None)  # fmt: skip
-        raise InputError(f"{given} describe how a mixture of experts routes tokens; {model.shape.name} has no experts")
+        given = [f for f, v in (("--capacity-factor", capacity_factor), ("--expert-imbalance", imbalance)) if v is not None]
+        raise InputError(f"{subject(given, 'describes', 'describe')} how a mixture of experts routes tokens; "
+                         f"{model.shape.name} has no experts")  # fmt: skip
     cf = None if capacity_factor is None else parse_positive(capacity_factor, "capacity-factor")
     x = 1.0 if imbalance is None else parse_positive(imbalance, "expert-imbalance")
     return Routing(cf, x)
@@ -209,8 +236,19 @@ def parse_run(tokens: str | None, price: str | None) -> tuple[int, float | None]
 
 
 def roofline_calibration(gpu, spec: str | None):
-    """--calibration SPEC: a JSON file, NAME=X overrides, or both (file first), comma-separated."""
+    """--calibration SPEC: a JSON file, NAME=X overrides, or both (file first), comma-separated. A card whose
+    --gpu file leaves out a rate the roofline needs is timed end to end at the default MFU instead (as plan
+    times a shape it cannot trace), its GPU.derived saying so."""
+    from memcalc.memory.setup import DEFAULT_MFU
+    from memcalc.model.gpus import roofline_gaps
     from memcalc.time.calibration import calibration_for
+
+    gaps = roofline_gaps(gpu)
+    if gaps and spec:
+        raise InputError(f"--calibration tunes the roofline, which needs the card's {' and '.join(gaps)}: its --gpu "
+                         "file does not give them; add them to the file, or drop --calibration")  # fmt: skip
+    if gaps:
+        return DEFAULT_MFU
 
     items = [x.strip() for x in (spec or "").split(",") if x.strip()]
     paths, overrides = [x for x in items if "=" not in x], [x for x in items if "=" in x]

@@ -4,7 +4,6 @@ mfu` (a measured throughput's MFU and HFU under every FLOPs convention), registe
 No `from __future__ import annotations` here: typer reads every option's annotation.
 """
 
-import sys
 from typing import Annotated, Optional
 
 import typer
@@ -12,17 +11,19 @@ import typer
 from memcalc.errors import InputError
 from memcalc.report import render
 
-from .inputs import build_layout, build_setup, check_format, fail, parse_positive, render_units, resolve_gpu
+from .inputs import build_layout, build_setup, check_format, fail, parse_positive, render_units, resolve_gpu, warn
 from .options import (Config, DataParallelGpus, Detail, ExactBytes, Ffn, Format, Freeze, GpuMemory, GpuOpt,
                       HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers, Lora, LoraDropout,
                       LoraTargets, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params, Quantize, RecipeOpt,
                       Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
 
+FIT_TRICKS, MFU_TRICKS = "bf16,flash", "bf16"  # without --tricks; fp16 in place of bf16 where a card lacks it
+
 def fit(
     params: Params = None, model: ModelName = None, config: Config = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
-    seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[str, typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST")] = "bf16,flash",
+    seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[Optional[str], typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST", show_default=FIT_TRICKS)] = None,
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, no_cache: NoCache = False, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
@@ -33,9 +34,8 @@ def fit(
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
     try:
         from memcalc.engine.fit import fit_limits
-        from memcalc.model.tricks import parse_tricks
 
-        from .inputs import resolve_model, seq_for
+        from .inputs import resolve_model, resolve_tricks, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
@@ -44,9 +44,12 @@ def fit(
                             optimizer_impl, no_cache=no_cache,
                             finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
         layout = build_layout(gpus, zero=zero, offload=offload)  # data parallel: fit solves one GPU of it
-        limits = fit_limits(the_model, setup, resolve_gpu(gpu, gpu_memory, headroom), parse_tricks(tricks), layout)
+        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
+        (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, FIT_TRICKS)
+        limits = fit_limits(the_model, setup, the_gpu, t, layout)
     except InputError as e:
         fail(str(e))
+    warn(said)
     from memcalc.report import fit as report
     from memcalc.report.headroom import fragmentation_note, headroom_line
 
@@ -69,22 +72,22 @@ def mfu(
     step_time: Annotated[Optional[str], typer.Option("--step-time", help="Measured seconds per optimizer step (with --global-batch).", metavar="S")] = None,
     global_batch: Annotated[Optional[str], typer.Option("--global-batch", help="Sequences per step, all GPUs together.", metavar="N")] = None,
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the step ran on (with --step-time; --tokens-per-sec is per GPU).", metavar="N", show_default="1")] = None,
-    tricks: Annotated[str, typer.Option("--tricks", help="Precision (the peak it is held against) and recompute (for HFU).", metavar="LIST")] = "bf16",
+    tricks: Annotated[Optional[str], typer.Option("--tricks", help="Precision (the peak it is held against) and recompute (for HFU).", metavar="LIST", show_default=MFU_TRICKS)] = None,
     gpu: GpuOpt = "h100-sxm", fmt: Format = "table",
 ) -> None:  # fmt: skip
     """MFU and HFU of a measured throughput under every FLOPs convention in use, side by side."""
     try:
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
-        from memcalc.model.tricks import parse_tricks
         from memcalc.time.mfu import mfu_report, tokens_per_gpu_second
 
-        from .inputs import resolve_model, seq_for
+        from .inputs import resolve_model, resolve_tricks, seq_for
 
         fmt = check_format(fmt)
         the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        t = parse_tricks(tricks)
+        the_gpu = resolve_gpu(gpu)
+        (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, MFU_TRICKS)
         seq_len = parse_seq(seq)
         rate = tokens_per_gpu_second(
             None if tokens_per_sec is None else parse_positive(tokens_per_sec, "tokens-per-sec"),
@@ -92,12 +95,11 @@ def mfu(
             None if global_batch is None else parse_count(global_batch, "global-batch", MAX_BATCH),
             seq_len, None if gpus is None else parse_count(gpus, "gpus", MAX_GPUS),
         )  # fmt: skip
-        result = mfu_report(the_model, resolve_gpu(gpu), t, seq_len, rate)
+        result = mfu_report(the_model, the_gpu, t, seq_len, rate)
     except InputError as e:
         fail(str(e))
     from memcalc.report import mfu as report
 
-    for warning in report.mfu_warnings(result):
-        print(f"warning: {warning}", file=sys.stderr)
+    warn(said + report.mfu_warnings(result))
     csv_table = (report.MFU_CSV_HEADERS, report.mfu_csv_rows(result))
     render.emit(fmt, result, report.mfu_sections(result), report.mfu_preamble(result), csv_table)

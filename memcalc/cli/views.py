@@ -5,6 +5,8 @@ import sys
 
 from memcalc.report import render
 
+from .inputs import warn
+
 
 def answer_view(job):
     """The job's answer, computed now (bad input fails before anything prints), printed by the returned
@@ -18,12 +20,12 @@ def answer_view(job):
 def sweep_view(job, spec: str, png: str | None):
     from memcalc.engine.sweep import parse_sweep, sweep
     from memcalc.errors import InputError
-    from memcalc.report.plot import check_png
+    from memcalc.report.plot import check_image
 
     if not job.data_parallel:
         raise InputError("--sweep works on a data-parallel job (--gpus, --zero, --offload); drop --tp, --pp, --cp, --ep")
     points = parse_sweep(spec)
-    png = None if png is None else check_png(png)  # before the work: a bad path is an input error
+    png = None if png is None else check_image(png, ".png")  # before the work: a bad path is an input error
     swept = sweep(job.model, job.setup, job.gpu, job.trick_sets, *points, job.time_model, job.layout)
     return lambda display: show_sweep(swept, display, png)
 
@@ -85,11 +87,6 @@ def show_sweep(swept, d: render.Display, png: str | None = None) -> None:
     render.emit(d.fmt, swept, report.sweep_sections(swept, d.units), csv_table=csv_table, exact=d.exact)
 
 
-def warn(lines) -> None:
-    for line in dict.fromkeys(lines):
-        print(f"warning: {line}", file=sys.stderr)
-
-
 def emit_json(ans) -> None:
     from memcalc.report.schema import answer_json
 
@@ -133,7 +130,7 @@ def show_answer(ans, d: render.Display) -> None:
     from memcalc.report.layout import layout_warnings
 
     est = ans.textbook
-    lines = textbook.warnings(est) + [w for e in ans.layouts for w in layout_warnings(e) if "selective" not in w]
+    lines = [w for e in ans.layouts for w in layout_warnings(e)]
     if ans.roofline is not None:
         from memcalc.report.roofline import time_warnings
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Literal
 
 from memcalc.errors import InputError
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.setup import Setup
-from memcalc.model.gpus import GPU
+from memcalc.model.gpus import GPU, half_precision
 from memcalc.model.layout import Layout
 from memcalc.model.shape import Model
 from memcalc.model.tricks import Tricks
@@ -68,6 +69,11 @@ class ToolStep:
         return self.combination.layout
 
 
+# Where a job fits (Toolbox.outcome): as it is, after the step fits_at names, or neither
+FITS_AS_IT_IS, FITS_AFTER_A_STEP, FITS_NOWHERE = "fits as it is", "fits after a step", "fits nowhere"
+Outcome = Literal["fits as it is", "fits after a step", "fits nowhere"]
+
+
 @record(slots=True)
 class Toolbox:
     """The first trick set's verdict, then the toolbox's steps in order."""
@@ -77,12 +83,20 @@ class Toolbox:
 
     @property
     def fits_at(self) -> int | None:
-        """The recommended step: of the kept steps that fit, the cheapest per token (-1: it fits already;
-        None: nothing fits)."""
+        """The recommended step, an index into steps: of the kept steps that fit, the cheapest per token. None
+        where no step is recommended: the job fits as it is, or nothing fits (outcome says which)."""
         if self.start.fits:
-            return -1
+            return None
         fitting = [i for i, s in enumerate(self.steps) if s.kept and s.verdict.fits]
         return min(fitting, key=lambda i: self.steps[i].gpu_seconds_per_token) if fitting else None
+
+    @property
+    def outcome(self) -> Outcome:
+        """Where the job fits: as it is (start), after a step (steps[fits_at]), or nowhere: neither the job
+        nor any step the toolbox kept fits."""
+        if self.start.fits:
+            return FITS_AS_IT_IS
+        return FITS_NOWHERE if self.fits_at is None else FITS_AFTER_A_STEP
 
 
 # A tool looks at a config and returns (name, change, cost), or None where it does not apply. The change is
@@ -93,17 +107,18 @@ Tool = Callable[[Model, GPU, Combination, Measure], "tuple[str, Change, str] | N
 
 
 def use_bf16(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
-    if c.tricks.precision != "fp32":
+    half = half_precision(gpu)  # Volta and Turing have no bf16 tensor cores
+    if c.tricks.precision != "fp32" or not gpu.peak_flops(half):  # a --gpu file may give no 16-bit rate
         return None
-    half = "bf16" if gpu.bf16_tflops else "fp16"  # Volta and Turing have no bf16 tensor cores
     speed = gpu.peak_flops(half) / gpu.peak_flops("fp32")
     return f"{half} mixed precision", with_tricks(precision=half), f"none: {speed:.1f}x the fp32 matmul peak"
 
 
 def use_flash(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
-    if c.tricks.flash:
+    half = half_precision(gpu)  # flash runs in 16 bits
+    if c.tricks.flash or not gpu.peak_flops(half):
         return None
-    return "FlashAttention", with_tricks(flash=True, precision="bf16"), "none: faster, no s×s through HBM"
+    return "FlashAttention", with_tricks(flash=True, precision=half), "none: faster, no s×s through HBM"
 
 
 def use_smaller_batch(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
@@ -185,8 +200,8 @@ def first(n: int, holds: Callable[[int], bool]) -> int | None:
 def with_tricks(**changes: object) -> Change:
     def change(c: Combination) -> Combination:
         fields = dict(changes)
-        if fields.get("precision") == "bf16" and c.tricks.precision != "fp32":
-            del fields["precision"]  # keep fp16 where it was chosen; only fp32 must become 16-bit
+        if "precision" in fields and c.tricks.precision != "fp32":
+            del fields["precision"]  # keep the 16-bit recipe chosen; only fp32 must become 16-bit
         return replace(c, tricks=replace(c.tricks, **fields))
 
     return change

@@ -52,6 +52,7 @@ class GPU:
     host: str = "pcie5"  # and to the host
     memory_cap_bytes: int = 0  # --gpu-memory: at most this much of the card is the job's; 0: all of it
     headroom_spec: str = ""  # --headroom as given ("2GB", "10%"); "": memcalc.model.headroom's default
+    derived: str = ""  # what a --gpu file left out, and what memcalc derived for it or holds unknown (0)
 
     def __post_init__(self) -> None:
         check_gpu(self)
@@ -74,7 +75,8 @@ class GPU:
 PEAK_FIELDS = {"bf16": "bf16_tflops", "fp16": "fp16_tflops", "fp32": "fp32_tflops",  # GPU.peak_flops by precision,
                "fp8-e4m3": "fp8_tflops", "fp8-e5m2": "fp8_tflops"}  # or by a float8 matmul's operands
 RATES = ("bf16_tflops", "fp16_tflops", "tf32_tflops", "fp32_tflops", "fp8_tflops")
-REQUIRED_RATES = ("fp16_tflops", "fp32_tflops")  # every card memcalc times has these; bf16, tf32, fp8 may be 0
+PEAK_RATES = ("bf16_tflops", "fp16_tflops", "fp32_tflops")  # a card has one at least; 0: none, or not known
+ROOFLINE_NEEDS = ("fp32_tflops", "bandwidth_gbps")  # the roofline's vector rate and byte rate (time.roofline)
 
 
 def check_gpu(g: GPU) -> None:
@@ -84,11 +86,11 @@ def check_gpu(g: GPU) -> None:
             raise InputError(f"GPU {name} must be a non-empty string, got {getattr(g, name)!r}")
     for name in RATES + ("bandwidth_gbps",):
         value = getattr(g, name)
-        zero_ok = name not in REQUIRED_RATES + ("bandwidth_gbps",)
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or value < 0 or (value == 0 and not zero_ok) or value > MAX_TFLOPS:
-            need = "a number >= 0 (0: none)" if zero_ok else "a positive number"
-            raise InputError(f"GPU {g.key}: {name} must be {need}, got {value!r}")
+        if not ok or value < 0 or value > MAX_TFLOPS:
+            raise InputError(f"GPU {g.key}: {name} must be a number >= 0 (0: none, or not known), got {value!r}")
+    if not any(getattr(g, name) for name in PEAK_RATES):
+        raise InputError(f"GPU {g.key}: needs a peak rate: {', '.join(PEAK_RATES[:-1])} or {PEAK_RATES[-1]}")
     if isinstance(g.memory_mib, bool) or not isinstance(g.memory_mib, int) or not 0 < g.memory_mib <= MAX_MEMORY_MIB:
         raise InputError(f"GPU {g.key}: memory_mib must be a whole number of MiB in [1, {MAX_MEMORY_MIB:,}], "
                          f"got {g.memory_mib!r}")  # fmt: skip
@@ -104,8 +106,21 @@ def check_precision(g: GPU, precision: str, fp8: str = "") -> None:
     if precision == "bf16" and not g.bf16_tflops:
         raise InputError(f"bf16 needs bf16 tensor cores (Ampere or later); the {g.name} has none "
                          "(torch.cuda.is_bf16_supported() is False there): use fp16")  # fmt: skip
+    if not g.peak_flops(precision):  # fp16 or fp32 that a --gpu file does not give (every table card has both)
+        raise InputError(f"{precision} needs the card's {PEAK_FIELDS[precision]}, which its --gpu file does not "
+                         "give: add it to the file, or name another precision")  # fmt: skip
     if fp8 and not g.fp8_tflops:
         raise InputError(f"{fp8} needs FP8 tensor cores (Ada, Hopper or later); the {g.name} has none")
+
+
+def roofline_gaps(g: GPU) -> list[str]:
+    """What the roofline needs of the card and a --gpu file left out (0: not known); [] for a table card."""
+    return [name for name in ROOFLINE_NEEDS if not getattr(g, name)]
+
+
+def half_precision(g: GPU) -> str:
+    """The 16-bit recipe the card runs: bf16, or fp16 where it has no bf16 tensor cores (check_precision)."""
+    return "bf16" if g.bf16_tflops else "fp16"
 
 
 def gpu(key: str) -> GPU:

@@ -10,8 +10,10 @@ through huggingface_hub (`pip install 'memcalc[hub]'`), which keeps it in the sa
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from memcalc.errors import InputError
@@ -63,27 +65,68 @@ def hub_config(repo_id: str) -> Path:
 
 
 def downloaded(repo_id: str) -> Path:
-    """config.json alone, through huggingface_hub into its cache."""
+    """config.json alone, through huggingface_hub into its cache; asked once, without retries (answered)."""
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import constants, hf_hub_download
         from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
     except ImportError:
         raise InputError(f"{repo_id} is not in the Hugging Face cache ({cache_dir()}); to download its config.json: "
                          "pip install 'memcalc[hub]', or pass --config PATH") from None  # fmt: skip
+    unreachable = (f"{repo_id}: the Hugging Face Hub ({constants.ENDPOINT}) could not be reached ({{}}) and the cache "
+                   f"({cache_dir()}) has no config.json for it: retry online, or pass --config PATH")  # fmt: skip
     try:
-        return Path(hf_hub_download(repo_id, "config.json"))
+        answered(repo_id)
+        with quiet("huggingface_hub"):
+            return Path(hf_hub_download(repo_id, "config.json", etag_timeout=TIMEOUT_S))
+    except NoAnswer as e:
+        raise InputError(unreachable.format(e)) from None
     except GatedRepoError:
         raise InputError(f"{repo_id} is gated on the Hub: accept its licence on its page and log in "
                          "(`hf auth login`), or pass --config PATH") from None  # fmt: skip
     except RepositoryNotFoundError:
         raise InputError(f"{repo_id}: no such model on the Hugging Face Hub (or it is private: log in with "
                          "`hf auth login`)") from None  # fmt: skip
-    except LocalEntryNotFoundError:  # what huggingface_hub raises when the Hub cannot be reached
-        raise InputError(f"{repo_id}: the Hugging Face Hub could not be reached and the cache ({cache_dir()}) has "
-                         "no config.json for it: retry online, or pass --config PATH") from None  # fmt: skip
+    except LocalEntryNotFoundError:  # what hf_hub_download raises when the Hub cannot be reached
+        raise InputError(unreachable.format("no answer")) from None
     except Exception as e:  # a proxy, a repo without config.json: whatever else huggingface_hub raises
         reason = type(e).__name__ + (f": {str(e).split('. ')[0][:120]}" if str(e).strip() else "")
         raise InputError(f"{repo_id}: could not fetch config.json from the Hub ({reason}); pass --config PATH") from None
+
+
+TIMEOUT_S = 5  # seconds for the Hub to answer; huggingface_hub's default is 10 (constants.DEFAULT_ETAG_TIMEOUT)
+
+
+class NoAnswer(Exception):
+    """The Hub did not answer at all (no connection, no name, a timeout); its text is the reason."""
+
+
+def answered(repo_id: str) -> None:
+    """One HEAD of the config's URL, with no retry, as hf_hub_download's first is: where it gets no answer,
+    hf_hub_download asks again with back-off (1, 2, 4, 8, 8 s: huggingface_hub utils/_http.py http_backoff,
+    called with retry_on_errors=True by file_download._hf_hub_download_to_cache_dir), logging each try.
+    An answer that refuses (gated, missing: an HTTP error) is raised as it is, for downloaded to word."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
+
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=TIMEOUT_S)
+    except (HfHubHTTPError, EntryNotFoundError, HFValidationError):
+        raise
+    except Exception as e:  # the HTTP client's connection and timeout errors, whichever client this version uses
+        text = re.sub(r"^\[Errno -?\d+\] ", "", str(e).strip()).split(". ")[0][:120]
+        raise NoAnswer(text or type(e).__name__) from None
+
+
+@contextmanager
+def quiet(logger: str):
+    """The library's warnings held back while it runs: its failures reach the user as one line, ours."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def snapshot_of(path: Path) -> str:

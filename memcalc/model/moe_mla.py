@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from memcalc.errors import InputError
+from memcalc.errors import InputError, subject
 
 from .sizes import check_size
 
@@ -52,7 +52,8 @@ def check_latent(shape: ModelShape) -> None:
     if not shape.kv_lora_rank:
         given = [f for f in fields if getattr(shape, f)]
         if given:
-            raise InputError(f"{', '.join(given)} describe latent attention (MLA), which needs kv_lora_rank > 0")
+            raise InputError(f"{subject(given, 'describes', 'describe')} latent attention (MLA), which needs "
+                             "kv_lora_rank > 0")  # fmt: skip
         return
     if not shape.qk_rope_head_dim or shape.qk_rope_head_dim % 2:
         raise InputError(f"latent attention needs an even qk_rope_head_dim (RoPE rotates pairs), got "

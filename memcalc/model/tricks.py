@@ -177,6 +177,19 @@ def check_layer_uniform(tricks: Tricks, what: str) -> None:
                          "are replayed for one GPU (memcalc estimate without a layout, memcalc verify)")  # fmt: skip
 
 
+def trick_warnings(tricks: Tricks) -> list[str]:
+    """What a trick set does that its user likely did not mean: every command that takes it computes it and
+    says this on stderr (memcalc.cli.inputs.resolve_tricks). Selective recompute drops the attention core's
+    activations, 5·a·s²·b of them the s×s scores and softmax (Korthikanti et al. 2022, sec. 5), and
+    recomputes the core in backward; FlashAttention stores no s×s matrix in the first place (Dao et al. 2022,
+    sec. 3.1), so beside it the recompute buys nothing and still costs its time (the roofline times it, HFU
+    counts it)."""
+    if tricks.recompute == "selective" and tricks.flash:
+        return [f"{tricks.label}: selective recompute saves nothing beside flash (FlashAttention keeps no s×s "
+                "scores) and still recomputes the attention core: drop selective, or name ckpt"]  # fmt: skip
+    return []
+
+
 RECOMPUTE_TEXT = {
     "ckpt": "ckpt recomputes whole blocks",
     "selective": "selective recomputes the attention core",

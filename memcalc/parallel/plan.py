@@ -123,7 +123,9 @@ class Plan:
     stack: Stack
     searched: int  # valid layouts evaluated (each with one micro-batch size and recompute mode)
     fitting: int  # of those, how many fit in memory
-    best: tuple[LayoutEstimate, ...]  # the fastest distinct layouts that fit, fastest first, every stage computed
+    fitting_kinds: int  # how many kinds (kind_of) the layouts that fit are of
+    best: tuple[LayoutEstimate, ...]  # the fastest of each of the `top` fastest kinds that fit, fastest first, every
+    # stage computed: min(top, fitting_kinds) of them
     alternatives: tuple[Alternative, ...]
     without: tuple[str, ...] = ()  # features left out of the search (search.WITHOUT)
 
@@ -190,7 +192,7 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
                      for _, lay, s, t, _, _ in distinct(ranked, top))  # fmt: skip
         others = alternatives(model, gpu, assume, best, family_best, family_small, timing)
     return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, timing, stack, searched,
-                len(candidates), best, others, without)  # fmt: skip
+                len(candidates), len({kind_of(c[1], c[3]) for c in candidates}), best, others, without)  # fmt: skip
 
 
 def fitting(model: Model, gpu: GPU, base: Setup, found: Iterator[tuple[Layout, int, int]], variants: tuple[Tricks, ...],
@@ -297,11 +299,12 @@ def note(table: dict[str, tuple], layout: Layout, tricks: Tricks, entry: tuple) 
 
 
 def recompute_variants(tricks: Tricks, recomputes: tuple[str, ...]) -> tuple[Tricks, ...]:
-    """The trick sets to try; with flash, selective recompute has nothing left to recompute and is skipped."""
-    names = [r for r in recomputes if not (tricks.flash and r == "selective")]
-    if not names:
-        raise InputError("selective recompute saves nothing with flash (FlashAttention keeps no s×s scores to "
-                         "recompute): name ckpt instead, or neither to search every recompute mode")  # fmt: skip
+    """The trick sets to try. Searched beside other modes, selective recompute with flash is left out: it keeps
+    what none keeps and recomputes the attention core for it (memcalc.model.tricks.trick_warnings); named
+    alone (--tricks bf16,flash,selective), it is what the job runs and is ranked, with that warning."""
+    if not recomputes:
+        raise InputError("name a recompute mode to search: none, selective or full")
+    names = [r for r in recomputes if not (tricks.flash and r == "selective" and len(recomputes) > 1)]
     return tuple(replace(tricks, recompute=r, ckpt_every=1) for r in names)  # fp8 and compile as given
 
 

@@ -145,7 +145,7 @@ def replay_sharding(setup: Setup, layout: Layout) -> Sharding | None:
 
 
 def textbook_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, reason: str) -> Verdict:
-    """The textbook's verdict: the layout's stage that holds the most, per GPU (memcalc.parallel.layout); under
+    """The textbook's verdict: the layout's stage that holds the most, per GPU (memcalc.parallel.stage_memory); under
     sac each block's saved bytes are memcalc.exact's on the TP shard (activations.sac_layer_activations)."""
     if tricks.mixed:  # the per-stage textbook counts one kind of layer; the replay counts ckpt:N's two
         raise InputError(f"{tricks.label}: the textbook's layouts count ckpt, not ckpt:N, and {reason}")

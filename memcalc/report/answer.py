@@ -9,7 +9,8 @@ parallel by its stages (memcalc.report.layout).
 from __future__ import annotations
 
 from memcalc.engine.answer import Answer
-from memcalc.engine.toolbox import Toolbox
+from memcalc.engine.toolbox import FITS_AS_IT_IS, FITS_NOWHERE, Toolbox
+from memcalc.model.gpus import roofline_gaps
 
 from . import estimate as textbook
 from . import units as u
@@ -23,7 +24,9 @@ DETAIL_HINT = "--detail: every part; --bytes: exact bytes; --explain: the formul
 def time_model_text(ans: Answer) -> str:
     t = ans.layouts[0].time
     if t.utilization is not None:
-        return f"hardware FLOPs at {u.percent(t.utilization)} of peak (--mfu)"
+        gaps = roofline_gaps(ans.job.gpu)
+        why = f"the card's file gives no {', '.join(gaps)} for the roofline" if gaps else "--mfu"
+        return f"hardware FLOPs at {u.percent(t.utilization)} of peak ({why})"
     return "a roofline over every kernel" + (" and the step's traffic" if ans.job.layout.world > 1 else "")
 
 
@@ -164,9 +167,9 @@ def verdict(ans: Answer, units: str) -> str:
     if not tb.start.host_fits:
         host, share = u.size_pair(tb.start.host_bytes, tb.start.host_usable_bytes, units)
         start += f", and {host} of host memory per GPU, of its {share} share"
-    if tb.fits_at == -1:
+    if tb.outcome == FITS_AS_IT_IS:
         return f"Fits: {start}."
-    if tb.fits_at is None:
+    if tb.outcome == FITS_NOWHERE:
         return f"Does not fit: {start}, and nothing in the toolbox makes it fit: {toolbox_reach(ans, units)}."
     chosen = tb.steps[tb.fits_at]
     return (f"Does not fit as it is: {start}. Cheapest combination that fits: {chosen.tricks.label}"
@@ -220,7 +223,7 @@ def sections(ans: Answer, units: str, detail: bool = False) -> list[Section]:
         out += [comm_section(ans.layouts[0], units), time_section(ans.layouts[0])]
     else:
         out.append(textbook.compute_section(est))
-    if ans.toolbox.fits_at != -1:
+    if ans.toolbox.outcome != FITS_AS_IT_IS:
         out.append(toolbox_section(ans.toolbox, units))
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from memcalc.memory.estimate import Estimate
 from memcalc.memory.state import ModelState, model_state, state_sharding
 from memcalc.model.flops import korthikanti_selective_overhead
+from memcalc.model.gpus import half_precision
 
 from . import units as u
 from .render import Section, sized
@@ -206,15 +207,6 @@ def activations_section(est: Estimate, units: str) -> Section:
     return s
 
 
-def warnings(est: Estimate) -> list[str]:
-    """Things the user should know that are not numbers: printed to stderr in every format."""
-    return [
-        f"{t.label}: selective recompute saves nothing here: FlashAttention already keeps no s×s scores"
-        for t in est.trick_sets
-        if t.recompute == "selective" and t.flash
-    ]
-
-
 def logits_section(est: Estimate, units: str) -> Section:
     s = Section("Logits and loss (kept out of the per-layer numbers)", ["recipe", "tensor", "bytes"], align="llr")
     seen = set()
@@ -225,6 +217,16 @@ def logits_section(est: Estimate, units: str) -> Section:
         for t in logits.terms:
             s.rows.append([tricks.precision, f"{t.name} ({t.symbolic()})", sized(t.value, units)])
     return s
+
+
+def peak_line(g) -> str:
+    """The card's dense peaks (0: none, or not given by a --gpu file), and its 16-bit recipe's speed-up over
+    fp32 where it has both."""
+    rates = ", ".join(f"{name} {getattr(g, name + '_tflops'):g}" for name in ("bf16", "fp16", "tf32", "fp32"))
+    half = half_precision(g)
+    known = g.peak_flops(half) and g.fp32_tflops
+    ratio = f": {half}/fp32 = {g.peak_flops(half) / g.peak_flops('fp32'):.1f}x" if known else ""
+    return f"peak {g.key}: {rates} TFLOP/s dense{ratio}"
 
 
 def compute_section(est: Estimate) -> Section:
@@ -244,8 +246,7 @@ def compute_section(est: Estimate) -> Section:
         f"{f.attention_per_token_causal:,} causal",
         "model/hardware FLOPs as Korthikanti et al. 2022 sec. 6.3, non-causal attention; "
         "MFU = model FLOPs / time / peak, HFU counts recompute too",
-        f"peak {g.key}: bf16 {g.bf16_tflops:g}, fp16 {g.fp16_tflops:g}, tf32 {g.tf32_tflops:g}, "
-        f"fp32 {g.fp32_tflops:g} TFLOP/s dense: bf16/fp32 = {g.bf16_tflops / g.fp32_tflops:.1f}x",
+        peak_line(g),
     ]
     selective = next((c for c in est.compute if c.tricks.recompute == "selective" and not c.tricks.flash), None)
     if selective:

@@ -270,12 +270,11 @@ def tricks_section(estimates: list[LayoutEstimate], units: str) -> Section:
 
 
 def layout_warnings(est: LayoutEstimate) -> list[str]:
+    """What the layout does that its user likely did not mean (the trick set's: memcalc.cli.inputs.warn)."""
     out = []
-    lay, t = est.layout, est.tricks
+    lay = est.layout
     if lay.tp > lay.gpus_per_node:
         out.append(f"tp {lay.tp} spans nodes: every layer's collectives cross InfiniBand")
-    if t.recompute == "selective" and t.flash:
-        out.append("selective recompute saves nothing here: FlashAttention already keeps no s×s scores")
     if lay.zero == 3 and lay.shard_group == 1 and not lay.offload_params:
         out.append("ZeRO-3 over one rank shards nothing")
     return out

@@ -49,7 +49,7 @@ def searched(plan: Plan) -> str:
 
 def short_ranking_section(plan: Plan, units: str) -> Section:
     """The fastest layouts that fit, one line each."""
-    s = Section(f"Fastest layouts that fit, of {plan.fitting:,}",
+    s = Section(ranking_title(plan),
                 ["#", "layout", "b x m", "recompute", "memory/GPU", "tokens/s", "step", "MFU"], align="llrlrrrr")  # fmt: skip
     for i, est in enumerate(plan.best, 1):
         t = est.time
@@ -60,7 +60,21 @@ def short_ranking_section(plan: Plan, units: str) -> Section:
     s.notes.append(f"layout: tp (sp: sequence parallel), pp (v: interleaved stages), cp, dp, ZeRO stage{ep}; "
                    "b x m: micro-batch x micro-batches per step; --detail: sharding, memory by part, step time "
                    "by part, and why the obvious alternatives lose")  # fmt: skip
+    s.notes.append(KIND_NOTE)
     return s
+
+
+KIND_NOTE = "a kind: the layouts that differ only in how dp, cp and the micro-batch split the batch"
+
+
+def ranking_title(plan: Plan) -> str:
+    """What the rows are of what fits: the fastest layout of each kind (memcalc.parallel.plan.kind_of), of
+    as many kinds as --top keeps."""
+    kinds, shown, n = plan.fitting_kinds, len(plan.best), plan.fitting
+    layouts = f"{n:,} layout{'s' if n != 1 else ''}"
+    if shown < kinds:
+        return f"Fastest layouts that fit, one per kind: the best {shown} of {kinds:,} kinds ({layouts}; --top N for more)"
+    return f"Fastest layouts that fit, one per kind: {'the 1 kind' if kinds == 1 else f'all {kinds:,} kinds'} ({layouts})"
 
 
 def plan_verdict(plan: Plan, units: str) -> str:
@@ -75,7 +89,7 @@ def plan_verdict(plan: Plan, units: str) -> str:
 
 def ranking_section(plan: Plan, units: str) -> Section:
     headers = ["#", "layout", "sharding", "b x m", "recompute", "memory/GPU", "tokens/s", "step", "MFU", "bubble"]
-    s = Section(f"Fastest layouts that fit, of {plan.fitting:,}", headers + ["exposed comm"], align="rllrlrrrrrr")
+    s = Section(ranking_title(plan), headers + ["exposed comm"], align="rllrlrrrrrr")
     for i, est in enumerate(plan.best, 1):
         t = est.time
         s.rows.append([str(i), layout_text(est.layout), sharding_text(est.layout),
@@ -83,8 +97,7 @@ def ranking_section(plan: Plan, units: str) -> Section:
                        u.size(est.verdict.total_bytes, units), u.rate(t.tokens_per_second), u.seconds(t.step_seconds),
                        u.percent(t.mfu), u.percent(t.bubble_seconds / t.step_seconds),
                        u.seconds(t.exposed_comm_seconds)])  # fmt: skip
-    if not plan.best:
-        s.notes.append("nothing fits: more GPUs, a smaller global batch or a shorter sequence")
+    s.notes.append(KIND_NOTE if plan.best else "nothing fits: more GPUs, a smaller global batch or a shorter sequence")
     return s
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import units as u
+from .estimate import peak_line
 from .render import Section
 
 if TYPE_CHECKING:  # only for annotations
@@ -36,8 +37,7 @@ def time_section(est: Estimate, times: tuple[Roofline, ...], cal: Calibration) -
         "backward QKᵀ included), non-causal and causal",
         f"6N = {f.per_token:,} FLOPs per token (6 per parameter: 2 forward + 4 backward); "
         f"full recompute 8N = {f.per_token_full_recompute:,} ({u.signed_percent(f.recompute_overhead)})",
-        f"peak {g.key}: bf16 {g.bf16_tflops:g}, fp16 {g.fp16_tflops:g}, tf32 {g.tf32_tflops:g}, "
-        f"fp32 {g.fp32_tflops:g} TFLOP/s dense: bf16/fp32 = {g.bf16_tflops / g.fp32_tflops:.1f}x",
+        peak_line(g),
         "the step verify builds: the shape's own parameters, eager PyTorch, AdamW per tensor; "
         "--mfu X for the old model (hardware FLOPs / (X · peak))",
     ]

@@ -25,7 +25,8 @@ from memcalc.exact.base.kernel import STEP_PHASES, Kernel
 from memcalc.exact.kernels import block_weight, kernels_of, recompute_first
 from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.flops import model_flops
-from memcalc.model.gpus import GPU
+from memcalc.errors import InputError
+from memcalc.model.gpus import GPU, roofline_gaps
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
@@ -75,6 +76,8 @@ def flop_rate(unit: str, dtype: str, gpu: GPU, cal: Calibration) -> float:
         return gpu.peak_flops(dtype) * cal.matmul  # tensor-core peak of its dtype (fp32: CUDA cores)
     if unit == "flash":
         return gpu.peak_flops(dtype) * cal.flash
+    if not gpu.fp32_tflops:
+        check_roofline(gpu)
     return gpu.fp32_tflops * 1e12 * cal.vector  # ATen's elementwise math runs in fp32 (at::opmath_type)
 
 
@@ -92,7 +95,17 @@ def kernel_rate(k: Kernel, gpu: GPU, cal: Calibration) -> float:
 
 
 def byte_rate(gpu: GPU, cal: Calibration) -> float:
+    if not gpu.bandwidth_gbps:
+        check_roofline(gpu)
     return gpu.bandwidth_gbps * 1e9 * cal.bandwidth
+
+
+def check_roofline(gpu: GPU) -> None:
+    """A card whose --gpu file leaves out a rate the roofline needs is timed end to end (--mfu) instead."""
+    gaps = roofline_gaps(gpu)
+    if gaps:
+        raise InputError(f"the roofline needs the {gpu.key}'s {' and '.join(gaps)}, which its --gpu file does not "
+                         "give: add them to the file, or time the step with --mfu X")  # fmt: skip
 
 
 def kernel_seconds(k: Kernel, gpu: GPU, cal: Calibration) -> tuple[float, float, float]:

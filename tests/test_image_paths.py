@@ -33,11 +33,16 @@ def fifo(tmp_path, suffix: str) -> str:
     return path
 
 
+# Each case starts a process (2-4 s): one per writer always runs (the SVG, the timeline's PNG, verify's), the
+# others where MEMCALC_SLOW=1, as CI runs them.
+SLOW = pytest.mark.slow("the same writer's refusal, and the sweep's PNG read whole, which always run")
+
+
 @pytest.mark.parametrize("args, suffix", [
     ([*ESTIMATE, "--timeline"], ".svg"),
-    ([*ESTIMATE, "--timeline"], ".png"),
+    pytest.param([*ESTIMATE, "--timeline"], ".png", marks=SLOW),
     ([*ESTIMATE, "--sweep", "seq=256:512"], ".png"),
-    pytest.param(VERIFY, ".svg", marks=NEEDS_TORCH),
+    pytest.param(VERIFY, ".svg", marks=[NEEDS_TORCH, SLOW]),
     pytest.param(VERIFY, ".png", marks=NEEDS_TORCH),
 ])  # fmt: skip
 def test_a_pipe_nobody_reads_is_refused_in_one_line(tmp_path, args, suffix):
@@ -49,9 +54,9 @@ def test_a_pipe_nobody_reads_is_refused_in_one_line(tmp_path, args, suffix):
 
 
 @pytest.mark.parametrize("args, suffix", [
-    ([*ESTIMATE, "--timeline"], ".svg"),
+    pytest.param([*ESTIMATE, "--timeline"], ".svg", marks=SLOW),
     ([*ESTIMATE, "--sweep", "seq=256:512"], ".png"),
-    pytest.param(VERIFY, ".png", marks=NEEDS_TORCH),
+    pytest.param(VERIFY, ".png", marks=[NEEDS_TORCH, SLOW]),
 ])  # fmt: skip
 def test_a_pipe_with_a_reader_gets_the_whole_image(tmp_path, args, suffix):
     path, got = fifo(tmp_path, suffix), []

@@ -364,9 +364,9 @@ def test_exact_beside_textbook():
 
 
 def test_exact_with_a_layout_is_the_tp_shard_op_by_op():
-    from memcalc.cli.inputs import resolve_model
-    from memcalc.model.tricks import parse_tricks
+    from memcalc.cli.groups import ModelOptions
     from memcalc.model.layout import Layout
+    from memcalc.model.tricks import parse_tricks
     from memcalc.verification.distributed import block_terms
 
     args = ["estimate", "--model", "llama3-8b", "--seq", "4096", "--tp", "4", "--sp", "--gpus", "4",
@@ -374,7 +374,7 @@ def test_exact_with_a_layout_is_the_tp_shard_op_by_op():
     out = run(*args, "--format", "json")
     assert out.exit_code == 0, out.output
     terms = json.loads(out.stdout)["exact"][0]
-    expected = block_terms(resolve_model(model="llama3-8b").shape, 4096, 1, parse_tricks("bf16,flash"),
+    expected = block_terms(ModelOptions(model="llama3-8b").resolve().shape, 4096, 1, parse_tricks("bf16,flash"),
                            Layout(tp=4, sp=True))  # fmt: skip
     assert sum(t["value"] for t in terms) == sum(t.value for t in expected)
     assert "textbook against exact for this architecture" in run(*args).stdout

@@ -157,14 +157,11 @@ def sh_commands(text: str) -> list[str]:
     return lines
 
 
-MODEL_OPTIONS = ("params", "model", "config", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
-
-
 def parse_only(args: list[str]) -> None:
     """The command exists and accepts these options (click parses them; nothing runs), and names its model
-    as the command would resolve it (memcalc.cli.inputs.resolve_model: a model is an option click cannot
+    as the command would resolve it (memcalc.cli.groups.ModelOptions: a model is an option click cannot
     require, one of several; verify --step without one measures the step's own)."""
-    from memcalc.cli.inputs import resolve_model
+    from memcalc.cli.groups import ModelOptions
 
     group = typer.main.get_command(app)
     name, *rest = args
@@ -173,7 +170,7 @@ def parse_only(args: list[str]) -> None:
     with command.make_context(name, rest) as ctx:
         given = dict(ctx.params)
     if "model" in given and given.get("step") is None:
-        resolve_model(*(given[k] for k in MODEL_OPTIONS))
+        ModelOptions.of(given).resolve()
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import app
-from memcalc.cli.inputs import resolve_model
+from memcalc.cli.groups import ModelOptions
 from memcalc.errors import InputError
 from memcalc.model.gpus import gpu
 from memcalc.model.tricks import parse_tricks
@@ -22,7 +22,7 @@ def by_key(report):
 def test_korthikanti_table5_gpt3():
     # Korthikanti et al. 2022, Table 5: GPT-3 175B on 64 A100s (312 TFLOP/s), global batch 64, seq 2048,
     # vocab 51200, selective recompute, 13.75 s per iteration -> MFU 51.4%, HFU 52.8%
-    model = resolve_model(model="gpt3-175b", vocab="51200")
+    model = ModelOptions(model="gpt3-175b", vocab="51200").resolve()
     rate = tokens_per_gpu_second(None, 13.75, 64, 2048, 64)
     row = by_key(mfu_report(model, gpu("a100-80gb"), parse_tricks("bf16,selective"), 2048, rate))["korthikanti"]
     assert round(row.mfu * 100, 1) == 51.4
@@ -32,13 +32,13 @@ def test_korthikanti_table5_gpt3():
 def test_nanogpt_flops_per_token():
     # nanoGPT model.py estimate_mfu: 6N + 12·L·H·Q·T with N less the position table; GPT-2 124M with
     # nanoGPT's vocabulary padded to 50304: N = 123,689,472 -> 855,383,040 FLOPs per token at T = 1024
-    model = resolve_model(model="gpt2", vocab="50304")
+    model = ModelOptions(model="gpt2", vocab="50304").resolve()
     row = by_key(mfu_report(model, gpu("a100-40gb"), parse_tricks("bf16"), 1024, 1.0))["palm"]
     assert row.model_flops_per_token == 855_383_040
 
 
 def test_conventions_disagree_and_causal_is_lowest_with_attention():
-    model = resolve_model(params="8e9")
+    model = ModelOptions(params="8e9").resolve()
     rows = by_key(mfu_report(model, gpu("h100-sxm"), parse_tricks("bf16,ckpt"), 8192, 3000.0))
     assert rows["causal"].mfu < rows["palm"].mfu
     assert rows["6n"].hfu / rows["6n"].mfu == pytest.approx(8 / 6)

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from memcalc.cli.inputs import resolve_model
+from memcalc.cli.groups import ModelOptions
 from memcalc.errors import InputError
 from memcalc.model.hfconfig import config_model, shape_from_config
 from memcalc.model.params import n_params, param_counts
@@ -207,17 +207,17 @@ def test_missing_config():
         config_model("no/such/config.json")
 
 
-def test_resolve_model_rules(tmp_path):
-    assert resolve_model(params="8e9", layers="4").shape.n_layers == 4
-    assert resolve_model(params="8e9", layers="4").n_params == 8_000_000_000  # N stays as given
-    assert resolve_model(model="llama3-8b", layers="16").n_params < 8_030_261_248
-    custom = resolve_model(layers="2", hidden="256", heads="4")
+def test_model_options_rules(tmp_path):
+    assert ModelOptions(params="8e9", layers="4").resolve().shape.n_layers == 4
+    assert ModelOptions(params="8e9", layers="4").resolve().n_params == 8_000_000_000  # N stays as given
+    assert ModelOptions(model="llama3-8b", layers="16").resolve().n_params < 8_030_261_248
+    custom = ModelOptions(layers="2", hidden="256", heads="4").resolve()
     assert custom.n_params == n_params(custom.shape)
     with pytest.raises(InputError, match="give one of"):
-        resolve_model(params="8e9", model="gpt2")
+        ModelOptions(params="8e9", model="gpt2").resolve()
     with pytest.raises(InputError, match="say which model"):
-        resolve_model()
+        ModelOptions().resolve()
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100,
                                "n_positions": 32}))  # fmt: skip
-    assert resolve_model(config=str(cfg)).shape.max_positions == 32
+    assert ModelOptions(config=str(cfg)).resolve().shape.max_positions == 32

@@ -6,11 +6,11 @@ from fractions import Fraction
 
 import pytest
 
-from memcalc.cli.inputs import resolve_model
+from memcalc.cli.groups import ModelOptions
 from memcalc.memory.estimate import Setup, estimate
-from memcalc.model.layout import Layout
 from memcalc.model.flops import flop_terms
 from memcalc.model.gpus import gpu
+from memcalc.model.layout import Layout
 from memcalc.report.explain import explain_lines, symbols
 from memcalc.terms import Term
 
@@ -33,7 +33,7 @@ CASES = [
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adam8bit"])
 @pytest.mark.parametrize("case", CASES)
 def test_every_term_evaluates_to_its_value(case, optimizer):
-    model = resolve_model(params=case.get("params"), model=case.get("model"))
+    model = ModelOptions(params=case.get("params"), model=case.get("model")).resolve()
     setup = Setup(case["seq"], case["micro_batch"], optimizer=optimizer)
     est = estimate(model, setup, gpu("h100-sxm"), layout=case["layout"])
     syms = symbols(est)

@@ -15,16 +15,15 @@ from memcalc.exact.base import collection
 from memcalc.report import render
 
 from . import views
+from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepOptions
+from .inputs import check_format, fail, parse_run, render_units, resolve_tricks, roofline_calibration, warn
 from .limits import fit, mfu
+from .options import (Calibration, CapacityFactor, ConfigPath, Cp, Detail, Dp, Ep, EstimateMfu, Etp, ExactBytes,
+                      ExpertImbalance, Ffn, Format, Freeze, GpuMemory, GpuOpt, Gpus, GpusPerNode, GradAccum,
+                      HeadroomOpt, Heads, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, Lora, LoraDropout,
+                      LoraTargets, MicroBatch, ModelName, NoCache, NoOffload, Offload, OffloadParams, Optimizer,
+                      Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 from .serve import serve
-from .inputs import (build_layout, build_routing, build_setup, check_format, fail, parse_fraction, parse_run, warn,
-                     render_units, resolve_gpu, roofline_calibration)  # fmt: skip
-from .options import (Calibration, CapacityFactor, Config, Cp, Detail, Dp, Ep, EstimateMfu,
-                      Etp, ExactBytes, ExpertImbalance, Ffn, Format, Freeze, GpuMemory, GpuOpt, Gpus, GpusPerNode,
-                      GradAccum, Heads, HeadroomOpt, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, Lora,
-                      LoraDropout, LoraTargets, MicroBatch, ModelName, NoOffload, Offload, NoCache, OffloadParams,
-                      Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp, TricksOpt,
-                      Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
 
@@ -70,7 +69,7 @@ def options(
 
 @app.command()
 def estimate(
-    params: Params = None, model: ModelName = None, config: Config = None,
+    params: Params = None, model: ModelName = None, config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = None, micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
@@ -101,17 +100,15 @@ def estimate(
     With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
     estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
     """
+    options = locals()  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.engine.job import Job
 
-        from .inputs import resolve_model, resolve_tricks, seq_for
-
         fmt, units = check_format(fmt), render_units(units)
-        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
-        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
+        the_model = ModelOptions.of(options).resolve()
+        the_gpu = GpuOptions.of(options).resolve()
         trick_sets, said = resolve_tricks(tricks, the_gpu)
-        routing = build_routing(the_model, capacity_factor, expert_imbalance)
+        setup = StepOptions.of(options).resolve(the_model, StackOptions.of(options).resolve())
         run = parse_run(tokens, price)
         if png is not None and sweep is None and not timeline:
             raise InputError("--png draws a sweep or a timeline: add --sweep seq=A:B (or micro-batch=A:B) or "
@@ -130,16 +127,13 @@ def estimate(
                              "formula and source: drop --explain")  # fmt: skip
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
-        setup = build_setup(seq, micro_batch, grad_accum, optimizer, mfu or "0.4", host_memory,
-                            stack, recipe, optimizer_impl, routing, no_cache,
-                            (lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
-        layout = build_layout(gpus, tp, pp, cp, dp, zero, sp, vpp, hybrid, offload, offload_params, gpus_per_node,
-                              pp_layers, reshard, ep, etp)  # fmt: skip
+        layout = LayoutOptions.of(options).resolve()
         if tricks is None and layout.cp > 1:  # the progression drops the sets context parallel cannot run
             trick_sets = tuple(t for t in trick_sets if t.flash)
         timing = setup.mfu if mfu is not None else roofline_calibration(the_gpu, calibration)
         tokens_n, price_x = run or (None, None)
-        job = Job(the_model, setup, the_gpu, layout, trick_sets, timing, tokens_n, price_x, exact, timeline)
+        job = Job(model=the_model, setup=setup, gpu=the_gpu, layout=layout, trick_sets=trick_sets, timing=timing,
+                  tokens=tokens_n, price=price_x, exact=exact, timeline=timeline)  # fmt: skip
         if sweep is not None:
             show = views.sweep_view(job, sweep, png)
         else:
@@ -152,7 +146,7 @@ def estimate(
 
 @app.command()
 def plan(
-    params: Params = None, model: ModelName = None, config: Config = None,
+    params: Params = None, model: ModelName = None, config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
     gpus: Annotated[str, typer.Option("--gpus", help="GPUs in the job (the world size).", metavar="N")] = ...,
@@ -169,19 +163,21 @@ def plan(
     freeze: Freeze = None,
 ) -> None:  # fmt: skip
     """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
+    options = locals()  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.memory.estimate import MAX_HOST_BYTES
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
+        from memcalc.model.sizes import parse_fraction
         from memcalc.model.tricks import check_layer_uniform, layout_counts
         from memcalc.parallel.plan import plan as run_plan
 
-        from .inputs import finetune_stack, resolve_model, resolve_tricks, seq_for
+        from .groups import seq_for
 
         fmt, units = check_format(fmt), render_units(units)
-        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        the_model = ModelOptions.of(options).resolve()
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
+        the_gpu = GpuOptions.of(options).resolve()
         (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, PLAN_TRICKS)
         if not layout_counts(t, the_model.shape.is_moe):
             check_layer_uniform(t, "the planner's layouts")
@@ -189,6 +185,7 @@ def plan(
         if mfu is not None and calibration is not None:
             raise InputError("--mfu replaces the roofline: drop --calibration or --mfu")
         timing = parse_fraction(mfu, "mfu") if mfu is not None else roofline_calibration(the_gpu, calibration)
+        stack = StackOptions.of(options, recipe=None, optimizer_impl=None).resolve()  # the planner picks no recipe
         result = run_plan(
             the_model, the_gpu, parse_count(gpus, "gpus", MAX_GPUS), parse_seq(seq),
             parse_count(global_batch, "global-batch", MAX_BATCH),
@@ -197,7 +194,7 @@ def plan(
             top=parse_count(top, "top", 1000), offload=not no_offload,
             recomputes=(t.recompute,) if named else ("none", "selective", "full"),
             host_memory=parse_count(host_memory, "host-memory", MAX_HOST_BYTES),
-            stack=finetune_stack(stack, None, None, no_cache, (lora, lora_targets, lora_dropout, quantize, freeze)),
+            stack=stack,
             without=tuple(w.strip().lower() for w in (without or "").split(",") if w.strip()),
         )  # fmt: skip
     except InputError as e:
@@ -216,7 +213,7 @@ app.command()(mfu)
 
 @app.command()
 def verify(
-    params: Params = None, model: ModelName = None, config: Config = None,
+    params: Params = None, model: ModelName = None, config: ConfigPath = None,
     layers: Annotated[Optional[str], typer.Option("--layers", help="Depth to build (overrides the model's layers).", metavar="N")] = None,
     hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None, ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = None, micro_batch: MicroBatch = "1",
@@ -244,22 +241,20 @@ def verify(
     detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Build the real model in PyTorch, train a few steps, and hold every prediction against the measurement."""
+    options = locals()  # every option by name, for the groups (memcalc.cli.groups)
     collection.FREEZE = False  # torch's objects in cycles must be collected: a leaked storage would be measured
     try:
         from memcalc.model.shape import parse_count
+        from memcalc.model.sizes import parse_fraction
         from memcalc.model.tricks import check_measurable
 
         from . import verify_runs
-        from .inputs import resolve_model, resolve_tricks, seq_for
 
         fmt, units = check_format(fmt), render_units(units)
-        shape_given = any(x is not None for x in (params, model, config, layers, hidden, heads))
-        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab) \
-            if shape_given or step is None else None  # fmt: skip
-        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        setup = build_setup(seq, micro_batch, "1", optimizer, "0.4", "2T", stack, recipe, optimizer_impl,
-                            no_cache=no_cache,
-                            finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
+        models = ModelOptions.of(options)
+        the_model = models.resolve() if models.given or step is None else None  # --step measures its own
+        # its --grad-accum is a pipeline's micro-batches (with --pp): the step itself is one micro-batch
+        setup = StepOptions.of(options, grad_accum="1").resolve(the_model, StackOptions.of(options).resolve())
         (the_tricks,), said = resolve_tricks([tricks], None)
         check_measurable(the_tricks)
         n_steps = parse_count(steps, "steps", 1000)

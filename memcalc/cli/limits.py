@@ -11,8 +11,9 @@ import typer
 from memcalc.errors import InputError
 from memcalc.report import render
 
-from .inputs import build_layout, build_setup, check_format, fail, parse_positive, render_units, resolve_gpu, warn
-from .options import (Config, DataParallelGpus, Detail, ExactBytes, Ffn, Format, Freeze, GpuMemory, GpuOpt,
+from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepOptions, seq_for
+from .inputs import check_format, fail, render_units, resolve_tricks, warn
+from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, Ffn, Format, Freeze, GpuMemory, GpuOpt,
                       HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers, Lora, LoraDropout,
                       LoraTargets, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params, Quantize, RecipeOpt,
                       Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
@@ -20,7 +21,7 @@ from .options import (Config, DataParallelGpus, Detail, ExactBytes, Ffn, Format,
 FIT_TRICKS, MFU_TRICKS = "bf16,flash", "bf16"  # without --tricks; fp16 in place of bf16 where a card lacks it
 
 def fit(
-    params: Params = None, model: ModelName = None, config: Config = None,
+    params: Params = None, model: ModelName = None, config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[Optional[str], typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST", show_default=FIT_TRICKS)] = None,
@@ -32,19 +33,15 @@ def fit(
     quantize: Quantize = None, freeze: Freeze = None,
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
+    options = locals()  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.engine.fit import fit_limits
 
-        from .inputs import resolve_model, resolve_tricks, seq_for
-
         fmt, units = check_format(fmt), render_units(units)
-        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
-        seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        setup = build_setup(seq, micro_batch, "1", optimizer, "0.4", host_memory, stack, recipe,
-                            optimizer_impl, no_cache=no_cache,
-                            finetune=(lora, lora_targets, lora_dropout, quantize, freeze))  # fmt: skip
-        layout = build_layout(gpus, zero=zero, offload=offload)  # data parallel: fit solves one GPU of it
-        the_gpu = resolve_gpu(gpu, gpu_memory, headroom)
+        the_model = ModelOptions.of(options).resolve()
+        setup = StepOptions.of(options).resolve(the_model, StackOptions.of(options).resolve())
+        layout = LayoutOptions.of(options).resolve()  # data parallel (--gpus, --zero, --offload): fit solves one GPU
+        the_gpu = GpuOptions.of(options).resolve()
         (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, FIT_TRICKS)
         limits = fit_limits(the_model, setup, the_gpu, t, layout)
     except InputError as e:
@@ -65,7 +62,7 @@ def fit(
 
 
 def mfu(
-    params: Params = None, model: ModelName = None, config: Config = None,
+    params: Params = None, model: ModelName = None, config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None, seq: Seq = None,
     tokens_per_sec: Annotated[Optional[str], typer.Option("--tokens-per-sec", help="Measured tokens per second per GPU.", metavar="X")] = None,
@@ -76,17 +73,17 @@ def mfu(
     gpu: GpuOpt = "h100-sxm", fmt: Format = "table",
 ) -> None:  # fmt: skip
     """MFU and HFU of a measured throughput under every FLOPs convention in use, side by side."""
+    options = locals()  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.memory.state import MAX_GPUS
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
+        from memcalc.model.sizes import parse_positive
         from memcalc.time.mfu import mfu_report, tokens_per_gpu_second
 
-        from .inputs import resolve_model, resolve_tricks, seq_for
-
         fmt = check_format(fmt)
-        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        the_model = ModelOptions.of(options).resolve()
         seq = seq_for(seq, the_model)  # 4096, or the model's position table if shorter
-        the_gpu = resolve_gpu(gpu)
+        the_gpu = GpuOptions.of(options).resolve()
         (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, MFU_TRICKS)
         seq_len = parse_seq(seq)
         rate = tokens_per_gpu_second(

@@ -10,7 +10,7 @@ import typer
 
 Params = Annotated[Optional[str], typer.Option("--params", help="Parameter count (8e9, 70B); the shape comes from the canonical table.", metavar="N")]  # fmt: skip
 ModelName = Annotated[Optional[str], typer.Option("--model", help="A preset (see `memcalc presets`), or a Hugging Face Hub id ORG/NAME: its config.json from the local cache, else downloaded alone.", metavar="NAME")]  # fmt: skip
-Config = Annotated[Optional[str], typer.Option("--config", help="A Hugging Face config.json (a path, or a Hub id ORG/NAME as with --model).", metavar="PATH")]  # fmt: skip
+ConfigPath = Annotated[Optional[str], typer.Option("--config", help="A Hugging Face config.json (a path, or a Hub id ORG/NAME as with --model).", metavar="PATH")]  # fmt: skip
 Layers = Annotated[Optional[str], typer.Option("--layers", help="Override the number of layers.", metavar="N")]
 Hidden = Annotated[Optional[str], typer.Option("--hidden", help="Override the hidden size.", metavar="N")]
 Heads = Annotated[Optional[str], typer.Option("--heads", help="Override the attention heads.", metavar="N")]

@@ -9,11 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 from memcalc.errors import InputError
+from memcalc.model.sizes import parse_fraction
 from memcalc.report import render
 
-from .inputs import check_format, parse_fraction, render_units, roofline_calibration
-from .options import (Calibration, Config, Detail, ExactBytes, Ffn, Format, GpuOpt, Heads, Hidden, KvHeads, Layers,
-                      ModelName, Params, Units, Vocab)  # fmt: skip
+from .inputs import check_format, render_units, roofline_calibration
+from .options import (Calibration, ConfigPath, Detail, ExactBytes, Ffn, Format, GpuOpt, Heads, Hidden, KvHeads,
+                      Layers, ModelName, Params, Units, Vocab)  # fmt: skip
 
 Context = Annotated[str, typer.Option("--context", help="Tokens of one request, prompt and output together (vLLM's --max-model-len); k and m are binary.", metavar="N")]  # fmt: skip
 Weights = Annotated[str, typer.Option("--weights", help="The weights' serving format: bf16, fp16, fp8 (per-tensor scales), int8 (GPTQ), int4-awq or int4-gptq (group 128).", metavar="FMT")]  # fmt: skip
@@ -31,7 +32,7 @@ ExpertParallel = Annotated[bool, typer.Option("--expert-parallel", help="Split t
 
 
 def serve(
-    params: Params = None, model: ModelName = None, config: Config = None,
+    params: Params = None, model: ModelName = None, config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None, context: Context = "8192", weights: Weights = "bf16",
     kv_cache_dtype: KvDtype = "auto", batch: Batch = None, gpu: GpuOpt = "h100-sxm",
@@ -42,16 +43,17 @@ def serve(
     units: Units = "gb",
 ) -> None:  # fmt: skip
     """Serving with vLLM: weights, KV cache, the requests and context that fit one GPU, and decode speed."""
+    options = locals()  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.model.gpus import gpu as find_gpu
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
         from memcalc.serve.answer import serve as answer
         from memcalc.serve.job import ServeJob
 
-        from .inputs import optional_count, resolve_model
+        from .groups import ModelOptions, optional_count
 
         fmt, units = check_format(fmt), render_units(units)
-        the_model = resolve_model(params, model, config, layers, hidden, heads, kv_heads, ffn, vocab)
+        the_model = ModelOptions.of(options).resolve()
         the_gpu = find_gpu(gpu)
         job = ServeJob(
             the_model, the_gpu, parse_seq(context, "context"), roofline_calibration(the_gpu, calibration),

@@ -149,8 +149,8 @@ def dist_run(model, setup, tricks, fsdp, tp, sp: bool, device: str, matrix: bool
     """--fsdp/--tp: one rank of a (dp x tp) job on PyTorch's FSDP2 and DTensor, checked before torch loads;
     --matrix: every trick set the check runs, --save: each one's JSON as soon as it is measured."""
     from memcalc.memory.state import MAX_GPUS
-    from memcalc.model.shape import parse_count
     from memcalc.model.layout import Layout
+    from memcalc.model.shape import parse_count
     from memcalc.verification.distributed import check_dist, dist_matrix
 
     if model is not None and (model.shape.is_moe or model.shape.is_mla or model.shape.mtp_layers):
@@ -185,8 +185,8 @@ def pipeline_run(model, setup, tricks, fsdp, tp, sp: bool, pp, stage, grad_accum
     from dataclasses import replace
 
     from memcalc.memory.state import MAX_GPUS
-    from memcalc.model.shape import parse_count
     from memcalc.model.layout import Layout
+    from memcalc.model.shape import parse_count
     from memcalc.verification.pipeline import check_pipeline, peak_stage
 
     if pp is None:

@@ -72,3 +72,19 @@ def parse_bytes(text: str, name: str, limit: float) -> int:
     if raw.lower().endswith("b") and raw[-2:-1].isalpha():  # '24GB', not '24B' (parse_count's billions)
         raw = raw[:-1]
     return parse_count(raw, name, limit, given=text)
+
+
+def parse_positive(text: str, name: str, most: float = math.inf) -> float:
+    """A finite number in (0, most]: --mfu and --tol are fractions (most 1), times and rates are not."""
+    try:
+        value = float(text)  # a number past a double's range is inf (refused below), below it 0.0
+    except ValueError:
+        raise InputError(f"{name} must be a number, got {brief(text)}") from None
+    if not (0 < value <= most and math.isfinite(value)):  # also rejects nan
+        kind = "a fraction in (0, 1]" if most == 1 else "a positive number"
+        raise InputError(f"{name} must be {kind}, got {brief(text)}")
+    return value
+
+
+def parse_fraction(text: str, name: str) -> float:
+    return parse_positive(text, name, most=1)

@@ -1,0 +1,243 @@
+"""The options the commands share, in groups as the engine's records are: the model (ModelOptions -> Model), whose
+code trains it (StackOptions -> Stack), the step (StepOptions -> Setup), how the GPUs share it (LayoutOptions ->
+Layout) and the card (GpuOptions -> GPU). A command reads each group out of its options by name,
+`ModelOptions.of(options)` with `options = locals()` taken before anything else is bound, and each group parses
+its options into its record here, once for every command that takes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from memcalc.errors import InputError, subject
+from memcalc.model.presets import MAX_PARAMS, PRESETS, canonical_model, gpt, preset_model
+from memcalc.model.shape import MAX_SIZE, Model, longest_seq, n_params, override, parse_count
+from memcalc.model.sizes import parse_fraction, parse_positive
+
+DEFAULT_SEQ = 4096
+
+
+class Group:
+    @classmethod
+    def of(cls, options: dict, **given):
+        """This group's options out of a command's, by name (a command that lacks one leaves its default), with
+        `given` in place of the command's own where an option of the same name means something else there."""
+        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options} | given)
+
+
+@dataclass(frozen=True)
+class ModelOptions(Group):
+    """--params N | --model NAME | --config PATH, then --layers --hidden --heads --kv-heads --ffn --vocab."""
+
+    params: str | None = None
+    model: str | None = None
+    config: str | None = None
+    layers: str | None = None
+    hidden: str | None = None
+    heads: str | None = None
+    kv_heads: str | None = None
+    ffn: str | None = None
+    vocab: str | None = None
+
+    @property
+    def given(self) -> bool:
+        """Whether any option names a model (verify --step measures its own without one)."""
+        return any(x is not None for x in (self.params, self.model, self.config, self.layers, self.hidden, self.heads))
+
+    def resolve(self) -> Model:
+        """With --params the parameter count stays N whatever the overrides; otherwise it is the shape's own.
+        With none of the three, --layers, --hidden and --heads describe a GPT-style model."""
+        chosen = [flag for flag, value in (("--params", self.params), ("--model", self.model),
+                                           ("--config", self.config)) if value]  # fmt: skip
+        if len(chosen) > 1:
+            raise InputError(f"give one of --params, --model, --config, not {' and '.join(chosen)}")
+        sizes = {"n_layers": optional_count(self.layers, "layers"), "hidden": optional_count(self.hidden, "hidden"),
+                 "n_heads": optional_count(self.heads, "heads"), "n_kv_heads": optional_count(self.kv_heads, "kv-heads"),
+                 "ffn": optional_count(self.ffn, "ffn"), "vocab": optional_count(self.vocab, "vocab")}  # fmt: skip
+        if self.params:
+            base = canonical_model(parse_count(self.params, "params", MAX_PARAMS))
+            return Model(override(base.shape, **sizes), base.n_params, base.origin + overrides_note(sizes))
+        if self.model or self.config:
+            base = named_model(self.model, self.config)
+            shape = override(base.shape, **sizes)
+            return Model(shape, n_params(shape), base.origin + overrides_note(sizes))
+        if None in (sizes["n_layers"], sizes["hidden"], sizes["n_heads"]):
+            raise InputError("say which model: --params N, --model NAME, --config PATH, or --layers --hidden --heads")
+        base = gpt("custom", sizes["n_layers"], sizes["hidden"], sizes["n_heads"], 0)
+        shape = replace(base, **{k: v for k, v in sizes.items() if v is not None})
+        origin = "custom GPT-style shape from --layers --hidden --heads (GPT-2/3 layer, no position table)"
+        return Model(shape, n_params(shape), origin)
+
+
+def named_model(model: str | None, config: str | None) -> Model:
+    """--model: a preset or a Hub id; --config: a config.json or a Hub id."""
+    from memcalc.model.hfconfig import config_model, hub_model  # here: only these read a config.json
+    from memcalc.model.hub import is_hub_id
+
+    if model:
+        return hub_model(model) if model.strip().lower() not in PRESETS and is_hub_id(model) else preset_model(model)
+    return hub_model(config) if is_hub_id(config) else config_model(config)
+
+
+def optional_count(text: str | None, name: str, limit: float = float(MAX_SIZE)) -> int | None:
+    return None if text is None else parse_count(text, name, limit)
+
+
+def overrides_note(sizes: dict[str, int | None]) -> str:
+    given = ", ".join(f"{k} {v}" for k, v in sizes.items() if v is not None)
+    return f", overridden: {given}" if given else ""
+
+
+def seq_for(seq: str | None, model: Model | None) -> str:
+    """--seq as given; without it 4096 tokens, or the model's learned position table where that is shorter
+    (GPT-2: 1,024), so that `--model gpt2` runs as it is."""
+    if seq is not None:
+        return seq
+    return str(DEFAULT_SEQ if model is None else min(DEFAULT_SEQ, longest_seq(model.shape)))
+
+
+@dataclass(frozen=True)
+class StackOptions(Group):
+    """--stack, --recipe, --optimizer-impl, --no-cache, and the fine-tuning: --lora, --lora-targets,
+    --lora-dropout, --quantize, --freeze."""
+
+    stack: str | None = None
+    recipe: str | None = None
+    optimizer_impl: str | None = None
+    no_cache: bool = False
+    lora: str | None = None
+    lora_targets: str | None = None
+    lora_dropout: str | None = None
+    quantize: str | None = None
+    freeze: str | None = None
+
+    def resolve(self):
+        """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
+        stack is refused; without them, reference is the default (memcalc.model.finetune.finetune_for)."""
+        from memcalc.model.finetune import finetune_for
+        from memcalc.model.stacks import stack_for
+
+        finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze)
+        chosen = stack_for(self.stack or ("reference" if finetune.trains_all else "hf"), self.recipe,
+                           self.optimizer_impl, self.no_cache)  # fmt: skip
+        if finetune.trains_all:
+            return chosen
+        if chosen.model != "hf":
+            raise InputError(f"{finetune.label}: PEFT's LoRA and frozen weights are replayed on Transformers' classes "
+                             f"(--stack hf), not --stack {chosen.key}")  # fmt: skip
+        return replace(chosen, finetune=finetune)
+
+
+@dataclass(frozen=True)
+class StepOptions(Group):
+    """--seq, --micro-batch, --grad-accum, --optimizer, --mfu, --host-memory, and a mixture of experts' routing:
+    --capacity-factor, --expert-imbalance."""
+
+    seq: str | None = None
+    micro_batch: str = "1"
+    grad_accum: str = "1"
+    optimizer: str = "adamw"
+    mfu: str | None = None
+    host_memory: str = "2T"
+    capacity_factor: str | None = None
+    expert_imbalance: str | None = None
+
+    def resolve(self, model: Model | None, stack):
+        """The step the model trains with the stack (seq: --seq, else seq_for's default for the model)."""
+        from memcalc.memory.setup import DEFAULT_MFU, MAX_HOST_BYTES, Setup
+        from memcalc.memory.state import OPTIMIZERS
+        from memcalc.model.shape import MAX_BATCH, parse_seq
+
+        if self.optimizer.strip().lower() not in OPTIMIZERS:
+            raise InputError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+        return Setup(
+            seq_len=parse_seq(seq_for(self.seq, model)),
+            micro_batch=parse_count(self.micro_batch, "micro-batch", MAX_BATCH),
+            grad_accum=parse_count(self.grad_accum, "grad-accum", MAX_BATCH),
+            optimizer=self.optimizer.strip().lower(),
+            mfu=DEFAULT_MFU if self.mfu is None else parse_fraction(self.mfu, "mfu"),
+            host_memory=parse_count(self.host_memory, "host-memory", MAX_HOST_BYTES),
+            stack=stack,
+            routing=self.routing(model),
+        )
+
+    def routing(self, model: Model | None):
+        """--capacity-factor and --expert-imbalance: the routing assumption of a mixture-of-experts model."""
+        from memcalc.model.moe import BALANCED, Routing
+
+        cf, imbalance = self.capacity_factor, self.expert_imbalance
+        if cf is None and imbalance is None:
+            return BALANCED
+        if model is None or not model.shape.is_moe:
+            given = [f for f, v in (("--capacity-factor", cf), ("--expert-imbalance", imbalance)) if v is not None]
+            raise InputError(f"{subject(given, 'describes', 'describe')} how a mixture of experts routes tokens; "
+                             f"{model.shape.name if model else 'the model'} has no experts")  # fmt: skip
+        return Routing(None if cf is None else parse_positive(cf, "capacity-factor"),
+                       1.0 if imbalance is None else parse_positive(imbalance, "expert-imbalance"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayoutOptions(Group):
+    """--gpus, --tp, --pp, --cp, --dp, --zero, --sp, --vpp, --hybrid, --offload, --offload-params, --gpus-per-node,
+    --pp-layers, --reshard, --ep, --etp: one Layout (memcalc.model.layout), --gpus N alone data parallel."""
+
+    gpus: str | None = None
+    tp: str | None = None
+    pp: str | None = None
+    cp: str | None = None
+    dp: str | None = None
+    zero: str = "0"
+    sp: bool = False
+    vpp: str | None = None
+    hybrid: bool = False
+    offload: bool = False
+    offload_params: bool = False
+    gpus_per_node: str | None = None
+    pp_layers: str | None = None
+    reshard: bool | None = None
+    ep: str | None = None
+    etp: str | None = None
+
+    def resolve(self):
+        from memcalc.model.layout import layout_for
+        from memcalc.model.sizes import MAX_GPUS
+
+        def count(text, name, default):
+            return default if text is None else parse_count(text, name, MAX_GPUS)
+
+        if self.zero.strip() not in ("0", "1", "2", "3"):
+            raise InputError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        ends = (self.pp_layers or "0,0").split(",")
+        if len(ends) != 2:
+            raise InputError(f"--pp-layers takes FIRST,LAST (0 leaves one to the split), got {self.pp_layers!r}")
+        first, last = (parse_count(x, "pp-layers", MAX_GPUS) if x.strip() not in ("", "0") else 0 for x in ends)
+        return layout_for(
+            gpus=count(self.gpus, "gpus", None), tp=count(self.tp, "tp", 1), pp=count(self.pp, "pp", 1),
+            cp=count(self.cp, "cp", 1), dp=count(self.dp, "dp", None), zero=int(self.zero), sp=self.sp,
+            vpp=count(self.vpp, "vpp", 1), hybrid=self.hybrid, offload_optimizer=self.offload or self.offload_params,
+            offload_params=self.offload_params, gpus_per_node=count(self.gpus_per_node, "gpus-per-node", 8),
+            first_layers=first, last_layers=last, reshard_after_forward=self.reshard, ep=count(self.ep, "ep", 1),
+            etp=count(self.etp, "etp", 1),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GpuOptions(Group):
+    """--gpu KEY or FILE.json, --gpu-memory, --headroom."""
+
+    gpu: str = "h100-sxm"
+    gpu_memory: str | None = None
+    headroom: str | None = None
+
+    def resolve(self):
+        """The card, checked whole here (its links, what its headroom leaves) so that a bad file or flag is one
+        line before anything is computed."""
+        from memcalc.model.gpus import find_gpu
+        from memcalc.model.headroom import headroom as headroom_of
+        from memcalc.parallel.links import fabric_of
+
+        card = find_gpu(self.gpu, self.gpu_memory, self.headroom)
+        fabric_of(card)
+        headroom_of(card)
+        return card
+

@@ -17,7 +17,7 @@ from memcalc.model.sizes import parse_fraction, parse_positive
 DEFAULT_SEQ = 4096
 
 
-class Group:
+class OptionGroup:
     @classmethod
     def of(cls, options: dict, **given):
         """This group's options out of a command's, by name (a command that lacks one leaves its default), with
@@ -26,7 +26,7 @@ class Group:
 
 
 @dataclass(frozen=True)
-class ModelOptions(Group):
+class ModelOptions(OptionGroup):
     """--params N | --model NAME | --config PATH, then --layers --hidden --heads --kv-heads --ffn --vocab."""
 
     params: str | None = None
@@ -97,7 +97,7 @@ def seq_for(seq: str | None, model: Model | None) -> str:
 
 
 @dataclass(frozen=True)
-class StackOptions(Group):
+class StackOptions(OptionGroup):
     """--stack, --recipe, --optimizer-impl, --no-cache, and the fine-tuning: --lora, --lora-targets,
     --lora-dropout, --quantize, --freeze."""
 
@@ -129,7 +129,7 @@ class StackOptions(Group):
 
 
 @dataclass(frozen=True)
-class StepOptions(Group):
+class StepOptions(OptionGroup):
     """--seq, --micro-batch, --grad-accum, --optimizer, --mfu, --host-memory, and a mixture of experts' routing:
     --capacity-factor, --expert-imbalance."""
 
@@ -177,7 +177,7 @@ class StepOptions(Group):
 
 
 @dataclass(frozen=True)
-class LayoutOptions(Group):
+class LayoutOptions(OptionGroup):
     """--gpus, --tp, --pp, --cp, --dp, --zero, --sp, --vpp, --hybrid, --offload, --offload-params, --gpus-per-node,
     --pp-layers, --reshard, --ep, --etp: one Layout (memcalc.model.layout), --gpus N alone data parallel."""
 
@@ -222,7 +222,7 @@ class LayoutOptions(Group):
 
 
 @dataclass(frozen=True)
-class GpuOptions(Group):
+class GpuOptions(OptionGroup):
     """--gpu KEY or FILE.json, --gpu-memory, --headroom."""
 
     gpu: str = "h100-sxm"

@@ -68,6 +68,8 @@ def test_estimate_and_fit_answer():
     (["--freeze", "32"], "leave one to train"),
     (["--lora", "16", "--lora-dropout", "1.5"], "lora-dropout"),
     (["--lora", "16", "--freeze", "2,4"], "one number of blocks"),
+    # not replayed, and the textbook counts full training's state: it printed 128 GB and an MFU of 161%
+    (["--lora", "16", "--recipe", "master"], "LoRA r=16: the master recipe (fp32 master weights) runs with its"),
 ])  # fmt: skip
 def test_refused_in_one_line(args, says):
     r = run("estimate", "--model", "llama3-8b", "--seq", "1024", *args)
@@ -144,3 +146,27 @@ def test_experts_and_latent_attention_are_refused(model, how):
     for command in ("estimate", "fit"):
         r = run(command, "--model", model, "--seq", "1024", *how)
         assert r.exit_code == 2 and "the hf stack builds" in r.output and r.output.count("\n") == 1, r.output
+
+
+def test_the_toolbox_offers_qlora_where_lora_does_not_fit():
+    """A LoRA that fits no card as it is can fit with its base in 4 bits: the toolbox tries --quantize nf4 (it said
+    "nothing in the toolbox makes it fit"), and the verdict names it with the trick set."""
+    r = run("estimate", "--model", "llama3-8b", "--seq", "2048", "--lora", "16", "--tricks", "fp16,flash,ckpt",
+            "--gpu", "t4", "--format", "json")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    toolbox = json.loads(r.output)["toolbox"]
+    step = toolbox["steps"][toolbox["fits_at"]]
+    assert step["name"].startswith("QLoRA") and step["verdict"]["fits"]
+    assert step["combination"]["setup"]["stack"]["finetune"]["quantize"] == "nf4"
+    text = run("estimate", "--model", "llama3-8b", "--seq", "2048", "--lora", "16", "--tricks", "fp16,flash,ckpt",
+               "--gpu", "t4").output  # fmt: skip
+    assert "Cheapest combination that fits: fp16+flash+ckpt, QLoRA (nf4) r=16 ->" in " ".join(text.split())
+
+
+def test_a_lora_layout_s_stages_hold_the_lora_state():
+    """The layout's textbook stages count LoRA's state (the frozen base and fp32 adapters), not full training's."""
+    r = run("estimate", "--model", "llama3-8b", "--seq", "2048", "--lora", "16", "--tricks", "bf16,flash,ckpt",
+            "--format", "json")  # fmt: skip
+    out = json.loads(r.output)
+    (stage,) = out["stages"][0]
+    assert stage["state"]["total_bytes"] == out["model_state"]["total_bytes"]

@@ -58,7 +58,7 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
     largest micro-batch at setup's sequence, each by the verdict estimate gives the same job."""
     check_positions(model.shape, setup.seq_len)
     check_precision(gpu, tricks.precision, tricks.fp8_name)
-    check_finetune(model, setup, layout)
+    check_finetune(model, setup, layout, (tricks,))
 
     def memory(seq_len: int, micro_batch: int) -> Verdict:
         return gpu_verdict(model, replace(setup, seq_len=seq_len, micro_batch=micro_batch), gpu, tricks, layout)

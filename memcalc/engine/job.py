@@ -41,7 +41,7 @@ class Job:
             raise InputError("--price-per-gpu-hour needs --tokens (the length of the run)")
         for t in self.trick_sets:
             check_precision(self.gpu, t.precision, t.fp8_name)
-        check_finetune(self.model, self.setup, self.layout)
+        check_finetune(self.model, self.setup, self.layout, self.trick_sets)
 
     @property
     def data_parallel(self) -> bool:
@@ -66,12 +66,21 @@ def data_parallel(layout: Layout) -> bool:
     return layout.tp == layout.pp == layout.cp == layout.ep == layout.etp == 1
 
 
-def check_finetune(model: Model, setup: Setup, lay: Layout) -> None:
+def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tricks, ...] = ()) -> None:
     """LoRA and frozen weights (memcalc.model.finetune) are replayed on one GPU, or each GPU of plain data
-    parallelism (every GPU holds the whole model and its adapters); sharded, split or offloaded, refused."""
+    parallelism (every GPU holds the whole model and its adapters); sharded, split or offloaded, refused. The
+    replay is their only account (the textbook's layouts and the traced kernels are full training's), so a
+    recipe or optimizer it does not run with them is refused too, with its reason."""
     ft = setup.stack.finetune
     if ft.trains_all:
         return
+    from memcalc.exact.base.config import not_replayed
+
+    stack = setup.stack
+    for t in trick_sets:
+        why = not_replayed(stack.model, stack.recipe, stack.impl, setup.optimizer, t.precision)
+        if why:
+            raise InputError(f"{ft.label}: {why}")
     if not plain_data_parallel(lay):
         raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of plain data parallelism (no ZeRO, "
                          "offload, tensor, pipeline, context or expert parallel)")  # fmt: skip

@@ -141,6 +141,23 @@ def use_checkpointing(model: Model, gpu: GPU, c: Combination, measure: Measure) 
     return "full activation checkpointing", change, f"+{after / before - 1:.0%} FLOPs per step"
 
 
+def use_quantized_base(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
+    """LoRA over a 16-bit base: the base in 4 bits, QLoRA (bitsandbytes nf4 with double quantisation: about half
+    a byte a weight, memcalc.model.finetune.nf4_bytes), each 4-bit weight dequantised to run its matmuls."""
+    ft = c.setup.stack.finetune
+    if not ft.lora or ft.quantize:
+        return None
+
+    def change(x: Combination) -> Combination:
+        stack = x.setup.stack
+        quantized = replace(stack, finetune=replace(stack.finetune, quantize="nf4"))
+        return replace(x, setup=replace(x.setup, stack=quantized))
+
+    if not runs(model, change(c)):
+        return None
+    return "QLoRA: the base in 4 bits (--quantize nf4)", change, "each weight dequantised at every use"
+
+
 def use_zero(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
     """The fewest GPUs (powers of two), then the lowest ZeRO stage, that fit; else ZeRO-3 on the most."""
     lay = c.layout
@@ -180,7 +197,7 @@ def runs(model: Model, c: Combination) -> bool:
         layout = engine_layout(c.layout, engine)
         check_engine(layout, engine)
         check_layout(layout, model.shape, c.setup.seq_len, c.tricks, c.setup.grad_accum, engine)
-        check_finetune(model, c.setup, layout)
+        check_finetune(model, c.setup, layout, (c.tricks,))
     except InputError:
         return False
     return True
@@ -214,7 +231,8 @@ def with_zero(gpus: int, stage: int) -> Change:
     return change
 
 
-TOOLS: tuple[Tool, ...] = (use_bf16, use_flash, use_smaller_batch, use_checkpointing, use_zero, use_offload)
+TOOLS: tuple[Tool, ...] = (use_bf16, use_flash, use_smaller_batch, use_checkpointing, use_quantized_base, use_zero,
+                           use_offload)  # fmt: skip
 FREE = (use_bf16, use_flash)  # faster as well as (mostly) smaller: applied whatever they save
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from operator import attrgetter
 
-from memcalc.memory.estimate import Fits, Setup
+from memcalc.memory.estimate import Fits, Setup, state_for
 from memcalc.memory.setup import host_share
 from memcalc.memory.state import ModelState, weights_held_elsewhere
 from memcalc.model.gpus import GPU
@@ -201,8 +201,14 @@ def stage_activations(model: Model, setup: Setup, tricks: Tricks, layout: Layout
 def state_of(model: Model, setup: Setup, tricks: Tricks, layout: Layout, stage: int, layers: int) -> StageState:
     """The model state of a stage's GPU (memcalc.parallel.params), sharded by the layout's ZeRO stage; a
     mixture of experts' non-expert state over the dp × cp shard group and its routed experts' over their
-    edp group (Megatron-LM theoretical_memory_usage.py weight_and_optimizer_memory); the engine's buffers."""
+    edp group (Megatron-LM theoretical_memory_usage.py weight_and_optimizer_memory); the engine's buffers. LoRA
+    and frozen weights (plain data parallelism alone: memcalc.engine.job) hold the textbook's state for them
+    (memcalc.memory.estimate.state_for), whatever the layout's ZeRO would have sharded."""
     shape, p, engine = model.shape, layout.pp, setup.stack.engine
+    if not setup.stack.finetune.trains_all:
+        params = gpu_params(model, 1, 1, 0)
+        state = state_for(shape, params, setup, tricks.precision, layout)[0]
+        return StageState(params, 0, state, (), state.total_bytes, state.host_bytes)
     if moe_layer_count(shape):
         params = gpu_params(model, layout.tp, p, stage)
         experts = expert_gpu_params(shape, layout, stage)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from memcalc.engine.answer import Answer
 from memcalc.engine.toolbox import FITS_AS_IT_IS, FITS_NOWHERE, Toolbox
+from memcalc.memory.setup import Setup
 from memcalc.model.gpus import roofline_gaps
 
 from . import estimate as textbook
@@ -145,9 +146,13 @@ def phases_section(ans: Answer, units: str) -> Section:
     return s
 
 
-def setup_text(step) -> str:
-    """', micro-batch 1 x 4 accumulation, ZeRO-2 over 8 GPUs, optimizer offloaded to CPU'."""
+def setup_text(step, start: Setup | None = None) -> str:
+    """', micro-batch 1 x 4 accumulation, ZeRO-2 over 8 GPUs, optimizer offloaded to CPU', and the fine-tuning where
+    the toolbox changed the start's (', qlora nf4 16')."""
     lay, parts = step.layout, []
+    finetune = step.setup.stack.finetune
+    if start is not None and finetune != start.stack.finetune:
+        parts.append(finetune.label)
     if step.setup.micro_batch == 1 and step.setup.grad_accum > 1:
         parts.append(f"micro-batch 1 x {step.setup.grad_accum} accumulation")
     if lay.zero:
@@ -173,7 +178,7 @@ def verdict(ans: Answer, units: str) -> str:
         return f"Does not fit: {start}, and nothing in the toolbox makes it fit: {toolbox_reach(ans, units)}."
     chosen = tb.steps[tb.fits_at]
     return (f"Does not fit as it is: {start}. Cheapest combination that fits: {chosen.tricks.label}"
-            f"{setup_text(chosen)} -> {u.size(chosen.verdict.total_bytes, units)} per GPU.")  # fmt: skip
+            f"{setup_text(chosen, ans.job.setup)} -> {u.size(chosen.verdict.total_bytes, units)} per GPU.")  # fmt: skip
 
 
 def toolbox_reach(ans: Answer, units: str) -> str:

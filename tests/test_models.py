@@ -23,6 +23,13 @@ EXACT = {
     "gpt2-xl": 1_557_611_200,  # HF gpt2-xl
     "llama3-8b": 8_030_261_248,  # Meta-Llama-3-8B
     "llama3-70b": 70_553_706_496,  # Meta-Llama-3-70B
+    "llama3.1-8b": 8_030_261_248,  # meta-llama/Llama-3.1-8B
+    "llama3.1-70b": 70_553_706_496,  # meta-llama/Llama-3.1-70B
+    "llama3.2-1b": 1_235_814_400,  # meta-llama/Llama-3.2-1B
+    "llama3.2-3b": 3_212_749_824,  # meta-llama/Llama-3.2-3B (PEFT's MetaMathQA results count the same)
+    "llama2-7b": 6_738_415_616,  # meta-llama/Llama-2-7b-hf
+    "llama2-13b": 13_015_864_320,  # meta-llama/Llama-2-13b-hf
+    "llama2-70b": 68_976_648_192,  # meta-llama/Llama-2-70b-hf
     "qwen3-8b": 8_190_735_360,  # Qwen3-8B
     "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
     "gemma-7b": 8_537_680_896,  # google/gemma-7b

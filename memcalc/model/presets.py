@@ -68,7 +68,15 @@ PRESETS: dict[str, ModelShape] = {
     "gpt3-175b": gpt("gpt3-175b", 96, 12288, 96, 2048),  # 175.0B (Brown et al. 2020, Table 2.1)
     "llama3-8b": llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, False),  # 8,030,261,248
     "llama3-70b": llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, False),  # 70,553,706,496
+    "llama3.1-8b": llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, False),  # 8,030,261,248 (Llama 3's shape)
+    "llama3.1-70b": llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, False),  # 70,553,706,496
     "llama3.1-405b": llama("llama3.1-405b", 126, 16384, 128, 8, 53248, 128256, False),  # 405B
+    "llama3.2-1b": llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, True, 64),  # 1,235,814,400
+    "llama3.2-3b": llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, True, 128),  # 3,212,749,824
+    # Llama 2 (Touvron et al. 2023, Table 1; meta-llama/Llama-2-*-hf's config.json): MHA at 7B and 13B, GQA at 70B
+    "llama2-7b": llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, False),  # 6,738,415,616
+    "llama2-13b": llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, False),  # 13,015,864,320
+    "llama2-70b": llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, False),  # 68,976,648,192
     "qwen3-0.6b": llama("qwen3-0.6b", 28, 1024, 16, 8, 3072, 151936, True, 128, True),  # 0.6B
     "qwen3-1.7b": llama("qwen3-1.7b", 28, 2048, 16, 8, 6144, 151936, True, 128, True),  # 1.7B
     "qwen3-4b": llama("qwen3-4b", 36, 2560, 32, 8, 9728, 151936, True, 128, True),  # 4.0B

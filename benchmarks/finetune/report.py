@@ -1,0 +1,139 @@
+"""memcalc's fine-tuning peak beside each published measurement of benchmarks/finetune/ (issue 40).
+
+    python benchmarks/finetune/report.py            # each run: its command, published, predicted, ratio; the summary
+    python benchmarks/finetune/report.py --summary  # the summary alone
+
+A run is predicted where memcalc replays its recipe: `command()` writes the `memcalc estimate` that describes it
+(the preset of its Hub id, the trick set from its precision, attention and checkpointing, the stack from its
+trainer and optimizer, LoRA or QLoRA as set) and the verdict's peak is compared with the published figure. A run
+it cannot describe says why (`command()` returns the reason): those are what memcalc does not replay yet. The
+prediction is the peak of allocated bytes; a published figure of another kind (reserved, nvidia-smi) holds more,
+and the summary keeps the kinds apart.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.finetune.corpus import Run, load  # noqa: E402
+
+# the corpus's Hub ids as memcalc's presets (memcalc/model/presets.py; the counts are tests/test_models.py's)
+PRESET = {
+    "meta-llama/Llama-2-7b-hf": "llama2-7b", "meta-llama/Llama-2-13b-hf": "llama2-13b",
+    "meta-llama/Llama-2-70b-hf": "llama2-70b", "meta-llama/Llama-3.2-3B": "llama3.2-3b",
+    "meta-llama/Llama-3.2-3B-Instruct": "llama3.2-3b", "meta-llama/Meta-Llama-3.1-8B-Instruct": "llama3.1-8b",
+    "meta-llama/Meta-Llama-3.1-70B-Instruct": "llama3.1-70b", "meta-llama/Meta-Llama-3.1-405B-Instruct": "llama3.1-405b",
+}  # fmt: skip
+# the optimizers as memcalc names them: (--optimizer, --optimizer-impl); torch.optim.AdamW is foreach on CUDA
+OPTIMIZERS = {
+    "torch.optim.AdamW": ("adamw", "foreach"), "adamw_torch": ("adamw", "foreach"), "adamw_hf": ("adamw", "foreach"),
+    "torch.optim.AdamW (fused)": ("adamw", "fused"), "bnb Adam8bit": ("adam8bit", "loop"),
+}  # fmt: skip
+
+
+def command(run: Run) -> list[str] | str:
+    """The `memcalc estimate` arguments that describe the run, or why memcalc cannot describe it yet."""
+    from memcalc.model.gpus import GPUS
+
+    if run.trainer and run.trainer.startswith("torchtune"):
+        return ("torchtune's recipes are not replayed (its TransformerDecoder, torchao's NF4, bf16 adapters, "
+                "optimizer_in_bwd, CEWithChunkedOutputLoss)")  # fmt: skip
+    if run.method == "other-peft":
+        return f"{run.peft_type}: memcalc replays LoRA and QLoRA, not other PEFT methods"
+    if run.dora:
+        return "DoRA (use_dora: the weight's norm and magnitude beside the adapters) is not replayed"
+    if run.parallel in ("fsdp", "deepspeed"):
+        what = "LoRA and QLoRA" if run.method != "full" else "FSDP1 and DeepSpeed's full fine-tuning"
+        return f"{what} sharded over GPUs ({run.parallel}) are not replayed yet"
+    if run.hf_id not in PRESET:
+        return f"no memcalc preset for {run.hf_id}" + (" (an encoder: memcalc models decoders)" if "bert" in
+                                                        (run.hf_id or "") else "")  # fmt: skip
+    if run.gpu not in GPUS:
+        return f"GPU {run.gpu!r} is not in memcalc's table"
+    if run.optimizer not in OPTIMIZERS:
+        return f"optimizer {run.optimizer!r} is not replayed"
+    if run.reentrant:
+        return "reentrant activation checkpointing is not replayed"
+    optimizer, impl = OPTIMIZERS[run.optimizer]
+    precision = run.amp or run.dtype
+    tricks = [precision] + (["flash"] if run.attention in ("sdpa", "flash2") and precision != "fp32" else [])
+    tricks += ["ckpt"] if run.grad_checkpointing else []
+    args = ["estimate", "--model", PRESET[run.hf_id], "--seq", str(run.seq), "--micro-batch", str(run.micro_batch or 1),
+            "--grad-accum", str(run.grad_accum or 1), "--tricks", ",".join(tricks), "--gpu", run.gpu,
+            "--stack", "hf", "--optimizer", optimizer, "--optimizer-impl", impl]  # fmt: skip
+    args += ["--recipe", "autocast" if run.amp else "pure"]  # weights in their dtype unless autocast mixes them
+    if run.method in ("lora", "qlora"):
+        args += ["--lora", str(run.lora_rank), "--lora-dropout", str(run.lora_dropout or 0)]
+        if run.lora_targets:
+            args += ["--lora-targets", ",".join(run.lora_targets)]
+    if run.method == "qlora":
+        args += ["--quantize", run.quant or "nf4"]
+    return args
+
+
+def predicted(args: list[str]) -> int | str:
+    """The verdict's peak of allocated bytes for the command, or memcalc's refusal."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    r = CliRunner().invoke(app, [*args, "--format", "json"])
+    if r.exit_code != 0:
+        return (r.stderr if hasattr(r, "stderr") and r.stderr else r.output).strip().removeprefix("error: ")
+    return json.loads(r.stdout)["verdict"][0]["total_bytes"]
+
+
+def rows(runs: list[Run]) -> list[dict]:
+    out = []
+    for run in runs:
+        args = command(run)
+        row = {"run": f"{run.source.id}/{run.id}", "split": run.split, "kind": run.memory_kind,
+               "published": run.memory_bytes}  # fmt: skip
+        if isinstance(args, str):
+            row["reason"] = args
+        else:
+            got = predicted(args)
+            row |= {"command": "memcalc " + " ".join(args)} | ({"predicted": got} if isinstance(got, int) else
+                                                               {"reason": f"memcalc refuses: {got}"})  # fmt: skip
+        out.append(row)
+    return out
+
+
+def summary(table: list[dict]) -> list[str]:
+    """Per memory kind and split: the runs predicted, the median and the worst |predicted / published - 1|;
+    then the runs not predicted, by reason."""
+    lines, done = [], [r for r in table if "predicted" in r]
+    for kind in sorted({r["kind"] for r in done}):
+        for split in ("fit", "held-out"):
+            errors = [abs(r["predicted"] / r["published"] - 1) for r in done if r["kind"] == kind and r["split"] == split]
+            if errors:
+                lines.append(f"  {kind:15} {split:9} {len(errors):3} runs: median {statistics.median(errors):.1%}, "
+                             f"worst {max(errors):.1%}")  # fmt: skip
+    reasons: dict[str, int] = {}
+    for r in table:
+        if "reason" in r:
+            reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    lines.append(f"not predicted: {len(table) - len(done)} of {len(table)} runs")
+    lines += [f"  {n:3}  {reason}" for reason, n in sorted(reasons.items(), key=lambda x: -x[1])]
+    return [f"predicted: {len(done)} of {len(table)} runs (|predicted / published - 1| by memory kind)"] + lines
+
+
+def main() -> None:
+    table = rows(load())
+    if "--summary" not in sys.argv:
+        for r in table:
+            if "predicted" in r:
+                print(f"{r['run']} ({r['kind']}, {r['split']}): published {r['published'] / 2**30:.2f} GiB, predicted "
+                      f"{r['predicted'] / 2**30:.2f} GiB ({r['predicted'] / r['published']:.2f}x)\n  {r['command']}")
+        print()
+    print("\n".join(summary(table)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""benchmarks/finetune/report.py: memcalc's peak beside each published fine-tuning measurement (issue 40)."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.finetune.corpus import load  # noqa: E402
+from benchmarks.finetune.report import command, rows, summary  # noqa: E402
+
+
+def test_each_run_is_predicted_or_says_why():
+    table = rows(load())
+    assert all(("predicted" in r) != ("reason" in r) for r in table)
+    done = [r for r in table if "predicted" in r]
+    assert len(done) >= 5 and all(r["predicted"] > 0 for r in done)
+    lines = summary(table)
+    assert lines[0].startswith(f"predicted: {len(done)} of {len(table)} runs")
+    assert any("not predicted" in line for line in lines)
+
+
+def test_a_recipe_memcalc_does_not_replay_is_named_not_guessed():
+    runs = {f"{r.source.id}/{r.id}": r for r in load()}
+    assert "DoRA" in command(runs["peft_metamathqa/llama3.2-3b-dora-r32"])
+    assert "torchtune" in command(next(r for k, r in runs.items() if k.startswith("torchtune_readme/")))
+    args = command(runs["peft_metamathqa/llama3.2-3b-lora-r32"])
+    assert args[:3] == ["estimate", "--model", "llama3.2-3b"] and "--lora" in args and "q_proj,v_proj" in args

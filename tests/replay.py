@@ -30,6 +30,19 @@ def assert_same_step(phases, g, mem, step, live, label) -> None:
         assert a == b, (label, phase)
 
 
+def assert_equal_at_width(shape, seq_len: int, tricks, stack) -> None:
+    """memcalc.exact's step at full width equals the libraries' step on meta: every phase, the saved bytes and
+    the FLOPs (verify.meta.measure_step; imported here so that only the tests that call it need torch)."""
+    from memcalc.exact.step import exact_step
+    from verify.meta import measure_step
+
+    step, _ = measure_step(shape, seq_len, 1, tricks, stack=stack)
+    e = exact_step(shape, seq_len, 1, tricks, stack=stack)
+    for f in FIELDS:
+        assert getattr(e.phases, f) == getattr(step, f), f
+    assert e.activations.total_bytes == step.saved_bytes and step.flops == e.flops.counted
+
+
 def launches(kernels) -> list[tuple]:
     """Each distinct kernel, layer aside, in the order first launched, with how many times it is launched
     (memcalc.exact.kernels.merged): what two blocks, or a trace and its collapsed form, compare by."""

@@ -193,3 +193,12 @@ def test_stack_pages_prose():
     ours, theirs = layer("bf16,flash").terms, layer("bf16,flash", hf).terms
     assert len(theirs) == len(ours) == 19 and sorted(t.value for t in theirs) == sorted(t.value for t in ours)
     assert layer("bf16", hf).per_layer_bytes - layer("bf16").per_layer_bytes == 4 * llama.n_heads * s * s
+
+
+def test_trl_prose():
+    """docs/finetune.md's two peaks of Llama-3-8B's QLoRA, the plain Trainer's and TRL 0.22-0.25's."""
+    out = [json.loads(memcalc(f"estimate --model llama3-8b --seq 2048 --lora 16 --quantize nf4 --tricks bf16,flash "
+                              f"--gpu a100-80gb --format json{stack}"))["verdict"][0]["total_bytes"]
+           for stack in ("", " --stack trl:0.25")]  # fmt: skip
+    assert 1.25 < out[1] / out[0] < 1.42  # "about a third higher"
+    assert_quoted("docs/finetune.md", [f"({out[0] / 1e9:.1f} GB against {out[1] / 1e9:.1f} GB today)"])

@@ -24,7 +24,7 @@ from memcalc.model.finetune import Finetune, adapter_params, finetune_for  # noq
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.stacks import stack_for  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
-from tests.replay import FIELDS, assert_same_step  # noqa: E402
+from tests.replay import FIELDS, assert_equal_at_width, assert_same_step  # noqa: E402
 from tests.test_stack_hf import TINY  # noqa: E402
 from verify.autocast import measure_cpu  # noqa: E402
 from verify.hf import build_hf  # noqa: E402
@@ -150,12 +150,7 @@ def test_qlora_at_8b_width():
     bitsandbytes and PEFT on meta."""
     pytest.importorskip("bitsandbytes")
     shape, t = replace(PRESETS["llama3-8b"], n_layers=3), parse_tricks("bf16,flash,ckpt")
-    stack = replace(PURE, finetune=Finetune(16, quantize="nf4"))
-    step, _ = measure_step(shape, 2048, 1, t, stack=stack)
-    e = exact_step(shape, 2048, 1, t, stack=stack)
-    for f in FIELDS:
-        assert getattr(e.phases, f) == getattr(step, f), f
-    assert e.activations.total_bytes == step.saved_bytes and step.flops == e.flops.counted
+    assert_equal_at_width(shape, 2048, t, replace(PURE, finetune=Finetune(16, quantize="nf4")))
 
 
 def test_refusals():

@@ -262,16 +262,23 @@ class TrainerModel(nn.Module):
     With autocast (device type, 16-bit dtype: TrainingArguments bf16=True or fp16=True over fp32
     weights) the model's forward is the one Accelerate prepared (amp_forward)."""
 
-    def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype] | None = None):
+    def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype] | None = None, trl: str = ""):
         super().__init__()
         self.model = model
         self.autocast = autocast
+        self.trl = trl  # TRL's SFTTrainer's release line: its compute_loss's metrics (verify/trl.py)
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
         call = self.model if self.autocast is None else amp_forward(self.model, *self.autocast)
-        loss = call(input_ids=idx, labels=labels, num_items_in_batch=num_items_in_batch).loss
+        outputs = call(input_ids=idx, labels=labels, num_items_in_batch=num_items_in_batch)
+        loss = outputs.loss
         loss *= 1  # num_processes // tp_size
+        if self.trl:  # SFTTrainer.compute_loss: its metrics from the output, held until it returns the loss
+            from .trl import compute_loss_metrics
+
+            held = compute_loss_metrics(self.trl, outputs.logits, labels)
+            del held
         return loss
 
 
@@ -306,7 +313,7 @@ def convert_to_fp32(data):
 
 def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
              device: str = "meta", autocast: str | None = None, use_cache: bool = False,
-             finetune: Finetune = FULL) -> TrainerModel:  # fmt: skip
+             finetune: Finetune = FULL, trl: str = "") -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
@@ -332,8 +339,11 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     if count != n_params(shape):  # the architecture was picked to build exactly this shape
         raise InputError(f"Transformers' {config.model_type} has {count:,} parameters, memcalc's shape "
                          f"{n_params(shape):,}")  # fmt: skip
-    model = fine_tuned(model, finetune, shape.tied_embeddings)
-    return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None)
+    checkpointing = tricks.recompute == "full"
+    model = fine_tuned(model, finetune, shape.tied_embeddings, trl, checkpointing, amp and dtype == torch.bfloat16)
+    if trl and checkpointing:  # Trainer.train enables it again (use_reentrant=False) over TRL's preparation's
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, trl)
 
 
 def describe(shape: ModelShape) -> str:

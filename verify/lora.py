@@ -34,14 +34,22 @@ def peft():
     return lib
 
 
-def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool) -> nn.Module:
+def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool, trl: str = "", checkpointing: bool = False,
+               bf16_args: bool = False) -> nn.Module:  # fmt: skip
     """get_peft_model with the LoraConfig the job names, or the weights frozen; the model itself when every
-    weight trains."""
+    weight trains. Under TRL's SFTTrainer (trl: its release line) a 4-bit model is prepared first and, under
+    TrainingArguments' bf16=True (bf16_args), cast after (verify/trl.py)."""
+    weight = next(model.parameters())
+    dtype, device = weight.dtype, weight.device.type  # as loaded (TRL's preparation casts weight.data after)
+    del weight
     if finetune.quantize:
         from .qlora import quantized
 
-        weight = next(model.parameters())
-        model = quantized(model, weight.dtype, weight.device.type)
+        model = quantized(model, dtype, device)
+        if trl:
+            from .trl import prepare_kbit
+
+            model = prepare_kbit(model, checkpointing)
     if finetune.lora:
         lib = peft()
         config = lib.LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha,
@@ -49,7 +57,12 @@ def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool) -> nn.Module:
                                 task_type="CAUSAL_LM")  # fmt: skip
         with warnings.catch_warnings():  # PeftModel.__init__ asks the deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
-            return lib.get_peft_model(model, config)
+            model = lib.get_peft_model(model, config)
+        if trl and finetune.quantize and bf16_args:  # args.bf16, the model loaded in 4 bits
+            from .trl import peft_module_casting_to_bf16
+
+            peft_module_casting_to_bf16(model)
+        return model
     for name, p in model.named_parameters():
         if not trainable(name, finetune, tied):
             p.requires_grad_(False)

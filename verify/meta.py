@@ -45,7 +45,8 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
     if stack.model == "hf":
         from .hf import build_hf
 
-        return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache, finetune=stack.finetune)
+        return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache, finetune=stack.finetune,
+                        trl=stack.trl)  # fmt: skip
     return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
 
 

@@ -111,8 +111,10 @@ def kernels_of(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
 
 def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape) -> tuple:
     """What a trace key adds for a stack: nothing for the reference stack's AdamW (its traces and their
-    cache keys as they always were); (model, recipe, impl, optimizer) for a stack the exact model
-    replays; nothing, so the reference stack's step, for one it does not (memcalc.exact.base.config)."""
+    cache keys as they always were); (its code, optimizer) for a stack the exact model replays, the code a
+    Stack of what decides the step (model, recipe, impl, cache, the traced blocks' fine-tuning, TRL's
+    release; not its name or engine); nothing, so the reference stack's step, for one it does not
+    (memcalc.exact.base.config)."""
     if (stack.model, stack.recipe, stack.impl, optimizer) == (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
                                                               DEFAULT_STACK.impl, "adamw"):  # fmt: skip
         return ()
@@ -124,8 +126,9 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape
                          f"{reason}; use fp32 (eager attention) or bf16,flash")  # fmt: skip
     if reason:
         return ()
-    tuned = () if stack.finetune.trains_all else (traced_finetune(stack.finetune),)
-    return (stack.model, stack.recipe, stack.impl, optimizer) + ((True,) if stack.use_cache else ()) + tuned
+    code = replace(DEFAULT_STACK, model=stack.model, recipe=stack.recipe, impl=stack.impl, use_cache=stack.use_cache,
+                   finetune=traced_finetune(stack.finetune), trl=stack.trl)  # fmt: skip
+    return code, optimizer
 
 
 def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | None = None,
@@ -147,19 +150,17 @@ def block_weight(k: Kernel, n_layers: int, tricks: Tricks, shape: ModelShape | N
     return checkpointed if k.layer == tricks.ckpt_every - 1 else n_layers - checkpointed
 
 
-def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *stack: str) -> tuple[Kernel, ...]:
+def traced(one: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, *stack) -> tuple[Kernel, ...]:
     """memcalc.exact.replay.meta.trace of the one-block step, kept on disk between runs (memcalc.exact.base.cache);
-    stack: traced_stack's (model, recipe, impl, optimizer), or none for the reference stack's."""
+    stack: traced_stack's (code, optimizer), or none for the reference stack's."""
 
     def trace_fields() -> list:
         from .replay.meta import trace  # here, not at import: a cached trace never simulates
 
-        model, recipe, impl, optimizer, *rest = stack or (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
-                                                          DEFAULT_STACK.impl, "adamw")  # fmt: skip
-        finetune = next((x for x in rest if isinstance(x, Finetune)), FULL)
-        code = replace(DEFAULT_STACK, model=model, recipe=recipe, impl=impl, use_cache=True in rest, finetune=finetune)
+        code, optimizer = stack or (DEFAULT_STACK, "adamw")
         cfg = StepConfig(one, seq_len, micro_batch, tricks, code, optimizer)
-        kept = (None, *representatives(one, tricks).values()) if finetune.trains_all else (None, *range(one.n_layers))
+        trains_all = code.finetune.trains_all
+        kept = (None, *representatives(one, tricks).values()) if trains_all else (None, *range(one.n_layers))
         return merged(k for k in trace(cfg) if k.layer in kept)
 
     key = (one, seq_len, micro_batch, tricks, *stack)
@@ -189,8 +190,8 @@ def whole_blocks_keep_the_forward(tricks: Tricks, stack_key: tuple) -> bool:
     """Whether checkpointing whole blocks (full, op) leaves the forward's kernels as they are. Not under
     torch.compile, whose fused kernels then write only a block's output (min-cut partitioning: a checkpointed
     block keeps nothing inside), nor for a model that drops its cache when checkpointed (Transformers'
-    use_cache, memcalc.exact.hf.dynamic_cache; True in a trace key's stack part: traced_stack)."""
-    return not tricks.compile and True not in stack_key
+    use_cache, memcalc.exact.hf.dynamic_cache; the code in a trace key's stack part: traced_stack)."""
+    return not tricks.compile and not (stack_key and stack_key[0].use_cache)
 
 
 def full_twin(shape: ModelShape, tricks: Tricks, stack: Stack = DEFAULT_STACK,

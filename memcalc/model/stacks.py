@@ -16,6 +16,9 @@ memcalc's numbers depend on four choices a stack makes (and --recipe, --optimize
              list temporaries over all tensors at once), fused (one kernel per group, no temporaries)
   engine     who splits the model over GPUs (memcalc.parallel.engines): none (memcalc's generic ZeRO
              layouts), fsdp2 (torchtitan's FSDP2), megatron (Megatron-LM), deepspeed (DeepSpeed ZeRO)
+  trl        Hugging Face TRL's SFTTrainer around Transformers' Trainer, by the release line whose code the
+             replay follows (memcalc.exact.hf.trl): how it prepares a 4-bit model for LoRA and what its
+             compute_loss computes beside the loss
 The engine stacks also fix their recipe: torchtitan's fully_shard keeps fp32 sharded parameters (autocast:
 the fp32 weights are the master), Megatron-LM an fp32 main_grad buffer beside bf16 weights (main_grad),
 DeepSpeed ZeRO an fp32 copy of the gradient partition (grad_partition).
@@ -34,6 +37,14 @@ MODELS = ("reference", "hf")
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
 ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
+# TRL's SFTTrainer, by the last release of each line whose code differs in what it allocates
+# (huggingface/trl trl/trainer/sft_trainer.py, trl/models/utils.py at each tag):
+#   0.14  0.9-0.14: a 4-bit model prepared (peft prepare_model_for_kbit_training, then
+#         peft_module_casting_to_bf16 under bf16)
+#   0.21  0.15-0.21: and compute_loss's token accuracy (a contiguous copy of the shifted logits, its argmax)
+#   0.25  0.22-0.25: and the logits' entropy (in chunks of 128 rows, no grad); the model called with use_cache=False
+TRL_RELEASES = ("", "0.14", "0.21", "0.25")
+TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22"}  # each line's first release
 
 
 @record(frozen=True)
@@ -49,10 +60,12 @@ class Stack:
     engine: str = "none"  # none | fsdp2 | megatron | deepspeed: whose code splits the model over GPUs
     use_cache: bool = False  # hf: the forward keeps Transformers' DynamicCache (config.use_cache, its default)
     finetune: Finetune = FULL  # which weights train (memcalc.model.finetune): all, or LoRA's adapters, or all but some
+    trl: str = ""  # TRL's SFTTrainer release line around the Trainer (TRL_RELEASES); "" for none
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
-                                   ("optimizer implementation", self.impl, IMPLS), ("engine", self.engine, ENGINES)):  # fmt: skip
+                                   ("optimizer implementation", self.impl, IMPLS), ("engine", self.engine, ENGINES),
+                                   ("TRL release line", self.trl, TRL_RELEASES)):  # fmt: skip
             if value not in known:
                 raise InputError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
@@ -80,6 +93,12 @@ STACKS: dict[str, Stack] = {
               "TrainingArguments: optim adamw_torch_fused for torch >= 2.8, bf16=True autocasts "
               "(transformers/training_args.py); the model's config.use_cache, on by default, keeps a "
               "DynamicCache through forward (memcalc/exact/hf/dynamic_cache.py)", use_cache=True),  # fmt: skip
+        *(Stack(f"trl:{line}", f"Hugging Face TRL {first}-{line}'s SFTTrainer", "hf", "autocast", "fused",
+                f"huggingface/trl trl/trainer/sft_trainer.py and trl/models/utils.py @ v{line}.0 ({commit}): "
+                f"SFTTrainer over Transformers' Trainer (bf16=True autocasts, adamw_torch_fused)", trl=line,
+                use_cache=line != "0.25")  # compute_loss passes use_cache=False from 0.22
+          for line, commit in (("0.14", "29de6eec7ba9"), ("0.21", "a64ac0d5dc6b"), ("0.25", "9692b1688e70"))
+          for first in (TRL_FIRST[line],)),  # fmt: skip
         Stack("fsdp2", "FSDP2 as torchtitan runs it", "reference", "autocast", "fused",
               "torchtitan/distributed/fsdp.py apply_fsdp_to_decoder: fully_shard per block with "
               "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters; "
@@ -107,6 +126,22 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
             raise InputError(f"--no-cache turns off Transformers' DynamicCache (--stack hf); --stack {key} keeps none")
         changes["use_cache"] = False
     return replace(STACKS[key], **changes) if changes else STACKS[key]
+
+
+def trl_note(stack: Stack) -> str:
+    """What the replay takes of TRL's SFTTrainer (memcalc.exact.hf.trl), in a line for the verdict's notes; ''
+    without TRL."""
+    line = stack.trl
+    if not line:
+        return ""
+    parts = []
+    if stack.finetune.quantize:
+        parts.append("the 4-bit model prepared by peft's prepare_model_for_kbit_training (what is not 4-bit in fp32: "
+                     "its norms lift the residual stream to fp32) and, under bf16, peft_module_casting_to_bf16 "
+                     "(embeddings and head back in bf16)")  # fmt: skip
+    if line != "0.14":
+        parts.append("compute_loss's " + ("entropy of the logits and " if line == "0.25" else "") + "token accuracy")
+    return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + ("; ".join(parts) or "the Trainer's step as it is")
 
 
 def check_tricks(stack: Stack, tricks) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from memcalc.engine.answer import Answer
 from memcalc.engine.toolbox import FITS_AS_IT_IS, FITS_NOWHERE, Toolbox
 from memcalc.memory.setup import Setup
+from memcalc.model.stacks import trl_note
 from memcalc.model.gpus import roofline_gaps
 
 from . import estimate as textbook
@@ -70,6 +71,7 @@ def summary_section(ans: Answer, units: str) -> Section:
         f"({textbook.recipe_text(est.model_state.precision, est.model_state.recipe)}, {job.setup.optimizer}) + "
         f"activations (Korthikanti et al. 2022{moe}) + logits",
     ]
+    s.notes += [note for note in (trl_note(job.setup.stack),) if note]
     s.notes += [f"{', '.join(labels)} *: by formula, the stack's engine's state and buffers on one GPU of the "
                 f"layout (memcalc.model.layout), since {reason}" for reason, labels in by_reason(ans).items()]
     s.notes.append(f"step time: {time_model_text(ans)}; MFU: model FLOPs / step time / dense peak")

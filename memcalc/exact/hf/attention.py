@@ -17,6 +17,7 @@ from ..builder.layers import repeat_kv, transpose12
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from . import dynamic_cache
+from .trl import attention_dtype
 
 
 def causal_mask(g: Graph, cfg: StepConfig, B: int, T: int, position_ids: Tensor, dtype: str) -> Tensor | None:
@@ -140,7 +141,7 @@ def attention_core(g: Graph, cfg: StepConfig, q, k, v, causal, contiguous_qk: bo
             return sdpa_masked_forward(g, q, k, v, causal, cfg.device == "cpu", contiguous_qk), None
         if math_path(cfg):
             return sdpa_math_forward(g, q, k, v, contiguous_qk), None
-        if cfg.flash and cfg.precision == "fp32" and cfg.device != "cpu":  # CUDA's flash kernel takes 16 bits only
+        if cfg.flash and attention_dtype(cfg) == "fp32" and cfg.device != "cpu":  # CUDA's flash kernel: 16 bits only
             return sdpa_efficient_forward(g, q, k, v), None
         if cfg.flash:
             return sdpa_flash_forward(g, q, k, v, cfg.device == "cpu", contiguous_qk), None
@@ -311,7 +312,8 @@ def grad_copies(cfg: StepConfig, masked: bool = False) -> tuple[bool, bool, bool
     if masked and s.positions == "rope":  # sdpa_masked_forward: k and v repeated to every head
         return s.n_heads > 1, s.n_kv_heads > 1, s.n_kv_heads > 1 and s.n_kv_heads < s.n_heads
     cached = dynamic_cache.kept(cfg) and cfg.device != "cpu"  # CPU's flash kernel lays its gradients out (B, T, n, d)
-    cached = cached and not (cfg.flash and cfg.precision == "fp32")  # sdpa_efficient_forward's, as meta lays them
+    cached = cached and not (cfg.flash and attention_dtype(cfg) == "fp32")  # sdpa_efficient_forward's, laid out
+    # as the meta function lays them
     if s.positions == "rope":
         return s.n_heads > 1, s.n_kv_heads > 1, s.n_kv_heads > 1 and (not cfg.flash or cached)
     return (s.n_heads > 1 and not cfg.flash, s.n_kv_heads > 1 and cached and cfg.flash,
@@ -319,9 +321,10 @@ def grad_copies(cfg: StepConfig, masked: bool = False) -> tuple[bool, bool, bool
 
 
 def math_path(cfg: StepConfig) -> bool:
-    """Whether CUDA's SDPA runs its math path (sdpa_math_forward): fp32 with grouped key heads."""
+    """Whether CUDA's SDPA runs its math path (sdpa_math_forward): fp32 (memcalc.exact.hf.trl.attention_dtype)
+    with grouped key heads."""
     s = cfg.shape
-    return cfg.flash and cfg.precision == "fp32" and cfg.device != "cpu" and s.n_kv_heads < s.n_heads
+    return cfg.flash and attention_dtype(cfg) == "fp32" and cfg.device != "cpu" and s.n_kv_heads < s.n_heads
 
 
 def dropout(g: Graph, x: Tensor, p: float) -> Tensor:

@@ -22,6 +22,7 @@ from .. import aten
 from ..sim.graph import LEAF_SEQ, Graph, Node, layer_of
 from ..sim.tensors import Tensor
 from .attention import dropout
+from .trl import prepared_dtype
 
 if TYPE_CHECKING:
     from .family import HFModel
@@ -61,10 +62,13 @@ def trainable(name: str, finetune: Finetune, tied: bool) -> bool:
 
 def dtype_of(name: str, cfg) -> str:
     """A LoRA model's base is loaded in the trick set's dtype (from_pretrained(dtype=...), as PEFT's and QLoRA's
-    examples load it, whatever the recipe); its adapters are fp32 (cast_adapter_dtype). Otherwise the recipe's."""
+    examples load it, whatever the recipe), but where TRL's SFTTrainer prepared a 4-bit model
+    (memcalc.exact.hf.trl.prepared_dtype); its adapters are fp32 (cast_adapter_dtype). Otherwise the recipe's."""
     if not cfg.finetune.lora:
         return cfg.weights_dtype
-    return "fp32" if name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS else cfg.precision
+    if name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS:
+        return "fp32"
+    return prepared_dtype(name, cfg) or cfg.precision
 
 
 def parameter(g: Graph, cfg, name: str, shape: tuple) -> Tensor:

@@ -25,7 +25,7 @@ from ..aten.operands import made
 from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
-from . import dynamic_cache, lora, qlora
+from . import dynamic_cache, lora, qlora, trl
 from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
 from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .gpt2 import gpt2_model
@@ -187,20 +187,21 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
     loss scaled by the process count in place (loss *= 1). Under autocast the model's forward is the
     one Accelerate prepared (verify/hf.py amp_forward): the forward in the autocast region, then its
     16-bit logits converted to an fp32 copy (convert_to_fp32), the output (both logits) dropped once
-    compute_loss has taken the loss."""
+    compute_loss has taken the loss. Under TRL (memcalc.exact.hf.trl) compute_loss then computes its metrics
+    from the output's logits, and they die with them as it returns."""
     with g.scoped("loss"):
         num_items_in_batch = num_items(g, labels)
     if m.autocast is None:
         loss, logits = causal_lm(g, m, idx, labels, num_items_in_batch)
-        del logits  # the output (its cache too) dies as the loss is taken from it
-        dynamic_cache.release(m)
     else:
         with m.autocast.region(g):
-            loss, logits = causal_lm(g, m, idx, labels, num_items_in_batch)
+            loss, half = causal_lm(g, m, idx, labels, num_items_in_batch)
         with g.scoped("logits"):
-            converted = aten.to(g, logits, "fp32")  # accelerate convert_to_fp32: logits.float()
-        del logits, converted
-        dynamic_cache.release(m)
+            logits = aten.to(g, half, "fp32")  # accelerate convert_to_fp32: logits.float()
+        del half  # the model's own output goes as the wrapper returns the converted one
+    held = trl.compute_loss_metrics(g, m.cfg, logits, labels)
+    del logits, held  # the output (its cache too) dies as compute_loss returns the loss
+    dynamic_cache.release(m)
     with g.scoped("loss"):
         aten.mul_scalar_(g, loss)
     return loss

@@ -1,0 +1,141 @@
+"""Hugging Face TRL's SFTTrainer around Transformers' Trainer, in bytes on memcalc.exact.sim: what it does to a
+4-bit model before LoRA, and what its compute_loss computes beside the loss, by release line
+(memcalc.model.stacks.TRL_RELEASES; huggingface/trl at each tag):
+
+  0.9-0.25  SFTTrainer._prepare_peft_model (trl/models/utils.py prepare_peft_model from 0.22): a 4-bit model is
+            prepared by peft's prepare_model_for_kbit_training (every fp16/bf16 parameter but the 4-bit layers'
+            Params4bit cast to fp32: peft/utils/other.py), wrapped by get_peft_model, then under bf16=True
+            peft_module_casting_to_bf16 casts the fp32 embeddings and head back to bf16 and keeps the norms in
+            fp32 (trl/trainer/utils.py). An fp32 norm's weight times bf16 hidden states promotes them: the
+            residual stream runs in fp32 (the 4-bit layers cast their input to the compute dtype and their
+            output back to the input's: bitsandbytes nn/modules.py Linear4bit.forward).
+  0.15-0.25 compute_loss's token accuracy: outputs.logits[..., :-1, :].contiguous() (a copy where the micro-batch
+            has more than one sequence), its argmax, the labels' mask, and their counts.
+  0.22-0.25 compute_loss's entropy under no_grad, before the accuracy: entropy_from_logits over the logits in
+            chunks of 128 rows (log_softmax, exp, their product summed), the chunks' entropies concatenated,
+            then weighted by the attention mask; and the model called with use_cache=False (the stack's).
+Each metric's tensors are compute_loss's locals: they die when it returns the loss, with the logits.
+"""
+
+from __future__ import annotations
+
+from .. import aten
+from ..aten.operands import made
+from ..base.config import StepConfig
+from ..sim.graph import Graph
+from ..sim.tensors import Tensor
+
+CAST_TO_BF16 = ("lm_head", "embed_tokens", "wte", "wpe")  # trl/trainer/utils.py peft_module_casting_to_bf16
+ENTROPY_CHUNK = 128  # trl/trainer/utils.py entropy_from_logits(logits, chunk_size=128)
+IGNORE_INDEX = -100
+
+
+def prepared(cfg: StepConfig) -> bool:
+    """Whether SFTTrainer prepared the model: a 4-bit base under TRL."""
+    return bool(cfg.stack.trl and cfg.finetune.quantize)
+
+
+def prepared_dtype(name: str, cfg: StepConfig) -> str | None:
+    """The dtype SFTTrainer's preparation leaves a parameter of a 4-bit model in (its 4-bit weights and LoRA's
+    adapters apart), or None where it prepares nothing. peft_module_casting_to_bf16 runs under args.bf16: the
+    autocast recipe in bf16 (TrainingArguments' bf16=True over a model loaded in bf16)."""
+    if not prepared(cfg):
+        return None
+    module = name.rpartition(".")[0]
+    bf16_args = cfg.recipe == "autocast" and cfg.precision == "bf16"
+    if bf16_args and "norm" not in module and any(x in module for x in CAST_TO_BF16):
+        return "bf16"  # an fp32 embedding or head back to bf16 (a norm stays fp32)
+    return "fp32"
+
+
+def attention_dtype(cfg: StepConfig) -> str:
+    """The dtype SDPA's kernels see: autocast's 16 bits where the recipe autocasts, else fp32 where TRL prepared
+    the model (its fp32 norms' weights promote the residual stream, and a 4-bit layer returns its input's dtype:
+    q, k and v come out fp32), else the trick set's."""
+    if cfg.recipe == "autocast" and cfg.precision != "fp32":
+        return cfg.precision
+    return "fp32" if prepared(cfg) else cfg.precision
+
+
+def compute_loss_metrics(g: Graph, cfg: StepConfig, logits: Tensor, labels: Tensor) -> list[Tensor]:
+    """What SFTTrainer.compute_loss computes from outputs.logits beside the loss, as its release does: the
+    tensors its frame holds until it returns (the caller lets them go with the logits)."""
+    line = cfg.stack.trl
+    held: list[Tensor] = []
+    if not line or line == "0.14":
+        return held
+    outer, g.grad_enabled = g.grad_enabled, False  # torch.no_grad() in 0.22-0.25 (0.15-0.21: no node saves)
+    try:
+        with g.scoped("loss"):
+            if line == "0.25":
+                held += entropy(g, logits, labels)
+            held += token_accuracy(g, logits, labels)
+    finally:
+        g.grad_enabled = outer
+    return held
+
+
+def entropy(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
+    """entropy_from_logits(outputs.logits): each chunk's log_softmax (held until the next replaces it: the loop's
+    local), exp(logps) * logps summed and negated; the entropies concatenated (the list's chunks then go, the last
+    chunk's log_softmax and entropy with the function's frame); then torch.sum(per_token_entropy *
+    attention_mask) / attention_mask.sum() (the collator's all-ones mask, int64), .item()'d. compute_loss keeps
+    per_token_entropy and the mask."""
+    B, T, V = logits.shape
+    flat = aten.view(g, logits, (B * T, V))
+    logps = chunk_entropy = None
+    entropies = []
+    for start in range(0, B * T, ENTROPY_CHUNK):
+        n = min(ENTROPY_CHUNK, B * T - start)
+        chunk = g.view(flat, (n, V))  # flat_logits.split(128): views of its rows
+        new = made(g, (n, V), "_log_softmax", chunk, dtype=logits.dtype)
+        logps = new  # the last chunk's held until the function returns
+        del new, chunk
+        exp = made(g, (n, V), "exp", logps, dtype=logps.dtype)
+        product = made(g, (n, V), "mul", exp, logps, dtype=logps.dtype)
+        del exp
+        summed = made(g, (n,), "sum", product, dtype=logps.dtype)
+        del product
+        chunk_entropy = made(g, (n,), "neg", summed, dtype=logps.dtype)
+        del summed
+        entropies.append(chunk_entropy)
+    per_token = made(g, (B * T,), "cat", *entropies, dtype=logits.dtype)
+    del entropies, logps, chunk_entropy, flat  # the list rebound, then the frame's locals
+    # the collator's attention mask (all ones: no padding), made here where compute_loss reads it; in a real run its
+    # B·T int64 bytes come with the batch
+    mask = g.empty((B, T), "int64", "ones", kind="input")
+    weighted = made(g, (B, T), "mul", per_token, mask, dtype=logits.dtype)
+    total = made(g, (), "sum", weighted, dtype=logits.dtype)
+    del weighted
+    count = made(g, (), "sum", mask, dtype="int64")
+    mean = made(g, (), "div", total, count, dtype=logits.dtype)
+    del total, count
+    gathered = made(g, (), "mean", mean, dtype=logits.dtype)  # gather_for_metrics(entropy).mean().item()
+    del mean, gathered
+    return [per_token, mask]
+
+
+def token_accuracy(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
+    """outputs.logits[..., :-1, :].contiguous() and labels[..., 1:].contiguous() (copies unless the micro-batch
+    is one sequence, whose slices are contiguous already), the argmax, the mask of labels not IGNORE_INDEX,
+    (predictions == labels) & mask, and the counts."""
+    B, T, V = logits.shape
+    if B == 1:
+        shift_logits, shift_labels = g.view(logits, (1, T - 1, V)), g.view(labels, (1, T - 1))
+    else:
+        shift_logits = made(g, (B, T - 1, V), "clone", logits, dtype=logits.dtype)
+        shift_labels = made(g, (B, T - 1), "clone", labels, dtype="int64")
+    predictions = made(g, (B, T - 1), "argmax", shift_logits, dtype="int64")
+    mask = made(g, (B, T - 1), "ne", shift_labels, dtype="bool")
+    equal = made(g, (B, T - 1), "eq", predictions, shift_labels, dtype="bool")
+    correct = made(g, (B, T - 1), "bitwise_and", equal, mask, dtype="bool")
+    del equal
+    total = made(g, (), "sum", mask, dtype="int64")
+    correct_tokens = made(g, (), "sum", correct, dtype="int64")
+    total_sum = made(g, (), "sum", total, dtype="int64")
+    positive = made(g, (), "gt", total_sum, dtype="bool")  # `if total_sum > 0`, then
+    del positive
+    summed = made(g, (), "sum", correct_tokens, dtype="int64")  # (correct_tokens.sum() / total_sum).item()
+    accuracy = made(g, (), "div", summed, total_sum, dtype="fp32")
+    del summed, accuracy
+    return [shift_logits, shift_labels, predictions, mask, correct, total, correct_tokens, total_sum]

@@ -153,6 +153,8 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     idx = g.empty((B, T), "int64", "input", kind="input")
     targets = g.empty((B, T), "int64", "input", kind="input")
     inputs = mem.live_bytes - weights
+    if timeline:
+        g.recording.loaded = len(mem.timeline)
     recipe = recipe_for(g, model if zero is None else zero.optimizer_model(model))
     if warm_up or not isinstance(recipe, Recipe):  # the libraries' optimizers make their state in their first step
         micro_step(g, model, recipe, idx, targets, micro_batches, zero)

@@ -106,6 +106,8 @@ class Zero:
         g.zero = self
         if sharding.zero == 3:  # the weights are their shards: the built ones stand in, with no bytes
             g.mem.live_bytes -= sum(p.storage.nbytes for p in params)
+            if g.recording is not None:
+                g.recording.elsewhere.update(p.storage.event for p in params)
             where = self.host if sharding.offload_params else g
             self.shards = [named(where.empty((shard_numel(p.numel, sharding.ranks),), p.dtype, "ZeRO-3 shard " + p.name,
                                              kind="state", copies=p.copies), p) for p in params]  # fmt: skip
@@ -121,6 +123,9 @@ class Zero:
         """Optimizer offload: the state the recipe made since `before` (live bytes then) is the host's."""
         if self.sharding.offload:
             self.g.mem.live_bytes = before
+            rec = self.g.recording
+            if rec is not None:  # what is alive of what the first step made: the host's
+                rec.elsewhere.update(i for i in rec.origins if i >= rec.loaded and i not in rec.freed)
 
     # -- the unit boundaries ---------------------------------------------------------------------
     def start(self, phase: str) -> None:

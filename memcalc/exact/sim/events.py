@@ -53,6 +53,8 @@ class Recording:
         self.mem = mem
         self.origins: dict[int, Origin] = {}
         self.freed: dict[int, int] = {}  # allocation's index -> its free's index
+        self.loaded = 0  # the timeline's length once the model, its state and the inputs are made
+        self.elsewhere: set[int] = set()  # allocations not on this GPU: stand-ins, state kept in host memory
 
     def storage(self, g, nbytes: int, op: str, kind: str, copies: int) -> RecordedStorage:
         """A new storage of graph g, its origin noted from what g runs now."""

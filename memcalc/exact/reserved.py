@@ -1,0 +1,79 @@
+"""What PyTorch's caching allocator reserves over a run's first two steps on one GPU (or one ZeRO rank): the
+stack's step replayed at full depth with every allocation recorded (memcalc.exact.replay.meta, as --timeline
+replays it), its allocations and frees, in order, through memcalc.exact.allocator; kept on disk between runs.
+
+The model is taken as loaded: each tensor that lives into the first step is allocated once, in the order the
+build makes it, and what the build makes and frees before the first step (ZeRO-3's whole weights before
+sharding) never reaches the allocator: the libraries load straight into their shards. Both steps run: the
+first makes the optimizer state among the blocks its activations left cached, the second runs on that cache.
+
+On a card, the allocator has what the driver can give it (capacity): where the run's reserve outgrows it,
+the allocator releases its cached segments and asks again, so the run may still fit (the reserve is then
+the one at that capacity) or runs out of memory though the tensors alone fit (the reserve is the one it
+would have taken with no limit, and out_of_memory says where it stopped).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, replace
+
+from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import DEFAULT_STACK, Stack
+from memcalc.model.tricks import Tricks
+
+from .allocator.replay import Reserved, replay
+from .base.config import StepConfig
+from .growth import as_run
+from .replay.zero import Sharding
+
+
+def allocator_events(timeline: list, recording) -> tuple[list, list[str]]:
+    """The allocator's events out of a recorded replay (memcalc.exact.sim.events.Recording): (key, ±bytes,
+    stream) with each event's op; left out, the storages the build made and freed before the first step and
+    those not on this GPU (recording.elsewhere)."""
+    made = {f: a for a, f in recording.freed.items()}
+    passing = {a for a, f in recording.freed.items() if f < recording.loaded} | recording.elsewhere
+    events, names = [], []
+    for i, (_, op, nbytes, _) in enumerate(timeline):
+        key = i if nbytes > 0 else made.get(i)
+        if nbytes == 0 or key in passing:
+            continue
+        events.append((key, nbytes, 0))
+        names.append(op)
+    return events, names
+
+
+@functools.lru_cache(maxsize=1024)
+def step_reserved(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
+                  stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", sharding: Sharding | None = None,
+                  capacity: int | None = None, expandable: bool = False) -> Reserved:  # fmt: skip
+    """The allocator over the first two steps, on a device that can give it `capacity` bytes (None: no limit)."""
+    from .base.cache import remembered
+
+    if sharding is not None and sharding.trivial:
+        sharding = None
+
+    def run() -> dict:
+        from .replay.meta import simulate  # here, not at import: a cached verdict never simulates
+
+        run_as = as_run(tricks, shape.n_layers)
+        cfg = StepConfig(shape, seq_len, micro_batch, run_as, stack, optimizer, grad_accum)
+        _, g, mem = simulate(cfg, timeline=True, sharding=sharding)
+        events, names = allocator_events(mem.timeline, g.recording)
+        return asdict(within(events, names, capacity, expandable))
+
+    key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer, sharding, capacity, expandable)
+    return Reserved(**remembered("reserved", key, run))
+
+
+def within(events: list, names: list[str], capacity: int | None, expandable: bool) -> Reserved:
+    """The run with no limit where its reserve stays within capacity; else at capacity, where the released
+    cache may let it fit; else (out of memory there) the reserve it would need, with where it stopped."""
+    free = replay(events, None, expandable, names)
+    if capacity is None or free.reserved_bytes <= capacity:
+        return replace(free, capacity_bytes=capacity or 0)
+    tight = replay(events, capacity, expandable, names)
+    if not tight.out_of_memory:
+        return tight
+    return replace(free, capacity_bytes=capacity, out_of_memory=tight.out_of_memory)

@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.model.gpus import GPUS, MIB, gpu
-from memcalc.model.headroom import (ALLOCATOR_SHARE, CONTEXT_BYTES, NCCL_BUFFSIZE, cublas_workspace, headroom,
-                                    usable_bytes)  # fmt: skip
+from memcalc.model.headroom import (ALLOCATOR_SHARE, CONTEXT_BYTES, NCCL_BUFFSIZE, allocator_room, cublas_workspace,
+                                    headroom, usable_bytes)  # fmt: skip
 from memcalc.model.presets import preset_model
 from memcalc.parallel.plan import plan
 
@@ -65,7 +65,8 @@ def test_a_card_from_a_file(tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["gpu"]["key"] == "a40" and data["gpu"]["memory_bytes"] == 46068 * MIB
-    assert data["verdict"][0]["usable_bytes"] == 46068 * MIB - data["headroom"]["total_bytes"]
+    room = data["headroom"]["total_bytes"] - data["headroom"]["allocator_bytes"]  # a replayed step: no share kept
+    assert data["verdict"][0]["usable_bytes"] == 46068 * MIB - room
 
 
 MINIMAL = {"name": "NVIDIA A40 48GB", "memory_mib": 46068, "bf16_tflops": 149.7}  # what a datasheet's first lines say
@@ -138,7 +139,8 @@ def test_gpu_memory_caps_the_card():
     r = cli("fit", "--model", "gpt2", "--gpu", "h100-sxm", "--gpu-memory", "24GB", "--format", "json")
     assert r.exit_code == 0, r.output
     limits = json.loads(r.stdout)
-    assert limits["usable_bytes"] == 24 * 10**9 - limits["headroom"]["total_bytes"]
+    fixed = limits["headroom"]["total_bytes"] - limits["headroom"]["allocator_bytes"]
+    assert limits["usable_bytes"] == 24 * 10**9 - fixed  # the allocator's room: its reserve is replayed
     over = cli("estimate", "--model", "gpt2", "--gpu", "rtx4090", "--gpu-memory", "25GiB")
     assert over.exit_code == 2 and "more than the NVIDIA GeForce RTX 4090" in over.output
     assert cli("estimate", "--model", "gpt2", "--gpu-memory", "lots").exit_code == 2
@@ -158,10 +160,14 @@ def test_headroom_is_its_parts():
     parts = ("context_bytes", "cublas_bytes", "nccl_bytes", "allocator_bytes")
     assert room["total_bytes"] == sum(room[k] for k in parts)
     text = " ".join(cli("estimate", "--model", "gpt2", "--gpus", "8", "--zero", "1").stdout.split())  # wrapped
-    assert "Headroom 4.894 GB" in text and "a default, not a measurement" in text and "NCCL 0.134 GB" in text
-    assert "expandable_segments" not in text  # gpt2 is nowhere near the limit: fragmentation does not decide it
-    at_the_limit = " ".join(cli("fit", "--model", "gpt2").stdout.split())  # the largest micro-batch: at the edge
+    assert "Headroom 0.650 GB" in text and "NCCL 0.134 GB" in text and "the rest the caching allocator's, replayed" in text
+    assert "expandable_segments" not in text and "a default" not in text  # replayed: no share kept back
+    kept = " ".join(cli("estimate", "--model", "gpt2", "--gpus", "8", "--zero", "1", "--headroom", "5%").stdout.split())
+    assert "Headroom 4.894 GB" in kept and "allocator 5% 4.244 GB (--headroom 5%)" in kept
+    at_the_limit = " ".join(cli("fit", "--model", "gpt2", "--headroom", "5%").stdout.split())  # the edge
     assert "within the allocator's 5% of the limit: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in at_the_limit
+    replayed = " ".join(cli("fit", "--model", "gpt2").stdout.split())
+    assert "at seq 1,024 x micro-batch 80: the caching allocator reserves" in replayed
 
 
 @pytest.mark.parametrize("spec, total", [("2GB", 2 * 10**9), ("0", 0)])
@@ -189,5 +195,7 @@ def test_plan_never_ranks_a_layout_over_usable_less_headroom(name, gpus, key):
     for est in p.best:
         room = headroom(card, est.layout.groups)
         assert est.headroom == room
-        assert est.verdict.total_bytes <= card.memory_bytes - room.total_bytes == est.verdict.usable_bytes
-        assert usable_bytes(card, est.layout.groups) == est.verdict.usable_bytes
+        v = est.verdict  # the allocator's share kept back, or its room with its reserve replayed near the limit
+        usable = usable_bytes(card, est.layout.groups) if v.keeps_share else allocator_room(card, est.layout.groups)
+        assert v.total_bytes <= usable == v.usable_bytes
+        assert usable == card.memory_bytes - room.total_bytes + (0 if v.keeps_share else room.allocator_bytes)

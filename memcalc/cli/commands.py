@@ -19,10 +19,11 @@ from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepO
 from .inputs import check_format, fail, parse_run, render_units, resolve_tricks, roofline_calibration, warn
 from .limits import fit, mfu
 from .options import (Calibration, CapacityFactor, ConfigPath, Cp, Detail, Dp, Ep, EstimateMfu, Etp, ExactBytes,
-                      ExpertImbalance, Ffn, Format, Freeze, GpuMemory, GpuOpt, Gpus, GpusPerNode, GradAccum,
-                      HeadroomOpt, Heads, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, Lora, LoraDropout,
-                      LoraTargets, MicroBatch, ModelName, NoCache, NoOffload, Offload, OffloadParams, Optimizer,
-                      Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
+                      ExpandableSegments, ExpertImbalance, Ffn, Format, Freeze, GpuMemory, GpuOpt, Gpus, GpusPerNode,
+                      GradAccum, HeadroomOpt, Heads, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, Lora,
+                      LoraDropout, LoraTargets, MicroBatch, ModelName, NoCache, NoOffload, Offload, OffloadParams,
+                      Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp, TricksOpt,
+                      Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 from .serve import serve
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
@@ -82,7 +83,7 @@ def estimate(
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     pp_layers: PpLayers = None, reshard: Reshard = None,
     gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,
-    mfu: EstimateMfu = None, calibration: Calibration = None,
+    expandable_segments: ExpandableSegments = False, mfu: EstimateMfu = None, calibration: Calibration = None,
     capacity_factor: CapacityFactor = None, expert_imbalance: ExpertImbalance = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Tokens the whole run trains on (15e12): days, GPU-hours.", metavar="N")] = None,
     price: Annotated[Optional[str], typer.Option("--price-per-gpu-hour", help="Dollars per GPU-hour, for the run's cost.", metavar="X")] = None,
@@ -154,7 +155,7 @@ def plan(
     seq: Seq = None, gpus_per_node: GpusPerNode = None,
     tricks: Annotated[Optional[str], typer.Option("--tricks", help="Precision and flash; name ckpt or selective to fix the recompute mode, else all are searched.", metavar="LIST", show_default=PLAN_TRICKS)] = None,
     optimizer: Optimizer = "adamw", gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,
-    mfu: EstimateMfu = None, calibration: Calibration = None,
+    expandable_segments: ExpandableSegments = False, mfu: EstimateMfu = None, calibration: Calibration = None,
     top: Annotated[str, typer.Option("--top", help="How many kinds of layout to show, the fastest of each.", metavar="N")] = "5",
     no_offload: NoOffload = False, without: Without = None,
     host_memory: HostMemory = "2T", stack: StackOpt = None, no_cache: NoCache = False, detail: Detail = False,

@@ -223,11 +223,12 @@ class LayoutOptions(OptionGroup):
 
 @dataclass(frozen=True)
 class GpuOptions(OptionGroup):
-    """--gpu KEY or FILE.json, --gpu-memory, --headroom."""
+    """--gpu KEY or FILE.json, --gpu-memory, --headroom, --expandable-segments."""
 
     gpu: str = "h100-sxm"
     gpu_memory: str | None = None
     headroom: str | None = None
+    expandable_segments: bool = False
 
     def resolve(self):
         """The card, checked whole here (its links, what its headroom leaves) so that a bad file or flag is one
@@ -236,7 +237,7 @@ class GpuOptions(OptionGroup):
         from memcalc.model.headroom import headroom as headroom_of
         from memcalc.parallel.links import fabric_of
 
-        card = find_gpu(self.gpu, self.gpu_memory, self.headroom)
+        card = find_gpu(self.gpu, self.gpu_memory, self.headroom, self.expandable_segments)
         fabric_of(card)
         headroom_of(card)
         return card

@@ -13,10 +13,10 @@ from memcalc.report import render
 
 from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepOptions, seq_for
 from .inputs import check_format, fail, render_units, resolve_tricks, warn
-from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, Ffn, Format, Freeze, GpuMemory, GpuOpt,
-                      HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers, Lora, LoraDropout,
-                      LoraTargets, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params, Quantize, RecipeOpt,
-                      Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
+from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, ExpandableSegments, Ffn, Format, Freeze,
+                      GpuMemory, GpuOpt, HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers, Lora,
+                      LoraDropout, LoraTargets, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params, Quantize,
+                      RecipeOpt, Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
 
 FIT_TRICKS, MFU_TRICKS = "bf16,flash", "bf16"  # without --tricks; fp16 in place of bf16 where a card lacks it
 
@@ -28,7 +28,8 @@ def fit(
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, no_cache: NoCache = False, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
-    headroom: HeadroomOpt = None, detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
+    headroom: HeadroomOpt = None, expandable_segments: ExpandableSegments = False, detail: Detail = False,
+    exact_bytes: ExactBytes = False, fmt: Format = "table",
     units: Units = "gb", lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
     quantize: Quantize = None, freeze: Freeze = None,
 ) -> None:  # fmt: skip
@@ -48,15 +49,12 @@ def fit(
         fail(str(e))
     warn(said)
     from memcalc.report import fit as report
-    from memcalc.report.headroom import fragmentation_note, headroom_line
 
     rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch, limits.max_seq_len,
              limits.max_micro_batch]]  # fmt: skip
     headers = ["gpu", "tricks", "seq_len", "micro_batch", "max_seq_len", "max_micro_batch"]
     render.emit(fmt, limits, report.fit_sections(limits, units, detail),
-                [f"Model: {the_model.origin}", headroom_line(limits.headroom, units),
-                 *fragmentation_note(limits.headroom, [v.free_bytes for v in (limits.memory_at_max_seq,
-                                                                              limits.memory_at_max_batch) if v])],
+                report.fit_preamble(limits, the_model.origin, units),
                 (headers, rows),
                 exact=detail or exact_bytes, after=[report.fit_verdict(limits)])  # fmt: skip
 

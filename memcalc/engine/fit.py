@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU, check_precision
-from memcalc.model.headroom import Headroom, headroom, usable_bytes
+from memcalc.model.headroom import Headroom, headroom
 from memcalc.model.layout import Layout
 from memcalc.model.shape import MAX_BATCH, MAX_SEQ, Model, check_positions, longest_seq
 from memcalc.model.tricks import Tricks
@@ -69,7 +69,7 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
     return FitLimits(
         tricks=tricks,
         gpu=gpu.key,
-        usable_bytes=usable_bytes(gpu, layout.groups),
+        usable_bytes=memory(max(max_seq, 1), setup.micro_batch).usable_bytes,
         seq_len=setup.seq_len,
         micro_batch=setup.micro_batch,
         max_seq_len=max_seq,

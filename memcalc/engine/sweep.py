@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memcalc.errors import InputError
+from memcalc.exact.allocator.replay import Reserved
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import GPU
-from memcalc.model.headroom import Headroom, headroom, usable_bytes
+from memcalc.model.headroom import Headroom, headroom
 from memcalc.model.layout import Layout
 from memcalc.model.shape import BINARY, DECIMAL, MAX_BATCH, MAX_SEQ, Model, check_positions, parse_count
 from memcalc.model.tricks import Tricks
@@ -27,8 +28,11 @@ class SweepPoint:
 
     value: int
     tricks: Tricks
-    memory_bytes: int  # the verdict's peak per GPU (memcalc.parallel.verdict)
+    memory_bytes: int  # what the verdict holds to the usable bytes (memcalc.parallel.verdict: total_bytes)
     fits: bool
+    free_bytes: int  # what is left of its usable bytes (negative: over)
+    reserved: Reserved | None  # the caching allocator replayed, where the verdict ran it
+    keeps_share: bool  # its usable bytes keep the allocator's share back (memcalc.parallel.verdict)
     step_seconds: float
     tokens_per_second: float
 
@@ -40,7 +44,7 @@ class Sweep:
     name: str  # seq or micro-batch
     values: tuple[int, ...]
     gpu: str
-    usable_bytes: int  # the GPU's memory less the headroom
+    usable_bytes: int  # the least the points' verdicts may use (memcalc.parallel.verdict: usable_bytes)
     points: tuple[SweepPoint, ...]  # value-major: every trick set at the first value, then the next
     time_model: str = "roofline"  # or --mfu
     headroom: Headroom | None = None  # what usable_bytes keeps back, by part
@@ -90,15 +94,15 @@ def sweep(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...], 
     """Memory (the verdict, as estimate gives it) and step time (timed as estimate times it: the roofline at
     the calibration, or --mfu's rate) at each value."""
     field = SWEEPABLE[name][0]
-    points = []
+    points, usable = [], gpu.memory_bytes
     for value in values:
         at = replace(setup, **{field: value})
         check_positions(model.shape, at.seq_len)
         for tricks in trick_sets:
             verdict = gpu_verdict(model, at, gpu, tricks, layout)
             time = layout_estimate(model, at, gpu, tricks, layout, ends_only=True, timing=timing).time
-            points.append(SweepPoint(value, tricks, verdict.peak_bytes, verdict.fits, time.step_seconds,
-                                     time.tokens_per_second))  # fmt: skip
+            points.append(SweepPoint(value, tricks, verdict.total_bytes, verdict.fits, verdict.free_bytes,
+                                     verdict.reserved, verdict.keeps_share, time.step_seconds, time.tokens_per_second))  # fmt: skip
+            usable = min(usable, verdict.usable_bytes)
     time_model = "--mfu" if isinstance(timing, float) else "roofline"
-    usable, room = usable_bytes(gpu, layout.groups), headroom(gpu, layout.groups)
-    return Sweep(name, values, gpu.key, usable, tuple(points), time_model, room)
+    return Sweep(name, values, gpu.key, usable, tuple(points), time_model, headroom(gpu, layout.groups))

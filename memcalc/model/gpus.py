@@ -52,6 +52,7 @@ class GPU:
     host: str = "pcie5"  # and to the host
     memory_cap_bytes: int = 0  # --gpu-memory: at most this much of the card is the job's; 0: all of it
     headroom_spec: str = ""  # --headroom as given ("2GB", "10%"); "": memcalc.model.headroom's default
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (--expandable-segments)
     derived: str = ""  # what a --gpu file left out, and what memcalc derived for it or holds unknown (0)
 
     def __post_init__(self) -> None:
@@ -134,8 +135,9 @@ def gpu(key: str) -> GPU:
     return GPUS[name]
 
 
-def find_gpu(spec: str, memory: str | None = None, headroom: str | None = None) -> GPU:
-    """--gpu KEY or --gpu FILE.json, capped at --gpu-memory SIZE, with --headroom as given."""
+def find_gpu(spec: str, memory: str | None = None, headroom: str | None = None, expandable: bool = False) -> GPU:
+    """--gpu KEY or --gpu FILE.json, capped at --gpu-memory SIZE, with --headroom and --expandable-segments as
+    given."""
     from .gpu_file import load_gpu, looks_like_file
     from .headroom import parse_headroom
 
@@ -146,7 +148,7 @@ def find_gpu(spec: str, memory: str | None = None, headroom: str | None = None) 
     if headroom is not None:
         parse_headroom(headroom)  # refused here, once, with its flag's name
         card = replace(card, headroom_spec=headroom.strip())
-    return card
+    return replace(card, expandable_segments=True) if expandable else card
 
 def __getattr__(name: str):
     """The table and its sources (memcalc.model.gpu_table) under their old home's names: GPUS, DEFAULT_GPU, ..."""

@@ -6,8 +6,12 @@ usable = the card's memory (or --gpu-memory) - headroom.
   nccl       NCCL's buffers for each communicator the layout opens (none on one GPU)
   allocator  the caching allocator's rounding and fragmentation: reserved but not allocated, a default share
 
+The first three leave the caching allocator its room (allocator_room): where memcalc.exact replays the step,
+the verdict replays the allocator in that room (memcalc.parallel.verdict) and keeps no share back for it; the
+share is for the verdicts the textbook decides, and for those whose allocator is not replayed.
 --headroom SIZE replaces the whole account with SIZE; --headroom 10% keeps the parts and sets the allocator's
-share; --headroom 0 keeps nothing back (planning to the last byte).
+share; --headroom 0 keeps nothing back (planning to the last byte). Either way the share is then every
+verdict's, and the allocator is not replayed.
 """
 
 from __future__ import annotations
@@ -122,3 +126,10 @@ def headroom(gpu: GPU, groups: tuple[int, ...] = ()) -> Headroom:
 def usable_bytes(gpu: GPU, groups: tuple[int, ...] = ()) -> int:
     """What the step's tensors may hold on one GPU: its memory less the headroom."""
     return gpu.memory_bytes - headroom(gpu, groups).total_bytes
+
+
+def allocator_room(gpu: GPU, groups: tuple[int, ...] = ()) -> int:
+    """What the driver can give PyTorch's caching allocator on one GPU: its memory less the CUDA context,
+    cuBLAS's workspaces and NCCL's buffers (the headroom but the allocator's share)."""
+    h = headroom(gpu, groups)
+    return gpu.memory_bytes - h.total_bytes + h.allocator_bytes

@@ -11,12 +11,13 @@ from __future__ import annotations
 from memcalc.engine.answer import Answer
 from memcalc.engine.toolbox import FITS_AS_IT_IS, FITS_NOWHERE, Toolbox
 from memcalc.memory.setup import Setup
-from memcalc.model.stacks import trl_note
 from memcalc.model.gpus import roofline_gaps
+from memcalc.model.stacks import trl_note
+from memcalc.parallel.verdict import REPLAY_BAND
 
 from . import estimate as textbook
 from . import units as u
-from .headroom import fragmentation_note, headroom_line
+from .headroom import allocator_note, fragmentation_note, headroom_line
 from .layout import comm_section, sharding_text, time_section
 from .render import Section, sized
 
@@ -35,12 +36,13 @@ def time_model_text(ans: Answer) -> str:
 def preamble(ans: Answer, units: str, detail: bool) -> list[str]:
     """The model and the step; over several GPUs, how they share the work."""
     est = ans.textbook
-    lines = textbook.preamble(est, units) if detail else textbook.short_preamble(est, units)
+    usable = ans.verdicts[0].usable_bytes
+    lines = textbook.preamble(est, units, usable) if detail else textbook.short_preamble(est, units, usable)
     lay = ans.job.layout
     if lay.hybrid or lay.offload_params:
         lines.append(f"  sharding: {sharding_text(lay)}")
     room = ans.layouts[0].headroom
-    return lines + [headroom_line(room, units)] + fragmentation_note(room, [v.free_bytes for v in ans.verdicts])
+    return lines + [headroom_line(room, units, ans.verdicts)] + fragmentation_note(room, ans.verdicts)
 
 
 def summary_section(ans: Answer, units: str) -> Section:
@@ -48,14 +50,18 @@ def summary_section(ans: Answer, units: str) -> Section:
     the textbook's total beside it, step time and MFU."""
     job, est = ans.job, ans.textbook
     where = "" if job.layout.world == 1 else f" on each of {job.layout.world:,} GPUs"
+    # where the allocator was replayed its reserve takes the place of what the peak adds to the state (the table
+    # fits 100 columns with one of them)
+    reserved = any(v.reserved is not None for v in ans.verdicts)
+    middle = ["= peak", "reserved"] if reserved else ["+ at peak", "= peak"]
     s = Section(f"Peak memory per GPU ({job.setup.stack.label} stack, its step replayed op by op{where}) and step time",
-                ["tricks", "state", "+ at peak", "= peak", "fits?", "textbook", "step time", "MFU"],
-                align="lrrrlrrr")  # fmt: skip
+                ["tricks", "state", *middle, "fits?", "textbook", "step time", "MFU"], align="lrrrlrrr")  # fmt: skip
     for v, m, e in zip(ans.verdicts, est.memory, ans.layouts):
         label = v.tricks.label + ("" if v.replayed else " *")
         # exact bytes under the peak only: under every column the table would not fit 100 columns
-        s.rows.append([label, u.size(v.state_bytes, units), u.size(v.transient_bytes, units),
-                       sized(v.total_bytes, units), textbook.fit_text(v, units, free=True),
+        cells = [sized(v.peak_bytes, units), reserved_cell(v, units)] if reserved else \
+            [u.size(v.transient_bytes, units), sized(v.peak_bytes, units)]
+        s.rows.append([label, u.size(v.state_bytes, units), *cells, textbook.fit_text(v, units, free=True),
                        textbook.textbook_size(m, units), u.seconds(e.time.step_seconds), u.percent(e.time.mfu)])  # fmt: skip
     first = next(v for v in ans.verdicts if v.replayed)
     own = first.n_params
@@ -64,19 +70,33 @@ def summary_section(ans: Answer, units: str) -> Section:
     replays = sorted({v.replay for v in ans.verdicts if v.replayed})
     s.notes = [
         f"replayed{shape} ({'; '.join(replays)}): state = what this GPU keeps between steps (weights, master, "
-        "optimizer state); at peak = activations, logits, grads, buffers, temporaries (memcalc verify measures "
-        "the same)",
+        f"optimizer state); {'peak = the state + ' if reserved else 'at peak = '}activations, logits, grads, "
+        "buffers, temporaries (memcalc verify measures the same)",
         f"textbook: model state {est.model_state.bytes_per_param:g} bytes/param = "
         f"{u.size(est.model_state.total_bytes, units)} per GPU "
         f"({textbook.recipe_text(est.model_state.precision, est.model_state.recipe)}, {job.setup.optimizer}) + "
         f"activations (Korthikanti et al. 2022{moe}) + logits",
     ]
     s.notes += [note for note in (trl_note(job.setup.stack),) if note]
+    s.notes += reserved_notes(ans, units)
     s.notes += [f"{', '.join(labels)} *: by formula, the stack's engine's state and buffers on one GPU of the "
                 f"layout (memcalc.model.layout), since {reason}" for reason, labels in by_reason(ans).items()]
     s.notes.append(f"step time: {time_model_text(ans)}; MFU: model FLOPs / step time / dense peak")
     s.notes += moe_notes(ans)
     return s
+
+
+def reserved_cell(v, units: str) -> str:
+    """The caching allocator's reserve where the verdict replayed it; '-' where the peak alone decides."""
+    return u.size(v.reserved.reserved_bytes, units) if v.reserved is not None else "-"
+
+
+def reserved_notes(ans: Answer, units: str) -> list[str]:
+    """What the reserved column is, and each replayed allocator's line (memcalc.report.headroom.allocator_note)."""
+    if not any(v.reserved is not None for v in ans.verdicts):
+        return []
+    return [f"reserved: PyTorch's caching allocator replayed over two steps where the peak comes within "
+            f"{REPLAY_BAND:.0%} of its room (docs/gpus.md); '-': the peak alone decides"] + allocator_note(ans.verdicts, units)
 
 
 def by_reason(ans: Answer) -> dict[str, list[str]]:
@@ -170,7 +190,7 @@ def verdict(ans: Answer, units: str) -> str:
     tb, g = ans.toolbox, ans.job.gpu
     gpus = "one" if ans.job.layout.world == 1 else "each"
     needs, usable = u.size_pair(tb.start.total_bytes, tb.start.usable_bytes, units)
-    start = f"{tb.start.tricks.label} needs {needs} at its peak, of the {usable} usable on {gpus} {g.key}"
+    start = f"{tb.start.tricks.label} {needs_phrase(tb.start, needs, units)}, of the {usable} usable on {gpus} {g.key}"
     if not tb.start.host_fits:
         host, share = u.size_pair(tb.start.host_bytes, tb.start.host_usable_bytes, units)
         start += f", and {host} of host memory per GPU, of its {share} share"
@@ -181,6 +201,14 @@ def verdict(ans: Answer, units: str) -> str:
     chosen = tb.steps[tb.fits_at]
     return (f"Does not fit as it is: {start}. Cheapest combination that fits: {chosen.tricks.label}"
             f"{setup_text(chosen, ans.job.setup)} -> {u.size(chosen.verdict.total_bytes, units)} per GPU.")  # fmt: skip
+
+
+def needs_phrase(v, needs: str, units: str) -> str:
+    """'needs 76.59 GB at its peak'; where the caching allocator was replayed, what it reserves and the tensors."""
+    if v.reserved is None:
+        return f"needs {needs} at its peak"
+    verb = "would reserve" if v.reserved.out_of_memory else "reserves"
+    return f"{verb} {needs} at its peak ({u.size(v.peak_bytes, units)} of tensors)"
 
 
 def toolbox_reach(ans: Answer, units: str) -> str:

@@ -78,8 +78,10 @@ def params_text(model) -> str:
     return f"{model.n_params:,} parameters{mtp}, {c.active:,} active per token"
 
 
-def preamble(est: Estimate, units: str = "gb") -> list[str]:
+def preamble(est: Estimate, units: str = "gb", usable: int | None = None) -> list[str]:
+    """The model, the step and the GPU; usable: the verdict's usable bytes (default: the textbook's)."""
     m, s, shape, g = est.model, est.setup, est.model.shape, est.gpu
+    usable = est.memory[0].usable_bytes if usable is None else usable
     mlp = mlp_text(shape)
     p = state_sharding(est.layout)
     return [
@@ -90,14 +92,15 @@ def preamble(est: Estimate, units: str = "gb") -> list[str]:
         f"Setup: seq {s.seq_len:,} x micro-batch {s.micro_batch} x grad-accum {s.grad_accum} = "
         f"{s.tokens_per_step:,} tokens per GPU step; {s.optimizer}; {u.plural(p.gpus, 'GPU')}, ZeRO {p.zero}"
         f"{', optimizer offloaded to CPU' if p.offload else ''}",
-        f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes, units)} total, {u.size(est.memory[0].usable_bytes, units)} "
-        f"usable after the headroom",
+        f"GPU: {g.name} ({g.key}): {u.size(g.memory_bytes, units)} total, {u.size(usable, units)} usable after the "
+        f"headroom",
     ]
 
 
-def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
-    """The model line (which shape, its own count), and one line for the step and the GPU."""
+def short_preamble(est: Estimate, units: str = "gb", usable: int | None = None) -> list[str]:
+    """The model line (which shape, its own count), and one line for the step and the GPU (usable: as preamble's)."""
     s, p, g = est.setup, state_sharding(est.layout), est.gpu
+    usable = est.memory[0].usable_bytes if usable is None else usable
     accum = f" x grad-accum {s.grad_accum}" if s.grad_accum > 1 else ""
     gpus = "one" if p.gpus == 1 else f"{p.gpus:,} x"
     sharding = (f", ZeRO-{p.zero}" if p.zero else "") + (", optimizer offloaded to CPU" if p.offload else "")
@@ -107,7 +110,7 @@ def short_preamble(est: Estimate, units: str = "gb") -> list[str]:
         f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {heads_text(shape, False)}, {mlp_text(shape)}, "
         f"vocab {shape.vocab:,}{wiring_text(shape)}; {params_text(est.model)}",
         f"Step: seq {s.seq_len:,} x micro-batch {s.micro_batch}{accum} = {s.tokens_per_step:,} tokens per GPU; "
-        f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(est.memory[0].usable_bytes, units)} usable)"
+        f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(usable, units)} usable)"
     ]
 
 

@@ -5,7 +5,18 @@ from __future__ import annotations
 from memcalc.engine.fit import FitLimits
 
 from . import units as u
+from .headroom import allocator_note, fragmentation_note, headroom_line
 from .render import Section, sized
+
+
+def fit_preamble(limits: FitLimits, origin: str, units: str) -> list[str]:
+    """The model, the headroom, and what the caching allocator does at each limit."""
+    limits_at = [(v, f"at seq {limits.max_seq_len:,} x micro-batch {limits.micro_batch}") if v is limits.memory_at_max_seq
+                 else (v, f"at seq {limits.seq_len:,} x micro-batch {limits.max_micro_batch}")
+                 for v in (limits.memory_at_max_seq, limits.memory_at_max_batch) if v]  # fmt: skip
+    at = [v for v, _ in limits_at]
+    lines = [f"Model: {origin}", headroom_line(limits.headroom, units, at), *fragmentation_note(limits.headroom, at)]
+    return lines + allocator_note(at, units, [label for _, label in limits_at])
 
 
 def fit_sections(limits: FitLimits, units: str, detail: bool = False) -> list[Section]:
@@ -27,7 +38,7 @@ def fit_sections(limits: FitLimits, units: str, detail: bool = False) -> list[Se
     for name, m in (("longest sequence", seq_mem), ("largest micro-batch", batch_mem)):
         if m is not None:
             parts.rows.append([name, sized(m.state_bytes, units), sized(m.transient_bytes, units),
-                               sized(m.total_bytes, units), m.peak_at])  # fmt: skip
+                               sized(m.peak_bytes, units), m.peak_at])  # fmt: skip
     parts.notes = ["state: weights, master and optimizer state between steps; at peak: activations, logits, "
                    "gradients, temporaries (as `memcalc estimate` and `memcalc verify` count them)"]  # fmt: skip
     return [s, parts]

@@ -80,8 +80,8 @@ def layout_preamble(ests: list[LayoutEstimate], units: str = "gb") -> list[str]:
         f"Tricks: {tricks}; {est.setup.optimizer}",
         f"GPU: {g.name} ({g.key}): {u.size(est.verdict.usable_bytes, units)} usable; {fabric.intra.name} in a node, "
         f"{fabric.inter.name} between nodes, {fabric.host.name} to the host",
-        headroom_line(est.headroom, units),
-    ] + fragmentation_note(est.headroom, [e.verdict.free_bytes for e in ests])
+        headroom_line(est.headroom, units, [e.verdict for e in ests]),
+    ] + fragmentation_note(est.headroom, [e.verdict for e in ests])
 
 
 def layer_section(est: LayoutEstimate, units: str) -> Section:

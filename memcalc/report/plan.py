@@ -30,7 +30,7 @@ def plan_preamble(plan: Plan, units: str = "gb") -> list[str]:
 
 def top_headroom(top, units: str) -> list[str]:
     """The fastest layout's headroom, and the fragmentation note where its verdict is close."""
-    return [headroom_line(top.headroom, units)] + fragmentation_note(top.headroom, [top.verdict.free_bytes])
+    return [headroom_line(top.headroom, units, [top.verdict])] + fragmentation_note(top.headroom, [top.verdict])
 
 
 # What the search varies, each with the search.WITHOUT key that leaves it out (None: always searched)

@@ -18,9 +18,13 @@ def sweep_sections(sw: Sweep, units: str) -> list[Section]:
     biggest = max(max(p.memory_bytes for p in sw.points), sw.usable_bytes)
     memory = Section(f"Peak memory per GPU against {sw.name} ({sw.gpu}: │ marks {u.size(sw.usable_bytes, units)} usable)",
                      [sw.name, "tricks", "memory", "", "fits?"], align="rllrl")  # fmt: skip
-    memory.notes = [headroom_line(sw.headroom, units)] if sw.headroom else []
+    memory.notes = [headroom_line(sw.headroom, units, sw.points)] if sw.headroom else []
     if sw.headroom:
-        memory.notes += fragmentation_note(sw.headroom, [sw.usable_bytes - p.memory_bytes for p in sw.points])
+        memory.notes += fragmentation_note(sw.headroom, sw.points)
+    if any(p.reserved is not None for p in sw.points):
+        memory.notes.append("  memory: what the caching allocator reserves where it is replayed (a step near the "
+                            "limit; its idle blocks move with the sizes, so it need not grow with them), else "
+                            "the tensors' peak")  # fmt: skip
     slowest = max(p.step_seconds for p in sw.points)
     model = "every kernel against the roofs" if sw.time_model == "roofline" else "hardware FLOPs at --mfu"
     time = Section(f"Step time against {sw.name} ({model})", [sw.name, "tricks", "step time", "", "tokens/s"],

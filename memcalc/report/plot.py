@@ -35,12 +35,15 @@ def pyplot(flag: str = "--png"):
 
 def save(fig, path: str) -> None:
     """Write the figure (its format from the suffix) and close it; a path that cannot be written is bad input.
-    Drawn in memory first: the PNG writer seeks, which a pipe cannot."""
+    Drawn in memory first: the PNG writer seeks, which a pipe cannot. An SVG keeps its text as text, not as
+    glyph paths (rcParams["svg.fonttype"] = "none": matplotlib/mpl-data/matplotlibrc, svg.fonttype)."""
+    import matplotlib
     import matplotlib.pyplot as plt
 
     drawn = io.BytesIO()
     try:
-        fig.savefig(drawn, format=Path(path).suffix[1:].lower(), dpi=120)
+        with matplotlib.rc_context({"svg.fonttype": "none"}):
+            fig.savefig(drawn, format=Path(path).suffix[1:].lower(), dpi=120)
     finally:
         plt.close(fig)
     write_file(path, drawn.getvalue())

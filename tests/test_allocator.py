@@ -159,15 +159,17 @@ def test_reserved_covers_allocated_covers_requested(plan, expandable):
 
 
 def test_the_trace_pairs_every_block_and_segment():
-    """The trace (the snapshot's device_traces actions): each event's alloc or free_completed at its block's
-    address, and the segments taken from the driver adding up to what is reserved."""
+    """The trace (the snapshot's device_traces actions): each event's alloc, or free_requested and
+    free_completed, at its block's address with the bytes asked for (not rounded), and the segments taken
+    from the driver adding up to what is reserved."""
     trace: list = []
     r = replay([("a", 3 * MiB, 0), ("b", 1000, 0), ("a", -3 * MiB, 0), ("c", 30 * MiB, 0)], trace=trace)
     actions = [t[0] for t in trace]
     assert actions == ["event", "segment_alloc", "alloc", "event", "segment_alloc", "alloc",
-                       "event", "free_completed", "event", "segment_alloc", "alloc"]  # fmt: skip
+                       "event", "free_requested", "free_completed", "event", "segment_alloc", "alloc"]  # fmt: skip
     assert sum(t[2] for t in trace if t[0] == "segment_alloc") == r.reserved_bytes == 52 * MiB
-    assert trace[2][1:3] == trace[7][1:3] == (trace[1][1], 3 * MiB)
+    assert trace[2][1:3] == trace[7][1:3] == trace[8][1:3] == (trace[1][1], 3 * MiB)
+    assert trace[5][2] == 1000 and r.allocated_bytes == 30 * MiB + 1024  # b's block holds 1,024 (round_size)
 
 
 def test_the_trace_maps_and_unmaps_expandable_pages():

@@ -14,8 +14,9 @@ For README.md and each docs/*.md:
    quick where people run it often.
    After a deliberate change, refresh every block with:  UPDATE_DOCS=1 python -m pytest tests/test_docs.py
 2. Commands. Every line of a ```sh block that starts with `memcalc ` runs and exits 0. A line whose
-   trailing comment starts with `# needs` (a GPU, torchrun, matplotlib) or `# takes` (longer than a
-   few seconds) is parsed, not run: the command must exist and accept its options.
+   trailing comment starts with `# needs` (a GPU, torchrun, matplotlib), `# takes` (longer than a
+   few seconds) or `# writes` (files into the folder it runs in: here, the repository) is parsed, not
+   run: the command must exist and accept its options.
 3. Python. Every ```python block runs without error.
 4. Links. Every relative link points at a file that exists, and its #anchor at a heading there.
 5. Hand-written numbers. Where a page keeps a hand-written table or quotes a number in prose, a test
@@ -53,7 +54,7 @@ EXAMPLE = re.compile(r"<!-- example(, takes [^:]+)?: (memcalc|python) (.+?) -->\
 SECTION = " | section: "
 SH_BLOCK = re.compile(r"^```sh\n(.*?)^```", re.DOTALL | re.MULTILINE)
 PY_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-PARSE_ONLY = re.compile(r"\s#\s*(needs|takes)\b")
+PARSE_ONLY = re.compile(r"\s#\s*(needs|takes|writes)\b")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 

@@ -134,6 +134,23 @@ def test_png_and_svg_open(tmp_path):
     assert imread(png).shape[:2] == (504, 1200)  # 10 x 4.2 inches at 120 dpi
     assert ET.parse(svg).getroot().tag.endswith("svg")
     assert png.stat().st_size < 150_000
+    assert {"forward", "bf16+flash+ckpt", "h100-sxm usable"} <= svg_texts(svg)  # text, not glyph paths
+
+
+def svg_texts(path) -> set[str]:
+    """The strings an SVG writes as <text> (matplotlib with svg.fonttype "none")."""
+    return {"".join(t.itertext()) for t in ET.parse(path).getroot().iter() if t.tag.endswith("}text")}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (the plot extra)")
+def test_the_legend_lists_only_what_is_drawn(tmp_path):
+    """A step far under the GPU's usable memory: the usable line would be above the chart, so it is neither
+    drawn nor listed."""
+    svg = tmp_path / "small.svg"
+    out = run("estimate", "--model", "gpt2", "--seq", "256", "--tricks", "bf16", "--timeline", "--svg", str(svg))
+    assert out.exit_code == 0, out.output
+    texts = svg_texts(svg)
+    assert "bf16" in texts and not [x for x in texts if "usable" in x]
 
 
 def test_missing_matplotlib_is_one_line(tmp_path, monkeypatch):

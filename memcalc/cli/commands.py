@@ -50,6 +50,8 @@ class OneLineErrors(TyperGroup):
 
 
 APP = {"cls": OneLineErrors, "help": HELP, "add_completion": False, "no_args_is_help": True}
+SNAPSHOT_HELP = "With --timeline: also write the step as PyTorch's memory snapshot (pytorch.org/memory_viz)."
+TRACE_HELP = "With --timeline: also write the step as a trace (JSON) for ui.perfetto.dev or chrome://tracing."
 app = typer.Typer(**APP)
 PLAN_TRICKS = "bf16,flash"  # plan without --tricks; fp16 in place of bf16 where a card lacks it
 
@@ -90,6 +92,8 @@ def estimate(
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="seq=1k:64k or micro-batch=1:64 (doubling), seq=1k:8k:1k (a step) or seq=1k,4k,6k (a list): memory and step time against it.", metavar="SPEC")] = None,
     png: Annotated[Optional[str], typer.Option("--png", help="With --sweep or --timeline: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
     svg: Annotated[Optional[str], typer.Option("--svg", help="With --timeline: also draw it to this SVG (needs matplotlib).", metavar="PATH")] = None,
+    snapshot: Annotated[str | None, typer.Option("--snapshot", help=SNAPSHOT_HELP, metavar="PATH")] = None,
+    trace: Annotated[str | None, typer.Option("--trace", help=TRACE_HELP, metavar="PATH")] = None,
     timeline: Annotated[bool, typer.Option("--timeline", help="Live memory over the step, allocation by allocation, from the replay: the phases, the peak and its op, what is live there (costs what --exact costs).")] = False,
     exact: Annotated[bool, typer.Option("--exact", help="Beside the textbook: what PyTorch saves for this architecture, simulated op by op (0.1-0.4 s per trick set).")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Show each formula with this config's numbers.")] = False,
@@ -119,6 +123,7 @@ def estimate(
                              "view of it: drop one")  # fmt: skip
         if svg is not None and not timeline:
             raise InputError("--svg draws a timeline: add --timeline")
+        exports = views.export_paths(timeline, snapshot, trace)
         if (exact or timeline) and sweep is not None:
             raise InputError(f"{'--exact' if exact else '--timeline'} simulates single steps: drop --sweep")
         if sweep is not None and tokens is not None:
@@ -138,7 +143,7 @@ def estimate(
         if sweep is not None:
             show = views.sweep_view(job, sweep, png)
         else:
-            show = views.timeline_view(job, png, svg) if timeline else views.answer_view(job)
+            show = views.timeline_view(job, png, svg, exports) if timeline else views.answer_view(job)
         warn(said)  # the input was good and the answer is computed: what to know of the trick sets, then the answer
         show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
     except InputError as e:
@@ -239,6 +244,8 @@ def verify(
     timeline: Annotated[bool, typer.Option("--timeline", help="Lay the live bytes measured at each allocation (meta; CPU tensors for an autocast stack) over the predicted ones, and judge that each coincides.")] = False,
     png: Annotated[Optional[str], typer.Option("--png", help="With --timeline: also draw it to this PNG (needs matplotlib).", metavar="PATH")] = None,
     svg: Annotated[Optional[str], typer.Option("--svg", help="With --timeline: also draw it to this SVG (needs matplotlib).", metavar="PATH")] = None,
+    snapshot: Annotated[str | None, typer.Option("--snapshot", help=SNAPSHOT_HELP + " The predicted step.", metavar="PATH")] = None,
+    trace: Annotated[str | None, typer.Option("--trace", help=TRACE_HELP + " The predicted step.", metavar="PATH")] = None,
     detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb",
 ) -> None:  # fmt: skip
     """Build the real model in PyTorch, train a few steps, and hold every prediction against the measurement."""
@@ -264,6 +271,7 @@ def verify(
             raise InputError(f"unknown device {device!r}; choose cuda or meta")
         images = verify_runs.timeline_images(timeline, png, svg, matrix, step is not None or fsdp is not None
                                              or tp is not None or sp, device)  # fmt: skip
+        exports = views.export_paths(timeline, snapshot, trace)
         verify_runs.needs_torch()
         if step is not None:
             given = [flag for flag, on in (("--matrix", matrix), ("--save", save is not None), ("--tol", tol is not None),
@@ -302,6 +310,7 @@ def verify(
                                          not no_linearity, units, timeline)  # fmt: skip
         results = run()
         verify_runs.draw_timeline(results, images, units)
+        verify_runs.export_timeline(results, exports)
     except InputError as e:
         fail(str(e))
     warn([] if matrix else said)  # --matrix measures every trick set but the one named

@@ -73,6 +73,15 @@ def draw_timeline(results, images: list, units: str) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
+def export_timeline(results, exports: dict[str, str]) -> None:
+    """--snapshot and --trace: the predicted step (the measurement is live bytes, not an allocator's)."""
+    overlay = results[0].timeline if exports else None
+    if overlay is not None:  # None: the run ended early (its error says why)
+        from .views import write_exports
+
+        write_exports([overlay.predicted], exports)
+
+
 def saver(folder: str, dist: bool = False):
     """on_result for --save: each run's JSON in folder/NN-<tricks>.json (dist: a distributed check's)."""
     from pathlib import Path

@@ -30,9 +30,9 @@ def sweep_view(job, spec: str, png: str | None):
     return lambda display: show_sweep(swept, display, png)
 
 
-def timeline_view(job, png: str | None, svg: str | None):
+def timeline_view(job, png: str | None, svg: str | None, exports: dict[str, str]):
     """--timeline: the job's answer with each trick set's step recorded; the image paths checked, and
-    matplotlib found, before the work."""
+    matplotlib found, before the work; exports: --snapshot's and --trace's paths (export_paths)."""
     from memcalc.engine.answer import answer
     from memcalc.report.plot import check_image, pyplot
 
@@ -41,16 +41,51 @@ def timeline_view(job, png: str | None, svg: str | None):
     for _, flag in images:
         pyplot(flag)
     ans = answer(job)
-    return lambda display: show_timeline(ans, display, images)
+    return lambda display: show_timeline(ans, display, images, exports)
 
 
-def show_timeline(ans, d: render.Display, images: list) -> None:
+EXPORTS = {"--snapshot": (".pickle", "a pickle file (PyTorch's memory snapshot)"),
+           "--trace": (".json", "a JSON file (a trace for ui.perfetto.dev)")}  # fmt: skip
+
+
+def export_paths(timeline: bool, snapshot: str | None, trace: str | None) -> dict[str, str]:
+    """--snapshot's and --trace's paths by flag, checked before the work; refused without --timeline."""
+    from memcalc.errors import InputError
+    from memcalc.report.files import check_path
+
+    asked = {flag: path for flag, path in (("--snapshot", snapshot), ("--trace", trace)) if path is not None}
+    if asked and not timeline:
+        raise InputError(f"{next(iter(asked))} exports the step's timeline: add --timeline")
+    for flag, path in asked.items():
+        suffix, kind = EXPORTS[flag]
+        check_path(path, suffix, flag, kind)
+    return asked
+
+
+def write_exports(timelines, exports: dict[str, str]) -> None:
+    """The timelines as PyTorch's memory snapshot (--snapshot) and as a trace (--trace), the caching
+    allocator replayed once for both."""
+    if not exports:
+        return
+    from memcalc.report.files import write_file
+    from memcalc.report.snapshot import dumps, snapshot_bytes
+    from memcalc.report.trace_events import trace_text
+
+    dumped = dumps(timelines)
+    for flag, path in exports.items():
+        data = snapshot_bytes(timelines, dumped) if flag == "--snapshot" else trace_text(timelines, dumped).encode()
+        write_file(path, data)
+        print(f"wrote {path}", file=sys.stderr)  # stderr: stdout stays the chart, JSON or CSV
+
+
+def show_timeline(ans, d: render.Display, images: list, exports: dict[str, str]) -> None:
     """The chart of each trick set's step on one axis, what is live at each peak, the verdict; or the JSON
-    (the answer's, its timelines under `timeline`), or every allocation as CSV."""
+    (the answer's, its timelines under `timeline`), or every allocation as CSV; the exports written first."""
     from memcalc.report import answer as report
     from memcalc.report import timeline as chart
 
     tls = ans.timelines
+    write_exports(tls, exports)
     for path, flag in images:
         from memcalc.report.timeline_plot import save_timeline
 

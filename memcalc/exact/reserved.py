@@ -28,20 +28,21 @@ from .growth import as_run
 from .replay.zero import Sharding
 
 
-def allocator_events(timeline: list, recording) -> tuple[list, list[str]]:
+def allocator_events(timeline: list, recording) -> tuple[list, list[int]]:
     """The allocator's events out of a recorded replay (memcalc.exact.sim.events.Recording): (key, ±bytes,
-    stream) with each event's op; left out, the storages the build made and freed before the first step and
-    those not on this GPU (recording.elsewhere)."""
+    stream), a free keyed by its allocation's index in the timeline, with each event's own index there; left
+    out, the storages the build made and freed before the first step and those not on this GPU
+    (recording.elsewhere)."""
     made = {f: a for a, f in recording.freed.items()}
     passing = {a for a, f in recording.freed.items() if f < recording.loaded} | recording.elsewhere
-    events, names = [], []
-    for i, (_, op, nbytes, _) in enumerate(timeline):
+    events, at = [], []
+    for i, (_, _, nbytes, _) in enumerate(timeline):
         key = i if nbytes > 0 else made.get(i)
         if nbytes == 0 or key in passing:
             continue
         events.append((key, nbytes, 0))
-        names.append(op)
-    return events, names
+        at.append(i)
+    return events, at
 
 
 @functools.lru_cache(maxsize=1024)
@@ -60,8 +61,8 @@ def step_reserved(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
         run_as = as_run(tricks, shape.n_layers)
         cfg = StepConfig(shape, seq_len, micro_batch, run_as, stack, optimizer, grad_accum)
         _, g, mem = simulate(cfg, timeline=True, sharding=sharding)
-        events, names = allocator_events(mem.timeline, g.recording)
-        return asdict(within(events, names, capacity, expandable))
+        events, at = allocator_events(mem.timeline, g.recording)
+        return asdict(within(events, [mem.timeline[i][1] for i in at], capacity, expandable))
 
     key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer, sharding, capacity, expandable)
     return Reserved(**remembered("reserved", key, run))

@@ -5,12 +5,14 @@ series' highest point is the peak that replay reaches, and the verdict's (memcal
 A point is one allocation of the measured step (a warm-up, where the stack runs one, is left out), or the
 frees between two allocations taken together (step_points): the op that made it ("free"), its bytes
 (negative for frees), the live bytes just after it, the block it belongs to and what it is (labels:
-weights, gradients, saved for backward by which op, a temporary of which phase).
+weights, gradients, saved for backward by which op, a temporary of which phase). Its storages are the
+same replay as the caching allocator sees it, from the model's build on (memcalc.report.snapshot and
+trace_events export them through memcalc.exact.allocator).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, Stack
@@ -18,6 +20,7 @@ from memcalc.model.tricks import Tricks
 
 from .growth import as_run
 from .replay.zero import Sharding
+from .reserved import allocator_events
 from .sim.events import Origin
 from .sim.graph import layer_of
 
@@ -44,6 +47,25 @@ class LiveGroup:
 
 
 @dataclass(frozen=True)
+class Storages:
+    """The step's storages as the caching allocator sees them (memcalc.exact.reserved.allocator_events), from
+    the model's build to the step's last point (parallel tuples, one entry per allocation or free); a free
+    described by the allocation it frees."""
+
+    events: tuple[tuple[int, int, int], ...]  # (key, ±bytes, stream): memcalc.exact.allocator.replay's events
+    points: tuple[int, ...]  # the Timeline point each is in (a run of frees is one point); -1 before the step
+    ops: tuple[str, ...]  # the op that made the storage
+    what: tuple[int, ...]  # what the storage is: an index into labels
+    layers: tuple[int | None, ...]  # the block it belongs to (None outside the blocks)
+    labels: tuple[str, ...]
+
+    @property
+    def start(self) -> int:
+        """The step's first event (those before it build the model and its state)."""
+        return next(i for i, p in enumerate(self.points) if p >= 0)
+
+
+@dataclass(frozen=True)
 class Timeline:
     """One trick set's step, allocation by allocation (parallel tuples, one entry per point: an allocation, or
     the frees between two)."""
@@ -61,6 +83,7 @@ class Timeline:
     phases: tuple[Span, ...]  # in order; forward and backward once per micro-batch; a phase with no point is left out
     peak_index: int  # the first point to reach the highest live bytes (an allocation)
     at_peak: tuple[LiveGroup, ...]  # what is live at the peak, grouped, the largest first
+    storages: Storages | None = field(default=None, repr=False, compare=False, metadata={"json": False})  # exports'
 
     @property
     def peak_bytes(self) -> int:
@@ -100,7 +123,7 @@ def step_timeline(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
 
 def timeline_of(g, mem, tricks: Tricks, stack: str) -> Timeline:
     """The Timeline of a replay simulated with timeline=True (its graph and memory)."""
-    return from_events(mem.timeline, g.recording.origins, g.recording.freed, tricks, stack)
+    return from_events(mem.timeline, g.recording, tricks, stack)
 
 
 def step_points(timeline: list) -> tuple[list[tuple[str, str, int, int, list[int]]], int]:
@@ -123,10 +146,10 @@ def step_points(timeline: list) -> tuple[list[tuple[str, str, int, int, list[int
     return points, first
 
 
-def from_events(timeline: list, origins: dict[int, Origin], freed: dict[int, int], tricks: Tricks,
-                stack: str) -> Timeline:  # fmt: skip
-    """The measured step's points out of a replay's events, each one described: an allocation by its origin,
-    a run of frees by the origin of the largest storage it frees."""
+def from_events(timeline: list, recording, tricks: Tricks, stack: str) -> Timeline:
+    """The measured step's points out of a replay's events (and its memcalc.exact.sim.events.Recording), each
+    one described: an allocation by its origin, a run of frees by the origin of the largest storage it frees."""
+    origins, freed = recording.origins, recording.freed
     points, first = step_points(timeline)
     made = {f: a for a, f in freed.items()}  # a free's event -> its allocation's
     labels: dict[str, int] = {}
@@ -141,7 +164,25 @@ def from_events(timeline: list, origins: dict[int, Origin], freed: dict[int, int
     return Timeline(tricks, stack, timeline[first][3] - timeline[first][2], points[-1][3],
                     tuple(p[1] for p in points), tuple(p[2] for p in points), live, tuple(layers), tuple(what),
                     tuple(labels), spans([p[0] for p in points]), peak,
-                    live_at(points[peak][4][0], timeline, origins, freed))  # fmt: skip
+                    live_at(points[peak][4][0], timeline, origins, freed),
+                    storages_of(timeline, recording, [p[4] for p in points]))  # fmt: skip
+
+
+def storages_of(timeline: list, recording, point_events: list[list[int]]) -> Storages:
+    """The allocator's events of a recorded replay up to the step's last point; point_events: each point's
+    events (indexes into the timeline), in order."""
+    point_of = {i: k for k, events in enumerate(point_events) for i in events}
+    last = point_events[-1][-1]
+    events, at = allocator_events(timeline[: last + 1], recording)
+    labels: dict[str, int] = {}
+    points, ops, what, layers = [], [], [], []
+    for (key, _, _), i in zip(events, at):
+        points.append(point_of.get(i, points[-1] if points else -1))  # in no point (before the step): the last's
+        text, layer = describe(recording.origins[key])
+        ops.append(recording.origins[key].op)
+        what.append(labels.setdefault(text, len(labels)))
+        layers.append(layer)
+    return Storages(tuple(events), tuple(points), tuple(ops), tuple(what), tuple(layers), tuple(labels))
 
 
 def spans(phases: list[str]) -> tuple[Span, ...]:

@@ -67,13 +67,14 @@ def bar(value: float, scale: float, width: int, mark: float | None = None) -> st
 
 
 def to_jsonable(obj: object) -> object:
-    """Dataclasses as dicts of their fields and properties (totals are properties), recursively."""
+    """Dataclasses as dicts of their fields (but those marked metadata={"json": False}: what only an export
+    reads) and properties (totals are properties), recursively."""
     if isinstance(obj, Tricks):
         return obj.names
     if isinstance(obj, Term):
         return {"name": obj.name, "value": obj.value, "formula": obj.symbolic(), "source": obj.source}
     if is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_jsonable(getattr(obj, f.name)) for f in fields(obj)}
+        out = {f.name: to_jsonable(getattr(obj, f.name)) for f in fields(obj) if f.metadata.get("json", True)}
         for name in properties(type(obj)):
             out[name] = to_jsonable(getattr(obj, name))
         return out

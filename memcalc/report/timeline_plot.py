@@ -3,7 +3,8 @@
 Every event is drawn (memcalc.exact.timeline: each allocation, the frees between two as one), the live
 bytes held from one to the next. The series share memcalc.report.timeline's axis (phases lined up);
 the phases are shaded and named, each series' peak marked and named, and the GPU's usable memory drawn
-as the sweep's figure draws it. A measurement (verify --timeline) is drawn dashed over its prediction.
+as the sweep's figure draws it where it falls on the chart (the legend lists only what is drawn). A
+measurement (verify --timeline) is drawn dashed over its prediction.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def save_timeline(all_series: list[Series], path: str, units: str = "gb", usable
                   title: str = "", flag: str = "--png", dashed: tuple[int, ...] = (),
                   marks: list[list[int]] | None = None) -> None:  # fmt: skip
     """One axes: each series' live bytes, the phases shaded, each peak marked; usable: the GPU's usable bytes,
-    as a dashed line; dashed: the series drawn dashed; marks: per series, events to flag (red ×)."""
+    as a dashed line (where it is under the chart's top); dashed: the series drawn dashed; marks: per series,
+    events to flag (red ×)."""
     plt = pyplot(flag)
     scale, unit = UNITS[units]
     starts, xs = axis(all_series)
@@ -39,10 +41,11 @@ def save_timeline(all_series: list[Series], path: str, units: str = "gb", usable
         text = f"peak {size(s.live_bytes[peak], units)}" + (f"\n{s.peak_at}" if s.peak_at else "")
         ax.annotate(text, (x[peak], s.live_bytes[peak] / scale), textcoords="offset points", xytext=(5, 2),
                     fontsize=8, color=line.get_color(), va="bottom")  # fmt: skip
-    if usable is not None:
+    top = max(max(s.live_bytes) for s in all_series) / scale * 1.15  # room for the peaks' names
+    if usable is not None and usable / scale <= top:  # above the chart it is not drawn, nor listed in the legend
         ax.axhline(usable / scale, color="black", linestyle="--", linewidth=1, label=f"{gpu} usable")
     ax.set_xlim(0, starts[-1])
-    ax.set_ylim(0, max(max(s.live_bytes) for s in all_series) / scale * 1.15)  # room for the peaks' names
+    ax.set_ylim(0, top)
     ax.set_xlabel("event in the step (each allocation; the frees between two as one)"
                   + ("" if len(all_series) == 1 else ", phases lined up"))
     ax.set_ylabel(f"live memory ({unit})")

@@ -150,5 +150,6 @@ def to_dict(result: VerifyResult | CustomResult) -> dict:
     if result.timeline is not None:  # where the measurement leaves the prediction
         o = result.timeline
         out["timeline"] |= {"coinciding": o.coinciding, "first_difference": o.first_difference}
+        del out["timeline"]["predicted"]["storages"]  # what only --snapshot and --trace read (Timeline.storages)
     out["passed"] = result.passed
     return out

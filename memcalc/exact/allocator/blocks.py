@@ -16,12 +16,14 @@ UNLIMITED = 1 << 62  # the driver's room when no capacity is given
 
 class CacheBlock:
     """A range of one segment: handed out (allocated), or cached in its pool; prev and next are its
-    neighbours in the segment. Unmapped blocks are an expandable segment's address space with no pages."""
+    neighbours in the segment. Unmapped blocks are an expandable segment's address space with no pages.
+    requested: the bytes asked for when it was last handed out, before rounding (Block.requested_size)."""
 
-    __slots__ = ("addr", "allocated", "expandable", "mapped", "next", "prev", "size", "small", "stream")
+    __slots__ = ("addr", "allocated", "expandable", "mapped", "next", "prev", "requested", "size", "small", "stream")
 
     def __init__(self, size: int, addr: int, stream: int, small: bool, expandable: bool = False):
         self.size, self.addr, self.stream, self.small = size, addr, stream, small
+        self.requested = 0  # Block's constructor: requested_size(0)
         self.prev: CacheBlock | None = None
         self.next: CacheBlock | None = None
         self.allocated, self.mapped, self.expandable = False, True, expandable

@@ -74,7 +74,7 @@ class CachingAllocator:
     def malloc(self, size: int, stream: int = 0) -> CacheBlock:
         """malloc: a cached block if one fits, else a new segment (or pages), else the cache released and
         tried again; the block split where should_split says so."""
-        size = round_size(size)
+        asked, size = size, round_size(size)
         pool = self.pools[size <= SMALL_SIZE]
         block = self.free_block_for(pool, size, stream)
         if block is None:
@@ -88,18 +88,20 @@ class CachingAllocator:
             pool.remove(block)
         if self.should_split(block, size):
             block = self.split(pool, block, size)
-        block.allocated = True
+        block.allocated, block.requested = True, asked  # alloc_found_block: requested_size = orig_size
         self.allocated_bytes += block.size
-        self.note("alloc", block)
+        self.note("alloc", block, asked)  # alloc_found_block's record_trace(ALLOC, ptr, orig_size)
         if self.allocated_bytes > self.peak_allocated_bytes:
             self.peak_allocated_bytes, self.reserved_at_allocated_peak = self.allocated_bytes, self.reserved_bytes
         return block
 
     def free(self, block: CacheBlock) -> None:
-        """free_block: back to its pool, merged with free neighbours."""
+        """free, then free_block: back to its pool, merged with free neighbours (no other stream uses it: the
+        free completes at once)."""
         block.allocated = False
         self.allocated_bytes -= block.size
-        self.note("free_completed", block)
+        self.note("free_requested", block, block.requested)  # free's record_trace(FREE_REQUESTED, requested_size)
+        self.note("free_completed", block, block.requested)  # free_block's record_trace(FREE_COMPLETED, ...)
         pool = self.pools[block.small]
         for other in (block.prev, block.next):
             self.merge(pool, block, other)
@@ -176,7 +178,8 @@ class CachingAllocator:
 
     def note(self, action: str, block: CacheBlock, size: int | None = None) -> None:
         """One action on the trace (torch.cuda.memory._snapshot's device_traces name them so): alloc,
-        free_completed, segment_alloc, segment_free, segment_map, segment_unmap; at the block's address."""
+        free_requested, free_completed (their bytes the request's, unrounded), segment_alloc, segment_free,
+        segment_map, segment_unmap (the segment's or the pages' bytes); at the block's address."""
         if self.trace is not None:
             self.trace.append((action, block.addr, block.size if size is None else size, block.stream))
 

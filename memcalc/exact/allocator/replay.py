@@ -43,12 +43,29 @@ def replay(events: Iterable[tuple], capacity: int | None = None, expandable: boo
     appends each of its actions to, (action, address, bytes, stream), with ("event", i, 0, 0) before each
     event's own (CachingAllocator.note)."""
     a = CachingAllocator(capacity, expandable, trace)
+    run = drive(a, events, names)
+    return Reserved(a.peak_reserved_bytes, a.peak_allocated_bytes, run.peak_requested_bytes,
+                    a.reserved_at_allocated_peak - a.peak_allocated_bytes, a.segments, expandable,
+                    capacity or 0, run.out_of_memory)  # fmt: skip
+
+
+@record(frozen=True)
+class Run:
+    """The events driven through an allocator: the blocks live after them, by the events' keys."""
+
+    live: dict
+    peak_requested_bytes: int  # the peak of the tensors' own bytes
+    out_of_memory: str  # "" if every event ran; else the event that found no room, and why
+
+
+def drive(a: CachingAllocator, events: Iterable[tuple], names: list[str] | None = None) -> Run:
+    """The events through allocator a, in order (stopping at an out-of-memory)."""
     live: dict = {}
     requested = peak_requested = 0
     oom = ""
     for i, (key, nbytes, stream) in enumerate(events):
-        if trace is not None:
-            trace.append(("event", i, 0, 0))
+        if a.trace is not None:
+            a.trace.append(("event", i, 0, 0))
         if nbytes > 0:
             try:
                 live[key] = a.malloc(nbytes, stream)
@@ -61,6 +78,4 @@ def replay(events: Iterable[tuple], capacity: int | None = None, expandable: boo
         elif nbytes < 0:
             a.free(live.pop(key))
             requested += nbytes
-    return Reserved(a.peak_reserved_bytes, a.peak_allocated_bytes, peak_requested,
-                    a.reserved_at_allocated_peak - a.peak_allocated_bytes, a.segments, expandable,
-                    capacity or 0, oom)  # fmt: skip
+    return Run(live, peak_requested, oom)

@@ -30,8 +30,8 @@ from .replay.zero import Sharding
 
 def allocator_events(timeline: list, recording) -> tuple[list, list[str]]:
     """The allocator's events out of a recorded replay (memcalc.exact.sim.events.Recording): (key, ±bytes,
-    stream) with each event's op; left out, the storages the build made and freed before the first step and
-    those not on this GPU (recording.elsewhere)."""
+    stream: the one the storage was allocated on, Origin.stream) with each event's op; left out, the storages
+    the build made and freed before the first step and those not on this GPU (recording.elsewhere)."""
     made = {f: a for a, f in recording.freed.items()}
     passing = {a for a, f in recording.freed.items() if f < recording.loaded} | recording.elsewhere
     events, names = [], []
@@ -39,7 +39,7 @@ def allocator_events(timeline: list, recording) -> tuple[list, list[str]]:
         key = i if nbytes > 0 else made.get(i)
         if nbytes == 0 or key in passing:
             continue
-        events.append((key, nbytes, 0))
+        events.append((key, nbytes, recording.origins[key].stream))
         names.append(op)
     return events, names
 
@@ -65,6 +65,26 @@ def step_reserved(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
 
     key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer, sharding, capacity, expandable)
     return Reserved(**remembered("reserved", key, run))
+
+
+@functools.lru_cache(maxsize=1024)
+def fsdp2_reserved(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, ranks: int,
+                   reshard: bool | None, capacity: int | None = None, expandable: bool = False) -> Reserved:  # fmt: skip
+    """The allocator over the first two steps of one FSDP2 rank of `ranks` (rank 0, as fsdp2_step replays
+    it: memcalc.exact.replay.fsdp2, torchtitan's units, reshard_after_forward `reshard`, None its default),
+    each allocation on the stream FSDP2 makes it on (memcalc.exact.replay.fsdp2_units: the all-gather
+    copy-in stream, the reduce-scatter stream, the default); kept on disk between runs as step_reserved is."""
+    from .base.cache import remembered
+
+    def run() -> dict:
+        from .replay.fsdp2 import fsdp2_phases  # here, not at import: a cached verdict never simulates
+
+        _, mem = fsdp2_phases(shape, seq_len, micro_batch, tricks, ranks, reshard, timeline=True, warm_up=True)
+        events, names = allocator_events(mem.timeline, mem.recording)
+        return asdict(within(events, names, capacity, expandable))
+
+    key = (shape, seq_len, micro_batch, tricks, ranks, reshard, capacity, expandable)
+    return Reserved(**remembered("fsdp2-reserved", key, run))
 
 
 def within(events: list, names: list[str], capacity: int | None, expandable: bool) -> Reserved:

@@ -30,9 +30,9 @@ from .replay.zero import Sharding
 
 def allocator_events(timeline: list, recording) -> tuple[list, list[int]]:
     """The allocator's events out of a recorded replay (memcalc.exact.sim.events.Recording): (key, ±bytes,
-    stream), a free keyed by its allocation's index in the timeline, with each event's own index there; left
-    out, the storages the build made and freed before the first step and those not on this GPU
-    (recording.elsewhere)."""
+    stream: the one the storage was allocated on, Origin.stream), a free keyed by its allocation's index in the
+    timeline, with each event's own index there; left out, the storages the build made and freed before the
+    first step and those not on this GPU (recording.elsewhere)."""
     made = {f: a for a, f in recording.freed.items()}
     passing = {a for a, f in recording.freed.items() if f < recording.loaded} | recording.elsewhere
     events, at = [], []
@@ -40,7 +40,7 @@ def allocator_events(timeline: list, recording) -> tuple[list, list[int]]:
         key = i if nbytes > 0 else made.get(i)
         if nbytes == 0 or key in passing:
             continue
-        events.append((key, nbytes, 0))
+        events.append((key, nbytes, recording.origins[key].stream))
         at.append(i)
     return events, at
 
@@ -61,11 +61,35 @@ def step_reserved(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tri
         run_as = as_run(tricks, shape.n_layers)
         cfg = StepConfig(shape, seq_len, micro_batch, run_as, stack, optimizer, grad_accum)
         _, g, mem = simulate(cfg, timeline=True, sharding=sharding)
-        events, at = allocator_events(mem.timeline, g.recording)
-        return asdict(within(events, [mem.timeline[i][1] for i in at], capacity, expandable))
+        return asdict(reserved_over(mem.timeline, g.recording, capacity, expandable))
 
     key = (shape, seq_len, micro_batch, tricks, grad_accum, stack, optimizer, sharding, capacity, expandable)
     return Reserved(**remembered("reserved", key, run))
+
+
+@functools.lru_cache(maxsize=1024)
+def fsdp2_reserved(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, ranks: int,
+                   reshard: bool | None, capacity: int | None = None, expandable: bool = False) -> Reserved:  # fmt: skip
+    """The allocator over the first two steps of one FSDP2 rank of `ranks` (rank 0, as fsdp2_step replays
+    it: memcalc.exact.replay.fsdp2, torchtitan's units, reshard_after_forward `reshard`, None its default),
+    each allocation on the stream FSDP2 makes it on (memcalc.exact.replay.fsdp2_units: the all-gather
+    copy-in stream, the reduce-scatter stream, the default); kept on disk between runs as step_reserved is."""
+    from .base.cache import remembered
+
+    def run() -> dict:
+        from .replay.fsdp2 import fsdp2_phases  # here, not at import: a cached verdict never simulates
+
+        _, mem = fsdp2_phases(shape, seq_len, micro_batch, tricks, ranks, reshard, timeline=True, warm_up=True)
+        return asdict(reserved_over(mem.timeline, mem.recording, capacity, expandable))
+
+    key = (shape, seq_len, micro_batch, tricks, ranks, reshard, capacity, expandable)
+    return Reserved(**remembered("fsdp2-reserved", key, run))
+
+
+def reserved_over(timeline: list, recording, capacity: int | None, expandable: bool) -> Reserved:
+    """A recorded replay's allocations through the allocator (within), each event named by its op."""
+    events, at = allocator_events(timeline, recording)
+    return within(events, [timeline[i][1] for i in at], capacity, expandable)
 
 
 def within(events: list, names: list[str], capacity: int | None, expandable: bool) -> Reserved:

@@ -18,6 +18,7 @@ from memcalc.model.stacks import DEFAULT_STACK
 from memcalc.model.tricks import Tricks
 
 from ..base.config import Phases, StepConfig
+from ..sim.events import Recording
 from ..sim.graph import Graph, Node
 from ..sim.tensors import LiveBytes, Tensor
 from . import meta
@@ -46,6 +47,7 @@ class Ledger(LiveBytes):
         self.parts: dict[str, int] = dict.fromkeys(PARTS + ("stand-ins",), 0)
         self.at_peak: dict[str, int] = {}
         self.grads = lambda: 0
+        self.recording: Recording | None = None  # each allocation's origin and stream, where recorded
 
     def alloc(self, nbytes: int, op: str, copies: int = 1) -> None:
         self.parts[category(op)] += nbytes
@@ -68,8 +70,6 @@ class Ledger(LiveBytes):
         out["bf16 unsharded gradients"] = grads
         out["activations and temporaries"] -= grads
         return out
-
-
 
 
 class FSDPGraph(Graph):
@@ -193,6 +193,8 @@ class FSDPGraph(Graph):
             if gr.state != "post_backward":
                 gr.post_backward(f)
             gr.state = "idle"
+            gr.post_forward_indices.clear()  # finalize_backward
+        f.post_forward_order.clear()
         f.reduce_scatter_inputs.clear()
 
 
@@ -239,18 +241,25 @@ class Fsdp2Phases:
 
 def fsdp2_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, ranks: int, reshard: bool | None,
                  rank: int = 0, params: list[Param] | None = None, cpu_norm_stats: bool = False,
-                 timeline: bool = False) -> tuple[Fsdp2Phases, LiveBytes]:  # fmt: skip
+                 timeline: bool = False, warm_up: bool = False) -> tuple[Fsdp2Phases, LiveBytes]:  # fmt: skip
     """The measured step of one FSDP2 rank (tp = 1, pp = 1) of `ranks` sharding ranks: zero_grad, forward,
     backward, fused AdamW. reshard: reshard_after_forward (None: torchtitan's default policy). params: the
     parameter tensors as verify/builder.py registers them (on this TP rank; None: the built model's, tp = 1);
     param_dtype is the precision's
     (bf16, or fp32: torchtitan's mixed_precision_param). cpu_norm_stats: LayerNorm's statistics as the CPU
-    kernel keeps them (the fake process group runs CPU kernels), not CUDA's fp32."""
+    kernel keeps them (the fake process group runs CPU kernels), not CUDA's fp32. timeline: every allocation
+    recorded (mem.timeline, and sim.recording: each one's origin and stream), the built stand-ins noted as
+    elsewhere. warm_up: a first step runs before the measured one, with no gradients before it, making
+    AdamW's state in its optimizer step (as torch's does), in place of the state made up front."""
     cfg = StepConfig(shape, seq_len, micro_batch, tricks, replace(DEFAULT_STACK, recipe="pure", impl="fused"))
     mem = Ledger(timeline)
     sim = FSDPGraph(mem, cpu_norm_stats)
+    if timeline:
+        sim.recording = mem.recording = Recording(mem)
     sim.stats_dtype = tricks.precision
     model = meta.build(sim, cfg)
+    if timeline:  # the built weights stand in for the unsharded ones: not on the GPU
+        sim.recording.elsewhere.update(p.storage.event for p in model.params)
     mem.live_bytes -= mem.parts["stand-ins"]  # the built weights stand in for the unsharded ones: not resident
     mem.parts["stand-ins"] = 0
     if params is None:
@@ -259,13 +268,26 @@ def fsdp2_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     inputs_bytes = sum(t.storage.nbytes for t in inputs)
     idx, targets = (sim.view(inputs[0], (micro_batch, seq_len)),) * 2 if len(inputs) == 1 else inputs
     units = units_for(shape, params, reshard)
-    fsdp = FSDP2(sim, units, ranks, rank, tricks.precision)
+    fsdp = FSDP2(sim, units, ranks, rank, tricks.precision, lazy_state=warm_up)
     fsdp.params = {p.name: p for p in model.params}
     fsdp.params_tied = shape.tied_embeddings
     mem.grads = fsdp.unsharded_grad_bytes
-    fsdp.begin_step()
-    state = mem.live_bytes
     sim.fsdp = fsdp
+    if timeline:
+        sim.recording.loaded = len(mem.timeline)
+    if warm_up:
+        train_step(sim, mem, fsdp, model, idx, targets)
+    else:
+        fsdp.begin_step()
+    state = mem.live_bytes
+    forward, retained, backward, optimizer = train_step(sim, mem, fsdp, model, idx, targets)
+    return Fsdp2Phases(state, forward[0], backward[0], optimizer, forward[1], backward[1], forward[2], backward[2],
+                       inputs_bytes, retained, mem.parts["sharded gradients"]), mem  # fmt: skip
+
+
+def train_step(sim: FSDPGraph, mem: Ledger, fsdp: FSDP2, model, idx: Tensor, targets: Tensor) -> tuple:
+    """torchtitan's train step on one rank: zero_grad, forward, backward, fused AdamW; each phase's peak (with
+    its op and split), and what forward leaves alive."""
     mem.phase = "forward"
     mem.reset_peak()
     fsdp.zero_grad()
@@ -279,10 +301,9 @@ def fsdp2_phases(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     del loss
     backward = (mem.peak_bytes, mem.peak_at, mem.at_peak)
     mem.phase = "optimizer"
-    mem.reset_peak()  # fused AdamW updates in place: its peak is what backward leaves
-    optimizer = mem.peak_bytes
-    return Fsdp2Phases(state, forward[0], backward[0], optimizer, forward[1], backward[1], forward[2], backward[2],
-                       inputs_bytes, retained, mem.parts["sharded gradients"]), mem  # fmt: skip
+    mem.reset_peak()  # fused AdamW updates in place: its peak is what backward leaves (or its first step's state)
+    fsdp.optimizer_step()
+    return forward, retained, backward, mem.peak_bytes
 
 
 def fsdp2_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, ranks: int,

@@ -23,10 +23,21 @@ torchtitan/distributed/fsdp.py apply_fsdp_to_decoder, its train step, torch.opti
              (reduce_dtype), copies the gradients in and drops them (foreach_reduce: the last one stays
              referenced by its loop variable until the function returns), allocates the fp32 output shard
              that becomes the sharded gradient
+  streams    the caching allocator keeps each stream's freed blocks for that stream alone, so FSDP2's own
+             streams hold blocks the step's cannot reuse: foreach_all_gather allocates the all-gather input
+             and output under `with device_handle.stream(all_gather_copy_in_stream)` (the stream
+             FSDPCommContext.get_all_gather_streams gives a synchronous unshard in forward and pre-backward);
+             foreach_reduce allocates the reduce-scatter input on the current stream and its output under
+             `with device_handle.stream(reduce_scatter_stream)`; the unsharded parameters
+             (foreach_all_gather_copy_out) and everything else, on the current (default) stream. No
+             record_stream: FSDP2 orders the streams by events and keeps the tensors referenced instead
+  optimizer  fused AdamW makes a parameter's state in its first step (_init_group: step, exp_avg,
+             exp_avg_sq, parameter by parameter in the model's order); FSDP2(lazy_state=True) makes it so
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -34,6 +45,20 @@ from memcalc.model.shape import ModelShape
 
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
+
+# The CUDA streams FSDP2 allocates on (memcalc.exact.sim.graph.Graph.stream), torch 2.13
+# torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py FSDPCommContext.lazy_init
+DEFAULT, ALL_GATHER_COPY_IN, REDUCE_SCATTER = 0, 1, 2
+
+
+@contextlib.contextmanager
+def on_stream(sim: Graph, stream: int):
+    """`with device_handle.stream(stream)`: what is allocated inside is allocated on that stream."""
+    outer, sim.stream = sim.stream, stream
+    try:
+        yield
+    finally:
+        sim.stream = outer
 
 
 @dataclass(frozen=True)
@@ -87,12 +112,16 @@ def units_for(shape: ModelShape, params: list[Param], reshard: bool | None, pipe
 class Group:
     """FSDPParamGroup of one unit on one rank, its storages as sim tensors."""
 
-    def __init__(self, unit: Unit, g: int, rank: int, sim: Graph, param_dtype: str):
-        self.unit, self.g, self.sim, self.param_dtype = unit, g, sim, param_dtype
+    def __init__(self, unit: Unit, g: int, rank: int, sim: Graph, param_dtype: str, lazy_state: bool = False):
+        self.unit, self.g, self.rank, self.sim, self.param_dtype = unit, g, rank, sim, param_dtype
         self.sharded = [sim.empty((p.padded(g),), "fp32", f"FSDP2 shard {p.name}", kind="state") for p in unit.params]
-        self.m = [sim.empty((p.chunk(g, rank),), "fp32", "AdamW exp_avg", kind="state") for p in unit.params]
-        self.v = [sim.empty((p.chunk(g, rank),), "fp32", "AdamW exp_avg_sq", kind="state") for p in unit.params]
-        self.steps = [sim.empty((1,), "fp32", "AdamW step", kind="state") for _ in unit.params]
+        self.m: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.steps: list[Tensor] = []
+        if not lazy_state:
+            self.m = [sim.empty((p.chunk(g, rank),), "fp32", "AdamW exp_avg", kind="state") for p in unit.params]
+            self.v = [sim.empty((p.chunk(g, rank),), "fp32", "AdamW exp_avg_sq", kind="state") for p in unit.params]
+            self.steps = [sim.empty((1,), "fp32", "AdamW step", kind="state") for _ in unit.params]
         self.grads: Tensor | None = None  # the reduce-scatter output the sharded gradients view
         self.unsharded: list[Tensor] | None = None
         self.all_gather_output: Tensor | None = None  # pending: all-gathered, not yet copied out
@@ -110,10 +139,12 @@ class Group:
         if self.all_gather_output is not None or self.unsharded is not None:
             return
         copy_in = None
-        if self.param_dtype != "fp32":
-            copy_in = self.sim.empty((self.shard_numel,), self.param_dtype, "FSDP2 all-gather input")
-        self.all_gather_output = self.sim.empty((self.shard_numel * self.g,), self.param_dtype,
-                                                "FSDP2 all-gather output")  # fmt: skip
+        stream = ALL_GATHER_COPY_IN if self.state in ("forward", "pre_backward") else DEFAULT
+        with on_stream(self.sim, stream):
+            if self.param_dtype != "fp32":
+                copy_in = self.sim.empty((self.shard_numel,), self.param_dtype, "FSDP2 all-gather input")
+            self.all_gather_output = self.sim.empty((self.shard_numel * self.g,), self.param_dtype,
+                                                    "FSDP2 all-gather output")  # fmt: skip
         del copy_in
 
     def wait_for_unshard(self, fsdp: FSDP2) -> None:
@@ -178,7 +209,8 @@ class Group:
         last = grads[-1] if self.g > 1 else None  # foreach_reduce's loop variable holds the last one
         grads.clear()
         fsdp.inflight = [last] if last is not None else []
-        output = self.sim.empty((numel // self.g,), "fp32", "FSDP2 reduce-scatter output")
+        with on_stream(self.sim, REDUCE_SCATTER):
+            output = self.sim.empty((numel // self.g,), "fp32", "FSDP2 reduce-scatter output")
         if self.grads is None:
             self.grads = output  # the new sharded gradients view it
         fsdp.inflight = []
@@ -189,9 +221,9 @@ class Group:
 class FSDP2:
     """The rank's units and the state they share (FSDPCommContext)."""
 
-    def __init__(self, sim: Graph, units: list[Unit], g: int, rank: int, param_dtype: str):
+    def __init__(self, sim: Graph, units: list[Unit], g: int, rank: int, param_dtype: str, lazy_state: bool = False):
         self.sim, self.g = sim, g
-        self.groups = [Group(u, g, rank, sim, param_dtype) for u in units]
+        self.groups = [Group(u, g, rank, sim, param_dtype, lazy_state) for u in units]
         self.by_name = {gr.unit.name: gr for gr in self.groups}
         self.all_gather_state: Tensor | None = None
         self.post_forward_order: list[Group] = []
@@ -215,9 +247,23 @@ class FSDP2:
         return next((gr for gr in self.groups if any(p.name == name for p in gr.unit.params)), None)
 
     def begin_step(self) -> None:
-        """The previous step's sharded gradients (one reduce-scatter output per unit)."""
-        for gr in self.groups:
-            gr.grads = self.sim.empty((gr.shard_numel,), "fp32", "FSDP2 sharded grads", kind="state")
+        """The previous step's sharded gradients (one reduce-scatter output per unit, on its stream)."""
+        with on_stream(self.sim, REDUCE_SCATTER):
+            for gr in self.groups:
+                gr.grads = self.sim.empty((gr.shard_numel,), "fp32", "FSDP2 sharded grads", kind="state")
+
+    def optimizer_step(self) -> None:
+        """Fused AdamW's step: in place, but the first makes each parameter's state (_init_group: the step
+        counter, exp_avg, exp_avg_sq, parameter by parameter in the model's order) where FSDP2 was built
+        with lazy_state."""
+        for name in self.params:
+            gr = self.group_of(name)
+            if len(gr.steps) == len(gr.unit.params):
+                continue
+            p = next(p for p in gr.unit.params if p.name == name)
+            gr.steps.append(self.sim.empty((1,), "fp32", "AdamW step", kind="state"))
+            gr.m.append(self.sim.empty((p.chunk(gr.g, gr.rank),), "fp32", "AdamW exp_avg", kind="state"))
+            gr.v.append(self.sim.empty((p.chunk(gr.g, gr.rank),), "fp32", "AdamW exp_avg_sq", kind="state"))
 
     def zero_grad(self) -> None:
         """torch.optim zero_grad(set_to_none=True), the first thing torchtitan's train step does."""

@@ -30,12 +30,13 @@ class Origin:
     stage: str
     role: str = ""  # "saved" | "gradient" | "master" | "state" (a parameter's optimizer state) | "" (as made)
     detail: str = ""  # what saved it ("mm: input"), or the parameter's name (its gradient, master, state)
+    stream: int = 0  # the CUDA stream it was allocated on (Graph.stream): 0 the default
 
 
 class RecordedStorage(Storage):
     """A storage that knows its allocation's place in the timeline, and notes its free's."""
 
-    __slots__ = ("recording", "event")
+    __slots__ = ("event", "recording")
 
     def __init__(self, recording: Recording, mem: LiveBytes, nbytes: int, op: str, kind: str, copies: int):
         super().__init__(mem, nbytes, op, kind, copies)
@@ -60,7 +61,7 @@ class Recording:
         """A new storage of graph g, its origin noted from what g runs now."""
         s = RecordedStorage(self, self.mem, nbytes, op, kind, copies)
         stage = "recompute" if g.rebuilding is not None else self.mem.phase
-        self.origins[s.event] = Origin(kind, op, g.layer, g.scope, stage)
+        self.origins[s.event] = Origin(kind, op, g.layer, g.scope, stage, stream=g.stream)
         return s
 
     def note(self, storage: Storage, role: str, detail: str) -> None:

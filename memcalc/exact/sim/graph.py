@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..base.config import ITEMSIZE
 from ..base.kernel import Kernel
@@ -60,7 +60,7 @@ class SavedTerm:
 
 
 class Node:
-    __slots__ = ("name", "seq", "edges", "rule", "saved", "n_inputs", "leaf", "layer", "scope", "dtypes", "group")
+    __slots__ = ("dtypes", "edges", "group", "layer", "leaf", "n_inputs", "name", "rule", "saved", "scope", "seq")
 
     def __init__(self, name: str, seq: int, edges: list, rule: Callable, n_inputs: int, layer: int | None = None,
                  scope: str = "", group: tuple | None = None):  # fmt: skip
@@ -98,6 +98,7 @@ class Graph(Checkpointing, Backward):
         self.fp8 = ""  # torchao's float8 recipe the blocks' linears train in (memcalc.exact.aten.float8), if any
         self.region: tuple[str, int] | None = None  # (name, copies) of the equal copies running, if any
         self.recording = None  # what each allocation is, under a timeline (memcalc.exact.sim.events.Recording)
+        self.stream = 0  # the CUDA stream allocations are made on: the default, unless a library switches (FSDP2)
 
     @property
     def copies(self) -> int:
@@ -292,4 +293,3 @@ def layer_of(name: str) -> int | None:
     """The block a parameter belongs to, from its name: the first number in it (blocks.3.attn.wq.weight,
     model.layers.3.self_attn.q_proj.weight -> 3); None outside the blocks (tok_emb.weight)."""
     return next((int(part) for part in name.split(".") if part.isdigit()), None)
-

@@ -13,11 +13,12 @@ from memcalc.model.sizes import parse_fraction
 from memcalc.report import render
 
 from .inputs import check_format, render_units, roofline_calibration
-from .options import (Calibration, ConfigPath, Detail, ExactBytes, Ffn, Format, GpuOpt, Heads, Hidden, KvHeads,
-                      Layers, ModelName, Params, Units, Vocab)  # fmt: skip
+from .options import (Calibration, ConfigPath, Detail, ExactBytes, Ffn, Format, GpuMemory, GpuOpt, Heads, Hidden,
+                      KvHeads, Layers, ModelName, Params, Units, Vocab)  # fmt: skip
 
 Context = Annotated[str, typer.Option("--context", help="Tokens of one request, prompt and output together (vLLM's --max-model-len); k and m are binary.", metavar="N")]  # fmt: skip
-Weights = Annotated[str, typer.Option("--weights", help="The weights' serving format: bf16, fp16, fp8 (per-tensor scales), int8 (GPTQ), int4-awq or int4-gptq (group 128).", metavar="FMT")]  # fmt: skip
+Weights = Annotated[Optional[str], typer.Option("--weights", help="The weights' serving format: bf16 (fp16 on a card without bf16, the default), fp16, fp8 (per-tensor scales), int8 (GPTQ), int4-awq or int4-gptq (group 128).", metavar="FMT")]  # fmt: skip
+VllmVersion = Annotated[str, typer.Option("--vllm-version", help="The vLLM release whose memory budget to follow: 0.8 to 0.20 (0.8, 0.9-0.10 and 0.11-0.20 differ; default 0.11).", metavar="X.Y")]  # fmt: skip
 KvDtype = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the activations' 16 bits) or fp8, as vLLM's --kv-cache-dtype.", metavar="DTYPE")]  # fmt: skip
 Batch = Annotated[Optional[str], typer.Option("--batch", help="Requests decoded together, for the time (default: the most that fit).", metavar="N")]  # fmt: skip
 Utilization = Annotated[str, typer.Option("--gpu-memory-utilization", help="vLLM's share of the GPU's memory for weights, activations and the KV cache.", metavar="X")]  # fmt: skip
@@ -31,11 +32,23 @@ KvCacheMemory = Annotated[Optional[str], typer.Option("--kv-cache-memory", help=
 ExpertParallel = Annotated[bool, typer.Option("--expert-parallel", help="Split the experts whole over tp x dp GPUs (vLLM --enable-expert-parallel).")]  # fmt: skip
 
 
+def serve_calibration(card, spec: str | None):
+    """--calibration as the roofline reads it; a --gpu file without fp32_tflops (which serve's time does not
+    use: its matmuls are 16-bit or fp8) takes the default efficiencies rather than estimate's end-to-end MFU."""
+    from memcalc.model.gpus import roofline_gaps
+    from memcalc.time.calibration import calibration_for
+
+    if spec is None and roofline_gaps(card) == ["fp32_tflops"]:
+        return calibration_for(card.key)
+    return roofline_calibration(card, spec)
+
+
 def serve(
     params: Params = None, model: ModelName = None, config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
-    ffn: Ffn = None, vocab: Vocab = None, context: Context = "8192", weights: Weights = "bf16",
-    kv_cache_dtype: KvDtype = "auto", batch: Batch = None, gpu: GpuOpt = "h100-sxm",
+    ffn: Ffn = None, vocab: Vocab = None, context: Context = "8192", weights: Weights = None,
+    kv_cache_dtype: KvDtype = "auto", batch: Batch = None, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
+    vllm_version: VllmVersion = "0.11",
     gpu_memory_utilization: Utilization = "0.9", block_size: BlockSize = None,
     max_num_batched_tokens: BatchedTokens = None, max_num_seqs: MaxSeqs = None, kv_cache_memory: KvCacheMemory = None,
     tp: ServeTp = "1", pp: ServePp = "1", dp: ServeDp = "1", expert_parallel: ExpertParallel = False,
@@ -45,7 +58,7 @@ def serve(
     """Serving with vLLM: weights, KV cache, the requests and context that fit one GPU, and decode speed."""
     options = locals()  # every option by name, for the groups (memcalc.cli.groups)
     try:
-        from memcalc.model.gpus import gpu as find_gpu
+        from memcalc.model.gpus import find_gpu
         from memcalc.model.shape import MAX_BATCH, parse_count, parse_seq
         from memcalc.serve.answer import serve as answer
         from memcalc.serve.job import ServeJob
@@ -54,15 +67,19 @@ def serve(
 
         fmt, units = check_format(fmt), render_units(units)
         the_model = ModelOptions.of(options).resolve()
-        the_gpu = find_gpu(gpu)
+        from memcalc.serve.releases import release_for
+
+        the_gpu = find_gpu(gpu, gpu_memory)
+        fmt_weights = weights.strip().lower() if weights is not None else "bf16" if the_gpu.bf16_tflops else "fp16"
         job = ServeJob(
-            the_model, the_gpu, parse_seq(context, "context"), roofline_calibration(the_gpu, calibration),
-            weights.strip().lower(), kv_cache_dtype.strip().lower(), optional_count(batch, "batch", MAX_BATCH),
+            the_model, the_gpu, parse_seq(context, "context"), serve_calibration(the_gpu, calibration),
+            fmt_weights, kv_cache_dtype.strip().lower(), optional_count(batch, "batch", MAX_BATCH),
             parse_count(tp, "tp", 4096), parse_count(pp, "pp", 4096), parse_count(dp, "dp", 4096), expert_parallel,
             parse_fraction(gpu_memory_utilization, "gpu-memory-utilization"),
             optional_count(block_size, "block-size", 1 << 16),
             None if max_num_batched_tokens is None else parse_seq(max_num_batched_tokens, "max-num-batched-tokens"),
             optional_count(max_num_seqs, "max-num-seqs", MAX_BATCH), optional_count(kv_cache_memory, "kv-cache-memory", 1 << 50),
+            release_for(vllm_version).key,
         )  # fmt: skip
         result = answer(job)
     except InputError as e:

@@ -9,7 +9,8 @@ key (the file's name without .json), source (the file's path), bf16_tflops, tf32
 the card has none), fp16_tflops (left out: bf16_tflops where given, FP16_FROM_BF16; else not known),
 fp32_tflops and bandwidth_gbps (left out: not known, 0: the roofline needs both, so such a card's step is
 timed end to end at --mfu, and fp32 recipes are refused), arch (sm80 unless given: cuBLAS's workspace
-follows it), intra, inter, host (memcalc.parallel.links keys; pcie4, hdr, pcie4 unless given). What was left
+follows it), intra, inter, host (memcalc.parallel.links keys; pcie4, hdr, pcie4 unless given), cuda_total_mib
+(torch.cuda.mem_get_info's total, which `memcalc serve` budgets from; left out: GPU.cuda_total_bytes's rule). What was left
 out and what memcalc did for it is GPU.derived, said on stderr. Every rate given must be positive; a missing
 field, an unknown one or a wrong type is one InputError line (read by jsonfile's bounded read).
 """
@@ -25,7 +26,7 @@ from memcalc.errors import InputError
 REQUIRED = ("name", "memory_mib")  # and one of PEAK_RATES
 OPTIONAL = {"key": "", "source": "", "bandwidth_gbps": 0.0, "fp16_tflops": 0.0, "fp32_tflops": 0.0,
             "bf16_tflops": 0.0, "tf32_tflops": 0.0, "fp8_tflops": 0.0, "arch": "sm80", "intra": "pcie4",
-            "inter": "hdr", "host": "pcie4"}  # fmt: skip
+            "inter": "hdr", "host": "pcie4", "cuda_total_mib": 0}  # fmt: skip
 TEXT = ("key", "name", "source", "arch", "intra", "inter", "host")
 # fp16 left out beside bf16: every card of memcalc's table with bf16 tensor cores (Ampere, Ada, Hopper,
 # Blackwell, CDNA2/3) has one dense BF16/FP16 figure on its datasheet (memcalc.model.gpu_table), fp32 accumulate

@@ -9,9 +9,14 @@ is refused on them (memcalc.engine.job). memory_mib: the driver's total, as nvid
 rocm-smi's "VRAM Total Memory" print it on those cards (ECC on where the card has it: an A10 shows 23,028 MiB,
 24,564 without); the MI325X's is its datasheet's 256 GB read as GiB (no driver total was found).
 Links (intra, inter, host) are memcalc.parallel.links keys.
+cuda_total_mib: what torch.cuda.mem_get_info reports as the total, which vLLM budgets from ("total_gpu_memory"
+in its startup log, printed in GiB to two decimals: the MiB here are that figure x 1024, rounded), where a log
+prints it (CUDA_TOTAL_SOURCES); elsewhere GPU.cuda_total_bytes derives it as memory_mib less CUDA_RESERVE_MIB.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from .gpus import GPU
 
@@ -53,6 +58,17 @@ MI250X_PAGE = ("https://www.amd.com/en/products/accelerators/instinct/mi200/mi25
                "package's two GCDs as one device (64 GB, 1.6 TB/s, 191.5 dense BF16 of the package's 383)")
 MI300X_PAGE = "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"
 MI325X_PAGE = "https://www.amd.com/en/products/accelerators/instinct/mi300/mi325x.html"
+
+# Published "total_gpu_memory (X GiB)" of vLLM's startup log (V0 worker.py), per card
+CUDA_TOTAL_SOURCES = {
+    "h100-sxm": "79.22 GiB, https://github.com/vllm-project/vllm/pull/10511 (H100 80GB HBM3, Llama-3-8B)",
+    "rtx3090": "23.58 GiB, https://github.com/vllm-project/vllm/issues/10517 and /issues/14447",
+    "a100-40gb": "39.38 GiB, https://github.com/vllm-project/vllm/issues/16570 (A100 40GB x 4)",
+}
+CUDA_TOTALS_MIB = {"h100-sxm": 81121, "rtx3090": 24146, "a100-40gb": 40325}  # x 1024 of the GiB above
+# The driver's total less mem_get_info's on those three cards: 438, 430 and 635 MiB; their median stands in
+# for a card no log prints (the memory the driver keeps for itself, outside what CUDA hands out)
+CUDA_RESERVE_MIB = 438
 
 GPUS: dict[str, GPU] = {
     g.key: g
@@ -109,4 +125,5 @@ GPUS: dict[str, GPU] = {
             "gfx942", "xgmi-mi300", "ndr", "pcie5"),
     )
 }
+GPUS = {k: replace(g, cuda_total_mib=CUDA_TOTALS_MIB.get(k, 0)) for k, g in GPUS.items()}
 DEFAULT_GPU = "h100-sxm"

@@ -54,6 +54,7 @@ class GPU:
     headroom_spec: str = ""  # --headroom as given ("2GB", "10%"); "": memcalc.model.headroom's default
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (--expandable-segments)
     derived: str = ""  # what a --gpu file left out, and what memcalc derived for it or holds unknown (0)
+    cuda_total_mib: int = 0  # torch.cuda.mem_get_info's total as published for the card; 0: none (cuda_total_bytes)
 
     def __post_init__(self) -> None:
         check_gpu(self)
@@ -62,6 +63,16 @@ class GPU:
     def memory_bytes(self) -> int:
         """The card's memory, or the --gpu-memory cap below it."""
         card = self.memory_mib * MIB
+        return min(card, self.memory_cap_bytes) if self.memory_cap_bytes else card
+
+    @property
+    def cuda_total_bytes(self) -> int:
+        """What torch.cuda.mem_get_info reports as the card's total (vLLM's total_gpu_memory): the published
+        figure, else the driver's total less the median reserve of the cards that have one
+        (memcalc.model.gpu_table.CUDA_RESERVE_MIB); under --gpu-memory, the cap where it is lower."""
+        from .gpu_table import CUDA_RESERVE_MIB
+
+        card = (self.cuda_total_mib or max(1, self.memory_mib - CUDA_RESERVE_MIB)) * MIB
         return min(card, self.memory_cap_bytes) if self.memory_cap_bytes else card
 
     @property
@@ -95,6 +106,10 @@ def check_gpu(g: GPU) -> None:
     if isinstance(g.memory_mib, bool) or not isinstance(g.memory_mib, int) or not 0 < g.memory_mib <= MAX_MEMORY_MIB:
         raise InputError(f"GPU {g.key}: memory_mib must be a whole number of MiB in [1, {MAX_MEMORY_MIB:,}], "
                          f"got {g.memory_mib!r}")  # fmt: skip
+    if isinstance(g.cuda_total_mib, bool) or not isinstance(g.cuda_total_mib, int) or \
+            not 0 <= g.cuda_total_mib <= g.memory_mib:  # fmt: skip
+        raise InputError(f"GPU {g.key}: cuda_total_mib must be a whole number of MiB in [1, memory_mib], got "
+                         f"{g.cuda_total_mib!r}")  # fmt: skip
     if g.memory_cap_bytes > g.memory_mib * MIB:
         raise InputError(f"--gpu-memory {g.memory_cap_bytes:,} bytes is more than the {g.name} has "
                          f"({g.memory_mib:,} MiB = {g.memory_mib * MIB:,} bytes)")  # fmt: skip

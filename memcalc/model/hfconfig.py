@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "mixtral": LLAMA,
     "qwen3_moe": dict(LLAMA, qk_norm=True),
     "deepseek_v3": LLAMA,
+    "deepseek_v2": LLAMA,  # the same MLA and shared-expert block; softmax routing (configuration_deepseek_v2.py)
 }
 SOFTCAPS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}}  # where absent
 WINDOWS = {"mistral": 4096, "phi3": None, "qwen2": 4096, "gemma2": 4096, "gemma3_text": 4096}  # where absent
@@ -53,7 +54,7 @@ REFUSED = {
     "gpt_oss": "a mixture of experts with attention sinks and MXFP4 experts, neither modelled",
     "qwen3_next": "a hybrid of gated DeltaNet linear attention and gated attention, with a mixture of experts",
 }
-MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3")  # the mixture-of-experts architectures memcalc reads
+MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2")  # the mixture-of-experts architectures memcalc reads
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -141,18 +142,28 @@ def experts(config: dict, model_type: str) -> dict:
                     moe_every=step, moe_offset=step - 1 if step > 0 else 0,
                     dense_layers=layer_list(config, "mlp_only_layers"),
                     norm_topk_prob=flag(config, "norm_topk_prob", default=False))  # fmt: skip
+    if model_type == "deepseek_v2":  # configuration_deepseek_v2.py defaults: softmax scores, no renormalisation
+        return deepseek(config, n_experts=64, per_token=6, expert_ffn=1407, shared=2, first_dense=0,
+                        norm_topk=False, router="softmax", router_fp32=False)  # fmt: skip
     # deepseek_v3: configuration_deepseek_v3.py defaults; the gate's sigmoid scores from an fp32 matmul
     # (modeling_deepseek_v3.py DeepseekV3TopkRouter); moe_layer_freq and num_nextn_predict_layers are the
     # published config.json's fields (DeepSeek's own modeling code), not Transformers' (which ignores both)
+    return deepseek(config, n_experts=256, per_token=8, expert_ffn=2048, shared=1, first_dense=3, norm_topk=True,
+                    router="sigmoid", router_fp32=True)  # fmt: skip
+
+
+def deepseek(config: dict, *, n_experts: int, per_token: int, expert_ffn: int, shared: int, first_dense: int,
+             norm_topk: bool, router: str, router_fp32: bool) -> dict:
+    """DeepSeek-V2's and V3's experts, MLA and MTP fields, with the version's defaults where absent."""
     return dict(
-        n_experts=whole(config, "n_routed_experts", default=256),
-        experts_per_token=whole(config, "num_experts_per_tok", default=8),
-        expert_ffn=whole(config, "moe_intermediate_size", default=2048),
-        n_shared_experts=whole(config, "n_shared_experts", default=1),
-        first_dense_layers=whole(config, "first_k_dense_replace", default=3),
+        n_experts=whole(config, "n_routed_experts", default=n_experts),
+        experts_per_token=whole(config, "num_experts_per_tok", default=per_token),
+        expert_ffn=whole(config, "moe_intermediate_size", default=expert_ffn),
+        n_shared_experts=whole(config, "n_shared_experts", default=shared),
+        first_dense_layers=whole(config, "first_k_dense_replace", default=first_dense),
         moe_every=whole(config, "moe_layer_freq", default=1),
-        norm_topk_prob=flag(config, "norm_topk_prob", default=True),
-        router="sigmoid", router_fp32=True,
+        norm_topk_prob=flag(config, "norm_topk_prob", default=norm_topk),
+        router=router, router_fp32=router_fp32,
         q_lora_rank=whole(config, "q_lora_rank", required=False) or 0,
         kv_lora_rank=whole(config, "kv_lora_rank", default=512),
         qk_rope_head_dim=whole(config, "qk_rope_head_dim", default=64),
@@ -167,7 +178,7 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
     fixed = ARCHITECTURES[model_type]
     is_gpt2 = model_type == "gpt2"
     moe = experts(config, model_type) if model_type in MOE_TYPES else {}
-    head_dim = None if model_type == "deepseek_v3" else whole(config, "head_dim", required=False)  # V3: rope part
+    head_dim = None if model_type.startswith("deepseek") else whole(config, "head_dim", required=False)  # V3: rope part
     hidden = whole(config, "hidden_size", "n_embd")
     n_layers = whole(config, "num_hidden_layers", "n_layer")
     return ModelShape(

@@ -74,19 +74,23 @@ def gpu_sections() -> list[Section]:
 
     s = Section(
         "GPUs (--gpu KEY, or --gpu FILE.json): dense peak TFLOP/s, memory, bandwidth",
-        ["key", "name", "bf16", "fp16", "tf32", "fp32", "fp8", "memory", "bandwidth"],
-        align="llrrrrrrr",
+        ["key", "name", "bf16", "fp16", "tf32", "fp32", "fp8", "memory", "mem_get_info", "bandwidth"],
+        align="llrrrrrrrr",
     )
     for g in GPUS.values():
         s.rows.append([g.key + (" (default)" if g.key == DEFAULT_GPU else ""), g.name, rate(g.bf16_tflops),
                        rate(g.fp16_tflops), rate(g.tf32_tflops), rate(g.fp32_tflops), rate(g.fp8_tflops),
-                       f"{g.memory_mib:,} MiB", f"{g.bandwidth_gbps / 1000:g} TB/s"])  # fmt: skip
+                       f"{g.memory_mib:,} MiB", f"{g.cuda_total_bytes >> 20:,} MiB" + ("" if g.cuda_total_mib else "*"),
+                       f"{g.bandwidth_gbps / 1000:g} TB/s"])  # fmt: skip
     s.notes = [
         "rates: vendor datasheets, dense (sparse figures are 2x); bf16/fp16 with fp32 accumulate, as PyTorch's "
         "matmuls run (GeForce: half the fp16-accumulate rate); fp32 is the non-tensor-core rate PyTorch uses unless "
         "TF32 is enabled; - : no such tensor cores (bf16 and fp8 jobs are refused there)",
         "memory: the driver's total; each fit verdict keeps a headroom back (CUDA context, cuBLAS workspaces, NCCL "
         "buffers, the allocator's share): --headroom, --gpu-memory, docs/gpus.md",
+        "mem_get_info: torch.cuda.mem_get_info's total, which vLLM budgets from (memcalc serve), as vLLM's logs print "
+        "it (memcalc/model/gpu_table.py CUDA_TOTAL_SOURCES); *: none published, the driver's total less their median "
+        "reserve",
     ]
     fabrics: dict[str, list[str]] = {}
     for g in GPUS.values():

@@ -27,7 +27,8 @@ def serve_preamble(a: ServeAnswer, units: str) -> list[str]:
             f"GPU: {j.gpu.name} ({j.gpu.key}), {u.size(j.gpu.memory_bytes, units)}; {layout_label(a)}",
             f"Serving: weights {WEIGHT_LABELS[j.weights]}, KV cache {kv}; vLLM gpu_memory_utilization "
             f"{j.gpu_memory_utilization:g}, block {j.page_tokens}, max_num_batched_tokens {j.batched_tokens:,}, "
-            f"max_num_seqs {j.seqs:,}; context {j.context:,} tokens a request"]  # fmt: skip
+            f"max_num_seqs {j.seqs:,}; context {j.context:,} tokens a request",
+            f"Budget as {j.release.label} computes it (--vllm-version; {j.release.source})"]  # fmt: skip
 
 
 def profile_label(a: ServeAnswer) -> str:
@@ -42,12 +43,16 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
     where = "" if st.pp == 1 else \
         f" (pipeline stage {st.index} of {st.pp}, layers {st.start}-{st.end - 1}: the fewest blocks)"
     s = Section(f"Memory on one GPU{where}, as vLLM splits it", ["part", "bytes", "how"])
+    total = "published" if j.gpu.cuda_total_mib else "derived"
+    if j.gpu.memory_cap_bytes and j.gpu.memory_cap_bytes < (j.gpu.cuda_total_mib or j.gpu.memory_mib) * 1024 * 1024:
+        total = "--gpu-memory"
     s.rows = [
-        ["GPU memory", sized(b.total, units), "torch.cuda.mem_get_info's total"],
+        ["GPU memory", sized(b.total, units), f"torch.cuda.mem_get_info's total ({total})"],
         [f"x {b.utilization:g} utilization", sized(b.requested, units), "what vLLM may use"],
         ["- weights", sized(b.binding.weights, units),
          f"{u.params(a.weights.params)} parameters, {WEIGHT_LABELS[j.weights]}"],
         ["- activation peak", sized(b.binding.activations, units), profile_label(a)],
+        ["- non-torch", sized(b.binding.non_torch, units), non_torch_label(a)],
         ["= KV cache", sized(b.available, units),
          f"short by {u.size(b.binding.shortfall, units)}: the weights and activations exceed it"
          if b.binding.shortfall else f"{b.num_blocks:,} blocks of {b.block_size} tokens x {b.binding.group_size} layers"],
@@ -56,11 +61,19 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
         s.rows[-1][0] = "KV cache, given"
         s.rows.insert(-1, ["", "", "--kv-cache-memory: no profiling, utilization not applied"])
     s.notes = ["vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (weights + "
-               "activation peak + non-torch memory); the CUDA context and CUDA graphs sit in the 1 - utilization "
-               "margin",
-               "not counted: the non-torch memory vLLM measures at start-up (NCCL buffers, attention backends' "
-               "workspaces) and the allocator's fragmentation"]
+               "activation peak + non-torch memory); CUDA graphs are captured after the cache, in the "
+               "1 - utilization margin",
+               "the sampler's peak is PyTorch's top-k/top-p sort over max_num_seqs x vocab (FlashInfer's sampler, "
+               "where installed and chosen, holds less); not counted: the allocator's fragmentation"]
     return s
+
+
+def non_torch_label(a: ServeAnswer) -> str:
+    """What the release counts outside torch's tensors (memcalc.serve.releases.non_torch_bytes)."""
+    r, j = a.job.release, a.job
+    parts = ["cuBLAS, kernels (published logs' median)"] + (["CUDA context"] if r.counts_context else []) + \
+        (["NCCL buffers"] if r.counts_nccl and j.tp * j.pp > 1 else [])  # fmt: skip
+    return ", ".join(parts)
 
 
 def kv_section(a: ServeAnswer, units: str) -> Section:

@@ -8,9 +8,10 @@ from dataclasses import replace
 from memcalc.model.shape import longest_seq
 from memcalc.records import record
 
-from .budget import ActivationPeak, Budget, activation_peak, budget, longest_context
+from .budget import Budget, budget, longest_context
 from .job import WEIGHT_FORMATS, ServeJob
 from .kv import KVCache, kv_layers
+from .profile import ActivationPeak, activation_peak
 from .stages import Stage, pipeline_stages
 from .timing import ServeTime, serve_time
 from .weights import Weights, serving_weights
@@ -91,7 +92,7 @@ def alternatives(job: ServeJob) -> list[tuple[str, ServeJob]]:
     if job.kv_dtype != "fp8":
         out.append(("--kv-cache-dtype fp8", replace(job, kv_dtype="fp8")))
     for fmt in WEIGHT_FORMATS[WEIGHT_FORMATS.index("fp8"):]:
-        if fmt != job.weights and fmt != "int4-gptq":
+        if fmt != job.weights and fmt != "int4-gptq" and (fmt != "fp8" or job.gpu.bf16_tflops):  # fp8: sm80+
             out.append((f"--weights {fmt}", replace(job, weights=fmt)))
     if job.model.shape.n_heads % (2 * job.tp) == 0:
         out.append((f"--tp {2 * job.tp}", replace(job, tp=2 * job.tp)))

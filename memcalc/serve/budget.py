@@ -2,15 +2,15 @@
 
 The budget (vllm/v1/worker/gpu_worker.py@35d5cda123ec28581759b6d34cde8052314fb1e6
 Worker.determine_available_memory; vllm/utils/mem_utils.py@a6d5c39009eb73797b276cc557ca9659c396ca14
-memory_profiling):
+memory_profiling; each release's variant in memcalc.serve.releases):
 
-    available = total x gpu_memory_utilization - (weights + activation peak + non-torch increase)
+    available = total x gpu_memory_utilization - (weights + activation peak + non-torch memory)
 
-total is the device's memory (torch.cuda.mem_get_info), the activation peak the rise of torch's
-allocated peak during profile_run (a forward of max_num_batched_tokens tokens and the sampler), and
-non-torch what grew outside torch's allocator since start-up. The CUDA context comes before the
-baseline and CUDA graphs are captured after the cache is allocated: both live in the 1 - utilization
-margin, not in the budget.
+total is what torch.cuda.mem_get_info reports (GPU.cuda_total_bytes), the activation peak the rise of
+torch's allocated peak during profile_run (memcalc.serve.profile: a forward of max_num_batched_tokens
+tokens and the sampler), and non-torch what the release counts outside torch's allocator
+(releases.non_torch_bytes). CUDA graphs are captured after the cache is allocated (0.8 to 0.20): they
+live in the 1 - utilization margin, not in the budget.
 
 The cache (vllm/v1/core/kv_cache_utils.py@001cabc1be16a59a70d720ed61a13b678c060a18): a block holds
 block_size tokens of one layer (its page: block_size x bytes per token). One kind of layer: one group of
@@ -25,69 +25,16 @@ from __future__ import annotations
 
 import math
 
-from memcalc.model.shape import is_moe_layer
+from memcalc.model.headroom import CONTEXT_BYTES
 from memcalc.model.sizes import MAX_SEQ
 from memcalc.records import record
 
 from .job import ServeJob
 from .kv import KVLayer, kv_layers
+from .profile import ActivationPeak
+from .releases import non_torch_bytes
 from .stages import Stage
 from .weights import Weights
-
-
-@record(frozen=True)
-class ActivationPeak:
-    """The profile run's peak of live activations on one GPU, part by part (bytes): the largest wins."""
-
-    tokens: int  # max_num_batched_tokens
-    requests: int  # min(tokens, max_num_seqs): the rows the sampler runs on
-    attention: int
-    mlp: int
-    sampler: int
-
-    @property
-    def peak(self) -> int:
-        return max(self.attention, self.mlp, self.sampler)
-
-    @property
-    def at(self) -> str:
-        return max(("attention", self.attention), ("mlp", self.mlp), ("sampler", self.sampler), key=lambda p: p[1])[0]
-
-
-def activation_peak(job: ServeJob, stage: Stage) -> ActivationPeak:
-    """What profile_run's forward holds at once in one block, as vLLM's fused layers allocate it, and
-    its sampler's logits. Inference frees each op's input when the next is done; live are the residual
-    and the block's input (2·T·h), and then
-      attention   the merged qkv projection and the attention output (MLA: q, kv_b's output, the
-                  assembled keys, the output)
-      MLP         the merged gate_up output (2f) and SiluAndMul's (f); a plain MLP f and f
-      experts     fused_moe's buffers: cache13 of M·k·max(N, h) and cache2 of M·k·N/2, N = 2f_e its
-                  w13 width (vllm/model_executor/layers/fused_moe/fused_moe.py fused_experts_impl), and
-                  the router's logits
-      sampler     the T·h hidden states, the R x vocab logits in 16 bits and their float32 copy
-                  (vllm/v1/sample/sampler.py Sampler.forward: logits.to(torch.float32))."""
-    shape, tp, b = job.model.shape, job.tp, job.activation_bytes
-    moe_layers = sum(is_moe_layer(shape, i) for i in stage.layers())
-    T, h = job.batched_tokens, shape.hidden
-    R = min(T, job.seqs)
-    live = 2 * T * h * b
-    if shape.is_mla:
-        H = shape.n_heads // tp
-        widths = H * (2 * shape.head_dim + shape.qk_nope_head_dim + 2 * shape.v_head_dim)
-    else:
-        kv = 2 * max(1, shape.n_kv_heads // tp) * shape.head_dim
-        widths = 2 * shape.q_dim // tp + kv
-    attention = live + T * widths * b
-    f = shape.ffn // tp
-    dense = live + T * (3 * f if shape.gated_mlp else 2 * f) * b
-    mlp = dense if moe_layers < len(stage.layers()) else 0
-    if moe_layers:
-        n = (2 if shape.gated_mlp else 1) * (shape.routed_ffn // (1 if job.expert_parallel else tp))
-        k = shape.experts_per_token
-        moe = live + T * k * (max(n, h) + n // 2) * b + T * shape.n_experts * b
-        mlp = max(mlp, moe)
-    sampler = T * h * b + R * shape.vocab * (b + 4) if stage.last else 0  # the last stage samples
-    return ActivationPeak(T, R, attention, mlp, sampler)
 
 
 @record(frozen=True)
@@ -119,7 +66,8 @@ class StageBudget:
     stage: Stage
     weights: int
     activations: int
-    available: int  # int(total x utilization - weights - activations) for the KV cache, 0 if they exceed it
+    non_torch: int  # what the release's profile counts outside torch's tensors (releases.non_torch_bytes)
+    available: int  # int(total x utilization - weights - activations - non_torch), 0 if they exceed it
     shortfall: int  # by how much they exceed it (0: they fit)
     group_size: int  # the most layers of the stage in one group: the tensors a block spans here
     num_blocks: int  # available // page // group_size (kv_cache_utils.py get_num_blocks)
@@ -175,15 +123,16 @@ def stage_budget(job: ServeJob, stage: Stage, weights: int, activations: int, pa
     """determine_available_memory and get_num_blocks on the stage's GPU, its groups being the model's
     projected onto its layers (_project_kv_cache_groups_to_worker). --kv-cache-memory is taken as given,
     as determine_available_memory returns cache_config.kv_cache_memory_bytes without profiling."""
-    left = job.kv_cache_memory or int(job.gpu.memory_bytes * job.gpu_memory_utilization - (weights + activations))
+    other = non_torch_bytes(job.release, job.tp * job.pp, CONTEXT_BYTES)
+    total = job.gpu.cuda_total_bytes
+    left = job.kv_cache_memory or int(total * job.gpu_memory_utilization - (weights + activations + other))
     available, shortfall = max(0, left), max(0, -left)
     size = max(sum(1 for i in g.layers if stage.start <= i < stage.end) for g in groups)
-    return StageBudget(stage, weights, activations, available, shortfall, size, available // page // size)
+    return StageBudget(stage, weights, activations, other, available, shortfall, size, available // page // size)
 
 
 def budget(job: ServeJob, stages: tuple[tuple[Stage, Weights, ActivationPeak], ...]) -> Budget:
-    """Each GPU's memory as vLLM splits it for this job. The non-torch increase vLLM measures (NCCL,
-    attention backends' workspaces) is not modelled: it is left out, so the budget is an upper bound."""
+    """Each GPU's memory as vLLM's release splits it for this job."""
     shape = job.model.shape
     windows = [shape.window_at(i) for i in range(shape.n_layers)]
     kinds = kv_layers(job, range(shape.n_layers))
@@ -191,7 +140,7 @@ def budget(job: ServeJob, stages: tuple[tuple[Stage, Weights, ActivationPeak], .
     page = job.page_tokens * kinds[0].bytes_per_token
     _, groups = kv_groups(kinds, windows)
     per_stage = tuple(stage_budget(job, st, w.total_bytes, p.peak, page, groups) for st, w, p in stages)
-    return Budget(job.gpu.memory_bytes, job.gpu_memory_utilization, job.page_tokens, page, groups, per_stage)
+    return Budget(job.gpu.cuda_total_bytes, job.gpu_memory_utilization, job.page_tokens, page, groups, per_stage)
 
 
 def longest_context(b: Budget, batched: int, limit: int = MAX_SEQ) -> int:

@@ -8,7 +8,11 @@ vLLM's defaults, each from its source (vllm-project/vllm):
   max_num_batched_tokens, max_num_seqs   vllm/engine/arg_utils.py@99d7eb5d6a512cfcc5a2b104f24ebf2d6cda772b
                                       EngineArgs._set_default_args: `vllm serve` (OPENAI_API_SERVER) takes
                                       8192 and 1024 on a GPU of at least 70 GiB that is no A100, else 2048
-                                      and 256
+                                      and 256 (vllm 0.8.5's: any GPU of 70 GiB; memcalc.serve.releases);
+                                      the 70 GiB are get_device_total_memory's, mem_get_info's total
+  dtype                               the model's 16 bits: bf16, fp16 on a card without bf16 (Volta, Turing:
+                                      vllm/v1/worker/gpu_worker.py _check_if_gpu_supports_dtype refuses bf16
+                                      below compute capability 8.0; users pass --dtype half there)
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from memcalc.model.shape import Model, longest_seq
 from memcalc.model.sizes import MAX_BATCH, MAX_SEQ
 from memcalc.records import record
 from memcalc.time.calibration import Calibration
+
+from .releases import DEFAULT_RELEASE, RELEASES, Release
 
 GIB = 1 << 30
 WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "int8", "int4-awq", "int4-gptq")
@@ -48,6 +54,7 @@ class ServeJob:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     kv_cache_memory: int | None = None  # vLLM --kv-cache-memory: the cache's bytes per GPU, no profiling
+    vllm: str = DEFAULT_RELEASE  # the span of vLLM releases whose budget is modelled (memcalc.serve.releases)
 
     def __post_init__(self) -> None:
         shape = self.model.shape
@@ -58,6 +65,17 @@ class ServeJob:
             raise InputError(f"unknown weight format {self.weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
         if self.kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown KV cache dtype {self.kv_dtype!r}; known: {', '.join(KV_DTYPES)}")
+        if self.vllm not in RELEASES:
+            raise InputError(f"unknown vLLM release span {self.vllm!r}; known: {', '.join(RELEASES)}")
+        if self.weights == "bf16" and not self.gpu.bf16_tflops:
+            raise InputError(f"bf16 weights need bf16 tensor cores (Ampere or later), which the {self.gpu.name} "
+                             "lacks: vLLM refuses them there; give --weights fp16")  # fmt: skip
+        if self.weights == "fp8" and not self.gpu.bf16_tflops:
+            raise InputError(f"vLLM's fp8 weights need compute capability 8.0 or later; the {self.gpu.name} "
+                             "has none")  # fmt: skip
+        for name in (f"{self.half}_tflops", "bandwidth_gbps"):
+            if not getattr(self.gpu, name):
+                raise InputError(f"serve's time needs the card's {name}, which its --gpu file does not give")
         if not 1 <= self.context <= MAX_SEQ:
             raise InputError(f"context must be 1 to {MAX_SEQ:,} tokens, got {self.context:,}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -92,9 +110,15 @@ class ServeJob:
         return self.tp * self.pp * self.dp
 
     @property
+    def release(self) -> Release:
+        return RELEASES[self.vllm]
+
+    @property
     def large_gpu(self) -> bool:
-        """vLLM's larger batch defaults: at least 70 GiB and not an A100 (arg_utils.py, PR #17885)."""
-        return self.gpu.memory_bytes >= 70 * GIB and "a100" not in self.gpu.key
+        """vLLM's larger batch defaults: at least 70 GiB (mem_get_info's total) and, from 0.9, not an A100
+        (arg_utils.py, PR #17885)."""
+        a100 = "a100" in self.gpu.key and not self.release.a100_large_defaults
+        return self.gpu.cuda_total_bytes >= 70 * GIB and not a100
 
     @property
     def batched_tokens(self) -> int:
@@ -119,6 +143,11 @@ class ServeJob:
         """Bytes of an activation: 2, every weight format computing in 16 bits (bf16 or fp16; fp8 and the
         weight-only int formats dequantize to them)."""
         return 2
+
+    @property
+    def half(self) -> str:
+        """The 16-bit type the model computes in: bf16, or fp16 on a card without bf16 tensor cores."""
+        return "bf16" if self.gpu.bf16_tflops else "fp16"
 
     @property
     def kv_bytes(self) -> int:

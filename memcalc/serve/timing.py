@@ -97,7 +97,7 @@ class ServeTime:
 
 def compute_peak(job: ServeJob) -> float:
     """Dense FLOP/s the job's matmuls run at: fp8 on fp8 tensor cores, else 16 bits."""
-    return job.gpu.peak_flops("fp8-e4m3" if job.weights == "fp8" and job.gpu.fp8_tflops else "bf16")
+    return job.gpu.peak_flops("fp8-e4m3" if job.weights == "fp8" and job.gpu.fp8_tflops else job.half)
 
 
 def roof(flops: float, moved: float, peak: float, efficiency: float, job: ServeJob, cal: Calibration) -> Roof:
@@ -129,7 +129,7 @@ def prefill_step(job: ServeJob, weights: Weights, kv: KVCache, cal: Calibration)
                   cal.matmul, job, cal)  # fmt: skip
     keys = sum(k.count * keys_seen(P, k.window) for k in kv.layers)
     written = sum(k.count * k.bytes_per_token * k.kept(P) for k in kv.layers)
-    attention = roof(keys * attention_flops_per_key(job, False), written, job.gpu.peak_flops("bf16"), cal.flash,
+    attention = roof(keys * attention_flops_per_key(job, False), written, job.gpu.peak_flops(job.half), cal.flash,
                      job, cal)  # fmt: skip
     return Step(P, (linear,), (attention,))
 
@@ -142,7 +142,7 @@ def decode_step(job: ServeJob, weights: Weights, kv: KVCache, batch: int, cal: C
                   cal.matmul, job, cal)  # fmt: skip
     keys = sum(k.count * (min(job.context, k.window) if k.window else job.context) for k in kv.layers)
     attention = roof(batch * keys * attention_flops_per_key(job, True), batch * kv.request_bytes,
-                     job.gpu.peak_flops("bf16"), cal.flash, job, cal)  # fmt: skip
+                     job.gpu.peak_flops(job.half), cal.flash, job, cal)  # fmt: skip
     return Step(batch, (linear,), (attention,))
 
 

@@ -1,0 +1,93 @@
+"""vLLM's releases as they differ in the memory budget (--vllm-version), each read from its PyPI wheel's source.
+
+Every V1 release sizes the KV cache in gpu_worker.py Worker.determine_available_memory, after a profile run
+(gpu_model_runner.py profile_run: a forward of max_num_batched_tokens tokens over min(max_num_seqs, tokens)
+requests, then _dummy_sampler_run on their last hidden states). Where they differ:
+
+  0.8   vllm 0.8.5 vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (torch's
+        allocated peak + (total - free - torch's allocated after empty_cache)): the second term is all
+        memory outside torch's tensors, the CUDA context included. `vllm serve`'s defaults take 8,192 tokens
+        and 1,024 sequences on any card of 70 GiB or more (engine/arg_utils.py _set_default_args).
+  0.9   vllm 0.9.2 and 0.10.1.1 (1da94e673): total x utilization - (weights + torch peak increase + non-torch
+        increase) (vllm/utils/__init__.py memory_profiling); the baseline snapshot (Worker.init_device,
+        MemorySnapshot()) is taken before init_worker_distributed_environment, so NCCL's buffers are in
+        the increase. A100s keep 2,048 and 256 (arg_utils.py: "a100" not in device_name).
+  0.11  vllm 0.11.0 (f71952c1c) and 0.13.0 (72506c983): the same, the baseline taken after
+        init_worker_distributed_environment ("This ensures NCCL buffers are allocated before we measure").
+        vllm 0.34.0 (62d4bc3c7) determine_available_memory subtracts profile_cudagraph_memory's estimate
+        too, "default since v0.21.0": from 0.21 on the budget is not modelled here.
+
+The sampler of the profile run is PyTorch's (vllm/v1/sample/ops/topk_topp_sampler.py forward_native) in all
+three: FlashInfer's is taken only where flashinfer is installed (an extra, not a dependency, of the 0.10 and
+0.11 wheels' METADATA) and is opt-in from 0.13 (VLLM_USE_FLASHINFER_SAMPLER=1).
+
+What the profile measures outside torch's allocator has no formula in vLLM's source; memcalc takes the
+CUDA context (memcalc.model.headroom's) where the release counts it, NCCL's communicator buffers where the
+release counts them and tp > 1, and the rest (cuBLAS handles, the kernels loaded lazily) as published
+startup logs print it: see NON_TORCH below.
+"""
+
+from __future__ import annotations
+
+from memcalc.errors import InputError
+from memcalc.records import record
+
+GIB = 1 << 30
+# vLLM 0.6.5-0.8 (V0 engine) logs print "non_torch_memory takes X GiB" at tp 1 (worker.py determine_num_
+# available_blocks): 0.35 (RTX 3090, vllm-project/vllm#10517), 0.25 (2 x RTX 4090, #13061), 0.20 (RTX 3090,
+# #14447), 0.34, 0.38, 0.43 (A100 40GB x 4, #16570); their median, 0.345 GiB, stands for cuBLAS's handles and
+# the kernels loaded during the profile run where the release measures them.
+NON_TORCH_BYTES = int(0.345 * GIB)
+# NCCL's buffers on each GPU of a tp > 1 group: the difference of vllm-project/vllm#10511's two H100 runs,
+# non_torch_memory 3.58 GiB at tp 2 against 1.79 at tp 1 (Llama-3-8B, custom all-reduce's buffers included)
+NCCL_BYTES = int((3.58 - 1.79) * GIB)
+
+
+@record(frozen=True)
+class Release:
+    """How one span of vLLM releases sizes the KV cache (see the module)."""
+
+    key: str  # "0.11"
+    label: str  # "vLLM 0.11 to 0.20"
+    counts_context: bool  # the CUDA context is inside the measured non-torch memory (0.8)
+    counts_nccl: bool  # NCCL's buffers are inside the measured increase (0.8 to 0.10)
+    a100_large_defaults: bool  # an A100 80GB takes the 8,192 / 1,024 defaults (0.8)
+    source: str
+
+
+RELEASES = {
+    r.key: r
+    for r in (
+        Release("0.8", "vLLM 0.8 (V1)", True, True, True, "vllm 0.8.5 vllm/v1/worker/gpu_worker.py"),
+        Release("0.9", "vLLM 0.9 to 0.10 (V1)", False, True, False,
+                "vllm 0.10.1.1 (1da94e673) vllm/v1/worker/gpu_worker.py, vllm/utils/__init__.py memory_profiling"),
+        Release("0.11", "vLLM 0.11 to 0.20 (V1)", False, False, False,
+                "vllm 0.11.0 (f71952c1c), 0.13.0 (72506c983) vllm/v1/worker/gpu_worker.py, memory_profiling"),
+    )
+}
+DEFAULT_RELEASE = "0.11"
+LAST_MODELLED = (0, 20)  # 0.21 adds the CUDA graph estimate (vllm 0.34.0 gpu_worker.py)
+
+
+def release_for(text: str) -> Release:
+    """--vllm-version: a release number (0.10.1.1, 0.9, 0.11.0) read as the span it belongs to."""
+    parts = text.strip().lstrip("v").split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1]) if len(parts) > 1 else -1
+    except ValueError:
+        raise InputError(f"--vllm-version takes a release number such as 0.10.1 or 0.11, got {text!r}") from None
+    if minor < 0 or major != 0:
+        raise InputError(f"--vllm-version takes a release number such as 0.10.1 or 0.11, got {text!r}")
+    if minor < 8:
+        raise InputError(f"vLLM {text.strip()} runs the V0 engine, whose budget memcalc does not model: "
+                         "give --vllm-version 0.8 or later")  # fmt: skip
+    if (major, minor) > LAST_MODELLED:
+        raise InputError(f"vLLM {text.strip()} profiles CUDA graph memory into the budget (default since 0.21), "
+                         "which memcalc does not model: give --vllm-version 0.20 or earlier")  # fmt: skip
+    return RELEASES["0.8" if minor == 8 else "0.9" if minor < 11 else "0.11"]
+
+
+def non_torch_bytes(release: Release, tp: int, context: int) -> int:
+    """What the release's profile counts outside torch's tensors on one GPU (see the module)."""
+    return NON_TORCH_BYTES + (context if release.counts_context else 0) + \
+        (NCCL_BYTES if release.counts_nccl and tp > 1 else 0)  # fmt: skip

@@ -1,0 +1,128 @@
+"""memcalc serve held to vLLM's own numbers (issue 41): the releases' budgets, the profile run's sampler,
+mem_get_info's total, every card and input `estimate` takes, and the published startup logs' corpus."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from memcalc.cli.commands import app
+from memcalc.errors import InputError
+from memcalc.model.gpu_table import CUDA_RESERVE_MIB, GPUS
+from memcalc.model.gpus import find_gpu, gpu
+from memcalc.model.presets import preset_model
+from memcalc.serve.answer import serve
+from memcalc.serve.job import ServeJob
+from memcalc.serve.profile import sort_buffer_bytes
+from memcalc.serve.releases import NCCL_BYTES, NON_TORCH_BYTES, release_for
+from memcalc.time.calibration import calibration_for
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+def job(model: str = "llama3-8b", g: str = "h100-sxm", context: int = 8192, **kw) -> ServeJob:
+    card = gpu(g)
+    kw.setdefault("weights", "bf16" if card.bf16_tflops else "fp16")
+    return ServeJob(preset_model(model), card, context, calibration_for(g), **kw)
+
+
+@pytest.mark.parametrize("key", list(GPUS))
+def test_every_card_answers_serve(key):
+    """Every card of `memcalc gpus`, V100 and T4 (fp16, no bf16) included: no ZeroDivisionError (the defect
+    of serve/timing.py taking the bf16 peak, 0 there), a budget that is never negative."""
+    a = serve(job("llama3.2-1b", key, 4096))
+    assert a.time.tokens_per_second > 0 and a.budget.available >= 0 and a.budget.binding.shortfall >= 0
+
+
+def test_pre_ampere_cli_defaults_to_fp16_and_refuses_bf16():
+    runner = CliRunner()
+    out = runner.invoke(app, ["serve", "--model", "llama3-8b", "--gpu", "v100-32gb", "--context", "4096"])
+    assert out.exit_code == 0 and "weights fp16" in out.output
+    out = runner.invoke(app, ["serve", "--model", "llama3-8b", "--gpu", "t4", "--weights", "bf16"])
+    assert out.exit_code == 2 and "bf16 weights need bf16 tensor cores" in out.output
+
+
+def test_mem_get_info_total_published_and_derived():
+    """H100 79.22 GiB (vllm-project/vllm#10511), RTX 3090 23.58 (#10517), A100 40GB 39.38 (#16570); a card
+    with no published figure: the driver's total less the median reserve (438 MiB)."""
+    assert [gpu(k).cuda_total_bytes for k in ("h100-sxm", "rtx3090", "a100-40gb")] == \
+        [81121 << 20, 24146 << 20, 40325 << 20]  # fmt: skip
+    assert CUDA_RESERVE_MIB == sorted([81559 - 81121, 24576 - 24146, 40960 - 40325])[1]
+    assert gpu("l4").cuda_total_bytes == (23034 - 438) << 20
+    assert find_gpu("h100-sxm", "40GiB").cuda_total_bytes == 40 * GIB
+
+
+def test_gpu_file_and_gpu_memory_answer(tmp_path):
+    card = tmp_path / "a6000.json"
+    card.write_text('{"name": "RTX A6000", "memory_mib": 49140, "bf16_tflops": 154.8, "bandwidth_gbps": 768, '
+                    '"cuda_total_mib": 48676}')  # fmt: skip
+    runner = CliRunner()
+    out = runner.invoke(app, ["serve", "--model", "llama3-8b", "--gpu", str(card), "--context", "4096"])
+    assert out.exit_code == 0, out.output
+    small = runner.invoke(app, ["serve", "--model", "llama3-8b", "--gpu-memory", "40GiB", "--format", "json"])
+    assert small.exit_code == 0 and '"total": 42949672960' in small.output
+
+
+def test_sort_buffers_by_rows():
+    """SortStable.cu: >= 128 rows segmented_sort_pairs, 2-127 by full sort, one row large segments."""
+    assert [sort_buffer_bytes(r) for r in (1, 2, 127, 128, 1024)] == [20, 32, 32, 20, 20]
+
+
+@pytest.mark.parametrize("text, key", [("0.8.5", "0.8"), ("0.9.2", "0.9"), ("0.10.1.1", "0.9"), ("v0.11.0", "0.11"),
+                                       ("0.13", "0.11"), ("0.20.2", "0.11")])  # fmt: skip
+def test_release_spans(text, key):
+    assert release_for(text).key == key
+
+
+@pytest.mark.parametrize("text", ["0.7.3", "0.21.0", "1.0", "latest", "0"])
+def test_release_refusals(text):
+    with pytest.raises(InputError):
+        release_for(text)
+
+
+def test_releases_differ_as_their_source_does():
+    """0.8 counts the CUDA context, 0.8 to 0.10 NCCL's buffers under tp > 1, 0.11 neither; 0.8 gives an A100
+    80GB the 8,192 / 1,024 defaults, 0.9 on 2,048 / 256."""
+    from memcalc.model.headroom import CONTEXT_BYTES
+
+    tp2 = {r: serve(job("llama3-8b", tp=2, vllm=r)).budget.binding.non_torch for r in ("0.8", "0.9", "0.11")}
+    assert tp2 == {"0.8": NON_TORCH_BYTES + CONTEXT_BYTES + NCCL_BYTES, "0.9": NON_TORCH_BYTES + NCCL_BYTES,
+                   "0.11": NON_TORCH_BYTES}  # fmt: skip
+    assert job(g="a100-80gb", vllm="0.8").batched_tokens == 8192 and job(g="a100-80gb").batched_tokens == 2048
+
+
+def test_deepseek_v2_lite_config_serves():
+    out = CliRunner().invoke(app, ["serve", "--config", "examples/configs/deepseek-v2-lite.json", "--gpu", "a100-80gb",
+                                   "--format", "json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    a = serve(ServeJob(__import__("memcalc.model.hfconfig", fromlist=["x"]).config_model(
+        str(ROOT / "examples/configs/deepseek-v2-lite.json")), gpu("a100-80gb"), 8192, calibration_for("a100-80gb")))
+    assert a.kv.bytes_per_token == 27 * (512 + 64) * 2  # MLA: the latent and the rope key, one head
+
+
+@settings(max_examples=25)
+@given(st.floats(0.5, 0.94), st.floats(0.001, 0.05))
+def test_kv_tokens_monotone_in_utilization(util, step):
+    low = serve(job(gpu_memory_utilization=util), advise=False).budget.cache_tokens
+    assert serve(job(gpu_memory_utilization=util + step), advise=False).budget.cache_tokens >= low
+
+
+def test_corpus_loads_and_report_summarises():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.serving.corpus import load
+    from benchmarks.serving.report import rows, summary
+
+    logs = load()
+    assert len({lg.id for lg in logs}) == len(logs) and all(lg.url.startswith("https://github.com/") for lg in logs)
+    lines = summary(rows(logs))
+    assert any(line.startswith("fit      available_gib") for line in lines)
+    out = subprocess.run([sys.executable, "benchmarks/serving/report.py", "--summary"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and "median |error|" in out.stdout

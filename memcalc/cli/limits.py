@@ -12,8 +12,8 @@ from memcalc.errors import InputError
 from memcalc.report import render
 
 from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepOptions, seq_for
-from .inputs import check_format, fail, render_units, resolve_tricks, warn
-from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, Ffn, Format, Freeze, GpuMemory, GpuOpt,
+from .inputs import check_format, explained, fail, render_units, resolve_tricks, show_file, warn, with_file
+from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, Ffn, Format, Freeze, FromFile, GpuMemory, GpuOpt,
                       HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers, Lora, LoraDropout,
                       LoraTargets, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params, Quantize, RecipeOpt,
                       Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
@@ -21,7 +21,8 @@ from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, Ffn, For
 FIT_TRICKS, MFU_TRICKS = "bf16,flash", "bf16"  # without --tricks; fp16 in place of bf16 where a card lacks it
 
 def fit(
-    params: Params = None, model: ModelName = None, config: ConfigPath = None,
+    ctx: typer.Context, from_file: FromFile = None, params: Params = None, model: ModelName = None,
+    config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[Optional[str], typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST", show_default=FIT_TRICKS)] = None,
@@ -33,11 +34,13 @@ def fit(
     quantize: Quantize = None, freeze: Freeze = None,
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
-    options = locals()  # every option by name, for the groups (memcalc.cli.groups)
+    options, source = locals(), None  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.engine.fit import fit_limits
 
         fmt, units = check_format(fmt), render_units(units)
+        options, source = with_file(ctx, options, "fit")  # --from FILE's options under the typed ones
+        tricks = options["tricks"]
         the_model = ModelOptions.of(options).resolve()
         setup = StepOptions.of(options).resolve(the_model, StackOptions.of(options).resolve())
         layout = LayoutOptions.of(options).resolve()  # data parallel (--gpus, --zero, --offload): fit solves one GPU
@@ -45,8 +48,9 @@ def fit(
         (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, FIT_TRICKS)
         limits = fit_limits(the_model, setup, the_gpu, t, layout)
     except InputError as e:
-        fail(str(e))
+        fail(explained(str(e), source))
     warn(said)
+    read = show_file(source, fmt)
     from memcalc.report import fit as report
     from memcalc.report.headroom import fragmentation_note, headroom_line
 
@@ -58,7 +62,7 @@ def fit(
                  *fragmentation_note(limits.headroom, [v.free_bytes for v in (limits.memory_at_max_seq,
                                                                               limits.memory_at_max_batch) if v])],
                 (headers, rows),
-                exact=detail or exact_bytes, after=[report.fit_verdict(limits)])  # fmt: skip
+                exact=detail or exact_bytes, after=[report.fit_verdict(limits)], source=read)  # fmt: skip
 
 
 def mfu(

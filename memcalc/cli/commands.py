@@ -16,14 +16,15 @@ from memcalc.report import render
 
 from . import views
 from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepOptions
-from .inputs import check_format, fail, parse_run, render_units, resolve_tricks, roofline_calibration, warn
+from .inputs import (check_format, explained, fail, parse_run, render_units, resolve_tricks, roofline_calibration,
+                     show_file, warn, with_file)
 from .limits import fit, mfu
 from .options import (Calibration, CapacityFactor, ConfigPath, Cp, Detail, Dp, Ep, EstimateMfu, Etp, ExactBytes,
-                      ExpandableSegments, ExpertImbalance, Ffn, Format, Freeze, GpuMemory, GpuOpt, Gpus, GpusPerNode,
-                      GradAccum, HeadroomOpt, Heads, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads, Layers, Lora,
-                      LoraDropout, LoraTargets, MicroBatch, ModelName, NoCache, NoOffload, Offload, OffloadParams,
-                      Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt, Tp, TricksOpt,
-                      Units, Vocab, Vpp, Without, Zero)  # fmt: skip
+                      ExpandableSegments, ExpertImbalance, Ffn, Format, FromFile, Freeze, GpuMemory, GpuOpt, Gpus,
+                      GpusPerNode, GradAccum, HeadroomOpt, Heads, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads,
+                      Layers, Lora, LoraDropout, LoraTargets, MicroBatch, ModelName, NoCache, NoOffload, Offload,
+                      OffloadParams, Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt,
+                      Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 from .serve import serve
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
@@ -72,7 +73,7 @@ def options(
 
 @app.command()
 def estimate(
-    params: Params = None, model: ModelName = None, config: ConfigPath = None,
+    ctx: typer.Context, from_file: FromFile = None, params: Params = None, model: ModelName = None, config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = None, micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
@@ -105,11 +106,13 @@ def estimate(
     With --tp, --pp, --cp, --dp (or --sp, --vpp, --hybrid, --offload-params, --gpus-per-node) it
     estimates one GPU of that layout: per-stage memory, traffic per collective, step time and MFU.
     """
-    options = locals()  # every option by name, for the groups (memcalc.cli.groups)
+    options, source = locals(), None  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.engine.job import Job
 
         fmt, units = check_format(fmt), render_units(units)
+        options, source = with_file(ctx, options, "estimate", listed=("tricks",))  # --from FILE's under the typed
+        tricks = options["tricks"]
         the_model = ModelOptions.of(options).resolve()
         the_gpu = GpuOptions.of(options).resolve()
         trick_sets, said = resolve_tricks(tricks, the_gpu)
@@ -145,9 +148,10 @@ def estimate(
         else:
             show = views.timeline_view(job, png, svg, exports) if timeline else views.answer_view(job)
         warn(said)  # the input was good and the answer is computed: what to know of the trick sets, then the answer
-        show(render.Display(fmt, units, detail, detail or exact_bytes, explain))  # may write a PNG
+        read = show_file(source, fmt)
+        show(render.Display(fmt, units, detail, detail or exact_bytes, explain, read))  # may write a PNG
     except InputError as e:
-        fail(str(e))
+        fail(explained(str(e), source))
 
 
 @app.command()

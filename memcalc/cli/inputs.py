@@ -104,3 +104,40 @@ def render_units(units: str) -> str:
     from memcalc.report.units import check_units
 
     return check_units(units)
+
+
+def with_file(ctx, options: dict, command: str, listed: tuple[str, ...] = ()):
+    """--from FILE: the command's options with the file's merged under those typed, and what it read (None
+    without --from)."""
+    if options.get("from_file") is None:
+        return options, None
+    from .fromfile import apply_file, typed_names
+
+    return apply_file(options, typed_names(ctx, options), command, listed)
+
+
+def explained(message: str, source) -> str:
+    """A refusal; with --from, the file's keys behind each option it names that the file set."""
+    if source is None:
+        return message
+    from .fromfile import blame
+
+    return blame(message, source)
+
+
+def show_file(source, fmt: str) -> dict | None:
+    """What --from read, before the answer: its table on stdout (CSV: on stderr, the answer's rows alone on
+    stdout), the keys the verdict leaves out as warnings; the JSON of it, for the answer's "from"."""
+    if source is None:
+        return None
+    from memcalc.report.from_file import from_file_json, from_file_section
+
+    section = from_file_section(source)
+    if fmt == "markdown":
+        sys.stdout.write(render.to_markdown([section]) + "\n")
+    elif fmt in ("table", "csv"):
+        render.print_tables([section], file=sys.stdout if fmt == "table" else sys.stderr)
+        if fmt == "table":
+            print()
+    warn(f"{source.path}: not modelled, so not in the verdict: {line}" for line in source.unmodelled())
+    return from_file_json(source)

@@ -12,16 +12,17 @@ from memcalc.errors import InputError
 from memcalc.report import render
 
 from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepOptions, seq_for
-from .inputs import check_format, fail, render_units, resolve_tricks, warn
+from .inputs import check_format, explained, fail, render_units, resolve_tricks, show_file, warn, with_file
 from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, ExpandableSegments, Ffn, Format, Freeze,
-                      GpuMemory, GpuOpt, HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers, Lora,
-                      LoraDropout, LoraTargets, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params, Quantize,
-                      RecipeOpt, Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
+                      FromFile, GpuMemory, GpuOpt, HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers,
+                      Lora, LoraDropout, LoraTargets, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params,
+                      Quantize, RecipeOpt, Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
 
 FIT_TRICKS, MFU_TRICKS = "bf16,flash", "bf16"  # without --tricks; fp16 in place of bf16 where a card lacks it
 
 def fit(
-    params: Params = None, model: ModelName = None, config: ConfigPath = None,
+    ctx: typer.Context, from_file: FromFile = None, params: Params = None, model: ModelName = None,
+    config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
     seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[Optional[str], typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST", show_default=FIT_TRICKS)] = None,
@@ -34,11 +35,13 @@ def fit(
     quantize: Quantize = None, freeze: Freeze = None,
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
-    options = locals()  # every option by name, for the groups (memcalc.cli.groups)
+    options, source = locals(), None  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.engine.fit import fit_limits
 
         fmt, units = check_format(fmt), render_units(units)
+        options, source = with_file(ctx, options, "fit")  # --from FILE's options under the typed ones
+        tricks = options["tricks"]
         the_model = ModelOptions.of(options).resolve()
         setup = StepOptions.of(options).resolve(the_model, StackOptions.of(options).resolve())
         layout = LayoutOptions.of(options).resolve()  # data parallel (--gpus, --zero, --offload): fit solves one GPU
@@ -46,8 +49,9 @@ def fit(
         (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, FIT_TRICKS)
         limits = fit_limits(the_model, setup, the_gpu, t, layout)
     except InputError as e:
-        fail(str(e))
+        fail(explained(str(e), source))
     warn(said)
+    read = show_file(source, fmt)
     from memcalc.report import fit as report
 
     rows = [[limits.gpu, "+".join(limits.tricks.names), limits.seq_len, limits.micro_batch, limits.max_seq_len,
@@ -56,7 +60,7 @@ def fit(
     render.emit(fmt, limits, report.fit_sections(limits, units, detail),
                 report.fit_preamble(limits, the_model.origin, units),
                 (headers, rows),
-                exact=detail or exact_bytes, after=[report.fit_verdict(limits)])  # fmt: skip
+                exact=detail or exact_bytes, after=[report.fit_verdict(limits)], source=read)  # fmt: skip
 
 
 def mfu(

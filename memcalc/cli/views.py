@@ -94,7 +94,7 @@ def show_timeline(ans, d: render.Display, images: list, exports: dict[str, str])
                       title, flag)  # fmt: skip
         print(f"wrote {path}", file=sys.stderr)  # stderr: stdout stays the chart, JSON or CSV
     if d.fmt == "json":
-        return emit_json(ans)
+        return emit_json(ans, d)
     if d.fmt == "csv":
         sys.stdout.write(render.to_csv(chart.CSV_HEADERS, chart.csv_rows(tls)))
         return
@@ -119,13 +119,13 @@ def show_sweep(swept, d: render.Display, png: str | None = None) -> None:
         save_png(swept, png, d.units)
         print(f"wrote {png}", file=sys.stderr)  # stderr: stdout stays the table, JSON or CSV
     csv_table = (report.SWEEP_CSV_HEADERS, report.sweep_csv_rows(swept))
-    render.emit(d.fmt, swept, report.sweep_sections(swept, d.units), csv_table=csv_table, exact=d.exact)
+    render.emit(d.fmt, swept, report.sweep_sections(swept, d.units), csv_table=csv_table, exact=d.exact, source=d.source)
 
 
-def emit_json(ans) -> None:
+def emit_json(ans, d: render.Display) -> None:
     from memcalc.report.schema import answer_json
 
-    print(render.to_json(answer_json(ans)))
+    print(render.to_json(answer_json(ans), d.source))
 
 
 def show_layout(ans, d: render.Display) -> None:
@@ -135,7 +135,7 @@ def show_layout(ans, d: render.Display) -> None:
     ests = list(ans.layouts)
     warn(w for e in ests for w in report.layout_warnings(e))
     if d.fmt == "json":
-        return emit_json(ans)
+        return emit_json(ans, d)
     if d.fmt == "csv":
         rows = [[e.tricks.label, *row] for e in ests for row in report.layout_csv_rows(e)]
         sys.stdout.write(render.to_csv(["tricks", *report.LAYOUT_CSV_HEADERS], rows))
@@ -172,7 +172,7 @@ def show_answer(ans, d: render.Display) -> None:
         lines += time_warnings(ans.roofline)
     warn(lines)
     if d.fmt == "json":
-        return emit_json(ans)
+        return emit_json(ans, d)
     sections = report.sections(ans, d.units, d.detail)
     sections += [report_runs(ans)] if ans.runs else []
     if ans.exact:

@@ -32,6 +32,7 @@ class Display:
     detail: bool = False  # every section, not only the answer
     exact: bool = False  # each value's exact count (bytes) under it; --detail implies it
     explain: bool = False  # the formulas with this config's numbers
+    source: dict | None = None  # --from FILE: what its keys set (memcalc.report.from_file), in JSON under "from"
 
 
 @record
@@ -91,8 +92,12 @@ def properties(cls: type) -> list[str]:
     return [name for klass in reversed(cls.__mro__) for name, v in vars(klass).items() if isinstance(v, property)]
 
 
-def to_json(obj: object) -> str:
-    return json.dumps(to_jsonable(obj), indent=2, ensure_ascii=False)
+def to_json(obj: object, source: dict | None = None) -> str:
+    """obj as JSON; with source (what --from read), that under "from" at the end of obj's object."""
+    data = to_jsonable(obj)
+    if source is not None and isinstance(data, dict):
+        data = {**data, "from": source}
+    return json.dumps(data, indent=2, ensure_ascii=False)
 
 
 # ---- text formats ---------------------------------------------------------------------------
@@ -131,14 +136,15 @@ def to_csv(headers: list[str], rows: list[list[object]]) -> str:
 
 def emit(fmt: str, result: object, sections: list[Section], preamble: list[str] = (),
          csv_table: tuple[list[str], list[list[object]]] | None = None, exact: bool = False,
-         after: list[str] = ()) -> None:  # fmt: skip
+         after: list[str] = (), source: dict | None = None) -> None:  # fmt: skip
     """One result in the chosen format: JSON of the object itself, CSV rows, or its tables.
 
     exact: tables and Markdown show each value's exact count (bytes) too; JSON and CSV always carry it.
     after: paragraphs printed after the tables (the verdict), in the text formats.
+    source: what --from read, under "from" in the JSON (the text formats show it before: memcalc.cli.views).
     """
     if fmt == "json":
-        print(to_json(result))
+        print(to_json(result, source))
     elif fmt == "csv":
         sys.stdout.write(to_csv(*(csv_table or first_table(sections))))
     elif fmt == "markdown":

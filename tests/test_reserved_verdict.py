@@ -91,9 +91,13 @@ def test_headroom_keeps_the_share_and_replays_no_allocator():
     assert v.usable_bytes == usable_bytes(card) == card.memory_bytes - headroom(card).total_bytes
 
 
-def test_fsdp2_keeps_the_share():
-    data = json.loads(CliRunner().invoke(app, ["estimate", "--model", "gpt2", "--gpus", "8", "--stack", "fsdp2",
-                                               "--zero", "3", "--format", "json"]).stdout)  # fmt: skip
-    v = data["verdict"][0]
-    assert v["keeps_share"] and v["reserved"] is None
-    assert v["usable_bytes"] == data["gpu"]["memory_bytes"] - data["headroom"]["total_bytes"]
+def test_an_fsdp2_rank_replays_its_streams():
+    """An FSDP2 rank near the room replays the allocator with FSDP2's streams (memcalc.exact.reserved.fsdp2_reserved);
+    far from it, it keeps no share either."""
+    args = ["estimate", "--model", "gpt2", "--gpus", "8", "--stack", "fsdp2", "--zero", "3", "--format", "json"]
+    far = json.loads(CliRunner().invoke(app, args).stdout)["verdict"][0]
+    assert not far["keeps_share"] and far["reserved"] is None
+    near = json.loads(CliRunner().invoke(app, [*args, "--micro-batch", "8", "--gpu-memory", "25GB"]).stdout)
+    v = near["verdict"][0]
+    assert v["reserved"] is not None and v["total_bytes"] == v["reserved"]["reserved_bytes"] >= v["peak_bytes"]
+    assert v["reserved"]["requested_bytes"] == v["peak_bytes"]

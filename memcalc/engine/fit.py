@@ -53,6 +53,27 @@ def largest(fits: Callable[[int], bool], limit: int) -> int:
     return lo
 
 
+def largest_reserved(verdict: Callable[..., Verdict], limit: int) -> int:
+    """The largest n in [1, limit] whose verdict(n) fits, 0 if none: first by the tensors' peak alone
+    (verdict(n, False): cheap, and the caching allocator's reserve holds at least the tensors), then, where the
+    replayed allocator says the largest of those does not fit, below it: first where the tensors leave the
+    room the allocator left idle there, then galloping down and halving (each probe one replay)."""
+    hi = largest(lambda n: verdict(n, False).fits, limit)
+    if hi == 0 or verdict(hi).fits:
+        return hi
+    at = verdict(hi)
+    idle = (at.reserved.reserved_bytes - at.peak_bytes) if at.reserved is not None else 0
+    guess = largest(lambda n: verdict(n, False).peak_bytes + idle <= at.usable_bytes, hi - 1)
+    lo = min(guess, hi - 1)
+    while lo >= 1 and not verdict(lo).fits:  # hi does not fit
+        lo, hi = lo - 2 * (hi - lo), lo
+    lo = max(lo, 0)
+    while hi - lo > 1:  # verdict(lo) fits (or lo is 0), verdict(hi) does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if verdict(mid).fits else (lo, mid)
+    return lo
+
+
 def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout = Layout()) -> FitLimits:
     """The longest sequence (no longer than the model's position table) at setup's micro-batch, and the
     largest micro-batch at setup's sequence, each by the verdict estimate gives the same job."""
@@ -60,12 +81,13 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
     check_precision(gpu, tricks.precision, tricks.fp8_name)
     check_finetune(model, setup, layout, (tricks,))
 
-    def memory(seq_len: int, micro_batch: int) -> Verdict:
-        return gpu_verdict(model, replace(setup, seq_len=seq_len, micro_batch=micro_batch), gpu, tricks, layout)
+    def memory(seq_len: int, micro_batch: int, allocator: bool = True) -> Verdict:
+        at = replace(setup, seq_len=seq_len, micro_batch=micro_batch)
+        return gpu_verdict(model, at, gpu, tricks, layout, allocator)
 
     seq_limit = longest_seq(model.shape)
-    max_seq = largest(lambda s: memory(s, setup.micro_batch).fits, seq_limit)
-    max_batch = largest(lambda b: memory(setup.seq_len, b).fits, MAX_BATCH)
+    max_seq = largest_reserved(lambda s, a=True: memory(s, setup.micro_batch, a), seq_limit)
+    max_batch = largest_reserved(lambda b, a=True: memory(setup.seq_len, b, a), MAX_BATCH)
     return FitLimits(
         tricks=tricks,
         gpu=gpu.key,

@@ -8,7 +8,7 @@ usable = the card's memory (or --gpu-memory) - headroom.
 
 The first three leave the caching allocator its room (allocator_room): where memcalc.exact replays the step,
 the verdict replays the allocator in that room (memcalc.parallel.verdict) and keeps no share back for it; the
-share is for the verdicts the textbook decides, and for those whose allocator is not replayed.
+share is for the verdicts the textbook decides.
 --headroom SIZE replaces the whole account with SIZE; --headroom 10% keeps the parts and sets the allocator's
 share; --headroom 0 keeps nothing back (planning to the last byte). Either way the share is then every
 verdict's, and the allocator is not replayed.

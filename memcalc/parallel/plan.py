@@ -186,13 +186,28 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     with no_collection():  # the search makes some 10^5 short-lived objects, none in a cycle
         candidates, family_small, searched = fitting(model, gpu, base, expert_layouts(model, found), variants, assume,
                                                      timing, prune)  # fmt: skip
+        best, family_best = confirmed(model, gpu, candidates, family_small, assume, timing, top)
+        others = alternatives(model, gpu, assume, best, family_best, family_small, timing)
+    return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, timing, stack, searched,
+                len(candidates), len({kind_of(c[1], c[3]) for c in candidates}), best, others, without)  # fmt: skip
+
+
+def confirmed(model: Model, gpu: GPU, candidates: list[tuple], family_small: dict[str, tuple], assume: Assumptions,
+              timing: Calibration | float, top: int) -> tuple[tuple[LayoutEstimate, ...], dict[str, tuple]]:  # fmt: skip
+    """The fastest `top` kinds, each estimated as estimate would (gpu_verdict with the caching allocator
+    replayed where the peak comes close); a layout whose tensors fit but whose allocator runs out is struck
+    from the candidates (noted in family_small) and the ranking run again without it."""
+    while True:
         ranked, family_best = timed(model, gpu, candidates, assume, timing, top)
         ranked.sort(key=lambda e: e[0])
         best = tuple(layout_estimate(model, s, gpu, t, lay, assume, timing=timing)
                      for _, lay, s, t, _, _ in distinct(ranked, top))  # fmt: skip
-        others = alternatives(model, gpu, assume, best, family_best, family_small, timing)
-    return Plan(model, gpu, gpus, gpus_per_node, seq_len, global_batch, tricks, optimizer, timing, stack, searched,
-                len(candidates), len({kind_of(c[1], c[3]) for c in candidates}), best, others, without)  # fmt: skip
+        out = {(e.layout, e.setup, e.tricks): e.verdict.total_bytes for e in best if not e.verdict.fits}
+        if not out:
+            return best, family_best
+        for key, total in out.items():
+            note(family_small, key[0], key[2], (total, *key))
+        candidates = [c for c in candidates if (c[1], c[2], c[3]) not in out]
 
 
 def fitting(model: Model, gpu: GPU, base: Setup, found: Iterator[tuple[Layout, int, int]], variants: tuple[Tricks, ...],
@@ -320,6 +335,9 @@ def alternatives(model: Model, gpu: GPU, assume: Assumptions, best: tuple[Layout
         if winner and name in family_best:
             _, layout, setup, tricks, _, _ = family_best[name]
             est = layout_estimate(model, setup, gpu, tricks, layout, assume, timing=timing)
+            if not est.verdict.fits:  # its tensors fit; the caching allocator, replayed, runs out
+                out.append(Alternative(name, est, False, "out of memory", 0.0, 0.0))
+                continue
             cause, mine, theirs = worst_cause(est.time, winner.time)
             out.append(Alternative(name, est, True, cause, mine, theirs))
         elif name in family_small:

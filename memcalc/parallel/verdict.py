@@ -113,8 +113,10 @@ def fsdp2_gap(setup: Setup, tricks: Tricks, layout: Layout) -> str:
 
 
 @lru_cache(maxsize=4096)  # the toolbox, fit and plan ask for the same jobs again and again
-def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout = ONE_GPU) -> Verdict:
-    """The verdict for one trick set on one GPU of the layout."""
+def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout = ONE_GPU,
+                allocator: bool = True) -> Verdict:  # fmt: skip
+    """The verdict for one trick set on one GPU of the layout. allocator=False: the tensors' peak against the
+    allocator's room, its replay left out (the searches' cheap first pass: the reserve holds at least the peak)."""
     layout = engine_layout(layout, setup.stack.engine)
     check_tricks(setup.stack, tricks)
     check_layout(layout, model.shape, setup.seq_len, tricks, setup.grad_accum, setup.stack.engine)
@@ -134,7 +136,8 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
     own = n_params(shape)
     state = sharded_state(own, tricks.precision, s.optimizer, g, layout.zero, layout.offload_optimizer,
                           layout.offload_params, s.stack.recipe)  # fmt: skip
-    usable, reserved = allocator_verdict(model, setup, gpu, tricks, layout, sharding, phases.step_peak_bytes)
+    usable, reserved = allocator_verdict(model, setup, gpu, tricks, layout, sharding, phases.step_peak_bytes,
+                                         allocator)  # fmt: skip
     return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), usable, state.host_bytes,
                    host_share(setup, layout), phases, replay, "", own, reserved,
                    keeps_share=usable != allocator_room(gpu, layout.groups))  # fmt: skip
@@ -149,20 +152,24 @@ REPLAY_BAND = 1 / 3
 
 
 def allocator_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
-                      sharding: Sharding | None, peak: int) -> tuple[int, Reserved | None]:  # fmt: skip
+                      sharding: Sharding | None, peak: int, replay: bool = True) -> tuple[int, Reserved | None]:  # fmt: skip
     """The bytes a replayed step's peak is held to, and the allocator's replay where it decides: the allocator's
-    room (memcalc.model.headroom.allocator_room), or with --headroom, or on an FSDP2 rank (whose streams are
-    not replayed through the allocator), the usable bytes that keep its share back."""
-    if gpu.headroom_spec or sharding is None:
+    room (memcalc.model.headroom.allocator_room), replayed over one GPU's step or ZeRO rank's
+    (memcalc.exact.reserved.step_reserved) or over an FSDP2 rank's, its streams apart (sharding None:
+    fsdp2_reserved); with --headroom, the usable bytes that keep its share back. replay=False: the room alone."""
+    if gpu.headroom_spec:
         return usable_bytes(gpu, layout.groups), None
     room = allocator_room(gpu, layout.groups)
-    if peak > room or peak < room * (1 - REPLAY_BAND):
+    if not replay or peak > room or peak < room * (1 - REPLAY_BAND):
         return room, None
-    from memcalc.exact.reserved import step_reserved
+    from memcalc.exact.reserved import fsdp2_reserved, step_reserved
 
-    s = setup
+    s, expandable = setup, gpu.expandable_segments
+    if sharding is None:
+        return room, fsdp2_reserved(model.shape, s.seq_len, s.micro_batch, tricks, layout.shard_group,
+                                    layout.reshard_after_forward, room, expandable)  # fmt: skip
     return room, step_reserved(model.shape, s.seq_len, s.micro_batch, tricks, s.grad_accum, s.stack, s.optimizer,
-                               sharding, room, gpu.expandable_segments)  # fmt: skip
+                               sharding, room, expandable)  # fmt: skip
 
 
 def replay_sharding(setup: Setup, layout: Layout) -> Sharding | None:
@@ -209,8 +216,10 @@ def peak_at(p: Phases) -> str:
 def verdict_fit(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
                 peak: LayoutPeak) -> tuple[int, bool]:  # fmt: skip
     """gpu_verdict's peak and fit for the planner's thousands of layouts, given the textbook's (layout_peak):
-    the replay where the simulator replays the job, else the textbook's stage that peaks."""
+    the replay where the simulator replays the job (its tensors against the allocator's room: the planner
+    replays the allocator over the layouts it shows, memcalc.parallel.plan.confirmed), else the textbook's
+    stage that peaks."""
     if not replay_gap(model, setup, tricks, engine_layout(layout, setup.stack.engine)):
-        v = gpu_verdict(model, setup, gpu, tricks, layout)
+        v = gpu_verdict(model, setup, gpu, tricks, layout, allocator=False)
         return v.total_bytes, v.fits
     return peak.total_bytes, peak.fits

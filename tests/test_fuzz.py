@@ -284,7 +284,7 @@ def test_more_gpus_under_zero_never_raise_memory(model, seq, gpus, factor, zero)
     assert all(m <= f for m, f in zip(totals(many), totals(few))), (base, gpus, factor)
 
 
-@examples(8, slow=15)
+@examples(4, slow=15)  # each fit near a card's limit replays the caching allocator some 15 times: CI runs 15
 @given(model=st.sampled_from(MODELS[:4]), tricks=st.sampled_from(["bf16", "bf16,flash", "bf16,flash,ckpt"]),
        gpu=st.sampled_from(["h100-sxm", "a100-40gb", "h200"]))  # fmt: skip
 def test_fit_answers_what_estimate_says_fits(model, tricks, gpu):

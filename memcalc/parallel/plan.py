@@ -193,7 +193,7 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
 
 
 def confirmed(model: Model, gpu: GPU, candidates: list[tuple], family_small: dict[str, tuple], assume: Assumptions,
-              timing: Calibration | float, top: int) -> tuple[tuple[LayoutEstimate, ...], dict[str, tuple]]:  # fmt: skip
+              timing: Calibration | float, top: int) -> tuple[tuple[LayoutEstimate, ...], dict]:  # fmt: skip
     """The fastest `top` kinds, each estimated as estimate would (gpu_verdict with the caching allocator
     replayed where the peak comes close); a layout whose tensors fit but whose allocator runs out is struck
     from the candidates (noted in family_small) and the ranking run again without it."""

@@ -49,7 +49,7 @@ class Verdict(Fits):
     replay: str  # what was replayed ("one GPU's step", "ZeRO-3 over 64 ranks", ...), "" for the textbook
     textbook_reason: str  # why the textbook decides ("" where the step is replayed)
     n_params: int  # the parameters the replay builds: the shape's own count
-    reserved: Reserved | None = None  # the caching allocator replayed over the run, where it decides (allocator_verdict)
+    reserved: Reserved | None = None  # the caching allocator replayed over the run where it decides (allocator_verdict)
     keeps_share: bool = True  # usable keeps the allocator's share of the headroom back; False: its whole room
 
     @property
@@ -152,13 +152,15 @@ REPLAY_BAND = 1 / 3
 
 
 def allocator_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,
-                      sharding: Sharding | None, peak: int, replay: bool = True) -> tuple[int, Reserved | None]:  # fmt: skip
+                      sharding: Sharding | None, peak: int,
+                      replay: bool = True) -> tuple[int, Reserved | None]:  # fmt: skip
     """The bytes a replayed step's peak is held to, and the allocator's replay where it decides: the allocator's
     room (memcalc.model.headroom.allocator_room), replayed over one GPU's step or ZeRO rank's
     (memcalc.exact.reserved.step_reserved) or over an FSDP2 rank's, its streams apart (sharding None:
-    fsdp2_reserved); with --headroom, the usable bytes that keep its share back. replay=False: the room alone."""
-    if gpu.headroom_spec:
-        return usable_bytes(gpu, layout.groups), None
+    fsdp2_reserved); with --headroom, or for a mixture of experts, the usable bytes that keep its share back.
+    replay=False: the room alone."""
+    if gpu.headroom_spec or model.shape.is_moe:  # MoE: every expert's own allocations make the replay take
+        return usable_bytes(gpu, layout.groups), None  # tens of seconds (9-28 s for Qwen3-30B-A3B to 235B)
     room = allocator_room(gpu, layout.groups)
     if not replay or peak > room or peak < room * (1 - REPLAY_BAND):
         return room, None

@@ -122,7 +122,54 @@ def test_corpus_loads_and_report_summarises():
     logs = load()
     assert len({lg.id for lg in logs}) == len(logs) and all(lg.url.startswith("https://github.com/") for lg in logs)
     lines = summary(rows(logs))
-    assert any(line.startswith("fit      available_gib") for line in lines)
+    assert any(line.startswith("fit      all available_gib") for line in lines)
     out = subprocess.run([sys.executable, "benchmarks/serving/report.py", "--summary"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and "median |error|" in out.stdout
+
+
+def test_the_corpus_numbers_the_docs_quote():
+    """docs/serving.md and benchmarks/serving/README.md: the counts and the medians they write by hand, computed."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.serving.corpus import load
+    from benchmarks.serving.report import rows, stats
+
+    logs = load()
+    results = rows(logs)
+    predicted = [lg for lg, p in results if isinstance(p, dict)]
+    stated = sum(lg.settings_stated for lg in predicted)
+    models = len({lg.hf_id for lg in logs if lg.hf_id != "unstated"})
+    cards = len({lg.gpu for lg in logs if lg.gpu})
+    v0, v1 = (sum(lg.engine == e for lg in logs) for e in ("v0", "v1"))
+    fit, held = stats(results, "fit", "available_gib"), stats(results, "held-out", "available_gib")
+    v1_held = stats(results, "held-out", "available_gib", "v1")
+    docs = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    quotes = (f"holds {len(logs)} startup logs",
+              f"over {models} models, {cards} cards and both engines ({v0} V0, {v1} V1)",
+              f"predicts {len(predicted)} (", f"{stated} of them with every setting stated",
+              f"within {fit[1]:.1%} median ({fit[2]:.1%} worst) on the {fit[0]} logs",
+              f"{held[1]:.1%} median ({held[2]:.1%} worst) on the {held[0]} held out")  # fmt: skip
+    for quote in quotes:
+        assert quote in docs, quote
+    readme = " ".join((ROOT / "benchmarks" / "serving" / "README.md").read_text().split())
+    quotes = (f"The corpus: {len(logs)} logs", f"{models} models, {cards} cards", f"{v0} V0 and {v1} V1 logs",
+              f"memcalc predicts {len(predicted)}, {stated} of them",
+              f"within {fit[1]:.1%} median and {fit[2]:.1%} worst on the {fit[0]} fit logs",
+              f"{held[1]:.1%} median, {held[2]:.1%} worst on the {held[0]} held out",
+              f"V1: {v1_held[0]} logs, {v1_held[1]:.1%} median, {v1_held[2]:.1%} worst")  # fmt: skip
+    for quote in quotes:
+        assert quote in readme, quote
+
+
+def test_corpus_config_must_be_a_file_beside_it(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.serving.corpus import CorpusError, load
+
+    record = (ROOT / "benchmarks" / "serving" / "github_repos.toml").read_text().split("[[log]]")[1]
+    assert 'config = "configs/qwen2-7b-instruct.json"' in record
+    (tmp_path / "one.toml").write_text("[[log]]" + record)
+    with pytest.raises(CorpusError, match="config"):
+        load(tmp_path)  # no configs/ beside it
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "qwen2-7b-instruct.json").write_text("{}")
+    assert load(tmp_path)[0].config == "configs/qwen2-7b-instruct.json"

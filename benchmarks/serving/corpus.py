@@ -6,7 +6,7 @@
 
 Standard library only (tomllib, Python 3.11+). load() raises CorpusError naming the file, the log and the field
 of the first record that breaks the schema (an unknown or missing field, a wrong type, a key outside its set,
-a duplicate id).
+a duplicate id, a config file that is not there).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PUBLISHED = ("total_gib", "weights_gib", "non_torch_gib", "activation_gib", "ava
 FIELDS = {"id": str, "url": str, "engine": str, "version": str, "gpu": str, "model": str, "hf_id": str, "tp": int,
           "context": int, "utilization": float, "settings_stated": bool, "split": str, "published": dict,
           "notes": str}  # fmt: skip
-OPTIONAL = {"weights": str, "max_num_batched_tokens": int, "max_num_seqs": int}
+OPTIONAL = {"weights": str, "max_num_batched_tokens": int, "max_num_seqs": int, "config": str}
 
 
 class CorpusError(ValueError):
@@ -41,7 +41,7 @@ class Log:
     url: str
     engine: str  # v0: worker.py's "Memory profiling" lines; v1: gpu_worker.py's "Available KV cache memory"
     version: str
-    gpu: str  # memcalc's key
+    gpu: str  # memcalc's key, "" where the thread does not name the card
     model: str  # memcalc's preset, "" where memcalc has none
     hf_id: str
     tp: int  # 0: not stated
@@ -55,9 +55,10 @@ class Log:
     weights: str = "bf16"
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
+    config: str = ""  # a config.json beside this file (configs/) for a model memcalc has no preset of
 
 
-def check(record: dict, where: str) -> None:
+def check(record: dict, where: str, folder: Path = HERE) -> None:
     for name, kind in (FIELDS | OPTIONAL).items():
         if name not in record:
             if name in FIELDS:
@@ -74,6 +75,8 @@ def check(record: dict, where: str) -> None:
     bad = set(record["published"]) - set(PUBLISHED)
     if bad or not record["published"]:
         raise CorpusError(f"{where}: published takes {', '.join(PUBLISHED)}, got {sorted(record['published'])}")
+    if record.get("config") and (record["model"] or not (folder / record["config"]).is_file()):
+        raise CorpusError(f"{where}: config {record['config']!r} must be a file beside the corpus, and model empty")
 
 
 def load(folder: Path = HERE) -> list[Log]:
@@ -82,7 +85,7 @@ def load(folder: Path = HERE) -> list[Log]:
     for path in sorted(folder.glob("*.toml")):
         for i, record in enumerate(tomllib.loads(path.read_text()).get("log", [])):
             where = f"{path.name} log {i} ({record.get('id', '?')})"
-            check(record, where)
+            check(record, where, folder)
             if record["id"] in seen:
                 raise CorpusError(f"{where}: duplicate id")
             seen.add(record["id"])
@@ -92,9 +95,10 @@ def load(folder: Path = HERE) -> list[Log]:
 
 def main() -> None:
     logs = load()
-    print(f"{len(logs)} logs from {len({lg.url for lg in logs})} threads")
+    print(f"{len(logs)} logs from {len({lg.url for lg in logs})} sources")
     for name in ("engine", "gpu", "hf_id", "split", "settings_stated"):
-        print(f"  {name}: " + ", ".join(f"{k} {n}" for k, n in Counter(getattr(lg, name) for lg in logs).items()))
+        tally = Counter(getattr(lg, name) if getattr(lg, name) != "" else "(not named)" for lg in logs)
+        print(f"  {name}: " + ", ".join(f"{k} {n}" for k, n in tally.items()))
 
 
 if __name__ == "__main__":

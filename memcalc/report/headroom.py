@@ -25,7 +25,7 @@ def headroom_line(h: Headroom, units: str, verdicts: Iterable) -> str:
     share = f"{h.allocator_share:.0%} {u.size(h.allocator_bytes, units)}"
     if h.given:
         return f"Headroom {total}: " + " + ".join(parts + [f"allocator {share} (--headroom {h.given})"]) + "; docs/gpus.md"
-    kept = any(getattr(v, "keeps_share", True) for v in verdicts)
+    kept = any(v.keeps_share for v in verdicts)
     rest = "; the rest the caching allocator's, replayed when close"
     if kept:
         rest += f"; a share of {share} kept back where it is not replayed (a default: GMLake measures 15%)"
@@ -38,7 +38,7 @@ def allocator_note(verdicts: Iterable, units: str = "gb", labels: Iterable[str] 
     out = []
     verdicts = list(verdicts)
     for v, label in zip(verdicts, [*labels] or [v.tricks.label for v in verdicts], strict=True):
-        r = getattr(v, "reserved", None)
+        r = v.reserved
         if r is None:
             continue
         mode = "expandable segments" if r.expandable else "segments as cudaMalloc gives them"
@@ -56,7 +56,7 @@ def fragmentation_note(h: Headroom, verdicts: Iterable) -> list[str]:
     """One line where a verdict that keeps the allocator's share back fits, or misses, by less than that share
     (verdicts: each with free_bytes, negative when over, and keeps_share): there,
     how much the caching allocator reserves beyond the tensors decides it, and expandable_segments lowers that."""
-    close = [v for v in verdicts if getattr(v, "keeps_share", True) and abs(v.free_bytes) < h.allocator_bytes]
+    close = [v for v in verdicts if v.keeps_share and abs(v.free_bytes) < h.allocator_bytes]
     if not close:
         return []
     return [f"  within the allocator's {h.allocator_share:.0%} of the limit: PYTORCH_CUDA_ALLOC_CONF="

@@ -22,7 +22,7 @@ from .limits import fit, mfu
 from .options import (Calibration, CapacityFactor, ConfigPath, Cp, Detail, Dp, Ep, EstimateMfu, Etp, ExactBytes,
                       ExpandableSegments, ExpertImbalance, Ffn, Format, FromFile, Freeze, GpuMemory, GpuOpt, Gpus,
                       GpusPerNode, GradAccum, HeadroomOpt, Heads, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads,
-                      Layers, Lora, LoraDropout, LoraTargets, MicroBatch, ModelName, NoCache, NoOffload, Offload,
+                      Layers, Lora, LoraDropout, LoraTargets, LossOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, NoOffload, Offload,
                       OffloadParams, Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt,
                       Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 from .serve import serve
@@ -82,7 +82,7 @@ def estimate(
     optimizer_impl: ImplOpt = None, no_cache: NoCache = False, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     ep: Ep = None, etp: Etp = None,
     lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None,
-    freeze: Freeze = None,
+    freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     pp_layers: PpLayers = None, reshard: Reshard = None,
     gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,

@@ -110,22 +110,23 @@ class StackOptions(OptionGroup):
     lora_dropout: str | None = None
     quantize: str | None = None
     freeze: str | None = None
+    loss: str | None = None
+    optimizer_in_backward: bool = False
 
     def resolve(self):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
         stack is refused; without them, reference is the default (memcalc.model.finetune.finetune_for)."""
         from memcalc.model.finetune import finetune_for
-        from memcalc.model.stacks import stack_for
+        from memcalc.model.stacks import stack_for, with_loop
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze)
         chosen = stack_for(self.stack or ("reference" if finetune.trains_all else "hf"), self.recipe,
                            self.optimizer_impl, self.no_cache)  # fmt: skip
-        if finetune.trains_all:
-            return chosen
-        if chosen.model != "hf":
-            raise InputError(f"{finetune.label}: PEFT's LoRA and frozen weights are replayed on Transformers' classes "
-                             f"(--stack hf), not --stack {chosen.key}")  # fmt: skip
-        return replace(chosen, finetune=finetune)
+        if not finetune.trains_all and chosen.model not in ("hf", "torchtune"):
+            raise InputError(f"{finetune.label}: LoRA and frozen weights are replayed on Transformers' classes wrapped "
+                             f"by PEFT (--stack hf) and torchtune's (--stack torchtune), not --stack {chosen.key}")  # fmt: skip
+        chosen = chosen if finetune.trains_all else replace(chosen, finetune=finetune)
+        return with_loop(chosen, self.loss, self.optimizer_in_backward)
 
 
 @dataclass(frozen=True)

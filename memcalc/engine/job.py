@@ -72,6 +72,9 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
     replay is their only account (the textbook's layouts and the traced kernels are full training's), so a
     recipe or optimizer it does not run with them is refused too, with its reason."""
     ft = setup.stack.finetune
+    if setup.stack.model == "torchtune" and not plain_data_parallel(lay):  # its single-device recipes
+        raise InputError("--stack torchtune replays its single-device recipes (full_finetune_single_device, "
+                         "lora_finetune_single_device): one GPU, or each GPU of plain data parallelism")  # fmt: skip
     if ft.trains_all:
         return
     from memcalc.exact.base.config import not_replayed
@@ -85,8 +88,10 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of plain data parallelism (no ZeRO, "
                          "offload, tensor, pipeline, context or expert parallel)")  # fmt: skip
     from memcalc.exact.hf.model import arch_for, finetune_not_replayed
+    from memcalc.exact.torchtune.model import finetune_not_replayed as torchtune_not_replayed
 
-    why = finetune_not_replayed(ft, arch_for(model.shape), "hf")  # a mixture of experts or latent attention: not built
+    why = (torchtune_not_replayed(ft, model.shape) if stack.model == "torchtune" else
+           finetune_not_replayed(ft, arch_for(model.shape), "hf"))  # a mixture of experts or latent attention: not built
     if why:
         raise InputError(why)
     if ft.frozen_blocks >= model.shape.n_layers:

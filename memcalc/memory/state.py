@@ -15,7 +15,7 @@ from memcalc.model.layout import Layout
 from memcalc.model.sizes import MAX_GPUS  # noqa: F401  (the CLI's limit on --gpus)
 from memcalc.records import record
 
-OPTIMIZERS = ("adamw", "sgd", "adam8bit")
+OPTIMIZERS = ("adamw", "sgd", "adam8bit", "paged-adam8bit", "paged-adamw")
 WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one element
 BNB_BLOCK = 256  # elements per absmax scale in bitsandbytes' block-wise 8-bit optimizers
 
@@ -97,7 +97,9 @@ def optimizer_elements(optimizer: str, params: int, dtype: str = "fp32") -> list
         return [("adam_m", dtype, w * params, f"{w}·{{N}}"), ("adam_v", dtype, w * params, f"{w}·{{N}}")]
     if optimizer == "sgd":  # SGD with momentum: one buffer
         return [("momentum", dtype, w * params, f"{w}·{{N}}")]
-    if optimizer == "adam8bit":  # Dettmers et al. 2022: uint8 states + one fp32 absmax per block
+    if optimizer == "paged-adamw":  # bitsandbytes PagedAdamW: Optimizer2State(optim_bits=32), fp32 m and v
+        return [("adam_m", "fp32", 4 * params, "4·{N}"), ("adam_v", "fp32", 4 * params, "4·{N}")]
+    if optimizer in ("adam8bit", "paged-adam8bit"):  # Dettmers et al. 2022: uint8 states + one fp32 absmax per block
         size = params + 4 * -(-params // BNB_BLOCK)
         formula = "{N} + 4·⌈{N}/%d⌉" % BNB_BLOCK
         return [("adam_m", "uint8", size, formula), ("adam_v", "uint8", size, formula)]

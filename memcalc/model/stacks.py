@@ -33,7 +33,10 @@ from memcalc.records import record
 
 from .finetune import FULL, Finetune
 
-MODELS = ("reference", "hf")
+MODELS = ("reference", "hf", "torchtune")
+# the loss over the logits: full (cross-entropy over the whole logits, the head's output in one tensor), or chunked
+# (torchtune's CEWithChunkedOutputLoss: the head and the loss in 8 chunks of the sequence, each upcast to fp32)
+LOSSES = ("full", "chunked")
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
 ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
@@ -61,11 +64,13 @@ class Stack:
     use_cache: bool = False  # hf: the forward keeps Transformers' DynamicCache (config.use_cache, its default)
     finetune: Finetune = FULL  # which weights train (memcalc.model.finetune): all, or LoRA's adapters, or all but some
     trl: str = ""  # TRL's SFTTrainer release line around the Trainer (TRL_RELEASES); "" for none
+    loss: str = "full"  # LOSSES: how the logits become the loss
+    in_backward: bool = False  # torchtune's optimizer_in_bwd: each parameter stepped as its gradient is made
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
                                    ("optimizer implementation", self.impl, IMPLS), ("engine", self.engine, ENGINES),
-                                   ("TRL release line", self.trl, TRL_RELEASES)):  # fmt: skip
+                                   ("TRL release line", self.trl, TRL_RELEASES), ("loss", self.loss, LOSSES)):  # fmt: skip
             if value not in known:
                 raise InputError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
@@ -76,6 +81,10 @@ class Stack:
         changed = [x for x, y in ((self.recipe, base and base.recipe), (self.impl, base and base.impl)) if x != y]
         if base and self.use_cache != base.use_cache:
             changed.append("cache" if self.use_cache else "no cache")
+        if base and self.loss != base.loss:
+            changed.append(f"{self.loss} loss")
+        if self.in_backward:
+            changed.append("optimizer in backward")
         if self.finetune.label:
             changed.append(self.finetune.label)
         return self.key + (f" ({', '.join(changed)})" if changed else "")
@@ -99,6 +108,11 @@ STACKS: dict[str, Stack] = {
                 use_cache=line != "0.25")  # compute_loss passes use_cache=False from 0.22
           for line, commit in (("0.14", "29de6eec7ba9"), ("0.21", "a64ac0d5dc6b"), ("0.25", "9692b1688e70"))
           for first in (TRL_FIRST[line],)),  # fmt: skip
+        Stack("torchtune", "torchtune's single-device recipes", "torchtune", "pure", "foreach",
+              "pytorch/torchtune recipes/full_finetune_single_device.py and lora_finetune_single_device.py @ v0.6.1: "
+              "the model built in its dtype (training.set_default_dtype, no autocast), torch.optim.AdamW "
+              "(foreach on CUDA), CEWithChunkedOutputLoss(num_output_chunks=8) as its configs set it",
+              loss="chunked"),  # fmt: skip
         Stack("fsdp2", "FSDP2 as torchtitan runs it", "reference", "autocast", "fused",
               "torchtitan/distributed/fsdp.py apply_fsdp_to_decoder: fully_shard per block with "
               "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters; "
@@ -128,6 +142,29 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
     return replace(STACKS[key], **changes) if changes else STACKS[key]
 
 
+def with_loop(stack: Stack, loss: str | None = None, in_backward: bool = False) -> Stack:
+    """--loss and --optimizer-in-backward on the stack: the chunked loss is torchtune's own loss, and the step in
+    backward its recipes' optimizer_in_bwd, so both are refused on the stacks whose code has neither."""
+    changes: dict = {}
+    if loss is not None:
+        key = loss.strip().lower()
+        if key not in LOSSES:
+            raise InputError(f"unknown --loss {loss!r}; known: {', '.join(LOSSES)}")
+        if key == "chunked" and stack.model != "torchtune":
+            raise InputError(f"--loss chunked is torchtune's CEWithChunkedOutputLoss (--stack torchtune); --stack "
+                             f"{stack.key}'s step computes the loss over the whole logits")  # fmt: skip
+        changes["loss"] = key
+    if in_backward:
+        if stack.model != "torchtune":
+            raise InputError("--optimizer-in-backward is torchtune's optimizer_in_bwd (--stack torchtune); --stack "
+                             f"{stack.key} steps the optimizer after backward")  # fmt: skip
+        if stack.finetune.lora:
+            raise InputError("--optimizer-in-backward: torchtune's LoRA recipe (lora_finetune_single_device) has no "
+                             "optimizer_in_bwd; its full fine-tuning recipe has")  # fmt: skip
+        changes["in_backward"] = True
+    return replace(stack, **changes) if changes else stack
+
+
 def trl_note(stack: Stack) -> str:
     """What the replay takes of TRL's SFTTrainer (memcalc.exact.hf.trl), in a line for the verdict's notes; ''
     without TRL."""
@@ -152,13 +189,27 @@ def check_tricks(stack: Stack, tricks) -> None:
         raise InputError("fp32,flash is Transformers' sdpa at fp32 (--stack hf: SDPA's memory-efficient kernel, or "
                          "its math path for grouped heads); FlashAttention needs 16 bits: combine flash with bf16 "
                          "or fp16")  # fmt: skip
-    if stack.model == "hf" and (tricks.mixed or tricks.recompute == "op"):
-        raise InputError(f"{tricks.label}: --stack hf checkpoints every decoder layer or none "
-                         "(gradient_checkpointing_enable): use ckpt, or --stack torch for ckpt:N and sac")  # fmt: skip
+    if stack.model in ("hf", "torchtune") and (tricks.mixed or tricks.recompute == "op"):
+        raise InputError(f"{tricks.label}: --stack {stack.key} checkpoints every decoder layer or none "
+                         "(gradient_checkpointing_enable, set_activation_checkpointing): use ckpt, or --stack torch "
+                         "for ckpt:N and sac")  # fmt: skip
+    if stack.model == "torchtune":
+        check_torchtune_tricks(stack, tricks)
     if stack.engine in ("megatron", "deepspeed") and (tricks.fp8 or tricks.compile):
         what = f"{tricks.fp8_name} ({FP8_WHAT[tricks.fp8]})" if tricks.fp8 else "compile (torch.compile of each block)"
         raise InputError(f"{tricks.label}: {what} is replayed on --stack fsdp2, torch or reference; --stack "
                          f"{stack.key}'s own Transformer Engine modules are not modelled")  # fmt: skip
+
+
+def check_torchtune_tricks(stack: Stack, tricks) -> None:
+    """What torchtune's recipes run: the model in one 16-bit dtype (training.set_default_dtype, no autocast),
+    attention by SDPA (its flash kernel, causal in 16 bits), every layer checkpointed or none."""
+    if tricks.precision != "bf16" or not tricks.flash:
+        raise InputError(f"{tricks.label}: --stack torchtune replays its recipes' bf16 model (dtype: bf16) with "
+                         "SDPA's flash attention: use bf16,flash (with ckpt for enable_activation_checkpointing)")  # fmt: skip
+    if tricks.recompute not in ("none", "full") or tricks.fp8 or tricks.compile:
+        raise InputError(f"{tricks.label}: --stack torchtune replays enable_activation_checkpointing (ckpt) and "
+                         "nothing else of the trick set (compile, fp8, selective checkpointing: not replayed)")  # fmt: skip
 
 
 FP8_WHAT = {"tensorwise": "torchao's float8", "rowwise": "torchao's float8", "te": "Transformer Engine's te.Linear"}

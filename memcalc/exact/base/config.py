@@ -13,8 +13,8 @@ ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, 
 
 
 # What the simulator replays (memcalc.model.stacks' choices); anything else it refuses, never guesses.
-SIMULATED = {"model": ("reference", "hf"), "recipe": ("master", "pure", "autocast"), "impl": ("reference", "loop", "foreach", "fused"),
-             "optimizer": ("adamw", "sgd", "adam8bit")}  # fmt: skip
+SIMULATED = {"model": ("reference", "hf", "torchtune"), "recipe": ("master", "pure", "autocast"), "impl": ("reference", "loop", "foreach", "fused"),
+             "optimizer": ("adamw", "sgd", "adam8bit", "paged-adam8bit", "paged-adamw")}  # fmt: skip
 
 
 SGD_IMPLS = ("loop", "foreach")  # torch 2.13 has no meta kernel for aten::_fused_sgd_: not measured, not replayed
@@ -97,7 +97,7 @@ class StepConfig:
     micro_batch: int
     tricks: Tricks  # precision, flash, recompute (ckpt:N), fp8, compile (memcalc.model.tricks)
     stack: Stack = DEFAULT_STACK  # whose code (memcalc.model.stacks): model, recipe, impl, use_cache, finetune
-    optimizer: str = "adamw"  # adamw | sgd | adam8bit
+    optimizer: str = "adamw"  # adamw | sgd | adam8bit | paged-adam8bit | paged-adamw (bitsandbytes')
     grad_accum: int = 1  # micro-batches per optimizer step
     # whose kernels and autocast lists: cuda (the prediction), or cpu to hold the simulator against a
     # measurement on CPU tensors (verify/autocast.py): CPU's flash kernel saves no RNG state

@@ -16,6 +16,7 @@ from ..hf import model as hf
 from ..sim.events import Recording
 from ..sim.graph import Graph, layer_of, scope_of
 from ..sim.tensors import LiveBytes, Tensor
+from ..torchtune import model as torchtune
 from ..train import recipes
 from ..train.amp import AutocastRecipe
 from ..train.recipes import Recipe, TorchRecipe, check_simulated
@@ -24,11 +25,15 @@ from .zero import Sharding, Zero, ZeroGraph
 
 
 def build(g: Graph, cfg: StepConfig) -> Transformer | hf.HFModel:
-    """Whose model the stack trains (cfg.model): memcalc's reference layer, or Transformers' classes."""
-    return hf.build(g, cfg) if cfg.model == "hf" else reference.build(g, cfg)
+    """Whose model the stack trains (cfg.model): memcalc's reference layer, Transformers' classes, or torchtune's
+    TransformerDecoder."""
+    return {"hf": hf.build, "torchtune": torchtune.build}.get(cfg.model, reference.build)(g, cfg)
 
 
 def forward(g: Graph, model: Transformer | hf.HFModel, idx: Tensor, targets: Tensor) -> Tensor:
+    """The model's loss; torchtune's is its recipe's (the loss step in memcalc.exact.train.torchtune)."""
+    if model.cfg.model == "torchtune":
+        return model.loop.forward(idx, targets)
     return (hf.forward if model.cfg.model == "hf" else reference.forward)(g, model, idx, targets)
 
 

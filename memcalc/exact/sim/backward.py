@@ -65,6 +65,9 @@ class Backward:
                 self.mark(grads[0], "gradient", node.leaf.name)
             else:
                 self.accumulate(node.leaf)
+            if self.post_accumulate is not None and node.leaf.storage.kind == "param":
+                grads.clear()  # the engine moved the gradient into .grad: the hook's zero_grad frees it
+                self.post_accumulate(node.leaf)  # register_post_accumulate_grad_hook's hook
             if node.leaf.storage.kind == "activation":  # a tensor made a leaf (memcalc.exact.hf.lora.require_grad)
                 node.leaf.grad_fn = None  # holds its AccumulateGrad weakly: it dies with the graph, and its .grad
             return []

@@ -99,6 +99,7 @@ class Graph(Checkpointing, Backward):
         self.region: tuple[str, int] | None = None  # (name, copies) of the equal copies running, if any
         self.recording = None  # what each allocation is, under a timeline (memcalc.exact.sim.events.Recording)
         self.stream = 0  # the CUDA stream allocations are made on: the default, unless a library switches (FSDP2)
+        self.post_accumulate = None  # a parameter's post-accumulate-grad hook (torchtune's optimizer in backward)
 
     @property
     def copies(self) -> int:

@@ -33,10 +33,12 @@ the step does (memcalc.exact.kernels).
 
 from __future__ import annotations
 
+from ..base.config import ITEMSIZE
 from ..sim.graph import Graph, layer_of
-from ..sim.tensors import Tensor
+from ..sim.tensors import LiveBytes, Storage, Tensor
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer2State: tensors with fewer elements keep fp32 state
+MIN_PAGED_SIZE = 100_000  # Optimizer8bit.get_state_buffer: paged only when p.numel() >= 1e5
 BLOCK = 256  # bitsandbytes Optimizer2State.init_state: elements per absmax
 QMAP = 256  # bitsandbytes functional.create_dynamic_map: 2**8 fp32 entries
 # arithmetic per element of the optimizers' list and fused kernels, counted from torch's formulas
@@ -285,25 +287,42 @@ class AdamW8bit:
     """bitsandbytes/optim/optimizer.py Optimizer8bit.step over Optimizer2State("adam", optim_bits=8): per
     parameter with a gradient, its state made at its first step (init_state), then one update kernel
     (update_step). The quantile maps are made on the CPU when the optimizer is (fill_qmap) and moved to
-    the device by the first 8-bit tensor's init_state."""
+    the device by the first 8-bit tensor's init_state. bits=32 is PagedAdamW's Optimizer2State(optim_bits=32):
+    fp32 state1 and state2 for every tensor. paged (PagedAdamW8bit, PagedAdamW: is_paged=True): get_state_buffer
+    puts the state of a tensor of at least 1e5 elements in unified memory (functional.get_paged: cudaMallocManaged
+    through bitsandbytes' C library, outside PyTorch's caching allocator), counted in self.unified, not on the
+    graph's memory; the absmax buffers and the qmaps stay torch tensors."""
 
-    def __init__(self, g: Graph, params: list[Tensor]):
-        self.g, self.params = g, params
+    def __init__(self, g: Graph, params: list[Tensor], bits: int = 8, paged: bool = False):
+        self.g, self.params, self.bits, self.paged = g, params, bits, paged
         self.state: list[dict[str, Tensor]] = [{} for _ in params]
         self.qmaps: tuple[Tensor, Tensor] | None = None  # name2qmap["dynamic"], ["udynamic"] on the device
+        self.unified = LiveBytes()  # the paged state: unified memory the driver may evict to the host
+
+    @property
+    def unified_bytes(self) -> int:
+        return self.unified.live_bytes
+
+    def state_buffer(self, p: Tensor, dtype: str) -> Tensor:
+        """Optimizer8bit.get_state_buffer(p, dtype): zeros_like on the device, or a zero-filled paged buffer."""
+        if not self.paged or p.numel < MIN_PAGED_SIZE:
+            return zeros_like(self.g, p, dtype)
+        t = Tensor(Storage(self.unified, p.numel * ITEMSIZE[dtype], "get_paged", "state"), p.shape, dtype)
+        self.g.kernel("fill", (), (t,))  # F.fill(buff, 0)
+        return t
 
     def init_state(self, i: int, p: Tensor) -> None:
         """Optimizer2State.init_state: 8-bit state at or above min_8bit_size elements, else fp32."""
         g, state = self.g, self.state[i]
-        if p.numel < MIN_8BIT_SIZE:  # get_state_buffer(p, dtype=torch.float32): zeros_like
-            state["state1"], state["state2"] = zeros_like(g, p, "fp32"), zeros_like(g, p, "fp32")
+        if self.bits == 32 or p.numel < MIN_8BIT_SIZE:  # get_state_buffer(p, dtype=torch.float32)
+            state["state1"], state["state2"] = self.state_buffer(p, "fp32"), self.state_buffer(p, "fp32")
             return
         if self.qmaps is None:  # self.name2qmap["dynamic"].to(p.device), then "udynamic"
             self.qmaps = tuple(g.empty((QMAP,), "fp32", "_to_copy", kind="state") for _ in range(2))
             for q in self.qmaps:
                 g.kernel("_to_copy", (), (q,))
-        state["state1"], state["qmap1"] = zeros_like(g, p, "uint8"), self.qmaps[0]
-        state["state2"], state["qmap2"] = zeros_like(g, p, "uint8"), self.qmaps[1]
+        state["state1"], state["qmap1"] = self.state_buffer(p, "uint8"), self.qmaps[0]
+        state["state2"], state["qmap2"] = self.state_buffer(p, "uint8"), self.qmaps[1]
         blocks = -(-p.numel // BLOCK)  # (n // blocksize) + bool(n % blocksize)
         state["absmax1"], state["absmax2"] = zeros(g, (blocks,), "fp32"), zeros(g, (blocks,), "fp32")
 
@@ -338,4 +357,4 @@ def library_optimizer(g: Graph, params: list[Tensor], optimizer: str, impl: str,
         return AdamW(g, params, impl, device)
     if optimizer == "sgd":
         return SGD(g, params, impl)
-    return AdamW8bit(g, params)
+    return AdamW8bit(g, params, 32 if optimizer == "paged-adamw" else 8, optimizer.startswith("paged-"))

@@ -18,7 +18,9 @@ from ..builder.model import Transformer
 from ..hf.model import HFModel, arch_for, check_finetune
 from ..sim.graph import Graph, layer_of, scope_of
 from ..sim.tensors import Tensor
+from ..torchtune.model import TTModel, finetune_not_replayed
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
+from .torchtune import TorchtuneRecipe
 
 
 def check_simulated(cfg: StepConfig) -> None:
@@ -37,7 +39,11 @@ def check_simulated(cfg: StepConfig) -> None:
     if cfg.fp8 and cfg.shape.n_experts:
         raise InputError("fp8 with a mixture of experts is not replayed: torchtitan casts grouped experts with "
                          "torchao's MoE training, not Float8Linear")
-    if not cfg.finetune.trains_all:
+    if cfg.model == "torchtune":
+        reason = finetune_not_replayed(cfg.finetune, cfg.shape)
+        if reason:
+            raise InputError(reason)
+    elif not cfg.finetune.trains_all:
         check_finetune(cfg.finetune, arch_for(cfg.shape) if cfg.model == "hf" else "", cfg.model)
     if cfg.device not in ("cuda", "cpu"):
         raise InputError(f"the exact model does not replay device {cfg.device!r}; it replays cuda, cpu")
@@ -45,14 +51,19 @@ def check_simulated(cfg: StepConfig) -> None:
         raise InputError("CPU's flash attention kernel has no dropout (_scaled_dot_product_flash_attention_for_cpu)")
 
 
-def recipe_for(g: Graph, m: Transformer) -> Recipe | TorchRecipe:
-    """verify/recipes.py recipe_for: the reference implementation, or the libraries' optimizers."""
+def recipe_for(g: Graph, m: Transformer | TTModel) -> Recipe | TorchRecipe | TorchtuneRecipe:
+    """verify/recipes.py recipe_for: the reference implementation, or the libraries' optimizers; torchtune's
+    recipes' loop for its model (verify/torchtune.py)."""
+    if isinstance(m, TTModel):
+        return TorchtuneRecipe(g, m)
     return Recipe(g, m) if m.cfg.impl == "reference" else TorchRecipe(g, m)
 
 
 def recipe_note(cfg: StepConfig) -> str:
     """What the simulated step trains and its optimizer step are, in a line."""
     ft = cfg.finetune
+    if cfg.model == "torchtune":
+        return torchtune_note(cfg)
     if ft.lora:  # PEFT's adapters over a base loaded in the trick set's dtype (memcalc.exact.hf.lora)
         base = "an nf4 base (bitsandbytes, double quantisation)" if ft.quantize else f"a {cfg.precision} base"
         cast = " under torch.autocast" if cfg.recipe == "autocast" and cfg.precision != "fp32" else ""
@@ -60,6 +71,17 @@ def recipe_note(cfg: StepConfig) -> str:
         return f"PEFT's LoRA r={ft.lora_rank} over {base}{cast}; {optimizer} over the adapters alone"
     frozen = f"; {ft.label}: no grads or optimizer state for them" if not ft.trains_all else ""
     return training_note(cfg) + frozen
+
+
+def torchtune_note(cfg: StepConfig) -> str:
+    """torchtune's recipe in a line: what trains, in what dtype, the loss, the optimizer and when it steps."""
+    ft = cfg.finetune
+    base = "torchao NF4 base" if ft.quantize else f"{cfg.precision} base"
+    what = (f"LoRALinear r={ft.lora_rank} ({cfg.precision} adapters) over a {base}" if ft.lora else
+            f"every weight in {cfg.precision}, no master")  # fmt: skip
+    loss = "CEWithChunkedOutputLoss (8 chunks)" if cfg.stack.loss == "chunked" else "cross-entropy over the logits"
+    when = ", one per parameter stepped in backward (optimizer_in_bwd)" if cfg.stack.in_backward else ""
+    return f"torchtune: {what}; {loss}; {optimizer_note(cfg, cfg.precision, '')}{when}"
 
 
 def training_note(cfg: StepConfig) -> str:
@@ -77,8 +99,12 @@ def optimizer_note(cfg: StepConfig, weights: str, master: str) -> str:
     """The optimizer step over weights of that dtype."""
     if cfg.impl == "reference":
         return f"AdamW per tensor on the {weights} weights"
-    if cfg.optimizer == "adam8bit":
-        return f"bitsandbytes AdamW8bit ({weights} weights{master}; uint8 m, v)"
+    if cfg.optimizer in ("adam8bit", "paged-adam8bit", "paged-adamw"):
+        name = {"adam8bit": "AdamW8bit", "paged-adam8bit": "PagedAdamW8bit", "paged-adamw": "PagedAdamW"}[cfg.optimizer]
+        state = "fp32 m, v" if cfg.optimizer == "paged-adamw" else "uint8 m, v"
+        paged = " in unified memory (paged: evictable to host, outside PyTorch's allocator)" if "paged" in name.lower() \
+            else ""  # fmt: skip
+        return f"bitsandbytes {name} ({weights} weights{master}; {state}{paged})"
     name = {"adamw": "AdamW", "sgd": "SGD with momentum"}[cfg.optimizer]
     return f"torch.optim {name} ({cfg.impl}; {weights} weights and state{master})"
 

@@ -42,6 +42,10 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
                 device: str = "meta") -> torch.nn.Module:  # fmt: skip
     """The model a stack trains (memcalc.model.stacks: Stack.model): memcalc's reference model
     (verify/builder.py), or Transformers' AutoModelForCausalLM (verify/hf.py)."""
+    if stack.model == "torchtune":
+        from .torchtune import build_torchtune
+
+        return build_torchtune(shape, tricks, stack, device)
     if stack.model == "hf":
         from .hf import build_hf
 
@@ -125,7 +129,9 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         else:
             model = build_model(shape, seq_len, tricks, stack, device)
     idx, targets = inputs_for(shape, seq_len, micro_batch, device)
-    fixed = list(model.parameters()) + list(model.buffers()) + held_tensors(model)
+    if getattr(model, "torchtune", False):  # its recipe sizes its ignore_labels_cache by the batch
+        model.micro_batch = micro_batch
+    fixed = fixed_tensors(model)
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     saved = SavedBytes(fixed + [idx, targets], live)
     flops = StepFlops() if device == "meta" and count_flops else None  # on real tensors its decompositions would run
@@ -166,6 +172,16 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
     step = StepBytes(shape.n_layers, weights, inputs, before - inputs, saved.total_bytes, retained, grads,
                      fwd[0], bwd[0], opt[0], fwd[1], bwd[1], opt[1], by_op, *counted)  # fmt: skip
     return step, live
+
+
+def fixed_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What the model holds on its device before the step: parameters, buffers and quantisation state (torchtune's
+    NF4 weights by their inner tensors, verify/torchtune.py device_tensors)."""
+    if getattr(model, "torchtune", False):
+        from .torchtune import device_tensors
+
+        return device_tensors(model)
+    return list(model.parameters()) + list(model.buffers()) + held_tensors(model)
 
 
 def train_step(recipe: Recipe | TorchRecipe, idx: torch.Tensor, targets: torch.Tensor, grad_accum: int = 1) -> bool:

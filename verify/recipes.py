@@ -170,10 +170,11 @@ def library_optimizer(params: list[torch.Tensor], optimizer: str, impl: str, ada
                                  weight_decay=adamw.weight_decay, **IMPLS[impl])  # fmt: skip
     if optimizer == "sgd":
         return torch.optim.SGD(params, lr=sgd.lr, momentum=sgd.momentum, **IMPLS[impl])
-    if optimizer == "adam8bit":
-        return bitsandbytes().optim.AdamW8bit(params, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2), eps=adamw.eps,
-                                            weight_decay=adamw.weight_decay)  # fmt: skip
-    raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, adam8bit")
+    bnb_names = {"adam8bit": "AdamW8bit", "paged-adam8bit": "PagedAdamW8bit", "paged-adamw": "PagedAdamW"}
+    if optimizer in bnb_names:  # paged: on CPU tensors get_state_buffer falls back to zeros_like
+        return getattr(bitsandbytes().optim, bnb_names[optimizer])(params, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2),
+                                                                   eps=adamw.eps, weight_decay=adamw.weight_decay)  # fmt: skip
+    raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, {', '.join(bnb_names)}")
 
 
 def bitsandbytes():
@@ -226,8 +227,8 @@ class TorchRecipe:
 def check_recipe(precision: str, stack: Stack, optimizer: str) -> None:
     """What is trained (memcalc.exact.base.config.untrainable: the same rules the simulator keeps). The
     autocast recipe trains through verify/autocast.py (autocast runs on CPU and CUDA tensors only)."""
-    if optimizer not in ("adamw", "sgd", "adam8bit"):
-        raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, adam8bit")
+    if optimizer not in ("adamw", "sgd", "adam8bit", "paged-adam8bit", "paged-adamw"):
+        raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, adam8bit, paged-adam8bit, paged-adamw")
     reason = untrainable(precision, stack.recipe, stack.impl, optimizer)
     if reason:
         raise InputError(reason)
@@ -238,6 +239,10 @@ def recipe_for(model: torch.nn.Module, precision: str, stack: Stack = DEFAULT_ST
     """The stack's recipe: the reference implementation (this file's Recipe, the lesson's loop), or
     the libraries' optimizers (TorchRecipe)."""
     check_recipe(precision, stack, optimizer)
+    if stack.model == "torchtune":
+        from .torchtune import TorchtuneRecipe
+
+        return TorchtuneRecipe(model, optimizer, stack, model.micro_batch)
     if precision != "fp32" and stack.recipe == "autocast":
         raise InputError("the autocast recipe trains through verify/autocast.py (AutocastRecipe), not this loop")
     if stack.impl == "reference":

@@ -157,10 +157,9 @@ def unembed(g: Graph, m: TTModel, h: Tensor) -> Tensor | list[Tensor]:
         if m.cfg.stack.loss != "chunked":
             return aten.to(g, aten.linear(g, h, head, None), "fp32")
         chunks = []
-        for width in chunk_widths(T):
-            chunk = aten.view(g, h, (B, width, H))  # last_hidden_state.chunk(n, dim=1): views
+        for chunk in aten.split(g, h, chunk_widths(T), 1):  # last_hidden_state.chunk(n, dim=1): views
             if B > 1:  # matmul's reshape(-1, H) of a strided chunk: a copy, viewed back
-                chunk = aten.reshape_copy(g, chunk, (B, width, H))
+                chunk = aten.reshape_copy(g, chunk, chunk.shape)
             chunks.append(aten.linear(g, chunk, head, None))
             del chunk
         del h
@@ -191,6 +190,14 @@ def loss_step(g: Graph, m: TTModel, tokens: Tensor, labels: Tensor, ignore_cache
     return loss
 
 
+def add_(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """a += b on a tensor (add_, AddBackward0 on a's rebased history): no bytes; the gradient goes to both."""
+    node = g.begin("add_", [a, b], lambda gs: [gs[0], gs[0]])
+    g.kernel("add_", (a, b), (a,))
+    g.end(node, [a])
+    return a
+
+
 def chunked_ce(g: Graph, logits: list[Tensor], labels: Tensor) -> Tensor:
     """CEWithChunkedOutputLoss.forward: total_elements = (labels != ignore_index).sum(); the labels chunked and
     reshaped (a copy each where a batch of several rows makes the chunk strided), the logits chunks viewed 2-D;
@@ -208,7 +215,7 @@ def chunked_ce(g: Graph, logits: list[Tensor], labels: Tensor) -> Tensor:
         upcast = aten.to(g, logits_chunk, "fp32")
         ce = aten.nll_loss(g, aten.log_softmax(g, upcast), labels_chunk)
         del upcast
-        total_loss = aten.add_scalar(g, ce) if total_loss is None else aten.add(g, total_loss, ce)
+        total_loss = aten.add_scalar(g, ce) if total_loss is None else add_(g, total_loss, ce)  # 0.0 + ce, then +=
         del ce
     out = aten.div_tensor(g, total_loss, total_elements)
     del flat, targets, total_loss, total_elements

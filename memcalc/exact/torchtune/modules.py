@@ -37,12 +37,14 @@ def rms_norm(g: Graph, x: Tensor, scale: Tensor, where: str) -> Tensor:
     """RMSNorm.forward: F.rms_norm(x.float(), (dim,), scale, eps).to(x.dtype), the composite's ops."""
     with g.scoped(where):
         x_fp32 = aten.to(g, x, "fp32")
-        variance = aten.mean_last(g, aten.pow2(g, x_fp32))
-        rstd = aten.rsqrt(g, add_scalar_(g, variance))  # pow(2).mean(-1, keepdim).add_(eps).rsqrt()
+        squared = aten.pow2(g, x_fp32)  # rsqrt(pow(x, 2).mean(-1, keepdim).add_(eps)): one C++ expression, whose
+        variance = aten.mean_last(g, squared)  # temporaries live until it ends
+        rstd = aten.rsqrt(g, add_scalar_(g, variance))
+        del squared, variance
         normed = aten.mul(g, x_fp32, rstd)
-        out = aten.to(g, aten.mul(g, normed, scale), x.dtype)  # * weight (bf16, promoted to fp32), .to(x.dtype)
-        del x_fp32, variance, rstd, normed
-        return out
+        product = aten.mul(g, normed, scale)  # * weight (bf16, promoted to fp32)
+        del x_fp32, rstd, normed  # x.float() and the composite's locals go as F.rms_norm returns
+        return aten.to(g, product, x.dtype)
 
 
 def add_scalar_(g: Graph, a: Tensor) -> Tensor:
@@ -126,11 +128,13 @@ def attention(g: Graph, m: TTModel, n: str, x: Tensor) -> Tensor:
     q = aten.view(g, linear(g, m, n + "q_proj", x), (B, T, s.n_heads, s.head_dim))
     q = transpose12(g, rope(g, m, q))
     k = aten.view(g, linear(g, m, n + "k_proj", x), (B, T, s.n_kv_heads, s.head_dim))
-    v = aten.view(g, linear(g, m, n + "v_proj", x), (B, T, s.n_kv_heads, s.head_dim))
+    grouped = s.n_heads != s.n_kv_heads  # v's gradient comes back transposed from the expand's sum: its view copies
+    v = aten.view(g, linear(g, m, n + "v_proj", x), (B, T, s.n_kv_heads, s.head_dim), grouped)
     k = transpose12(g, rope(g, m, k))
     v = transpose12(g, v)
-    if s.n_heads != s.n_kv_heads:  # k.unsqueeze(2).expand(b, n_kv, q_per_kv, -1, d).flatten(1, 2): a copy
-        k, v = expand_heads(g, k, s.n_heads), expand_heads(g, v, s.n_heads)
+    if grouped:  # k.unsqueeze(2).expand(b, n_kv, q_per_kv, -1, d).flatten(1, 2): a copy
+        k = expand_heads(g, k, s.n_heads)  # the unexpanded k dies as k is rebound
+        v = expand_heads(g, v, s.n_heads)
     output = sdpa_flash_forward(g, q, k, v, m.cfg.device == "cpu")  # transpose(1, 2): laid out (B, T, n, d)
     output = aten.view(g, output, (B, T, s.q_dim))  # .contiguous().view(b, s_x, -1)
     out = linear(g, m, n + "output_proj", output)

@@ -8,7 +8,7 @@ from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.shape import Model
 from memcalc.model.tricks import PROGRESSION, Tricks
-from memcalc.parallel.verdict import plain_data_parallel
+from memcalc.parallel.verdict import sharded_data_parallel
 from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 
@@ -81,9 +81,10 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         why = not_replayed(stack.model, stack.recipe, stack.impl, setup.optimizer, t.precision)
         if why:
             raise InputError(f"{ft.label}: {why}")
-    if not plain_data_parallel(lay):
-        raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of plain data parallelism (no ZeRO, "
-                         "offload, tensor, pipeline, context or expert parallel)")  # fmt: skip
+    if not sharded_data_parallel(lay):
+        raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of data parallelism, sharded or not "
+                         "(ZeRO 1-3, FSDP); offload, tensor, pipeline, context and expert parallel are not replayed "
+                         "with it")  # fmt: skip
     from memcalc.exact.hf.model import arch_for, finetune_not_replayed
 
     why = finetune_not_replayed(ft, arch_for(model.shape), "hf")  # a mixture of experts or latent attention: not built

@@ -98,6 +98,13 @@ def plain_data_parallel(layout: Layout) -> bool:
     return not (splits or layout.zero or layout.offload_optimizer or layout.offload_params)
 
 
+def sharded_data_parallel(layout: Layout) -> bool:
+    """Every GPU runs the whole model's step, its state sharded or not (ZeRO 0-3, FSDP), nothing offloaded: where
+    LoRA and frozen weights are replayed (memcalc.engine.job.check_finetune)."""
+    splits = max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1
+    return not (splits or layout.offload_optimizer or layout.offload_params)
+
+
 def fsdp2_gap(setup: Setup, tricks: Tricks, layout: Layout) -> str:
     """What memcalc.exact.replay.fsdp2's replay of one torchtitan rank does not cover (it runs torchtitan's step:
     one micro-batch, fused AdamW over fp32 shards on the GPU)."""

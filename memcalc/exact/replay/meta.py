@@ -121,6 +121,14 @@ def replayed(grad_accum: int) -> int:
     return min(grad_accum, 2)
 
 
+def frozen_params(model) -> list[Tensor]:
+    """The parameters that do not train (LoRA's base, QLoRA's packed 4-bit weights), in parameters() order."""
+    if not isinstance(model, hf.HFModel):  # memcalc's reference model trains every weight
+        return []
+    trained = {id(p) for p in model.params}
+    return [p for p in model.p.values() if id(p) not in trained]
+
+
 def simulate(cfg: StepConfig, timeline: bool = False, every_micro_batch: bool = False,
              warm_up: bool = True, sharding: Sharding | None = None) -> tuple[Phases, Graph, LiveBytes]:  # fmt: skip
     """Build, one warm-up step, then the measured step (its last micro-batch's phases; the saved
@@ -147,7 +155,7 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     if timeline:  # what each allocation is (memcalc.exact.sim.events), for memcalc.exact.timeline
         g.recording = Recording(mem)
     model = build(g, cfg)
-    zero = Zero(g, model.params, sharding) if sharded else None
+    zero = Zero(g, model.params, sharding, frozen_params(model)) if sharded else None
     weights = mem.live_bytes
     B, T = cfg.micro_batch, cfg.seq_len
     idx = g.empty((B, T), "int64", "input", kind="input")

@@ -122,6 +122,8 @@ class StackOptions(OptionGroup):
                            self.optimizer_impl, self.no_cache)  # fmt: skip
         if finetune.trains_all:
             return chosen
+        if chosen.engine == "fsdp2" and finetune.lora:  # PEFT's LoRA model under fully_shard, as accelerate runs it
+            chosen = replace(chosen, model="hf", recipe=self.recipe or "pure")  # (memcalc.exact.replay.fsdp2_lora)
         if chosen.model != "hf":
             raise InputError(f"{finetune.label}: PEFT's LoRA and frozen weights are replayed on Transformers' classes "
                              f"(--stack hf), not --stack {chosen.key}")  # fmt: skip

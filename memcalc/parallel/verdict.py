@@ -86,7 +86,7 @@ def replay_gap(model: Model, setup: Setup, tricks: Tricks, layout: Layout) -> st
     if max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1:
         return ("the exact model replays data parallelism (ZeRO, FSDP2, offload); tensor, pipeline, context and "
                 "expert parallel are the textbook's")  # fmt: skip
-    if s.engine == "fsdp2" and layout.zero == 3:
+    if s.engine == "fsdp2" and layout.zero == 3 and s.finetune.trains_all:
         return fsdp2_gap(setup, tricks, layout)
     return ""
 
@@ -131,7 +131,7 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
     if gap:
         return textbook_verdict(model, setup, gpu, tricks, layout, gap)
     shape, s, g = model.shape, setup, layout.shard_group
-    sharding = replay_sharding(setup, layout)
+    sharding = replay_sharding(setup, layout, tricks.precision)
     if sharding is None:
         from memcalc.exact.replay.fsdp2 import fsdp2_step
 
@@ -181,11 +181,14 @@ def allocator_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layo
                                sharding, room, expandable)  # fmt: skip
 
 
-def replay_sharding(setup: Setup, layout: Layout) -> Sharding | None:
+def replay_sharding(setup: Setup, layout: Layout, precision: str = "bf16") -> Sharding | None:
     """How the verdict's replay shards the step (layout as engine_layout gives it): memcalc's generic ZeRO
-    and offload over the shard group (memcalc.exact.replay.zero; trivial for one GPU's step), or None where FSDP2's
-    own replay (memcalc.exact.replay.fsdp2) runs it."""
+    and offload over the shard group (memcalc.exact.replay.zero; trivial for one GPU's step), FSDP2 over a LoRA
+    model, all-gathering in the precision (memcalc.exact.replay.fsdp2_lora), or None where FSDP2's own replay
+    (memcalc.exact.replay.fsdp2) runs it."""
     if setup.stack.engine == "fsdp2" and layout.zero == 3:
+        if not setup.stack.finetune.trains_all:
+            return Sharding(3, layout.shard_group, fsdp2=precision)
         return None
     return Sharding(layout.zero, layout.shard_group, layout.offload_optimizer, layout.offload_params)
 
@@ -209,6 +212,8 @@ def replay_text(sharding: Sharding) -> str:
     """What the replay was, in a few words."""
     if sharding.trivial:
         return "one GPU's step"
+    if sharding.fsdp2:
+        return f"one FSDP2 rank of {sharding.ranks} over the LoRA model, hook by hook"
     parts = [f"ZeRO-{sharding.zero} over {sharding.ranks} ranks" if sharding.shards > 1 else "one GPU's step"]
     if sharding.offload:
         parts.append("parameters and optimizer offloaded" if sharding.offload_params else "optimizer offloaded")

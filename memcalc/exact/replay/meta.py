@@ -20,6 +20,7 @@ from ..train import recipes
 from ..train.amp import AutocastRecipe
 from ..train.recipes import Recipe, TorchRecipe, check_simulated
 from .inductor import FusionGraph, fused
+from .fsdp2_lora import Fsdp2Lora
 from .zero import Sharding, Zero, ZeroGraph
 
 
@@ -155,7 +156,8 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     if timeline:  # what each allocation is (memcalc.exact.sim.events), for memcalc.exact.timeline
         g.recording = Recording(mem)
     model = build(g, cfg)
-    zero = Zero(g, model.params, sharding, frozen_params(model)) if sharded else None
+    engine = Fsdp2Lora if sharded and sharding.fsdp2 else Zero
+    zero = engine(g, model.params, sharding, frozen_params(model)) if sharded else None
     weights = mem.live_bytes
     B, T = cfg.micro_batch, cfg.seq_len
     idx = g.empty((B, T), "int64", "input", kind="input")

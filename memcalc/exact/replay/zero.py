@@ -38,6 +38,7 @@ class Sharding:
     ranks: int = 1  # the data-parallel ranks ZeRO shards over
     offload: bool = False  # optimizer state on the host, the optimizer step there
     offload_params: bool = False  # the weights' shards on the host too (stage 3)
+    fsdp2: str = ""  # FSDP2's param_dtype where FSDP2 shards a LoRA model (memcalc.exact.replay.fsdp2_lora), else ""
 
     @property
     def shards(self) -> int:

@@ -48,9 +48,12 @@ def command(run: Run) -> list[str] | str:
         return f"{run.peft_type}: memcalc replays LoRA and QLoRA, not other PEFT methods"
     if run.dora:
         return "DoRA (use_dora: the weight's norm and magnitude beside the adapters) is not replayed"
-    if run.parallel in ("fsdp", "deepspeed"):
-        what = "LoRA and QLoRA" if run.method != "full" else "FSDP1 and DeepSpeed's full fine-tuning"
-        return f"{what} sharded over GPUs ({run.parallel}) are not replayed yet"
+    if run.parallel in ("fsdp", "deepspeed") and run.method == "full":
+        return f"FSDP1 and DeepSpeed's full fine-tuning sharded over GPUs ({run.parallel}) are not replayed yet"
+    if run.parallel == "fsdp":  # memcalc replays LoRA under FSDP2 (fully_shard) and ZeRO; these ran FSDP1
+        return "FSDP1 (FullyShardedDataParallel's FlatParameter units) is not replayed; LoRA under FSDP2 and ZeRO is"
+    if run.cpu_offload:
+        return "LoRA with the parameters or optimizer offloaded to the CPU is not replayed"
     if run.hf_id not in PRESET:
         return f"no memcalc preset for {run.hf_id}" + (" (an encoder: memcalc models decoders)" if "bert" in
                                                         (run.hf_id or "") else "")  # fmt: skip
@@ -74,6 +77,8 @@ def command(run: Run) -> list[str] | str:
             args += ["--lora-targets", ",".join(run.lora_targets)]
     if run.method == "qlora":
         args += ["--quantize", run.quant or "nf4"]
+    if run.parallel == "deepspeed":  # ZeRO over the data-parallel GPUs (memcalc.exact.replay.zero, the base frozen)
+        args += ["--gpus", str(run.gpus), "--zero", str(run.zero)]
     return args
 
 

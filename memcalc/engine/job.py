@@ -66,6 +66,11 @@ def data_parallel(layout: Layout) -> bool:
     return layout.tp == layout.pp == layout.cp == layout.ep == layout.etp == 1
 
 
+def plain_split(lay: Layout) -> bool:
+    """No tensor, pipeline, context or expert parallel and nothing offloaded."""
+    return max(lay.tp, lay.pp, lay.cp, lay.ep, lay.etp) == 1 and not (lay.offload_optimizer or lay.offload_params)
+
+
 def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tricks, ...] = ()) -> None:
     """LoRA and frozen weights (memcalc.model.finetune) are replayed on one GPU, or each GPU of plain data
     parallelism (every GPU holds the whole model and its adapters); sharded, split or offloaded, refused. The
@@ -81,6 +86,9 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         why = not_replayed(stack.model, stack.recipe, stack.impl, setup.optimizer, t.precision)
         if why:
             raise InputError(f"{ft.label}: {why}")
+    if stack.engine == "fsdp2" and not sharded_data_parallel(lay, "fsdp2") and plain_split(lay):
+        raise InputError(f"{ft.label} under --stack fsdp2 is fully_shard over 2 or more GPUs: give --gpus N "
+                         "--zero 3 (--stack hf for one GPU or plain data parallelism)")  # fmt: skip
     if not sharded_data_parallel(lay):
         raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of data parallelism, sharded or not "
                          "(ZeRO 1-3, FSDP); offload, tensor, pipeline, context and expert parallel are not replayed "

@@ -98,10 +98,13 @@ def plain_data_parallel(layout: Layout) -> bool:
     return not (splits or layout.zero or layout.offload_optimizer or layout.offload_params)
 
 
-def sharded_data_parallel(layout: Layout) -> bool:
+def sharded_data_parallel(layout: Layout, engine: str = "none") -> bool:
     """Every GPU runs the whole model's step, its state sharded or not (ZeRO 0-3, FSDP), nothing offloaded: where
-    LoRA and frozen weights are replayed (memcalc.engine.job.check_finetune)."""
+    LoRA and frozen weights are replayed (memcalc.engine.job.check_finetune). FSDP2 (engine fsdp2) over 2 or more
+    ranks alone: its replay (memcalc.exact.replay.fsdp2_lora) is fully_shard's, not DDP's or one GPU's."""
     splits = max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1
+    if engine == "fsdp2" and (layout.zero != 3 or layout.shard_group < 2):
+        return False
     return not (splits or layout.offload_optimizer or layout.offload_params)
 
 

@@ -71,3 +71,14 @@ def test_zero3_shards_the_frozen_base(quantize):
 def test_tensor_parallel_lora_refused():
     r = CliRunner().invoke(app, ["estimate", "--model", "llama3-8b", "--lora", "16", "--gpus", "8", "--tp", "2"])
     assert r.exit_code == 2 and "tensor" in r.output and "Traceback" not in r.output
+
+
+def test_deepspeed_lora_from_a_file(tmp_path):
+    """A Trainer's arguments with PEFT and a DeepSpeed ZeRO-3 config: replayed (it was refused), the base sharded."""
+    args = {"model_name_or_path": "qwen3-0.6b", "max_length": 256, "use_peft": True,
+            "deepspeed": {"zero_optimization": {"stage": 3}}}  # fmt: skip
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(args))
+    r = CliRunner().invoke(app, ["estimate", "--from", str(path), "--gpus", "8", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert "ZeRO-3 over 8 ranks" in json.loads(r.stdout)["verdict"][0]["replay"]

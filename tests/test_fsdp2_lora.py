@@ -82,3 +82,14 @@ def test_deepspeed_lora_from_a_file(tmp_path):
     r = CliRunner().invoke(app, ["estimate", "--from", str(path), "--gpus", "8", "--format", "json"])
     assert r.exit_code == 0, r.output
     assert "ZeRO-3 over 8 ranks" in json.loads(r.stdout)["verdict"][0]["replay"]
+
+
+def test_verify_fsdp_lora_cli():
+    """`memcalc verify --fsdp 2 --lora 16 --stack fsdp2`: the LoRA model under FSDP2, not full training's check."""
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    r = CliRunner().invoke(app, ["verify", "--model", "llama3.2-1b", "--layers", "2", "--seq", "256", "--lora", "16",
+                                 "--stack", "fsdp2", "--fsdp", "2", "--format", "json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert "PEFT's LoRA model" in r.stdout and r.stdout.count('"error_bytes": 0') >= 4, rows

@@ -74,3 +74,49 @@ def trainer_step(model, optimizer, idx, targets, mode: CountingFakeMode) -> dict
     optimizer.zero_grad(set_to_none=True)
     peaks["optimizer"] = mode.peak_bytes
     return peaks
+
+
+REPLAY = "memcalc.exact.replay.fsdp2_lora: FSDP2's hooks over PEFT's model replayed on memcalc.exact"
+DEVICE = "cuda"  # the replay's kernels: CUDA's (on Llama's RMSNorm and without flash, the fake CPU group's alike)
+PHASES = ("between steps", "forward peak", "backward peak", "optimizer peak")
+
+
+def replayed(shape: ModelShape, seq_len: int, tricks: Tricks, stack, ranks: int) -> dict[str, int]:
+    """The same step replayed (memcalc.exact.replay.fsdp2_lora) on CPU's kernels, as the fake group runs them."""
+    from memcalc.exact.base.config import StepConfig
+    from memcalc.exact.replay.meta import simulate
+    from memcalc.exact.replay.zero import Sharding
+
+    cfg = StepConfig(shape, seq_len, 1, tricks, stack, "adamw", 1, DEVICE)
+    p = simulate(cfg, warm_up=True, sharding=Sharding(3, ranks, fsdp2=tricks.precision))[0]
+    return dict(zip(PHASES, (p.state_bytes + p.inputs_bytes, p.forward_peak_bytes, p.backward_peak_bytes,
+                             p.optimizer_peak_bytes)))  # fmt: skip
+
+
+def verify_fsdp2_lora(model, setup, tricks: Tricks, layout):
+    """`memcalc verify --fsdp N --lora R --stack fsdp2`: rank 0 of PEFT's model under FSDP2 on the fake process
+    group against the replay, live bytes between steps and each phase's peak, every one judged to the byte."""
+    import time
+
+    from memcalc.errors import InputError
+    from memcalc.model.params import n_params
+    from memcalc.verification.dist_results import DistResult, RankCheck, RankRow
+
+    s, ft = setup, setup.stack.finetune
+    if not ft.lora or ft.quantize or s.micro_batch != 1 or s.grad_accum != 1 or s.stack.recipe != "pure":
+        raise InputError("verify --fsdp N with --lora and --stack fsdp2 checks LoRA (not QLoRA or frozen parts) at "
+                         "micro-batch 1 under --recipe pure (the base loaded in bf16, no autocast)")  # fmt: skip
+    if tricks.flash or tricks.precision != "bf16":
+        raise InputError("verify --fsdp N with --lora and --stack fsdp2 runs bf16 without flash: the fake process group "
+                         "computes on fake CPU tensors, where the CUDA flash op's outputs are not CUDA's (one GPU on "
+                         "meta checks flash: memcalc verify --lora R --recipe pure --device meta)")  # fmt: skip
+    start = time.perf_counter()
+    measured = measure_fsdp2_lora(model.shape, s.seq_len, tricks, ft, layout.dp)
+    seconds = time.perf_counter() - start
+    predicted = replayed(model.shape, s.seq_len, tricks, s.stack, layout.dp)
+    rows = tuple(RankRow(q, predicted[q], measured[q], (), True, REPLAY) for q in PHASES)
+    notes = ("PEFT's LoRA model under fully_shard per decoder layer and the root, MixedPrecisionPolicy(param_dtype, "
+             "fp32), torch.optim.AdamW(fused=True) over the adapters, the Trainer's step; the fake process group, "
+             "rank 0",)  # fmt: skip
+    return DistResult(model.shape.name, n_params(model.shape), s.seq_len, 1, tricks, layout, "meta", "fake",
+                      layout.world, (RankCheck(0, 0, 0, rows),), torch.__version__, seconds, notes)  # fmt: skip

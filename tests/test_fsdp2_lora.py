@@ -93,3 +93,26 @@ def test_verify_fsdp_lora_cli():
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
     assert "PEFT's LoRA model" in r.stdout and r.stdout.count('"error_bytes": 0') >= 4, rows
+
+
+def test_the_corpus_expresses_sharded_lora():
+    """benchmarks/finetune/report.py: PEFT's DeepSpeed ZeRO-3 LoRA run is a `--gpus 8 --zero 3` estimate; the
+    FSDP1 runs (Answer.AI's fsdp_qlora, accelerate's FSDP1) name FSDP1 as what is not replayed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from benchmarks.finetune.corpus import load
+    from benchmarks.finetune.report import command
+
+    runs = {f"{r.source.id}/{r.id}": r for r in load()}
+    args = command(runs["peft_docs_accelerate/llama2-70b-lora-ds-zero3-8xh100"])
+    assert args[-4:] == ["--gpus", "8", "--zero", "3"] and "--lora" in args
+    assert "FSDP1" in command(runs["answerai_fsdp_qlora/llama2-7b-lora-ctx512-bs1-3090"])
+
+
+def test_qlora_under_fsdp2_answers():
+    """QLoRA's packed 4-bit weights shard and all-gather as their bf16 quant storage: a rank keeps less than LoRA's."""
+    lora = verdict("--gpus", "8", "--zero", "3", "--stack", "fsdp2")
+    qlora = verdict("--gpus", "8", "--zero", "3", "--stack", "fsdp2", "--quantize", "nf4")
+    assert "FSDP2" in qlora["replay"] and qlora["state_bytes"] < lora["state_bytes"] / 2

@@ -35,7 +35,7 @@ class Fsdp2Lora(Zero):
 
     def __init__(self, g: ZeroGraph, params: list[Tensor], sharding: Sharding, frozen: list[Tensor] = ()):
         self.g, self.sharding, self.params, self.frozen = g, sharding, params, list(frozen)
-        self.host = g  # nothing is offloaded
+        self.host = g  # nothing is offloaded (Zero.made_state, update: the GPU's)
         G, self.G, everything = sharding.ranks, sharding.ranks, params + self.frozen
         self.units: dict[int | str, list[Tensor]] = {"root": []}
         for p in everything:
@@ -112,8 +112,8 @@ class Fsdp2Lora(Zero):
         cast.clear()
         previous = self.kept if self.phase == "forward" else None
         self.kept = None
-        self.gathered[unit] = [self.g.empty((self.padded(p) * self.G,), self.unsharded_dtype(p),
-                                            "FSDP2 unsharded " + p.name) for p in ps]  # fmt: skip
+        self.gathered[unit] = [self.g.empty((self.padded(p) * self.G,), self.param_dtype, "FSDP2 unsharded " + p.name)
+                               for p in ps]  # fmt: skip
         if self.phase == "forward" and self.G > 1:
             self.kept = output
         del output, previous
@@ -141,10 +141,6 @@ class Fsdp2Lora(Zero):
 
     def padded(self, p: Tensor) -> int:
         return self.dims[id(p)].padded(self.G)
-
-    def unsharded_dtype(self, p: Tensor) -> str:
-        """The unsharded parameter's dtype: param_dtype (every parameter all-gathered in it)."""
-        return self.param_dtype
 
 
 def unit_of(name: str) -> int | str:

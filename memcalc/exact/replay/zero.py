@@ -17,8 +17,11 @@ optimizer state, stage 2 the gradients too, stage 3 the weights too. The moments
              there: each gradient leaves the GPU as it is reduced (stages 2-3) or after backward, and the
              GPU's optimizer phase allocates nothing; parameter offload keeps the weights' shards on the
              host too (ZeRO-Infinity, Rajbhandari et al. 2021), gathered onto the GPU unit by unit
+A LoRA model's frozen base (its packed 4-bit weights for QLoRA) has no gradient and no optimizer state: stage 3
+partitions and gathers it with the rest, stages 1-2 leave it whole on every rank.
 Collectives run in place or into their output, with no staging buffers: engines with their own buffers
-(FSDP2's, memcalc.exact.replay.fsdp2) are replayed on their own.
+(FSDP2's, memcalc.exact.replay.fsdp2 and, over a LoRA model, memcalc.exact.replay.fsdp2_lora) are replayed on
+their own.
 """
 
 from __future__ import annotations

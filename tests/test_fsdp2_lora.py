@@ -116,3 +116,21 @@ def test_qlora_under_fsdp2_answers():
     lora = verdict("--gpus", "8", "--zero", "3", "--stack", "fsdp2")
     qlora = verdict("--gpus", "8", "--zero", "3", "--stack", "fsdp2", "--quantize", "nf4")
     assert "FSDP2" in qlora["replay"] and qlora["state_bytes"] < lora["state_bytes"] / 2
+
+
+@pytest.mark.slow("test_lora_under_fsdp2_answers (the verdict fit searches with)")
+def test_fit_shards_lora():
+    """fit answers LoRA under FSDP2 (some ten replays: ~10 s)."""
+    r = CliRunner().invoke(app, ["fit", "--model", "llama3-8b", "--lora", "16", "--tricks", "bf16,flash,ckpt",
+                                 "--stack", "fsdp2", "--gpus", "8", "--zero", "3"])  # fmt: skip
+    assert r.exit_code == 0 and "Longest sequence that fits" in r.output, r.output
+
+
+def test_plan_shards_lora():
+    """plan searches the sharded data-parallel layouts for LoRA, ZeRO-3 alone for --stack fsdp2, and no tensor or
+    pipeline parallel."""
+    r = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--lora", "16", "--seq", "4096", "--gpus", "8",
+                                 "--global-batch", "64", "--stack", "fsdp2", "--format", "json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    layouts = [b["layout"] for b in json.loads(r.stdout)["best"]]
+    assert layouts and all(x["zero"] == 3 and x["tp"] == x["pp"] == 1 for x in layouts), layouts

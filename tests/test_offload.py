@@ -96,3 +96,30 @@ def test_the_trainer_offloads_checkpoints_only():
         check_tricks(stack, parse_tricks("bf16,flash"))
     check_tricks(stack, parse_tricks("bf16,flash,ckpt"))
     check_tricks(stack_for("trl:0.25", offload=True), parse_tricks("bf16,flash"))
+
+
+def run(*args):
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--stack", "torch"), "not on --stack torch"), (("--stack", "trl:0.14", "--lora", "16"), "trl:0.25"),
+    (("--stack", "hf", "--lora", "16", "--tricks", "bf16,flash"), "needs ckpt"),
+])  # fmt: skip
+def test_the_option_is_refused_in_one_line_where_it_does_not_apply(args, message):
+    out = run("estimate", "--model", "llama3-8b", "--seq", "2048", "--offload-activations", *args)
+    assert out.exit_code == 2 and message in out.output and len(out.output.strip().splitlines()) == 1, out.output
+
+
+def test_the_verdict_says_where_the_activations_went():
+    """The notes name TRL's OffloadActivations, the pinned host bytes and the copies on the card's host link."""
+    out = run("estimate", "--model", "llama3-8b", "--layers", "2", "--seq", "1024", "--lora", "16", "--tricks",
+              "bf16,flash", "--gpu", "a100-80gb", "--stack", "trl:0.25", "--offload-activations")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "activations offloaded (TRL's SFTConfig(activation_offloading=True)" in text
+    assert "of pinned host memory per GPU" in text and "PCIe Gen4 x16 (32 GB/s a direction)" in text

@@ -105,6 +105,7 @@ class StackOptions(OptionGroup):
     recipe: str | None = None
     optimizer_impl: str | None = None
     no_cache: bool = False
+    offload_activations: bool = False
     lora: str | None = None
     lora_targets: str | None = None
     lora_dropout: str | None = None
@@ -119,7 +120,7 @@ class StackOptions(OptionGroup):
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze)
         chosen = stack_for(self.stack or ("reference" if finetune.trains_all else "hf"), self.recipe,
-                           self.optimizer_impl, self.no_cache)  # fmt: skip
+                           self.optimizer_impl, self.no_cache, self.offload_activations)  # fmt: skip
         if finetune.trains_all:
             return chosen
         if chosen.engine == "fsdp2" and finetune.lora:  # PEFT's LoRA model under fully_shard, as accelerate runs it

@@ -32,6 +32,7 @@ from memcalc.errors import InputError
 from memcalc.records import record
 
 from .finetune import FULL, Finetune
+from .savers import NO_SAVERS, Savers, check_offload, check_offload_tricks
 
 MODELS = ("reference", "hf")
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
@@ -61,6 +62,7 @@ class Stack:
     use_cache: bool = False  # hf: the forward keeps Transformers' DynamicCache (config.use_cache, its default)
     finetune: Finetune = FULL  # which weights train (memcalc.model.finetune): all, or LoRA's adapters, or all but some
     trl: str = ""  # TRL's SFTTrainer release line around the Trainer (TRL_RELEASES); "" for none
+    savers: Savers = NO_SAVERS  # the memory savers on: activation offloading (memcalc.model.savers)
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
@@ -78,6 +80,7 @@ class Stack:
             changed.append("cache" if self.use_cache else "no cache")
         if self.finetune.label:
             changed.append(self.finetune.label)
+        changed += self.savers.labels
         return self.key + (f" ({', '.join(changed)})" if changed else "")
 
 
@@ -115,8 +118,8 @@ DEFAULT_STACK = STACKS["reference"]
 
 
 def stack_for(name: str = "reference", recipe: str | None = None, impl: str | None = None,
-              no_cache: bool = False) -> Stack:  # fmt: skip
-    """--stack NAME, with --recipe, --optimizer-impl and --no-cache changing what it picks."""
+              no_cache: bool = False, offload: bool = False) -> Stack:  # fmt: skip
+    """--stack NAME, with --recipe, --optimizer-impl, --no-cache and --offload-activations changing what it picks."""
     key = name.strip().lower()
     if key not in STACKS:
         raise InputError(f"unknown stack {name!r}; known: {', '.join(STACKS)}")
@@ -125,6 +128,9 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
         if not STACKS[key].use_cache:
             raise InputError(f"--no-cache turns off Transformers' DynamicCache (--stack hf); --stack {key} keeps none")
         changes["use_cache"] = False
+    if offload:
+        check_offload(key, STACKS[key].model, STACKS[key].trl)
+        changes["savers"] = Savers(offload=True)
     return replace(STACKS[key], **changes) if changes else STACKS[key]
 
 
@@ -155,6 +161,8 @@ def check_tricks(stack: Stack, tricks) -> None:
     if stack.model == "hf" and (tricks.mixed or tricks.recompute == "op"):
         raise InputError(f"{tricks.label}: --stack hf checkpoints every decoder layer or none "
                          "(gradient_checkpointing_enable): use ckpt, or --stack torch for ckpt:N and sac")  # fmt: skip
+    if stack.savers.offload:
+        check_offload_tricks(stack.key, stack.trl, tricks.recompute)
     if stack.engine in ("megatron", "deepspeed") and (tricks.fp8 or tricks.compile):
         what = f"{tricks.fp8_name} ({FP8_WHAT[tricks.fp8]})" if tricks.fp8 else "compile (torch.compile of each block)"
         raise InputError(f"{tricks.label}: {what} is replayed on --stack fsdp2, torch or reference; --stack "

@@ -33,6 +33,7 @@ from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.stages import StageKernels, block_lower_bound, stage_kernels
 
+from .activation_offload import activation_offload_comm
 from .data_parallel import cpu_adam_seconds, dp_comm, offload_comm, tied_embedding_comm, unit_fraction
 from .engines import grad_reduce_bytes
 from .experts import busiest_experts_flops, ep_comm, expert_dp_comm, moe_tokens
@@ -212,6 +213,7 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
         gathered = gathered_weight_bytes(model.shape, ft, w)  # gathers every weight, the frozen base too
         params, gw = trained_params(model.shape, ft), 4 if ft.lora else gw
     host, cpu = offload_comm(layout, max(st.params for st in stages), w, gw, m, fabric, assume, mb)
+    host = host + activation_offload_comm(model, setup, tricks, fabric, assume, mb)
     unit = unit_fraction(model.shape, layout.tp, layout.pp) if engine == "fsdp2" else 0.0
     dp = dp_comm(layout, params, w, gw, m, fabric, assume, mb, engine, unit, gathered)
     dp += expert_dp_comm(layout, experts, w, gw, m, fabric, assume, mb)

@@ -43,7 +43,7 @@ class Verdict(Fits):
     peak_bytes: int  # the step's highest live bytes on this GPU
     peak_at: str  # where the step peaks: "optimizer: sqrt" (replayed), "stage 0" (the textbook's)
     usable_bytes: int  # the GPU's memory less the headroom (memcalc.model.headroom)
-    host_bytes: int  # this GPU's model state in host memory (offload)
+    host_bytes: int  # this GPU's model state in host memory (offload), and its activations offloaded (pinned)
     host_usable_bytes: int  # its share of the node's host memory
     phases: Phases | None  # the replayed step on this GPU; None where the textbook decides
     replay: str  # what was replayed ("one GPU's step", "ZeRO-3 over 64 ranks", ...), "" for the textbook
@@ -150,7 +150,8 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
                           layout.offload_params, s.stack.recipe)  # fmt: skip
     usable, reserved = allocator_verdict(model, setup, gpu, tricks, layout, sharding, phases.step_peak_bytes,
                                          allocator)  # fmt: skip
-    return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), usable, state.host_bytes,
+    host = state.host_bytes + phases.offloaded_bytes  # one micro-batch's offloaded activations, pinned till backward
+    return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), usable, host,
                    host_share(setup, layout), phases, replay, "", own, reserved,
                    keeps_share=usable != allocator_room(gpu, layout.groups))  # fmt: skip
 

@@ -194,6 +194,7 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
         mem.segments["backward"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
         if k == 0:
             flops, rebuilt = dict(g.flops), g.rebuilt_bytes
+            moved = (g.offload.offloaded_bytes, g.offload.reloaded_bytes) if g.offload is not None else (0, 0)
     grads = mem.live_bytes - before
     mem.phase = "optimizer"
     mem.reset_peak()
@@ -203,5 +204,5 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     mem.phase = ""
     g.saved_terms, g.flops, g.rebuilt_bytes = terms, flops, rebuilt
     (fp, fa), (bp, ba), (op, oa) = peaks["forward"], peaks["backward"], peaks["optimizer"]
-    phases = Phases(weights, inputs, before - inputs, retained, grads, fp, bp, op, fa, ba, oa)
+    phases = Phases(weights, inputs, before - inputs, retained, grads, fp, bp, op, fa, ba, oa, *moved)
     return phases, g, mem

@@ -30,6 +30,7 @@ from ..base.config import ITEMSIZE
 from ..base.kernel import Kernel
 from .backward import Backward
 from .checkpoint import Checkpointing, Frame, Slot, StopRecompute
+from .offload import Offloader
 from .tensors import LiveBytes, Storage, Tensor, elements
 
 LEAF_SEQ = 2**62  # AccumulateGrad runs as soon as it is ready (torch: UINT64_MAX priority)
@@ -99,6 +100,7 @@ class Graph(Checkpointing, Backward):
         self.region: tuple[str, int] | None = None  # (name, copies) of the equal copies running, if any
         self.recording = None  # what each allocation is, under a timeline (memcalc.exact.sim.events.Recording)
         self.stream = 0  # the CUDA stream allocations are made on: the default, unless a library switches (FSDP2)
+        self.offload: Offloader | None = None  # an activation offloading context's hooks (memcalc.exact.sim.offload)
 
     @property
     def copies(self) -> int:
@@ -250,7 +252,7 @@ class Graph(Checkpointing, Backward):
             self.frame.n_saved += 1
             return Slot(self.frame, self.frame.n_saved - 1)
         self.note_saved(t, op, what)
-        return t.storage
+        return t.storage if self.offload is None else self.offload.pack(t)
 
     def mark(self, t: Tensor, role: str, detail: str) -> None:
         """Under a timeline, what t's storage turned out to be (memcalc.exact.sim.events.Recording.note)."""

@@ -74,9 +74,10 @@ def test_bad_json_and_a_folder(tmp_path):
 
 REFUSED = {  # (file text, name, the key the line names, what it says)
     "lora under fsdp": (AXOLOTL + "adapter: lora\nlora_r: 8\nlora_target_linear: true\nfsdp: [full_shard]\n",
-                        "run.yml", "fsdp: [full_shard]", "not replayed yet"),
-    "lora under zero-3": (json.dumps(TRAINER | {"use_peft": True, "deepspeed": {"zero_optimization": {"stage": 3}}}),
-                          "args.json", "deepspeed", "not replayed yet"),
+                        "run.yml", "fsdp: [full_shard]", "--stack fsdp2 --zero 3"),
+    "lora under zero-3 without its GPUs": (json.dumps(TRAINER | {"use_peft": True,
+                                                                 "deepspeed": {"zero_optimization": {"stage": 3}}}),
+                                           "args.json", "deepspeed", "add --gpus N"),
     "a sharded recipe without its GPUs": (AXOLOTL + "fsdp: [full_shard]\n", "run.yml", "fsdp", "add --gpus N"),
     "the 8-bit base": (AXOLOTL + "adapter: lora\nlora_r: 8\nload_in_8bit: true\n", "run.yml", "load_in_8bit",
                        "depends on the data"),

@@ -31,7 +31,7 @@ LAYERS = [
 ]
 # memcalc.exact's rooms, lowest first (memcalc/exact/__init__.py); its entry points (kernels, step, growth,
 # timeline) sit on top of them all.
-EXACT_ROOMS = ["base", "allocator", "sim", "aten", "builder", "hf", "train", "replay"]
+EXACT_ROOMS = ["base", "allocator", "sim", "aten", "builder", "hf", "torchtune", "train", "replay"]
 NEVER = {"torch", "transformers", "flash_attn", "numpy"}  # heavy: verify/ alone imports them
 ONLY_IN = {  # third-party or harness packages, and the one layer that may import each (lazily)
     "typer": "memcalc.cli", "click": "memcalc.cli", "rich": "memcalc.cli", "verify": "memcalc.cli",

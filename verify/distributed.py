@@ -44,6 +44,10 @@ def verify_distributed(model: Model, setup: Setup, tricks: Tricks, layout: Layou
     (model.shape; with --params N the shape's own parameters, not N), its vocabulary padded to a
     multiple of tp."""
     check_dist(model.shape, setup, tricks, layout, device)
+    if not setup.stack.finetune.trains_all:  # PEFT's model under FSDP2 (the fsdp2 stack: memcalc.engine.job)
+        from .fsdp2_lora import verify_fsdp2_lora
+
+        return verify_fsdp2_lora(model, setup, tricks, layout)
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
         raise InputError(f"distributed verify needs torch >= 2.6 (FSDP2's fully_shard), found {torch.__version__}")
     ranks = default_ranks(layout, device) if ranks is None else tuple(ranks)

@@ -133,7 +133,8 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         model.micro_batch = micro_batch
     fixed = fixed_tensors(model)
     live = LiveBytes(torch.device(device).type, timeline=timeline)
-    saved = SavedBytes(fixed + [idx, targets], live)
+    # the parameters too: a wrapper subclass (torchao's NF4Tensor) saved for backward holds nothing of its own
+    saved = SavedBytes(fixed + list(model.parameters()) + [idx, targets], live)
     flops = StepFlops() if device == "meta" and count_flops else None  # on real tensors its decompositions would run
     with paths_for(stack, device), live:
         live.track(fixed, "weights")

@@ -172,8 +172,9 @@ def library_optimizer(params: list[torch.Tensor], optimizer: str, impl: str, ada
         return torch.optim.SGD(params, lr=sgd.lr, momentum=sgd.momentum, **IMPLS[impl])
     bnb_names = {"adam8bit": "AdamW8bit", "paged-adam8bit": "PagedAdamW8bit", "paged-adamw": "PagedAdamW"}
     if optimizer in bnb_names:  # paged: on CPU tensors get_state_buffer falls back to zeros_like
-        return getattr(bitsandbytes().optim, bnb_names[optimizer])(params, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2),
-                                                                   eps=adamw.eps, weight_decay=adamw.weight_decay)  # fmt: skip
+        chosen = getattr(bitsandbytes().optim, bnb_names[optimizer])
+        return chosen(params, lr=adamw.lr, betas=(adamw.beta1, adamw.beta2), eps=adamw.eps,
+                      weight_decay=adamw.weight_decay)
     raise InputError(f"unknown optimizer {optimizer!r}; known: adamw, sgd, {', '.join(bnb_names)}")
 
 

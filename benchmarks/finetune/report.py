@@ -42,15 +42,17 @@ def command(run: Run) -> list[str] | str:
     from memcalc.model.gpus import GPUS
 
     if run.trainer and run.trainer.startswith("torchtune"):
-        return ("torchtune's recipes are not replayed (its TransformerDecoder, torchao's NF4, bf16 adapters, "
-                "optimizer_in_bwd, CEWithChunkedOutputLoss)")  # fmt: skip
+        return torchtune_command(run)
     if run.method == "other-peft":
         return f"{run.peft_type}: memcalc replays LoRA and QLoRA, not other PEFT methods"
     if run.dora:
         return "DoRA (use_dora: the weight's norm and magnitude beside the adapters) is not replayed"
-    if run.parallel in ("fsdp", "deepspeed"):
-        what = "LoRA and QLoRA" if run.method != "full" else "FSDP1 and DeepSpeed's full fine-tuning"
-        return f"{what} sharded over GPUs ({run.parallel}) are not replayed yet"
+    if run.parallel in ("fsdp", "deepspeed") and run.method == "full":
+        return f"FSDP1 and DeepSpeed's full fine-tuning sharded over GPUs ({run.parallel}) are not replayed yet"
+    if run.parallel == "fsdp":  # memcalc replays LoRA under FSDP2 (fully_shard) and ZeRO; these ran FSDP1
+        return "FSDP1 (FullyShardedDataParallel's FlatParameter units) is not replayed; LoRA under FSDP2 and ZeRO is"
+    if run.cpu_offload:
+        return "LoRA with the parameters or optimizer offloaded to the CPU is not replayed"
     if run.hf_id not in PRESET:
         return f"no memcalc preset for {run.hf_id}" + (" (an encoder: memcalc models decoders)" if "bert" in
                                                         (run.hf_id or "") else "")  # fmt: skip
@@ -74,7 +76,43 @@ def command(run: Run) -> list[str] | str:
             args += ["--lora-targets", ",".join(run.lora_targets)]
     if run.method == "qlora":
         args += ["--quantize", run.quant or "nf4"]
+    if run.parallel == "deepspeed":  # ZeRO over the data-parallel GPUs (memcalc.exact.replay.zero, the base frozen)
+        args += ["--gpus", str(run.gpus), "--zero", str(run.zero)]
     return args
+
+
+TORCHTUNE_OPTIMIZERS = {"torch.optim.AdamW": ("adamw", "foreach"), "torch.optim.AdamW (fused)": ("adamw", "fused"),
+                        "bnb PagedAdamW8bit": ("paged-adam8bit", "loop"), "bnb PagedAdamW": ("paged-adamw", "loop")}
+
+
+def torchtune_command(run: Run) -> list[str] | str:
+    """A torchtune single-device recipe as `--stack torchtune` replays it (its model, chunked loss, optimizer in
+    backward, NF4 base, bf16 adapters), or why not."""
+    if run.gpus != 1:
+        return "torchtune's distributed recipes (FSDP over its model) are not replayed; its single-device ones are"
+    if run.compile:
+        return "torch.compile's memory (its compiled loss and layers save less than eager) is not replayed"
+    if not run.packing:
+        return "an unpacked dataset: each batch is as long as its longest sample, which the run does not give"
+    if run.optimizer not in TORCHTUNE_OPTIMIZERS or run.hf_id not in PRESET or run.gpu not in _gpus():
+        return f"torchtune run not expressible: optimizer {run.optimizer!r}, model {run.hf_id}, GPU {run.gpu!r}"
+    optimizer, impl = TORCHTUNE_OPTIMIZERS[run.optimizer]
+    tricks = "bf16,flash" + (",ckpt" if run.grad_checkpointing else "")
+    args = ["estimate", "--model", PRESET[run.hf_id], "--seq", str(run.seq), "--micro-batch", str(run.micro_batch or 1),
+            "--grad-accum", str(run.grad_accum or 1), "--tricks", tricks, "--gpu", run.gpu, "--stack", "torchtune",
+            "--optimizer", optimizer, "--optimizer-impl", impl]  # fmt: skip
+    args += ["--loss", "chunked" if run.chunked_ce else "full"]
+    args += ["--optimizer-in-backward"] if run.optimizer_in_bwd else []
+    if run.method in ("lora", "qlora"):
+        args += ["--lora", str(run.lora_rank), "--lora-dropout", str(run.lora_dropout or 0)]
+        args += ["--lora-targets", ",".join(run.lora_targets)] if run.lora_targets else []
+    return args + (["--quantize", "nf4"] if run.method == "qlora" else [])
+
+
+def _gpus():
+    from memcalc.model.gpus import GPUS
+
+    return GPUS
 
 
 def predicted(args: list[str]) -> int | str:

@@ -22,7 +22,7 @@ from .limits import fit, mfu
 from .options import (Calibration, CapacityFactor, ConfigPath, Cp, Detail, Dp, Ep, EstimateMfu, Etp, ExactBytes,
                       ExpandableSegments, ExpertImbalance, Ffn, Format, FromFile, Freeze, GpuMemory, GpuOpt, Gpus,
                       GpusPerNode, GradAccum, HeadroomOpt, Heads, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads,
-                      Layers, Lora, LoraDropout, LoraTargets, LossOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, NoOffload, Offload,
+                      Layers, Lora, LoraDropout, LoraTargets, LossOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, NoOffload, Offload, OffloadActivations,
                       OffloadParams, Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt,
                       Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 from .serve import serve
@@ -79,7 +79,7 @@ def estimate(
     seq: Seq = None, micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: TricksOpt = None,
     optimizer: Optimizer = "adamw", gpus: Gpus = None, zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
-    optimizer_impl: ImplOpt = None, no_cache: NoCache = False, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
+    optimizer_impl: ImplOpt = None, no_cache: NoCache = False, offload_activations: OffloadActivations = False, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     ep: Ep = None, etp: Etp = None,
     lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None,
     freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False,

@@ -105,6 +105,7 @@ class StackOptions(OptionGroup):
     recipe: str | None = None
     optimizer_impl: str | None = None
     no_cache: bool = False
+    offload_activations: bool = False
     lora: str | None = None
     lora_targets: str | None = None
     lora_dropout: str | None = None
@@ -121,11 +122,15 @@ class StackOptions(OptionGroup):
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze)
         chosen = stack_for(self.stack or ("reference" if finetune.trains_all else "hf"), self.recipe,
-                           self.optimizer_impl, self.no_cache)  # fmt: skip
-        if not finetune.trains_all and chosen.model not in ("hf", "torchtune"):
-            raise InputError(f"{finetune.label}: LoRA and frozen weights are replayed on Transformers' classes wrapped "
-                             f"by PEFT (--stack hf) and torchtune's (--stack torchtune), not --stack {chosen.key}")  # fmt: skip
-        chosen = chosen if finetune.trains_all else replace(chosen, finetune=finetune)
+                           self.optimizer_impl, self.no_cache, self.offload_activations)  # fmt: skip
+        if not finetune.trains_all:
+            if chosen.engine == "fsdp2" and finetune.lora:  # PEFT's LoRA model under fully_shard, as accelerate runs it
+                chosen = replace(chosen, model="hf", recipe=self.recipe or "pure")  # (memcalc.exact.replay.fsdp2_lora)
+            if chosen.model not in ("hf", "torchtune"):
+                raise InputError(f"{finetune.label}: LoRA and frozen weights are replayed on Transformers' classes "
+                                 f"wrapped by PEFT (--stack hf) and torchtune's (--stack torchtune), not --stack "
+                                 f"{chosen.key}")  # fmt: skip
+            chosen = replace(chosen, finetune=finetune)
         return with_loop(chosen, self.loss, self.optimizer_in_backward)
 
 

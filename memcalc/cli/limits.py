@@ -15,7 +15,7 @@ from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepO
 from .inputs import check_format, explained, fail, render_units, resolve_tricks, show_file, warn, with_file
 from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, ExpandableSegments, Ffn, Format, Freeze,
                       FromFile, GpuMemory, GpuOpt, HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers,
-                      Lora, LoraDropout, LoraTargets, LossOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, Offload, Optimizer, Params,
+                      Lora, LoraDropout, LoraTargets, LossOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, Offload, OffloadActivations, Optimizer, Params,
                       Quantize, RecipeOpt, Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
 
 FIT_TRICKS, MFU_TRICKS = "bf16,flash", "bf16"  # without --tricks; fp16 in place of bf16 where a card lacks it
@@ -28,7 +28,7 @@ def fit(
     seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[Optional[str], typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST", show_default=FIT_TRICKS)] = None,
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
-    optimizer_impl: ImplOpt = None, no_cache: NoCache = False, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
+    optimizer_impl: ImplOpt = None, no_cache: NoCache = False, offload_activations: OffloadActivations = False, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
     headroom: HeadroomOpt = None, expandable_segments: ExpandableSegments = False, detail: Detail = False,
     exact_bytes: ExactBytes = False, fmt: Format = "table",
     units: Units = "gb", lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,

@@ -8,7 +8,7 @@ from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.shape import Model
 from memcalc.model.tricks import PROGRESSION, Tricks
-from memcalc.parallel.verdict import plain_data_parallel
+from memcalc.parallel.verdict import sharded_data_parallel
 from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 
@@ -66,13 +66,18 @@ def data_parallel(layout: Layout) -> bool:
     return layout.tp == layout.pp == layout.cp == layout.ep == layout.etp == 1
 
 
+def plain_split(lay: Layout) -> bool:
+    """No tensor, pipeline, context or expert parallel and nothing offloaded."""
+    return max(lay.tp, lay.pp, lay.cp, lay.ep, lay.etp) == 1 and not (lay.offload_optimizer or lay.offload_params)
+
+
 def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tricks, ...] = ()) -> None:
     """LoRA and frozen weights (memcalc.model.finetune) are replayed on one GPU, or each GPU of plain data
     parallelism (every GPU holds the whole model and its adapters); sharded, split or offloaded, refused. The
     replay is their only account (the textbook's layouts and the traced kernels are full training's), so a
     recipe or optimizer it does not run with them is refused too, with its reason."""
     ft = setup.stack.finetune
-    if setup.stack.model == "torchtune" and not plain_data_parallel(lay):  # its single-device recipes
+    if setup.stack.model == "torchtune" and not (plain_split(lay) and lay.zero == 0):  # its single-device recipes
         raise InputError("--stack torchtune replays its single-device recipes (full_finetune_single_device, "
                          "lora_finetune_single_device): one GPU, or each GPU of plain data parallelism")  # fmt: skip
     if ft.trains_all:
@@ -84,14 +89,18 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         why = not_replayed(stack.model, stack.recipe, stack.impl, setup.optimizer, t.precision)
         if why:
             raise InputError(f"{ft.label}: {why}")
-    if not plain_data_parallel(lay):
-        raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of plain data parallelism (no ZeRO, "
-                         "offload, tensor, pipeline, context or expert parallel)")  # fmt: skip
+    if stack.engine == "fsdp2" and not sharded_data_parallel(lay, "fsdp2") and plain_split(lay):
+        raise InputError(f"{ft.label} under --stack fsdp2 is fully_shard over 2 or more GPUs: give --gpus N "
+                         "--zero 3 (--stack hf for one GPU or plain data parallelism)")  # fmt: skip
+    if not sharded_data_parallel(lay):
+        raise InputError(f"{ft.label} is replayed on one GPU, or each GPU of data parallelism, sharded or not "
+                         "(ZeRO 1-3, FSDP); offload, tensor, pipeline, context and expert parallel are not replayed "
+                         "with it")  # fmt: skip
     from memcalc.exact.hf.model import arch_for, finetune_not_replayed
     from memcalc.exact.torchtune.model import finetune_not_replayed as torchtune_not_replayed
 
     why = (torchtune_not_replayed(ft, model.shape) if stack.model == "torchtune" else
-           finetune_not_replayed(ft, arch_for(model.shape), "hf"))  # a mixture of experts or latent attention: not built
+           finetune_not_replayed(ft, arch_for(model.shape), "hf"))  # a mixture of experts or latent attention
     if why:
         raise InputError(why)
     if ft.frozen_blocks >= model.shape.n_layers:

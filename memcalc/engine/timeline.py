@@ -17,7 +17,7 @@ def step_timelines(job, verdicts: tuple[Verdict, ...]) -> tuple[Timeline, ...]:
                          "and ZeRO are replayed)")  # fmt: skip
     s, shape = job.setup, job.model.shape
     sharding = replay_sharding(s, engine_layout(job.layout, s.stack.engine))
-    if sharding is None:
+    if sharding is None or sharding.fsdp2:
         raise InputError("--timeline records memcalc's ZeRO replay; FSDP2's is hook by hook, not recorded: "
                          "drop --stack fsdp2 or --zero 3")  # fmt: skip
     out = []

@@ -9,6 +9,7 @@ Its rooms, lowest first; each imports only those before it (tests/test_layering.
             linears (torchao's Float8Linear, Transformer Engine's te.Linear)
   builder   memcalc's reference model, as verify/builder.py builds it
   hf        Transformers' model classes as verify/hf.py trains them; PEFT's LoRA and bitsandbytes' QLoRA
+  torchtune torchtune's TransformerDecoder as verify/torchtune.py trains it; torchao's NF4 and bf16 adapters
   train     the training recipes: the reference loop, torch.optim and bitsandbytes' optimizers, torch.amp
   replay    the step as verify runs it: one GPU (meta), a ZeRO rank, an FSDP2 rank; torch.compile's kernels
 and on top, the entry points the rest of memcalc calls:

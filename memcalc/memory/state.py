@@ -165,26 +165,32 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", sharding:
 
 @lru_cache(maxsize=256)
 def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, precision: str, optimizer: str,
-                   recipe: str, lora: bool, quantized: tuple[int, int] = (0, 0)) -> ModelState:  # fmt: skip
+                   recipe: str, lora: bool, quantized: tuple[int, int] = (0, 0),
+                   sharding: StateSharding = NOT_SHARDED) -> ModelState:  # fmt: skip
     """Model state on one GPU when only some weights train (memcalc.model.finetune): the frozen weights in their
     dtype (QLoRA's 4-bit ones as bitsandbytes stores them: quantized = (their count, their bytes)) and nothing
     else for them (no gradient, master or optimizer state: the optimizer is given only what requires grad); the
     trained ones by the recipe, LoRA's adapters in fp32 whatever the precision (PEFT upcasts them:
-    peft/tuners/tuners_utils.py cast_adapter_dtype), so theirs are fp32 weights, grads and moments."""
-    w = WIDTH[frozen_dtype]
-    parts = [StatePart("frozen weights", frozen_dtype, w * frozen / params, w * frozen, 1, False, f"{w}·{frozen}")]
+    peft/tuners/tuners_utils.py cast_adapter_dtype), so theirs are fp32 weights, grads and moments. sharding:
+    each part split as its ZeRO stage reaches it; the frozen weights (QLoRA's 4-bit ones too) at stage 3 alone."""
+    w, frozen_shards = WIDTH[frozen_dtype], sharding.gpus if sharding.zero >= 3 else 1
+    parts = [StatePart("frozen weights", frozen_dtype, w * frozen / params, -(-w * frozen // frozen_shards),
+                       frozen_shards, False, f"{w}·{frozen}")]  # fmt: skip
     if quantized[0]:
-        parts.append(StatePart("4-bit weights", "nf4", quantized[1] / params, quantized[1], 1, False,
-                               f"{quantized[1]} (packed nf4, absmax, nested state, codes)"))  # fmt: skip
+        packed = f"{quantized[1]} (packed nf4, absmax, nested state, codes)"
+        parts.append(StatePart("4-bit weights", "nf4", quantized[1] / params, -(-quantized[1] // frozen_shards),
+                               frozen_shards, False, packed))  # fmt: skip
     rows = unsharded_parts("fp32" if lora else precision, optimizer, trained, "master" if lora else recipe)
     if lora and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
         rows.append(("loss_scale", "fp32+int32", 8, 99, "8"))
-    for name, dtype, size, _, formula in rows:
+    for name, dtype, size, stage, formula in rows:
         per_param = 0.0 if name == "loss_scale" else size / params
         label = name if name == "loss_scale" else ("adapter " if lora else "trained ") + name
-        parts.append(StatePart(label, dtype, per_param, size, 1, False, formula.replace("{N}", str(trained))))
+        shards = sharding.gpus if sharding.zero >= stage else 1
+        parts.append(StatePart(label, dtype, per_param, -(-size // shards), shards, False,
+                               formula.replace("{N}", str(trained))))  # fmt: skip
     how = ("qlora" if quantized[0] else "lora") if lora else recipe
-    return ModelState(params, precision, optimizer, NOT_SHARDED, tuple(parts), how)
+    return ModelState(params, precision, optimizer, sharding, tuple(parts), how)
 
 
 @lru_cache(maxsize=1024)
@@ -213,6 +219,10 @@ def zero3_gather_bytes(layer_params: int, n_layers: int, precision: str, held_el
 
 def weights_held_elsewhere(state: ModelState) -> int:
     """Bytes of the model's weights (in their training dtype) that are not in this GPU's memory."""
-    weights = next(p for p in state.parts if p.name == "weights")
+    weights = next((p for p in state.parts if p.name == "weights"), None)
+    if weights is None:  # some frozen (memcalc.memory.state.finetune_state): the weights are its stage-3 parts
+        held = [p for p in state.parts if p.name in ("frozen weights", "4-bit weights", "adapter weights",
+                                                     "trained weights")]  # fmt: skip
+        return sum(p.bytes * p.sharded_over - p.bytes for p in held)
     full = (4 if state.precision == "fp32" else 2) * state.params
     return full if weights.on_host else full - weights.bytes

@@ -32,6 +32,7 @@ from memcalc.errors import InputError
 from memcalc.records import record
 
 from .finetune import FULL, Finetune
+from .savers import NO_SAVERS, Savers, check_offload, check_offload_tricks
 
 MODELS = ("reference", "hf", "torchtune")
 # the loss over the logits: full (cross-entropy over the whole logits, the head's output in one tensor), or chunked
@@ -66,11 +67,13 @@ class Stack:
     trl: str = ""  # TRL's SFTTrainer release line around the Trainer (TRL_RELEASES); "" for none
     loss: str = "full"  # LOSSES: how the logits become the loss
     in_backward: bool = False  # torchtune's optimizer_in_bwd: each parameter stepped as its gradient is made
+    savers: Savers = NO_SAVERS  # the memory savers on: activation offloading (memcalc.model.savers)
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
                                    ("optimizer implementation", self.impl, IMPLS), ("engine", self.engine, ENGINES),
-                                   ("TRL release line", self.trl, TRL_RELEASES), ("loss", self.loss, LOSSES)):  # fmt: skip
+                                   ("TRL release line", self.trl, TRL_RELEASES),
+                                   ("loss", self.loss, LOSSES)):  # fmt: skip
             if value not in known:
                 raise InputError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
@@ -87,6 +90,7 @@ class Stack:
             changed.append("optimizer in backward")
         if self.finetune.label:
             changed.append(self.finetune.label)
+        changed += self.savers.labels
         return self.key + (f" ({', '.join(changed)})" if changed else "")
 
 
@@ -129,8 +133,8 @@ DEFAULT_STACK = STACKS["reference"]
 
 
 def stack_for(name: str = "reference", recipe: str | None = None, impl: str | None = None,
-              no_cache: bool = False) -> Stack:  # fmt: skip
-    """--stack NAME, with --recipe, --optimizer-impl and --no-cache changing what it picks."""
+              no_cache: bool = False, offload: bool = False) -> Stack:  # fmt: skip
+    """--stack NAME, with --recipe, --optimizer-impl, --no-cache and --offload-activations changing what it picks."""
     key = name.strip().lower()
     if key not in STACKS:
         raise InputError(f"unknown stack {name!r}; known: {', '.join(STACKS)}")
@@ -139,6 +143,9 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
         if not STACKS[key].use_cache:
             raise InputError(f"--no-cache turns off Transformers' DynamicCache (--stack hf); --stack {key} keeps none")
         changes["use_cache"] = False
+    if offload:
+        check_offload(key, STACKS[key].model, STACKS[key].trl)
+        changes["savers"] = Savers(offload=True)
     return replace(STACKS[key], **changes) if changes else STACKS[key]
 
 
@@ -195,6 +202,8 @@ def check_tricks(stack: Stack, tricks) -> None:
                          "for ckpt:N and sac")  # fmt: skip
     if stack.model == "torchtune":
         check_torchtune_tricks(stack, tricks)
+    if stack.savers.offload:
+        check_offload_tricks(stack.key, stack.trl, tricks.recompute)
     if stack.engine in ("megatron", "deepspeed") and (tricks.fp8 or tricks.compile):
         what = f"{tricks.fp8_name} ({FP8_WHAT[tricks.fp8]})" if tricks.fp8 else "compile (torch.compile of each block)"
         raise InputError(f"{tricks.label}: {what} is replayed on --stack fsdp2, torch or reference; --stack "

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from memcalc.exact.kernels import step_flops
 from memcalc.memory.estimate import Setup
-from memcalc.model.finetune import trained_params
+from memcalc.model.finetune import frozen_params, quantized_weights, trained_params
 from memcalc.model.gpus import GPU
 from memcalc.model.layout import Layout
 from memcalc.model.params import latent_attention_params
@@ -33,6 +33,7 @@ from memcalc.records import record
 from memcalc.time.calibration import Calibration, calibration_for
 from memcalc.time.stages import StageKernels, block_lower_bound, stage_kernels
 
+from .activation_offload import activation_offload_comm
 from .data_parallel import cpu_adam_seconds, dp_comm, offload_comm, tied_embedding_comm, unit_fraction
 from .engines import grad_reduce_bytes
 from .experts import busiest_experts_flops, ep_comm, expert_dp_comm, moe_tokens
@@ -207,11 +208,14 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
     w = 4 if tricks.precision == "fp32" else 2  # bytes of a weight while computing
     gw = grad_reduce_bytes(engine, tricks.precision)  # bytes of a gradient on the wire
     ft = setup.stack.finetune
-    if not ft.trains_all:  # plain data parallelism all-reduces what trains: LoRA's fp32 adapters, the unfrozen rest
+    gathered = None
+    if not ft.trains_all:  # data parallelism reduces what trains: LoRA's fp32 adapters, the unfrozen rest; ZeRO-3
+        gathered = gathered_weight_bytes(model.shape, ft, w)  # gathers every weight, the frozen base too
         params, gw = trained_params(model.shape, ft), 4 if ft.lora else gw
     host, cpu = offload_comm(layout, max(st.params for st in stages), w, gw, m, fabric, assume, mb)
+    host = host + activation_offload_comm(model, setup, tricks, fabric, assume, mb)
     unit = unit_fraction(model.shape, layout.tp, layout.pp) if engine == "fsdp2" else 0.0
-    dp = dp_comm(layout, params, w, gw, m, fabric, assume, mb, engine, unit)
+    dp = dp_comm(layout, params, w, gw, m, fabric, assume, mb, engine, unit, gathered)
     dp += expert_dp_comm(layout, experts, w, gw, m, fabric, assume, mb)
     dp += tied_embedding_comm(layout, model.shape, gw, engine, fabric, assume) if ft.trains_all else []
     tokens = layout.dp * m * setup.micro_batch * setup.seq_len
@@ -237,6 +241,14 @@ def step_time(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layo
         calibration=None if mfu is not None else cal,
         micro_batch_seconds=slowest,
     )
+
+
+def gathered_weight_bytes(shape: ModelShape, ft, w: int) -> int:
+    """What ZeRO-3 and FSDP all-gather of a LoRA or part-frozen model: every weight in w bytes (FSDP2's
+    param_dtype; DeepSpeed's bf16 copies), QLoRA's packed 4-bit ones, two to a byte, in their bf16 quant storage
+    (their quantisation state is not a parameter: each rank keeps its own)."""
+    packed = quantized_weights(shape)[0] if ft.quantize else 0
+    return (frozen_params(shape, ft) - packed + trained_params(shape, ft)) * w + packed // 2
 
 
 def step_lower_bound(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout,

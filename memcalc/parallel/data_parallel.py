@@ -25,7 +25,8 @@ def unit_fraction(shape: ModelShape, tp: int, pp: int) -> float:
 
 
 def dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric, assume: Assumptions,
-            mb: MicroBatch, engine: str = "none", unit: float = 0.0) -> list[Comm]:  # fmt: skip
+            mb: MicroBatch, engine: str = "none", unit: float = 0.0,
+            gathered: int | None = None) -> list[Comm]:  # fmt: skip
     """Gradient and weight traffic over dp × cp, P the weights on one GPU (Rajbhandari et al. 2019, sec. 7);
     gradients of gw bytes (the engine's reduce dtype), weights of w:
       ZeRO 0   all-reduce the gradients once per step (2Ψ)
@@ -39,7 +40,8 @@ def dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric
     Hybrid shard: these inside the node, then an all-reduce of each gradient shard across nodes.
     Windows: gradient traffic hides behind backward, weight gathers behind forward; an engine's last
     gradient bucket stays exposed (tail): Megatron-LM's bucket_size, DeepSpeed's reduce_bucket_size,
-    FSDP2's last unit (and its first all-gather).
+    FSDP2's last unit (and its first all-gather). gathered: the bytes ZeRO-3 all-gathers where they are not
+    P·w (LoRA: the frozen base gathered beside the P adapters that reduce their gradients).
     """
     n, z, d = layout.shard_ranks, layout.zero, assume.overlap_dp
     if n == 1:
@@ -61,6 +63,7 @@ def dp_comm(layout: Layout, params: int, w: int, gw: int, m: int, fabric: Fabric
                  d, 0.0),
         ]  # fmt: skip
     elif z == 3:
+        size = size if gathered is None else gathered
         out = [ring("ZeRO-3 weight all-gather, forward", g, k, link, m, 1, size, "m · " + each, assume, d,
                     m * mb.forward, unit if engine == "fsdp2" else 0.0)]  # fmt: skip
         if engine != "fsdp2" or reshards_after_forward(layout):

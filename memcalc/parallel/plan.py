@@ -36,7 +36,7 @@ from .engines import engine_layout
 from .links import ASSUMPTIONS, Assumptions
 from .search import check_without, expert_layouts, layouts
 from .stage_memory import LayoutMemory, layout_memory, layout_peak
-from .verdict import Verdict, gpu_verdict, plain_data_parallel, verdict_fit
+from .verdict import Verdict, gpu_verdict, sharded_data_parallel, verdict_fit
 
 BF16_FLASH = Tricks("bf16", flash=True)  # the recipe the planner assumes unless told
 
@@ -181,8 +181,8 @@ def plan(model: Model, gpu: GPU, gpus: int, seq_len: int, global_batch: int, gpu
     base = Setup(seq_len=seq_len, optimizer=optimizer, mfu=mfu, host_memory=host_memory, stack=stack)  # validates them
     variants = recompute_variants(tricks, recomputes)
     found = layouts(model, gpus, gpus_per_node, seq_len, global_batch, tricks.flash, offload, stack.engine, without)
-    if not stack.finetune.trains_all:  # LoRA, frozen weights: replayed on plain data parallelism alone
-        found = (f for f in found if plain_data_parallel(f[0]))
+    if not stack.finetune.trains_all:  # LoRA, frozen weights: replayed on data parallelism alone, ZeRO and FSDP too
+        found = (f for f in found if sharded_data_parallel(f[0], stack.engine))
     with no_collection():  # the search makes some 10^5 short-lived objects, none in a cycle
         candidates, family_small, searched = fitting(model, gpu, base, expert_layouts(model, found), variants, assume,
                                                      timing, prune)  # fmt: skip

@@ -43,7 +43,7 @@ class Verdict(Fits):
     peak_bytes: int  # the step's highest live bytes on this GPU
     peak_at: str  # where the step peaks: "optimizer: sqrt" (replayed), "stage 0" (the textbook's)
     usable_bytes: int  # the GPU's memory less the headroom (memcalc.model.headroom)
-    host_bytes: int  # this GPU's model state in host memory (offload)
+    host_bytes: int  # this GPU's model state in host memory (offload), and its activations offloaded (pinned)
     host_usable_bytes: int  # its share of the node's host memory
     phases: Phases | None  # the replayed step on this GPU; None where the textbook decides
     replay: str  # what was replayed ("one GPU's step", "ZeRO-3 over 64 ranks", ...), "" for the textbook
@@ -86,8 +86,10 @@ def replay_gap(model: Model, setup: Setup, tricks: Tricks, layout: Layout) -> st
     if max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1:
         return ("the exact model replays data parallelism (ZeRO, FSDP2, offload); tensor, pipeline, context and "
                 "expert parallel are the textbook's")  # fmt: skip
-    if s.engine == "fsdp2" and layout.zero == 3:
+    if s.engine == "fsdp2" and layout.zero == 3 and s.finetune.trains_all:
         return fsdp2_gap(setup, tricks, layout)
+    if s.engine == "fsdp2" and tricks.precision != "bf16":  # tests/test_fsdp2_lora.py holds it to PyTorch at bf16
+        return f"the FSDP2 replay of PEFT's model all-gathers in bf16 (MixedPrecisionPolicy), not {tricks.precision}"
     return ""
 
 
@@ -96,6 +98,16 @@ def plain_data_parallel(layout: Layout) -> bool:
     parallel): where LoRA and frozen weights are replayed (memcalc.engine.job.check_finetune)."""
     splits = max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1
     return not (splits or layout.zero or layout.offload_optimizer or layout.offload_params)
+
+
+def sharded_data_parallel(layout: Layout, engine: str = "none") -> bool:
+    """Every GPU runs the whole model's step, its state sharded or not (ZeRO 0-3, FSDP), nothing offloaded: where
+    LoRA and frozen weights are replayed (memcalc.engine.job.check_finetune). FSDP2 (engine fsdp2) over 2 or more
+    ranks alone: its replay (memcalc.exact.replay.fsdp2_lora) is fully_shard's, not DDP's or one GPU's."""
+    splits = max(layout.tp, layout.pp, layout.cp, layout.ep, layout.etp) > 1
+    if engine == "fsdp2" and (layout.zero != 3 or layout.shard_group < 2):
+        return False
+    return not (splits or layout.offload_optimizer or layout.offload_params)
 
 
 def fsdp2_gap(setup: Setup, tricks: Tricks, layout: Layout) -> str:
@@ -124,7 +136,7 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
     if gap:
         return textbook_verdict(model, setup, gpu, tricks, layout, gap)
     shape, s, g = model.shape, setup, layout.shard_group
-    sharding = replay_sharding(setup, layout)
+    sharding = replay_sharding(setup, layout, tricks.precision)
     if sharding is None:
         from memcalc.exact.replay.fsdp2 import fsdp2_step
 
@@ -138,7 +150,8 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
                           layout.offload_params, s.stack.recipe)  # fmt: skip
     usable, reserved = allocator_verdict(model, setup, gpu, tricks, layout, sharding, phases.step_peak_bytes,
                                          allocator)  # fmt: skip
-    return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), usable, state.host_bytes,
+    host = state.host_bytes + phases.offloaded_bytes  # one micro-batch's offloaded activations, pinned till backward
+    return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), usable, host,
                    host_share(setup, layout), phases, replay, "", own, reserved,
                    keeps_share=usable != allocator_room(gpu, layout.groups))  # fmt: skip
 
@@ -174,11 +187,14 @@ def allocator_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layo
                                sharding, room, expandable)  # fmt: skip
 
 
-def replay_sharding(setup: Setup, layout: Layout) -> Sharding | None:
+def replay_sharding(setup: Setup, layout: Layout, precision: str = "bf16") -> Sharding | None:
     """How the verdict's replay shards the step (layout as engine_layout gives it): memcalc's generic ZeRO
-    and offload over the shard group (memcalc.exact.replay.zero; trivial for one GPU's step), or None where FSDP2's
-    own replay (memcalc.exact.replay.fsdp2) runs it."""
+    and offload over the shard group (memcalc.exact.replay.zero; trivial for one GPU's step), FSDP2 over a LoRA
+    model, all-gathering in the precision (memcalc.exact.replay.fsdp2_lora), or None where FSDP2's own replay
+    (memcalc.exact.replay.fsdp2) runs it."""
     if setup.stack.engine == "fsdp2" and layout.zero == 3:
+        if not setup.stack.finetune.trains_all:
+            return Sharding(3, layout.shard_group, fsdp2=precision)
         return None
     return Sharding(layout.zero, layout.shard_group, layout.offload_optimizer, layout.offload_params)
 
@@ -202,6 +218,8 @@ def replay_text(sharding: Sharding) -> str:
     """What the replay was, in a few words."""
     if sharding.trivial:
         return "one GPU's step"
+    if sharding.fsdp2:
+        return f"one FSDP2 rank of {sharding.ranks} over the LoRA model, hook by hook"
     parts = [f"ZeRO-{sharding.zero} over {sharding.ranks} ranks" if sharding.shards > 1 else "one GPU's step"]
     if sharding.offload:
         parts.append("parameters and optimizer offloaded" if sharding.offload_params else "optimizer offloaded")

@@ -19,6 +19,7 @@ from . import estimate as textbook
 from . import units as u
 from .headroom import allocator_note, fragmentation_note, headroom_line
 from .layout import comm_section, sharding_text, time_section
+from .offload import offload_notes
 from .render import Section, sized
 
 DETAIL_HINT = "--detail: every part; --bytes: exact bytes; --explain: the formulas; --exact: what PyTorch saves"
@@ -78,6 +79,7 @@ def summary_section(ans: Answer, units: str) -> Section:
         f"activations (Korthikanti et al. 2022{moe}) + logits",
     ]
     s.notes += [note for note in (trl_note(job.setup.stack),) if note]
+    s.notes += offload_notes(ans, units)
     s.notes += reserved_notes(ans, units)
     s.notes += [f"{', '.join(labels)} *: by formula, the stack's engine's state and buffers on one GPU of the "
                 f"layout (memcalc.model.layout), since {reason}" for reason, labels in by_reason(ans).items()]

@@ -55,7 +55,7 @@ def read_axolotl(ledger: KeyLedger, typed: dict) -> None:
     sharding.fsdp_options(ledger, "fsdp", "fsdp_config", lora, config_alone=True)
     if ledger.has("fsdp_version"):
         ledger.used("fsdp_version", "FSDP1 or FSDP2: memcalc's ZeRO layout either way")
-    sharding.deepspeed_options(ledger, "deepspeed", Path(ledger.path).parent, lora)
+    sharding.deepspeed_options(ledger, "deepspeed", Path(ledger.path).parent)
     if "stack" not in typed:
         ledger.options["stack"] = "hf"
         ledger.origin["stack"] = []

@@ -1,7 +1,8 @@
 """FSDP and DeepSpeed as a Trainer's arguments (and axolotl's, which hands them to it) give them: memcalc's ZeRO
 stage over the job's GPUs (--zero, --offload, --offload-params, --hybrid). How many GPUs is the launcher's
-(torchrun, accelerate), never the file's: a sharded recipe needs --gpus N. LoRA sharded over GPUs is not replayed
-yet: refused, naming the key, unless --zero is typed.
+(torchrun, accelerate), never the file's: a sharded recipe needs --gpus N. LoRA under DeepSpeed ZeRO is memcalc's
+ZeRO replay with the base frozen (memcalc.exact.replay.zero); LoRA under FSDP is refused, naming the key, unless
+--zero is typed: memcalc replays FSDP2 over PEFT's model as --stack fsdp2 --zero 3, which the file's stack is not.
 
 transformers src/transformers/training_args.py @ fd798335c275 (fsdp: True or a string of FSDPOption,
 trainer_utils.py: full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard, offload, auto_wrap;
@@ -22,8 +23,9 @@ from .ledger import KeyLedger
 FSDP_TOKENS = {"full_shard": ("3", False), "shard_grad_op": ("2", False), "hybrid_shard": ("3", True),
                "hybrid_shard_zero2": ("2", True), "no_shard": ("0", False)}  # fmt: skip
 GPUS_NEEDED = "sharding splits the state over the job's GPUs, which the launcher sets, not the file: add --gpus N"
-LORA_SHARDED = ("LoRA and QLoRA sharded over GPUs (FSDP, DeepSpeed ZeRO) are not replayed yet: memcalc replays them "
-                "on one GPU or plain data parallelism (--zero 0)")  # fmt: skip
+LORA_SHARDED = ("LoRA and QLoRA under FSDP: memcalc replays FSDP2 over PEFT's model as --stack fsdp2 --zero 3 "
+                "--gpus N (accelerate's fully_shard per decoder layer); type --zero to say how the file's stack "
+                "shards")  # fmt: skip
 
 
 def fsdp_options(ledger: KeyLedger, key: str, config_key: str, lora: bool, config_alone: bool = False) -> None:
@@ -71,7 +73,7 @@ def offloads(config: dict) -> bool:
                                                                        "offload_params"))  # fmt: skip
 
 
-def deepspeed_options(ledger: KeyLedger, key: str, recipe_dir: Path, lora: bool) -> None:
+def deepspeed_options(ledger: KeyLedger, key: str, recipe_dir: Path) -> None:
     """`deepspeed`: a DeepSpeed config (a path, read relative to here or to the recipe's folder, or the mapping
     itself) as --zero, --offload, --offload-params."""
     value = ledger.raw(key)
@@ -89,9 +91,7 @@ def deepspeed_options(ledger: KeyLedger, key: str, recipe_dir: Path, lora: bool)
     stage = zero.get("stage", 0) if isinstance(zero, dict) else None
     if stage not in (0, 1, 2, 3):
         ledger.refuse(key, f"zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}")
-    if lora and stage:
-        ledger.refuse_unless(("zero",), key, LORA_SHARDED)
-    ledger.set("zero", str(stage), key)
+    ledger.set("zero", str(stage), key)  # with LoRA too: the frozen base sharded at stage 3 (memcalc.exact.replay.zero)
     if device_of(zero.get("offload_param")):
         ledger.set("offload_params", True, key, "--offload-params")
     elif device_of(zero.get("offload_optimizer")):

@@ -73,7 +73,7 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
     if not ledger.has("optim"):
         ledger.default(None, None, "optim", "TrainingArguments' default", "adamw_torch_fused, the stack's own")
     sharding.fsdp_options(ledger, "fsdp", "fsdp_config", lora)
-    sharding.deepspeed_options(ledger, "deepspeed", Path(ledger.path).parent, lora)
+    sharding.deepspeed_options(ledger, "deepspeed", Path(ledger.path).parent)
     for key in ("model_init_kwargs.use_cache", "use_cache"):
         if ledger.flag(key) is False:
             ledger.set("no_cache", True, key, "--no-cache")

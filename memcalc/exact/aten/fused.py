@@ -68,13 +68,15 @@ def flash_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, cpu: bool = False
         return (out, lse) if cpu else (out, lse, g.empty((2,), "uint64", name), g.empty((), "uint64", name))
 
     inputs = [(q, "query"), (k, "key"), (v, "value")] + ([(mask, "attn_mask")] if mask is not None else [])
+    if not cpu:  # its CUDA/meta node packs key, query, value, then logsumexp, output (saved_tensors_hooks sees so)
+        inputs = [(k, "key"), (q, "query"), (v, "value")] + inputs[3:]
     node = g.begin(name, [q, k, v], rule, inputs)
     if cpu:
         out, lse = g.outputs(name, kernel, ("output", "logsumexp"))
         g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp")])
         return out
     out, lse, seed, offset = g.outputs(name, kernel, ("output", "logsumexp", "philox_seed", "philox_offset"))
-    g.end(node, [out, lse], [(out, "output"), (lse, "logsumexp"), (seed, "philox_seed"), (offset, "philox_offset")])
+    g.end(node, [out, lse], [(lse, "logsumexp"), (out, "output"), (seed, "philox_seed"), (offset, "philox_offset")])
     return out
 
 

@@ -29,7 +29,8 @@ def embedding(g: Graph, w: Tensor, idx: Tensor) -> Tensor:
 
 def nll_loss(g: Graph, logp: Tensor, target: Tensor) -> Tensor:
     """aten.nll_loss_forward, mean (NllLossBackward0): the loss and total_weight (fp32 scalars);
-    saves target and total_weight. Backward: a dense (N, V) gradient, -1/N at each target, 0 elsewhere."""
+    saves self, target and total_weight, in that order (saved_tensors_hooks sees self first: its storage is the
+    log_softmax's output, saved there already). Backward: a dense (N, V) gradient, -1/N at each target, 0 elsewhere."""
     logp, target = autocast(g, "nll_loss", logp, target)
     shape, target_bytes = logp.shape, nbytes(target)
     picked = shape[0] * ITEMSIZE[logp.dtype]  # forward reads one log-probability per row
@@ -38,7 +39,7 @@ def nll_loss(g: Graph, logp: Tensor, target: Tensor) -> Tensor:
         out = made(g, shape, "nll_loss_backward", gs[0], target_bytes, dtype=gs[0].dtype)
         return [out, None]
 
-    node = g.begin("nll_loss_forward", [logp, target], rule, [(target, "target")])
+    node = g.begin("nll_loss_forward", [logp, target], rule, [(logp, "self"), (target, "target")])
     loss = g.empty((), logp.dtype, "nll_loss_forward")
     total_weight = g.empty((), logp.dtype, "nll_loss_forward")
     g.kernel("nll_loss_forward", (target, picked), (loss, total_weight))

@@ -36,7 +36,8 @@ def mm(g: Graph, a: Tensor, b: Tensor, kind: str = "linear") -> Tensor:
         g.kernel("mm", (a, b), (out,), "tensor", fl, kind, dtype=dt)
         return (out,)
 
-    node = g.begin("mm", [a, b], rule, ([(a, "self")] if gb else []) + ([(b, "mat2")] if ga else []))
+    # MmBackward0 packs mat2 before self (saved_tensors_hooks sees them in that order: tests/test_offload.py)
+    node = g.begin("mm", [a, b], rule, ([(b, "mat2")] if ga else []) + ([(a, "self")] if gb else []))
     (out,) = g.outputs("mm", kernel)  # a selective checkpoint may keep it, or hand it back
     g.end(node, [out])
     return out
@@ -87,7 +88,8 @@ def bmm(g: Graph, a: Tensor, b: Tensor) -> Tensor:
             g.kernel("bmm", (gs[0], b_bytes), (da,), "tensor", fl, "attention", dtype=dt)
         return [da, db]
 
-    node = g.begin("bmm", [a, b], rule, ([(a, "self")] if gb else []) + ([(b, "mat2")] if ga else []))
+    # BmmBackward0 packs mat2 before self, as MmBackward0 does
+    node = g.begin("bmm", [a, b], rule, ([(b, "mat2")] if ga else []) + ([(a, "self")] if gb else []))
     out = g.empty((a.shape[0], a.shape[1], b.shape[2]), a.dtype, "bmm")
     g.kernel("bmm", (a, b), (out,), "tensor", fl, "attention", dtype=dt)
     g.end(node, [out])

@@ -147,6 +147,8 @@ class Phases:
     forward_peak_at: str  # the op at which the peak was reached
     backward_peak_at: str
     optimizer_peak_at: str
+    offloaded_bytes: int = 0  # one micro-batch's saved tensors copied to pinned host memory (memcalc.exact.sim.offload)
+    reloaded_bytes: int = 0  # ... copied back to the GPU in backward
 
     @property
     def step_peak_bytes(self) -> int:

@@ -66,8 +66,8 @@ def dtype_of(name: str, cfg) -> str:
     (memcalc.exact.hf.trl.prepared_dtype); its adapters are fp32 (cast_adapter_dtype). Otherwise the recipe's."""
     if not cfg.finetune.lora:
         return cfg.weights_dtype
-    if name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS:
-        return "fp32"
+    if name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS:  # FSDP2 runs them unsharded in its param_dtype
+        return cfg.precision if cfg.stack.engine == "fsdp2" else "fp32"  # (memcalc.exact.replay.fsdp2_lora)
     return prepared_dtype(name, cfg) or cfg.precision
 
 

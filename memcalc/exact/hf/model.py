@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from memcalc.errors import InputError
 from memcalc.model.finetune import Finetune
+from memcalc.model.savers import OFFLOAD_MIN_BYTES, OFFLOAD_STASH, offload_mode
 from memcalc.model.shape import ModelShape
 
 from .. import aten
@@ -24,6 +25,7 @@ from ..aten.cast_policy import autocast_for
 from ..aten.operands import made
 from ..base.config import StepConfig
 from ..sim.graph import Graph
+from ..sim.offload import kept_on_gpu, offloader
 from ..sim.tensors import Tensor
 from . import dynamic_cache, lora, qlora, trl
 from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
@@ -189,6 +191,8 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
     16-bit logits converted to an fp32 copy (convert_to_fp32), the output (both logits) dropped once
     compute_loss has taken the loss. Under TRL (memcalc.exact.hf.trl) compute_loss then computes its metrics
     from the output's logits, and they die with them as it returns."""
+    if m.cfg.stack.savers.offload:  # TRL enters its OffloadActivations around training_step: forward and backward
+        offloader(g, offload_mode(m.cfg.stack.trl), OFFLOAD_MIN_BYTES, OFFLOAD_STASH)
     with g.scoped("loss"):
         num_items_in_batch = num_items(g, labels)
     if m.autocast is None:
@@ -228,8 +232,9 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
     dynamic_cache.start(m)
     hidden_states = family.decoder(g, m, idx, kwargs)
     head = m.p.get("lm_head.weight") or m.p[family.table]
-    with g.scoped("logits"):
+    with g.scoped("logits"), kept_on_gpu(g):
         logits = aten.linear(g, hidden_states, head, None, "logits")  # (B, T, V)
+    with g.scoped("logits"):
         if m.cfg.shape.logit_softcap:  # Gemma2ForCausalLM.forward: / final_logit_softcapping, tanh, * it
             logits = aten.div_scalar(g, logits)
             logits = aten.tanh(g, logits)

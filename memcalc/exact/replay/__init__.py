@@ -4,6 +4,7 @@
                (simulate), and the kernels of one step (trace)
   zero         one data-parallel rank of memcalc's generic ZeRO
   fsdp2        one rank of FSDP2 as torchtitan runs it (fsdp2_units: its units, groups and their hooks)
+  fsdp2_lora   one rank of FSDP2 over PEFT's LoRA model as accelerate shards it, on zero's unit boundaries
   inductor     torch.compile's fused kernels, from the eager step's
 
 May import: memcalc.exact.train, memcalc.exact.hf, memcalc.exact.builder, memcalc.exact.aten,

@@ -21,6 +21,7 @@ from ..train import recipes
 from ..train.amp import AutocastRecipe
 from ..train.recipes import Recipe, TorchRecipe, check_simulated
 from .inductor import FusionGraph, fused
+from .fsdp2_lora import Fsdp2Lora
 from .zero import Sharding, Zero, ZeroGraph
 
 
@@ -126,6 +127,14 @@ def replayed(grad_accum: int) -> int:
     return min(grad_accum, 2)
 
 
+def frozen_params(model) -> list[Tensor]:
+    """The parameters that do not train (LoRA's base, QLoRA's packed 4-bit weights), in parameters() order."""
+    if not isinstance(model, hf.HFModel):  # memcalc's reference model trains every weight
+        return []
+    trained = {id(p) for p in model.params}
+    return [p for p in model.p.values() if id(p) not in trained]
+
+
 def simulate(cfg: StepConfig, timeline: bool = False, every_micro_batch: bool = False,
              warm_up: bool = True, sharding: Sharding | None = None) -> tuple[Phases, Graph, LiveBytes]:  # fmt: skip
     """Build, one warm-up step, then the measured step (its last micro-batch's phases; the saved
@@ -152,7 +161,8 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     if timeline:  # what each allocation is (memcalc.exact.sim.events), for memcalc.exact.timeline
         g.recording = Recording(mem)
     model = build(g, cfg)
-    zero = Zero(g, model.params, sharding) if sharded else None
+    engine = Fsdp2Lora if sharded and sharding.fsdp2 else Zero
+    zero = engine(g, model.params, sharding, frozen_params(model)) if sharded else None
     weights = mem.live_bytes
     B, T = cfg.micro_batch, cfg.seq_len
     idx = g.empty((B, T), "int64", "input", kind="input")
@@ -189,6 +199,7 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
         mem.segments["backward"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
         if k == 0:
             flops, rebuilt = dict(g.flops), g.rebuilt_bytes
+            moved = (g.offload.offloaded_bytes, g.offload.reloaded_bytes) if g.offload is not None else (0, 0)
     grads = mem.live_bytes - before
     mem.phase = "optimizer"
     mem.reset_peak()
@@ -198,5 +209,5 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     mem.phase = ""
     g.saved_terms, g.flops, g.rebuilt_bytes = terms, flops, rebuilt
     (fp, fa), (bp, ba), (op, oa) = peaks["forward"], peaks["backward"], peaks["optimizer"]
-    phases = Phases(weights, inputs, before - inputs, retained, grads, fp, bp, op, fa, ba, oa)
+    phases = Phases(weights, inputs, before - inputs, retained, grads, fp, bp, op, fa, ba, oa, *moved)
     return phases, g, mem

@@ -17,8 +17,11 @@ optimizer state, stage 2 the gradients too, stage 3 the weights too. The moments
              there: each gradient leaves the GPU as it is reduced (stages 2-3) or after backward, and the
              GPU's optimizer phase allocates nothing; parameter offload keeps the weights' shards on the
              host too (ZeRO-Infinity, Rajbhandari et al. 2021), gathered onto the GPU unit by unit
+A LoRA model's frozen base (its packed 4-bit weights for QLoRA) has no gradient and no optimizer state: stage 3
+partitions and gathers it with the rest, stages 1-2 leave it whole on every rank.
 Collectives run in place or into their output, with no staging buffers: engines with their own buffers
-(FSDP2's, memcalc.exact.replay.fsdp2) are replayed on their own.
+(FSDP2's, memcalc.exact.replay.fsdp2 and, over a LoRA model, memcalc.exact.replay.fsdp2_lora) are replayed on
+their own.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Sharding:
     ranks: int = 1  # the data-parallel ranks ZeRO shards over
     offload: bool = False  # optimizer state on the host, the optimizer step there
     offload_params: bool = False  # the weights' shards on the host too (stage 3)
+    fsdp2: str = ""  # FSDP2's param_dtype where FSDP2 shards a LoRA model (memcalc.exact.replay.fsdp2_lora), else ""
 
     @property
     def shards(self) -> int:
@@ -95,22 +99,27 @@ class ZeroGraph(Graph):
 class Zero:
     """One rank's shards, its gathered units and its reduced gradients (see the module doc)."""
 
-    def __init__(self, g: ZeroGraph, params: list[Tensor], sharding: Sharding):
+    def __init__(self, g: ZeroGraph, params: list[Tensor], sharding: Sharding, frozen: list[Tensor] = ()):
         self.g, self.sharding, self.params = g, sharding, params
         self.host = Graph(LiveBytes())  # what lives in host memory: not this GPU's bytes
-        self.units = units_of(params)
+        self.frozen = list(frozen)  # LoRA's frozen base (QLoRA's packed 4-bit weights too): no grad, no state
+        self.units = units_of(params + self.frozen if sharding.zero == 3 else params)
         self.order = list(self.units)
         self.gathered: dict[int | str, list[Tensor]] = {}
         self.grad_shards: dict[int, Tensor] = {}  # id(parameter) -> this rank's reduced gradient
         self.phase, self.current, self.seen_block = "idle", None, False
         g.zero = self
         if sharding.zero == 3:  # the weights are their shards: the built ones stand in, with no bytes
-            g.mem.live_bytes -= sum(p.storage.nbytes for p in params)
+            g.mem.live_bytes -= sum(p.storage.nbytes for p in params + self.frozen)
             if g.recording is not None:
-                g.recording.elsewhere.update(p.storage.event for p in params)
+                g.recording.elsewhere.update(p.storage.event for p in params + self.frozen)
             where = self.host if sharding.offload_params else g
             self.shards = [named(where.empty((shard_numel(p.numel, sharding.ranks),), p.dtype, "ZeRO-3 shard " + p.name,
                                              kind="state", copies=p.copies), p) for p in params]  # fmt: skip
+            # stage 3 partitions every parameter, frozen ones too (deepspeed/runtime/zero/partition_parameters.py
+            # Init: _convert_to_zero_parameters over all of module.parameters(), requires_grad or not)
+            self.frozen_shards = [where.empty((shard_numel(stored(p)[0], sharding.ranks),), stored(p)[1],
+                                              "ZeRO-3 shard " + p.name, kind="state") for p in self.frozen]  # fmt: skip
         else:  # views of the full weights: the optimizer updates this rank's part of each in place
             self.shards = [named(Tensor(p.storage, (shard_numel(p.numel, sharding.shards),), p.dtype), p)
                            for p in params]  # fmt: skip
@@ -173,8 +182,8 @@ class Zero:
     def gather(self, unit) -> None:
         """All-gather a unit's weights (ZeRO-3): full size, in their dtype, onto this GPU."""
         if unit not in self.gathered:
-            self.gathered[unit] = [self.g.empty((p.numel,), p.dtype, "ZeRO-3 gathered " + p.name, copies=p.copies)
-                                   for p in self.units[unit]]  # fmt: skip
+            self.gathered[unit] = [self.g.empty((stored(p)[0],), stored(p)[1], "ZeRO-3 gathered " + p.name,
+                                                copies=p.copies) for p in self.units[unit]]  # fmt: skip
 
     # -- gradients and the optimizer step ------------------------------------------------------------
     def reduce_scatter(self, params) -> None:
@@ -211,6 +220,16 @@ class Zero:
             recipe.update()
         for s in self.shards:
             s.grad = None
+
+
+def stored(p: Tensor) -> tuple[int, str]:
+    """A parameter's elements and dtype as the engine shards and gathers it: its own, but QLoRA's packed 4-bit
+    weight, which Params4bit keeps in bnb_4bit_quant_storage (bf16: two bytes hold four weights, so that FSDP and
+    ZeRO-3 shard it as the bf16 weights beside it; bitsandbytes/nn/modules.py Params4bit quant_storage,
+    transformers/integrations/bitsandbytes.py replace_with_bnb_linear)."""
+    if p.dtype == "uint8":
+        return -(-p.storage.nbytes // 2), "bf16"
+    return p.numel, p.dtype
 
 
 def named(t: Tensor, p: Tensor) -> Tensor:

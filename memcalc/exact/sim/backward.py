@@ -55,6 +55,8 @@ class Backward:
                     heapq.heappush(ready, nxt)
             del outs, grad, buf  # no lingering references: torch's engine holds none
         self.leave_region()
+        if self.offload is not None:
+            self.offload.finish()
         self.grad_enabled, self.in_backward = True, False
         self.layer, self.scope = outer
 
@@ -75,14 +77,20 @@ class Backward:
         if rebuilt:  # a checkpointed node: rebuild its region at the first unpack
             frame = next(s.frame for s in node.saved if isinstance(s, Slot))
             if frame.recomputed is None:
-                self.rebuild(frame)
+                self.rebuild(frame, node)
             node.saved = [frame.recomputed.pop(s.index) if isinstance(s, Slot) else s for s in node.saved]
+        hooked = None
+        if self.offload is not None:  # what offloading's hooks packed comes back (from the host) as apply()'s locals
+            node.saved, hooked = self.offload.unpacked(node, node.saved)
         outs = node.rule(grads)
+        del hooked  # apply()'s locals die as it returns
         if rebuilt:  # unpacked rebuilt tensors were locals of apply(): they die as it returns
             node.saved = None
         self.validate(outs, node.dtypes)
         grads.clear()  # the incoming gradients die with call_function
         node.saved = None  # release_variables(): the saved tensors go
+        if self.offload is not None:
+            self.offload.after(node)
         return outs
 
     def accumulate(self, leaf: Tensor) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
+from .offload import HostInput
 from .tensors import Storage, Tensor
 
 
@@ -59,7 +60,8 @@ class Checkpointing:
             for t in args:
                 if isinstance(t, Tensor):
                     self.note_saved(t, "checkpoint", "input")
-        frame = Frame(fn, args, policy)
+        frame = Frame(fn, args if self.offload is None else tuple(self.offload.pack_input(t) if isinstance(t, Tensor)
+                                                                  else t for t in args), policy)  # fmt: skip
         frame.autocast = self.autocast  # torch/utils/checkpoint.py: _get_autocast_kwargs at forward
         outer, self.frame = self.frame, frame
         try:
@@ -90,20 +92,21 @@ class Checkpointing:
                 t.storage.kind = "cached"  # kept since forward: the recompute brings it back without bytes
         return outs
 
-    def rebuild(self, frame: Frame) -> None:
-        """The first unpack in backward: run the region again with grad on (and under the autocast it
-        ran in: checkpoint.py's recompute_fn), keep what it saves."""
+    def rebuild(self, frame: Frame, node=None) -> None:
+        """The first unpack in backward (inside node's run): run the region again with grad on (and under the
+        autocast it ran in: checkpoint.py's recompute_fn), keep what it saves. Offloaded inputs come back first."""
         frame.recomputed, frame.counts = {}, {}  # the recompute's mode counts afresh
+        args = tuple(self.offload.unpack_input(node, t) if isinstance(t, HostInput) else t for t in frame.args)
         self.rebuilding, self.grad_enabled = frame, True
         region = contextlib.nullcontext() if frame.autocast is None else frame.autocast.region(self)
         try:
             with region:
-                frame.fn(*frame.args)
+                frame.fn(*args)
         except StopRecompute:
             pass
         finally:
             self.rebuilding, self.grad_enabled = None, False
-        kept = {id(t.storage) for t in frame.args if isinstance(t, Tensor)}
+        kept = {id(t.storage) for t in args if isinstance(t, Tensor)}
         unique = {id(s): s for s in frame.recomputed.values() if s.kind == "activation" and id(s) not in kept}
         self.rebuilt_bytes = max(self.rebuilt_bytes, sum(s.nbytes for s in unique.values()))
-        del unique
+        del unique, args

@@ -30,6 +30,7 @@ from ..base.config import ITEMSIZE
 from ..base.kernel import Kernel
 from .backward import Backward
 from .checkpoint import Checkpointing, Frame, Slot, StopRecompute
+from .offload import Offloader
 from .tensors import LiveBytes, Storage, Tensor, elements
 
 LEAF_SEQ = 2**62  # AccumulateGrad runs as soon as it is ready (torch: UINT64_MAX priority)
@@ -100,6 +101,7 @@ class Graph(Checkpointing, Backward):
         self.recording = None  # what each allocation is, under a timeline (memcalc.exact.sim.events.Recording)
         self.stream = 0  # the CUDA stream allocations are made on: the default, unless a library switches (FSDP2)
         self.post_accumulate = None  # a parameter's post-accumulate-grad hook (torchtune's optimizer in backward)
+        self.offload: Offloader | None = None  # an activation offloading context's hooks (memcalc.exact.sim.offload)
 
     @property
     def copies(self) -> int:
@@ -251,7 +253,7 @@ class Graph(Checkpointing, Backward):
             self.frame.n_saved += 1
             return Slot(self.frame, self.frame.n_saved - 1)
         self.note_saved(t, op, what)
-        return t.storage
+        return t.storage if self.offload is None else self.offload.pack(t)
 
     def mark(self, t: Tensor, role: str, detail: str) -> None:
         """Under a timeline, what t's storage turned out to be (memcalc.exact.sim.events.Recording.note)."""

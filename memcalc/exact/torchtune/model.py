@@ -77,7 +77,8 @@ def modules(shape: ModelShape) -> list[tuple[str, tuple[int, int]]]:
     w1, w2, w3), (out, in) each."""
     h, f = shape.hidden, shape.ffn
     return [("attn.q_proj", (shape.q_dim, h)), ("attn.k_proj", (shape.kv_dim, h)), ("attn.v_proj", (shape.kv_dim, h)),
-            ("attn.output_proj", (h, shape.q_dim)), ("mlp.w1", (f, h)), ("mlp.w2", (h, f)), ("mlp.w3", (f, h))]  # fmt: skip
+            ("attn.output_proj", (h, shape.q_dim)), ("mlp.w1", (f, h)), ("mlp.w2", (h, f)),
+            ("mlp.w3", (f, h))]  # fmt: skip
 
 
 def params(shape: ModelShape, lora_rank: int, targets: tuple[str, ...]) -> list[tuple[str, tuple]]:
@@ -90,7 +91,8 @@ def params(shape: ModelShape, lora_rank: int, targets: tuple[str, ...]) -> list[
         for name, (rows, cols) in modules(shape):
             out.append((n + name + ".weight", (rows, cols)))
             if name in wrapped:
-                out += [(n + name + ".lora_a.weight", (lora_rank, cols)), (n + name + ".lora_b.weight", (rows, lora_rank))]
+                out += [(n + name + ".lora_a.weight", (lora_rank, cols)),
+                        (n + name + ".lora_b.weight", (rows, lora_rank))]
         out += [(n + "sa_norm.scale", (shape.hidden,)), (n + "mlp_norm.scale", (shape.hidden,))]
     out.append(("norm.scale", (shape.hidden,)))
     return out + ([] if shape.tied_embeddings else [("output.weight", (shape.vocab, shape.hidden))])
@@ -148,7 +150,7 @@ def decoder(g: Graph, m: TTModel, tokens: Tensor) -> Tensor | list[Tensor]:
 
 def unembed(g: Graph, m: TTModel, h: Tensor) -> Tensor | list[Tensor]:
     """TransformerDecoder.unembed: norm; with num_output_chunks, [output(chunk) for chunk in h.chunk(n, dim=1)]
-    (each chunk of a batch of more than one row is not contiguous: matmul's fold copies it), else
+    (chunk_head: each chunk of a batch of more than one row is not contiguous), else
     output(h).float()."""
     h = rms_norm(g, h, m.p["norm.scale"], "final norm")
     head = m.p.get("output.weight") or m.p["tok_embeddings.weight"]  # TiedLinear: F.linear(x, tok_embeddings.weight)
@@ -158,12 +160,24 @@ def unembed(g: Graph, m: TTModel, h: Tensor) -> Tensor | list[Tensor]:
             return aten.to(g, aten.linear(g, h, head, None), "fp32")
         chunks = []
         for chunk in aten.split(g, h, chunk_widths(T), 1):  # last_hidden_state.chunk(n, dim=1): views
-            if B > 1:  # matmul's reshape(-1, H) of a strided chunk: a copy, viewed back
-                chunk = aten.reshape_copy(g, chunk, chunk.shape)
-            chunks.append(aten.linear(g, chunk, head, None))
+            chunks.append(chunk_head(g, chunk, head, T))
             del chunk
         del h
         return chunks
+
+
+def chunk_head(g: Graph, chunk: Tensor, head: Tensor, T: int) -> Tensor:
+    """output(chunk), F.linear's matmul(chunk, w.t()), on a chunk of the sequence: its rows are strided (stride T·H
+    over a batch of width-w chunks) unless the chunk is the whole sequence. at::matmul's should_fold folds a
+    trained weight's product to 2-D (reshape: a copy of the chunk where more than one row is strided, then mm);
+    with the weight frozen (LoRA) it folds only rows that view flat, else bmm(chunk, w.t().expand(B, in, out))."""
+    B, width = chunk.shape[0], chunk.shape[1]
+    if width == T:
+        return aten.linear(g, chunk, head, None)
+    if head.requires_grad:
+        return aten.linear(g, aten.reshape_copy(g, chunk, chunk.shape) if B > 1 else chunk, head, None)
+    wt = aten.t(g, head)
+    return aten.bmm(g, chunk, aten.expand(g, wt, (B,) + wt.shape))
 
 
 def chunk_widths(T: int) -> list[int]:

@@ -102,8 +102,8 @@ def optimizer_note(cfg: StepConfig, weights: str, master: str) -> str:
     if cfg.optimizer in ("adam8bit", "paged-adam8bit", "paged-adamw"):
         name = {"adam8bit": "AdamW8bit", "paged-adam8bit": "PagedAdamW8bit", "paged-adamw": "PagedAdamW"}[cfg.optimizer]
         state = "fp32 m, v" if cfg.optimizer == "paged-adamw" else "uint8 m, v"
-        paged = " in unified memory (paged: evictable to host, outside PyTorch's allocator)" if "paged" in name.lower() \
-            else ""  # fmt: skip
+        paged = (" in unified memory (paged: evictable to host, outside PyTorch's allocator)"
+                 if cfg.optimizer.startswith("paged") else "")
         return f"bitsandbytes {name} ({weights} weights{master}; {state}{paged})"
     name = {"adamw": "AdamW", "sgd": "SGD with momentum"}[cfg.optimizer]
     return f"torch.optim {name} ({cfg.impl}; {weights} weights and state{master})"

@@ -34,7 +34,8 @@ class TorchtuneRecipe:
         cfg = m.cfg
         self.in_backward = cfg.stack.in_backward
         if self.in_backward:  # {p: config.instantiate(cfg_optimizer, [p]) for p in model.parameters()}
-            self.optimizers = {id(p): library_optimizer(g, [p], cfg.optimizer, cfg.impl, cfg.device) for p in self.params}
+            self.optimizers = {id(p): library_optimizer(g, [p], cfg.optimizer, cfg.impl, cfg.device)
+                               for p in self.params}
         else:
             self.optimizer = library_optimizer(g, self.params, cfg.optimizer, cfg.impl, cfg.device)
         # self.ignore_labels_cache = torch.full((cfg.batch_size, 1), ignore_index, device=self._device)

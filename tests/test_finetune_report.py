@@ -23,6 +23,9 @@ def test_each_run_is_predicted_or_says_why():
 def test_a_recipe_memcalc_does_not_replay_is_named_not_guessed():
     runs = {f"{r.source.id}/{r.id}": r for r in load()}
     assert "DoRA" in command(runs["peft_metamathqa/llama3.2-3b-dora-r32"])
-    assert "torchtune" in command(next(r for k, r in runs.items() if k.startswith("torchtune_readme/")))
+    assert "torch.compile" in command(runs["torchtune_readme/llama3.2-3b-lora"])  # compile: True in its config
+    assert "distributed" in command(runs["torchtune_readme/llama3.1-70b-lora-8xa100"])
+    packed = command(runs["torchtune_readme/llama3.2-3b-full-packed"])  # packed to 4,096, eager, full loss
+    assert "--stack" in packed and packed[packed.index("--stack") + 1] == "torchtune" and "full" in packed
     args = command(runs["peft_metamathqa/llama3.2-3b-lora-r32"])
     assert args[:3] == ["estimate", "--model", "llama3.2-3b"] and "--lora" in args and "q_proj,v_proj" in args

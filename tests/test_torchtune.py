@@ -79,3 +79,14 @@ def test_the_loop_options_are_refused_where_they_do_not_apply():
     for tricks in ("fp32", "bf16", "bf16,flash,selective", "bf16,flash,compile"):
         with pytest.raises(InputError):
             check_tricks(STACKS["torchtune"], parse_tricks(tricks))
+
+
+def test_the_textbook_keeps_torchtunes_adapters_in_the_models_dtype():
+    """torchtune builds LoRA's adapters under set_default_dtype (bf16, no master), where PEFT upcasts them to
+    fp32: the textbook's state follows the stack, and says so."""
+    from memcalc.memory.state import finetune_state
+
+    peft = finetune_state(10**9, 10**9 - 10**6, 10**6, "bf16", "bf16", "adamw", "pure", True)
+    tune = finetune_state(10**9, 10**9 - 10**6, 10**6, "bf16", "bf16", "adamw", "pure", True, upcast=False)
+    assert peft.total_bytes - tune.total_bytes == (4 + 4 + 4 + 4 - 2 * 4) * 10**6  # fp32 w, g, m, v vs bf16 ones
+    assert tune.recipe == "lora:dtype" and peft.recipe == "lora"

@@ -123,7 +123,8 @@ def state_for(shape: ModelShape, params: int, setup: Setup, precision: str,
     quantized = quantized_weights(shape) if ft.quantize else (0, 0)
     frozen = frozen_params(shape, ft) - quantized[0]
     state = finetune_state(params, frozen, trained_params(shape, ft), frozen_dtype, precision, setup.optimizer,
-                           recipe, ft.lora, quantized, state_sharding(layout))  # fmt: skip
+                           recipe, ft.lora, quantized, state_sharding(layout),
+                           setup.stack.model != "torchtune")  # torchtune's adapters: the model's dtype  # fmt: skip
     return state, state.total_bytes, 0
 
 

@@ -72,6 +72,7 @@ class ModelState:
     sharding: StateSharding
     parts: tuple[StatePart, ...]
     recipe: str = "master"  # how 16 bits train: master | autocast | pure | main_grad | grad_partition | lora | qlora
+    # (lora:dtype, qlora:dtype: the adapters in the model's dtype, torchtune's)
 
     @property
     def total_bytes(self) -> int:
@@ -166,12 +167,13 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", sharding:
 @lru_cache(maxsize=256)
 def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, precision: str, optimizer: str,
                    recipe: str, lora: bool, quantized: tuple[int, int] = (0, 0),
-                   sharding: StateSharding = NOT_SHARDED) -> ModelState:  # fmt: skip
+                   sharding: StateSharding = NOT_SHARDED, upcast: bool = True) -> ModelState:  # fmt: skip
     """Model state on one GPU when only some weights train (memcalc.model.finetune): the frozen weights in their
     dtype (QLoRA's 4-bit ones as bitsandbytes stores them: quantized = (their count, their bytes)) and nothing
     else for them (no gradient, master or optimizer state: the optimizer is given only what requires grad); the
     trained ones by the recipe, LoRA's adapters in fp32 whatever the precision (PEFT upcasts them:
-    peft/tuners/tuners_utils.py cast_adapter_dtype), so theirs are fp32 weights, grads and moments. sharding:
+    peft/tuners/tuners_utils.py cast_adapter_dtype), so theirs are fp32 weights, grads and moments; upcast=False
+    keeps them in the model's dtype as the recipe trains it (torchtune builds them under set_default_dtype). sharding:
     each part split as its ZeRO stage reaches it; the frozen weights (QLoRA's 4-bit ones too) at stage 3 alone."""
     w, frozen_shards = WIDTH[frozen_dtype], sharding.gpus if sharding.zero >= 3 else 1
     parts = [StatePart("frozen weights", frozen_dtype, w * frozen / params, -(-w * frozen // frozen_shards),
@@ -180,8 +182,10 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
         packed = f"{quantized[1]} (packed nf4, absmax, nested state, codes)"
         parts.append(StatePart("4-bit weights", "nf4", quantized[1] / params, -(-quantized[1] // frozen_shards),
                                frozen_shards, False, packed))  # fmt: skip
-    rows = unsharded_parts("fp32" if lora else precision, optimizer, trained, "master" if lora else recipe)
-    if lora and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
+    fp32_adapters = lora and upcast
+    rows = unsharded_parts("fp32" if fp32_adapters else precision, optimizer, trained,
+                           "master" if fp32_adapters else recipe)  # fmt: skip
+    if fp32_adapters and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
         rows.append(("loss_scale", "fp32+int32", 8, 99, "8"))
     for name, dtype, size, stage, formula in rows:
         per_param = 0.0 if name == "loss_scale" else size / params
@@ -189,7 +193,7 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
         shards = sharding.gpus if sharding.zero >= stage else 1
         parts.append(StatePart(label, dtype, per_param, -(-size // shards), shards, False,
                                formula.replace("{N}", str(trained))))  # fmt: skip
-    how = ("qlora" if quantized[0] else "lora") if lora else recipe
+    how = (("qlora" if quantized[0] else "lora") + ("" if upcast else ":dtype")) if lora else recipe
     return ModelState(params, precision, optimizer, sharding, tuple(parts), how)
 
 

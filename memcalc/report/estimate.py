@@ -16,7 +16,8 @@ HOW = {"autocast": "{p} autocast over fp32 weights", "pure": "pure {p} (no fp32 
        "main_grad": "{p} weights, fp32 main_grad and master (Megatron-LM)",
        "grad_partition": "{p} mixed precision with an fp32 gradient partition (DeepSpeed ZeRO)",
        "lora": "LoRA: a frozen {p} base, fp32 adapters",
-       "qlora": "QLoRA: a frozen nf4 base computing in {p}, fp32 adapters"}
+       "qlora": "QLoRA: a frozen nf4 base computing in {p}, fp32 adapters",
+       "lora:dtype": "LoRA: a frozen {p} base, {p} adapters", "qlora:dtype": "QLoRA: a frozen nf4 base, {p} adapters"}
 
 
 def recipe_text(precision: str, recipe: str = "master") -> str:

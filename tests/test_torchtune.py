@@ -90,3 +90,17 @@ def test_the_textbook_keeps_torchtunes_adapters_in_the_models_dtype():
     tune = finetune_state(10**9, 10**9 - 10**6, 10**6, "bf16", "bf16", "adamw", "pure", True, upcast=False)
     assert peft.total_bytes - tune.total_bytes == (4 + 4 + 4 + 4 - 2 * 4) * 10**6  # fp32 w, g, m, v vs bf16 ones
     assert tune.recipe == "lora:dtype" and peft.recipe == "lora"
+
+
+def test_verify_measures_torchtunes_model_with_changed_sizes():
+    """`memcalc verify --stack torchtune` builds torchtune's own model (--layers changes the preset's sizes, its
+    builder kept) and every judged row passes."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    args = ["verify", "--model", "llama3.2-1b", "--layers", "2", "--seq", "64", "--micro-batch", "2", "--stack",
+            "torchtune", "--tricks", "bf16,flash,ckpt", "--lora", "8"]  # fmt: skip
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "Pass: all" in r.output

@@ -200,10 +200,16 @@ def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tr
     """Bytes saved for backward by one forward of the model built `layers` deep."""
     model = build_model(replace(shape, n_layers=layers), seq_len, tricks, stack)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
-    saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + [idx, targets])
+    forward = model
+    if getattr(model, "torchtune", False):  # torchtune's model returns logits: its recipe's _loss_step makes the loss
+        from .torchtune import TorchtuneRecipe
+
+        forward = TorchtuneRecipe(model, "adamw", stack, micro_batch).forward
+    held = fixed_tensors(model) if getattr(model, "torchtune", False) else []  # NF4 weights' inner tensors
+    saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + held + [idx, targets])
     model.sac_observer = saved.keep
     with paths_for(stack), saved.hooks():
-        loss = model(idx, targets)
+        loss = forward(idx, targets)
     saved.release()
     del loss
     return saved.total_bytes

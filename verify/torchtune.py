@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from memcalc.errors import InputError
-from memcalc.exact.torchtune.model import BUILDERS, CHUNKS, IGNORE_INDEX, NAMES
+from memcalc.exact.torchtune.model import CHUNKS, IGNORE_INDEX, NAMES, builder
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import Stack
 from memcalc.model.tricks import Tricks
@@ -58,11 +58,12 @@ def build_torchtune(shape: ModelShape, tricks: Tricks, stack: Stack, device: str
     from torchtune import modules, training
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-    family = BUILDERS[shape.name][0].rsplit("_", 1)[0]  # llama3_1_8b -> llama3_1
+    name, max_seq_len, _ = builder(shape)
+    family = name.rsplit("_", 1)[0]  # llama3_1_8b -> llama3_1
     builders = importlib.import_module(f"torchtune.models.{family}._component_builders")
     ft = stack.finetune
     common = dict(vocab_size=shape.vocab, num_layers=shape.n_layers, num_heads=shape.n_heads,
-                  num_kv_heads=shape.n_kv_heads, embed_dim=shape.hidden, max_seq_len=BUILDERS[shape.name][1],
+                  num_kv_heads=shape.n_kv_heads, embed_dim=shape.hidden, max_seq_len=max_seq_len,
                   intermediate_dim=shape.ffn)  # fmt: skip
     if family == "llama3_2":
         common["tie_word_embeddings"] = shape.tied_embeddings

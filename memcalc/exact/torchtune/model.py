@@ -53,16 +53,22 @@ class TTModel:
 
 
 def builder(shape: ModelShape) -> tuple[str, int, bool]:
-    """The torchtune builder of this preset, or a one-line refusal."""
-    if shape.name not in BUILDERS:
+    """The torchtune builder of this preset (its component builder takes the sizes, --layers and the like
+    changed too), or a one-line refusal."""
+    if preset_of(shape) not in BUILDERS:
         raise InputError(finetune_not_replayed(None, shape))
-    return BUILDERS[shape.name]
+    return BUILDERS[preset_of(shape)]
+
+
+def preset_of(shape: ModelShape) -> str:
+    """The preset a shape was made from: its name, less the mark of sizes changed (memcalc.model.shape)."""
+    return shape.name.removesuffix(" (modified)")
 
 
 def finetune_not_replayed(finetune, shape: ModelShape) -> str | None:
     """Why the torchtune replay cannot run this job, or None: its Llama builders, LoRA (lora_attn_modules,
     apply_lora_to_mlp) or QLoRA (quantize_base: torchao's NF4), not frozen parts of a full fine-tune."""
-    if shape.name not in BUILDERS:
+    if preset_of(shape) not in BUILDERS:
         return (f"--stack torchtune replays torchtune's Llama builders ({', '.join(BUILDERS)}), not "
                 f"{shape.name}")  # fmt: skip
     if finetune.freeze or finetune.frozen_blocks:

@@ -92,15 +92,16 @@ def test_the_textbook_keeps_torchtunes_adapters_in_the_models_dtype():
     assert tune.recipe == "lora:dtype" and peft.recipe == "lora"
 
 
-def test_verify_measures_torchtunes_model_with_changed_sizes():
+@pytest.mark.parametrize("extra", [["--lora", "8"], ["--optimizer-in-backward", "--optimizer-impl", "fused"]])
+def test_verify_measures_torchtunes_model_with_changed_sizes(extra):
     """`memcalc verify --stack torchtune` builds torchtune's own model (--layers changes the preset's sizes, its
-    builder kept) and every judged row passes."""
+    builder kept), fused AdamW stepped on meta too (in backward's hooks as well), and every judged row passes."""
     from typer.testing import CliRunner
 
     from memcalc.cli import app
 
     args = ["verify", "--model", "llama3.2-1b", "--layers", "2", "--seq", "64", "--micro-batch", "2", "--stack",
-            "torchtune", "--tricks", "bf16,flash,ckpt", "--lora", "8"]  # fmt: skip
+            "torchtune", "--tricks", "bf16,flash,ckpt", *extra]  # fmt: skip
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "Pass: all" in r.output

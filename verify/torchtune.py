@@ -28,7 +28,7 @@ from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import Stack
 from memcalc.model.tricks import Tricks
 
-from .recipes import library_optimizer
+from .recipes import fused_on_meta, library_optimizer
 
 
 def torchtune():
@@ -136,6 +136,7 @@ class TorchtuneRecipe:
         else:
             self.optimizer = library_optimizer(self.params, optimizer, stack.impl)
         device = self.params[0].device
+        self.on_meta = stack.impl == "fused" and device.type == "meta"  # torch.optim's fused check (recipes.py)
         self.ignore_labels_cache = torch.full((micro_batch, 1), IGNORE_INDEX, device=device)
         self.running_loss, self.num_tokens = 0, 0
         self.current_num_tokens = None
@@ -160,14 +161,16 @@ class TorchtuneRecipe:
         return current_loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        with fused_on_meta(self.on_meta and self.in_backward):  # optimizer_in_bwd steps from backward's hooks
+            loss.backward()
 
     def update(self) -> bool:
         if not self.in_backward:
             from torchtune.training import scale_grads
 
             scale_grads(self.model, 1 / self.num_tokens)
-            self.optimizer.step()
+            with fused_on_meta(self.on_meta):
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.running_loss, self.num_tokens = 0, 0
         return True

@@ -230,7 +230,7 @@ def verify(
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
     stack: StackOpt = None, recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, no_cache: NoCache = False,
     lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, quantize: Quantize = None,
-    freeze: Freeze = None,
+    freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False,
     optimizer: Optimizer = "adamw", matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta.", metavar="DEV", show_default="cuda when present, else meta")] = None,

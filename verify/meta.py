@@ -129,8 +129,6 @@ def measure_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tric
         else:
             model = build_model(shape, seq_len, tricks, stack, device)
     idx, targets = inputs_for(shape, seq_len, micro_batch, device)
-    if getattr(model, "torchtune", False):  # its recipe sizes its ignore_labels_cache by the batch
-        model.micro_batch = micro_batch
     fixed = fixed_tensors(model)
     live = LiveBytes(torch.device(device).type, timeline=timeline)
     # the parameters too: a wrapper subclass (torchao's NF4Tensor) saved for backward holds nothing of its own
@@ -201,11 +199,11 @@ def saved_at_depth(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tr
     model = build_model(replace(shape, n_layers=layers), seq_len, tricks, stack)
     idx, targets = inputs_for(shape, seq_len, micro_batch, "meta")
     forward = model
-    if getattr(model, "torchtune", False):  # torchtune's model returns logits: its recipe's _loss_step makes the loss
+    if stack.model == "torchtune":  # torchtune's model returns logits: its recipe's _loss_step makes the loss
         from .torchtune import TorchtuneRecipe
 
-        forward = TorchtuneRecipe(model, "adamw", stack, micro_batch).forward
-    held = fixed_tensors(model) if getattr(model, "torchtune", False) else []  # NF4 weights' inner tensors
+        forward = TorchtuneRecipe(model, "adamw", stack).forward
+    held = fixed_tensors(model) if stack.model == "torchtune" else []  # NF4 weights' inner tensors
     saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + held + [idx, targets])
     model.sac_observer = saved.keep
     with paths_for(stack), saved.hooks():

@@ -243,7 +243,7 @@ def recipe_for(model: torch.nn.Module, precision: str, stack: Stack = DEFAULT_ST
     if stack.model == "torchtune":
         from .torchtune import TorchtuneRecipe
 
-        return TorchtuneRecipe(model, optimizer, stack, model.micro_batch)
+        return TorchtuneRecipe(model, optimizer, stack)
     if precision != "fp32" and stack.recipe == "autocast":
         raise InputError("the autocast recipe trains through verify/autocast.py (AutocastRecipe), not this loop")
     if stack.impl == "reference":

@@ -122,7 +122,7 @@ class TorchtuneRecipe:
     """train()'s step: tokens count, _loss_step times the count, running_loss, backward; then scale_grads, the
     optimizer's step and zero_grad, or the per-parameter optimizers stepped in backward (optimizer_in_bwd)."""
 
-    def __init__(self, model: nn.Module, optimizer: str, stack: Stack, micro_batch: int):
+    def __init__(self, model: nn.Module, optimizer: str, stack: Stack):
         from torchtune.modules.loss import CEWithChunkedOutputLoss
         from torchtune.training import register_optim_in_bwd_hooks
 
@@ -137,7 +137,8 @@ class TorchtuneRecipe:
             self.optimizer = library_optimizer(self.params, optimizer, stack.impl)
         device = self.params[0].device
         self.on_meta = stack.impl == "fused" and device.type == "meta"  # torch.optim's fused check (recipes.py)
-        self.ignore_labels_cache = torch.full((micro_batch, 1), IGNORE_INDEX, device=device)
+        self.ignore_labels_cache = None  # the recipe's setup makes it at cfg.batch_size: here at the first batch's
+        self.device = device
         self.running_loss, self.num_tokens = 0, 0
         self.current_num_tokens = None
         self.skipped = 0
@@ -145,6 +146,8 @@ class TorchtuneRecipe:
     def loss_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """_loss_step(batch)."""
         logits = self.model(tokens)
+        if self.ignore_labels_cache is None:  # before the measured step, as the recipe's setup is
+            self.ignore_labels_cache = torch.full((labels.shape[0], 1), IGNORE_INDEX, device=self.device)
         labels = torch.hstack((labels[..., 1:], self.ignore_labels_cache[: labels.shape[0]]))
         if not isinstance(logits, list):
             labels = labels.reshape(-1)

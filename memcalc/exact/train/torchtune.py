@@ -64,7 +64,7 @@ class TorchtuneRecipe:
                 g.kernel("add_", (self.num_tokens, self.current_num_tokens), (self.num_tokens,))
         loss = loss_step(g, self.model, idx, labels, self.ignore_cache)
         with g.scoped("loss"):
-            current_loss = scaled(g, loss, self.current_num_tokens)
+            current_loss = aten.mul(g, loss, self.current_num_tokens)  # MulBackward0 saves the count
             del loss
             if self.running_loss is None:
                 self.running_loss = made(g, (), "add", current_loss)  # running_loss (0) += current_loss
@@ -105,8 +105,3 @@ class TorchtuneRecipe:
                 p.grad = None
         self.running_loss = self.num_tokens = None  # running_loss = 0; num_tokens = 0
         g.layer, g.stage = None, "forward"
-
-
-def scaled(g: Graph, loss: Tensor, count: Tensor) -> Tensor:
-    """loss * current_num_tokens (MulBackward0: saves the count, the loss's gradient is grad · count)."""
-    return aten.mul(g, loss, count)

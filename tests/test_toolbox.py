@@ -1,19 +1,22 @@
 """The fit verdict, the OOM toolbox and the fit solver, all measured by the verdict estimate gives the same
 job (memcalc.parallel.verdict): the stack's step replayed, sharded inside the step."""
 
+import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from memcalc.errors import InputError
-
-from memcalc.engine.fit import fit_limits, largest
+from memcalc.engine.fit import fit_limits, largest, largest_reserved
 from memcalc.engine.toolbox import toolbox
+from memcalc.errors import InputError
 from memcalc.memory.estimate import Setup
 from memcalc.model.gpus import gpu
+from memcalc.model.layout import Layout
 from memcalc.model.presets import canonical_model, preset_model
 from memcalc.model.tricks import Tricks, parse_tricks
-from memcalc.model.layout import Layout
 from memcalc.parallel.verdict import gpu_verdict
 from memcalc.report.answer import toolbox_section
 
@@ -124,6 +127,25 @@ def test_largest():
     assert largest(lambda n: True, 1000) == 1000
     assert largest(lambda n: False, 1000) == 0
     assert largest(lambda n: n <= 1, 1) == 1
+
+
+@given(st.integers(1, 60_000), st.integers(0, 60_000), st.lists(st.integers(0, 10**10), min_size=1),
+       st.integers(1, 10**7))
+def test_largest_reserved_finds_the_allocators_limit_whatever_it_says_it_lacked(tensors, room, shorts, per_unit):
+    """The search below the tensors' limit lands on the allocator's own, however wrong the bytes it lacked are as a
+    guide (fragmentation: a large segment refused near the limit), in no more than three times halving's probes."""
+    room = min(room, tensors)
+    probes = []
+
+    def verdict(n: int, allocator: bool = True) -> SimpleNamespace:
+        fits = n <= (room if allocator else tensors)
+        if allocator:
+            probes.append(n)
+        short = 0 if fits else shorts[len(probes) % len(shorts)]
+        return SimpleNamespace(fits=fits, peak_bytes=n * per_unit, reserved=SimpleNamespace(short_bytes=short))
+
+    assert largest_reserved(verdict, 60_000) == room
+    assert len(probes) <= 3 * (math.ceil(math.log2(tensors + 1)) + 1)
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(dp=8, zero=3)])

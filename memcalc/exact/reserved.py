@@ -101,4 +101,4 @@ def within(events: list, names: list[str], capacity: int | None, expandable: boo
     tight = replay(events, capacity, expandable, names)
     if not tight.out_of_memory:
         return tight
-    return replace(free, capacity_bytes=capacity, out_of_memory=tight.out_of_memory)
+    return replace(free, capacity_bytes=capacity, out_of_memory=tight.out_of_memory, short_bytes=tight.short_bytes)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from memcalc.records import record
 
-from .caching import CachingAllocator, OutOfMemory
+from .caching import CachingAllocator, OutOfMemory, allocation_size
 
 
 @record(frozen=True)
@@ -29,6 +29,7 @@ class Reserved:
     expandable: bool  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     capacity_bytes: int  # what the driver could give (0: no limit)
     out_of_memory: str  # "" if the run completes; else the event that found no room, and why
+    short_bytes: int = 0  # what the driver lacked there: the segment asked less the room left (0 if none ran out)
 
     @property
     def fragmentation(self) -> float:
@@ -46,7 +47,7 @@ def replay(events: Iterable[tuple], capacity: int | None = None, expandable: boo
     run = drive(a, events, names)
     return Reserved(a.peak_reserved_bytes, a.peak_allocated_bytes, run.peak_requested_bytes,
                     a.reserved_at_allocated_peak - a.peak_allocated_bytes, a.segments, expandable,
-                    capacity or 0, run.out_of_memory)  # fmt: skip
+                    capacity or 0, run.out_of_memory, run.short_bytes)  # fmt: skip
 
 
 @record(frozen=True)
@@ -56,13 +57,14 @@ class Run:
     live: dict
     peak_requested_bytes: int  # the peak of the tensors' own bytes
     out_of_memory: str  # "" if every event ran; else the event that found no room, and why
+    short_bytes: int = 0  # the segment the failed event asked the driver for, less the room it had left
 
 
 def drive(a: CachingAllocator, events: Iterable[tuple], names: list[str] | None = None) -> Run:
     """The events through allocator a, in order (stopping at an out-of-memory)."""
     live: dict = {}
     requested = peak_requested = 0
-    oom = ""
+    oom, short = "", 0
     for i, (key, nbytes, stream) in enumerate(events):
         if a.trace is not None:
             a.trace.append(("event", i, 0, 0))
@@ -72,10 +74,11 @@ def drive(a: CachingAllocator, events: Iterable[tuple], names: list[str] | None 
             except OutOfMemory as e:
                 where = names[i] if names else f"event {i}"
                 oom = f"{where}: {e.size:,} bytes asked, {e.reserved:,} reserved, {e.allocated:,} allocated"
+                short = max(1, allocation_size(e.size) - (a.capacity - e.reserved))
                 break
             requested += nbytes
             peak_requested = max(peak_requested, requested)
         elif nbytes < 0:
             a.free(live.pop(key))
             requested += nbytes
-    return Run(live, peak_requested, oom)
+    return Run(live, peak_requested, oom, short)

@@ -1,9 +1,10 @@
 """`--from FILE` refuses in one line, exit code 2, naming the file and its key: a bad file (missing, not YAML or
 JSON, not a mapping, a wrong type, an unknown model, a kind its keys leave open, YAML aliases that repeat or
 refer to themselves), a key memcalc refuses elsewhere (LoRA sharded by FSDP or ZeRO, the 8-bit base, DoRA, an
-optimizer it does not model), and the memory savers it does not replay (torchtune's chunked loss, activation
-offloading, the optimizer step in backward; Liger's fused cross-entropy), which would make its answer overstate
-the peak the recipe was written to avoid."""
+optimizer it does not model), and the memory savers it does not replay (activation offloading in torchtune's
+recipes; its chunked loss and optimizer step in backward where --stack torchtune does not run the recipe; fused
+linear cross-entropy, Liger's or torchtune's), which would make its answer overstate the peak the recipe was
+written to avoid."""
 
 from __future__ import annotations
 
@@ -96,8 +97,13 @@ REFUSED = {  # (file text, name, the key the line names, what it says)
                         "liger_fused_linear_cross_entropy: true\n", "run.yml", "liger_fused_linear_cross_entropy",
                         "overstate"),
     "preference training": (AXOLOTL + "rl: dpo\n", "run.yml", "rl: dpo", "supervised"),
-    "torchtune's chunked loss": (TORCHTUNE + "loss:\n  _component_: torchtune.modules.loss.CEWithChunkedOutputLoss\n",
-                                 "tt.yaml", "loss._component_", "overstate"),
+    "torchtune's fused loss": (TORCHTUNE + "loss:\n  _component_: torchtune.modules.loss.LinearCrossEntropyLoss\n",
+                               "tt.yaml", "loss._component_", "overstate"),
+    "torchtune's chunked loss off its stack": (TORCHTUNE.replace("bf16", "fp32") + "loss:\n  _component_: "
+                                               "torchtune.modules.loss.CEWithChunkedOutputLoss\n", "tt.yaml",
+                                               "loss._component_", "off --stack torchtune"),
+    "the step in backward off its stack": (TORCHTUNE.replace("bf16", "fp32") + "optimizer_in_bwd: true\n", "tt.yaml",
+                                           "optimizer_in_bwd", "overstate"),
     "torchtune's offloading": (TORCHTUNE + "enable_activation_offloading: true\n", "tt.yaml",
                                "enable_activation_offloading", "overstate"),
     "torchtune's lora on the output": (TORCHTUNE.replace("llama3_2_1b", "lora_llama3_2_1b\n  lora_attn_modules: "
@@ -115,11 +121,18 @@ def test_what_memcalc_refuses_names_the_key(tmp_path, case):
     assert f"{name}: {key}" in line and said in line, line
 
 
-def test_a_published_recipe_with_an_unmodelled_saver_is_refused(monkeypatch):
+def test_a_published_recipe_with_its_savers_answers_as_torchtune_runs_it(monkeypatch):
+    """torchtune's low-memory recipe (optimizer_in_bwd, PagedAdamW) was refused while memcalc did not replay its
+    savers; --stack torchtune does: it answers as the options typed out."""
     monkeypatch.chdir(ROOT)
-    line = refused("--from", LOW_MEMORY.relative_to(ROOT), "--gpu", "rtx4090")  # as docs/finetune.md shows it
-    assert "optimizer_in_bwd: true: the optimizer step fused into backward is not modelled" in line
-    assert line.strip() in (ROOT / "docs" / "finetune.md").read_text()
+    read = CliRunner().invoke(app, ["estimate", "--from", str(LOW_MEMORY.relative_to(ROOT)), "--format", "json"])
+    typed = CliRunner().invoke(app, ["estimate", "--model", "llama2-7b", "--stack", "torchtune", "--loss", "full",
+                                     "--optimizer-in-backward", "--optimizer", "paged-adamw", "--optimizer-impl",
+                                     "loop", "--micro-batch", "2", "--grad-accum", "1", "--tricks", "bf16,flash,ckpt",
+                                     "--format", "json"])  # fmt: skip
+    assert read.exit_code == 0 and typed.exit_code == 0, read.output + typed.output
+    data = json.loads(read.stdout)
+    assert data.pop("from")["remarks"][0].startswith("--stack torchtune") and data == json.loads(typed.stdout)
 
 
 def test_typing_the_option_lifts_what_it_decides(tmp_path):
@@ -156,3 +169,19 @@ def test_a_kind_named_in_the_path_decides(tmp_path):
     for kind in ("trainer", "axolotl"):
         out = CliRunner().invoke(app, ["estimate", "--from", f"{kind}:{path}", "--format", "json"])
         assert out.exit_code == 0 and json.loads(out.stdout)["from"]["kind"] == kind, out.output
+
+
+def test_torchtunes_distributed_lora_recipe_is_fsdp2_over_the_lora_model(tmp_path):
+    """lora_finetune_distributed shards with fully_shard per layer: --stack fsdp2 --zero 3 over the GPUs typed (its
+    LoRALinear as PEFT's, said), where axolotl's and the Trainer's LoRA under FSDP is refused (their stack is not
+    FSDP2's); without --gpus it asks for them."""
+    text = ("model:\n  _component_: torchtune.models.llama3_2.lora_llama3_2_1b\n  lora_attn_modules: [q_proj, v_proj]\n"
+            "  lora_rank: 8\nbatch_size: 1\ndtype: bf16\nfsdp_cpu_offload: false\n"
+            "loss:\n  _component_: torch.nn.CrossEntropyLoss\n")  # fmt: skip
+    path = file(tmp_path, text, "tt.yaml")
+    assert "add --gpus N" in refused("--from", path)
+    out = CliRunner().invoke(app, ["estimate", "--from", str(path), "--gpus", "4", "--format", "json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["setup"]["stack"]["key"] == "fsdp2" and data["layout"]["zero"] == 3
+    assert any("LoRALinear replayed as PEFT's" in k["not_modelled"] for k in data["from"]["keys"])

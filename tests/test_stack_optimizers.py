@@ -237,3 +237,19 @@ def test_verify_meta_pure_foreach_at_8b(layers):
                                    "bf16,flash,ckpt", "--format", "json", *layers])  # fmt: skip
     assert out.exit_code == 0, out.output
     assert '"optimizer-step peak"' in out.stdout and "_foreach_sqrt" in out.stdout
+
+
+def test_the_textbook_keeps_a_paged_state_off_the_gpu():
+    """bitsandbytes' paged optimizers hold their moments in unified memory (functional.get_paged: cudaMallocManaged),
+    outside the GPU's allocator, as the replay counts them: the textbook's state puts them there too (it put
+    PagedAdamW's 8 bytes/param on the GPU beside a replayed state of 2)."""
+    from memcalc.memory.state import finetune_state, model_state
+
+    n = 1_000_000
+    full = model_state(n, "bf16", "paged-adamw", recipe="pure")
+    assert (full.total_bytes, full.host_bytes) == (4 * n, 8 * n)  # bf16 weights and grads; fp32 m and v, paged
+    assert model_state(n, "bf16", "adamw", recipe="pure").host_bytes == 0
+    eight = model_state(n, "bf16", "paged-adam8bit", recipe="pure")
+    assert eight.host_bytes == 2 * (n + 4 * -(-n // 256)) and eight.total_bytes == 4 * n
+    lora = finetune_state(n + 1000, n, 1000, "bf16", "bf16", "paged-adamw", "pure", True)
+    assert lora.host_bytes == 8 * 1000 and lora.total_bytes == 2 * n + 8 * 1000  # fp32 adapters and their grads

@@ -149,6 +149,12 @@ def state_sharding(layout: Layout) -> StateSharding:
     return StateSharding(layout.shard_group if layout.zero else layout.dp, layout.zero, layout.offload_optimizer)
 
 
+def paged(optimizer: str, part: str) -> bool:
+    """A part bitsandbytes' paged optimizers keep in unified memory (get_paged: cudaMallocManaged), which the driver
+    moves to the host when the GPU's memory runs short: their moments, off the GPU's allocator."""
+    return optimizer.startswith("paged-") and part in ("adam_m", "adam_v")
+
+
 @lru_cache(maxsize=1024)  # the same for every sequence and micro-batch: each estimate asks again
 def model_state(params: int, precision: str, optimizer: str = "adamw", sharding: StateSharding = NOT_SHARDED,
                 recipe: str = "master") -> ModelState:  # fmt: skip
@@ -156,7 +162,7 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", sharding:
     parts = []
     for name, dtype, size, stage, formula in unsharded_parts(precision, optimizer, params, recipe):
         shards = sharding.gpus if sharding.zero >= stage else 1
-        on_host = sharding.offload and stage == 1  # optimizer state: master weights and moments
+        on_host = sharding.offload and stage == 1 or paged(optimizer, name)  # offloaded master and moments; paged state
         per_param = 0.0 if name == "loss_scale" else size / params
         if shards > 1:
             formula = "⌈(" + formula + ")/{G}⌉"
@@ -191,7 +197,7 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
         per_param = 0.0 if name == "loss_scale" else size / params
         label = name if name == "loss_scale" else ("adapter " if lora else "trained ") + name
         shards = sharding.gpus if sharding.zero >= stage else 1
-        parts.append(StatePart(label, dtype, per_param, -(-size // shards), shards, False,
+        parts.append(StatePart(label, dtype, per_param, -(-size // shards), shards, paged(optimizer, name),
                                formula.replace("{N}", str(trained))))  # fmt: skip
     how = (("qlora" if quantized[0] else "lora") + ("" if upcast else ":dtype")) if lora else recipe
     return ModelState(params, precision, optimizer, sharding, tuple(parts), how)

@@ -10,14 +10,14 @@ from .ledger import KeyLedger
 # transformers src/transformers/training_args.py @ fd798335c275 (OptimizerNames, and Trainer.get_optimizer_cls_and_
 # kwargs): each `optim` as (--optimizer, --optimizer-impl, what memcalc leaves out of it). adamw_torch is
 # torch.optim.AdamW, foreach by default on CUDA; adamw_torch_fused its fused kernel (the Trainer's default since
-# torch 2.8); the bitsandbytes names bnb.optim.AdamW (8 or 32 bits, paged or not). adamw_hf (Transformers 4's own
-# AdamW, a loop over the tensors) was removed in 5.
-PAGED = "paging: the state, in unified memory the driver may move to the host, counted on the GPU"
+# torch 2.8); the bitsandbytes names bnb.optim.AdamW (8 or 32 bits, paged or not: a paged state lives in unified
+# memory, which memcalc counts apart from the GPU's). adamw_hf (Transformers 4's own AdamW, a loop over the tensors)
+# was removed in 5.
 OPTIMS = {
     "adamw_torch": ("adamw", "foreach", ""), "adamw_torch_fused": ("adamw", "fused", ""),
     "adamw_hf": ("adamw", "loop", ""), "adamw_bnb_8bit": ("adam8bit", "loop", ""), "adamw_8bit": ("adam8bit", "loop", ""),
-    "paged_adamw_8bit": ("adam8bit", "loop", PAGED), "paged_adamw_32bit": ("adamw", "fused", PAGED),
-    "paged_adamw": ("adamw", "fused", PAGED),
+    "paged_adamw_8bit": ("paged-adam8bit", "loop", ""), "paged_adamw_32bit": ("paged-adamw", "loop", ""),
+    "paged_adamw": ("paged-adamw", "loop", ""),
     "sgd": ("sgd", "foreach", "memcalc's sgd keeps a momentum buffer; torch.optim.SGD keeps none "
                               "unless optim_args sets momentum"),  # fmt: skip
 }  # fmt: skip

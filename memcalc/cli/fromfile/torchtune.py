@@ -1,12 +1,14 @@
 """A torchtune recipe config as memcalc's options.
 
-memcalc does not replay torchtune's own modules. Its TransformerDecoder computes what Transformers' model of the
-same config computes, so the step is the hf stack's without a KV cache (--no-cache), the model in the config's
-dtype (--recipe pure); its LoRALinear is replayed as PEFT's, whose fp32 adapters and fp32 casts of their inputs
-hold more than torchtune's adapters in the model's dtype, and its QLoRA's torchao NF4 as bitsandbytes' nf4 (the
-same 4 bits, double-quantised scales). torchtune's memory savers are not replayed (chunked or fused cross-entropy,
-activation offloading, the optimizer step in backward, LoRA on the output): each lowers the peak by much, so a
-recipe that turns one on is refused, naming it, rather than answered with a peak it was written to avoid.
+A single-device recipe of a Llama builder in bf16 is replayed as torchtune runs it (--stack torchtune: its
+TransformerDecoder op by op, bf16 LoRA adapters, torchao's NF4 for QLoRA, CEWithChunkedOutputLoss as --loss
+chunked, optimizer_in_bwd as --optimizer-in-backward, bitsandbytes' paged optimizers' state in unified memory).
+Any other recipe (another builder, fp32, the distributed recipes' FSDP) is the hf stack's step without a KV cache
+(--no-cache), the model in the config's dtype (--recipe pure): Transformers' model of the same config computes
+what torchtune's does, with PEFT's fp32 adapters for torchtune's LoRALinear and bitsandbytes' nf4 for its NF4.
+What neither replays (activation offloading; the chunked loss and the optimizer step in backward off the torchtune
+stack; fused linear cross-entropy; LoRA on the output) lowers the peak by much, so a recipe that turns one on is
+refused, naming it, rather than answered with a peak it was written to avoid.
 
 Sources: pytorch/torchtune @ bd2a0fc7c314: recipes/configs/*/*.yaml (the keys), recipes/full_finetune_single_device.py
 and lora_finetune_single_device.py (batch_size, gradient_accumulation_steps, dtype, enable_activation_checkpointing,
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import PAGED, TrickSet, lora_targets
+from .common import TrickSet, lora_targets
 from .ledger import KeyLedger
 
 # torchtune's builders (torchtune/models/<family>/__init__.py) as memcalc's presets of the same config.json
@@ -31,48 +33,98 @@ BUILDERS = {
     **{f"qwen3_{size}_{kind}": f"qwen3-{size.replace('_', '.')}" for size in ("0_6b", "1_7b", "4b", "8b", "14b")
        for kind in ("base", "instruct")},
 }  # fmt: skip
-LOSSES = {"torch.nn.CrossEntropyLoss": True, "torchtune.modules.loss.CEWithChunkedOutputLoss": False,
-          "torchtune.modules.loss.LinearCrossEntropyLoss": False,
-          "torchtune.modules.loss.ChunkedCrossEntropyLoss": False}  # fmt: skip
+# loss components as --loss, None where memcalc replays neither (LinearCrossEntropyLoss fuses the head into the loss)
+LOSSES = {"torch.nn.CrossEntropyLoss": "full", "torchtune.modules.loss.CEWithChunkedOutputLoss": "chunked",
+          "torchtune.modules.loss.LinearCrossEntropyLoss": None,
+          "torchtune.modules.loss.ChunkedCrossEntropyLoss": None}  # fmt: skip
 # optimizer components as (--optimizer, --optimizer-impl); torch.optim.AdamW is foreach on CUDA unless fused: true
 OPTIMIZERS = {"torch.optim.AdamW": ("adamw", "foreach"), "torch.optim.SGD": ("sgd", "foreach"),
-              "bitsandbytes.optim.AdamW8bit": ("adam8bit", "loop"), "bitsandbytes.optim.PagedAdamW8bit": ("adam8bit", "loop"),
-              "bitsandbytes.optim.PagedAdamW": ("adamw", "fused")}  # fmt: skip
+              "bitsandbytes.optim.AdamW8bit": ("adam8bit", "loop"),
+              "bitsandbytes.optim.PagedAdamW8bit": ("paged-adam8bit", "loop"),
+              "bitsandbytes.optim.PagedAdamW": ("paged-adamw", "loop")}  # fmt: skip
 SAVER = "is not modelled, and it lowers the peak by much: memcalc would overstate it; turn it off to estimate the " \
         "step without it"  # fmt: skip
+CHUNKED = "torchtune.modules.loss.CEWithChunkedOutputLoss"
+REMARKS = {"torchtune": "--stack torchtune: the single-device recipe replayed as torchtune runs it",
+           "hf": "--stack hf --no-cache: torchtune's TransformerDecoder computes what Transformers' model of the same "
+                 "config does, without a KV cache",
+           "fsdp2": "--stack fsdp2: the distributed LoRA recipe's fully_shard per layer, over PEFT's model of the same "
+                    "config"}  # fmt: skip
 DISTRIBUTED = ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "custom_sharded_layers", "data_parallel_shard_dim")
 
 
 def read_torchtune(ledger: KeyLedger, typed: dict) -> None:
-    for key, what in (("enable_activation_offloading", "activation offloading"),
-                      ("optimizer_in_bwd", "the optimizer step fused into backward")):  # fmt: skip
-        if ledger.flag(key):
-            ledger.refuse(key, f"{what} {SAVER}")
-        elif ledger.has(key):
-            ledger.used(key, "off")
-    loss = ledger.text("loss._component_")
-    if loss is not None and not LOSSES.get(loss, False):
-        ledger.refuse("loss._component_", "a chunked or fused cross-entropy is not modelled, and it lowers the peak "
-                                          "by much: memcalc would overstate it; set torch.nn.CrossEntropyLoss to "
-                                          "estimate the step without it" if loss in LOSSES else
-                      "memcalc models torch.nn.CrossEntropyLoss")  # fmt: skip
-    if loss is not None:
-        ledger.used("loss._component_", "cross-entropy over the whole logits, as replayed")
+    stack = typed.get("stack", "").strip().lower() or ("torchtune" if runs_as_torchtune(ledger) else "")
+    replayed = stack == "torchtune"
+    if ledger.flag("enable_activation_offloading"):
+        ledger.refuse("enable_activation_offloading", f"activation offloading {SAVER}")
+    elif ledger.has("enable_activation_offloading"):
+        ledger.used("enable_activation_offloading", "off")
+    if replayed:
+        read_recipe_loop(ledger)
+    else:
+        read_loop_off_torchtune(ledger)
     lora = model_options(ledger)
     step_options(ledger)
-    tricks_and_recipe(ledger)
+    tricks_and_recipe(ledger, replayed)
     optimizer_options(ledger)
-    distributed_options(ledger, lora)
+    sharded = distributed_options(ledger)
+    stack = stack or ("fsdp2" if lora and sharded else "hf")  # LoRA under FSDP2: PEFT's model fully_shard-ed
     if "stack" not in typed:
-        ledger.options["stack"] = "hf"
+        ledger.options["stack"] = stack
         ledger.origin["stack"] = ["model._component_"]
-        ledger.remarks.append("--stack hf --no-cache: torchtune's TransformerDecoder computes what Transformers' model "
-                              "of the same config does, without a KV cache")  # fmt: skip
-    if typed.get("stack", "hf").strip().lower() == "hf":
+        ledger.remarks.append(REMARKS[stack])
+    if stack == "hf":
         ledger.set("no_cache", True, "model._component_", "--no-cache")
-    if lora:
+    if lora and not replayed:
         nf4 = ", its NF4 as bitsandbytes' nf4" if "quantize" in ledger.options else ""
         ledger.caveat("model._component_", f"torchtune's LoRALinear replayed as PEFT's (fp32 adapters){nf4}")
+
+
+def runs_as_torchtune(ledger: KeyLedger) -> bool:
+    """Whether memcalc's replay of torchtune's single-device recipes takes this config: a Llama builder it replays
+    (memcalc.exact.torchtune.model.BUILDERS), in bf16, on one device (none of the distributed recipes' keys)."""
+    from memcalc.exact.torchtune.model import BUILDERS as REPLAYED
+
+    component = ledger.text("model._component_") or ""
+    base = component.rsplit(".", 1)[-1].removeprefix("qlora_").removeprefix("lora_")
+    replayed = {name for name, _, _ in REPLAYED.values()}
+    dtype = (ledger.text("dtype") or "").strip().lower()
+    distributed = any(ledger.has(k) for k in DISTRIBUTED) or (ledger.count("tensor_parallel_dim") or 1) > 1
+    return base in replayed and dtype in ("bf16", "bfloat16") and not distributed
+
+
+def read_recipe_loop(ledger: KeyLedger) -> None:
+    """The recipe's loss and optimizer_in_bwd, as --stack torchtune replays them."""
+    loss = ledger.text("loss._component_")
+    if loss is not None:
+        if LOSSES.get(loss) is None:
+            ledger.refuse("loss._component_", "a fused linear cross-entropy is not modelled, and it lowers the peak "
+                                              f"by much: memcalc would overstate it; set {CHUNKED} to estimate the "
+                                              "step with torchtune's chunked loss" if loss in LOSSES else
+                          f"memcalc models torch.nn.CrossEntropyLoss and {CHUNKED}")  # fmt: skip
+        ledger.set("loss", LOSSES[loss], "loss._component_", f"--loss {LOSSES[loss]}")
+    if ledger.flag("optimizer_in_bwd"):
+        ledger.set("optimizer_in_backward", True, "optimizer_in_bwd", "--optimizer-in-backward")
+    elif ledger.has("optimizer_in_bwd"):
+        ledger.used("optimizer_in_bwd", "off")
+
+
+def read_loop_off_torchtune(ledger: KeyLedger) -> None:
+    """The recipe's loss and optimizer_in_bwd where the hf stack stands in: the whole-logits loss, the step after
+    backward, or a refusal."""
+    if ledger.flag("optimizer_in_bwd"):
+        ledger.refuse("optimizer_in_bwd", f"the optimizer step fused into backward {SAVER}")
+    elif ledger.has("optimizer_in_bwd"):
+        ledger.used("optimizer_in_bwd", "off")
+    loss = ledger.text("loss._component_")
+    if loss is not None and LOSSES.get(loss) != "full":
+        ledger.refuse("loss._component_", "a chunked or fused cross-entropy is not modelled off --stack torchtune, "
+                                          "and it lowers the peak by much: memcalc would overstate it; set "
+                                          "torch.nn.CrossEntropyLoss to estimate the step without it" if loss in LOSSES
+                      else "memcalc models torch.nn.CrossEntropyLoss")  # fmt: skip
+    if loss is not None:
+        ledger.used("loss._component_", "cross-entropy over the whole logits, as replayed")
 
 
 def model_options(ledger: KeyLedger) -> bool:
@@ -134,16 +186,16 @@ def step_options(ledger: KeyLedger) -> None:
                     "the verdict is for full sequences, the longest batch")
 
 
-def tricks_and_recipe(ledger: KeyLedger) -> None:
-    """dtype (the model's, and so its gradients' and optimizer state's: --recipe pure), checkpointing, compile.
-    torchtune's attention is SDPA (torchtune/modules/attention.py): flash."""
+def tricks_and_recipe(ledger: KeyLedger, replayed: bool) -> None:
+    """dtype (the model's, and so its gradients' and optimizer state's: --recipe pure, which --stack torchtune
+    runs already), checkpointing, compile. torchtune's attention is SDPA (torchtune/modules/attention.py): flash."""
     tricks = TrickSet()
     dtype = (ledger.text("dtype") or "fp32").strip().lower()
     precision = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "bfloat16": "bf16", "float32": "fp32"}.get(dtype)
     if precision is None:
         ledger.refuse("dtype", "bf16, fp16 or fp32")
     tricks.add(precision, "dtype", "" if ledger.has("dtype") else "torchtune's default")
-    if precision != "fp32":
+    if precision != "fp32" and not replayed:
         ledger.set("recipe", "pure", "dtype", f"--recipe pure ({precision} weights, gradients and optimizer state)")
     tricks.add("flash", "model._component_", "torchtune's attention, SDPA")
     if ledger.flag("enable_activation_checkpointing"):
@@ -170,24 +222,20 @@ def optimizer_options(ledger: KeyLedger) -> None:
     ledger.set("optimizer_impl", impl, "optimizer._component_", note)
     if ledger.has("optimizer.fused"):
         ledger.used("optimizer.fused", note)
-    if "Paged" in component:
-        ledger.caveat("optimizer._component_", PAGED)
 
 
-def distributed_options(ledger: KeyLedger, lora: bool) -> None:
+def distributed_options(ledger: KeyLedger) -> bool:
     """The distributed recipes' FSDP2 (fully_shard, resharding after forward unless fsdp_reshard_after_forward is
-    false; fsdp_cpu_offload) as --zero 3 (2) over --gpus N; their tensor parallel is not read."""
+    false; fsdp_cpu_offload) as --zero 3 (2) over --gpus N; whether the file shards. Tensor parallel is not read."""
     if (ledger.count("tensor_parallel_dim") or 1) > 1:
         ledger.refuse("tensor_parallel_dim", "torchtune's tensor parallel plan is not read: give --tp")
     keys = [k for k in DISTRIBUTED if ledger.has(k)]
     if not keys:
-        return
+        return False
     stage = "2" if ledger.flag("fsdp_reshard_after_forward") is False else "3"
-    if lora:
-        ledger.refuse_unless(("zero",), keys[0], "LoRA sharded over GPUs (FSDP2) is not replayed yet: memcalc replays it "
-                                              "on one GPU or plain data parallelism (--zero 0)")  # fmt: skip
     ledger.set("zero", stage, keys[0], f"--zero {stage} (FSDP2's fully_shard)")
     if ledger.flag("fsdp_cpu_offload"):
         ledger.set("offload_params", True, "fsdp_cpu_offload", "--offload-params")
     ledger.refuse_unless(("gpus", "zero"), keys[0], "FSDP shards over the job's GPUs, which tune run's "
                                                     "--nproc_per_node sets, not the file: add --gpus N", replaces=False)
+    return True

@@ -106,9 +106,10 @@ REFUSED = {  # (file text, name, the key the line names, what it says)
                                            "optimizer_in_bwd", "overstate"),
     "torchtune's offloading": (TORCHTUNE + "enable_activation_offloading: true\n", "tt.yaml",
                                "enable_activation_offloading", "overstate"),
-    "torchtune's lora on the output": (TORCHTUNE.replace("llama3_2_1b", "lora_llama3_2_1b\n  lora_attn_modules: "
-                                                         "[q_proj]\n  apply_lora_to_output: true"), "tt.yaml",
-                                       "model.apply_lora_to_output", "not modelled"),
+    "torchtune's lora on a tied output": (TORCHTUNE.replace("llama3_2_1b", "lora_llama3_2_1b\n  lora_attn_modules: "
+                                                            "[q_proj]\n  apply_lora_to_output: true"), "tt.yaml",
+                                          "--lora-targets from model.lora_attn_modules, model.apply_lora_to_output",
+                                          "(tied)"),
     "a builder with no preset": (TORCHTUNE.replace("llama3_2_1b", "qwen2_5_7b_base"), "tt.yaml", "model._component_",
                                  "give --model or --config"),
 }  # fmt: skip
@@ -185,3 +186,16 @@ def test_torchtunes_distributed_lora_recipe_is_fsdp2_over_the_lora_model(tmp_pat
     data = json.loads(out.stdout)
     assert data["setup"]["stack"]["key"] == "fsdp2" and data["layout"]["zero"] == 3
     assert any("LoRALinear replayed as PEFT's" in k["not_modelled"] for k in data["from"]["keys"])
+
+
+def test_torchtunes_lora_on_the_output_is_lm_head_among_the_targets(tmp_path):
+    """apply_lora_to_output on an untied builder: the head's LoRALinear, replayed on --stack torchtune."""
+    text = ("model:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n  lora_attn_modules: [q_proj]\n"
+            "  apply_lora_to_output: true\nbatch_size: 1\ndtype: bf16\ntokenizer:\n  max_seq_len: 512\n")  # fmt: skip
+    out = CliRunner().invoke(app, ["estimate", "--from", str(file(tmp_path, text, "tt.yaml")), "--format", "json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    keys = {k["key"]: k["note"] for k in data["from"]["keys"]}
+    assert keys["model.apply_lora_to_output"] == "lm_head in --lora-targets"
+    assert data["setup"]["stack"]["key"] == "torchtune"
+    assert data["setup"]["stack"]["finetune"]["targets"] == ["q_proj", "lm_head"]

@@ -134,3 +134,14 @@ def test_plan_shards_lora():
     assert r.exit_code == 0, r.output
     layouts = [b["layout"] for b in json.loads(r.stdout)["best"]]
     assert layouts and all(x["zero"] == 3 and x["tp"] == x["pp"] == 1 for x in layouts), layouts
+
+
+def test_verify_fsdp_lora_on_the_head_cli():
+    """LoRA on lm_head too under FSDP2 (the head's adapters in the root's unit): equal to real FSDP2 over PEFT."""
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    r = CliRunner().invoke(app, ["verify", "--model", "llama3-8b", "--layers", "2", "--hidden", "256", "--heads", "4",
+                                 "--kv-heads", "2", "--seq", "64", "--lora", "8", "--lora-targets", "q,v,lm_head",
+                                 "--stack", "fsdp2", "--fsdp", "2", "--format", "json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count('"error_bytes": 0') >= 4, r.stdout

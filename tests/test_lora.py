@@ -191,3 +191,47 @@ def test_a_model_without_4bit_layers_holds_no_quantisation_state():
 
     build_hf(TINY["llama"], parse_tricks("bf16"), 24, finetune=QLORA)
     assert held_tensors(build_hf(TINY["llama"], parse_tricks("bf16"), 24)) == []
+
+
+HEAD_LORA = Finetune(4, ("q_proj", "v_proj", "lm_head"), 0.1)  # target_modules=["q_proj", "v_proj", "lm_head"]
+
+
+def test_lora_on_the_head_registers_as_peft_does():
+    """lm_head among the targets: PEFT's Linear around the head, its lora_A (r, hidden) and lora_B (vocab, r) after
+    the frozen head weight, r·(hidden + vocab) more to train."""
+    shape, stack = TINY["llama"], replace(MASTER, finetune=HEAD_LORA)
+    model = build_hf(shape, parse_tricks("bf16"), 24, finetune=HEAD_LORA).model
+    real = [(n.removeprefix("base_model.model.").replace(".base_layer", "").replace(".default", ""), tuple(p.shape),
+             p.requires_grad) for n, p in model.named_parameters()]  # fmt: skip
+    sim = hf_build(Graph(LiveBytes()), step_config(shape, 24, 1, "bf16", stack))
+    assert real == [(p.name, p.shape, p.requires_grad) for p in sim.p.values()]
+    assert real[-2:] == [("lm_head.lora_A.weight", (4, 64), True), ("lm_head.lora_B.weight", (200, 4), True)]
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    without = adapter_params(shape, Finetune(4, ("q_proj", "v_proj")))
+    assert trained == adapter_params(shape, HEAD_LORA) == without + 4 * (64 + 200)
+
+
+@pytest.mark.parametrize("tricks,stack", [("bf16", MASTER), ("bf16,flash,ckpt", PURE)])
+def test_lora_on_the_head_allocation_by_allocation(tricks, stack):
+    """The head's adapters on the logits: the fp32 cast of the last hidden states (lora_A's dtype), the dropout's
+    mask, lora_B's vocab-wide output, the scaled copy and the sum with the head's own logits, each a logits-sized
+    temporary; lora_B's input saved for its weight's gradient."""
+    assert_meta(TINY["llama"], tricks, replace(stack, finetune=HEAD_LORA), batch=2)
+
+
+def test_lora_on_the_head_under_the_trainers_autocast_on_cpu():
+    stack = replace(TRAINER, finetune=HEAD_LORA)
+    phases, g, mem = simulate(step_config(TINY["llama"], 24, 2, "bf16", stack, device="cpu"), timeline=True)
+    step, live, recipe = measure_cpu(TINY["llama"], 24, 2, parse_tricks("bf16"), 1, True, stack)
+    assert recipe.skipped == 0
+    assert_same_step(phases, g, mem, step, live, "bf16")
+
+
+def test_lora_on_a_tied_head_is_refused():
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    args = ["estimate", "--model", "llama3.2-1b", "--lora", "8", "--lora-targets", "q,v,lm_head"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 2 and "head is its embedding table (tied)" in out.output, out.output

@@ -45,6 +45,10 @@ CASES = [  # (preset, tricks, fine-tuning, loss, optimizer in backward, micro-ba
     ("llama3.1-8b", "bf16,flash,ckpt", Finetune(8, ALL, quantize="nf4"), "chunked", False, 2, "adamw"),
     ("llama3.2-3b", "bf16,flash", Finetune(16, ("q_proj", "v_proj"), quantize="nf4"), "full", False, 1, "adamw"),
     ("llama3.1-8b", "bf16,flash,ckpt", Finetune(), "chunked", True, 2, "paged-adam8bit"),
+    # apply_lora_to_output: LoRALinear as the head, on each strided chunk (batch 2), with dropout, and whole
+    ("llama3.1-8b", "bf16,flash,ckpt", Finetune(8, ("q_proj", "v_proj", "lm_head")), "chunked", False, 2, "adamw"),
+    ("llama2-7b", "bf16,flash", Finetune(8, ("v_proj", "lm_head"), 0.1), "chunked", False, 2, "adamw"),
+    ("llama3.1-8b", "bf16,flash", Finetune(8, ("q_proj", "lm_head")), "full", False, 1, "adamw"),
 ]
 
 

@@ -232,6 +232,17 @@ def not_packed(original):
 
 
 @contextlib.contextmanager
+def cuda_dropout():
+    """While active: F.dropout (nn.Dropout's call) is CUDA's, aten.native_dropout with its bool mask."""
+    saved = F.dropout
+    F.dropout = native_dropout
+    try:
+        yield
+    finally:
+        F.dropout = saved
+
+
+@contextlib.contextmanager
 def cuda_paths(dropout: bool = True):
     """While active: F.dropout is CUDA's (unless dropout is False: the tests' comparison), and the
     packed-sequence check runs on meta. Hold it over forward and backward both (checkpoint recompute

@@ -57,11 +57,16 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
 @contextlib.contextmanager
 def paths_for(stack: Stack, device: str = "meta"):
     """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths; on meta
-    a QLoRA model's 4-bit matmuls as CUDA's, verify/lora.py meta_paths)."""
+    a QLoRA model's 4-bit matmuls as CUDA's, verify/lora.py meta_paths; torchtune's dropout as CUDA's)."""
+    from .hf import cuda_dropout, cuda_paths
+
+    if stack.model == "torchtune":  # its LoRALinear's nn.Dropout
+        with cuda_dropout():
+            yield
+        return
     if stack.model != "hf":
         yield
         return
-    from .hf import cuda_paths
 
     with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext():
         yield

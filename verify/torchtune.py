@@ -24,6 +24,7 @@ from torch import nn
 
 from memcalc.errors import InputError
 from memcalc.exact.torchtune.model import CHUNKS, IGNORE_INDEX, NAMES, builder
+from memcalc.model.finetune import HEAD
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import Stack
 from memcalc.model.tricks import Tricks
@@ -69,10 +70,11 @@ def build_torchtune(shape: ModelShape, tricks: Tricks, stack: Stack, device: str
         common["tie_word_embeddings"] = shape.tied_embeddings
     with training.set_default_dtype(torch.bfloat16), torch.device(device):
         if ft.lora:
-            attn = [NAMES[t].split(".")[1] for t in ft.targets if NAMES[t].startswith("attn.")]
-            mlp = any(NAMES[t].startswith("mlp.") for t in ft.targets)
+            attn = [NAMES[t].split(".")[1] for t in ft.targets if NAMES.get(t, "").startswith("attn.")]
+            mlp = any(NAMES.get(t, "").startswith("mlp.") for t in ft.targets)
             model = getattr(builders, f"lora_{family}")(
-                lora_attn_modules=attn, apply_lora_to_mlp=mlp, apply_lora_to_output=False, lora_rank=ft.lora_rank,
+                lora_attn_modules=attn, apply_lora_to_mlp=mlp, apply_lora_to_output=HEAD in ft.targets,
+                lora_rank=ft.lora_rank,
                 lora_alpha=ft.lora_alpha, lora_dropout=ft.lora_dropout, quantize_base=bool(ft.quantize), **common)
         else:
             model = getattr(builders, family)(**common)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
+from memcalc.model.finetune import HEAD
 from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.shape import Model
@@ -103,6 +104,10 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
            finetune_not_replayed(ft, arch_for(model.shape), "hf"))  # a mixture of experts or latent attention
     if why:
         raise InputError(why)
+    if HEAD in ft.targets and model.shape.tied_embeddings:
+        raise InputError(f"--lora-targets lm_head: {model.shape.name or 'the model'}'s head is its embedding table "
+                         "(tied): LoRA on it is not replayed (PEFT wraps the shared module, torchtune refuses "
+                         "apply_lora_to_output with tie_word_embeddings); target the blocks' projections")  # fmt: skip
     if ft.frozen_blocks >= model.shape.n_layers:
         raise InputError(f"--freeze {ft.frozen_blocks}: {model.shape.name or 'the model'} has "
                          f"{model.shape.n_layers} blocks; leave one to train")  # fmt: skip

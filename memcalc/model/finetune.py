@@ -18,6 +18,8 @@ from .shape import ModelShape
 # LlamaMLP); PEFT's target_modules="all-linear" takes every nn.Linear but the output layer
 # (peft/tuners/tuners_utils.py _maybe_include_all_linear_layers: lm_head excluded), which is these.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HEAD = "lm_head"  # LoRA on the output layer: PEFT's target_modules=[..., "lm_head"], torchtune's apply_lora_to_output
+TARGETS = (*PROJECTIONS, HEAD)
 MAX_RANK = 1 << 16
 QUANTIZE = ("nf4", "int8")
 FREEZABLE = ("embeddings", "head")
@@ -109,29 +111,35 @@ def quantized_weights(shape: ModelShape) -> tuple[int, int]:
 
 
 def adapter_params(shape: ModelShape, finetune: Finetune) -> int:
-    """LoRA's trainable parameters: r·(in + out) per targeted projection per block (lora_A (r, in), lora_B
-    (out, r): peft/tuners/lora/layer.py LoraLayer.update_layer)."""
+    """LoRA's trainable parameters: r·(in + out) per targeted projection per block, and on the head r·(hidden +
+    vocab) (lora_A (r, in), lora_B (out, r): peft/tuners/lora/layer.py LoraLayer.update_layer)."""
     if not finetune.lora:
         return 0
     per_block = sum(sum(dims) for name, dims in projection_shapes(shape).items() if name in finetune.targets)
-    return shape.n_layers * finetune.lora_rank * per_block
+    head = shape.hidden + shape.vocab if HEAD in finetune.targets else 0
+    return finetune.lora_rank * (shape.n_layers * per_block + head)
 
 
 def parse_targets(text: str | None) -> tuple[str, ...]:
-    """--lora-targets q,k,v,o (or q_proj,...; 'all-linear', the default: every projection of the blocks)."""
+    """--lora-targets q,k,v,o (or q_proj,...; 'all-linear', the default: every projection of the blocks), and
+    lm_head (or head) for the output layer, which all-linear leaves out as PEFT does."""
     if text is None or text.strip().lower() == "all-linear":
         return PROJECTIONS
     names = []
     for item in (x.strip().lower() for x in text.split(",") if x.strip()):
-        name = item if item.endswith("_proj") else item + "_proj"
-        if name not in PROJECTIONS:
+        name = HEAD if item in (HEAD, "head") else item if item.endswith("_proj") else item + "_proj"
+        if item == "all-linear":
+            names += [p for p in PROJECTIONS if p not in names]
+            continue
+        if name not in TARGETS:
             raise InputError(f"unknown LoRA target {item!r}; the blocks' projections: "
-                             f"{', '.join(p.removesuffix('_proj') for p in PROJECTIONS)} (or all-linear)")  # fmt: skip
+                             f"{', '.join(p.removesuffix('_proj') for p in PROJECTIONS)} (or all-linear), "
+                             "and lm_head")  # fmt: skip
         if name not in names:
             names.append(name)
     if not names:
         raise InputError("--lora-targets names no projection")
-    return tuple(p for p in PROJECTIONS if p in names)  # PEFT wraps them in the modules' order
+    return tuple(p for p in TARGETS if p in names)  # PEFT wraps them in the modules' order
 
 
 def parse_freeze(text: str | None) -> tuple[tuple[str, ...], int]:

@@ -24,7 +24,7 @@ OPTIMS = {
 ATTENTION_FLASH = {"flash_attention_2": True, "flash_attention_3": True, "sdpa": True, "flex_attention": True,
                    "eager": False}  # fmt: skip
 LORA_NAMES = {"q": "q", "k": "k", "v": "v", "o": "o", "gate": "gate", "up": "up", "down": "down",
-              "output_proj": "o", "w1": "gate", "w2": "down", "w3": "up"}  # fmt: skip
+              "output_proj": "o", "w1": "gate", "w2": "down", "w3": "up", "lm_head": "lm_head"}  # fmt: skip
 
 
 def model_option(ledger: KeyLedger, key: str) -> None:
@@ -79,8 +79,8 @@ def attention_flash(ledger: KeyLedger, key: str) -> bool | None:
 
 def lora_targets(ledger: KeyLedger, key: str, names: list[str]) -> str:
     """Target modules as --lora-targets: Transformers' projection names (q_proj, ..., down_proj), torchtune's
-    (output_proj, w1, w2, w3), or all-linear. A module memcalc's LoRA does not wrap (the head, the embeddings,
-    a fused qkv) is refused."""
+    (output_proj, w1, w2, w3), lm_head, or all-linear. A module memcalc's LoRA does not wrap (the embeddings, a
+    fused qkv) is refused."""
     if [n.strip().lower() for n in names] in (["all-linear"], ["all_linear"]):
         return "all-linear"
     out = []
@@ -88,7 +88,7 @@ def lora_targets(ledger: KeyLedger, key: str, names: list[str]) -> str:
         short = name.strip().lower().removesuffix("_proj") if name.strip().lower() != "output_proj" else "output_proj"
         if short not in LORA_NAMES:
             ledger.refuse(key, f"LoRA on {name} is not modelled: memcalc's LoRA wraps the blocks' projections "
-                               "(q, k, v, o, gate, up, down)")  # fmt: skip
+                               "(q, k, v, o, gate, up, down) and lm_head")  # fmt: skip
         out.append(LORA_NAMES[short])
     return ",".join(dict.fromkeys(out))
 

@@ -149,6 +149,8 @@ def model_options(ledger: KeyLedger) -> bool:
     modules = list(ledger.names("model.lora_attn_modules") or [])
     if ledger.flag("model.apply_lora_to_mlp"):
         modules += ["w1", "w2", "w3"]
+    if ledger.flag("model.apply_lora_to_output"):
+        modules.append("lm_head")
     if not modules:
         ledger.refuse("model.lora_attn_modules", "LoRA wraps no module")
     ledger.set("lora_targets", lora_targets(ledger, "model.lora_attn_modules", modules), "model.lora_attn_modules")
@@ -159,14 +161,16 @@ def model_options(ledger: KeyLedger) -> bool:
     if ledger.has("model.lora_dropout"):
         ledger.set("lora_dropout", str(ledger.number("model.lora_dropout")), "model.lora_dropout")
     if ledger.flag("model.apply_lora_to_output"):
-        ledger.refuse("model.apply_lora_to_output", "LoRA on the output projection is not modelled")
+        ledger.set("lora_targets", ledger.options["lora_targets"], "model.apply_lora_to_output",
+                   "lm_head in --lora-targets")  # fmt: skip
     if ledger.flag("model.use_dora"):
         ledger.refuse("model.use_dora", "DoRA is not modelled")
     if builder.startswith("qlora_") or ledger.flag("model.quantize_base"):
         ledger.set("quantize", "nf4", "model._component_", "--quantize nf4")
-    for key in ("model.lora_alpha", "model.apply_lora_to_output"):
-        if ledger.has(key):
-            ledger.ignore(key, "scales the adapters: no memory" if key.endswith("alpha") else "off")
+    if ledger.has("model.lora_alpha"):
+        ledger.ignore("model.lora_alpha", "scales the adapters: no memory")
+    if ledger.has("model.apply_lora_to_output") and not ledger.flag("model.apply_lora_to_output"):
+        ledger.ignore("model.apply_lora_to_output", "off")
     return True
 
 

@@ -233,7 +233,10 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
     hidden_states = family.decoder(g, m, idx, kwargs)
     head = m.p.get("lm_head.weight") or m.p[family.table]
     with g.scoped("logits"), kept_on_gpu(g):
-        logits = aten.linear(g, hidden_states, head, None, "logits")  # (B, T, V)
+        if "lm_head.lora_A.weight" in m.p:  # LoRA on the head (target_modules lm_head): PEFT's Linear around it
+            logits = lora.lora_linear(g, m, "lm_head", hidden_states)
+        else:
+            logits = aten.linear(g, hidden_states, head, None, "logits")  # (B, T, V)
     with g.scoped("logits"):
         if m.cfg.shape.logit_softcap:  # Gemma2ForCausalLM.forward: / final_logit_softcapping, tanh, * it
             logits = aten.div_scalar(g, logits)

@@ -12,15 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memcalc.errors import InputError
+from memcalc.model.finetune import HEAD
 from memcalc.model.shape import ModelShape
 
 from .. import aten
 from ..aten.operands import made
 from ..base.config import StepConfig
+from ..hf.lora import dropout
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from . import nf4
-from .modules import layer, rms_norm
+from .modules import layer, linear, rms_norm
 
 # the builders each preset is (torchtune/models/<family>/_model_builders.py): max_seq_len, which sizes the rotary
 # cache, and whether the LoRA builder makes one RoPE module per layer (lora_llama2_self_attention and
@@ -90,7 +92,7 @@ def modules(shape: ModelShape) -> list[tuple[str, tuple[int, int]]]:
 def params(shape: ModelShape, lora_rank: int, targets: tuple[str, ...]) -> list[tuple[str, tuple]]:
     """named_parameters(): tok_embeddings, each layer's attn and mlp linears (a LoRALinear's weight, lora_a,
     lora_b), sa_norm and mlp_norm scales, then norm and the untied output (TiedLinear holds none)."""
-    wrapped = {NAMES[t] for t in targets} if lora_rank else set()
+    wrapped = {NAMES[t] for t in targets if t in NAMES} if lora_rank else set()
     out = [("tok_embeddings.weight", (shape.vocab, shape.hidden))]
     for i in range(shape.n_layers):
         n = f"layers.{i}."
@@ -101,7 +103,12 @@ def params(shape: ModelShape, lora_rank: int, targets: tuple[str, ...]) -> list[
                         (n + name + ".lora_b.weight", (rows, lora_rank))]
         out += [(n + "sa_norm.scale", (shape.hidden,)), (n + "mlp_norm.scale", (shape.hidden,))]
     out.append(("norm.scale", (shape.hidden,)))
-    return out + ([] if shape.tied_embeddings else [("output.weight", (shape.vocab, shape.hidden))])
+    if shape.tied_embeddings:
+        return out
+    out.append(("output.weight", (shape.vocab, shape.hidden)))
+    if lora_rank and HEAD in targets:  # apply_lora_to_output: LoRALinear(embed_dim, vocab_size)
+        out += [("output.lora_a.weight", (lora_rank, shape.hidden)), ("output.lora_b.weight", (shape.vocab, lora_rank))]
+    return out
 
 
 def trains(name: str, lora: bool) -> bool:
@@ -163,13 +170,27 @@ def unembed(g: Graph, m: TTModel, h: Tensor) -> Tensor | list[Tensor]:
     B, T, H = h.shape
     with g.scoped("logits"):
         if m.cfg.stack.loss != "chunked":
-            return aten.to(g, aten.linear(g, h, head, None), "fp32")
+            return aten.to(g, linear(g, m, "output", h) if "output.weight" in m.p else aten.linear(g, h, head, None),
+                           "fp32")  # fmt: skip
         chunks = []
         for chunk in aten.split(g, h, chunk_widths(T), 1):  # last_hidden_state.chunk(n, dim=1): views
-            chunks.append(chunk_head(g, chunk, head, T))
+            chunks.append(lora_head(g, m, chunk, T) if "output.lora_a.weight" in m.p else chunk_head(g, chunk, head, T))
             del chunk
         del h
         return chunks
+
+
+def lora_head(g: Graph, m: TTModel, chunk: Tensor, T: int) -> Tensor:
+    """LoRALinear.forward on a chunk (apply_lora_to_output): out = F.linear(x, weight); lora_a(dropout(x)), each
+    product folded as at::matmul folds a chunk's (chunk_head); alpha / rank * lora_b(...); out + lora_out."""
+    out = chunk_head(g, chunk, m.p["output.weight"], T)
+    dropped = dropout(g, chunk, m.cfg.finetune.lora_dropout)  # nn.Identity at 0: the strided chunk itself
+    down = chunk_head(g, dropped, m.p["output.lora_a.weight"], T) if dropped is chunk else \
+        aten.linear(g, dropped, m.p["output.lora_a.weight"], None)  # fmt: skip
+    del dropped
+    lora_out = aten.mul_scalar(g, aten.linear(g, down, m.p["output.lora_b.weight"], None))
+    del down
+    return aten.add(g, out, lora_out)
 
 
 def chunk_head(g: Graph, chunk: Tensor, head: Tensor, T: int) -> Tensor:

@@ -141,7 +141,7 @@ def test_estimate_answers_or_says_why_in_one_line(model, options):
     check(args, run(args))
 
 
-@examples(25)
+@examples(10, slow=25)
 @given(model=model_options, options=some(flag("--seq", SEQS), flag("--micro-batch", COUNTS), flag("--tricks", TRICKS),
                                          flag("--gpus", COUNTS), flag("--zero", ["0", "3"]), flag("--gpu", GPUS),
                                          flag("--format", FORMATS), flag("--host-memory", ["2T", "1"]), *SWITCH[:2]))  # fmt: skip

@@ -253,3 +253,30 @@ def test_the_textbook_keeps_a_paged_state_off_the_gpu():
     assert eight.host_bytes == 2 * (n + 4 * -(-n // 256)) and eight.total_bytes == 4 * n
     lora = finetune_state(n + 1000, n, 1000, "bf16", "bf16", "paged-adamw", "pure", True)
     assert lora.host_bytes == 8 * 1000 and lora.total_bytes == 2 * n + 8 * 1000  # fp32 adapters and their grads
+
+
+def test_a_paged_lora_keeps_the_adapters_moments_in_host_memory():
+    """The verdict's host memory under LoRA with PagedAdamW is the fp32 moments of the adapters large enough to page
+    (1e5 elements or more: get_state_buffer), the rest on the GPU beside the replay's state (it counted the whole
+    model's for a moment, 64 GB for Llama-3-8B, and so refused a 24 GB card with 32 GB of host RAM)."""
+    import json
+
+    from memcalc.model.bnb import MIN_PAGED_SIZE
+    from memcalc.model.finetune import Finetune, adapter_sizes
+    from memcalc.model.presets import PRESETS
+
+    args = ["estimate", "--model", "llama3-8b", "--seq", "2048", "--lora", "16", "--optimizer", "paged-adamw",
+            "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090", "--host-memory", "32G", "--format", "json"]  # fmt: skip
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    sizes = adapter_sizes(PRESETS["llama3-8b"], Finetune(16))
+    paged, kept = sum(n for n in sizes if n >= MIN_PAGED_SIZE), sum(n for n in sizes if n < MIN_PAGED_SIZE)
+    v, parts = data["verdict"][0], {p["name"]: p for p in data["model_state"]["parts"]}
+    assert v["host_bytes"] == 8 * paged and v["fits"] and paged and kept
+    assert parts["adapter adam_m"]["bytes"] == 4 * kept and not parts["adapter adam_m"]["on_host"]
+    assert parts["adapter adam_m (paged)"]["bytes"] == 4 * paged and parts["adapter adam_m (paged)"]["on_host"]
+    # the replay's state between steps: the base and adapters, the moments bitsandbytes did not page, and the
+    # rotary embedding's fp32 inv_freq and original_inv_freq (head_dim / 2 each)
+    weights = sum(p["bytes"] for n, p in parts.items() if n in ("frozen weights", "adapter weights"))
+    assert v["state_bytes"] == weights + 8 * kept + 2 * 4 * PRESETS["llama3-8b"].head_dim // 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from memcalc.errors import InputError
 from memcalc.exact.kernels import recompute_first, step_flops
-from memcalc.model.finetune import frozen_params, quantized_weights, trained_params
+from memcalc.model.finetune import frozen_params, quantized_weights, trained_params, unpaged_adapter_params
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import usable_bytes
@@ -16,8 +16,15 @@ from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.records import record
 from memcalc.terms import Term
 
-from .activations import (Activations, AttentionDetail, Logits, attention_detail, layer_terms, logits_memory,
-                          textbook_activations)  # fmt: skip
+from .activations import (
+    Activations,
+    AttentionDetail,
+    Logits,
+    attention_detail,
+    layer_terms,
+    logits_memory,
+    textbook_activations,  # fmt: skip
+)
 from .setup import DEFAULT_MFU, MAX_HOST_BYTES, Fits, Setup, host_share  # noqa: F401  (Setup's home for its users)
 from .state import ModelState, finetune_state, state_bytes, state_sharding, weights_held_elsewhere, zero3_gather_bytes
 
@@ -115,17 +122,19 @@ def memory_for(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
 def state_for(shape: ModelShape, params: int, setup: Setup, precision: str,
               layout: Layout = ONE_GPU) -> tuple[ModelState, int, int]:  # fmt: skip
     """The textbook's model state of `params` parameters, and what of it is on the GPU and on the host: every
-    weight trained, or some frozen (LoRA, --freeze: memcalc.memory.state.finetune_state, on the GPU alone)."""
+    weight trained, or some frozen (LoRA, --freeze: memcalc.memory.state.finetune_state, on the GPU but for a
+    paged optimizer's state, in unified memory)."""
     ft, recipe = setup.stack.finetune, setup.stack.recipe
     if ft.trains_all:
         return state_bytes(params, precision, setup.optimizer, state_sharding(layout), recipe)
     frozen_dtype = precision if ft.lora or not (precision == "fp32" or recipe == "autocast") else "fp32"
     quantized = quantized_weights(shape) if ft.quantize else (0, 0)
     frozen = frozen_params(shape, ft) - quantized[0]
+    unpaged = unpaged_adapter_params(shape, ft) if setup.optimizer.startswith("paged-") else 0
     state = finetune_state(params, frozen, trained_params(shape, ft), frozen_dtype, precision, setup.optimizer,
                            recipe, ft.lora, quantized, state_sharding(layout),
-                           setup.stack.model != "torchtune")  # torchtune's adapters: the model's dtype  # fmt: skip
-    return state, state.total_bytes, 0
+                           setup.stack.model != "torchtune", unpaged)  # torchtune's adapters in its dtype  # fmt: skip
+    return state, state.total_bytes, state.host_bytes
 
 
 def memory_sides(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...],

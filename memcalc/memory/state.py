@@ -11,13 +11,13 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memcalc.errors import InputError
+from memcalc.model.bnb import BLOCK  # elements per absmax scale in bitsandbytes' block-wise 8-bit optimizers
 from memcalc.model.layout import Layout
 from memcalc.model.sizes import MAX_GPUS  # noqa: F401  (the CLI's limit on --gpus)
 from memcalc.records import record
 
 OPTIMIZERS = ("adamw", "sgd", "adam8bit", "paged-adam8bit", "paged-adamw")
 WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one element
-BNB_BLOCK = 256  # elements per absmax scale in bitsandbytes' block-wise 8-bit optimizers
 
 
 @record(frozen=True)
@@ -101,8 +101,8 @@ def optimizer_elements(optimizer: str, params: int, dtype: str = "fp32") -> list
     if optimizer == "paged-adamw":  # bitsandbytes PagedAdamW: Optimizer2State(optim_bits=32), fp32 m and v
         return [("adam_m", "fp32", 4 * params, "4·{N}"), ("adam_v", "fp32", 4 * params, "4·{N}")]
     if optimizer in ("adam8bit", "paged-adam8bit"):  # Dettmers et al. 2022: uint8 states + one fp32 absmax per block
-        size = params + 4 * -(-params // BNB_BLOCK)
-        formula = "{N} + 4·⌈{N}/%d⌉" % BNB_BLOCK
+        size = params + 4 * -(-params // BLOCK)
+        formula = "{N} + 4·⌈{N}/%d⌉" % BLOCK
         return [("adam_m", "uint8", size, formula), ("adam_v", "uint8", size, formula)]
     raise InputError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
 
@@ -173,14 +173,17 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", sharding:
 @lru_cache(maxsize=256)
 def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, precision: str, optimizer: str,
                    recipe: str, lora: bool, quantized: tuple[int, int] = (0, 0),
-                   sharding: StateSharding = NOT_SHARDED, upcast: bool = True) -> ModelState:  # fmt: skip
+                   sharding: StateSharding = NOT_SHARDED, upcast: bool = True,
+                   unpaged: int = 0) -> ModelState:  # fmt: skip
     """Model state on one GPU when only some weights train (memcalc.model.finetune): the frozen weights in their
     dtype (QLoRA's 4-bit ones as bitsandbytes stores them: quantized = (their count, their bytes)) and nothing
     else for them (no gradient, master or optimizer state: the optimizer is given only what requires grad); the
     trained ones by the recipe, LoRA's adapters in fp32 whatever the precision (PEFT upcasts them:
     peft/tuners/tuners_utils.py cast_adapter_dtype), so theirs are fp32 weights, grads and moments; upcast=False
     keeps them in the model's dtype as the recipe trains it (torchtune builds them under set_default_dtype). sharding:
-    each part split as its ZeRO stage reaches it; the frozen weights (QLoRA's 4-bit ones too) at stage 3 alone."""
+    each part split as its ZeRO stage reaches it; the frozen weights (QLoRA's 4-bit ones too) at stage 3 alone.
+    unpaged: under a paged optimizer, the trained elements in tensors too small to page (memcalc.model.bnb), whose
+    moments stay on the GPU."""
     w, frozen_shards = WIDTH[frozen_dtype], sharding.gpus if sharding.zero >= 3 else 1
     parts = [StatePart("frozen weights", frozen_dtype, w * frozen / params, -(-w * frozen // frozen_shards),
                        frozen_shards, False, f"{w}·{frozen}")]  # fmt: skip
@@ -193,12 +196,20 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
                            "master" if fp32_adapters else recipe)  # fmt: skip
     if fp32_adapters and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
         rows.append(("loss_scale", "fp32+int32", 8, 99, "8"))
+    small = optimizer_elements(optimizer, unpaged) if unpaged and paged(optimizer, "adam_m") else []
+    kept = {n: (b, f) for n, _, b, f in small}
     for name, dtype, size, stage, formula in rows:
-        per_param = 0.0 if name == "loss_scale" else size / params
         label = name if name == "loss_scale" else ("adapter " if lora else "trained ") + name
         shards = sharding.gpus if sharding.zero >= stage else 1
+        n = trained
+        if name in kept:  # the small tensors' moments, on the GPU; the rest paged
+            small, small_formula = kept[name]
+            parts.append(StatePart(label, dtype, small / params, -(-small // shards), shards, False,
+                                   small_formula.replace("{N}", str(unpaged))))  # fmt: skip
+            size, n, label = size - small, trained - unpaged, label + " (paged)"
+        per_param = 0.0 if name == "loss_scale" else size / params
         parts.append(StatePart(label, dtype, per_param, -(-size // shards), shards, paged(optimizer, name),
-                               formula.replace("{N}", str(trained))))  # fmt: skip
+                               formula.replace("{N}", str(n))))  # fmt: skip
     how = (("qlora" if quantized[0] else "lora") + ("" if upcast else ":dtype")) if lora else recipe
     return ModelState(params, precision, optimizer, sharding, tuple(parts), how)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from memcalc.errors import InputError
 from memcalc.records import record
 
+from .bnb import MIN_PAGED_SIZE
 from .params import layer_params, n_params
 from .shape import ModelShape
 
@@ -118,6 +119,20 @@ def adapter_params(shape: ModelShape, finetune: Finetune) -> int:
     per_block = sum(sum(dims) for name, dims in projection_shapes(shape).items() if name in finetune.targets)
     head = shape.hidden + shape.vocab if HEAD in finetune.targets else 0
     return finetune.lora_rank * (shape.n_layers * per_block + head)
+
+
+def adapter_sizes(shape: ModelShape, finetune: Finetune) -> list[int]:
+    """The elements of each adapter tensor: lora_A r·in and lora_B out·r per targeted projection per block, and the
+    head's (adapter_params is their sum)."""
+    r = finetune.lora_rank
+    block = [n for name, (out, inp) in projection_shapes(shape).items() if name in finetune.targets
+             for n in (r * inp, out * r)]  # fmt: skip
+    return block * shape.n_layers + ([r * shape.hidden, shape.vocab * r] if HEAD in finetune.targets else [])
+
+
+def unpaged_adapter_params(shape: ModelShape, finetune: Finetune) -> int:
+    """The adapters' elements in tensors too small for a paged optimizer to page (memcalc.model.bnb)."""
+    return sum(n for n in adapter_sizes(shape, finetune) if n < MIN_PAGED_SIZE) if finetune.lora else 0
 
 
 def parse_targets(text: str | None) -> tuple[str, ...]:

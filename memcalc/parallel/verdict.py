@@ -19,6 +19,7 @@ from memcalc.exact.allocator.replay import Reserved
 from memcalc.exact.base.config import Phases, not_replayed, shape_not_replayed, window_not_built
 from memcalc.exact.replay.zero import Sharding
 from memcalc.exact.step import step_phases
+from memcalc.memory.estimate import state_for
 from memcalc.memory.setup import Fits, Setup, host_share
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import allocator_room, usable_bytes
@@ -146,11 +147,14 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
         phases = step_phases(shape, s.seq_len, s.micro_batch, tricks, s.grad_accum, s.stack, s.optimizer, sharding)
         replay = replay_text(sharding)
     own = n_params(shape)
-    state = sharded_state(own, tricks.precision, s.optimizer, g, layout.zero, layout.offload_optimizer,
-                          layout.offload_params, s.stack.recipe)  # fmt: skip
+    if s.stack.finetune.trains_all:
+        state_host = sharded_state(own, tricks.precision, s.optimizer, g, layout.zero, layout.offload_optimizer,
+                                   layout.offload_params, s.stack.recipe).host_bytes  # fmt: skip
+    else:  # what trains of a fine-tuned model: its paged optimizer state, if any (it offloads nothing)
+        state_host = state_for(shape, own, s, tricks.precision, layout)[2]
     usable, reserved = allocator_verdict(model, setup, gpu, tricks, layout, sharding, phases.step_peak_bytes,
                                          allocator)  # fmt: skip
-    host = state.host_bytes + phases.offloaded_bytes  # one micro-batch's offloaded activations, pinned till backward
+    host = state_host + phases.offloaded_bytes  # one micro-batch's offloaded activations, pinned till backward
     return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), usable, host,
                    host_share(setup, layout), phases, replay, "", own, reserved,
                    keeps_share=usable != allocator_room(gpu, layout.groups))  # fmt: skip

@@ -244,7 +244,7 @@ def sections(ans: Answer, units: str, detail: bool = False) -> list[Section]:
     est = ans.textbook
     replayed = any(v.replayed for v in ans.verdicts)
     summary = summary_section(ans, units) if replayed else textbook_summary_section(ans, units)
-    summary.notes += textbook.host_note(ans.verdicts[0], units)
+    summary.notes += textbook.host_note(ans.verdicts[0], units, ans.job.setup.optimizer.startswith("paged-"))
     if not detail:
         summary.notes.append(DETAIL_HINT)
         return [summary]

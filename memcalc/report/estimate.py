@@ -134,12 +134,14 @@ def fit_text(b, units: str, free: bool = False) -> str:
     return f"yes, {u.size(b.free_bytes, units)} free" if free else "yes"
 
 
-def host_note(b, units: str) -> list[str]:
-    """What offload puts in CPU memory against this GPU's share of it, when it puts anything there."""
+def host_note(b, units: str, paged: bool = False) -> list[str]:
+    """What offload (or a paged optimizer's unified memory) puts in CPU memory against this GPU's share of it, when
+    it puts anything there."""
     if not b.host_bytes:
         return []
     held, share = u.size_pair(b.host_bytes, b.host_usable_bytes, units)
-    return [f"host: {held} per GPU offloaded, against {share} (its share of the node's CPU memory, --host-memory)"]
+    how = "offloaded or paged" if paged else "offloaded"
+    return [f"host: {held} per GPU {how}, against {share} (its share of the node's CPU memory, --host-memory)"]
 
 
 def state_section(state: ModelState, units: str) -> Section:

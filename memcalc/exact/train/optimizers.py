@@ -33,13 +33,12 @@ the step does (memcalc.exact.kernels).
 
 from __future__ import annotations
 
+from memcalc.model.bnb import BLOCK, MIN_8BIT_SIZE, MIN_PAGED_SIZE
+
 from ..base.config import ITEMSIZE
 from ..sim.graph import Graph, layer_of
 from ..sim.tensors import LiveBytes, Storage, Tensor
 
-MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer2State: tensors with fewer elements keep fp32 state
-MIN_PAGED_SIZE = 100_000  # Optimizer8bit.get_state_buffer: paged only when p.numel() >= 1e5
-BLOCK = 256  # bitsandbytes Optimizer2State.init_state: elements per absmax
 QMAP = 256  # bitsandbytes functional.create_dynamic_map: 2**8 fp32 entries
 # arithmetic per element of the optimizers' list and fused kernels, counted from torch's formulas
 PER_ELEMENT = {"_foreach_mul_": 1, "_foreach_lerp_": 2, "_foreach_addcmul_": 3, "_foreach_sqrt": 1,

@@ -6,9 +6,10 @@ chunked, optimizer_in_bwd as --optimizer-in-backward, bitsandbytes' paged optimi
 Any other recipe (another builder, fp32, the distributed recipes' FSDP) is the hf stack's step without a KV cache
 (--no-cache), the model in the config's dtype (--recipe pure): Transformers' model of the same config computes
 what torchtune's does, with PEFT's fp32 adapters for torchtune's LoRALinear and bitsandbytes' nf4 for its NF4.
-What neither replays (activation offloading; the chunked loss and the optimizer step in backward off the torchtune
-stack; fused linear cross-entropy; LoRA on the output) lowers the peak by much, so a recipe that turns one on is
-refused, naming it, rather than answered with a peak it was written to avoid.
+apply_lora_to_output is lm_head among --lora-targets on either. What neither replays (activation offloading; the
+chunked loss and the optimizer step in backward off the torchtune stack; fused linear cross-entropy) lowers the peak
+by much, so a recipe that turns one on is refused, naming it, rather than answered with a peak it was written to
+avoid.
 
 Sources: pytorch/torchtune @ bd2a0fc7c314: recipes/configs/*/*.yaml (the keys), recipes/full_finetune_single_device.py
 and lora_finetune_single_device.py (batch_size, gradient_accumulation_steps, dtype, enable_activation_checkpointing,

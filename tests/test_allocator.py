@@ -178,3 +178,29 @@ def test_the_trace_maps_and_unmaps_expandable_pages():
            trace=trace)  # fmt: skip
     mapped = sum(t[2] for t in trace if t[0] == "segment_map") - sum(t[2] for t in trace if t[0] == "segment_unmap")
     assert mapped == 100 * MiB
+
+
+@given(SIZES, st.integers(1, 400))
+def test_the_run_at_capacity_first_is_the_run_with_no_limit_where_it_met_none(plan, capacity_mib):
+    """memcalc.exact.reserved.within replays at the capacity first (one replay where the driver never refuses a
+    segment): the same Reserved as the run with no limit first, to the byte, fitting, released or out of memory."""
+    from dataclasses import replace
+
+    from memcalc.exact.reserved import within
+
+    events, live = [], []
+    for i, (size, free_one) in enumerate(plan):
+        events.append((i, size, 0))
+        live.append((i, size))
+        if free_one and live:
+            key, n = live.pop(len(live) // 2)
+            events.append((key, -n, 0))
+    names, capacity = [f"op{i}" for i in range(len(events))], capacity_mib * MiB
+    free = replay(events, None, False, names)  # the order within took before
+    if free.reserved_bytes <= capacity:
+        expected = replace(free, capacity_bytes=capacity)
+    else:
+        tight = replay(events, capacity, False, names)
+        expected = tight if not tight.out_of_memory else replace(
+            free, capacity_bytes=capacity, out_of_memory=tight.out_of_memory, short_bytes=tight.short_bytes)
+    assert within(events, names, capacity, False) == expected

@@ -22,7 +22,7 @@ from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
-from .allocator.replay import Reserved, replay
+from .allocator.replay import Reserved, replay, replayed
 from .base.config import StepConfig
 from .growth import as_run
 from .replay.zero import Sharding
@@ -94,7 +94,16 @@ def reserved_over(timeline: list, recording, capacity: int | None, expandable: b
 
 def within(events: list, names: list[str], capacity: int | None, expandable: bool) -> Reserved:
     """The run with no limit where its reserve stays within capacity; else at capacity, where the released
-    cache may let it fit; else (out of memory there) the reserve it would need, with where it stopped."""
+    cache may let it fit; else (out of memory there) the reserve it would need, with where it stopped. Without
+    expandable segments the run at capacity comes first: where the driver never refused it a segment, it is the
+    run with no limit (the capacity enters only there), so one replay answers; expandable segments' address space
+    follows the capacity (memcalc.exact.allocator.expandable), so there the run with no limit comes first."""
+    if capacity is not None and not expandable:
+        tight, refusals = replayed(events, capacity, False, names)
+        if not refusals or not tight.out_of_memory:
+            return tight
+        free = replay(events, None, False, names)
+        return replace(free, capacity_bytes=capacity, out_of_memory=tight.out_of_memory, short_bytes=tight.short_bytes)
     free = replay(events, None, expandable, names)
     if capacity is None or free.reserved_bytes <= capacity:
         return replace(free, capacity_bytes=capacity or 0)

@@ -69,6 +69,7 @@ class CachingAllocator:
         self.peak_reserved_bytes = self.peak_allocated_bytes = 0
         self.reserved_at_allocated_peak = 0  # reserved when the allocated bytes peaked
         self.segments = 0  # cudaMallocs, or expandable segments' page mappings, so far
+        self.refusals = 0  # times the driver had no room for a segment (each followed by release_cached)
         self.next_addr = 1 << 32
 
     def malloc(self, size: int, stream: int = 0) -> CacheBlock:
@@ -170,6 +171,7 @@ class CachingAllocator:
     def reserve(self, nbytes: int) -> bool:
         """The driver gives nbytes more if the capacity allows."""
         if self.reserved_bytes + nbytes > self.capacity:
+            self.refusals += 1
             return False
         self.reserved_bytes += nbytes
         self.segments += 1

@@ -43,11 +43,18 @@ def replay(events: Iterable[tuple], capacity: int | None = None, expandable: boo
     names: each event's op, to say where an out-of-memory happened. trace: where given, a list the allocator
     appends each of its actions to, (action, address, bytes, stream), with ("event", i, 0, 0) before each
     event's own (CachingAllocator.note)."""
+    return replayed(events, capacity, expandable, names, trace)[0]
+
+
+def replayed(events: Iterable[tuple], capacity: int | None = None, expandable: bool = False,
+             names: list[str] | None = None, trace: list | None = None) -> tuple[Reserved, int]:  # fmt: skip
+    """replay's result, and how many times the driver refused a segment on the way (0: the run never met the
+    capacity, so it is the run with no limit, to the byte)."""
     a = CachingAllocator(capacity, expandable, trace)
     run = drive(a, events, names)
     return Reserved(a.peak_reserved_bytes, a.peak_allocated_bytes, run.peak_requested_bytes,
                     a.reserved_at_allocated_peak - a.peak_allocated_bytes, a.segments, expandable,
-                    capacity or 0, run.out_of_memory, run.short_bytes)  # fmt: skip
+                    capacity or 0, run.out_of_memory, run.short_bytes), a.refusals  # fmt: skip
 
 
 @record(frozen=True)

@@ -143,9 +143,9 @@ def test_replay_names_where_memory_ran_out():
 SIZES = st.lists(st.tuples(st.integers(1, 64 * MiB), st.booleans()), min_size=1, max_size=60)
 
 
-@given(SIZES, st.booleans())
-def test_reserved_covers_allocated_covers_requested(plan, expandable):
-    """At every point: reserved >= allocated >= requested, each block's range inside one segment."""
+def planned(plan: list[tuple[int, bool]]) -> list[tuple]:
+    """Allocator events from (size, free one) pairs: each size allocated, then, where asked, the middle one of
+    those still live freed."""
     events, live = [], []
     for i, (size, free_one) in enumerate(plan):
         events.append((i, size, 0))
@@ -153,6 +153,13 @@ def test_reserved_covers_allocated_covers_requested(plan, expandable):
         if free_one and live:
             key, n = live.pop(len(live) // 2)
             events.append((key, -n, 0))
+    return events
+
+
+@given(SIZES, st.booleans())
+def test_reserved_covers_allocated_covers_requested(plan, expandable):
+    """At every point: reserved >= allocated >= requested, each block's range inside one segment."""
+    events = planned(plan)
     r = replay(events, expandable=expandable)
     assert r.reserved_bytes >= r.allocated_bytes >= r.requested_bytes > 0
     assert 0 <= r.idle_bytes <= r.reserved_bytes
@@ -188,13 +195,7 @@ def test_the_run_at_capacity_first_is_the_run_with_no_limit_where_it_met_none(pl
 
     from memcalc.exact.reserved import within
 
-    events, live = [], []
-    for i, (size, free_one) in enumerate(plan):
-        events.append((i, size, 0))
-        live.append((i, size))
-        if free_one and live:
-            key, n = live.pop(len(live) // 2)
-            events.append((key, -n, 0))
+    events = planned(plan)
     names, capacity = [f"op{i}" for i in range(len(events))], capacity_mib * MiB
     free = replay(events, None, False, names)  # the order within took before
     if free.reserved_bytes <= capacity:

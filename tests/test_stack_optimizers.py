@@ -251,6 +251,11 @@ def test_the_textbook_keeps_a_paged_state_off_the_gpu():
     assert model_state(n, "bf16", "adamw", recipe="pure").host_bytes == 0
     eight = model_state(n, "bf16", "paged-adam8bit", recipe="pure")
     assert eight.host_bytes == 2 * (n + 4 * -(-n // 256)) and eight.total_bytes == 4 * n
+    from memcalc.memory.state import StateSharding
+
+    offloaded = {p.name: p for p in model_state(n, "bf16", "paged-adamw", StateSharding(8, 2, True)).parts}
+    assert offloaded["master"].on_host and not offloaded["master"].unified  # ZeRO-Offload's, in plain host memory
+    assert offloaded["adam_m"].on_host and offloaded["adam_m"].unified  # the paged moments, in unified memory
     lora = finetune_state(n + 1000, n, 1000, "bf16", "bf16", "paged-adamw", "pure", True)
     assert lora.host_bytes == 8 * 1000 and lora.total_bytes == 2 * n + 8 * 1000  # fp32 adapters and their grads
 

@@ -58,8 +58,9 @@ class StatePart:
     bytes_per_param: float  # before sharding; 8-bit Adam adds its per-block scales
     bytes: int  # held by one GPU (or, on host, by one GPU's share of host memory)
     sharded_over: int  # how many ranks share this part (1: replicated)
-    on_host: bool  # moved to CPU memory by offload
+    on_host: bool  # in CPU memory: moved there by offload, or (unified) paged by the driver
     formula: str  # template over {N} parameters and {G} GPUs, for --explain
+    unified: bool = False  # a paged optimizer's state: unified memory the driver pages to the host (on_host too)
 
 
 @record(frozen=True, slots=True)
@@ -162,11 +163,12 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", sharding:
     parts = []
     for name, dtype, size, stage, formula in unsharded_parts(precision, optimizer, params, recipe):
         shards = sharding.gpus if sharding.zero >= stage else 1
-        on_host = sharding.offload and stage == 1 or paged(optimizer, name)  # offloaded master and moments; paged state
+        unified = paged(optimizer, name)
+        on_host = sharding.offload and stage == 1 or unified  # offloaded master and moments; paged state
         per_param = 0.0 if name == "loss_scale" else size / params
         if shards > 1:
             formula = "⌈(" + formula + ")/{G}⌉"
-        parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula))
+        parts.append(StatePart(name, dtype, per_param, -(-size // shards), shards, on_host, formula, unified))
     return ModelState(params, precision, optimizer, sharding, tuple(parts), recipe)
 
 
@@ -196,20 +198,21 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
                            "master" if fp32_adapters else recipe)  # fmt: skip
     if fp32_adapters and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
         rows.append(("loss_scale", "fp32+int32", 8, 99, "8"))
-    small = optimizer_elements(optimizer, unpaged) if unpaged and paged(optimizer, "adam_m") else []
-    kept = {n: (b, f) for n, _, b, f in small}
+    kept = {n: (b, f) for n, _, b, f in optimizer_elements(optimizer, unpaged)} \
+        if unpaged and optimizer.startswith("paged-") else {}  # fmt: skip
     for name, dtype, size, stage, formula in rows:
         label = name if name == "loss_scale" else ("adapter " if lora else "trained ") + name
         shards = sharding.gpus if sharding.zero >= stage else 1
         n = trained
         if name in kept:  # the small tensors' moments, on the GPU; the rest paged
-            small, small_formula = kept[name]
-            parts.append(StatePart(label, dtype, small / params, -(-small // shards), shards, False,
-                                   small_formula.replace("{N}", str(unpaged))))  # fmt: skip
-            size, n, label = size - small, trained - unpaged, label + " (paged)"
+            kept_bytes, kept_formula = kept[name]
+            parts.append(StatePart(label, dtype, kept_bytes / params, -(-kept_bytes // shards), shards, False,
+                                   kept_formula.replace("{N}", str(unpaged))))  # fmt: skip
+            size, n, label = size - kept_bytes, trained - unpaged, label + " (paged)"
         per_param = 0.0 if name == "loss_scale" else size / params
-        parts.append(StatePart(label, dtype, per_param, -(-size // shards), shards, paged(optimizer, name),
-                               formula.replace("{N}", str(n))))  # fmt: skip
+        unified = paged(optimizer, name)
+        parts.append(StatePart(label, dtype, per_param, -(-size // shards), shards, unified,
+                               formula.replace("{N}", str(n)), unified))  # fmt: skip
     how = (("qlora" if quantized[0] else "lora") + ("" if upcast else ":dtype")) if lora else recipe
     return ModelState(params, precision, optimizer, sharding, tuple(parts), how)
 

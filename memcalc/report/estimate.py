@@ -152,13 +152,13 @@ def state_section(state: ModelState, units: str) -> Section:
         align="llrrl",
     )
     for p in state.parts:
-        where = ("unified" if state.optimizer.startswith("paged-") else "host") if p.on_host else "GPU"
+        where = "unified" if p.unified else "host" if p.on_host else "GPU"
         shard = f", 1/{p.sharded_over}" if p.sharded_over > 1 else ""
         s.rows.append([p.name, p.dtype, f"{p.bytes_per_param:g}", sized(p.bytes, units), where + shard])
     s.rows.append(["total on GPU", "", f"{state.bytes_per_param:g}", sized(state.total_bytes, units), ""])
     if state.host_bytes:
         s.rows.append(["total on host", "", "", sized(state.host_bytes, units),
-                       "paged: the driver's, host-backed" if state.optimizer.startswith("paged-") else ""])
+                       "its unified parts paged by the driver" if any(p.unified for p in state.parts) else ""])
     return s
 
 

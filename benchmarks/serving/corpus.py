@@ -26,7 +26,7 @@ PUBLISHED = ("total_gib", "weights_gib", "non_torch_gib", "activation_gib", "ava
 FIELDS = {"id": str, "url": str, "engine": str, "version": str, "gpu": str, "model": str, "hf_id": str, "tp": int,
           "context": int, "utilization": float, "settings_stated": bool, "split": str, "published": dict,
           "notes": str}  # fmt: skip
-OPTIONAL = {"weights": str, "max_num_batched_tokens": int, "max_num_seqs": int, "config": str}
+OPTIONAL = {"weights": str, "max_num_batched_tokens": int, "max_num_seqs": int, "config": str, "sampler": str}
 
 
 class CorpusError(ValueError):
@@ -56,6 +56,7 @@ class Log:
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
     config: str = ""  # a config.json beside this file (configs/) for a model memcalc has no preset of
+    sampler: str = "torch"  # flashinfer where the log says "Using FlashInfer for top-p & top-k sampling"
 
 
 def check(record: dict, where: str, folder: Path = HERE) -> None:
@@ -75,6 +76,8 @@ def check(record: dict, where: str, folder: Path = HERE) -> None:
     bad = set(record["published"]) - set(PUBLISHED)
     if bad or not record["published"]:
         raise CorpusError(f"{where}: published takes {', '.join(PUBLISHED)}, got {sorted(record['published'])}")
+    if record.get("sampler", "torch") not in ("torch", "flashinfer"):
+        raise CorpusError(f"{where}: sampler must be torch or flashinfer, got {record['sampler']!r}")
     if record.get("config") and (record["model"] or not (folder / record["config"]).is_file()):
         raise CorpusError(f"{where}: config {record['config']!r} must be a file beside the corpus, and model empty")
 

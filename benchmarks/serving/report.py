@@ -53,7 +53,7 @@ def job_of(log: Log):
             seqs = seqs or V0_SEQS
         return ServeJob(model, gpu(log.gpu), log.context, calibration_for(log.gpu), weights=log.weights, tp=log.tp,
                         gpu_memory_utilization=log.utilization, max_num_batched_tokens=tokens, max_num_seqs=seqs,
-                        vllm=release)  # fmt: skip
+                        vllm=release, sampler=log.sampler)  # fmt: skip
     except InputError as e:
         return str(e)
 

@@ -19,6 +19,7 @@ from .options import (Calibration, ConfigPath, Detail, ExactBytes, Ffn, Format, 
 Context = Annotated[str, typer.Option("--context", help="Tokens of one request, prompt and output together (vLLM's --max-model-len); k and m are binary.", metavar="N")]  # fmt: skip
 Weights = Annotated[Optional[str], typer.Option("--weights", help="The weights' serving format: bf16 (fp16 on a card without bf16, the default), fp16, fp8 (per-tensor scales), int8 (GPTQ), int4-awq or int4-gptq (group 128).", metavar="FMT")]  # fmt: skip
 VllmVersion = Annotated[str, typer.Option("--vllm-version", help="The vLLM release whose memory budget to follow: 0.8 to 0.20 (0.8, 0.9-0.10 and 0.11-0.20 differ; default 0.11).", metavar="X.Y")]  # fmt: skip
+Sampler = Annotated[str, typer.Option("--sampler", help="The top-k/top-p sampler of vLLM's profile run: torch (PyTorch's sort; pip's vLLM) or flashinfer (where flashinfer is installed, as in vLLM's Docker image, 0.8-0.11; from 0.13 under VLLM_USE_FLASHINFER_SAMPLER=1).", metavar="NAME")]  # fmt: skip
 KvDtype = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the activations' 16 bits) or fp8, as vLLM's --kv-cache-dtype.", metavar="DTYPE")]  # fmt: skip
 Batch = Annotated[Optional[str], typer.Option("--batch", help="Requests decoded together, for the time (default: the most that fit).", metavar="N")]  # fmt: skip
 Utilization = Annotated[str, typer.Option("--gpu-memory-utilization", help="vLLM's share of the GPU's memory for weights, activations and the KV cache.", metavar="X")]  # fmt: skip
@@ -48,7 +49,7 @@ def serve(
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None, context: Context = "8192", weights: Weights = None,
     kv_cache_dtype: KvDtype = "auto", batch: Batch = None, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
-    vllm_version: VllmVersion = "0.11",
+    vllm_version: VllmVersion = "0.11", sampler: Sampler = "torch",
     gpu_memory_utilization: Utilization = "0.9", block_size: BlockSize = None,
     max_num_batched_tokens: BatchedTokens = None, max_num_seqs: MaxSeqs = None, kv_cache_memory: KvCacheMemory = None,
     tp: ServeTp = "1", pp: ServePp = "1", dp: ServeDp = "1", expert_parallel: ExpertParallel = False,
@@ -79,7 +80,7 @@ def serve(
             optional_count(block_size, "block-size", 1 << 16),
             None if max_num_batched_tokens is None else parse_seq(max_num_batched_tokens, "max-num-batched-tokens"),
             optional_count(max_num_seqs, "max-num-seqs", MAX_BATCH), optional_count(kv_cache_memory, "kv-cache-memory", 1 << 50),
-            release_for(vllm_version).key,
+            release_for(vllm_version).key, sampler.strip().lower(),
         )  # fmt: skip
         result = answer(job)
     except InputError as e:

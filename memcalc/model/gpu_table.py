@@ -59,15 +59,17 @@ MI250X_PAGE = ("https://www.amd.com/en/products/accelerators/instinct/mi200/mi25
 MI300X_PAGE = "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"
 MI325X_PAGE = "https://www.amd.com/en/products/accelerators/instinct/mi300/mi325x.html"
 
-# Published "total_gpu_memory (X GiB)" of vLLM's startup log (V0 worker.py), per card
+# Published "total_gpu_memory (X GiB)" of vLLM's startup log (V0 worker.py), or PyTorch's out-of-memory message
+# ("GPU 0; X GiB total capacity", the total of cudaMemGetInfo that mem_get_info returns), per card
 CUDA_TOTAL_SOURCES = {
     "h100-sxm": "79.22 GiB, https://github.com/vllm-project/vllm/pull/10511 (H100 80GB HBM3, Llama-3-8B)",
     "rtx3090": "23.58 GiB, https://github.com/vllm-project/vllm/issues/10517 and /issues/14447",
     "a100-40gb": "39.38 GiB, https://github.com/vllm-project/vllm/issues/16570 (A100 40GB x 4)",
+    "a100-80gb": "79.25 GiB total capacity, https://github.com/levihsu/OOTDiffusion/issues/235 (an A100's OOM)",
 }
-CUDA_TOTALS_MIB = {"h100-sxm": 81121, "rtx3090": 24146, "a100-40gb": 40325}  # x 1024 of the GiB above
-# The driver's total less mem_get_info's on those three cards: 438, 430 and 635 MiB; their median stands in
-# for a card no log prints (the memory the driver keeps for itself, outside what CUDA hands out)
+CUDA_TOTALS_MIB = {"h100-sxm": 81121, "rtx3090": 24146, "a100-40gb": 40325, "a100-80gb": 81152}  # x 1024 of the GiB
+# The driver's total less mem_get_info's on those four cards: 438, 430, 635 and 768 MiB; their median (the lower
+# of the middle two, whole MiB) stands in for a card no log prints (what the driver keeps outside CUDA's reach)
 CUDA_RESERVE_MIB = 438
 
 GPUS: dict[str, GPU] = {

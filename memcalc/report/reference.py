@@ -88,9 +88,9 @@ def gpu_sections() -> list[Section]:
         "TF32 is enabled; - : no such tensor cores (bf16 and fp8 jobs are refused there)",
         "memory: the driver's total; each fit verdict keeps a headroom back (CUDA context, cuBLAS workspaces, NCCL "
         "buffers, the allocator's share): --headroom, --gpu-memory, docs/gpus.md",
-        "mem_get_info: torch.cuda.mem_get_info's total, which vLLM budgets from (memcalc serve), as vLLM's logs print "
-        "it (memcalc/model/gpu_table.py CUDA_TOTAL_SOURCES); *: none published, the driver's total less their median "
-        "reserve",
+        "mem_get_info: torch.cuda.mem_get_info's total, which vLLM budgets from (memcalc serve), as vLLM's logs or "
+        "PyTorch's out-of-memory message print it (memcalc/model/gpu_table.py CUDA_TOTAL_SOURCES); *: none "
+        "published, the driver's total less their median reserve",
     ]
     fabrics: dict[str, list[str]] = {}
     for g in GPUS.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from memcalc.model.sizes import MAX_SEQ
 from memcalc.serve.answer import ServeAnswer
 from memcalc.serve.job import DEFAULT_UTILIZATION
+from memcalc.serve.releases import counts_nccl
 
 from . import units as u
 from .render import Section, sized
@@ -33,7 +34,8 @@ def serve_preamble(a: ServeAnswer, units: str) -> list[str]:
 
 def profile_label(a: ServeAnswer) -> str:
     p = a.activations
-    sampled = f", {p.requests:,} sampled" if p.sampler else ""
+    by = "FlashInfer" if a.job.sampler == "flashinfer" else "PyTorch"
+    sampled = f", {p.requests:,} sampled by {by}" if p.sampler else ""
     return f"profile run: {p.tokens:,} tokens{sampled} ({p.at})"
 
 
@@ -63,16 +65,23 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
     s.notes = ["vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (weights + "
                "activation peak + non-torch memory); CUDA graphs are captured after the cache, in the "
                "1 - utilization margin",
-               "the sampler's peak is PyTorch's top-k/top-p sort over max_num_seqs x vocab (FlashInfer's sampler, "
-               "where installed and chosen, holds less); not counted: the allocator's fragmentation"]
+               SAMPLER_NOTES[j.sampler] + "; not counted: the allocator's fragmentation"]
     return s
+
+
+SAMPLER_NOTES = {
+    "torch": "the sampler's peak is PyTorch's top-k/top-p sort over max_num_seqs x vocab (--sampler flashinfer "
+             "where vLLM takes FlashInfer's)",
+    "flashinfer": "the sampler's peak is FlashInfer's top_k_top_p_sampling_from_logits over max_num_seqs x vocab "
+                  "(masked logits and their softmax, no sort)",
+}
 
 
 def non_torch_label(a: ServeAnswer) -> str:
     """What the release counts outside torch's tensors (memcalc.serve.releases.non_torch_bytes)."""
     r, j = a.job.release, a.job
     parts = ["cuBLAS, kernels (published logs' median)"] + (["CUDA context"] if r.counts_context else []) + \
-        (["NCCL buffers"] if r.counts_nccl and j.tp * j.pp > 1 else [])  # fmt: skip
+        (["NCCL's NVLS buffers"] if counts_nccl(r, j.tp * j.pp, j.gpu.intra) else [])  # fmt: skip
     return ", ".join(parts)
 
 

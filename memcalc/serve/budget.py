@@ -123,7 +123,7 @@ def stage_budget(job: ServeJob, stage: Stage, weights: int, activations: int, pa
     """determine_available_memory and get_num_blocks on the stage's GPU, its groups being the model's
     projected onto its layers (_project_kv_cache_groups_to_worker). --kv-cache-memory is taken as given,
     as determine_available_memory returns cache_config.kv_cache_memory_bytes without profiling."""
-    other = non_torch_bytes(job.release, job.tp * job.pp, CONTEXT_BYTES)
+    other = non_torch_bytes(job.release, job.tp * job.pp, job.gpu.intra, CONTEXT_BYTES)
     total = job.gpu.cuda_total_bytes
     left = job.kv_cache_memory or int(total * job.gpu_memory_utilization - (weights + activations + other))
     available, shortfall = max(0, left), max(0, -left)

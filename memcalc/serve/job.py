@@ -29,6 +29,7 @@ from .releases import DEFAULT_RELEASE, RELEASES, Release
 GIB = 1 << 30
 WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "int8", "int4-awq", "int4-gptq")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8")
+SAMPLERS = ("torch", "flashinfer")  # the profile run's top-k/top-p sampler (memcalc.serve.profile)
 DEFAULT_UTILIZATION = 0.9  # vllm/config/cache.py CacheConfig.gpu_memory_utilization
 CUDA_BLOCK_SIZE, FLASHMLA_BLOCK_SIZE = 16, 64  # vllm/platforms/cuda.py check_and_update_config
 
@@ -55,6 +56,7 @@ class ServeJob:
     max_num_seqs: int | None = None
     kv_cache_memory: int | None = None  # vLLM --kv-cache-memory: the cache's bytes per GPU, no profiling
     vllm: str = DEFAULT_RELEASE  # the span of vLLM releases whose budget is modelled (memcalc.serve.releases)
+    sampler: str = "torch"  # torch: PyTorch's sort (pip's vLLM); flashinfer: FlashInfer's (Docker image, 0.8-0.11)
 
     def __post_init__(self) -> None:
         shape = self.model.shape
@@ -65,6 +67,8 @@ class ServeJob:
             raise InputError(f"unknown weight format {self.weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
         if self.kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown KV cache dtype {self.kv_dtype!r}; known: {', '.join(KV_DTYPES)}")
+        if self.sampler not in SAMPLERS:
+            raise InputError(f"unknown sampler {self.sampler!r}; known: {', '.join(SAMPLERS)}")
         if self.vllm not in RELEASES:
             raise InputError(f"unknown vLLM release span {self.vllm!r}; known: {', '.join(RELEASES)}")
         if self.weights == "bf16" and not self.gpu.bf16_tflops:

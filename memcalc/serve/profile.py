@@ -19,6 +19,13 @@ logits.sort). What is live when the sort runs is the sampler's peak (bytes per e
 
 After the sort the reverse indices and cub's buffers are freed before anything as large is allocated
 (the masks are bool, the softmax and the scatter 4 bytes each: 26 bytes and the 16-bit logits at most).
+
+FlashInfer's sampler (--sampler flashinfer: TopKTopPSampler.forward_cuda, taken in 0.8 to 0.11 where
+flashinfer is installed, as in vLLM's Docker image, and from 0.13 under VLLM_USE_FLASHINFER_SAMPLER=1) sorts
+nothing: flashinfer_sample calls flashinfer.sampling.top_k_top_p_sampling_from_logits (flashinfer-python
+0.2.11, 0.3.1 and 0.5.3 alike, filter_apply_order "top_k_first"), which holds beside the 16-bit and the
+float32 logits top_k_mask_logits' output (torch.empty_like, 4) and its softmax (4) while
+top_p_sampling_from_probs draws R int32 samples.
 """
 
 from __future__ import annotations
@@ -61,14 +68,22 @@ def sort_buffer_bytes(rows: int) -> int:
     return 8 + 4 + 8  # segmented_sort_large_segments: the indices, cub's alternates
 
 
+def per_logit_bytes(sampler: str, rows: int) -> int:
+    """What the sampler holds at its peak per element of R x vocab, the 16-bit logits aside (see the
+    module): PyTorch's float32 logits, sorted values, int64 indices and the sort's buffers; FlashInfer's
+    float32 logits, masked logits and their softmax."""
+    if sampler == "flashinfer":
+        return 4 + 4 + 4
+    return 4 + 4 + 8 + sort_buffer_bytes(rows)
+
+
 def sampler_bytes(job: ServeJob, tokens: int, rows: int) -> int:
     """The sampler's peak (see the module): the kept hidden states, the R last ones and their rand_like
-    copy, the 16-bit logits, and per element of R x vocab float32 logits, sorted values, int64 indices and
-    the sort's buffers."""
+    copy, the 16-bit logits, and what the sampler holds per element of R x vocab."""
     shape, b = job.model.shape, job.activation_bytes
     padded = math.ceil(shape.vocab / VOCAB_PADDING) * VOCAB_PADDING  # vocab_parallel_embedding.py pad_vocab_size
     hidden = (tokens + 2 * rows) * shape.hidden * b  # _dummy_run's hidden states; last ones; torch.rand_like
-    return hidden + rows * padded * b + rows * shape.vocab * (4 + 4 + 8 + sort_buffer_bytes(rows))
+    return hidden + rows * padded * b + rows * shape.vocab * per_logit_bytes(job.sampler, rows)
 
 
 def activation_peak(job: ServeJob, stage: Stage) -> ActivationPeak:

@@ -24,7 +24,12 @@ three: FlashInfer's is taken only where flashinfer is installed (an extra, not a
 What the profile measures outside torch's allocator has no formula in vLLM's source; memcalc takes the
 CUDA context (memcalc.model.headroom's) where the release counts it, NCCL's communicator buffers where the
 release counts them and tp > 1, and the rest (cuBLAS handles, the kernels loaded lazily) as published
-startup logs print it: see NON_TORCH below.
+startup logs print it: see NON_TORCH below. NCCL's buffers are charged on the cards behind NVSwitch's
+NVLink 4 and 5 (Hopper, Blackwell), where they were measured (1.79 GiB, an H100 pair) and where NCCL runs
+the most channels and adds NVLink SHARP's: NVIDIA/nccl src/transport/nvls.cc (5067397c) ncclNvlsInit turns
+NVLS on where the device reports CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED and allocates nvlsTotalSize =
+nChannels x 2 x buffSize x nHeads per GPU. On other links (PCIe, an A100's NVLink 3, a group across nodes)
+the published logs show no rise over the tp 1 median (below), and nothing is added.
 """
 
 from __future__ import annotations
@@ -33,14 +38,18 @@ from memcalc.errors import InputError
 from memcalc.records import record
 
 GIB = 1 << 30
-# vLLM 0.6.5-0.8 (V0 engine) logs print "non_torch_memory takes X GiB" at tp 1 (worker.py determine_num_
-# available_blocks): 0.35 (RTX 3090, vllm-project/vllm#10517), 0.25 (2 x RTX 4090, #13061), 0.20 (RTX 3090,
-# #14447), 0.34, 0.38, 0.43 (A100 40GB x 4, #16570); their median, 0.345 GiB, stands for cuBLAS's handles and
-# the kernels loaded during the profile run where the release measures them.
+# vLLM 0.6.5-0.8 (V0 engine) logs print "non_torch_memory takes X GiB" (worker.py determine_num_available_
+# blocks): 0.35 (RTX 3090, vllm-project/vllm#10517), 0.25 (2 x RTX 4090 at tp 2, #13061), 0.20 (RTX 3090,
+# #14447), 0.34, 0.38, 0.43 (4 x A100 40GB at tp 4, #16570); their median, 0.345 GiB, stands for cuBLAS's
+# handles and the kernels loaded during the profile run where the release measures them. The tp 2 and 4 logs
+# hold NCCL too (vllm 0.8.5 worker.py init_device takes the baseline before init_worker_distributed_environment)
+# and are no higher than the tp 1 ones: on those links NCCL adds nothing memcalc can see.
 NON_TORCH_BYTES = int(0.345 * GIB)
-# NCCL's buffers on each GPU of a tp > 1 group: the difference of vllm-project/vllm#10511's two H100 runs,
-# non_torch_memory 3.58 GiB at tp 2 against 1.79 at tp 1 (Llama-3-8B, custom all-reduce's buffers included)
+# NCCL's buffers on each GPU of a tp > 1 group behind NVSwitch's NVLink 4/5: the difference of
+# vllm-project/vllm#10511's two H100 SXM runs, non_torch_memory 3.58 GiB at tp 2 against 1.79 at tp 1
+# (Llama-3-8B, custom all-reduce's buffers included)
 NCCL_BYTES = int((3.58 - 1.79) * GIB)
+NVLS_LINKS = ("nvlink4", "nvlink5", "nvlink-h800")  # memcalc.parallel.links keys: NVLink 4/5 via NVSwitch
 
 
 @record(frozen=True)
@@ -87,7 +96,13 @@ def release_for(text: str) -> Release:
     return RELEASES["0.8" if minor == 8 else "0.9" if minor < 11 else "0.11"]
 
 
-def non_torch_bytes(release: Release, tp: int, context: int) -> int:
-    """What the release's profile counts outside torch's tensors on one GPU (see the module)."""
+def counts_nccl(release: Release, gpus: int, intra: str) -> bool:
+    """Whether the release's profile holds NCCL's NVLS buffers: it measures NCCL, the group spans GPUs and
+    their link is NVSwitch's NVLink 4 or 5 (see the module)."""
+    return release.counts_nccl and gpus > 1 and intra in NVLS_LINKS
+
+
+def non_torch_bytes(release: Release, gpus: int, intra: str, context: int) -> int:
+    """What the release's profile counts outside torch's tensors on one GPU of `gpus` joined by `intra`."""
     return NON_TORCH_BYTES + (context if release.counts_context else 0) + \
-        (NCCL_BYTES if release.counts_nccl and tp > 1 else 0)  # fmt: skip
+        (NCCL_BYTES if counts_nccl(release, gpus, intra) else 0)  # fmt: skip

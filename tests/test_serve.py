@@ -61,12 +61,15 @@ def test_sliding_layers_keep_the_window_less_one():
 
 
 def test_weight_formats_by_hand():
-    """One 4096 x 4096 matrix: bf16 2 B a weight; fp8 1 B + two fp32 scales; AWQ int4 0.5 B + per group of
+    """One 4096 x 4096 matrix: bf16 2 B a weight; fp8 1 B + two fp32 scales, or one per 128 x 128 block (and
+    under Marlin one 16-bit scale per group of 128 inputs and column); AWQ int4 0.5 B + per group of
     128 inputs and column an fp16 scale and a 4-bit zero; GPTQ int4 the same + an int32 g_idx per input."""
     m, n = Matrix("o", 4096, 4096), 4096 * 4096
     groups = 4096 // 128 * 4096
     assert matrix_bytes(m, "bf16") == 2 * n
     assert matrix_bytes(m, "fp8") == n + 8
+    assert matrix_bytes(m, "fp8-block") == n + 4 * (4096 // 128) ** 2  # weight_scale_inv, a float32 per 128 x 128
+    assert matrix_bytes(m, "fp8-block", fp8_cores=False) == n + 2 * groups  # Marlin: a 16-bit scale per group
     assert matrix_bytes(m, "int4-awq") == n // 2 + 2 * groups + groups // 2
     assert matrix_bytes(m, "int4-gptq") == n // 2 + 2 * groups + groups // 2 + 4 * 4096
     assert matrix_bytes(m, "int8") == n + 2 * groups + groups + 4 * 4096

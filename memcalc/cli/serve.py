@@ -17,7 +17,7 @@ from .options import (Calibration, ConfigPath, Detail, ExactBytes, Ffn, Format, 
                       KvHeads, Layers, ModelName, Params, Units, Vocab)  # fmt: skip
 
 Context = Annotated[str, typer.Option("--context", help="Tokens of one request, prompt and output together (vLLM's --max-model-len); k and m are binary.", metavar="N")]  # fmt: skip
-Weights = Annotated[Optional[str], typer.Option("--weights", help="The weights' serving format: bf16 (fp16 on a card without bf16, the default), fp16, fp8 (per-tensor scales), int8 (GPTQ), int4-awq or int4-gptq (group 128).", metavar="FMT")]  # fmt: skip
+Weights = Annotated[Optional[str], typer.Option("--weights", help="The weights' serving format: bf16 (fp16 on a card without bf16, the default), fp16, fp8 (per-tensor scales), fp8-block (128 x 128 block scales: DeepSeek-V3's, Qwen3's -FP8), int8 (GPTQ), int4-awq or int4-gptq (group 128).", metavar="FMT")]  # fmt: skip
 VllmVersion = Annotated[str, typer.Option("--vllm-version", help="The vLLM release whose memory budget to follow: 0.8 to 0.20 (0.8, 0.9-0.10 and 0.11-0.20 differ; default 0.11).", metavar="X.Y")]  # fmt: skip
 Sampler = Annotated[str, typer.Option("--sampler", help="The top-k/top-p sampler of vLLM's profile run: torch (PyTorch's sort; pip's vLLM) or flashinfer (where flashinfer is installed, as in vLLM's Docker image, 0.8-0.11; from 0.13 under VLLM_USE_FLASHINFER_SAMPLER=1).", metavar="NAME")]  # fmt: skip
 KvDtype = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the activations' 16 bits) or fp8, as vLLM's --kv-cache-dtype.", metavar="DTYPE")]  # fmt: skip

@@ -11,7 +11,8 @@ from . import units as u
 from .render import Section, sized
 from .roofline import cal_origin
 
-WEIGHT_LABELS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8, per-tensor scales", "int8": "int8 GPTQ, group 128",
+WEIGHT_LABELS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8, per-tensor scales",
+                 "fp8-block": "fp8, 128 x 128 block scales", "int8": "int8 GPTQ, group 128",
                  "int4-awq": "int4 AWQ, group 128", "int4-gptq": "int4 GPTQ, group 128"}  # fmt: skip
 
 

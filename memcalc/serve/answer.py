@@ -91,8 +91,8 @@ def alternatives(job: ServeJob) -> list[tuple[str, ServeJob]]:
     out = []
     if job.kv_dtype != "fp8":
         out.append(("--kv-cache-dtype fp8", replace(job, kv_dtype="fp8")))
-    for fmt in WEIGHT_FORMATS[WEIGHT_FORMATS.index("fp8"):]:
-        if fmt != job.weights and fmt != "int4-gptq" and (fmt != "fp8" or job.gpu.bf16_tflops):  # fp8: sm80+
+    for fmt in WEIGHT_FORMATS[WEIGHT_FORMATS.index("fp8"):]:  # int4-gptq and fp8-block: about int4-awq's, fp8's
+        if fmt != job.weights and fmt not in ("int4-gptq", "fp8-block") and (fmt != "fp8" or job.gpu.bf16_tflops):
             out.append((f"--weights {fmt}", replace(job, weights=fmt)))
     if job.model.shape.n_heads % (2 * job.tp) == 0:
         out.append((f"--tp {2 * job.tp}", replace(job, tp=2 * job.tp)))

@@ -27,7 +27,7 @@ from memcalc.time.calibration import Calibration
 from .releases import DEFAULT_RELEASE, RELEASES, Release
 
 GIB = 1 << 30
-WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "int8", "int4-awq", "int4-gptq")
+WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "fp8-block", "int8", "int4-awq", "int4-gptq")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8")
 SAMPLERS = ("torch", "flashinfer")  # the profile run's top-k/top-p sampler (memcalc.serve.profile)
 DEFAULT_UTILIZATION = 0.9  # vllm/config/cache.py CacheConfig.gpu_memory_utilization
@@ -74,7 +74,7 @@ class ServeJob:
         if self.weights == "bf16" and not self.gpu.bf16_tflops:
             raise InputError(f"bf16 weights need bf16 tensor cores (Ampere or later), which the {self.gpu.name} "
                              "lacks: vLLM refuses them there; give --weights fp16")  # fmt: skip
-        if self.weights == "fp8" and not self.gpu.bf16_tflops:
+        if self.weights in ("fp8", "fp8-block") and not self.gpu.bf16_tflops:
             raise InputError(f"vLLM's fp8 weights need compute capability 8.0 or later; the {self.gpu.name} "
                              "has none")  # fmt: skip
         for name in (f"{self.half}_tflops", "bandwidth_gbps"):

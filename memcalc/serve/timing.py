@@ -97,7 +97,7 @@ class ServeTime:
 
 def compute_peak(job: ServeJob) -> float:
     """Dense FLOP/s the job's matmuls run at: fp8 on fp8 tensor cores, else 16 bits."""
-    return job.gpu.peak_flops("fp8-e4m3" if job.weights == "fp8" and job.gpu.fp8_tflops else job.half)
+    return job.gpu.peak_flops("fp8-e4m3" if job.weights in ("fp8", "fp8-block") and job.gpu.fp8_tflops else job.half)
 
 
 def roof(flops: float, moved: float, peak: float, efficiency: float, job: ServeJob, cal: Calibration) -> Roof:

@@ -8,6 +8,11 @@ request). One matrix of in x out weights takes, by format:
   bf16, fp16  2 bytes a weight
   fp8         1 byte a weight + two float32 per-tensor scales, weight_scale and input_scale
               (vllm/model_executor/layers/quantization/fp8.py Fp8LinearMethod.create_weights)
+  fp8-block   1 byte a weight + a float32 weight_scale_inv per block of 128 x 128 (weight_block_size
+              [128, 128], dynamic activation scales: no input_scale; DeepSeek-V3's and Qwen3's -FP8
+              checkpoints). Below compute capability 8.9 (no FP8 tensor cores) vLLM runs them through Marlin,
+              which turns the block scales into one 16-bit scale per 128 inputs and output column
+              (utils/marlin_utils_fp8.py prepare_fp8_layer_for_marlin: repeat_interleave(block_n))
   int8        GPTQ 8-bit, group 128: qweight int32 of 4 weights (1 byte a weight), per group of 128 inputs
               and column an fp16 scale and a zero (qzeros, 4 to an int32: 1 byte), g_idx int32 per input
               (vllm/model_executor/layers/quantization/gptq.py GPTQLinearMethod.create_weights)
@@ -56,13 +61,17 @@ class Matrix:
         return self.inputs * self.outputs * self.count
 
 
-def matrix_bytes(m: Matrix, fmt: str) -> int:
-    """One GPU's bytes of these matrices in the format (see the module's table)."""
+def matrix_bytes(m: Matrix, fmt: str, fp8_cores: bool = True) -> int:
+    """One GPU's bytes of these matrices in the format (see the module's table); fp8_cores: the card runs
+    FP8 matmuls (else vLLM's Marlin holds fp8-block's scales per group of inputs)."""
     n, groups = m.inputs * m.outputs, math.ceil(m.inputs / GROUP) * m.outputs
     if fmt in ("bf16", "fp16"):
         one = 2 * n
     elif fmt == "fp8":
         one = n + 2 * 4  # weight_scale and input_scale, float32 each, per tensor
+    elif fmt == "fp8-block":  # fp8.py create_weights: weight_scale_inv [ceil(out/128), ceil(in/128)] float32
+        blocks = math.ceil(m.outputs / GROUP) * math.ceil(m.inputs / GROUP)
+        one = n + (4 * blocks if fp8_cores else 2 * groups)
     else:
         bits = BITS[fmt]
         g_idx = 4 * m.inputs if fmt != "int4-awq" else 0  # GPTQ's int32 group index of every input row
@@ -165,12 +174,13 @@ def serving_weights(job: ServeJob, stage: Stage) -> Weights:
     blocks = [(dense, block_matrices(shape, False, tp), block_rest(shape, False))]
     if moe:
         blocks.append((moe, block_matrices(shape, True, tp, job.ep), block_rest(shape, True)))
-    matrices = sum(n * sum(matrix_bytes(m, fmt) for m in ms) for n, ms, _ in blocks)
+    cores = bool(job.gpu.fp8_tflops)
+    matrices = sum(n * sum(matrix_bytes(m, fmt, cores) for m in ms) for n, ms, _ in blocks)
     params = sum(n * (sum(m.params for m in ms) + rest) for n, ms, rest in blocks) + tables
     one = mlp_matrices(shape, shape.routed_ffn, 1 if job.ep > 1 else tp) if moe else []
     unread = positions + (embedding if head or not stage.last else 0)  # an embedding that is not the head
     return Weights(fmt, dense + moe, moe, matrices, 2 * (sum(n * r for n, _, r in blocks) + tables), params,
-                   shape.n_experts // job.ep if moe else 0, sum(matrix_bytes(m, fmt) for m in one),
+                   shape.n_experts // job.ep if moe else 0, sum(matrix_bytes(m, fmt, cores) for m in one),
                    sum(m.params for m in one), 2 * unread, unread)  # fmt: skip
 
 

@@ -22,7 +22,8 @@ def test_each_run_is_predicted_or_says_why():
 
 def test_a_recipe_memcalc_does_not_replay_is_named_not_guessed():
     runs = {f"{r.source.id}/{r.id}": r for r in load()}
-    assert "DoRA" in command(runs["peft_metamathqa/llama3.2-3b-dora-r32"])
+    assert "--dora" in command(runs["peft_metamathqa/llama3.2-3b-dora-r32"])  # use_dora: the replayed DoRA
+    assert "VERA" in command(runs["peft_metamathqa/llama3.2-3b-vera-r256"])
     assert "torch.compile" in command(runs["torchtune_readme/llama3.2-3b-lora"])  # compile: True in its config
     assert "distributed" in command(runs["torchtune_readme/llama3.1-70b-lora-8xa100"])
     packed = command(runs["torchtune_readme/llama3.2-3b-full-packed"])  # packed to 4,096, eager, full loss

@@ -197,3 +197,21 @@ def test_nested_sections_and_a_deepspeed_config(tmp_path):
     same = answer("estimate", "--model", "qwen3-0.6b", "--stack", "trl:0.25", "--tricks", "bf16,flash,ckpt", "--seq",
                   "256", "--micro-batch", "2", "--zero", "2", "--offload", "--gpus", "4")
     assert {k: v for k, v in read.items() if k != "from"} == same
+
+
+def test_use_dora_reads_as_dora(tmp_path):
+    """use_dora (TRL's ModelConfig, a PEFT LoraConfig section) and axolotl's peft_use_dora: --dora, the same
+    answer as typed."""
+    trl = write(tmp_path, json.dumps(TRAINER_SMALL | {"use_peft": True, "lora_r": 8, "use_dora": True}), "dora.json")
+    read = answer("estimate", "--from", trl)
+    assert uses(read)["use_dora"] == ("used", "--dora")
+    typed = answer("estimate", "--model", "qwen3-0.6b", "--stack", "trl:0.25", "--tricks", "bf16,flash,ckpt", "--seq",
+                   "256", "--micro-batch", "2", "--lora", "8", "--lora-dropout", "0.05", "--lora-targets", "q,v",
+                   "--dora")  # fmt: skip
+    assert {k: v for k, v in read.items() if k != "from"} == typed
+    section = TRAINER_SMALL | {"peft_config": {"r": 8, "use_dora": True, "task_type": "CAUSAL_LM"}}
+    assert uses(answer("estimate", "--from", write(tmp_path, json.dumps(section), "s.json")))["peft_config.use_dora"] \
+        == ("used", "--dora")  # fmt: skip
+    axolotl = write(tmp_path, "base_model: Qwen/Qwen3-0.6B\nadapter: lora\nlora_r: 8\nlora_target_linear: true\n"
+                              "peft_use_dora: true\nsequence_len: 256\nbf16: true\n", "run.yml")  # fmt: skip
+    assert uses(answer("estimate", "--from", axolotl, "--model", "qwen3-0.6b"))["peft_use_dora"] == ("used", "--dora")

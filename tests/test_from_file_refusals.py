@@ -1,6 +1,6 @@
 """`--from FILE` refuses in one line, exit code 2, naming the file and its key: a bad file (missing, not YAML or
 JSON, not a mapping, a wrong type, an unknown model, a kind its keys leave open, YAML aliases that repeat or
-refer to themselves), a key memcalc refuses elsewhere (LoRA sharded by FSDP or ZeRO, the 8-bit base, DoRA, an
+refer to themselves), a key memcalc refuses elsewhere (LoRA sharded by FSDP or ZeRO, the 8-bit base, an
 optimizer it does not model), and the memory savers it does not replay (activation offloading in torchtune's
 recipes; its chunked loss and optimizer step in backward where --stack torchtune does not run the recipe; fused
 linear cross-entropy, Liger's or torchtune's), which would make its answer overstate the peak the recipe was
@@ -82,8 +82,6 @@ REFUSED = {  # (file text, name, the key the line names, what it says)
     "a sharded recipe without its GPUs": (AXOLOTL + "fsdp: [full_shard]\n", "run.yml", "fsdp", "add --gpus N"),
     "the 8-bit base": (AXOLOTL + "adapter: lora\nlora_r: 8\nload_in_8bit: true\n", "run.yml", "load_in_8bit",
                        "depends on the data"),
-    "dora": (AXOLOTL + "adapter: lora\nlora_r: 8\nlora_target_linear: true\npeft_use_dora: true\n", "run.yml",
-             "peft_use_dora", "not modelled"),
     "modules_to_save": (json.dumps(TRAINER | {"use_peft": True, "lora_modules_to_save": ["lm_head"]}), "args.json",
                         "lora_modules_to_save", "not modelled"),
     "an optimizer not modelled": (json.dumps(TRAINER | {"optim": "adafactor"}), "args.json", "optim: adafactor",

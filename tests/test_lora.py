@@ -31,6 +31,7 @@ from verify.hf import build_hf  # noqa: E402
 from verify.meta import measure_step  # noqa: E402
 
 LORA = Finetune(4)
+DORA = Finetune(4, dora=True)
 MASTER = stack_for("hf", recipe="master", impl="reference")  # the tests' hf recipe (tests/test_stack_hf.py)
 PURE = stack_for("hf", recipe="pure", impl="fused")  # a bf16 model trained without autocast by fused AdamW
 TRAINER = stack_for("hf")  # the Trainer: bf16=True autocasts, adamw_torch_fused
@@ -49,12 +50,13 @@ def assert_meta(shape, tricks: str, stack, batch: int = 1, seq: int = 24) -> Non
     assert_same_step(phases, g, mem, step, live, tricks)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2"])
-def test_peft_parameters_as_peft_registers_them(name):
+@pytest.mark.parametrize("name,ft", [("llama", LORA), ("qwen3", LORA), ("qwen2", LORA), ("llama", DORA)])
+def test_peft_parameters_as_peft_registers_them(name, ft):
     """named_parameters() of get_peft_model's model: names (less PEFT's prefixes), shapes, dtypes (the base in
-    bf16, the adapters upcast to fp32) and which train, as the replay builds them; the adapters' count."""
-    shape, stack = TINY[name], replace(MASTER, finetune=LORA)
-    model = build_hf(shape, parse_tricks("bf16"), 24, finetune=LORA).model
+    bf16, the adapters upcast to fp32, DoRA's magnitudes too) and which train, as the replay builds them; the
+    adapters' count."""
+    shape, stack = TINY[name], replace(MASTER, finetune=ft)
+    model = build_hf(shape, parse_tricks("bf16"), 24, finetune=ft).model
     real = [(n.removeprefix("base_model.model.").replace(".base_layer", "").replace(".default", ""), tuple(p.shape),
              str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in model.named_parameters()]  # fmt: skip
     g = Graph(LiveBytes())
@@ -62,7 +64,7 @@ def test_peft_parameters_as_peft_registers_them(name):
     dtypes = {"bfloat16": "bf16", "float32": "fp32"}
     assert [(n, s, dtypes[d], r) for n, s, d, r in real] == [(p.name, p.shape, p.dtype, p.requires_grad)
                                                              for p in sim.p.values()]  # fmt: skip
-    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == adapter_params(shape, LORA)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == adapter_params(shape, ft)
 
 
 @pytest.mark.parametrize("name,tricks", [("llama", t) for t in ("bf16", "fp32", "fp16", "bf16,flash,ckpt",
@@ -80,6 +82,50 @@ def test_lora_dropout_and_targets(tricks):
     """lora_dropout > 0: nn.Dropout on the adapters' fp32 input saves its mask; q and v alone wrapped."""
     ft = Finetune(8, ("q_proj", "v_proj"), 0.1)
     assert_meta(TINY["qwen2"], tricks, replace(PURE, finetune=ft), batch=2)
+
+
+@pytest.mark.parametrize("name,tricks,stack,ft,batch", [
+    ("llama", "bf16", PURE, DORA, 1), ("llama", "bf16,flash,ckpt", PURE, DORA, 1), ("llama", "fp32", MASTER, DORA, 1),
+    ("llama", "bf16", MASTER, Finetune(4, ("q_proj", "v_proj", "lm_head"), dora=True), 1),
+    ("qwen2", "bf16", PURE, Finetune(8, ("q_proj", "v_proj"), 0.1, dora=True), 2),
+    ("qwen2", "bf16,flash,ckpt", PURE, Finetune(8, ("q_proj", "v_proj"), 0.1, dora=True), 2)])  # fmt: skip
+def test_dora_allocation_by_allocation(name, tricks, stack, ft, batch):
+    """PEFT's DoRA (use_dora=True): each forward builds lora_weight through an identity (held to the layer's
+    return), casts the base weight to fp32 and takes its row norm; with lora_dropout the base result is
+    recomputed from the dropped input, saving the fp32 weight copy; qwen2's biases are subtracted first. Under
+    ckpt the recompute packs what dead nodes saved and lets it go (torch's dead _Holder)."""
+    assert_meta(TINY[name], tricks, replace(stack, finetune=ft), batch=batch)
+
+
+def test_dora_under_the_trainers_autocast_on_cpu():
+    """DoRA in the Trainer's bf16 autocast on real CPU tensors, gradient checkpointing and dropout on."""
+    stack = replace(TRAINER, finetune=Finetune(4, lora_dropout=0.05, dora=True))
+    phases, g, mem = simulate(step_config(TINY["llama"], 24, 2, "bf16,ckpt", stack, device="cpu"), timeline=True)
+    step, live, recipe = measure_cpu(TINY["llama"], 24, 2, parse_tricks("bf16,ckpt"), 1, True, stack)
+    assert recipe.skipped == 0
+    assert_same_step(phases, g, mem, step, live, "bf16,ckpt")
+
+
+def test_dora_trainable_count_is_peft_method_comparisons():
+    """huggingface/peft method_comparison/MetaMathQA results/lora--llama-3.2-3B-rank32-dora.json:
+    num_trainable_params 9,289,728 (r 32 on q and v: LoRA's 9,175,040 and a magnitude per output, 28 x 4,096)."""
+    shape = PRESETS["llama3.2-3b"]
+    assert adapter_params(shape, Finetune(32, ("q_proj", "v_proj"), dora=True)) == 9_289_728
+    assert adapter_params(shape, Finetune(32, ("q_proj", "v_proj"))) == 9_175_040
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--dora"], "--dora is an option of LoRA"), (["--lora", "8", "--dora", "--quantize", "nf4"], "4-bit base"),
+    (["--lora", "8", "--dora", "--stack", "fsdp2", "--gpus", "8", "--zero", "3"], "FSDP or ZeRO"),
+    (["--lora", "8", "--dora", "--gpus", "8", "--zero", "2"], "FSDP or ZeRO"),
+    (["--lora", "8", "--dora", "--stack", "torchtune"], "Transformers' classes")])  # fmt: skip
+def test_dora_refusals(args, why):
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    out = CliRunner().invoke(app, ["estimate", "--model", "llama3-8b", *args])
+    assert out.exit_code == 2 and why in out.output, out.output
 
 
 @pytest.mark.parametrize("tricks", ["bf16", "bf16,flash,ckpt", "bf16,selective"])
@@ -104,18 +150,20 @@ def test_lora_under_the_trainers_autocast_on_cpu(tricks):
     assert_same_step(phases, g, mem, step, live, tricks)
 
 
-@pytest.mark.parametrize("name,tricks", [("llama3-8b", "bf16,flash,ckpt"), ("qwen3-8b", "bf16,flash")])
-def test_lora_at_8b_width(name, tricks):
-    """LoRA r=16 on every projection at 8B width, seq 2048, three blocks deep: every phase, the saved bytes and
-    FlopCounterMode's count equal PEFT's on meta. The gradients are the adapters' alone, in fp32."""
-    shape, t, stack = replace(PRESETS[name], n_layers=3), parse_tricks(tricks), replace(PURE, finetune=Finetune(16))
+@pytest.mark.parametrize("name,tricks,dora", [("llama3-8b", "bf16,flash,ckpt", False),
+                                             ("qwen3-8b", "bf16,flash", False), ("llama3-8b", "bf16,flash,ckpt", True)])
+def test_lora_at_8b_width(name, tricks, dora):
+    """LoRA r=16 (and DoRA) on every projection at 8B width, seq 2048, three blocks deep: every phase, the saved
+    bytes and FlopCounterMode's count equal PEFT's on meta. The gradients are the adapters' alone, in fp32."""
+    ft = Finetune(16, dora=dora)
+    shape, t, stack = replace(PRESETS[name], n_layers=3), parse_tricks(tricks), replace(PURE, finetune=ft)
     step, _ = measure_step(shape, 2048, 1, t, stack=stack)
     e = exact_step(shape, 2048, 1, t, stack=stack)
     for f in FIELDS:
         assert getattr(e.phases, f) == getattr(step, f), f
     assert e.activations.total_bytes == step.saved_bytes
     assert step.flops == e.flops.counted
-    assert e.phases.grads_bytes == 4 * adapter_params(shape, Finetune(16))
+    assert e.phases.grads_bytes == 4 * adapter_params(shape, ft)
 
 
 QLORA = Finetune(4, quantize="nf4")

@@ -54,7 +54,7 @@ def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool, trl: str = "", 
         lib = peft()
         config = lib.LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha,
                                 lora_dropout=finetune.lora_dropout, target_modules=list(finetune.targets),
-                                task_type="CAUSAL_LM")  # fmt: skip
+                                use_dora=finetune.dora, task_type="CAUSAL_LM")  # fmt: skip
         with warnings.catch_warnings():  # PeftModel.__init__ asks the deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
             model = lib.get_peft_model(model, config)

@@ -45,8 +45,6 @@ def command(run: Run) -> list[str] | str:
         return torchtune_command(run)
     if run.method == "other-peft":
         return f"{run.peft_type}: memcalc replays LoRA and QLoRA, not other PEFT methods"
-    if run.dora:
-        return "DoRA (use_dora: the weight's norm and magnitude beside the adapters) is not replayed"
     if run.parallel in ("fsdp", "deepspeed") and run.method == "full":
         return f"FSDP1 and DeepSpeed's full fine-tuning sharded over GPUs ({run.parallel}) are not replayed yet"
     if run.parallel == "fsdp":  # memcalc replays LoRA under FSDP2 (fully_shard) and ZeRO; these ran FSDP1
@@ -74,6 +72,7 @@ def command(run: Run) -> list[str] | str:
         args += ["--lora", str(run.lora_rank), "--lora-dropout", str(run.lora_dropout or 0)]
         if run.lora_targets:
             args += ["--lora-targets", ",".join(run.lora_targets)]
+        args += ["--dora"] if run.dora else []
     if run.method == "qlora":
         args += ["--quantize", run.quant or "nf4"]
     if run.parallel == "deepspeed":  # ZeRO over the data-parallel GPUs (memcalc.exact.replay.zero, the base frozen)

@@ -99,7 +99,7 @@ def seq_for(seq: str | None, model: Model | None) -> str:
 @dataclass(frozen=True)
 class StackOptions(OptionGroup):
     """--stack, --recipe, --optimizer-impl, --no-cache, and the fine-tuning: --lora, --lora-targets,
-    --lora-dropout, --quantize, --freeze."""
+    --lora-dropout, --dora, --quantize, --freeze."""
 
     stack: str | None = None
     recipe: str | None = None
@@ -109,6 +109,7 @@ class StackOptions(OptionGroup):
     lora: str | None = None
     lora_targets: str | None = None
     lora_dropout: str | None = None
+    dora: bool = False
     quantize: str | None = None
     freeze: str | None = None
     loss: str | None = None
@@ -120,7 +121,7 @@ class StackOptions(OptionGroup):
         from memcalc.model.finetune import finetune_for
         from memcalc.model.stacks import stack_for, with_loop
 
-        finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze)
+        finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora)
         chosen = stack_for(self.stack or ("reference" if finetune.trains_all else "hf"), self.recipe,
                            self.optimizer_impl, self.no_cache, self.offload_activations)  # fmt: skip
         if not finetune.trains_all:

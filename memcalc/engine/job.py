@@ -104,6 +104,10 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
            finetune_not_replayed(ft, arch_for(model.shape), "hf"))  # a mixture of experts or latent attention
     if why:
         raise InputError(why)
+    if ft.dora and (stack.model != "hf" or stack.engine == "fsdp2" or lay.zero):
+        raise InputError("--dora is replayed as PEFT runs it on Transformers' classes (--stack hf), on one GPU or each "
+                         "GPU of plain data parallelism: under FSDP or ZeRO each weight is gathered for its norm, "
+                         "which is not replayed")  # fmt: skip
     if HEAD in ft.targets and model.shape.tied_embeddings:
         raise InputError(f"--lora-targets lm_head: {model.shape.name or 'the model'}'s head is its embedding table "
                          "(tied): LoRA on it is not replayed (PEFT wraps the shared module, torchtune refuses "

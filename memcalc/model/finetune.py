@@ -38,6 +38,7 @@ class Finetune:
     quantize: str = ""  # the frozen base's storage: "" (the model's dtype), nf4 or int8 (bitsandbytes)
     freeze: tuple[str, ...] = ()  # full training: "embeddings", "head" frozen
     frozen_blocks: int = 0  # full training: the first N blocks frozen
+    dora: bool = False  # LoraConfig(use_dora=True): a trained magnitude per output of each targeted projection
 
     @property
     def lora(self) -> bool:
@@ -61,7 +62,8 @@ class Finetune:
     def label(self) -> str:
         """'lora 16', 'qlora nf4 16', 'frozen embeddings, 2 blocks' or '' for full training."""
         if self.lora:
-            return (f"QLoRA ({self.quantize}) r={self.lora_rank}" if self.quantize else f"LoRA r={self.lora_rank}")
+            name = "DoRA" if self.dora else "LoRA"
+            return f"Q{name} ({self.quantize}) r={self.lora_rank}" if self.quantize else f"{name} r={self.lora_rank}"
         blocks = f"the first {self.frozen_blocks} block" + ("s" if self.frozen_blocks > 1 else "")
         frozen = list(self.freeze) + ([blocks] if self.frozen_blocks else [])
         return "frozen: " + ", ".join(frozen) if frozen else ""
@@ -113,21 +115,24 @@ def quantized_weights(shape: ModelShape) -> tuple[int, int]:
 
 def adapter_params(shape: ModelShape, finetune: Finetune) -> int:
     """LoRA's trainable parameters: r·(in + out) per targeted projection per block, and on the head r·(hidden +
-    vocab) (lora_A (r, in), lora_B (out, r): peft/tuners/lora/layer.py LoraLayer.update_layer)."""
-    if not finetune.lora:
-        return 0
-    per_block = sum(sum(dims) for name, dims in projection_shapes(shape).items() if name in finetune.targets)
-    head = shape.hidden + shape.vocab if HEAD in finetune.targets else 0
-    return finetune.lora_rank * (shape.n_layers * per_block + head)
+    vocab) (lora_A (r, in), lora_B (out, r): peft/tuners/lora/layer.py LoraLayer.update_layer); DoRA adds a
+    magnitude per output (lora_magnitude_vector: DoraLinearLayer.update_layer)."""
+    return sum(adapter_sizes(shape, finetune))
 
 
 def adapter_sizes(shape: ModelShape, finetune: Finetune) -> list[int]:
-    """The elements of each adapter tensor: lora_A r·in and lora_B out·r per targeted projection per block, and the
-    head's (adapter_params is their sum)."""
+    """The elements of each adapter tensor, in PEFT's order: lora_A r·in, lora_B out·r (and DoRA's magnitude, out)
+    per targeted projection per block, then the head's (adapter_params is their sum)."""
+    if not finetune.lora:
+        return []
     r = finetune.lora_rank
+
+    def one(out: int, inp: int) -> list[int]:
+        return [r * inp, out * r] + ([out] if finetune.dora else [])
+
     block = [n for name, (out, inp) in projection_shapes(shape).items() if name in finetune.targets
-             for n in (r * inp, out * r)]  # fmt: skip
-    return block * shape.n_layers + ([r * shape.hidden, shape.vocab * r] if HEAD in finetune.targets else [])
+             for n in one(out, inp)]  # fmt: skip
+    return block * shape.n_layers + (one(shape.vocab, shape.hidden) if HEAD in finetune.targets else [])
 
 
 def unpaged_adapter_params(shape: ModelShape, finetune: Finetune) -> int:
@@ -173,13 +178,14 @@ def parse_freeze(text: str | None) -> tuple[tuple[str, ...], int]:
 
 
 def finetune_for(lora: str | None = None, targets: str | None = None, dropout: str | None = None,
-                 quantize: str | None = None, freeze: str | None = None) -> Finetune:  # fmt: skip
+                 quantize: str | None = None, freeze: str | None = None, dora: bool = False) -> Finetune:  # fmt: skip
     """The CLI's options as one record; options that do not apply refused in one line."""
     from .sizes import parse_count
 
     rank = 0 if lora is None else parse_count(lora, "lora", MAX_RANK)
     if not rank:
-        for flag, value in (("--lora-targets", targets), ("--lora-dropout", dropout), ("--quantize", quantize)):
+        for flag, value in (("--lora-targets", targets), ("--lora-dropout", dropout), ("--quantize", quantize),
+                            ("--dora", dora or None)):  # fmt: skip
             if value is not None:
                 raise InputError(f"{flag} is an option of LoRA: give --lora R (QLoRA is --lora R --quantize nf4)")
     q = (quantize or "").strip().lower()
@@ -196,4 +202,7 @@ def finetune_for(lora: str | None = None, targets: str | None = None, dropout: s
             raise InputError(f"--lora-dropout must be a number in [0, 1), got {dropout!r}") from None
         if not 0 <= p < 1:
             raise InputError(f"--lora-dropout must be a number in [0, 1), got {dropout!r}")
-    return Finetune(rank, parse_targets(targets), p, quantize=q, freeze=frozen, frozen_blocks=blocks)
+    if dora and q:
+        raise InputError("--dora with --quantize: DoRA over a 4-bit base is not replayed (PEFT dequantizes each "
+                         "weight for its norm); give --dora over a 16-bit base")  # fmt: skip
+    return Finetune(rank, parse_targets(targets), p, quantize=q, freeze=frozen, frozen_blocks=blocks, dora=dora)

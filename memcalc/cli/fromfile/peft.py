@@ -37,8 +37,8 @@ def lora_options(ledger: KeyLedger) -> bool:
         return False
     ledger.used("use_peft", "LoRA (TRL's ModelConfig)")
     lora_settings(ledger, "lora_r", 16, "lora_dropout", 0.05, "lora_target_modules", "TRL's ModelConfig")
-    for key, why in (("use_dora", "DoRA"), ("lora_modules_to_save", "modules_to_save"),
-                     ("lora_target_parameters", "target_parameters")):  # fmt: skip
+    dora_option(ledger, "use_dora")
+    for key, why in (("lora_modules_to_save", "modules_to_save"), ("lora_target_parameters", "target_parameters")):
         refuse_extra(ledger, key, why)
     for key in TRL_IGNORED:
         if ledger.has(key):
@@ -52,8 +52,9 @@ def lora_section(ledger: KeyLedger, name: str) -> bool:
     if kind is not None and kind.strip().upper() != "LORA":
         ledger.refuse(f"{name}.peft_type", "memcalc replays LoRA and QLoRA, not other PEFT methods")
     lora_settings(ledger, f"{name}.r", 8, f"{name}.lora_dropout", 0.0, f"{name}.target_modules", "LoraConfig's")
-    for key, why in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"),
-                     ("target_parameters", "target_parameters"), ("layers_to_transform", "layers_to_transform")):
+    dora_option(ledger, f"{name}.use_dora")
+    for key, why in (("modules_to_save", "modules_to_save"), ("target_parameters", "target_parameters"),
+                     ("layers_to_transform", "layers_to_transform")):  # fmt: skip
         refuse_extra(ledger, f"{name}.{key}", why)
     bias = ledger.text(f"{name}.bias")
     if bias is not None and bias.strip().lower() != "none":
@@ -80,6 +81,14 @@ def lora_settings(ledger: KeyLedger, rank_key: str, rank: int, dropout_key: str,
         ledger.set("lora_targets", lora_targets(ledger, targets_key, names), targets_key)
     else:
         ledger.default("lora_targets", PEFT_DEFAULT_TARGETS, targets_key, "PEFT's default for Llama and Qwen")
+
+
+def dora_option(ledger: KeyLedger, key: str) -> None:
+    """use_dora (LoraConfig's, TRL's ModelConfig's; axolotl's peft_use_dora): --dora where it is on."""
+    if ledger.flag(key):
+        ledger.set("dora", True, key, "--dora")
+    elif ledger.has(key):
+        ledger.used(key, "off")
 
 
 def refuse_extra(ledger: KeyLedger, key: str, what: str) -> None:

@@ -44,6 +44,35 @@ def add_scalar(g: Graph, a: Tensor) -> Tensor:
     return out
 
 
+def sub(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """a - b, broadcasting (SubBackward0): saves nothing; a's gradient passes through, b's is -grad."""
+    sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
+
+    def rule(gs):
+        db = (made(g, gs[0].shape, "neg", gs[0], dtype=gs[0].dtype), sb) if gb else None
+        return [(gs[0], sa) if ga else None, db]
+
+    node = g.begin("sub", [a, b], rule)
+    out = made(g, broadcast(a.shape, b.shape), "sub", a, b, dtype=promote((a.dtype, sa), (b.dtype, sb)))
+    g.end(node, [out])
+    return out
+
+
+def sub_scalar(g: Graph, a: Tensor) -> Tensor:
+    """a - c for a Python number (SubBackward0 of a wrapped number): saves nothing; the gradient passes through."""
+    node = g.begin("sub", [a], lambda gs: [gs[0]])
+    out = made(g, a.shape, "sub", a, dtype=a.dtype)
+    g.end(node, [out])
+    return out
+
+
+def vector_norm_rows(g: Graph, w: Tensor) -> Tensor:
+    """torch.linalg.norm(w, dim=1) of a 2-D w no gradient reaches (linalg_vector_norm): one value per row, in
+    w's dtype; the reduction needs no workspace of its own."""
+    assert w.grad_fn is None, "vector_norm_rows: replayed only where no gradient flows"
+    return made(g, (w.shape[0],), "linalg_vector_norm", w, dtype=w.dtype)
+
+
 def mul(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     """a * b (MulBackward0): saves b when a needs grad and a when b does; each gradient is made at
     the broadcast shape, in the dtype of grad · the other operand (mul_tensor_backward), and summed

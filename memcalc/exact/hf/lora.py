@@ -22,12 +22,13 @@ from .. import aten
 from ..sim.graph import LEAF_SEQ, Graph, Node, layer_of
 from ..sim.tensors import Tensor
 from .attention import dropout
+from .dora import dora_result
 from .trl import prepared_dtype
 
 if TYPE_CHECKING:
     from .family import HFModel
 
-ADAPTERS = ("lora_A", "lora_B")
+ADAPTERS = ("lora_A", "lora_B", "lora_magnitude_vector")
 
 
 def with_adapters(params: list[tuple[str, tuple]], finetune: Finetune) -> list[tuple[str, tuple]]:
@@ -44,6 +45,7 @@ def with_adapters(params: list[tuple[str, tuple]], finetune: Finetune) -> list[t
             rows, cols = params[[n for n, _ in params].index(module + ".weight")][1]
             out += [(module + ".lora_A.weight", (finetune.lora_rank, cols)),
                     (module + ".lora_B.weight", (rows, finetune.lora_rank))]  # fmt: skip
+            out += [(module + ".lora_magnitude_vector.weight", (rows,))] if finetune.dora else []
     return out
 
 
@@ -98,7 +100,13 @@ def lora_linear(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
     torch_result_dtype = result.dtype
     a, b = m.p[name + ".lora_A.weight"], m.p[name + ".lora_B.weight"]
     x = aten.to(g, x, a.dtype)
-    result = aten.add(g, result, adapter(g, x, a, b, m.cfg.finetune.lora_dropout))
+    ft = m.cfg.finetune
+    if ft.dora:  # DoraLinearVariant.forward (memcalc.exact.hf.dora)
+        magnitude = m.p[name + ".lora_magnitude_vector.weight"]
+        result = dora_result(g, m.p[name + ".weight"], m.p.get(name + ".bias"), magnitude, a, b, x, result,
+                             ft.lora_dropout)  # fmt: skip
+    else:
+        result = aten.add(g, result, adapter(g, x, a, b, ft.lora_dropout))
     result = aten.to(g, result, torch_result_dtype)
     del x
     return result

@@ -9,6 +9,7 @@ methods memcalc.exact.sim.graph.Graph runs them with.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 
 from .offload import HostInput
@@ -16,9 +17,10 @@ from .tensors import Storage, Tensor
 
 
 class Slot:
-    """A saved tensor inside a checkpointed region: an index into its Frame, no bytes."""
+    """A saved tensor inside a checkpointed region: an index into its Frame, no bytes; it dies with the node that
+    saved it (torch's _Holder, which the frame holds weakly)."""
 
-    __slots__ = ("frame", "index")
+    __slots__ = ("frame", "index", "__weakref__")
 
     def __init__(self, frame: Frame, index: int):
         self.frame, self.index = frame, index
@@ -37,6 +39,8 @@ class Frame:
     def __init__(self, fn: Callable, args: tuple, policy: Callable[[str, int], bool] | None = None):
         self.fn, self.args = fn, args
         self.n_saved = 0
+        self.holders: list[weakref.ref] = []  # each placeholder, weakly (torch's frame.weak_holders)
+        self.repacked = 0  # tensors the recompute has saved so far (frame.recomp_counter)
         self.recomputed: dict[int, Storage] | None = None
         self.autocast = None  # the autocast region its forward ran in: recompute runs in it again
         self.policy = policy
@@ -95,7 +99,7 @@ class Checkpointing:
     def rebuild(self, frame: Frame, node=None) -> None:
         """The first unpack in backward (inside node's run): run the region again with grad on (and under the
         autocast it ran in: checkpoint.py's recompute_fn), keep what it saves. Offloaded inputs come back first."""
-        frame.recomputed, frame.counts = {}, {}  # the recompute's mode counts afresh
+        frame.recomputed, frame.counts, frame.repacked = {}, {}, 0  # the recompute's mode counts afresh
         args = tuple(self.offload.unpack_input(node, t) if isinstance(t, HostInput) else t for t in frame.args)
         self.rebuilding, self.grad_enabled = frame, True
         region = contextlib.nullcontext() if frame.autocast is None else frame.autocast.region(self)

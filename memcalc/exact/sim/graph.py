@@ -243,15 +243,19 @@ class Graph(Checkpointing, Backward):
             node.saved += [self.save(t, node.name, what) for t, what in saved]
 
     def save(self, t: Tensor, op: str, what: str):
-        if self.rebuilding is not None:  # recomputing a checkpoint region: the frame takes it
+        if self.rebuilding is not None:  # recomputing a checkpoint region: the frame takes what a node still needs
             frame = self.rebuilding
-            frame.recomputed[len(frame.recomputed)] = t.storage
-            if len(frame.recomputed) == frame.n_saved:
+            frame.repacked += 1
+            if frame.holders[frame.repacked - 1]() is not None:  # else the node that saved it has died
+                frame.recomputed[frame.repacked - 1] = t.storage
+            if frame.repacked == frame.n_saved:
                 raise StopRecompute  # torch's early stop: the last saved tensor is rebuilt
-            return None
+            return t.storage  # the recompute's own node holds it (the pack hook's x.detach()) while it lives
         if self.frame is not None:  # inside a checkpoint region: a placeholder, no bytes kept
             self.frame.n_saved += 1
-            return Slot(self.frame, self.frame.n_saved - 1)
+            slot = Slot(self.frame, self.frame.n_saved - 1)
+            self.frame.holders.append(weakref.ref(slot))
+            return slot
         self.note_saved(t, op, what)
         return t.storage if self.offload is None else self.offload.pack(t)
 

@@ -213,7 +213,7 @@ def test_small_with_the_pure_recipe_and_torch_optim(impl):
     for shape in SMALL.values():
         for policy in POLICIES:
             t = tricks_for(policy, True)
-            step, _ = measure_step(shape, 24, 2, t, stack=stack)
+            step, _ = measure_step(shape, 24, 2, t, stack=stack, count_flops=False)
             e = exact_step(shape, 24, 2, t, 1, stack)
             assert [getattr(e.phases, f) for f in PHASE_FIELDS] == [getattr(step, f) for f in PHASE_FIELDS], policy
             assert e.activations.total_bytes == step.saved_bytes

@@ -29,7 +29,7 @@ def test_the_verdict_is_llama3_8bs_measured_peak():
     from verify.meta import measure_step
 
     data = estimate_json("--model", "llama3-8b", "--seq", "8192", "--tricks", "bf16,flash")
-    step, _ = measure_step(preset_model("llama3-8b").shape, 8192, 1, parse_tricks("bf16,flash"))
+    step, _ = measure_step(preset_model("llama3-8b").shape, 8192, 1, parse_tricks("bf16,flash"), count_flops=False)
     verdict, textbook_total = data["verdict"][0], data["memory"][0]["total_bytes"]
     assert verdict["total_bytes"] == step.step_peak_bytes
     assert abs(textbook_total / step.step_peak_bytes - 1) > 0.01  # the textbook beside it: 3.7% low here

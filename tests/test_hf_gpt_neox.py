@@ -54,7 +54,7 @@ def test_parallel_residual_saves_one_norm_input():
     saved = {}
     for parallel in (True, False):
         shape = replace(NEOX, parallel_residual=parallel)
-        step, _ = measure_step(shape, T, B, t, stack=HF)
+        step, _ = measure_step(shape, T, B, t, stack=HF, count_flops=False)
         saved[parallel] = exact_step(shape, T, B, t, stack=HF).activations
         assert step.saved_bytes == saved[parallel].total_bytes
     assert saved[False].per_layer_bytes - saved[True].per_layer_bytes == B * T * NEOX.hidden * 2

@@ -251,9 +251,9 @@ def test_dropout_routed_to_the_cuda_kernel():
     cuda_paths() routes it: GPT-2's three dropouts (embeddings, attention probabilities, both
     residual branches) save one byte less per element with it."""
     shape, t, T = replace(TINY["gpt2"], n_layers=1), parse_tricks("bf16"), 24
-    routed, _ = measure_step(shape, T, 1, t, stack=HF)
+    routed, _ = measure_step(shape, T, 1, t, stack=HF, count_flops=False)
     with cuda_paths(dropout=False):
-        stock, _ = measure_step(shape, T, 1, t, model=build_hf(shape, t, T, use_cache=HF.use_cache))
+        stock, _ = measure_step(shape, T, 1, t, model=build_hf(shape, t, T, use_cache=HF.use_cache), count_flops=False)
     masks = T * shape.hidden + shape.n_heads * T * T + 2 * T * shape.hidden
     assert stock.saved_bytes - routed.saved_bytes == masks
 
@@ -275,7 +275,7 @@ def test_fp16_eager_softmax_upcast_is_a_meta_copy():
     (aten._softmax with half_to_float); on meta (and for bf16 everywhere) it is a cast to fp32, then
     _softmax. memcalc replays what was measured: the transient fp32 copy of the scores."""
     shape, t, T = TINY["llama"], parse_tricks("fp16"), 24
-    _, live = measure_step(shape, T, 1, t, timeline=True, stack=HF)
+    _, live = measure_step(shape, T, 1, t, timeline=True, stack=HF, count_flops=False)
     scores = 4 * shape.n_heads * T * T
     forward = [(op, d) for p, op, d, _ in live.timeline if p == "forward" and d > 0]
     at = forward.index(("_softmax", scores))
@@ -287,8 +287,8 @@ def test_mistral_builds_what_llama_builds():
     cannot tell them apart, and need not."""
     shape, t = TINY["llama"], parse_tricks("bf16,flash")
     with cuda_paths():
-        llama, _ = measure_step(shape, 24, 1, t, model=build_hf(shape, t, 24, arch="llama"))
-        mistral, _ = measure_step(shape, 24, 1, t, model=build_hf(shape, t, 24, arch="mistral"))
+        llama, _ = measure_step(shape, 24, 1, t, model=build_hf(shape, t, 24, arch="llama"), count_flops=False)
+        mistral, _ = measure_step(shape, 24, 1, t, model=build_hf(shape, t, 24, arch="mistral"), count_flops=False)
     assert llama == mistral
 
 

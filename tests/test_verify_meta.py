@@ -77,7 +77,7 @@ ALL_TRICKS = ("fp32", "bf16", "fp16", "bf16,flash", "bf16,flash,ckpt", "bf16,sel
 def sim_vs_meta(shape: ModelShape, seq: int, batch: int, tricks: Tricks, grad_accum: int = 1):
     cfg = StepConfig(shape, seq, batch, tricks, grad_accum=grad_accum)
     phases, g, mem = simulate(cfg, timeline=True)
-    step, live = measure_step(shape, seq, batch, tricks, grad_accum=grad_accum, timeline=True)
+    step, live = measure_step(shape, seq, batch, tricks, grad_accum=grad_accum, timeline=True, count_flops=False)
     return phases, g, mem, step, live
 
 
@@ -219,15 +219,13 @@ def test_textbook_layer_is_exact_plus_layernorm_stats():
 @pytest.mark.parametrize("name,batch", [(n, 1) for n in TINY] + [("llama", 2), ("gpt", 2), ("mqa-tied-wide-heads", 2)])
 def test_tiny_models_allocation_by_allocation(name, batch):
     """Every allocation of forward, backward and the optimizer step, in order, with the live bytes
-    at each: the simulation replays the meta run exactly, for every shape feature and trick set; and the
-    FLOPs counted in that step are the replay's. (FlopCounterMode beneath the tracker changes no allocation:
-    above it, aten.silu_backward would be seen decomposed; with its module tracker, ckpt's backward peak
-    would be higher.)"""
+    at each: the simulation replays the meta run exactly, for every shape feature and trick set. (The FLOPs of
+    the same models and trick sets are test_tiny_flops's, and those counted inside a measured step
+    test_flops_counted_in_the_measured_step's: FlopCounterMode beneath the tracker changes no allocation.)"""
     for tricks in ALL_TRICKS:
         t = parse_tricks(tricks)
         phases, g, mem, step, live = sim_vs_meta(TINY[name], 24, batch, t)
         assert_same_step(phases, g, mem, step, live, tricks)
-        assert step.flops == exact_step(TINY[name], 24, batch, t).flops.counted, tricks
 
 
 @pytest.mark.parametrize("tricks", ["bf16", "fp16,flash", "bf16,flash,ckpt", "fp32,selective"])
@@ -302,11 +300,12 @@ def test_dropout_and_flash_routing_on_meta():
     """Stock PyTorch on meta would save a 2-byte dropout mask and the s×s math path; the explicit
     routing saves what CUDA saves: a bool mask, and flash's logsumexp instead of the scores."""
     shape = replace(TINY["gpt"], n_layers=1)
-    native, _ = measure_step(shape, 24, 1, parse_tricks("bf16"), kernels=Kernels("eager", "native"))
-    stock, _ = measure_step(shape, 24, 1, parse_tricks("bf16"), kernels=Kernels("eager", "functional"))
+    t = parse_tricks("bf16")
+    native, _ = measure_step(shape, 24, 1, t, kernels=Kernels("eager", "native"), count_flops=False)
+    stock, _ = measure_step(shape, 24, 1, t, kernels=Kernels("eager", "functional"), count_flops=False)
     masks = 4 * 24 * 24 + 2 * 24 * 64  # attention probabilities' mask and both residual branches'
     assert stock.saved_bytes - native.saved_bytes == masks  # one byte more per element
-    flash, _ = measure_step(shape, 24, 1, parse_tricks("bf16,flash"))
+    flash, _ = measure_step(shape, 24, 1, parse_tricks("bf16,flash"), count_flops=False)
     assert ("_scaled_dot_product_flash_attention float32 [1, 4, 24]", 384) in flash.saved_by_op
 
 

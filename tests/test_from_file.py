@@ -215,3 +215,19 @@ def test_use_dora_reads_as_dora(tmp_path):
     axolotl = write(tmp_path, "base_model: Qwen/Qwen3-0.6B\nadapter: lora\nlora_r: 8\nlora_target_linear: true\n"
                               "peft_use_dora: true\nsequence_len: 256\nbf16: true\n", "run.yml")  # fmt: skip
     assert uses(answer("estimate", "--from", axolotl, "--model", "qwen3-0.6b"))["peft_use_dora"] == ("used", "--dora")
+
+
+def test_modules_to_save_reads_as_typed(tmp_path):
+    """TRL's lora_modules_to_save, a LoraConfig section's modules_to_save and axolotl's lora_modules_to_save:
+    --modules-to-save (the embedding and the head trained whole, as PEFT's copies)."""
+    trl = TRAINER_SMALL | {"use_peft": True, "lora_r": 8, "lora_modules_to_save": ["embed_tokens", "lm_head"]}
+    read = answer("estimate", "--from", write(tmp_path, json.dumps(trl), "saved.json"), "--model", "qwen3-8b")
+    assert uses(read)["lora_modules_to_save"] == ("used", "--modules-to-save embed_tokens,lm_head")
+    typed = answer("estimate", "--model", "qwen3-8b", "--stack", "trl:0.25", "--tricks", "bf16,flash,ckpt", "--seq",
+                   "256", "--micro-batch", "2", "--lora", "8", "--lora-dropout", "0.05", "--lora-targets", "q,v",
+                   "--modules-to-save", "embed_tokens,lm_head")  # fmt: skip
+    assert {k: v for k, v in read.items() if k != "from"} == typed
+    axolotl = write(tmp_path, "base_model: Qwen/Qwen3-8B\nadapter: lora\nlora_r: 8\nlora_target_linear: true\n"
+                              "lora_modules_to_save: [lm_head]\nsequence_len: 256\nbf16: true\n", "run.yml")  # fmt: skip
+    assert uses(answer("estimate", "--from", axolotl, "--model", "qwen3-8b"))["lora_modules_to_save"] == \
+        ("used", "--modules-to-save lm_head")  # fmt: skip

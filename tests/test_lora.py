@@ -32,6 +32,7 @@ from verify.meta import measure_step  # noqa: E402
 
 LORA = Finetune(4)
 DORA = Finetune(4, dora=True)
+SAVED = Finetune(4, ("q_proj", "v_proj"), modules_to_save=("embed_tokens", "lm_head"))  # PEFT's modules_to_save
 MASTER = stack_for("hf", recipe="master", impl="reference")  # the tests' hf recipe (tests/test_stack_hf.py)
 PURE = stack_for("hf", recipe="pure", impl="fused")  # a bf16 model trained without autocast by fused AdamW
 TRAINER = stack_for("hf")  # the Trainer: bf16=True autocasts, adamw_torch_fused
@@ -50,15 +51,17 @@ def assert_meta(shape, tricks: str, stack, batch: int = 1, seq: int = 24) -> Non
     assert_same_step(phases, g, mem, step, live, tricks)
 
 
-@pytest.mark.parametrize("name,ft", [("llama", LORA), ("qwen3", LORA), ("qwen2", LORA), ("llama", DORA)])
+@pytest.mark.parametrize("name,ft", [("llama", LORA), ("qwen3", LORA), ("qwen2", LORA), ("llama", DORA),
+                                     ("llama", SAVED)])  # fmt: skip
 def test_peft_parameters_as_peft_registers_them(name, ft):
     """named_parameters() of get_peft_model's model: names (less PEFT's prefixes), shapes, dtypes (the base in
     bf16, the adapters upcast to fp32, DoRA's magnitudes too) and which train, as the replay builds them; the
     adapters' count."""
     shape, stack = TINY[name], replace(MASTER, finetune=ft)
     model = build_hf(shape, parse_tricks("bf16"), 24, finetune=ft).model
-    real = [(n.removeprefix("base_model.model.").replace(".base_layer", "").replace(".default", ""), tuple(p.shape),
-             str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in model.named_parameters()]  # fmt: skip
+    real = [(n.removeprefix("base_model.model.").replace(".base_layer", "").replace(".default", "")
+             .replace(".modules_to_save", ""), tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+            for n, p in model.named_parameters()]  # fmt: skip
     g = Graph(LiveBytes())
     sim = hf_build(g, step_config(shape, 24, 1, "bf16", stack))
     dtypes = {"bfloat16": "bf16", "float32": "fp32"}
@@ -114,7 +117,44 @@ def test_dora_trainable_count_is_peft_method_comparisons():
     assert adapter_params(shape, Finetune(32, ("q_proj", "v_proj"))) == 9_175_040
 
 
+@pytest.mark.parametrize("tricks,stack,ft", [
+    ("bf16", PURE, SAVED), ("bf16,flash,ckpt", PURE, SAVED), ("bf16", MASTER, replace(SAVED, modules_to_save=("lm_head",))),
+    ("bf16,flash,ckpt", stack_for("trl:0.25", recipe="pure"), replace(SAVED, quantize="nf4"))])  # fmt: skip
+def test_modules_to_save_allocation_by_allocation(tricks, stack, ft):
+    """modules_to_save: ModulesToSaveWrapper keeps the original frozen and trains a deep copy in the model's dtype
+    (no tuner layer: not upcast), the embedding's dense gradient and the head's, and their optimizer state; under
+    TRL a 4-bit base is prepared (its embedding and head cast to fp32) before the copies are made."""
+    assert_meta(TINY["llama"], tricks, replace(stack, finetune=ft))
+
+
+def test_modules_to_save_under_the_trainers_autocast_on_cpu():
+    stack = replace(TRAINER, finetune=SAVED)
+    phases, g, mem = simulate(step_config(TINY["llama"], 24, 2, "bf16,ckpt", stack, device="cpu"), timeline=True)
+    step, live, recipe = measure_cpu(TINY["llama"], 24, 2, parse_tricks("bf16,ckpt"), 1, True, stack)
+    assert recipe.skipped == 0
+    assert_same_step(phases, g, mem, step, live, "bf16,ckpt")
+
+
+def test_modules_to_save_in_the_textbook():
+    """The textbook's state: the copies in the model's dtype, their grads and AdamW moments too (a vocab x hidden
+    table each), beside the fp32 adapters."""
+    from memcalc.memory.state import finetune_state
+
+    shape = PRESETS["llama3-8b"]
+    ft = Finetune(16, modules_to_save=("embed_tokens", "lm_head"))
+    table = shape.vocab * shape.hidden
+    state = finetune_state(10**9, 10**9, adapter_params(shape, ft), "bf16", "bf16", "adamw", "master", True,
+                           copies=2 * table)  # fmt: skip
+    copies = {p.name: p.bytes for p in state.parts if p.name.startswith("copy ")}
+    assert copies == {"copy weights": 4 * table, "copy grads": 4 * table, "copy adam_m": 4 * table,
+                      "copy adam_v": 4 * table}  # fmt: skip
+
+
 @pytest.mark.parametrize("args,why", [
+    (["--lora", "8", "--modules-to-save", "norm"], "embed_tokens and lm_head"),
+    (["--modules-to-save", "lm_head"], "an option of LoRA"),
+    (["--lora", "8", "--modules-to-save", "lm_head", "--lora-targets", "q,lm_head"], "one way"),
+    (["--lora", "8", "--modules-to-save", "lm_head", "--gpus", "8", "--zero", "3"], "--stack hf"),
     (["--dora"], "--dora is an option of LoRA"), (["--lora", "8", "--dora", "--quantize", "nf4"], "4-bit base"),
     (["--lora", "8", "--dora", "--stack", "fsdp2", "--gpus", "8", "--zero", "3"], "FSDP or ZeRO"),
     (["--lora", "8", "--dora", "--gpus", "8", "--zero", "2"], "FSDP or ZeRO"),

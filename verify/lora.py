@@ -54,7 +54,8 @@ def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool, trl: str = "", 
         lib = peft()
         config = lib.LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha,
                                 lora_dropout=finetune.lora_dropout, target_modules=list(finetune.targets),
-                                use_dora=finetune.dora, task_type="CAUSAL_LM")  # fmt: skip
+                                use_dora=finetune.dora, modules_to_save=list(finetune.modules_to_save) or None,
+                                task_type="CAUSAL_LM")  # fmt: skip
         with warnings.catch_warnings():  # PeftModel.__init__ asks the deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
             model = lib.get_peft_model(model, config)

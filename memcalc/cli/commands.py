@@ -22,7 +22,7 @@ from .limits import fit, mfu
 from .options import (Calibration, CapacityFactor, ConfigPath, Cp, Detail, Dp, Ep, EstimateMfu, Etp, ExactBytes,
                       ExpandableSegments, ExpertImbalance, Ffn, Format, FromFile, Freeze, GpuMemory, GpuOpt, Gpus,
                       GpusPerNode, GradAccum, HeadroomOpt, Heads, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads,
-                      Layers, Dora, Lora, LoraDropout, LoraTargets, LossOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, NoOffload, Offload, OffloadActivations,
+                      Layers, Dora, Lora, LoraDropout, ModulesToSave, LoraTargets, LossOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, NoOffload, Offload, OffloadActivations,
                       OffloadParams, Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt,
                       Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 from .serve import serve
@@ -81,7 +81,7 @@ def estimate(
     host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, no_cache: NoCache = False, offload_activations: OffloadActivations = False, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     ep: Ep = None, etp: Etp = None,
-    lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, dora: Dora = False, quantize: Quantize = None,
+    lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, dora: Dora = False, modules_to_save: ModulesToSave = None, quantize: Quantize = None,
     freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     pp_layers: PpLayers = None, reshard: Reshard = None,
@@ -169,7 +169,7 @@ def plan(
     no_offload: NoOffload = False, without: Without = None,
     host_memory: HostMemory = "2T", stack: StackOpt = None, no_cache: NoCache = False, detail: Detail = False,
     exact_bytes: ExactBytes = False, fmt: Format = "table", units: Units = "gb", lora: Lora = None,
-    lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, dora: Dora = False, quantize: Quantize = None,
+    lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, dora: Dora = False, modules_to_save: ModulesToSave = None, quantize: Quantize = None,
     freeze: Freeze = None,
 ) -> None:  # fmt: skip
     """Search every layout (TP, PP, CP, DP, ZeRO, micro-batch, recompute, offload) that fits; rank by tokens/s."""
@@ -229,7 +229,7 @@ def verify(
     seq: Seq = None, micro_batch: MicroBatch = "1",
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
     stack: StackOpt = None, recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, no_cache: NoCache = False,
-    lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, dora: Dora = False, quantize: Quantize = None,
+    lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, dora: Dora = False, modules_to_save: ModulesToSave = None, quantize: Quantize = None,
     freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False,
     optimizer: Optimizer = "adamw", matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",

@@ -99,7 +99,7 @@ def seq_for(seq: str | None, model: Model | None) -> str:
 @dataclass(frozen=True)
 class StackOptions(OptionGroup):
     """--stack, --recipe, --optimizer-impl, --no-cache, and the fine-tuning: --lora, --lora-targets,
-    --lora-dropout, --dora, --quantize, --freeze."""
+    --lora-dropout, --dora, --modules-to-save, --quantize, --freeze."""
 
     stack: str | None = None
     recipe: str | None = None
@@ -110,6 +110,7 @@ class StackOptions(OptionGroup):
     lora_targets: str | None = None
     lora_dropout: str | None = None
     dora: bool = False
+    modules_to_save: str | None = None
     quantize: str | None = None
     freeze: str | None = None
     loss: str | None = None
@@ -121,7 +122,8 @@ class StackOptions(OptionGroup):
         from memcalc.model.finetune import finetune_for
         from memcalc.model.stacks import stack_for, with_loop
 
-        finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora)
+        finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
+                                self.modules_to_save)  # fmt: skip
         chosen = stack_for(self.stack or ("reference" if finetune.trains_all else "hf"), self.recipe,
                            self.optimizer_impl, self.no_cache, self.offload_activations)  # fmt: skip
         if not finetune.trains_all:

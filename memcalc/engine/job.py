@@ -108,6 +108,12 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         raise InputError("--dora is replayed as PEFT runs it on Transformers' classes (--stack hf), on one GPU or each "
                          "GPU of plain data parallelism: under FSDP or ZeRO each weight is gathered for its norm, "
                          "which is not replayed")  # fmt: skip
+    if ft.modules_to_save and (stack.model != "hf" or stack.engine == "fsdp2" or lay.zero):
+        raise InputError("--modules-to-save is replayed as PEFT runs it on Transformers' classes (--stack hf), on one "
+                         "GPU or each GPU of plain data parallelism")  # fmt: skip
+    if ft.modules_to_save and model.shape.tied_embeddings:
+        raise InputError(f"--modules-to-save: {model.shape.name or 'the model'}'s head is its embedding table (tied): "
+                         "PEFT's copies of a shared table are not replayed")  # fmt: skip
     if HEAD in ft.targets and model.shape.tied_embeddings:
         raise InputError(f"--lora-targets lm_head: {model.shape.name or 'the model'}'s head is its embedding table "
                          "(tied): LoRA on it is not replayed (PEFT wraps the shared module, torchtune refuses "

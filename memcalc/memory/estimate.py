@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from memcalc.errors import InputError
 from memcalc.exact.kernels import recompute_first, step_flops
-from memcalc.model.finetune import frozen_params, quantized_weights, trained_params, unpaged_adapter_params
+from memcalc.model.finetune import (
+    frozen_params,
+    quantized_weights,
+    saved_params,
+    trained_params,
+    unpaged_adapter_params,
+)
 from memcalc.model.flops import Flops, StepFlops, flops
 from memcalc.model.gpus import GPU
 from memcalc.model.headroom import usable_bytes
@@ -133,7 +139,8 @@ def state_for(shape: ModelShape, params: int, setup: Setup, precision: str,
     unpaged = unpaged_adapter_params(shape, ft) if setup.optimizer.startswith("paged-") else 0
     state = finetune_state(params, frozen, trained_params(shape, ft), frozen_dtype, precision, setup.optimizer,
                            recipe, ft.lora, quantized, state_sharding(layout),
-                           setup.stack.model != "torchtune", unpaged)  # torchtune's adapters in its dtype  # fmt: skip
+                           setup.stack.model != "torchtune", unpaged,
+                           saved_params(shape, ft))  # torchtune's adapters in its dtype  # fmt: skip
     return state, state.total_bytes, state.host_bytes
 
 

@@ -176,7 +176,7 @@ def model_state(params: int, precision: str, optimizer: str = "adamw", sharding:
 def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, precision: str, optimizer: str,
                    recipe: str, lora: bool, quantized: tuple[int, int] = (0, 0),
                    sharding: StateSharding = NOT_SHARDED, upcast: bool = True,
-                   unpaged: int = 0) -> ModelState:  # fmt: skip
+                   unpaged: int = 0, copies: int = 0) -> ModelState:  # fmt: skip
     """Model state on one GPU when only some weights train (memcalc.model.finetune): the frozen weights in their
     dtype (QLoRA's 4-bit ones as bitsandbytes stores them: quantized = (their count, their bytes)) and nothing
     else for them (no gradient, master or optimizer state: the optimizer is given only what requires grad); the
@@ -185,7 +185,8 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
     keeps them in the model's dtype as the recipe trains it (torchtune builds them under set_default_dtype). sharding:
     each part split as its ZeRO stage reaches it; the frozen weights (QLoRA's 4-bit ones too) at stage 3 alone.
     unpaged: under a paged optimizer, the trained elements in tensors too small to page (memcalc.model.bnb), whose
-    moments stay on the GPU."""
+    moments stay on the GPU. copies: of the trained, PEFT's modules_to_save copies, trained whole in the model's
+    dtype (ModulesToSaveWrapper is no tuner layer: cast_adapter_dtype leaves it), their moments in it too."""
     w, frozen_shards = WIDTH[frozen_dtype], sharding.gpus if sharding.zero >= 3 else 1
     parts = [StatePart("frozen weights", frozen_dtype, w * frozen / params, -(-w * frozen // frozen_shards),
                        frozen_shards, False, f"{w}·{frozen}")]  # fmt: skip
@@ -194,16 +195,20 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
         parts.append(StatePart("4-bit weights", "nf4", quantized[1] / params, -(-quantized[1] // frozen_shards),
                                frozen_shards, False, packed))  # fmt: skip
     fp32_adapters = lora and upcast
-    rows = unsharded_parts("fp32" if fp32_adapters else precision, optimizer, trained,
+    rows = unsharded_parts("fp32" if fp32_adapters else precision, optimizer, trained - copies,
                            "master" if fp32_adapters else recipe)  # fmt: skip
+    if copies:
+        rows += [("copy " + name, dtype, size, stage, formula) for name, dtype, size, stage, formula
+                 in unsharded_parts(precision, optimizer, copies, "pure") if name != "loss_scale"]  # fmt: skip
     if fp32_adapters and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
         rows.append(("loss_scale", "fp32+int32", 8, 99, "8"))
     kept = {n: (b, f) for n, _, b, f in optimizer_elements(optimizer, unpaged)} \
         if unpaged and optimizer.startswith("paged-") else {}  # fmt: skip
     for name, dtype, size, stage, formula in rows:
-        label = name if name == "loss_scale" else ("adapter " if lora else "trained ") + name
+        kept_name = name == "loss_scale" or name.startswith("copy ")
+        label = name if kept_name else ("adapter " if lora else "trained ") + name
         shards = sharding.gpus if sharding.zero >= stage else 1
-        n = trained
+        n = copies if name.startswith("copy ") else trained - copies
         if name in kept:  # the small tensors' moments, on the GPU; the rest paged
             kept_bytes, kept_formula = kept[name]
             parts.append(StatePart(label, dtype, kept_bytes / params, -(-kept_bytes // shards), shards, False,

@@ -24,6 +24,7 @@ TARGETS = (*PROJECTIONS, HEAD)
 MAX_RANK = 1 << 16
 QUANTIZE = ("nf4", "int8")
 FREEZABLE = ("embeddings", "head")
+SAVABLE = ("embed_tokens", HEAD)  # PEFT's modules_to_save: a trained copy of the module beside the frozen one
 
 
 @record(frozen=True)
@@ -39,6 +40,7 @@ class Finetune:
     freeze: tuple[str, ...] = ()  # full training: "embeddings", "head" frozen
     frozen_blocks: int = 0  # full training: the first N blocks frozen
     dora: bool = False  # LoraConfig(use_dora=True): a trained magnitude per output of each targeted projection
+    modules_to_save: tuple[str, ...] = ()  # LoraConfig(modules_to_save=...): SAVABLE modules trained whole, as copies
 
     @property
     def lora(self) -> bool:
@@ -63,7 +65,9 @@ class Finetune:
         """'lora 16', 'qlora nf4 16', 'frozen embeddings, 2 blocks' or '' for full training."""
         if self.lora:
             name = "DoRA" if self.dora else "LoRA"
-            return f"Q{name} ({self.quantize}) r={self.lora_rank}" if self.quantize else f"{name} r={self.lora_rank}"
+            saved = f", {' and '.join(self.modules_to_save)} trained" if self.modules_to_save else ""
+            return (f"Q{name} ({self.quantize}) r={self.lora_rank}" if self.quantize else
+                    f"{name} r={self.lora_rank}") + saved  # fmt: skip
         blocks = f"the first {self.frozen_blocks} block" + ("s" if self.frozen_blocks > 1 else "")
         frozen = list(self.freeze) + ([blocks] if self.frozen_blocks else [])
         return "frozen: " + ", ".join(frozen) if frozen else ""
@@ -132,7 +136,15 @@ def adapter_sizes(shape: ModelShape, finetune: Finetune) -> list[int]:
 
     block = [n for name, (out, inp) in projection_shapes(shape).items() if name in finetune.targets
              for n in one(out, inp)]  # fmt: skip
-    return block * shape.n_layers + (one(shape.vocab, shape.hidden) if HEAD in finetune.targets else [])
+    table = shape.vocab * shape.hidden  # a modules_to_save copy of the embedding or the head
+    return ([table] if "embed_tokens" in finetune.modules_to_save else []) + block * shape.n_layers + \
+        (one(shape.vocab, shape.hidden) if HEAD in finetune.targets else []) + \
+        ([table] if HEAD in finetune.modules_to_save else [])  # fmt: skip
+
+
+def saved_params(shape: ModelShape, finetune: Finetune) -> int:
+    """The modules_to_save copies' elements: a vocab x hidden table each (embed_tokens, lm_head)."""
+    return len(finetune.modules_to_save) * shape.vocab * shape.hidden if finetune.lora else 0
 
 
 def unpaged_adapter_params(shape: ModelShape, finetune: Finetune) -> int:
@@ -177,15 +189,27 @@ def parse_freeze(text: str | None) -> tuple[tuple[str, ...], int]:
     return tuple(p for p in FREEZABLE if p in parts), blocks
 
 
+def parse_saved(text: str | None) -> tuple[str, ...]:
+    """--modules-to-save embed_tokens,lm_head (PEFT's module names; embeddings and head too)."""
+    names = []
+    for item in (x.strip().lower() for x in (text or "").split(",") if x.strip()):
+        name = {"embeddings": "embed_tokens", "head": HEAD}.get(item, item)
+        if name not in SAVABLE:
+            raise InputError(f"--modules-to-save takes {' and '.join(SAVABLE)}, got {item!r}")
+        names.append(name)
+    return tuple(n for n in SAVABLE if n in names)
+
+
 def finetune_for(lora: str | None = None, targets: str | None = None, dropout: str | None = None,
-                 quantize: str | None = None, freeze: str | None = None, dora: bool = False) -> Finetune:  # fmt: skip
+                 quantize: str | None = None, freeze: str | None = None, dora: bool = False,
+                 modules_to_save: str | None = None) -> Finetune:  # fmt: skip
     """The CLI's options as one record; options that do not apply refused in one line."""
     from .sizes import parse_count
 
     rank = 0 if lora is None else parse_count(lora, "lora", MAX_RANK)
     if not rank:
         for flag, value in (("--lora-targets", targets), ("--lora-dropout", dropout), ("--quantize", quantize),
-                            ("--dora", dora or None)):  # fmt: skip
+                            ("--dora", dora or None), ("--modules-to-save", modules_to_save)):  # fmt: skip
             if value is not None:
                 raise InputError(f"{flag} is an option of LoRA: give --lora R (QLoRA is --lora R --quantize nf4)")
     q = (quantize or "").strip().lower()
@@ -205,4 +229,7 @@ def finetune_for(lora: str | None = None, targets: str | None = None, dropout: s
     if dora and q:
         raise InputError("--dora with --quantize: DoRA over a 4-bit base is not replayed (PEFT dequantizes each "
                          "weight for its norm); give --dora over a 16-bit base")  # fmt: skip
-    return Finetune(rank, parse_targets(targets), p, quantize=q, freeze=frozen, frozen_blocks=blocks, dora=dora)
+    saved, aimed = parse_saved(modules_to_save), parse_targets(targets)
+    if HEAD in saved and HEAD in aimed:
+        raise InputError("lm_head is both a LoRA target and in --modules-to-save: PEFT wraps a module one way")
+    return Finetune(rank, aimed, p, quantize=q, freeze=frozen, frozen_blocks=blocks, dora=dora, modules_to_save=saved)

@@ -20,7 +20,7 @@ from pathlib import Path
 from . import sharding
 from .common import TrickSet, attention_flash, lora_targets, model_option, optimizer_option
 from .ledger import KeyLedger
-from .peft import dora_option
+from .peft import dora_option, saved_option
 
 SAVERS = {  # memory savers memcalc does not replay, each of which lowers the peak by much
     "chunked_cross_entropy": "chunked cross-entropy", "activation_offloading": "activation offloading to the host",
@@ -100,8 +100,8 @@ def adapter_options(ledger: KeyLedger) -> bool:
     else:
         ledger.refuse("adapter", "neither lora_target_modules nor lora_target_linear is set")
     dora_option(ledger, "peft_use_dora")
-    for key, what in (("lora_modules_to_save", "modules_to_save"), ("lora_target_parameters", "target_parameters"),
-                      ("peft_layers_to_transform", "layers")):  # fmt: skip
+    saved_option(ledger, "lora_modules_to_save")
+    for key, what in (("lora_target_parameters", "target_parameters"), ("peft_layers_to_transform", "layers")):
         if ledger.raw(key) not in (None, False, []) and ledger.has(key):
             ledger.refuse(key, f"{what} changes what trains and is not modelled: memcalc replays LoRA on the blocks' "
                                "projections alone")  # fmt: skip

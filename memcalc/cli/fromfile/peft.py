@@ -11,6 +11,8 @@ llama, mistral, qwen2 and qwen3, the families memcalc's LoRA runs on).
 
 from __future__ import annotations
 
+from memcalc.model.finetune import SAVABLE
+
 from .common import lora_targets
 from .ledger import KeyLedger
 
@@ -38,8 +40,8 @@ def lora_options(ledger: KeyLedger) -> bool:
     ledger.used("use_peft", "LoRA (TRL's ModelConfig)")
     lora_settings(ledger, "lora_r", 16, "lora_dropout", 0.05, "lora_target_modules", "TRL's ModelConfig")
     dora_option(ledger, "use_dora")
-    for key, why in (("lora_modules_to_save", "modules_to_save"), ("lora_target_parameters", "target_parameters")):
-        refuse_extra(ledger, key, why)
+    saved_option(ledger, "lora_modules_to_save")
+    refuse_extra(ledger, "lora_target_parameters", "target_parameters")
     for key in TRL_IGNORED:
         if ledger.has(key):
             ledger.ignore(key, "scales or labels the adapters: no memory")
@@ -53,8 +55,8 @@ def lora_section(ledger: KeyLedger, name: str) -> bool:
         ledger.refuse(f"{name}.peft_type", "memcalc replays LoRA and QLoRA, not other PEFT methods")
     lora_settings(ledger, f"{name}.r", 8, f"{name}.lora_dropout", 0.0, f"{name}.target_modules", "LoraConfig's")
     dora_option(ledger, f"{name}.use_dora")
-    for key, why in (("modules_to_save", "modules_to_save"), ("target_parameters", "target_parameters"),
-                     ("layers_to_transform", "layers_to_transform")):  # fmt: skip
+    saved_option(ledger, f"{name}.modules_to_save")
+    for key, why in (("target_parameters", "target_parameters"), ("layers_to_transform", "layers_to_transform")):
         refuse_extra(ledger, f"{name}.{key}", why)
     bias = ledger.text(f"{name}.bias")
     if bias is not None and bias.strip().lower() != "none":
@@ -89,6 +91,18 @@ def dora_option(ledger: KeyLedger, key: str) -> None:
         ledger.set("dora", True, key, "--dora")
     elif ledger.has(key):
         ledger.used(key, "off")
+
+
+def saved_option(ledger: KeyLedger, key: str) -> None:
+    """modules_to_save (LoraConfig's; TRL's and axolotl's lora_modules_to_save): --modules-to-save, the embedding
+    and the head alone (another module trained whole is refused)."""
+    names = ledger.names(key) if ledger.has(key) and ledger.raw(key) not in (None, []) else []
+    if not names:
+        return
+    other = [n for n in names if n not in SAVABLE]
+    if other:
+        ledger.refuse(key, f"modules_to_save {', '.join(other)}: memcalc replays {' and '.join(SAVABLE)} trained whole")
+    ledger.set("modules_to_save", ",".join(names), key)
 
 
 def refuse_extra(ledger: KeyLedger, key: str, what: str) -> None:

@@ -33,11 +33,16 @@ ADAPTERS = ("lora_A", "lora_B", "lora_magnitude_vector")
 
 def with_adapters(params: list[tuple[str, tuple]], finetune: Finetune) -> list[tuple[str, tuple]]:
     """named_parameters() of the PEFT model: each targeted projection's base weight (and bias), then its
-    lora_A (r, in) and lora_B (out, r) (LoraLayer.update_layer registers them after base_layer)."""
+    lora_A (r, in) and lora_B (out, r) (LoraLayer.update_layer registers them after base_layer); a module in
+    modules_to_save as ModulesToSaveWrapper holds it, the frozen original_module first, then its trained copy
+    (named here as the module's own weight, which the forward reads)."""
     if not finetune.lora:
         return params
     out = []
     for k, (name, shape) in enumerate(params):
+        module = name.rpartition(".")[0]
+        if module.rpartition(".")[2] in finetune.modules_to_save:
+            out.append((module + ".original_module.weight", shape))
         out.append((name, shape))
         module, _, leaf = name.rpartition(".")
         nxt = params[k + 1][0] if k + 1 < len(params) else ""
@@ -53,7 +58,8 @@ def trainable(name: str, finetune: Finetune, tied: bool) -> bool:
     """Whether the parameter trains: LoRA's adapters alone, or every weight but the frozen parts (a tied head is
     the embedding's table: freezing either freezes it)."""
     if finetune.lora:
-        return name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS
+        module = name.rpartition(".")[0].rpartition(".")[2]
+        return module in ADAPTERS or module in finetune.modules_to_save  # a modules_to_save copy trains whole
     if "embeddings" in finetune.freeze and name.endswith("embed_tokens.weight"):
         return False
     if "head" in finetune.freeze and (name == "lm_head.weight" or (tied and name.endswith("embed_tokens.weight"))):

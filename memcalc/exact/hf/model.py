@@ -168,6 +168,8 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     if family is None:
         raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(FAMILIES)}")
     check_finetune(cfg.finetune, arch, cfg.model)
+    if cfg.finetune.modules_to_save and cfg.shape.tied_embeddings:  # PEFT would copy the shared table's module
+        raise InputError("--modules-to-save with a head tied to the embedding table is not replayed")
     quant, params = {}, []
     for name, shape in lora.with_adapters(family.params(cfg.shape), cfg.finetune):
         if qlora.quantized(name, cfg.finetune.quantize):  # QLoRA's 4-bit projections

@@ -148,6 +148,10 @@ def test_modules_to_save_in_the_textbook():
     copies = {p.name: p.bytes for p in state.parts if p.name.startswith("copy ")}
     assert copies == {"copy weights": 4 * table, "copy grads": 4 * table, "copy adam_m": 4 * table,
                       "copy adam_v": 4 * table}  # fmt: skip
+    paged = finetune_state(10**9, 10**9, adapter_params(shape, ft), "bf16", "bf16", "paged-adamw", "master", True,
+                           copies=2 * table)  # bitsandbytes' 32-bit moments, paged whole: unified memory  # fmt: skip
+    assert {p.name: (p.bytes, p.unified) for p in paged.parts if p.name.startswith("copy adam")} == \
+        {"copy adam_m": (8 * table, True), "copy adam_v": (8 * table, True)}  # fmt: skip
 
 
 @pytest.mark.parametrize("args,why", [

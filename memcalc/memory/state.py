@@ -213,9 +213,9 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
             kept_bytes, kept_formula = kept[name]
             parts.append(StatePart(label, dtype, kept_bytes / params, -(-kept_bytes // shards), shards, False,
                                    kept_formula.replace("{N}", str(unpaged))))  # fmt: skip
-            size, n, label = size - kept_bytes, trained - unpaged, label + " (paged)"
+            size, n, label = size - kept_bytes, trained - copies - unpaged, label + " (paged)"
         per_param = 0.0 if name == "loss_scale" else size / params
-        unified = paged(optimizer, name)
+        unified = paged(optimizer, name.removeprefix("copy "))  # a copy's tables are paged whole
         parts.append(StatePart(label, dtype, per_param, -(-size // shards), shards, unified,
                                formula.replace("{N}", str(n)), unified))  # fmt: skip
     how = (("qlora" if quantized[0] else "lora") + ("" if upcast else ":dtype")) if lora else recipe

@@ -44,7 +44,6 @@ def with_adapters(params: list[tuple[str, tuple]], finetune: Finetune) -> list[t
         if module.rpartition(".")[2] in finetune.modules_to_save:
             out.append((module + ".original_module.weight", shape))
         out.append((name, shape))
-        module, _, leaf = name.rpartition(".")
         nxt = params[k + 1][0] if k + 1 < len(params) else ""
         if module.rpartition(".")[2] in finetune.targets and not nxt.startswith(module + "."):
             rows, cols = params[[n for n, _ in params].index(module + ".weight")][1]

@@ -219,6 +219,7 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
         parts.append(StatePart(label, dtype, per_param, -(-size // shards), shards, unified,
                                formula.replace("{N}", str(n)), unified))  # fmt: skip
     how = (("qlora" if quantized[0] else "lora") + ("" if upcast else ":dtype")) if lora else recipe
+    how += "+copies" if copies else ""
     return ModelState(params, precision, optimizer, sharding, tuple(parts), how)
 
 

@@ -24,6 +24,8 @@ def recipe_text(precision: str, recipe: str = "master") -> str:
     """'bf16 autocast over fp32 weights': the precision, as the stack's recipe trains it."""
     if precision == "fp32" or recipe == "master":
         return RECIPES[precision]
+    if recipe.endswith("+copies"):  # PEFT's modules_to_save (memcalc.memory.state.finetune_state)
+        return recipe_text(precision, recipe.removesuffix("+copies")) + f", {precision} copies of the modules saved"
     return HOW[recipe].format(p=precision) + (" + loss scaling" if precision == "fp16" and recipe != "pure" else "")
 
 

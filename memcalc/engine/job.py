@@ -104,13 +104,13 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
            finetune_not_replayed(ft, arch_for(model.shape), "hf"))  # a mixture of experts or latent attention
     if why:
         raise InputError(why)
-    if ft.dora and (stack.model != "hf" or stack.engine == "fsdp2" or lay.zero):
-        raise InputError("--dora is replayed as PEFT runs it on Transformers' classes (--stack hf), on one GPU or each "
-                         "GPU of plain data parallelism: under FSDP or ZeRO each weight is gathered for its norm, "
-                         "which is not replayed")  # fmt: skip
-    if ft.modules_to_save and (stack.model != "hf" or stack.engine == "fsdp2" or lay.zero):
-        raise InputError("--modules-to-save is replayed as PEFT runs it on Transformers' classes (--stack hf), on one "
-                         "GPU or each GPU of plain data parallelism")  # fmt: skip
+    if ft.dora and (stack.model != "hf" or stack.engine == "fsdp2" or lay.zero >= 3):
+        raise InputError("--dora is replayed as PEFT runs it on Transformers' classes (--stack hf), the base whole on "
+                         "every GPU (ZeRO 0-2): under FSDP or ZeRO-3 each weight is gathered for its norm, which is "
+                         "not replayed")  # fmt: skip
+    if ft.modules_to_save and (stack.model != "hf" or stack.engine == "fsdp2" or lay.zero >= 3):
+        raise InputError("--modules-to-save is replayed as PEFT runs it on Transformers' classes (--stack hf), the "
+                         "base whole on every GPU (ZeRO 0-2)")  # fmt: skip
     if ft.modules_to_save and model.shape.tied_embeddings:
         raise InputError(f"--modules-to-save: {model.shape.name or 'the model'}'s head is its embedding table (tied): "
                          "PEFT's copies of a shared table are not replayed")  # fmt: skip

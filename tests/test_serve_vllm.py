@@ -86,6 +86,8 @@ def test_flashinfer_sampler_holds_masked_logits_and_softmax():
     assert fi.at == "sampler" and fi.sampler < torch_.sampler
     with pytest.raises(InputError, match="unknown sampler"):
         job(sampler="triton")
+    with pytest.raises(InputError, match="--kv-cache-memory skips"):
+        job(sampler="flashinfer", kv_cache_memory=20 * 10**9)
     out = CliRunner().invoke(app, ["serve", "--model", "llama3-8b", "--sampler", "flashinfer"])
     assert out.exit_code == 0 and "sampled by FlashInfer" in out.output
 

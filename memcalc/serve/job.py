@@ -69,6 +69,8 @@ class ServeJob:
             raise InputError(f"unknown KV cache dtype {self.kv_dtype!r}; known: {', '.join(KV_DTYPES)}")
         if self.sampler not in SAMPLERS:
             raise InputError(f"unknown sampler {self.sampler!r}; known: {', '.join(SAMPLERS)}")
+        if self.sampler != "torch" and self.kv_cache_memory is not None:
+            raise InputError("--sampler names the profile run's sampler, which --kv-cache-memory skips: give one")
         if self.vllm not in RELEASES:
             raise InputError(f"unknown vLLM release span {self.vllm!r}; known: {', '.join(RELEASES)}")
         if self.weights == "bf16" and not self.gpu.bf16_tflops:

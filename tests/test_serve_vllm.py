@@ -88,6 +88,26 @@ def test_flashinfer_sampler_holds_masked_logits_and_softmax():
         job(sampler="triton")
     with pytest.raises(InputError, match="--kv-cache-memory skips"):
         job(sampler="flashinfer", kv_cache_memory=20 * 10**9)
+
+
+def test_0_21_to_0_26_subtract_their_cuda_graph_estimate():
+    """vllm 0.21.0 and 0.26.0 determine_available_memory: 0.11's budget less profile_cudagraph_memory's estimate,
+    taken as the log prints it; FlashInfer's sampler by default (VLLM_USE_FLASHINFER_SAMPLER: bool = True), with
+    flashinfer 0.6's 1 MiB row-states buffer."""
+    graphs = round(0.36 * 2**30)
+    old, new = serve(job(vllm="0.11", sampler="flashinfer")).budget, serve(job(vllm="0.21", cudagraph_memory=graphs))
+    assert new.budget.binding.cudagraphs == graphs and new.job.profile_sampler == "flashinfer"
+    assert new.activations.sampler == serve(job(vllm="0.11", sampler="flashinfer")).activations.sampler + (1 << 20)
+    assert new.budget.available == old.available - graphs - (1 << 20)
+    assert serve(job(vllm="0.21", cudagraph_memory=0)).budget.available == old.available - (1 << 20)
+    with pytest.raises(InputError, match="give --cudagraph-memory"):
+        job(vllm="0.21")
+    with pytest.raises(InputError, match="--vllm-version 0.21 to 0.26"):
+        job(cudagraph_memory=graphs)
+    assert serve(job(vllm="0.21", kv_cache_memory=20 * 10**9)).budget.available == 20 * 10**9  # no profiling
+    out = CliRunner().invoke(app, ["serve", "--model", "llama3-8b", "--vllm-version", "0.23", "--cudagraph-memory",
+                                   "0.36GiB", "--format", "json"])  # fmt: skip
+    assert out.exit_code == 0 and '"cudagraphs": 386547057' in out.output
     out = CliRunner().invoke(app, ["serve", "--model", "llama3-8b", "--sampler", "flashinfer"])
     assert out.exit_code == 0 and "sampled by FlashInfer" in out.output
 
@@ -103,12 +123,13 @@ def test_nccl_buffers_only_where_nvls(g, nccl):
 
 
 @pytest.mark.parametrize("text, key", [("0.8.5", "0.8"), ("0.9.2", "0.9"), ("0.10.1.1", "0.9"), ("v0.11.0", "0.11"),
-                                       ("0.13", "0.11"), ("0.20.2", "0.11")])  # fmt: skip
+                                       ("0.13", "0.11"), ("0.20.2", "0.11"), ("0.21.0", "0.21"),
+                                       ("0.26", "0.21")])  # fmt: skip
 def test_release_spans(text, key):
     assert release_for(text).key == key
 
 
-@pytest.mark.parametrize("text", ["0.7.3", "0.21.0", "1.0", "latest", "0"])
+@pytest.mark.parametrize("text", ["0.7.3", "0.27.0", "0.34", "1.0", "latest", "0"])
 def test_release_refusals(text):
     with pytest.raises(InputError):
         release_for(text)

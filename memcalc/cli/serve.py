@@ -18,8 +18,9 @@ from .options import (Calibration, ConfigPath, Detail, ExactBytes, Ffn, Format, 
 
 Context = Annotated[str, typer.Option("--context", help="Tokens of one request, prompt and output together (vLLM's --max-model-len); k and m are binary.", metavar="N")]  # fmt: skip
 Weights = Annotated[Optional[str], typer.Option("--weights", help="The weights' serving format: bf16 (fp16 on a card without bf16, the default), fp16, fp8 (per-tensor scales), fp8-block (128 x 128 block scales: DeepSeek-V3's, Qwen3's -FP8), int8 (GPTQ), int4-awq or int4-gptq (group 128).", metavar="FMT")]  # fmt: skip
-VllmVersion = Annotated[str, typer.Option("--vllm-version", help="The vLLM release whose memory budget to follow: 0.8 to 0.20 (0.8, 0.9-0.10 and 0.11-0.20 differ; default 0.11).", metavar="X.Y")]  # fmt: skip
-Sampler = Annotated[str, typer.Option("--sampler", help="The top-k/top-p sampler of vLLM's profile run: torch (PyTorch's sort; pip's vLLM) or flashinfer (where flashinfer is installed, as in vLLM's Docker image, 0.8-0.11; from 0.13 under VLLM_USE_FLASHINFER_SAMPLER=1).", metavar="NAME")]  # fmt: skip
+VllmVersion = Annotated[str, typer.Option("--vllm-version", help="The vLLM release whose memory budget to follow: 0.8 to 0.26 (0.8, 0.9-0.10, 0.11-0.20 and 0.21-0.26 differ; default 0.11).", metavar="X.Y")]  # fmt: skip
+Sampler = Annotated[Optional[str], typer.Option("--sampler", help="The top-k/top-p sampler of vLLM's profile run: torch (PyTorch's sort) or flashinfer (0.8-0.11 where flashinfer is installed, as in vLLM's Docker image; 0.13 under VLLM_USE_FLASHINFER_SAMPLER=1). Default: torch up to 0.20, flashinfer from 0.21.", metavar="NAME")]  # fmt: skip
+CudagraphMemory = Annotated[Optional[str], typer.Option("--cudagraph-memory", help="vLLM 0.21-0.26: the CUDA graph estimate its log prints ('Estimated CUDA graph memory: X GiB'), subtracted from the budget; 0 under VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0.", metavar="SIZE")]  # fmt: skip
 KvDtype = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the activations' 16 bits) or fp8, as vLLM's --kv-cache-dtype.", metavar="DTYPE")]  # fmt: skip
 Batch = Annotated[Optional[str], typer.Option("--batch", help="Requests decoded together, for the time (default: the most that fit).", metavar="N")]  # fmt: skip
 Utilization = Annotated[str, typer.Option("--gpu-memory-utilization", help="vLLM's share of the GPU's memory for weights, activations and the KV cache.", metavar="X")]  # fmt: skip
@@ -31,6 +32,25 @@ ServePp = Annotated[str, typer.Option("--pp", help="Pipeline stages (vLLM --pipe
 ServeDp = Annotated[str, typer.Option("--dp", help="With --expert-parallel: data-parallel attention replicas the experts are split over too.", metavar="N")]  # fmt: skip
 KvCacheMemory = Annotated[Optional[str], typer.Option("--kv-cache-memory", help="The KV cache's bytes per GPU (20e9, 20G), as vLLM's --kv-cache-memory: no profiling, gpu-memory-utilization not applied.", metavar="BYTES")]  # fmt: skip
 ExpertParallel = Annotated[bool, typer.Option("--expert-parallel", help="Split the experts whole over tp x dp GPUs (vLLM --enable-expert-parallel).")]  # fmt: skip
+
+
+GRAPH_UNITS = {"gib": 1 << 30, "mib": 1 << 20, "gb": 10**9, "mb": 10**6, "": 1 << 30}  # a bare number: GiB, as logged
+
+
+def graph_bytes(text: str | None) -> int | None:
+    """--cudagraph-memory as vLLM logs it, GiB to two decimals (0.36, 0.36GiB; GB, MiB, MB too), in whole bytes; 0
+    where its estimate is off."""
+    if text is None:
+        return None
+    raw = text.strip().lower().replace(" ", "")
+    unit = next(u for u in GRAPH_UNITS if raw.endswith(u))
+    try:
+        value = float(raw[: len(raw) - len(unit)] if unit else raw)
+    except ValueError:
+        raise InputError(f"--cudagraph-memory takes a size as vLLM logs it (0.36 or 0.36GiB), got {text!r}") from None
+    if not 0 <= value < 1 << 20:
+        raise InputError(f"--cudagraph-memory must be 0 or more, got {text!r}")
+    return round(value * GRAPH_UNITS[unit])
 
 
 def serve_calibration(card, spec: str | None):
@@ -49,7 +69,7 @@ def serve(
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None, context: Context = "8192", weights: Weights = None,
     kv_cache_dtype: KvDtype = "auto", batch: Batch = None, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
-    vllm_version: VllmVersion = "0.11", sampler: Sampler = "torch",
+    vllm_version: VllmVersion = "0.11", sampler: Sampler = None, cudagraph_memory: CudagraphMemory = None,
     gpu_memory_utilization: Utilization = "0.9", block_size: BlockSize = None,
     max_num_batched_tokens: BatchedTokens = None, max_num_seqs: MaxSeqs = None, kv_cache_memory: KvCacheMemory = None,
     tp: ServeTp = "1", pp: ServePp = "1", dp: ServeDp = "1", expert_parallel: ExpertParallel = False,
@@ -80,7 +100,7 @@ def serve(
             optional_count(block_size, "block-size", 1 << 16),
             None if max_num_batched_tokens is None else parse_seq(max_num_batched_tokens, "max-num-batched-tokens"),
             optional_count(max_num_seqs, "max-num-seqs", MAX_BATCH), optional_count(kv_cache_memory, "kv-cache-memory", 1 << 50),
-            release_for(vllm_version).key, sampler.strip().lower(),
+            release_for(vllm_version).key, (sampler or "").strip().lower(), graph_bytes(cudagraph_memory),
         )  # fmt: skip
         result = answer(job)
     except InputError as e:

@@ -35,7 +35,7 @@ def serve_preamble(a: ServeAnswer, units: str) -> list[str]:
 
 def profile_label(a: ServeAnswer) -> str:
     p = a.activations
-    by = "FlashInfer" if a.job.sampler == "flashinfer" else "PyTorch"
+    by = "FlashInfer" if a.job.profile_sampler == "flashinfer" else "PyTorch"
     sampled = f", {p.requests:,} sampled by {by}" if p.sampler else ""
     return f"profile run: {p.tokens:,} tokens{sampled} ({p.at})"
 
@@ -56,6 +56,8 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
          f"{u.params(a.weights.params)} parameters, {WEIGHT_LABELS[j.weights]}"],
         ["- activation peak", sized(b.binding.activations, units), profile_label(a)],
         ["- non-torch", sized(b.binding.non_torch, units), non_torch_label(a)],
+        *([["- CUDA graphs", sized(b.binding.cudagraphs, units), "vLLM's estimate, as given (--cudagraph-memory)"]]
+          if j.release.cudagraph_estimate and j.kv_cache_memory is None else []),
         ["= KV cache", sized(b.available, units),
          f"short by {u.size(b.binding.shortfall, units)}: the weights and activations exceed it"
          if b.binding.shortfall else f"{b.num_blocks:,} blocks of {b.block_size} tokens x {b.binding.group_size} layers"],
@@ -63,13 +65,17 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
     if j.kv_cache_memory is not None:
         s.rows[-1][0] = "KV cache, given"
         s.rows.insert(-1, ["", "", "--kv-cache-memory: no profiling, utilization not applied"])
-    s.notes = ["vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (weights + "
-               "activation peak + non-torch memory); CUDA graphs are captured after the cache, in the "
-               "1 - utilization margin",
-               SAMPLER_NOTES[j.sampler] + "; not counted: the allocator's fragmentation"]
+    s.notes = [GRAPH_NOTES[j.release.cudagraph_estimate],
+               SAMPLER_NOTES[j.profile_sampler] + "; not counted: the allocator's fragmentation"]
     return s
 
 
+GRAPH_NOTES = {
+    False: "vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (weights + activation "
+           "peak + non-torch memory); CUDA graphs are captured after the cache, in the 1 - utilization margin",
+    True: "vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (weights + activation "
+          "peak + non-torch memory + profile_cudagraph_memory's estimate, measured by vLLM, not modelled)",
+}
 SAMPLER_NOTES = {
     "torch": "the sampler's peak is PyTorch's top-k/top-p sort over max_num_seqs x vocab (--sampler flashinfer "
              "where vLLM takes FlashInfer's)",

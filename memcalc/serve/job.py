@@ -56,7 +56,8 @@ class ServeJob:
     max_num_seqs: int | None = None
     kv_cache_memory: int | None = None  # vLLM --kv-cache-memory: the cache's bytes per GPU, no profiling
     vllm: str = DEFAULT_RELEASE  # the span of vLLM releases whose budget is modelled (memcalc.serve.releases)
-    sampler: str = "torch"  # torch: PyTorch's sort (pip's vLLM); flashinfer: FlashInfer's (Docker image, 0.8-0.11)
+    sampler: str = ""  # torch (PyTorch's sort) or flashinfer; "": the release's default (Release.sampler)
+    cudagraph_memory: int | None = None  # 0.21-0.26: the log's "Estimated CUDA graph memory" (0: estimate off)
 
     def __post_init__(self) -> None:
         shape = self.model.shape
@@ -67,10 +68,11 @@ class ServeJob:
             raise InputError(f"unknown weight format {self.weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
         if self.kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown KV cache dtype {self.kv_dtype!r}; known: {', '.join(KV_DTYPES)}")
-        if self.sampler not in SAMPLERS:
+        if self.sampler and self.sampler not in SAMPLERS:
             raise InputError(f"unknown sampler {self.sampler!r}; known: {', '.join(SAMPLERS)}")
-        if self.sampler != "torch" and self.kv_cache_memory is not None:
+        if self.sampler and self.kv_cache_memory is not None:
             raise InputError("--sampler names the profile run's sampler, which --kv-cache-memory skips: give one")
+        self.check_cudagraphs()
         if self.vllm not in RELEASES:
             raise InputError(f"unknown vLLM release span {self.vllm!r}; known: {', '.join(RELEASES)}")
         if self.weights == "bf16" and not self.gpu.bf16_tflops:
@@ -105,6 +107,22 @@ class ServeJob:
                                  ("kv-cache-memory", self.kv_cache_memory, 1 << 50)):  # fmt: skip
             if value is not None and not 1 <= value <= top:
                 raise InputError(f"--{name} must be 1 to {top:,}, got {value:,}")
+
+    def check_cudagraphs(self) -> None:
+        """vLLM 0.21-0.26 subtract their own measured CUDA graph estimate, which memcalc takes as given."""
+        estimates = RELEASES[self.vllm].cudagraph_estimate and self.kv_cache_memory is None
+        if estimates and self.cudagraph_memory is None:
+            raise InputError(f"{RELEASES[self.vllm].label} subtracts its own measured CUDA graph estimate: give "
+                             "--cudagraph-memory as the log prints it ('Estimated CUDA graph memory: X GiB'), or 0 "
+                             "under VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0")  # fmt: skip
+        if not estimates and self.cudagraph_memory is not None:
+            raise InputError("--cudagraph-memory is vLLM 0.21-0.26's estimate, subtracted where it profiles: give "
+                             "--vllm-version 0.21 to 0.26, without --kv-cache-memory")  # fmt: skip
+
+    @property
+    def profile_sampler(self) -> str:
+        """The profile run's sampler: --sampler, else the release's default."""
+        return self.sampler or self.release.sampler
 
     @property
     def ep(self) -> int:

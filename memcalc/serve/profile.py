@@ -21,7 +21,8 @@ After the sort the reverse indices and cub's buffers are freed before anything a
 (the masks are bool, the softmax and the scatter 4 bytes each: 26 bytes and the 16-bit logits at most).
 
 FlashInfer's sampler (--sampler flashinfer: TopKTopPSampler.forward_cuda, taken in 0.8 to 0.11 where
-flashinfer is installed, as in vLLM's Docker image, and from 0.13 under VLLM_USE_FLASHINFER_SAMPLER=1) sorts
+flashinfer is installed, as in vLLM's Docker image, in 0.13 under VLLM_USE_FLASHINFER_SAMPLER=1, by default from
+0.21, where flashinfer 0.6 also keeps a 1 MiB row-states buffer of its own) sorts
 nothing: flashinfer_sample calls flashinfer.sampling.top_k_top_p_sampling_from_logits (flashinfer-python
 0.2.11, 0.3.1 and 0.5.3 alike, filter_apply_order "top_k_first"), which holds beside the 16-bit and the
 float32 logits top_k_mask_logits' output (torch.empty_like, 4) and its softmax (4) while
@@ -83,7 +84,9 @@ def sampler_bytes(job: ServeJob, tokens: int, rows: int) -> int:
     shape, b = job.model.shape, job.activation_bytes
     padded = math.ceil(shape.vocab / VOCAB_PADDING) * VOCAB_PADDING  # vocab_parallel_embedding.py pad_vocab_size
     hidden = (tokens + 2 * rows) * shape.hidden * b  # _dummy_run's hidden states; last ones; torch.rand_like
-    return hidden + rows * padded * b + rows * shape.vocab * per_logit_bytes(job.sampler, rows)
+    sampler = job.profile_sampler
+    buffer = job.release.flashinfer_buffer if sampler == "flashinfer" else 0  # kept across calls, so in the peak
+    return hidden + rows * padded * b + rows * shape.vocab * per_logit_bytes(sampler, rows) + buffer
 
 
 def activation_peak(job: ServeJob, stage: Stage) -> ActivationPeak:

@@ -14,12 +14,18 @@ requests, then _dummy_sampler_run on their last hidden states). Where they diffe
         the increase. A100s keep 2,048 and 256 (arg_utils.py: "a100" not in device_name).
   0.11  vllm 0.11.0 (f71952c1c) and 0.13.0 (72506c983): the same, the baseline taken after
         init_worker_distributed_environment ("This ensures NCCL buffers are allocated before we measure").
-        vllm 0.34.0 (62d4bc3c7) determine_available_memory subtracts profile_cudagraph_memory's estimate
-        too, "default since v0.21.0": from 0.21 on the budget is not modelled here.
+  0.21  vllm 0.21.0 and 0.26.0 gpu_worker.py determine_available_memory: 0.11's budget less
+        profile_cudagraph_memory's estimate (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default): a
+        capture of two graphs per mode measured by mem_get_info and extrapolated, which memcalc takes as the
+        log prints it ("Estimated CUDA graph memory: X GiB total"; --cudagraph-memory), not as a formula. From
+        0.27 memory_profiling counts total_consumed and a transient_peak_headroom, and 0.34 adds the extensible
+        KV cache (config/cache.py resolved_gpu_memory_utilization): not modelled here.
 
-The sampler of the profile run is PyTorch's (vllm/v1/sample/ops/topk_topp_sampler.py forward_native) in all
-three: FlashInfer's is taken only where flashinfer is installed (an extra, not a dependency, of the 0.10 and
-0.11 wheels' METADATA) and is opt-in from 0.13 (VLLM_USE_FLASHINFER_SAMPLER=1).
+The sampler of the profile run is PyTorch's (vllm/v1/sample/ops/topk_topp_sampler.py forward_native) by default
+up to 0.20: FlashInfer's is taken only where flashinfer is installed (an extra, not a dependency, of the 0.10 and
+0.11 wheels' METADATA) and is opt-in in 0.13 (VLLM_USE_FLASHINFER_SAMPLER=1). From 0.21 it is FlashInfer's by
+default (envs.py VLLM_USE_FLASHINFER_SAMPLER: bool = True; flashinfer-python a dependency: 0.6.8.post1 in 0.21,
+0.6.14 in 0.26).
 
 What the profile measures outside torch's allocator has no formula in vLLM's source; memcalc takes the
 CUDA context (memcalc.model.headroom's) where the release counts it, NCCL's communicator buffers where the
@@ -62,6 +68,9 @@ class Release:
     counts_nccl: bool  # NCCL's buffers are inside the measured increase (0.8 to 0.10)
     a100_large_defaults: bool  # an A100 80GB takes the 8,192 / 1,024 defaults (0.8)
     source: str
+    cudagraph_estimate: bool = False  # the budget subtracts profile_cudagraph_memory's estimate (0.21 to 0.26)
+    sampler: str = "torch"  # the profile run's sampler by default: PyTorch's sort, or FlashInfer's (0.21 on)
+    flashinfer_buffer: int = 0  # FlashInfer's cached row-states buffer of top_k_mask_logits (flashinfer 0.6: 1 MiB)
 
 
 RELEASES = {
@@ -72,10 +81,13 @@ RELEASES = {
                 "vllm 0.10.1.1 (1da94e673) vllm/v1/worker/gpu_worker.py, vllm/utils/__init__.py memory_profiling"),
         Release("0.11", "vLLM 0.11 to 0.20 (V1)", False, False, False,
                 "vllm 0.11.0 (f71952c1c), 0.13.0 (72506c983) vllm/v1/worker/gpu_worker.py, memory_profiling"),
+        Release("0.21", "vLLM 0.21 to 0.26 (V1)", False, False, False,
+                "vllm 0.21.0, 0.26.0 vllm/v1/worker/gpu_worker.py determine_available_memory", True, "flashinfer",
+                1 << 20),  # flashinfer-python 0.6.8.post1 sampling.py top_k_mask_logits: _get_cache_buf(1 MB)
     )
 }
 DEFAULT_RELEASE = "0.11"
-LAST_MODELLED = (0, 20)  # 0.21 adds the CUDA graph estimate (vllm 0.34.0 gpu_worker.py)
+LAST_MODELLED = (0, 26)  # 0.27's memory_profiling counts a transient headroom; 0.34 an extensible KV cache
 
 
 def release_for(text: str) -> Release:
@@ -91,9 +103,9 @@ def release_for(text: str) -> Release:
         raise InputError(f"vLLM {text.strip()} runs the V0 engine, whose budget memcalc does not model: "
                          "give --vllm-version 0.8 or later")  # fmt: skip
     if (major, minor) > LAST_MODELLED:
-        raise InputError(f"vLLM {text.strip()} profiles CUDA graph memory into the budget (default since 0.21), "
-                         "which memcalc does not model: give --vllm-version 0.20 or earlier")  # fmt: skip
-    return RELEASES["0.8" if minor == 8 else "0.9" if minor < 11 else "0.11"]
+        raise InputError(f"vLLM {text.strip()} budgets with a transient headroom (0.27 on) and an extensible KV "
+                         "cache (0.34), which memcalc does not model: give --vllm-version 0.26 or earlier")  # fmt: skip
+    return RELEASES["0.8" if minor == 8 else "0.9" if minor < 11 else "0.11" if minor < 21 else "0.21"]
 
 
 def counts_nccl(release: Release, gpus: int, intra: str) -> bool:

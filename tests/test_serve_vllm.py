@@ -104,6 +104,8 @@ def test_0_21_to_0_26_subtract_their_cuda_graph_estimate():
         job(vllm="0.21")
     with pytest.raises(InputError, match="--vllm-version 0.21 to 0.26"):
         job(cudagraph_memory=graphs)
+    with pytest.raises(InputError, match="unknown vLLM release span"):
+        job(vllm="0.27", cudagraph_memory=graphs)
     assert serve(job(vllm="0.21", kv_cache_memory=20 * 10**9)).budget.available == 20 * 10**9  # no profiling
     out = CliRunner().invoke(app, ["serve", "--model", "llama3-8b", "--vllm-version", "0.23", "--cudagraph-memory",
                                    "0.36GiB", "--format", "json"])  # fmt: skip

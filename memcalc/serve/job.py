@@ -72,9 +72,9 @@ class ServeJob:
             raise InputError(f"unknown sampler {self.sampler!r}; known: {', '.join(SAMPLERS)}")
         if self.sampler and self.kv_cache_memory is not None:
             raise InputError("--sampler names the profile run's sampler, which --kv-cache-memory skips: give one")
-        self.check_cudagraphs()
         if self.vllm not in RELEASES:
             raise InputError(f"unknown vLLM release span {self.vllm!r}; known: {', '.join(RELEASES)}")
+        self.check_cudagraphs()
         if self.weights == "bf16" and not self.gpu.bf16_tflops:
             raise InputError(f"bf16 weights need bf16 tensor cores (Ampere or later), which the {self.gpu.name} "
                              "lacks: vLLM refuses them there; give --weights fp16")  # fmt: skip

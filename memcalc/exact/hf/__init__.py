@@ -7,7 +7,10 @@
   dynamic_cache  Transformers' DynamicCache in a training step
   llama, gpt2, gpt_neox, gemma, olmo2, phi3
                  each family's decoder, as its modeling file writes it
-  lora, qlora    PEFT's LoRA and frozen weights (verify/lora.py); bitsandbytes' 4-bit base (verify/qlora.py)
+  lora, qlora    PEFT's LoRA and frozen weights, modules_to_save's copies (verify/lora.py); bitsandbytes' 4-bit
+                 base (verify/qlora.py)
+  dora           PEFT's DoRA on a targeted projection: the weight's norm at every forward
+  trl            what TRL's SFTTrainer adds: its k-bit preparation and casts, its loss metrics
 
 Adding a family: docs/architecture.md.
 

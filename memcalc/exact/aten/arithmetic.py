@@ -26,44 +26,35 @@ def to(g: Graph, x: Tensor, dtype: str) -> Tensor:
     return out
 
 
-def add(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+def add(g: Graph, a: Tensor, b: Tensor, op: str = "add") -> Tensor:
     """a + b, broadcasting: saves nothing; the gradient passes through (summed where broadcast) to the
-    inputs that need it (an additive mask needs none)."""
+    inputs that need it (an additive mask needs none). op "sub": a - b (SubBackward0), b's gradient -grad."""
     sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
-    node = g.begin("add", [a, b], lambda gs: [(gs[0], sa) if ga else None, (gs[0], sb) if gb else None])
-    out = made(g, broadcast(a.shape, b.shape), "add", a, b, dtype=promote((a.dtype, sa), (b.dtype, sb)))
-    g.end(node, [out])
-    return out
 
+    def rule(gs):
+        db = gs[0] if op == "add" else made(g, gs[0].shape, "neg", gs[0], dtype=gs[0].dtype)
+        return [(gs[0], sa) if ga else None, (db, sb) if gb else None]
 
-def add_scalar(g: Graph, a: Tensor) -> Tensor:
-    """a + eps: saves nothing; the gradient passes through."""
-    node = g.begin("add", [a], lambda gs: [gs[0]])
-    out = made(g, a.shape, "add", a, dtype=a.dtype)
+    node = g.begin(op, [a, b], rule)
+    out = made(g, broadcast(a.shape, b.shape), op, a, b, dtype=promote((a.dtype, sa), (b.dtype, sb)))
     g.end(node, [out])
     return out
 
 
 def sub(g: Graph, a: Tensor, b: Tensor) -> Tensor:
-    """a - b, broadcasting (SubBackward0): saves nothing; a's gradient passes through, b's is -grad."""
-    sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
+    return add(g, a, b, "sub")
 
-    def rule(gs):
-        db = (made(g, gs[0].shape, "neg", gs[0], dtype=gs[0].dtype), sb) if gb else None
-        return [(gs[0], sa) if ga else None, db]
 
-    node = g.begin("sub", [a, b], rule)
-    out = made(g, broadcast(a.shape, b.shape), "sub", a, b, dtype=promote((a.dtype, sa), (b.dtype, sb)))
+def add_scalar(g: Graph, a: Tensor, op: str = "add") -> Tensor:
+    """a + c (or a - c, op "sub") for a Python number: saves nothing; the gradient passes through."""
+    node = g.begin(op, [a], lambda gs: [gs[0]])
+    out = made(g, a.shape, op, a, dtype=a.dtype)
     g.end(node, [out])
     return out
 
 
 def sub_scalar(g: Graph, a: Tensor) -> Tensor:
-    """a - c for a Python number (SubBackward0 of a wrapped number): saves nothing; the gradient passes through."""
-    node = g.begin("sub", [a], lambda gs: [gs[0]])
-    out = made(g, a.shape, "sub", a, dtype=a.dtype)
-    g.end(node, [out])
-    return out
+    return add_scalar(g, a, "sub")
 
 
 def vector_norm_rows(g: Graph, w: Tensor) -> Tensor:

@@ -38,7 +38,6 @@ class Frame:
 
     def __init__(self, fn: Callable, args: tuple, policy: Callable[[str, int], bool] | None = None):
         self.fn, self.args = fn, args
-        self.n_saved = 0
         self.holders: list[weakref.ref] = []  # each placeholder, weakly (torch's frame.weak_holders)
         self.repacked = 0  # tensors the recompute has saved so far (frame.recomp_counter)
         self.recomputed: dict[int, Storage] | None = None
@@ -46,6 +45,11 @@ class Frame:
         self.policy = policy
         self.counts: dict[str, int] = {}  # op -> calls so far in this pass (the dispatch modes' func_counter)
         self.cache: dict[tuple[str, int], tuple[Tensor, ...]] = {}  # (op, index) -> its outputs, kept
+
+    @property
+    def n_saved(self) -> int:
+        """The tensors its forward saved (placeholders made)."""
+        return len(self.holders)
 
 
 class StopRecompute(Exception):

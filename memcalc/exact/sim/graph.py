@@ -252,8 +252,7 @@ class Graph(Checkpointing, Backward):
                 raise StopRecompute  # torch's early stop: the last saved tensor is rebuilt
             return t.storage  # the recompute's own node holds it (the pack hook's x.detach()) while it lives
         if self.frame is not None:  # inside a checkpoint region: a placeholder, no bytes kept
-            self.frame.n_saved += 1
-            slot = Slot(self.frame, self.frame.n_saved - 1)
+            slot = Slot(self.frame, self.frame.n_saved)
             self.frame.holders.append(weakref.ref(slot))
             return slot
         self.note_saved(t, op, what)

@@ -44,6 +44,16 @@ def step_config(shape, seq: int, batch: int, tricks: str, stack, device: str = "
                       device=device)  # fmt: skip
 
 
+def assert_cpu(finetune: Finetune, tricks: str) -> None:
+    """The Trainer's step (bf16=True: Accelerate's autocast) with this fine-tuning on real CPU tensors, batch 2:
+    every phase, the saved bytes and every allocation equal the replay's for device cpu."""
+    stack, shape = replace(TRAINER, finetune=finetune), TINY["llama"]
+    phases, g, mem = simulate(step_config(shape, 24, 2, tricks, stack, device="cpu"), timeline=True)
+    step, live, recipe = measure_cpu(shape, 24, 2, parse_tricks(tricks), 1, True, stack)
+    assert recipe.skipped == 0
+    assert_same_step(phases, g, mem, step, live, tricks)
+
+
 def assert_meta(shape, tricks: str, stack, batch: int = 1, seq: int = 24) -> None:
     """Every phase, the saved bytes and every allocation with the live bytes at it, against PEFT on meta."""
     phases, g, mem = simulate(step_config(shape, seq, batch, tricks, stack), timeline=True)
@@ -102,11 +112,7 @@ def test_dora_allocation_by_allocation(name, tricks, stack, ft, batch):
 
 def test_dora_under_the_trainers_autocast_on_cpu():
     """DoRA in the Trainer's bf16 autocast on real CPU tensors, gradient checkpointing and dropout on."""
-    stack = replace(TRAINER, finetune=Finetune(4, lora_dropout=0.05, dora=True))
-    phases, g, mem = simulate(step_config(TINY["llama"], 24, 2, "bf16,ckpt", stack, device="cpu"), timeline=True)
-    step, live, recipe = measure_cpu(TINY["llama"], 24, 2, parse_tricks("bf16,ckpt"), 1, True, stack)
-    assert recipe.skipped == 0
-    assert_same_step(phases, g, mem, step, live, "bf16,ckpt")
+    assert_cpu(Finetune(4, lora_dropout=0.05, dora=True), "bf16,ckpt")
 
 
 def test_dora_trainable_count_is_peft_method_comparisons():
@@ -128,11 +134,7 @@ def test_modules_to_save_allocation_by_allocation(tricks, stack, ft):
 
 
 def test_modules_to_save_under_the_trainers_autocast_on_cpu():
-    stack = replace(TRAINER, finetune=SAVED)
-    phases, g, mem = simulate(step_config(TINY["llama"], 24, 2, "bf16,ckpt", stack, device="cpu"), timeline=True)
-    step, live, recipe = measure_cpu(TINY["llama"], 24, 2, parse_tricks("bf16,ckpt"), 1, True, stack)
-    assert recipe.skipped == 0
-    assert_same_step(phases, g, mem, step, live, "bf16,ckpt")
+    assert_cpu(SAVED, "bf16,ckpt")
 
 
 def test_modules_to_save_in_the_textbook():
@@ -205,12 +207,7 @@ def test_lora_under_the_trainers_autocast_on_cpu(tricks):
     """The Trainer's step (bf16=True: Accelerate's autocast; fused AdamW over the fp32 adapters) on real CPU
     tensors with CPU's autocast lists: PEFT casts the base's 16-bit output to the adapters' fp32, autocast casts
     it back for lora_A (and lora_A's weight, cached)."""
-    stack = replace(TRAINER, finetune=Finetune(4, lora_dropout=0.05))
-    shape = TINY["llama"]
-    phases, g, mem = simulate(step_config(shape, 24, 2, tricks, stack, device="cpu"), timeline=True)
-    step, live, recipe = measure_cpu(shape, 24, 2, parse_tricks(tricks), 1, True, stack)
-    assert recipe.skipped == 0
-    assert_same_step(phases, g, mem, step, live, tricks)
+    assert_cpu(Finetune(4, lora_dropout=0.05), tricks)
 
 
 @pytest.mark.parametrize("name,tricks,dora", [("llama3-8b", "bf16,flash,ckpt", False),
@@ -249,11 +246,7 @@ def test_qlora_on_cpu_under_autocast(tricks):
     the adapters' input to fp32 there even under autocast (torch.is_autocast_enabled() asks CUDA's); the
     replay says both for device cpu."""
     pytest.importorskip("bitsandbytes")
-    stack, shape = replace(TRAINER, finetune=QLORA), TINY["llama"]
-    phases, g, mem = simulate(step_config(shape, 24, 2, tricks, stack, device="cpu"), timeline=True)
-    step, live, recipe = measure_cpu(shape, 24, 2, parse_tricks(tricks), 1, True, stack)
-    assert recipe.skipped == 0
-    assert_same_step(phases, g, mem, step, live, tricks)
+    assert_cpu(QLORA, tricks)
 
 
 def test_qlora_at_8b_width():
@@ -331,11 +324,7 @@ def test_lora_on_the_head_allocation_by_allocation(tricks, stack):
 
 
 def test_lora_on_the_head_under_the_trainers_autocast_on_cpu():
-    stack = replace(TRAINER, finetune=HEAD_LORA)
-    phases, g, mem = simulate(step_config(TINY["llama"], 24, 2, "bf16", stack, device="cpu"), timeline=True)
-    step, live, recipe = measure_cpu(TINY["llama"], 24, 2, parse_tricks("bf16"), 1, True, stack)
-    assert recipe.skipped == 0
-    assert_same_step(phases, g, mem, step, live, "bf16")
+    assert_cpu(HEAD_LORA, "bf16")
 
 
 def test_lora_on_a_tied_head_is_refused():

@@ -104,11 +104,12 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
            finetune_not_replayed(ft, arch_for(model.shape), "hf"))  # a mixture of experts or latent attention
     if why:
         raise InputError(why)
-    if ft.dora and (stack.model != "hf" or stack.engine == "fsdp2" or lay.zero >= 3):
+    whole_base_hf = stack.model == "hf" and stack.engine != "fsdp2" and lay.zero < 3  # PEFT's model, unsharded
+    if ft.dora and not whole_base_hf:
         raise InputError("--dora is replayed as PEFT runs it on Transformers' classes (--stack hf), the base whole on "
                          "every GPU (ZeRO 0-2): under FSDP or ZeRO-3 each weight is gathered for its norm, which is "
                          "not replayed")  # fmt: skip
-    if ft.modules_to_save and (stack.model != "hf" or stack.engine == "fsdp2" or lay.zero >= 3):
+    if ft.modules_to_save and not whole_base_hf:
         raise InputError("--modules-to-save is replayed as PEFT runs it on Transformers' classes (--stack hf), the "
                          "base whole on every GPU (ZeRO 0-2)")  # fmt: skip
     if ft.modules_to_save and model.shape.tied_embeddings:

@@ -3,14 +3,21 @@ less the CUDA context, cuBLAS and NCCL; memcalc.model.headroom.allocator_room) a
 to what the replayed allocator reserves there; --headroom and FSDP2 keep the old share."""
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
+import pytest
 from typer.testing import CliRunner
 
 from memcalc import Setup, parse_tricks, preset_model
 from memcalc.cli import app
+from memcalc.exact.base.config import StepConfig
+from memcalc.exact.growth import as_run
+from memcalc.exact.replay.meta import simulate
+from memcalc.exact.replay.zero import Sharding
+from memcalc.exact.reserved import MICRO_BATCHES, reserved_over, step_reserved
 from memcalc.model.gpus import find_gpu
 from memcalc.model.headroom import allocator_room, headroom, usable_bytes
+from memcalc.model.stacks import DEFAULT_STACK
 from memcalc.parallel.verdict import REPLAY_BAND, gpu_verdict
 
 GPT2 = preset_model("gpt2")
@@ -101,3 +108,31 @@ def test_an_fsdp2_rank_replays_its_streams():
     v = near["verdict"][0]
     assert v["reserved"] is not None and v["total_bytes"] == v["reserved"]["reserved_bytes"] >= v["peak_bytes"]
     assert v["reserved"]["requested_bytes"] == v["peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    "tricks, sharding, fraction, expandable",
+    [
+        ("bf16", None, 0.9, False),  # tight: each micro-batch releases the cache and asks the driver again
+        ("bf16,flash,ckpt", Sharding(2, 4), None, False),
+        ("bf16,flash", None, 0.97, True),
+    ],
+)
+def test_the_allocator_replays_three_micro_batches_and_reserves_what_all_of_them_would(
+    tricks, sharding, fraction, expandable
+):
+    """step_reserved replays MICRO_BATCHES of a step's micro-batches; every one of six replayed gives the same
+    reserve, peaks and out-of-memory (only the count of the driver's segments may grow with each)."""
+    shape = replace(GPT2.shape, n_layers=2)
+    t = parse_tricks(tricks)
+
+    def every(capacity: int | None) -> dict:
+        cfg = StepConfig(shape, 256, 2, as_run(t, shape.n_layers), DEFAULT_STACK, "adamw", 6)
+        _, g, mem = simulate(cfg, timeline=True, sharding=sharding)
+        return asdict(reserved_over(mem.timeline, g.recording, capacity, expandable))
+
+    capacity = fraction and int(fraction * every(None)["reserved_bytes"])
+    capped = asdict(step_reserved(shape, 256, 2, t, 6, sharding=sharding, capacity=capacity, expandable=expandable))
+    full = every(capacity)
+    assert MICRO_BATCHES < 6 and capped.pop("segments") <= full.pop("segments")
+    assert capped == full

@@ -11,6 +11,13 @@ On a card, the allocator has what the driver can give it (capacity): where the r
 the allocator releases its cached segments and asks again, so the run may still fit (the reserve is then
 the one at that capacity) or runs out of memory though the tensors alone fit (the reserve is the one it
 would have taken with no limit, and out_of_memory says where it stopped).
+
+Each step replays at most MICRO_BATCHES of its micro-batches: from the second on, each starts from the same live
+tensors and allocates and frees the same ones in the same order, and by the third the allocator's reserve and
+peaks have settled (tests/test_reserved_verdict.py holds them to a replay of every micro-batch). Replaying them
+all grew with grad_accum (a micro-batch of 4,096 taken as 4,096 micro-batches of one ran out of host memory).
+Only the count of the driver's segments can go on growing, where a tight capacity makes each micro-batch release
+the cache and ask again: Reserved.segments counts those of the micro-batches replayed.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from .allocator.replay import Reserved, replay, replayed
 from .base.config import StepConfig
 from .growth import as_run
 from .replay.zero import Sharding
+
+# a step's micro-batches the allocator replays: the first, the second, and the third on the second's cache
+MICRO_BATCHES = 3
 
 
 def allocator_events(timeline: list, recording) -> tuple[list, list[int]]:
@@ -49,11 +59,13 @@ def allocator_events(timeline: list, recording) -> tuple[list, list[int]]:
 def step_reserved(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
                   stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", sharding: Sharding | None = None,
                   capacity: int | None = None, expandable: bool = False) -> Reserved:  # fmt: skip
-    """The allocator over the first two steps, on a device that can give it `capacity` bytes (None: no limit)."""
+    """The allocator over the first two steps (at most MICRO_BATCHES micro-batches each), on a device that can give
+    it `capacity` bytes (None: no limit)."""
     from .base.cache import remembered
 
     if sharding is not None and sharding.trivial:
         sharding = None
+    grad_accum = min(grad_accum, MICRO_BATCHES)
 
     def run() -> dict:
         from .replay.meta import simulate  # here, not at import: a cached verdict never simulates

@@ -95,14 +95,16 @@ def test_0_21_to_0_26_subtract_their_cuda_graph_estimate():
     taken as the log prints it; FlashInfer's sampler by default (VLLM_USE_FLASHINFER_SAMPLER: bool = True), with
     flashinfer 0.6's 1 MiB row-states buffer."""
     graphs = round(0.36 * 2**30)
-    old, new = serve(job(vllm="0.11", sampler="flashinfer")).budget, serve(job(vllm="0.21", cudagraph_memory=graphs))
+    old = serve(job(vllm="0.11", sampler="flashinfer")).budget
+    new = serve(job(vllm="0.21", cudagraph_memory=graphs, gpu_memory_utilization=0.9))
     assert new.budget.binding.cudagraphs == graphs and new.job.profile_sampler == "flashinfer"
     assert new.activations.sampler == serve(job(vllm="0.11", sampler="flashinfer")).activations.sampler + (1 << 20)
     assert new.budget.available == old.available - graphs - (1 << 20)
-    assert serve(job(vllm="0.21", cudagraph_memory=0)).budget.available == old.available - (1 << 20)
+    assert serve(job(vllm="0.21", cudagraph_memory=0, gpu_memory_utilization=0.9)).budget.available == \
+        old.available - (1 << 20)  # fmt: skip
     with pytest.raises(InputError, match="give --cudagraph-memory"):
         job(vllm="0.21")
-    with pytest.raises(InputError, match="--vllm-version 0.21 to 0.26"):
+    with pytest.raises(InputError, match="--vllm-version 0.20 to 0.26"):
         job(cudagraph_memory=graphs)
     with pytest.raises(InputError, match="unknown vLLM release span"):
         job(vllm="0.27", cudagraph_memory=graphs)
@@ -112,6 +114,24 @@ def test_0_21_to_0_26_subtract_their_cuda_graph_estimate():
     assert out.exit_code == 0 and '"cudagraphs": 386547057' in out.output
     out = CliRunner().invoke(app, ["serve", "--model", "llama3-8b", "--sampler", "flashinfer"])
     assert out.exit_code == 0 and "sampled by FlashInfer" in out.output
+
+
+def test_0_20_subtracts_the_estimate_and_takes_0_92():
+    """vllm 0.20.0 envs.py VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to "1" (0.18 and 0.19: "0", the estimate
+    computed and not subtracted) and config/cache.py gpu_memory_utilization to 0.92 (0.19: 0.9); its sampler stays
+    PyTorch's (VLLM_USE_FLASHINFER_SAMPLER unset: opt-in)."""
+    graphs = round(0.36 * 2**30)
+    old, new = serve(job(vllm="0.11")), serve(job(vllm="0.20", cudagraph_memory=graphs))
+    assert old.job.utilization == 0.9 and new.job.utilization == 0.92 and new.job.profile_sampler == "torch"
+    total = new.budget.total
+    assert new.budget.available == old.budget.available + int(total * 0.92) - int(total * 0.9) - graphs
+    assert serve(job(vllm="0.21", cudagraph_memory=0)).job.utilization == 0.92
+    assert serve(job(vllm="0.20", cudagraph_memory=0, gpu_memory_utilization=0.5)).budget.requested == int(total / 2)
+    with pytest.raises(InputError, match="give --cudagraph-memory"):
+        job(vllm="0.20")
+    table = CliRunner().invoke(app, ["serve", "--model", "llama3-8b", "--vllm-version", "0.20.1", "--cudagraph-memory",
+                                     "0"])  # fmt: skip
+    assert table.exit_code == 0 and "gpu_memory_utilization 0.92" in table.output and "vLLM 0.20 (V1)" in table.output
 
 
 @pytest.mark.parametrize("g, nccl", [("h100-sxm", True), ("h200", True), ("b200", True), ("a100-80gb", False),
@@ -125,7 +145,8 @@ def test_nccl_buffers_only_where_nvls(g, nccl):
 
 
 @pytest.mark.parametrize("text, key", [("0.8.5", "0.8"), ("0.9.2", "0.9"), ("0.10.1.1", "0.9"), ("v0.11.0", "0.11"),
-                                       ("0.13", "0.11"), ("0.20.2", "0.11"), ("0.21.0", "0.21"),
+                                       ("0.13", "0.11"), ("0.19.1", "0.11"), ("0.20.2", "0.20"),
+                                       ("0.21.0", "0.21"),
                                        ("0.26", "0.21")])  # fmt: skip
 def test_release_spans(text, key):
     assert release_for(text).key == key

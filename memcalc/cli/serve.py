@@ -18,12 +18,12 @@ from .options import (Calibration, ConfigPath, Detail, ExactBytes, Ffn, Format, 
 
 Context = Annotated[str, typer.Option("--context", help="Tokens of one request, prompt and output together (vLLM's --max-model-len); k and m are binary.", metavar="N")]  # fmt: skip
 Weights = Annotated[Optional[str], typer.Option("--weights", help="The weights' serving format: bf16 (fp16 on a card without bf16, the default), fp16, fp8 (per-tensor scales), fp8-block (128 x 128 block scales: DeepSeek-V3's, Qwen3's -FP8), int8 (GPTQ), int4-awq or int4-gptq (group 128).", metavar="FMT")]  # fmt: skip
-VllmVersion = Annotated[str, typer.Option("--vllm-version", help="The vLLM release whose memory budget to follow: 0.8 to 0.26 (0.8, 0.9-0.10, 0.11-0.20 and 0.21-0.26 differ; default 0.11).", metavar="X.Y")]  # fmt: skip
-Sampler = Annotated[Optional[str], typer.Option("--sampler", help="The top-k/top-p sampler of vLLM's profile run: torch (PyTorch's sort) or flashinfer (0.8-0.11 where flashinfer is installed, as in vLLM's Docker image; 0.13 under VLLM_USE_FLASHINFER_SAMPLER=1). Default: torch up to 0.20, flashinfer from 0.21.", metavar="NAME")]  # fmt: skip
-CudagraphMemory = Annotated[Optional[str], typer.Option("--cudagraph-memory", help="vLLM 0.21-0.26: the CUDA graph estimate its log prints ('Estimated CUDA graph memory: X GiB'), subtracted from the budget; 0 under VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0.", metavar="SIZE")]  # fmt: skip
+VllmVersion = Annotated[str, typer.Option("--vllm-version", help="The vLLM release whose memory budget to follow: 0.8 to 0.26 (0.8, 0.9-0.10, 0.11-0.19, 0.20 and 0.21-0.26 differ; default 0.11).", metavar="X.Y")]  # fmt: skip
+Sampler = Annotated[Optional[str], typer.Option("--sampler", help="The top-k/top-p sampler of vLLM's profile run: torch (PyTorch's sort) or flashinfer (0.8-0.11 where flashinfer is installed, as in vLLM's Docker image; 0.13 to 0.20 under VLLM_USE_FLASHINFER_SAMPLER=1). Default: torch up to 0.20, flashinfer from 0.21.", metavar="NAME")]  # fmt: skip
+CudagraphMemory = Annotated[Optional[str], typer.Option("--cudagraph-memory", help="vLLM 0.20-0.26: the CUDA graph estimate its log prints ('Estimated CUDA graph memory: X GiB'), subtracted from the budget; 0 under VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0.", metavar="SIZE")]  # fmt: skip
 KvDtype = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the activations' 16 bits) or fp8, as vLLM's --kv-cache-dtype.", metavar="DTYPE")]  # fmt: skip
 Batch = Annotated[Optional[str], typer.Option("--batch", help="Requests decoded together, for the time (default: the most that fit).", metavar="N")]  # fmt: skip
-Utilization = Annotated[str, typer.Option("--gpu-memory-utilization", help="vLLM's share of the GPU's memory for weights, activations and the KV cache.", metavar="X")]  # fmt: skip
+Utilization = Annotated[Optional[str], typer.Option("--gpu-memory-utilization", help="vLLM's share of the GPU's memory for weights, activations and the KV cache (default: the release's, 0.9; 0.92 from 0.20).", metavar="X")]  # fmt: skip
 BlockSize = Annotated[Optional[str], typer.Option("--block-size", help="Tokens per KV block (default: vLLM's, 16; 64 under MLA).", metavar="N")]  # fmt: skip
 BatchedTokens = Annotated[Optional[str], typer.Option("--max-num-batched-tokens", help="Tokens one step schedules, the profile run's size (default: vLLM serve's, 8192 on a GPU of 70 GiB or more that is no A100, else 2048).", metavar="N")]  # fmt: skip
 MaxSeqs = Annotated[Optional[str], typer.Option("--max-num-seqs", help="Requests one step runs at most (default: vLLM serve's, 1024 or 256 as above).", metavar="N")]  # fmt: skip
@@ -70,7 +70,7 @@ def serve(
     ffn: Ffn = None, vocab: Vocab = None, context: Context = "8192", weights: Weights = None,
     kv_cache_dtype: KvDtype = "auto", batch: Batch = None, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
     vllm_version: VllmVersion = "0.11", sampler: Sampler = None, cudagraph_memory: CudagraphMemory = None,
-    gpu_memory_utilization: Utilization = "0.9", block_size: BlockSize = None,
+    gpu_memory_utilization: Utilization = None, block_size: BlockSize = None,
     max_num_batched_tokens: BatchedTokens = None, max_num_seqs: MaxSeqs = None, kv_cache_memory: KvCacheMemory = None,
     tp: ServeTp = "1", pp: ServePp = "1", dp: ServeDp = "1", expert_parallel: ExpertParallel = False,
     calibration: Calibration = None, detail: Detail = False, exact_bytes: ExactBytes = False, fmt: Format = "table",
@@ -96,7 +96,7 @@ def serve(
             the_model, the_gpu, parse_seq(context, "context"), serve_calibration(the_gpu, calibration),
             fmt_weights, kv_cache_dtype.strip().lower(), optional_count(batch, "batch", MAX_BATCH),
             parse_count(tp, "tp", 4096), parse_count(pp, "pp", 4096), parse_count(dp, "dp", 4096), expert_parallel,
-            parse_fraction(gpu_memory_utilization, "gpu-memory-utilization"),
+            None if gpu_memory_utilization is None else parse_fraction(gpu_memory_utilization, "gpu-memory-utilization"),
             optional_count(block_size, "block-size", 1 << 16),
             None if max_num_batched_tokens is None else parse_seq(max_num_batched_tokens, "max-num-batched-tokens"),
             optional_count(max_num_seqs, "max-num-seqs", MAX_BATCH), optional_count(kv_cache_memory, "kv-cache-memory", 1 << 50),

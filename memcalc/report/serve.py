@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from memcalc.model.sizes import MAX_SEQ
 from memcalc.serve.answer import ServeAnswer
-from memcalc.serve.job import DEFAULT_UTILIZATION
 from memcalc.serve.releases import counts_nccl
 
 from . import units as u
@@ -28,7 +27,7 @@ def serve_preamble(a: ServeAnswer, units: str) -> list[str]:
     return [f"Model: {j.model.origin}",
             f"GPU: {j.gpu.name} ({j.gpu.key}), {u.size(j.gpu.memory_bytes, units)}; {layout_label(a)}",
             f"Serving: weights {WEIGHT_LABELS[j.weights]}, KV cache {kv}; vLLM gpu_memory_utilization "
-            f"{j.gpu_memory_utilization:g}, block {j.page_tokens}, max_num_batched_tokens {j.batched_tokens:,}, "
+            f"{j.utilization:g}, block {j.page_tokens}, max_num_batched_tokens {j.batched_tokens:,}, "
             f"max_num_seqs {j.seqs:,}; context {j.context:,} tokens a request",
             f"Budget as {j.release.label} computes it (--vllm-version; {j.release.source})"]  # fmt: skip
 
@@ -185,7 +184,7 @@ def serve_verdict(a: ServeAnswer) -> str:
     if a.requests < 1:
         return (f"Does not fit: not one request of {j.context:,} tokens; the longest the KV cache holds is "
                 f"{context_label(a.longest_context)}.")  # fmt: skip
-    util = "" if j.gpu_memory_utilization == DEFAULT_UTILIZATION else f" at utilization {j.gpu_memory_utilization:g}"
+    util = "" if j.gpu_memory_utilization is None else f" at utilization {j.utilization:g}"
     short = f" ({j.batch:,} asked)" if j.batch and not a.fits else ""
     return (f"{a.requests:,} concurrent requests of {j.context:,} tokens fit{util}{short}; decoding "
             f"{a.time.batch:,} together: {u.rate(a.time.tokens_per_second)} tokens/s, "

@@ -96,7 +96,7 @@ def alternatives(job: ServeJob) -> list[tuple[str, ServeJob]]:
             out.append((f"--weights {fmt}", replace(job, weights=fmt)))
     if job.model.shape.n_heads % (2 * job.tp) == 0:
         out.append((f"--tp {2 * job.tp}", replace(job, tp=2 * job.tp)))
-    if job.gpu_memory_utilization < 0.95 and job.kv_cache_memory is None:
+    if job.utilization < 0.95 and job.kv_cache_memory is None:
         out.append(("--gpu-memory-utilization 0.95", replace(job, gpu_memory_utilization=0.95)))
     if job.kv_cache_memory is None:
         held = fitting(job)[-1]  # the longest request the blocks hold, if shorter than asked

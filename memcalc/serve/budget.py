@@ -5,13 +5,13 @@ Worker.determine_available_memory; vllm/utils/mem_utils.py@a6d5c39009eb73797b276
 memory_profiling; each release's variant in memcalc.serve.releases):
 
     available = total x gpu_memory_utilization - (weights + activation peak + non-torch memory)
-                (- CUDA graph memory's estimate, 0.21 to 0.26)
+                (- CUDA graph memory's estimate, 0.20 to 0.26)
 
 total is what torch.cuda.mem_get_info reports (GPU.cuda_total_bytes), the activation peak the rise of
 torch's allocated peak during profile_run (memcalc.serve.profile: a forward of max_num_batched_tokens
 tokens and the sampler), and non-torch what the release counts outside torch's allocator
 (releases.non_torch_bytes). CUDA graphs are captured after the cache is allocated: up to 0.20 they live in
-the 1 - utilization margin, not in the budget; 0.21 to 0.26 subtract vLLM's own estimate of them, as given.
+the 1 - utilization margin, not in the budget (up to 0.19); 0.20 to 0.26 subtract vLLM's own estimate of them, as given.
 
 The cache (vllm/v1/core/kv_cache_utils.py@001cabc1be16a59a70d720ed61a13b678c060a18): a block holds
 block_size tokens of one layer (its page: block_size x bytes per token). One kind of layer: one group of
@@ -68,7 +68,7 @@ class StageBudget:
     weights: int
     activations: int
     non_torch: int  # what the release's profile counts outside torch's tensors (releases.non_torch_bytes)
-    cudagraphs: int  # the CUDA graph estimate the release subtracts (0.21-0.26, as given), else 0
+    cudagraphs: int  # the CUDA graph estimate the release subtracts (0.20-0.26, as given), else 0
     available: int  # int(total x utilization - weights - activations - non_torch), 0 if they exceed it
     shortfall: int  # by how much they exceed it (0: they fit)
     group_size: int  # the most layers of the stage in one group: the tensors a block spans here
@@ -128,7 +128,7 @@ def stage_budget(job: ServeJob, stage: Stage, weights: int, activations: int, pa
     other = non_torch_bytes(job.release, job.tp * job.pp, job.gpu.intra, CONTEXT_BYTES)
     graphs = job.cudagraph_memory or 0
     total = job.gpu.cuda_total_bytes
-    left = job.kv_cache_memory or int(total * job.gpu_memory_utilization - (weights + activations + other + graphs))
+    left = job.kv_cache_memory or int(total * job.utilization - (weights + activations + other + graphs))
     available, shortfall = max(0, left), max(0, -left)
     size = max(sum(1 for i in g.layers if stage.start <= i < stage.end) for g in groups)
     return StageBudget(stage, weights, activations, other, graphs, available, shortfall, size,
@@ -144,7 +144,7 @@ def budget(job: ServeJob, stages: tuple[tuple[Stage, Weights, ActivationPeak], .
     page = job.page_tokens * kinds[0].bytes_per_token
     _, groups = kv_groups(kinds, windows)
     per_stage = tuple(stage_budget(job, st, w.total_bytes, p.peak, page, groups) for st, w, p in stages)
-    return Budget(job.gpu.cuda_total_bytes, job.gpu_memory_utilization, job.page_tokens, page, groups, per_stage)
+    return Budget(job.gpu.cuda_total_bytes, job.utilization, job.page_tokens, page, groups, per_stage)
 
 
 def longest_context(b: Budget, batched: int, limit: int = MAX_SEQ) -> int:

@@ -1,7 +1,8 @@
 """What `memcalc serve` is asked (ServeJob), and vLLM's defaults for what it leaves out.
 
 vLLM's defaults, each from its source (vllm-project/vllm):
-  gpu_memory_utilization 0.9          vllm/config/cache.py CacheConfig.gpu_memory_utilization
+  gpu_memory_utilization 0.9, 0.92    vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.92 from 0.20:
+                                      the release's, memcalc.serve.releases)
   block_size 16, 64 under MLA         vllm/platforms/cuda.py@1c0d9ecf5bad600df3e001bf642dd48c5ed25cc6
                                       CudaPlatformBase.check_and_update_config (FlashMLA forces 64 before
                                       Blackwell)
@@ -30,7 +31,6 @@ GIB = 1 << 30
 WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "fp8-block", "int8", "int4-awq", "int4-gptq")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8")
 SAMPLERS = ("torch", "flashinfer")  # the profile run's top-k/top-p sampler (memcalc.serve.profile)
-DEFAULT_UTILIZATION = 0.9  # vllm/config/cache.py CacheConfig.gpu_memory_utilization
 CUDA_BLOCK_SIZE, FLASHMLA_BLOCK_SIZE = 16, 64  # vllm/platforms/cuda.py check_and_update_config
 
 
@@ -50,14 +50,14 @@ class ServeJob:
     pp: int = 1
     dp: int = 1  # data-parallel replicas; with expert_parallel they share the experts
     expert_parallel: bool = False  # vLLM --enable-expert-parallel: experts split over tp x dp GPUs whole
-    gpu_memory_utilization: float = DEFAULT_UTILIZATION
+    gpu_memory_utilization: float | None = None  # None: the release's default (Release.utilization)
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     kv_cache_memory: int | None = None  # vLLM --kv-cache-memory: the cache's bytes per GPU, no profiling
     vllm: str = DEFAULT_RELEASE  # the span of vLLM releases whose budget is modelled (memcalc.serve.releases)
     sampler: str = ""  # torch (PyTorch's sort) or flashinfer; "": the release's default (Release.sampler)
-    cudagraph_memory: int | None = None  # 0.21-0.26: the log's "Estimated CUDA graph memory" (0: estimate off)
+    cudagraph_memory: int | None = None  # 0.20-0.26: the log's "Estimated CUDA graph memory" (0: estimate off)
 
     def __post_init__(self) -> None:
         shape = self.model.shape
@@ -86,8 +86,8 @@ class ServeJob:
                 raise InputError(f"serve's time needs the card's {name}, which its --gpu file does not give")
         if not 1 <= self.context <= MAX_SEQ:
             raise InputError(f"context must be 1 to {MAX_SEQ:,} tokens, got {self.context:,}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise InputError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 < self.utilization <= 1:
+            raise InputError(f"gpu-memory-utilization must be in (0, 1], got {self.utilization}")
         for name in ("tp", "pp", "dp"):
             if not 1 <= getattr(self, name) <= 4096:
                 raise InputError(f"--{name} must be 1 to 4,096, got {getattr(self, name)}")
@@ -109,15 +109,20 @@ class ServeJob:
                 raise InputError(f"--{name} must be 1 to {top:,}, got {value:,}")
 
     def check_cudagraphs(self) -> None:
-        """vLLM 0.21-0.26 subtract their own measured CUDA graph estimate, which memcalc takes as given."""
+        """vLLM 0.20-0.26 subtract their own measured CUDA graph estimate, which memcalc takes as given."""
         estimates = RELEASES[self.vllm].cudagraph_estimate and self.kv_cache_memory is None
         if estimates and self.cudagraph_memory is None:
             raise InputError(f"{RELEASES[self.vllm].label} subtracts its own measured CUDA graph estimate: give "
                              "--cudagraph-memory as the log prints it ('Estimated CUDA graph memory: X GiB'), or 0 "
                              "under VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0")  # fmt: skip
         if not estimates and self.cudagraph_memory is not None:
-            raise InputError("--cudagraph-memory is vLLM 0.21-0.26's estimate, subtracted where it profiles: give "
-                             "--vllm-version 0.21 to 0.26, without --kv-cache-memory")  # fmt: skip
+            raise InputError("--cudagraph-memory is vLLM 0.20-0.26's estimate, subtracted where it profiles: give "
+                             "--vllm-version 0.20 to 0.26, without --kv-cache-memory")  # fmt: skip
+
+    @property
+    def utilization(self) -> float:
+        """gpu_memory_utilization: as given, else the release's default (0.9; 0.92 from vLLM 0.20)."""
+        return self.release.utilization if self.gpu_memory_utilization is None else self.gpu_memory_utilization
 
     @property
     def profile_sampler(self) -> str:

@@ -14,18 +14,25 @@ requests, then _dummy_sampler_run on their last hidden states). Where they diffe
         the increase. A100s keep 2,048 and 256 (arg_utils.py: "a100" not in device_name).
   0.11  vllm 0.11.0 (f71952c1c) and 0.13.0 (72506c983): the same, the baseline taken after
         init_worker_distributed_environment ("This ensures NCCL buffers are allocated before we measure").
-  0.21  vllm 0.21.0 and 0.26.0 gpu_worker.py determine_available_memory: 0.11's budget less
-        profile_cudagraph_memory's estimate (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default): a
-        capture of two graphs per mode measured by mem_get_info and extrapolated, which memcalc takes as the
-        log prints it ("Estimated CUDA graph memory: X GiB total"; --cudagraph-memory), not as a formula. From
+  0.20  vllm 0.20.0 gpu_worker.py determine_available_memory: 0.11's budget less
+        profile_cudagraph_memory's estimate (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS: envs.py's default turns
+        from "0" in 0.18 and 0.19, where the estimate is computed but not subtracted, to "1"), and
+        config/cache.py's gpu_memory_utilization default from 0.9 to 0.92. The estimate is
+        a capture of two graphs per mode measured by mem_get_info and extrapolated, which memcalc takes as the
+        log prints it ("Estimated CUDA graph memory: X GiB total"; --cudagraph-memory), not as a formula.
+  0.21  vllm 0.21.0 and 0.26.0: 0.20's budget, the sampler FlashInfer's by default (below), on V1's model
+        runner (vllm/v1/worker/gpu_model_runner.py). From 0.22 vLLM runs some dense models on its V2 runner by
+        default (config/vllm.py use_v2_model_runner: Qwen3 in 0.22, Llama and Mistral in 0.23, every dense
+        model in 0.25), whose profile run samples greedily (vllm/v1/worker/gpu/model_runner.py
+        _dummy_sampler_run): not modelled here, VLLM_USE_V2_MODEL_RUNNER=0 runs what is. From
         0.27 memory_profiling counts total_consumed and a transient_peak_headroom, and 0.34 adds the extensible
         KV cache (config/cache.py resolved_gpu_memory_utilization): not modelled here.
 
 The sampler of the profile run is PyTorch's (vllm/v1/sample/ops/topk_topp_sampler.py forward_native) by default
-up to 0.20: FlashInfer's is taken only where flashinfer is installed (an extra, not a dependency, of the 0.10 and
-0.11 wheels' METADATA) and is opt-in in 0.13 (VLLM_USE_FLASHINFER_SAMPLER=1). From 0.21 it is FlashInfer's by
-default (envs.py VLLM_USE_FLASHINFER_SAMPLER: bool = True; flashinfer-python a dependency: 0.6.8.post1 in 0.21,
-0.6.14 in 0.26).
+up to 0.20: FlashInfer's is taken only where flashinfer is installed (an extra, not a dependency, of the 0.10
+and 0.11 wheels' METADATA) and is opt-in from 0.13 to 0.20 (VLLM_USE_FLASHINFER_SAMPLER=1). From 0.21 it is
+FlashInfer's by default (envs.py VLLM_USE_FLASHINFER_SAMPLER: bool = True; flashinfer-python a dependency:
+0.6.8.post1 in 0.21, 0.6.14 in 0.26).
 
 What the profile measures outside torch's allocator has no formula in vLLM's source; memcalc takes the
 CUDA context (memcalc.model.headroom's) where the release counts it, NCCL's communicator buffers where the
@@ -63,14 +70,15 @@ class Release:
     """How one span of vLLM releases sizes the KV cache (see the module)."""
 
     key: str  # "0.11"
-    label: str  # "vLLM 0.11 to 0.20"
+    label: str  # "vLLM 0.11 to 0.19 (V1)"
     counts_context: bool  # the CUDA context is inside the measured non-torch memory (0.8)
     counts_nccl: bool  # NCCL's buffers are inside the measured increase (0.8 to 0.10)
     a100_large_defaults: bool  # an A100 80GB takes the 8,192 / 1,024 defaults (0.8)
     source: str
-    cudagraph_estimate: bool = False  # the budget subtracts profile_cudagraph_memory's estimate (0.21 to 0.26)
+    cudagraph_estimate: bool = False  # the budget subtracts profile_cudagraph_memory's estimate (0.20 to 0.26)
     sampler: str = "torch"  # the profile run's sampler by default: PyTorch's sort, or FlashInfer's (0.21 on)
     flashinfer_buffer: int = 0  # FlashInfer's cached row-states buffer of top_k_mask_logits (flashinfer 0.6: 1 MiB)
+    utilization: float = 0.9  # gpu_memory_utilization's default (vllm/config/cache.py CacheConfig): 0.92 from 0.20
 
 
 RELEASES = {
@@ -79,11 +87,14 @@ RELEASES = {
         Release("0.8", "vLLM 0.8 (V1)", True, True, True, "vllm 0.8.5 vllm/v1/worker/gpu_worker.py"),
         Release("0.9", "vLLM 0.9 to 0.10 (V1)", False, True, False,
                 "vllm 0.10.1.1 (1da94e673) vllm/v1/worker/gpu_worker.py, vllm/utils/__init__.py memory_profiling"),
-        Release("0.11", "vLLM 0.11 to 0.20 (V1)", False, False, False,
-                "vllm 0.11.0 (f71952c1c), 0.13.0 (72506c983) vllm/v1/worker/gpu_worker.py, memory_profiling"),
+        Release("0.11", "vLLM 0.11 to 0.19 (V1)", False, False, False,
+                "vllm 0.11.0 (f71952c1c), 0.13.0 (72506c983), 0.19.0 vllm/v1/worker/gpu_worker.py, memory_profiling"),
+        Release("0.20", "vLLM 0.20 (V1)", False, False, False,
+                "vllm 0.20.0 vllm/v1/worker/gpu_worker.py determine_available_memory, envs.py, config/cache.py",
+                True, "torch", 0, 0.92),
         Release("0.21", "vLLM 0.21 to 0.26 (V1)", False, False, False,
                 "vllm 0.21.0, 0.26.0 vllm/v1/worker/gpu_worker.py determine_available_memory", True, "flashinfer",
-                1 << 20),  # flashinfer-python 0.6.8.post1 sampling.py top_k_mask_logits: _get_cache_buf(1 MB)
+                1 << 20, 0.92),  # flashinfer-python 0.6.8.post1 sampling.py top_k_mask_logits: _get_cache_buf(1 MB)
     )
 }
 DEFAULT_RELEASE = "0.11"
@@ -105,7 +116,8 @@ def release_for(text: str) -> Release:
     if (major, minor) > LAST_MODELLED:
         raise InputError(f"vLLM {text.strip()} budgets with a transient headroom (0.27 on) and an extensible KV "
                          "cache (0.34), which memcalc does not model: give --vllm-version 0.26 or earlier")  # fmt: skip
-    return RELEASES["0.8" if minor == 8 else "0.9" if minor < 11 else "0.11" if minor < 21 else "0.21"]
+    return RELEASES["0.8" if minor == 8 else "0.9" if minor < 11 else "0.11" if minor < 20 else
+                    "0.20" if minor == 20 else "0.21"]  # fmt: skip
 
 
 def counts_nccl(release: Release, gpus: int, intra: str) -> bool:

@@ -10,8 +10,8 @@ memory_profiling; each release's variant in memcalc.serve.releases):
 total is what torch.cuda.mem_get_info reports (GPU.cuda_total_bytes), the activation peak the rise of
 torch's allocated peak during profile_run (memcalc.serve.profile: a forward of max_num_batched_tokens
 tokens and the sampler), and non-torch what the release counts outside torch's allocator
-(releases.non_torch_bytes). CUDA graphs are captured after the cache is allocated: up to 0.20 they live in
-the 1 - utilization margin, not in the budget (up to 0.19); 0.20 to 0.26 subtract vLLM's own estimate of them, as given.
+(releases.non_torch_bytes). CUDA graphs are captured after the cache is allocated: up to 0.19 they live in
+the 1 - utilization margin, not in the budget; 0.20 to 0.26 subtract vLLM's own estimate of them, as given.
 
 The cache (vllm/v1/core/kv_cache_utils.py@001cabc1be16a59a70d720ed61a13b678c060a18): a block holds
 block_size tokens of one layer (its page: block_size x bytes per token). One kind of layer: one group of

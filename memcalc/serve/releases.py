@@ -69,7 +69,7 @@ NVLS_LINKS = ("nvlink4", "nvlink5", "nvlink-h800")  # memcalc.parallel.links key
 class Release:
     """How one span of vLLM releases sizes the KV cache (see the module)."""
 
-    key: str  # "0.11"
+    key: str  # "0.11": the span's first release
     label: str  # "vLLM 0.11 to 0.19 (V1)"
     counts_context: bool  # the CUDA context is inside the measured non-torch memory (0.8)
     counts_nccl: bool  # NCCL's buffers are inside the measured increase (0.8 to 0.10)
@@ -116,8 +116,12 @@ def release_for(text: str) -> Release:
     if (major, minor) > LAST_MODELLED:
         raise InputError(f"vLLM {text.strip()} budgets with a transient headroom (0.27 on) and an extensible KV "
                          "cache (0.34), which memcalc does not model: give --vllm-version 0.26 or earlier")  # fmt: skip
-    return RELEASES["0.8" if minor == 8 else "0.9" if minor < 11 else "0.11" if minor < 20 else
-                    "0.20" if minor == 20 else "0.21"]  # fmt: skip
+    return max((r for r in RELEASES.values() if first_minor(r) <= minor), key=first_minor)
+
+
+def first_minor(release: Release) -> int:
+    """The minor number of the span's first release (its key): 11 for 0.11."""
+    return int(release.key.split(".")[1])
 
 
 def counts_nccl(release: Release, gpus: int, intra: str) -> bool:

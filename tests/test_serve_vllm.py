@@ -93,24 +93,27 @@ def test_flashinfer_sampler_holds_masked_logits_and_softmax():
 def test_0_21_to_0_26_subtract_their_cuda_graph_estimate():
     """vllm 0.21.0 and 0.26.0 determine_available_memory: 0.11's budget less profile_cudagraph_memory's estimate,
     taken as the log prints it; FlashInfer's sampler by default (VLLM_USE_FLASHINFER_SAMPLER: bool = True), with
-    flashinfer 0.6's 1 MiB row-states buffer."""
+    flashinfer 0.6's 1 MiB row-states buffer, then PyTorch's path again (_dummy_sampler_run's second call), whose
+    Triton kernel keeps a buffer of 132 rows (an H100's SMs) of the vocabulary in float32."""
     graphs = round(0.36 * 2**30)
     old = serve(job(vllm="0.11", sampler="flashinfer")).budget
     new = serve(job(vllm="0.21", cudagraph_memory=graphs, gpu_memory_utilization=0.9))
     assert new.budget.binding.cudagraphs == graphs and new.job.profile_sampler == "flashinfer"
-    assert new.activations.sampler == serve(job(vllm="0.11", sampler="flashinfer")).activations.sampler + (1 << 20)
-    assert new.budget.available == old.available - graphs - (1 << 20)
+    triton = 132 * 128256 * 4
+    assert new.activations.sampler == serve(job(vllm="0.11", sampler="flashinfer")).activations.sampler + \
+        (1 << 20) + triton  # fmt: skip
+    assert new.budget.available == old.available - graphs - (1 << 20) - triton
     assert serve(job(vllm="0.21", cudagraph_memory=0, gpu_memory_utilization=0.9)).budget.available == \
-        old.available - (1 << 20)  # fmt: skip
+        old.available - (1 << 20) - triton  # fmt: skip
     with pytest.raises(InputError, match="give --cudagraph-memory"):
         job(vllm="0.21")
-    with pytest.raises(InputError, match="--vllm-version 0.20 to 0.26"):
+    with pytest.raises(InputError, match="--vllm-version 0.20 or later"):
         job(cudagraph_memory=graphs)
-    with pytest.raises(InputError, match="unknown vLLM release span"):
-        job(vllm="0.27", cudagraph_memory=graphs)
+    with pytest.raises(InputError, match="extensible KV cache"):
+        job(vllm="0.34", cudagraph_memory=graphs)
     assert serve(job(vllm="0.21", kv_cache_memory=20 * 10**9)).budget.available == 20 * 10**9  # no profiling
     out = CliRunner().invoke(app, ["serve", "--model", "llama3-8b", "--vllm-version", "0.23", "--cudagraph-memory",
-                                   "0.36GiB", "--format", "json"])  # fmt: skip
+                                   "0.36GiB", "--model-runner", "v1", "--format", "json"])  # fmt: skip
     assert out.exit_code == 0 and '"cudagraphs": 386547057' in out.output
     out = CliRunner().invoke(app, ["serve", "--model", "llama3-8b", "--sampler", "flashinfer"])
     assert out.exit_code == 0 and "sampled by FlashInfer" in out.output
@@ -121,7 +124,7 @@ def test_0_20_subtracts_the_estimate_and_takes_0_92():
     computed and not subtracted) and config/cache.py gpu_memory_utilization to 0.92 (0.19: 0.9); its sampler stays
     PyTorch's (VLLM_USE_FLASHINFER_SAMPLER unset: opt-in)."""
     graphs = round(0.36 * 2**30)
-    old, new = serve(job(vllm="0.11")), serve(job(vllm="0.20", cudagraph_memory=graphs))
+    old, new = serve(job(vllm="0.19")), serve(job(vllm="0.20", cudagraph_memory=graphs))
     assert old.job.utilization == 0.9 and new.job.utilization == 0.92 and new.job.profile_sampler == "torch"
     total = new.budget.total
     assert new.budget.available == old.budget.available + int(total * 0.92) - int(total * 0.9) - graphs
@@ -131,7 +134,7 @@ def test_0_20_subtracts_the_estimate_and_takes_0_92():
         job(vllm="0.20")
     table = CliRunner().invoke(app, ["serve", "--model", "llama3-8b", "--vllm-version", "0.20.1", "--cudagraph-memory",
                                      "0"])  # fmt: skip
-    assert table.exit_code == 0 and "gpu_memory_utilization 0.92" in table.output and "vLLM 0.20 (V1)" in table.output
+    assert table.exit_code == 0 and "gpu_memory_utilization 0.92" in table.output and "vLLM 0.20's rule" in table.output
 
 
 @pytest.mark.parametrize("g, nccl", [("h100-sxm", True), ("h200", True), ("b200", True), ("a100-80gb", False),
@@ -146,13 +149,13 @@ def test_nccl_buffers_only_where_nvls(g, nccl):
 
 @pytest.mark.parametrize("text, key", [("0.8.5", "0.8"), ("0.9.2", "0.9"), ("0.10.1.1", "0.9"), ("v0.11.0", "0.11"),
                                        ("0.13", "0.11"), ("0.19.1", "0.11"), ("0.20.2", "0.20"),
-                                       ("0.21.0", "0.21"),
-                                       ("0.26", "0.21")])  # fmt: skip
+                                       ("0.21.0", "0.21"), ("0.26", "0.21"), ("0.27.0", "0.27"),
+                                       ("0.33.1", "0.27")])  # fmt: skip
 def test_release_spans(text, key):
     assert release_for(text).key == key
 
 
-@pytest.mark.parametrize("text", ["0.7.3", "0.27.0", "0.34", "1.0", "latest", "0"])
+@pytest.mark.parametrize("text", ["0.7.3", "0.34.0", "0.34", "1.0", "latest", "0"])
 def test_release_refusals(text):
     with pytest.raises(InputError):
         release_for(text)

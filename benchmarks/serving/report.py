@@ -6,7 +6,7 @@
 A log is predicted where memcalc has its model (a preset, or a config.json of configs/ read as `memcalc serve
 --config` reads one) and the thread names its card: the ServeJob of its settings
 (card, tp, max_model_len, gpu_memory_utilization, weights) under the release it names
-(memcalc.serve.releases.release_for; a V0-engine log under 0.9's rule, memory_profiling with the baseline
+(memcalc.serve.releases.release_line; a V0-engine log under 0.9's rule, memory_profiling with the baseline
 before NCCL, and V0's profile-run defaults: max_num_seqs 256 and max_num_batched_tokens max(max_model_len,
 2048), 2048 above 32k where V0 turns chunked prefill on; vllm 0.6.6 config.py SchedulerConfig.__post_init__,
 engine/arg_utils.py). The goal of issue 41 (available KV memory within 5% median, 10% worst) is measured over
@@ -35,7 +35,7 @@ def job_of(log: Log):
     from memcalc.model.hfconfig import config_model
     from memcalc.model.presets import preset_model
     from memcalc.serve.job import ServeJob
-    from memcalc.serve.releases import release_for
+    from memcalc.serve.releases import release_line
     from memcalc.time.calibration import calibration_for
 
     if not log.model and not log.config:
@@ -45,7 +45,7 @@ def job_of(log: Log):
     if not log.gpu:
         return "the thread does not name the card"
     try:
-        release = "0.9" if log.engine == "v0" or not log.version[0].isdigit() else release_for(log.version).key
+        release = "0.9" if log.engine == "v0" or not log.version[0].isdigit() else release_line(log.version)
         model = preset_model(log.model) if log.model else config_model(HERE / log.config, origin=f"config {log.config}")
         tokens, seqs = log.max_num_batched_tokens or None, log.max_num_seqs or None
         if log.engine == "v0":

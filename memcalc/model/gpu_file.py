@@ -10,8 +10,10 @@ the card has none), fp16_tflops (left out: bf16_tflops where given, FP16_FROM_BF
 fp32_tflops and bandwidth_gbps (left out: not known, 0: the roofline needs both, so such a card's step is
 timed end to end at --mfu, and fp32 recipes are refused), arch (sm80 unless given: cuBLAS's workspace
 follows it), intra, inter, host (memcalc.parallel.links keys; pcie4, hdr, pcie4 unless given), cuda_total_mib
-(torch.cuda.mem_get_info's total, which `memcalc serve` budgets from; left out: GPU.cuda_total_bytes's rule). What was left
-out and what memcalc did for it is GPU.derived, said on stderr. Every rate given must be positive; a missing
+(torch.cuda.mem_get_info's total, which `memcalc serve` budgets from; left out: GPU.cuda_total_bytes's rule),
+sms (the multiprocessors, torch.cuda.get_device_properties(0).multi_processor_count: vLLM's Triton top-k/top-p
+buffer follows it, memcalc.serve.profile; left out: not known, and serve refuses the releases that need it).
+What was left out and what memcalc did for it is GPU.derived, said on stderr. Every rate given must be positive; a missing
 field, an unknown one or a wrong type is one InputError line (read by jsonfile's bounded read).
 """
 
@@ -26,7 +28,7 @@ from memcalc.errors import InputError
 REQUIRED = ("name", "memory_mib")  # and one of PEAK_RATES
 OPTIONAL = {"key": "", "source": "", "bandwidth_gbps": 0.0, "fp16_tflops": 0.0, "fp32_tflops": 0.0,
             "bf16_tflops": 0.0, "tf32_tflops": 0.0, "fp8_tflops": 0.0, "arch": "sm80", "intra": "pcie4",
-            "inter": "hdr", "host": "pcie4", "cuda_total_mib": 0}  # fmt: skip
+            "inter": "hdr", "host": "pcie4", "cuda_total_mib": 0, "sms": 0}  # fmt: skip
 TEXT = ("key", "name", "source", "arch", "intra", "inter", "host")
 # fp16 left out beside bf16: every card of memcalc's table with bf16 tensor cores (Ampere, Ada, Hopper,
 # Blackwell, CDNA2/3) has one dense BF16/FP16 figure on its datasheet (memcalc.model.gpu_table), fp32 accumulate

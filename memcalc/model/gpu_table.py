@@ -72,6 +72,20 @@ CUDA_TOTALS_MIB = {"h100-sxm": 81121, "rtx3090": 24146, "a100-40gb": 40325, "a10
 # of the middle two, whole MiB) stands in for a card no log prints (what the driver keeps outside CUDA's reach)
 CUDA_RESERVE_MIB = 438
 
+# Multiprocessors per card (torch.cuda.get_device_properties().multi_processor_count, which vLLM's
+# num_compute_units reads): the whitepapers' enabled SMs, or CUDA cores / cores per SM on the datasheet
+SMS = {"v100-16gb": 80, "v100-32gb": 80,  # Volta whitepaper: Tesla V100, 80 SMs
+       "t4": 40,  # Turing whitepaper: T4, 40 SMs (2,560 CUDA cores)
+       "a100-40gb": 108, "a100-80gb": 108, "a100-pcie": 108,  # A100 whitepaper: 108 SMs
+       "a10": 72, "rtx3090": 82,  # GA102 whitepaper: A10 9,216 and RTX 3090 10,496 CUDA cores, 128 a SM
+       "a10g": 72,  # huggingface.co/docs/hugs/hardware: A10G 9,216 CUDA cores, 288 Tensor cores (4 a SM)
+       "rtx4090": 128, "l4": 58, "l40s": 142,  # Ada: 16,384, 7,424 and 18,176 CUDA cores, 128 a SM
+       "h100-sxm": 132, "h100-pcie": 114, "h100-nvl": 132, "h200": 132, "h800": 132,  # Hopper whitepaper
+       "h100-hbm2e": 132,  # an SXM5 H100, as its row's peak
+       "h20": 78,  # reported from Geekbench 6 (no datasheet, as H20_SOURCE)
+       "b200": 148, "gb200": 148, "rtx5090": 170,  # Blackwell: 148 SMs a GPU; RTX 5090 21,760 CUDA cores
+       "mi250x": 110, "mi300x": 304, "mi325x": 304}  # AMD: compute units (MI250X: 220 a package, 110 a GCD)
+
 GPUS: dict[str, GPU] = {
     g.key: g
     for g in (
@@ -127,5 +141,5 @@ GPUS: dict[str, GPU] = {
             "gfx942", "xgmi-mi300", "ndr", "pcie5"),
     )
 }
-GPUS = {k: replace(g, cuda_total_mib=CUDA_TOTALS_MIB.get(k, 0)) for k, g in GPUS.items()}
+GPUS = {k: replace(g, cuda_total_mib=CUDA_TOTALS_MIB.get(k, 0), sms=SMS.get(k, 0)) for k, g in GPUS.items()}
 DEFAULT_GPU = "h100-sxm"

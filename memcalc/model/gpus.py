@@ -29,6 +29,7 @@ HOST_MEMORY_BYTES = 2 * 10**12
 GPUS_PER_NODE = 8
 MAX_TFLOPS = 1e6  # a million TFLOP/s on one chip: beyond any card (a GB200 is 2,500 dense bf16)
 MAX_MEMORY_MIB = 1 << 24  # 16 TiB on one card
+MAX_SMS = 1 << 16  # multiprocessors on one card (a B200 has 148, an MI300X 304 compute units)
 
 
 @record(frozen=True)
@@ -55,6 +56,7 @@ class GPU:
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (--expandable-segments)
     derived: str = ""  # what a --gpu file left out, and what memcalc derived for it or holds unknown (0)
     cuda_total_mib: int = 0  # torch.cuda.mem_get_info's total as published for the card; 0: none (cuda_total_bytes)
+    sms: int = 0  # streaming multiprocessors (compute units on ROCm): multi_processor_count; 0: not known
 
     def __post_init__(self) -> None:
         check_gpu(self)
@@ -110,6 +112,9 @@ def check_gpu(g: GPU) -> None:
             not 0 <= g.cuda_total_mib <= g.memory_mib:  # fmt: skip
         raise InputError(f"GPU {g.key}: cuda_total_mib must be a whole number of MiB in [1, memory_mib], got "
                          f"{g.cuda_total_mib!r}")  # fmt: skip
+    if isinstance(g.sms, bool) or not isinstance(g.sms, int) or not 0 <= g.sms <= MAX_SMS:
+        raise InputError(f"GPU {g.key}: sms must be a whole number of multiprocessors in [1, {MAX_SMS:,}], "
+                         f"got {g.sms!r}")  # fmt: skip
     if g.memory_cap_bytes > g.memory_mib * MIB:
         raise InputError(f"--gpu-memory {g.memory_cap_bytes:,} bytes is more than the {g.name} has "
                          f"({g.memory_mib:,} MiB = {g.memory_mib * MIB:,} bytes)")  # fmt: skip

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from memcalc.model.sizes import MAX_SEQ
 from memcalc.serve.answer import ServeAnswer
+from memcalc.serve.job import V2_SAMPLER_WARMUP_FROM
+from memcalc.serve.profile import NATIVE_WARMUP_FROM, TRITON_FROM, TRITON_ROWS, V2_COPY_UNTIL
 from memcalc.serve.releases import counts_nccl
 
 from . import units as u
@@ -29,12 +31,15 @@ def serve_preamble(a: ServeAnswer, units: str) -> list[str]:
             f"Serving: weights {WEIGHT_LABELS[j.weights]}, KV cache {kv}; vLLM gpu_memory_utilization "
             f"{j.utilization:g}, block {j.page_tokens}, max_num_batched_tokens {j.batched_tokens:,}, "
             f"max_num_seqs {j.seqs:,}; context {j.context:,} tokens a request",
-            f"Budget as {j.release.label} computes it (--vllm-version; {j.release.source})"]  # fmt: skip
+            f"Budget as vLLM {j.vllm} computes it ({j.release.label}'s rule), on its {j.runner.upper()} model runner "
+            f"(--vllm-version, --model-runner; {j.release.source})"]  # fmt: skip
 
 
 def profile_label(a: ServeAnswer) -> str:
-    p = a.activations
-    by = "FlashInfer" if a.job.profile_sampler == "flashinfer" else "PyTorch"
+    p, j = a.activations, a.job
+    by = "FlashInfer" if j.profile_sampler == "flashinfer" else "PyTorch"
+    if j.runner == "v2" and j.minor < V2_SAMPLER_WARMUP_FROM:
+        by = "V2's greedy dummy"
     sampled = f", {p.requests:,} sampled by {by}" if p.sampler else ""
     return f"profile run: {p.tokens:,} tokens{sampled} ({p.at})"
 
@@ -56,7 +61,10 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
         ["- activation peak", sized(b.binding.activations, units), profile_label(a)],
         ["- non-torch", sized(b.binding.non_torch, units), non_torch_label(a)],
         *([["- CUDA graphs", sized(b.binding.cudagraphs, units), "vLLM's estimate, as given (--cudagraph-memory)"]]
-          if j.release.cudagraph_estimate and j.kv_cache_memory is None else []),
+          if j.graph_estimate else []),
+        *([["- runner's tensors", sized(b.binding.kept, units), f"what {j.runner.upper()}'s model runner keeps "
+            "from its construction (total_consumed)"]] if j.release.counts_persistent and j.kv_cache_memory is None
+          else []),
         ["= KV cache", sized(b.available, units),
          f"short by {u.size(b.binding.shortfall, units)}: the weights and activations exceed it"
          if b.binding.shortfall else f"{b.num_blocks:,} blocks of {b.block_size} tokens x {b.binding.group_size} layers"],
@@ -64,23 +72,35 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
     if j.kv_cache_memory is not None:
         s.rows[-1][0] = "KV cache, given"
         s.rows.insert(-1, ["", "", "--kv-cache-memory: no profiling, utilization not applied"])
-    s.notes = [GRAPH_NOTES[j.release.cudagraph_estimate],
-               SAMPLER_NOTES[j.profile_sampler] + "; not counted: the allocator's fragmentation"]
+    s.notes = [budget_note(j), sampler_note(a) + "; not counted: the allocator's fragmentation"]
     return s
 
 
-GRAPH_NOTES = {
-    False: "vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (weights + activation "
-           "peak + non-torch memory); CUDA graphs are captured after the cache, in the 1 - utilization margin",
-    True: "vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - (weights + activation "
-          "peak + non-torch memory + profile_cudagraph_memory's estimate, measured by vLLM, not modelled)",
-}
-SAMPLER_NOTES = {
-    "torch": "the sampler's peak is PyTorch's top-k/top-p sort over max_num_seqs x vocab (--sampler flashinfer "
-             "where vLLM takes FlashInfer's)",
-    "flashinfer": "the sampler's peak is FlashInfer's top_k_top_p_sampling_from_logits over max_num_seqs x vocab "
-                  "(masked logits and their softmax, no sort)",
-}
+def budget_note(j) -> str:
+    """determine_available_memory's formula for the job's release and runner (memcalc.serve.budget)."""
+    parts = "weights + activation peak + non-torch memory" + \
+        (" + the runner's kept tensors" if j.release.counts_persistent else "")  # fmt: skip
+    if j.graph_estimate:
+        return (f"vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - ({parts} + "
+                "profile_cudagraph_memory's estimate, measured by vLLM, not modelled)")
+    return (f"vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - ({parts}); CUDA "
+            "graphs are captured after the cache, in the 1 - utilization margin")
+
+
+def sampler_note(a: ServeAnswer) -> str:
+    """What the profile run's sampler holds at its peak (memcalc.serve.profile)."""
+    j = a.job
+    if j.runner == "v2" and j.minor < V2_SAMPLER_WARMUP_FROM:
+        return "V2's profile run samples a greedy dummy batch: its logits" + \
+            (" and their float32 copy" if j.minor < V2_COPY_UNTIL else "") + " over max_num_seqs x vocab"  # fmt: skip
+    if j.profile_sampler == "flashinfer":
+        return ("the sampler's peak is FlashInfer's top_k_top_p_sampling_from_logits over max_num_seqs x vocab "
+                "(masked logits and their softmax, no sort)" +
+                (", or PyTorch's path after it, whichever holds more" if j.minor >= NATIVE_WARMUP_FROM else ""))
+    triton = j.minor >= TRITON_FROM and a.activations.requests >= TRITON_ROWS
+    how = "top-k/top-p masking by a Triton kernel" if triton else "top-k/top-p sort"
+    return f"the sampler's peak is PyTorch's {how} over max_num_seqs x vocab (--sampler flashinfer where vLLM " + \
+        "takes FlashInfer's)"  # fmt: skip
 
 
 def non_torch_label(a: ServeAnswer) -> str:

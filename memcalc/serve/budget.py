@@ -5,13 +5,13 @@ Worker.determine_available_memory; vllm/utils/mem_utils.py@a6d5c39009eb73797b276
 memory_profiling; each release's variant in memcalc.serve.releases):
 
     available = total x gpu_memory_utilization - (weights + activation peak + non-torch memory)
-                (- CUDA graph memory's estimate, 0.20 to 0.26)
+                (- CUDA graph memory's estimate, 0.20 on) (- the runner's kept tensors, 0.27 on)
 
 total is what torch.cuda.mem_get_info reports (GPU.cuda_total_bytes), the activation peak the rise of
 torch's allocated peak during profile_run (memcalc.serve.profile: a forward of max_num_batched_tokens
 tokens and the sampler), and non-torch what the release counts outside torch's allocator
 (releases.non_torch_bytes). CUDA graphs are captured after the cache is allocated: up to 0.19 they live in
-the 1 - utilization margin, not in the budget; 0.20 to 0.26 subtract vLLM's own estimate of them, as given.
+the 1 - utilization margin, not in the budget; from 0.20 vLLM subtracts its own estimate of them, as given.
 
 The cache (vllm/v1/core/kv_cache_utils.py@001cabc1be16a59a70d720ed61a13b678c060a18): a block holds
 block_size tokens of one layer (its page: block_size x bytes per token). One kind of layer: one group of
@@ -34,6 +34,7 @@ from .job import ServeJob
 from .kv import KVLayer, kv_layers
 from .profile import ActivationPeak
 from .releases import non_torch_bytes
+from .runners import v1_persistent_bytes, v2_persistent_bytes
 from .stages import Stage
 from .weights import Weights
 
@@ -68,7 +69,8 @@ class StageBudget:
     weights: int
     activations: int
     non_torch: int  # what the release's profile counts outside torch's tensors (releases.non_torch_bytes)
-    cudagraphs: int  # the CUDA graph estimate the release subtracts (0.20-0.26, as given), else 0
+    cudagraphs: int  # the CUDA graph estimate the release subtracts (0.20 on, as given), else 0
+    kept: int  # the model runner's tensors kept from its construction, counted from 0.27 (memcalc.serve.runners)
     available: int  # int(total x utilization - weights - activations - non_torch), 0 if they exceed it
     shortfall: int  # by how much they exceed it (0: they fit)
     group_size: int  # the most layers of the stage in one group: the tensors a block spans here
@@ -127,12 +129,22 @@ def stage_budget(job: ServeJob, stage: Stage, weights: int, activations: int, pa
     as determine_available_memory returns cache_config.kv_cache_memory_bytes without profiling."""
     other = non_torch_bytes(job.release, job.tp * job.pp, job.gpu.intra, CONTEXT_BYTES)
     graphs = job.cudagraph_memory or 0
+    kept = kept_bytes(job) if job.release.counts_persistent and job.kv_cache_memory is None else 0
     total = job.gpu.cuda_total_bytes
-    left = job.kv_cache_memory or int(total * job.utilization - (weights + activations + other + graphs))
+    left = job.kv_cache_memory or int(total * job.utilization - (weights + activations + other + graphs + kept))
     available, shortfall = max(0, left), max(0, -left)
     size = max(sum(1 for i in g.layers if stage.start <= i < stage.end) for g in groups)
-    return StageBudget(stage, weights, activations, other, graphs, available, shortfall, size,
+    return StageBudget(stage, weights, activations, other, graphs, kept, available, shortfall, size,
                        available // page // size)  # fmt: skip
+
+
+def kept_bytes(job: ServeJob) -> int:
+    """The tensors the job's model runner allocates before the profile run (memcalc.serve.runners)."""
+    shape = job.model.shape
+    if job.runner == "v2":
+        return v2_persistent_bytes(job.batched_tokens, job.seqs, shape.vocab)
+    return v1_persistent_bytes(job.batched_tokens, job.seqs, job.context, job.page_tokens, shape.hidden,
+                               job.activation_bytes, job.minor)  # fmt: skip
 
 
 def budget(job: ServeJob, stages: tuple[tuple[Stage, Weights, ActivationPeak], ...]) -> Budget:

@@ -10,6 +10,7 @@ vLLM's defaults, each from its source (vllm-project/vllm):
                                       EngineArgs._set_default_args: `vllm serve` (OPENAI_API_SERVER) takes
                                       8192 and 1024 on a GPU of at least 70 GiB that is no A100, else 2048
                                       and 256 (vllm 0.8.5's: any GPU of 70 GiB; memcalc.serve.releases);
+                                      from 0.28, 16384 and 1024 on one of 160 GiB or more (vllm 0.28.0);
                                       the 70 GiB are get_device_total_memory's, mem_get_info's total
   dtype                               the model's 16 bits: bf16, fp16 on a card without bf16 (Volta, Turing:
                                       vllm/v1/worker/gpu_worker.py _check_if_gpu_supports_dtype refuses bf16
@@ -25,12 +26,17 @@ from memcalc.model.sizes import MAX_BATCH, MAX_SEQ
 from memcalc.records import record
 from memcalc.time.calibration import Calibration
 
-from .releases import DEFAULT_RELEASE, RELEASES, Release
+from .releases import DEFAULT_RELEASE, Release, release_for, release_line
+from .runners import V2_FROM, V2_GRAPH_ESTIMATE_FROM, default_runner
 
 GIB = 1 << 30
 WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "fp8-block", "int8", "int4-awq", "int4-gptq")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8")
 SAMPLERS = ("torch", "flashinfer")  # the profile run's top-k/top-p sampler (memcalc.serve.profile)
+RUNNERS = ("v1", "v2")  # vLLM's model runners (memcalc.serve.runners)
+LARGEST_DEFAULTS_FROM = 28  # 16,384 batched tokens on a card of 160 GiB or more
+V2_SAMPLER_WARMUP_FROM = 33  # V2's profile run samples top-k/top-p (for_sampler_warmup) from 0.33
+FLASHINFER_SM80_FROM = 26  # FlashInferBackend.supports_compute_capability: 7.5 up to 0.25, 8.0 from 0.26
 CUDA_BLOCK_SIZE, FLASHMLA_BLOCK_SIZE = 16, 64  # vllm/platforms/cuda.py check_and_update_config
 
 
@@ -55,9 +61,10 @@ class ServeJob:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     kv_cache_memory: int | None = None  # vLLM --kv-cache-memory: the cache's bytes per GPU, no profiling
-    vllm: str = DEFAULT_RELEASE  # the span of vLLM releases whose budget is modelled (memcalc.serve.releases)
-    sampler: str = ""  # torch (PyTorch's sort) or flashinfer; "": the release's default (Release.sampler)
-    cudagraph_memory: int | None = None  # 0.20-0.26: the log's "Estimated CUDA graph memory" (0: estimate off)
+    vllm: str = DEFAULT_RELEASE  # the vLLM release line, "0.23" (memcalc.serve.releases.release_line)
+    sampler: str = ""  # torch (PyTorch's) or flashinfer; "": the release's default (Release.sampler)
+    cudagraph_memory: int | None = None  # 0.20 on: the log's "Estimated CUDA graph memory" (0: estimate off)
+    model_runner: str = ""  # v1 or v2; "": the release's default for the model (memcalc.serve.runners)
 
     def __post_init__(self) -> None:
         shape = self.model.shape
@@ -72,8 +79,9 @@ class ServeJob:
             raise InputError(f"unknown sampler {self.sampler!r}; known: {', '.join(SAMPLERS)}")
         if self.sampler and self.kv_cache_memory is not None:
             raise InputError("--sampler names the profile run's sampler, which --kv-cache-memory skips: give one")
-        if self.vllm not in RELEASES:
-            raise InputError(f"unknown vLLM release span {self.vllm!r}; known: {', '.join(RELEASES)}")
+        if release_line(self.vllm) != self.vllm:
+            raise InputError(f"vllm takes a release line such as 0.11, got {self.vllm!r}")
+        self.check_runner()
         self.check_cudagraphs()
         if self.weights == "bf16" and not self.gpu.bf16_tflops:
             raise InputError(f"bf16 weights need bf16 tensor cores (Ampere or later), which the {self.gpu.name} "
@@ -108,16 +116,48 @@ class ServeJob:
             if value is not None and not 1 <= value <= top:
                 raise InputError(f"--{name} must be 1 to {top:,}, got {value:,}")
 
+    def check_runner(self) -> None:
+        """--model-runner: V2's from 0.22, and a sampler only where V2's profile run samples top-k/top-p (0.33)
+        and, from 0.21, FlashInfer's only where vLLM runs it."""
+        if self.model_runner and self.model_runner not in RUNNERS:
+            raise InputError(f"unknown model runner {self.model_runner!r}; known: {', '.join(RUNNERS)}")
+        if self.model_runner == "v2" and self.minor < V2_FROM:
+            raise InputError(f"vLLM's V2 model runner is modelled from 0.22 (VLLM_USE_V2_MODEL_RUNNER); {self.vllm} "
+                             "runs V1's: give --model-runner v1 or --vllm-version 0.22 or later")  # fmt: skip
+        if self.sampler == "flashinfer" and self.release.sampler == "flashinfer" and not self.flashinfer_runs:
+            raise InputError(f"vLLM {self.vllm} refuses FlashInfer's sampler on the {self.gpu.name} (CUDA, compute "
+                             "capability 7.5 or later, 8.0 from 0.26): drop --sampler")  # fmt: skip
+        if self.sampler and self.runner == "v2" and self.minor < V2_SAMPLER_WARMUP_FROM:
+            raise InputError(f"V2's model runner in vLLM {self.vllm} profiles a greedy batch, which no top-k/top-p "
+                             "sampler runs: drop --sampler, or give --model-runner v1")  # fmt: skip
+
+    @property
+    def graph_estimate(self) -> bool:
+        """Whether the budget subtracts vLLM's own CUDA graph estimate: V1's runner from 0.20, V2's from 0.29."""
+        if self.kv_cache_memory is not None:
+            return False
+        return self.minor >= V2_GRAPH_ESTIMATE_FROM if self.runner == "v2" else self.release.cudagraph_estimate
+
     def check_cudagraphs(self) -> None:
-        """vLLM 0.20-0.26 subtract their own measured CUDA graph estimate, which memcalc takes as given."""
-        estimates = RELEASES[self.vllm].cudagraph_estimate and self.kv_cache_memory is None
-        if estimates and self.cudagraph_memory is None:
-            raise InputError(f"{RELEASES[self.vllm].label} subtracts its own measured CUDA graph estimate: give "
-                             "--cudagraph-memory as the log prints it ('Estimated CUDA graph memory: X GiB'), or 0 "
-                             "under VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0")  # fmt: skip
-        if not estimates and self.cudagraph_memory is not None:
-            raise InputError("--cudagraph-memory is vLLM 0.20-0.26's estimate, subtracted where it profiles: give "
-                             "--vllm-version 0.20 to 0.26, without --kv-cache-memory")  # fmt: skip
+        """vLLM subtracts its own measured CUDA graph estimate (graph_estimate), which memcalc takes as given."""
+        if self.graph_estimate and self.cudagraph_memory is None:
+            raise InputError(f"vLLM {self.vllm} ({self.runner.upper()} model runner) subtracts its own measured CUDA "
+                             "graph estimate: give --cudagraph-memory as the log prints it ('Estimated CUDA graph "
+                             "memory: X GiB'), or 0 under VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0")  # fmt: skip
+        if not self.graph_estimate and self.cudagraph_memory is not None:
+            raise InputError("--cudagraph-memory is vLLM's own estimate, subtracted where it profiles from 0.20 (V2's "
+                             "model runner: from 0.29): give --vllm-version 0.20 or later, without "
+                             "--kv-cache-memory")  # fmt: skip
+
+    @property
+    def minor(self) -> int:
+        """The release line's minor number: 23 for 0.23."""
+        return int(self.vllm.split(".")[1])
+
+    @property
+    def runner(self) -> str:
+        """The model runner: --model-runner, else the release's default for the model (memcalc.serve.runners)."""
+        return self.model_runner or default_runner(self.minor, self.model.shape, self.weights)
 
     @property
     def utilization(self) -> float:
@@ -126,8 +166,20 @@ class ServeJob:
 
     @property
     def profile_sampler(self) -> str:
-        """The profile run's sampler: --sampler, else the release's default."""
-        return self.sampler or self.release.sampler
+        """The profile run's sampler: --sampler, else the release's default where the card runs it (FlashInfer's
+        from 0.21 falls back to PyTorch's elsewhere: topk_topp_sampler.py TopKTopPSampler.__init__)."""
+        if self.sampler:
+            return self.sampler
+        return "torch" if self.release.sampler == "flashinfer" and not self.flashinfer_runs else self.release.sampler
+
+    @property
+    def flashinfer_runs(self) -> bool:
+        """FlashInfer's sampler runs on the card (0.21 on): CUDA, compute capability 7.5 to 12.1, from 0.26 8.0
+        to 12.1 (v1/attention/backends/flashinfer.py supports_compute_capability), more than 16 SMs (0.33)."""
+        if self.gpu.rocm or not self.gpu.arch.startswith("sm"):
+            return False
+        floor = 80 if self.minor >= FLASHINFER_SM80_FROM else 75
+        return floor <= int(self.gpu.arch[2:]) <= 121 and (self.gpu.sms > 16 or self.minor < 33)
 
     @property
     def ep(self) -> int:
@@ -140,7 +192,7 @@ class ServeJob:
 
     @property
     def release(self) -> Release:
-        return RELEASES[self.vllm]
+        return release_for(self.vllm)
 
     @property
     def large_gpu(self) -> bool:
@@ -150,14 +202,19 @@ class ServeJob:
         return self.gpu.cuda_total_bytes >= 70 * GIB and not a100
 
     @property
+    def largest_gpu(self) -> bool:
+        """vLLM's largest batch defaults (0.28 on, arg_utils.py "GPUs like B200/B300"): at least 160 GiB."""
+        return self.minor >= LARGEST_DEFAULTS_FROM and self.gpu.cuda_total_bytes >= 160 * GIB
+
+    @property
     def batched_tokens(self) -> int:
         """max_num_batched_tokens: the tokens one step schedules, the profile run's size."""
-        return self.max_num_batched_tokens or (8192 if self.large_gpu else 2048)
+        return self.max_num_batched_tokens or (16384 if self.largest_gpu else 8192 if self.large_gpu else 2048)
 
     @property
     def seqs(self) -> int:
         """max_num_seqs, as vLLM caps it: never more than max_num_batched_tokens (arg_utils.py)."""
-        return self.max_num_seqs or min(1024 if self.large_gpu else 256, self.batched_tokens)
+        return self.max_num_seqs or min(1024 if self.large_gpu or self.largest_gpu else 256, self.batched_tokens)
 
     @property
     def page_tokens(self) -> int:

@@ -20,19 +20,32 @@ logits.sort). What is live when the sort runs is the sampler's peak (bytes per e
 After the sort the reverse indices and cub's buffers are freed before anything as large is allocated
 (the masks are bool, the softmax and the scatter 4 bytes each: 26 bytes and the 16-bit logits at most).
 
+From 0.17, PyTorch's path masks 8 rows or more with a Triton kernel instead of the sort (topk_topp_sampler.py
+apply_top_k_top_p -> topk_topp_triton.py apply_top_k_top_p_triton): the float32 logits masked in place, their
+softmax (4) and random_sample's exponential draws (4), and a buffer cached across calls of
+min(next_power_of_2(min(SMs, R)), SMs) rows of the vocabulary in float32: 12 bytes an element and the buffer.
+
 FlashInfer's sampler (--sampler flashinfer: TopKTopPSampler.forward_cuda, taken in 0.8 to 0.11 where
 flashinfer is installed, as in vLLM's Docker image, in 0.13 under VLLM_USE_FLASHINFER_SAMPLER=1, by default from
-0.21, where flashinfer 0.6 also keeps a 1 MiB row-states buffer of its own) sorts
+0.21, where flashinfer 0.6 and 0.7 also keep a 1 MiB row-states buffer of their own) sorts
 nothing: flashinfer_sample calls flashinfer.sampling.top_k_top_p_sampling_from_logits (flashinfer-python
-0.2.11, 0.3.1 and 0.5.3 alike, filter_apply_order "top_k_first"), which holds beside the 16-bit and the
-float32 logits top_k_mask_logits' output (torch.empty_like, 4) and its softmax (4) while
-top_p_sampling_from_probs draws R int32 samples.
+0.2.11, 0.3.1, 0.5.3 and 0.7.2 alike, filter_apply_order "top_k_first", top_k a tensor), which holds beside the
+16-bit and the float32 logits top_k_mask_logits' output (torch.empty_like, 4) and its softmax (4) while
+top_p_sampling_from_probs draws R int32 samples. From 0.21 _dummy_sampler_run samples a second time with a
+generator, which forward_cuda hands to PyTorch's path: the peak is the larger of the two.
+
+V2's model runner (memcalc.serve.runners; gpu/model_runner.py profile_run and _dummy_sampler_run) keeps the
+T hidden states and the R gathered ones (no rand_like copy) and samples a greedy dummy batch
+(gpu/sample/sampler.py apply_sampling_params): a float32 copy of the logits up to 0.25; from 0.26 the logits as
+they are; from 0.33 a second pass with SamplingParams.for_sampler_warmup() (top-k 50, top-p 0.9, penalties,
+logprobs) on the float32 copy, masked and softmaxed by FlashInfer or masked in place by the Triton kernel.
 """
 
 from __future__ import annotations
 
 import math
 
+from memcalc.errors import InputError
 from memcalc.model.shape import is_moe_layer
 from memcalc.records import record
 
@@ -69,24 +82,67 @@ def sort_buffer_bytes(rows: int) -> int:
     return 8 + 4 + 8  # segmented_sort_large_segments: the indices, cub's alternates
 
 
-def per_logit_bytes(sampler: str, rows: int) -> int:
-    """What the sampler holds at its peak per element of R x vocab, the 16-bit logits aside (see the
-    module): PyTorch's float32 logits, sorted values, int64 indices and the sort's buffers; FlashInfer's
-    float32 logits, masked logits and their softmax."""
-    if sampler == "flashinfer":
-        return 4 + 4 + 4
-    return 4 + 4 + 8 + sort_buffer_bytes(rows)
+TRITON_FROM, TRITON_ROWS = 17, 8  # vllm 0.17.0 topk_topp_sampler.py apply_top_k_top_p: Triton from 8 rows
+NATIVE_WARMUP_FROM = 21  # vllm 0.21.0 _dummy_sampler_run: a second call with a generator, through forward_native
+V2_COPY_UNTIL, V2_WARMUP_FROM = 26, 33  # V2's sampler: fp32 copy up to 0.25; for_sampler_warmup's pass from 0.33
+
+
+def triton_buffer_bytes(job: ServeJob, rows: int) -> int:
+    """apply_top_k_top_p_triton's buffer, cached across calls (topk_topp_triton.py _TRITON_BUFFER_CACHE):
+    min(next_power_of_2(min(SMs, R)), SMs) rows of the vocabulary in float32."""
+    sms = job.gpu.sms
+    if not sms:
+        raise InputError(f"vLLM {job.vllm}'s sampler keeps a Triton buffer of a row per multiprocessor, and the "
+                         f"{job.gpu.name}'s count is not known: give sms in a --gpu file")  # fmt: skip
+    programs = min(sms, rows)
+    return min(1 << (programs - 1).bit_length(), sms) * job.model.shape.vocab * 4
+
+
+def native_bytes(job: ServeJob, rows: int) -> tuple[int, int]:
+    """PyTorch's path (forward_native) per element of R x vocab, and the buffer it keeps (see the module): from
+    0.17, for 8 rows or more, the Triton kernel masks the float32 logits in place beside their softmax and
+    random_sample's exponential draws (torch.empty_like(probs)); else the sort."""
+    if job.minor >= TRITON_FROM and rows >= TRITON_ROWS:
+        return 4 + 4 + 4, triton_buffer_bytes(job, rows)
+    return 4 + 4 + 8 + sort_buffer_bytes(rows), 0
+
+
+def v1_sampler_bytes(job: ServeJob, rows: int) -> int:
+    """V1's sampler beyond the 16-bit logits: FlashInfer's float32 logits, masked logits and softmax with its
+    row-states buffer, or PyTorch's path; from 0.21 PyTorch's path runs after FlashInfer's too."""
+    elements = rows * job.model.shape.vocab
+    native, triton = native_bytes(job, rows)
+    if job.profile_sampler != "flashinfer":
+        return elements * native + triton
+    kept = job.release.flashinfer_buffer  # kept across calls, so in the peak
+    first = elements * (4 + 4 + 4) + kept
+    return max(first, elements * native + triton + kept) if job.minor >= NATIVE_WARMUP_FROM else first
+
+
+def v2_sampler_bytes(job: ServeJob, rows: int) -> int:
+    """V2's sampler beyond the 16-bit logits (gpu/sample/sampler.py apply_sampling_params, on a greedy dummy
+    batch): a float32 copy up to 0.25; the logits as they are from 0.26 (mutated in place in 0.26, left alone
+    where no request needs processing from 0.27); from 0.33 a second pass with for_sampler_warmup's parameters,
+    the float32 copy masked by FlashInfer (and softmaxed) or in place by the Triton kernel."""
+    elements = rows * job.model.shape.vocab
+    if job.minor < V2_COPY_UNTIL:
+        return elements * 4
+    if job.minor < V2_WARMUP_FROM:
+        return 0
+    if job.profile_sampler == "flashinfer":
+        return elements * (4 + 4 + 4) + job.release.flashinfer_buffer
+    return elements * 4 + triton_buffer_bytes(job, rows)
 
 
 def sampler_bytes(job: ServeJob, tokens: int, rows: int) -> int:
-    """The sampler's peak (see the module): the kept hidden states, the R last ones and their rand_like
-    copy, the 16-bit logits, and what the sampler holds per element of R x vocab."""
+    """The sampler's peak (see the module): the kept hidden states, the R last ones (and V1's rand_like copy),
+    the 16-bit logits, and what the sampler holds beyond them."""
     shape, b = job.model.shape, job.activation_bytes
     padded = math.ceil(shape.vocab / VOCAB_PADDING) * VOCAB_PADDING  # vocab_parallel_embedding.py pad_vocab_size
-    hidden = (tokens + 2 * rows) * shape.hidden * b  # _dummy_run's hidden states; last ones; torch.rand_like
-    sampler = job.profile_sampler
-    buffer = job.release.flashinfer_buffer if sampler == "flashinfer" else 0  # kept across calls, so in the peak
-    return hidden + rows * padded * b + rows * shape.vocab * per_logit_bytes(sampler, rows) + buffer
+    v2 = job.runner == "v2"
+    hidden = (tokens + (1 if v2 else 2) * rows) * shape.hidden * b  # _dummy_run's hidden states; last ones; rand_like
+    held = v2_sampler_bytes(job, rows) if v2 else v1_sampler_bytes(job, rows)
+    return hidden + rows * padded * b + held
 
 
 def activation_peak(job: ServeJob, stage: Stage) -> ActivationPeak:

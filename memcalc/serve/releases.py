@@ -20,19 +20,26 @@ requests, then _dummy_sampler_run on their last hidden states). Where they diffe
         config/cache.py's gpu_memory_utilization default from 0.9 to 0.92. The estimate is
         a capture of two graphs per mode measured by mem_get_info and extrapolated, which memcalc takes as the
         log prints it ("Estimated CUDA graph memory: X GiB total"; --cudagraph-memory), not as a formula.
-  0.21  vllm 0.21.0 and 0.26.0: 0.20's budget, the sampler FlashInfer's by default (below), on V1's model
-        runner (vllm/v1/worker/gpu_model_runner.py). From 0.22 vLLM runs some dense models on its V2 runner by
-        default (config/vllm.py use_v2_model_runner: Qwen3 in 0.22, Llama and Mistral in 0.23, every dense
-        model in 0.25), whose profile run samples greedily (vllm/v1/worker/gpu/model_runner.py
-        _dummy_sampler_run): not modelled here, VLLM_USE_V2_MODEL_RUNNER=0 runs what is. From
-        0.27 memory_profiling counts total_consumed and a transient_peak_headroom, and 0.34 adds the extensible
-        KV cache (config/cache.py resolved_gpu_memory_utilization): not modelled here.
+  0.21  vllm 0.21.0 and 0.26.0: 0.20's budget, the sampler FlashInfer's by default (below), whose profile run
+        samples a second time through forward_native (gpu_model_runner.py _dummy_sampler_run). From 0.22 vLLM
+        runs some models on its V2 model runner by default (memcalc.serve.runners), which profiles otherwise.
+  0.27  vllm 0.27.0, 0.30.0 and 0.33.0 utils/mem_utils.py memory_profiling: non_kv_cache_memory = total_consumed
+        (the init snapshot's free memory less the free memory after profile_run and empty_cache) +
+        transient_peak_headroom (torch's allocated peak less its allocated after the profile run). Beside the
+        weights, the peak and the non-torch memory, that counts every tensor the model runner keeps from its
+        construction on (memcalc.serve.runners.persistent_bytes) and what the allocator holds unallocated
+        after empty_cache (not modelled: its fragmentation). From 0.28 a card of 160 GiB or more takes 16,384
+        batched tokens (arg_utils.py); 0.33 creates cuBLAS's handles before the snapshot (init_device), which
+        moves them out of the non-torch memory (not split out of NON_TORCH below). vllm 0.34 sizes an
+        extensible KV cache after warm-up (v1/worker/extensible_kv_cache.py measure_kv_cache_bytes, utilization
+        1.0 by default): not modelled.
 
 The sampler of the profile run is PyTorch's (vllm/v1/sample/ops/topk_topp_sampler.py forward_native) by default
 up to 0.20: FlashInfer's is taken only where flashinfer is installed (an extra, not a dependency, of the 0.10
 and 0.11 wheels' METADATA) and is opt-in from 0.13 to 0.20 (VLLM_USE_FLASHINFER_SAMPLER=1). From 0.21 it is
 FlashInfer's by default (envs.py VLLM_USE_FLASHINFER_SAMPLER: bool = True; flashinfer-python a dependency:
-0.6.8.post1 in 0.21, 0.6.14 in 0.26).
+0.6.8.post1 in 0.21, 0.6.14 in 0.26, 0.7.2.post1 in 0.33). PyTorch's path sorts the logits up to 0.16 and,
+from 0.17, masks them with a Triton kernel where 8 rows or more are sampled (memcalc.serve.profile).
 
 What the profile measures outside torch's allocator has no formula in vLLM's source; memcalc takes the
 CUDA context (memcalc.model.headroom's) where the release counts it, NCCL's communicator buffers where the
@@ -70,7 +77,7 @@ class Release:
     """How one span of vLLM releases sizes the KV cache (see the module)."""
 
     key: str  # "0.11": the span's first release
-    label: str  # "vLLM 0.11 to 0.19 (V1)"
+    label: str  # "vLLM 0.11 to 0.19"
     counts_context: bool  # the CUDA context is inside the measured non-torch memory (0.8)
     counts_nccl: bool  # NCCL's buffers are inside the measured increase (0.8 to 0.10)
     a100_large_defaults: bool  # an A100 80GB takes the 8,192 / 1,024 defaults (0.8)
@@ -79,30 +86,34 @@ class Release:
     sampler: str = "torch"  # the profile run's sampler by default: PyTorch's sort, or FlashInfer's (0.21 on)
     flashinfer_buffer: int = 0  # FlashInfer's cached row-states buffer of top_k_mask_logits (flashinfer 0.6: 1 MiB)
     utilization: float = 0.9  # gpu_memory_utilization's default (vllm/config/cache.py CacheConfig): 0.92 from 0.20
+    counts_persistent: bool = False  # total_consumed: the runner's kept tensors count in the budget (0.27 on)
 
 
 RELEASES = {
     r.key: r
     for r in (
-        Release("0.8", "vLLM 0.8 (V1)", True, True, True, "vllm 0.8.5 vllm/v1/worker/gpu_worker.py"),
-        Release("0.9", "vLLM 0.9 to 0.10 (V1)", False, True, False,
+        Release("0.8", "vLLM 0.8", True, True, True, "vllm 0.8.5 vllm/v1/worker/gpu_worker.py"),
+        Release("0.9", "vLLM 0.9 to 0.10", False, True, False,
                 "vllm 0.10.1.1 (1da94e673) vllm/v1/worker/gpu_worker.py, vllm/utils/__init__.py memory_profiling"),
-        Release("0.11", "vLLM 0.11 to 0.19 (V1)", False, False, False,
+        Release("0.11", "vLLM 0.11 to 0.19", False, False, False,
                 "vllm 0.11.0 (f71952c1c), 0.13.0 (72506c983), 0.19.0 vllm/v1/worker/gpu_worker.py, memory_profiling"),
-        Release("0.20", "vLLM 0.20 (V1)", False, False, False,
+        Release("0.20", "vLLM 0.20", False, False, False,
                 "vllm 0.20.0 vllm/v1/worker/gpu_worker.py determine_available_memory, envs.py, config/cache.py",
                 True, "torch", 0, 0.92),
-        Release("0.21", "vLLM 0.21 to 0.26 (V1)", False, False, False,
+        Release("0.21", "vLLM 0.21 to 0.26", False, False, False,
                 "vllm 0.21.0, 0.26.0 vllm/v1/worker/gpu_worker.py determine_available_memory", True, "flashinfer",
                 1 << 20, 0.92),  # flashinfer-python 0.6.8.post1 sampling.py top_k_mask_logits: _get_cache_buf(1 MB)
-    )
+        Release("0.27", "vLLM 0.27 to 0.33", False, False, False,
+                "vllm 0.27.0, 0.30.0, 0.33.0 vllm/v1/worker/gpu_worker.py determine_available_memory, "
+                "utils/mem_utils.py memory_profiling", True, "flashinfer", 1 << 20, 0.92, True),
+    )  # flashinfer-python 0.7.2.post1 (0.33's) keeps the 1 MB buffer
 }
 DEFAULT_RELEASE = "0.11"
-LAST_MODELLED = (0, 26)  # 0.27's memory_profiling counts a transient headroom; 0.34 an extensible KV cache
+LAST_MODELLED = (0, 33)  # 0.34 sizes an extensible KV cache after warm-up
 
 
-def release_for(text: str) -> Release:
-    """--vllm-version: a release number (0.10.1.1, 0.9, 0.11.0) read as the span it belongs to."""
+def release_line(text: str) -> str:
+    """--vllm-version: a release number (0.10.1.1, 0.9, v0.23.0) as its line, "0.10", checked to be modelled."""
     parts = text.strip().lstrip("v").split(".")
     try:
         major, minor = int(parts[0]), int(parts[1]) if len(parts) > 1 else -1
@@ -114,8 +125,15 @@ def release_for(text: str) -> Release:
         raise InputError(f"vLLM {text.strip()} runs the V0 engine, whose budget memcalc does not model: "
                          "give --vllm-version 0.8 or later")  # fmt: skip
     if (major, minor) > LAST_MODELLED:
-        raise InputError(f"vLLM {text.strip()} budgets with a transient headroom (0.27 on) and an extensible KV "
-                         "cache (0.34), which memcalc does not model: give --vllm-version 0.26 or earlier")  # fmt: skip
+        raise InputError(f"vLLM {text.strip()} sizes an extensible KV cache after warm-up (0.34 on: "
+                         "extensible_kv_cache.py, from the transient peak of every warm-up step), which memcalc does "
+                         "not model: give --vllm-version 0.33 or earlier")  # fmt: skip
+    return f"0.{minor}"
+
+
+def release_for(text: str) -> Release:
+    """The span of releases a release number (or line) belongs to: the latest whose first release is not past it."""
+    minor = int(release_line(text).split(".")[1])
     return max((r for r in RELEASES.values() if first_minor(r) <= minor), key=first_minor)
 
 

@@ -21,6 +21,8 @@ Weights = Annotated[Optional[str], typer.Option("--weights", help="The weights' 
 VllmVersion = Annotated[str, typer.Option("--vllm-version", help="The vLLM release whose memory budget to follow: 0.8 to 0.33 (0.8, 0.9-0.10, 0.11-0.19, 0.20, 0.21-0.26 and 0.27-0.33 differ, and within them the sampler (0.17), the model runner (0.22 on) and the batch defaults (0.28); default 0.11).", metavar="X.Y")]  # fmt: skip
 Sampler = Annotated[Optional[str], typer.Option("--sampler", help="The top-k/top-p sampler of vLLM's profile run: torch (PyTorch's: a sort, a Triton kernel from 0.17) or flashinfer (0.8-0.11 where flashinfer is installed, as in vLLM's Docker image; 0.13 to 0.20 under VLLM_USE_FLASHINFER_SAMPLER=1). Default: torch up to 0.20, flashinfer from 0.21.", metavar="NAME")]  # fmt: skip
 CudagraphMemory = Annotated[Optional[str], typer.Option("--cudagraph-memory", help="vLLM 0.20 on (V2's model runner: 0.29 on): the CUDA graph estimate its log prints ('Estimated CUDA graph memory: X GiB'), subtracted from the budget; 0 under VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0.", metavar="SIZE")]  # fmt: skip
+SGLang = Annotated[bool, typer.Option("--sglang", help="Also SGLang's KV pool on the same GPU (sglang 0.5.23: mem_fraction_static x the free memory before the weights, less the weights).")]  # fmt: skip
+MemFractionStatic = Annotated[Optional[str], typer.Option("--mem-fraction-static", help="With --sglang: SGLang's --mem-fraction-static (default: its heuristic for the card, tp and model).", metavar="X")]  # fmt: skip
 ModelRunner = Annotated[Optional[str], typer.Option("--model-runner", help="vLLM's model runner: v1 or v2 (VLLM_USE_V2_MODEL_RUNNER=0 or 1). Default: the release's for the model (V2 for Qwen3 from 0.22, Llama and Mistral from 0.23, every dense model from 0.25, every model from 0.29).", metavar="NAME")]  # fmt: skip
 KvDtype = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the activations' 16 bits) or fp8, as vLLM's --kv-cache-dtype.", metavar="DTYPE")]  # fmt: skip
 Batch = Annotated[Optional[str], typer.Option("--batch", help="Requests decoded together, for the time (default: the most that fit).", metavar="N")]  # fmt: skip
@@ -71,7 +73,7 @@ def serve(
     ffn: Ffn = None, vocab: Vocab = None, context: Context = "8192", weights: Weights = None,
     kv_cache_dtype: KvDtype = "auto", batch: Batch = None, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,
     vllm_version: VllmVersion = "0.11", sampler: Sampler = None, cudagraph_memory: CudagraphMemory = None,
-    model_runner: ModelRunner = None,
+    model_runner: ModelRunner = None, sglang: SGLang = False, mem_fraction_static: MemFractionStatic = None,
     gpu_memory_utilization: Utilization = None, block_size: BlockSize = None,
     max_num_batched_tokens: BatchedTokens = None, max_num_seqs: MaxSeqs = None, kv_cache_memory: KvCacheMemory = None,
     tp: ServeTp = "1", pp: ServePp = "1", dp: ServeDp = "1", expert_parallel: ExpertParallel = False,
@@ -103,7 +105,8 @@ def serve(
             None if max_num_batched_tokens is None else parse_seq(max_num_batched_tokens, "max-num-batched-tokens"),
             optional_count(max_num_seqs, "max-num-seqs", MAX_BATCH), optional_count(kv_cache_memory, "kv-cache-memory", 1 << 50),
             release_line(vllm_version), (sampler or "").strip().lower(), graph_bytes(cudagraph_memory),
-            (model_runner or "").strip().lower(),
+            (model_runner or "").strip().lower(), sglang,
+            None if mem_fraction_static is None else parse_fraction(mem_fraction_static, "mem-fraction-static"),
         )  # fmt: skip
         result = answer(job)
     except InputError as e:

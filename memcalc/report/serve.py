@@ -7,6 +7,7 @@ from memcalc.serve.answer import ServeAnswer
 from memcalc.serve.job import V2_SAMPLER_WARMUP_FROM
 from memcalc.serve.profile import NATIVE_WARMUP_FROM, TRITON_FROM, TRITON_ROWS, V2_COPY_UNTIL
 from memcalc.serve.releases import counts_nccl
+from memcalc.serve.sglang import RELEASE as SGLANG_RELEASE
 
 from . import units as u
 from .render import Section, sized
@@ -188,8 +189,30 @@ def changes_section(a: ServeAnswer) -> Section:
     return s
 
 
+def sglang_section(a: ServeAnswer, units: str) -> Section:
+    """SGLang's pool on the same GPU (memcalc.serve.sglang), beside vLLM's budget."""
+    p, j = a.sglang, a.job
+    s = Section(f"SGLang {SGLANG_RELEASE} on the same GPU, beside vLLM", ["part", "bytes", "how"])
+    why = "--mem-fraction-static" if p.given else (
+        f"its heuristic: 1 - {p.reserved_mib:,.0f} MiB reserved of {j.gpu.memory_mib:,} (chunked prefill "
+        f"{p.chunked_prefill:,}, decode graphs to {p.decode_graph_batch})")  # fmt: skip
+    s.rows = [["free before the weights", sized(p.pre_load, units), "mem_get_info's total less the CUDA context"
+               + (" and NCCL's buffers" if p.nccl else "")],
+              [f"x {p.mem_fraction_static:g} mem_fraction_static", sized(int(p.mem_fraction_static * p.pre_load),
+                                                                          units), why],
+              ["- weights", sized(p.weights, units), WEIGHT_LABELS[j.weights]],
+              ["= KV cache", sized(p.available, units), f"{p.tokens:,} tokens of {p.cell:,} B"],
+              ["max_running_requests", f"{p.max_running_requests:,}", f"at context {j.context:,}"]]  # fmt: skip
+    s.notes = ["sglang mem_cache/kv_cache_configurator.py _profile_available_bytes: free memory after the weights "
+               "less pre_model_load_memory x (1 - mem_fraction_static); its request table, attention workspaces and "
+               "CUDA graphs come after, in what is left"]
+    return s
+
+
 def serve_sections(a: ServeAnswer, units: str, detail: bool = False) -> list[Section]:
     out = [budget_section(a, units), kv_section(a, units), fit_section(a), time_section(a)]
+    if a.sglang:
+        out.insert(3, sglang_section(a, units))
     if a.changes:
         out.append(changes_section(a))
     return out + (detail_sections(a, units) if detail else [])

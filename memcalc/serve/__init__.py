@@ -9,6 +9,10 @@
             that keep only the window, fp8; as vLLM pages it and as Transformers' caches hold it
   budget    vLLM's reservations: total x gpu_memory_utilization less weights, the profile run's activation
             peak at max_num_batched_tokens and non-torch memory; the blocks, requests and context that fit
+  releases  vLLM's releases as they differ in the budget (--vllm-version), each read from its wheel
+  profile   the profile run's activation peak: the forward and the sampler, per release and model runner
+  runners   V1's and V2's model runners: which one a release takes, and the tensors each keeps
+  sglang    SGLang's KV pool on the same GPU (--sglang): mem_fraction_static and its heuristic
   timing    prefill (compute-bound) and decode (memory-bound) on the roofline and training's calibration
   answer    ServeJob in, ServeAnswer out, and what to change to fit
 

@@ -12,6 +12,7 @@ from .budget import Budget, budget, longest_context
 from .job import WEIGHT_FORMATS, ServeJob
 from .kv import KVCache, kv_layers
 from .profile import ActivationPeak, activation_peak
+from .sglang import SGLangBudget, sglang_budget
 from .stages import Stage, pipeline_stages
 from .timing import ServeTime, serve_time
 from .weights import Weights, serving_weights
@@ -40,6 +41,7 @@ class ServeAnswer:
     longest_context: int  # the longest single request the cache holds
     time: ServeTime
     changes: tuple[Change, ...] = ()  # what would fit, when this does not (or not the batch asked)
+    sglang: SGLangBudget | None = None  # SGLang's pool on the same GPU (--sglang)
 
     @property
     def fits(self) -> bool:
@@ -79,7 +81,9 @@ def serve(job: ServeJob, advise: bool = True) -> ServeAnswer:
     batch = job.batch or max(1, requests)
     time = serve_time(job, tuple((p.weights, p.kv) for p in parts), batch)
     one = parts[b.binding.stage.index]
-    answer = ServeAnswer(job, one.weights, one.kv, one.activations, b, concurrency, requests, longest, time)
+    pool = sglang_budget(job, one.weights.total_bytes) if job.sglang else None
+    answer = ServeAnswer(job, one.weights, one.kv, one.activations, b, concurrency, requests, longest, time,
+                         sglang=pool)  # fmt: skip
     if advise and not answer.fits:
         answer = replace(answer, changes=changes(job))
     return answer

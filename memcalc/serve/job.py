@@ -65,6 +65,8 @@ class ServeJob:
     sampler: str = ""  # torch (PyTorch's) or flashinfer; "": the release's default (Release.sampler)
     cudagraph_memory: int | None = None  # 0.20 on: the log's "Estimated CUDA graph memory" (0: estimate off)
     model_runner: str = ""  # v1 or v2; "": the release's default for the model (memcalc.serve.runners)
+    sglang: bool = False  # SGLang's KV budget beside vLLM's (memcalc.serve.sglang)
+    mem_fraction_static: float | None = None  # SGLang's; None: its heuristic's
 
     def __post_init__(self) -> None:
         shape = self.model.shape
@@ -83,6 +85,10 @@ class ServeJob:
             raise InputError(f"vllm takes a release line such as 0.11, got {self.vllm!r}")
         self.check_runner()
         self.check_cudagraphs()
+        if self.mem_fraction_static is not None and not self.sglang:
+            raise InputError("--mem-fraction-static is SGLang's: give it with --sglang")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise InputError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         if self.weights == "bf16" and not self.gpu.bf16_tflops:
             raise InputError(f"bf16 weights need bf16 tensor cores (Ampere or later), which the {self.gpu.name} "
                              "lacks: vLLM refuses them there; give --weights fp16")  # fmt: skip

@@ -5,6 +5,7 @@ tensors) and 0.27's budget of total_consumed, which counts what each runner keep
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -165,3 +166,6 @@ def test_flashinfer_falls_back_where_vllm_cannot_run_it():
                         ("mi300x", "0.25"): "torch", ("mi300x", "0.26"): "torch"}  # fmt: skip
     with pytest.raises(InputError, match="refuses FlashInfer's sampler"):
         job("llama3.2-1b", "v100-32gb", weights="fp16", vllm="0.21", sampler="flashinfer", cudagraph_memory=0)
+    odd = replace(gpu("h100-sxm"), arch="sm_90")  # a --gpu file's arch that names no capability: no FlashInfer
+    assert ServeJob(preset_model("llama3-8b"), odd, 8192, calibration_for("h100-sxm"), vllm="0.21",
+                    cudagraph_memory=0).profile_sampler == "torch"  # fmt: skip

@@ -29,6 +29,7 @@ from . import dynamic_cache
 from .attention import arange_plus, causal_mask, grad_copies, sliding_window_causal_mask
 from .family import Family, decoder_config, decoder_params
 from .llama import cast, linear, scaled, self_attention
+from .lora import require_grad
 
 if TYPE_CHECKING:  # only for annotations
     from .family import HFModel
@@ -136,6 +137,8 @@ def gemma_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tenso
     B, T = input_ids.shape
     with g.scoped("embedding"):
         inputs_embeds = scaled_embedding(g, m, input_ids)
+        if cfg.recompute == "full":  # enable_input_require_grads' hook on embed_tokens: the scaled output
+            inputs_embeds = require_grad(g, inputs_embeds)
         dynamic_cache.construct(g, m)  # cache = DynamicCache(config=self.config)
         position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
     masks = causal_masks(g, m, B, T, position_ids, inputs_embeds.dtype)
@@ -284,8 +287,8 @@ def gemma_config(shape: ModelShape, seq_len: int, **extra) -> dict:
 
 
 GEMMA = Family(params_of("gemma"), gemma_buffers, gemma_model, "model.embed_tokens.weight",
-               lambda s, t: decoder_config(s, t, hidden_act="gelu_pytorch_tanh"))  # GemmaMLP: ACT2FN[hidden_act]
+               lambda s, t: decoder_config(s, t, hidden_act="gelu_pytorch_tanh"), lora=True)  # GemmaMLP: ACT2FN
 GEMMA2 = Family(params_of("gemma2"), gemma_buffers, gemma_model, "model.embed_tokens.weight",
-                lambda s, t: gemma_config(s, t, attn_logit_softcapping=s.attn_softcap or None))
+                lambda s, t: gemma_config(s, t, attn_logit_softcapping=s.attn_softcap or None), lora=True)
 GEMMA3_TEXT = Family(params_of("gemma3_text"), gemma3_buffers, gemma_model, "model.embed_tokens.weight",
-                     gemma_config)  # Gemma3Attention passes no softcap to attention
+                     gemma_config, lora=True)  # Gemma3Attention passes no softcap to attention

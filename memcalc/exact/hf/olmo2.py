@@ -119,4 +119,4 @@ def apply_rotary_pos_emb(g: Graph, q: Tensor, k: Tensor, cos: Tensor, sin: Tenso
 
 
 OLMO2 = Family(olmo2_params, rope_buffers, olmo2_model, "model.embed_tokens.weight",
-               lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False))
+               lambda s, t: decoder_config(s, t, hidden_act="silu", attention_bias=False), lora=True)

@@ -175,3 +175,17 @@ def test_repeated_tricks_estimate_several_sets():
     out = run("estimate", "--model", "gpt2", "--seq", "1024", "--tricks", "bf16,flash", "--tricks", "bf16",
               "--tricks", "bf16,flash", "--format", "json")  # fmt: skip
     assert [v["tricks"] for v in json.loads(out.stdout)["verdict"]] == [["bf16", "flash"], ["bf16"]]
+
+
+def test_a_long_accumulation_is_drawn_over_three_micro_batches():
+    """--grad-accum 512 replayed whole ran for minutes and gigabytes of host memory; the chart draws the first three
+    micro-batches (each later one starts where the third did and repeats it) and peaks where the verdict does, and
+    says so; the JSON carries how many it drew of how many."""
+    args = ("estimate", "--model", "gpt2", "--seq", "256", "--grad-accum", "512", "--tricks", "bf16", "--timeline")
+    out = run(*args, "--format", "json")
+    assert out.exit_code == 0, out.output
+    tl = json.loads(out.output)["timeline"][0]
+    assert (tl["micro_batches"], tl["accumulated"]) == (3, 512)
+    assert sum(span["phase"] == "forward" for span in tl["phases"]) == 3
+    text = run(*args)
+    assert text.exit_code == 0 and "the first 3 of its 512 micro-batches" in " ".join(text.output.split())

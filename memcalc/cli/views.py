@@ -103,6 +103,9 @@ def show_timeline(ans, d: render.Display, images: list, exports: dict[str, str])
     sections = [chart.at_peak_section(t, d.units, top) for t in tls]
     preamble = report.preamble(ans, d.units, d.detail) + ["", "Live memory over the step, event by event "
                                                           "(each allocation, the frees between two as one; the replay's), from the model state up"]  # fmt: skip
+    if tls and tls[0].micro_batches < tls[0].accumulated:
+        preamble.append(f"(the first {tls[0].micro_batches} of its {tls[0].accumulated:,} micro-batches: each later "
+                        "one starts where the third did and repeats it)")  # fmt: skip
     if d.fmt == "markdown":
         preamble += ["", "```text", *lines, "```"]
     else:

@@ -1,10 +1,15 @@
 """--timeline: each trick set's step allocation by allocation (memcalc.exact.timeline), the same replay as
 the verdict's (memcalc.parallel.verdict: one GPU's step, or one data-parallel rank's under ZeRO) run at
-full depth with every allocation recorded, so that the series' highest point is the verdict's peak."""
+full depth with every allocation recorded, so that the series' highest point is the verdict's peak. A step
+accumulating more micro-batches than memcalc.exact.reserved.MICRO_BATCHES is drawn over that many: each later
+one starts from the same live bytes and runs the same allocations as the third (the verdict replays as many)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memcalc.errors import InputError
+from memcalc.exact.reserved import MICRO_BATCHES
 from memcalc.exact.timeline import Timeline, step_timeline
 from memcalc.parallel.engines import engine_layout
 from memcalc.parallel.verdict import Verdict, replay_sharding
@@ -24,7 +29,9 @@ def step_timelines(job, verdicts: tuple[Verdict, ...]) -> tuple[Timeline, ...]:
     for v in verdicts:
         if not v.replayed:
             raise InputError(f"--timeline: {v.tricks.label} is not replayed op by op: {v.textbook_reason}")
-        t = step_timeline(shape, s.seq_len, s.micro_batch, v.tricks, s.grad_accum, s.stack, s.optimizer, sharding)
+        drawn = min(s.grad_accum, MICRO_BATCHES)
+        t = step_timeline(shape, s.seq_len, s.micro_batch, v.tricks, drawn, s.stack, s.optimizer, sharding)
+        t = replace(t, micro_batches=drawn, accumulated=s.grad_accum)
         if (t.peak_bytes, t.peak_at) != (v.peak_bytes, v.peak_at):  # the full depth and the grown step disagree: a bug
             raise RuntimeError(f"{v.tricks.label}: the timeline peaks at {t.peak_bytes:,} B ({t.peak_at}), the "
                                f"verdict at {v.peak_bytes:,} B ({v.peak_at})")  # fmt: skip

@@ -84,6 +84,8 @@ class Timeline:
     peak_index: int  # the first point to reach the highest live bytes (an allocation)
     at_peak: tuple[LiveGroup, ...]  # what is live at the peak, grouped, the largest first
     storages: Storages | None = field(default=None, repr=False, compare=False, metadata={"json": False})  # exports'
+    micro_batches: int = 1  # the micro-batches drawn (forward and backward each)
+    accumulated: int = 1  # the step's: from the third on each repeats the one before (memcalc.exact.reserved)
 
     @property
     def peak_bytes(self) -> int:

@@ -1,8 +1,8 @@
-"""LoRA and QLoRA on the other families the hf stack builds whose projections PEFT finds by Llama's names
-(issue 40): Gemma, Gemma 2, Gemma 3 (text) and OLMo 2, replayed as PEFT wraps them, held to PEFT (peft 0.21) on
-Transformers' own classes: parameters as PEFT registers them, every allocation on meta at tiny size, and the
-phases at Gemma 2 9B's width three blocks deep. Phi-3 (qkv_proj, gate_up_proj), GPT-NeoX and GPT-2 name their
-projections otherwise and stay refused."""
+"""LoRA and QLoRA on the other families the hf stack builds (issue 40): Gemma, Gemma 2, Gemma 3 (text) and OLMo 2,
+whose projections carry Llama's names, and Phi-3, whose are fused (qkv_proj, gate_up_proj: all-linear wraps its
+four), replayed as PEFT wraps them and held to PEFT (peft 0.21) on Transformers' own classes: parameters as PEFT
+registers them, every allocation on meta at tiny size, and the phases at Gemma 2 9B's width three blocks deep.
+GPT-NeoX and GPT-2 stay refused; a named target a block does not have is one line."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from tests.test_lora import LORA, MASTER, PURE, QLORA, assert_meta, step_config 
 from verify.hf import build_hf  # noqa: E402
 
 SHAPES = {"gemma": GEMMA["gemma"], "gemma2": GEMMA["gemma2"], "gemma3_text": GEMMA["gemma3_text"],
-          "olmo2": OLMO2_PHI3["olmo2"]}  # fmt: skip
+          "olmo2": OLMO2_PHI3["olmo2"], "phi3": OLMO2_PHI3["phi3"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -53,24 +53,34 @@ def test_lora_allocation_by_allocation(name, tricks):
     assert_meta(SHAPES[name], tricks, replace(MASTER, finetune=LORA))
 
 
-@pytest.mark.parametrize("name,tricks", [("gemma2", "bf16,ckpt"), ("olmo2", "bf16,flash")])
-def test_qlora_and_dropout_allocation_by_allocation(name, tricks):
-    """bitsandbytes' 4-bit projections under PEFT's bnb LoRA; lora_dropout's mask on q and v alone."""
+@pytest.mark.parametrize("name,tricks,targets", [("gemma2", "bf16,ckpt", ("q_proj", "v_proj")),
+                                                 ("olmo2", "bf16,flash", ("q_proj", "v_proj")),
+                                                 ("phi3", "bf16,ckpt", ("qkv_proj", "down_proj"))])  # fmt: skip
+def test_qlora_and_dropout_allocation_by_allocation(name, tricks, targets):
+    """bitsandbytes' 4-bit projections (Phi-3's fused ones too) under PEFT's bnb LoRA; lora_dropout's mask on
+    two named projections alone."""
     pytest.importorskip("bitsandbytes")
     assert_meta(SHAPES[name], tricks, replace(PURE, finetune=QLORA))
-    assert_meta(SHAPES[name], tricks, replace(PURE, finetune=Finetune(8, ("q_proj", "v_proj"), 0.1)), batch=2)
+    assert_meta(SHAPES[name], tricks, replace(PURE, finetune=Finetune(8, targets, 0.1)), batch=2)
 
 
-def test_lora_at_gemma2_9b_width():
-    """LoRA r=16 on Gemma 2 9B's blocks at seq 1024, three deep (eager attention, its softcaps, one sliding
-    layer): every phase, the saved bytes and the FLOPs equal PEFT's on meta."""
-    shape = replace(PRESETS["gemma2-9b"], n_layers=3)
+@pytest.mark.parametrize("name", ["gemma2-9b", "phi3-mini"])
+def test_lora_at_full_width(name):
+    """LoRA r=16 on Gemma 2 9B's blocks (eager attention, its softcaps, one sliding layer) and Phi-3 mini's (its
+    fused projections) at seq 1024, three deep: every phase, the saved bytes and the FLOPs equal PEFT's on meta."""
+    shape = replace(PRESETS[name], n_layers=3)
     assert_equal_at_width(shape, 1024, parse_tricks("bf16,ckpt"), replace(PURE, finetune=Finetune(16)))
 
 
-def test_the_families_peft_cannot_wrap_by_llamas_names_stay_refused():
-    with pytest.raises(InputError, match="not phi3"):
-        exact_step(OLMO2_PHI3["phi3"], 24, 1, parse_tricks("bf16"), stack=replace(MASTER, finetune=LORA))
+def test_the_families_not_replayed_and_targets_a_block_lacks_are_refused():
+    from tests.test_stack_hf import TINY as HF
+
+    with pytest.raises(InputError, match="not gpt2"):
+        exact_step(HF["gpt2"], 24, 1, parse_tricks("bf16"), stack=replace(MASTER, finetune=LORA))
+    for shape, targets, why in ((SHAPES["phi3"], ("q_proj",), "phi3's blocks have no q_proj"),
+                                (HF["llama"], ("qkv_proj",), "llama's blocks have no qkv_proj")):
+        with pytest.raises(InputError, match=why):
+            exact_step(shape, 24, 1, parse_tricks("bf16"), stack=replace(MASTER, finetune=Finetune(4, targets)))
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "olmo2"])
@@ -79,3 +89,16 @@ def test_frozen_parts(name):
     that requires grad, no gradient or optimizer state for what is frozen."""
     ft = Finetune(freeze=("embeddings",), frozen_blocks=1)
     assert_meta(SHAPES[name], "bf16,ckpt", replace(PURE, finetune=ft))
+
+
+@pytest.mark.parametrize("args", [["--model", "llama3.2-1b", "--lora-targets", "qkv", "--stack", "torchtune"],
+                                  ["--model", "llama3.2-1b", "--lora-targets", "gate_up"],
+                                  ["--model", "phi3-mini", "--lora-targets", "q,v"]])  # fmt: skip
+def test_a_target_the_blocks_lack_is_one_line(args):
+    """A fused name on Llama's blocks (torchtune's too: it raised a traceback), or Llama's on Phi-3's."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    out = CliRunner().invoke(app, ["estimate", "--seq", "1024", "--lora", "8", *args])
+    assert out.exit_code == 2 and "blocks have no" in out.output and out.output.count("\n") == 1, out.output

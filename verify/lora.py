@@ -22,7 +22,7 @@ from torch import nn
 
 from memcalc.errors import InputError
 from memcalc.exact.hf.lora import trainable
-from memcalc.model.finetune import Finetune
+from memcalc.model.finetune import Finetune, peft_targets
 
 
 def peft():
@@ -53,7 +53,8 @@ def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool, trl: str = "", 
     if finetune.lora:
         lib = peft()
         config = lib.LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha,
-                                lora_dropout=finetune.lora_dropout, target_modules=list(finetune.targets),
+                                lora_dropout=finetune.lora_dropout,
+                                target_modules=list(peft_targets(model.config.model_type, finetune)),
                                 use_dora=finetune.dora, modules_to_save=list(finetune.modules_to_save) or None,
                                 task_type="CAUSAL_LM")  # fmt: skip
         with warnings.catch_warnings():  # PeftModel.__init__ asks the deprecated is_gradient_checkpointing

@@ -20,7 +20,10 @@ from .shape import ModelShape
 # (peft/tuners/tuners_utils.py _maybe_include_all_linear_layers: lm_head excluded), which is these.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HEAD = "lm_head"  # LoRA on the output layer: PEFT's target_modules=[..., "lm_head"], torchtune's apply_lora_to_output
-TARGETS = (*PROJECTIONS, HEAD)
+# Blocks whose projections are fused, in their modules' order (modeling_phi3.py Phi3Attention registers o_proj
+# before qkv_proj; Phi3MLP one gate_up_proj): all-linear wraps these
+FUSED = {"phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj")}
+TARGETS = (*PROJECTIONS, "qkv_proj", "gate_up_proj", HEAD)
 MAX_RANK = 1 << 16
 QUANTIZE = ("nf4", "int8")
 FREEZABLE = ("embeddings", "head")
@@ -77,10 +80,38 @@ FULL = Finetune()
 
 
 def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection of one block (modeling_llama.py LlamaAttention, LlamaMLP)."""
+    """(out, in) of each projection of one block, in its modules' order (modeling_llama.py LlamaAttention,
+    LlamaMLP; modeling_phi3.py's fused qkv_proj and gate_up_proj)."""
     h, f = shape.hidden, shape.ffn
+    if shape.arch in FUSED:
+        return {"o_proj": (h, shape.q_dim), "qkv_proj": (shape.q_dim + 2 * shape.kv_dim, h), "gate_up_proj": (2 * f, h),
+                "down_proj": (h, f)}  # fmt: skip
     return {"q_proj": (shape.q_dim, h), "k_proj": (shape.kv_dim, h), "v_proj": (shape.kv_dim, h),
             "o_proj": (h, shape.q_dim), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}  # fmt: skip
+
+
+def targeted(arch: str, finetune: Finetune) -> tuple[str, ...]:
+    """The block's projections LoRA wraps on the architecture: all-linear (the targets holding Llama's seven) takes
+    a fused block's every projection (Phi-3's four); named targets are taken as named."""
+    names = FUSED.get(arch, PROJECTIONS)
+    if arch in FUSED and set(PROJECTIONS) <= set(finetune.targets):
+        return names
+    return tuple(n for n in names if n in finetune.targets)
+
+
+def peft_targets(arch: str, finetune: Finetune) -> tuple[str, ...]:
+    """LoraConfig's target_modules for the architecture: its targeted projections, and lm_head where named."""
+    return targeted(arch, finetune) + ((HEAD,) if HEAD in finetune.targets else ())
+
+
+def missing_targets(arch: str, finetune: Finetune) -> str:
+    """Why LoRA's named targets do not fit the architecture's blocks (Phi-3's q, k, v are one qkv_proj), or ""."""
+    names = FUSED.get(arch, PROJECTIONS)
+    if not finetune.lora or (arch in FUSED and set(PROJECTIONS) <= set(finetune.targets)):
+        return ""
+    missing = [t for t in finetune.targets if t != HEAD and t not in names]
+    return (f"--lora-targets: {arch}'s blocks have no {missing[0]}; their projections are "
+            f"{', '.join(n.removesuffix('_proj') for n in names)} (or all-linear)") if missing else ""
 
 
 def frozen_params(shape: ModelShape, finetune: Finetune) -> int:
@@ -134,8 +165,8 @@ def adapter_sizes(shape: ModelShape, finetune: Finetune) -> list[int]:
     def one(out: int, inp: int) -> list[int]:
         return [r * inp, out * r] + ([out] if finetune.dora else [])
 
-    block = [n for name, (out, inp) in projection_shapes(shape).items() if name in finetune.targets
-             for n in one(out, inp)]  # fmt: skip
+    wrapped = targeted(shape.arch, finetune)
+    block = [n for name, (out, inp) in projection_shapes(shape).items() if name in wrapped for n in one(out, inp)]
     table = shape.vocab * shape.hidden  # a modules_to_save copy of the embedding or the head
     return ([table] if "embed_tokens" in finetune.modules_to_save else []) + block * shape.n_layers + \
         (one(shape.vocab, shape.hidden) if HEAD in finetune.targets else []) + \
@@ -165,7 +196,7 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
             continue
         if name not in TARGETS:
             raise InputError(f"unknown LoRA target {item!r}; the blocks' projections: "
-                             f"{', '.join(p.removesuffix('_proj') for p in PROJECTIONS)} (or all-linear), "
+                             f"{', '.join(p.removesuffix('_proj') for p in TARGETS[:-1])} (or all-linear), "
                              "and lm_head")  # fmt: skip
         if name not in names:
             names.append(name)

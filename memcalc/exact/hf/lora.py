@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memcalc.model.finetune import Finetune
+from memcalc.model.finetune import Finetune, peft_targets
 
 from .. import aten
 from ..sim.graph import LEAF_SEQ, Graph, Node, layer_of
@@ -31,21 +31,21 @@ if TYPE_CHECKING:
 ADAPTERS = ("lora_A", "lora_B", "lora_magnitude_vector")
 
 
-def with_adapters(params: list[tuple[str, tuple]], finetune: Finetune) -> list[tuple[str, tuple]]:
+def with_adapters(params: list[tuple[str, tuple]], finetune: Finetune, arch: str) -> list[tuple[str, tuple]]:
     """named_parameters() of the PEFT model: each targeted projection's base weight (and bias), then its
     lora_A (r, in) and lora_B (out, r) (LoraLayer.update_layer registers them after base_layer); a module in
     modules_to_save as ModulesToSaveWrapper holds it, the frozen original_module first, then its trained copy
     (named here as the module's own weight, which the forward reads)."""
     if not finetune.lora:
         return params
-    out = []
+    out, wrapped = [], peft_targets(arch, finetune)
     for k, (name, shape) in enumerate(params):
         module = name.rpartition(".")[0]
         if module.rpartition(".")[2] in finetune.modules_to_save:
             out.append((module + ".original_module.weight", shape))
         out.append((name, shape))
         nxt = params[k + 1][0] if k + 1 < len(params) else ""
-        if module.rpartition(".")[2] in finetune.targets and not nxt.startswith(module + "."):
+        if module.rpartition(".")[2] in wrapped and not nxt.startswith(module + "."):
             rows, cols = params[[n for n, _ in params].index(module + ".weight")][1]
             out += [(module + ".lora_A.weight", (finetune.lora_rank, cols)),
                     (module + ".lora_B.weight", (rows, finetune.lora_rank))]  # fmt: skip

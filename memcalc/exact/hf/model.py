@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from memcalc.errors import InputError
-from memcalc.model.finetune import Finetune
+from memcalc.model.finetune import Finetune, missing_targets
 from memcalc.model.savers import OFFLOAD_MIN_BYTES, OFFLOAD_STASH, offload_mode
 from memcalc.model.shape import ModelShape
 
@@ -48,6 +48,8 @@ def finetune_not_replayed(finetune: Finetune, arch: str, model: str) -> str | No
     if arch not in with_lora:
         what = "LoRA is" if finetune.lora else "frozen weights are"
         return f"{what} replayed on Transformers' {', '.join(with_lora)}, not {arch}"
+    if missing_targets(arch, finetune):
+        return missing_targets(arch, finetune)
     if finetune.quantize not in ("", "nf4"):
         return (f"--quantize {finetune.quantize}: bitsandbytes' LLM.int8() splits out the input columns past "
                 "llm_int8_threshold (6.0 in Transformers' BitsAndBytesConfig), as many as the data has: its "
@@ -171,7 +173,7 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     if cfg.finetune.modules_to_save and cfg.shape.tied_embeddings:  # PEFT would copy the shared table's module
         raise InputError("--modules-to-save with a head tied to the embedding table is not replayed")
     quant, params = {}, []
-    for name, shape in lora.with_adapters(family.params(cfg.shape), cfg.finetune):
+    for name, shape in lora.with_adapters(family.params(cfg.shape), cfg.finetune, arch):
         if qlora.quantized(name, cfg.finetune.quantize):  # QLoRA's 4-bit projections
             quant[name.removesuffix(".weight")] = qlora.quantize(g, name, shape)
             params.append(quant[name.removesuffix(".weight")].data)

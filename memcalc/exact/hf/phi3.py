@@ -138,4 +138,5 @@ def rotary_part(g: Graph, x: Tensor, rotary_dim: int) -> Tensor:
 PHI3 = Family(phi3_params, rope_buffers, phi3_model, "model.embed_tokens.weight",
               lambda s, t: decoder_config(s, t, hidden_act="silu", resid_pdrop=s.dropout, embd_pdrop=s.dropout,
                                           sliding_window=s.sliding_window or None,
-                                          partial_rotary_factor=s.rotary_fraction, pad_token_id=None))  # fmt: skip
+                                          partial_rotary_factor=s.rotary_fraction, pad_token_id=None),
+              lora=True)  # fmt: skip

@@ -4,6 +4,7 @@ tensors) and 0.27's budget of total_consumed, which counts what each runner keep
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -144,6 +145,9 @@ def test_the_runner_on_screen_and_in_json(tmp_path):
     v1 = runner.invoke(app, ["serve", "--model", "llama3-8b", "--vllm-version", "0.27", "--model-runner", "v1",
                              "--cudagraph-memory", "0.36", "--format", "json"])  # fmt: skip
     assert v1.exit_code == 0 and '"model_runner": "v1"' in v1.output and '"kept": ' in v1.output
+    default = json.loads(runner.invoke(app, ["serve", "--model", "llama3-8b", "--vllm-version", "0.23", "--format",
+                                             "json"]).output)  # fmt: skip
+    assert (default["model_runner"], default["sampler"], default["release"]) == ("v2", "greedy", "vLLM 0.21 to 0.26")
     bad = runner.invoke(app, ["serve", "--model", "llama3-8b", "--vllm-version", "0.27", "--model-runner", "v3"])
     assert bad.exit_code == 2 and "unknown model runner" in bad.output
     card = tmp_path / "card.json"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from memcalc.model.sizes import MAX_SEQ
 from memcalc.serve.answer import ServeAnswer
-from memcalc.serve.job import V2_SAMPLER_WARMUP_FROM
 from memcalc.serve.profile import NATIVE_WARMUP_FROM, TRITON_FROM, TRITON_ROWS, V2_COPY_UNTIL
 from memcalc.serve.releases import counts_nccl
 from memcalc.serve.sglang import RELEASE as SGLANG_RELEASE
@@ -38,9 +37,7 @@ def serve_preamble(a: ServeAnswer, units: str) -> list[str]:
 
 def profile_label(a: ServeAnswer) -> str:
     p, j = a.activations, a.job
-    by = "FlashInfer" if j.profile_sampler == "flashinfer" else "PyTorch"
-    if j.runner == "v2" and j.minor < V2_SAMPLER_WARMUP_FROM:
-        by = "V2's greedy dummy"
+    by = {"flashinfer": "FlashInfer", "torch": "PyTorch", "greedy": "V2's greedy dummy"}[j.sampled_by]
     sampled = f", {p.requests:,} sampled by {by}" if p.sampler else ""
     return f"profile run: {p.tokens:,} tokens{sampled} ({p.at})"
 
@@ -91,7 +88,7 @@ def budget_note(j) -> str:
 def sampler_note(a: ServeAnswer) -> str:
     """What the profile run's sampler holds at its peak (memcalc.serve.profile)."""
     j = a.job
-    if j.runner == "v2" and j.minor < V2_SAMPLER_WARMUP_FROM:
+    if j.sampled_by == "greedy":
         return "V2's profile run samples a greedy dummy batch: its logits" + \
             (" and their float32 copy" if j.minor < V2_COPY_UNTIL else "") + " over max_num_seqs x vocab"  # fmt: skip
     if j.profile_sampler == "flashinfer":

@@ -42,6 +42,9 @@ class ServeAnswer:
     time: ServeTime
     changes: tuple[Change, ...] = ()  # what would fit, when this does not (or not the batch asked)
     sglang: SGLangBudget | None = None  # SGLang's pool on the same GPU (--sglang)
+    model_runner: str = ""  # the runner the budget follows: --model-runner, else the release's (ServeJob.runner)
+    sampler: str = ""  # what samples in the profile run: greedy (V2 before 0.33), torch or flashinfer
+    release: str = ""  # the span of releases whose rule applies ("vLLM 0.21 to 0.26")
 
     @property
     def fits(self) -> bool:
@@ -83,7 +86,8 @@ def serve(job: ServeJob, advise: bool = True) -> ServeAnswer:
     one = parts[b.binding.stage.index]
     pool = sglang_budget(job, one.weights.total_bytes) if job.sglang else None
     answer = ServeAnswer(job, one.weights, one.kv, one.activations, b, concurrency, requests, longest, time,
-                         sglang=pool)  # fmt: skip
+                         sglang=pool, model_runner=job.runner, sampler=job.sampled_by,
+                         release=job.release.label)  # fmt: skip
     if advise and not answer.fits:
         answer = replace(answer, changes=changes(job))
     return answer

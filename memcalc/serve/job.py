@@ -179,6 +179,11 @@ class ServeJob:
         return "torch" if self.release.sampler == "flashinfer" and not self.flashinfer_runs else self.release.sampler
 
     @property
+    def sampled_by(self) -> str:
+        """What samples in the profile run: "greedy" (V2's dummy batch before 0.33), else profile_sampler."""
+        return "greedy" if self.runner == "v2" and self.minor < V2_SAMPLER_WARMUP_FROM else self.profile_sampler
+
+    @property
     def flashinfer_runs(self) -> bool:
         """FlashInfer's sampler runs on the card (0.21 on): CUDA, compute capability 7.5 to 12.1, from 0.26 8.0
         to 12.1 (v1/attention/backends/flashinfer.py supports_compute_capability), more than 16 SMs (0.33)."""

@@ -1,8 +1,9 @@
 """LoRA and QLoRA on the other families the hf stack builds (issue 40): Gemma, Gemma 2, Gemma 3 (text) and OLMo 2,
-whose projections carry Llama's names, and Phi-3, whose are fused (qkv_proj, gate_up_proj: all-linear wraps its
-four), replayed as PEFT wraps them and held to PEFT (peft 0.21) on Transformers' own classes: parameters as PEFT
-registers them, every allocation on meta at tiny size, and the phases at Gemma 2 9B's width three blocks deep.
-GPT-NeoX and GPT-2 stay refused; a named target a block does not have is one line."""
+whose projections carry Llama's names, and Phi-3 and GPT-NeoX, whose are fused (all-linear wraps Phi-3's four and
+GPT-NeoX's query_key_value, dense, dense_h_to_4h, dense_4h_to_h), replayed as PEFT wraps them and held to PEFT
+(peft 0.21) on Transformers' own classes: parameters as PEFT registers them, every allocation on meta at tiny size
+(GPT-NeoX's frozen LayerNorms make their input's gradient alone), and the phases at full width three blocks deep.
+GPT-2 (Conv1D) stays refused; a named target a block does not have is one line."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.tricks import parse_tricks  # noqa: E402
 from tests.replay import assert_equal_at_width  # noqa: E402
 from tests.test_hf_gemma import TINY as GEMMA  # noqa: E402
+from tests.test_hf_gpt_neox import TINY as NEOX  # noqa: E402
 from tests.test_hf_olmo2_phi3 import TINY as OLMO2_PHI3  # noqa: E402
 from tests.test_lora import LORA, MASTER, PURE, QLORA, assert_meta, step_config  # noqa: E402
 from verify.hf import build_hf  # noqa: E402
 
 SHAPES = {"gemma": GEMMA["gemma"], "gemma2": GEMMA["gemma2"], "gemma3_text": GEMMA["gemma3_text"],
-          "olmo2": OLMO2_PHI3["olmo2"], "phi3": OLMO2_PHI3["phi3"]}  # fmt: skip
+          "olmo2": OLMO2_PHI3["olmo2"], "phi3": OLMO2_PHI3["phi3"], "gpt_neox": NEOX["pythia"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -53,9 +55,9 @@ def test_lora_allocation_by_allocation(name, tricks):
     assert_meta(SHAPES[name], tricks, replace(MASTER, finetune=LORA))
 
 
-@pytest.mark.parametrize("name,tricks,targets", [("gemma2", "bf16,ckpt", ("q_proj", "v_proj")),
-                                                 ("olmo2", "bf16,flash", ("q_proj", "v_proj")),
-                                                 ("phi3", "bf16,ckpt", ("qkv_proj", "down_proj"))])  # fmt: skip
+@pytest.mark.parametrize("name,tricks,targets", [
+    ("gemma2", "bf16,ckpt", ("q_proj", "v_proj")), ("olmo2", "bf16,flash", ("q_proj", "v_proj")),
+    ("phi3", "bf16,ckpt", ("qkv_proj", "down_proj")), ("gpt_neox", "bf16,ckpt", ("query_key_value", "dense_4h_to_h"))])
 def test_qlora_and_dropout_allocation_by_allocation(name, tricks, targets):
     """bitsandbytes' 4-bit projections (Phi-3's fused ones too) under PEFT's bnb LoRA; lora_dropout's mask on
     two named projections alone."""

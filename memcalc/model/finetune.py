@@ -22,8 +22,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 HEAD = "lm_head"  # LoRA on the output layer: PEFT's target_modules=[..., "lm_head"], torchtune's apply_lora_to_output
 # Blocks whose projections are fused, in their modules' order (modeling_phi3.py Phi3Attention registers o_proj
 # before qkv_proj; Phi3MLP one gate_up_proj): all-linear wraps these
-FUSED = {"phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj")}
-TARGETS = (*PROJECTIONS, "qkv_proj", "gate_up_proj", HEAD)
+FUSED = {"phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj"),
+         "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")}  # GPTNeoXAttention, GPTNeoXMLP
+TARGETS = (*PROJECTIONS, "qkv_proj", "gate_up_proj", *FUSED["gpt_neox"], HEAD)
 MAX_RANK = 1 << 16
 QUANTIZE = ("nf4", "int8")
 FREEZABLE = ("embeddings", "head")
@@ -81,8 +82,11 @@ FULL = Finetune()
 
 def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """(out, in) of each projection of one block, in its modules' order (modeling_llama.py LlamaAttention,
-    LlamaMLP; modeling_phi3.py's fused qkv_proj and gate_up_proj)."""
+    LlamaMLP; modeling_phi3.py's fused qkv_proj and gate_up_proj; modeling_gpt_neox.py's query_key_value, dense,
+    dense_h_to_4h, dense_4h_to_h)."""
     h, f = shape.hidden, shape.ffn
+    if shape.arch == "gpt_neox":
+        return {"query_key_value": (3 * h, h), "dense": (h, h), "dense_h_to_4h": (f, h), "dense_4h_to_h": (h, f)}
     if shape.arch in FUSED:
         return {"o_proj": (h, shape.q_dim), "qkv_proj": (shape.q_dim + 2 * shape.kv_dim, h), "gate_up_proj": (2 * f, h),
                 "down_proj": (h, f)}  # fmt: skip
@@ -190,7 +194,7 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
         return PROJECTIONS
     names = []
     for item in (x.strip().lower() for x in text.split(",") if x.strip()):
-        name = HEAD if item in (HEAD, "head") else item if item.endswith("_proj") else item + "_proj"
+        name = HEAD if item in (HEAD, "head") else item if item in TARGETS or item.endswith("_proj") else item + "_proj"
         if item == "all-linear":
             names += [p for p in PROJECTIONS if p not in names]
             continue

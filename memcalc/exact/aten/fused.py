@@ -14,17 +14,19 @@ def layer_norm(g: Graph, x: Tensor, w: Tensor, b: Tensor, cpu: bool = False) -> 
     """aten.native_layer_norm (NativeLayerNormBackward0): output, and mean and rstd (B, T, 1), fp32 on CUDA
     (layer_norm_kernel.cu: the accumulate type); on CPU tensors (cpu) in the input's dtype unless the
     weight's differs (layer_norm.cpp layer_norm_cpu: param_scalar_type(input, mixed_type)); saves input,
-    weight, bias, mean, rstd. Backward: grad input, grad weight, grad bias."""
+    weight, bias, mean, rstd. Backward: grad input, grad weight, grad bias, each where it requires grad
+    (output_mask: a frozen LayerNorm under LoRA makes its input's alone)."""
     x, w, b = autocast(g, "layer_norm", x, w, b)
     sx, sw = x.shape, w.shape
     stat, stat_dtype = x.shape[:-1] + (1,), x.dtype if cpu and x.dtype == w.dtype else "fp32"
     read = nbytes(x) + nbytes(w) + 2 * size(stat, stat_dtype)  # input, weight, mean, rstd
+    mask = (x.requires_grad, w.requires_grad, b.requires_grad)
 
     def rule(gs):
         op = "native_layer_norm_backward"
-        dx, dw, db = g.empty(sx, gs[0].dtype, op), g.empty(sw, gs[0].dtype, op), g.empty(sw, gs[0].dtype, op)
-        g.kernel(op, (gs[0], read), (dx, dw, db))
-        return [dx, dw, db]
+        grads = [g.empty(shape, gs[0].dtype, op) if needed else None for shape, needed in zip((sx, sw, sw), mask)]
+        g.kernel(op, (gs[0], read), tuple(t for t in grads if t is not None))
+        return grads
 
     node = g.begin("native_layer_norm", [x, w, b], rule, [(x, "input"), (w, "weight"), (b, "bias")])
     out = g.empty(x.shape, x.dtype, "native_layer_norm")

@@ -24,6 +24,7 @@ from .attention import arange_plus, attention_interface, causal_mask, dropout
 from .family import NORM_EPS, Family, decoder_config, rope_buffers
 from .gpt2 import layer_norm
 from .llama import decoder_layers, linear, rotary_embedding, rotate_half
+from .lora import require_grad
 from .phi3 import rotary_part
 
 if TYPE_CHECKING:  # only for annotations
@@ -65,6 +66,8 @@ def neox_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor
     B, T = input_ids.shape
     with g.scoped("embedding"):
         inputs_embeds = aten.embedding(g, m.p["gpt_neox.embed_in.weight"], input_ids)
+        if cfg.recompute == "full":  # enable_input_require_grads' hook on embed_in (a frozen table under LoRA)
+            inputs_embeds = require_grad(g, inputs_embeds)
         dynamic_cache.construct(g, m)
         position_ids = arange_plus(g, T)
     causal = causal_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
@@ -157,4 +160,4 @@ GPT_NEOX = Family(neox_params, rope_buffers, neox_model, "gpt_neox.embed_in.weig
                   lambda s, t: decoder_config(s, t, hidden_act="gelu", rotary_pct=s.rotary_fraction,
                                               use_parallel_residual=s.parallel_residual, layer_norm_eps=NORM_EPS,
                                               hidden_dropout=s.dropout, attention_bias=True, bos_token_id=None,
-                                              eos_token_id=None))  # fmt: skip
+                                              eos_token_id=None), lora=True)  # fmt: skip

@@ -173,3 +173,20 @@ def test_flashinfer_falls_back_where_vllm_cannot_run_it():
     odd = replace(gpu("h100-sxm"), arch="sm_90")  # a --gpu file's arch that names no capability: no FlashInfer
     assert ServeJob(preset_model("llama3-8b"), odd, 8192, calibration_for("h100-sxm"), vllm="0.21",
                     cudagraph_memory=0).profile_sampler == "torch"  # fmt: skip
+
+
+@pytest.mark.parametrize("minor", range(8, 34))
+def test_every_release_line_answers_or_says_why(minor):
+    """Every modelled release line, for a dense, a mixture-of-experts and an MLA model, each runner it has, with
+    and without the CUDA graph estimate it asks for: an answer with no negative size, or one InputError line."""
+    for model, weights in (("qwen3-8b", "bf16"), ("qwen3-30b-a3b", "fp8"), ("deepseek-v3", "fp8-block")):
+        for runner in ("", "v1", "v2"):
+            for graphs in (None, GRAPHS):
+                try:
+                    j = job(model, "h200", vllm=f"0.{minor}", weights=weights, model_runner=runner,
+                            cudagraph_memory=graphs, tp=8 if model == "deepseek-v3" else 1)  # fmt: skip
+                except InputError as e:
+                    assert "\n" not in str(e)
+                    continue
+                b = serve(j, advise=False).budget.binding
+                assert min(b.weights, b.activations, b.non_torch, b.cudagraphs, b.kept, b.available) >= 0

@@ -1,9 +1,10 @@
 """LoRA and QLoRA on the other families the hf stack builds (issue 40): Gemma, Gemma 2, Gemma 3 (text) and OLMo 2,
-whose projections carry Llama's names, and Phi-3 and GPT-NeoX, whose are fused (all-linear wraps Phi-3's four and
-GPT-NeoX's query_key_value, dense, dense_h_to_4h, dense_4h_to_h), replayed as PEFT wraps them and held to PEFT
-(peft 0.21) on Transformers' own classes: parameters as PEFT registers them, every allocation on meta at tiny size
-(GPT-NeoX's frozen LayerNorms make their input's gradient alone), and the phases at full width three blocks deep.
-GPT-2 (Conv1D) stays refused; a named target a block does not have is one line."""
+whose projections carry Llama's names, and Phi-3, GPT-NeoX and GPT-2, whose are fused (all-linear wraps Phi-3's
+four; GPT-NeoX's query_key_value, dense, dense_h_to_4h, dense_4h_to_h; GPT-2's c_attn, c_proj, c_fc), replayed as
+PEFT wraps them and held to PEFT (peft 0.21) on Transformers' own classes: parameters as PEFT registers them,
+every allocation on meta at tiny size (frozen LayerNorms make their input's gradient alone), and the phases at
+full width three blocks deep. GPT-2's Conv1D layers take LoRA as PEFT wraps them (fan_in_fan_out), QLoRA and
+DoRA there refused; a named target a block does not have is one line."""
 
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ from tests.test_hf_gemma import TINY as GEMMA  # noqa: E402
 from tests.test_hf_gpt_neox import TINY as NEOX  # noqa: E402
 from tests.test_hf_olmo2_phi3 import TINY as OLMO2_PHI3  # noqa: E402
 from tests.test_lora import LORA, MASTER, PURE, QLORA, assert_meta, step_config  # noqa: E402
+from tests.test_stack_hf import TINY as HF_TINY  # noqa: E402
 from verify.hf import build_hf  # noqa: E402
 
 SHAPES = {"gemma": GEMMA["gemma"], "gemma2": GEMMA["gemma2"], "gemma3_text": GEMMA["gemma3_text"],
-          "olmo2": OLMO2_PHI3["olmo2"], "phi3": OLMO2_PHI3["phi3"], "gpt_neox": NEOX["pythia"]}  # fmt: skip
+          "olmo2": OLMO2_PHI3["olmo2"], "phi3": OLMO2_PHI3["phi3"], "gpt_neox": NEOX["pythia"],
+          "gpt2": HF_TINY["gpt2-untied-no-dropout"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -74,11 +77,17 @@ def test_lora_at_full_width(name):
     assert_equal_at_width(shape, 1024, parse_tricks("bf16,ckpt"), replace(PURE, finetune=Finetune(16)))
 
 
-def test_the_families_not_replayed_and_targets_a_block_lacks_are_refused():
+def test_gpt2s_conv1d_with_dropout_on_named_layers():
+    """PEFT's LoRA Linear around Conv1D (fan_in_fan_out: lora_A reads the (in, out) weight's first dim), dropout on
+    c_attn and c_fc alone, under ckpt, the tied head frozen with the table."""
+    assert_meta(HF_TINY["gpt2"], "bf16,ckpt", replace(PURE, finetune=Finetune(8, ("c_attn", "c_fc"), 0.1)), batch=2)
+
+
+def test_what_is_not_replayed_and_targets_a_block_lacks_are_refused():
     from tests.test_stack_hf import TINY as HF
 
-    with pytest.raises(InputError, match="not gpt2"):
-        exact_step(HF["gpt2"], 24, 1, parse_tricks("bf16"), stack=replace(MASTER, finetune=LORA))
+    with pytest.raises(InputError, match="Conv1D"):
+        exact_step(HF["gpt2"], 24, 1, parse_tricks("bf16"), stack=replace(MASTER, finetune=QLORA))
     for shape, targets, why in ((SHAPES["phi3"], ("q_proj",), "phi3's blocks have no q_proj"),
                                 (HF["llama"], ("qkv_proj",), "llama's blocks have no qkv_proj")):
         with pytest.raises(InputError, match=why):

@@ -23,8 +23,9 @@ HEAD = "lm_head"  # LoRA on the output layer: PEFT's target_modules=[..., "lm_he
 # Blocks whose projections are fused, in their modules' order (modeling_phi3.py Phi3Attention registers o_proj
 # before qkv_proj; Phi3MLP one gate_up_proj): all-linear wraps these
 FUSED = {"phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj"),
-         "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")}  # GPTNeoXAttention, GPTNeoXMLP
-TARGETS = (*PROJECTIONS, "qkv_proj", "gate_up_proj", *FUSED["gpt_neox"], HEAD)
+         "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),  # GPTNeoXAttention, GPTNeoXMLP
+         "gpt2": ("c_attn", "c_proj", "c_fc")}  # GPT2Attention's and GPT2MLP's Conv1D layers (c_proj in both)
+TARGETS = (*PROJECTIONS, "qkv_proj", "gate_up_proj", *FUSED["gpt_neox"], *FUSED["gpt2"], HEAD)
 MAX_RANK = 1 << 16
 QUANTIZE = ("nf4", "int8")
 FREEZABLE = ("embeddings", "head")
@@ -80,14 +81,22 @@ class Finetune:
 FULL = Finetune()
 
 
+def arch_of(shape: ModelShape) -> str:
+    """The Transformers architecture whose module names LoRA targets: the shape's, gpt2 for the textbook GPT
+    layer read from its fields (ModelShape.family "gpt"), else llama's names."""
+    return "gpt2" if shape.family == "gpt" else shape.arch
+
+
 def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """(out, in) of each projection of one block, in its modules' order (modeling_llama.py LlamaAttention,
     LlamaMLP; modeling_phi3.py's fused qkv_proj and gate_up_proj; modeling_gpt_neox.py's query_key_value, dense,
-    dense_h_to_4h, dense_4h_to_h)."""
-    h, f = shape.hidden, shape.ffn
-    if shape.arch == "gpt_neox":
+    dense_h_to_4h, dense_4h_to_h; modeling_gpt2.py's Conv1D layers by module path)."""
+    h, f, arch = shape.hidden, shape.ffn, arch_of(shape)
+    if arch == "gpt2":  # keyed by module path: c_proj is the attention's and the MLP's
+        return {"attn.c_attn": (3 * h, h), "attn.c_proj": (h, h), "mlp.c_fc": (f, h), "mlp.c_proj": (h, f)}
+    if arch == "gpt_neox":
         return {"query_key_value": (3 * h, h), "dense": (h, h), "dense_h_to_4h": (f, h), "dense_4h_to_h": (h, f)}
-    if shape.arch in FUSED:
+    if arch in FUSED:
         return {"o_proj": (h, shape.q_dim), "qkv_proj": (shape.q_dim + 2 * shape.kv_dim, h), "gate_up_proj": (2 * f, h),
                 "down_proj": (h, f)}  # fmt: skip
     return {"q_proj": (shape.q_dim, h), "k_proj": (shape.kv_dim, h), "v_proj": (shape.kv_dim, h),
@@ -169,8 +178,9 @@ def adapter_sizes(shape: ModelShape, finetune: Finetune) -> list[int]:
     def one(out: int, inp: int) -> list[int]:
         return [r * inp, out * r] + ([out] if finetune.dora else [])
 
-    wrapped = targeted(shape.arch, finetune)
-    block = [n for name, (out, inp) in projection_shapes(shape).items() if name in wrapped for n in one(out, inp)]
+    wrapped = targeted(arch_of(shape), finetune)
+    block = [n for name, (out, inp) in projection_shapes(shape).items() if name.rpartition(".")[2] in wrapped
+             for n in one(out, inp)]  # fmt: skip
     table = shape.vocab * shape.hidden  # a modules_to_save copy of the embedding or the head
     return ([table] if "embed_tokens" in finetune.modules_to_save else []) + block * shape.n_layers + \
         (one(shape.vocab, shape.hidden) if HEAD in finetune.targets else []) + \

@@ -15,6 +15,7 @@ from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from . import dynamic_cache
 from .attention import arange_plus, attention_interface, causal_mask, dropout, grad_copies
+from .lora import lora_linear, require_grad
 
 if TYPE_CHECKING:  # only for annotations
     from .family import HFModel
@@ -28,6 +29,8 @@ def gpt2_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor
     p = s.dropout
     with g.scoped("embedding"):
         inputs_embeds = aten.embedding(g, m.p["transformer.wte.weight"], input_ids)
+        if cfg.recompute == "full":  # enable_input_require_grads' hook on wte (a frozen table under LoRA)
+            inputs_embeds = require_grad(g, inputs_embeds)
         position_ids = arange_plus(g, T)
         position_embeds = aten.embedding(g, m.p["transformer.wpe.weight"], g.view(position_ids, (1, T)))
         hidden_states = aten.add(g, inputs_embeds, position_embeds)
@@ -55,7 +58,15 @@ def layer_norm(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
 
 
 def conv1d(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
-    """pytorch_utils.py Conv1D.forward: addmm(bias, x.view(-1, in), weight) on a (in, out) weight, viewed back."""
+    """pytorch_utils.py Conv1D.forward: addmm(bias, x.view(-1, in), weight) on a (in, out) weight, viewed back;
+    PEFT's LoRA Linear around it where it wraps the module (memcalc.exact.hf.lora.lora_linear)."""
+    if name + ".lora_A.weight" in m.p:
+        return lora_linear(g, m, name, x, lambda x: conv1d_base(g, m, name, x))
+    return conv1d_base(g, m, name, x)
+
+
+def conv1d_base(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
+    """Conv1D.forward itself."""
     w = m.p[name + ".weight"]
     x2 = aten.view(g, x, (x.numel // x.shape[-1], x.shape[-1]))
     y = aten.addmm(g, m.p[name + ".bias"], x2, w)

@@ -47,6 +47,8 @@ def with_adapters(params: list[tuple[str, tuple]], finetune: Finetune, arch: str
         nxt = params[k + 1][0] if k + 1 < len(params) else ""
         if module.rpartition(".")[2] in wrapped and not nxt.startswith(module + "."):
             rows, cols = params[[n for n, _ in params].index(module + ".weight")][1]
+            if arch == "gpt2" and module != "lm_head":  # Conv1D's weight is (in, out): PEFT reads it so
+                rows, cols = cols, rows
             out += [(module + ".lora_A.weight", (finetune.lora_rank, cols)),
                     (module + ".lora_B.weight", (rows, finetune.lora_rank))]  # fmt: skip
             out += [(module + ".lora_magnitude_vector.weight", (rows,))] if finetune.dora else []
@@ -97,11 +99,12 @@ def require_grad(g: Graph, x: Tensor) -> Tensor:
     return x
 
 
-def lora_linear(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
-    """peft/tuners/lora/layer.py Linear.forward: result = base_layer(x); x cast to lora_A's dtype
-    (_cast_input_dtype: x.to(dtype) when they differ); result = result + lora_B(lora_A(dropout(x))) * scaling
-    (nn.Identity at lora_dropout 0, else nn.Dropout: F.dropout); result.to(the base's result dtype)."""
-    result = aten.linear(g, x, m.p[name + ".weight"], m.p.get(name + ".bias"))
+def lora_linear(g: Graph, m: HFModel, name: str, x: Tensor, base=None) -> Tensor:
+    """peft/tuners/lora/layer.py Linear.forward: result = base_layer(x) (nn.Linear's, or base(x): GPT-2's Conv1D,
+    fan_in_fan_out); x cast to lora_A's dtype (_cast_input_dtype: x.to(dtype) when they differ); result = result +
+    lora_B(lora_A(dropout(x))) * scaling (nn.Identity at lora_dropout 0, else nn.Dropout: F.dropout);
+    result.to(the base's result dtype)."""
+    result = base(x) if base else aten.linear(g, x, m.p[name + ".weight"], m.p.get(name + ".bias"))
     torch_result_dtype = result.dtype
     a, b = m.p[name + ".lora_A.weight"], m.p[name + ".lora_B.weight"]
     x = aten.to(g, x, a.dtype)

@@ -50,6 +50,9 @@ def finetune_not_replayed(finetune: Finetune, arch: str, model: str) -> str | No
         return f"{what} replayed on Transformers' {', '.join(with_lora)}, not {arch}"
     if missing_targets(arch, finetune):
         return missing_targets(arch, finetune)
+    if arch == "gpt2" and (finetune.quantize or finetune.dora):  # PEFT's LoRA around Conv1D (fan_in_fan_out)
+        return ("GPT-2's Conv1D layers take LoRA as PEFT wraps them; QLoRA's 4-bit layers and DoRA's norm on them "
+                "are not replayed")  # fmt: skip
     if finetune.quantize not in ("", "nf4"):
         return (f"--quantize {finetune.quantize}: bitsandbytes' LLM.int8() splits out the input columns past "
                 "llm_int8_threshold (6.0 in Transformers' BitsAndBytesConfig), as many as the data has: its "
@@ -152,7 +155,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2": llama_family(lambda s: {}),  # q, k, v biases are fixed in Qwen2Attention
     "qwen3": llama_family(lambda s: dict(attention_bias=False)),
     "gemma": GEMMA,
-    "gpt2": Family(gpt2_params, lambda s: [], gpt2_model, "transformer.wte.weight", gpt2_config),
+    "gpt2": Family(gpt2_params, lambda s: [], gpt2_model, "transformer.wte.weight", gpt2_config, lora=True),
     "olmo2": OLMO2,
     "phi3": PHI3,
     "gemma2": GEMMA2,

@@ -15,7 +15,9 @@ MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)):
              until the next unit's copy-out, in backward freed at once
   reshard    each layer after forward and after backward; the root never after forward (_fsdp_state.py
              _lazy_init: the root's post_forward_mesh_info is None), after backward in the final callback
-  backward   a layer's pre-backward unshards it and prefetches the layer before it (_backward_prefetch); its
+  backward   a layer's pre-backward unshards it (copies out what was prefetched: wait_for_unshard) and prefetches
+             the layer before it, the all-gather alone (_backward_prefetch, _prefetch_unshard; the root's
+             pre-backward prefetches the last layer so, its copy-out waiting for that layer's turn); its
              post-backward takes the gradients of the parameters that have one (the adapters', in
              param_dtype: they ran unsharded in it), reshards, frees the previous reduce-scatter input, makes
              its own in reduce_dtype (fp32) over those parameters alone (foreach_reduce: fsdp_params_with_grad),
@@ -51,6 +53,7 @@ class Fsdp2Lora(Zero):
         self.shards = [named(Tensor(by_id[id(p)].storage, (self.dims[id(p)].chunk(G, 0),), "fp32"), p)
                        for p in everything if id(p) in trained]  # fmt: skip
         self.gathered: dict[int | str, list[Tensor]] = {}
+        self.pending: dict[int | str, Tensor] = {}  # all-gather outputs not yet copied out (backward prefetches)
         self.grad_shards: dict[int, Tensor] = {}
         self.kept: Tensor | None = None  # forward's last all-gather output (comm_ctx.all_gather_state)
         self.rs_inputs: list[Tensor] = []  # reduce_scatter_max_input_buffers = 1
@@ -63,7 +66,7 @@ class Fsdp2Lora(Zero):
             self.unshard("root")  # the root's pre-forward
             self.current = "root"
         elif self.order[-1] != "root":  # the root's pre-backward (hooked on the loss) prefetches the unit that ran
-            self.unshard(self.order[-1])  # before its post-forward: the last layer (_backward_prefetch)
+            self.all_gather(self.order[-1])  # before its post-forward: the last layer (_backward_prefetch)
 
     def at(self, layer: int | None, backward: bool) -> None:
         if self.phase != ("backward" if backward else "forward"):
@@ -78,11 +81,11 @@ class Fsdp2Lora(Zero):
             self.enter(unit)
 
     def enter(self, unit) -> None:
-        self.unshard(unit)
+        self.unshard(unit)  # pre_backward: unshard (no-op if prefetched), wait_for_unshard (its copy-out)
         if self.phase == "backward":
             i = self.order.index(unit) - 1  # _backward_prefetch: the layer that ran before this one in forward
             if i >= 0 and isinstance(self.order[i], int):
-                self.unshard(self.order[i])
+                self.all_gather(self.order[i])  # _prefetch_unshard: the all-gather alone, copied out at its turn
 
     def leave(self, unit) -> None:
         if self.phase == "forward":
@@ -100,16 +103,25 @@ class Fsdp2Lora(Zero):
             self.rs_inputs.clear()
         self.phase, self.current = "idle", None
 
-    def unshard(self, unit) -> None:
-        """foreach_all_gather and its copy-out (see the module doc)."""
-        if unit in self.gathered:
+    def all_gather(self, unit) -> None:
+        """foreach_all_gather (FSDPParamGroup.unshard): the output, pending until its copy-out (a backward
+        prefetch is copied out when its own unit's pre-backward waits for it)."""
+        if unit in self.gathered or unit in self.pending:
             return
         ps = self.units[unit]
         numel = sum(self.padded(p) for p in ps)
         cast = [self.g.empty((self.padded(p),), self.param_dtype, "FSDP2 all-gather input")
                 for p in ps if shard_dtype(p) != self.param_dtype]  # fmt: skip
-        output = self.g.empty((numel * self.G,), self.param_dtype, "FSDP2 all-gather output")
+        self.pending[unit] = self.g.empty((numel * self.G,), self.param_dtype, "FSDP2 all-gather output")
         cast.clear()
+
+    def unshard(self, unit) -> None:
+        """foreach_all_gather (unless prefetched) and its copy-out, wait_for_unshard (see the module doc)."""
+        if unit in self.gathered:
+            return
+        self.all_gather(unit)
+        ps = self.units[unit]
+        output = self.pending.pop(unit)
         previous = self.kept if self.phase == "forward" else None
         self.kept = None
         self.gathered[unit] = [self.g.empty((self.padded(p) * self.G,), self.param_dtype, "FSDP2 unsharded " + p.name)

@@ -20,8 +20,8 @@ from .shape import ModelShape
 # (peft/tuners/tuners_utils.py _maybe_include_all_linear_layers: lm_head excluded), which is these.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HEAD = "lm_head"  # LoRA on the output layer: PEFT's target_modules=[..., "lm_head"], torchtune's apply_lora_to_output
-# Blocks whose projections are fused, in their modules' order (modeling_phi3.py Phi3Attention registers o_proj
-# before qkv_proj; Phi3MLP one gate_up_proj): all-linear wraps these
+# Blocks whose projections are not Llama's seven, in their modules' order: all-linear wraps these (Phi-3 fuses q, k, v
+# and gate, up, and registers o_proj before qkv_proj; GPT-NeoX and GPT-2 name theirs their own way)
 FUSED = {"phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj"),
          "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),  # GPTNeoXAttention, GPTNeoXMLP
          "gpt2": ("c_attn", "c_proj", "c_fc")}  # GPT2Attention's and GPT2MLP's Conv1D layers (c_proj in both)
@@ -105,7 +105,8 @@ def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
 
 def targeted(arch: str, finetune: Finetune) -> tuple[str, ...]:
     """The block's projections LoRA wraps on the architecture: all-linear (the targets holding Llama's seven) takes
-    a fused block's every projection (Phi-3's four); named targets are taken as named."""
+    every projection of a FUSED block (Phi-3's four, GPT-NeoX's four, GPT-2's three names); named targets are
+    taken as named."""
     names = FUSED.get(arch, PROJECTIONS)
     if arch in FUSED and set(PROJECTIONS) <= set(finetune.targets):
         return names
@@ -118,7 +119,8 @@ def peft_targets(arch: str, finetune: Finetune) -> tuple[str, ...]:
 
 
 def missing_targets(arch: str, finetune: Finetune) -> str:
-    """Why LoRA's named targets do not fit the architecture's blocks (Phi-3's q, k, v are one qkv_proj), or ""."""
+    """Why LoRA's named targets do not fit the architecture's blocks (Phi-3's q, k, v are one qkv_proj; Llama has
+    no c_attn), or ""."""
     names = FUSED.get(arch, PROJECTIONS)
     if not finetune.lora or (arch in FUSED and set(PROJECTIONS) <= set(finetune.targets)):
         return ""

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from memcalc.model.finetune import TARGETS
+from memcalc.model.finetune import ALL_PROJECTIONS
 
 from .recipes import bitsandbytes
 
@@ -39,7 +39,7 @@ def quantized(model: nn.Module, dtype: torch.dtype, device: str) -> nn.Module:
         maps["dynamic"] = bnb.functional.create_dynamic_map().to(device)
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
-        if leaf not in TARGETS[:-1] or not isinstance(module, nn.Linear):  # the blocks' projections, not lm_head
+        if leaf not in ALL_PROJECTIONS or not isinstance(module, nn.Linear):  # the blocks' projections
             continue
         parent = model.get_submodule(name.rpartition(".")[0])
         new = bnb.nn.Linear4bit(module.in_features, module.out_features, module.bias is not None, dtype,

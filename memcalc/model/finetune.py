@@ -25,7 +25,8 @@ HEAD = "lm_head"  # LoRA on the output layer: PEFT's target_modules=[..., "lm_he
 FUSED = {"phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj"),
          "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),  # GPTNeoXAttention, GPTNeoXMLP
          "gpt2": ("c_attn", "c_proj", "c_fc")}  # GPT2Attention's and GPT2MLP's Conv1D layers (c_proj in both)
-TARGETS = (*PROJECTIONS, "qkv_proj", "gate_up_proj", *FUSED["gpt_neox"], *FUSED["gpt2"], HEAD)
+ALL_PROJECTIONS = (*PROJECTIONS, "qkv_proj", "gate_up_proj", *FUSED["gpt_neox"], *FUSED["gpt2"])  # every family's
+TARGETS = (*ALL_PROJECTIONS, HEAD)
 MAX_RANK = 1 << 16
 QUANTIZE = ("nf4", "int8")
 FREEZABLE = ("embeddings", "head")
@@ -96,7 +97,7 @@ def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
         return {"attn.c_attn": (3 * h, h), "attn.c_proj": (h, h), "mlp.c_fc": (f, h), "mlp.c_proj": (h, f)}
     if arch == "gpt_neox":
         return {"query_key_value": (3 * h, h), "dense": (h, h), "dense_h_to_4h": (f, h), "dense_4h_to_h": (h, f)}
-    if arch in FUSED:
+    if arch == "phi3":
         return {"o_proj": (h, shape.q_dim), "qkv_proj": (shape.q_dim + 2 * shape.kv_dim, h), "gate_up_proj": (2 * f, h),
                 "down_proj": (h, f)}  # fmt: skip
     return {"q_proj": (shape.q_dim, h), "k_proj": (shape.kv_dim, h), "v_proj": (shape.kv_dim, h),
@@ -212,7 +213,7 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
             continue
         if name not in TARGETS:
             raise InputError(f"unknown LoRA target {item!r}; the blocks' projections: "
-                             f"{', '.join(p.removesuffix('_proj') for p in TARGETS[:-1])} (or all-linear), "
+                             f"{', '.join(p.removesuffix('_proj') for p in ALL_PROJECTIONS)} (or all-linear), "
                              "and lm_head")  # fmt: skip
         if name not in names:
             names.append(name)

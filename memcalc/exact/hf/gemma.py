@@ -29,7 +29,7 @@ from . import dynamic_cache
 from .attention import arange_plus, causal_mask, grad_copies, sliding_window_causal_mask
 from .family import Family, decoder_config, decoder_params
 from .llama import cast, linear, scaled, self_attention
-from .lora import require_grad
+from .lora import embedded
 
 if TYPE_CHECKING:  # only for annotations
     from .family import HFModel
@@ -136,9 +136,7 @@ def gemma_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tenso
         raise InputError(flash_refused(m.arch))
     B, T = input_ids.shape
     with g.scoped("embedding"):
-        inputs_embeds = scaled_embedding(g, m, input_ids)
-        if cfg.recompute == "full":  # enable_input_require_grads' hook on embed_tokens: the scaled output
-            inputs_embeds = require_grad(g, inputs_embeds)
+        inputs_embeds = embedded(g, m, scaled_embedding(g, m, input_ids))
         dynamic_cache.construct(g, m)  # cache = DynamicCache(config=self.config)
         position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
     masks = causal_masks(g, m, B, T, position_ids, inputs_embeds.dtype)

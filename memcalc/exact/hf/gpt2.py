@@ -15,7 +15,7 @@ from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from . import dynamic_cache
 from .attention import arange_plus, attention_interface, causal_mask, dropout, grad_copies
-from .lora import lora_linear, require_grad
+from .lora import embedded, lora_linear
 
 if TYPE_CHECKING:  # only for annotations
     from .family import HFModel
@@ -28,9 +28,7 @@ def gpt2_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor
     B, T = input_ids.shape
     p = s.dropout
     with g.scoped("embedding"):
-        inputs_embeds = aten.embedding(g, m.p["transformer.wte.weight"], input_ids)
-        if cfg.recompute == "full":  # enable_input_require_grads' hook on wte (a frozen table under LoRA)
-            inputs_embeds = require_grad(g, inputs_embeds)
+        inputs_embeds = embedded(g, m, aten.embedding(g, m.p["transformer.wte.weight"], input_ids))
         position_ids = arange_plus(g, T)
         position_embeds = aten.embedding(g, m.p["transformer.wpe.weight"], g.view(position_ids, (1, T)))
         hidden_states = aten.add(g, inputs_embeds, position_embeds)

@@ -24,7 +24,7 @@ from .attention import arange_plus, attention_interface, causal_mask, dropout
 from .family import NORM_EPS, Family, decoder_config, rope_buffers
 from .gpt2 import layer_norm
 from .llama import decoder_layers, linear, rotary_embedding, rotate_half
-from .lora import require_grad
+from .lora import embedded
 from .phi3 import rotary_part
 
 if TYPE_CHECKING:  # only for annotations
@@ -65,9 +65,7 @@ def neox_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor
     cfg, p = m.cfg, m.cfg.shape.dropout
     B, T = input_ids.shape
     with g.scoped("embedding"):
-        inputs_embeds = aten.embedding(g, m.p["gpt_neox.embed_in.weight"], input_ids)
-        if cfg.recompute == "full":  # enable_input_require_grads' hook on embed_in (a frozen table under LoRA)
-            inputs_embeds = require_grad(g, inputs_embeds)
+        inputs_embeds = embedded(g, m, aten.embedding(g, m.p["gpt_neox.embed_in.weight"], input_ids))
         dynamic_cache.construct(g, m)
         position_ids = arange_plus(g, T)
     causal = causal_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)

@@ -20,7 +20,7 @@ from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from . import dynamic_cache
 from .attention import arange_plus, attention_interface, decoder_mask, grad_copies
-from .lora import lora_linear, require_grad
+from .lora import embedded, lora_linear
 from .qlora import linear4bit, lora_linear4bit
 
 if TYPE_CHECKING:  # only for annotations
@@ -46,9 +46,7 @@ def decoder_forward(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple, laye
     cfg = m.cfg
     B, T = input_ids.shape
     with g.scoped("embedding"):
-        inputs_embeds = aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids)
-        if cfg.recompute == "full":  # activation_checkpointing_enable's enable_input_require_grads hook
-            inputs_embeds = require_grad(g, inputs_embeds)
+        inputs_embeds = embedded(g, m, aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids))
         dynamic_cache.construct(g, m)  # cache = DynamicCache(config=self.config)
         position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
     causal = decoder_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)

@@ -90,6 +90,13 @@ def parameter(g: Graph, cfg, name: str, shape: tuple) -> Tensor:
     return t
 
 
+def embedded(g: Graph, m: HFModel, x: Tensor) -> Tensor:
+    """The input embedding module's output as the model hands it on: under full checkpointing
+    enable_input_require_grads' hook (activation_checkpointing_enable) makes it require grad, a leaf where the
+    table is frozen (LoRA, frozen embeddings); Gemma's module is the scaled one, so the hook sees the product."""
+    return require_grad(g, x) if m.cfg.recompute == "full" else x
+
+
 def require_grad(g: Graph, x: Tensor) -> Tensor:
     """enable_input_require_grads' hook, output.requires_grad_(True): a tensor no gradient reaches becomes a leaf
     that requires one (its gradient is accumulated into its .grad); one that requires grad already is unchanged."""

@@ -48,8 +48,9 @@ def finetune_not_replayed(finetune: Finetune, arch: str, model: str) -> str | No
     if arch not in with_lora:
         what = "LoRA is" if finetune.lora else "frozen weights are"
         return f"{what} replayed on Transformers' {', '.join(with_lora)}, not {arch}"
-    if missing_targets(arch, finetune):
-        return missing_targets(arch, finetune)
+    missing = missing_targets(arch, finetune)
+    if missing:
+        return missing
     if arch == "gpt2" and (finetune.quantize or finetune.dora):  # PEFT's LoRA around Conv1D (fan_in_fan_out)
         return ("GPT-2's Conv1D layers take LoRA as PEFT wraps them; QLoRA's 4-bit layers and DoRA's norm on them "
                 "are not replayed")  # fmt: skip

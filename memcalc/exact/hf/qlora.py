@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memcalc.model.finetune import TARGETS
+from memcalc.model.finetune import ALL_PROJECTIONS
 
 from .. import aten
 from ..aten.operands import made
@@ -60,7 +60,7 @@ class QuantWeight:
 def quantized(name: str, quantize: str) -> bool:
     """Whether replace_with_bnb_linear makes this parameter 4-bit: every projection of the blocks (not lm_head)."""
     leaf = name.rpartition(".")[0].rpartition(".")[2]
-    return bool(quantize) and name.endswith(".weight") and leaf in TARGETS[:-1]  # every projection name, not lm_head
+    return bool(quantize) and name.endswith(".weight") and leaf in ALL_PROJECTIONS  # not lm_head
 
 
 def quantize(g: Graph, name: str, shape: tuple) -> QuantWeight:

@@ -75,8 +75,9 @@ def finetune_not_replayed(finetune, shape: ModelShape) -> str | None:
                 f"{shape.name}")  # fmt: skip
     if finetune.freeze or finetune.frozen_blocks:
         return "--freeze: torchtune's full fine-tuning recipe trains every weight (--stack hf freezes parts)"
-    if missing_targets("llama", finetune):  # its Llama builders' blocks: q, k, v, output_proj, w1, w2, w3
-        return missing_targets("llama", finetune)
+    missing = missing_targets("llama", finetune)  # its Llama builders' blocks: q, k, v, output_proj, w1, w2, w3
+    if missing:
+        return missing
     if finetune.quantize not in ("", "nf4"):
         return f"--quantize {finetune.quantize}: torchtune's QLoRA is torchao's NF4 (nf4), no other"
     return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from memcalc.model.sizes import MAX_SEQ
 from memcalc.serve.answer import ServeAnswer
-from memcalc.serve.profile import NATIVE_WARMUP_FROM, TRITON_FROM, TRITON_ROWS, V2_COPY_UNTIL
+from memcalc.serve.profile import NATIVE_WARMUP_FROM, V2_COPY_UNTIL, triton_masks
 from memcalc.serve.releases import counts_nccl
 from memcalc.serve.sglang import RELEASE as SGLANG_RELEASE
 
@@ -61,8 +61,7 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
         *([["- CUDA graphs", sized(b.binding.cudagraphs, units), "vLLM's estimate, as given (--cudagraph-memory)"]]
           if j.graph_estimate else []),
         *([["- runner's tensors", sized(b.binding.kept, units), f"what {j.runner.upper()}'s model runner keeps "
-            "from its construction (total_consumed)"]] if j.release.counts_persistent and j.kv_cache_memory is None
-          else []),
+            "from its construction (total_consumed)"]] if j.counts_kept else []),
         ["= KV cache", sized(b.available, units),
          f"short by {u.size(b.binding.shortfall, units)}: the weights and activations exceed it"
          if b.binding.shortfall else f"{b.num_blocks:,} blocks of {b.block_size} tokens x {b.binding.group_size} layers"],
@@ -77,7 +76,7 @@ def budget_section(a: ServeAnswer, units: str) -> Section:
 def budget_note(j) -> str:
     """determine_available_memory's formula for the job's release and runner (memcalc.serve.budget)."""
     parts = "weights + activation peak + non-torch memory" + \
-        (" + the runner's kept tensors" if j.release.counts_persistent else "")  # fmt: skip
+        (" + the runner's kept tensors" if j.counts_kept else "")  # fmt: skip
     if j.graph_estimate:
         return (f"vllm/v1/worker/gpu_worker.py determine_available_memory: total x utilization - ({parts} + "
                 "profile_cudagraph_memory's estimate, measured by vLLM, not modelled)")
@@ -95,8 +94,7 @@ def sampler_note(a: ServeAnswer) -> str:
         return ("the sampler's peak is FlashInfer's top_k_top_p_sampling_from_logits over max_num_seqs x vocab "
                 "(masked logits and their softmax, no sort)" +
                 (", or PyTorch's path after it, whichever holds more" if j.minor >= NATIVE_WARMUP_FROM else ""))
-    triton = j.minor >= TRITON_FROM and a.activations.requests >= TRITON_ROWS
-    how = "top-k/top-p masking by a Triton kernel" if triton else "top-k/top-p sort"
+    how = "top-k/top-p masking by a Triton kernel" if triton_masks(j, a.activations.requests) else "top-k/top-p sort"
     return f"the sampler's peak is PyTorch's {how} over max_num_seqs x vocab (--sampler flashinfer where vLLM " + \
         "takes FlashInfer's)"  # fmt: skip
 
@@ -195,8 +193,7 @@ def sglang_section(a: ServeAnswer, units: str) -> Section:
         f"{p.chunked_prefill:,}, decode graphs to {p.decode_graph_batch})")  # fmt: skip
     s.rows = [["free before the weights", sized(p.pre_load, units), "mem_get_info's total less the CUDA context"
                + (" and NCCL's buffers" if p.nccl else "")],
-              [f"x {p.mem_fraction_static:g} mem_fraction_static", sized(int(p.mem_fraction_static * p.pre_load),
-                                                                          units), why],
+              [f"x {p.mem_fraction_static:g} mem_fraction_static", sized(p.available + p.weights, units), why],
               ["- weights", sized(p.weights, units), WEIGHT_LABELS[j.weights]],
               ["= KV cache", sized(p.available, units), f"{p.tokens:,} tokens of {p.cell:,} B"],
               ["max_running_requests", f"{p.max_running_requests:,}", f"at context {j.context:,}"]]  # fmt: skip

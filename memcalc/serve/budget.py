@@ -129,7 +129,7 @@ def stage_budget(job: ServeJob, stage: Stage, weights: int, activations: int, pa
     as determine_available_memory returns cache_config.kv_cache_memory_bytes without profiling."""
     other = non_torch_bytes(job.release, job.tp * job.pp, job.gpu.intra, CONTEXT_BYTES)
     graphs = job.cudagraph_memory or 0
-    kept = kept_bytes(job) if job.release.counts_persistent and job.kv_cache_memory is None else 0
+    kept = kept_bytes(job) if job.counts_kept else 0
     total = job.gpu.cuda_total_bytes
     left = job.kv_cache_memory or int(total * job.utilization - (weights + activations + other + graphs + kept))
     available, shortfall = max(0, left), max(0, -left)

@@ -37,6 +37,7 @@ RUNNERS = ("v1", "v2")  # vLLM's model runners (memcalc.serve.runners)
 LARGEST_DEFAULTS_FROM = 28  # 16,384 batched tokens on a card of 160 GiB or more
 V2_SAMPLER_WARMUP_FROM = 33  # V2's profile run samples top-k/top-p (for_sampler_warmup) from 0.33
 FLASHINFER_SM80_FROM = 26  # FlashInferBackend.supports_compute_capability: 7.5 up to 0.25, 8.0 from 0.26
+FLASHINFER_SMS_FROM = 33  # flashinfer_sampler_supported: more than 16 SMs (FlashInfer 0.7's multi-CTA top-k)
 CUDA_BLOCK_SIZE, FLASHMLA_BLOCK_SIZE = 16, 64  # vllm/platforms/cuda.py check_and_update_config
 
 
@@ -138,6 +139,11 @@ class ServeJob:
                              "sampler runs: drop --sampler, or give --model-runner v1")  # fmt: skip
 
     @property
+    def counts_kept(self) -> bool:
+        """Whether the budget counts the tensors the model runner keeps (total_consumed: 0.27 on, profiling)."""
+        return self.release.counts_persistent and self.kv_cache_memory is None
+
+    @property
     def graph_estimate(self) -> bool:
         """Whether the budget subtracts vLLM's own CUDA graph estimate: V1's runner from 0.20, V2's from 0.29."""
         if self.kv_cache_memory is not None:
@@ -191,7 +197,7 @@ class ServeJob:
         if self.gpu.rocm or not self.gpu.arch.startswith("sm") or not capability.isdigit():
             return False
         floor = 80 if self.minor >= FLASHINFER_SM80_FROM else 75
-        return floor <= int(capability) <= 121 and (self.gpu.sms > 16 or self.minor < 33)
+        return floor <= int(capability) <= 121 and (self.gpu.sms > 16 or self.minor < FLASHINFER_SMS_FROM)
 
     @property
     def ep(self) -> int:

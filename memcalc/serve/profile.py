@@ -98,11 +98,16 @@ def triton_buffer_bytes(job: ServeJob, rows: int) -> int:
     return min(1 << (programs - 1).bit_length(), sms) * job.model.shape.vocab * 4
 
 
+def triton_masks(job: ServeJob, rows: int) -> bool:
+    """PyTorch's path masks with the Triton kernel (0.17 on, 8 rows or more), else sorts."""
+    return job.minor >= TRITON_FROM and rows >= TRITON_ROWS
+
+
 def native_bytes(job: ServeJob, rows: int) -> tuple[int, int]:
     """PyTorch's path (forward_native) per element of R x vocab, and the buffer it keeps (see the module): from
     0.17, for 8 rows or more, the Triton kernel masks the float32 logits in place beside their softmax and
     random_sample's exponential draws (torch.empty_like(probs)); else the sort."""
-    if job.minor >= TRITON_FROM and rows >= TRITON_ROWS:
+    if triton_masks(job, rows):
         return 4 + 4 + 4, triton_buffer_bytes(job, rows)
     return 4 + 4 + 8 + sort_buffer_bytes(rows), 0
 

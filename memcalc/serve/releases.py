@@ -27,7 +27,7 @@ requests, then _dummy_sampler_run on their last hidden states). Where they diffe
         (the init snapshot's free memory less the free memory after profile_run and empty_cache) +
         transient_peak_headroom (torch's allocated peak less its allocated after the profile run). Beside the
         weights, the peak and the non-torch memory, that counts every tensor the model runner keeps from its
-        construction on (memcalc.serve.runners.persistent_bytes) and what the allocator holds unallocated
+        construction on (memcalc.serve.budget.kept_bytes) and what the allocator holds unallocated
         after empty_cache (not modelled: its fragmentation). From 0.28 a card of 160 GiB or more takes 16,384
         batched tokens (arg_utils.py); 0.33 creates cuBLAS's handles before the snapshot (init_device), which
         moves them out of the non-torch memory (not split out of NON_TORCH below). vllm 0.34 sizes an

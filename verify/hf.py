@@ -324,14 +324,15 @@ def convert_to_fp32(data):
 
 def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
              device: str = "meta", autocast: str | None = None, use_cache: bool = False,
-             finetune: Finetune = FULL, trl: str = "") -> TrainerModel:  # fmt: skip
+             finetune: Finetune = FULL, trl: str = "", liger: bool = False) -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
     which the issue names, is its deprecated alias in Transformers 5). autocast (a device type): the
     weights in fp32, the forward under torch.autocast in the trick set's 16-bit dtype, as the Trainer
     runs a model loaded in fp32 with bf16=True or fp16=True. finetune: LoRA by PEFT over a base loaded in the trick
-    set's dtype (under autocast too, as LoRA scripts load it), or weights frozen (verify/lora.py)."""
+    set's dtype (under autocast too, as LoRA scripts load it), or weights frozen (verify/lora.py). liger: the
+    Trainer's use_liger_kernel, applied as Trainer.train does, after PEFT (verify/liger.py)."""
     tf = transformers()
     check_positions(shape, seq_len)
     register_attention()
@@ -354,6 +355,10 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     model = fine_tuned(model, finetune, shape.tied_embeddings, trl, checkpointing, amp and dtype == torch.bfloat16)
     if trl and checkpointing:  # Trainer.train enables it again (use_reentrant=False) over TRL's preparation's
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if liger:
+        from .liger import apply
+
+        apply(model)
     return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, trl)
 
 

@@ -50,14 +50,15 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
         from .hf import build_hf
 
         return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache, finetune=stack.finetune,
-                        trl=stack.trl)  # fmt: skip
+                        trl=stack.trl, liger=stack.savers.liger is not None)  # fmt: skip
     return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
 
 
 @contextlib.contextmanager
 def paths_for(stack: Stack, device: str = "meta"):
     """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths; on meta
-    a QLoRA model's 4-bit matmuls as CUDA's, verify/lora.py meta_paths; torchtune's dropout as CUDA's)."""
+    a QLoRA model's 4-bit matmuls as CUDA's, verify/lora.py meta_paths; Liger's Functions, verify/liger.py
+    meta_paths; torchtune's dropout as CUDA's)."""
     from .hf import cuda_dropout, cuda_paths
 
     if stack.model == "torchtune":  # its LoRALinear's nn.Dropout
@@ -68,6 +69,13 @@ def paths_for(stack: Stack, device: str = "meta"):
         yield
         return
 
+    if stack.savers.liger is not None:
+        from .liger import held
+
+        with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext(), \
+                held(stack.savers.liger, device):  # fmt: skip
+            yield
+        return
     with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext():
         yield
 

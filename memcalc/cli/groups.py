@@ -98,8 +98,8 @@ def seq_for(seq: str | None, model: Model | None) -> str:
 
 @dataclass(frozen=True)
 class StackOptions(OptionGroup):
-    """--stack, --recipe, --optimizer-impl, --no-cache, and the fine-tuning: --lora, --lora-targets,
-    --lora-dropout, --dora, --modules-to-save, --quantize, --freeze."""
+    """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, and the fine-tuning: --lora,
+    --lora-targets, --lora-dropout, --dora, --modules-to-save, --quantize, --freeze."""
 
     stack: str | None = None
     recipe: str | None = None
@@ -115,17 +115,21 @@ class StackOptions(OptionGroup):
     freeze: str | None = None
     loss: str | None = None
     optimizer_in_backward: bool = False
+    liger: bool = False
 
-    def resolve(self):
+    def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
-        stack is refused; without them, reference is the default (memcalc.model.finetune.finetune_for)."""
+        stack is refused; without them, reference is the default (memcalc.model.finetune.finetune_for). --liger
+        allocates by the GPU's kind (memcalc.model.savers.liger_for); without a GPU (verify), as on meta."""
         from memcalc.model.finetune import finetune_for
+        from memcalc.model.savers import ON_META, liger_for
         from memcalc.model.stacks import stack_for, with_loop
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip
+        liger = (liger_for(gpu) if gpu is not None else ON_META) if self.liger else None
         chosen = stack_for(self.stack or ("reference" if finetune.trains_all else "hf"), self.recipe,
-                           self.optimizer_impl, self.no_cache, self.offload_activations)  # fmt: skip
+                           self.optimizer_impl, self.no_cache, self.offload_activations, liger)  # fmt: skip
         if not finetune.trains_all:
             if chosen.engine == "fsdp2" and finetune.lora:  # PEFT's LoRA model under fully_shard, as accelerate runs it
                 chosen = replace(chosen, model="hf", recipe=self.recipe or "pure")  # (memcalc.exact.replay.fsdp2_lora)

@@ -1,4 +1,4 @@
-"""The memory savers a fine-tuning stack turns on beside its step (issue 40): activation offloading.
+"""The memory savers a fine-tuning stack turns on beside its step (issue 40): activation offloading, Liger's kernels.
 
   offload  the tensors autograd saves in forward copied to pinned host memory and brought back in backward, by
            a torch.autograd.graph.saved_tensors_hooks context (memcalc.exact.sim.offload replays it):
@@ -12,6 +12,11 @@
                    torch.autograd.graph.save_on_cpu(pin_memory=True), which packs the one tensor saved outside the
                    checkpoint's own hooks, the layer's input (torch/utils/checkpoint.py _NoopSaveInputs), on the
                    compute stream
+
+  liger    TrainingArguments(use_liger_kernel=True): the Trainer's apply_liger_kernel (transformers 5.25
+           integrations/liger.py) patches the model with liger-kernel 0.8.5's defaults (RoPE, RMSNorm, SwiGLU and
+           the head fused with the cross-entropy), replayed by memcalc.exact.hf.liger. Its kernels are Triton's; what
+           they hold is what their Python wrappers allocate, and three of those allocations follow the GPU (Liger)
 
 The record travels with the stack (memcalc.model.stacks.Stack.savers), so the replay, its cache and the notes
 read the same one.
@@ -27,19 +32,57 @@ OFFLOAD_STASH = 5  # OffloadActivations(max_fwd_stash_size=5): offloaded tensors
 
 
 @record(frozen=True)
+class Liger:
+    """What liger-kernel 0.8.5's wrappers allocate differently by device (liger_kernel/ops): sms, the rows of fp32
+    partial weight gradients RMSNorm's backward writes (rms_norm.py rms_norm_backward: the GPU's
+    multi_processor_count, 1 off CUDA); mm_out, the fused cross-entropy's logits chunk made once and reused
+    (fused_linear_cross_entropy.py _can_use_mm_out: CUDA, not ROCm); addmm, the head's gradient accumulated in place
+    (compute capability 8 or more), where else each chunk's product is a new tensor added to it."""
+
+    sms: int
+    mm_out: bool = True
+    addmm: bool = True
+
+
+@record(frozen=True)
 class Savers:
     """The memory savers on: offload, the stack's activation offloading (TRL's OffloadActivations on a trl stack,
-    Transformers' checkpoint offload on hf)."""
+    Transformers' checkpoint offload on hf); liger, Liger's kernels as the Trainer applies them, on this GPU."""
 
     offload: bool = False
+    liger: Liger | None = None
 
     @property
     def labels(self) -> list[str]:
-        """What the stack's label adds: ['activations offloaded'] or []."""
-        return ["activations offloaded"] if self.offload else []
+        """What the stack's label adds: ['activations offloaded', 'Liger kernels'] or fewer."""
+        return ["activations offloaded"] * self.offload + ["Liger kernels"] * (self.liger is not None)
 
 
 NO_SAVERS = Savers()
+ON_META = Liger(sms=1, mm_out=True, addmm=False)  # what verify/liger.py measures liger-kernel's wrappers running
+
+
+def liger_for(gpu) -> Liger:
+    """Liger's device-dependent allocations on this GPU (memcalc.model.gpus.GPU): its SM count, CUDA's mm into the
+    logits buffer (not on ROCm: _can_use_mm_out), the head's gradient by addmm in place from compute capability 8
+    (get_device_capability; ROCm's gfx9 cards report 9)."""
+    if not gpu.sms:
+        raise InputError(f"--liger: Liger's RMSNorm backward keeps one fp32 row per SM, and {gpu.name}'s SM count is "
+                         "not known (give sms in the --gpu file)")  # fmt: skip
+    rocm = gpu.arch.startswith("gfx")
+    major = 9 if rocm else int(gpu.arch.removeprefix("sm")) // 10
+    return Liger(gpu.sms, mm_out=not rocm, addmm=major >= 8)
+
+
+def check_liger(stack_key: str, model: str, trl: str, offload: bool) -> None:
+    """--liger where the replay has it: the Trainer's use_liger_kernel on Transformers' classes (--stack hf), without
+    TRL's compute_loss (which reads the logits Liger never makes) or activation offloading. (The families and
+    recipes it replays: memcalc.exact.hf.liger.not_replayed.)"""
+    if model != "hf" or trl:
+        raise InputError(f"--liger is the Trainer's use_liger_kernel on Transformers' classes (--stack hf), not "
+                         f"--stack {stack_key}" + (": TRL's compute_loss under Liger is not replayed" if trl else ""))
+    if offload:
+        raise InputError("--liger with --offload-activations is not replayed")
 
 
 def offload_mode(trl: str) -> str:
@@ -66,6 +109,17 @@ def check_offload_tricks(stack_key: str, trl: str, recompute: str) -> None:
                          "kwargs={'offload': True}: it offloads the checkpointed layers' inputs, so it needs ckpt in "
                          "--tricks (or --stack trl:0.25: TRL's OffloadActivations offloads every saved "
                          "tensor)")  # fmt: skip
+
+
+def liger_note(savers: Savers) -> str:
+    """What Liger changed, in a line for the verdict's notes; '' without it."""
+    liger = savers.liger
+    if liger is None:
+        return ""
+    return ("Liger's kernels (TrainingArguments(use_liger_kernel=True), liger-kernel 0.8.5): RMSNorm saving its input "
+            "and fp32 rstd, RoPE in place, SwiGLU saving gate and up and writing their gradients over them, the head "
+            "fused with the cross-entropy (no logits: the input's gradient made in forward, in chunks of rows; "
+            f"a trained norm's backward {liger.sms} fp32 rows of partial gradients, one per SM)")  # fmt: skip
 
 
 def offload_note(savers: Savers, trl: str) -> str:

@@ -32,7 +32,7 @@ from memcalc.errors import InputError
 from memcalc.records import record
 
 from .finetune import FULL, Finetune
-from .savers import NO_SAVERS, Savers, check_offload, check_offload_tricks
+from .savers import NO_SAVERS, Liger, Savers, check_liger, check_offload, check_offload_tricks
 
 MODELS = ("reference", "hf", "torchtune")
 # the loss over the logits: full (cross-entropy over the whole logits, the head's output in one tensor), or chunked
@@ -133,8 +133,9 @@ DEFAULT_STACK = STACKS["reference"]
 
 
 def stack_for(name: str = "reference", recipe: str | None = None, impl: str | None = None,
-              no_cache: bool = False, offload: bool = False) -> Stack:  # fmt: skip
-    """--stack NAME, with --recipe, --optimizer-impl, --no-cache and --offload-activations changing what it picks."""
+              no_cache: bool = False, offload: bool = False, liger: Liger | None = None) -> Stack:  # fmt: skip
+    """--stack NAME, with --recipe, --optimizer-impl, --no-cache, --offload-activations and --liger (its record for
+    the GPU: memcalc.model.savers.liger_for) changing what it picks."""
     key = name.strip().lower()
     if key not in STACKS:
         raise InputError(f"unknown stack {name!r}; known: {', '.join(STACKS)}")
@@ -145,7 +146,10 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
         changes["use_cache"] = False
     if offload:
         check_offload(key, STACKS[key].model, STACKS[key].trl)
-        changes["savers"] = Savers(offload=True)
+    if liger is not None:
+        check_liger(key, STACKS[key].model, STACKS[key].trl, offload)
+    if offload or liger is not None:
+        changes["savers"] = Savers(offload=offload, liger=liger)
     return replace(STACKS[key], **changes) if changes else STACKS[key]
 
 

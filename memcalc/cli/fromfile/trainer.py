@@ -3,11 +3,12 @@
 
 Sources: transformers src/transformers/training_args.py @ fd798335c275 (Transformers 5: per_device_train_batch_size
 8, gradient_accumulation_steps, bf16, fp16, gradient_checkpointing alias activation_checkpointing and their
-kwargs, optim adamw_torch_fused, torch_compile, use_liger_kernel, use_cache, label_smoothing_factor, fsdp,
-deepspeed); huggingface/trl trl/trainer/sft_config.py @ v0.14.0 (49711efab9e0: max_seq_length None, which the
-trainer makes min(tokenizer.model_max_length, 1024); use_liger), @ v0.21.0 (46d09bd2408f: max_length 1024, bf16
-True unless fp16, since 0.19; activation_offloading), @ v0.25.0 (55f5433e15cc: gradient_checkpointing True, since
-0.22); trl/trainer/model_config.py @ v0.25.0 (model_name_or_path, dtype, attn_implementation).
+kwargs, optim adamw_torch_fused, torch_compile, use_liger_kernel and liger_kernel_config, use_cache,
+label_smoothing_factor, fsdp, deepspeed); huggingface/trl trl/trainer/sft_config.py @ v0.14.0 (49711efab9e0:
+max_seq_length None, which the trainer makes min(tokenizer.model_max_length, 1024); use_liger), @ v0.21.0
+(46d09bd2408f: max_length 1024, bf16 True unless fp16, since 0.19; activation_offloading), @ v0.25.0 (55f5433e15cc:
+gradient_checkpointing True, since 0.22); trl/trainer/model_config.py @ v0.25.0 (model_name_or_path, dtype,
+attn_implementation).
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ UNMODELLED = {
     "optim_target_modules": "GaLore's and APOLLO's projected optimizer state",
 }
 SAVERS = {
-    "use_liger_kernel": "Liger's kernels (its fused linear cross-entropy never holds the logits) are not modelled",
-    "use_liger": "Liger's kernels (its fused linear cross-entropy never holds the logits) are not modelled",
+    "use_liger": "TRL 0.14-0.19's Liger (SFTConfig use_liger) is not modelled",
     "activation_offloading": "activation offloading to the host is not modelled",
 }
 
@@ -49,6 +49,7 @@ SAVERS = {
 def read_trainer(ledger: KeyLedger, typed: dict) -> None:
     stack, trl = stack_of(ledger, typed)
     model_option(ledger, "model_name_or_path")
+    liger_option(ledger, trl)
     for key, why in SAVERS.items():
         if ledger.flag(key):
             ledger.refuse(key, f"{why}, and it lowers the peak by much: memcalc would overstate it; turn it off to "
@@ -81,6 +82,23 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
         ledger.options["stack"] = stack
         ledger.origin["stack"] = [key for key in TRL_KEYS if key in ledger.data][:1]
         ledger.remarks.append(STACK_REMARK[stack])
+
+
+def liger_option(ledger: KeyLedger, trl: str) -> None:
+    """use_liger_kernel: --liger, the Trainer's apply_liger_kernel with liger's defaults (liger_kernel_config unset);
+    under TRL refused, its compute_loss under Liger not being replayed."""
+    if not ledger.flag("use_liger_kernel"):
+        if ledger.has("use_liger_kernel"):
+            ledger.used("use_liger_kernel", "off")
+        return
+    if trl:
+        ledger.refuse("use_liger_kernel", "TRL's compute_loss under Liger is not replayed (the Trainer's is: "
+                                          "--stack hf), and Liger lowers the peak by much: memcalc would overstate "
+                                          "it")  # fmt: skip
+    elif ledger.has("liger_kernel_config") and ledger.raw("liger_kernel_config") not in (None, {}):
+        ledger.refuse("liger_kernel_config", "Liger with kernels other than its defaults is not replayed")
+    else:
+        ledger.set("liger", True, "use_liger_kernel", "--liger: Liger's RoPE, RMSNorm, SwiGLU and fused cross-entropy")
 
 
 def stack_of(ledger: KeyLedger, typed: dict) -> tuple[str | None, str]:

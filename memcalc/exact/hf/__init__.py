@@ -11,6 +11,8 @@
                  base (verify/qlora.py)
   dora           PEFT's DoRA on a targeted projection: the weight's norm at every forward
   trl            what TRL's SFTTrainer adds: its k-bit preparation and casts, its loss metrics
+  liger          Liger's kernels as the Trainer applies them (use_liger_kernel): RMSNorm, RoPE, SwiGLU, the head
+                 fused with the cross-entropy (verify/liger.py)
 
 Adding a family: docs/architecture.md.
 

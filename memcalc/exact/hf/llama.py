@@ -18,7 +18,7 @@ from ..aten.operands import made
 from ..builder.layers import transpose12
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
-from . import dynamic_cache
+from . import dynamic_cache, liger
 from .attention import arange_plus, attention_interface, decoder_mask, grad_copies
 from .lora import embedded, lora_linear
 from .qlora import linear4bit, lora_linear4bit
@@ -32,6 +32,8 @@ def llama_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tenso
     if m.cfg.shape.sliding_window and m.arch != "mistral":
         raise InputError(f"the hf stack replays Mistral's sliding window, not {m.arch}'s (Qwen2's use_sliding_window "
                          "layers: not built yet)")  # fmt: skip
+    if m.cfg.stack.savers.liger is not None:  # the Trainer's use_liger_kernel (memcalc.exact.hf.liger)
+        return decoder_forward(g, m, input_ids, kwargs, decoder_layer, liger.liger_norm(m))
     return decoder_forward(g, m, input_ids, kwargs, decoder_layer, rms_norm)
 
 
@@ -115,20 +117,38 @@ def rms_norm(g: Graph, x: Tensor, w: Tensor, scope: str) -> Tensor:
 
 def decoder_layer(g: Graph, m: HFModel, i: int, hidden_states: Tensor, causal, cos, sin, kwargs) -> Tensor:
     """LlamaDecoderLayer.forward: pre-norm attention and MLP, each added to its residual; kwargs go on
-    to the attention interface."""
+    to the attention interface. Under the Trainer's use_liger_kernel its norms, RoPE and MLP are Liger's
+    (memcalc.exact.hf.liger: liger_layer)."""
     n = f"model.layers.{i}."
+    norm, project, rope, mlp = liger_layer(m) if m.cfg.stack.savers.liger is not None else (rms_norm, None, None,
+                                                                                            llama_mlp)  # fmt: skip
     residual = hidden_states
-    hidden_states = rms_norm(g, hidden_states, m.p[n + "input_layernorm.weight"], "norm1")
+    hidden_states = norm(g, hidden_states, m.p[n + "input_layernorm.weight"], "norm1")
     with g.scoped("attention"):
-        hidden_states, _ = self_attention(g, m, n + "self_attn.", hidden_states, causal, cos, sin, kwargs)
+        hidden_states, _ = self_attention(g, m, n + "self_attn.", hidden_states, causal, cos, sin, kwargs, project,
+                                          rope)  # fmt: skip
     hidden_states = aten.add(g, residual, hidden_states)
     residual = hidden_states
-    hidden_states = rms_norm(g, hidden_states, m.p[n + "post_attention_layernorm.weight"], "norm2")
+    hidden_states = norm(g, hidden_states, m.p[n + "post_attention_layernorm.weight"], "norm2")
     with g.scoped("mlp"):
-        hidden_states = llama_mlp(g, m, n + "mlp.", hidden_states)
+        hidden_states = mlp(g, m, n + "mlp.", hidden_states)
     hidden_states = aten.add(g, residual, hidden_states)
     del residual, _
     return hidden_states
+
+
+def liger_layer(m: HFModel) -> tuple:
+    """The decoder layer's (norm, projections, rope, mlp) under Liger (memcalc.exact.hf.liger): LigerRMSNorm (Qwen3's
+    q_norm and k_norm too), q, k and v projected as here, LigerRopeFunction, LigerSwiGLUMLP."""
+    norm, cfg, s = liger.liger_norm(m), m.cfg, m.cfg.shape
+    # the gradient reaches RoPE laid out as its input (flash's, made like q and k) unless it comes from a matmul
+    # (eager attention), or, for k, through the cache's copy: contiguous (B, n, T, d), which its transpose copies
+    # unless n is 1 (CPU's flash kernel lays its gradients out (B, T, n, d) whatever its inputs: hf.attention)
+    cached = dynamic_cache.kept(cfg) and cfg.device != "cpu"
+    copies = (not cfg.flash and s.n_heads > 1, (not cfg.flash or cached) and s.n_kv_heads > 1)
+    return (norm, lambda g, m, n, h, causal: projections(g, m, n, h, causal, norm, rope_copies=False),
+            lambda g, q, k, cos, sin: liger.rope(g, q, k, cos, sin, copies),
+            lambda g, m, n, x: liger.swiglu_mlp(g, m, n, x, linear))  # fmt: skip
 
 
 def linear(g: Graph, m: HFModel, name: str, x: Tensor) -> Tensor:
@@ -165,19 +185,22 @@ def self_attention(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, 
     return attn_output, attn_weights
 
 
-def projections(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal) -> tuple[Tensor, Tensor, Tensor]:
+def projections(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal, norm=rms_norm,
+                rope_copies: bool = True) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """LlamaAttention.forward's q_proj, k_proj, v_proj, each viewed (B, T, n, d) and transposed (Qwen3Attention:
-    q_norm, k_norm on the (B, T, n, d) views, before the transpose)."""
+    q_norm, k_norm on the (B, T, n, d) views, before the transpose; norm: the model's RMSNorm). rope_copies False:
+    q's and k's gradients reach their views laid out (B, T, n, d), as Liger's RoPE hands them back."""
     s = m.cfg.shape
     B, T, _ = hidden_states.shape
     q_copies, k_copies, v_copies = grad_copies(m.cfg, m.cfg.flash and causal is not None)  # a window's mask
+    q_copies, k_copies = q_copies and rope_copies, k_copies and rope_copies
     query_states = aten.view(g, linear(g, m, n + "q_proj", hidden_states), (B, T, s.n_heads, s.head_dim), q_copies)
     if s.qk_norm:
-        query_states = rms_norm(g, query_states, m.p[n + "q_norm.weight"], "attention")
+        query_states = norm(g, query_states, m.p[n + "q_norm.weight"], "attention")
     query_states = transpose12(g, query_states)
     key_states = aten.view(g, linear(g, m, n + "k_proj", hidden_states), (B, T, s.n_kv_heads, s.head_dim), k_copies)
     if s.qk_norm:
-        key_states = rms_norm(g, key_states, m.p[n + "k_norm.weight"], "attention")
+        key_states = norm(g, key_states, m.p[n + "k_norm.weight"], "attention")
     key_states = transpose12(g, key_states)
     value_states = transpose12(g, aten.view(g, linear(g, m, n + "v_proj", hidden_states),
                                             (B, T, s.n_kv_heads, s.head_dim), v_copies))  # fmt: skip

@@ -27,7 +27,7 @@ from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.offload import kept_on_gpu, offloader
 from ..sim.tensors import Tensor
-from . import dynamic_cache, lora, qlora, trl
+from . import dynamic_cache, liger, lora, qlora, trl
 from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
 from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .gpt2 import gpt2_model
@@ -174,6 +174,8 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     if family is None:
         raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(FAMILIES)}")
     check_finetune(cfg.finetune, arch, cfg.model)
+    if cfg.stack.savers.liger is not None and liger.not_replayed(cfg, arch):
+        raise InputError(liger.not_replayed(cfg, arch))
     if cfg.finetune.modules_to_save and cfg.shape.tied_embeddings:  # PEFT would copy the shared table's module
         raise InputError("--modules-to-save with a head tied to the embedding table is not replayed")
     quant, params = {}, []
@@ -208,8 +210,8 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
     else:
         with m.autocast.region(g):
             loss, half = causal_lm(g, m, idx, labels, num_items_in_batch)
-        with g.scoped("logits"):
-            logits = aten.to(g, half, "fp32")  # accelerate convert_to_fp32: logits.float()
+        with g.scoped("logits"):  # accelerate convert_to_fp32: logits.float() (Liger's output has none)
+            logits = None if half is None else aten.to(g, half, "fp32")
         del half  # the model's own output goes as the wrapper returns the converted one
     held = trl.compute_loss_metrics(g, m.cfg, logits, labels)
     del logits, held  # the output (its cache too) dies as compute_loss returns the loss
@@ -240,6 +242,10 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
     dynamic_cache.start(m)
     hidden_states = family.decoder(g, m, idx, kwargs)
     head = m.p.get("lm_head.weight") or m.p[family.table]
+    if m.cfg.stack.savers.liger is not None:  # Liger's lce_forward: the head fused with the loss, no logits
+        loss = liger.causal_lm_loss(g, m, hidden_states, head, labels, num_items_in_batch)
+        del kwargs, hidden_states
+        return loss, None
     with g.scoped("logits"), kept_on_gpu(g):
         if "lm_head.lora_A.weight" in m.p:  # LoRA on the head (target_modules lm_head): PEFT's Linear around it
             logits = lora.lora_linear(g, m, "lm_head", hidden_states)

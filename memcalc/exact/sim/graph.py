@@ -61,7 +61,10 @@ class SavedTerm:
 
 
 class Node:
-    __slots__ = ("dtypes", "edges", "group", "layer", "leaf", "n_inputs", "name", "rule", "saved", "scope", "seq")
+    # __weakref__: a rule that reads its node's saved storages holds it weakly (memcalc.exact.hf.liger), so that a
+    # node recomputed but never run does not keep them in a cycle with its rule
+    __slots__ = ("__weakref__", "dtypes", "edges", "group", "layer", "leaf", "n_inputs", "name", "rule", "saved",
+                 "scope", "seq")  # fmt: skip
 
     def __init__(self, name: str, seq: int, edges: list, rule: Callable, n_inputs: int, layer: int | None = None,
                  scope: str = "", group: tuple | None = None):  # fmt: skip

@@ -16,6 +16,7 @@ import pytest
 from memcalc.errors import InputError
 from memcalc.model.gpus import GPUS
 from memcalc.model.savers import ON_META, Liger, Savers, liger_for
+from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
 
 torch = pytest.importorskip("torch")
@@ -124,13 +125,14 @@ def run(*args):
 
 @pytest.mark.parametrize("args,message", [
     (("--model", "gemma2-9b", "--lora", "8"), "Liger's patching of gemma2 is not replayed"),
-    (("--stack", "trl:0.25", "--lora", "8"), "TRL's compute_loss under Liger is not replayed"),
+    (("--stack", "trl:0.25", "--lora", "8", "--quantize", "nf4"), "TRL's k-bit preparation"),
     (("--stack", "torchtune", "--lora", "8"), "not --stack torchtune"),
     ((), "not --stack reference"),
     (("--stack", "hf"), "autocast over fp32 weights"),
     (("--stack", "hf", "--lora", "8", "--tricks", "bf16,ckpt", "--offload-activations"), "--offload-activations"),
     (("--lora", "8", "--lora-targets", "q_proj,lm_head"), "LoRA on lm_head"),
     (("--lora", "8", "--gpu", "CARD"), "SM count is not known"),  # a --gpu file without sms
+    (("--lora", "8", "--gpus", "2", "--zero", "3"), "ZeRO 0-2"),  # lce_forward reads lm_head.weight itself
 ])  # fmt: skip
 def test_what_the_replay_lacks_is_refused_in_one_line(args, message, tmp_path):
     card = tmp_path / "card.json"
@@ -155,9 +157,26 @@ def test_liger_lowers_the_lora_peak_and_fit_gives_a_longer_sequence():
     assert "Liger kernels" in text and "Liger's kernels (TrainingArguments(use_liger_kernel=True)" in text
 
 
+@pytest.mark.parametrize("line,tricks,device", [("0.25", "bf16,flash", "meta"), ("0.21", "bf16,flash,ckpt", "meta"),
+                                                ("0.25", "bf16,ckpt", "cpu")])  # fmt: skip
+def test_liger_under_trls_sfttrainer(line, tricks, device):
+    """TRL 0.15-0.25's compute_loss computes its entropy and token accuracy from the logits only without
+    use_liger_kernel ("liger doesn't return logits"): under Liger it adds nothing to the Trainer's step but 0.22's
+    use_cache=False. LoRA on meta (--recipe pure) and on CPU tensors under the Trainer's autocast (bf16=True)."""
+    stack, shape = replace(stack_for(f"trl:{line}", recipe="pure" if device == "meta" else None), savers=LIGER,
+                           finetune=LORA), TINY["llama"]  # fmt: skip
+    phases, g, mem = simulate(step_config(shape, 24, 2, tricks, stack, device="cuda" if device == "meta" else "cpu"),
+                              timeline=True)  # fmt: skip
+    if device == "meta":
+        step, live = measure_step(shape, 24, 2, parse_tricks(tricks), timeline=True, stack=stack, count_flops=False)
+    else:
+        step, live, _ = measure_cpu(shape, 24, 2, parse_tricks(tricks), 1, True, stack)
+    assert_same_step(phases, g, mem, step, live, tricks)
+
+
 def test_a_trainer_file_with_use_liger_kernel(tmp_path):
     """--from a TrainingArguments file: use_liger_kernel is --liger on the Trainer's stack, said so in the table of
-    keys; under TRL (a key of SFTConfig) it is refused in one line."""
+    keys; with a key of SFTConfig on TRL's, which then computes no metrics."""
     args = {"model_name_or_path": "llama3.1-8b", "per_device_train_batch_size": 1, "dtype": "bfloat16",
             "gradient_checkpointing": True, "use_liger_kernel": True}  # fmt: skip
     path = tmp_path / "args.json"
@@ -167,4 +186,5 @@ def test_a_trainer_file_with_use_liger_kernel(tmp_path):
     assert "--liger: Liger's RoPE" in out.output and "hf (pure, Liger kernels)" in " ".join(out.output.split())
     path.write_text(json.dumps(args | {"max_length": 2048}))
     out = run("estimate", "--from", str(path), "--gpu", "h100-sxm")
-    assert out.exit_code == 2 and "TRL's compute_loss under Liger is not replayed" in out.output
+    assert out.exit_code == 0 and "trl:0.25 (pure, Liger kernels)" in " ".join(out.output.split()), out.output
+    assert "TRL 0.22-0.25's SFTTrainer: the Trainer's step as it is" in " ".join(out.output.split())

@@ -359,7 +359,8 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
         from .liger import apply
 
         apply(model)
-    return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, trl)
+    # TRL 0.15-0.25's compute_loss computes its metrics from the logits only without use_liger_kernel
+    return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, "" if liger else trl)
 
 
 def describe(shape: ModelShape) -> str:

@@ -40,15 +40,46 @@ def liger_kernel():
     return apply_liger_kernel
 
 
+# What apply_liger_kernel_to_<model_type> set on Transformers' modeling modules beside the model it patched:
+# (module, name) -> Liger's value. Restored at once (later models build with Transformers' own classes), set again
+# only while a step is measured (held): RoPE is a module global LlamaAttention.forward looks up at each call.
+PATCHED: dict[tuple, object] = {}
+MODELING = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def apply(model: torch.nn.Module) -> None:
-    """Trainer.train's apply_liger_kernel(self.model, self.args.liger_kernel_config): None, liger's defaults. Then
-    RoPE's implementations looked up (liger_kernel/backends/registry.py imports them at the first dispatch and logs
-    each that fails with its exception, whose traceback would hold the step's frames, and their tensors, wherever
-    the log records are kept) before anything is measured."""
+    """Trainer.train's apply_liger_kernel(self.model, self.args.liger_kernel_config): None, liger's defaults. It also
+    replaces the modeling module's RMSNorm and MLP classes and its apply_rotary_pos_emb, for the process: those are
+    put back (PATCHED keeps Liger's). Then RoPE's implementations looked up (liger_kernel/backends/registry.py imports
+    them at the first dispatch and logs each that fails with its exception, whose traceback would hold the step's
+    frames, and their tensors, wherever the log records are kept) before anything is measured."""
+    import importlib
+
+    modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in MODELING]
+    before = {m: dict(vars(m)) for m in modules}
     liger_kernel()(model, None)
+    PATCHED.clear()
+    for m in modules:
+        for name, value in vars(m).items():
+            if before[m].get(name) is not value:
+                PATCHED[(m, name)] = value
+                setattr(m, name, before[m][name])
     from liger_kernel.backends import available_impls
 
     available_impls("rope")
+
+
+@contextlib.contextmanager
+def module_globals():
+    """While active: the modeling modules' names as apply_liger_kernel left them (PATCHED)."""
+    saved = {key: getattr(*key) for key in PATCHED}
+    for (module, name), value in PATCHED.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
 
 
 @contextlib.contextmanager
@@ -60,7 +91,7 @@ def held(liger: Liger, device: str):
                          "are skipped, their wrappers' allocations counted")  # fmt: skip
     if liger != MEASURED:
         raise InputError(f"on meta liger-kernel runs {MEASURED}, not {liger}: the replay is held to what meta runs")
-    with meta_paths():
+    with meta_paths(), module_globals():
         yield
 
 

@@ -7,8 +7,9 @@ A run is predicted where memcalc replays its recipe: `command()` writes the `mem
 (the preset of its Hub id, the trick set from its precision, attention and checkpointing, the stack from its
 trainer and optimizer, LoRA or QLoRA as set) and the verdict's peak is compared with the published figure. A run
 it cannot describe says why (`command()` returns the reason): those are what memcalc does not replay yet. The
-prediction is the peak of allocated bytes; a published figure of another kind (reserved, nvidia-smi) holds more,
-and the summary keeps the kinds apart.
+prediction is of the figure's kind: torch.cuda.max_memory_reserved() of one GPU's step (peak_reserved) beside the
+caching allocator's reserve replayed over the step (memcalc.exact.reserved), any other beside the peak of allocated
+bytes; a figure that holds more (nvidia-smi's) is kept apart by the summary, which groups the kinds.
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def _gpus():
     return GPUS
 
 
-def predicted(args: list[str]) -> int | str:
-    """The verdict's peak of allocated bytes for the command, or memcalc's refusal."""
+def predicted(args: list[str], kind: str = "peak_allocated") -> int | str:
+    """The verdict's peak for the command, or memcalc's refusal: of allocated bytes, or, where the figure is
+    torch.cuda.max_memory_reserved() of one GPU's step, the caching allocator's reserve over it (reserved)."""
     from typer.testing import CliRunner
 
     from memcalc.cli import app
@@ -123,7 +125,31 @@ def predicted(args: list[str]) -> int | str:
     r = CliRunner().invoke(app, [*args, "--format", "json"])
     if r.exit_code != 0:
         return (r.stderr if hasattr(r, "stderr") and r.stderr else r.output).strip().removeprefix("error: ")
-    return json.loads(r.stdout)["verdict"][0]["total_bytes"]
+    verdict = json.loads(r.stdout)["verdict"][0]
+    if kind == "peak_reserved" and "--gpus" not in args:
+        return verdict["reserved"]["reserved_bytes"] if verdict["reserved"] else reserved(args)
+    return verdict["total_bytes"]
+
+
+def reserved(args: list[str]) -> int:
+    """memcalc.exact.reserved.step_reserved for the command's step: PyTorch's caching allocator replayed over its
+    first two steps on a card with no limit (the verdict replays it only near the card's room), as
+    benchmarks/reserved/report.py predicts torch.cuda.max_memory_reserved(). Its options read as the command's
+    are (memcalc.cli.groups)."""
+    from memcalc.cli.groups import GpuOptions, ModelOptions, StackOptions, StepOptions
+    from memcalc.exact.reserved import step_reserved
+    from memcalc.model.tricks import parse_tricks
+
+    options: dict = {}
+    for flag, value in zip(args[1:], args[2:] + [""]):
+        if flag.startswith("--"):
+            options[flag.removeprefix("--").replace("-", "_")] = True if value.startswith("--") or not value else value
+    gpu = GpuOptions.of(options).resolve()
+    model = ModelOptions.of(options).resolve()
+    setup = StepOptions.of(options).resolve(model, StackOptions.of(options).resolve(gpu))
+    tricks = parse_tricks(options["tricks"])
+    return step_reserved(model.shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack,
+                         setup.optimizer, expandable=gpu.expandable_segments).reserved_bytes  # fmt: skip
 
 
 def rows(runs: list[Run]) -> list[dict]:
@@ -135,7 +161,7 @@ def rows(runs: list[Run]) -> list[dict]:
         if isinstance(args, str):
             row["reason"] = args
         else:
-            got = predicted(args)
+            got = predicted(args, run.memory_kind)
             row |= {"command": "memcalc " + " ".join(args)} | ({"predicted": got} if isinstance(got, int) else
                                                                {"reason": f"memcalc refuses: {got}"})  # fmt: skip
         out.append(row)

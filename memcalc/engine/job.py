@@ -74,10 +74,15 @@ def plain_split(lay: Layout) -> bool:
 
 def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tricks, ...] = ()) -> None:
     """LoRA and frozen weights (memcalc.model.finetune) are replayed on one GPU, or each GPU of plain data
-    parallelism (every GPU holds the whole model and its adapters); sharded, split or offloaded, refused. The
+    parallelism (every GPU holds the whole model and its adapters); sharded, split or offloaded, refused (Liger's
+    kernels, full training too, with the weights whole: ZeRO 0-2). The
     replay is their only account (the textbook's layouts and the traced kernels are full training's), so a
     recipe or optimizer it does not run with them is refused too, with its reason."""
     ft = setup.stack.finetune
+    if setup.stack.savers.liger is not None and not (plain_split(lay) and lay.zero < 3):
+        raise InputError("--liger is replayed on one GPU, or each GPU of data parallelism with the weights whole "
+                         "(ZeRO 0-2): lce_forward reads lm_head.weight outside the head's forward, where ZeRO-3's and "
+                         "FSDP2's gathers are not replayed with it")  # fmt: skip
     if setup.stack.model == "torchtune" and not (plain_split(lay) and lay.zero == 0):  # its single-device recipes
         raise InputError("--stack torchtune replays its single-device recipes (full_finetune_single_device, "
                          "lora_finetune_single_device): one GPU, or each GPU of plain data parallelism")  # fmt: skip

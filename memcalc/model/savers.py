@@ -74,13 +74,13 @@ def liger_for(gpu) -> Liger:
     return Liger(gpu.sms, mm_out=not rocm, addmm=major >= 8)
 
 
-def check_liger(stack_key: str, model: str, trl: str, offload: bool) -> None:
-    """--liger where the replay has it: the Trainer's use_liger_kernel on Transformers' classes (--stack hf), without
-    TRL's compute_loss (which reads the logits Liger never makes) or activation offloading. (The families and
-    recipes it replays: memcalc.exact.hf.liger.not_replayed.)"""
-    if model != "hf" or trl:
-        raise InputError(f"--liger is the Trainer's use_liger_kernel on Transformers' classes (--stack hf), not "
-                         f"--stack {stack_key}" + (": TRL's compute_loss under Liger is not replayed" if trl else ""))
+def check_liger(stack_key: str, model: str, offload: bool) -> None:
+    """--liger where the replay has it: the Trainer's use_liger_kernel on Transformers' classes (--stack hf, or TRL's
+    SFTTrainer over it), without activation offloading. (The families and recipes it replays:
+    memcalc.exact.hf.liger.not_replayed.)"""
+    if model != "hf":
+        raise InputError(f"--liger is the Trainer's use_liger_kernel on Transformers' classes (--stack hf or trl), "
+                         f"not --stack {stack_key}")  # fmt: skip
     if offload:
         raise InputError("--liger with --offload-activations is not replayed")
 

@@ -147,7 +147,7 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
     if offload:
         check_offload(key, STACKS[key].model, STACKS[key].trl)
     if liger is not None:
-        check_liger(key, STACKS[key].model, STACKS[key].trl, offload)
+        check_liger(key, STACKS[key].model, offload)
     if offload or liger is not None:
         changes["savers"] = Savers(offload=offload, liger=liger)
     return replace(STACKS[key], **changes) if changes else STACKS[key]
@@ -187,7 +187,7 @@ def trl_note(stack: Stack) -> str:
         parts.append("the 4-bit model prepared by peft's prepare_model_for_kbit_training (what is not 4-bit in fp32: "
                      "its norms lift the residual stream to fp32) and, under bf16, peft_module_casting_to_bf16 "
                      "(embeddings and head back in bf16)")  # fmt: skip
-    if line != "0.14":
+    if line != "0.14" and stack.savers.liger is None:  # under use_liger_kernel compute_loss skips both: no logits
         parts.append("compute_loss's " + ("entropy of the logits and " if line == "0.25" else "") + "token accuracy")
     return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + ("; ".join(parts) or "the Trainer's step as it is")
 

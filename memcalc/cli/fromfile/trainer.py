@@ -49,7 +49,7 @@ SAVERS = {
 def read_trainer(ledger: KeyLedger, typed: dict) -> None:
     stack, trl = stack_of(ledger, typed)
     model_option(ledger, "model_name_or_path")
-    liger_option(ledger, trl)
+    liger_option(ledger)
     for key, why in SAVERS.items():
         if ledger.flag(key):
             ledger.refuse(key, f"{why}, and it lowers the peak by much: memcalc would overstate it; turn it off to "
@@ -84,18 +84,14 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
         ledger.remarks.append(STACK_REMARK[stack])
 
 
-def liger_option(ledger: KeyLedger, trl: str) -> None:
-    """use_liger_kernel: --liger, the Trainer's apply_liger_kernel with liger's defaults (liger_kernel_config unset);
-    under TRL refused, its compute_loss under Liger not being replayed."""
+def liger_option(ledger: KeyLedger) -> None:
+    """use_liger_kernel: --liger, the Trainer's apply_liger_kernel with liger's defaults (liger_kernel_config unset),
+    under TRL's SFTTrainer too (0.15-0.25 then skip their metrics)."""
     if not ledger.flag("use_liger_kernel"):
         if ledger.has("use_liger_kernel"):
             ledger.used("use_liger_kernel", "off")
         return
-    if trl:
-        ledger.refuse("use_liger_kernel", "TRL's compute_loss under Liger is not replayed (the Trainer's is: "
-                                          "--stack hf), and Liger lowers the peak by much: memcalc would overstate "
-                                          "it")  # fmt: skip
-    elif ledger.has("liger_kernel_config") and ledger.raw("liger_kernel_config") not in (None, {}):
+    if ledger.has("liger_kernel_config") and ledger.raw("liger_kernel_config") not in (None, {}):
         ledger.refuse("liger_kernel_config", "Liger with kernels other than its defaults is not replayed")
     else:
         ledger.set("liger", True, "use_liger_kernel", "--liger: Liger's RoPE, RMSNorm, SwiGLU and fused cross-entropy")

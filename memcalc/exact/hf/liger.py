@@ -37,8 +37,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 def not_replayed(cfg, arch: str) -> str | None:
     """Why the replay cannot run Liger's kernels on this step, or None: a family whose patching it has not built,
-    autocast over fp32 weights (the fused cross-entropy then casts the head chunk by chunk: not built), LoRA on the
-    head or its trained copy (lce_forward reads lm_head.weight)."""
+    autocast over fp32 weights (the fused cross-entropy then casts the head chunk by chunk: not built), TRL's k-bit
+    preparation, LoRA on the head or its trained copy (lce_forward reads lm_head.weight)."""
     if arch not in ARCHS:
         return f"--liger: Liger's patching of {arch} is not replayed; it is for {', '.join(ARCHS)}"
     if cfg.recipe == "autocast" and cfg.precision != "fp32" and not cfg.finetune.lora:
@@ -46,6 +46,10 @@ def not_replayed(cfg, arch: str) -> str | None:
                 "fused cross-entropy then casts the head chunk by chunk, which is not replayed; load the model in "
                 "bf16 (--recipe pure), or train LoRA (its base in 16 bits)")  # fmt: skip
     ft = cfg.finetune
+    if cfg.stack.trl and ft.quantize:
+        return ("--liger with TRL's k-bit preparation: its fp32 norms hand Liger's fused cross-entropy an fp32 "
+                "residual stream beside a bf16 head, which is not replayed (--stack hf: the Trainer "
+                "alone)")  # fmt: skip
     if "lm_head" in ft.targets or "lm_head" in ft.modules_to_save:
         return "--liger with LoRA on lm_head or lm_head in --modules-to-save: lce_forward reads lm_head.weight alone"
     return None

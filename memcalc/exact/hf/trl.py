@@ -14,7 +14,9 @@
   0.22-0.25 compute_loss's entropy under no_grad, before the accuracy: entropy_from_logits over the logits in
             chunks of 128 rows (log_softmax, exp, their product summed), the chunks' entropies concatenated,
             then weighted by the attention mask; and the model called with use_cache=False (the stack's).
-Each metric's tensors are compute_loss's locals: they die when it returns the loss, with the logits.
+Each metric's tensors are compute_loss's locals: they die when it returns the loss, with the logits. Under
+use_liger_kernel (0.15-0.25: `if not self.args.use_liger_kernel`, "liger doesn't return logits") neither metric is
+computed.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def compute_loss_metrics(g: Graph, cfg: StepConfig, logits: Tensor, labels: Tens
     tensors its frame holds until it returns (the caller lets them go with the logits)."""
     line = cfg.stack.trl
     held: list[Tensor] = []
-    if not line or line == "0.14":
+    if not line or line == "0.14" or cfg.stack.savers.liger is not None:  # use_liger_kernel: no logits, no metrics
         return held
     outer, g.grad_enabled = g.grad_enabled, False  # torch.no_grad() in 0.22-0.25 (0.15-0.21: no node saves)
     try:

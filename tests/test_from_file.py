@@ -32,7 +32,7 @@ TYPED = {
     AXOLOTL: ["--model", "NousResearch/Meta-Llama-3-8B", "--stack", "hf", "--recipe", "pure", "--tricks",
               "bf16,flash,ckpt", "--quantize", "nf4", "--lora", "32", "--lora-dropout", "0.05", "--lora-targets",
               "all-linear", "--grad-accum", "4", "--seq", "4096", "--micro-batch", "2", "--optimizer", "paged-adamw",
-              "--optimizer-impl", "loop"],
+              "--optimizer-impl", "loop", "--reentrant"],  # axolotl's use_reentrant default
     TORCHTUNE: ["--model", "llama2-7b", "--stack", "torchtune", "--loss", "full", "--tricks", "bf16,flash,ckpt",
                 "--lora", "8", "--lora-targets", "q,v", "--grad-accum", "64", "--micro-batch", "2", "--optimizer",
                 "adamw", "--optimizer-impl", "foreach"],
@@ -151,6 +151,7 @@ def test_any_axolotl_file_answers_as_typed(tmp_path, seq, mb, ckpt, precision, f
     tricks = ",".join([precision] + ["flash"] * flash + ["ckpt"] * ckpt)
     typed = ["--model", "qwen3-0.6b", "--seq", str(seq), "--micro-batch", str(mb), "--tricks", tricks, "--stack", "hf"]
     typed += ["--recipe", "pure"] if precision != "fp32" else []
+    typed += ["--reentrant"] if ckpt else []  # axolotl's use_reentrant default
     if rank:
         more += f"adapter: lora\nlora_r: {rank}\n" + ("lora_target_linear: true\n" if targets == "all" else
                                                      "lora_target_modules: [q_proj, v_proj]\n")  # fmt: skip

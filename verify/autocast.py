@@ -143,7 +143,8 @@ def measure_autocast(shape: ModelShape, seq_len: int, micro_batch: int, tricks: 
         from .hf import build_hf
 
         model = build_hf(shape, tricks, seq_len, device=device, autocast=device, use_cache=stack.use_cache,
-                         finetune=stack.finetune, trl=stack.trl, liger=stack.savers.liger is not None)  # fmt: skip
+                         finetune=stack.finetune, trl=stack.trl, liger=stack.savers.liger is not None,
+                         reentrant=stack.reentrant)  # fmt: skip
     else:
         model = materialise(build(shape, kernels, seq_len, torch.float32), device)
     made = []

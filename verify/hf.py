@@ -324,7 +324,8 @@ def convert_to_fp32(data):
 
 def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
              device: str = "meta", autocast: str | None = None, use_cache: bool = False,
-             finetune: Finetune = FULL, trl: str = "", liger: bool = False) -> TrainerModel:  # fmt: skip
+             finetune: Finetune = FULL, trl: str = "", liger: bool = False,
+             reentrant: bool = False) -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
@@ -332,7 +333,8 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     weights in fp32, the forward under torch.autocast in the trick set's 16-bit dtype, as the Trainer
     runs a model loaded in fp32 with bf16=True or fp16=True. finetune: LoRA by PEFT over a base loaded in the trick
     set's dtype (under autocast too, as LoRA scripts load it), or weights frozen (verify/lora.py). liger: the
-    Trainer's use_liger_kernel, applied as Trainer.train does, after PEFT (verify/liger.py)."""
+    Trainer's use_liger_kernel, applied as Trainer.train does, after PEFT (verify/liger.py). reentrant:
+    gradient_checkpointing_kwargs={"use_reentrant": True} (torch.utils.checkpoint's CheckpointFunction)."""
     tf = transformers()
     check_positions(shape, seq_len)
     register_attention()
@@ -344,8 +346,9 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     with torch.device(device):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                     attn_implementation=attention_for(tricks, device))  # fmt: skip
+    kwargs = {"use_reentrant": reentrant}  # gradient_checkpointing_kwargs as the Trainer passes them on
     if tricks.recompute == "full":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     model.train()
     count = sum(p.numel() for p in model.parameters())
     if count != n_params(shape):  # the architecture was picked to build exactly this shape
@@ -353,8 +356,8 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
                          f"{n_params(shape):,}")  # fmt: skip
     checkpointing = tricks.recompute == "full"
     model = fine_tuned(model, finetune, shape.tied_embeddings, trl, checkpointing, amp and dtype == torch.bfloat16)
-    if trl and checkpointing:  # Trainer.train enables it again (use_reentrant=False) over TRL's preparation's
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if trl and checkpointing:  # Trainer.train enables it again (its kwargs) over TRL's preparation's
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     if liger:
         from .liger import apply
 

@@ -59,8 +59,6 @@ def command(run: Run) -> list[str] | str:
         return f"GPU {run.gpu!r} is not in memcalc's table"
     if run.optimizer not in OPTIMIZERS:
         return f"optimizer {run.optimizer!r} is not replayed"
-    if run.reentrant:
-        return "reentrant activation checkpointing is not replayed"
     optimizer, impl = OPTIMIZERS[run.optimizer]
     precision = run.amp or run.dtype
     tricks = [precision] + (["flash"] if run.attention in ("sdpa", "flash2") and precision != "fp32" else [])
@@ -69,6 +67,7 @@ def command(run: Run) -> list[str] | str:
             "--grad-accum", str(run.grad_accum or 1), "--tricks", ",".join(tricks), "--gpu", run.gpu,
             "--stack", "hf", "--optimizer", optimizer, "--optimizer-impl", impl]  # fmt: skip
     args += ["--recipe", "autocast" if run.amp else "pure"]  # weights in their dtype unless autocast mixes them
+    args += ["--reentrant"] if run.reentrant else []  # gradient_checkpointing_kwargs use_reentrant True
     if run.method in ("lora", "qlora"):
         args += ["--lora", str(run.lora_rank), "--lora-dropout", str(run.lora_dropout or 0)]
         if run.lora_targets:

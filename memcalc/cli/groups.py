@@ -98,8 +98,8 @@ def seq_for(seq: str | None, model: Model | None) -> str:
 
 @dataclass(frozen=True)
 class StackOptions(OptionGroup):
-    """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, and the fine-tuning: --lora,
-    --lora-targets, --lora-dropout, --dora, --modules-to-save, --quantize, --freeze."""
+    """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, --reentrant, and the
+    fine-tuning: --lora, --lora-targets, --lora-dropout, --dora, --modules-to-save, --quantize, --freeze."""
 
     stack: str | None = None
     recipe: str | None = None
@@ -116,6 +116,7 @@ class StackOptions(OptionGroup):
     loss: str | None = None
     optimizer_in_backward: bool = False
     liger: bool = False
+    reentrant: bool = False
 
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
@@ -129,7 +130,8 @@ class StackOptions(OptionGroup):
                                 self.modules_to_save)  # fmt: skip
         liger = (liger_for(gpu) if gpu is not None else ON_META) if self.liger else None
         chosen = stack_for(self.stack or ("reference" if finetune.trains_all else "hf"), self.recipe,
-                           self.optimizer_impl, self.no_cache, self.offload_activations, liger)  # fmt: skip
+                           self.optimizer_impl, self.no_cache, self.offload_activations, liger,
+                           self.reentrant)  # fmt: skip
         if not finetune.trains_all:
             if chosen.engine == "fsdp2" and finetune.lora:  # PEFT's LoRA model under fully_shard, as accelerate runs it
                 chosen = replace(chosen, model="hf", recipe=self.recipe or "pure")  # (memcalc.exact.replay.fsdp2_lora)

@@ -68,6 +68,7 @@ class Stack:
     loss: str = "full"  # LOSSES: how the logits become the loss
     in_backward: bool = False  # torchtune's optimizer_in_bwd: each parameter stepped as its gradient is made
     savers: Savers = NO_SAVERS  # the memory savers on: activation offloading (memcalc.model.savers)
+    reentrant: bool = False  # hf: ckpt's checkpoint with use_reentrant=True (gradient_checkpointing_kwargs)
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
@@ -88,6 +89,8 @@ class Stack:
             changed.append(f"{self.loss} loss")
         if self.in_backward:
             changed.append("optimizer in backward")
+        if self.reentrant:
+            changed.append("reentrant checkpointing")
         if self.finetune.label:
             changed.append(self.finetune.label)
         changed += self.savers.labels
@@ -133,9 +136,10 @@ DEFAULT_STACK = STACKS["reference"]
 
 
 def stack_for(name: str = "reference", recipe: str | None = None, impl: str | None = None,
-              no_cache: bool = False, offload: bool = False, liger: Liger | None = None) -> Stack:  # fmt: skip
-    """--stack NAME, with --recipe, --optimizer-impl, --no-cache, --offload-activations and --liger (its record for
-    the GPU: memcalc.model.savers.liger_for) changing what it picks."""
+              no_cache: bool = False, offload: bool = False, liger: Liger | None = None,
+              reentrant: bool = False) -> Stack:  # fmt: skip
+    """--stack NAME, with --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger (its record for
+    the GPU: memcalc.model.savers.liger_for) and --reentrant changing what it picks."""
     key = name.strip().lower()
     if key not in STACKS:
         raise InputError(f"unknown stack {name!r}; known: {', '.join(STACKS)}")
@@ -150,6 +154,13 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
         check_liger(key, STACKS[key].model, offload)
     if offload or liger is not None:
         changes["savers"] = Savers(offload=offload, liger=liger)
+    if reentrant:
+        if STACKS[key].model != "hf":
+            raise InputError("--reentrant is Transformers' gradient_checkpointing_kwargs={'use_reentrant': True} "
+                             f"(--stack hf or trl), not --stack {key}, whose checkpointing is non-reentrant")  # fmt: skip
+        if offload:
+            raise InputError("--reentrant with --offload-activations is not replayed")
+        changes["reentrant"] = True
     return replace(STACKS[key], **changes) if changes else STACKS[key]
 
 
@@ -208,6 +219,9 @@ def check_tricks(stack: Stack, tricks) -> None:
         check_torchtune_tricks(stack, tricks)
     if stack.savers.offload:
         check_offload_tricks(stack.key, stack.trl, tricks.recompute)
+    if stack.reentrant and tricks.recompute != "full":
+        raise InputError(f"{tricks.label}: --reentrant is how ckpt checkpoints each layer (use_reentrant=True); "
+                         "without ckpt in --tricks nothing is checkpointed")  # fmt: skip
     if stack.engine in ("megatron", "deepspeed") and (tricks.fp8 or tricks.compile):
         what = f"{tricks.fp8_name} ({FP8_WHAT[tricks.fp8]})" if tricks.fp8 else "compile (torch.compile of each block)"
         raise InputError(f"{tricks.label}: {what} is replayed on --stack fsdp2, torch or reference; --stack "

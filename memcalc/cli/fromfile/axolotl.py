@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import sharding
-from .common import TrickSet, attention_flash, lora_targets, model_option, optimizer_option
+from .common import TrickSet, attention_flash, ckpt_typed_away, lora_targets, model_option, optimizer_option
 from .ledger import KeyLedger
 from .peft import dora_option, saved_option
 
@@ -51,7 +51,7 @@ def read_axolotl(ledger: KeyLedger, typed: dict) -> None:
         ledger.unmodelled("plugins", f"{plugin}: only the keys it reads that memcalc knows are in the verdict")
     lora = adapter_options(ledger)
     step_options(ledger)
-    tricks_and_recipe(ledger, typed.get("gpu", "h100-sxm"))
+    tricks_and_recipe(ledger, typed.get("gpu", "h100-sxm"), ckpt_typed_away(typed))
     optimizer_option(ledger, "optimizer")
     sharding.fsdp_options(ledger, "fsdp", "fsdp_config", lora, config_alone=True)
     if ledger.has("fsdp_version"):
@@ -133,7 +133,7 @@ def step_options(ledger: KeyLedger) -> None:
                     "the verdict is for full sequences, the longest batch")
 
 
-def tricks_and_recipe(ledger: KeyLedger, card: str) -> None:
+def tricks_and_recipe(ledger: KeyLedger, card: str, typed_away: bool = False) -> None:
     """--tricks: the precision (bf16 "auto": bf16 where the card has it, else fp16, as axolotl's resolve_dtype),
     the attention, checkpointing, compile; --recipe pure: axolotl loads the model in that 16-bit dtype."""
     tricks = TrickSet()
@@ -152,7 +152,7 @@ def tricks_and_recipe(ledger: KeyLedger, card: str) -> None:
         precision, key, why = "fp32", "bf16", ""
     tricks.add(precision, key, why)
     attention(ledger, tricks)
-    checkpointing(ledger, tricks)
+    checkpointing(ledger, tricks, typed_away)
     if ledger.raw("torch_compile") in (True, "auto"):
         tricks.add("compile", "torch_compile")
     tricks.commit(ledger)
@@ -186,9 +186,9 @@ def attention(ledger: KeyLedger, tricks: TrickSet) -> None:
         tricks.add("flash", "attn_implementation", "Transformers' default attention, sdpa")
 
 
-def checkpointing(ledger: KeyLedger, tricks: TrickSet) -> None:
+def checkpointing(ledger: KeyLedger, tricks: TrickSet, typed_away: bool = False) -> None:
     """gradient_checkpointing true (offload: activation offloading, refused) and its reentrancy, axolotl's default
-    use_reentrant True where the file sets no kwargs."""
+    use_reentrant True where the file sets no kwargs (none where the typed --tricks has no ckpt: typed_away)."""
     value = ledger.raw("gradient_checkpointing")
     if value in ("offload", "offload_disk"):
         ledger.refuse("gradient_checkpointing", "activation offloading to the host is not modelled, and it lowers "
@@ -199,7 +199,12 @@ def checkpointing(ledger: KeyLedger, tricks: TrickSet) -> None:
         return
     tricks.add("ckpt", "gradient_checkpointing")
     kwargs = "gradient_checkpointing_kwargs.use_reentrant"
-    if not ledger.has("gradient_checkpointing_kwargs") or ledger.flag(kwargs):
-        ledger.unmodelled(kwargs, "reentrant checkpointing (axolotl's default): the replay is non-reentrant")
+    if typed_away:
+        ledger.used(kwargs, "no ckpt in the typed --tricks: nothing is checkpointed")
+    elif ledger.flag(kwargs):
+        ledger.set("reentrant", True, kwargs, "--reentrant: torch.utils.checkpoint's reentrant CheckpointFunction")
+    elif not ledger.has("gradient_checkpointing_kwargs"):
+        ledger.default("reentrant", True, kwargs, "axolotl's default (utils/config resolves use_reentrant True)",
+                       "--reentrant")  # fmt: skip
     elif ledger.has(kwargs):
-        ledger.used(kwargs, "non-reentrant, as replayed")
+        ledger.used(kwargs, "non-reentrant")

@@ -127,3 +127,12 @@ def half_precision(ledger: KeyLedger, bf16_key: str, fp16_key: str, default_bf16
         if ledger.has(key):
             ledger.used(key, "off")
     return ("bf16" if fp16 is None and bf16 is None and default_bf16 else "fp32"), ""
+
+
+def ckpt_typed_away(typed: dict) -> bool:
+    """Whether the user typed --tricks without ckpt over a file that checkpoints: its reentrancy then applies to
+    nothing (--reentrant is not set from it)."""
+    tricks = typed.get("tricks")
+    if not tricks:
+        return False
+    return not any("ckpt" in t for t in ([tricks] if isinstance(tricks, str) else tricks))

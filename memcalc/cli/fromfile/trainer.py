@@ -18,7 +18,7 @@ from pathlib import Path
 from memcalc.model.stacks import TRL_FIRST
 
 from . import peft, sharding
-from .common import TrickSet, attention_flash, half_precision, model_option, optimizer_option
+from .common import TrickSet, attention_flash, ckpt_typed_away, half_precision, model_option, optimizer_option
 from .ledger import KeyLedger
 
 # keys only SFTConfig and TRL's ModelConfig have (TrainingArguments has none of them): the file is TRL's
@@ -69,7 +69,7 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
     lora = peft.lora_options(ledger)
     peft.quantize_options(ledger, lora)
     step_options(ledger, trl)
-    tricks_and_recipe(ledger, trl)
+    tricks_and_recipe(ledger, trl, ckpt_typed_away(typed))
     optimizer_option(ledger, "optim")
     if not ledger.has("optim"):
         ledger.default(None, None, "optim", "TrainingArguments' default", "adamw_torch_fused, the stack's own")
@@ -133,7 +133,7 @@ def step_options(ledger: KeyLedger, trl: str) -> None:
                     "the verdict is for full sequences, the longest batch")
 
 
-def tricks_and_recipe(ledger: KeyLedger, trl: str) -> None:
+def tricks_and_recipe(ledger: KeyLedger, trl: str, typed_away: bool = False) -> None:
     """--tricks from bf16/fp16, the attention and checkpointing (SFTConfig's defaults in the TRL line), and
     --recipe pure where the model is loaded in 16 bits."""
     tricks = TrickSet()
@@ -164,12 +164,12 @@ def tricks_and_recipe(ledger: KeyLedger, trl: str) -> None:
         ledger.used("gradient_checkpointing", "Transformers 5's alias of activation_checkpointing, which decides")
     if key and ledger.flag(key):
         tricks.add("ckpt", key)
-        checkpoint_kwargs(ledger)
+        checkpoint_kwargs(ledger, typed_away)
     elif key:
         ledger.used(key, "off")
     elif ckpt_default:
         tricks.add("ckpt", "gradient_checkpointing", whose)
-        checkpoint_kwargs(ledger)
+        checkpoint_kwargs(ledger, typed_away)
     if ledger.flag("torch_compile"):
         tricks.add("compile", "torch_compile")
     tricks.commit(ledger)
@@ -195,9 +195,9 @@ def weights_dtype(ledger: KeyLedger, key: str | None, precision: str) -> str:
     return loaded
 
 
-def checkpoint_kwargs(ledger: KeyLedger) -> None:
-    """gradient_checkpointing_kwargs (Transformers 5: activation_checkpointing_kwargs): reentrancy, offload and
-    every_n_layers."""
+def checkpoint_kwargs(ledger: KeyLedger, typed_away: bool = False) -> None:
+    """gradient_checkpointing_kwargs (Transformers 5: activation_checkpointing_kwargs): reentrancy (not where the
+    typed --tricks has no ckpt: typed_away), offload and every_n_layers."""
     kwargs = next((k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if ledger.has(k)), "")
     if not kwargs:
         return
@@ -206,7 +206,10 @@ def checkpoint_kwargs(ledger: KeyLedger) -> None:
                                            "by much: memcalc would overstate it")  # fmt: skip
     if (ledger.count(f"{kwargs}.every_n_layers") or 1) > 1:
         ledger.refuse(f"{kwargs}.every_n_layers", "the hf stack checkpoints every decoder layer or none")
-    if ledger.flag(f"{kwargs}.use_reentrant"):
-        ledger.unmodelled(f"{kwargs}.use_reentrant", "reentrant checkpointing: the replay is non-reentrant")
+    if typed_away and ledger.has(f"{kwargs}.use_reentrant"):
+        ledger.used(f"{kwargs}.use_reentrant", "no ckpt in the typed --tricks: nothing is checkpointed")
+    elif ledger.flag(f"{kwargs}.use_reentrant"):
+        ledger.set("reentrant", True, f"{kwargs}.use_reentrant", "--reentrant: torch.utils.checkpoint's reentrant "
+                                                                 "CheckpointFunction")  # fmt: skip
     elif ledger.has(f"{kwargs}.use_reentrant"):
-        ledger.used(f"{kwargs}.use_reentrant", "non-reentrant, as replayed")
+        ledger.used(f"{kwargs}.use_reentrant", "non-reentrant, Transformers 5's default")

@@ -32,6 +32,11 @@ class HFModel:
     quant: dict = field(default_factory=dict)  # QLoRA: each 4-bit projection's QuantWeight (memcalc.exact.hf.qlora)
     held: list[Tensor] = field(default_factory=list)  # besides parameters and buffers: QLoRA's shared dynamic map
 
+    def checkpoint(self, g: Graph):
+        """How a GradientCheckpointingLayer checkpoints itself: torch.utils.checkpoint with the use_reentrant the
+        stack gives gradient_checkpointing_kwargs (modeling_utils.py _activation_checkpointing_enable)."""
+        return g.checkpoint_reentrant if self.cfg.stack.reentrant else g.checkpoint
+
 
 @dataclass(frozen=True)
 class Family:

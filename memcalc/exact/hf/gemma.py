@@ -148,8 +148,8 @@ def gemma_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tenso
         g.layer = i
         causal, (cos, sin) = masks[types[i]], tables[types[i]]
         if cfg.recompute == "full":  # GradientCheckpointingLayer: checkpoint(partial(forward, **kwargs), hidden_states)
-            hidden_states = g.checkpoint(lambda x, i=i, causal=causal, cos=cos, sin=sin, kw=(position_ids,) + kwargs:
-                                         decoder_layer(g, m, i, x, causal, cos, sin, kw), hidden_states)  # fmt: skip
+            hidden_states = m.checkpoint(g)(lambda x, i=i, causal=causal, cos=cos, sin=sin, kw=(position_ids,) + kwargs:
+                                            decoder_layer(g, m, i, x, causal, cos, sin, kw), hidden_states)  # fmt: skip
         else:
             hidden_states = decoder_layer(g, m, i, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
         del causal, cos, sin

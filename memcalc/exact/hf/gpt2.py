@@ -38,8 +38,8 @@ def gpt2_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tensor
     for i in range(s.n_layers):
         g.layer = i
         if cfg.recompute == "full":  # the mask is a positional argument: a checkpoint input
-            hidden_states = g.checkpoint(lambda x, mask, i=i, kw=(position_ids,) + kwargs: gpt2_block(g, m, i, x, mask, kw),
-                                         hidden_states, causal)  # fmt: skip
+            hidden_states = m.checkpoint(g)(lambda x, mask, i=i, kw=(position_ids,) + kwargs:
+                                            gpt2_block(g, m, i, x, mask, kw), hidden_states, causal)  # fmt: skip
         else:
             hidden_states = gpt2_block(g, m, i, hidden_states, causal, (position_ids,) + kwargs)
     g.layer = None

@@ -14,8 +14,6 @@ fused_linear_cross_entropy.py, the nvidia-triton implementations) are all they h
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from memcalc.model.savers import Liger
@@ -23,6 +21,7 @@ from memcalc.model.savers import Liger
 from .. import aten
 from ..aten.operands import made
 from ..base.config import ITEMSIZE
+from ..sim.checkpoint import saved_of
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 
@@ -59,13 +58,6 @@ def in_release_order(saved: list[tuple[Tensor, str]]) -> list[tuple[Tensor, str]
     """A Function's save_for_backward tensors as the node keeps them: torch frees a PyNode's saved variables first
     to last (release_variables: saved_variables.clear()), the replay's node drops its list last to first."""
     return saved[::-1]
-
-
-def saved_of(node) -> Callable[[], list]:
-    """What a rule reads its node's saved storages through at backward: a weak reference (a recomputed node that
-    never runs must not hold them in a cycle with its rule)."""
-    ref = weakref.ref(node) if node is not None else None
-    return lambda: ref().saved
 
 
 def over(storage, shape, dtype: str) -> Tensor:

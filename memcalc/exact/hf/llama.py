@@ -68,8 +68,8 @@ def decoder_layers(g: Graph, m: HFModel, layer, hidden_states: Tensor, causal, c
     for i in range(m.cfg.shape.n_layers):
         g.layer = i
         if m.cfg.recompute == "full":
-            hidden_states = g.checkpoint(lambda x, i=i, causal=causal, cos=cos, sin=sin, kw=kwargs:
-                                         layer(g, m, i, x, causal, cos, sin, kw), hidden_states)  # fmt: skip
+            hidden_states = m.checkpoint(g)(lambda x, i=i, causal=causal, cos=cos, sin=sin, kw=kwargs:
+                                            layer(g, m, i, x, causal, cos, sin, kw), hidden_states)  # fmt: skip
         else:
             hidden_states = layer(g, m, i, hidden_states, causal, cos, sin, kwargs)
     g.layer = None

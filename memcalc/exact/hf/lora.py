@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from memcalc.model.finetune import Finetune, peft_targets
 
 from .. import aten
-from ..sim.graph import LEAF_SEQ, Graph, Node, layer_of
+from ..sim.graph import Graph, layer_of
 from ..sim.tensors import Tensor
 from .attention import dropout
 from .dora import dora_result
@@ -100,10 +100,7 @@ def embedded(g: Graph, m: HFModel, x: Tensor) -> Tensor:
 def require_grad(g: Graph, x: Tensor) -> Tensor:
     """enable_input_require_grads' hook, output.requires_grad_(True): a tensor no gradient reaches becomes a leaf
     that requires one (its gradient is accumulated into its .grad); one that requires grad already is unchanged."""
-    if x.grad_fn is None:
-        x.grad_fn = Node("AccumulateGrad", LEAF_SEQ, [], None, 1, g.layer, g.scope)
-        x.grad_fn.leaf = x
-    return x
+    return g.leaf(x)
 
 
 def lora_linear(g: Graph, m: HFModel, name: str, x: Tensor, base=None) -> Tensor:

@@ -56,6 +56,17 @@ class StopRecompute(Exception):
     pass
 
 
+TENSOR = object()  # where a reentrant checkpoint's tensor input goes back among its other arguments
+
+
+def saved_of(node) -> Callable[[], list]:
+    """What a rule reads its node's saved storages through at backward (a Function whose backward uses what it
+    saved: reentrant checkpointing, Liger's kernels): a weak reference, so that a node recomputed but never run
+    does not keep them in a cycle with its rule."""
+    ref = weakref.ref(node) if node is not None else None
+    return lambda: ref().saved
+
+
 class Checkpointing:
     """memcalc.exact.sim.graph.Graph's checkpoint regions: checkpoint() in forward, outputs() for the ops a policy
     keeps, rebuild() at the first unpack in backward (a base of Graph: it runs on the graph's frame and
@@ -76,6 +87,47 @@ class Checkpointing:
             return fn(*args)
         finally:
             self.frame = outer
+
+    def checkpoint_reentrant(self, fn: Callable, *args):
+        """torch.utils.checkpoint(fn, *args, use_reentrant=True): CheckpointFunction saves its tensor inputs and runs fn
+        under no_grad (nothing saved, every temporary gone as it goes). Its backward runs fn again with grad on over
+        detached inputs (leaves where the inputs required grad), whole, in the autocast it ran in, then
+        torch.autograd.backward from its output with the incoming gradient, a nested run of the engine over the
+        rebuilt graph; the leaves' .grad are its gradients, and the rebuilt output and inputs go as it returns."""
+        tensors = [t for t in args if isinstance(t, Tensor)]
+        kinds = [(t.shape, t.dtype, t.requires_grad) for t in tensors]
+        template = tuple(TENSOR if isinstance(t, Tensor) else t for t in args)  # no tensor held past the node
+        autocast = self.autocast
+
+        def rule(gs):
+            detached = [Tensor(s, shape, dtype, copies=s.copies) for s, (shape, dtype, _) in zip(saved_now(), kinds)]
+            for d, (_, _, needs) in zip(detached, kinds):
+                if needs:  # detach_variable: x.detach(), requires_grad as the input's: a leaf
+                    self.leaf(d)
+            it = iter(detached)
+            call = tuple(next(it) if a is TENSOR else a for a in template)
+            outer, self.grad_enabled, self.in_backward, self.recomputing = self.in_backward, True, False, True
+            try:
+                with contextlib.nullcontext() if autocast is None else autocast.region(self):
+                    out = fn(*call)
+            finally:
+                self.grad_enabled, self.in_backward, self.recomputing = False, outer, False
+            self.nested_backward(out, gs[0])
+            grads = [d.grad for d in detached]
+            for d in detached:
+                d.grad, d.grad_fn = None, None
+            del out, call, it, detached
+            return grads
+
+        node = self.begin("CheckpointFunctionBackward", tensors, rule, [(t, "input") for t in tensors])
+        saved_now = saved_of(node)
+        outer, self.grad_enabled = self.grad_enabled, False
+        try:
+            out = fn(*args)
+        finally:
+            self.grad_enabled = outer
+        self.end(node, [out])
+        return out
 
     def outputs(self, op: str, make: Callable[[], tuple[Tensor, ...]], names: tuple[str, ...] = ("output",)
                 ) -> tuple[Tensor, ...]:  # fmt: skip

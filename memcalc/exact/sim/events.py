@@ -60,7 +60,7 @@ class Recording:
     def storage(self, g, nbytes: int, op: str, kind: str, copies: int) -> RecordedStorage:
         """A new storage of graph g, its origin noted from what g runs now."""
         s = RecordedStorage(self, self.mem, nbytes, op, kind, copies)
-        stage = "recompute" if g.rebuilding is not None else self.mem.phase
+        stage = "recompute" if g.rebuilding is not None or g.recomputing else self.mem.phase
         self.origins[s.event] = Origin(kind, op, g.layer, g.scope, stage, stream=g.stream)
         return s
 

@@ -93,6 +93,7 @@ class Graph(Checkpointing, Backward):
         self.scope = ""  # the part of the model running, for SavedTerm.scope
         self.frame: Frame | None = None  # the checkpoint region running forward
         self.rebuilding: Frame | None = None  # the region being recomputed in backward
+        self.recomputing = False  # a reentrant checkpoint's function running again in backward
         self.rebuilt_bytes = 0  # the most activation bytes one recompute brought back
         self.in_backward = False
         self.flops: dict[tuple[str, str], int] = {}  # (forward | backward | recompute, kind) -> FLOPs
@@ -171,7 +172,8 @@ class Graph(Checkpointing, Backward):
                count: str = "", counted: int = 0, dtype: str = "") -> None:  # fmt: skip
         """One kernel: reads and writes are tensors (or byte counts); a matmul passes its FLOPs and the
         kind FlopCounterMode counts it under (counted: its count where that differs from flops)."""
-        phase = "recompute" if self.rebuilding is not None else "backward" if self.in_backward else self.stage
+        recompute = self.rebuilding is not None or self.recomputing
+        phase = "recompute" if recompute else "backward" if self.in_backward else self.stage
         n = self.copies  # in a region: one copy's kernel, run by each; outside, it reads every copy of a tensor
         if count:
             self.flops[(phase, count)] = self.flops.get((phase, count), 0) + n * int(counted or flops)
@@ -210,6 +212,14 @@ class Graph(Checkpointing, Backward):
     def view(self, t: Tensor, shape) -> Tensor:
         """A tensor over t's storage (no node: callers attach one when t needs grad)."""
         return Tensor(t.storage, shape, t.dtype, copies=t.copies)
+
+    def leaf(self, t: Tensor) -> Tensor:
+        """t made a leaf that requires grad (requires_grad_(True) on a tensor no gradient reaches): its gradient is
+        accumulated into its .grad."""
+        if t.grad_fn is None:
+            t.grad_fn = Node("AccumulateGrad", LEAF_SEQ, [], None, 1, self.layer, self.scope)
+            t.grad_fn.leaf = t
+        return t
 
     def param(self, shape, dtype: str, name: str, copies: int = 1) -> Tensor:
         """A parameter; with copies > 1, that many equal ones (a group of equal experts: see group_of)."""

@@ -17,6 +17,10 @@ fields (memcalc.model.savers.Liger):
   RMSNorm's SM count         1 off CUDA: the replay is held to it with Liger.sms = 1
   the head's gradient        CUDA's in-place addmm needs a CUDA device: meta runs the product and its fp32 copy
                              (Liger.addmm False)
+
+An autocast stack is measured the same way on CPU tensors. apply_liger_kernel also replaces the modeling modules'
+RMSNorm and MLP classes and their apply_rotary_pos_emb for the whole process; apply puts them back and held sets
+them again only while the step is measured, so that models built later are Transformers' own.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ import contextlib
 import torch
 
 from memcalc.errors import InputError
+from memcalc.exact.hf.liger import ARCHS
+from memcalc.model.savers import ON_META as MEASURED  # what liger-kernel's wrappers run on meta, meta_paths held
 from memcalc.model.savers import Liger
-
-MEASURED = Liger(sms=1, mm_out=True, addmm=False)  # what liger-kernel's wrappers run on meta, meta_paths held
 
 
 def liger_kernel():
@@ -44,7 +48,7 @@ def liger_kernel():
 # (module, name) -> Liger's value. Restored at once (later models build with Transformers' own classes), set again
 # only while a step is measured (held): RoPE is a module global LlamaAttention.forward looks up at each call.
 PATCHED: dict[tuple, object] = {}
-MODELING = ("llama", "mistral", "qwen2", "qwen3")
+ABSENT = object()  # a name the module did not have before
 
 
 def apply(model: torch.nn.Module) -> None:
@@ -55,15 +59,15 @@ def apply(model: torch.nn.Module) -> None:
     frames, and their tensors, wherever the log records are kept) before anything is measured."""
     import importlib
 
-    modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in MODELING]
+    modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in ARCHS]
     before = {m: dict(vars(m)) for m in modules}
     liger_kernel()(model, None)
     PATCHED.clear()
     for m in modules:
-        for name, value in vars(m).items():
-            if before[m].get(name) is not value:
+        for name, value in list(vars(m).items()):
+            if before[m].get(name, ABSENT) is not value:
                 PATCHED[(m, name)] = value
-                setattr(m, name, before[m][name])
+                restore(m, name, before[m].get(name, ABSENT))
     from liger_kernel.backends import available_impls
 
     available_impls("rope")
@@ -72,14 +76,22 @@ def apply(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def module_globals():
     """While active: the modeling modules' names as apply_liger_kernel left them (PATCHED)."""
-    saved = {key: getattr(*key) for key in PATCHED}
+    saved = {key: getattr(*key, ABSENT) for key in PATCHED}
     for (module, name), value in PATCHED.items():
         setattr(module, name, value)
     try:
         yield
     finally:
         for (module, name), value in saved.items():
-            setattr(module, name, value)
+            restore(module, name, value)
+
+
+def restore(module, name: str, value) -> None:
+    """module.name back to value, or gone where it was ABSENT."""
+    if value is ABSENT:
+        delattr(module, name)
+    else:
+        setattr(module, name, value)
 
 
 @contextlib.contextmanager

@@ -1,14 +1,15 @@
 """Liger's kernels in a Transformers model, as the Trainer applies them (use_liger_kernel=True), op by op in bytes on
 memcalc.exact.sim.graph.
 
-transformers 5.25 integrations/liger.py apply_liger_kernel calls liger-kernel 0.8.5's _apply_liger_kernel_to_instance
-on the model PEFT wraps, with apply_liger_kernel_to_llama's defaults (mistral, qwen2 and qwen3 the same;
-transformers/monkey_patch.py): RoPE, RMSNorm (Qwen3's q_norm and k_norm too) and SwiGLU patched, and the head fused
-with the cross-entropy (transformers/model/llama.py lce_forward: no logits in training). Each is an
-autograd.Function whose kernels are Triton's: they read and write tensors their Python wrapper allocated, and
-allocate none, so the wrappers' allocations (liger_kernel/ops: rms_norm.py, rope.py, swiglu.py,
-fused_linear_cross_entropy.py, the nvidia-triton implementations) are all they hold. Three follow the device
-(memcalc.model.savers.Liger): RMSNorm's partial weight gradients, the logits chunk's buffer, the head's gradient.
+transformers 5.25 integrations/liger.py apply_liger_kernel calls liger-kernel 0.8.5's
+_apply_liger_kernel_to_instance on the model PEFT wraps, with apply_liger_kernel_to_llama's defaults (mistral, qwen2
+and qwen3 the same; liger_kernel/transformers/monkey_patch.py): RoPE, RMSNorm (Qwen3's q_norm and k_norm too) and
+SwiGLU patched, and the head fused with the cross-entropy (liger_kernel/transformers/model/llama.py lce_forward: no
+logits in training). Each is an autograd.Function whose kernels are Triton's: they read and write tensors their
+Python wrapper allocated, and allocate none, so the wrappers' allocations (liger_kernel/ops: rms_norm.py, rope.py,
+swiglu.py, fused_linear_cross_entropy.py, the nvidia-triton implementations) are all they hold. Three follow the
+device (memcalc.model.savers.Liger): RMSNorm's partial weight gradients, the logits chunk's buffer, the head's
+gradient.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from ..sim.tensors import Tensor
 if TYPE_CHECKING:
     from .family import HFModel
 
-IGNORE_INDEX = -100
-# model_type -> what apply_liger_kernel_to_<model_type> patches that the replay has (monkey_patch.py
+# the model_types whose apply_liger_kernel_to_<model_type> the replay has (monkey_patch.py
 # MODEL_TYPE_TO_APPLY_LIGER_FN): RoPE, RMSNorm (Qwen3's q_norm and k_norm), SwiGLU, lce_forward
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

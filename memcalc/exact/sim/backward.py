@@ -25,27 +25,31 @@ class Backward:
         """root.backward() for a scalar root: torch.autograd's engine on one thread, in bytes."""
         ones = self.empty(root.shape, root.dtype, "ones_like")  # torch.autograd.backward holds it to the end
         self.grad_enabled, self.in_backward = False, True
+        outer = self.layer, self.scope
         self.kernel("ones_like", (), (ones,))
         self.run_engine(root.grad_fn, ones)
         if self.offload is not None:
             self.offload.finish()
+        # the flags first, then the block: a graph whose layer setter fires hooks (memcalc.exact.replay.fsdp2) sees
+        # forward's state again
         self.grad_enabled, self.in_backward = True, False
+        self.layer, self.scope = outer
 
     def nested_backward(self, root: Tensor, grad: Tensor) -> None:
         """torch.autograd.backward(root, grad) called from a node's backward (reentrant checkpointing): the engine
         runs the root's graph to the end, on the same thread, before the node that called it goes on."""
-        outer = self.grad_enabled, self.in_backward
+        outer = self.grad_enabled, self.in_backward, self.layer, self.scope
         self.grad_enabled, self.in_backward = False, True
         self.run_engine(root.grad_fn, grad)
-        self.grad_enabled, self.in_backward = outer
+        self.grad_enabled, self.in_backward = outer[:2]
+        self.layer, self.scope = outer[2:]
 
     def run_engine(self, root: Node, grad: Tensor) -> None:
-        """The engine's loop from root, given its gradient."""
+        """The engine's loop from root, given its gradient (the caller puts the block and scope back after it)."""
         deps = dependencies(root)
         buffers: dict[Node, list] = {root: [grad]}
         ready = [root]
         del grad
-        outer = self.layer, self.scope
         while ready:
             node = heapq.heappop(ready)
             if node.group != self.region:  # equal copies' nodes run in turn, one copy's simulated (Region)
@@ -71,7 +75,6 @@ class Backward:
                     heapq.heappush(ready, nxt)
             del outs, grad, buf  # no lingering references: torch's engine holds none
         self.leave_region()
-        self.layer, self.scope = outer
 
     def run(self, node: Node, grads: list) -> list:
         if node.leaf is not None:  # AccumulateGrad: the first gradient is stolen, not copied

@@ -119,7 +119,7 @@ def liger_note(savers: Savers) -> str:
     return ("Liger's kernels (TrainingArguments(use_liger_kernel=True), liger-kernel 0.8.5): RMSNorm saving its input "
             "and fp32 rstd, RoPE in place, SwiGLU saving gate and up and writing their gradients over them, the head "
             "fused with the cross-entropy (no logits: the input's gradient made in forward, in chunks of rows; "
-            f"a trained norm's backward {liger.sms} fp32 rows of partial gradients, one per SM)")  # fmt: skip
+            f"a trained norm's backward keeps {liger.sms} fp32 rows of partial gradients, one per SM)")  # fmt: skip
 
 
 def offload_note(savers: Savers, trl: str) -> str:

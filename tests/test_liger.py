@@ -89,6 +89,9 @@ def test_the_device_part_follows_the_gpu_table():
     assert liger_for(GPUS["mi300x"]) == Liger(GPUS["mi300x"].sms, mm_out=False, addmm=True)
     with pytest.raises(InputError, match="SM count is not known"):
         liger_for(replace(GPUS["h100-sxm"], sms=0))
+    with pytest.raises(InputError, match="names none"):  # a --gpu file's arch is any string
+        liger_for(replace(GPUS["h100-sxm"], arch="hopper"))
+    assert liger_for(replace(GPUS["t4"], arch="sm_75")).addmm is False
 
 
 def test_each_device_part_is_where_the_source_puts_it():

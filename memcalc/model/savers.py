@@ -70,8 +70,11 @@ def liger_for(gpu) -> Liger:
         raise InputError(f"--liger: Liger's RMSNorm backward keeps one fp32 row per SM, and {gpu.name}'s SM count is "
                          "not known (give sms in the --gpu file)")  # fmt: skip
     rocm = gpu.arch.startswith("gfx")
-    major = 9 if rocm else int(gpu.arch.removeprefix("sm")) // 10
-    return Liger(gpu.sms, mm_out=not rocm, addmm=major >= 8)
+    digits = gpu.arch.removeprefix("sm").removeprefix("_")
+    if not rocm and not digits.isdigit():
+        raise InputError(f"--liger: the head's gradient is added in place from compute capability 8, and {gpu.name}'s "
+                         f"arch {gpu.arch!r} names none (sm80, sm90, ... in the --gpu file)")  # fmt: skip
+    return Liger(gpu.sms, mm_out=not rocm, addmm=rocm or int(digits) // 10 >= 8)
 
 
 def check_liger(stack_key: str, model: str, offload: bool) -> None:

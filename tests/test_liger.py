@@ -28,6 +28,7 @@ from memcalc.exact.replay.meta import simulate  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from tests.replay import assert_equal_at_width, assert_same_step  # noqa: E402
 from tests.test_lora import LORA, MASTER, PURE, QLORA, TRAINER, step_config  # noqa: E402
+from tests.test_lora_families import SHAPES as FAMILIES  # noqa: E402
 from tests.test_stack_hf import TINY  # noqa: E402
 from verify.autocast import measure_cpu  # noqa: E402
 from verify.meta import measure_step  # noqa: E402
@@ -54,10 +55,15 @@ def with_liger(stack, finetune=None):
     ("llama", "fp32", with_liger(PURE), 2),  # fp32: the head's gradient by mm (fp32 already: no copy)
     ("llama", "bf16,flash", replace(with_liger(PURE), use_cache=False), 2),
     ("llama", "bf16,flash,ckpt", with_liger(MASTER, QLORA), 1),  # bitsandbytes' 4-bit base
+    ("gemma", "bf16,flash", with_liger(MASTER, LORA), 2),  # LigerRMSNormForGemma, LigerGEGLUMLP
+    ("gemma", "bf16,flash,ckpt", with_liger(PURE), 2),
+    ("gemma2", "bf16,ckpt", with_liger(MASTER, LORA), 2),  # its norms not in place: dX into zeros_like(dY)
+    ("gemma2", "bf16", with_liger(PURE), 2),  # eager attention (its softcap), the head's softcap in the kernel
 ])  # fmt: skip
 def test_liger_allocation_by_allocation(name, tricks, stack, batch):
-    phases, g, mem = simulate(step_config(TINY[name], 24, batch, tricks, stack), timeline=True)
-    step, live = measure_step(TINY[name], 24, batch, parse_tricks(tricks), timeline=True, stack=stack,
+    shape = TINY[name] if name in TINY else FAMILIES[name]
+    phases, g, mem = simulate(step_config(shape, 24, batch, tricks, stack), timeline=True)
+    step, live = measure_step(shape, 24, batch, parse_tricks(tricks), timeline=True, stack=stack,
                               count_flops=False)  # fmt: skip
     assert_same_step(phases, g, mem, step, live, tricks)
 
@@ -127,7 +133,8 @@ def run(*args):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--model", "gemma2-9b", "--lora", "8"), "Liger's patching of gemma2 is not replayed"),
+    (("--model", "phi3-mini", "--lora", "8"), "Liger's patching of phi3 is not replayed"),
+    (("--model", "gemma3-4b", "--lora", "8"), "Gemma 3: its q_norm and k_norm"),
     (("--stack", "trl:0.25", "--lora", "8", "--quantize", "nf4"), "TRL's k-bit preparation"),
     (("--stack", "torchtune", "--lora", "8"), "not --stack torchtune"),
     ((), "not --stack reference"),

@@ -28,7 +28,7 @@ from ..sim.tensors import Tensor
 from . import dynamic_cache
 from .attention import arange_plus, causal_mask, grad_copies, sliding_window_causal_mask
 from .family import Family, decoder_config, decoder_params
-from .llama import cast, linear, scaled, self_attention
+from .llama import cast, liger_layer, linear, scaled, self_attention
 from .lora import embedded
 
 if TYPE_CHECKING:  # only for annotations
@@ -154,7 +154,7 @@ def gemma_model(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple) -> Tenso
             hidden_states = decoder_layer(g, m, i, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
         del causal, cos, sin
     g.layer = None
-    hidden_states = rms_norm(g, hidden_states, m.p["model.norm.weight"], "final norm")
+    hidden_states = gemma_kernels(m)[0](g, hidden_states, m.p["model.norm.weight"], "final norm")
     del inputs_embeds, position_ids, masks, tables  # the frame's locals
     return hidden_states
 
@@ -225,24 +225,35 @@ def decoder_layer(g: Graph, m: HFModel, i: int, hidden_states: Tensor, causal, c
     h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))). The attention weights (_) live until
     it returns."""
     n, sandwich = f"model.layers.{i}.", m.arch != "gemma"
+    rms, mlp, rope = gemma_kernels(m)
     residual = hidden_states
-    hidden_states = rms_norm(g, hidden_states, m.p[n + "input_layernorm.weight"], "norm1")
+    hidden_states = rms(g, hidden_states, m.p[n + "input_layernorm.weight"], "norm1")
     with g.scoped("attention"):
         hidden_states, _ = self_attention(g, m, n + "self_attn.", hidden_states, causal, cos, sin, kwargs,
-                                          projections)  # fmt: skip
+                                          projections, rope)  # fmt: skip
     if sandwich:
-        hidden_states = rms_norm(g, hidden_states, m.p[n + "post_attention_layernorm.weight"], "attention norm")
+        hidden_states = rms(g, hidden_states, m.p[n + "post_attention_layernorm.weight"], "attention norm")
     hidden_states = aten.add(g, residual, hidden_states)
     residual = hidden_states
     before_mlp = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
-    hidden_states = rms_norm(g, hidden_states, m.p[n + before_mlp + ".weight"], "norm2")
+    hidden_states = rms(g, hidden_states, m.p[n + before_mlp + ".weight"], "norm2")
     with g.scoped("mlp"):
-        hidden_states = gemma_mlp(g, m, n + "mlp.", hidden_states)
+        hidden_states = mlp(g, m, n + "mlp.", hidden_states)
     if sandwich:
-        hidden_states = rms_norm(g, hidden_states, m.p[n + "post_feedforward_layernorm.weight"], "mlp norm")
+        hidden_states = rms(g, hidden_states, m.p[n + "post_feedforward_layernorm.weight"], "mlp norm")
     hidden_states = aten.add(g, residual, hidden_states)
     del residual, _
     return hidden_states
+
+
+def gemma_kernels(m: HFModel) -> tuple:
+    """The layer's (norm, mlp, rope): Transformers' own, or under the Trainer's use_liger_kernel Liger's
+    (memcalc.exact.hf.liger: LigerRMSNormForGemma, LigerGEGLUMLP, LigerRopeFunction; the projections carry no
+    per-head norm on Gemma and Gemma 2)."""
+    if m.cfg.stack.savers.liger is None:
+        return rms_norm, gemma_mlp, None
+    norm, _, rope, mlp = liger_layer(m)
+    return norm, mlp, rope
 
 
 def gemma_mlp(g: Graph, m: HFModel, n: str, x: Tensor) -> Tensor:
@@ -260,6 +271,8 @@ def projections(g: Graph, m: HFModel, n: str, hidden_states: Tensor, causal) -> 
     s = m.cfg.shape
     B, T, _ = hidden_states.shape
     q_copies, k_copies, v_copies = grad_copies(m.cfg, m.cfg.flash and causal is not None)  # a window's mask
+    if m.cfg.stack.savers.liger is not None:  # Liger's RoPE hands q's and k's gradients back (B, T, n, d)-laid out
+        q_copies = k_copies = False
     query_states = transpose12(g, aten.view(g, linear(g, m, n + "q_proj", hidden_states),
                                             (B, T, s.n_heads, s.head_dim), q_copies))  # fmt: skip
     key_states = transpose12(g, aten.view(g, linear(g, m, n + "k_proj", hidden_states),

@@ -31,13 +31,17 @@ if TYPE_CHECKING:
 
 # the model_types whose apply_liger_kernel_to_<model_type> the replay has (monkey_patch.py
 # MODEL_TYPE_TO_APPLY_LIGER_FN): RoPE, RMSNorm (Qwen3's q_norm and k_norm), SwiGLU, lce_forward
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+IN_PLACE = {"gemma2": False}  # _patch_rms_norm_module's in_place, True unless the family's patch sets it
 
 
 def not_replayed(cfg, arch: str) -> str | None:
     """Why the replay cannot run Liger's kernels on this step, or None: a family whose patching it has not built,
     autocast over fp32 weights (the fused cross-entropy then casts the head chunk by chunk: not built), TRL's k-bit
     preparation, LoRA on the head or its trained copy (lce_forward reads lm_head.weight)."""
+    if arch == "gemma3_text":
+        return ("--liger on Gemma 3: its q_norm and k_norm run on the transposed (B, n, T, d) views, which Liger's "
+                "RMSNorm and RoPE copy contiguous first: not replayed")  # fmt: skip
     if arch not in ARCHS:
         return f"--liger: Liger's patching of {arch} is not replayed; it is for {', '.join(ARCHS)}"
     if cfg.recipe == "autocast" and cfg.precision != "fp32" and not cfg.finetune.lora:
@@ -66,29 +70,32 @@ def over(storage, shape, dtype: str) -> Tensor:
 
 
 def liger_norm(m: HFModel):
-    """The model's RMSNorm as LigerRMSNorm: norm(g, x, weight, scope)."""
-    liger = m.cfg.stack.savers.liger
-    return lambda g, x, w, scope: rms_norm(g, liger, x, w, scope)
+    """The model's RMSNorm as LigerRMSNorm (Gemma's: LigerRMSNormForGemma, casting_mode "gemma", offset 1; Gemma 2's
+    not in place): norm(g, x, weight, scope)."""
+    liger, in_place = m.cfg.stack.savers.liger, IN_PLACE.get(m.arch, True)
+    return lambda g, x, w, scope: rms_norm(g, liger, x, w, scope, in_place)
 
 
-def rms_norm(g: Graph, liger: Liger, x: Tensor, w: Tensor, scope: str) -> Tensor:
-    """LigerRMSNormFunction (in_place=True, casting_mode "llama"): Y = empty(rows, H) and RSTD = empty(rows) fp32;
-    saves X (the input itself), W, RSTD. Backward: the weight's partial gradients, one fp32 row per SM (_dW), where the
-    weight trains; dX written into dY (in_place: no tensor); dW = _dW.sum(0).to(W.dtype)."""
+def rms_norm(g: Graph, liger: Liger, x: Tensor, w: Tensor, scope: str, in_place: bool = True) -> Tensor:
+    """LigerRMSNormFunction (casting_mode "llama" or "gemma": the same tensors): Y = empty(rows, H) and RSTD =
+    empty(rows) fp32; saves X (the input itself), W, RSTD. Backward: the weight's partial gradients, one fp32 row per
+    SM (_dW), where the weight trains; dX written into dY (in_place), else into zeros_like(dY); dW =
+    _dW.sum(0).to(W.dtype)."""
     sx, sw, trains, w_dtype = x.shape, w.shape, w.requires_grad, w.dtype
     rows, x_bytes, w_bytes = math.prod(sx[:-1]), x.nbytes, w.nbytes
 
     def rule(gs):
         dy = gs[0]
         partial = g.empty((liger.sms, sw[0]), "fp32", "empty") if trains else None
-        g.kernel("rms_norm_backward", (dy, x_bytes, w_bytes), (dy,) + ((partial,) if trains else ()))
+        dx = dy if in_place else made(g, dy.shape, "zeros_like", dtype=dy.dtype)
+        g.kernel("rms_norm_backward", (dy, x_bytes, w_bytes), (dx,) + ((partial,) if trains else ()))
         dw = None
         if trains:
             summed = made(g, sw, "sum", partial, dtype="fp32")
             dw = summed if w_dtype == "fp32" else made(g, sw, "_to_copy", summed, dtype=w_dtype)
             del summed
         del partial
-        return [over(dy.storage, sx, dy.dtype), dw]
+        return [over(dx.storage, sx, dx.dtype), dw]
 
     with g.scoped(scope):
         node = g.begin("LigerRMSNormFunction", [x, w], rule)
@@ -118,9 +125,9 @@ def rope(g: Graph, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, copies: tuple
     return q_out, k_out
 
 
-def swiglu(g: Graph, a: Tensor, b: Tensor) -> Tensor:
-    """LigerSiLUMulFunction: c = empty_like(a); saves a and b. Backward writes da into a and db into b, in place,
-    and returns them: no tensor."""
+def swiglu(g: Graph, a: Tensor, b: Tensor, name: str = "LigerSiLUMulFunction") -> Tensor:
+    """LigerSiLUMulFunction (LigerGELUMulFunction, Gemma's GEGLU: the same tensors): c = empty_like(a); saves a and b.
+    Backward writes da into a and db into b, in place, and returns them: no tensor."""
     sa, sb, dtype = a.shape, b.shape, a.dtype
 
     def rule(gs):
@@ -129,7 +136,7 @@ def swiglu(g: Graph, a: Tensor, b: Tensor) -> Tensor:
         g.kernel("swiglu_backward", (gs[0], da, db), (da, db))
         return [da, db]
 
-    node = g.begin("LigerSiLUMulFunction", [a, b], rule)
+    node = g.begin(name, [a, b], rule)
     saved_now = saved_of(node)
     c = g.empty(sa, dtype, "empty_like")
     g.kernel("swiglu", (a, b), (c,))
@@ -138,9 +145,12 @@ def swiglu(g: Graph, a: Tensor, b: Tensor) -> Tensor:
 
 
 def swiglu_mlp(g: Graph, m: HFModel, n: str, x: Tensor, linear) -> Tensor:
-    """LigerSwiGLUMLP.forward: down_proj(LigerSiLUMulFunction(gate_proj(x), up_proj(x))) (linear: the family's, PEFT's
-    LoRA where it wraps the projection)."""
-    return linear(g, m, n + "down_proj", swiglu(g, linear(g, m, n + "gate_proj", x), linear(g, m, n + "up_proj", x)))
+    """LigerSwiGLUMLP.forward: down_proj(LigerSiLUMulFunction(gate_proj(x), up_proj(x))) (LigerGEGLUMLP's, Gemma's,
+    with LigerGELUMulFunction; linear: the family's, PEFT's LoRA where it wraps the projection)."""
+    name = "LigerGELUMulFunction" if m.arch.startswith("gemma") else "LigerSiLUMulFunction"
+    # gate and up are the call's temporaries: they go as it returns (a checkpointed layer keeps neither)
+    return linear(g, m, n + "down_proj", swiglu(g, linear(g, m, n + "gate_proj", x), linear(g, m, n + "up_proj", x),
+                                                name))  # fmt: skip
 
 
 def causal_lm_loss(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, labels: Tensor,

@@ -97,7 +97,7 @@ def test_the_device_part_follows_the_gpu_table():
         liger_for(replace(GPUS["h100-sxm"], sms=0))
     with pytest.raises(InputError, match="names none"):  # a --gpu file's arch is any string
         liger_for(replace(GPUS["h100-sxm"], arch="hopper"))
-    assert liger_for(replace(GPUS["t4"], arch="sm_75")).addmm is False
+    assert liger_for(GPUS["t4"]).addmm is False and liger_for(GPUS["b200"]).addmm is True  # sm75, sm100
 
 
 def test_each_device_part_is_where_the_source_puts_it():

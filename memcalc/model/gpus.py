@@ -81,6 +81,13 @@ class GPU:
     def rocm(self) -> bool:
         return self.arch.startswith("gfx")
 
+    @property
+    def capability(self) -> int | None:
+        """CUDA's compute capability as its arch writes it (sm90: 90); None on ROCm, or for a --gpu file's arch that
+        names none."""
+        digits = self.arch.removeprefix("sm")
+        return int(digits) if self.arch.startswith("sm") and digits.isdigit() else None
+
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s for matmuls in that precision recipe."""
         return getattr(self, PEAK_FIELDS[precision]) * 1e12

@@ -69,12 +69,10 @@ def liger_for(gpu) -> Liger:
     if not gpu.sms:
         raise InputError(f"--liger: Liger's RMSNorm backward keeps one fp32 row per SM, and {gpu.name}'s SM count is "
                          "not known (give sms in the --gpu file)")  # fmt: skip
-    rocm = gpu.arch.startswith("gfx")
-    digits = gpu.arch.removeprefix("sm").removeprefix("_")
-    if not rocm and not digits.isdigit():
+    if not gpu.rocm and gpu.capability is None:
         raise InputError(f"--liger: the head's gradient is added in place from compute capability 8, and {gpu.name}'s "
                          f"arch {gpu.arch!r} names none (sm80, sm90, ... in the --gpu file)")  # fmt: skip
-    return Liger(gpu.sms, mm_out=not rocm, addmm=rocm or int(digits) // 10 >= 8)
+    return Liger(gpu.sms, mm_out=not gpu.rocm, addmm=gpu.rocm or gpu.capability >= 80)
 
 
 def check_liger(stack_key: str, model: str, offload: bool) -> None:

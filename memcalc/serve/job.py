@@ -193,11 +193,11 @@ class ServeJob:
     def flashinfer_runs(self) -> bool:
         """FlashInfer's sampler runs on the card (0.21 on): CUDA, compute capability 7.5 to 12.1, from 0.26 8.0
         to 12.1 (v1/attention/backends/flashinfer.py supports_compute_capability), more than 16 SMs (0.33)."""
-        capability = self.gpu.arch[2:]  # "sm90"; a --gpu file's arch may name none
-        if self.gpu.rocm or not self.gpu.arch.startswith("sm") or not capability.isdigit():
+        capability = self.gpu.capability
+        if capability is None:
             return False
         floor = 80 if self.minor >= FLASHINFER_SM80_FROM else 75
-        return floor <= int(capability) <= 121 and (self.gpu.sms > 16 or self.minor < FLASHINFER_SMS_FROM)
+        return floor <= capability <= 121 and (self.gpu.sms > 16 or self.minor < FLASHINFER_SMS_FROM)
 
     @property
     def ep(self) -> int:

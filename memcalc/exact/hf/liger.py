@@ -58,12 +58,6 @@ def not_replayed(cfg, arch: str) -> str | None:
     return None
 
 
-def in_release_order(saved: list[tuple[Tensor, str]]) -> list[tuple[Tensor, str]]:
-    """A Function's save_for_backward tensors as the node keeps them: torch frees a PyNode's saved variables first
-    to last (release_variables: saved_variables.clear()), the replay's node drops its list last to first."""
-    return saved[::-1]
-
-
 def over(storage, shape, dtype: str) -> Tensor:
     """A tensor over a storage a Function saved: its backward writes its gradient there, in place."""
     return Tensor(storage, tuple(shape), dtype, copies=storage.copies)
@@ -98,11 +92,11 @@ def rms_norm(g: Graph, liger: Liger, x: Tensor, w: Tensor, scope: str, in_place:
         return [over(dx.storage, sx, dx.dtype), dw]
 
     with g.scoped(scope):
-        node = g.begin("LigerRMSNormFunction", [x, w], rule)
+        node = g.begin("LigerRMSNormFunction", [x, w], rule, function=True)
         y = g.empty(sx, x.dtype, "empty")
         rstd = g.empty((rows,), "fp32", "empty")
         g.kernel("rms_norm", (x, w), (y, rstd))
-        g.end(node, [y], in_release_order([(x, "X"), (w, "W"), (rstd, "RSTD")]))
+        g.end(node, [y], [(x, "X"), (w, "W"), (rstd, "RSTD")])
         return y
 
 
@@ -118,10 +112,10 @@ def rope(g: Graph, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, copies: tuple
         g.kernel("rope_backward", (dq, dk, tables), (dq, dk))
         return [g.view(dq, sq), g.view(dk, sk), None, None]
 
-    node = g.begin("LigerRopeFunction", [q, k, cos, sin], rule)
+    node = g.begin("LigerRopeFunction", [q, k, cos, sin], rule, function=True)
     g.kernel("rope", (q, k, cos, sin), (q, k))
     q_out, k_out = g.view(q, sq), g.view(k, sk)
-    g.end(node, [q_out, k_out], in_release_order([(cos, "cos"), (sin, "sin")]))
+    g.end(node, [q_out, k_out], [(cos, "cos"), (sin, "sin")])
     return q_out, k_out
 
 
@@ -132,15 +126,15 @@ def swiglu(g: Graph, a: Tensor, b: Tensor, name: str = "LigerSiLUMulFunction") -
 
     def rule(gs):
         saved = saved_now()
-        da, db = over(saved[1], sa, dtype), over(saved[0], sb, dtype)
+        da, db = over(saved[0], sa, dtype), over(saved[1], sb, dtype)
         g.kernel("swiglu_backward", (gs[0], da, db), (da, db))
         return [da, db]
 
-    node = g.begin(name, [a, b], rule)
+    node = g.begin(name, [a, b], rule, function=True)
     saved_now = saved_of(node)
     c = g.empty(sa, dtype, "empty_like")
     g.kernel("swiglu", (a, b), (c,))
-    g.end(node, [c], in_release_order([(a, "a"), (b, "b")]))
+    g.end(node, [c], [(a, "a"), (b, "b")])
     return c
 
 
@@ -188,16 +182,15 @@ def fused_linear_cross_entropy(g: Graph, liger: Liger, x: Tensor, w: Tensor, cud
             del every, same
         del one
         saved = saved_now()
-        saved_input = over(saved[-1], (BT, H), x_dtype)
-        saved_weight = over(saved[0], (V, H), w_dtype) if trains_head else None
+        saved_input = over(saved[0], (BT, H), x_dtype)
+        saved_weight = over(saved[1], (V, H), w_dtype) if trains_head else None
         g.kernel("element_mul", (saved_input, gs[0]), (saved_input,) + ((saved_weight,) if trains_head else ()))
         return [saved_input, saved_weight]
 
-    node = g.begin("LigerFusedLinearCrossEntropyFunction", [x, w], rule)
+    node = g.begin("LigerFusedLinearCrossEntropyFunction", [x, w], rule, function=True)
     saved_now = saved_of(node)
     loss, grad_input, grad_weight = flce_forward(g, liger, x, w)
-    g.end(node, [loss], in_release_order([(grad_input, "grad_input")] +
-                                         ([(grad_weight, "grad_weight")] if trains_head else [])))  # fmt: skip
+    g.end(node, [loss], [(grad_input, "grad_input")] + ([(grad_weight, "grad_weight")] if trains_head else []))
     del grad_input, grad_weight
     return loss
 

@@ -104,7 +104,7 @@ class Backward:
             node.saved = None
         self.validate(outs, node.dtypes)
         grads.clear()  # the incoming gradients die with call_function
-        node.saved = None  # release_variables(): the saved tensors go
+        release(node)
         if self.offload is not None:
             self.offload.after(node)
         return outs
@@ -141,6 +141,15 @@ class Backward:
         out = self.empty(grad.shape, dtype, "_to_copy")
         self.kernel("_to_copy", (grad,), (out,))
         return out
+
+
+def release(node: Node) -> None:
+    """release_variables(): the saved tensors go, an autograd.Function's first to last (PyNode:
+    saved_variables.clear()), another node's as its list falls."""
+    saved, node.saved = node.saved, None
+    if node.function and saved:
+        for i in range(len(saved)):
+            saved[i] = None
 
 
 def dependencies(root: Node) -> dict[Node, int]:

@@ -119,7 +119,7 @@ class Checkpointing:
             del out, call, it, detached
             return grads
 
-        node = self.begin("CheckpointFunctionBackward", tensors, rule, [(t, "input") for t in tensors])
+        node = self.begin("CheckpointFunctionBackward", tensors, rule, [(t, "input") for t in tensors], function=True)
         saved_now = saved_of(node)
         outer, self.grad_enabled = self.grad_enabled, False
         try:

@@ -63,8 +63,8 @@ class SavedTerm:
 class Node:
     # __weakref__: a rule that reads its node's saved storages holds it weakly (memcalc.exact.hf.liger), so that a
     # node recomputed but never run does not keep them in a cycle with its rule
-    __slots__ = ("__weakref__", "dtypes", "edges", "group", "layer", "leaf", "n_inputs", "name", "rule", "saved",
-                 "scope", "seq")  # fmt: skip
+    __slots__ = ("__weakref__", "dtypes", "edges", "function", "group", "layer", "leaf", "n_inputs", "name", "rule",
+                 "saved", "scope", "seq")  # fmt: skip
 
     def __init__(self, name: str, seq: int, edges: list, rule: Callable, n_inputs: int, layer: int | None = None,
                  scope: str = "", group: tuple | None = None):  # fmt: skip
@@ -75,6 +75,7 @@ class Node:
         self.layer, self.scope = layer, scope  # where its forward ran: its backward's kernels belong there
         self.dtypes: list = []  # its inputs' dtypes: a gradient of another dtype is cast to its input's
         self.group = group  # (name, copies) of the equal copies it is one of, run in turn; None if single
+        self.function = False  # an autograd.Function's (a PyNode): its saved tensors are released first to last
 
     def __lt__(self, other: Node) -> bool:  # heapq pops the smallest: make that the highest seq
         return self.seq > other.seq
@@ -230,9 +231,11 @@ class Graph(Checkpointing, Backward):
         return t
 
     # -- forward -----------------------------------------------------------------------------
-    def begin(self, name: str, inputs: list, rule: Callable, saved: list[tuple[Tensor, str]] = ()) -> Node | None:
+    def begin(self, name: str, inputs: list, rule: Callable, saved: list[tuple[Tensor, str]] = (),
+              function: bool = False) -> Node | None:  # fmt: skip
         """Before an op's kernel runs: its node, if any input needs grad, and the inputs it saves.
-        (Autograd packs saved inputs before the kernel and saved outputs after: see end().)"""
+        (Autograd packs saved inputs before the kernel and saved outputs after: see end().) function: an
+        autograd.Function's node (Node.function)."""
         if not self.grad_enabled:
             return None
         edges = [None if t is None or t.grad_fn is None else (t.grad_fn, t.output_nr) for t in inputs]
@@ -241,6 +244,7 @@ class Graph(Checkpointing, Backward):
         self.seq += 1
         node = Node(name, self.seq, edges, rule, 0, self.layer, self.scope, self.region)
         node.dtypes = [None if t is None else t.dtype for t in inputs]
+        node.function = function
         if saved:
             node.saved = [self.save(t, name, what) for t, what in saved]
         return node

@@ -174,8 +174,9 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     if family is None:
         raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(FAMILIES)}")
     check_finetune(cfg.finetune, arch, cfg.model)
-    if cfg.stack.savers.liger is not None and liger.not_replayed(cfg, arch):
-        raise InputError(liger.not_replayed(cfg, arch))
+    why = liger.not_replayed(cfg, arch) if cfg.stack.savers.liger is not None else None
+    if why:
+        raise InputError(why)
     if cfg.finetune.modules_to_save and cfg.shape.tied_embeddings:  # PEFT would copy the shared table's module
         raise InputError("--modules-to-save with a head tied to the embedding table is not replayed")
     quant, params = {}, []

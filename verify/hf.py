@@ -43,6 +43,7 @@ from memcalc.exact.hf.model import FAMILIES, arch_for
 from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape, check_positions
+from memcalc.model.stacks import FUSED_HEAD
 from memcalc.model.tricks import Tricks
 
 from .lora import fine_tuned
@@ -282,6 +283,10 @@ class TrainerModel(nn.Module):
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
         call = self.model if self.autocast is None else amp_forward(self.model, *self.autocast)
+        if self.trl in FUSED_HEAD:  # SFTTrainer's own compute_loss, through the fused LM head
+            from .trl import sft_compute_loss
+
+            return sft_compute_loss(call, idx, labels, num_items_in_batch)
         outputs = call(input_ids=idx, labels=labels, num_items_in_batch=num_items_in_batch)
         loss = outputs.loss
         loss *= 1  # num_processes // tp_size
@@ -356,6 +361,10 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
                          f"{n_params(shape):,}")  # fmt: skip
     checkpointing = tricks.recompute == "full"
     model = fine_tuned(model, finetune, shape.tied_embeddings, trl, checkpointing, amp and dtype == torch.bfloat16)
+    if trl in FUSED_HEAD:  # SFTTrainer.__init__ (1.15-1.16): its casts, then the fused LM head (verify/trl.py)
+        from .trl import prepare_fused
+
+        prepare_fused(model, bool(finetune.quantize), checkpointing and finetune.lora)
     if trl and checkpointing:  # Trainer.train enables it again (its kwargs) over TRL's preparation's
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     if liger:

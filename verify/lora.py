@@ -23,6 +23,7 @@ from torch import nn
 from memcalc.errors import InputError
 from memcalc.exact.hf.lora import trainable
 from memcalc.model.finetune import Finetune, peft_targets
+from memcalc.model.stacks import KBIT_PREPARED
 
 
 def peft():
@@ -46,7 +47,7 @@ def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool, trl: str = "", 
         from .qlora import quantized
 
         model = quantized(model, dtype, device)
-        if trl:
+        if trl in KBIT_PREPARED:
             from .trl import prepare_kbit
 
             model = prepare_kbit(model, checkpointing)
@@ -60,7 +61,7 @@ def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool, trl: str = "", 
         with warnings.catch_warnings():  # PeftModel.__init__ asks the deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
             model = lib.get_peft_model(model, config)
-        if trl and finetune.quantize and bf16_args:  # args.bf16, the model loaded in 4 bits
+        if trl in KBIT_PREPARED and finetune.quantize and bf16_args:  # args.bf16, the model loaded in 4 bits
             from .trl import peft_module_casting_to_bf16
 
             peft_module_casting_to_bf16(model)

@@ -29,7 +29,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from memcalc.exact.growth import as_run, growth, layer_blocks
 from memcalc.model.shape import ModelShape
-from memcalc.model.stacks import DEFAULT_STACK, Stack
+from memcalc.model.stacks import DEFAULT_STACK, FUSED_HEAD, Stack
 from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build
@@ -58,7 +58,7 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
 def paths_for(stack: Stack, device: str = "meta"):
     """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths; on meta
     a QLoRA model's 4-bit matmuls as CUDA's, verify/lora.py meta_paths; Liger's Functions, verify/liger.py
-    meta_paths; torchtune's dropout as CUDA's)."""
+    meta_paths; TRL's fused LM head, verify/trl.py fused_paths; torchtune's dropout as CUDA's)."""
     from .hf import cuda_dropout, cuda_paths
 
     if stack.model == "torchtune":  # its LoRALinear's nn.Dropout
@@ -76,8 +76,17 @@ def paths_for(stack: Stack, device: str = "meta"):
                 held(stack.savers.liger, device):  # fmt: skip
             yield
         return
-    with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext():
+    with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext(), fused(stack):
         yield
+
+
+def fused(stack: Stack):
+    """TRL's fused LM head as on CUDA (verify/trl.py fused_paths), for a stack whose SFTTrainer uses it."""
+    if stack.trl not in FUSED_HEAD:
+        return contextlib.nullcontext()
+    from .trl import fused_paths
+
+    return fused_paths()
 
 
 def kernels_for(tricks: Tricks, attention: str, dropout: str) -> Kernels:
@@ -244,15 +253,23 @@ def flash_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *a
     return 2 * b * h * (sq * d * sk + sq * dv * sk + sk * sq * dv + sq * sk * d + d * sq * sk)
 
 
+def addmm_flops(self_shape, mat1_shape, mat2_shape, *args, out_shape=None, **kwargs) -> int:
+    """torch's addmm formula (2·m·k·n), for every overload: its own takes addmm.dtype_out's positional out_dtype
+    (TRL's fused head accumulates by torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)) for out_shape."""
+    m, k = mat1_shape
+    return 2 * m * k * mat2_shape[1]
+
+
 FLASH_FORMULAS = {
     torch.ops.aten._scaled_dot_product_flash_attention: flash_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_backward: flash_backward_flops,
+    torch.ops.aten.addmm: addmm_flops,
 }
 
 
 class StepFlops(FlopCounterMode):
-    """FlopCounterMode with FLASH_FORMULAS (its conventions: matmuls only, causal masking not discounted,
-    recompute counted), every count Global's: its ModuleTracker is left out, whose multi-grad hooks on each
+    """FlopCounterMode with FLASH_FORMULAS and addmm_flops (its conventions: matmuls only, causal masking not
+    discounted, recompute counted), every count Global's: its ModuleTracker is left out, whose multi-grad hooks on each
     module's inputs and outputs would hold gradients until a module's last one arrives and tie autograd
     nodes into reference cycles (gc is off under LiveBytes: checkpoint's recomputed tensors would live on),
     so the bytes measured beside it would not be the step's."""

@@ -124,7 +124,7 @@ def meta_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, progr
     """The rows on meta, and with timeline the measured step laid over the predicted one (Overlay)."""
     m = measure_meta(shape, setup.seq_len, setup.micro_batch, tricks, progress, setup.stack, setup.optimizer,
                      timeline)  # fmt: skip
-    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer)
+    e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, 1, setup.stack, setup.optimizer, watched=True)
     tb, s, ph, a, L = textbook(shape, setup, tricks), m.step, e.phases, e.activations, shape.n_layers
     where = {"forward": s.forward_peak_at, "backward": s.backward_peak_at, "optimizer": s.optimizer_peak_at}
     first = m.first_blocks  # dense blocks before MoE ones (or fine-tuning's first blocks, frozen or with an input
@@ -183,7 +183,7 @@ def device_rows(shape: ModelShape, setup: Setup, tricks: Tricks, tol: float, sta
     run = measure_device(shape, setup.seq_len, setup.micro_batch, tricks, stats, steps, setup.grad_accum,
                          stack=setup.stack, optimizer=setup.optimizer)  # fmt: skip
     e = exact_step(shape, setup.seq_len, setup.micro_batch, tricks, setup.grad_accum, setup.stack, setup.optimizer,
-                   stats.device)  # CPU tensors (the stand-in): CPU's kernels
+                   stats.device, watched=stats.device != "cuda")  # CPU tensors (the stand-in): CPU's kernels
     tb, ph, d, L = textbook(shape, setup, tricks), e.phases, run.phases, shape.n_layers
     where = {"forward": ph.forward_peak_at, "backward": ph.backward_peak_at, "optimizer": ph.optimizer_peak_at}
     rows = [

@@ -12,9 +12,13 @@ use_reentrant unset, which torch.utils.checkpoint takes as True).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from memcalc.errors import InputError
 
 IGNORE_INDEX = -100
 
@@ -89,3 +93,133 @@ def item(t: torch.Tensor):
     """t.item() (a copy to the host: nothing on the device); None on meta, which has no values (the expression
     then runs as if the condition held)."""
     return None if t.device.type == "meta" else t.item()
+
+
+# -- TRL 1.15-1.16: the fused LM head, run as trl itself (memcalc.exact.hf.fused_head) ---------------------------
+
+
+def trl_package():
+    """trl 1.16.0 (the test extra's): its SFTTrainer, add_fused_lm_head and ChunkedLogProbFunction run as
+    themselves."""
+    try:
+        import triton  # noqa: F401  (ChunkedLogProbFunction's kernels, whose launches fused_paths skips)
+        import trl.kernels.chunked_logprob  # noqa: F401
+        import trl.trainer.utils  # noqa: F401
+        from trl import SFTTrainer
+    except ImportError as e:
+        raise InputError(f"--stack trl:1.16 on verify needs trl 1.16 and triton (pip install -e '.[trl]'): {e}") from None
+    return SFTTrainer
+
+
+def prepare_fused(model: nn.Module, quantized: bool, checkpointing: bool) -> None:
+    """SFTTrainer.__init__ (1.16) after get_peft_model: enable_input_require_grads under gradient checkpointing (a
+    second hook beside the Trainer's), a 4-bit model's trainable parameters but DoRA's magnitudes cast to bf16
+    (param.data = param.data.to(torch.bfloat16)), then add_fused_lm_head on the model PEFT wraps with
+    outputs=("log_probs", "entropy", "is_top1")."""
+    trl_package()
+    from trl.trainer.utils import add_fused_lm_head
+
+    if checkpointing:
+        model.enable_input_require_grads()
+    if quantized:
+        for name, param in model.named_parameters():
+            if param.requires_grad and "lora_magnitude_vector" not in name:
+                param.data = param.data.to(torch.bfloat16)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
+
+
+class LazyInputs(dict):
+    """The collator's batch: input_ids and labels given, the all-ones attention mask made when compute_loss reads it
+    (as the replay makes it) and not handed to the model (a 2-D mask of ones, which the model's mask code reads as
+    none: on meta it cannot read it at all)."""
+
+    def __contains__(self, key):
+        return key == "attention_mask" or super().__contains__(key)
+
+    def __getitem__(self, key):
+        if key == "attention_mask":
+            labels = super().__getitem__("labels")
+            return torch.ones(labels.shape, dtype=torch.long, device=labels.device)
+        return super().__getitem__(key)
+
+
+class Accelerator:
+    """What compute_loss asks of the Accelerator on one process: gather_for_metrics returns its tensor."""
+
+    num_processes = 1
+    parallelism_config = None
+
+    @staticmethod
+    def gather_for_metrics(x):
+        return x
+
+
+def sft_compute_loss(call, idx: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor):
+    """trl 1.16's SFTTrainer.compute_loss itself, its self a stand-in holding what it reads on one process in
+    training (loss_type "nll", no label smoothing or compute_loss_func, average_tokens_across_devices True)."""
+    from types import SimpleNamespace
+
+    sft = trl_package()
+    args = SimpleNamespace(loss_type="nll", average_tokens_across_devices=True)
+    metrics = {"train": {"entropy": [], "mean_token_accuracy": []}}
+    this = SimpleNamespace(model=SimpleNamespace(training=True), aux_loss_enabled=False, accelerator=Accelerator(),
+                           compute_loss_func=None, label_smoother=None, args=args, get_tp_size=lambda: 1, _tp_size=1,
+                           _metrics=metrics, _total_train_tokens=0)  # fmt: skip
+    inputs = LazyInputs(input_ids=idx, labels=labels)
+    return sft.compute_loss(this, call, inputs, num_items_in_batch=num_items_in_batch)
+
+
+@contextlib.contextmanager
+def fused_paths():
+    """While active, ChunkedLogProbFunction as on CUDA, measured on meta or CPU tensors: its Triton launches skipped
+    (the kernels write into the tiles and statistics its wrapper allocated), the compact path (hidden_states[mask]:
+    nonzero on meta takes every position as kept), the gradient GEMMs by addmm(out_dtype=fp32, out=acc) into the
+    fp32 accumulators, autocast asked of the meta device as off; and a meta tensor's .item() and truth as 1."""
+    import torch.fx.experimental._config as fx_config
+    import triton.runtime.jit as jit
+    from trl.kernels import chunked_logprob as kernels
+    from trl.trainer import utils
+
+    saved = (jit.JITFunction.run, kernels._use_triton, utils._use_triton, kernels._addmm_fp32, kernels.torch,
+             torch.Tensor.item, torch.Tensor.__bool__, fx_config.meta_nonzero_assume_all_nonzero)  # fmt: skip
+    item, truth, addmm = saved[5], saved[6], saved[3]
+    jit.JITFunction.run = lambda self, *args, **kwargs: None
+    kernels._use_triton = utils._use_triton = lambda device: True
+    kernels._addmm_fp32 = lambda acc, a, b: cuda_addmm_fp32(acc, a, b, addmm)
+    kernels.torch = AutocastOffOnMeta()
+    torch.Tensor.item = lambda self: 1 if self.device.type == "meta" else item(self)
+    torch.Tensor.__bool__ = lambda self: True if self.device.type == "meta" else truth(self)
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    try:
+        yield
+    finally:
+        (jit.JITFunction.run, kernels._use_triton, utils._use_triton, kernels._addmm_fp32, kernels.torch,
+         torch.Tensor.item, torch.Tensor.__bool__, fx_config.meta_nonzero_assume_all_nonzero) = saved  # fmt: skip
+
+
+def cuda_addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, original) -> None:
+    """chunked_logprob.py _addmm_fp32 as on a CUDA device: a 16-bit product accumulated into the fp32 acc by
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc), no fp32 copies of a and b. CPU has no addmm.dtype_out:
+    there the fp32 copies it needs are made out of the tracker's sight (no dispatch mode on), as CUDA makes none."""
+    if a.dtype not in (torch.float16, torch.bfloat16):
+        original(acc, a, b)
+    elif acc.device.type == "meta":
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            acc.addmm_(a.float(), b.float())
+
+
+class AutocastOffOnMeta:
+    """torch as chunked_logprob.py sees it: torch.is_autocast_enabled("meta") answered False (meta has no autocast
+    state to ask); everything else torch's own."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def is_autocast_enabled(device_type: str) -> bool:
+        return False if device_type == "meta" else torch.is_autocast_enabled(device_type)

@@ -8,6 +8,7 @@ from memcalc.model.finetune import HEAD
 from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.shape import Model
+from memcalc.model.stacks import FUSED_HEAD
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.parallel.verdict import sharded_data_parallel
 from memcalc.records import record
@@ -83,6 +84,10 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         raise InputError("--liger is replayed on one GPU, or each GPU of data parallelism with the weights whole "
                          "(ZeRO 0-2): lce_forward reads lm_head.weight outside the head's forward, where ZeRO-3's and "
                          "FSDP2's gathers are not replayed with it")  # fmt: skip
+    if setup.stack.trl in FUSED_HEAD and not (plain_split(lay) and lay.zero < 3):
+        raise InputError(f"--stack {setup.stack.key} is replayed on one GPU, or each GPU of data parallelism with the "
+                         "weights whole (ZeRO 0-2): its fused LM head reads lm_head.weight outside the head's forward "
+                         "(FSDP2's full_tensor, ZeRO-3's gather around it), which is not replayed")  # fmt: skip
     if setup.stack.model == "torchtune" and not (plain_split(lay) and lay.zero == 0):  # its single-device recipes
         raise InputError("--stack torchtune replays its single-device recipes (full_finetune_single_device, "
                          "lora_finetune_single_device): one GPU, or each GPU of plain data parallelism")  # fmt: skip

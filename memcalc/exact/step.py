@@ -94,12 +94,15 @@ def symbols(shape: ModelShape, seq_len: int, micro_batch: int) -> dict[str, int]
 
 
 def config(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
-           stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", device: str = "cuda") -> StepConfig:  # fmt: skip
-    """The simulated step, its sizes carrying their symbols (device: cuda, or cpu for CPU tensors' kernels)."""
+           stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", device: str = "cuda",
+           watched: bool = False) -> StepConfig:  # fmt: skip
+    """The simulated step, its sizes carrying their symbols (device: cuda, or cpu for CPU tensors' kernels; watched:
+    as verify's dispatch mode measures it, StepConfig.watched)."""
     named = replace(shape, hidden=Sym(shape.hidden, "h"), n_heads=Sym(shape.n_heads, "a"),
                     n_kv_heads=Sym(shape.n_kv_heads, "k"), head_dim=Sym(shape.head_dim, "d"),
                     ffn=Sym(shape.ffn, "f"), vocab=Sym(shape.vocab, "v"))  # fmt: skip
-    return StepConfig(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks, stack, optimizer, grad_accum, device)
+    return StepConfig(named, Sym(seq_len, "s"), Sym(micro_batch, "b"), tricks, stack, optimizer, grad_accum, device,
+                      watched)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -231,9 +234,11 @@ def flop_terms(flops: dict) -> tuple[Term, ...]:
 
 @functools.lru_cache(maxsize=256)
 def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
-               stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", device: str = "cuda") -> ExactStep:  # fmt: skip
+               stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", device: str = "cuda",
+               watched: bool = False) -> ExactStep:  # fmt: skip
     """Simulate verify's step on one GPU: the model as the stack builds it, trained as it trains it (device
-    cpu: as CPU tensors run it, for verify's CPU stand-in).
+    cpu: as CPU tensors run it, for verify's CPU stand-in; watched: as verify's dispatch mode sees it on meta or
+    CPU tensors, StepConfig.watched).
 
     Two short steps are simulated and grown to the depth (Growth, grown_phases): a unit is one block,
     or with ckpt:N a group of N (N − 1 plain and one checkpointed), plus the blocks left over (L mod N,
@@ -256,7 +261,8 @@ def exact_step(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks
     grown = growth(tricks, shape, first=stack.finetune.lead_blocks)
 
     def at(layers: int):
-        cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, run, grad_accum, stack, optimizer, device)
+        cfg = config(replace(shape, n_layers=layers), seq_len, micro_batch, run, grad_accum, stack, optimizer, device,
+                     watched)  # fmt: skip
         return simulate(cfg, warm_up=False)
 
     if grown is None:  # dense and MoE blocks in another pattern: replayed whole, nothing per layer

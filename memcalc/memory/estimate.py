@@ -18,6 +18,7 @@ from memcalc.model.headroom import usable_bytes
 from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.params import largest_layer_params
 from memcalc.model.shape import Model, ModelShape, check_positions
+from memcalc.model.stacks import bf16_adapters
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.records import record
 from memcalc.terms import Term
@@ -139,8 +140,8 @@ def state_for(shape: ModelShape, params: int, setup: Setup, precision: str,
     unpaged = unpaged_adapter_params(shape, ft) if setup.optimizer.startswith("paged-") else 0
     state = finetune_state(params, frozen, trained_params(shape, ft), frozen_dtype, precision, setup.optimizer,
                            recipe, ft.lora, quantized, state_sharding(layout),
-                           setup.stack.model != "torchtune", unpaged,
-                           saved_params(shape, ft))  # torchtune's adapters in its dtype  # fmt: skip
+                           setup.stack.model != "torchtune" and not bf16_adapters(setup.stack), unpaged,
+                           saved_params(shape, ft))  # torchtune's adapters in its dtype, TRL's bf16  # fmt: skip
     return state, state.total_bytes, state.host_bytes
 
 

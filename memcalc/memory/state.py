@@ -182,7 +182,8 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
     else for them (no gradient, master or optimizer state: the optimizer is given only what requires grad); the
     trained ones by the recipe, LoRA's adapters in fp32 whatever the precision (PEFT upcasts them:
     peft/tuners/tuners_utils.py cast_adapter_dtype), so theirs are fp32 weights, grads and moments; upcast=False
-    keeps them in the model's dtype as the recipe trains it (torchtune builds them under set_default_dtype). sharding:
+    keeps them in the model's dtype, trained in it (torchtune builds them under set_default_dtype; TRL from 0.26
+    casts a 4-bit model's to bf16: memcalc.model.stacks.bf16_adapters). sharding:
     each part split as its ZeRO stage reaches it; the frozen weights (QLoRA's 4-bit ones too) at stage 3 alone.
     unpaged: under a paged optimizer, the trained elements in tensors too small to page (memcalc.model.bnb), whose
     moments stay on the GPU. copies: of the trained, PEFT's modules_to_save copies, trained whole in the model's
@@ -196,11 +197,11 @@ def finetune_state(params: int, frozen: int, trained: int, frozen_dtype: str, pr
                                frozen_shards, False, packed))  # fmt: skip
     fp32_adapters = lora and upcast
     rows = unsharded_parts("fp32" if fp32_adapters else precision, optimizer, trained - copies,
-                           "master" if fp32_adapters else recipe)  # fmt: skip
+                           "master" if fp32_adapters else "pure" if lora else recipe)  # fmt: skip
     if copies:
         rows += [("copy " + name, dtype, size, stage, formula) for name, dtype, size, stage, formula
                  in unsharded_parts(precision, optimizer, copies, "pure") if name != "loss_scale"]  # fmt: skip
-    if fp32_adapters and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
+    if lora and precision == "fp16" and recipe != "pure":  # GradScaler's fp32 scale + int32 tracker
         rows.append(("loss_scale", "fp32+int32", 8, 99, "8"))
     kept = {n: (b, f) for n, _, b, f in optimizer_elements(optimizer, unpaged)} \
         if unpaged and optimizer.startswith("paged-") else {}  # fmt: skip

@@ -47,8 +47,13 @@ ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 #         peft_module_casting_to_bf16 under bf16)
 #   0.21  0.15-0.21: and compute_loss's token accuracy (a contiguous copy of the shifted logits, its argmax)
 #   0.25  0.22-0.25: and the logits' entropy (in chunks of 128 rows, no grad); the model called with use_cache=False
-TRL_RELEASES = ("", "0.14", "0.21", "0.25")
-TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22"}  # each line's first release
+#   1.16  1.15-1.16: no k-bit preparation (gone in 0.26), a 4-bit model's adapters cast to bf16 (since 0.26), and the
+#         loss from add_fused_lm_head's chunked log-probabilities (since 1.15: no logits). 0.26-1.14 (full logits,
+#         their entropy and accuracy computed otherwise at each of several releases) are not replayed.
+TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.16")
+TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.16": "1.15"}  # each line's first release
+KBIT_PREPARED = ("0.14", "0.21", "0.25")  # the lines whose SFTTrainer runs peft's prepare_model_for_kbit_training
+FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fused LM head (memcalc.exact.hf.fused_head)
 
 
 @record(frozen=True)
@@ -115,6 +120,11 @@ STACKS: dict[str, Stack] = {
                 use_cache=line != "0.25")  # compute_loss passes use_cache=False from 0.22
           for line, commit in (("0.14", "29de6eec7ba9"), ("0.21", "a64ac0d5dc6b"), ("0.25", "9692b1688e70"))
           for first in (TRL_FIRST[line],)),  # fmt: skip
+        Stack("trl:1.16", "Hugging Face TRL 1.15-1.16's SFTTrainer", "hf", "autocast", "fused",
+              "huggingface/trl trl/trainer/sft_trainer.py, trl/trainer/utils.py add_fused_lm_head and "
+              "trl/kernels/chunked_logprob.py, as the trl 1.16.0 wheel ships them (PyPI): SFTTrainer over "
+              "Transformers' Trainer (bf16=True autocasts, adamw_torch_fused), the loss from the fused LM head",
+              trl="1.16"),  # fmt: skip
         Stack("torchtune", "torchtune's single-device recipes", "torchtune", "pure", "foreach",
               "pytorch/torchtune recipes/full_finetune_single_device.py and lora_finetune_single_device.py @ v0.6.1: "
               "the model built in its dtype (training.set_default_dtype, no autocast), torch.optim.AdamW "
@@ -152,6 +162,10 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
         check_offload(key, STACKS[key].model, STACKS[key].trl)
     if liger is not None:
         check_liger(key, STACKS[key].model, offload)
+        if STACKS[key].trl in FUSED_HEAD:
+            raise InputError(f"--liger on --stack {key}: SFTTrainer from 1.15 applies Liger's layer kernels beside its "
+                             "own fused LM head (liger_kernel_config fused_linear_cross_entropy False), which is not "
+                             "replayed; --stack trl:0.25 or hf for Liger's fused cross-entropy")  # fmt: skip
     if offload or liger is not None:
         changes["savers"] = Savers(offload=offload, liger=liger)
     if reentrant:
@@ -194,6 +208,12 @@ def trl_note(stack: Stack) -> str:
     if not line:
         return ""
     parts = []
+    if line in FUSED_HEAD:
+        if stack.finetune.quantize:
+            parts.append("the 4-bit model's adapters cast to bf16")
+        parts.append("the loss from add_fused_lm_head's chunked log-probabilities (no logits: 4096 x 32768 tiles, "
+                     "fp32 per-token statistics)")  # fmt: skip
+        return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + "; ".join(parts)
     if stack.finetune.quantize:
         parts.append("the 4-bit model prepared by peft's prepare_model_for_kbit_training (what is not 4-bit in fp32: "
                      "its norms lift the residual stream to fp32) and, under bf16, peft_module_casting_to_bf16 "
@@ -201,6 +221,13 @@ def trl_note(stack: Stack) -> str:
     if line != "0.14" and stack.savers.liger is None:  # under use_liger_kernel compute_loss skips both: no logits
         parts.append("compute_loss's " + ("entropy of the logits and " if line == "0.25" else "") + "token accuracy")
     return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + ("; ".join(parts) or "the Trainer's step as it is")
+
+
+def bf16_adapters(stack: Stack) -> bool:
+    """SFTTrainer from 0.26 casts a 4-bit model's trainable parameters but DoRA's magnitudes to bf16 after
+    get_peft_model (sft_trainer.py: param.data = param.data.to(torch.bfloat16)), whatever bf16 or fp16 says; before,
+    PEFT's cast_adapter_dtype leaves them fp32."""
+    return stack.trl in FUSED_HEAD and bool(stack.finetune.quantize)
 
 
 def check_tricks(stack: Stack, tricks) -> None:

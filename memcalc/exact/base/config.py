@@ -102,6 +102,10 @@ class StepConfig:
     # whose kernels and autocast lists: cuda (the prediction), or cpu to hold the simulator against a
     # measurement on CPU tensors (verify/autocast.py): CPU's flash kernel saves no RNG state
     device: str = "cuda"
+    # the step as verify's TorchDispatchMode measures it on meta or CPU tensors (verify/track.py), where CUDA's
+    # allocator differs from it: autograd's index_backward out of place, and an op's own temporaries unseen
+    # (memcalc.exact.hf.fused_head); False: CUDA's
+    watched: bool = False
     # a layer's experts of one token count simulated once for all (memcalc.exact.sim.tensors.Region); False
     # replays each, as a timeline (which records every allocation) and the test of the two need
     collapse: bool = True

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memcalc.model.finetune import Finetune, peft_targets
+from memcalc.model.stacks import bf16_adapters
 
 from .. import aten
 from ..sim.graph import Graph, layer_of
@@ -72,11 +73,18 @@ def trainable(name: str, finetune: Finetune, tied: bool) -> bool:
 def dtype_of(name: str, cfg) -> str:
     """A LoRA model's base is loaded in the trick set's dtype (from_pretrained(dtype=...), as PEFT's and QLoRA's
     examples load it, whatever the recipe), but where TRL's SFTTrainer prepared a 4-bit model
-    (memcalc.exact.hf.trl.prepared_dtype); its adapters are fp32 (cast_adapter_dtype). Otherwise the recipe's."""
+    (memcalc.exact.hf.trl.prepared_dtype); its adapters are fp32 (cast_adapter_dtype), but where TRL from 0.26 cast
+    a 4-bit model's trainable parameters to bf16 (DoRA's magnitudes apart: memcalc.model.stacks.bf16_adapters).
+    Otherwise the recipe's."""
     if not cfg.finetune.lora:
         return cfg.weights_dtype
-    if name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS:  # FSDP2 runs them unsharded in its param_dtype
-        return cfg.precision if cfg.stack.engine == "fsdp2" else "fp32"  # (memcalc.exact.replay.fsdp2_lora)
+    module = name.rpartition(".")[0].rpartition(".")[2]
+    if module in ADAPTERS:  # FSDP2 runs them unsharded in its param_dtype (memcalc.exact.replay.fsdp2_lora)
+        if cfg.stack.engine == "fsdp2":
+            return cfg.precision
+        return "bf16" if bf16_adapters(cfg.stack) and module != "lora_magnitude_vector" else "fp32"
+    if bf16_adapters(cfg.stack) and module in cfg.finetune.modules_to_save:  # a trained copy, cast with them
+        return "bf16"
     return prepared_dtype(name, cfg) or cfg.precision
 
 

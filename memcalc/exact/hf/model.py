@@ -19,6 +19,7 @@ from memcalc.errors import InputError
 from memcalc.model.finetune import Finetune, missing_targets
 from memcalc.model.savers import OFFLOAD_MIN_BYTES, OFFLOAD_STASH, offload_mode
 from memcalc.model.shape import ModelShape
+from memcalc.model.stacks import FUSED_HEAD
 
 from .. import aten
 from ..aten.cast_policy import autocast_for
@@ -27,7 +28,7 @@ from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.offload import kept_on_gpu, offloader
 from ..sim.tensors import Tensor
-from . import dynamic_cache, liger, lora, qlora, trl
+from . import dynamic_cache, fused_head, liger, lora, qlora, trl
 from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
 from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .gpt2 import gpt2_model
@@ -174,7 +175,7 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     if family is None:
         raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(FAMILIES)}")
     check_finetune(cfg.finetune, arch, cfg.model)
-    why = liger.not_replayed(cfg, arch) if cfg.stack.savers.liger is not None else None
+    why = liger.not_replayed(cfg, arch) if cfg.stack.savers.liger is not None else fused_head.not_replayed(cfg)
     if why:
         raise InputError(why)
     if cfg.finetune.modules_to_save and cfg.shape.tied_embeddings:  # PEFT would copy the shared table's module
@@ -214,6 +215,10 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
         with g.scoped("logits"):  # accelerate convert_to_fp32: logits.float() (Liger's output has none)
             logits = None if half is None else aten.to(g, half, "fp32")
         del half  # the model's own output goes as the wrapper returns the converted one
+    if m.cfg.stack.trl in FUSED_HEAD:  # SFTTrainer's own compute_loss over the fused head's outputs (causal_lm's)
+        outputs = loss
+        del loss
+        return trl.fused_compute_loss(g, outputs, num_items_in_batch)
     held = trl.compute_loss_metrics(g, m.cfg, logits, labels)
     del logits, held  # the output (its cache too) dies as compute_loss returns the loss
     dynamic_cache.release(m)
@@ -234,15 +239,21 @@ def num_items(g: Graph, labels: Tensor) -> Tensor:
 
 
 def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
-              num_items_in_batch: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+              num_items_in_batch: Tensor) -> tuple[Tensor | fused_head.FusedOutput, Tensor | None]:  # fmt: skip
     """LlamaForCausalLM.forward / GPT2LMHeadModel.forward: the decoder, the head on every position
     (slice_logits_to_keep(h, 0) keeps all: no op), the loss. Its output holds the loss and the logits,
-    which live until compute_loss has taken the loss from it."""
-    kwargs = (num_items_in_batch,)  # **kwargs: on to the decoder layers and the attention interface
+    which live until compute_loss has taken the loss from it. Under TRL's fused LM head
+    (memcalc.exact.hf.fused_head) its forward, with no logits, and no cache (it passes use_cache=False)."""
+    fused = m.cfg.stack.trl in FUSED_HEAD  # SFTTrainer calls it without num_items_in_batch
+    kwargs = () if fused else (num_items_in_batch,)  # **kwargs: on to the decoder layers and attention interface
     family = FAMILIES[m.arch]
     dynamic_cache.start(m)
     hidden_states = family.decoder(g, m, idx, kwargs)
     head = m.p.get("lm_head.weight") or m.p[family.table]
+    if fused:  # the backbone's output goes as the patched forward returns
+        outputs = fused_head.fused_forward(g, m, hidden_states, head, labels)
+        del kwargs, hidden_states
+        return outputs, None
     if m.cfg.stack.savers.liger is not None:  # Liger's lce_forward: the head fused with the loss, no logits
         loss = liger.causal_lm_loss(g, m, hidden_states, head, labels, num_items_in_batch)
         del kwargs, hidden_states

@@ -21,11 +21,14 @@ computed.
 
 from __future__ import annotations
 
+from memcalc.model.stacks import KBIT_PREPARED
+
 from .. import aten
 from ..aten.operands import made
 from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
+from .fused_head import FusedOutput, neg, sum_all
 
 CAST_TO_BF16 = ("lm_head", "embed_tokens", "wte", "wpe")  # trl/trainer/utils.py peft_module_casting_to_bf16
 ENTROPY_CHUNK = 128  # trl/trainer/utils.py entropy_from_logits(logits, chunk_size=128)
@@ -33,8 +36,8 @@ IGNORE_INDEX = -100
 
 
 def prepared(cfg: StepConfig) -> bool:
-    """Whether SFTTrainer prepared the model: a 4-bit base under TRL."""
-    return bool(cfg.stack.trl and cfg.finetune.quantize)
+    """Whether SFTTrainer prepared the model: a 4-bit base under TRL up to 0.25."""
+    return cfg.stack.trl in KBIT_PREPARED and bool(cfg.finetune.quantize)
 
 
 def prepared_dtype(name: str, cfg: StepConfig) -> str | None:
@@ -64,7 +67,7 @@ def compute_loss_metrics(g: Graph, cfg: StepConfig, logits: Tensor, labels: Tens
     tensors its frame holds until it returns (the caller lets them go with the logits)."""
     line = cfg.stack.trl
     held: list[Tensor] = []
-    if not line or line == "0.14" or cfg.stack.savers.liger is not None:  # use_liger_kernel: no logits, no metrics
+    if line not in ("0.21", "0.25") or cfg.stack.savers.liger is not None:  # use_liger_kernel: no logits, no metrics
         return held
     outer, g.grad_enabled = g.grad_enabled, False  # torch.no_grad() in 0.22-0.25 (0.15-0.21: no node saves)
     try:
@@ -141,3 +144,39 @@ def token_accuracy(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
     accuracy = made(g, (), "div", summed, total_sum, dtype="fp32")
     del summed, accuracy
     return [shift_logits, shift_labels, predictions, mask, correct, total, correct_tokens, total_sum]
+
+
+def fused_compute_loss(g: Graph, outputs: FusedOutput, num_items_in_batch: Tensor) -> Tensor:
+    """SFTTrainer.compute_loss (1.15-1.16) after model(**inputs, fused_lm_head=True), loss_type "nll", one process:
+    per_token_loss = -outputs.log_probs, its sum / torch.as_tensor(num_items_in_batch).clamp(min=1), times
+    num_processes // tp_size (average_tokens_across_devices); then the metrics, each gather_for_metrics(x.sum())
+    .sum() (gather_for_metrics returns its tensor on one process): the label mask's count, the entropy's sum, the
+    top-1 count, each ratio .item()'d after a `> 0` test; and the collator's attention mask counted, made where
+    compute_loss reads it (in a real run its B·T int64 bytes come with the batch). The locals, the per-token fields
+    among them, die as it returns."""
+    with g.scoped("loss"):
+        per_token_loss = neg(g, outputs.log_probs)
+        summed = sum_all(g, per_token_loss)
+        count = made(g, (), "clamp", num_items_in_batch, dtype=num_items_in_batch.dtype)
+        loss = aten.div_tensor(g, summed, count)
+        del summed, count
+        loss = aten.mul_scalar(g, loss)  # loss * (num_processes // tp_size)
+        num_valid = summed_twice(g, outputs.label_mask, "int64")
+        entropy_sum = summed_twice(g, outputs.entropy, outputs.entropy.dtype)
+        num_correct = summed_twice(g, outputs.is_top1, "int64")
+        for numerator in (entropy_sum, num_correct):  # (x / num_valid).item() if num_valid > 0 else 0.0
+            positive = made(g, (), "gt", num_valid, dtype="bool")
+            del positive
+            ratio = made(g, (), "div", numerator, num_valid, dtype="fp32")
+            del ratio
+        B, T = outputs.label_mask.shape[0], outputs.label_mask.shape[1] + 1
+        total = summed_twice(g, g.empty((B, T), "int64", "ones", kind="input"), "int64")  # .item()'d
+        del total, per_token_loss, num_valid, entropy_sum, num_correct
+    return loss
+
+
+def summed_twice(g: Graph, x: Tensor, dtype: str) -> Tensor:
+    """gather_for_metrics(x.sum()).sum() on one process: two 0-d tensors, the first gone once the second is made."""
+    first = made(g, (), "sum", x, dtype=dtype)
+    del x
+    return made(g, (), "sum", first, dtype=dtype)

@@ -107,7 +107,8 @@ def trl_package():
         import trl.trainer.utils  # noqa: F401
         from trl import SFTTrainer
     except ImportError as e:
-        raise InputError(f"--stack trl:1.16 on verify needs trl 1.16 and triton (pip install -e '.[trl]'): {e}") from None
+        raise InputError(f"--stack trl:1.16 on verify needs trl 1.16 and triton (pip install -e '.[trl]'): "
+                         f"{e}") from None
     return SFTTrainer
 
 

@@ -281,7 +281,7 @@ def test_a_paged_lora_keeps_the_adapters_moments_in_host_memory():
     assert v["host_bytes"] == 8 * paged and v["fits"] and paged and kept
     assert parts["adapter adam_m"]["bytes"] == 4 * kept and not parts["adapter adam_m"]["on_host"]
     assert parts["adapter adam_m (paged)"]["bytes"] == 4 * paged and parts["adapter adam_m (paged)"]["on_host"]
-    # the replay's state between steps: the base and adapters, the moments bitsandbytes did not page, and the
-    # rotary embedding's fp32 inv_freq and original_inv_freq (head_dim / 2 each)
+    # the replay's state between steps: the base and adapters, the moments bitsandbytes did not page, the
+    # rotary embedding's fp32 inv_freq and original_inv_freq (head_dim / 2 each), the Trainer's last grad_norm
     weights = sum(p["bytes"] for n, p in parts.items() if n in ("frozen weights", "adapter weights"))
-    assert v["state_bytes"] == weights + 8 * kept + 2 * 4 * PRESETS["llama3-8b"].head_dim // 2
+    assert v["state_bytes"] == weights + 8 * kept + 2 * 4 * PRESETS["llama3-8b"].head_dim // 2 + 4

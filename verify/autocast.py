@@ -33,7 +33,7 @@ from memcalc.model.tricks import Tricks
 
 from .builder import Kernels, build, materialise
 from .meta import StepBytes, kernels_for, measure_step, meta_kernels
-from .recipes import DTYPES, AdamW, adamw_, bitsandbytes, library_optimizer, trained
+from .recipes import DTYPES, AdamW, adamw_, bitsandbytes, library_optimizer, trained, trainer_clip
 from .track import LiveBytes
 
 
@@ -70,11 +70,13 @@ class AutocastRecipe:
     ReferenceAdamW, or the stack's torch.optim / bitsandbytes optimizer (verify/recipes.py
     library_optimizer) over the fp32 parameters, its gradients set to None after each step."""
 
-    def __init__(self, model: torch.nn.Module, precision: str, device_type: str, optimizer=None):
+    def __init__(self, model: torch.nn.Module, precision: str, device_type: str, optimizer=None, clip: bool = False):
         self.model, self.precision, self.device_type = model, precision, device_type
         self.optimizer = optimizer if optimizer is not None else ReferenceAdamW(trained(model))
         self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
         self.skipped = 0
+        self.clip = clip  # the Trainer's clipping (verify/recipes.py trainer_clip)
+        self.grad_norm = None  # the Trainer loop's grad_norm: the last step's total norm
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The model under torch.autocast; Transformers' (verify/hf.py TrainerModel with autocast) runs
@@ -88,9 +90,15 @@ class AutocastRecipe:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def update(self) -> bool:
-        """The optimizer step, then optimizer.zero_grad(set_to_none=True); False when GradScaler
-        skipped the step (a gradient was inf or nan)."""
+        """clip: the Trainer's clipping (verify/recipes.py trainer_clip; under fp16 after scaler.unscale_, as
+        accelerate's clip_grad_norm_ runs it); the optimizer step, then optimizer.zero_grad(set_to_none=True); False
+        when GradScaler skipped the step (a gradient was inf or nan)."""
         stepped = True
+        if self.clip:
+            self.grad_norm = None
+            if self.scaler is not None:  # accelerate's clip_grad_norm_: unscale_gradients() first
+                self.scaler.unscale_(self.optimizer)
+            self.grad_norm = trainer_clip(self.model)
         if self.scaler is None:
             self.optimizer.step()
         else:
@@ -152,7 +160,7 @@ def measure_autocast(shape: ModelShape, seq_len: int, micro_batch: int, tricks: 
     def recipe_for(m, precision):
         params = trained(m)
         opt = None if stack.impl == "reference" else library_optimizer(params, optimizer, stack.impl)
-        made.append(AutocastRecipe(m, precision, device, opt))
+        made.append(AutocastRecipe(m, precision, device, opt, clip=stack.model == "hf"))  # the Trainer clips
         return made[0]
 
     step, live = measure_step(shape, seq_len, micro_batch, tricks, device, kernels, model, grad_accum, timeline,

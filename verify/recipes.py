@@ -194,16 +194,20 @@ def bitsandbytes():
 class TorchRecipe:
     """Training as a stock PyTorch loop does: the model's own parameters are what the optimizer updates
     (fp32, or 16-bit in the pure recipe: no master, and torch.optim's zeros_like(param) state is 16-bit),
-    loss.backward(), optimizer.step(), optimizer.zero_grad() (grads set to None). Pure fp16 has no loss
+    loss.backward(), (clip: the Trainer's clipping, trainer_clip), optimizer.step(), optimizer.zero_grad() (grads
+    set to None). Pure fp16 has no loss
     scaling: torch.amp.GradScaler.unscale_ refuses fp16 gradients ("Attempting to unscale FP16
     gradients.", torch/amp/grad_scaler.py _unscale_grads_)."""
 
-    def __init__(self, model: torch.nn.Module, precision: str, optimizer: str = "adamw", impl: str = "foreach"):
+    def __init__(self, model: torch.nn.Module, precision: str, optimizer: str = "adamw", impl: str = "foreach",
+                 clip: bool = False):  # fmt: skip
         self.model, self.precision = model, precision
         self.params = trained(model)
         self.optimizer = library_optimizer(self.params, optimizer, impl)
         self.on_meta = impl == "fused" and self.params[0].device.type == "meta"
         self.skipped = 0  # no loss scaler: no step is ever skipped
+        self.clip = clip  # the Trainer's clipping (trainer_clip)
+        self.grad_norm = None  # the Trainer loop's grad_norm: the last step's total norm
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.model(idx, targets)
@@ -212,6 +216,9 @@ class TorchRecipe:
         loss.backward()
 
     def update(self) -> bool:
+        if self.clip:
+            self.grad_norm = None  # the loop's grad_norm = None, then the clipping's total norm
+            self.grad_norm = trainer_clip(self.model)
         with fused_on_meta(self.on_meta):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -223,6 +230,38 @@ class TorchRecipe:
         device = self.params[0].device
         return [t for s in self.optimizer.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.device == device]  # fmt: skip
+
+
+def trainer_clip(model: torch.nn.Module) -> torch.Tensor:
+    """transformers 5.25 Trainer._clip_grad_norm with TrainingArguments' max_grad_norm 1.0: accelerate's
+    clip_grad_norm_ (its unscale_gradients first where GradScaler scales: the caller's), then torch's
+    clip_grad_norm_(model.parameters(), 1.0), as on CUDA (cuda_norms). The total norm is the loop's grad_norm."""
+    with cuda_norms():
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+@contextlib.contextmanager
+def cuda_norms():
+    """While active, clip_grad_norm_ on meta or CPU tensors as on CUDA: the foreach path (meta has no foreach
+    kernels: it would take each norm alone, the same 0-d results), and torch._foreach_norm's fp32 partial sums,
+    which CUDA's kernel keeps while it runs (aten/src/ATen/native/cuda/ForeachReduceOp.cu: zeros of ntensors x the
+    largest tensor's chunks of 65536), made before its results and dropped after, where the tracker sees them."""
+    from torch.nn.utils import clip_grad
+
+    saved = (torch._foreach_norm, clip_grad._has_foreach_support)
+    foreach_norm = saved[0]
+
+    def norm(tensors, ord=2, dtype=None):
+        chunks = max(-(-t.numel() // 65536) for t in tensors)
+        partial = torch.zeros(len(tensors) * chunks, dtype=torch.float32, device=tensors[0].device)  # noqa: F841
+        return foreach_norm(tensors, ord) if dtype is None else foreach_norm(tensors, ord, dtype)
+
+    torch._foreach_norm = norm
+    clip_grad._has_foreach_support = lambda tensors, device: True
+    try:
+        yield
+    finally:
+        torch._foreach_norm, clip_grad._has_foreach_support = saved
 
 
 def check_recipe(precision: str, stack: Stack, optimizer: str) -> None:
@@ -248,4 +287,4 @@ def recipe_for(model: torch.nn.Module, precision: str, stack: Stack = DEFAULT_ST
         raise InputError("the autocast recipe trains through verify/autocast.py (AutocastRecipe), not this loop")
     if stack.impl == "reference":
         return Recipe(model, precision)
-    return TorchRecipe(model, precision, optimizer, stack.impl)
+    return TorchRecipe(model, precision, optimizer, stack.impl, clip=stack.model == "hf")  # the Trainer clips

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import sharding
-from .common import TrickSet, attention_flash, ckpt_typed_away, lora_targets, model_option, optimizer_option
+from .common import TrickSet, attention_flash, ckpt_typed_away, clipping, lora_targets, model_option, optimizer_option
 from .ledger import KeyLedger
 from .peft import dora_option, saved_option
 
@@ -51,6 +51,7 @@ def read_axolotl(ledger: KeyLedger, typed: dict) -> None:
         ledger.unmodelled("plugins", f"{plugin}: only the keys it reads that memcalc knows are in the verdict")
     lora = adapter_options(ledger)
     step_options(ledger)
+    clipping(ledger)  # axolotl hands max_grad_norm to TrainingArguments
     tricks_and_recipe(ledger, typed.get("gpu", "h100-sxm"), ckpt_typed_away(typed))
     optimizer_option(ledger, "optimizer")
     sharding.fsdp_options(ledger, "fsdp", "fsdp_config", lora, config_alone=True)

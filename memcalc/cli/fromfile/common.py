@@ -136,3 +136,17 @@ def ckpt_typed_away(typed: dict) -> bool:
     if not tricks:
         return False
     return not any("ckpt" in t for t in ([tricks] if isinstance(tricks, str) else tricks))
+
+
+def clipping(ledger: KeyLedger) -> None:
+    """max_grad_norm, which the Trainer hands its clipping (memcalc.exact.train.clip, replayed at the default 1.0):
+    any positive norm takes the same bytes; 0 turns clipping off, which the replay does not."""
+    if not ledger.has("max_grad_norm"):
+        return
+    norm = ledger.number("max_grad_norm")
+    if norm is not None and norm > 0:
+        ledger.used("max_grad_norm", "the Trainer's clipping, replayed (its bytes do not depend on the norm)")
+    else:
+        ledger.unmodelled("max_grad_norm", "no clipping: the replay clips as the default 1.0 does (its partial sums "
+                          "and a 0-d norm per gradient)")  # fmt: skip
+

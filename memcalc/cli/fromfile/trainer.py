@@ -18,7 +18,7 @@ from pathlib import Path
 from memcalc.model.stacks import TRL_FIRST
 
 from . import peft, sharding
-from .common import TrickSet, attention_flash, ckpt_typed_away, half_precision, model_option, optimizer_option
+from .common import TrickSet, attention_flash, ckpt_typed_away, clipping, half_precision, model_option, optimizer_option
 from .ledger import KeyLedger
 
 # keys only SFTConfig and TRL's ModelConfig have (TrainingArguments has none of them): the file is TRL's
@@ -69,6 +69,7 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
     lora = peft.lora_options(ledger)
     peft.quantize_options(ledger, lora)
     step_options(ledger, trl)
+    clipping(ledger)
     tricks_and_recipe(ledger, trl, ckpt_typed_away(typed))
     optimizer_option(ledger, "optim")
     if not ledger.has("optim"):

@@ -38,9 +38,13 @@ def forward(g: Graph, model: Transformer | hf.HFModel, idx: Tensor, targets: Ten
     return (hf.forward if model.cfg.model == "hf" else reference.forward)(g, model, idx, targets)
 
 
-def recipe_for(g: Graph, model: Transformer) -> Recipe | TorchRecipe | AutocastRecipe:
-    """How the step trains: torch.amp's loop where the model autocasts, else verify/recipes.py's."""
-    return recipes.recipe_for(g, model) if getattr(model, "autocast", None) is None else AutocastRecipe(g, model)
+def recipe_for(g: Graph, model: Transformer, sharded: bool = False) -> Recipe | TorchRecipe | AutocastRecipe:
+    """How the step trains: torch.amp's loop where the model autocasts, else verify/recipes.py's; on Transformers'
+    classes the Trainer's, which clips the gradients (memcalc.exact.train.clip) but where the model is sharded."""
+    clip = model.cfg.model == "hf" and not sharded
+    if getattr(model, "autocast", None) is None:
+        return recipes.recipe_for(g, model, clip)
+    return AutocastRecipe(g, model, clip)
 
 
 def micro_step(g: Graph, model: Transformer, recipe: Recipe | TorchRecipe | AutocastRecipe, idx: Tensor,
@@ -170,7 +174,7 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     inputs = mem.live_bytes - weights
     if timeline:
         g.recording.loaded = len(mem.timeline)
-    recipe = recipe_for(g, model if zero is None else zero.optimizer_model(model))
+    recipe = recipe_for(g, model if zero is None else zero.optimizer_model(model), zero is not None)
     if warm_up or not isinstance(recipe, Recipe):  # the libraries' optimizers make their state in their first step
         micro_step(g, model, recipe, idx, targets, micro_batches, zero)
     else:

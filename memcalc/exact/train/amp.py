@@ -21,6 +21,7 @@ from ..aten import mul
 from ..builder.model import Transformer
 from ..sim.graph import Graph, layer_of
 from ..sim.tensors import Tensor
+from .clip import clip_grad_norm
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
 from .recipes import adamw
 
@@ -42,19 +43,23 @@ class GradScaler:
             self.growth = self.made((), "int32", "full", kind="state")
         return mul(self.g, loss, self.scale_t)
 
-    def step(self, optimizer: ReferenceAdamW | AdamW | SGD | AdamW8bit, params: list[Tensor]) -> None:
+    def step(self, optimizer: ReferenceAdamW | AdamW | SGD | AdamW8bit, params: list[Tensor],
+             unscaled: bool = False) -> None:  # fmt: skip
         """GradScaler.step: an optimizer with _step_supports_amp_scaling (fused AdamW) is handed the
         scale and found_inf: _check_inf_per_device, then found_inf = sum([found_inf.to(device)])
         (0 + it: a new scalar) and optimizer.grad_scale = scale * 1 (a new scalar), both deleted after
         optimizer.step(); any other is unscale_'d, then stepped (_maybe_opt_step: measured steps find
-        no inf)."""
+        no inf). unscaled: unscale_ ran already (the Trainer's clipping, memcalc.exact.train.clip): no check,
+        grad_scale None, and nothing unscaled again."""
         if not getattr(optimizer, "supports_amp_scaling", False):
-            self.unscale_(params)
+            if not unscaled:
+                self.unscale_(params)
             optimizer.step()
             return
-        self.check_inf_per_device(params)
+        if not unscaled:
+            self.check_inf_per_device(params)
         found_inf = self.made((), "fp32", "add", self.found_inf)
-        grad_scale = self.made((), "fp32", "mul", self.scale_t)
+        grad_scale = None if unscaled else self.made((), "fp32", "mul", self.scale_t)
         optimizer.step(grad_scale, found_inf)
         del grad_scale, found_inf  # del optimizer.grad_scale, optimizer.found_inf
 
@@ -134,7 +139,7 @@ class AutocastRecipe:
     """The autocast recipe's step: the fp32 parameters updated by the stack's optimizer, GradScaler for
     fp16, every gradient set to None after the step."""
 
-    def __init__(self, g: Graph, m: Transformer):
+    def __init__(self, g: Graph, m: Transformer, clip: bool = False):
         cfg = m.cfg
         self.g, self.model, self.precision = g, m, cfg.precision
         self.params = m.params
@@ -142,6 +147,8 @@ class AutocastRecipe:
             ReferenceAdamW(g, m.params) if cfg.impl == "reference"
             else library_optimizer(g, m.params, cfg.optimizer, cfg.impl, cfg.device))  # fmt: skip
         self.scaler = GradScaler(g) if self.precision == "fp16" else None
+        self.clip = clip  # the Trainer's clipping (memcalc.exact.train.clip)
+        self.grad_norm: Tensor | None = None  # the Trainer loop's grad_norm: the last step's total norm
 
     def backward(self, loss: Tensor) -> None:
         if self.scaler is None:
@@ -152,15 +159,20 @@ class AutocastRecipe:
             del scaled
 
     def update(self) -> None:
-        """scaler.step(optimizer), scaler.update() (without a scaler, optimizer.step()), then
-        optimizer.zero_grad(set_to_none=True): every gradient set to None, in parameter order
-        (ReferenceAdamW has released them already)."""
+        """The Trainer's clipping where it clips (under fp16 after scaler.unscale_), then scaler.step(optimizer),
+        scaler.update() (without a scaler, optimizer.step()), then optimizer.zero_grad(set_to_none=True): every
+        gradient set to None, in parameter order (ReferenceAdamW has released them already)."""
         g = self.g
         g.stage = "optimizer"
+        if self.clip:
+            self.grad_norm = None  # the loop's grad_norm = None, then the clipping's total norm
+            if self.scaler is not None:  # accelerate's clip_grad_norm_: unscale_gradients() first
+                self.scaler.unscale_(self.params)
+            self.grad_norm = clip_grad_norm(g, self.params)
         if self.scaler is None:
             self.optimizer.step()
         else:
-            self.scaler.step(self.optimizer, self.params)
+            self.scaler.step(self.optimizer, self.params, unscaled=self.clip)
             self.scaler.update()
         for p in self.params:  # torch/optim/optimizer.py Optimizer.zero_grad(set_to_none=True)
             p.grad = None

@@ -19,6 +19,7 @@ from ..hf.model import HFModel, arch_for, check_finetune
 from ..sim.graph import Graph, layer_of, scope_of
 from ..sim.tensors import Tensor
 from ..torchtune.model import TTModel, finetune_not_replayed
+from .clip import clip_grad_norm
 from .optimizers import SGD, AdamW, AdamW8bit, library_optimizer
 from .torchtune import TorchtuneRecipe
 
@@ -51,12 +52,12 @@ def check_simulated(cfg: StepConfig) -> None:
         raise InputError("CPU's flash attention kernel has no dropout (_scaled_dot_product_flash_attention_for_cpu)")
 
 
-def recipe_for(g: Graph, m: Transformer | TTModel) -> Recipe | TorchRecipe | TorchtuneRecipe:
+def recipe_for(g: Graph, m: Transformer | TTModel, clip: bool = False) -> Recipe | TorchRecipe | TorchtuneRecipe:
     """verify/recipes.py recipe_for: the reference implementation, or the libraries' optimizers; torchtune's
-    recipes' loop for its model (verify/torchtune.py)."""
+    recipes' loop for its model (verify/torchtune.py). clip: the Trainer's clipping (memcalc.exact.train.clip)."""
     if isinstance(m, TTModel):
         return TorchtuneRecipe(g, m)
-    return Recipe(g, m) if m.cfg.impl == "reference" else TorchRecipe(g, m)
+    return Recipe(g, m) if m.cfg.impl == "reference" else TorchRecipe(g, m, clip)
 
 
 def recipe_note(cfg: StepConfig) -> str:
@@ -197,13 +198,16 @@ class Recipe:
 
 class TorchRecipe:
     """verify/recipes.py TorchRecipe: the model's own parameters (fp32, or 16-bit with no master) updated
-    by the library's optimizer, loss.backward() unscaled (pure fp16: GradScaler refuses fp16 grads),
-    then optimizer.zero_grad(): every gradient set to None, in parameter order."""
+    by the library's optimizer (after the Trainer's clipping, where it clips), loss.backward() unscaled (pure
+    fp16: GradScaler refuses fp16 grads), then optimizer.zero_grad(): every gradient set to None, in parameter
+    order."""
 
-    def __init__(self, g: Graph, m: Transformer):
+    def __init__(self, g: Graph, m: Transformer, clip: bool = False):
         self.g, self.model, self.params = g, m, m.params
         self.optimizer: AdamW | SGD | AdamW8bit = library_optimizer(g, m.params, m.cfg.optimizer, m.cfg.impl,
                                                                      m.cfg.device)  # fmt: skip
+        self.clip = clip  # the Trainer's clipping (memcalc.exact.train.clip)
+        self.grad_norm: Tensor | None = None  # the Trainer loop's grad_norm: the last step's total norm
 
     def backward(self, loss: Tensor) -> None:
         self.g.backward(loss)
@@ -211,6 +215,9 @@ class TorchRecipe:
     def update(self) -> None:
         g = self.g
         g.stage = "optimizer"
+        if self.clip:
+            self.grad_norm = None  # the loop's grad_norm = None, then the clipping's total norm
+            self.grad_norm = clip_grad_norm(g, self.params)
         self.optimizer.step()
         for p in self.params:  # torch/optim/optimizer.py Optimizer.zero_grad(set_to_none=True)
             p.grad = None

@@ -53,7 +53,7 @@ def test_the_prepared_parameters_are_trl_s():
 
 @pytest.mark.parametrize("line,tricks,batch", [
     ("0.14", "bf16,flash,ckpt", 1), ("0.21", "bf16", 2), ("0.21", "bf16,ckpt", 2), ("0.25", "bf16,flash,ckpt", 1),
-    ("0.25", "fp16", 2),
+    ("0.25", "fp16", 2), ("1.2", "bf16,flash,ckpt", 1), ("1.2", "bf16", 2),
 ])  # fmt: skip
 def test_qlora_allocation_by_allocation(line, tricks, batch):
     """A bf16 model loaded in 4 bits without autocast (bf16=False): its fp32 norms make the residual stream and so
@@ -68,7 +68,7 @@ def test_lora_on_a_16_bit_base_is_prepared_not():
     assert_meta(TINY["qwen2"], "bf16,ckpt", trl("0.25", Finetune(4), recipe="pure"), batch=2)
 
 
-@pytest.mark.parametrize("line,tricks", [("0.25", "bf16"), ("0.21", "bf16,ckpt"), ("0.14", "fp16")])
+@pytest.mark.parametrize("line,tricks", [("0.25", "bf16"), ("0.21", "bf16,ckpt"), ("0.14", "fp16"), ("1.2", "bf16")])
 def test_qlora_on_cpu_under_the_trainers_autocast(line, tricks):
     """bf16=True (or fp16=True): Accelerate's autocast over the prepared model, on real CPU tensors; in bf16
     peft_module_casting_to_bf16 has cast the embedding and head back."""
@@ -106,3 +106,20 @@ def test_trl_s_preparation_is_the_gap_the_plain_trainer_misses():
     assert 1.25 < prepared / plain < 1.45
     assert "prepare_model_for_kbit_training" in trl_note(trl("0.25")) and "token accuracy" in trl_note(trl("0.21"))
     assert "prepare" not in trl_note(trl("0.25", Finetune(16))) and trl_note(STACKS["hf"]) == ""
+
+
+def test_from_0_26_a_4_bit_models_trainable_parameters_are_cast_to_bf16():
+    """0.26-1.2 prepare nothing for k-bit training: they cast a 4-bit model's trainable parameters to bf16 after
+    get_peft_model, DoRA's magnitudes too, which 1.15 leaves fp32 (#7268); the norms stay bf16. The replay builds the
+    dtypes Transformers, PEFT and bitsandbytes build on CPU."""
+    shape, dtypes = TINY["llama"], {"bfloat16": "bf16", "float32": "fp32", "uint8": "uint8"}
+    dora = Finetune(4, quantize="nf4", dora=True)
+    for line, magnitude in (("1.2", "bf16"), ("1.16", "fp32")):
+        model = build_hf(shape, parse_tricks("bf16"), 24, finetune=dora, trl=line, device="cpu").model
+        real = [(n, dtypes[str(p.dtype).removeprefix("torch.")]) for n, p in model.named_parameters()]
+        sim = hf_build(Graph(LiveBytes()), step_config(shape, 24, 1, "bf16", trl(line, dora)))
+        assert [d for _, d in real] == [p.dtype for p in sim.p.values()], line
+        assert {d for n, d in real if "magnitude" in n} == {magnitude}
+        assert {d for n, d in real if "lora_A" in n or "norm" in n} == {"bf16"}
+    assert "cast to bf16" in trl_note(trl("1.2")) and "entropy" in trl_note(trl("1.2"))
+    assert "prepare_model_for_kbit_training" not in trl_note(trl("1.2"))

@@ -43,7 +43,7 @@ from memcalc.exact.hf.model import FAMILIES, arch_for
 from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.params import n_params
 from memcalc.model.shape import ModelShape, check_positions
-from memcalc.model.stacks import FUSED_HEAD
+from memcalc.model.stacks import BF16_CAST, FUSED_HEAD
 from memcalc.model.tricks import Tricks
 
 from .lora import fine_tuned
@@ -361,10 +361,10 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
                          f"{n_params(shape):,}")  # fmt: skip
     checkpointing = tricks.recompute == "full"
     model = fine_tuned(model, finetune, shape.tied_embeddings, trl, checkpointing, amp and dtype == torch.bfloat16)
-    if trl in FUSED_HEAD:  # SFTTrainer.__init__ (1.15-1.16): its casts, then the fused LM head (verify/trl.py)
-        from .trl import prepare_fused
+    if trl in BF16_CAST:  # SFTTrainer.__init__ from 0.26: its casts, from 1.15 the fused LM head (verify/trl.py)
+        from .trl import prepare_after_peft
 
-        prepare_fused(model, bool(finetune.quantize), checkpointing and finetune.lora)
+        prepare_after_peft(model, trl, bool(finetune.quantize), checkpointing and finetune.lora)
     if trl and checkpointing:  # Trainer.train enables it again (its kwargs) over TRL's preparation's
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     if liger:

@@ -1,10 +1,11 @@
 """Hugging Face TRL's SFTTrainer around the Trainer, as its release lines ran it (memcalc.model.stacks.TRL_RELEASES,
 memcalc.exact.hf.trl): the preparation of a 4-bit model for LoRA, and what compute_loss computes beside the loss.
 
-TRL is not a dependency here: what it adds is written out as each release has it (huggingface/trl
-trl/trainer/sft_trainer.py, trl/models/utils.py, trl/trainer/utils.py at v0.14.0 29de6ee, v0.21.0 a64ac0d,
-v0.25.0 9692b16), over the libraries it calls, which run as themselves: peft's prepare_model_for_kbit_training,
-torch. The Trainer then enables activation checkpointing again (transformers 5 trainer.py: with
+Up to 1.2, what TRL adds is written out as each release has it (huggingface/trl trl/trainer/sft_trainer.py,
+trl/models/utils.py, trl/trainer/utils.py at v0.14.0 29de6ee, v0.21.0 a64ac0d, v0.25.0 9692b16; the trl 0.26.2
+to 1.2.0 wheels), over the libraries it calls, which run as themselves: peft's prepare_model_for_kbit_training,
+torch. From 1.15 trl 1.16 runs as itself (the test extra's): its fused LM head and compute_loss. The Trainer then
+enables activation checkpointing again (transformers 5 trainer.py: with
 gradient_checkpointing, activation_checkpointing_enable(None), use_reentrant=False), which replaces the
 reentrant checkpointing prepare_model_for_kbit_training enabled (its gradient_checkpointing_kwargs {} leave
 use_reentrant unset, which torch.utils.checkpoint takes as True).
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memcalc.errors import InputError
+from memcalc.model.stacks import BF16_CAST, FUSED_HEAD
 
 IGNORE_INDEX = -100
 
@@ -61,14 +63,14 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
 
 def compute_loss_metrics(line: str, logits: torch.Tensor, labels: torch.Tensor) -> list:
     """SFTTrainer.compute_loss after super().compute_loss, on one process (gather_for_metrics returns its
-    tensor): 0.22-0.25's entropy (no_grad) weighted by the collator's all-ones attention mask, then the token
+    tensor): 0.22-1.2's entropy (no_grad) weighted by the collator's all-ones attention mask, then the token
     accuracy (0.15-0.21 with grad on: its ops save nothing). The locals are returned: they live until
     compute_loss returns, with the logits."""
-    if line not in ("0.21", "0.25"):
+    if line not in ("0.21", "0.25", "1.2"):
         return []
     held = []
-    with torch.no_grad() if line == "0.25" else torch.enable_grad():
-        if line == "0.25":
+    with torch.no_grad() if line != "0.21" else torch.enable_grad():
+        if line != "0.21":  # 0.22-1.2
             per_token_entropy = entropy_from_logits(logits)
             attention_mask = torch.ones(labels.shape, dtype=torch.long, device=labels.device)  # the collator's
             entropy = torch.sum(per_token_entropy * attention_mask) / attention_mask.sum()
@@ -112,22 +114,23 @@ def trl_package():
     return SFTTrainer
 
 
-def prepare_fused(model: nn.Module, quantized: bool, checkpointing: bool) -> None:
-    """SFTTrainer.__init__ (1.16) after get_peft_model: enable_input_require_grads under gradient checkpointing (a
-    second hook beside the Trainer's), a 4-bit model's trainable parameters but DoRA's magnitudes cast to bf16
-    (param.data = param.data.to(torch.bfloat16)), then add_fused_lm_head on the model PEFT wraps with
-    outputs=("log_probs", "entropy", "is_top1")."""
-    trl_package()
-    from trl.trainer.utils import add_fused_lm_head
-
+def prepare_after_peft(model: nn.Module, line: str, quantized: bool, checkpointing: bool) -> None:
+    """SFTTrainer.__init__ from 0.26 after get_peft_model: enable_input_require_grads under gradient checkpointing (a
+    second hook beside the Trainer's), a 4-bit model's trainable parameters cast to bf16 (param.data =
+    param.data.to(torch.bfloat16)), DoRA's magnitudes too up to 1.14; from 1.15 (FUSED_HEAD), then add_fused_lm_head
+    on the model PEFT wraps with outputs=("log_probs", "entropy", "is_top1"), trl 1.16's own."""
     if checkpointing:
         model.enable_input_require_grads()
     if quantized:
         for name, param in model.named_parameters():
-            if param.requires_grad and "lora_magnitude_vector" not in name:
+            if param.requires_grad and (BF16_CAST[line] or "lora_magnitude_vector" not in name):
                 param.data = param.data.to(torch.bfloat16)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
+    if line in FUSED_HEAD:
+        trl_package()
+        from trl.trainer.utils import add_fused_lm_head
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
 
 
 class LazyInputs(dict):

@@ -47,13 +47,17 @@ ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 #         peft_module_casting_to_bf16 under bf16)
 #   0.21  0.15-0.21: and compute_loss's token accuracy (a contiguous copy of the shifted logits, its argmax)
 #   0.25  0.22-0.25: and the logits' entropy (in chunks of 128 rows, no grad); the model called with use_cache=False
-#   1.16  1.15-1.16: no k-bit preparation (gone in 0.26), a 4-bit model's adapters cast to bf16 (since 0.26), and the
-#         loss from add_fused_lm_head's chunked log-probabilities (since 1.15: no logits). 0.26-1.14 (full logits,
-#         their entropy and accuracy computed otherwise at each of several releases) are not replayed.
-TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.16")
-TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.16": "1.15"}  # each line's first release
+#   1.2   0.26-1.2: no k-bit preparation (gone in 0.26): a 4-bit model's trainable parameters cast to bf16 after
+#         get_peft_model; compute_loss's metrics as 0.25's
+#   1.16  1.15-1.16: the same cast but for DoRA's magnitudes, and the loss from add_fused_lm_head's chunked
+#         log-probabilities (no logits). 1.3-1.14 (the metrics over the shifted logits, computed otherwise at several
+#         releases) are not replayed.
+TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.16")
+TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.2": "0.26", "1.16": "1.15"}  # each line's first release
 KBIT_PREPARED = ("0.14", "0.21", "0.25")  # the lines whose SFTTrainer runs peft's prepare_model_for_kbit_training
 FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fused LM head (memcalc.exact.hf.fused_head)
+# the lines whose SFTTrainer casts a 4-bit model's trainable parameters to bf16: whether DoRA's magnitudes too
+BF16_CAST = {"1.2": True, "1.16": False}  # sft_trainer.py: excluded from 1.15 (huggingface/trl #7268)
 
 
 @record(frozen=True)
@@ -120,6 +124,11 @@ STACKS: dict[str, Stack] = {
                 use_cache=line != "0.25")  # compute_loss passes use_cache=False from 0.22
           for line, commit in (("0.14", "29de6eec7ba9"), ("0.21", "a64ac0d5dc6b"), ("0.25", "9692b1688e70"))
           for first in (TRL_FIRST[line],)),  # fmt: skip
+        Stack("trl:1.2", "Hugging Face TRL 0.26-1.2's SFTTrainer", "hf", "autocast", "fused",
+              "huggingface/trl trl/trainer/sft_trainer.py and trl/trainer/utils.py, as the trl 0.26.2 to 1.2.0 "
+              "wheels ship them (PyPI): SFTTrainer over Transformers' Trainer (bf16=True autocasts, "
+              "adamw_torch_fused), a 4-bit model's trainable parameters cast to bf16, compute_loss's metrics as 0.25's",
+              trl="1.2"),  # fmt: skip
         Stack("trl:1.16", "Hugging Face TRL 1.15-1.16's SFTTrainer", "hf", "autocast", "fused",
               "huggingface/trl trl/trainer/sft_trainer.py, trl/trainer/utils.py add_fused_lm_head and "
               "trl/kernels/chunked_logprob.py, as the trl 1.16.0 wheel ships them (PyPI): SFTTrainer over "
@@ -166,6 +175,10 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
             raise InputError(f"--liger on --stack {key}: SFTTrainer from 1.15 applies Liger's layer kernels beside its "
                              "own fused LM head (liger_kernel_config fused_linear_cross_entropy False), which is not "
                              "replayed; --stack trl:0.25 or hf for Liger's fused cross-entropy")  # fmt: skip
+        if STACKS[key].trl in BF16_CAST:
+            raise InputError(f"--liger on --stack {key}: SFTTrainer from 0.26 asks Liger's cross-entropy for the token "
+                             "accuracy (return_token_accuracy), which is not replayed; --stack trl:0.25 or "
+                             "hf")  # fmt: skip
     if offload or liger is not None:
         changes["savers"] = Savers(offload=offload, liger=liger)
     if reentrant:
@@ -208,26 +221,28 @@ def trl_note(stack: Stack) -> str:
     if not line:
         return ""
     parts = []
+    if line in BF16_CAST and stack.finetune.quantize:
+        parts.append("the 4-bit model's adapters cast to bf16, nothing else prepared")
     if line in FUSED_HEAD:
-        if stack.finetune.quantize:
-            parts.append("the 4-bit model's adapters cast to bf16")
         parts.append("the loss from add_fused_lm_head's chunked log-probabilities (no logits: 4096 x 32768 tiles, "
                      "fp32 per-token statistics)")  # fmt: skip
         return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + "; ".join(parts)
-    if stack.finetune.quantize:
+    if line in KBIT_PREPARED and stack.finetune.quantize:
         parts.append("the 4-bit model prepared by peft's prepare_model_for_kbit_training (what is not 4-bit in fp32: "
                      "its norms lift the residual stream to fp32) and, under bf16, peft_module_casting_to_bf16 "
                      "(embeddings and head back in bf16)")  # fmt: skip
     if line != "0.14" and stack.savers.liger is None:  # under use_liger_kernel compute_loss skips both: no logits
-        parts.append("compute_loss's " + ("entropy of the logits and " if line == "0.25" else "") + "token accuracy")
+        entropy = "entropy of the logits and " if line in ("0.25", "1.2") else ""
+        parts.append(f"compute_loss's {entropy}token accuracy")
     return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + ("; ".join(parts) or "the Trainer's step as it is")
 
 
-def bf16_adapters(stack: Stack) -> bool:
-    """SFTTrainer from 0.26 casts a 4-bit model's trainable parameters but DoRA's magnitudes to bf16 after
-    get_peft_model (sft_trainer.py: param.data = param.data.to(torch.bfloat16)), whatever bf16 or fp16 says; before,
-    PEFT's cast_adapter_dtype leaves them fp32."""
-    return stack.trl in FUSED_HEAD and bool(stack.finetune.quantize)
+def bf16_adapters(stack: Stack, magnitude: bool = False) -> bool:
+    """SFTTrainer from 0.26 casts a 4-bit model's trainable parameters to bf16 after get_peft_model (sft_trainer.py:
+    param.data = param.data.to(torch.bfloat16)), whatever bf16 or fp16 says, DoRA's magnitudes (magnitude) up to 1.14;
+    before, PEFT's cast_adapter_dtype leaves them fp32."""
+    cast = BF16_CAST.get(stack.trl)
+    return cast is not None and bool(stack.finetune.quantize) and (cast or not magnitude)
 
 
 def check_tricks(stack: Stack, tricks) -> None:

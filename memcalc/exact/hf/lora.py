@@ -74,7 +74,7 @@ def dtype_of(name: str, cfg) -> str:
     """A LoRA model's base is loaded in the trick set's dtype (from_pretrained(dtype=...), as PEFT's and QLoRA's
     examples load it, whatever the recipe), but where TRL's SFTTrainer prepared a 4-bit model
     (memcalc.exact.hf.trl.prepared_dtype); its adapters are fp32 (cast_adapter_dtype), but where TRL from 0.26 cast
-    a 4-bit model's trainable parameters to bf16 (DoRA's magnitudes apart: memcalc.model.stacks.bf16_adapters).
+    a 4-bit model's trainable parameters to bf16 (DoRA's magnitudes up to 1.14: memcalc.model.stacks.bf16_adapters).
     Otherwise the recipe's."""
     if not cfg.finetune.lora:
         return cfg.weights_dtype
@@ -82,7 +82,7 @@ def dtype_of(name: str, cfg) -> str:
     if module in ADAPTERS:  # FSDP2 runs them unsharded in its param_dtype (memcalc.exact.replay.fsdp2_lora)
         if cfg.stack.engine == "fsdp2":
             return cfg.precision
-        return "bf16" if bf16_adapters(cfg.stack) and module != "lora_magnitude_vector" else "fp32"
+        return "bf16" if bf16_adapters(cfg.stack, module == "lora_magnitude_vector") else "fp32"
     if bf16_adapters(cfg.stack) and module in cfg.finetune.modules_to_save:  # a trained copy, cast with them
         return "bf16"
     return prepared_dtype(name, cfg) or cfg.precision

@@ -9,11 +9,14 @@
             fp32 (trl/trainer/utils.py). An fp32 norm's weight times bf16 hidden states promotes them: the
             residual stream runs in fp32 (the 4-bit layers cast their input to the compute dtype and their
             output back to the input's: bitsandbytes nn/modules.py Linear4bit.forward).
-  0.15-0.25 compute_loss's token accuracy: outputs.logits[..., :-1, :].contiguous() (a copy where the micro-batch
+  0.15-1.2  compute_loss's token accuracy: outputs.logits[..., :-1, :].contiguous() (a copy where the micro-batch
             has more than one sequence), its argmax, the labels' mask, and their counts.
-  0.22-0.25 compute_loss's entropy under no_grad, before the accuracy: entropy_from_logits over the logits in
+  0.22-1.2  compute_loss's entropy under no_grad, before the accuracy: entropy_from_logits over the logits in
             chunks of 128 rows (log_softmax, exp, their product summed), the chunks' entropies concatenated,
             then weighted by the attention mask; and the model called with use_cache=False (the stack's).
+  0.26-1.2  no k-bit preparation: a 4-bit model's trainable parameters cast to bf16 after get_peft_model
+            (memcalc.model.stacks.bf16_adapters); the metrics as 0.25's.
+  1.15-1.16 the loss and its metrics from the fused LM head (fused_compute_loss, memcalc.exact.hf.fused_head).
 Each metric's tensors are compute_loss's locals: they die when it returns the loss, with the logits. Under
 use_liger_kernel (0.15-0.25: `if not self.args.use_liger_kernel`, "liger doesn't return logits") neither metric is
 computed.
@@ -67,12 +70,12 @@ def compute_loss_metrics(g: Graph, cfg: StepConfig, logits: Tensor, labels: Tens
     tensors its frame holds until it returns (the caller lets them go with the logits)."""
     line = cfg.stack.trl
     held: list[Tensor] = []
-    if line not in ("0.21", "0.25") or cfg.stack.savers.liger is not None:  # use_liger_kernel: no logits, no metrics
+    if line not in ("0.21", "0.25", "1.2") or cfg.stack.savers.liger is not None:  # use_liger_kernel: no logits
         return held
     outer, g.grad_enabled = g.grad_enabled, False  # torch.no_grad() in 0.22-0.25 (0.15-0.21: no node saves)
     try:
         with g.scoped("loss"):
-            if line == "0.25":
+            if line in ("0.25", "1.2"):  # 0.26-1.2 compute them as 0.25 does
                 held += entropy(g, logits, labels)
             held += token_accuracy(g, logits, labels)
     finally:

@@ -66,6 +66,10 @@ def compute_loss_metrics(line: str, logits: torch.Tensor, labels: torch.Tensor) 
     tensor): 0.22-1.2's entropy (no_grad) weighted by the collator's all-ones attention mask, then the token
     accuracy (0.15-0.21 with grad on: its ops save nothing). The locals are returned: they live until
     compute_loss returns, with the logits."""
+    if line == "1.5":
+        return metrics_1_5(logits, labels)
+    if line == "1.13":
+        return metrics_1_13(logits, labels)
     if line not in ("0.21", "0.25", "1.2"):
         return []
     held = []
@@ -89,6 +93,64 @@ def compute_loss_metrics(line: str, logits: torch.Tensor, labels: torch.Tensor) 
         held += [shift_logits, shift_labels, predictions, mask, correct_predictions, total_tokens, correct_tokens,
                  total_sum]  # fmt: skip
     return held
+
+
+def metrics_1_5(logits: torch.Tensor, labels: torch.Tensor) -> list:
+    """SFTTrainer.compute_loss after super().compute_loss, 1.3-1.5 (trl 1.4.0's wheel), one process: the entropy
+    block, the training token count, then the accuracy block, which rebinds the entropy block's names. The locals are
+    returned: they live until compute_loss returns."""
+    with torch.no_grad():
+        shift_logits = logits[..., :-1, :].contiguous()
+        shift_labels = labels[..., 1:].contiguous()
+        per_token_entropy = entropy_from_logits(shift_logits)
+        mask = shift_labels != IGNORE_INDEX
+        entropy_sum = (per_token_entropy * mask).sum()
+        total_tokens = mask.sum()
+        entropy_sum = entropy_sum.sum()  # gather_for_metrics(entropy_sum).sum()
+        total_tokens = total_tokens.sum()
+        entropy = item(entropy_sum / total_tokens) if item(total_tokens > 0) is not False else 0.0  # noqa: F841
+    train_tokens(labels)
+    with torch.no_grad():
+        shift_logits = logits[..., :-1, :].contiguous()
+        shift_labels = labels[..., 1:].contiguous()
+        predictions = shift_logits.argmax(dim=-1)
+        mask = shift_labels != IGNORE_INDEX
+        correct_predictions = (predictions == shift_labels) & mask
+        total_tokens = mask.sum()
+        correct_tokens = correct_predictions.sum()
+        total_sum = total_tokens.sum()
+        accuracy = item(correct_tokens.sum() / total_sum) if item(total_sum > 0) is not False else 0.0  # noqa: F841
+    return [shift_logits, shift_labels, per_token_entropy, mask, entropy_sum, total_tokens, predictions,
+            correct_predictions, correct_tokens, total_sum]  # fmt: skip
+
+
+def metrics_1_13(logits: torch.Tensor, labels: torch.Tensor) -> list:
+    """SFTTrainer.compute_loss after super().compute_loss, 1.6-1.13 (trl 1.13.0's wheel), one process: one block over
+    the shifted views, then the training token count."""
+    with torch.no_grad():
+        shift_logits = logits[..., :-1, :]
+        shift_labels = labels[..., 1:]
+        per_token_entropy = entropy_from_logits(shift_logits)
+        predictions = shift_logits.argmax(dim=-1)
+        mask = shift_labels != IGNORE_INDEX
+        entropy_sum = (per_token_entropy * mask).sum()
+        total_tokens = mask.sum()
+        correct_predictions = (predictions == shift_labels) & mask
+        correct_tokens = correct_predictions.sum()
+        entropy_sum = entropy_sum.sum()  # gather_for_metrics(entropy_sum).sum()
+        total_tokens = total_tokens.sum()
+        entropy = item(entropy_sum / total_tokens) if item(total_tokens > 0) is not False else 0.0  # noqa: F841
+        total_sum = total_tokens.sum()
+        accuracy = item(correct_tokens.sum() / total_sum) if item(total_sum > 0) is not False else 0.0  # noqa: F841
+    train_tokens(labels)
+    return [shift_logits, shift_labels, per_token_entropy, predictions, mask, entropy_sum, total_tokens,
+            correct_predictions, correct_tokens, total_sum]  # fmt: skip
+
+
+def train_tokens(labels: torch.Tensor) -> None:
+    """`if mode == "train"`: gather_for_metrics(inputs["attention_mask"].sum()).sum().item(), the collator's all-ones
+    mask made where it is read."""
+    num_tokens = item(torch.ones(labels.shape, dtype=torch.long, device=labels.device).sum().sum())  # noqa: F841
 
 
 def item(t: torch.Tensor):

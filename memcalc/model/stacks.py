@@ -49,15 +49,23 @@ ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 #   0.25  0.22-0.25: and the logits' entropy (in chunks of 128 rows, no grad); the model called with use_cache=False
 #   1.2   0.26-1.2: no k-bit preparation (gone in 0.26): a 4-bit model's trainable parameters cast to bf16 after
 #         get_peft_model; compute_loss's metrics as 0.25's
+#   1.5   1.3-1.5: the entropy over the shifted logits (copied), masked by the labels; the accuracy copies them again
+#   1.13  1.6-1.13: one block over the shifted views (entropy_from_logits' reshape copies them)
 #   1.16  1.15-1.16: the same cast but for DoRA's magnitudes, and the loss from add_fused_lm_head's chunked
-#         log-probabilities (no logits). 1.3-1.14 (the metrics over the shifted logits, computed otherwise at several
-#         releases) are not replayed.
-TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.16")
-TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.2": "0.26", "1.16": "1.15"}  # each line's first release
+#         log-probabilities (no logits). 1.14 (the entropy by a Triton kernel) is not replayed.
+TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.5", "1.13", "1.16")
+TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.2": "0.26", "1.5": "1.3", "1.13": "1.6",
+             "1.16": "1.15"}  # each line's first release
 KBIT_PREPARED = ("0.14", "0.21", "0.25")  # the lines whose SFTTrainer runs peft's prepare_model_for_kbit_training
 FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fused LM head (memcalc.exact.hf.fused_head)
 # the lines whose SFTTrainer casts a 4-bit model's trainable parameters to bf16: whether DoRA's magnitudes too
-BF16_CAST = {"1.2": True, "1.16": False}  # sft_trainer.py: excluded from 1.15 (huggingface/trl #7268)
+BF16_CAST = {"1.2": True, "1.5": True, "1.13": True, "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
+# what each line's compute_loss computes from the logits beside the loss (memcalc.exact.hf.trl)
+METRICS = {"0.21": "token accuracy", "0.25": "entropy of the logits and token accuracy",
+           "1.2": "entropy of the logits and token accuracy",
+           "1.5": "entropy of the shifted logits (a copy) and token accuracy (another)",
+           "1.13": "entropy and token accuracy of the shifted logits (entropy_from_logits' reshape copies "
+                   "them)"}  # fmt: skip
 
 
 @record(frozen=True)
@@ -124,11 +132,12 @@ STACKS: dict[str, Stack] = {
                 use_cache=line != "0.25")  # compute_loss passes use_cache=False from 0.22
           for line, commit in (("0.14", "29de6eec7ba9"), ("0.21", "a64ac0d5dc6b"), ("0.25", "9692b1688e70"))
           for first in (TRL_FIRST[line],)),  # fmt: skip
-        Stack("trl:1.2", "Hugging Face TRL 0.26-1.2's SFTTrainer", "hf", "autocast", "fused",
-              "huggingface/trl trl/trainer/sft_trainer.py and trl/trainer/utils.py, as the trl 0.26.2 to 1.2.0 "
-              "wheels ship them (PyPI): SFTTrainer over Transformers' Trainer (bf16=True autocasts, "
-              "adamw_torch_fused), a 4-bit model's trainable parameters cast to bf16, compute_loss's metrics as 0.25's",
-              trl="1.2"),  # fmt: skip
+        *(Stack(f"trl:{line}", f"Hugging Face TRL {TRL_FIRST[line]}-{line}'s SFTTrainer", "hf", "autocast", "fused",
+                f"huggingface/trl trl/trainer/sft_trainer.py and trl/trainer/utils.py, as the trl {wheels} wheels "
+                f"ship them (PyPI): SFTTrainer over Transformers' Trainer (bf16=True autocasts, adamw_torch_fused), a "
+                f"4-bit model's trainable parameters cast to bf16, compute_loss's {METRICS[line]}", trl=line)
+          for line, wheels in (("1.2", "0.26.2 to 1.2.0"), ("1.5", "1.3.0 to 1.5.1"), ("1.13", "1.6.0 to 1.13.0"))),
+        # fmt: skip
         Stack("trl:1.16", "Hugging Face TRL 1.15-1.16's SFTTrainer", "hf", "autocast", "fused",
               "huggingface/trl trl/trainer/sft_trainer.py, trl/trainer/utils.py add_fused_lm_head and "
               "trl/kernels/chunked_logprob.py, as the trl 1.16.0 wheel ships them (PyPI): SFTTrainer over "
@@ -231,9 +240,8 @@ def trl_note(stack: Stack) -> str:
         parts.append("the 4-bit model prepared by peft's prepare_model_for_kbit_training (what is not 4-bit in fp32: "
                      "its norms lift the residual stream to fp32) and, under bf16, peft_module_casting_to_bf16 "
                      "(embeddings and head back in bf16)")  # fmt: skip
-    if line != "0.14" and stack.savers.liger is None:  # under use_liger_kernel compute_loss skips both: no logits
-        entropy = "entropy of the logits and " if line in ("0.25", "1.2") else ""
-        parts.append(f"compute_loss's {entropy}token accuracy")
+    if line in METRICS and stack.savers.liger is None:  # under use_liger_kernel compute_loss skips both: no logits
+        parts.append(f"compute_loss's {METRICS[line]}")
     return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + ("; ".join(parts) or "the Trainer's step as it is")
 
 

@@ -70,11 +70,18 @@ def compute_loss_metrics(g: Graph, cfg: StepConfig, logits: Tensor, labels: Tens
     tensors its frame holds until it returns (the caller lets them go with the logits)."""
     line = cfg.stack.trl
     held: list[Tensor] = []
-    if line not in ("0.21", "0.25", "1.2") or cfg.stack.savers.liger is not None:  # use_liger_kernel: no logits
+    if line not in ("0.21", "0.25", "1.2", "1.5", "1.13") or cfg.stack.savers.liger is not None:  # Liger: no logits
         return held
-    outer, g.grad_enabled = g.grad_enabled, False  # torch.no_grad() in 0.22-0.25 (0.15-0.21: no node saves)
+    outer, g.grad_enabled = g.grad_enabled, False  # torch.no_grad() from 0.22 (0.15-0.21: no node saves)
     try:
         with g.scoped("loss"):
+            if line == "1.13":
+                return one_block(g, logits, labels)
+            if line == "1.5":
+                frame = shifted_entropy(g, logits, labels)
+                train_tokens(g, labels)
+                rebound_accuracy(g, logits, labels, frame)
+                return list(frame.values())
             if line in ("0.25", "1.2"):  # 0.26-1.2 compute them as 0.25 does
                 held += entropy(g, logits, labels)
             held += token_accuracy(g, logits, labels)
@@ -90,25 +97,7 @@ def entropy(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
     attention_mask) / attention_mask.sum() (the collator's all-ones mask, int64), .item()'d. compute_loss keeps
     per_token_entropy and the mask."""
     B, T, V = logits.shape
-    flat = aten.view(g, logits, (B * T, V))
-    logps = chunk_entropy = None
-    entropies = []
-    for start in range(0, B * T, ENTROPY_CHUNK):
-        n = min(ENTROPY_CHUNK, B * T - start)
-        chunk = g.view(flat, (n, V))  # flat_logits.split(128): views of its rows
-        new = made(g, (n, V), "_log_softmax", chunk, dtype=logits.dtype)
-        logps = new  # the last chunk's held until the function returns
-        del new, chunk
-        exp = made(g, (n, V), "exp", logps, dtype=logps.dtype)
-        product = made(g, (n, V), "mul", exp, logps, dtype=logps.dtype)
-        del exp
-        summed = made(g, (n,), "sum", product, dtype=logps.dtype)
-        del product
-        chunk_entropy = made(g, (n,), "neg", summed, dtype=logps.dtype)
-        del summed
-        entropies.append(chunk_entropy)
-    per_token = made(g, (B * T,), "cat", *entropies, dtype=logits.dtype)
-    del entropies, logps, chunk_entropy, flat  # the list rebound, then the frame's locals
+    per_token = entropy_from_logits(g, logits, B * T, copy=False)
     # the collator's attention mask (all ones: no padding), made here where compute_loss reads it; in a real run its
     # B·T int64 bytes come with the batch
     mask = g.empty((B, T), "int64", "ones", kind="input")
@@ -121,6 +110,34 @@ def entropy(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
     gathered = made(g, (), "mean", mean, dtype=logits.dtype)  # gather_for_metrics(entropy).mean().item()
     del mean, gathered
     return [per_token, mask]
+
+
+def entropy_from_logits(g: Graph, logits: Tensor, rows: int, copy: bool) -> Tensor:
+    """trl/trainer/utils.py entropy_from_logits over `rows` rows of the logits: logits.reshape(-1, V) (a copy where
+    the logits are a strided view: copy), then each chunk of 128 rows' log_softmax (held until the next replaces it:
+    the loop's local), exp(logps) * logps summed and negated; the entropies concatenated (the list's chunks then go,
+    the last chunk's log_softmax and entropy with the function's frame, the reshaped copy too)."""
+    V = logits.shape[-1]
+    flat = made(g, (rows, V), "clone", logits, dtype=logits.dtype) if copy else g.view(logits, (rows, V))
+    logps = chunk_entropy = None
+    entropies = []
+    for start in range(0, rows, ENTROPY_CHUNK):
+        n = min(ENTROPY_CHUNK, rows - start)
+        chunk = g.view(flat, (n, V))  # flat_logits.split(128): views of its rows
+        new = made(g, (n, V), "_log_softmax", chunk, dtype=logits.dtype)
+        logps = new  # the last chunk's held until the function returns
+        del new, chunk
+        exp = made(g, (n, V), "exp", logps, dtype=logps.dtype)
+        product = made(g, (n, V), "mul", exp, logps, dtype=logps.dtype)
+        del exp
+        summed = made(g, (n,), "sum", product, dtype=logps.dtype)
+        del product
+        chunk_entropy = made(g, (n,), "neg", summed, dtype=logps.dtype)
+        del summed
+        entropies.append(chunk_entropy)
+    per_token = made(g, (rows,), "cat", *entropies, dtype=logits.dtype)
+    del entropies, flat, logps, chunk_entropy  # the list rebound, then the frame's locals
+    return per_token
 
 
 def token_accuracy(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
@@ -183,3 +200,111 @@ def summed_twice(g: Graph, x: Tensor, dtype: str) -> Tensor:
     first = made(g, (), "sum", x, dtype=dtype)
     del x
     return made(g, (), "sum", first, dtype=dtype)
+
+
+def shifted(g: Graph, logits: Tensor, labels: Tensor, contiguous: bool) -> tuple[Tensor, Tensor]:
+    """outputs.logits[..., :-1, :] and labels[..., 1:], .contiguous()'d where `contiguous` (a copy where the
+    micro-batch has more than one sequence; one sequence's slice is contiguous already), else the views."""
+    B, T, V = logits.shape
+    if B == 1 or not contiguous:
+        return g.view(logits, (B, T - 1, V)), g.view(labels, (B, T - 1))
+    return (made(g, (B, T - 1, V), "clone", logits, dtype=logits.dtype),
+            made(g, (B, T - 1), "clone", labels, dtype="int64"))  # fmt: skip
+
+
+def masked_entropy(g: Graph, per_token: Tensor, mask: Tensor) -> list[Tensor]:
+    """(per_token_entropy * mask).sum() and mask.sum(), each gather_for_metrics(...).sum()'d (the first 0-d goes as
+    the name is rebound), then (entropy_sum / total_tokens).item() after a `> 0` test: the two 0-d kept."""
+    product = made(g, mask.shape, "mul", per_token, mask, dtype=per_token.dtype)
+    entropy_sum = made(g, (), "sum", product, dtype=per_token.dtype)
+    del product
+    total_tokens = made(g, (), "sum", mask, dtype="int64")
+    return [entropy_sum, total_tokens]
+
+
+def shifted_entropy(g: Graph, logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
+    """1.3-1.5's entropy block (no_grad): the shifted logits and labels .contiguous()'d, entropy_from_logits over
+    them, the labels' mask, the masked sum and the count, gathered (summed again: new 0-d, the first going), the
+    ratio .item()'d. Its locals, by name, stay compute_loss's until the accuracy block rebinds them."""
+    B, T, _ = logits.shape
+    shift_logits, shift_labels = shifted(g, logits, labels, contiguous=True)
+    per_token = entropy_from_logits(g, shift_logits, B * (T - 1), copy=False)
+    mask = made(g, (B, T - 1), "ne", shift_labels, dtype="bool")
+    entropy_sum, total_tokens = masked_entropy(g, per_token, mask)
+    entropy_sum = made(g, (), "sum", entropy_sum, dtype=per_token.dtype)  # gather_for_metrics(...).sum()
+    total_tokens = made(g, (), "sum", total_tokens, dtype="int64")
+    ratio(g, entropy_sum, total_tokens)
+    return dict(shift_logits=shift_logits, shift_labels=shift_labels, per_token_entropy=per_token, mask=mask,
+                entropy_sum=entropy_sum, total_tokens=total_tokens)  # fmt: skip
+
+
+def rebound_accuracy(g: Graph, logits: Tensor, labels: Tensor, frame: dict[str, Tensor]) -> None:
+    """1.3-1.5's accuracy block after the entropy block, in the same frame: shift_logits and shift_labels copied
+    again (each old copy going once its new one is made), the argmax, the mask rebound, (predictions == labels) &
+    mask, the counts (total_tokens rebound), total_sum, and the ratio .item()'d after a `> 0` test."""
+    B, T, V = logits.shape
+    if B > 1:  # .contiguous() copies again
+        frame["shift_logits"] = made(g, (B, T - 1, V), "clone", logits, dtype=logits.dtype)
+        frame["shift_labels"] = made(g, (B, T - 1), "clone", labels, dtype="int64")
+    frame["predictions"] = made(g, (B, T - 1), "argmax", frame["shift_logits"], dtype="int64")
+    frame["mask"] = made(g, (B, T - 1), "ne", frame["shift_labels"], dtype="bool")
+    equal = made(g, (B, T - 1), "eq", frame["predictions"], frame["shift_labels"], dtype="bool")
+    frame["correct_predictions"] = made(g, (B, T - 1), "bitwise_and", equal, frame["mask"], dtype="bool")
+    del equal
+    frame["total_tokens"] = made(g, (), "sum", frame["mask"], dtype="int64")
+    frame["correct_tokens"] = made(g, (), "sum", frame["correct_predictions"], dtype="int64")
+    frame["total_sum"] = made(g, (), "sum", frame["total_tokens"], dtype="int64")
+    positive = made(g, (), "gt", frame["total_sum"], dtype="bool")  # `if total_sum > 0`, then
+    del positive
+    summed = made(g, (), "sum", frame["correct_tokens"], dtype="int64")
+    quotient = made(g, (), "div", summed, frame["total_sum"], dtype="fp32")
+    del summed, quotient
+
+
+def ratio(g: Graph, numerator: Tensor, count: Tensor) -> None:
+    """(numerator / count).item() if count > 0 else 0.0: a 0-d bool tested, a 0-d quotient .item()'d (in the
+    numerator's dtype: the entropy's is the logits')."""
+    positive = made(g, (), "gt", count, dtype="bool")
+    del positive
+    quotient = made(g, (), "div", numerator, count, dtype=numerator.dtype)
+    del quotient
+
+
+def train_tokens(g: Graph, labels: Tensor) -> list:
+    """compute_loss in training: gather_for_metrics(inputs["attention_mask"].sum()).sum().item(), the collator's
+    all-ones mask made where it is read (in a real run its B·T int64 bytes come with the batch): nothing kept."""
+    B, T = labels.shape
+    mask = g.empty((B, T), "int64", "ones", kind="input")
+    counted = made(g, (), "sum", mask, dtype="int64")
+    del mask
+    total = made(g, (), "sum", counted, dtype="int64")
+    del counted, total
+    return []
+
+
+def one_block(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
+    """1.6-1.13's metrics, one no_grad block over the shifted views (not copied): entropy_from_logits (its reshape
+    a copy where the micro-batch has more than one sequence), the argmax, the labels' mask, the masked entropy sum and
+    the count, (predictions == labels) & mask and its count; gathered, the two ratios .item()'d; then the training
+    token count. Its locals are compute_loss's until it returns."""
+    B, T, _ = logits.shape
+    shift_logits, shift_labels = shifted(g, logits, labels, contiguous=False)
+    per_token = entropy_from_logits(g, shift_logits, B * (T - 1), copy=B > 1)
+    predictions = made(g, (B, T - 1), "argmax", shift_logits, dtype="int64")
+    mask = made(g, (B, T - 1), "ne", shift_labels, dtype="bool")
+    entropy_sum, total_tokens = masked_entropy(g, per_token, mask)
+    equal = made(g, (B, T - 1), "eq", predictions, shift_labels, dtype="bool")
+    correct = made(g, (B, T - 1), "bitwise_and", equal, mask, dtype="bool")
+    del equal
+    correct_tokens = made(g, (), "sum", correct, dtype="int64")
+    entropy_sum = made(g, (), "sum", entropy_sum, dtype=per_token.dtype)  # gather_for_metrics(...).sum()
+    total_tokens = made(g, (), "sum", total_tokens, dtype="int64")
+    ratio(g, entropy_sum, total_tokens)
+    total_sum = made(g, (), "sum", total_tokens, dtype="int64")
+    positive = made(g, (), "gt", total_sum, dtype="bool")  # `if total_sum > 0`, then the quotient
+    del positive
+    summed = made(g, (), "sum", correct_tokens, dtype="int64")
+    quotient = made(g, (), "div", summed, total_sum, dtype="fp32")
+    del summed, quotient
+    return [shift_logits, shift_labels, per_token, predictions, mask, entropy_sum, total_tokens, correct,
+            correct_tokens, total_sum] + train_tokens(g, labels)  # fmt: skip

@@ -54,7 +54,8 @@ def test_the_prepared_parameters_are_trl_s():
 @pytest.mark.parametrize("line,tricks,batch", [
     ("0.14", "bf16,flash,ckpt", 1), ("0.21", "bf16", 2), ("0.21", "bf16,ckpt", 2), ("0.25", "bf16,flash,ckpt", 1),
     ("0.25", "fp16", 2), ("1.2", "bf16,flash,ckpt", 1), ("1.2", "bf16", 2), ("1.5", "bf16", 2),
-    ("1.5", "bf16,flash,ckpt", 1), ("1.13", "bf16", 2), ("1.13", "bf16,ckpt", 1),
+    ("1.5", "bf16,flash,ckpt", 1), ("1.13", "bf16", 2), ("1.13", "bf16,ckpt", 1), ("1.14", "bf16", 2),
+    ("1.14", "bf16,flash,ckpt", 1),
 ])  # fmt: skip
 def test_qlora_allocation_by_allocation(line, tricks, batch):
     """A bf16 model loaded in 4 bits without autocast (bf16=False): its fp32 norms make the residual stream and so
@@ -70,7 +71,7 @@ def test_lora_on_a_16_bit_base_is_prepared_not():
 
 
 @pytest.mark.parametrize("line,tricks", [("0.25", "bf16"), ("0.21", "bf16,ckpt"), ("0.14", "fp16"), ("1.2", "bf16"),
-                                         ("1.5", "bf16"), ("1.13", "bf16,ckpt")])  # fmt: skip
+                                         ("1.5", "bf16"), ("1.13", "bf16,ckpt"), ("1.14", "bf16")])  # fmt: skip
 def test_qlora_on_cpu_under_the_trainers_autocast(line, tricks):
     """bf16=True (or fp16=True): Accelerate's autocast over the prepared model, on real CPU tensors; in bf16
     peft_module_casting_to_bf16 has cast the embedding and head back."""

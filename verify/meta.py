@@ -81,12 +81,13 @@ def paths_for(stack: Stack, device: str = "meta"):
 
 
 def fused(stack: Stack):
-    """TRL's fused LM head as on CUDA (verify/trl.py fused_paths), for a stack whose SFTTrainer uses it."""
-    if stack.trl not in FUSED_HEAD:
+    """TRL's kernels as on CUDA: its fused LM head (verify/trl.py fused_paths), 1.14's entropy kernel (kernel_paths),
+    for a stack whose SFTTrainer uses them."""
+    if stack.trl not in FUSED_HEAD + ("1.14",):
         return contextlib.nullcontext()
-    from .trl import fused_paths
+    from .trl import fused_paths, kernel_paths
 
-    return fused_paths()
+    return fused_paths() if stack.trl in FUSED_HEAD else kernel_paths()
 
 
 def kernels_for(tricks: Tricks, attention: str, dropout: str) -> Kernels:

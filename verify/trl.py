@@ -68,8 +68,8 @@ def compute_loss_metrics(line: str, logits: torch.Tensor, labels: torch.Tensor) 
     compute_loss returns, with the logits."""
     if line == "1.5":
         return metrics_1_5(logits, labels)
-    if line == "1.13":
-        return metrics_1_13(logits, labels)
+    if line in ("1.13", "1.14"):
+        return metrics_1_13(logits, labels, kernel_entropy if line == "1.14" else entropy_from_logits)
     if line not in ("0.21", "0.25", "1.2"):
         return []
     held = []
@@ -124,13 +124,14 @@ def metrics_1_5(logits: torch.Tensor, labels: torch.Tensor) -> list:
             correct_predictions, correct_tokens, total_sum]  # fmt: skip
 
 
-def metrics_1_13(logits: torch.Tensor, labels: torch.Tensor) -> list:
-    """SFTTrainer.compute_loss after super().compute_loss, 1.6-1.13 (trl 1.13.0's wheel), one process: one block over
-    the shifted views, then the training token count."""
+def metrics_1_13(logits: torch.Tensor, labels: torch.Tensor, entropy_of) -> list:
+    """SFTTrainer.compute_loss after super().compute_loss, 1.6-1.14 (trl 1.13.0's and 1.14.2's wheels, the same
+    code), one process: one block over the shifted views, then the training token count. entropy_of: the release's
+    entropy_from_logits (1.14's on CUDA: kernel_entropy)."""
     with torch.no_grad():
         shift_logits = logits[..., :-1, :]
         shift_labels = labels[..., 1:]
-        per_token_entropy = entropy_from_logits(shift_logits)
+        per_token_entropy = entropy_of(shift_logits)
         predictions = shift_logits.argmax(dim=-1)
         mask = shift_labels != IGNORE_INDEX
         entropy_sum = (per_token_entropy * mask).sum()
@@ -145,6 +146,30 @@ def metrics_1_13(logits: torch.Tensor, labels: torch.Tensor) -> list:
     train_tokens(labels)
     return [shift_logits, shift_labels, per_token_entropy, predictions, mask, entropy_sum, total_tokens,
             correct_predictions, correct_tokens, total_sum]  # fmt: skip
+
+
+def kernel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """1.14's entropy_from_logits where _supports_trl_loss_kernel holds (CUDA): trl's own
+    selective_log_softmax_and_entropy (trl/kernels/logprob_entropy.py, whose forward trl 1.16 keeps as 1.14 had it),
+    its Triton launch skipped (kernel_paths)."""
+    from trl.kernels import selective_log_softmax_and_entropy
+
+    index = torch.zeros(logits.shape[:-1], device=logits.device, dtype=torch.long)
+    _, entropy = selective_log_softmax_and_entropy(logits, index)
+    return entropy
+
+
+@contextlib.contextmanager
+def kernel_paths():
+    """While active, Triton's launches skipped: trl's kernels write into what their wrappers allocated."""
+    import triton.runtime.jit as jit
+
+    saved = jit.JITFunction.run
+    jit.JITFunction.run = lambda self, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        jit.JITFunction.run = saved
 
 
 def train_tokens(labels: torch.Tensor) -> None:

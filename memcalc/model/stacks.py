@@ -51,21 +51,23 @@ ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 #         get_peft_model; compute_loss's metrics as 0.25's
 #   1.5   1.3-1.5: the entropy over the shifted logits (copied), masked by the labels; the accuracy copies them again
 #   1.13  1.6-1.13: one block over the shifted views (entropy_from_logits' reshape copies them)
+#   1.14  1.14: the same block, the entropy by trl's Triton kernel (selective_log_softmax_and_entropy)
 #   1.16  1.15-1.16: the same cast but for DoRA's magnitudes, and the loss from add_fused_lm_head's chunked
-#         log-probabilities (no logits). 1.14 (the entropy by a Triton kernel) is not replayed.
-TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.5", "1.13", "1.16")
+#         log-probabilities (no logits)
+TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.5", "1.13", "1.14", "1.16")
 TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.2": "0.26", "1.5": "1.3", "1.13": "1.6",
-             "1.16": "1.15"}  # each line's first release
+             "1.14": "1.14", "1.16": "1.15"}  # each line's first release
 KBIT_PREPARED = ("0.14", "0.21", "0.25")  # the lines whose SFTTrainer runs peft's prepare_model_for_kbit_training
 FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fused LM head (memcalc.exact.hf.fused_head)
 # the lines whose SFTTrainer casts a 4-bit model's trainable parameters to bf16: whether DoRA's magnitudes too
-BF16_CAST = {"1.2": True, "1.5": True, "1.13": True, "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
+BF16_CAST = {"1.2": True, "1.5": True, "1.13": True, "1.14": True, "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
 # what each line's compute_loss computes from the logits beside the loss (memcalc.exact.hf.trl)
 METRICS = {"0.21": "token accuracy", "0.25": "entropy of the logits and token accuracy",
            "1.2": "entropy of the logits and token accuracy",
            "1.5": "entropy of the shifted logits (a copy) and token accuracy (another)",
            "1.13": "entropy and token accuracy of the shifted logits (entropy_from_logits' reshape copies "
-                   "them)"}  # fmt: skip
+                   "them)",
+           "1.14": "entropy (trl's Triton kernel) and token accuracy of the shifted logits"}  # fmt: skip
 
 
 @record(frozen=True)
@@ -136,7 +138,8 @@ STACKS: dict[str, Stack] = {
                 f"huggingface/trl trl/trainer/sft_trainer.py and trl/trainer/utils.py, as the trl {wheels} wheels "
                 f"ship them (PyPI): SFTTrainer over Transformers' Trainer (bf16=True autocasts, adamw_torch_fused), a "
                 f"4-bit model's trainable parameters cast to bf16, compute_loss's {METRICS[line]}", trl=line)
-          for line, wheels in (("1.2", "0.26.2 to 1.2.0"), ("1.5", "1.3.0 to 1.5.1"), ("1.13", "1.6.0 to 1.13.0"))),
+          for line, wheels in (("1.2", "0.26.2 to 1.2.0"), ("1.5", "1.3.0 to 1.5.1"), ("1.13", "1.6.0 to 1.13.0"),
+                               ("1.14", "1.14.0 to 1.14.2"))),
         # fmt: skip
         Stack("trl:1.16", "Hugging Face TRL 1.15-1.16's SFTTrainer", "hf", "autocast", "fused",
               "huggingface/trl trl/trainer/sft_trainer.py, trl/trainer/utils.py add_fused_lm_head and "

@@ -27,7 +27,8 @@ TRL_KEYS = ("max_seq_length", "max_length", "packing", "dataset_text_field", "mo
             "eval_packing", "dataset_kwargs", "use_peft", "lora_r", "load_in_4bit", "use_bnb_nested_quant")  # fmt: skip
 # what SFTConfig's defaults are in each TRL line memcalc replays (its last release): bf16, gradient checkpointing
 TRL_DEFAULTS = {"0.14": (False, False), "0.21": (True, False), "0.25": (True, True), "1.2": (True, True),
-                "1.5": (True, True), "1.13": (True, True), "1.16": (True, True)}
+                "1.5": (True, True), "1.13": (True, True), "1.14": (True, True),
+                "1.16": (True, True)}
 STACK_REMARK = {
     "hf": "--stack hf: Transformers' Trainer (no key of TRL's SFTConfig here; --stack trl:0.25 if SFTTrainer ran it)",
     "trl:0.25": "--stack trl:0.25: the TRL line memcalc replays whose SFTConfig takes these keys; the file does not "

@@ -24,7 +24,7 @@ computed.
 
 from __future__ import annotations
 
-from memcalc.model.stacks import KBIT_PREPARED
+from memcalc.model.stacks import KBIT_PREPARED, METRICS
 
 from .. import aten
 from ..aten.operands import made
@@ -70,13 +70,13 @@ def compute_loss_metrics(g: Graph, cfg: StepConfig, logits: Tensor, labels: Tens
     tensors its frame holds until it returns (the caller lets them go with the logits)."""
     line = cfg.stack.trl
     held: list[Tensor] = []
-    if line not in ("0.21", "0.25", "1.2", "1.5", "1.13") or cfg.stack.savers.liger is not None:  # Liger: no logits
+    if line not in METRICS or cfg.stack.savers.liger is not None:  # use_liger_kernel: no logits
         return held
     outer, g.grad_enabled = g.grad_enabled, False  # torch.no_grad() from 0.22 (0.15-0.21: no node saves)
     try:
         with g.scoped("loss"):
-            if line == "1.13":
-                return one_block(g, logits, labels)
+            if line in ("1.13", "1.14"):
+                return one_block(g, logits, labels, kernel=line == "1.14")
             if line == "1.5":
                 frame = shifted_entropy(g, logits, labels)
                 train_tokens(g, labels)
@@ -282,14 +282,18 @@ def train_tokens(g: Graph, labels: Tensor) -> list:
     return []
 
 
-def one_block(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
-    """1.6-1.13's metrics, one no_grad block over the shifted views (not copied): entropy_from_logits (its reshape
-    a copy where the micro-batch has more than one sequence), the argmax, the labels' mask, the masked entropy sum and
-    the count, (predictions == labels) & mask and its count; gathered, the two ratios .item()'d; then the training
-    token count. Its locals are compute_loss's until it returns."""
+def one_block(g: Graph, logits: Tensor, labels: Tensor, kernel: bool) -> list[Tensor]:
+    """1.6-1.14's metrics, one no_grad block over the shifted views (not copied): entropy_from_logits (its reshape
+    a copy where the micro-batch has more than one sequence; 1.14 on CUDA, kernel: trl's Triton kernel instead), the
+    argmax, the labels' mask, the masked entropy sum and the count, (predictions == labels) & mask and its count;
+    gathered, the two ratios .item()'d; then the training token count. Its locals are compute_loss's until it
+    returns."""
     B, T, _ = logits.shape
     shift_logits, shift_labels = shifted(g, logits, labels, contiguous=False)
-    per_token = entropy_from_logits(g, shift_logits, B * (T - 1), copy=B > 1)
+    if kernel:
+        per_token = kernel_entropy(g, shift_logits)
+    else:
+        per_token = entropy_from_logits(g, shift_logits, B * (T - 1), copy=B > 1)
     predictions = made(g, (B, T - 1), "argmax", shift_logits, dtype="int64")
     mask = made(g, (B, T - 1), "ne", shift_labels, dtype="bool")
     entropy_sum, total_tokens = masked_entropy(g, per_token, mask)
@@ -308,3 +312,18 @@ def one_block(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
     del summed, quotient
     return [shift_logits, shift_labels, per_token, predictions, mask, entropy_sum, total_tokens, correct,
             correct_tokens, total_sum] + train_tokens(g, labels)  # fmt: skip
+
+
+def kernel_entropy(g: Graph, logits: Tensor) -> Tensor:
+    """1.14's entropy_from_logits on CUDA (trl/trainer/utils.py, _supports_trl_loss_kernel: a 16- or 32-bit view whose
+    last stride is 1): index = torch.zeros(logits.shape[:-1]) (int64), then trl/kernels/logprob_entropy.py
+    selective_log_softmax_and_entropy: fp32 logprobs, entropy, log_z and expected_logit of that shape, one Triton
+    kernel writing them (log_z and expected_logit go as the Function returns under no_grad); the index and the
+    log-probabilities (`_`) go as entropy_from_logits returns."""
+    rows = logits.shape[:-1]
+    index = made(g, rows, "zeros", dtype="int64")
+    logprobs = g.empty(rows, "fp32", "empty")
+    entropy, log_z, expected_logit = (g.empty(rows, "fp32", "empty_like") for _ in range(3))
+    g.kernel("logprob_entropy", (logits, index), (logprobs, entropy, log_z, expected_logit))
+    del log_z, expected_logit, index, logprobs
+    return entropy

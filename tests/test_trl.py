@@ -126,3 +126,24 @@ def test_from_0_26_a_4_bit_models_trainable_parameters_are_cast_to_bf16():
         assert {d for n, d in real if "lora_A" in n or "norm" in n} == {"bf16"}
     assert "cast to bf16" in trl_note(trl("1.2")) and "entropy" in trl_note(trl("1.2"))
     assert "prepare_model_for_kbit_training" not in trl_note(trl("1.2"))
+
+
+@pytest.mark.parametrize("loss_type,use", [(None, "not modelled"), ("nll", "used"), ("chunked_nll", None)])
+def test_loss_type_from_a_file_on_the_chunked_default_lines(tmp_path, loss_type, use):
+    """From 1.7 to 1.14 SFTConfig defaults to loss_type chunked_nll, which is not replayed: a file that leaves it out
+    is answered as nll's, and says so against the key; nll is used as it is; chunked_nll is refused in one line."""
+    import json
+
+    from tests.test_cli import run
+
+    args = {"model_name_or_path": "llama3.1-8b", "per_device_train_batch_size": 1, "max_length": 1024}
+    path = tmp_path / "sft.json"
+    path.write_text(json.dumps({**args, **({"loss_type": loss_type} if loss_type else {})}))
+    out = run("estimate", "--from", str(path), "--stack", "trl:1.13", "--gpu", "h100-sxm", "--format", "json")
+    if use is None:
+        assert out.exit_code == 2 and "chunked" in out.output and len(out.output.strip().splitlines()) == 1
+        return
+    assert out.exit_code == 0, out.output
+    keys = {k["key"]: k for k in json.loads(out.stdout)["from"]["keys"]}
+    assert keys["loss_type"]["use"] == use
+    assert "chunked_nll" in trl_note(trl("1.13"))

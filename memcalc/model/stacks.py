@@ -61,6 +61,9 @@ KBIT_PREPARED = ("0.14", "0.21", "0.25")  # the lines whose SFTTrainer runs peft
 FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fused LM head (memcalc.exact.hf.fused_head)
 # the lines whose SFTTrainer casts a 4-bit model's trainable parameters to bf16: whether DoRA's magnitudes too
 BF16_CAST = {"1.2": True, "1.5": True, "1.13": True, "1.14": True, "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
+# the lines whose SFTConfig defaults to loss_type="chunked_nll" from 1.7 (sft_config.py __post_init__): the replay runs
+# loss_type="nll", the Trainer's cross-entropy over the logits, which 1.6 defaults to
+CHUNKED_DEFAULT = ("1.13", "1.14")
 # what each line's compute_loss computes from the logits beside the loss (memcalc.exact.hf.trl)
 METRICS = {"0.21": "token accuracy", "0.25": "entropy of the logits and token accuracy",
            "1.2": "entropy of the logits and token accuracy",
@@ -245,6 +248,8 @@ def trl_note(stack: Stack) -> str:
                      "(embeddings and head back in bf16)")  # fmt: skip
     if line in METRICS and stack.savers.liger is None:  # under use_liger_kernel compute_loss skips both: no logits
         parts.append(f"compute_loss's {METRICS[line]}")
+    if line in CHUNKED_DEFAULT:
+        parts.append("loss_type 'nll': SFTConfig's default from 1.7, 'chunked_nll', is not replayed")
     return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + ("; ".join(parts) or "the Trainer's step as it is")
 
 

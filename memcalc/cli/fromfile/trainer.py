@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memcalc.model.stacks import TRL_FIRST
+from memcalc.model.stacks import CHUNKED_DEFAULT, FUSED_HEAD, TRL_FIRST
 
 from . import peft, sharding
 from .common import TrickSet, attention_flash, ckpt_typed_away, clipping, half_precision, model_option, optimizer_option
@@ -72,6 +72,7 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
     lora = peft.lora_options(ledger)
     peft.quantize_options(ledger, lora)
     step_options(ledger, trl)
+    loss_type(ledger, trl)
     clipping(ledger)
     tricks_and_recipe(ledger, trl, ckpt_typed_away(typed))
     optimizer_option(ledger, "optim")
@@ -111,6 +112,26 @@ def stack_of(ledger: KeyLedger, typed: dict) -> tuple[str | None, str]:
         return "hf", ""
     line = "0.21" if "max_seq_length" in ledger.data or "use_liger" in ledger.data else "0.25"
     return f"trl:{line}", line
+
+
+def loss_type(ledger: KeyLedger, trl: str) -> None:
+    """SFTConfig's loss_type (from 1.4): nll, the Trainer's cross-entropy over the logits, is what the lines up to
+    1.14 replay; chunked_nll (the default from 1.7 to 1.14) is not replayed; from 1.15 both run the fused LM head
+    (chunked_nll deprecated into nll)."""
+    if not ledger.has("loss_type"):
+        if trl in CHUNKED_DEFAULT:
+            ledger.unmodelled("loss_type", "SFTConfig's default from 1.7 is chunked_nll, which is not replayed: the "
+                              "verdict is loss_type nll's (1.6's default)")  # fmt: skip
+        return
+    kind = ledger.text("loss_type")
+    if kind == "nll" or (trl in FUSED_HEAD and kind == "chunked_nll"):
+        ledger.used("loss_type", "the fused LM head" if trl in FUSED_HEAD else "the cross-entropy over the logits")
+    elif kind == "chunked_nll":
+        ledger.refuse("loss_type", "SFTTrainer's chunked cross-entropy (the head and the loss in checkpointed "
+                      "chunks of tokens) is not replayed: loss_type nll, or --stack trl:1.16 (1.15 replaced it by "
+                      "the fused LM head)")  # fmt: skip
+    else:
+        ledger.unmodelled("loss_type", f"{kind}: the verdict is loss_type nll's")
 
 
 def step_options(ledger: KeyLedger, trl: str) -> None:

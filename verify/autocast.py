@@ -160,7 +160,8 @@ def measure_autocast(shape: ModelShape, seq_len: int, micro_batch: int, tricks: 
     def recipe_for(m, precision):
         params = trained(m)
         opt = None if stack.impl == "reference" else library_optimizer(params, optimizer, stack.impl)
-        made.append(AutocastRecipe(m, precision, device, opt, clip=stack.model == "hf"))  # the Trainer clips
+        clip = stack.model == "hf" and stack.impl != "reference"  # the Trainer clips; the lesson's loop does not
+        made.append(AutocastRecipe(m, precision, device, opt, clip=clip))
         return made[0]
 
     step, live = measure_step(shape, seq_len, micro_batch, tricks, device, kernels, model, grad_accum, timeline,

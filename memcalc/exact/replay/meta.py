@@ -40,8 +40,9 @@ def forward(g: Graph, model: Transformer | hf.HFModel, idx: Tensor, targets: Ten
 
 def recipe_for(g: Graph, model: Transformer, sharded: bool = False) -> Recipe | TorchRecipe | AutocastRecipe:
     """How the step trains: torch.amp's loop where the model autocasts, else verify/recipes.py's; on Transformers'
-    classes the Trainer's, which clips the gradients (memcalc.exact.train.clip) but where the model is sharded."""
-    clip = model.cfg.model == "hf" and not sharded
+    classes with a library's optimizer the Trainer's, which clips the gradients (memcalc.exact.train.clip) but where
+    the model is sharded (memcalc's reference AdamW is its lesson's loop, which does not)."""
+    clip = model.cfg.model == "hf" and model.cfg.impl != "reference" and not sharded
     if getattr(model, "autocast", None) is None:
         return recipes.recipe_for(g, model, clip)
     return AutocastRecipe(g, model, clip)

@@ -58,7 +58,7 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
 def paths_for(stack: Stack, device: str = "meta"):
     """What the stack's model needs held over its forward and backward on meta (verify/hf.py cuda_paths; on meta
     a QLoRA model's 4-bit matmuls as CUDA's, verify/lora.py meta_paths; Liger's Functions, verify/liger.py
-    meta_paths; TRL's fused LM head, verify/trl.py fused_paths; torchtune's dropout as CUDA's)."""
+    meta_paths; TRL's own kernels, trl_kernels; torchtune's dropout as CUDA's)."""
     from .hf import cuda_dropout, cuda_paths
 
     if stack.model == "torchtune":  # its LoRALinear's nn.Dropout
@@ -76,11 +76,11 @@ def paths_for(stack: Stack, device: str = "meta"):
                 held(stack.savers.liger, device):  # fmt: skip
             yield
         return
-    with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext(), fused(stack):
+    with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext(), trl_kernels(stack):
         yield
 
 
-def fused(stack: Stack):
+def trl_kernels(stack: Stack):
     """TRL's kernels as on CUDA: its fused LM head (verify/trl.py fused_paths), 1.14's entropy kernel (kernel_paths),
     for a stack whose SFTTrainer uses them."""
     if stack.trl not in FUSED_HEAD + ("1.14",):

@@ -63,9 +63,9 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
 
 def compute_loss_metrics(line: str, logits: torch.Tensor, labels: torch.Tensor) -> list:
     """SFTTrainer.compute_loss after super().compute_loss, on one process (gather_for_metrics returns its
-    tensor): 0.22-1.2's entropy (no_grad) weighted by the collator's all-ones attention mask, then the token
-    accuracy (0.15-0.21 with grad on: its ops save nothing). The locals are returned: they live until
-    compute_loss returns, with the logits."""
+    tensor): 0.22-1.2's entropy (no_grad) weighted by the collator's all-ones attention mask, the training token
+    count, then the token accuracy (0.15-0.21 with grad on: its ops save nothing). The locals are returned: they
+    live until compute_loss returns, with the logits."""
     if line == "1.5":
         return metrics_1_5(logits, labels)
     if line in ("1.13", "1.14"):
@@ -80,6 +80,9 @@ def compute_loss_metrics(line: str, logits: torch.Tensor, labels: torch.Tensor) 
             entropy = torch.sum(per_token_entropy * attention_mask) / attention_mask.sum()
             entropy = item(entropy.mean())  # noqa: F841  (gather_for_metrics(entropy).mean().item(), one process)
             held += [per_token_entropy, attention_mask]
+            num_tokens = item(attention_mask.sum().sum())  # noqa: F841  (`if mode == "train"`: the token count)
+        else:
+            train_tokens(labels)
         shift_logits = logits[..., :-1, :].contiguous()
         shift_labels = labels[..., 1:].contiguous()
         predictions = shift_logits.argmax(dim=-1)

@@ -84,6 +84,9 @@ def compute_loss_metrics(g: Graph, cfg: StepConfig, logits: Tensor, labels: Tens
                 return list(frame.values())
             if line in ("0.25", "1.2"):  # 0.26-1.2 compute them as 0.25 does
                 held += entropy(g, logits, labels)
+                counted_twice(g, held[-1])  # the training token count over the entropy's attention mask
+            else:
+                train_tokens(g, labels)
             held += token_accuracy(g, logits, labels)
     finally:
         g.grad_enabled = outer
@@ -271,15 +274,24 @@ def ratio(g: Graph, numerator: Tensor, count: Tensor) -> None:
 
 
 def train_tokens(g: Graph, labels: Tensor) -> list:
-    """compute_loss in training: gather_for_metrics(inputs["attention_mask"].sum()).sum().item(), the collator's
-    all-ones mask made where it is read (in a real run its B·T int64 bytes come with the batch): nothing kept."""
+    """compute_loss in training (from 0.15): gather_for_metrics(inputs["attention_mask"].sum()).sum().item(), the
+    collator's all-ones mask made where it is read (in a real run its B·T int64 bytes come with the batch): nothing
+    kept."""
     B, T = labels.shape
     mask = g.empty((B, T), "int64", "ones", kind="input")
     counted = made(g, (), "sum", mask, dtype="int64")
-    del mask
+    del mask  # the temporary mask goes once summed
     total = made(g, (), "sum", counted, dtype="int64")
     del counted, total
     return []
+
+
+def counted_twice(g: Graph, mask: Tensor) -> None:
+    """gather_for_metrics(mask.sum()).sum().item() on one process: two 0-d int64, the first gone once the second is
+    made, the second once .item()'d."""
+    counted = made(g, (), "sum", mask, dtype="int64")
+    total = made(g, (), "sum", counted, dtype="int64")
+    del counted, total
 
 
 def one_block(g: Graph, logits: Tensor, labels: Tensor, kernel: bool) -> list[Tensor]:

@@ -14,8 +14,13 @@
   0.22-1.2  compute_loss's entropy under no_grad, before the accuracy: entropy_from_logits over the logits in
             chunks of 128 rows (log_softmax, exp, their product summed), the chunks' entropies concatenated,
             then weighted by the attention mask; and the model called with use_cache=False (the stack's).
-  0.26-1.2  no k-bit preparation: a 4-bit model's trainable parameters cast to bf16 after get_peft_model
-            (memcalc.model.stacks.bf16_adapters); the metrics as 0.25's.
+  0.15-1.14 in training, the token count: gather_for_metrics(inputs["attention_mask"].sum()).sum().item().
+  0.26-1.14 no k-bit preparation: a 4-bit model's trainable parameters cast to bf16 after get_peft_model
+            (memcalc.model.stacks.bf16_adapters); the metrics as 0.25's up to 1.2.
+  1.3-1.5   the entropy over the shifted logits, copied, masked by the labels; the accuracy copies them again
+            (shifted_entropy, rebound_accuracy).
+  1.6-1.14  one block over the shifted views (one_block); 1.14's entropy by trl's Triton kernel (kernel_entropy).
+            loss_type "nll" (SFTConfig's default from 1.7, "chunked_nll", is not replayed).
   1.15-1.16 the loss and its metrics from the fused LM head (fused_compute_loss, memcalc.exact.hf.fused_head).
 Each metric's tensors are compute_loss's locals: they die when it returns the loss, with the logits. Under
 use_liger_kernel (0.15-0.25: `if not self.args.use_liger_kernel`, "liger doesn't return logits") neither metric is

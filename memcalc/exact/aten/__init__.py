@@ -3,7 +3,7 @@ and what its backward allocates, in order (derivatives.yaml's formulas, checked 
 The models call them by this package's names (aten.mm); each family is written in its own module:
   operands     what operands decide: bytes, broadcast shapes, type promotion, autocast's casts
   views        views, reshape's copy, split, chunk, cat, slices and pads
-  arithmetic   casts, add, sub, mul, div, pow, rsqrt, mean, sum and a row norm
+  arithmetic   casts, add, sub, mul, div, pow, rsqrt, mean, sums and a row norm
   activations  the activations, softmax and log-softmax, dropout, masked_fill
   matmul       mm, addmm, bmm, F.linear and 4-D torch.matmul
   fused        native_layer_norm and the flash and memory-efficient attention kernels
@@ -31,7 +31,8 @@ May import: memcalc.exact.base, memcalc.exact.sim, and what they may.
 
 from .activations import gelu, log_softmax, masked_fill, native_dropout, safe_softmax, sigmoid, silu, softmax, tanh
 from .arithmetic import (add, add_scalar, div, div_scalar, div_tensor, mean_last, mul, mul_scalar, mul_scalar_, neg,
-                         pow2, pow_scalar, rsqrt, sub, sub_scalar, sum_keepdim, to, vector_norm_rows)  # fmt: skip
+                         pow2, pow_scalar, rsqrt, sub, sub_scalar, sum_all, sum_keepdim, to,
+                         vector_norm_rows)  # fmt: skip
 from .fused import efficient_attention, flash_attention, layer_norm
 from .indexing import embedding, gather, index_add_, index_select, nll_loss
 from .matmul import addmm, bmm, linear, matmul4, mm
@@ -45,5 +46,5 @@ __all__ = [
     "log_softmax", "masked_fill", "matmul4", "mean_last", "mm", "mul", "mul_scalar", "mul_scalar_", "narrow_last",
     "native_dropout", "neg", "nll_loss", "pad_last", "pow2", "pow_scalar", "promote", "reshape_copy", "rsqrt",
     "safe_softmax", "sigmoid", "silu", "size", "slice_last", "softmax", "split", "split_last", "sub", "sub_scalar",
-    "sum_keepdim", "t", "tanh", "to", "vector_norm_rows", "view",
+    "sum_all", "sum_keepdim", "t", "tanh", "to", "vector_norm_rows", "view",
 ]  # fmt: skip

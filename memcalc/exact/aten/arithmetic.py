@@ -223,6 +223,15 @@ def mean_last(g: Graph, x: Tensor) -> Tensor:
     return out
 
 
+def sum_all(g: Graph, x: Tensor) -> Tensor:
+    """x.sum() (SumBackward0): saves x's sizes alone; backward expands the gradient to them (a view)."""
+    shape = x.shape
+    node = g.begin("sum", [x], lambda gs: [g.view(gs[0], shape)])
+    out = made(g, (), "sum", x, dtype=x.dtype)
+    g.end(node, [out])
+    return out
+
+
 def sum_keepdim(g: Graph, x: Tensor) -> Tensor:
     """x.sum(-1, keepdim=True) (SumBackward1): saves nothing; backward expands the gradient (a view)."""
     shape = x.shape

@@ -84,8 +84,8 @@ def fused_forward(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, lab
         del rows, targets
         log_probs, entropy, is_top1 = (scattered(g, x, mask, watched) for x in (log_probs, entropy, is_top1))
     with g.scoped("loss"):  # num_items_in_batch: None, as SFTTrainer calls it (mask.sum().clamp(min=1) instead)
-        summed = sum_all(g, log_probs)
-        negated = neg(g, summed)
+        summed = aten.sum_all(g, log_probs)
+        negated = aten.neg(g, summed)
         del summed
         count = made(g, (), "sum", mask, dtype="int64")
         clamped = made(g, (), "clamp", count, dtype="int64")
@@ -153,31 +153,6 @@ def scattered(g: Graph, x: Tensor, mask: Tensor, watched: bool) -> Tensor:
     prefix = None if watched else made(g, shape, "masked_scatter_", mask, dtype="int64")
     g.kernel("masked_scatter_", (mask, x), (out,))
     del prefix, zeros
-    g.end(node, [out])
-    return out
-
-
-def sum_all(g: Graph, x: Tensor) -> Tensor:
-    """x.sum() (SumBackward0): saves x's sizes; backward expands the gradient (a view)."""
-    shape = x.shape
-
-    def rule(gs):
-        return [g.view(gs[0], shape)]
-
-    node = g.begin("sum", [x], rule)
-    out = made(g, (), "sum", x, dtype=x.dtype)
-    g.end(node, [out])
-    return out
-
-
-def neg(g: Graph, x: Tensor) -> Tensor:
-    """-x (NegBackward0): saves nothing; backward makes -grad, of the gradient's shape (an expanded one's too)."""
-
-    def rule(gs):
-        return [made(g, gs[0].shape, "neg", gs[0], dtype=gs[0].dtype)]
-
-    node = g.begin("neg", [x], rule)
-    out = made(g, x.shape, "neg", x, dtype=x.dtype)
     g.end(node, [out])
     return out
 

@@ -36,7 +36,7 @@ from ..aten.operands import made
 from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
-from .fused_head import FusedOutput, neg, sum_all
+from .fused_head import FusedOutput
 
 CAST_TO_BF16 = ("lm_head", "embed_tokens", "wte", "wpe")  # trl/trainer/utils.py peft_module_casting_to_bf16
 ENTROPY_CHUNK = 128  # trl/trainer/utils.py entropy_from_logits(logits, chunk_size=128)
@@ -84,14 +84,14 @@ def compute_loss_metrics(g: Graph, cfg: StepConfig, logits: Tensor, labels: Tens
                 return one_block(g, logits, labels, kernel=line == "1.14")
             if line == "1.5":
                 frame = shifted_entropy(g, logits, labels)
-                train_tokens(g, labels)
+                train_tokens(g, labels.shape)
                 rebound_accuracy(g, logits, labels, frame)
                 return list(frame.values())
             if line in ("0.25", "1.2"):  # 0.26-1.2 compute them as 0.25 does
                 held += entropy(g, logits, labels)
-                counted_twice(g, held[-1])  # the training token count over the entropy's attention mask
+                summed_twice(g, held[-1], "int64")  # the training token count, over the entropy's attention mask
             else:
-                train_tokens(g, labels)
+                train_tokens(g, labels.shape)
             held += token_accuracy(g, logits, labels)
     finally:
         g.grad_enabled = outer
@@ -166,11 +166,7 @@ def token_accuracy(g: Graph, logits: Tensor, labels: Tensor) -> list[Tensor]:
     total = made(g, (), "sum", mask, dtype="int64")
     correct_tokens = made(g, (), "sum", correct, dtype="int64")
     total_sum = made(g, (), "sum", total, dtype="int64")
-    positive = made(g, (), "gt", total_sum, dtype="bool")  # `if total_sum > 0`, then
-    del positive
-    summed = made(g, (), "sum", correct_tokens, dtype="int64")  # (correct_tokens.sum() / total_sum).item()
-    accuracy = made(g, (), "div", summed, total_sum, dtype="fp32")
-    del summed, accuracy
+    accuracy(g, correct_tokens, total_sum)
     return [shift_logits, shift_labels, predictions, mask, correct, total, correct_tokens, total_sum]
 
 
@@ -183,8 +179,8 @@ def fused_compute_loss(g: Graph, outputs: FusedOutput, num_items_in_batch: Tenso
     compute_loss reads it (in a real run its B·T int64 bytes come with the batch). The locals, the per-token fields
     among them, die as it returns."""
     with g.scoped("loss"):
-        per_token_loss = neg(g, outputs.log_probs)
-        summed = sum_all(g, per_token_loss)
+        per_token_loss = aten.neg(g, outputs.log_probs)
+        summed = aten.sum_all(g, per_token_loss)
         count = made(g, (), "clamp", num_items_in_batch, dtype=num_items_in_batch.dtype)
         loss = aten.div_tensor(g, summed, count)
         del summed, count
@@ -192,14 +188,11 @@ def fused_compute_loss(g: Graph, outputs: FusedOutput, num_items_in_batch: Tenso
         num_valid = summed_twice(g, outputs.label_mask, "int64")
         entropy_sum = summed_twice(g, outputs.entropy, outputs.entropy.dtype)
         num_correct = summed_twice(g, outputs.is_top1, "int64")
-        for numerator in (entropy_sum, num_correct):  # (x / num_valid).item() if num_valid > 0 else 0.0
-            positive = made(g, (), "gt", num_valid, dtype="bool")
-            del positive
-            ratio = made(g, (), "div", numerator, num_valid, dtype="fp32")
-            del ratio
+        ratio(g, entropy_sum, num_valid)
+        ratio(g, num_correct, num_valid)
         B, T = outputs.label_mask.shape[0], outputs.label_mask.shape[1] + 1
-        total = summed_twice(g, g.empty((B, T), "int64", "ones", kind="input"), "int64")  # .item()'d
-        del total, per_token_loss, num_valid, entropy_sum, num_correct
+        train_tokens(g, (B, T))
+        del per_token_loss, num_valid, entropy_sum, num_correct
     return loss
 
 
@@ -262,41 +255,34 @@ def rebound_accuracy(g: Graph, logits: Tensor, labels: Tensor, frame: dict[str, 
     frame["total_tokens"] = made(g, (), "sum", frame["mask"], dtype="int64")
     frame["correct_tokens"] = made(g, (), "sum", frame["correct_predictions"], dtype="int64")
     frame["total_sum"] = made(g, (), "sum", frame["total_tokens"], dtype="int64")
-    positive = made(g, (), "gt", frame["total_sum"], dtype="bool")  # `if total_sum > 0`, then
-    del positive
-    summed = made(g, (), "sum", frame["correct_tokens"], dtype="int64")
-    quotient = made(g, (), "div", summed, frame["total_sum"], dtype="fp32")
-    del summed, quotient
+    accuracy(g, frame["correct_tokens"], frame["total_sum"])
 
 
 def ratio(g: Graph, numerator: Tensor, count: Tensor) -> None:
-    """(numerator / count).item() if count > 0 else 0.0: a 0-d bool tested, a 0-d quotient .item()'d (in the
-    numerator's dtype: the entropy's is the logits')."""
+    """(numerator / count).item() if count > 0 else 0.0: a 0-d bool tested, a 0-d quotient .item()'d (true division:
+    a floating numerator's dtype, the entropy's the logits'; fp32 for a count's)."""
     positive = made(g, (), "gt", count, dtype="bool")
     del positive
-    quotient = made(g, (), "div", numerator, count, dtype=numerator.dtype)
+    dtype = "fp32" if numerator.dtype in ("int64", "int32", "bool") else numerator.dtype
+    quotient = made(g, (), "div", numerator, count, dtype=dtype)
     del quotient
 
 
-def train_tokens(g: Graph, labels: Tensor) -> list:
+def accuracy(g: Graph, correct_tokens: Tensor, total_sum: Tensor) -> None:
+    """(correct_tokens.sum() / total_sum).item() if total_sum > 0 else 0.0: the 0-d bool tested first, then the sum
+    and the fp32 quotient, .item()'d."""
+    positive = made(g, (), "gt", total_sum, dtype="bool")
+    del positive
+    summed = made(g, (), "sum", correct_tokens, dtype="int64")
+    quotient = made(g, (), "div", summed, total_sum, dtype="fp32")
+    del summed, quotient
+
+
+def train_tokens(g: Graph, shape: tuple) -> None:
     """compute_loss in training (from 0.15): gather_for_metrics(inputs["attention_mask"].sum()).sum().item(), the
-    collator's all-ones mask made where it is read (in a real run its B·T int64 bytes come with the batch): nothing
-    kept."""
-    B, T = labels.shape
-    mask = g.empty((B, T), "int64", "ones", kind="input")
-    counted = made(g, (), "sum", mask, dtype="int64")
-    del mask  # the temporary mask goes once summed
-    total = made(g, (), "sum", counted, dtype="int64")
-    del counted, total
-    return []
-
-
-def counted_twice(g: Graph, mask: Tensor) -> None:
-    """gather_for_metrics(mask.sum()).sum().item() on one process: two 0-d int64, the first gone once the second is
-    made, the second once .item()'d."""
-    counted = made(g, (), "sum", mask, dtype="int64")
-    total = made(g, (), "sum", counted, dtype="int64")
-    del counted, total
+    collator's all-ones mask made where it is read (in a real run its B·T int64 bytes come with the batch) and gone
+    once summed: nothing kept."""
+    summed_twice(g, g.empty(shape, "int64", "ones", kind="input"), "int64")
 
 
 def one_block(g: Graph, logits: Tensor, labels: Tensor, kernel: bool) -> list[Tensor]:
@@ -322,13 +308,10 @@ def one_block(g: Graph, logits: Tensor, labels: Tensor, kernel: bool) -> list[Te
     total_tokens = made(g, (), "sum", total_tokens, dtype="int64")
     ratio(g, entropy_sum, total_tokens)
     total_sum = made(g, (), "sum", total_tokens, dtype="int64")
-    positive = made(g, (), "gt", total_sum, dtype="bool")  # `if total_sum > 0`, then the quotient
-    del positive
-    summed = made(g, (), "sum", correct_tokens, dtype="int64")
-    quotient = made(g, (), "div", summed, total_sum, dtype="fp32")
-    del summed, quotient
+    accuracy(g, correct_tokens, total_sum)
+    train_tokens(g, labels.shape)
     return [shift_logits, shift_labels, per_token, predictions, mask, entropy_sum, total_tokens, correct,
-            correct_tokens, total_sum] + train_tokens(g, labels)  # fmt: skip
+            correct_tokens, total_sum]  # fmt: skip
 
 
 def kernel_entropy(g: Graph, logits: Tensor) -> Tensor:

@@ -164,7 +164,9 @@ def kernel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def kernel_paths():
-    """While active, Triton's launches skipped: trl's kernels write into what their wrappers allocated."""
+    """While active, Triton's launches skipped: trl's kernels write into what their wrappers allocated (trl and triton
+    asked for first: one line where they are missing)."""
+    trl_package()
     import triton.runtime.jit as jit
 
     saved = jit.JITFunction.run
@@ -271,25 +273,25 @@ def fused_paths():
     nonzero on meta takes every position as kept), the gradient GEMMs by addmm(out_dtype=fp32, out=acc) into the
     fp32 accumulators, autocast asked of the meta device as off; and a meta tensor's .item() and truth as 1."""
     import torch.fx.experimental._config as fx_config
-    import triton.runtime.jit as jit
-    from trl.kernels import chunked_logprob as kernels
-    from trl.trainer import utils
 
-    saved = (jit.JITFunction.run, kernels._use_triton, utils._use_triton, kernels._addmm_fp32, kernels.torch,
-             torch.Tensor.item, torch.Tensor.__bool__, fx_config.meta_nonzero_assume_all_nonzero)  # fmt: skip
-    item, truth, addmm = saved[5], saved[6], saved[3]
-    jit.JITFunction.run = lambda self, *args, **kwargs: None
-    kernels._use_triton = utils._use_triton = lambda device: True
-    kernels._addmm_fp32 = lambda acc, a, b: cuda_addmm_fp32(acc, a, b, addmm)
-    kernels.torch = AutocastOffOnMeta()
-    torch.Tensor.item = lambda self: 1 if self.device.type == "meta" else item(self)
-    torch.Tensor.__bool__ = lambda self: True if self.device.type == "meta" else truth(self)
-    fx_config.meta_nonzero_assume_all_nonzero = True
-    try:
-        yield
-    finally:
-        (jit.JITFunction.run, kernels._use_triton, utils._use_triton, kernels._addmm_fp32, kernels.torch,
-         torch.Tensor.item, torch.Tensor.__bool__, fx_config.meta_nonzero_assume_all_nonzero) = saved  # fmt: skip
+    with kernel_paths():
+        from trl.kernels import chunked_logprob as kernels
+        from trl.trainer import utils
+
+        saved = (kernels._use_triton, utils._use_triton, kernels._addmm_fp32, kernels.torch, torch.Tensor.item,
+                 torch.Tensor.__bool__, fx_config.meta_nonzero_assume_all_nonzero)  # fmt: skip
+        item, truth, addmm = saved[4], saved[5], saved[2]
+        kernels._use_triton = utils._use_triton = lambda device: True
+        kernels._addmm_fp32 = lambda acc, a, b: cuda_addmm_fp32(acc, a, b, addmm)
+        kernels.torch = AutocastOffOnMeta()
+        torch.Tensor.item = lambda self: 1 if self.device.type == "meta" else item(self)
+        torch.Tensor.__bool__ = lambda self: True if self.device.type == "meta" else truth(self)
+        fx_config.meta_nonzero_assume_all_nonzero = True
+        try:
+            yield
+        finally:
+            (kernels._use_triton, utils._use_triton, kernels._addmm_fp32, kernels.torch, torch.Tensor.item,
+             torch.Tensor.__bool__, fx_config.meta_nonzero_assume_all_nonzero) = saved  # fmt: skip
 
 
 def cuda_addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, original) -> None:

@@ -43,6 +43,39 @@ def assert_equal_at_width(shape, seq_len: int, tricks, stack) -> None:
     assert e.activations.total_bytes == step.saved_bytes and step.flops == e.flops.counted
 
 
+def assert_watched_meta(shape, tricks: str, stack, batch: int = 1, seq: int = 24) -> None:
+    """assert_same_step against the stack's step on meta, the replay as the tracker's dispatch mode sees it (StepConfig
+    .watched: memcalc.exact.hf.fused_head says what differs from CUDA)."""
+    from dataclasses import replace
+
+    from memcalc.exact.replay.meta import simulate
+    from memcalc.model.tricks import parse_tricks
+    from tests.test_lora import step_config
+    from verify.meta import measure_step
+
+    cfg = replace(step_config(shape, seq, batch, tricks, stack), watched=True)
+    phases, g, mem = simulate(cfg, timeline=True)
+    step, live = measure_step(shape, seq, batch, parse_tricks(tricks), timeline=True, stack=stack, count_flops=False)
+    assert_same_step(phases, g, mem, step, live, tricks)
+
+
+def assert_watched_cpu(shape, stack, tricks: str) -> None:
+    """assert_same_step against the stack's step on real CPU tensors at micro-batch 2 under the Trainer's autocast,
+    the replay for device cpu as the tracker sees it (watched)."""
+    from dataclasses import replace
+
+    from memcalc.exact.replay.meta import simulate
+    from memcalc.model.tricks import parse_tricks
+    from tests.test_lora import step_config
+    from verify.autocast import measure_cpu
+
+    cfg = replace(step_config(shape, 24, 2, tricks, stack, device="cpu"), watched=True)
+    phases, g, mem = simulate(cfg, timeline=True)
+    step, live, recipe = measure_cpu(shape, 24, 2, parse_tricks(tricks), 1, True, stack)
+    assert recipe.skipped == 0
+    assert_same_step(phases, g, mem, step, live, tricks)
+
+
 def launches(kernels) -> list[tuple]:
     """Each distinct kernel, layer aside, in the order first launched, with how many times it is launched
     (memcalc.exact.kernels.merged): what two blocks, or a trace and its collapsed form, compare by."""

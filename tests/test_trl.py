@@ -33,7 +33,9 @@ QLORA = Finetune(4, quantize="nf4")
 
 
 def trl(line: str, finetune: Finetune = QLORA, recipe: str | None = None):
-    stack = replace(STACKS[f"trl:{line}"], finetune=finetune)
+    """The line's SFTTrainer with loss_type "nll" (the compute_loss metrics over the logits: from 1.7 the default,
+    chunked_nll, has none: tests/test_trl_chunked.py)."""
+    stack = replace(STACKS[f"trl:{line}"], finetune=finetune, loss="full")
     return replace(stack, recipe=recipe) if recipe else stack
 
 
@@ -128,10 +130,13 @@ def test_from_0_26_a_4_bit_models_trainable_parameters_are_cast_to_bf16():
     assert "prepare_model_for_kbit_training" not in trl_note(trl("1.2"))
 
 
-@pytest.mark.parametrize("loss_type,use", [(None, "not modelled"), ("nll", "used"), ("chunked_nll", None)])
-def test_loss_type_from_a_file_on_the_chunked_default_lines(tmp_path, loss_type, use):
-    """From 1.7 to 1.14 SFTConfig defaults to loss_type chunked_nll, which is not replayed: a file that leaves it out
-    is answered as nll's, and says so against the key; nll is used as it is; chunked_nll is refused in one line."""
+@pytest.mark.parametrize("line,loss_type,loss", [("1.13", None, "chunked_nll"), ("1.13", "nll", "full"),
+                                                  ("1.13", "chunked_nll", "chunked_nll"), ("1.6", None, "full"),
+                                                  ("1.6", "chunked_nll", "chunked_nll"), ("0.25", "chunked_nll", None)])
+def test_loss_type_from_a_file(tmp_path, line, loss_type, loss):
+    """SFTConfig's loss_type as --loss: a file on 1.7-1.14 that leaves it out gets the default, chunked_nll, said
+    against the key; nll and chunked_nll are used as given where the line runs them (1.6's default is nll); chunked_nll
+    on a line without it is refused in one line."""
     import json
 
     from tests.test_cli import run
@@ -139,11 +144,13 @@ def test_loss_type_from_a_file_on_the_chunked_default_lines(tmp_path, loss_type,
     args = {"model_name_or_path": "llama3.1-8b", "per_device_train_batch_size": 1, "max_length": 1024}
     path = tmp_path / "sft.json"
     path.write_text(json.dumps({**args, **({"loss_type": loss_type} if loss_type else {})}))
-    out = run("estimate", "--from", str(path), "--stack", "trl:1.13", "--gpu", "h100-sxm", "--format", "json")
-    if use is None:
-        assert out.exit_code == 2 and "chunked" in out.output and len(out.output.strip().splitlines()) == 1
+    out = run("estimate", "--from", str(path), "--stack", f"trl:{line}", "--gpu", "h100-sxm", "--format", "json")
+    if loss is None:
+        assert out.exit_code == 2 and "chunked_nll" in out.output and len(out.output.strip().splitlines()) == 1
         return
     assert out.exit_code == 0, out.output
-    keys = {k["key"]: k for k in json.loads(out.stdout)["from"]["keys"]}
-    assert keys["loss_type"]["use"] == use
-    assert "chunked_nll" in trl_note(trl("1.13"))
+    answer = json.loads(out.stdout)
+    keys = {k["key"]: k for k in answer["from"]["keys"]}
+    if loss_type or line == "1.13":
+        assert keys["loss_type"]["use"] == ("default" if loss_type is None else "used"), keys["loss_type"]
+    assert answer["setup"]["stack"]["loss"] == loss

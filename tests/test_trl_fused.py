@@ -22,18 +22,15 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("trl")
 
 from memcalc.exact.hf.model import build as hf_build  # noqa: E402
-from memcalc.exact.replay.meta import simulate  # noqa: E402
 from memcalc.exact.sim.graph import Graph  # noqa: E402
 from memcalc.exact.sim.tensors import LiveBytes  # noqa: E402
 from memcalc.model.presets import PRESETS  # noqa: E402
 from memcalc.model.shape import ModelShape  # noqa: E402
-from tests.replay import assert_equal_at_width, assert_same_step  # noqa: E402
+from tests.replay import assert_equal_at_width, assert_watched_cpu, assert_watched_meta  # noqa: E402
 from tests.test_lora import step_config  # noqa: E402
 from tests.test_lora_families import SHAPES as FAMILIES  # noqa: E402
 from tests.test_stack_hf import TINY  # noqa: E402
-from verify.autocast import measure_cpu  # noqa: E402
 from verify.hf import build_hf  # noqa: E402
-from verify.meta import measure_step  # noqa: E402
 
 LORA, QLORA, FULL = Finetune(4), Finetune(4, quantize="nf4"), Finetune()
 # vocabulary past one 32768-column tile, and more than 4096 positions: the Function's two loops go round
@@ -46,15 +43,6 @@ def trl(finetune: Finetune = LORA, recipe: str | None = "pure"):
     return replace(stack, recipe=recipe) if recipe else stack
 
 
-def assert_meta(shape, tricks: str, stack, batch: int = 1, seq: int = 24) -> None:
-    """Every phase, the saved bytes and every allocation with the live bytes at it, against trl on meta; the replay
-    as the tracker's dispatch mode sees the step (watched)."""
-    cfg = replace(step_config(shape, seq, batch, tricks, stack), watched=True)
-    phases, g, mem = simulate(cfg, timeline=True)
-    step, live = measure_step(shape, seq, batch, parse_tricks(tricks), timeline=True, stack=stack, count_flops=False)
-    assert_same_step(phases, g, mem, step, live, tricks)
-
-
 @pytest.mark.parametrize("name,tricks,finetune,batch", [
     ("llama", "bf16", LORA, 2),  # the head frozen: the rows' gradient alone
     ("llama", "bf16,flash,ckpt", QLORA, 1),  # the adapters cast to bf16; the decoder called without the count
@@ -65,18 +53,18 @@ def assert_meta(shape, tricks: str, stack, batch: int = 1, seq: int = 24) -> Non
     ("llama-mha-tied", "bf16", FULL, 1),  # the tied table's gradient from the head and the embedding
 ])  # fmt: skip
 def test_allocation_by_allocation(name, tricks, finetune, batch):
-    assert_meta(TINY[name], tricks, trl(finetune), batch=batch)
+    assert_watched_meta(TINY[name], tricks, trl(finetune), batch=batch)
 
 
 def test_gemma2_softcap_is_in_the_kernel():
     """Gemma 2's final_logit_softcapping goes into the Triton kernels: no tensor of its own."""
-    assert_meta(FAMILIES["gemma2"], "bf16,ckpt", trl(LORA), batch=2)
+    assert_watched_meta(FAMILIES["gemma2"], "bf16,ckpt", trl(LORA), batch=2)
 
 
 def test_both_loops_go_round():
     """40,000 columns (two vocabulary tiles, the second 7,232 wide in the same buffer) and 2 x 2,500 positions (two
     token chunks): the head's rows cast per tile where they differ, the buffer's rows min(N, 4096)."""
-    assert_meta(WIDE_VOCAB, "bf16", trl(FULL), batch=2, seq=2501)
+    assert_watched_meta(WIDE_VOCAB, "bf16", trl(FULL), batch=2, seq=2501)
 
 
 @pytest.mark.parametrize("finetune,tricks", [(LORA, "bf16"), (FULL, "bf16,ckpt"), (QLORA, "bf16")])
@@ -84,12 +72,8 @@ def test_on_cpu_under_the_trainers_autocast(finetune, tricks):
     """bf16=True: Accelerate's autocast around the patched forward, on real CPU tensors. Full training loads fp32
     weights: the rows and each head tile are cast to bf16 for the mm, per chunk, and the rows' gradient comes back
     fp32 (no cast); LoRA's base is bf16."""
-    stack, shape = trl(finetune, recipe=None), TINY["llama"]
-    cfg = replace(step_config(shape, 24, 2, tricks, stack, device="cpu"), watched=True)
-    phases, g, mem = simulate(cfg, timeline=True)
-    step, live, recipe = measure_cpu(shape, 24, 2, parse_tricks(tricks), 1, True, stack)
-    assert recipe.skipped == 0
-    assert_same_step(phases, g, mem, step, live, tricks)
+    assert_watched_cpu(TINY["llama"], trl(finetune, recipe=None), tricks)
+
 
 
 def test_a_4_bit_models_adapters_are_bf16():

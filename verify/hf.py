@@ -274,11 +274,13 @@ class TrainerModel(nn.Module):
     With autocast (device type, 16-bit dtype: TrainingArguments bf16=True or fp16=True over fp32
     weights) the model's forward is the one Accelerate prepared (amp_forward)."""
 
-    def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype] | None = None, trl: str = ""):
+    def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype] | None = None, trl: str = "",
+                 chunked: bool = False):  # fmt: skip
         super().__init__()
         self.model = model
         self.autocast = autocast
         self.trl = trl  # TRL's SFTTrainer's release line: its compute_loss's metrics (verify/trl.py)
+        self.chunked = chunked  # its loss_type "chunked_nll": the patched forward's counts, no logits
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
@@ -288,9 +290,13 @@ class TrainerModel(nn.Module):
 
             return sft_compute_loss(call, idx, labels, num_items_in_batch)
         outputs = call(input_ids=idx, labels=labels, num_items_in_batch=num_items_in_batch)
-        loss = outputs.loss
+        loss = outputs["loss"]
         loss *= 1  # num_processes // tp_size
-        if self.trl:  # SFTTrainer.compute_loss: its metrics from the output, held until it returns the loss
+        if self.chunked:  # SFTTrainer.compute_loss under loss_type "chunked_nll": its metrics from the counts
+            from .trl import chunked_metrics
+
+            chunked_metrics(outputs, labels)
+        elif self.trl:  # SFTTrainer.compute_loss: its metrics from the output, held until it returns the loss
             from .trl import compute_loss_metrics
 
             held = compute_loss_metrics(self.trl, outputs.logits, labels)
@@ -330,7 +336,7 @@ def convert_to_fp32(data):
 def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
              device: str = "meta", autocast: str | None = None, use_cache: bool = False,
              finetune: Finetune = FULL, trl: str = "", liger: bool = False,
-             reentrant: bool = False) -> TrainerModel:  # fmt: skip
+             reentrant: bool = False, loss: str = "full") -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
@@ -365,6 +371,10 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
         from .trl import prepare_after_peft
 
         prepare_after_peft(model, trl, bool(finetune.quantize), checkpointing and finetune.lora)
+    if loss == "chunked_nll":  # SFTTrainer.__init__ patches the forward for loss_type "chunked_nll" (verify/trl.py)
+        from .trl import patch_chunked
+
+        patch_chunked(model, trl)
     if trl and checkpointing:  # Trainer.train enables it again (its kwargs) over TRL's preparation's
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     if liger:
@@ -372,7 +382,8 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
 
         apply(model)
     # TRL 0.15-0.25's compute_loss computes its metrics from the logits only without use_liger_kernel
-    return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, "" if liger else trl)
+    return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, "" if liger else trl,
+                        loss == "chunked_nll")  # fmt: skip
 
 
 def describe(shape: ModelShape) -> str:

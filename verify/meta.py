@@ -50,7 +50,8 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
         from .hf import build_hf
 
         return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache, finetune=stack.finetune,
-                        trl=stack.trl, liger=stack.savers.liger is not None, reentrant=stack.reentrant)  # fmt: skip
+                        trl=stack.trl, liger=stack.savers.liger is not None, reentrant=stack.reentrant,
+                        loss=stack.loss)  # fmt: skip
     return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
 
 
@@ -82,7 +83,12 @@ def paths_for(stack: Stack, device: str = "meta"):
 
 def trl_kernels(stack: Stack):
     """TRL's kernels as on CUDA: its fused LM head (verify/trl.py fused_paths), 1.14's entropy kernel (kernel_paths),
-    for a stack whose SFTTrainer uses them."""
+    for a stack whose SFTTrainer uses them; under loss_type chunked_nll, 1.4-1.7's boolean index on meta
+    (chunked_paths)."""
+    if stack.loss == "chunked_nll":  # no logits: 1.14's entropy kernel is not called
+        from .trl import chunked_paths
+
+        return chunked_paths()
     if stack.trl not in FUSED_HEAD + ("1.14",):
         return contextlib.nullcontext()
     from .trl import fused_paths, kernel_paths

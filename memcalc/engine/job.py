@@ -84,9 +84,11 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         raise InputError("--liger is replayed on one GPU, or each GPU of data parallelism with the weights whole "
                          "(ZeRO 0-2): lce_forward reads lm_head.weight outside the head's forward, where ZeRO-3's and "
                          "FSDP2's gathers are not replayed with it")  # fmt: skip
-    if setup.stack.trl in FUSED_HEAD and not (plain_split(lay) and lay.zero < 3):
+    reads_head = "its fused LM head" if setup.stack.trl in FUSED_HEAD else (
+        "its loss_type chunked_nll" if setup.stack.loss == "chunked_nll" else "")
+    if reads_head and not (plain_split(lay) and lay.zero < 3):
         raise InputError(f"--stack {setup.stack.key} is replayed on one GPU, or each GPU of data parallelism with the "
-                         "weights whole (ZeRO 0-2): its fused LM head reads lm_head.weight outside the head's forward "
+                         f"weights whole (ZeRO 0-2): {reads_head} reads lm_head.weight outside the head's forward "
                          "(FSDP2's full_tensor, ZeRO-3's gather around it), which is not replayed")  # fmt: skip
     if setup.stack.model == "torchtune" and not (plain_split(lay) and lay.zero == 0):  # its single-device recipes
         raise InputError("--stack torchtune replays its single-device recipes (full_finetune_single_device, "

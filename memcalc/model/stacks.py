@@ -35,9 +35,12 @@ from .finetune import FULL, Finetune
 from .savers import NO_SAVERS, Liger, Savers, check_liger, check_offload, check_offload_tricks
 
 MODELS = ("reference", "hf", "torchtune")
-# the loss over the logits: full (cross-entropy over the whole logits, the head's output in one tensor), or chunked
-# (torchtune's CEWithChunkedOutputLoss: the head and the loss in 8 chunks of the sequence, each upcast to fp32)
-LOSSES = ("full", "chunked")
+# the loss over the logits: full (cross-entropy over the whole logits, the head's output in one tensor: TRL's
+# loss_type "nll"), chunked (torchtune's CEWithChunkedOutputLoss: the head and the loss in 8 chunks of the sequence,
+# each upcast to fp32), or chunked_nll (TRL's loss_type "chunked_nll": the head and the loss 256 positions at a time,
+# each under checkpointing: memcalc.exact.hf.chunked_nll)
+LOSSES = ("full", "chunked", "chunked_nll")
+LOSS_SPELLINGS = {"nll": "full"}  # --loss nll: TRL's name for the cross-entropy over the whole logits
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
 ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
@@ -50,26 +53,42 @@ ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 #   1.2   0.26-1.2: no k-bit preparation (gone in 0.26): a 4-bit model's trainable parameters cast to bf16 after
 #         get_peft_model; compute_loss's metrics as 0.25's
 #   1.5   1.3-1.5: the entropy over the shifted logits (copied), masked by the labels; the accuracy copies them again
-#   1.13  1.6-1.13: one block over the shifted views (entropy_from_logits' reshape copies them)
-#   1.14  1.14: the same block, the entropy by trl's Triton kernel (selective_log_softmax_and_entropy)
+#   1.6   1.6: one block over the shifted views (entropy_from_logits' reshape copies them); loss_type "chunked_nll"
+#         (from 1.4, not the default) keeps the labelled positions (hidden[valid]) and runs each chunk's head in fp32
+#   1.7   1.7: the same, chunked_nll the default (sft_config.py __post_init__, unless use_liger_kernel)
+#   1.10  1.8-1.10: chunked_nll orders every position by the label mask (argsort) and tests the count against 0
+#   1.12  1.11-1.12: chunked_nll clamps the chunk count instead
+#   1.13  1.13: chunked_nll's matmul in the rows' dtype (w.to(h.dtype)), its logits upcast after
+#   1.14  1.14: the nll block's entropy by trl's Triton kernel (selective_log_softmax_and_entropy)
 #   1.16  1.15-1.16: the same cast but for DoRA's magnitudes, and the loss from add_fused_lm_head's chunked
 #         log-probabilities (no logits)
-TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.5", "1.13", "1.14", "1.16")
-TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.2": "0.26", "1.5": "1.3", "1.13": "1.6",
-             "1.14": "1.14", "1.16": "1.15"}  # each line's first release
+TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.5", "1.6", "1.7", "1.10", "1.12", "1.13", "1.14", "1.16")
+TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.2": "0.26", "1.5": "1.3", "1.6": "1.6", "1.7": "1.7",
+             "1.10": "1.8", "1.12": "1.11", "1.13": "1.13", "1.14": "1.14", "1.16": "1.15"}  # each line's first release
+
+
+def releases(line: str) -> str:
+    """'1.8-1.10', or '1.13' for a line of one release."""
+    return line if TRL_FIRST[line] == line else f"{TRL_FIRST[line]}-{line}"
+
+
 KBIT_PREPARED = ("0.14", "0.21", "0.25")  # the lines whose SFTTrainer runs peft's prepare_model_for_kbit_training
 FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fused LM head (memcalc.exact.hf.fused_head)
 # the lines whose SFTTrainer casts a 4-bit model's trainable parameters to bf16: whether DoRA's magnitudes too
-BF16_CAST = {"1.2": True, "1.5": True, "1.13": True, "1.14": True, "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
-# the lines whose SFTConfig defaults to loss_type="chunked_nll" from 1.7 (sft_config.py __post_init__): the replay runs
-# loss_type="nll", the Trainer's cross-entropy over the logits, which 1.6 defaults to
-CHUNKED_DEFAULT = ("1.13", "1.14")
+BF16_CAST = {"1.2": True, "1.5": True, "1.6": True, "1.7": True, "1.10": True, "1.12": True, "1.13": True, "1.14": True,
+             "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
+# the lines whose SFTTrainer runs loss_type="chunked_nll" (--loss chunked_nll; 1.4-1.5 have it too, inside the 1.3-1.5
+# line, whose 1.3 has not), those where it is SFTConfig's default (1.7-1.14: the stack's loss), and those whose chunk
+# runs the head in fp32 (h.float() @ w.float().t(), up to 1.12)
+CHUNKED_NLL = ("1.6", "1.7", "1.10", "1.12", "1.13", "1.14")
+CHUNKED_DEFAULT = ("1.7", "1.10", "1.12", "1.13", "1.14")
+CHUNKED_FP32 = ("1.6", "1.7", "1.10", "1.12")
 # what each line's compute_loss computes from the logits beside the loss (memcalc.exact.hf.trl)
 METRICS = {"0.21": "token accuracy", "0.25": "entropy of the logits and token accuracy",
            "1.2": "entropy of the logits and token accuracy",
            "1.5": "entropy of the shifted logits (a copy) and token accuracy (another)",
-           "1.13": "entropy and token accuracy of the shifted logits (entropy_from_logits' reshape copies "
-                   "them)",
+           **{line: "entropy and token accuracy of the shifted logits (entropy_from_logits' reshape copies them)"
+              for line in ("1.6", "1.7", "1.10", "1.12", "1.13")},
            "1.14": "entropy (trl's Triton kernel) and token accuracy of the shifted logits"}  # fmt: skip
 
 
@@ -108,7 +127,8 @@ class Stack:
         if base and self.use_cache != base.use_cache:
             changed.append("cache" if self.use_cache else "no cache")
         if base and self.loss != base.loss:
-            changed.append(f"{self.loss} loss")
+            trl_name = f"loss_type {'nll' if self.loss == 'full' else self.loss}"
+            changed.append(trl_name if self.trl else f"{self.loss} loss")
         if self.in_backward:
             changed.append("optimizer in backward")
         if self.reentrant:
@@ -137,12 +157,16 @@ STACKS: dict[str, Stack] = {
                 use_cache=line != "0.25")  # compute_loss passes use_cache=False from 0.22
           for line, commit in (("0.14", "29de6eec7ba9"), ("0.21", "a64ac0d5dc6b"), ("0.25", "9692b1688e70"))
           for first in (TRL_FIRST[line],)),  # fmt: skip
-        *(Stack(f"trl:{line}", f"Hugging Face TRL {TRL_FIRST[line]}-{line}'s SFTTrainer", "hf", "autocast", "fused",
+        *(Stack(f"trl:{line}", f"Hugging Face TRL {releases(line)}'s SFTTrainer", "hf", "autocast", "fused",
                 f"huggingface/trl trl/trainer/sft_trainer.py and trl/trainer/utils.py, as the trl {wheels} wheels "
                 f"ship them (PyPI): SFTTrainer over Transformers' Trainer (bf16=True autocasts, adamw_torch_fused), a "
-                f"4-bit model's trainable parameters cast to bf16, compute_loss's {METRICS[line]}", trl=line)
-          for line, wheels in (("1.2", "0.26.2 to 1.2.0"), ("1.5", "1.3.0 to 1.5.1"), ("1.13", "1.6.0 to 1.13.0"),
-                               ("1.14", "1.14.0 to 1.14.2"))),
+                f"4-bit model's trainable parameters cast to bf16, "
+                + ("loss_type chunked_nll (SFTConfig's default: compute_loss's metrics from its counts; under nll, "
+                   f"its {METRICS[line]})" if line in CHUNKED_DEFAULT else f"compute_loss's {METRICS[line]}"), trl=line,
+                loss="chunked_nll" if line in CHUNKED_DEFAULT else "full")
+          for line, wheels in (("1.2", "0.26.2 to 1.2.0"), ("1.5", "1.3.0 to 1.5.1"), ("1.6", "1.6.0"),
+                               ("1.7", "1.7.1"), ("1.10", "1.8.0, 1.9.2 and 1.10.0"), ("1.12", "1.11.0 and 1.12.0"),
+                               ("1.13", "1.13.0"), ("1.14", "1.14.0 to 1.14.2"))),
         # fmt: skip
         Stack("trl:1.16", "Hugging Face TRL 1.15-1.16's SFTTrainer", "hf", "autocast", "fused",
               "huggingface/trl trl/trainer/sft_trainer.py, trl/trainer/utils.py add_fused_lm_head and "
@@ -212,11 +236,16 @@ def with_loop(stack: Stack, loss: str | None = None, in_backward: bool = False) 
     changes: dict = {}
     if loss is not None:
         key = loss.strip().lower()
+        key = LOSS_SPELLINGS.get(key, key)
         if key not in LOSSES:
-            raise InputError(f"unknown --loss {loss!r}; known: {', '.join(LOSSES)}")
+            raise InputError(f"unknown --loss {loss!r}; known: {', '.join(LOSSES + tuple(LOSS_SPELLINGS))}")
         if key == "chunked" and stack.model != "torchtune":
             raise InputError(f"--loss chunked is torchtune's CEWithChunkedOutputLoss (--stack torchtune); --stack "
                              f"{stack.key}'s step computes the loss over the whole logits")  # fmt: skip
+        if key == "chunked_nll" and stack.trl not in CHUNKED_NLL:
+            raise InputError(f"--loss chunked_nll is TRL's SFTConfig(loss_type='chunked_nll'), replayed on "
+                             f"{', '.join('trl:' + x for x in CHUNKED_NLL)} (1.6-1.14; 1.15 folded it into its fused "
+                             f"LM head), not --stack {stack.key}")  # fmt: skip
         changes["loss"] = key
     if in_backward:
         if stack.model != "torchtune":
@@ -241,16 +270,19 @@ def trl_note(stack: Stack) -> str:
     if line in FUSED_HEAD:
         parts.append("the loss from add_fused_lm_head's chunked log-probabilities (no logits: 4096 x 32768 tiles, "
                      "fp32 per-token statistics)")  # fmt: skip
-        return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + "; ".join(parts)
+        return f"TRL {releases(line)}'s SFTTrainer: " + "; ".join(parts)
     if line in KBIT_PREPARED and stack.finetune.quantize:
         parts.append("the 4-bit model prepared by peft's prepare_model_for_kbit_training (what is not 4-bit in fp32: "
                      "its norms lift the residual stream to fp32) and, under bf16, peft_module_casting_to_bf16 "
                      "(embeddings and head back in bf16)")  # fmt: skip
-    if line in METRICS and stack.savers.liger is None:  # under use_liger_kernel compute_loss skips both: no logits
+    if stack.loss == "chunked_nll":
+        parts.append("loss_type chunked_nll: the head and the loss 256 positions at a time, each under checkpointing "
+                     "(no logits)" + (", the head copied to fp32 per chunk" if line in CHUNKED_FP32 else ""))
+    elif line in METRICS and stack.savers.liger is None:  # under use_liger_kernel compute_loss skips both: no logits
         parts.append(f"compute_loss's {METRICS[line]}")
-    if line in CHUNKED_DEFAULT:
-        parts.append("loss_type 'nll': SFTConfig's default from 1.7, 'chunked_nll', is not replayed")
-    return f"TRL {TRL_FIRST[line]}-{line}'s SFTTrainer: " + ("; ".join(parts) or "the Trainer's step as it is")
+    if line in CHUNKED_DEFAULT and stack.loss != "chunked_nll":
+        parts.append("loss_type nll (SFTConfig's default from 1.7 is chunked_nll)")
+    return f"TRL {releases(line)}'s SFTTrainer: " + ("; ".join(parts) or "the Trainer's step as it is")
 
 
 def bf16_adapters(stack: Stack, magnitude: bool = False) -> bool:

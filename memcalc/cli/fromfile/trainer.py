@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memcalc.model.stacks import CHUNKED_DEFAULT, FUSED_HEAD, TRL_FIRST
+from memcalc.model.stacks import CHUNKED_DEFAULT, CHUNKED_NLL, FUSED_HEAD, TRL_FIRST, releases
 
 from . import peft, sharding
 from .common import TrickSet, attention_flash, ckpt_typed_away, clipping, half_precision, model_option, optimizer_option
@@ -115,21 +115,24 @@ def stack_of(ledger: KeyLedger, typed: dict) -> tuple[str | None, str]:
 
 
 def loss_type(ledger: KeyLedger, trl: str) -> None:
-    """SFTConfig's loss_type (from 1.4): nll, the Trainer's cross-entropy over the logits, is what the lines up to
-    1.14 replay; chunked_nll (the default from 1.7 to 1.14) is not replayed; from 1.15 both run the fused LM head
-    (chunked_nll deprecated into nll)."""
+    """SFTConfig's loss_type (from 1.4) as --loss: nll, the cross-entropy over the logits, and chunked_nll, the head
+    and the loss 256 positions at a time under checkpointing, on the lines that run both (1.6-1.14; chunked_nll the
+    default from 1.7); from 1.15 both run the fused LM head (chunked_nll deprecated into nll)."""
     if not ledger.has("loss_type"):
         if trl in CHUNKED_DEFAULT:
-            ledger.unmodelled("loss_type", "SFTConfig's default from 1.7 is chunked_nll, which is not replayed: the "
-                              "verdict is loss_type nll's (1.6's default)")  # fmt: skip
+            ledger.default("loss", "chunked_nll", "loss_type", "SFTConfig's default from 1.7")
         return
     kind = ledger.text("loss_type")
-    if kind == "nll" or (trl in FUSED_HEAD and kind == "chunked_nll"):
-        ledger.used("loss_type", "the fused LM head" if trl in FUSED_HEAD else "the cross-entropy over the logits")
+    if trl in FUSED_HEAD and kind in ("nll", "chunked_nll"):
+        ledger.used("loss_type", "the fused LM head")
+    elif kind == "nll":
+        ledger.set("loss", "nll", "loss_type", "--loss nll: the cross-entropy over the logits")
+    elif kind == "chunked_nll" and trl in CHUNKED_NLL:
+        ledger.set("loss", "chunked_nll", "loss_type", "--loss chunked_nll")
     elif kind == "chunked_nll":
-        ledger.refuse("loss_type", "SFTTrainer's chunked cross-entropy (the head and the loss in checkpointed "
-                      "chunks of tokens) is not replayed: loss_type nll, or --stack trl:1.16 (1.15 replaced it by "
-                      "the fused LM head)")  # fmt: skip
+        ledger.refuse("loss_type", f"SFTTrainer's chunked_nll is replayed on --stack "
+                      f"{', '.join('trl:' + x for x in CHUNKED_NLL)} (give the release's with --stack), not on "
+                      f"trl:{trl or '0.25'}")  # fmt: skip
     else:
         ledger.unmodelled("loss_type", f"{kind}: the verdict is loss_type nll's")
 
@@ -162,7 +165,7 @@ def tricks_and_recipe(ledger: KeyLedger, trl: str, typed_away: bool = False) -> 
     """--tricks from bf16/fp16, the attention and checkpointing (SFTConfig's defaults in the TRL line), and
     --recipe pure where the model is loaded in 16 bits."""
     tricks = TrickSet()
-    whose = f"SFTConfig's default in TRL {TRL_FIRST[trl]}-{trl}" if trl in TRL_FIRST else "TrainingArguments' default"
+    whose = f"SFTConfig's default in TRL {releases(trl)}" if trl in TRL_FIRST else "TrainingArguments' default"
     bf16_default, ckpt_default = TRL_DEFAULTS.get(trl, (False, False))
     precision, key = half_precision(ledger, "bf16", "fp16", bf16_default)
     dtype_key = next((k for k in ("model_init_kwargs.dtype", "model_init_kwargs.torch_dtype", "dtype", "torch_dtype")

@@ -29,9 +29,9 @@ keep byte counts of the tensors they read, never the tensors: a reference would 
 May import: memcalc.exact.base, memcalc.exact.sim, and what they may.
 """
 
-from .activations import gelu, log_softmax, masked_fill, native_dropout, safe_softmax, sigmoid, silu, softmax, tanh
+from .activations import exp, gelu, log_softmax, masked_fill, native_dropout, safe_softmax, sigmoid, silu, softmax, tanh
 from .arithmetic import (add, add_scalar, div, div_scalar, div_tensor, mean_last, mul, mul_scalar, mul_scalar_, neg,
-                         pow2, pow_scalar, rsqrt, sub, sub_scalar, sum_all, sum_keepdim, to,
+                         pow2, pow_scalar, rsqrt, sub, sub_scalar, sum_all, sum_keepdim, sum_last, to,
                          vector_norm_rows)  # fmt: skip
 from .fused import efficient_attention, flash_attention, layer_norm
 from .indexing import embedding, gather, index_add_, index_select, nll_loss
@@ -42,9 +42,9 @@ from .views import (cat, cat_last, chunk2, expand, narrow_last, pad_last, reshap
 
 __all__ = [
     "add", "add_scalar", "addmm", "autocast", "bmm", "cat", "cat_last", "chunk2", "div", "div_scalar", "div_tensor",
-    "efficient_attention", "embedding", "expand", "flash_attention", "gather", "gelu", "index_add_", "index_select", "layer_norm", "linear",
+    "efficient_attention", "embedding", "exp", "expand", "flash_attention", "gather", "gelu", "index_add_", "index_select", "layer_norm", "linear",
     "log_softmax", "masked_fill", "matmul4", "mean_last", "mm", "mul", "mul_scalar", "mul_scalar_", "narrow_last",
     "native_dropout", "neg", "nll_loss", "pad_last", "pow2", "pow_scalar", "promote", "reshape_copy", "rsqrt",
     "safe_softmax", "sigmoid", "silu", "size", "slice_last", "softmax", "split", "split_last", "sub", "sub_scalar",
-    "sum_all", "sum_keepdim", "t", "tanh", "to", "vector_norm_rows", "view",
+    "sum_all", "sum_keepdim", "sum_last", "t", "tanh", "to", "vector_norm_rows", "view",
 ]  # fmt: skip

@@ -41,6 +41,11 @@ def tanh(g: Graph, x: Tensor) -> Tensor:
     return unary(g, x, "tanh", "tanh_backward", "result")
 
 
+def exp(g: Graph, x: Tensor) -> Tensor:
+    """torch.exp (ExpBackward0): saves its output; backward is grad * result."""
+    return unary(g, x, "exp", "mul", "result")
+
+
 def sigmoid(g: Graph, x: Tensor) -> Tensor:
     """x.sigmoid() (SigmoidBackward0): saves its result."""
     return unary(g, x, "sigmoid", "sigmoid_backward", "result")

@@ -232,6 +232,15 @@ def sum_all(g: Graph, x: Tensor) -> Tensor:
     return out
 
 
+def sum_last(g: Graph, x: Tensor) -> Tensor:
+    """x.sum(-1) (SumBackward1): saves nothing; backward unsqueezes and expands the gradient (views)."""
+    shape = x.shape
+    node = g.begin("sum", [x], lambda gs: [g.view(gs[0], shape)])
+    out = made(g, x.shape[:-1], "sum", x, dtype=x.dtype)
+    g.end(node, [out])
+    return out
+
+
 def sum_keepdim(g: Graph, x: Tensor) -> Tensor:
     """x.sum(-1, keepdim=True) (SumBackward1): saves nothing; backward expands the gradient (a view)."""
     shape = x.shape

@@ -23,12 +23,18 @@ def broadcast(a: tuple, b: tuple) -> tuple:
     return tuple(y if y > x or (y == x and type(x) is int) else x for x, y in zip(a, b))  # a named size kept
 
 
+INTEGRAL = ("bool", "uint8", "int8", "int32", "int64", "uint64")  # what a floating operand promotes over
+
+
 def promote(a: tuple[str, tuple], b: tuple[str, tuple]) -> str:
-    """torch.result_type of two floating (dtype, shape) operands (c10/core/ScalarType.h promoteTypes):
-    the wider (bf16 with fp16 is fp32); a 0-dim tensor gives way to a dimensioned one."""
+    """torch.result_type of two (dtype, shape) operands (c10/core/ScalarType.h promoteTypes): a floating one over
+    a bool or integer one (a higher category wins, whatever its dims); of two floating, the wider (bf16 with fp16 is
+    fp32), a 0-dim tensor giving way to a dimensioned one."""
     (da, sa), (db, sb) = a, b
     if da == db:
         return da
+    if (da in INTEGRAL) != (db in INTEGRAL):
+        return db if da in INTEGRAL else da
     if not sa and sb:
         return db
     if not sb and sa:

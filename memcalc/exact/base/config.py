@@ -8,7 +8,7 @@ from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import DEFAULT_STACK, Stack
 from memcalc.model.tricks import Tricks
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int64": 8, "uint64": 8, "int32": 4, "fp64": 8,
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "bool": 1, "uint8": 1, "int8": 1, "int64": 8, "uint64": 8, "int32": 4, "fp64": 8,
             "fp8-e4m3": 1, "fp8-e5m2": 1}  # bytes of one element of each dtype the step holds
 
 

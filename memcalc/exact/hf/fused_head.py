@@ -76,8 +76,8 @@ def fused_forward(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, lab
         shifted = sliced(g, hidden_states, (B, T - 1, H))
         shifted_labels = g.view(labels, (B, T - 1))
         mask = made(g, (B, T - 1), "ne", shifted_labels, dtype="bool")
-        rows = boolean_index(g, shifted, mask, watched)
-        targets = boolean_index(g, shifted_labels, mask, watched)
+        rows = index_rows(g, shifted, mask, watched)
+        targets = index_rows(g, shifted_labels, mask, watched)
         compute = m.cfg.precision if m.autocast is not None else hidden_states.dtype
         del shifted, shifted_labels
         log_probs, entropy, is_top1 = chunked_logprob(g, rows, head, targets, compute)
@@ -109,28 +109,27 @@ def sliced(g: Graph, x: Tensor, shape: tuple) -> Tensor:
     return out
 
 
-def boolean_index(g: Graph, x: Tensor, mask: Tensor, watched: bool) -> Tensor:
-    """x[mask] over x's leading (B, T - 1) (aten.index with a boolean index: nonzero's (nnz, 2) int64 indices made
-    and dropped inside it on CUDA), every position kept (IndexBackward0: saves the mask). Backward
-    (index_backward): new_zeros of x's shape, the gradient accumulated into it at the mask: in place on CUDA
-    (_index_put_impl_), into a second buffer where a dispatch mode watches (index_put)."""
-    n = mask.numel
-    shape, dtype = (n,) + tuple(x.shape[2:]), x.dtype
-    full = x.shape
+def index_rows(g: Graph, x: Tensor, index: Tensor, watched: bool) -> Tensor:
+    """x[index] (aten.index; IndexBackward0: saves the index) over x's leading dims: a boolean mask's (nonzero's
+    (nnz, mask.dim()) int64 indices made and dropped inside it on CUDA), every position kept; or an int64 index's
+    first. Backward (index_backward): new_zeros of x's shape, the gradient accumulated into it at the index: in place
+    on CUDA (_index_put_impl_), into a second buffer where a dispatch mode watches (index_put)."""
+    n, dims = index.numel, len(index.shape) if index.dtype == "bool" else 1
+    shape, dtype, full = (n,) + tuple(x.shape[dims:]), x.dtype, x.shape
 
     def rule(gs):
         zeros = made(g, full, "new_zeros", dtype=gs[0].dtype)
         if not watched:
-            g.kernel("index_put_", (gs[0], n * 16), (zeros,))
+            g.kernel("index_put_", (gs[0], n * 8 * dims), (zeros,))
             return [zeros, None]
         out = made(g, full, "index_put", zeros, gs[0], dtype=gs[0].dtype)
         del zeros
         return [out, None]
 
-    node = g.begin("index", [x, mask], rule, [(mask, "indices")])
-    indices = None if watched else made(g, (n, 2), "nonzero", mask, dtype="int64")
-    out = made(g, shape, "index", x, 0 if indices is None else indices, dtype=dtype)
-    del indices
+    node = g.begin("index", [x, index], rule, [(index, "indices")])
+    nonzero = None if watched or index.dtype != "bool" else made(g, (n, dims), "nonzero", index, dtype="int64")
+    out = made(g, shape, "index", x, index if nonzero is None else nonzero, dtype=dtype)
+    del nonzero
     g.end(node, [out])
     return out
 

@@ -28,7 +28,7 @@ from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.offload import kept_on_gpu, offloader
 from ..sim.tensors import Tensor
-from . import dynamic_cache, fused_head, liger, lora, qlora, trl
+from . import chunked_nll, dynamic_cache, fused_head, liger, lora, qlora, trl
 from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
 from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .gpt2 import gpt2_model
@@ -175,7 +175,8 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     if family is None:
         raise InputError(f"the exact model does not replay Transformers' {arch} yet; it replays {', '.join(FAMILIES)}")
     check_finetune(cfg.finetune, arch, cfg.model)
-    why = liger.not_replayed(cfg, arch) if cfg.stack.savers.liger is not None else fused_head.not_replayed(cfg)
+    why = (liger.not_replayed(cfg, arch) if cfg.stack.savers.liger is not None else
+           fused_head.not_replayed(cfg) or chunked_nll.not_replayed(cfg))  # fmt: skip
     if why:
         raise InputError(why)
     if cfg.finetune.modules_to_save and cfg.shape.tied_embeddings:  # PEFT would copy the shared table's module
@@ -219,6 +220,14 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
         outputs = loss
         del loss
         return trl.fused_compute_loss(g, outputs, num_items_in_batch)
+    if m.cfg.stack.loss == "chunked_nll":  # the Trainer's compute_loss, then SFTTrainer's metrics from the counts
+        outputs = loss
+        loss = outputs.loss
+        with g.scoped("loss"):
+            aten.mul_scalar_(g, loss)
+        trl.chunked_metrics(g, outputs, labels.shape)
+        del outputs  # the output (its counts) dies as compute_loss returns the loss
+        return loss
     held = trl.compute_loss_metrics(g, m.cfg, logits, labels)
     del logits, held  # the output (its cache too) dies as compute_loss returns the loss
     dynamic_cache.release(m)
@@ -245,13 +254,18 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
     which live until compute_loss has taken the loss from it. Under TRL's fused LM head
     (memcalc.exact.hf.fused_head) its forward, with no logits, and no cache (it passes use_cache=False)."""
     fused = m.cfg.stack.trl in FUSED_HEAD  # SFTTrainer calls it without num_items_in_batch
-    kwargs = () if fused else (num_items_in_batch,)  # **kwargs: on to the decoder layers and attention interface
+    chunked = m.cfg.stack.loss == "chunked_nll"  # TRL's patched forward takes it for its own division
+    kwargs = () if fused or chunked else (num_items_in_batch,)  # **kwargs: on to the layers and attention interface
     family = FAMILIES[m.arch]
     dynamic_cache.start(m)
     hidden_states = family.decoder(g, m, idx, kwargs)
     head = m.p.get("lm_head.weight") or m.p[family.table]
     if fused:  # the backbone's output goes as the patched forward returns
         outputs = fused_head.fused_forward(g, m, hidden_states, head, labels)
+        del kwargs, hidden_states
+        return outputs, None
+    if chunked:  # TRL's _chunked_ce_forward: the backbone, then _chunked_cross_entropy_loss (no logits)
+        outputs = chunked_nll.chunked_forward(g, m, hidden_states, head, labels, num_items_in_batch)
         del kwargs, hidden_states
         return outputs, None
     if m.cfg.stack.savers.liger is not None:  # Liger's lce_forward: the head fused with the loss, no logits

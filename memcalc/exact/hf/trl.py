@@ -20,7 +20,8 @@
   1.3-1.5   the entropy over the shifted logits, copied, masked by the labels; the accuracy copies them again
             (shifted_entropy, rebound_accuracy).
   1.6-1.14  one block over the shifted views (one_block); 1.14's entropy by trl's Triton kernel (kernel_entropy).
-            loss_type "nll" (SFTConfig's default from 1.7, "chunked_nll", is not replayed).
+  1.4-1.14  under loss_type "chunked_nll" (the default from 1.7: memcalc.exact.hf.chunked_nll) no logits: the
+            entropy and accuracy from the patched forward's counts (chunked_metrics).
   1.15-1.16 the loss and its metrics from the fused LM head (fused_compute_loss, memcalc.exact.hf.fused_head).
 Each metric's tensors are compute_loss's locals: they die when it returns the loss, with the logits. Under
 use_liger_kernel (0.15-0.25: `if not self.args.use_liger_kernel`, "liger doesn't return logits") neither metric is
@@ -36,11 +37,13 @@ from ..aten.operands import made
 from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
+from .chunked_nll import ChunkedOutput
 from .fused_head import FusedOutput
 
 CAST_TO_BF16 = ("lm_head", "embed_tokens", "wte", "wpe")  # trl/trainer/utils.py peft_module_casting_to_bf16
 ENTROPY_CHUNK = 128  # trl/trainer/utils.py entropy_from_logits(logits, chunk_size=128)
 IGNORE_INDEX = -100
+ONE_BLOCK = ("1.6", "1.7", "1.10", "1.12", "1.13", "1.14")  # the lines whose metrics are one block (one_block)
 
 
 def prepared(cfg: StepConfig) -> bool:
@@ -80,7 +83,7 @@ def compute_loss_metrics(g: Graph, cfg: StepConfig, logits: Tensor, labels: Tens
     outer, g.grad_enabled = g.grad_enabled, False  # torch.no_grad() from 0.22 (0.15-0.21: no node saves)
     try:
         with g.scoped("loss"):
-            if line in ("1.13", "1.14"):
+            if line in ONE_BLOCK:
                 return one_block(g, logits, labels, kernel=line == "1.14")
             if line == "1.5":
                 frame = shifted_entropy(g, logits, labels)
@@ -196,6 +199,21 @@ def fused_compute_loss(g: Graph, outputs: FusedOutput, num_items_in_batch: Tenso
     return loss
 
 
+def chunked_metrics(g: Graph, outputs: ChunkedOutput, shape: tuple) -> None:
+    """SFTTrainer.compute_loss (1.4-1.14) after super().compute_loss under loss_type "chunked_nll", one process:
+    num_valid = gather_for_metrics(outputs.num_valid_tokens).sum() and entropy_sum likewise, their ratio .item()'d
+    after a `> 0` test; in training the token count over the collator's mask; then gather_for_metrics(
+    outputs.num_correct_tokens).sum() and the accuracy's ratio. Its locals die as it returns."""
+    with g.scoped("loss"):
+        num_valid = made(g, (), "sum", outputs.num_valid_tokens, dtype="int64")
+        entropy_sum = aten.sum_all(g, outputs.entropy_sum)  # the chunks' entropies carry grad: SumBackward0
+        ratio(g, entropy_sum, num_valid)
+        train_tokens(g, shape)
+        correct = made(g, (), "sum", outputs.num_correct_tokens, dtype=outputs.num_correct_tokens.dtype)
+        ratio(g, correct, num_valid)
+        del num_valid, entropy_sum, correct
+
+
 def summed_twice(g: Graph, x: Tensor, dtype: str) -> Tensor:
     """gather_for_metrics(x.sum()).sum() on one process: two 0-d tensors, the first gone once the second is made."""
     first = made(g, (), "sum", x, dtype=dtype)
@@ -260,11 +278,15 @@ def rebound_accuracy(g: Graph, logits: Tensor, labels: Tensor, frame: dict[str, 
 
 def ratio(g: Graph, numerator: Tensor, count: Tensor) -> None:
     """(numerator / count).item() if count > 0 else 0.0: a 0-d bool tested, a 0-d quotient .item()'d (true division:
-    a floating numerator's dtype, the entropy's the logits'; fp32 for a count's)."""
+    a floating numerator's dtype, the entropy's the logits'; fp32 for a count's). A numerator that carries grad
+    (chunked_nll's entropy) makes a DivBackward0, which saves the count."""
     positive = made(g, (), "gt", count, dtype="bool")
     del positive
-    dtype = "fp32" if numerator.dtype in ("int64", "int32", "bool") else numerator.dtype
-    quotient = made(g, (), "div", numerator, count, dtype=dtype)
+    if numerator.requires_grad:
+        quotient = aten.div_tensor(g, numerator, count)
+    else:
+        dtype = "fp32" if numerator.dtype in ("int64", "int32", "bool") else numerator.dtype
+        quotient = made(g, (), "div", numerator, count, dtype=dtype)
     del quotient
 
 

@@ -6,6 +6,7 @@ with what it does to a 4-bit model's adapters; and what the head saves at 8B wid
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -99,21 +100,25 @@ def test_at_8b_width():
 
 def test_no_logits_is_the_gain():
     """Llama-3-8B QLoRA r=16 on a 24 GB card with bf16, flash and ckpt: TRL 1.16's step holds no logits, so the
-    longest sequence that fits is several times 0.25's, the numbers docs/finetune.md quotes; and the note says which
-    TRL it replays."""
-    import json
+    longest sequence that fits is several times 0.25's. docs/finetune.md quotes what `memcalc fit` finds for each;
+    each is held here as estimate's verdict on either side of it (fits at the number, not one token more: fit
+    answers what estimate says fits, tests/test_fuzz.py), four replays where two searches take some thirty. And the
+    note says which TRL it replays."""
     import re
     from pathlib import Path
 
     from tests.test_cli import run
 
-    args = ("--model", "llama3-8b", "--lora", "16", "--quantize", "nf4", "--tricks", "bf16,flash,ckpt", "--gpu",
-            "rtx4090", "--format", "json")  # fmt: skip
-    fits = {line: json.loads(run("fit", *args, "--stack", f"trl:{line}").output)["max_seq_len"]
-            for line in ("0.25", "1.16")}  # fmt: skip
     page = " ".join((Path(__file__).parents[1] / "docs" / "finetune.md").read_text().split())
     quoted = re.search(r"finds ([\d,]+) tokens where TRL 0\.25 reaches ([\d,]+)", page)
-    assert quoted and [int(x.replace(",", "")) for x in quoted.groups()] == [fits["1.16"], fits["0.25"]]
+    assert quoted
+    fits = dict(zip(("1.16", "0.25"), (int(x.replace(",", "")) for x in quoted.groups())))
+    args = ("--model", "llama3-8b", "--lora", "16", "--quantize", "nf4", "--tricks", "bf16,flash,ckpt", "--gpu",
+            "rtx4090", "--format", "json")  # fmt: skip
+    for line, longest in fits.items():
+        for seq, fit in ((longest, True), (longest + 1, False)):
+            out = run("estimate", *args, "--stack", f"trl:{line}", "--seq", str(seq))
+            assert json.loads(out.output)["verdict"][0]["fits"] is fit, (line, seq)
     assert fits["1.16"] > 4 * fits["0.25"]
     note = trl_note(trl(Finetune(16, quantize="nf4")))
     assert "1.15-1.16" in note and "bf16" in note and "fused" in note

@@ -277,7 +277,7 @@ def trl_note(stack: Stack) -> str:
                      "(embeddings and head back in bf16)")  # fmt: skip
     if stack.loss == "chunked_nll":
         parts.append("loss_type chunked_nll: the head and the loss 256 positions at a time, each under checkpointing "
-                     "(no logits)" + (", the head copied to fp32 per chunk" if line in CHUNKED_FP32 else ""))
+                     "(no logits)" + (", a 16-bit head copied to fp32 per chunk" if line in CHUNKED_FP32 else ""))
     elif line in METRICS and stack.savers.liger is None:  # under use_liger_kernel compute_loss skips both: no logits
         parts.append(f"compute_loss's {METRICS[line]}")
     if line in CHUNKED_DEFAULT and stack.loss != "chunked_nll":

@@ -129,6 +129,25 @@ def test_largest():
     assert largest(lambda n: n <= 1, 1) == 1
 
 
+@given(st.integers(0, 200_000), st.integers(1, 200_000), st.integers(1, 10**6), st.integers(0, 10**3),
+       st.lists(st.integers(-10**7, 10**7), min_size=1))
+def test_largest_follows_the_margins_to_the_same_answer(root, limit, per_unit, square, noise):
+    """With each probe's margin (bytes over the budget) recorded, largest lands where halving does, whatever the
+    margins say (noise: how far from the truth they are), and where they are a line or nearly, in a handful of probes
+    where doubling and halving take some thirty: a fit at 8B width replays the step once per probe."""
+    probes, margins = [], {}
+
+    def fits(n: int) -> bool:
+        probes.append(n)
+        margins[n] = per_unit * (n - root) + square * (n * n - root * root) + noise[len(probes) % len(noise)]
+        return n <= root
+
+    assert largest(fits, limit, margins) == min(root, limit)
+    if not any(noise) and square == 0 and 2 <= root < limit:
+        assert len(probes) <= 4
+    assert len(probes) <= 2 * (2 * math.ceil(math.log2(limit + 1)) + 2)
+
+
 @given(st.integers(1, 60_000), st.integers(0, 60_000), st.lists(st.integers(0, 10**10), min_size=1),
        st.integers(1, 10**7))
 def test_largest_reserved_finds_the_allocators_limit_whatever_it_says_it_lacked(tensors, room, shorts, per_unit):

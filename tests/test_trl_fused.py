@@ -100,10 +100,9 @@ def test_at_8b_width():
 
 def test_no_logits_is_the_gain():
     """Llama-3-8B QLoRA r=16 on a 24 GB card with bf16, flash and ckpt: TRL 1.16's step holds no logits, so the
-    longest sequence that fits is several times 0.25's. docs/finetune.md quotes what `memcalc fit` finds for each;
-    each is held here as estimate's verdict on either side of it (fits at the number, not one token more: fit
-    answers what estimate says fits, tests/test_fuzz.py), four replays where two searches take some thirty. And the
-    note says which TRL it replays."""
+    longest sequence that fits is several times 0.25's. docs/finetune.md quotes what `memcalc fit` finds for each:
+    1.16's is fit's answer; 0.25's is held as estimate's verdict either side of it (fits at the number, not one token
+    more), two replays where a search takes some twenty. And the note says which TRL it replays."""
     import re
     from pathlib import Path
 
@@ -112,14 +111,14 @@ def test_no_logits_is_the_gain():
     page = " ".join((Path(__file__).parents[1] / "docs" / "finetune.md").read_text().split())
     quoted = re.search(r"finds ([\d,]+) tokens where TRL 0\.25 reaches ([\d,]+)", page)
     assert quoted
-    fits = dict(zip(("1.16", "0.25"), (int(x.replace(",", "")) for x in quoted.groups())))
+    fused, prepared = (int(x.replace(",", "")) for x in quoted.groups())
     args = ("--model", "llama3-8b", "--lora", "16", "--quantize", "nf4", "--tricks", "bf16,flash,ckpt", "--gpu",
             "rtx4090", "--format", "json")  # fmt: skip
-    for line, longest in fits.items():
-        for seq, fit in ((longest, True), (longest + 1, False)):
-            out = run("estimate", *args, "--stack", f"trl:{line}", "--seq", str(seq))
-            assert json.loads(out.output)["verdict"][0]["fits"] is fit, (line, seq)
-    assert fits["1.16"] > 4 * fits["0.25"]
+    assert json.loads(run("fit", *args, "--stack", "trl:1.16").output)["max_seq_len"] == fused
+    for seq, fits in ((prepared, True), (prepared + 1, False)):
+        assert json.loads(run("estimate", *args, "--stack", "trl:0.25", "--seq", str(seq)).output)["verdict"][0][
+            "fits"] is fits, seq  # fmt: skip
+    assert fused > 4 * prepared
     note = trl_note(trl(Finetune(16, quantize="nf4")))
     assert "1.15-1.16" in note and "bf16" in note and "fused" in note
 

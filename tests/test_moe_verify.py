@@ -50,7 +50,10 @@ TINY = {
 
 
 SOME_TRICKS = ("fp32", "bf16,flash,ckpt", "bf16,selective")
-CASES = [("deepseek-like", 1, ALL_TRICKS), ("deepseek-like", 2, ALL_TRICKS), ("qwen3-moe-like", 2, ALL_TRICKS)] + [
+# every trick set, and micro-batch 2, where MEMCALC_SLOW=1 (CI): about 50 s; everywhere, three trick sets at batch 1
+EVERY = "the same models at micro-batch 1 with fp32, bf16,flash,ckpt and bf16,selective"
+CASES = [("deepseek-like", 1, SOME_TRICKS)] + [pytest.param(*case, marks=pytest.mark.slow(EVERY)) for case in (
+    ("deepseek-like", 1, ALL_TRICKS), ("deepseek-like", 2, ALL_TRICKS), ("qwen3-moe-like", 2, ALL_TRICKS))] + [
     (n, 1, SOME_TRICKS) for n in TINY if n != "deepseek-like"]  # fmt: skip
 
 

@@ -119,8 +119,9 @@ def test_cpu_step_equals_simulation_ckpt_n(family, tricks):
     check_equal(replace(FAMILIES[family], n_layers=3), tricks)
 
 
-@pytest.mark.parametrize("shape", [["--model", "qwen3-0.6b"], ["--model", "gpt2"], ["--hidden", "256", "--heads", "4"]],
-                         ids=["qwen3-0.6b", "gpt2", "custom"])  # fmt: skip
+@pytest.mark.parametrize("shape", [
+    pytest.param(["--model", "qwen3-0.6b"], marks=pytest.mark.slow("the same command for gpt2 and a custom shape")),
+    ["--model", "gpt2"], ["--hidden", "256", "--heads", "4"]], ids=["qwen3-0.6b", "gpt2", "custom"])  # fmt: skip
 @pytest.mark.parametrize("tricks", ["bf16,flash,ckpt:2", "bf16,ckpt:2"])
 def test_verify_the_torch_stack_with_ckpt_n(shape, tricks):
     """`memcalc verify --device meta ... --layers 2 --seq 64 --tricks bf16,flash,ckpt:2 --stack torch`: the CPU

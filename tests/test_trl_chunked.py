@@ -1,7 +1,7 @@
 """TRL 1.4-1.14's loss_type "chunked_nll" (SFTConfig's default from 1.7; --stack trl:1.7 to trl:1.14, --loss
 chunked_nll on trl:1.6): memcalc.exact.hf.chunked_nll equals the releases' _chunked_cross_entropy_loss and _chunk
-(written out in verify/trl.py as the trl 1.6.0 to 1.14.2 wheels have them, over Transformers and PEFT) on meta
-allocation by allocation and on CPU tensors under the Trainer's autocast; at 8B width with the FLOPs; and what the
+(written out in verify/trl_chunked.py as the trl 1.6.0 to 1.14.2 wheels have them, over Transformers and PEFT) on
+meta allocation by allocation and on CPU tensors under the Trainer's autocast; at 8B width with the FLOPs; and what the
 releases' fp32 copy of the head costs beside 1.13's.
 """
 

@@ -293,7 +293,7 @@ class TrainerModel(nn.Module):
         loss = outputs["loss"]
         loss *= 1  # num_processes // tp_size
         if self.chunked:  # SFTTrainer.compute_loss under loss_type "chunked_nll": its metrics from the counts
-            from .trl import chunked_metrics
+            from .trl_chunked import chunked_metrics
 
             chunked_metrics(outputs, labels)
         elif self.trl:  # SFTTrainer.compute_loss: its metrics from the output, held until it returns the loss
@@ -372,7 +372,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
 
         prepare_after_peft(model, trl, bool(finetune.quantize), checkpointing and finetune.lora)
     if loss == "chunked_nll":  # SFTTrainer.__init__ patches the forward for loss_type "chunked_nll" (verify/trl.py)
-        from .trl import patch_chunked
+        from .trl_chunked import patch_chunked
 
         patch_chunked(model, trl)
     if trl and checkpointing:  # Trainer.train enables it again (its kwargs) over TRL's preparation's

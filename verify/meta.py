@@ -86,7 +86,7 @@ def trl_kernels(stack: Stack):
     for a stack whose SFTTrainer uses them; under loss_type chunked_nll, 1.4-1.7's boolean index on meta
     (chunked_paths)."""
     if stack.loss == "chunked_nll":  # no logits: 1.14's entropy kernel is not called
-        from .trl import chunked_paths
+        from .trl_chunked import chunked_paths
 
         return chunked_paths()
     if stack.trl not in FUSED_HEAD + ("1.14",):

@@ -114,9 +114,12 @@ def _gpus():
     return GPUS
 
 
-def predicted(args: list[str], kind: str = "peak_allocated") -> int | str:
-    """The verdict's peak for the command, or memcalc's refusal: of allocated bytes, or, where the figure is
-    torch.cuda.max_memory_reserved() of one GPU's step, the caching allocator's reserve over it (reserved)."""
+def predicted(args: list[str], kind: str = "peak_allocated") -> int | tuple[int, int] | str:
+    """The verdict's figure of the run's kind, or memcalc's refusal. peak_allocated and peak_active: the peak of
+    allocated bytes. peak_reserved: torch.cuda.max_memory_reserved() of one GPU's step, the caching allocator's
+    reserve over it (reserved). nvidia_smi: the device's used memory, that reserve plus what lives outside the
+    allocator (the CUDA context, cuBLAS's workspaces, NCCL's buffers: the verdict's headroom). unknown: the
+    figure is one of those, which the source does not say: (the allocated peak, the device's used memory)."""
     from typer.testing import CliRunner
 
     from memcalc.cli import app
@@ -124,10 +127,25 @@ def predicted(args: list[str], kind: str = "peak_allocated") -> int | str:
     r = CliRunner().invoke(app, [*args, "--format", "json"])
     if r.exit_code != 0:
         return (r.stderr if hasattr(r, "stderr") and r.stderr else r.output).strip().removeprefix("error: ")
-    verdict = json.loads(r.stdout)["verdict"][0]
-    if kind == "peak_reserved" and "--gpus" not in args:
-        return verdict["reserved"]["reserved_bytes"] if verdict["reserved"] else reserved(args)
-    return verdict["total_bytes"]
+    answer = json.loads(r.stdout)
+    verdict = answer["verdict"][0]
+    if kind in ("peak_allocated", "peak_active"):
+        return verdict["peak_bytes"]
+    reserve = (verdict["reserved"]["reserved_bytes"] if verdict["reserved"] else
+               reserved(args) if "--gpus" not in args else verdict["total_bytes"])  # fmt: skip
+    if kind == "peak_reserved":
+        return reserve
+    headroom = answer["headroom"]
+    used = reserve + headroom["context_bytes"] + headroom["cublas_bytes"] + headroom["nccl_bytes"]
+    return used if kind == "nvidia_smi" else (verdict["peak_bytes"], used)
+
+
+def error(row: dict) -> float:
+    """|predicted / published - 1|; for a figure of unknown kind, 0 between the allocated peak and the device's
+    used memory, else the distance to the nearer end."""
+    low, high = row["band"] if "band" in row else (row["predicted"], row["predicted"])
+    nearest = min(max(row["published"], low), high)
+    return abs(nearest / row["published"] - 1)
 
 
 def reserved(args: list[str]) -> int:
@@ -161,8 +179,11 @@ def rows(runs: list[Run]) -> list[dict]:
             row["reason"] = args
         else:
             got = predicted(args, run.memory_kind)
-            row |= {"command": "memcalc " + " ".join(args)} | ({"predicted": got} if isinstance(got, int) else
-                                                               {"reason": f"memcalc refuses: {got}"})  # fmt: skip
+            row["command"] = "memcalc " + " ".join(args)
+            if isinstance(got, str):
+                row["reason"] = f"memcalc refuses: {got}"
+            else:  # a figure of unknown kind: the band, its middle as the prediction
+                row |= {"band": got, "predicted": sum(got) // 2} if isinstance(got, tuple) else {"predicted": got}
         out.append(row)
     return out
 
@@ -173,7 +194,7 @@ def summary(table: list[dict]) -> list[str]:
     lines, done = [], [r for r in table if "predicted" in r]
     for kind in sorted({r["kind"] for r in done}):
         for split in ("fit", "held-out"):
-            errors = [abs(r["predicted"] / r["published"] - 1) for r in done if r["kind"] == kind and r["split"] == split]
+            errors = [error(r) for r in done if r["kind"] == kind and r["split"] == split]
             if errors:
                 lines.append(f"  {kind:15} {split:9} {len(errors):3} runs: median {statistics.median(errors):.1%}, "
                              f"worst {max(errors):.1%}")  # fmt: skip
@@ -191,8 +212,10 @@ def main() -> None:
     if "--summary" not in sys.argv:
         for r in table:
             if "predicted" in r:
+                got = "-".join(f"{b / 2**30:.2f}" for b in r.get("band", (r["predicted"],)))
+                ratio = "-".join(f"{b / r['published']:.2f}" for b in r.get("band", (r["predicted"],)))
                 print(f"{r['run']} ({r['kind']}, {r['split']}): published {r['published'] / 2**30:.2f} GiB, predicted "
-                      f"{r['predicted'] / 2**30:.2f} GiB ({r['predicted'] / r['published']:.2f}x)\n  {r['command']}")
+                      f"{got} GiB ({ratio}x)\n  {r['command']}")
         print()
     print("\n".join(summary(table)))
 

@@ -20,6 +20,7 @@ from memcalc.model.finetune import finetune_for
 from memcalc.model.presets import PRESETS
 from memcalc.model.stacks import stack_for
 from memcalc.model.tricks import parse_tricks
+from memcalc.parallel.engines import DEEPSPEED_DEFAULTS
 
 LORA = finetune_for("16", None, None, None, None)
 
@@ -77,11 +78,47 @@ def test_lora_under_fsdp2_answers():
 @pytest.mark.parametrize("quantize", [[], ["--quantize", "nf4"]])
 def test_zero3_shards_the_frozen_base(quantize):
     """ZeRO-3 partitions the frozen base too (QLoRA's packed weights in bf16 storage): a rank of 8 keeps about an
-    eighth of what one GPU keeps; ZeRO-2 shards only the adapters' grads and state, so keeps nearly all."""
+    eighth of what one GPU keeps, besides DeepSpeed's reduce bucket; ZeRO-2 shards only the adapters' grads and
+    state, so keeps nearly all."""
     one = verdict(*quantize)["state_bytes"]
     zero2 = verdict("--gpus", "8", "--zero", "2", *quantize)["state_bytes"]
-    zero3 = verdict("--gpus", "8", "--zero", "3", *quantize)["state_bytes"]
+    zero3 = verdict("--gpus", "8", "--zero", "3", *quantize)["state_bytes"] - 2 * DEEPSPEED_DEFAULTS.reduce_bucket_size
     assert one > zero2 > 0.9 * one and one / 8 <= zero3 < one / 6
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_the_trainers_zero_holds_deepspeeds_reduce_bucket(zero):
+    """The Trainer's ZeRO is DeepSpeed's (accelerate), with its reduce bucket: reduce_bucket_size (5e8) elements of
+    the 16-bit dtype. Stage 3 allocates it after its optimizer state and keeps it (deepspeed/runtime/zero/stage3.py
+    __init__: ipg_buckets' torch.empty(reduce_bucket_size)); stage 2 at backward's first gradient, freed as
+    backward ends (stage_1_and_2.py setup_buckets, _release_ipg_buffers). memcalc's generic ZeRO has none."""
+    shape, tricks = replace(PRESETS["llama3.2-1b"], n_layers=2), parse_tricks("bf16,flash")
+    cfg = StepConfig(shape, 256, 1, tricks, replace(stack_for("hf"), recipe="pure", finetune=LORA), "adamw", 1)
+    generic = simulate(cfg, warm_up=True, sharding=Sharding(zero, 8))[0]
+    deepspeed, _, mem = simulate(cfg, timeline=True, warm_up=True,
+                                 sharding=Sharding(zero, 8, bucket_numel=1000, bucket_dtype="bf16"))  # fmt: skip
+    held = deepspeed.state_bytes - generic.state_bytes
+    events = [(phase, op, n) for phase, op, n, _ in mem.timeline if "reduce bucket" in op]
+    if zero == 3:  # once, with the state, never freed
+        assert held == 2000 and events == [("", "DeepSpeed reduce bucket", 2000)]
+    else:  # each backward (the warm-up's, then the measured one's) allocates and frees it
+        step = [("DeepSpeed reduce bucket", 2000), ("free DeepSpeed reduce bucket", -2000)]
+        assert held == 0 and [(op, n) for _, op, n in events] == step * 2
+        assert [phase for phase, _, _ in events[2:]] == ["backward", "backward"]
+
+
+def test_the_hf_stacks_zero_is_deepspeeds():
+    """--zero over the hf and TRL stacks replays DeepSpeed's reduce bucket; over the reference loop it is
+    memcalc's generic ZeRO, with none."""
+    from types import SimpleNamespace
+
+    from memcalc.model.layout import Layout
+    from memcalc.parallel.verdict import replay_sharding
+
+    layout = Layout(dp=8, zero=3)
+    bucket = DEEPSPEED_DEFAULTS.reduce_bucket_size
+    for key, numel in (("hf", bucket), ("trl:1.16", bucket), ("reference", 0)):
+        assert replay_sharding(SimpleNamespace(stack=stack_for(key)), layout).bucket_numel == numel
 
 
 def test_tensor_parallel_lora_refused():

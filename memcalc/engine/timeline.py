@@ -21,7 +21,8 @@ def step_timelines(job, verdicts: tuple[Verdict, ...]) -> tuple[Timeline, ...]:
         raise InputError("--timeline replays one GPU's whole step: drop --tp, --pp, --cp and --ep (data parallel "
                          "and ZeRO are replayed)")  # fmt: skip
     s, shape = job.setup, job.model.shape
-    sharding = replay_sharding(s, engine_layout(job.layout, s.stack.engine))
+    layout = engine_layout(job.layout, s.stack.engine)
+    sharding = replay_sharding(s, layout)
     if sharding is None or sharding.fsdp2:
         raise InputError("--timeline records memcalc's ZeRO replay; FSDP2's is hook by hook, not recorded: "
                          "drop --stack fsdp2 or --zero 3")  # fmt: skip
@@ -30,6 +31,7 @@ def step_timelines(job, verdicts: tuple[Verdict, ...]) -> tuple[Timeline, ...]:
         if not v.replayed:
             raise InputError(f"--timeline: {v.tricks.label} is not replayed op by op: {v.textbook_reason}")
         drawn = min(s.grad_accum, MICRO_BATCHES)
+        sharding = replay_sharding(s, layout, v.tricks.precision)  # DeepSpeed's bucket in the trick set's dtype
         t = step_timeline(shape, s.seq_len, s.micro_batch, v.tricks, drawn, s.stack, s.optimizer, sharding)
         t = replace(t, micro_batches=drawn, accumulated=s.grad_accum)
         if (t.peak_bytes, t.peak_at) != (v.peak_bytes, v.peak_at):  # the full depth and the grown step disagree: a bug

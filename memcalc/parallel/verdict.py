@@ -30,7 +30,7 @@ from memcalc.model.tricks import Tricks, layout_counts
 from memcalc.records import record
 
 from .checks import check_layout
-from .engines import engine_layout
+from .engines import DEEPSPEED_DEFAULTS, engine_layout
 from .params import sharded_state
 from .stage_memory import LayoutPeak, layout_memory
 
@@ -193,14 +193,18 @@ def allocator_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layo
 
 def replay_sharding(setup: Setup, layout: Layout, precision: str = "bf16") -> Sharding | None:
     """How the verdict's replay shards the step (layout as engine_layout gives it): memcalc's generic ZeRO
-    and offload over the shard group (memcalc.exact.replay.zero; trivial for one GPU's step), FSDP2 over a LoRA
-    model, all-gathering in the precision (memcalc.exact.replay.fsdp2_lora), or None where FSDP2's own replay
-    (memcalc.exact.replay.fsdp2) runs it."""
+    and offload over the shard group (memcalc.exact.replay.zero; trivial for one GPU's step), with DeepSpeed's
+    reduce bucket where the Trainer runs it (the hf and TRL stacks: accelerate's ZeRO is DeepSpeed's, its
+    defaults as accelerate's config writes none), FSDP2 over a LoRA model, all-gathering in the precision
+    (memcalc.exact.replay.fsdp2_lora), or None where FSDP2's own replay (memcalc.exact.replay.fsdp2) runs it."""
     if setup.stack.engine == "fsdp2" and layout.zero == 3:
         if not setup.stack.finetune.trains_all:
             return Sharding(3, layout.shard_group, fsdp2=precision)
         return None
-    return Sharding(layout.zero, layout.shard_group, layout.offload_optimizer, layout.offload_params)
+    deepspeed = setup.stack.model == "hf" and layout.zero > 0 and layout.shard_group > 1
+    return Sharding(layout.zero, layout.shard_group, layout.offload_optimizer, layout.offload_params,
+                    bucket_numel=DEEPSPEED_DEFAULTS.reduce_bucket_size if deepspeed else 0,
+                    bucket_dtype=precision if precision in ("bf16", "fp16") else "fp32")  # fmt: skip
 
 
 def textbook_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Layout, reason: str) -> Verdict:
@@ -224,7 +228,8 @@ def replay_text(sharding: Sharding) -> str:
         return "one GPU's step"
     if sharding.fsdp2:
         return f"one FSDP2 rank of {sharding.ranks} over the LoRA model, hook by hook"
-    parts = [f"ZeRO-{sharding.zero} over {sharding.ranks} ranks" if sharding.shards > 1 else "one GPU's step"]
+    engine = "DeepSpeed " if sharding.bucket_numel else ""  # the Trainer's: its reduce bucket replayed
+    parts = [f"{engine}ZeRO-{sharding.zero} over {sharding.ranks} ranks" if sharding.shards > 1 else "one GPU's step"]
     if sharding.offload:
         parts.append("parameters and optimizer offloaded" if sharding.offload_params else "optimizer offloaded")
     return ", ".join(parts)

@@ -21,7 +21,12 @@ A LoRA model's frozen base (its packed 4-bit weights for QLoRA) has no gradient 
 partitions and gathers it with the rest, stages 1-2 leave it whole on every rank.
 Collectives run in place or into their output, with no staging buffers: engines with their own buffers
 (FSDP2's, memcalc.exact.replay.fsdp2 and, over a LoRA model, memcalc.exact.replay.fsdp2_lora) are replayed on
-their own.
+their own. Where DeepSpeed runs the ZeRO (the Trainer's, through accelerate), its reduce bucket is added
+(Sharding.bucket_numel: reduce_bucket_size elements in the 16-bit dtype, contiguous_gradients on by default):
+stage 3 allocates it once, after its optimizer state (deepspeed/runtime/zero/stage3.py __init__: ipg_buckets'
+torch.empty(reduce_bucket_size)), and keeps it; stages 1-2 at each backward's first gradient (stage_1_and_2.py
+process_gradients -> setup_buckets), two with overlap_comm (off below stage 3), freed as backward ends
+(_release_ipg_buffers). Here stages 1-2 allocate it as backward enters the first unit holding a trained parameter.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class Sharding:
     offload: bool = False  # optimizer state on the host, the optimizer step there
     offload_params: bool = False  # the weights' shards on the host too (stage 3)
     fsdp2: str = ""  # FSDP2's param_dtype where FSDP2 shards a LoRA model (memcalc.exact.replay.fsdp2_lora), else ""
+    bucket_numel: int = 0  # DeepSpeed's reduce_bucket_size where DeepSpeed runs the ZeRO, else 0 (no buckets)
+    bucket_dtype: str = "bf16"  # its dtype: the 16-bit model's under DeepSpeed's bf16 or fp16 mode
 
     @property
     def shards(self) -> int:
@@ -108,6 +115,7 @@ class Zero:
         self.gathered: dict[int | str, list[Tensor]] = {}
         self.grad_shards: dict[int, Tensor] = {}  # id(parameter) -> this rank's reduced gradient
         self.phase, self.current, self.seen_block = "idle", None, False
+        self.bucket: Tensor | None = None  # DeepSpeed's reduce bucket, while it is allocated
         g.zero = self
         if sharding.zero == 3:  # the weights are their shards: the built ones stand in, with no bytes
             g.mem.live_bytes -= sum(p.storage.nbytes for p in params + self.frozen)
@@ -129,12 +137,21 @@ class Zero:
         return SimpleNamespace(cfg=model.cfg, params=self.shards, autocast=getattr(model, "autocast", None))
 
     def made_state(self, before: int) -> None:
-        """Optimizer offload: the state the recipe made since `before` (live bytes then) is the host's."""
+        """Optimizer offload: the state the recipe made since `before` (live bytes then) is the host's. Then
+        DeepSpeed's stage 3 allocates its reduce bucket on the GPU, offloaded or not, and keeps it."""
         if self.sharding.offload:
             self.g.mem.live_bytes = before
             rec = self.g.recording
             if rec is not None:  # what is alive of what the first step made: the host's
                 rec.elsewhere.update(i for i in rec.origins if i >= rec.loaded and i not in rec.freed)
+        if self.sharding.zero == 3 and self.sharding.bucket_numel:
+            self.allocate_bucket(kind="state")
+
+    def allocate_bucket(self, kind: str = "") -> None:
+        """DeepSpeed's reduce bucket (ipg buffer): reduce_bucket_size elements, two under stages 1-2's
+        overlap_comm (off by default there: memcalc replays the default)."""
+        s = self.sharding
+        self.bucket = self.g.empty((s.bucket_numel,), s.bucket_dtype, "DeepSpeed reduce bucket", kind=kind)
 
     # -- the unit boundaries ---------------------------------------------------------------------
     def start(self, phase: str) -> None:
@@ -164,10 +181,15 @@ class Zero:
                 self.reduce_scatter(self.params)
             elif self.sharding.offload:
                 self.to_host(self.params)
+            if self.sharding.zero < 3:
+                self.bucket = None  # _release_ipg_buffers
         self.phase, self.current = "idle", None
 
     def enter(self, unit) -> None:
         self.current = unit
+        if self.sharding.bucket_numel and self.bucket is None and self.phase == "backward" and \
+                self.sharding.zero < 3 and self.units[unit]:  # stages 1-2: the unit holds a trained parameter
+            self.allocate_bucket()
         if self.sharding.zero == 3:
             i = self.order.index(unit) + (-1 if self.phase == "backward" else 1)
             self.gather(unit)

@@ -8,6 +8,7 @@ A preset at full width with two layers (every per-rank byte of a layer is full s
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -105,6 +106,39 @@ def test_the_trainers_zero_holds_deepspeeds_reduce_bucket(zero):
         step = [("DeepSpeed reduce bucket", 2000), ("free DeepSpeed reduce bucket", -2000)]
         assert held == 0 and [(op, n) for _, op, n in events] == step * 2
         assert [phase for phase, _, _ in events[2:]] == ["backward", "backward"]
+
+
+@pytest.mark.parametrize("quantize,bucket", [("nf4", 1000), (None, 1000), ("nf4", 0)])
+def test_a_quantized_model_loads_whole_before_zero3_shards_it(quantize, bucket):
+    """Transformers builds an unquantized model under deepspeed.zero.Init (each parameter partitioned as it is made)
+    but a quantized one whole on every GPU (modeling_utils.py get_init_context: zero.Init only `if not
+    is_quantized`; the bitsandbytes quantizer's device_map {"": current_device()}), and DeepSpeed's stage 3
+    partitions it as the Trainer prepares it: QLoRA's load holds what one GPU's step builds. memcalc's generic
+    ZeRO (no DeepSpeed: bucket 0) loads nothing whole."""
+    shape, tricks = replace(PRESETS["llama3.2-1b"], n_layers=2), parse_tricks("bf16,flash")
+    stack = replace(stack_for("hf"), recipe="pure", finetune=finetune_for("16", quantize=quantize))
+    cfg = StepConfig(shape, 256, 1, tricks, stack, "adamw", 1)
+    one = simulate(cfg, warm_up=True)[0]
+    rank = simulate(cfg, warm_up=True, sharding=Sharding(3, 8, bucket_numel=bucket))[0]
+    assert rank.load_bytes == (one.weights_bytes if quantize and bucket else 0)
+    assert rank.run_peak_bytes == max(rank.step_peak_bytes, rank.load_bytes)
+
+
+def test_qlora_70b_under_zero3_peaks_as_it_loads():
+    """PEFT's DeepSpeed ZeRO-3 QLoRA guide (Llama-2-70B on two 40 GB cards) says 36.6 GB per GPU: the whole 4-bit
+    model before it is partitioned (benchmarks/finetune/). The verdict peaks at the load, says so, and `fit` on a
+    24 GB card names the load as what does not fit."""
+    args = ["--model", "llama2-70b", "--seq", "2048", "--lora", "8", "--quantize", "nf4", "--tricks",
+            "bf16,flash,ckpt", "--gpus", "2", "--zero", "3"]  # fmt: skip
+    r = CliRunner().invoke(app, ["estimate", *args, "--gpu", "a100-40gb", "--format", "json"])
+    v = json.loads(r.stdout)["verdict"][0]
+    assert v["peak_at"].startswith("load:") and v["peak_bytes"] == v["phases"]["load_bytes"] > v["state_bytes"]
+    assert v["total_bytes"] >= v["peak_bytes"] > v["phases"]["step_peak_bytes"]
+    page = " ".join(Path(__file__).parents[1].joinpath("docs", "finetune.md").read_text().split())
+    assert (f"{v['peak_bytes'] / 1e9:.1f} GB on each GPU; its step at seq 2,048 peaks at "
+            f"{v['phases']['step_peak_bytes'] / 1e9:.1f} GB") in page  # fmt: skip
+    text = CliRunner().invoke(app, ["fit", *args[2:], "--model", "llama2-70b", "--gpu", "rtx4090"]).output
+    assert "Nothing fits: the model's load alone is larger than the GPU" in " ".join(text.split())
 
 
 def test_the_hf_stacks_zero_is_deepspeeds():

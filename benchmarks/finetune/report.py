@@ -131,8 +131,8 @@ def predicted(args: list[str], kind: str = "peak_allocated") -> int | tuple[int,
     verdict = answer["verdict"][0]
     if kind in ("peak_allocated", "peak_active"):
         return verdict["peak_bytes"]
-    reserve = (verdict["reserved"]["reserved_bytes"] if verdict["reserved"] else
-               reserved(args) if "--gpus" not in args else verdict["total_bytes"])  # fmt: skip
+    reserve = (verdict["total_bytes"] if verdict["reserved"] or "--gpus" in args else
+               max(reserved(args), verdict["peak_bytes"]))  # the step's reserve, or the model's load where it peaks
     if kind == "peak_reserved":
         return reserve
     headroom = answer["headroom"]

@@ -33,6 +33,7 @@ class FitLimits:
     memory_at_max_batch: Verdict | None
     seq_limit: int  # the longest sequence the model embeds (a learned position table), else MAX_SEQ
     headroom: Headroom | None = None  # what usable_bytes keeps back, by part
+    none_fit_at: str = ""  # where nothing fits: where one token's run peaks (a model's load: memcalc.exact.replay.zero)
 
     @property
     def seq_capped(self) -> bool:
@@ -179,4 +180,5 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
         memory_at_max_batch=memory(setup.seq_len, max_batch) if max_batch else None,
         seq_limit=seq_limit,
         headroom=headroom(gpu, layout.groups),
+        none_fit_at=memory(1, setup.micro_batch, False).peak_at if not max_seq else "",
     )

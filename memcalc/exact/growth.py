@@ -131,7 +131,7 @@ def grown_phases(short: Phases, long: Phases, m2, m3, grown: Growth) -> Phases:
 
 
 STATE_FIELDS = ("weights_bytes", "inputs_bytes", "state_bytes", "retained_bytes", "grads_bytes", "offloaded_bytes",
-                "reloaded_bytes")
+                "reloaded_bytes", "load_bytes")
 
 
 def grow(at_short: int, at_long: int, grown: Growth) -> int:

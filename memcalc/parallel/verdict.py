@@ -59,8 +59,9 @@ class Verdict(Fits):
 
     @property
     def total_bytes(self) -> int:
-        """What the verdict holds to the usable bytes: the allocator's reserve where it was replayed, else the peak."""
-        return self.reserved.reserved_bytes if self.reserved is not None else self.peak_bytes
+        """What the verdict holds to the usable bytes: the allocator's reserve where it was replayed (over the step;
+        the model's load, where it peaks, holds its tensors at least), else the peak."""
+        return max(self.reserved.reserved_bytes, self.peak_bytes) if self.reserved is not None else self.peak_bytes
 
     @property
     def transient_bytes(self) -> int:
@@ -152,10 +153,10 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
                                    layout.offload_params, s.stack.recipe).host_bytes  # fmt: skip
     else:  # what trains of a fine-tuned model: its paged optimizer state, if any (it offloads nothing)
         state_host = state_for(shape, own, s, tricks.precision, layout)[2]
-    usable, reserved = allocator_verdict(model, setup, gpu, tricks, layout, sharding, phases.step_peak_bytes,
+    usable, reserved = allocator_verdict(model, setup, gpu, tricks, layout, sharding, phases.run_peak_bytes,
                                          allocator)  # fmt: skip
     host = state_host + phases.offloaded_bytes  # one micro-batch's offloaded activations, pinned till backward
-    return Verdict(tricks, phases.state_bytes, phases.step_peak_bytes, peak_at(phases), usable, host,
+    return Verdict(tricks, phases.state_bytes, phases.run_peak_bytes, peak_at(phases), usable, host,
                    host_share(setup, layout), phases, replay, "", own, reserved,
                    keeps_share=usable != allocator_room(gpu, layout.groups))  # fmt: skip
 
@@ -236,7 +237,10 @@ def replay_text(sharding: Sharding) -> str:
 
 
 def peak_at(p: Phases) -> str:
-    """Where the step peaks: the phase and op ("optimizer: sqrt"); the first to reach it on a tie."""
+    """Where the run peaks: the phase and op ("optimizer: sqrt"); the first to reach it on a tie; the model's load
+    where it holds more than the step (memcalc.exact.replay.zero: a quantized model under DeepSpeed's ZeRO-3)."""
+    if p.load_bytes > p.step_peak_bytes:
+        return "load: the whole quantized model on each GPU, before DeepSpeed's ZeRO-3 partitions it"
     peaks = [(p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),
              (p.optimizer_peak_bytes, p.optimizer_peak_at)]  # fmt: skip
     return max(peaks, key=lambda x: x[0])[1]

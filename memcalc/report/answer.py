@@ -80,6 +80,7 @@ def summary_section(ans: Answer, units: str) -> Section:
         f"activations (Korthikanti et al. 2022{moe}) + logits",
     ]
     s.notes += [note for note in (trl_note(job.setup.stack), liger_note(job.setup.stack.savers)) if note]
+    s.notes += load_notes(ans, units)
     s.notes += offload_notes(ans, units)
     s.notes += reserved_notes(ans, units)
     s.notes += [f"{', '.join(labels)} *: by formula, the stack's engine's state and buffers on one GPU of the "
@@ -87,6 +88,15 @@ def summary_section(ans: Answer, units: str) -> Section:
     s.notes.append(f"step time: {time_model_text(ans)}; MFU: model FLOPs / step time / dense peak")
     s.notes += moe_notes(ans)
     return s
+
+
+def load_notes(ans: Answer, units: str) -> list[str]:
+    """Where the model's load peaks above the step (memcalc.exact.replay.zero: a quantized model under the Trainer's
+    DeepSpeed ZeRO-3), what it holds and what the step then holds."""
+    return [f"{v.tricks.label}: the peak is the model's load: Transformers builds a quantized model outside "
+            "deepspeed.zero.Init and places it whole on each GPU, which DeepSpeed's ZeRO-3 partitions only as the "
+            f"Trainer prepares it; the step then peaks at {u.size(v.phases.step_peak_bytes, units)}"
+            for v in ans.verdicts if v.replayed and v.phases.load_bytes > v.phases.step_peak_bytes]  # fmt: skip
 
 
 def reserved_cell(v, units: str) -> str:

@@ -45,6 +45,9 @@ def fit_sections(limits: FitLimits, units: str, detail: bool = False) -> list[Se
 
 
 def fit_verdict(limits: FitLimits) -> str:
+    if not limits.max_seq_len and limits.none_fit_at.startswith("load:"):
+        what = limits.none_fit_at.removeprefix("load: ")
+        return f"Nothing fits: the model's load alone is larger than the GPU ({what}); `memcalc estimate` shows it."
     if not limits.max_seq_len:
         return ("Nothing fits: model state alone is larger than the GPU; `memcalc estimate` shows the toolbox "
                 "(ZeRO, offload).")  # fmt: skip

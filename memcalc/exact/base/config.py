@@ -153,7 +153,13 @@ class Phases:
     optimizer_peak_at: str
     offloaded_bytes: int = 0  # one micro-batch's saved tensors copied to pinned host memory (memcalc.exact.sim.offload)
     reloaded_bytes: int = 0  # ... copied back to the GPU in backward
+    load_bytes: int = 0  # held as the model loads, before the engine shards it; 0 where it loads sharded (see zero.py)
 
     @property
     def step_peak_bytes(self) -> int:
         return max(self.forward_peak_bytes, self.backward_peak_bytes, self.optimizer_peak_bytes)
+
+    @property
+    def run_peak_bytes(self) -> int:
+        """The run's peak on this GPU: the step's, or the model's load where that holds more."""
+        return max(self.step_peak_bytes, self.load_bytes)

@@ -214,5 +214,6 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     mem.phase = ""
     g.saved_terms, g.flops, g.rebuilt_bytes = terms, flops, rebuilt
     (fp, fa), (bp, ba), (op, oa) = peaks["forward"], peaks["backward"], peaks["optimizer"]
-    phases = Phases(weights, inputs, before - inputs, retained, grads, fp, bp, op, fa, ba, oa, *moved)
+    load = getattr(zero, "load_bytes", 0)  # the model whole on this GPU as it loads (zero.py)
+    phases = Phases(weights, inputs, before - inputs, retained, grads, fp, bp, op, fa, ba, oa, *moved, load)
     return phases, g, mem

@@ -27,6 +27,12 @@ stage 3 allocates it once, after its optimizer state (deepspeed/runtime/zero/sta
 torch.empty(reduce_bucket_size)), and keeps it; stages 1-2 at each backward's first gradient (stage_1_and_2.py
 process_gradients -> setup_buckets), two with overlap_comm (off below stage 3), freed as backward ends
 (_release_ipg_buffers). Here stages 1-2 allocate it as backward enters the first unit holding a trained parameter.
+The Trainer's model loads before DeepSpeed shards it: Transformers builds an unquantized model under
+deepspeed.zero.Init, each parameter partitioned as it is made, but a quantized one whole onto every GPU
+(transformers/modeling_utils.py get_init_context: zero.Init only `if not is_quantized`; the bitsandbytes
+quantizer's device_map {"": torch.cuda.current_device()}), which DeepSpeed's stage 3 partitions as the Trainer
+prepares it (deepspeed/runtime/zero/parameter_offload.py _convert_to_zero_parameters): QLoRA's whole 4-bit model
+is on each GPU at load (Zero.load_bytes).
 """
 
 from __future__ import annotations
@@ -117,6 +123,8 @@ class Zero:
         self.phase, self.current, self.seen_block = "idle", None, False
         self.bucket: Tensor | None = None  # DeepSpeed's reduce bucket, while it is allocated
         g.zero = self
+        quantized = any(p.dtype == "uint8" for p in self.frozen)  # QLoRA's packed 4-bit weights (stored())
+        self.load_bytes = g.mem.live_bytes if sharding.zero == 3 and sharding.bucket_numel and quantized else 0
         if sharding.zero == 3:  # the weights are their shards: the built ones stand in, with no bytes
             g.mem.live_bytes -= sum(p.storage.nbytes for p in params + self.frozen)
             if g.recording is not None:

@@ -46,12 +46,16 @@ def test_frozen_parts_count():
     assert trained_params(LLAMA, ft) == n_params(LLAMA) - frozen_params(LLAMA, ft)
 
 
-def test_estimate_and_fit_answer():
+def test_estimate_answers():
     r = run("estimate", "--model", "llama3-8b", "--seq", "2048", "--lora", "16", "--tricks", "bf16,flash,ckpt",
             "--gpu", "rtx4090", "--format", "json")  # fmt: skip
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert "LoRA r=16" in r.output and out
+
+
+@pytest.mark.slow("test_estimate_answers (the verdict fit searches with) and tests/test_cli.py::test_fit_command")
+def test_fit_answers():
     r = run("fit", "--model", "llama3-8b", "--lora", "16", "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090")
     assert r.exit_code == 0 and "Longest sequence that fits" in r.output, r.output
     # QLoRA's fit on the same card: docs/finetune.md's example (tests/test_docs.py)

@@ -153,7 +153,9 @@ def gpu_verdict(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: La
                                    layout.offload_params, s.stack.recipe).host_bytes  # fmt: skip
     else:  # what trains of a fine-tuned model: its paged optimizer state, if any (it offloads nothing)
         state_host = state_for(shape, own, s, tricks.precision, layout)[2]
-    usable, reserved = allocator_verdict(model, setup, gpu, tricks, layout, sharding, phases.run_peak_bytes,
+    # the allocator is replayed over the step, where the step's peak comes near its room (a load that peaks above
+    # the step holds its tensors, Verdict.total_bytes)
+    usable, reserved = allocator_verdict(model, setup, gpu, tricks, layout, sharding, phases.step_peak_bytes,
                                          allocator)  # fmt: skip
     host = state_host + phases.offloaded_bytes  # one micro-batch's offloaded activations, pinned till backward
     return Verdict(tricks, phases.state_bytes, phases.run_peak_bytes, peak_at(phases), usable, host,

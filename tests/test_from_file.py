@@ -122,6 +122,8 @@ def test_csv_stays_one_table_and_markdown_shows_the_keys(hub):
     assert markdown.startswith(f"### From {AXOLOTL}") or f"From {AXOLOTL}" in markdown.split("\n")[0]
 
 
+@pytest.mark.slow("test_the_file_answers_as_its_options_typed_out[axolotl-llama3-8b-qlora.yml] (estimate's verdict, "
+                  "which fit searches with)")
 def test_fit_takes_the_file_too(hub):
     data = answer("fit", "--from", AXOLOTL, "--gpu", "rtx4090")
     keys = uses(data)

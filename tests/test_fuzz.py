@@ -141,7 +141,7 @@ def test_estimate_answers_or_says_why_in_one_line(model, options):
     check(args, run(args))
 
 
-@examples(4, slow=25)
+@examples(3, slow=25)
 @given(model=model_options, options=some(flag("--seq", SEQS), flag("--micro-batch", COUNTS), flag("--tricks", TRICKS),
                                          flag("--gpus", COUNTS), flag("--zero", ["0", "3"]), flag("--gpu", GPUS),
                                          flag("--format", FORMATS), flag("--host-memory", ["2T", "1"]), *SWITCH[:2]))  # fmt: skip
@@ -214,7 +214,7 @@ def valid_args(job: dict) -> list[str]:
     return args + (["--tricks", job["tricks"]] if job["tricks"] else []) + (["--offload"] if job["offload"] else [])
 
 
-@examples(6, slow=12)
+@examples(4, slow=12)
 @given(job=VALID)
 def test_the_jobs_people_run_give_one_verdict_in_every_format(job):
     """Issue 18: the defects lived in mostly valid combinations (ZeRO x GPUs x stack x tricks x offload): each

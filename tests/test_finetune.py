@@ -175,3 +175,13 @@ def test_a_lora_layout_s_stages_hold_the_lora_state():
     out = json.loads(r.output)
     (stage,) = out["stages"][0]
     assert stage["state"]["total_bytes"] == out["model_state"]["total_bytes"]
+
+
+@pytest.mark.parametrize("zero", ["1", "2", "3"])
+def test_frozen_blocks_under_zero(zero):
+    """`--freeze 8 --gpus 4 --zero 2` ended in a KeyError traceback: ZeRO-2's reduce-scatter looked up the
+    trained parameters of a frozen block (memcalc.exact.replay.zero Zero.leave), which has none."""
+    r = run("estimate", "--model", "llama3.2-1b", "--seq", "512", "--freeze", "8", "--tricks", "bf16,flash,ckpt",
+            "--gpus", "4", "--zero", zero, "--format", "json")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["verdict"][0]["replay"] == f"DeepSpeed ZeRO-{zero} over 4 ranks"

@@ -139,6 +139,11 @@ def test_qlora_70b_under_zero3_peaks_as_it_loads():
             f"{v['phases']['step_peak_bytes'] / 1e9:.1f} GB") in page  # fmt: skip
     text = CliRunner().invoke(app, ["fit", *args[2:], "--model", "llama2-70b", "--gpu", "rtx4090"]).output
     assert "Nothing fits: the model's load alone is larger than the GPU" in " ".join(text.split())
+    short = [*args[:2], "--seq", "256", *args[4:], "--gpu", "a100-40gb", "--timeline", "--format", "json"]
+    r = CliRunner().invoke(app, ["estimate", *short])  # --timeline draws the step, held to the verdict's step peak
+    assert r.exit_code == 0, r.output
+    v, t = json.loads(r.stdout)["verdict"][0], json.loads(r.stdout)["timeline"][0]
+    assert v["peak_at"].startswith("load:") and t["peak_bytes"] == v["phases"]["step_peak_bytes"] < v["peak_bytes"]
 
 
 def test_the_hf_stacks_zero_is_deepspeeds():

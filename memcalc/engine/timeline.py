@@ -12,7 +12,7 @@ from memcalc.errors import InputError
 from memcalc.exact.reserved import MICRO_BATCHES
 from memcalc.exact.timeline import Timeline, step_timeline
 from memcalc.parallel.engines import engine_layout
-from memcalc.parallel.verdict import Verdict, replay_sharding
+from memcalc.parallel.verdict import Verdict, replay_sharding, step_peak_at
 
 
 def step_timelines(job, verdicts: tuple[Verdict, ...]) -> tuple[Timeline, ...]:
@@ -34,8 +34,9 @@ def step_timelines(job, verdicts: tuple[Verdict, ...]) -> tuple[Timeline, ...]:
         sharding = replay_sharding(s, layout, v.tricks.precision)  # DeepSpeed's bucket in the trick set's dtype
         t = step_timeline(shape, s.seq_len, s.micro_batch, v.tricks, drawn, s.stack, s.optimizer, sharding)
         t = replace(t, micro_batches=drawn, accumulated=s.grad_accum)
-        if (t.peak_bytes, t.peak_at) != (v.peak_bytes, v.peak_at):  # the full depth and the grown step disagree: a bug
+        step = (v.phases.step_peak_bytes, step_peak_at(v.phases))  # the step's (a load may peak above it: zero.py)
+        if (t.peak_bytes, t.peak_at) != step:  # the full depth and the grown step disagree: a bug
             raise RuntimeError(f"{v.tricks.label}: the timeline peaks at {t.peak_bytes:,} B ({t.peak_at}), the "
-                               f"verdict at {v.peak_bytes:,} B ({v.peak_at})")  # fmt: skip
+                               f"verdict's step at {step[0]:,} B ({step[1]})")  # fmt: skip
         out.append(t)
     return tuple(out)

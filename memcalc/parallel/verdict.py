@@ -239,10 +239,15 @@ def replay_text(sharding: Sharding) -> str:
 
 
 def peak_at(p: Phases) -> str:
-    """Where the run peaks: the phase and op ("optimizer: sqrt"); the first to reach it on a tie; the model's load
-    where it holds more than the step (memcalc.exact.replay.zero: a quantized model under DeepSpeed's ZeRO-3)."""
+    """Where the run peaks: the step's peak (step_peak_at), or the model's load where it holds more than the step
+    (memcalc.exact.replay.zero: a quantized model under DeepSpeed's ZeRO-3)."""
     if p.load_bytes > p.step_peak_bytes:
         return "load: the whole quantized model on each GPU, before DeepSpeed's ZeRO-3 partitions it"
+    return step_peak_at(p)
+
+
+def step_peak_at(p: Phases) -> str:
+    """Where the step peaks: the phase and op ("optimizer: sqrt"); the first to reach it on a tie."""
     peaks = [(p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),
              (p.optimizer_peak_bytes, p.optimizer_peak_at)]  # fmt: skip
     return max(peaks, key=lambda x: x[0])[1]

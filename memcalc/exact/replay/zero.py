@@ -196,7 +196,7 @@ class Zero:
     def enter(self, unit) -> None:
         self.current = unit
         if self.sharding.bucket_numel and self.bucket is None and self.phase == "backward" and \
-                self.sharding.zero < 3 and self.units[unit]:  # stages 1-2: the unit holds a trained parameter
+                self.sharding.zero < 3 and self.units.get(unit):  # stages 1-2: the unit holds a trained parameter
             self.allocate_bucket()
         if self.sharding.zero == 3:
             i = self.order.index(unit) + (-1 if self.phase == "backward" else 1)
@@ -207,7 +207,7 @@ class Zero:
     def leave(self, unit) -> None:
         self.gathered.pop(unit, None)
         if self.phase == "backward" and self.sharding.zero >= 2:
-            self.reduce_scatter(self.units[unit])
+            self.reduce_scatter(self.units.get(unit, []))  # a frozen block (--freeze) has nothing to reduce
 
     def gather(self, unit) -> None:
         """All-gather a unit's weights (ZeRO-3): full size, in their dtype, onto this GPU."""

@@ -96,7 +96,7 @@ REFUSED = {  # (file text, name, the key the line names, what it says)
     "axolotl's liger": (AXOLOTL + "plugins: [axolotl.integrations.liger.LigerPlugin]\n"
                         "liger_fused_linear_cross_entropy: true\n", "run.yml", "liger_fused_linear_cross_entropy",
                         "overstate"),
-    "preference training": (AXOLOTL + "rl: dpo\n", "run.yml", "rl: dpo", "supervised"),
+    "preference training": (AXOLOTL + "rl: dpo\n", "run.yml", "rl: dpo", "--rl dpo"),
     "torchtune's fused loss": (TORCHTUNE + "loss:\n  _component_: torchtune.modules.loss.LinearCrossEntropyLoss\n",
                                "tt.yaml", "loss._component_", "overstate"),
     "torchtune's chunked loss off its stack": (TORCHTUNE.replace("bf16", "fp32") + "loss:\n  _component_: "

@@ -98,7 +98,7 @@ def seq_for(seq: str | None, model: Model | None) -> str:
 
 @dataclass(frozen=True)
 class StackOptions(OptionGroup):
-    """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, --reentrant, and the
+    """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, --reentrant, --rl, and the
     fine-tuning: --lora, --lora-targets, --lora-dropout, --dora, --modules-to-save, --quantize, --freeze."""
 
     stack: str | None = None
@@ -117,6 +117,7 @@ class StackOptions(OptionGroup):
     optimizer_in_backward: bool = False
     liger: bool = False
     reentrant: bool = False
+    rl: str | None = None
 
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
@@ -124,7 +125,7 @@ class StackOptions(OptionGroup):
         allocates by the GPU's kind (memcalc.model.savers.liger_for); without a GPU (verify), as on meta."""
         from memcalc.model.finetune import finetune_for
         from memcalc.model.savers import ON_META, liger_for
-        from memcalc.model.stacks import stack_for, with_loop
+        from memcalc.model.stacks import stack_for, with_loop, with_rl
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip
@@ -140,7 +141,7 @@ class StackOptions(OptionGroup):
                                  f"wrapped by PEFT (--stack hf) and torchtune's (--stack torchtune), not --stack "
                                  f"{chosen.key}")  # fmt: skip
             chosen = replace(chosen, finetune=finetune)
-        return with_loop(chosen, self.loss, self.optimizer_in_backward)
+        return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class StepOptions(OptionGroup):
             raise InputError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
         return Setup(
             seq_len=parse_seq(seq_for(self.seq, model)),
-            micro_batch=parse_count(self.micro_batch, "micro-batch", MAX_BATCH),
+            micro_batch=parse_count(self.micro_batch, "micro-batch", MAX_BATCH) * (2 if stack.rl == "dpo" else 1),
             grad_accum=parse_count(self.grad_accum, "grad-accum", MAX_BATCH),
             optimizer=self.optimizer.strip().lower(),
             mfu=DEFAULT_MFU if self.mfu is None else parse_fraction(self.mfu, "mfu"),

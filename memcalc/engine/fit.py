@@ -165,19 +165,19 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
         at = replace(setup, seq_len=seq_len, micro_batch=micro_batch)
         return gpu_verdict(model, at, gpu, tricks, layout, allocator)
 
-    seq_limit = longest_seq(model.shape)
+    seq_limit, per = longest_seq(model.shape), setup.per_sample  # DPO: the micro-batch in pairs, two sequences each
     max_seq = largest_reserved(lambda s, a=True: memory(s, setup.micro_batch, a), seq_limit)
-    max_batch = largest_reserved(lambda b, a=True: memory(setup.seq_len, b, a), MAX_BATCH)
+    max_batch = largest_reserved(lambda b, a=True: memory(setup.seq_len, b * per, a), MAX_BATCH // per)
     return FitLimits(
         tricks=tricks,
         gpu=gpu.key,
         usable_bytes=memory(max(max_seq, 1), setup.micro_batch).usable_bytes,
         seq_len=setup.seq_len,
-        micro_batch=setup.micro_batch,
+        micro_batch=setup.samples,
         max_seq_len=max_seq,
         max_micro_batch=max_batch,
         memory_at_max_seq=memory(max_seq, setup.micro_batch) if max_seq else None,
-        memory_at_max_batch=memory(setup.seq_len, max_batch) if max_batch else None,
+        memory_at_max_batch=memory(setup.seq_len, max_batch * per) if max_batch else None,
         seq_limit=seq_limit,
         headroom=headroom(gpu, layout.groups),
         none_fit_at=memory(1, setup.micro_batch, False).peak_at if not max_seq else "",

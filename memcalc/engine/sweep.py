@@ -96,7 +96,7 @@ def sweep(model: Model, setup: Setup, gpu: GPU, trick_sets: tuple[Tricks, ...], 
     field = SWEEPABLE[name][0]
     points, usable = [], gpu.memory_bytes
     for value in values:
-        at = replace(setup, **{field: value})
+        at = replace(setup, **{field: value * (setup.per_sample if field == "micro_batch" else 1)})  # DPO: pairs
         check_positions(model.shape, at.seq_len)
         for tricks in trick_sets:
             verdict = gpu_verdict(model, at, gpu, tricks, layout)

@@ -122,12 +122,12 @@ def use_flash(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple
 
 
 def use_smaller_batch(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
-    b = c.setup.micro_batch
+    b, per = c.setup.samples, c.setup.per_sample  # DPO: its pairs, two sequences each
     if b == 1:
         return None
 
     def change(x: Combination) -> Combination:
-        return replace(x, setup=replace(x.setup, micro_batch=1, grad_accum=x.setup.grad_accum * b))
+        return replace(x, setup=replace(x.setup, micro_batch=per, grad_accum=x.setup.grad_accum * b))
 
     return f"micro-batch 1, {b}x accumulation", change, f"{b}x more, smaller passes"
 

@@ -113,7 +113,7 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape
     """What a trace key adds for a stack: nothing for the reference stack's AdamW (its traces and their
     cache keys as they always were); (its code, optimizer) for a stack the exact model replays, the code a
     Stack of what decides the step (model, recipe, impl, cache, the traced blocks' fine-tuning, TRL's
-    release; not its name or engine); nothing, so the reference stack's step, for one it does not
+    release and --rl; not its name or engine); nothing, so the reference stack's step, for one it does not
     (memcalc.exact.base.config)."""
     if (stack.model, stack.recipe, stack.impl, optimizer) == (DEFAULT_STACK.model, DEFAULT_STACK.recipe,
                                                               DEFAULT_STACK.impl, "adamw"):  # fmt: skip
@@ -127,7 +127,7 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape
     if reason:
         return ()
     code = replace(DEFAULT_STACK, model=stack.model, recipe=stack.recipe, impl=stack.impl, use_cache=stack.use_cache,
-                   finetune=traced_finetune(stack.finetune), trl=stack.trl)  # fmt: skip
+                   finetune=traced_finetune(stack.finetune), trl=stack.trl, rl=stack.rl)  # fmt: skip
     return code, optimizer
 
 

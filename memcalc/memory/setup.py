@@ -41,6 +41,19 @@ class Setup:
         check_size("grad-accum", self.grad_accum, limit=MAX_BATCH)
         if not (isinstance(self.mfu, (int, float)) and math.isfinite(self.mfu) and 0 < self.mfu <= 1):
             raise InputError(f"mfu must be a fraction in (0, 1], got {self.mfu!r}")
+        if self.micro_batch % self.per_sample:  # a bug: --micro-batch counts samples (CLI's StepOptions)
+            raise InputError(f"micro-batch {self.micro_batch} sequences is not a whole number of DPO pairs")
+
+    @property
+    def per_sample(self) -> int:
+        """Sequences per sample: DPO's pair, chosen and rejected (memcalc.exact.hf.dpo); else one. micro_batch counts
+        sequences, the rows the model runs; --micro-batch counts samples."""
+        return 2 if self.stack.rl == "dpo" else 1
+
+    @property
+    def samples(self) -> int:
+        """The micro-batch in samples (--micro-batch): DPO's pairs."""
+        return self.micro_batch // self.per_sample
 
     @property
     def tokens_per_micro_batch(self) -> int:

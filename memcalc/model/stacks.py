@@ -40,6 +40,7 @@ MODELS = ("reference", "hf", "torchtune")
 # each upcast to fp32), or chunked_nll (TRL's loss_type "chunked_nll": the head and the loss 256 positions at a time,
 # each under checkpointing: memcalc.exact.hf.chunked_nll)
 LOSSES = ("full", "chunked", "chunked_nll")
+RL = ("", "dpo")  # --rl: preference training as TRL's trainers run it ("": SFT)
 LOSS_SPELLINGS = {"nll": "full"}  # --loss nll: TRL's name for the cross-entropy over the whole logits
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
@@ -110,12 +111,13 @@ class Stack:
     in_backward: bool = False  # torchtune's optimizer_in_bwd: each parameter stepped as its gradient is made
     savers: Savers = NO_SAVERS  # the memory savers on: activation offloading (memcalc.model.savers)
     reentrant: bool = False  # hf: ckpt's checkpoint with use_reentrant=True (gradient_checkpointing_kwargs)
+    rl: str = ""  # RL: "dpo", TRL's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); "" for none
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
                                    ("optimizer implementation", self.impl, IMPLS), ("engine", self.engine, ENGINES),
                                    ("TRL release line", self.trl, TRL_RELEASES),
-                                   ("loss", self.loss, LOSSES)):  # fmt: skip
+                                   ("loss", self.loss, LOSSES), ("--rl", self.rl, RL)):  # fmt: skip
             if value not in known:
                 raise InputError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
@@ -133,6 +135,8 @@ class Stack:
             changed.append("optimizer in backward")
         if self.reentrant:
             changed.append("reentrant checkpointing")
+        if self.rl:
+            changed.append(self.rl.upper())
         if self.finetune.label:
             changed.append(self.finetune.label)
         changed += self.savers.labels
@@ -258,6 +262,33 @@ def with_loop(stack: Stack, loss: str | None = None, in_backward: bool = False) 
     return replace(stack, **changes) if changes else stack
 
 
+def with_rl(stack: Stack, rl: str | None) -> Stack:
+    """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo). Refused where its step is not
+    replayed: other stacks and TRL lines (before 1.15 its loss came from the logits: concatenated_forward), full
+    fine-tuning (its reference is a second model, create_model_from_path), --modules-to-save (the reference runs the
+    original modules, not the trained copies), Liger and activation offloading."""
+    if rl is None:
+        return stack
+    key = rl.strip().lower()
+    if key not in RL or not key:
+        raise InputError(f"unknown --rl {rl!r}; known: dpo")
+    if stack.trl not in FUSED_HEAD:
+        lines = ", ".join("trl:" + x for x in FUSED_HEAD)
+        raise InputError(f"--rl dpo is TRL's DPOTrainer, replayed on --stack {lines} (its fused LM head), not --stack "
+                         f"{stack.key}")  # fmt: skip
+    if not stack.finetune.lora:
+        raise InputError("--rl dpo with full fine-tuning: TRL's reference is then a second copy of the model "
+                         "(create_model_from_path), which is not replayed; --lora or --quantize nf4 (the reference "
+                         "is the policy with its adapters disabled)")  # fmt: skip
+    if stack.savers.offload or stack.savers.liger is not None:
+        raise InputError("--rl dpo with --offload-activations or --liger is not replayed")
+    if stack.finetune.modules_to_save:
+        raise InputError("--rl dpo with --modules-to-save: the reference then runs the original modules beside the "
+                         "trained copies, which is not replayed")  # fmt: skip
+    finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0
+    return replace(stack, rl=key, finetune=finetune)
+
+
 def trl_note(stack: Stack) -> str:
     """What the replay takes of TRL's SFTTrainer (memcalc.exact.hf.trl), in a line for the verdict's notes; ''
     without TRL."""
@@ -267,6 +298,11 @@ def trl_note(stack: Stack) -> str:
     parts = []
     if line in BF16_CAST and stack.finetune.quantize:
         parts.append("the 4-bit model's adapters cast to bf16, nothing else prepared")
+    if line in FUSED_HEAD and stack.rl == "dpo":
+        parts.append("each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then the "
+                     "reference's forward (the adapters disabled, no_grad, no checkpointing) beside the policy's "
+                     "saved activations; dropout disabled; every position a completion token")  # fmt: skip
+        return f"TRL {releases(line)}'s DPOTrainer (sigmoid loss): " + "; ".join(parts)
     if line in FUSED_HEAD:
         parts.append("the loss from add_fused_lm_head's chunked log-probabilities (no logits: 4096 x 32768 tiles, "
                      "fp32 per-token statistics)")  # fmt: skip

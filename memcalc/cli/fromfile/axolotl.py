@@ -35,8 +35,9 @@ LEGACY_ATTENTION = {"flash_attention": True, "sdp_attention": True, "xformers_at
 
 def read_axolotl(ledger: KeyLedger, typed: dict) -> None:
     if ledger.text("rl") is not None:
-        ledger.refuse("rl", "preference and RL training (a reference model, generations) is not modelled: memcalc "
-                            "models supervised training")  # fmt: skip
+        ledger.refuse("rl", "axolotl's preference and RL training runs its own subclass of TRL's trainers at the "
+                            "TRL release it pins, which is not replayed: give the job's options with --stack trl:1.16 "
+                            "--rl dpo for TRL 1.16's DPOTrainer (docs/rl.md)")  # fmt: skip
     model_option(ledger, "base_model_config" if ledger.has("base_model_config") else "base_model")
     if ledger.has("base_model_config"):
         ledger.used("base_model", "its config.json from base_model_config")

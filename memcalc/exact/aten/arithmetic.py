@@ -32,8 +32,8 @@ def add(g: Graph, a: Tensor, b: Tensor, op: str = "add") -> Tensor:
     sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
 
     def rule(gs):
-        db = gs[0] if op == "add" else made(g, gs[0].shape, "neg", gs[0], dtype=gs[0].dtype)
-        return [(gs[0], sa) if ga else None, (db, sb) if gb else None]
+        db = None if not gb else gs[0] if op == "add" else made(g, gs[0].shape, "neg", gs[0], dtype=gs[0].dtype)
+        return [(gs[0], sa) if ga else None, (db, sb) if gb else None]  # b's -grad made only where b needs it
 
     node = g.begin(op, [a, b], rule)
     out = made(g, broadcast(a.shape, b.shape), op, a, b, dtype=promote((a.dtype, sa), (b.dtype, sb)))

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 TOKEN_CHUNK = 4096  # chunked_logprob.py TOKEN_CHUNK_SIZE: the tile's rows
 VOCAB_CHUNK = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE: the tile's columns
+SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")  # SFTTrainer.__init__'s add_fused_lm_head(outputs=...)
+DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")  # DPOTrainer.__init__'s
 STATISTICS = ("full", "zeros", "zeros", "zeros", "zeros", "full", "zeros")  # running_max ... target_logit
 
 
@@ -64,12 +66,14 @@ class FusedOutput:
     entropy: Tensor
     is_top1: Tensor
     label_mask: Tensor
+    mean_logits: Tensor | None = None  # DPOTrainer's outputs (memcalc.exact.hf.dpo)
 
 
 def fused_forward(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, labels: Tensor) -> FusedOutput:
     """add_fused_lm_head's _fused_forward after the backbone: last_hidden_state[:, :-1] and labels[:, 1:] (views),
     the mask, the compact rows and targets, ChunkedLogProbFunction, the outputs scattered back, and the model's own
-    loss, -log_probs.sum() / mask.sum().clamp(min=1) (built, then left unused by SFTTrainer)."""
+    loss, -log_probs.sum() / mask.sum().clamp(min=1) (built, then left unused by SFTTrainer and DPOTrainer). The
+    outputs are those the trainer asked add_fused_lm_head for (SFTTrainer's, DPOTrainer's)."""
     B, T, H = hidden_states.shape
     watched = m.cfg.watched
     with g.scoped("logits"):
@@ -80,9 +84,11 @@ def fused_forward(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, lab
         targets = index_rows(g, shifted_labels, mask, watched)
         compute = m.cfg.precision if m.autocast is not None else hidden_states.dtype
         del shifted, shifted_labels
-        log_probs, entropy, is_top1 = chunked_logprob(g, rows, head, targets, compute)
+        outputs = DPO_OUTPUTS if m.cfg.stack.rl == "dpo" else SFT_OUTPUTS
+        per_token = chunked_logprob(g, rows, head, targets, compute, outputs)
         del rows, targets
-        log_probs, entropy, is_top1 = (scattered(g, x, mask, watched) for x in (log_probs, entropy, is_top1))
+        per_token = (None if x is None else scattered(g, x, mask, watched) for x in per_token)
+        log_probs, entropy, mean_logits, is_top1 = per_token
     with g.scoped("loss"):  # num_items_in_batch: None, as SFTTrainer calls it (mask.sum().clamp(min=1) instead)
         summed = aten.sum_all(g, log_probs)
         negated = aten.neg(g, summed)
@@ -92,7 +98,7 @@ def fused_forward(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, lab
         del count
         loss = aten.div_tensor(g, negated, clamped)
         del negated, clamped
-    return FusedOutput(loss, log_probs, entropy, is_top1, mask)
+    return FusedOutput(loss, log_probs, entropy, is_top1, mask, mean_logits)
 
 
 def sliced(g: Graph, x: Tensor, shape: tuple) -> Tensor:
@@ -156,9 +162,10 @@ def scattered(g: Graph, x: Tensor, mask: Tensor, watched: bool) -> Tensor:
     return out
 
 
-def chunked_logprob(g: Graph, hidden: Tensor, weight: Tensor, targets: Tensor,
-                    compute: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """ChunkedLogProbFunction.forward with outputs ("log_probs", "entropy", "is_top1"), compute: autocast's dtype
+def chunked_logprob(g: Graph, hidden: Tensor, weight: Tensor, targets: Tensor, compute: str,
+                    outputs: tuple[str, ...] = SFT_OUTPUTS) -> tuple[Tensor | None, ...]:  # fmt: skip
+    """ChunkedLogProbFunction.forward with outputs (SFT's "log_probs", "entropy", "is_top1"; DPO's "mean_logits" too,
+    z_sum / vocab; log_sum_sq_probs is not replayed), compute: autocast's dtype
     under autocast, else the rows' (torch.get_autocast_dtype or hidden.dtype). The seven fp32 statistics, the tile
     buffer (min(N, 4096), 32768); per token chunk its rows cast to compute (a copy where they are not in it, held
     until the next chunk's), per vocabulary chunk the head's rows cast (a copy for that mm where they are not), the
@@ -195,6 +202,7 @@ def chunked_logprob(g: Graph, hidden: Tensor, weight: Tensor, targets: Tensor,
     ratio = made(g, (N,), "div", stats[2], stats[1])
     entropy = made(g, (N,), "sub", log_z, ratio)
     del ratio
+    mean_logits = made(g, (N,), "div", stats[4]) if "mean_logits" in outputs else None
     at_least = made(g, (N,), "ge", stats[6], stats[0], dtype="bool")
     above = made(g, (N,), "gt", stats[6], stats[5], dtype="bool")
     is_top1 = made(g, (N,), "bitwise_and", at_least, above, dtype="bool")
@@ -202,7 +210,7 @@ def chunked_logprob(g: Graph, hidden: Tensor, weight: Tensor, targets: Tensor,
     g.end(node, [log_probs, entropy], [(hidden, "hidden"), (weight, "weight"), (targets, "targets"),
                                        (log_z, "log_z"), (entropy, "entropy")])  # fmt: skip
     del stats, buffer, rows, log_z  # the frame's locals, in order
-    return log_probs, entropy, is_top1
+    return log_probs, entropy, mean_logits, is_top1
 
 
 def cast_rows(g: Graph, shape: tuple, dtype: str, compute: str, previous: Tensor | None) -> Tensor | None:

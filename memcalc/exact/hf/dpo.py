@@ -1,0 +1,183 @@
+"""TRL 1.16's DPOTrainer step (--rl dpo), op by op in bytes: trl/trainer/dpo_trainer.py DPOTrainer._compute_loss and
+Transformers' Trainer.training_step around it (the trl 1.16.0 wheel; verify/trl_dpo.py runs it).
+
+The batch is DataCollatorForPreference's: the chosen sequences, then the rejected ones (2 x the pairs per device),
+input_ids and completion_mask; every position is taken to be a completion token (no prompt masked, no padding: the
+most the step holds). _compute_loss then:
+  labels     input_ids.masked_fill(completion_mask == 0, -100)
+  policy     the model through its fused LM head (memcalc.exact.hf.fused_head, DPO's outputs: log_probs, entropy,
+             mean_logits, is_top1), each row's log-probabilities summed
+  reference  the same model with its LoRA adapters disabled (PEFT: no ref_model; use_adapter(model, None)), under
+             no_grad with activation checkpointing turned off (disable_gradient_checkpointing): nothing saved, its
+             temporaries on top of the policy's saved activations; skipped with precompute_ref_log_probs
+  loss       sigmoid: -logsigmoid(beta * ((chosen - ref chosen) - (rejected - ref rejected))).mean()
+  metrics    entropy, token count, mean logits, token accuracy, rewards, margins, log-probs: a few (B,) and 0-d
+             tensors and their .item()
+The Trainer divides the loss by the accumulation steps (DPOTrainer.loss_is_scaled_for_ga False). DPOConfig's
+disable_dropout sets every nn.Dropout to p=0 (LoRA's too): the job takes lora_dropout 0 (memcalc.model.stacks with_rl).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
+
+from .. import aten
+from ..aten.arithmetic import pointwise
+from ..aten.operands import made
+from ..aten.views import split
+from ..sim.graph import Graph
+from ..sim.tensors import Tensor
+from .fused_head import FusedOutput, index_rows, sliced
+
+if TYPE_CHECKING:
+    from .family import HFModel
+
+
+def compute_loss(g: Graph, m: HFModel, idx: Tensor, completion_mask: Tensor, causal_lm: Callable) -> Tensor:
+    """DPOTrainer._compute_loss (loss_type sigmoid, reverse KL, no ld_alpha, no weighting), then training_step's
+    loss / gradient_accumulation_steps. Locals live until it returns, as in its frame. causal_lm: the model's forward
+    (memcalc.exact.hf.model's, which calls this)."""
+    B2, T = idx.shape
+    with g.scoped("loss"):
+        masked = made(g, (B2, T), "eq", completion_mask, dtype="bool")  # completion_mask == 0
+        labels = made(g, (B2, T), "masked_fill", idx, masked, dtype="int64")
+        del masked
+    outputs = model_call(g, m, idx, labels, causal_lm)
+    with g.scoped("loss"):
+        per_token_logps = sliced(g, outputs.log_probs, (B2, T - 1))  # outputs.log_probs[:, -seq_len:]
+        logps = aten.sum_last(g, per_token_logps)  # (2B,): chosen, then rejected
+        halves = (B2 // 2,)
+        chosen_logps, rejected_logps = split(g, logps, [B2 // 2, B2 // 2], 0)  # logps.chunk(2, dim=0)
+    ref_outputs = reference_call(g, m, idx, labels, causal_lm)
+    with g.scoped("loss"):
+        ref_per_token_logps = g.view(ref_outputs.log_probs, (B2, T - 1))  # no_grad: a view
+        ref_logps = made(g, (B2,), "sum", ref_per_token_logps)
+        chosen_logratios = aten.sub(g, chosen_logps, g.view(ref_logps, halves))
+        rejected_logratios = aten.sub(g, rejected_logps, g.view(ref_logps, halves))
+        delta_score = aten.sub(g, chosen_logratios, rejected_logratios)
+        scaled = aten.mul_scalar(g, delta_score)  # self.beta * delta_score
+        per_sequence_loss = aten.neg(g, log_sigmoid(g, scaled, m.cfg.watched))
+        del scaled
+        mean = mean_all(g, per_sequence_loss)
+        weighted = aten.mul_scalar(g, mean)  # * loss_weight
+        del mean
+        loss = aten.add_scalar(g, weighted)  # 0.0 + it
+        del weighted
+        held = metrics(g, m, outputs, completion_mask, chosen_logratios, rejected_logratios, chosen_logps, halves)
+        del held, outputs, ref_outputs, labels, per_token_logps, ref_per_token_logps, logps, ref_logps
+        del chosen_logps, rejected_logps, chosen_logratios, rejected_logratios, delta_score  # the frame's locals
+        del per_sequence_loss
+        return pointwise(g, loss, "div", "div")  # training_step: loss / current_gradient_accumulation_steps
+
+
+def model_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, causal_lm: Callable) -> FusedOutput:
+    """model(**model_kwargs, labels=labels, fused_lm_head=True): through accelerate's autocast where the recipe has
+    it (its fp32 conversion finds no 16-bit output: the fused head's are fp32 and bool)."""
+    if m.autocast is None:
+        return causal_lm(g, m, idx, labels, None)[0]
+    with m.autocast.region(g):
+        return causal_lm(g, m, idx, labels, None)[0]
+
+
+def reference_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, causal_lm: Callable) -> FusedOutput:
+    """The reference forward: under torch.no_grad() and disable_gradient_checkpointing, the PEFT model with its
+    adapters disabled (each LoRA layer runs its base layer alone), through the same fused LM head."""
+    ref = replace(m, p={k: v for k, v in m.p.items() if ".lora_" not in k},
+                  cfg=replace(m.cfg, tricks=replace(m.cfg.tricks, recompute="none")))  # fmt: skip
+    outer, g.grad_enabled = g.grad_enabled, False
+    try:
+        return model_call(g, ref, idx, labels, causal_lm)
+    finally:
+        g.grad_enabled = outer
+
+
+def log_sigmoid(g: Graph, x: Tensor, watched: bool) -> Tensor:
+    """F.logsigmoid (log_sigmoid_forward: output and buffer; LogSigmoidBackward0 saves self and the buffer). The
+    buffer is empty on CUDA (aten/src/ATen/native/cuda/Activation.cpp), x-sized on CPU and meta (watched)."""
+    shape = x.shape
+    buffer = made(g, shape if watched else (0,), "log_sigmoid_forward", x)
+
+    def rule(gs):
+        return [made(g, shape, "log_sigmoid_backward", gs[0], dtype=gs[0].dtype)]
+
+    node = g.begin("log_sigmoid_forward", [x], rule, [(x, "self"), (buffer, "buffer")])
+    out = made(g, shape, "log_sigmoid_forward", x, dtype=x.dtype)
+    g.end(node, [out])
+    return out
+
+
+def metrics(g: Graph, m: HFModel, outputs: FusedOutput, completion_mask: Tensor, chosen_logratios: Tensor,
+            rejected_logratios: Tensor, chosen_logps: Tensor, halves: tuple) -> list[Tensor]:  # fmt: skip
+    """_compute_loss's logged metrics, in its order; what stays bound in its frame until it returns is returned."""
+    B2, T = completion_mask.shape
+    rows, half_rows = (B2, T - 1), (B2 // 2, T - 1)
+    shift_mask = g.view(completion_mask, rows)  # completion_mask[..., 1:]
+    weighted = made(g, rows, "mul", outputs.entropy, shift_mask)  # per_token_entropy * mask
+    entropy_sum = made(g, (), "sum", weighted)
+    del weighted
+    total_tokens = made(g, (), "sum", shift_mask, dtype="int64")
+    entropy_sum = made(g, (), "sum", entropy_sum)  # gather_for_metrics(...).sum()
+    total_tokens = made(g, (), "sum", total_tokens, dtype="int64")
+    item_of(g, made(g, (), "gt", total_tokens, dtype="bool"))  # if total_tokens > 0
+    item_of(g, made(g, (), "div", entropy_sum, total_tokens))
+    ones = made(g, (B2, T), "ones", dtype="int64")  # inputs["attention_mask"], made where read (verify/trl_dpo.py)
+    counted = made(g, (), "sum", ones, dtype="int64")
+    del ones
+    item_of(g, made(g, (), "sum", counted, dtype="int64"))
+    del counted
+    chosen_mask = g.view(completion_mask, half_rows)
+    totals = []
+    for what in ("chosen", "rejected"):
+        logits = g.view(outputs.mean_logits, half_rows)
+        picked = index_rows(g, logits, made(g, half_rows, "_to_copy", chosen_mask, dtype="bool"), m.cfg.watched)
+        totals.append(made(g, (), "sum", picked))
+        del picked
+        totals.append(made(g, (), "sum", chosen_mask, dtype="int64"))
+    for i, total in enumerate(totals):  # gather_for_metrics(total).sum().item(), rebound to the float
+        item_of(g, made(g, (), "sum", total, dtype=total.dtype))
+        totals[i] = None
+        del total
+    chosen_is_top1 = g.view(outputs.is_top1, half_rows)
+    as_bool = made(g, half_rows, "_to_copy", chosen_mask, dtype="bool")
+    correct_predictions = made(g, half_rows, "bitwise_and", chosen_is_top1, as_bool, dtype="bool")
+    del as_bool
+    total_tokens = made(g, (), "sum", chosen_mask, dtype="int64")
+    correct_tokens = made(g, (), "sum", correct_predictions, dtype="int64")
+    total_sum = made(g, (), "sum", total_tokens, dtype="int64")
+    item_of(g, made(g, (), "gt", total_sum, dtype="bool"))
+    correct_sum = made(g, (), "sum", correct_tokens, dtype="int64")
+    item_of(g, made(g, (), "div", correct_sum, total_sum))
+    del correct_sum
+    chosen_rewards = made(g, halves, "mul", chosen_logratios)  # self.beta * chosen_logratios.detach()
+    rejected_rewards = made(g, halves, "mul", rejected_logratios)
+    item_of(g, made(g, (), "mean", chosen_rewards))
+    item_of(g, made(g, (), "mean", rejected_rewards))
+    above = made(g, halves, "gt", chosen_rewards, rejected_rewards, dtype="bool")
+    reward_accuracies = made(g, halves, "_to_copy", above)  # .float()
+    del above
+    item_of(g, made(g, (), "mean", reward_accuracies))
+    margins = made(g, halves, "sub", chosen_rewards, rejected_rewards)
+    item_of(g, made(g, (), "mean", margins))
+    item_of(g, made(g, (), "mean", chosen_logps))  # logps/chosen
+    item_of(g, made(g, (), "mean", chosen_logps))  # logps/rejected (its size)
+    return [total_tokens, correct_predictions, correct_tokens, total_sum, chosen_rewards, rejected_rewards,
+            reward_accuracies, margins]  # fmt: skip
+
+
+def mean_all(g: Graph, x: Tensor) -> Tensor:
+    """x.mean() (MeanBackward0): saves x's sizes; backward: grad.expand(x) / numel, an x-sized div."""
+    shape = x.shape
+
+    def rule(gs):
+        return [made(g, shape, "div", gs[0], dtype=gs[0].dtype)]
+
+    node = g.begin("mean", [x], rule)
+    out = made(g, (), "mean", x, dtype=x.dtype)
+    g.end(node, [out])
+    return out
+
+
+def item_of(g: Graph, t: Tensor) -> None:
+    """x.item(): a Python number; the 0-d tensor goes with the statement."""
+    del t

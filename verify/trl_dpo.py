@@ -1,0 +1,99 @@
+"""TRL 1.16's DPOTrainer (--stack trl:1.16 --rl dpo) as itself: its preparation of the model and its _compute_loss,
+run over Transformers and PEFT (memcalc.exact.hf.dpo replays the same).
+
+The batch is DataCollatorForPreference's: the chosen rows, then the rejected ones, input_ids and completion_mask
+(the harness's two inputs: the labels' slot holds the completion mask, filled with ones in place, every position
+of every row a completion token: the most the step holds), the attention mask made where it is read (verify/trl.py
+LazyInputs). The reference is the policy with its adapters disabled (no ref_model under PEFT), run under no_grad
+with activation checkpointing turned off and on again; the Trainer then divides the loss by the gradient
+accumulation steps (DPOTrainer.loss_is_scaled_for_ga is False).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")  # DPOTrainer.__init__'s add_fused_lm_head outputs
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """DPOTrainer.__init__ before it adds its fused LM head: disable_dropout_in_model (DPOConfig.disable_dropout
+    True: every nn.Dropout's p set to 0, PEFT's lora_dropout too)."""
+    from trl.trainer.utils import disable_dropout_in_model
+
+    disable_dropout_in_model(model)
+
+
+class Accelerator:
+    """What _compute_loss asks of the Accelerator on one process: its tensors back, the model unwrapped."""
+
+    num_processes = 1
+    parallelism_config = None
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @staticmethod
+    def gather_for_metrics(x):
+        return x
+
+    @staticmethod
+    def gather(x):
+        return x
+
+    @staticmethod
+    def unwrap_model(model):
+        return model
+
+
+class Inputs(dict):
+    """The collator's batch: input_ids and completion_mask given, the all-ones attention mask made where compute_loss
+    reads it and not handed to the model (verify/trl.py LazyInputs)."""
+
+    def __getitem__(self, key):
+        if key == "attention_mask":
+            ids = super().__getitem__("input_ids")
+            return torch.ones(ids.shape, dtype=torch.long, device=ids.device)
+        return super().__getitem__(key)
+
+
+def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
+             autocast: tuple[str, torch.dtype] | None) -> torch.Tensor:  # fmt: skip
+    """trl 1.16's DPOTrainer._compute_loss itself (loss_type sigmoid, beta 0.1, reverse KL, no ld_alpha, no
+    weighting), its self a stand-in holding what it reads on one process in training; then the Trainer's
+    training_step division by the accumulation steps (1). autocast: the forward Accelerator.prepare_model sets on
+    the model (verify/hf.py amp_forward), which the reference's call goes through too."""
+    from trl import DPOTrainer
+
+    completion_mask.fill_(1)
+    args = SimpleNamespace(gradient_checkpointing_kwargs=None)
+    this = SimpleNamespace(model=model, accelerator=Accelerator(idx.device), aux_loss_enabled=False, ld_alpha=None,
+                           precompute_ref_logps=False, ref_model=None, f_divergence_type="reverse_kl",
+                           loss_types=["sigmoid"], loss_weights=[1.0], beta=0.1, use_weighting=False, args=args,
+                           _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)  # fmt: skip
+    inputs = Inputs(input_ids=idx, completion_mask=completion_mask)
+    if autocast is not None:
+        model.forward = prepared(model.forward, *autocast)
+    try:
+        loss = DPOTrainer._compute_loss(this, model, inputs, return_outputs=False)
+    finally:
+        if autocast is not None:
+            del model.forward
+    return loss / 1  # Trainer.training_step: loss / current_gradient_accumulation_steps
+
+
+def prepared(forward, device_type: str, dtype: torch.dtype):
+    """accelerate's Accelerator.prepare_model under native AMP: model.forward = convert_outputs_to_fp32(
+    torch.autocast(device_type, dtype)(forward)) (verify/hf.py amp_forward)."""
+    from .hf import convert_to_fp32
+
+    def forward_fp32(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            outputs = forward(*args, **kwargs)
+        return convert_to_fp32(outputs)
+
+    return forward_fp32

@@ -19,26 +19,28 @@ from memcalc.model.stacks import STACKS, stack_for, with_rl
 LORA, QLORA = Finetune(4), Finetune(4, quantize="nf4")
 
 
-def dpo(finetune: Finetune = LORA, recipe: str = "pure"):
-    return replace(STACKS["trl:1.16"], finetune=finetune, recipe=recipe, rl="dpo")
+def dpo(finetune: Finetune = LORA, recipe: str = "pure", precompute_ref: bool = False):
+    return replace(STACKS["trl:1.16"], finetune=finetune, recipe=recipe, rl="dpo", precompute_ref=precompute_ref)
 
 
 def run(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
-@pytest.mark.parametrize("name,tricks,finetune,rows", [
-    ("llama", "bf16", LORA, 2),  # one pair: its chosen and rejected sequences
-    ("llama", "bf16,flash,ckpt", QLORA, 4),  # the reference forward with checkpointing turned off
-    ("qwen3", "bf16,flash,ckpt", LORA, 2),
-    ("llama", "bf16", Finetune(4, dora=True), 2),  # disabled adapters: DoRA's magnitude unused too
+@pytest.mark.parametrize("name,tricks,finetune,rows,precompute", [
+    ("llama", "bf16", LORA, 2, False),  # one pair: its chosen and rejected sequences
+    ("llama", "bf16,flash,ckpt", QLORA, 4, False),  # the reference forward with checkpointing turned off
+    ("qwen3", "bf16,flash,ckpt", LORA, 2, False),
+    ("llama", "bf16", Finetune(4, dora=True), 2, False),  # disabled adapters: DoRA's magnitude unused too
+    ("llama", "bf16", LORA, 2, True),  # precompute_ref_log_probs: no reference forward
+    ("llama", "bf16,flash,ckpt", Finetune(), 4, True),  # a full fine-tune, no reference model
 ])  # fmt: skip
-def test_allocation_by_allocation(name, tricks, finetune, rows):
+def test_allocation_by_allocation(name, tricks, finetune, rows, precompute):
     pytest.importorskip("trl")
     from tests.replay import assert_watched_meta
     from tests.test_stack_hf import TINY
 
-    assert_watched_meta(TINY[name], tricks, dpo(finetune), batch=rows)
+    assert_watched_meta(TINY[name], tricks, dpo(finetune, precompute_ref=precompute), batch=rows)
 
 
 def test_cpu_under_autocast():
@@ -49,6 +51,7 @@ def test_cpu_under_autocast():
     from tests.test_stack_hf import TINY
 
     assert_watched_cpu(TINY["llama"], dpo(recipe="autocast"), "bf16")
+    assert_watched_cpu(TINY["llama"], dpo(Finetune(), "autocast", precompute_ref=True), "bf16")  # fp32 weights
 
 
 def test_micro_batch_counts_pairs():
@@ -74,6 +77,7 @@ def test_micro_batch_counts_pairs():
     (["--stack", "trl:1.16"], "full fine-tuning"),
     (["--stack", "trl:1.16", "--lora", "8", "--liger"], "--liger"),
     (["--stack", "trl:1.16", "--lora", "8", "--modules-to-save", "lm_head"], "--modules-to-save"),
+    (["--stack", "trl:1.16", "--precompute-ref", "--rl", "dpo", "--model", "gpt2"], "dropout"),
 ])  # fmt: skip
 def test_refused(args, said):
     r = run("estimate", "--model", "llama3.2-1b", "--seq", "512", *args, "--rl", "dpo")
@@ -91,6 +95,17 @@ def test_dropout_is_disabled():
     assert stack.rl == "dpo" and stack.finetune.lora_dropout == 0.0
 
 
+def test_sweep_counts_pairs():
+    """--sweep micro-batch=1,2 under --rl dpo: the same verdicts as --micro-batch 1 and 2 (pairs)."""
+    args = ["estimate", "--model", "llama3.2-1b", "--stack", "trl:1.16", "--lora", "8", "--rl", "dpo", "--tricks",
+            "bf16,flash,ckpt", "--seq", "512", "--format", "json"]  # fmt: skip
+    swept = json.loads(run(*args, "--sweep", "micro-batch=1,2").stdout)["points"]
+    for point in swept:
+        one = json.loads(run(*args, "--micro-batch", str(point["value"])).stdout)["verdict"][0]
+        assert point["memory_bytes"] == one["total_bytes"]
+
+
+@pytest.mark.slow("test_sweep_counts_pairs (the same verdicts, in pairs)")
 def test_fit_counts_pairs():
     """fit's largest micro-batch is in pairs: the verdict at it fits, one pair more does not."""
     args = ["--model", "llama3.2-1b", "--stack", "trl:1.16", "--lora", "8", "--rl", "dpo", "--tricks",
@@ -110,3 +125,36 @@ def test_axolotl_rl_points_at_the_option(tmp_path):
     path.write_text("base_model: meta-llama/Llama-3.2-1B\nrl: dpo\nadapter: lora\nlora_r: 8\nsequence_len: 512\n")
     r = run("estimate", "--from", str(path))
     assert r.exit_code == 2 and "--rl dpo" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_precompute_ref():
+    """--precompute-ref: no reference forward, so the forward holds no more and the step is shorter; a full
+    fine-tune answers; alone it is refused."""
+    args = ["estimate", "--model", "llama3.2-1b", "--seq", "512", "--stack", "trl:1.16", "--tricks",
+            "bf16,flash,ckpt", "--rl", "dpo", "--format", "json"]  # fmt: skip
+    with_ref, pre = run(*args, "--lora", "8"), run(*args, "--lora", "8", "--precompute-ref")
+    full = run(*args, "--precompute-ref")
+    assert with_ref.exit_code == pre.exit_code == full.exit_code == 0, with_ref.output + pre.output + full.output
+    forward = [json.loads(r.stdout)["verdict"][0]["phases"]["forward_peak_bytes"] for r in (with_ref, pre)]
+    seconds = [json.loads(r.stdout)["time"][0]["step_seconds"] for r in (with_ref, pre)]
+    assert forward[1] <= forward[0] and seconds[1] < seconds[0]
+    assert json.loads(full.stdout)["setup"]["stack"]["precompute_ref"] is True
+    alone = run("estimate", "--model", "llama3.2-1b", "--precompute-ref")
+    assert alone.exit_code == 2 and "give --rl dpo" in alone.output
+
+
+@pytest.mark.parametrize("tricks,layers,precompute", [("bf16,flash,ckpt", 6, False), ("bf16", 5, False),
+                                                      ("bf16,flash,ckpt", 7, True)])  # fmt: skip
+def test_grown_step_equals_the_full_depth_replay(tricks, layers, precompute):
+    """The verdict grows the step from two short ones (memcalc.exact.growth): the reference forward's blocks peak
+    apart from the policy's (their own segments), and the grown phases equal the replay at full depth."""
+    from memcalc.exact.base.config import StepConfig
+    from memcalc.exact.replay.meta import simulate
+    from memcalc.exact.step import exact_step
+    from memcalc.model.presets import PRESETS
+    from memcalc.model.tricks import parse_tricks
+
+    shape, run_as = replace(PRESETS["llama3.2-1b"], n_layers=layers), parse_tricks(tricks)
+    stack = replace(dpo(Finetune(8)), precompute_ref=precompute)
+    assert exact_step(shape, 512, 2, run_as, stack=stack).phases == simulate(StepConfig(shape, 512, 2, run_as,
+                                                                                          stack))[0]  # fmt: skip

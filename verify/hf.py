@@ -275,19 +275,20 @@ class TrainerModel(nn.Module):
     weights) the model's forward is the one Accelerate prepared (amp_forward)."""
 
     def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype] | None = None, trl: str = "",
-                 chunked: bool = False, rl: str = ""):  # fmt: skip
+                 chunked: bool = False, rl: str = "", precompute_ref: bool = False):  # fmt: skip
         super().__init__()
         self.model = model
         self.autocast = autocast
         self.trl = trl  # TRL's SFTTrainer's release line: its compute_loss's metrics (verify/trl.py)
         self.chunked = chunked  # its loss_type "chunked_nll": the patched forward's counts, no logits
         self.rl = rl  # "dpo": DPOTrainer's _compute_loss instead (verify/trl_dpo.py); labels: the completion mask
+        self.precompute_ref = precompute_ref  # DPOConfig.precompute_ref_log_probs
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.rl == "dpo":  # no labels in the batch: no count (Trainer._get_num_items_in_batch)
             from .trl_dpo import dpo_loss
 
-            return dpo_loss(self.model, idx, labels, self.autocast)
+            return dpo_loss(self.model, idx, labels, self.autocast, self.precompute_ref)
         num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
         call = self.model if self.autocast is None else amp_forward(self.model, *self.autocast)
         if self.trl in FUSED_HEAD:  # SFTTrainer's own compute_loss, through the fused LM head
@@ -341,7 +342,8 @@ def convert_to_fp32(data):
 def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
              device: str = "meta", autocast: str | None = None, use_cache: bool = False,
              finetune: Finetune = FULL, trl: str = "", liger: bool = False,
-             reentrant: bool = False, loss: str = "full", rl: str = "") -> TrainerModel:  # fmt: skip
+             reentrant: bool = False, loss: str = "full", rl: str = "",
+             precompute_ref: bool = False) -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
@@ -374,7 +376,6 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     model = fine_tuned(model, finetune, shape.tied_embeddings, trl, checkpointing, amp and dtype == torch.bfloat16)
     if trl in BF16_CAST:  # SFTTrainer.__init__ from 0.26: its casts, from 1.15 the fused LM head (verify/trl.py)
         from .trl import prepare_after_peft
-
         from .trl_dpo import DPO_OUTPUTS
 
         prepare_after_peft(model, trl, bool(finetune.quantize), checkpointing and finetune.lora,
@@ -391,7 +392,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
         apply(model)
     # TRL 0.15-0.25's compute_loss computes its metrics from the logits only without use_liger_kernel
     return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, "" if liger else trl,
-                        loss == "chunked_nll", rl)  # fmt: skip
+                        loss == "chunked_nll", rl, precompute_ref)  # fmt: skip
 
 
 def describe(shape: ModelShape) -> str:

@@ -51,18 +51,21 @@ class Accelerator:
 
 
 class Inputs(dict):
-    """The collator's batch: input_ids and completion_mask given, the all-ones attention mask made where compute_loss
-    reads it and not handed to the model (verify/trl.py LazyInputs)."""
+    """The collator's batch: input_ids and completion_mask given; the all-ones attention mask made where compute_loss
+    reads it and not handed to the model (verify/trl.py LazyInputs), and so each pair's precomputed reference
+    log-probs (precompute_ref_log_probs: fp32, one per pair)."""
 
     def __getitem__(self, key):
+        ids = super().__getitem__("input_ids")
         if key == "attention_mask":
-            ids = super().__getitem__("input_ids")
             return torch.ones(ids.shape, dtype=torch.long, device=ids.device)
+        if key in ("ref_chosen_logps", "ref_rejected_logps"):
+            return torch.zeros(ids.shape[0] // 2, dtype=torch.float32, device=ids.device)
         return super().__getitem__(key)
 
 
 def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
-             autocast: tuple[str, torch.dtype] | None) -> torch.Tensor:  # fmt: skip
+             autocast: tuple[str, torch.dtype] | None, precompute_ref: bool = False) -> torch.Tensor:  # fmt: skip
     """trl 1.16's DPOTrainer._compute_loss itself (loss_type sigmoid, beta 0.1, reverse KL, no ld_alpha, no
     weighting), its self a stand-in holding what it reads on one process in training; then the Trainer's
     training_step division by the accumulation steps (1). autocast: the forward Accelerator.prepare_model sets on
@@ -72,10 +75,11 @@ def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
     completion_mask.fill_(1)
     args = SimpleNamespace(gradient_checkpointing_kwargs=None)
     this = SimpleNamespace(model=model, accelerator=Accelerator(idx.device), aux_loss_enabled=False, ld_alpha=None,
-                           precompute_ref_logps=False, ref_model=None, f_divergence_type="reverse_kl",
+                           precompute_ref_logps=precompute_ref, ref_model=None, f_divergence_type="reverse_kl",
                            loss_types=["sigmoid"], loss_weights=[1.0], beta=0.1, use_weighting=False, args=args,
                            _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)  # fmt: skip
     inputs = Inputs(input_ids=idx, completion_mask=completion_mask)
+    own = model.__dict__.get("forward")  # add_fused_lm_head's, where the model is not PEFT's
     if autocast is not None:
         model.forward = prepared(model.forward, *autocast)
     try:
@@ -83,6 +87,8 @@ def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
     finally:
         if autocast is not None:
             del model.forward
+            if own is not None:
+                model.forward = own
     return loss / 1  # Trainer.training_step: loss / current_gradient_accumulation_steps
 
 

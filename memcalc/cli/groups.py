@@ -98,7 +98,7 @@ def seq_for(seq: str | None, model: Model | None) -> str:
 
 @dataclass(frozen=True)
 class StackOptions(OptionGroup):
-    """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, --reentrant, --rl, and the
+    """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, --reentrant, --rl, --precompute-ref, and the
     fine-tuning: --lora, --lora-targets, --lora-dropout, --dora, --modules-to-save, --quantize, --freeze."""
 
     stack: str | None = None
@@ -118,6 +118,7 @@ class StackOptions(OptionGroup):
     liger: bool = False
     reentrant: bool = False
     rl: str | None = None
+    precompute_ref: bool = False
 
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
@@ -141,7 +142,7 @@ class StackOptions(OptionGroup):
                                  f"wrapped by PEFT (--stack hf) and torchtune's (--stack torchtune), not --stack "
                                  f"{chosen.key}")  # fmt: skip
             chosen = replace(chosen, finetune=finetune)
-        return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl)
+        return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl, self.precompute_ref)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,10 @@ def grown_phases(short: Phases, long: Phases, m2, m3, grown: Growth) -> Phases:
     grown_fields = {f: grow(getattr(short, f), getattr(long, f), grown) for f in STATE_FIELDS}
     for phase in ("forward", "backward", "optimizer"):
         peak, at_op = -1, ""
-        for a, (b, op) in candidates(m2.segments[phase], m3.segments[phase], grown):  # in the order the phase runs them
+        pairs = candidates(m2.segments[phase], m3.segments[phase], grown)  # in the order the phase runs them
+        if phase == "forward" and "reference" in m3.segments:  # DPO's reference forward: its blocks apart
+            pairs += candidates(m2.segments["reference"], m3.segments["reference"], grown)
+        for a, (b, op) in pairs:
             if grow(a, b, grown) > peak:  # the first to reach the peak names it, as LiveBytes's running peak does
                 peak, at_op = grow(a, b, grown), op
         grown_fields[f"{phase}_peak_bytes"], grown_fields[f"{phase}_peak_at"] = peak, at_op

@@ -127,7 +127,8 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape
     if reason:
         return ()
     code = replace(DEFAULT_STACK, model=stack.model, recipe=stack.recipe, impl=stack.impl, use_cache=stack.use_cache,
-                   finetune=traced_finetune(stack.finetune), trl=stack.trl, rl=stack.rl)  # fmt: skip
+                   finetune=traced_finetune(stack.finetune), trl=stack.trl, rl=stack.rl,
+                   precompute_ref=stack.precompute_ref)  # fmt: skip
     return code, optimizer
 
 

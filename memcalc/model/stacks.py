@@ -112,6 +112,7 @@ class Stack:
     savers: Savers = NO_SAVERS  # the memory savers on: activation offloading (memcalc.model.savers)
     reentrant: bool = False  # hf: ckpt's checkpoint with use_reentrant=True (gradient_checkpointing_kwargs)
     rl: str = ""  # RL: "dpo", TRL's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); "" for none
+    precompute_ref: bool = False  # DPOConfig.precompute_ref_log_probs: the reference's log-probs come with the batch
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
@@ -136,7 +137,7 @@ class Stack:
         if self.reentrant:
             changed.append("reentrant checkpointing")
         if self.rl:
-            changed.append(self.rl.upper())
+            changed.append(self.rl.upper() + (", reference precomputed" if self.precompute_ref else ""))
         if self.finetune.label:
             changed.append(self.finetune.label)
         changed += self.savers.labels
@@ -262,12 +263,15 @@ def with_loop(stack: Stack, loss: str | None = None, in_backward: bool = False) 
     return replace(stack, **changes) if changes else stack
 
 
-def with_rl(stack: Stack, rl: str | None) -> Stack:
-    """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo). Refused where its step is not
-    replayed: other stacks and TRL lines (before 1.15 its loss came from the logits: concatenated_forward), full
-    fine-tuning (its reference is a second model, create_model_from_path), --modules-to-save (the reference runs the
-    original modules, not the trained copies), Liger and activation offloading."""
+def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False) -> Stack:
+    """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); --precompute-ref: its
+    precompute_ref_log_probs (no reference in the step). Refused where its step is not replayed: other stacks and TRL
+    lines (before 1.15 its loss came from the logits: concatenated_forward), full fine-tuning with a reference in the
+    step (a second model, create_model_from_path), --modules-to-save (the reference runs the original modules, not
+    the trained copies), Liger and activation offloading."""
     if rl is None:
+        if precompute_ref:
+            raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
         return stack
     key = rl.strip().lower()
     if key not in RL or not key:
@@ -276,17 +280,18 @@ def with_rl(stack: Stack, rl: str | None) -> Stack:
         lines = ", ".join("trl:" + x for x in FUSED_HEAD)
         raise InputError(f"--rl dpo is TRL's DPOTrainer, replayed on --stack {lines} (its fused LM head), not --stack "
                          f"{stack.key}")  # fmt: skip
-    if not stack.finetune.lora:
+    if not stack.finetune.lora and not precompute_ref:
         raise InputError("--rl dpo with full fine-tuning: TRL's reference is then a second copy of the model "
-                         "(create_model_from_path), which is not replayed; --lora or --quantize nf4 (the reference "
-                         "is the policy with its adapters disabled)")  # fmt: skip
+                         "(create_model_from_path), which is not replayed; --precompute-ref (its log-probs computed "
+                         "before training), or --lora or --quantize nf4 (the reference is the policy with its adapters "
+                         "disabled)")  # fmt: skip
     if stack.savers.offload or stack.savers.liger is not None:
         raise InputError("--rl dpo with --offload-activations or --liger is not replayed")
     if stack.finetune.modules_to_save:
         raise InputError("--rl dpo with --modules-to-save: the reference then runs the original modules beside the "
                          "trained copies, which is not replayed")  # fmt: skip
     finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0
-    return replace(stack, rl=key, finetune=finetune)
+    return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref)
 
 
 def trl_note(stack: Stack) -> str:
@@ -299,9 +304,10 @@ def trl_note(stack: Stack) -> str:
     if line in BF16_CAST and stack.finetune.quantize:
         parts.append("the 4-bit model's adapters cast to bf16, nothing else prepared")
     if line in FUSED_HEAD and stack.rl == "dpo":
-        parts.append("each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then the "
-                     "reference's forward (the adapters disabled, no_grad, no checkpointing) beside the policy's "
-                     "saved activations; dropout disabled; every position a completion token")  # fmt: skip
+        parts.append("each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then " + (
+            "the reference's log-probs from the batch (precompute_ref_log_probs: computed before training)"
+            if stack.precompute_ref else "the reference's forward (the adapters disabled, no_grad, no checkpointing) "
+            "beside the policy's saved activations") + "; dropout disabled; every position a completion token")
         return f"TRL {releases(line)}'s DPOTrainer (sigmoid loss): " + "; ".join(parts)
     if line in FUSED_HEAD:
         parts.append("the loss from add_fused_lm_head's chunked log-probabilities (no logits: 4096 x 32768 tiles, "

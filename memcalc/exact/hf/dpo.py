@@ -9,7 +9,8 @@ most the step holds). _compute_loss then:
              mean_logits, is_top1), each row's log-probabilities summed
   reference  the same model with its LoRA adapters disabled (PEFT: no ref_model; use_adapter(model, None)), under
              no_grad with activation checkpointing turned off (disable_gradient_checkpointing): nothing saved, its
-             temporaries on top of the policy's saved activations; skipped with precompute_ref_log_probs
+             temporaries on top of the policy's saved activations; with precompute_ref_log_probs (--precompute-ref)
+             none: the batch brings each pair's two reference log-probs (and a full fine-tune keeps no reference)
   loss       sigmoid: -logsigmoid(beta * ((chosen - ref chosen) - (rejected - ref rejected))).mean()
   metrics    entropy, token count, mean logits, token accuracy, rewards, margins, log-probs: a few (B,) and 0-d
              tensors and their .item()
@@ -49,12 +50,19 @@ def compute_loss(g: Graph, m: HFModel, idx: Tensor, completion_mask: Tensor, cau
         logps = aten.sum_last(g, per_token_logps)  # (2B,): chosen, then rejected
         halves = (B2 // 2,)
         chosen_logps, rejected_logps = split(g, logps, [B2 // 2, B2 // 2], 0)  # logps.chunk(2, dim=0)
-    ref_outputs = reference_call(g, m, idx, labels, causal_lm)
+    if m.cfg.stack.precompute_ref:  # inputs["ref_chosen_logps"], inputs["ref_rejected_logps"], made where read
+        ref_outputs = ref_per_token_logps = ref_logps = None
+        with g.scoped("loss"):
+            ref_chosen_logps, ref_rejected_logps = made(g, halves, "zeros"), made(g, halves, "zeros")
+    else:
+        ref_outputs = reference_call(g, m, idx, labels, causal_lm)
+        with g.scoped("loss"):
+            ref_per_token_logps = g.view(ref_outputs.log_probs, (B2, T - 1))  # no_grad: a view
+            ref_logps = made(g, (B2,), "sum", ref_per_token_logps)
+            ref_chosen_logps, ref_rejected_logps = g.view(ref_logps, halves), g.view(ref_logps, halves)
     with g.scoped("loss"):
-        ref_per_token_logps = g.view(ref_outputs.log_probs, (B2, T - 1))  # no_grad: a view
-        ref_logps = made(g, (B2,), "sum", ref_per_token_logps)
-        chosen_logratios = aten.sub(g, chosen_logps, g.view(ref_logps, halves))
-        rejected_logratios = aten.sub(g, rejected_logps, g.view(ref_logps, halves))
+        chosen_logratios = aten.sub(g, chosen_logps, ref_chosen_logps)
+        rejected_logratios = aten.sub(g, rejected_logps, ref_rejected_logps)
         delta_score = aten.sub(g, chosen_logratios, rejected_logratios)
         scaled = aten.mul_scalar(g, delta_score)  # self.beta * delta_score
         per_sequence_loss = aten.neg(g, log_sigmoid(g, scaled, m.cfg.watched))
@@ -66,7 +74,8 @@ def compute_loss(g: Graph, m: HFModel, idx: Tensor, completion_mask: Tensor, cau
         del weighted
         held = metrics(g, m, outputs, completion_mask, chosen_logratios, rejected_logratios, chosen_logps, halves)
         del held, outputs, ref_outputs, labels, per_token_logps, ref_per_token_logps, logps, ref_logps
-        del chosen_logps, rejected_logps, chosen_logratios, rejected_logratios, delta_score  # the frame's locals
+        del chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_logratios, rejected_logratios
+        del delta_score  # the frame's locals
         del per_sequence_loss
         return pointwise(g, loss, "div", "div")  # training_step: loss / current_gradient_accumulation_steps
 
@@ -86,10 +95,15 @@ def reference_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, causal_lm:
     ref = replace(m, p={k: v for k, v in m.p.items() if ".lora_" not in k},
                   cfg=replace(m.cfg, tricks=replace(m.cfg.tricks, recompute="none")))  # fmt: skip
     outer, g.grad_enabled = g.grad_enabled, False
+    mem = g.mem  # its blocks peak apart from the policy's: their own segments (memcalc.exact.growth grows both)
+    policy = mem.segment_peaks, mem.blocks_seen
+    mem.segment_peaks, mem.blocks_seen, mem.segment = {"start": (mem.live_bytes, mem.peak_at)}, [], "before"
     try:
         return model_call(g, ref, idx, labels, causal_lm)
     finally:
         g.grad_enabled = outer
+        mem.segments["reference"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
+        (mem.segment_peaks, mem.blocks_seen), mem.segment = policy, "after"
 
 
 def log_sigmoid(g: Graph, x: Tensor, watched: bool) -> Tensor:

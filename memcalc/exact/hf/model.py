@@ -179,6 +179,9 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
            fused_head.not_replayed(cfg) or chunked_nll.not_replayed(cfg))  # fmt: skip
     if why:
         raise InputError(why)
+    if cfg.stack.rl and cfg.shape.dropout:  # disable_dropout_in_model zeroes nn.Dropout modules, not config dropout
+        raise InputError("--rl dpo on a model with dropout: DPOConfig.disable_dropout turns its nn.Dropout modules "
+                         "off but not every family's attention dropout, which is not replayed")  # fmt: skip
     if cfg.finetune.modules_to_save and cfg.shape.tied_embeddings:  # PEFT would copy the shared table's module
         raise InputError("--modules-to-save with a head tied to the embedding table is not replayed")
     quant, params = {}, []

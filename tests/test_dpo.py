@@ -34,6 +34,8 @@ def run(*args: str):
     ("llama", "bf16", Finetune(4, dora=True), 2, False),  # disabled adapters: DoRA's magnitude unused too
     ("llama", "bf16", LORA, 2, True),  # precompute_ref_log_probs: no reference forward
     ("llama", "bf16,flash,ckpt", Finetune(), 4, True),  # a full fine-tune, no reference model
+    ("llama", "bf16,flash,ckpt", Finetune(), 2, False),  # a full fine-tune: the reference a second model
+    ("llama-mha-tied", "bf16", Finetune(), 2, False),
 ])  # fmt: skip
 def test_allocation_by_allocation(name, tricks, finetune, rows, precompute):
     pytest.importorskip("trl")
@@ -52,6 +54,7 @@ def test_cpu_under_autocast():
 
     assert_watched_cpu(TINY["llama"], dpo(recipe="autocast"), "bf16")
     assert_watched_cpu(TINY["llama"], dpo(Finetune(), "autocast", precompute_ref=True), "bf16")  # fp32 weights
+    assert_watched_cpu(TINY["llama"], dpo(Finetune(), "autocast"), "bf16")  # and an fp32 reference beside them
 
 
 def test_micro_batch_counts_pairs():
@@ -74,7 +77,6 @@ def test_micro_batch_counts_pairs():
 @pytest.mark.parametrize("args,said", [
     (["--stack", "hf", "--lora", "8"], "--rl dpo is TRL's DPOTrainer"),
     (["--stack", "trl:1.14", "--lora", "8"], "--rl dpo is TRL's DPOTrainer"),
-    (["--stack", "trl:1.16"], "full fine-tuning"),
     (["--stack", "trl:1.16", "--lora", "8", "--liger"], "--liger"),
     (["--stack", "trl:1.16", "--lora", "8", "--modules-to-save", "lm_head"], "--modules-to-save"),
     (["--stack", "trl:1.16", "--precompute-ref", "--rl", "dpo", "--model", "gpt2"], "dropout"),
@@ -129,16 +131,18 @@ def test_axolotl_rl_points_at_the_option(tmp_path):
 
 def test_precompute_ref():
     """--precompute-ref: no reference forward, so the forward holds no more and the step is shorter; a full
-    fine-tune answers; alone it is refused."""
+    fine-tune keeps no second model; alone it is refused."""
     args = ["estimate", "--model", "llama3.2-1b", "--seq", "512", "--stack", "trl:1.16", "--tricks",
             "bf16,flash,ckpt", "--rl", "dpo", "--format", "json"]  # fmt: skip
     with_ref, pre = run(*args, "--lora", "8"), run(*args, "--lora", "8", "--precompute-ref")
-    full = run(*args, "--precompute-ref")
-    assert with_ref.exit_code == pre.exit_code == full.exit_code == 0, with_ref.output + pre.output + full.output
+    full, full_ref = run(*args, "--precompute-ref"), run(*args)
+    assert with_ref.exit_code == pre.exit_code == full.exit_code == full_ref.exit_code == 0, full_ref.output
     forward = [json.loads(r.stdout)["verdict"][0]["phases"]["forward_peak_bytes"] for r in (with_ref, pre)]
     seconds = [json.loads(r.stdout)["time"][0]["step_seconds"] for r in (with_ref, pre)]
     assert forward[1] <= forward[0] and seconds[1] < seconds[0]
     assert json.loads(full.stdout)["setup"]["stack"]["precompute_ref"] is True
+    weights = [json.loads(r.stdout)["verdict"][0]["phases"]["weights_bytes"] for r in (full, full_ref)]
+    assert weights[1] == 2 * weights[0]  # a second copy (fp32 under autocast), its rotary tables too
     alone = run("estimate", "--model", "llama3.2-1b", "--precompute-ref")
     assert alone.exit_code == 2 and "give --rl dpo" in alone.output
 

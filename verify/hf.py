@@ -275,7 +275,8 @@ class TrainerModel(nn.Module):
     weights) the model's forward is the one Accelerate prepared (amp_forward)."""
 
     def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype] | None = None, trl: str = "",
-                 chunked: bool = False, rl: str = "", precompute_ref: bool = False):  # fmt: skip
+                 chunked: bool = False, rl: str = "", precompute_ref: bool = False,
+                 reference: nn.Module | None = None):  # fmt: skip
         super().__init__()
         self.model = model
         self.autocast = autocast
@@ -283,12 +284,13 @@ class TrainerModel(nn.Module):
         self.chunked = chunked  # its loss_type "chunked_nll": the patched forward's counts, no logits
         self.rl = rl  # "dpo": DPOTrainer's _compute_loss instead (verify/trl_dpo.py); labels: the completion mask
         self.precompute_ref = precompute_ref  # DPOConfig.precompute_ref_log_probs
+        object.__setattr__(self, "reference", reference)  # DPO's ref_model: held, not a submodule (nothing trains it)
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.rl == "dpo":  # no labels in the batch: no count (Trainer._get_num_items_in_batch)
             from .trl_dpo import dpo_loss
 
-            return dpo_loss(self.model, idx, labels, self.autocast, self.precompute_ref)
+            return dpo_loss(self.model, idx, labels, self.autocast, self.precompute_ref, self.reference)
         num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
         call = self.model if self.autocast is None else amp_forward(self.model, *self.autocast)
         if self.trl in FUSED_HEAD:  # SFTTrainer's own compute_loss, through the fused LM head
@@ -380,6 +382,11 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
 
         prepare_after_peft(model, trl, bool(finetune.quantize), checkpointing and finetune.lora,
                            *((DPO_OUTPUTS,) if rl == "dpo" else ()))  # fmt: skip
+    reference = None
+    if rl == "dpo" and not finetune.lora and not precompute_ref:  # DPOTrainer's second model (verify/trl_dpo.py)
+        from .trl_dpo import reference_model
+
+        reference = reference_model(tf, config, dtype, attention_for(tricks, device), device)
     if loss == "chunked_nll":  # SFTTrainer.__init__ patches the forward for loss_type "chunked_nll" (verify/trl.py)
         from .trl_chunked import patch_chunked
 
@@ -392,7 +399,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
         apply(model)
     # TRL 0.15-0.25's compute_loss computes its metrics from the logits only without use_liger_kernel
     return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, "" if liger else trl,
-                        loss == "chunked_nll", rl, precompute_ref)  # fmt: skip
+                        loss == "chunked_nll", rl, precompute_ref, reference)  # fmt: skip
 
 
 def describe(shape: ModelShape) -> str:

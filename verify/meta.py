@@ -210,7 +210,9 @@ def fixed_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
         from .torchtune import device_tensors
 
         return device_tensors(model)
-    return list(model.parameters()) + list(model.buffers()) + held_tensors(model)
+    reference = getattr(model, "reference", None)  # DPO's ref_model beside the trained one (verify/trl_dpo.py)
+    held = [] if reference is None else list(reference.parameters()) + list(reference.buffers())
+    return list(model.parameters()) + list(model.buffers()) + held_tensors(model) + held
 
 
 def train_step(recipe: Recipe | TorchRecipe, idx: torch.Tensor, targets: torch.Tensor, grad_accum: int = 1) -> bool:

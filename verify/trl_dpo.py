@@ -4,9 +4,9 @@ run over Transformers and PEFT (memcalc.exact.hf.dpo replays the same).
 The batch is DataCollatorForPreference's: the chosen rows, then the rejected ones, input_ids and completion_mask
 (the harness's two inputs: the labels' slot holds the completion mask, filled with ones in place, every position
 of every row a completion token: the most the step holds), the attention mask made where it is read (verify/trl.py
-LazyInputs). The reference is the policy with its adapters disabled (no ref_model under PEFT), run under no_grad
-with activation checkpointing turned off and on again; the Trainer then divides the loss by the gradient
-accumulation steps (DPOTrainer.loss_is_scaled_for_ga is False).
+LazyInputs). The reference is the policy with its adapters disabled (no ref_model under PEFT), or a second model
+(reference_model), run under no_grad with activation checkpointing turned off and on again; the Trainer then
+divides the loss by the gradient accumulation steps (DPOTrainer.loss_is_scaled_for_ga is False).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class Inputs(dict):
 
 
 def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
-             autocast: tuple[str, torch.dtype] | None, precompute_ref: bool = False) -> torch.Tensor:  # fmt: skip
+             autocast: tuple[str, torch.dtype] | None, precompute_ref: bool = False,
+             reference: nn.Module | None = None) -> torch.Tensor:  # fmt: skip
     """trl 1.16's DPOTrainer._compute_loss itself (loss_type sigmoid, beta 0.1, reverse KL, no ld_alpha, no
     weighting), its self a stand-in holding what it reads on one process in training; then the Trainer's
     training_step division by the accumulation steps (1). autocast: the forward Accelerator.prepare_model sets on
@@ -75,21 +76,39 @@ def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
     completion_mask.fill_(1)
     args = SimpleNamespace(gradient_checkpointing_kwargs=None)
     this = SimpleNamespace(model=model, accelerator=Accelerator(idx.device), aux_loss_enabled=False, ld_alpha=None,
-                           precompute_ref_logps=precompute_ref, ref_model=None, f_divergence_type="reverse_kl",
+                           precompute_ref_logps=precompute_ref, ref_model=reference, f_divergence_type="reverse_kl",
                            loss_types=["sigmoid"], loss_weights=[1.0], beta=0.1, use_weighting=False, args=args,
                            _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)  # fmt: skip
     inputs = Inputs(input_ids=idx, completion_mask=completion_mask)
-    own = model.__dict__.get("forward")  # add_fused_lm_head's, where the model is not PEFT's
+    models = [m for m in (model, reference) if m is not None]
+    own = [m.__dict__.get("forward") for m in models]  # add_fused_lm_head's, where the model is not PEFT's
     if autocast is not None:
-        model.forward = prepared(model.forward, *autocast)
+        for m in models:
+            m.forward = prepared(m.forward, *autocast)
     try:
         loss = DPOTrainer._compute_loss(this, model, inputs, return_outputs=False)
     finally:
         if autocast is not None:
-            del model.forward
-            if own is not None:
-                model.forward = own
+            for m, forward in zip(models, own):
+                del m.forward
+                if forward is not None:
+                    m.forward = forward
     return loss / 1  # Trainer.training_step: loss / current_gradient_accumulation_steps
+
+
+def reference_model(tf, config, dtype: torch.dtype, attention: str, device: str) -> nn.Module:
+    """DPOTrainer's ref_model where the policy is not PEFT's: create_model_from_path in the policy's dtype (loaded
+    as from_pretrained leaves it, in eval mode), disable_dropout_in_model, add_fused_lm_head with its default
+    outputs (log_probs); Accelerator.prepare_model(evaluation_mode=True) wraps its forward in the same autocast
+    (dpo_loss)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    with torch.device(device):
+        ref = tf.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+    ref.eval()
+    disable_dropout(ref)
+    add_fused_lm_head(ref)
+    return ref
 
 
 def prepared(forward, device_type: str, dtype: torch.dtype):

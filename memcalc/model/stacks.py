@@ -266,9 +266,8 @@ def with_loop(stack: Stack, loss: str | None = None, in_backward: bool = False) 
 def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False) -> Stack:
     """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); --precompute-ref: its
     precompute_ref_log_probs (no reference in the step). Refused where its step is not replayed: other stacks and TRL
-    lines (before 1.15 its loss came from the logits: concatenated_forward), full fine-tuning with a reference in the
-    step (a second model, create_model_from_path), --modules-to-save (the reference runs the original modules, not
-    the trained copies), Liger and activation offloading."""
+    lines (before 1.15 its loss came from the logits: concatenated_forward), --modules-to-save (the reference runs
+    the original modules, not the trained copies), Liger and activation offloading."""
     if rl is None:
         if precompute_ref:
             raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
@@ -280,11 +279,6 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False) -> Stack
         lines = ", ".join("trl:" + x for x in FUSED_HEAD)
         raise InputError(f"--rl dpo is TRL's DPOTrainer, replayed on --stack {lines} (its fused LM head), not --stack "
                          f"{stack.key}")  # fmt: skip
-    if not stack.finetune.lora and not precompute_ref:
-        raise InputError("--rl dpo with full fine-tuning: TRL's reference is then a second copy of the model "
-                         "(create_model_from_path), which is not replayed; --precompute-ref (its log-probs computed "
-                         "before training), or --lora or --quantize nf4 (the reference is the policy with its adapters "
-                         "disabled)")  # fmt: skip
     if stack.savers.offload or stack.savers.liger is not None:
         raise InputError("--rl dpo with --offload-activations or --liger is not replayed")
     if stack.finetune.modules_to_save:
@@ -306,8 +300,9 @@ def trl_note(stack: Stack) -> str:
     if line in FUSED_HEAD and stack.rl == "dpo":
         parts.append("each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then " + (
             "the reference's log-probs from the batch (precompute_ref_log_probs: computed before training)"
-            if stack.precompute_ref else "the reference's forward (the adapters disabled, no_grad, no checkpointing) "
-            "beside the policy's saved activations") + "; dropout disabled; every position a completion token")
+            if stack.precompute_ref else "the reference's forward (" + ("the adapters disabled" if stack.finetune.lora
+                                                                         else "a second copy of the model") +
+            ", no_grad, no checkpointing) beside the policy's saved activations") + "; dropout disabled; every position a completion token")
         return f"TRL {releases(line)}'s DPOTrainer (sigmoid loss): " + "; ".join(parts)
     if line in FUSED_HEAD:
         parts.append("the loss from add_fused_lm_head's chunked log-probabilities (no logits: 4096 x 32768 tiles, "

@@ -23,12 +23,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
+from memcalc.model.finetune import FULL
+
 from .. import aten
 from ..aten.arithmetic import pointwise
 from ..aten.operands import made
 from ..aten.views import split
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
+from . import lora
 from .fused_head import FusedOutput, index_rows, sliced
 
 if TYPE_CHECKING:
@@ -89,11 +92,32 @@ def model_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, causal_lm: Cal
         return causal_lm(g, m, idx, labels, None)[0]
 
 
+def reference_model(g: Graph, cfg, arch: str, family, autocast) -> HFModel | None:
+    """DPOTrainer's ref_model where the policy is not PEFT's and the reference is not precomputed: a second copy of
+    the model (create_model_from_path with dtype=model.dtype: every weight in the policy's dtype), its own rotary
+    buffers, loaded after the policy. Its weights still require grad (nothing turns it off; no_grad keeps them out of
+    autograd), so under autocast its forward caches a 16-bit copy of each fp32 weight it casts until the forward
+    returns (aten/src/ATen/autocast_mode.cpp cached_cast: a leaf that requires grad), as the policy's does;
+    Accelerator.prepare_model(evaluation_mode=True) wraps its forward in the same autocast. add_fused_lm_head(
+    ref_model) with its default outputs, log_probs alone; no activation checkpointing. None otherwise."""
+    from .family import HFModel
+
+    if cfg.stack.rl != "dpo" or cfg.finetune.lora or cfg.stack.precompute_ref:
+        return None
+    dtype = next(lora.dtype_of(name, cfg) for name, _ in family.params(cfg.shape))  # model.dtype: the first's
+    params = {name: g.param(shape, dtype, name) for name, shape in family.params(cfg.shape)}  # requires_grad True
+    rope = [g.empty(b[1], dtype if b[2:] == ("weights",) else "fp32", "buffer " + b[0], kind="buffer")
+            for b in family.buffers(cfg.shape)]  # fmt: skip
+    ref_cfg = replace(cfg, tricks=replace(cfg.tricks, recompute="none"), stack=replace(cfg.stack, finetune=FULL))
+    return HFModel(ref_cfg, arch, params, rope, [], autocast, outputs=("log_probs",))
+
+
 def reference_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, causal_lm: Callable) -> FusedOutput:
-    """The reference forward: under torch.no_grad() and disable_gradient_checkpointing, the PEFT model with its
-    adapters disabled (each LoRA layer runs its base layer alone), through the same fused LM head."""
-    ref = replace(m, p={k: v for k, v in m.p.items() if ".lora_" not in k},
-                  cfg=replace(m.cfg, tricks=replace(m.cfg.tricks, recompute="none")))  # fmt: skip
+    """The reference forward, under torch.no_grad() and disable_gradient_checkpointing: DPOTrainer's ref_model
+    (reference_model), or under PEFT the policy with its adapters disabled (each LoRA layer runs its base layer
+    alone), through the same fused LM head."""
+    ref = m.reference or replace(m, p={k: v for k, v in m.p.items() if ".lora_" not in k},
+                                 cfg=replace(m.cfg, tricks=replace(m.cfg.tricks, recompute="none")))  # fmt: skip
     outer, g.grad_enabled = g.grad_enabled, False
     mem = g.mem  # its blocks peak apart from the policy's: their own segments (memcalc.exact.growth grows both)
     policy = mem.segment_peaks, mem.blocks_seen

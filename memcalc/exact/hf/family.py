@@ -31,6 +31,8 @@ class HFModel:
     cache: list[tuple[Tensor, Tensor]] | None = None  # the forward's DynamicCache: each layer's keys and values
     quant: dict = field(default_factory=dict)  # QLoRA: each 4-bit projection's QuantWeight (memcalc.exact.hf.qlora)
     held: list[Tensor] = field(default_factory=list)  # besides parameters and buffers: QLoRA's shared dynamic map
+    outputs: tuple[str, ...] = ()  # its fused LM head's, where not its trainer's (memcalc.exact.hf.fused_head)
+    reference: HFModel | None = None  # DPO's reference model beside it (memcalc.exact.hf.dpo), if it has one
 
     def checkpoint(self, g: Graph):
         """How a GradientCheckpointingLayer checkpoints itself: torch.utils.checkpoint with the use_reentrant the

@@ -63,8 +63,8 @@ class FusedOutput:
 
     loss: Tensor
     log_probs: Tensor
-    entropy: Tensor
-    is_top1: Tensor
+    entropy: Tensor | None  # None where not asked for (DPO's reference model: log_probs alone)
+    is_top1: Tensor | None
     label_mask: Tensor
     mean_logits: Tensor | None = None  # DPOTrainer's outputs (memcalc.exact.hf.dpo)
 
@@ -84,7 +84,7 @@ def fused_forward(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, lab
         targets = index_rows(g, shifted_labels, mask, watched)
         compute = m.cfg.precision if m.autocast is not None else hidden_states.dtype
         del shifted, shifted_labels
-        outputs = DPO_OUTPUTS if m.cfg.stack.rl == "dpo" else SFT_OUTPUTS
+        outputs = m.outputs or (DPO_OUTPUTS if m.cfg.stack.rl == "dpo" else SFT_OUTPUTS)
         per_token = chunked_logprob(g, rows, head, targets, compute, outputs)
         del rows, targets
         per_token = (None if x is None else scattered(g, x, mask, watched) for x in per_token)
@@ -199,18 +199,27 @@ def chunked_logprob(g: Graph, hidden: Tensor, weight: Tensor, targets: Tensor, c
     log_z = made(g, (N,), "add", stats[0], log)
     del log
     log_probs = made(g, (N,), "sub", stats[6], log_z)
-    ratio = made(g, (N,), "div", stats[2], stats[1])
-    entropy = made(g, (N,), "sub", log_z, ratio)
-    del ratio
+    entropy = entropy_of(g, log_z, stats) if "entropy" in outputs else None
     mean_logits = made(g, (N,), "div", stats[4]) if "mean_logits" in outputs else None
-    at_least = made(g, (N,), "ge", stats[6], stats[0], dtype="bool")
-    above = made(g, (N,), "gt", stats[6], stats[5], dtype="bool")
-    is_top1 = made(g, (N,), "bitwise_and", at_least, above, dtype="bool")
-    del at_least, above
-    g.end(node, [log_probs, entropy], [(hidden, "hidden"), (weight, "weight"), (targets, "targets"),
-                                       (log_z, "log_z"), (entropy, "entropy")])  # fmt: skip
+    is_top1 = top1_of(g, stats) if "is_top1" in outputs else None
+    g.end(node, [log_probs] + ([entropy] if entropy is not None else []),
+          [(hidden, "hidden"), (weight, "weight"), (targets, "targets"), (log_z, "log_z"),
+           (log_z if entropy is None else entropy, "entropy")])  # fmt: skip
     del stats, buffer, rows, log_z  # the frame's locals, in order
     return log_probs, entropy, mean_logits, is_top1
+
+
+def entropy_of(g: Graph, log_z: Tensor, stats: list[Tensor]) -> Tensor:
+    """entropy = log_z - x_sum_exp / sum_exp."""
+    ratio = made(g, log_z.shape, "div", stats[2], stats[1])
+    return made(g, log_z.shape, "sub", log_z, ratio)
+
+
+def top1_of(g: Graph, stats: list[Tensor]) -> Tensor:
+    """is_top1 = (target_logit >= running_max) & (target_logit > max_before_target)."""
+    at_least = made(g, stats[6].shape, "ge", stats[6], stats[0], dtype="bool")
+    above = made(g, stats[6].shape, "gt", stats[6], stats[5], dtype="bool")
+    return made(g, stats[6].shape, "bitwise_and", at_least, above, dtype="bool")
 
 
 def cast_rows(g: Graph, shape: tuple, dtype: str, compute: str, previous: Tensor | None) -> Tensor | None:

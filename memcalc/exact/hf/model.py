@@ -196,7 +196,9 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
             for b in family.buffers(cfg.shape)]  # (name, shape), fp32, or (name, shape, "weights"): the model's dtype
     autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
     trained = [p for p in params if p.requires_grad]  # what the optimizer holds: all but frozen weights
-    return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast, quant=quant, held=shared)
+    reference = dpo.reference_model(g, cfg, arch, family, autocast)
+    return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast, quant=quant, held=shared,
+                   reference=reference)  # fmt: skip
 
 
 def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:

@@ -45,6 +45,17 @@ def test_allocation_by_allocation(name, tricks, finetune, rows, precompute):
     assert_watched_meta(TINY[name], tricks, dpo(finetune, precompute_ref=precompute), batch=rows)
 
 
+def test_reentrant_checkpointing():
+    """gradient_checkpointing_kwargs={"use_reentrant": True}: DPOTrainer turns checkpointing off for the reference and
+    on again with the same arguments, so the next step's policy checkpoints reentrantly still."""
+    pytest.importorskip("trl")
+    from tests.replay import assert_watched_meta
+    from tests.test_stack_hf import TINY
+
+    for finetune in (LORA, Finetune()):
+        assert_watched_meta(TINY["llama"], "bf16,flash,ckpt", replace(dpo(finetune), reentrant=True), batch=2)
+
+
 def test_cpu_under_autocast():
     """TRL's default (bf16=True: Accelerate's autocast over the bf16 base): the reference's call goes through the
     prepared forward too."""

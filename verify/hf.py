@@ -285,12 +285,14 @@ class TrainerModel(nn.Module):
         self.rl = rl  # "dpo": DPOTrainer's _compute_loss instead (verify/trl_dpo.py); labels: the completion mask
         self.precompute_ref = precompute_ref  # DPOConfig.precompute_ref_log_probs
         object.__setattr__(self, "reference", reference)  # DPO's ref_model: held, not a submodule (nothing trains it)
+        self.checkpoint_kwargs = None  # TrainingArguments.gradient_checkpointing_kwargs: None, or reentrant's
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.rl == "dpo":  # no labels in the batch: no count (Trainer._get_num_items_in_batch)
             from .trl_dpo import dpo_loss
 
-            return dpo_loss(self.model, idx, labels, self.autocast, self.precompute_ref, self.reference)
+            return dpo_loss(self.model, idx, labels, self.autocast, self.precompute_ref, self.reference,
+                            self.checkpoint_kwargs)  # fmt: skip
         num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
         call = self.model if self.autocast is None else amp_forward(self.model, *self.autocast)
         if self.trl in FUSED_HEAD:  # SFTTrainer's own compute_loss, through the fused LM head
@@ -398,8 +400,10 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
 
         apply(model)
     # TRL 0.15-0.25's compute_loss computes its metrics from the logits only without use_liger_kernel
-    return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, "" if liger else trl,
-                        loss == "chunked_nll", rl, precompute_ref, reference)  # fmt: skip
+    wrapped = TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, "" if liger else trl,
+                           loss == "chunked_nll", rl, precompute_ref, reference)  # fmt: skip
+    wrapped.checkpoint_kwargs = kwargs if reentrant else None  # what DPOTrainer enables checkpointing again with
+    return wrapped
 
 
 def describe(shape: ModelShape) -> str:

@@ -66,15 +66,16 @@ class Inputs(dict):
 
 def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
              autocast: tuple[str, torch.dtype] | None, precompute_ref: bool = False,
-             reference: nn.Module | None = None) -> torch.Tensor:  # fmt: skip
+             reference: nn.Module | None = None, checkpoint_kwargs: dict | None = None) -> torch.Tensor:  # fmt: skip
     """trl 1.16's DPOTrainer._compute_loss itself (loss_type sigmoid, beta 0.1, reverse KL, no ld_alpha, no
-    weighting), its self a stand-in holding what it reads on one process in training; then the Trainer's
+    weighting), its self a stand-in holding what it reads on one process in training (checkpoint_kwargs: the
+    arguments' gradient_checkpointing_kwargs, with which it enables checkpointing again); then the Trainer's
     training_step division by the accumulation steps (1). autocast: the forward Accelerator.prepare_model sets on
     the model (verify/hf.py amp_forward), which the reference's call goes through too."""
     from trl import DPOTrainer
 
     completion_mask.fill_(1)
-    args = SimpleNamespace(gradient_checkpointing_kwargs=None)
+    args = SimpleNamespace(gradient_checkpointing_kwargs=checkpoint_kwargs)  # disable_gradient_checkpointing's
     this = SimpleNamespace(model=model, accelerator=Accelerator(idx.device), aux_loss_enabled=False, ld_alpha=None,
                            precompute_ref_logps=precompute_ref, ref_model=reference, f_divergence_type="reverse_kl",
                            loss_types=["sigmoid"], loss_weights=[1.0], beta=0.1, use_weighting=False, args=args,

@@ -173,3 +173,38 @@ def test_grown_step_equals_the_full_depth_replay(tricks, layers, precompute):
     stack = replace(dpo(Finetune(8)), precompute_ref=precompute)
     assert exact_step(shape, 512, 2, run_as, stack=stack).phases == simulate(StepConfig(shape, 512, 2, run_as,
                                                                                           stack))[0]  # fmt: skip
+
+
+DPO_FILE = """model_name_or_path: meta-llama/Llama-3.2-1B
+per_device_train_batch_size: 2
+max_length: 512
+beta: 0.1
+loss_type: sigmoid
+precompute_ref_log_probs: {precompute}
+use_peft: true
+lora_r: 16
+lora_target_modules: [q_proj, v_proj]
+"""
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_a_dpo_config_file(tmp_path, precompute):
+    """`trl dpo --config FILE`'s DPOConfig under --rl dpo: the same verdict as its options typed out; without --rl
+    dpo its DPO keys are refused (memcalc would answer for SFT)."""
+    path = tmp_path / "dpo.yaml"
+    path.write_text(DPO_FILE.format(precompute=str(precompute).lower()))
+    r = run("estimate", "--from", str(path), "--rl", "dpo", "--model", "llama3.2-1b", "--format", "json")
+    typed = run("estimate", "--model", "llama3.2-1b", "--stack", "trl:1.16", "--rl", "dpo", "--micro-batch", "2",
+                "--seq", "512", "--lora", "16", "--lora-targets", "q,v", "--tricks", "bf16,flash,ckpt", "--format",
+                "json", *(["--precompute-ref"] if precompute else []))  # fmt: skip
+    assert r.exit_code == 0 and typed.exit_code == 0, r.output + typed.output
+    assert json.loads(r.stdout)["verdict"] == json.loads(typed.stdout)["verdict"]
+    alone = run("estimate", "--from", str(path), "--model", "llama3.2-1b")
+    assert alone.exit_code == 2 and "give --rl dpo" in alone.output and "Traceback" not in alone.output
+
+
+def test_a_dpo_config_it_does_not_replay(tmp_path):
+    path = tmp_path / "dpo.yaml"
+    path.write_text(DPO_FILE.format(precompute="false") + "use_weighting: true\n")
+    r = run("estimate", "--from", str(path), "--rl", "dpo", "--model", "llama3.2-1b")
+    assert r.exit_code == 2 and "use_weighting" in r.output and "Traceback" not in r.output, r.output

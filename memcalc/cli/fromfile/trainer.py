@@ -19,6 +19,7 @@ from memcalc.model.stacks import CHUNKED_DEFAULT, CHUNKED_NLL, FUSED_HEAD, TRL_F
 
 from . import peft, sharding
 from .common import TrickSet, attention_flash, ckpt_typed_away, clipping, half_precision, model_option, optimizer_option
+from .dpo import DPO_KEYS, dpo_config
 from .ledger import KeyLedger
 
 # keys only SFTConfig and TRL's ModelConfig have (TrainingArguments has none of them): the file is TRL's
@@ -34,6 +35,7 @@ STACK_REMARK = {
     "trl:0.25": "--stack trl:0.25: the TRL line memcalc replays whose SFTConfig takes these keys; the file does not "
                 "say which TRL ran it (--stack trl:1.2, trl:1.5, trl:1.13 or trl:1.16 for later lines, trl:0.14 or "
                 "trl:0.21 for older ones)",
+    "trl:1.16": "--stack trl:1.16: the TRL line whose DPOTrainer memcalc replays (--rl dpo)",
     "trl:0.21": "--stack trl:0.21: the newest TRL line memcalc replays whose SFTConfig takes max_seq_length or "
                 "use_liger (gone in 0.20); --stack trl:0.14 for 0.9-0.14",
 }  # fmt: skip
@@ -50,7 +52,8 @@ SAVERS = {
 
 
 def read_trainer(ledger: KeyLedger, typed: dict) -> None:
-    stack, trl = stack_of(ledger, typed)
+    dpo = dpo_config(ledger, typed)  # DPOConfig's keys, under --rl dpo (memcalc.cli.fromfile.dpo)
+    stack, trl = stack_of(ledger, typed, dpo)
     model_option(ledger, "model_name_or_path")
     liger_option(ledger)
     for key, why in SAVERS.items():
@@ -72,7 +75,8 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
     lora = peft.lora_options(ledger)
     peft.quantize_options(ledger, lora)
     step_options(ledger, trl)
-    loss_type(ledger, trl)
+    if not dpo:  # DPOConfig's loss_type is its own
+        loss_type(ledger, trl)
     clipping(ledger)
     tricks_and_recipe(ledger, trl, ckpt_typed_away(typed))
     optimizer_option(ledger, "optim")
@@ -85,7 +89,7 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
             ledger.set("no_cache", True, key, "--no-cache")
     if stack:
         ledger.options["stack"] = stack
-        ledger.origin["stack"] = [key for key in TRL_KEYS if key in ledger.data][:1]
+        ledger.origin["stack"] = [key for key in TRL_KEYS + DPO_KEYS if key in ledger.data][:1]
         ledger.remarks.append(STACK_REMARK[stack])
 
 
@@ -102,12 +106,15 @@ def liger_option(ledger: KeyLedger) -> None:
         ledger.set("liger", True, "use_liger_kernel", "--liger: Liger's RoPE, RMSNorm, SwiGLU and fused cross-entropy")
 
 
-def stack_of(ledger: KeyLedger, typed: dict) -> tuple[str | None, str]:
-    """The stack and the TRL line whose defaults apply: the user's --stack; else TRL's newest line memcalc replays
-    whose SFTConfig takes the file's keys (max_seq_length went in 0.20), or the Trainer alone (hf) without them."""
+def stack_of(ledger: KeyLedger, typed: dict, dpo: bool = False) -> tuple[str | None, str]:
+    """The stack and the TRL line whose defaults apply: the user's --stack; else under --rl dpo the line whose
+    DPOTrainer memcalc replays; else TRL's newest line memcalc replays whose SFTConfig takes the file's keys
+    (max_seq_length went in 0.20), or the Trainer alone (hf) without them."""
     if typed.get("stack"):
         given = typed["stack"].strip().lower()
         return None, given.removeprefix("trl:") if given.startswith("trl:") else ""
+    if dpo:
+        return f"trl:{FUSED_HEAD[-1]}", FUSED_HEAD[-1]
     if not any(key in ledger.data for key in TRL_KEYS):
         return "hf", ""
     line = "0.21" if "max_seq_length" in ledger.data or "use_liger" in ledger.data else "0.25"

@@ -7,10 +7,11 @@ most the step holds). _compute_loss then:
   labels     input_ids.masked_fill(completion_mask == 0, -100)
   policy     the model through its fused LM head (memcalc.exact.hf.fused_head, DPO's outputs: log_probs, entropy,
              mean_logits, is_top1), each row's log-probabilities summed
-  reference  the same model with its LoRA adapters disabled (PEFT: no ref_model; use_adapter(model, None)), under
-             no_grad with activation checkpointing turned off (disable_gradient_checkpointing): nothing saved, its
-             temporaries on top of the policy's saved activations; with precompute_ref_log_probs (--precompute-ref)
-             none: the batch brings each pair's two reference log-probs (and a full fine-tune keeps no reference)
+  reference  the same model with its LoRA adapters disabled (PEFT: no ref_model; use_adapter(model, None)), or
+             a second copy of a model that is not PEFT's (reference_model), under no_grad with activation
+             checkpointing turned off (disable_gradient_checkpointing): nothing saved, its temporaries on top of
+             the policy's saved activations; with precompute_ref_log_probs (--precompute-ref) none: the batch
+             brings each pair's two reference log-probs (and a full fine-tune keeps no second model)
   loss       sigmoid: -logsigmoid(beta * ((chosen - ref chosen) - (rejected - ref rejected))).mean()
   metrics    entropy, token count, mean logits, token accuracy, rewards, margins, log-probs: a few (B,) and 0-d
              tensors and their .item()
@@ -76,10 +77,9 @@ def compute_loss(g: Graph, m: HFModel, idx: Tensor, completion_mask: Tensor, cau
         loss = aten.add_scalar(g, weighted)  # 0.0 + it
         del weighted
         held = metrics(g, m, outputs, completion_mask, chosen_logratios, rejected_logratios, chosen_logps, halves)
-        del held, outputs, ref_outputs, labels, per_token_logps, ref_per_token_logps, logps, ref_logps
+        del held, outputs, ref_outputs, labels, per_token_logps, ref_per_token_logps, logps, ref_logps  # the frame's
         del chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_logratios, rejected_logratios
-        del delta_score  # the frame's locals
-        del per_sequence_loss
+        del delta_score, per_sequence_loss  # locals, as it returns
         return pointwise(g, loss, "div", "div")  # training_step: loss / current_gradient_accumulation_steps
 
 
@@ -121,7 +121,8 @@ def reference_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, causal_lm:
     outer, g.grad_enabled = g.grad_enabled, False
     mem = g.mem  # its blocks peak apart from the policy's: their own segments (memcalc.exact.growth grows both)
     policy = mem.segment_peaks, mem.blocks_seen
-    mem.segment_peaks, mem.blocks_seen, mem.segment = {"start": (mem.live_bytes, mem.peak_at)}, [], "before"
+    mem.segment_peaks = {"start": (mem.live_bytes, f"{mem.phase}: (the reference's start)")}
+    mem.blocks_seen, mem.segment = [], "before"
     try:
         return model_call(g, ref, idx, labels, causal_lm)
     finally:
@@ -157,23 +158,23 @@ def metrics(g: Graph, m: HFModel, outputs: FusedOutput, completion_mask: Tensor,
     total_tokens = made(g, (), "sum", shift_mask, dtype="int64")
     entropy_sum = made(g, (), "sum", entropy_sum)  # gather_for_metrics(...).sum()
     total_tokens = made(g, (), "sum", total_tokens, dtype="int64")
-    item_of(g, made(g, (), "gt", total_tokens, dtype="bool"))  # if total_tokens > 0
-    item_of(g, made(g, (), "div", entropy_sum, total_tokens))
+    item_of(made(g, (), "gt", total_tokens, dtype="bool"))  # if total_tokens > 0
+    item_of(made(g, (), "div", entropy_sum, total_tokens))
     ones = made(g, (B2, T), "ones", dtype="int64")  # inputs["attention_mask"], made where read (verify/trl_dpo.py)
     counted = made(g, (), "sum", ones, dtype="int64")
     del ones
-    item_of(g, made(g, (), "sum", counted, dtype="int64"))
+    item_of(made(g, (), "sum", counted, dtype="int64"))
     del counted
     chosen_mask = g.view(completion_mask, half_rows)
     totals = []
-    for what in ("chosen", "rejected"):
+    for _half in ("chosen", "rejected"):  # each half's mean logits at its completion tokens, and their count
         logits = g.view(outputs.mean_logits, half_rows)
         picked = index_rows(g, logits, made(g, half_rows, "_to_copy", chosen_mask, dtype="bool"), m.cfg.watched)
         totals.append(made(g, (), "sum", picked))
         del picked
         totals.append(made(g, (), "sum", chosen_mask, dtype="int64"))
     for i, total in enumerate(totals):  # gather_for_metrics(total).sum().item(), rebound to the float
-        item_of(g, made(g, (), "sum", total, dtype=total.dtype))
+        item_of(made(g, (), "sum", total, dtype=total.dtype))
         totals[i] = None
         del total
     chosen_is_top1 = g.view(outputs.is_top1, half_rows)
@@ -183,22 +184,22 @@ def metrics(g: Graph, m: HFModel, outputs: FusedOutput, completion_mask: Tensor,
     total_tokens = made(g, (), "sum", chosen_mask, dtype="int64")
     correct_tokens = made(g, (), "sum", correct_predictions, dtype="int64")
     total_sum = made(g, (), "sum", total_tokens, dtype="int64")
-    item_of(g, made(g, (), "gt", total_sum, dtype="bool"))
+    item_of(made(g, (), "gt", total_sum, dtype="bool"))
     correct_sum = made(g, (), "sum", correct_tokens, dtype="int64")
-    item_of(g, made(g, (), "div", correct_sum, total_sum))
+    item_of(made(g, (), "div", correct_sum, total_sum))
     del correct_sum
     chosen_rewards = made(g, halves, "mul", chosen_logratios)  # self.beta * chosen_logratios.detach()
     rejected_rewards = made(g, halves, "mul", rejected_logratios)
-    item_of(g, made(g, (), "mean", chosen_rewards))
-    item_of(g, made(g, (), "mean", rejected_rewards))
+    item_of(made(g, (), "mean", chosen_rewards))
+    item_of(made(g, (), "mean", rejected_rewards))
     above = made(g, halves, "gt", chosen_rewards, rejected_rewards, dtype="bool")
     reward_accuracies = made(g, halves, "_to_copy", above)  # .float()
     del above
-    item_of(g, made(g, (), "mean", reward_accuracies))
+    item_of(made(g, (), "mean", reward_accuracies))
     margins = made(g, halves, "sub", chosen_rewards, rejected_rewards)
-    item_of(g, made(g, (), "mean", margins))
-    item_of(g, made(g, (), "mean", chosen_logps))  # logps/chosen
-    item_of(g, made(g, (), "mean", chosen_logps))  # logps/rejected (its size)
+    item_of(made(g, (), "mean", margins))
+    item_of(made(g, (), "mean", chosen_logps))  # logps/chosen
+    item_of(made(g, (), "mean", chosen_logps))  # logps/rejected (its size)
     return [total_tokens, correct_predictions, correct_tokens, total_sum, chosen_rewards, rejected_rewards,
             reward_accuracies, margins]  # fmt: skip
 
@@ -216,6 +217,6 @@ def mean_all(g: Graph, x: Tensor) -> Tensor:
     return out
 
 
-def item_of(g: Graph, t: Tensor) -> None:
+def item_of(t: Tensor) -> None:
     """x.item(): a Python number; the 0-d tensor goes with the statement."""
     del t

@@ -288,6 +288,14 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False) -> Stack
     return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref)
 
 
+def dpo_reference(stack: Stack) -> str:
+    """Where DPOTrainer's reference comes from, for the note (memcalc.exact.hf.dpo)."""
+    if stack.precompute_ref:
+        return "the reference's log-probs from the batch (precompute_ref_log_probs: computed before training)"
+    ref = "the adapters disabled" if stack.finetune.lora else "a second copy of the model"
+    return f"the reference's forward ({ref}, no_grad, no checkpointing) beside the policy's saved activations"
+
+
 def trl_note(stack: Stack) -> str:
     """What the replay takes of TRL's SFTTrainer (memcalc.exact.hf.trl), in a line for the verdict's notes; ''
     without TRL."""
@@ -298,11 +306,8 @@ def trl_note(stack: Stack) -> str:
     if line in BF16_CAST and stack.finetune.quantize:
         parts.append("the 4-bit model's adapters cast to bf16, nothing else prepared")
     if line in FUSED_HEAD and stack.rl == "dpo":
-        parts.append("each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then " + (
-            "the reference's log-probs from the batch (precompute_ref_log_probs: computed before training)"
-            if stack.precompute_ref else "the reference's forward (" + ("the adapters disabled" if stack.finetune.lora
-                                                                         else "a second copy of the model") +
-            ", no_grad, no checkpointing) beside the policy's saved activations") + "; dropout disabled; every position a completion token")
+        parts.append(f"each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then "
+                     f"{dpo_reference(stack)}; dropout disabled; every position a completion token")
         return f"TRL {releases(line)}'s DPOTrainer (sigmoid loss): " + "; ".join(parts)
     if line in FUSED_HEAD:
         parts.append("the loss from add_fused_lm_head's chunked log-probabilities (no logits: 4096 x 32768 tiles, "

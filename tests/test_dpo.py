@@ -91,6 +91,7 @@ def test_micro_batch_counts_pairs():
     (["--stack", "trl:1.16", "--lora", "8", "--liger"], "--liger"),
     (["--stack", "trl:1.16", "--lora", "8", "--modules-to-save", "lm_head"], "--modules-to-save"),
     (["--stack", "trl:1.16", "--precompute-ref", "--rl", "dpo", "--model", "gpt2"], "dropout"),
+    (["--stack", "trl:1.16", "--gpus", "4", "--zero", "2"], "DeepSpeed engine of its own"),
 ])  # fmt: skip
 def test_refused(args, said):
     r = run("estimate", "--model", "llama3.2-1b", "--seq", "512", *args, "--rl", "dpo")

@@ -90,6 +90,10 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         raise InputError(f"--stack {setup.stack.key} is replayed on one GPU, or each GPU of data parallelism with the "
                          f"weights whole (ZeRO 0-2): {reads_head} reads lm_head.weight outside the head's forward "
                          "(FSDP2's full_tensor, ZeRO-3's gather around it), which is not replayed")  # fmt: skip
+    if setup.stack.rl == "dpo" and not ft.lora and not setup.stack.precompute_ref and lay.zero:
+        raise InputError("--rl dpo on a model that is not PEFT's under --zero: DPOTrainer prepares its second model "
+                         "as a DeepSpeed engine of its own (trl prepare_deepspeed: stage 0 below ZeRO-3, in the "
+                         "engine's bf16), which is not replayed; --precompute-ref, --lora, or --zero 0")  # fmt: skip
     if setup.stack.model == "torchtune" and not (plain_split(lay) and lay.zero == 0):  # its single-device recipes
         raise InputError("--stack torchtune replays its single-device recipes (full_finetune_single_device, "
                          "lora_finetune_single_device): one GPU, or each GPU of plain data parallelism")  # fmt: skip

@@ -5,16 +5,21 @@ allocation on meta, and on CPU tensors under the Trainer's autocast; --micro-bat
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.model.finetune import Finetune
 from memcalc.model.stacks import STACKS, stack_for, with_rl
+from tests.test_fuzz import examples
 
 LORA, QLORA = Finetune(4), Finetune(4, quantize="nf4")
 
@@ -209,3 +214,22 @@ def test_a_dpo_config_it_does_not_replay(tmp_path):
     path.write_text(DPO_FILE.format(precompute="false") + "use_weighting: true\n")
     r = run("estimate", "--from", str(path), "--rl", "dpo", "--model", "llama3.2-1b")
     assert r.exit_code == 2 and "use_weighting" in r.output and "Traceback" not in r.output, r.output
+
+
+@examples(3, slow=10)
+@given(model=st.sampled_from(["llama3.2-1b", "qwen3-0.6b"]), seq=st.sampled_from(["256", "1024"]),
+       pairs=st.sampled_from([1, 2]), how=st.sampled_from([["--lora", "8"], ["--lora", "8", "--quantize", "nf4"],
+                                                            ["--precompute-ref"], []]),
+       tricks=st.sampled_from(["bf16,flash,ckpt", "bf16,flash"]))  # fmt: skip
+def test_dpo_jobs_say_one_verdict_and_grow_with_the_pairs(model, seq, pairs, how, tricks):
+    """Every DPO job: table, JSON and CSV give the same verdict; one pair more never needs less."""
+    args = ["estimate", "--model", model, "--seq", seq, "--stack", "trl:1.16", "--rl", "dpo", *how, "--tricks",
+            tricks, "--gpu", "rtx4090"]  # fmt: skip
+    data = json.loads(run(*args, "--micro-batch", str(pairs), "--format", "json").stdout)
+    more = json.loads(run(*args, "--micro-batch", str(pairs + 1), "--format", "json").stdout)
+    v = data["verdict"][0]
+    assert more["verdict"][0]["peak_bytes"] > v["peak_bytes"]
+    rows = list(csv.DictReader(io.StringIO(run(*args, "--micro-batch", str(pairs), "--format", "csv").stdout)))
+    assert (rows[0]["fits"], int(rows[0]["peak_bytes"])) == (str(v["fits"]), v["peak_bytes"])
+    table = " ".join(run(*args, "--micro-batch", str(pairs)).stdout.split())
+    assert ("Fits: " in table) == v["fits"] and f"micro-batch {pairs} pair" in table

@@ -11,6 +11,9 @@
                  base (verify/qlora.py)
   dora           PEFT's DoRA on a targeted projection: the weight's norm at every forward
   trl            what TRL's SFTTrainer adds: its k-bit preparation and casts, its loss metrics
+  fused_head, chunked_nll
+                 TRL's fused LM head (1.15-1.16) and loss_type chunked_nll (1.6-1.14): the loss without the logits
+  dpo            TRL's DPOTrainer step (--rl dpo): chosen and rejected sequences, the reference's forward, the loss
   liger          Liger's kernels as the Trainer applies them (use_liger_kernel): RMSNorm, RoPE, SwiGLU, the head
                  fused with the cross-entropy (verify/liger.py)
 

@@ -14,17 +14,16 @@ checkpointing, a LoRA rank on a full fine-tune, one GPU said to run FSDP), a dup
 
 from __future__ import annotations
 
-import re
 import sys
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    raise RuntimeError("benchmarks/finetune/corpus.py needs Python 3.11 or newer (tomllib)") from None
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script too: benchmarks/ importable
+
+from benchmarks import corpus_files as files  # noqa: E402
+
+CorpusError, UNITS = files.CorpusError, files.UNITS
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,7 +42,6 @@ METHODS = ("full", "lora", "qlora", "other-peft")
 # Which memory the figure is: torch.cuda.max_memory_allocated, max_memory_reserved, memory_stats()'s
 # active_bytes.all.peak, the device's used memory as nvidia-smi / NVML shows it (CUDA context included), or not said.
 MEMORY_KINDS = ("peak_allocated", "peak_reserved", "peak_active", "nvidia_smi", "unknown")
-UNITS = MappingProxyType({"B": 1, "MB": 10**6, "MiB": 2**20, "GB": 10**9, "GiB": 2**30})
 DTYPES = ("fp32", "bf16", "fp16")
 QUANTS = ("nf4", "fp4", "int8")
 ATTENTION = ("sdpa", "flash2", "eager", "xformers")
@@ -51,27 +49,11 @@ ENUMS = {"split": SPLITS, "parallel": PARALLEL, "method": METHODS, "memory_kind"
          "gpu": GPUS, "dtype": DTYPES, "amp": DTYPES, "quant": QUANTS, "quant_storage": DTYPES,
          "adapter_dtype": DTYPES, "attention": ATTENTION}  # fmt: skip
 LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "dora", "rslora", "adapter_dtype")
-COMMIT = re.compile(r"\b[0-9a-f]{40}\b")
-RUN_ID = re.compile(r"^[a-z0-9]+(?:[-_.][a-z0-9]+)*$")
-
-
-class CorpusError(ValueError):
-    """A record that breaks the schema (the message names the file, the run and the field)."""
 
 
 @dataclass(frozen=True)
-class Source:
-    id: str
-    title: str
-    cite: str
-    url: str
-    path: str  # the TOML file, relative to this folder
-    notes: str = ""
-
-
-@dataclass(frozen=True)
-class Run:
-    source: Source
+class Run(files.Measured):
+    source: files.Source
     id: str
     where: str  # table or figure and row, or section and paragraph, exactly
     split: str  # "fit" or "held-out"
@@ -120,19 +102,8 @@ class Run:
     micro_batch: int | None = None
     grad_accum: int | None = None
 
-    @property
-    def key(self) -> str:
-        """Unique across the corpus: source id / run id."""
-        return f"{self.source.id}/{self.id}"
-
-    @property
-    def memory_bytes(self) -> float:
-        """The figure in bytes: unit_bytes where given, else what the unit's name means."""
-        return self.memory * (self.unit_bytes or UNITS[self.memory_unit])
-
 
 # name -> (type, required); lists and tables are checked element by element below
-SOURCE_FIELDS = {**{k: (str, True) for k in ("id", "title", "cite", "url")}, "notes": (str, False)}
 RUN_FIELDS: dict[str, tuple[type, bool]] = {
     **{k: (str, True) for k in ("id", "where", "split", "model", "gpu", "parallel", "method", "memory_unit",
                                  "memory_kind")},
@@ -147,35 +118,11 @@ RUN_FIELDS: dict[str, tuple[type, bool]] = {
 }  # fmt: skip
 
 
-def _value(value, want: type, where: str):
-    """value as `want`; an int stands for a float, a bool never for a number, a string never for either."""
-    if want is float and type(value) is int:
-        return float(value)
-    if type(value) is not want:
-        hint = " (numbers are plain; the unit goes in memory_unit or the notes)" if isinstance(value, str) else ""
-        raise CorpusError(f"{where}: {value!r} is a {type(value).__name__}, expected {want.__name__}{hint}")
-    if want is str and not value.strip():
-        raise CorpusError(f"{where}: empty")
-    return value
-
-
-def _table(table: dict, spec: dict[str, tuple[type, bool]], where: str) -> dict:
-    if unknown := sorted(set(table) - set(spec)):
-        raise CorpusError(f"{where}: unknown field(s) {unknown} (new fields go in corpus.py and README.md)")
-    if missing := [k for k, (_, required) in spec.items() if required and k not in table]:
-        raise CorpusError(f"{where}: missing required field(s) {missing}")
-    return {k: _value(v, spec[k][0], f"{where}.{k}") for k, v in table.items()}
-
-
 def _check_run(r: dict, where: str) -> dict:
     def bad(msg: str):
         raise CorpusError(f"{where}: {msg}")
 
-    if not RUN_ID.match(r["id"]):
-        bad(f"id {r['id']!r} is not a lower-case key")
-    for k, allowed in ENUMS.items():
-        if k in r and r[k] not in allowed:
-            bad(f"{k} {r[k]!r} is not one of {sorted(allowed)}")
+    files.check_keys(r, ENUMS, where)
     for k in ("gpus", "unit_bytes", "lora_rank", "seq", "micro_batch", "grad_accum", "memory", "params",
               "trainable_params", "lora_alpha"):  # fmt: skip
         if k in r and not r[k] > 0:
@@ -205,14 +152,11 @@ def _check_run(r: dict, where: str) -> dict:
         bad("seq_varies without seq")
     if "trainable_params" in r and "params" in r and r["trainable_params"] > r["params"]:
         bad("trainable_params exceed params")
-    for k, v in r.get("versions", {}).items():
-        if not (RUN_ID.match(k) and isinstance(v, str) and v.strip()):
-            bad(f"versions.{k} = {v!r}: a lower-case package name and its version as a string")
     for t in r.get("lora_targets", []):
         if not (isinstance(t, str) and t.strip()):
             bad(f"lora_targets holds {t!r}: module names, as strings")
     if "versions" in r:
-        r["versions"] = MappingProxyType(dict(r["versions"]))
+        r["versions"] = files.versions(r["versions"], where)
     if "lora_targets" in r:
         r["lora_targets"] = tuple(r["lora_targets"])
     return r
@@ -220,59 +164,19 @@ def _check_run(r: dict, where: str) -> dict:
 
 def load_file(path: Path) -> list[Run]:
     """The runs of one source file, validated."""
-    name = path.name
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise CorpusError(f"{name}: not valid TOML: {e}") from None
-    if unknown := sorted(set(data) - {"source", "run"}):
-        raise CorpusError(f"{name}: unknown top-level table(s) {unknown}")
-    if not isinstance(data.get("source"), dict):
-        raise CorpusError(f"{name}: no [source] table")
-    s = _table(data["source"], SOURCE_FIELDS, f"{name} [source]")
-    if s["id"] != path.stem:
-        raise CorpusError(f"{name} [source]: id {s['id']!r} is not the file's stem {path.stem!r}")
-    if not s["url"].startswith("https://"):
-        raise CorpusError(f"{name} [source]: url {s['url']!r} is not an https address")
-    if "github.com/" in s["url"] and not COMMIT.search(s["cite"]):
-        raise CorpusError(f"{name} [source]: a repository is cited at a commit: cite names no 40-hex commit")
-    source = Source(path=name, **s)
-    tables = data.get("run")
-    if not isinstance(tables, list) or not tables:
-        raise CorpusError(f"{name}: no [[run]] records")
-    runs, seen = [], set()
-    for i, table in enumerate(tables):
-        where = f"{name} run {table.get('id', f'#{i + 1}')!s}"
-        r = _check_run(_table(table, RUN_FIELDS, where), where)
-        if r["id"] in seen:
-            raise CorpusError(f"{where}: duplicate run id within {name}")
-        seen.add(r["id"])
-        runs.append(Run(source=source, **r))
-    return runs
+    return files.runs_of(path, files.Source, lambda source, t, where: Run(source=source, **_check_run(
+        files.fields(t, RUN_FIELDS, where), where)))
 
 
 def load(folder: Path | str | None = None) -> list[Run]:
     """Every run of every *.toml source in `folder` (default: this file's folder), in file order."""
-    folder = Path(folder) if folder is not None else HERE
-    files = sorted(folder.glob("*.toml"))
-    if not files:
-        raise CorpusError(f"no *.toml sources in {folder}")
-    runs = [run for path in files for run in load_file(path)]
-    if dupes := sorted(k for k, n in Counter(run.key for run in runs).items() if n > 1):
-        raise CorpusError(f"duplicate run keys {dupes}")
-    return runs
+    return files.load_folder(Path(folder) if folder is not None else HERE, load_file)
 
 
 def main() -> None:
-    runs = load()
-    held = sum(r.split == "held-out" for r in runs)
-    print(f"{len(runs)} runs from {len({r.source.id for r in runs})} sources ({held} held out)")
-    for title, key in (("source", lambda r: r.source.id), ("split", lambda r: r.split),
-                       ("memory kind", lambda r: r.memory_kind), ("method", lambda r: r.method),
-                       ("gpu", lambda r: r.gpu)):  # fmt: skip
-        print(f"\nper {title}:")
-        for name, n in sorted(Counter(map(key, runs)).items()):
-            print(f"  {name:32} {n:4}")
+    files.summary(load(), (("source", lambda r: r.source.id), ("split", lambda r: r.split),
+                     ("memory kind", lambda r: r.memory_kind), ("method", lambda r: r.method),
+                     ("gpu", lambda r: r.gpu)))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -275,7 +275,7 @@ def verify(model: Model, setup: Setup, tricks: Tricks, device: str | None = None
     result = dict(model=shape.name, origin=model.origin, family=shape.family, tricks=tricks.label, device=device,
                   device_reason=reason, torch_version=torch.__version__, seq_len=setup.seq_len,
                   micro_batch=setup.micro_batch, grad_accum=setup.grad_accum, layers_requested=shape.n_layers,
-                  tolerance=tol)  # fmt: skip
+                  tolerance=tol, per_sample=setup.per_sample)  # fmt: skip
     if timeline and not on_cpu and device != "meta":
         raise InputError("--timeline lays the step measured on meta (or, for an autocast stack, on CPU tensors) "
                          f"over the prediction; {device} is measured by its allocator's counters: --device meta")

@@ -112,7 +112,7 @@ def short_preamble(est: Estimate, units: str = "gb", usable: int | None = None) 
         f"Model: {est.model.origin}",
         f"  {u.plural(shape.n_layers, 'layer')}, hidden {shape.hidden}, {heads_text(shape, False)}, {mlp_text(shape)}, "
         f"vocab {shape.vocab:,}{wiring_text(shape)}; {params_text(est.model)}",
-        f"Step: seq {s.seq_len:,} x micro-batch {batch_text(s)}{accum} = {s.tokens_per_step:,} tokens per GPU; "
+        f"Step: seq {s.seq_len:,} x micro-batch {u.batch(s)}{accum} = {s.tokens_per_step:,} tokens per GPU; "
         f"{s.optimizer}; {gpus} {g.key}{sharding} ({u.size(usable, units)} usable)"
     ]
 
@@ -322,10 +322,3 @@ def exact_section(est: Estimate, exacts: list, units: str, peaks: list[int] | No
                        f"step at depth {blocks}, from which the {later} layers grow): the textbook's are the heaviest "
                        "layer's and the logits")  # fmt: skip
     return s
-
-
-def batch_text(s) -> str:
-    """The micro-batch as --micro-batch counts it: '1', or DPO's '1 pair (2 sequences)'."""
-    if s.per_sample == 1:
-        return f"{s.micro_batch}"
-    return f"{s.samples} {'pair' if s.samples == 1 else 'pairs'} ({s.micro_batch} sequences)"

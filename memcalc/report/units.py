@@ -79,3 +79,11 @@ def percent(x: float, digits: int = 1) -> str:
 
 def signed_percent(x: float) -> str:
     return f"{x * 100:+.1f}%"
+
+
+def batch(s) -> str:
+    """The micro-batch as --micro-batch counts it (s: a Setup or a verify result): '1', or DPO's '1 pair (2
+    sequences)'."""
+    if s.per_sample == 1:
+        return f"{s.micro_batch}"
+    return f"{plural(s.micro_batch // s.per_sample, 'pair')} ({s.micro_batch} sequences)"

@@ -45,7 +45,7 @@ def verify_preamble(r: VerifyResult) -> list[str]:
     gpu = f" ({r.gpu_name})" if r.gpu_name else ""
     return [
         f"Model: {r.origin} ({r.family} family), {depth}",
-        f"Step: {r.tricks}, seq {r.seq_len:,} x micro-batch {r.micro_batch}; attention: {r.attention}",
+        f"Step: {r.tricks}, seq {r.seq_len:,} x micro-batch {u.batch(r)}; attention: {r.attention}",
         f"Device: {r.device}{gpu}: {r.device_reason}; torch {r.torch_version}; tolerance {u.percent(r.tolerance, 2)}",
     ]
 

@@ -109,6 +109,7 @@ class VerifyResult:
     seconds: float  # wall time of this run
     notes: tuple[str, ...] = ()
     timeline: object = None  # --timeline: the measured step over the predicted (memcalc.verification.timeline.Overlay)
+    per_sample: int = 1  # sequences per sample: DPO's pair, 2 (memcalc.memory.setup Setup.per_sample)
 
     @property
     def passed(self) -> bool:

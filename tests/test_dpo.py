@@ -105,7 +105,9 @@ def test_refused(args, said):
 
 def test_unknown_rl():
     with pytest.raises(InputError, match="unknown --rl"):
-        with_rl(replace(stack_for("trl:1.16"), finetune=LORA), "ppo")
+        with_rl(replace(stack_for("trl:1.16"), finetune=LORA), "sft")
+    with pytest.raises(InputError, match="not modelled yet"):
+        with_rl(replace(stack_for("trl:1.16"), finetune=LORA), "grpo")
 
 
 def test_dropout_is_disabled():

@@ -273,6 +273,9 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False) -> Stack
             raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
         return stack
     key = rl.strip().lower()
+    if key in ("grpo", "ppo"):
+        raise InputError(f"--rl {key}: online RL (a rollout engine beside the trainer, for PPO a critic) is not "
+                         "modelled yet; known: dpo (docs/rl.md)")  # fmt: skip
     if key not in RL or not key:
         raise InputError(f"unknown --rl {rl!r}; known: dpo")
     if stack.trl not in FUSED_HEAD:

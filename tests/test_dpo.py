@@ -103,6 +103,12 @@ def test_refused(args, said):
     assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
 
 
+def test_the_stack_is_trl_1_16_unless_typed():
+    r = run("estimate", "--model", "llama3.2-1b", "--seq", "512", "--lora", "8", "--rl", "dpo", "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["setup"]["stack"]["key"] == "trl:1.16"
+
+
 def test_unknown_rl():
     with pytest.raises(InputError, match="unknown --rl"):
         with_rl(replace(stack_for("trl:1.16"), finetune=LORA), "sft")

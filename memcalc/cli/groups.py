@@ -122,16 +122,19 @@ class StackOptions(OptionGroup):
 
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
-        stack is refused; without them, reference is the default (memcalc.model.finetune.finetune_for). --liger
+        stack is refused; without them, reference is the default (memcalc.model.finetune.finetune_for); under --rl
+        dpo, trl:1.16, whose DPOTrainer is replayed. --liger
         allocates by the GPU's kind (memcalc.model.savers.liger_for); without a GPU (verify), as on meta."""
         from memcalc.model.finetune import finetune_for
         from memcalc.model.savers import ON_META, liger_for
-        from memcalc.model.stacks import stack_for, with_loop, with_rl
+        from memcalc.model.stacks import FUSED_HEAD, stack_for, with_loop, with_rl
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip
         liger = (liger_for(gpu) if gpu is not None else ON_META) if self.liger else None
-        chosen = stack_for(self.stack or ("reference" if finetune.trains_all else "hf"), self.recipe,
+        dpo = (self.rl or "").strip().lower() == "dpo"  # TRL's DPOTrainer: the TRL line it is replayed on
+        default = f"trl:{FUSED_HEAD[-1]}" if dpo else "reference" if finetune.trains_all else "hf"
+        chosen = stack_for(self.stack or default, self.recipe,
                            self.optimizer_impl, self.no_cache, self.offload_activations, liger,
                            self.reentrant)  # fmt: skip
         if not finetune.trains_all:

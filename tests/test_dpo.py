@@ -61,6 +61,25 @@ def test_reentrant_checkpointing():
         assert_watched_meta(TINY["llama"], "bf16,flash,ckpt", replace(dpo(finetune), reentrant=True), batch=2)
 
 
+@pytest.mark.parametrize("name,tricks,finetune,rl,precompute", [
+    ("llama", "bf16", LORA, "", False),  # SFTTrainer: Liger's layers beside TRL's own fused LM head
+    ("qwen3", "bf16,flash,ckpt", QLORA, "", False),
+    ("llama", "bf16,flash,ckpt", LORA, "dpo", False),  # the reference, its adapters disabled, through them too
+    ("llama", "bf16", Finetune(), "dpo", True),
+])  # fmt: skip
+def test_liger_beside_the_fused_head(name, tricks, finetune, rl, precompute):
+    """TRL from 1.15 with use_liger_kernel: the Trainer applies Liger's RMSNorm, RoPE and SwiGLU with
+    liger_kernel_config fused_linear_cross_entropy False (TRL sets it: its fused LM head stays the model's forward)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("liger_kernel")
+    from memcalc.model.savers import ON_META, Savers
+    from tests.replay import assert_watched_meta
+    from tests.test_stack_hf import TINY
+
+    stack = replace(dpo(finetune, precompute_ref=precompute), rl=rl, savers=Savers(liger=ON_META))
+    assert_watched_meta(TINY[name], tricks, stack, batch=2)
+
+
 def test_cpu_under_autocast():
     """TRL's default (bf16=True: Accelerate's autocast over the bf16 base): the reference's call goes through the
     prepared forward too."""
@@ -93,7 +112,7 @@ def test_micro_batch_counts_pairs():
 @pytest.mark.parametrize("args,said", [
     (["--stack", "hf", "--lora", "8"], "--rl dpo is TRL's DPOTrainer"),
     (["--stack", "trl:1.14", "--lora", "8"], "--rl dpo is TRL's DPOTrainer"),
-    (["--stack", "trl:1.16", "--lora", "8", "--liger"], "--liger"),
+    (["--stack", "trl:1.16", "--liger"], "--liger and a second model"),
     (["--stack", "trl:1.16", "--lora", "8", "--modules-to-save", "lm_head"], "--modules-to-save"),
     (["--stack", "trl:1.16", "--precompute-ref", "--rl", "dpo", "--model", "gpt2"], "dropout"),
     (["--stack", "trl:1.16", "--gpus", "4", "--zero", "2"], "DeepSpeed engine of its own"),

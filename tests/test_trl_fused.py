@@ -144,12 +144,9 @@ def test_fit_finds_the_quoted_lengths():
 
 
 def test_refused():
-    """What the replay does not run on this line, in one line each: Liger beside the fused head, TRL's activation
-    offloading (replayed for 0.22-0.25), LoRA on the head (read outside its module), ZeRO-3's gather of it."""
-    from memcalc.model.savers import ON_META
-
-    with pytest.raises(InputError, match="fused LM head"):
-        stack_for("trl:1.16", liger=ON_META)
+    """What the replay does not run on this line, in one line each: TRL's activation offloading (replayed for
+    0.22-0.25), LoRA on the head (read outside its module), ZeRO-3's gather of it. (Liger's layer kernels beside the
+    fused head: tests/test_dpo.py test_liger_beside_the_fused_head.)"""
     with pytest.raises(InputError, match="0.22-0.25"):
         stack_for("trl:1.16", offload=True)
     from tests.test_cli import run

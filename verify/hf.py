@@ -398,9 +398,10 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     if liger:
         from .liger import apply
 
-        apply(model)
+        apply(model, {"fused_linear_cross_entropy": False} if trl in FUSED_HEAD else None)  # TRL's args from 1.15
     # TRL 0.15-0.25's compute_loss computes its metrics from the logits only without use_liger_kernel
-    wrapped = TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None, "" if liger else trl,
+    wrapped = TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None,
+                           "" if liger and trl not in FUSED_HEAD else trl,
                            loss == "chunked_nll", rl, precompute_ref, reference)  # fmt: skip
     wrapped.checkpoint_kwargs = kwargs if reentrant else None  # what DPOTrainer enables checkpointing again with
     return wrapped

@@ -51,8 +51,9 @@ PATCHED: dict[tuple, object] = {}
 ABSENT = object()  # a name the module did not have before
 
 
-def apply(model: torch.nn.Module) -> None:
-    """Trainer.train's apply_liger_kernel(self.model, self.args.liger_kernel_config): None, liger's defaults. It also
+def apply(model: torch.nn.Module, config: dict | None = None) -> None:
+    """Trainer.train's apply_liger_kernel(self.model, self.args.liger_kernel_config): None, liger's defaults (TRL from
+    1.15: {"fused_linear_cross_entropy": False}, its own fused LM head in place of Liger's). It also
     replaces the modeling module's RMSNorm and MLP classes and its apply_rotary_pos_emb, for the process: those are
     put back (PATCHED keeps Liger's). Then RoPE's implementations looked up (liger_kernel/backends/registry.py imports
     them at the first dispatch and logs each that fails with its exception, whose traceback would hold the step's
@@ -61,7 +62,7 @@ def apply(model: torch.nn.Module) -> None:
 
     modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in ARCHS]
     before = {m: dict(vars(m)) for m in modules}
-    liger_kernel()(model, None)
+    liger_kernel()(model, config)
     PATCHED.clear()
     for m in modules:
         for name, value in list(vars(m).items()):

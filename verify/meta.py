@@ -75,7 +75,7 @@ def paths_for(stack: Stack, device: str = "meta"):
         from .liger import held
 
         with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext(), \
-                held(stack.savers.liger, device):  # fmt: skip
+                held(stack.savers.liger, device), trl_kernels(stack):  # fmt: skip
             yield
         return
     with cuda_paths(), meta_paths() if device == "meta" else contextlib.nullcontext(), trl_kernels(stack):

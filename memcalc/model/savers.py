@@ -112,15 +112,19 @@ def check_offload_tricks(stack_key: str, trl: str, recompute: str) -> None:
                          "tensor)")  # fmt: skip
 
 
-def liger_note(savers: Savers) -> str:
-    """What Liger changed, in a line for the verdict's notes; '' without it."""
+def liger_note(savers: Savers, fused_head: bool = False) -> str:
+    """What Liger changed, in a line for the verdict's notes; '' without it. fused_head: TRL's own fused LM head in
+    place of Liger's fused cross-entropy (TRL from 1.15 sets liger_kernel_config fused_linear_cross_entropy False)."""
     liger = savers.liger
     if liger is None:
         return ""
+    head = ("TRL's fused LM head in place of Liger's cross-entropy (liger_kernel_config fused_linear_cross_entropy "
+            "False)" if fused_head else "the head fused with the cross-entropy (no logits: the input's gradient made "
+            "in forward, in chunks of rows)")  # fmt: skip
     return ("Liger's kernels (TrainingArguments(use_liger_kernel=True), liger-kernel 0.8.5): RMSNorm saving its input "
-            "and fp32 rstd, RoPE in place, SwiGLU saving gate and up and writing their gradients over them, the head "
-            "fused with the cross-entropy (no logits: the input's gradient made in forward, in chunks of rows; "
-            f"a trained norm's backward keeps {liger.sms} fp32 rows of partial gradients, one per SM)")  # fmt: skip
+            "and fp32 rstd, RoPE in place, SwiGLU saving gate and up and writing their gradients over them, "
+            f"{head}; a trained norm's backward keeps {liger.sms} fp32 rows of partial gradients, one per "
+            "SM")  # fmt: skip
 
 
 def offload_note(savers: Savers, trl: str) -> str:

@@ -215,11 +215,7 @@ def stack_for(name: str = "reference", recipe: str | None = None, impl: str | No
         check_offload(key, STACKS[key].model, STACKS[key].trl)
     if liger is not None:
         check_liger(key, STACKS[key].model, offload)
-        if STACKS[key].trl in FUSED_HEAD:
-            raise InputError(f"--liger on --stack {key}: SFTTrainer from 1.15 applies Liger's layer kernels beside its "
-                             "own fused LM head (liger_kernel_config fused_linear_cross_entropy False), which is not "
-                             "replayed; --stack trl:0.25 or hf for Liger's fused cross-entropy")  # fmt: skip
-        if STACKS[key].trl in BF16_CAST:
+        if STACKS[key].trl in BF16_CAST and STACKS[key].trl not in FUSED_HEAD:  # from 1.15 its own fused LM head
             raise InputError(f"--liger on --stack {key}: SFTTrainer from 0.26 asks Liger's cross-entropy for the token "
                              "accuracy (return_token_accuracy), which is not replayed; --stack trl:0.25 or "
                              "hf")  # fmt: skip
@@ -267,7 +263,7 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False) -> Stack
     """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); --precompute-ref: its
     precompute_ref_log_probs (no reference in the step). Refused where its step is not replayed: other stacks and TRL
     lines (before 1.15 its loss came from the logits: concatenated_forward), --modules-to-save (the reference runs
-    the original modules, not the trained copies), Liger and activation offloading."""
+    the original modules, not the trained copies), activation offloading, Liger beside a second model."""
     if rl is None:
         if precompute_ref:
             raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
@@ -282,8 +278,12 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False) -> Stack
         lines = ", ".join("trl:" + x for x in FUSED_HEAD)
         raise InputError(f"--rl dpo is TRL's DPOTrainer, replayed on --stack {lines} (its fused LM head), not --stack "
                          f"{stack.key}")  # fmt: skip
-    if stack.savers.offload or stack.savers.liger is not None:
-        raise InputError("--rl dpo with --offload-activations or --liger is not replayed")
+    if stack.savers.offload:
+        raise InputError("--rl dpo with --offload-activations is not replayed")
+    if stack.savers.liger is not None and not stack.finetune.lora and not precompute_ref:
+        raise InputError("--rl dpo with --liger and a second model as the reference: Liger patches the trained model's "
+                         "norms and MLP, but the modeling module's RoPE for every model, the reference's too, which "
+                         "is not replayed; --precompute-ref or --lora")  # fmt: skip
     if stack.finetune.modules_to_save:
         raise InputError("--rl dpo with --modules-to-save: the reference then runs the original modules beside the "
                          "trained copies, which is not replayed")  # fmt: skip

@@ -13,7 +13,7 @@ from memcalc.engine.toolbox import FITS_AS_IT_IS, FITS_NOWHERE, Toolbox
 from memcalc.memory.setup import Setup
 from memcalc.model.gpus import roofline_gaps
 from memcalc.model.savers import liger_note
-from memcalc.model.stacks import trl_note
+from memcalc.model.stacks import FUSED_HEAD, trl_note
 from memcalc.parallel.verdict import REPLAY_BAND
 
 from . import estimate as textbook
@@ -79,7 +79,8 @@ def summary_section(ans: Answer, units: str) -> Section:
         f"({textbook.recipe_text(est.model_state.precision, est.model_state.recipe)}, {job.setup.optimizer}) + "
         f"activations (Korthikanti et al. 2022{moe}) + logits",
     ]
-    s.notes += [note for note in (trl_note(job.setup.stack), liger_note(job.setup.stack.savers)) if note]
+    stack = job.setup.stack
+    s.notes += [note for note in (trl_note(stack), liger_note(stack.savers, stack.trl in FUSED_HEAD)) if note]
     s.notes += load_notes(ans, units)
     s.notes += offload_notes(ans, units)
     s.notes += reserved_notes(ans, units)

@@ -18,6 +18,7 @@ import math
 from typing import TYPE_CHECKING
 
 from memcalc.model.savers import Liger
+from memcalc.model.stacks import KBIT_PREPARED
 
 from .. import aten
 from ..aten.operands import made
@@ -49,7 +50,7 @@ def not_replayed(cfg, arch: str) -> str | None:
                 "fused cross-entropy then casts the head chunk by chunk, which is not replayed; load the model in "
                 "bf16 (--recipe pure), or train LoRA (its base in 16 bits)")  # fmt: skip
     ft = cfg.finetune
-    if cfg.stack.trl and ft.quantize:
+    if cfg.stack.trl in KBIT_PREPARED and ft.quantize:
         return ("--liger with TRL's k-bit preparation: its fp32 norms hand Liger's fused cross-entropy an fp32 "
                 "residual stream beside a bf16 head, which is not replayed (--stack hf: the Trainer "
                 "alone)")  # fmt: skip

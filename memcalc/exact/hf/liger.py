@@ -18,7 +18,7 @@ import math
 from typing import TYPE_CHECKING
 
 from memcalc.model.savers import Liger
-from memcalc.model.stacks import KBIT_PREPARED
+from memcalc.model.stacks import FUSED_HEAD, KBIT_PREPARED
 
 from .. import aten
 from ..aten.operands import made
@@ -46,9 +46,11 @@ def not_replayed(cfg, arch: str) -> str | None:
     if arch not in ARCHS:
         return f"--liger: Liger's patching of {arch} is not replayed; it is for {', '.join(ARCHS)}"
     if cfg.recipe == "autocast" and cfg.precision != "fp32" and not cfg.finetune.lora:
-        return ("--liger under autocast over fp32 weights (the Trainer's bf16=True on a model loaded in fp32): Liger's "
-                "fused cross-entropy then casts the head chunk by chunk, which is not replayed; load the model in "
-                "bf16 (--recipe pure), or train LoRA (its base in 16 bits)")  # fmt: skip
+        what = ("Liger's RMSNorm then takes fp32 weights beside autocast's 16-bit activations"
+                if cfg.stack.trl in FUSED_HEAD else "Liger's fused cross-entropy then casts the head chunk by chunk")
+        return ("--liger under autocast over fp32 weights (the Trainer's bf16=True on a model loaded in fp32): "
+                f"{what}, which is not replayed; load the model in bf16 (--recipe pure), or train LoRA (its base in 16 "
+                "bits)")  # fmt: skip
     ft = cfg.finetune
     if cfg.stack.trl in KBIT_PREPARED and ft.quantize:
         return ("--liger with TRL's k-bit preparation: its fp32 norms hand Liger's fused cross-entropy an fp32 "

@@ -265,7 +265,7 @@ def test_cuda_transformers_run_equals_the_cuda_prediction(name, tricks):
 
 @cuda
 def test_accelerate_prepares_the_forward_verify_writes_out():
-    """verify/hf.py amp_forward against Accelerate itself (where it is installed): the forward of a
+    """verify/amp.py amp_forward against Accelerate itself (where it is installed): the forward of a
     model Accelerator(mixed_precision="bf16").prepare_model wrapped allocates what amp_forward's does,
     in order (the autocast region, then the logits' fp32 copy)."""
     accelerate = pytest.importorskip("accelerate")

@@ -29,7 +29,6 @@ import contextlib
 import functools
 import math
 import sys
-from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memcalc.errors import InputError
 from memcalc.exact.hf.family import NORM_EPS  # noqa: F401  (verify/serve.py's too)
+from memcalc.exact.hf.fused_head import DPO_OUTPUTS, SFT_OUTPUTS
 from memcalc.exact.hf.gemma import flash_refused
 from memcalc.exact.hf.model import FAMILIES, arch_for
 from memcalc.model.finetune import FULL, Finetune
@@ -46,6 +46,7 @@ from memcalc.model.shape import ModelShape, check_positions
 from memcalc.model.stacks import BF16_CAST, FUSED_HEAD
 from memcalc.model.tricks import Tricks
 
+from .amp import amp_forward
 from .lora import fine_tuned
 from .recipes import DTYPES
 
@@ -275,24 +276,19 @@ class TrainerModel(nn.Module):
     weights) the model's forward is the one Accelerate prepared (amp_forward)."""
 
     def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype] | None = None, trl: str = "",
-                 chunked: bool = False, rl: str = "", precompute_ref: bool = False,
-                 reference: nn.Module | None = None):  # fmt: skip
+                 chunked: bool = False, dpo=None):  # fmt: skip
         super().__init__()
         self.model = model
         self.autocast = autocast
         self.trl = trl  # TRL's SFTTrainer's release line: its compute_loss's metrics (verify/trl.py)
         self.chunked = chunked  # its loss_type "chunked_nll": the patched forward's counts, no logits
-        self.rl = rl  # "dpo": DPOTrainer's _compute_loss instead (verify/trl_dpo.py); labels: the completion mask
-        self.precompute_ref = precompute_ref  # DPOConfig.precompute_ref_log_probs
-        object.__setattr__(self, "reference", reference)  # DPO's ref_model: held, not a submodule (nothing trains it)
-        self.checkpoint_kwargs = None  # TrainingArguments.gradient_checkpointing_kwargs: None, or reentrant's
+        self.dpo = dpo  # DPOTrainer's (verify/trl_dpo.py Dpo): its _compute_loss; the labels' slot: the completion mask
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.rl == "dpo":  # no labels in the batch: no count (Trainer._get_num_items_in_batch)
+        if self.dpo is not None:  # no labels in the batch: no count (Trainer._get_num_items_in_batch)
             from .trl_dpo import dpo_loss
 
-            return dpo_loss(self.model, idx, labels, self.autocast, self.precompute_ref, self.reference,
-                            self.checkpoint_kwargs)  # fmt: skip
+            return dpo_loss(self.model, idx, labels, self.autocast, self.dpo)
         num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
         call = self.model if self.autocast is None else amp_forward(self.model, *self.autocast)
         if self.trl in FUSED_HEAD:  # SFTTrainer's own compute_loss, through the fused LM head
@@ -312,35 +308,6 @@ class TrainerModel(nn.Module):
             held = compute_loss_metrics(self.trl, outputs.logits, labels)
             del held
         return loss
-
-
-def amp_forward(model: nn.Module, device_type: str, dtype: torch.dtype):
-    """The Trainer trains through Accelerate (trainer.py autocast_smart_context_manager: "We rely on
-    accelerate for autocast"): accelerate 1.15.0 accelerator.py Accelerator.prepare_model, with native
-    AMP, makes model.forward = convert_outputs_to_fp32(torch.autocast(device_type, dtype)(forward)).
-    So the forward runs under autocast (the region, and its cache of weight casts, ends when it
-    returns) and every fp16/bf16 tensor of its output is then converted .float() (utils/operations.py
-    convert_to_fp32, recursively_apply: a Mapping rebuilt as type(data)({k: ...})): the logits, one
-    fp32 copy, made while the 16-bit logits are still held. Accelerate is not a dependency here, so
-    these two wrappers are written out as it writes them."""
-
-    def forward(**kwargs):
-        with torch.autocast(device_type, dtype=dtype):
-            outputs = model(**kwargs)
-        return convert_to_fp32(outputs)
-
-    return forward
-
-
-def convert_to_fp32(data):
-    """accelerate/utils/operations.py convert_to_fp32 (recursively_apply, _is_fp16_bf16_tensor)."""
-    if isinstance(data, (tuple, list)):
-        return type(data)(convert_to_fp32(o) for o in data)
-    if isinstance(data, Mapping):
-        return type(data)({k: convert_to_fp32(v) for k, v in data.items()})
-    if isinstance(data, torch.Tensor) and data.dtype in (torch.float16, torch.bfloat16):
-        return data.float()
-    return data
 
 
 def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None = None,
@@ -380,15 +347,15 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     model = fine_tuned(model, finetune, shape.tied_embeddings, trl, checkpointing, amp and dtype == torch.bfloat16)
     if trl in BF16_CAST:  # SFTTrainer.__init__ from 0.26: its casts, from 1.15 the fused LM head (verify/trl.py)
         from .trl import prepare_after_peft
-        from .trl_dpo import DPO_OUTPUTS
 
         prepare_after_peft(model, trl, bool(finetune.quantize), checkpointing and finetune.lora,
-                           *((DPO_OUTPUTS,) if rl == "dpo" else ()))  # fmt: skip
-    reference = None
-    if rl == "dpo" and not finetune.lora and not precompute_ref:  # DPOTrainer's second model (verify/trl_dpo.py)
-        from .trl_dpo import reference_model
+                           DPO_OUTPUTS if rl == "dpo" else SFT_OUTPUTS)  # fmt: skip
+    dpo = None
+    if rl == "dpo":  # DPOTrainer.__init__'s own: its dropout off, its reference (verify/trl_dpo.py)
+        from .trl_dpo import dpo_setup
 
-        reference = reference_model(tf, config, dtype, attention_for(tricks, device), device)
+        dpo = dpo_setup(model, tf, config, dtype, attention_for(tricks, device), device, finetune.lora,
+                        precompute_ref, kwargs if reentrant else None)  # fmt: skip
     if loss == "chunked_nll":  # SFTTrainer.__init__ patches the forward for loss_type "chunked_nll" (verify/trl.py)
         from .trl_chunked import patch_chunked
 
@@ -400,11 +367,8 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
 
         apply(model, {"fused_linear_cross_entropy": False} if trl in FUSED_HEAD else None)  # TRL's args from 1.15
     # TRL 0.15-0.25's compute_loss computes its metrics from the logits only without use_liger_kernel
-    wrapped = TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None,
-                           "" if liger and trl not in FUSED_HEAD else trl,
-                           loss == "chunked_nll", rl, precompute_ref, reference)  # fmt: skip
-    wrapped.checkpoint_kwargs = kwargs if reentrant else None  # what DPOTrainer enables checkpointing again with
-    return wrapped
+    return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None,
+                        "" if liger and trl not in FUSED_HEAD else trl, loss == "chunked_nll", dpo)  # fmt: skip
 
 
 def describe(shape: ModelShape) -> str:

@@ -210,7 +210,8 @@ def fixed_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
         from .torchtune import device_tensors
 
         return device_tensors(model)
-    reference = getattr(model, "reference", None)  # DPO's ref_model beside the trained one (verify/trl_dpo.py)
+    dpo = getattr(model, "dpo", None)  # DPO's ref_model beside the trained one (verify/trl_dpo.py)
+    reference = dpo.reference if dpo is not None else None
     held = [] if reference is None else list(reference.parameters()) + list(reference.buffers())
     return list(model.parameters()) + list(model.buffers()) + held_tensors(model) + held
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memcalc.errors import InputError
+from memcalc.exact.hf.fused_head import SFT_OUTPUTS
 from memcalc.model.stacks import BF16_CAST, FUSED_HEAD
 
 IGNORE_INDEX = -100
@@ -207,12 +208,12 @@ def trl_package():
 
 
 def prepare_after_peft(model: nn.Module, line: str, quantized: bool, checkpointing: bool,
-                       outputs: tuple[str, ...] = ("log_probs", "entropy", "is_top1")) -> None:  # fmt: skip
+                       outputs: tuple[str, ...] = SFT_OUTPUTS) -> None:  # fmt: skip
     """SFTTrainer.__init__ from 0.26 after get_peft_model: enable_input_require_grads under gradient checkpointing (a
     second hook beside the Trainer's), a 4-bit model's trainable parameters cast to bf16 (param.data =
     param.data.to(torch.bfloat16)), DoRA's magnitudes too up to 1.14; from 1.15 (FUSED_HEAD), then add_fused_lm_head
-    on the model PEFT wraps with SFTTrainer's outputs (DPOTrainer's: verify/trl_dpo.py, dropout disabled first),
-    trl 1.16's own."""
+    on the model PEFT wraps with the trainer's outputs (SFTTrainer's; DPOTrainer's, which prepares the same: its
+    dropout and reference in verify/trl_dpo.py), trl 1.16's own."""
     if checkpointing:
         model.enable_input_require_grads()
     if quantized:
@@ -223,10 +224,6 @@ def prepare_after_peft(model: nn.Module, line: str, quantized: bool, checkpointi
         trl_package()
         from trl.trainer.utils import add_fused_lm_head
 
-        if "mean_logits" in outputs:  # DPOTrainer
-            from .trl_dpo import disable_dropout
-
-            disable_dropout(model)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         add_fused_lm_head(base, outputs=outputs)
 

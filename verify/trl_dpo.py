@@ -12,17 +12,34 @@ divides the loss by the gradient accumulation steps (DPOTrainer.loss_is_scaled_f
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")  # DPOTrainer.__init__'s add_fused_lm_head outputs
+
+@dataclass
+class Dpo:
+    """What DPOTrainer's step holds beside the trained model (not a module: nothing of it trains)."""
+
+    precompute_ref: bool  # DPOConfig.precompute_ref_log_probs: the reference's log-probs come with the batch
+    reference: nn.Module | None  # its ref_model: a second model where the policy is not PEFT's, else None
+    checkpoint_kwargs: dict | None  # TrainingArguments.gradient_checkpointing_kwargs, which it enables again with
+
+
+def dpo_setup(model: nn.Module, tf, config, dtype: torch.dtype, attention: str, device: str, lora: bool,
+              precompute_ref: bool, checkpoint_kwargs: dict | None) -> Dpo:  # fmt: skip
+    """DPOTrainer.__init__ beyond SFTTrainer's preparation (verify/trl.py prepare_after_peft, with DPO's outputs):
+    disable_dropout_in_model (DPOConfig.disable_dropout True: every nn.Dropout's p set to 0, PEFT's lora_dropout
+    too; it runs before the head is patched in, which no byte depends on), and its reference model."""
+    disable_dropout(model)
+    second = not lora and not precompute_ref
+    reference = reference_model(tf, config, dtype, attention, device) if second else None
+    return Dpo(precompute_ref, reference, checkpoint_kwargs)
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """DPOTrainer.__init__ before it adds its fused LM head: disable_dropout_in_model (DPOConfig.disable_dropout
-    True: every nn.Dropout's p set to 0, PEFT's lora_dropout too)."""
     from trl.trainer.utils import disable_dropout_in_model
 
     disable_dropout_in_model(model)
@@ -65,27 +82,29 @@ class Inputs(dict):
 
 
 def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
-             autocast: tuple[str, torch.dtype] | None, precompute_ref: bool = False,
-             reference: nn.Module | None = None, checkpoint_kwargs: dict | None = None) -> torch.Tensor:  # fmt: skip
+             autocast: tuple[str, torch.dtype] | None, dpo: Dpo) -> torch.Tensor:  # fmt: skip
     """trl 1.16's DPOTrainer._compute_loss itself (loss_type sigmoid, beta 0.1, reverse KL, no ld_alpha, no
-    weighting), its self a stand-in holding what it reads on one process in training (checkpoint_kwargs: the
-    arguments' gradient_checkpointing_kwargs, with which it enables checkpointing again); then the Trainer's
+    weighting), its self a stand-in holding what it reads on one process in training (dpo: its reference and
+    arguments); then the Trainer's
     training_step division by the accumulation steps (1). autocast: the forward Accelerator.prepare_model sets on
-    the model (verify/hf.py amp_forward), which the reference's call goes through too."""
+    the model (verify/amp.py amp_forward), which the reference's call goes through too."""
     from trl import DPOTrainer
 
     completion_mask.fill_(1)
-    args = SimpleNamespace(gradient_checkpointing_kwargs=checkpoint_kwargs)  # disable_gradient_checkpointing's
+    reference = dpo.reference
+    args = SimpleNamespace(gradient_checkpointing_kwargs=dpo.checkpoint_kwargs)  # disable_gradient_checkpointing's
     this = SimpleNamespace(model=model, accelerator=Accelerator(idx.device), aux_loss_enabled=False, ld_alpha=None,
-                           precompute_ref_logps=precompute_ref, ref_model=reference, f_divergence_type="reverse_kl",
+                           precompute_ref_logps=dpo.precompute_ref, ref_model=reference, f_divergence_type="reverse_kl",
                            loss_types=["sigmoid"], loss_weights=[1.0], beta=0.1, use_weighting=False, args=args,
                            _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)  # fmt: skip
     inputs = Inputs(input_ids=idx, completion_mask=completion_mask)
     models = [m for m in (model, reference) if m is not None]
     own = [m.__dict__.get("forward") for m in models]  # add_fused_lm_head's, where the model is not PEFT's
     if autocast is not None:
+        from .amp import amp_forward
+
         for m in models:
-            m.forward = prepared(m.forward, *autocast)
+            m.forward = amp_forward(m.forward, *autocast)
     try:
         loss = DPOTrainer._compute_loss(this, model, inputs, return_outputs=False)
     finally:
@@ -110,16 +129,3 @@ def reference_model(tf, config, dtype: torch.dtype, attention: str, device: str)
     disable_dropout(ref)
     add_fused_lm_head(ref)
     return ref
-
-
-def prepared(forward, device_type: str, dtype: torch.dtype):
-    """accelerate's Accelerator.prepare_model under native AMP: model.forward = convert_outputs_to_fp32(
-    torch.autocast(device_type, dtype)(forward)) (verify/hf.py amp_forward)."""
-    from .hf import convert_to_fp32
-
-    def forward_fp32(*args, **kwargs):
-        with torch.autocast(device_type, dtype=dtype):
-            outputs = forward(*args, **kwargs)
-        return convert_to_fp32(outputs)
-
-    return forward_fp32

@@ -205,7 +205,7 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
     """verify/hf.py TrainerModel.forward: the Trainer's count of labels (trainer.py
     _get_num_items_in_batch), the model called with labels and that count (compute_loss), and the
     loss scaled by the process count in place (loss *= 1). Under autocast the model's forward is the
-    one Accelerate prepared (verify/hf.py amp_forward): the forward in the autocast region, then its
+    one Accelerate prepared (verify/amp.py amp_forward): the forward in the autocast region, then its
     16-bit logits converted to an fp32 copy (convert_to_fp32), the output (both logits) dropped once
     compute_loss has taken the loss. Under TRL (memcalc.exact.hf.trl) compute_loss then computes its metrics
     from the output's logits, and they die with them as it returns."""

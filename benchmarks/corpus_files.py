@@ -19,6 +19,13 @@ except ModuleNotFoundError:  # Python 3.10
 
 COMMIT = re.compile(r"\b[0-9a-f]{40}\b")
 RUN_ID = re.compile(r"^[a-z0-9]+(?:[-_.][a-z0-9]+)*$")
+# memcalc's GPU keys (memcalc/model/gpu_table.py): what a run's gpu may be, beside each corpus's keys for cards memcalc
+# has no entry for
+MEMCALC_GPUS = frozenset({
+    "v100-16gb", "v100-32gb", "t4", "a100-40gb", "a100-80gb", "a100-pcie", "a10", "a10g", "rtx3090", "rtx4090", "l4",
+    "l40s", "h100-sxm", "h100-pcie", "h100-nvl", "h200", "h800", "h100-hbm2e", "h20", "b200", "gb200", "rtx5090",
+    "mi250x", "mi300x", "mi325x",
+})  # fmt: skip
 UNITS = MappingProxyType({"B": 1, "MB": 10**6, "MiB": 2**20, "GB": 10**9, "GiB": 2**30})  # a memory figure's
 SOURCE_FIELDS = {**{k: (str, True) for k in ("id", "title", "cite", "url")}, "notes": (str, False)}
 

@@ -27,13 +27,9 @@ CorpusError, UNITS = files.CorpusError, files.UNITS
 
 HERE = Path(__file__).resolve().parent
 
-# memcalc's GPU keys (memcalc/model/gpu_table.py), and three that memcalc has no card for: the RTX A6000, an
-# A100 whose memory the source does not give, and a GPU the source does not name.
-MEMCALC_GPUS = frozenset({
-    "v100-16gb", "v100-32gb", "t4", "a100-40gb", "a100-80gb", "a100-pcie", "a10", "a10g", "rtx3090", "rtx4090", "l4",
-    "l40s", "h100-sxm", "h100-pcie", "h100-nvl", "h200", "h800", "h100-hbm2e", "h20", "b200", "gb200", "rtx5090",
-    "mi250x", "mi300x", "mi325x",
-})  # fmt: skip
+# memcalc's GPU keys, and three that memcalc has no card for: the RTX A6000, an A100 whose memory the source does
+# not give, and a GPU the source does not name.
+MEMCALC_GPUS = files.MEMCALC_GPUS
 OTHER_GPUS = frozenset({"rtx-a6000", "a100", "unstated"})
 GPUS = MEMCALC_GPUS | OTHER_GPUS
 SPLITS = ("fit", "held-out")

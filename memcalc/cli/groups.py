@@ -164,7 +164,7 @@ class StepOptions(OptionGroup):
 
     def resolve(self, model: Model | None, stack):
         """The step the model trains with the stack (seq: --seq, else seq_for's default for the model)."""
-        from memcalc.memory.setup import DEFAULT_MFU, MAX_HOST_BYTES, Setup
+        from memcalc.memory.setup import DEFAULT_MFU, MAX_HOST_BYTES, Setup, per_sample_of
         from memcalc.memory.state import OPTIMIZERS
         from memcalc.model.shape import MAX_BATCH, parse_seq
 
@@ -172,7 +172,7 @@ class StepOptions(OptionGroup):
             raise InputError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
         return Setup(
             seq_len=parse_seq(seq_for(self.seq, model)),
-            micro_batch=parse_count(self.micro_batch, "micro-batch", MAX_BATCH) * (2 if stack.rl == "dpo" else 1),
+            micro_batch=parse_count(self.micro_batch, "micro-batch", MAX_BATCH) * per_sample_of(stack),  # sequences
             grad_accum=parse_count(self.grad_accum, "grad-accum", MAX_BATCH),
             optimizer=self.optimizer.strip().lower(),
             mfu=DEFAULT_MFU if self.mfu is None else parse_fraction(self.mfu, "mfu"),

@@ -46,9 +46,9 @@ class Setup:
 
     @property
     def per_sample(self) -> int:
-        """Sequences per sample: DPO's pair, chosen and rejected (memcalc.exact.hf.dpo); else one. micro_batch counts
-        sequences, the rows the model runs; --micro-batch counts samples."""
-        return 2 if self.stack.rl == "dpo" else 1
+        """Sequences per sample (per_sample_of): micro_batch counts sequences, the rows the model runs; --micro-batch
+        counts samples."""
+        return per_sample_of(self.stack)
 
     @property
     def samples(self) -> int:
@@ -63,6 +63,11 @@ class Setup:
     def tokens_per_step(self) -> int:
         """Tokens one GPU processes per optimizer step (all accumulated micro-batches)."""
         return self.tokens_per_micro_batch * self.grad_accum
+
+
+def per_sample_of(stack: Stack) -> int:
+    """Sequences per sample the stack trains on: DPO's pair, chosen and rejected (memcalc.exact.hf.dpo); else one."""
+    return 2 if stack.rl == "dpo" else 1
 
 
 def host_share(setup: Setup, layout: Layout) -> int:

@@ -37,7 +37,7 @@ def dpo_config(ledger: KeyLedger, typed: dict) -> bool:
     if not dpo:
         first = next((key for key in DPO_KEYS if ledger.has(key)), None)
         if first is not None:
-            ledger.refuse(first, "a DPOConfig key: give --rl dpo (and --stack trl:1.16) to answer for DPOTrainer")
+            ledger.refuse(first, "a DPOConfig key: give --rl dpo to answer for DPOTrainer")
         return False
     for key, what in NO_BYTES.items():
         if ledger.has(key):

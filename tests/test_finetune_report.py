@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -10,6 +12,15 @@ from benchmarks.finetune.corpus import load  # noqa: E402
 from benchmarks.finetune.report import command, rows, summary  # noqa: E402
 
 
+def test_each_run_has_a_command_or_says_why():
+    """Every run of the corpus is described as a memcalc command or says why not (no prediction computed)."""
+    said = [command(r) for r in load()]
+    assert all(isinstance(c, str) and c or isinstance(c, list) and c[0] == "estimate" for c in said)
+    assert sum(isinstance(c, list) for c in said) >= 5
+
+
+@pytest.mark.slow("test_each_run_has_a_command_or_says_why, and the 7 predictions of the reserved and per-kind tests "
+                  "below")
 def test_each_run_is_predicted_or_says_why():
     table = rows(load())
     assert all(("predicted" in r) != ("reason" in r) for r in table)

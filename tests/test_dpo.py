@@ -132,7 +132,7 @@ def test_unknown_rl():
     with pytest.raises(InputError, match="unknown --rl"):
         with_rl(replace(stack_for("trl:1.16"), finetune=LORA), "sft")
     with pytest.raises(InputError, match="not modelled yet"):
-        with_rl(replace(stack_for("trl:1.16"), finetune=LORA), "grpo")
+        with_rl(replace(stack_for("trl:1.16"), finetune=LORA), "ppo")
 
 
 def test_dropout_is_disabled():

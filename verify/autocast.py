@@ -153,7 +153,7 @@ def measure_autocast(shape: ModelShape, seq_len: int, micro_batch: int, tricks: 
         model = build_hf(shape, tricks, seq_len, device=device, autocast=device, use_cache=stack.use_cache,
                          finetune=stack.finetune, trl=stack.trl, liger=stack.savers.liger is not None,
                          reentrant=stack.reentrant, loss=stack.loss, rl=stack.rl,
-                         precompute_ref=stack.precompute_ref)  # fmt: skip
+                         precompute_ref=stack.precompute_ref, grpo=stack.grpo)  # fmt: skip
     else:
         model = materialise(build(shape, kernels, seq_len, torch.float32), device)
     made = []

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memcalc.errors import InputError
 from memcalc.exact.hf.family import NORM_EPS  # noqa: F401  (verify/serve.py's too)
-from memcalc.exact.hf.fused_head import DPO_OUTPUTS, SFT_OUTPUTS
+from memcalc.exact.hf.fused_head import RL_OUTPUTS, SFT_OUTPUTS
 from memcalc.exact.hf.gemma import flash_refused
 from memcalc.exact.hf.model import FAMILIES, arch_for
 from memcalc.model.finetune import FULL, Finetune
@@ -276,19 +276,24 @@ class TrainerModel(nn.Module):
     weights) the model's forward is the one Accelerate prepared (amp_forward)."""
 
     def __init__(self, model: nn.Module, autocast: tuple[str, torch.dtype] | None = None, trl: str = "",
-                 chunked: bool = False, dpo=None):  # fmt: skip
+                 chunked: bool = False, dpo=None, grpo=None):  # fmt: skip
         super().__init__()
         self.model = model
         self.autocast = autocast
         self.trl = trl  # TRL's SFTTrainer's release line: its compute_loss's metrics (verify/trl.py)
         self.chunked = chunked  # its loss_type "chunked_nll": the patched forward's counts, no logits
         self.dpo = dpo  # DPOTrainer's (verify/trl_dpo.py Dpo): its _compute_loss; the labels' slot: the completion mask
+        self.grpo = grpo  # GRPOTrainer's (verify/trl_grpo.py Grpo): its _compute_loss; the labels' slot: the attention mask
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.dpo is not None:  # no labels in the batch: no count (Trainer._get_num_items_in_batch)
             from .trl_dpo import dpo_loss
 
             return dpo_loss(self.model, idx, labels, self.autocast, self.dpo)
+        if self.grpo is not None:
+            from .trl_grpo import grpo_loss
+
+            return grpo_loss(self.model, idx, labels, self.autocast, self.grpo)
         num_items_in_batch = sum(x.ne(IGNORE_INDEX).sum() for x in [labels[..., 1:]])
         call = self.model if self.autocast is None else amp_forward(self.model, *self.autocast)
         if self.trl in FUSED_HEAD:  # SFTTrainer's own compute_loss, through the fused LM head
@@ -314,7 +319,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
              device: str = "meta", autocast: str | None = None, use_cache: bool = False,
              finetune: Finetune = FULL, trl: str = "", liger: bool = False,
              reentrant: bool = False, loss: str = "full", rl: str = "",
-             precompute_ref: bool = False) -> TrainerModel:  # fmt: skip
+             precompute_ref: bool = False, grpo=None) -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
@@ -349,13 +354,17 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
         from .trl import prepare_after_peft
 
         prepare_after_peft(model, trl, bool(finetune.quantize), checkpointing and finetune.lora,
-                           DPO_OUTPUTS if rl == "dpo" else SFT_OUTPUTS)  # fmt: skip
-    dpo = None
+                           RL_OUTPUTS.get(rl, SFT_OUTPUTS))  # fmt: skip
+    dpo = trainer = None
     if rl == "dpo":  # DPOTrainer.__init__'s own: its dropout off, its reference (verify/trl_dpo.py)
         from .trl_dpo import dpo_setup
 
         dpo = dpo_setup(model, tf, config, dtype, attention_for(tricks, device), device, finetune.lora,
                         precompute_ref, kwargs if reentrant else None)  # fmt: skip
+    if rl == "grpo":  # GRPOTrainer.__init__'s own: its reference where beta is not 0 (verify/trl_grpo.py)
+        from .trl_grpo import grpo_setup
+
+        trainer = grpo_setup(tf, config, dtype, attention_for(tricks, device), device, finetune.lora, grpo)
     if loss == "chunked_nll":  # SFTTrainer.__init__ patches the forward for loss_type "chunked_nll" (verify/trl.py)
         from .trl_chunked import patch_chunked
 
@@ -368,7 +377,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
         apply(model, {"fused_linear_cross_entropy": False} if trl in FUSED_HEAD else None)  # TRL's args from 1.15
     # TRL 0.15-0.25's compute_loss computes its metrics from the logits only without use_liger_kernel
     return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None,
-                        "" if liger and trl not in FUSED_HEAD else trl, loss == "chunked_nll", dpo)  # fmt: skip
+                        "" if liger and trl not in FUSED_HEAD else trl, loss == "chunked_nll", dpo, trainer)  # fmt: skip
 
 
 def describe(shape: ModelShape) -> str:

@@ -52,7 +52,7 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
         return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache, finetune=stack.finetune,
                         trl=stack.trl, liger=stack.savers.liger is not None, reentrant=stack.reentrant,
                         loss=stack.loss, rl=stack.rl,
-                        precompute_ref=stack.precompute_ref)  # fmt: skip
+                        precompute_ref=stack.precompute_ref, grpo=stack.grpo)  # fmt: skip
     return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
 
 
@@ -210,8 +210,8 @@ def fixed_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
         from .torchtune import device_tensors
 
         return device_tensors(model)
-    dpo = getattr(model, "dpo", None)  # DPO's ref_model beside the trained one (verify/trl_dpo.py)
-    reference = dpo.reference if dpo is not None else None
+    trainer = getattr(model, "dpo", None) or getattr(model, "grpo", None)  # its ref_model beside the trained one
+    reference = trainer.reference if trainer is not None else None  # (verify/trl_dpo.py, verify/trl_grpo.py)
     held = [] if reference is None else list(reference.parameters()) + list(reference.buffers())
     return list(model.parameters()) + list(model.buffers()) + held_tensors(model) + held
 

@@ -98,8 +98,10 @@ def seq_for(seq: str | None, model: Model | None) -> str:
 
 @dataclass(frozen=True)
 class StackOptions(OptionGroup):
-    """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, --reentrant, --rl, --precompute-ref, and the
-    fine-tuning: --lora, --lora-targets, --lora-dropout, --dora, --modules-to-save, --quantize, --freeze."""
+    """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, --reentrant, the fine-tuning
+    (--lora, --lora-targets, --lora-dropout, --dora, --modules-to-save, --quantize, --freeze) and RL's: --rl,
+    --precompute-ref, and GRPOConfig's --completion-len, --num-generations, --beta, --vllm, --vllm-util,
+    --vllm-sleep, --vllm-max-len."""
 
     stack: str | None = None
     recipe: str | None = None
@@ -119,6 +121,32 @@ class StackOptions(OptionGroup):
     reentrant: bool = False
     rl: str | None = None
     precompute_ref: bool = False
+    completion_len: str | None = None
+    num_generations: str | None = None
+    beta: str | None = None
+    vllm: str | None = None
+    vllm_util: str | None = None
+    vllm_sleep: bool = False
+    vllm_max_len: str | None = None
+
+    def grpo(self):
+        """GRPOConfig's settings (memcalc.model.rl.Grpo) where any is given or --rl grpo is; else None."""
+        from memcalc.model.rl import Grpo
+        from memcalc.model.sizes import parse_count, parse_seq
+
+        given = (self.completion_len, self.num_generations, self.beta, self.vllm, self.vllm_util, self.vllm_max_len)
+        if all(x is None for x in given) and not self.vllm_sleep and (self.rl or "").strip().lower() != "grpo":
+            return None
+        if self.vllm_util is not None and self.vllm is None:
+            raise InputError("--vllm-util is vllm_gpu_memory_utilization: give --vllm colocate or server")
+        mode = (self.vllm or "").strip().lower()
+        util = 0.9 if mode == "server" else 0.3  # trl vllm-serve's default; GRPOConfig's for the colocated engine
+        completion = 512 if self.completion_len is None else parse_seq(self.completion_len, "--completion-len")
+        generations = 8 if self.num_generations is None else parse_count(self.num_generations, "--num-generations")
+        max_len = 0 if self.vllm_max_len is None else parse_seq(self.vllm_max_len, "--vllm-max-len")
+        return Grpo(completion, generations, 0.0 if self.beta is None else parse_beta(self.beta), mode,
+                    util if self.vllm_util is None else parse_fraction(self.vllm_util, "--vllm-util"),
+                    self.vllm_sleep, max_len)  # fmt: skip
 
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
@@ -132,8 +160,8 @@ class StackOptions(OptionGroup):
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip
         liger = (liger_for(gpu) if gpu is not None else ON_META) if self.liger else None
-        dpo = (self.rl or "").strip().lower() == "dpo"  # TRL's DPOTrainer: the TRL line it is replayed on
-        default = f"trl:{FUSED_HEAD[-1]}" if dpo else "reference" if finetune.trains_all else "hf"
+        trainer = (self.rl or "").strip().lower() in ("dpo", "grpo")  # TRL's trainers: the TRL line they replay on
+        default = f"trl:{FUSED_HEAD[-1]}" if trainer else "reference" if finetune.trains_all else "hf"
         chosen = stack_for(self.stack or default, self.recipe,
                            self.optimizer_impl, self.no_cache, self.offload_activations, liger,
                            self.reentrant)  # fmt: skip
@@ -145,7 +173,8 @@ class StackOptions(OptionGroup):
                                  f"wrapped by PEFT (--stack hf) and torchtune's (--stack torchtune), not --stack "
                                  f"{chosen.key}")  # fmt: skip
             chosen = replace(chosen, finetune=finetune)
-        return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl, self.precompute_ref)
+        return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl, self.precompute_ref,
+                       self.grpo())  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -262,3 +291,10 @@ class GpuOptions(OptionGroup):
         headroom_of(card)
         return card
 
+
+
+def parse_beta(text: str) -> float:
+    """--beta: GRPOConfig.beta, 0 (no reference) or a positive coefficient."""
+    from memcalc.model.sizes import parse_positive
+
+    return 0.0 if text.strip() in ("0", "0.0") else parse_positive(text, "--beta")

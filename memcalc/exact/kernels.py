@@ -128,7 +128,8 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape
         return ()
     code = replace(DEFAULT_STACK, model=stack.model, recipe=stack.recipe, impl=stack.impl, use_cache=stack.use_cache,
                    finetune=traced_finetune(stack.finetune), trl=stack.trl, rl=stack.rl,
-                   precompute_ref=stack.precompute_ref)  # fmt: skip
+                   precompute_ref=stack.precompute_ref,
+                   grpo=stack.grpo and stack.grpo.step_key())  # fmt: skip
     return code, optimizer
 
 

@@ -32,6 +32,7 @@ from memcalc.errors import InputError
 from memcalc.records import record
 
 from .finetune import FULL, Finetune
+from .rl import Grpo
 from .savers import NO_SAVERS, Liger, Savers, check_liger, check_offload, check_offload_tricks
 
 MODELS = ("reference", "hf", "torchtune")
@@ -40,7 +41,7 @@ MODELS = ("reference", "hf", "torchtune")
 # each upcast to fp32), or chunked_nll (TRL's loss_type "chunked_nll": the head and the loss 256 positions at a time,
 # each under checkpointing: memcalc.exact.hf.chunked_nll)
 LOSSES = ("full", "chunked", "chunked_nll")
-RL = ("", "dpo")  # --rl: preference training as TRL's trainers run it ("": SFT)
+RL = ("", "dpo", "grpo")  # --rl: preference and online RL training as TRL's trainers run them ("": SFT)
 LOSS_SPELLINGS = {"nll": "full"}  # --loss nll: TRL's name for the cross-entropy over the whole logits
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
@@ -111,8 +112,9 @@ class Stack:
     in_backward: bool = False  # torchtune's optimizer_in_bwd: each parameter stepped as its gradient is made
     savers: Savers = NO_SAVERS  # the memory savers on: activation offloading (memcalc.model.savers)
     reentrant: bool = False  # hf: ckpt's checkpoint with use_reentrant=True (gradient_checkpointing_kwargs)
-    rl: str = ""  # RL: "dpo", TRL's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); "" for none
+    rl: str = ""  # RL: "dpo" or "grpo", TRL's DPOTrainer or GRPOTrainer in place of its SFTTrainer; "" for none
     precompute_ref: bool = False  # DPOConfig.precompute_ref_log_probs: the reference's log-probs come with the batch
+    grpo: Grpo | None = None  # under --rl grpo: GRPOConfig's settings (memcalc.model.rl)
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
@@ -137,7 +139,8 @@ class Stack:
         if self.reentrant:
             changed.append("reentrant checkpointing")
         if self.rl:
-            changed.append(self.rl.upper() + (", reference precomputed" if self.precompute_ref else ""))
+            changed.append(self.rl.upper() + (", reference precomputed" if self.precompute_ref else "") +
+                           (f", {self.grpo.label}" if self.grpo else ""))  # fmt: skip
         if self.finetune.label:
             changed.append(self.finetune.label)
         changed += self.savers.labels
@@ -259,36 +262,52 @@ def with_loop(stack: Stack, loss: str | None = None, in_backward: bool = False) 
     return replace(stack, **changes) if changes else stack
 
 
-def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False) -> Stack:
+def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, grpo: Grpo | None = None) -> Stack:
     """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); --precompute-ref: its
-    precompute_ref_log_probs (no reference in the step). Refused where its step is not replayed: other stacks and TRL
-    lines (before 1.15 its loss came from the logits: concatenated_forward), --modules-to-save (the reference runs
-    the original modules, not the trained copies), activation offloading, Liger beside a second model."""
+    precompute_ref_log_probs (no reference in the step). --rl grpo: its GRPOTrainer (memcalc.exact.hf.grpo), grpo its
+    settings. Refused where the step is not replayed: other stacks and TRL lines (before 1.15 the loss came from the
+    logits), --modules-to-save (the reference runs the original modules, not the trained copies), activation
+    offloading, Liger beside a second model (and with GRPO at all)."""
+    key = (rl or "").strip().lower()
+    if precompute_ref and key != "dpo":
+        raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
+    if grpo is not None and key != "grpo":
+        raise InputError("--completion-len, --num-generations, --beta and --vllm are GRPOConfig's: give --rl grpo")
     if rl is None:
-        if precompute_ref:
-            raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
         return stack
-    key = rl.strip().lower()
-    if key in ("grpo", "ppo"):
-        raise InputError(f"--rl {key}: online RL (a rollout engine beside the trainer, for PPO a critic) is not "
-                         "modelled yet; known: dpo (docs/rl.md)")  # fmt: skip
+    if key == "ppo":
+        raise InputError("--rl ppo: PPO (a critic in training beside the policy) is not modelled yet; known: dpo, grpo "
+                         "(docs/rl.md)")  # fmt: skip
     if key not in RL or not key:
-        raise InputError(f"unknown --rl {rl!r}; known: dpo")
+        raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo")
     if stack.trl not in FUSED_HEAD:
         lines = ", ".join("trl:" + x for x in FUSED_HEAD)
-        raise InputError(f"--rl dpo is TRL's DPOTrainer, replayed on --stack {lines} (its fused LM head), not --stack "
+        trainer = "DPOTrainer" if key == "dpo" else "GRPOTrainer"
+        raise InputError(f"--rl {key} is TRL's {trainer}, replayed on --stack {lines} (its fused LM head), not --stack "
                          f"{stack.key}")  # fmt: skip
     if stack.savers.offload:
-        raise InputError("--rl dpo with --offload-activations is not replayed")
+        raise InputError(f"--rl {key} with --offload-activations is not replayed")
+    if stack.savers.liger is not None and key == "grpo":
+        raise InputError("--rl grpo with --liger is not replayed")
     if stack.savers.liger is not None and not stack.finetune.lora and not precompute_ref:
         raise InputError("--rl dpo with --liger and a second model as the reference: Liger patches the trained model's "
                          "norms and MLP, but the modeling module's RoPE for every model, the reference's too, which "
                          "is not replayed; --precompute-ref or --lora")  # fmt: skip
     if stack.finetune.modules_to_save:
-        raise InputError("--rl dpo with --modules-to-save: the reference then runs the original modules beside the "
+        raise InputError(f"--rl {key} with --modules-to-save: the reference then runs the original modules beside the "
                          "trained copies, which is not replayed")  # fmt: skip
+    if key == "grpo":  # GRPOConfig.disable_dropout is False: LoRA's dropout stays
+        return replace(stack, rl=key, grpo=grpo or Grpo())
     finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0
     return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref)
+
+
+def second_model(stack: Stack) -> bool:
+    """Whether TRL keeps a reference model beside the policy: a full fine-tune (under PEFT the reference is the policy
+    with its adapters disabled) whose DPO reference is not precomputed, or whose GRPO beta is not 0."""
+    if stack.finetune.lora:
+        return False
+    return (stack.rl == "dpo" and not stack.precompute_ref) or (stack.grpo is not None and stack.grpo.beta != 0)
 
 
 def dpo_reference(stack: Stack) -> str:
@@ -308,6 +327,14 @@ def trl_note(stack: Stack) -> str:
     parts = []
     if line in BF16_CAST and stack.finetune.quantize:
         parts.append("the 4-bit model's adapters cast to bf16, nothing else prepared")
+    if line in FUSED_HEAD and stack.grpo is not None:
+        g = stack.grpo
+        ref = (", the reference's log-probs (beta > 0" + ("; a second model held" if second_model(stack) else "") +
+               ")") if g.beta else ""  # fmt: skip
+        read = ("vLLM's old log-probs and importance-sampling ratio" if g.vllm else "no old log-probs") + ref
+        return (f"TRL {releases(line)}'s GRPOTrainer (loss_type dapo): each completion's {g.completion_len} positions "
+                f"scored through add_fused_lm_head (no logits), the prompt masked; the generation batch buffered "
+                f"with its advantages, {read}")  # fmt: skip
     if line in FUSED_HEAD and stack.rl == "dpo":
         parts.append(f"each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then "
                      f"{dpo_reference(stack)}; dropout disabled; every position a completion token")

@@ -10,6 +10,8 @@ and where the gradients reaching q, k and v copy (grad_copies), and F.dropout as
 
 from __future__ import annotations
 
+from memcalc.errors import InputError
+
 from .. import aten
 from ..aten.operands import made
 from ..base.config import StepConfig
@@ -23,17 +25,54 @@ from .trl import attention_dtype
 def causal_mask(g: Graph, cfg: StepConfig, B: int, T: int, position_ids: Tensor, dtype: str) -> Tensor | None:
     """masking_utils.create_causal_mask with no attention_mask: _preprocess_mask_arguments runs
     find_packed_sequence_indices; sdpa's mask is skipped (is_causal); eager's is built in
-    inputs_embeds' dtype (dtype: fp32 under autocast, whose embedding is on no list)."""
+    inputs_embeds' dtype (dtype: fp32 under autocast, whose embedding is on no list). Where the trainer hands the
+    model its 2-D attention mask (GRPOTrainer: padded_causal_mask) that path instead."""
+    if cfg.stack.rl == "grpo":
+        return padded_causal_mask(g, cfg, B, T, dtype)
     with g.scoped("mask"):
         if not dynamic_cache.kept(cfg):  # _preprocess_mask_arguments: only without a cache
             find_packed_sequence_indices(g, B, T, position_ids)
         return None if cfg.flash else eager_mask(g, B, T, dtype)
 
 
+def padded_causal_mask(g: Graph, cfg: StepConfig, B: int, T: int, dtype: str) -> Tensor | None:
+    """create_causal_mask given a 2-D attention mask of ones (no padding: the most the step holds):
+    _preprocess_mask_arguments' attention_mask.to(bool) (no packed-sequence check beside a mask); sdpa's
+    _ignore_causal_mask_sdpa finds no position masked (fast_all: mask.sum() == numel) and skips the mask; eager's
+    sdpa_mask ands the causal mask with padding_mask_function's padding_mask[batch_idx, kv_idx], then eager_mask's
+    torch.where. The bool copy goes as create_causal_mask returns."""
+    with g.scoped("mask"):
+        padding = made(g, (B, T), "_to_copy", dtype="bool")
+        if cfg.flash:
+            counted = made(g, (), "sum", padding, dtype="int64")
+            every = made(g, (), "eq", counted, dtype="bool")
+            del counted, every, padding
+            return None
+        batch_arange = made(g, (B,), "arange", dtype="int64")
+        head_arange = made(g, (1,), "arange", dtype="int64")
+        q_arange = arange_plus(g, T)
+        kv_arange = arange_plus(g, T)
+        result = made(g, (), "new_ones", dtype="bool")  # and_masks(causal_mask_function, padding_mask_function)
+        causal = made(g, (1, 1, T, T), "le", q_arange, kv_arange, dtype="bool")
+        result = made(g, (1, 1, T, T), "bitwise_and", result, causal, dtype="bool")
+        del causal
+        padded = made(g, (B, 1, 1, T), "index", padding, dtype="bool")  # padding_mask[batch_idx, kv_idx]
+        result = made(g, (B, 1, T, T), "bitwise_and", result, padded, dtype="bool")
+        del padded, batch_arange, head_arange, q_arange, kv_arange
+        zero = made(g, (), "zeros", dtype=dtype)
+        low = made(g, (), "scalar_tensor", dtype=dtype)
+        out = made(g, (B, 1, T, T), "where", result, zero, low, dtype=dtype)
+        del low, zero, result, padding
+        return out
+
+
 def decoder_mask(g: Graph, cfg: StepConfig, B: int, T: int, position_ids: Tensor, dtype: str) -> Tensor | None:
     """MistralModel.forward, Phi3Model.forward: mask_function = create_sliding_window_causal_mask where
     config.sliding_window is set (every layer, the shape's window), else create_causal_mask (Llama's)."""
     window = cfg.shape.sliding_window
+    if window and cfg.stack.rl == "grpo":
+        raise InputError("--rl grpo on a sliding-window model: create_sliding_window_causal_mask beside the 2-D "
+                         "attention mask GRPOTrainer hands the model is not replayed")  # fmt: skip
     if not window:
         return causal_mask(g, cfg, B, T, position_ids, dtype)
     return sliding_window_causal_mask(g, cfg, B, T, position_ids, dtype, window)

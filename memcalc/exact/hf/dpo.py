@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from memcalc.model.finetune import FULL
+from memcalc.model.stacks import second_model
 
 from .. import aten
 from ..aten.arithmetic import pointwise
@@ -102,7 +103,7 @@ def reference_model(g: Graph, cfg, arch: str, family, autocast) -> HFModel | Non
     ref_model) with its default outputs, log_probs alone; no activation checkpointing. None otherwise."""
     from .family import HFModel
 
-    if cfg.stack.rl != "dpo" or cfg.finetune.lora or cfg.stack.precompute_ref:
+    if not second_model(cfg.stack):  # GRPOTrainer's at beta > 0 is made the same way (and only held in a step)
         return None
     dtype = next(lora.dtype_of(name, cfg) for name, _ in family.params(cfg.shape))  # model.dtype: the first's
     params = {name: g.param(shape, dtype, name) for name, shape in family.params(cfg.shape)}  # requires_grad True

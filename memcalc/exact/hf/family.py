@@ -33,6 +33,7 @@ class HFModel:
     held: list[Tensor] = field(default_factory=list)  # besides parameters and buffers: QLoRA's shared dynamic map
     outputs: tuple[str, ...] = ()  # its fused LM head's, where not its trainer's (memcalc.exact.hf.fused_head)
     reference: HFModel | None = None  # DPO's reference model beside it (memcalc.exact.hf.dpo), if it has one
+    batch: dict[str, Tensor] = field(default_factory=dict)  # GRPO's buffered generation batch (memcalc.exact.hf.grpo)
 
     def checkpoint(self, g: Graph):
         """How a GradientCheckpointingLayer checkpoints itself: torch.utils.checkpoint with the use_reentrant the

@@ -43,6 +43,8 @@ TOKEN_CHUNK = 4096  # chunked_logprob.py TOKEN_CHUNK_SIZE: the tile's rows
 VOCAB_CHUNK = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE: the tile's columns
 SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")  # SFTTrainer.__init__'s add_fused_lm_head(outputs=...)
 DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")  # DPOTrainer.__init__'s
+GRPO_OUTPUTS = ("log_probs", "entropy")  # GRPOTrainer.__init__'s
+RL_OUTPUTS = {"dpo": DPO_OUTPUTS, "grpo": GRPO_OUTPUTS}  # by --rl
 STATISTICS = ("full", "zeros", "zeros", "zeros", "zeros", "full", "zeros")  # running_max ... target_logit
 
 
@@ -80,11 +82,12 @@ def fused_forward(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, lab
         shifted = sliced(g, hidden_states, (B, T - 1, H))
         shifted_labels = g.view(labels, (B, T - 1))
         mask = made(g, (B, T - 1), "ne", shifted_labels, dtype="bool")
-        rows = index_rows(g, shifted, mask, watched)
-        targets = index_rows(g, shifted_labels, mask, watched)
+        kept = B * min(m.cfg.stack.grpo.completion_len, T - 1) if m.cfg.stack.grpo else None  # labels[:, :-C] = -100
+        rows = index_rows(g, shifted, mask, watched, kept)
+        targets = index_rows(g, shifted_labels, mask, watched, kept)
         compute = m.cfg.precision if m.autocast is not None else hidden_states.dtype
         del shifted, shifted_labels
-        outputs = m.outputs or (DPO_OUTPUTS if m.cfg.stack.rl == "dpo" else SFT_OUTPUTS)
+        outputs = m.outputs or RL_OUTPUTS.get(m.cfg.stack.rl, SFT_OUTPUTS)
         per_token = chunked_logprob(g, rows, head, targets, compute, outputs)
         del rows, targets
         per_token = (None if x is None else scattered(g, x, mask, watched) for x in per_token)
@@ -115,12 +118,13 @@ def sliced(g: Graph, x: Tensor, shape: tuple) -> Tensor:
     return out
 
 
-def index_rows(g: Graph, x: Tensor, index: Tensor, watched: bool) -> Tensor:
+def index_rows(g: Graph, x: Tensor, index: Tensor, watched: bool, kept: int | None = None) -> Tensor:
     """x[index] (aten.index; IndexBackward0: saves the index) over x's leading dims: a boolean mask's (nonzero's
     (nnz, mask.dim()) int64 indices made and dropped inside it on CUDA), every position kept; or an int64 index's
     first. Backward (index_backward): new_zeros of x's shape, the gradient accumulated into it at the index: in place
-    on CUDA (_index_put_impl_), into a second buffer where a dispatch mode watches (index_put)."""
-    n, dims = index.numel, len(index.shape) if index.dtype == "bool" else 1
+    on CUDA (_index_put_impl_), into a second buffer where a dispatch mode watches (index_put). kept: the positions a
+    boolean mask keeps, where not all (GRPO's labels mask the prompt)."""
+    n, dims = kept or index.numel, len(index.shape) if index.dtype == "bool" else 1
     shape, dtype, full = (n,) + tuple(x.shape[dims:]), x.dtype, x.shape
 
     def rule(gs):

@@ -28,7 +28,7 @@ from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.offload import kept_on_gpu, offloader
 from ..sim.tensors import Tensor
-from . import chunked_nll, dpo, dynamic_cache, fused_head, liger, lora, qlora, trl
+from . import chunked_nll, dpo, dynamic_cache, fused_head, grpo, liger, lora, qlora, trl
 from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
 from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .gpt2 import gpt2_model
@@ -182,6 +182,9 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     if cfg.stack.rl and cfg.shape.dropout:  # disable_dropout_in_model zeroes nn.Dropout modules, not config dropout
         raise InputError("--rl dpo on a model with dropout: DPOConfig.disable_dropout turns its nn.Dropout modules "
                          "off but not every family's attention dropout, which is not replayed")  # fmt: skip
+    if cfg.stack.grpo and cfg.stack.grpo.completion_len >= cfg.seq_len:  # labels[:, :-C]: a prompt of one token at least
+        raise InputError(f"--completion-len {cfg.stack.grpo.completion_len} leaves no prompt in --seq {cfg.seq_len}: "
+                         "the sequence is the prompt and the completion together")  # fmt: skip
     if cfg.finetune.modules_to_save and cfg.shape.tied_embeddings:  # PEFT would copy the shared table's module
         raise InputError("--modules-to-save with a head tied to the embedding table is not replayed")
     quant, params = {}, []
@@ -211,6 +214,8 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
     from the output's logits, and they die with them as it returns."""
     if m.cfg.stack.rl == "dpo":  # DPOTrainer's _compute_loss: its labels' slot holds the completion mask
         return dpo.compute_loss(g, m, idx, labels, causal_lm)
+    if m.cfg.stack.rl == "grpo":  # GRPOTrainer's _compute_loss: its labels' slot holds the attention mask
+        return grpo.compute_loss(g, m, idx, labels, causal_lm)
     if m.cfg.stack.savers.offload:  # TRL enters its OffloadActivations around training_step: forward and backward
         offloader(g, offload_mode(m.cfg.stack.trl), OFFLOAD_MIN_BYTES, OFFLOAD_STASH)
     with g.scoped("loss"):

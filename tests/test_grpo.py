@@ -1,0 +1,132 @@
+"""TRL 1.16's GRPOTrainer (--stack trl:1.16 --rl grpo, issue 43): memcalc.exact.hf.grpo's training step equals trl
+1.16 itself (GRPOTrainer._compute_loss over its fused LM head, Transformers and PEFT: verify/trl_grpo.py) allocation
+by allocation on meta, and on CPU tensors under the Trainer's autocast with the prompt masked.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.errors import InputError
+from memcalc.model.finetune import Finetune
+from memcalc.model.rl import Grpo
+from memcalc.model.stacks import STACKS, stack_for, with_rl
+
+LORA, QLORA = Finetune(4), Finetune(4, quantize="nf4")
+
+
+def grpo(finetune: Finetune = LORA, recipe: str = "pure", **settings):
+    return with_rl(replace(STACKS["trl:1.16"], finetune=finetune, recipe=recipe), "grpo", grpo=Grpo(**settings))
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+# On meta every position of a boolean index is taken as kept (verify/trl.py fused_paths), so the meta cases score
+# all but the first position (a one-token prompt, completion_len = seq - 1); the CPU cases mask a longer prompt.
+@pytest.mark.parametrize("name,tricks,finetune,settings", [
+    ("llama", "bf16", LORA, {}),  # GRPOConfig's defaults: dapo, beta 0, the policy's own generate
+    ("llama", "bf16,flash,ckpt", LORA, {"vllm": "colocate"}),  # vLLM's old log-probs and ratio in the batch
+    ("llama", "bf16,flash,ckpt", QLORA, {"beta": 0.04}),  # the reference's log-probs and the KL term
+    ("qwen3", "bf16,flash,ckpt", LORA, {"beta": 0.04, "vllm": "server"}),
+    ("llama", "bf16", Finetune(), {}),  # a full fine-tune
+    ("llama", "bf16,flash,ckpt", Finetune(), {"beta": 0.04}),  # and its reference, a second model held
+])  # fmt: skip
+def test_allocation_by_allocation(name, tricks, finetune, settings):
+    pytest.importorskip("trl")
+    from tests.replay import assert_watched_meta
+    from tests.test_stack_hf import TINY
+
+    assert_watched_meta(TINY[name], tricks, grpo(finetune, completion_len=23, **settings), batch=2)
+
+
+@pytest.mark.parametrize("finetune,completion,settings", [
+    (LORA, 20, {"beta": 0.04, "vllm": "server"}),
+    (Finetune(), 12, {}),  # fp32 weights under autocast
+])  # fmt: skip
+def test_cpu_under_autocast_with_the_prompt_masked(finetune, completion, settings):
+    """TRL's default bf16=True over real tensors: the labels mask the prompt, so the fused head scores B x C rows."""
+    pytest.importorskip("trl")
+    from tests.replay import assert_watched_cpu
+    from tests.test_stack_hf import TINY
+
+    assert_watched_cpu(TINY["llama"], grpo(finetune, "autocast", completion_len=completion, **settings),
+                       "bf16,flash,ckpt")  # fmt: skip
+
+
+def test_the_prompt_is_not_scored():
+    """Only the completion's positions go through the head: a shorter completion at the same sequence needs less."""
+    from memcalc.exact.step import exact_step
+    from memcalc.model.presets import PRESETS
+    from memcalc.model.tricks import parse_tricks
+
+    shape, tricks = replace(PRESETS["llama3.2-1b"], n_layers=2), parse_tricks("bf16,flash,ckpt")
+    kept = [exact_step(shape, 2048, 4, tricks, stack=grpo(completion_len=c)).phases.retained_bytes
+            for c in (256, 1024, 2047)]  # fmt: skip
+    assert kept[0] < kept[1] < kept[2]
+
+
+@pytest.mark.parametrize("tricks,layers,settings", [("bf16,flash,ckpt", 6, {"vllm": "colocate"}),
+                                                    ("bf16", 5, {"beta": 0.04})])  # fmt: skip
+def test_grown_step_equals_the_full_depth_replay(tricks, layers, settings):
+    from memcalc.exact.base.config import StepConfig
+    from memcalc.exact.replay.meta import simulate
+    from memcalc.exact.step import exact_step
+    from memcalc.model.presets import PRESETS
+    from memcalc.model.tricks import parse_tricks
+
+    shape, run_as = replace(PRESETS["llama3.2-1b"], n_layers=layers), parse_tricks(tricks)
+    stack = grpo(Finetune(8), completion_len=256, **settings)
+    assert exact_step(shape, 512, 2, run_as, stack=stack).phases == simulate(StepConfig(shape, 512, 2, run_as,
+                                                                                          stack))[0]  # fmt: skip
+
+
+def test_the_generation_batch_is_held():
+    """The buffered generation batch (grad_accum micro-batches) stays between steps: more accumulation, more state."""
+    args = ["estimate", "--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--vllm",
+            "colocate", "--tricks", "bf16,flash,ckpt", "--micro-batch", "4", "--format", "json"]  # fmt: skip
+    one, four = (json.loads(run(*args, "--grad-accum", a).stdout)["verdict"][0] for a in ("1", "4"))
+    assert four["state_bytes"] > one["state_bytes"]
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--rl", "grpo", "--stack", "hf", "--lora", "8"], "--rl grpo is TRL's GRPOTrainer"),
+    (["--rl", "grpo", "--lora", "8", "--liger"], "--rl grpo with --liger"),
+    (["--rl", "grpo", "--model", "mistral-7b", "--lora", "8", "--completion-len", "256"], "sliding-window"),
+    (["--rl", "ppo", "--lora", "8"], "not modelled yet"),
+    (["--lora", "8", "--beta", "0.1"], "give --rl grpo"),
+    (["--rl", "grpo", "--lora", "8", "--vllm", "colocated"], "unknown --vllm"),
+    (["--rl", "grpo", "--lora", "8", "--vllm-sleep"], "give --vllm colocate"),
+    (["--rl", "grpo", "--lora", "8", "--vllm-util", "0.5"], "give --vllm"),
+    (["--rl", "grpo", "--lora", "8", "--num-generations", "1"], "at least 2"),
+    (["--rl", "grpo", "--lora", "8", "--beta", "-1"], "--beta"),
+    (["--rl", "grpo", "--lora", "8", "--completion-len", "0"], "--completion-len"),
+])  # fmt: skip
+def test_refused(args, said):
+    model = [] if "--model" in args else ["--model", "llama3.2-1b"]
+    r = run("estimate", *model, "--seq", "1024", *args)
+    assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
+
+
+def test_completion_within_the_sequence():
+    with pytest.raises(InputError, match="completion"):
+        from memcalc.exact.step import exact_step
+        from memcalc.model.presets import PRESETS
+        from memcalc.model.tricks import parse_tricks
+
+        exact_step(PRESETS["llama3.2-1b"], 512, 1, parse_tricks("bf16"), stack=grpo(completion_len=512))
+
+
+def test_the_stack_is_trl_1_16_and_the_defaults_trls():
+    r = run("estimate", "--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--format", "json")
+    assert r.exit_code == 0, r.output
+    stack = json.loads(r.stdout)["setup"]["stack"]
+    assert stack["key"] == "trl:1.16" and stack["grpo"]["completion_len"] == 512 and stack["grpo"]["beta"] == 0.0
+    assert with_rl(replace(stack_for("trl:1.16"), finetune=Finetune(8, lora_dropout=0.1)), "grpo").finetune \
+        .lora_dropout == 0.1  # GRPOConfig.disable_dropout is False  # fmt: skip

@@ -130,3 +130,70 @@ def test_the_stack_is_trl_1_16_and_the_defaults_trls():
     assert stack["key"] == "trl:1.16" and stack["grpo"]["completion_len"] == 512 and stack["grpo"]["beta"] == 0.0
     assert with_rl(replace(stack_for("trl:1.16"), finetune=Finetune(8, lora_dropout=0.1)), "grpo").finetune \
         .lora_dropout == 0.1  # GRPOConfig.disable_dropout is False  # fmt: skip
+
+
+# -- the rollout engine beside the step (memcalc.engine.rollout) ------------------------------------------------------
+
+JOB = ["--model", "llama3-8b", "--seq", "1024", "--completion-len", "512", "--lora", "16", "--rl", "grpo",
+       "--tricks", "bf16,flash,ckpt", "--micro-batch", "4", "--gpu", "h100-sxm"]  # fmt: skip
+
+
+def answer(*args: str) -> dict:
+    r = run("estimate", *JOB, *args, "--format", "json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_the_engine_is_memcalc_serves():
+    """The colocated engine's budget is `memcalc serve`'s for the same vLLM: TRL's LLM(...) arguments, the newest
+    release trl 1.16 admits."""
+    engine = answer("--vllm", "colocate")["rollout"]["engine"]
+    r = run("serve", "--model", "llama3-8b", "--gpu", "h100-sxm", "--context", "1024", "--gpu-memory-utilization",
+            "0.3", "--max-num-seqs", "4", "--max-num-batched-tokens", "4096", "--vllm-version", "0.31",
+            "--cudagraph-memory", "0", "--format", "json")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    budget = json.loads(r.stdout)["budget"]
+    assert (engine["cache_bytes"], engine["cache_tokens"]) == (budget["cache_bytes"], budget["cache_tokens"])
+    assert engine["awake_bytes"] == engine["weights_bytes"] + engine["cache_bytes"] + engine["kept_bytes"]
+
+
+def test_the_engine_is_kept_back_beside_the_step():
+    """Colocated: the verdict's usable bytes less the engine awake (asleep under --vllm-sleep: its runner's tensors);
+    a server's engine is on GPUs of its own; the step itself is the same."""
+    alone, server = answer(), answer("--vllm", "server")
+    awake, asleep = answer("--vllm", "colocate"), answer("--vllm", "colocate", "--vllm-sleep")
+    usable = alone["verdict"][0]["usable_bytes"]
+    assert server["verdict"][0]["usable_bytes"] == usable
+    assert awake["verdict"][0]["usable_bytes"] < usable - awake["rollout"]["engine"]["awake_bytes"] * 0.99
+    assert usable - asleep["verdict"][0]["usable_bytes"] < awake["rollout"]["engine"]["weights_bytes"]
+    assert awake["verdict"][0]["peak_bytes"] == asleep["verdict"][0]["peak_bytes"] == server["verdict"][0]["peak_bytes"]
+    phases = awake["rollout"]["phases"][0]
+    assert phases["train_bytes"] == awake["verdict"][0]["total_bytes"] + awake["rollout"]["engine"]["awake_bytes"]
+    assert phases["fits"] == awake["verdict"][0]["fits"]
+
+
+def test_vllm_asks_free_what_the_trainer_holds():
+    """vLLM checks at startup that total x utilization is free beside the trainer's weights: 0.9 colocated does not
+    start beside an 8B model; the table says which phase fails."""
+    phases = answer("--vllm", "colocate", "--vllm-util", "0.9")["rollout"]["phases"][0]
+    assert phases["startup_bytes"] > phases["startup_limit"] and not phases["fits"]
+    table = run("estimate", *JOB, "--vllm", "colocate", "--vllm-util", "0.9")
+    assert "no: startup" in table.output
+
+
+def test_an_engine_that_does_not_start():
+    """On a 24 GB card 0.3 of it holds less than the 8B model's weights: vLLM has no room for a KV cache."""
+    r = run("estimate", *JOB[:-1], "rtx4090", "--vllm", "colocate")
+    assert r.exit_code == 0 and "vLLM does not start" in r.output, r.output
+
+
+def test_fit_holds_the_completion():
+    """fit's longest sequence keeps the completion's length and grows the prompt; the verdict at it fits."""
+    args = ["--model", "llama3.2-1b", "--lora", "8", "--rl", "grpo", "--completion-len", "1024", "--vllm",
+            "colocate", "--gpu", "rtx4090", "--tricks", "bf16,flash,ckpt", "--micro-batch", "8"]  # fmt: skip
+    r = run("fit", *args, "--seq", "2048", "--format", "json")
+    assert r.exit_code == 0, r.output
+    longest = json.loads(r.stdout)["max_seq_len"]
+    assert longest > 1024
+    at = run("estimate", *args, "--seq", str(longest), "--format", "json")
+    assert json.loads(at.stdout)["verdict"][0]["fits"]

@@ -190,6 +190,7 @@ class Reduced:
     seq_len: int
     micro_batch: int
     changes: tuple[str, ...]  # what was reduced, e.g. "2 of 36 layers"
+    stack: Stack  # the job's, GRPO's completion scaled with the sequence
 
     @property
     def note(self) -> str:
@@ -208,6 +209,9 @@ def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, st
 
     layers = min(shape.n_layers, max(tricks.ckpt_every + 1 if tricks.mixed else 2, stack.finetune.lead_blocks + 1))
     seq, batch = min(seq_len, MAX_CPU_SEQ), min(micro_batch, MAX_CPU_BATCH)
+    grpo = stack.grpo  # its completion the same share of the shorter sequence, a prompt of one token at least
+    completion = grpo and max(1, min(seq - 1, grpo.completion_len * seq // seq_len))
+    stack = replace(stack, grpo=replace(grpo, completion_len=completion)) if grpo else stack
     small = replace(shape, n_layers=layers, vocab=min(shape.vocab, MAX_CPU_VOCAB))
     if small.positions == "learned":
         small = replace(small, max_positions=min(small.max_positions, seq))
@@ -227,10 +231,11 @@ def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, st
         ("sequences per micro-batch", micro_batch, batch), ("vocabulary", shape.vocab, small.vocab),
         ("hidden", shape.hidden, small.hidden), ("heads", shape.n_heads, small.n_heads),
         ("KV heads", shape.n_kv_heads, small.n_kv_heads), ("MLP width", shape.ffn, small.ffn),
-        ("learned positions", shape.max_positions, small.max_positions)) if old != new]  # fmt: skip
+        ("learned positions", shape.max_positions, small.max_positions),
+        ("completion tokens", grpo and grpo.completion_len, completion)) if old != new]  # fmt: skip
     if small.dropout != shape.dropout:
         changes.append("dropout 0 (CPU's flash kernel takes none)")
-    return Reduced(replace(small, name=shape.name), seq, batch, tuple(changes))
+    return Reduced(replace(small, name=shape.name), seq, batch, tuple(changes), stack)
 
 
 def cpu_cuda_differences(cpu: StepConfig) -> tuple[str, ...]:
@@ -271,7 +276,7 @@ def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, tex
     from memcalc.verification.timeline import Overlay, measured
 
     red = reduce(shape, setup.seq_len, setup.micro_batch, tricks, setup.stack, setup.optimizer)
-    stack, small = setup.stack, replace(setup, seq_len=red.seq_len, micro_batch=red.micro_batch)
+    stack, small = red.stack, replace(setup, seq_len=red.seq_len, micro_batch=red.micro_batch, stack=red.stack)
     cfg = StepConfig(red.shape, red.seq_len, red.micro_batch, tricks, stack, setup.optimizer, device="cpu")
     progress(f"cpu: the step at reduced size ({red.shape.n_layers} layers, seq {red.seq_len})")
     ph, g, mem = simulate(cfg, timeline=timeline)

@@ -109,6 +109,7 @@ def estimate(
     options, source = locals(), None  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.engine.job import Job
+        from memcalc.engine.rollout import with_engine
 
         fmt, units = check_format(fmt), render_units(units)
         options, source = with_file(ctx, options, "estimate", listed=("tricks",))  # --from FILE's under the typed
@@ -117,6 +118,7 @@ def estimate(
         the_gpu = GpuOptions.of(options).resolve()
         trick_sets, said = resolve_tricks(tricks, the_gpu)
         setup = StepOptions.of(options).resolve(the_model, StackOptions.of(options).resolve(the_gpu))
+        the_gpu = with_engine(the_model, the_gpu, setup)  # --rl grpo --vllm colocate: the engine beside the step
         run = parse_run(tokens, price)
         if png is not None and sweep is None and not timeline:
             raise InputError("--png draws a sweep or a timeline: add --sweep seq=A:B (or micro-batch=A:B) or "

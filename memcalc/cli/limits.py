@@ -39,6 +39,7 @@ def fit(
     options, source = locals(), None  # every option by name, for the groups (memcalc.cli.groups)
     try:
         from memcalc.engine.fit import fit_limits
+        from memcalc.engine.rollout import with_engine
 
         fmt, units = check_format(fmt), render_units(units)
         options, source = with_file(ctx, options, "fit")  # --from FILE's options under the typed ones
@@ -46,6 +47,7 @@ def fit(
         the_model = ModelOptions.of(options).resolve()
         the_gpu = GpuOptions.of(options).resolve()
         setup = StepOptions.of(options).resolve(the_model, StackOptions.of(options).resolve(the_gpu))
+        the_gpu = with_engine(the_model, the_gpu, setup)  # --rl grpo --vllm colocate: the engine beside the step
         layout = LayoutOptions.of(options).resolve()  # data parallel (--gpus, --zero, --offload): fit solves one GPU
         (t,), said = resolve_tricks(None if tricks is None else [tricks], the_gpu, FIT_TRICKS)
         limits = fit_limits(the_model, setup, the_gpu, t, layout)

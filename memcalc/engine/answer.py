@@ -21,6 +21,7 @@ from memcalc.records import record
 from memcalc.time.training_run import TrainingRun, runs_for_layouts
 
 from .job import Job
+from .rollout import Rollout, rollout
 from .toolbox import Toolbox, toolbox
 
 
@@ -36,6 +37,7 @@ class Answer:
     runs: tuple[TrainingRun, ...]  # --tokens: the whole run
     exact: tuple  # --exact: one GPU's steps op by op (memcalc.exact.step.ExactStep), or one layer per TP rank
     timelines: tuple = ()  # --timeline: each step allocation by allocation (memcalc.exact.timeline.Timeline)
+    rollout: Rollout | None = None  # --rl grpo --vllm: the engine and each phase on one GPU (memcalc.engine.rollout)
 
     @property
     def verdicts(self) -> tuple[Verdict, ...]:
@@ -56,7 +58,10 @@ def answer(job: Job) -> Answer:
         from .timeline import step_timelines
 
         timelines = step_timelines(job, tuple(e.verdict for e in layouts))
-    return Answer(job, layouts, textbook, one_gpu_roofline(job), tb, runs, exact_terms(job, layouts), timelines)
+    verdicts = tuple(e.verdict for e in layouts)
+    engine = rollout(m, g, s, verdicts) if s.stack.grpo is not None else None
+    return Answer(job, layouts, textbook, one_gpu_roofline(job), tb, runs, exact_terms(job, layouts), timelines,
+                  engine)  # fmt: skip
 
 
 def one_gpu_roofline(job: Job) -> tuple | None:

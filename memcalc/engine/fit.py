@@ -166,12 +166,14 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
         return gpu_verdict(model, at, gpu, tricks, layout, allocator)
 
     seq_limit, per = longest_seq(model.shape), setup.per_sample  # DPO: the micro-batch in pairs, two sequences each
-    max_seq = largest_reserved(lambda s, a=True: memory(s, setup.micro_batch, a), seq_limit)
+    below = setup.shortest_seq - 1  # GRPO: the completion's length held, the prompt searched
+    found = largest_reserved(lambda s, a=True: memory(s + below, setup.micro_batch, a), seq_limit - below)
+    max_seq = found + below if found else 0
     max_batch = largest_reserved(lambda b, a=True: memory(setup.seq_len, b * per, a), MAX_BATCH // per)
     return FitLimits(
         tricks=tricks,
         gpu=gpu.key,
-        usable_bytes=memory(max(max_seq, 1), setup.micro_batch).usable_bytes,
+        usable_bytes=memory(max(max_seq, below + 1), setup.micro_batch).usable_bytes,
         seq_len=setup.seq_len,
         micro_batch=setup.samples,
         max_seq_len=max_seq,
@@ -180,5 +182,5 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
         memory_at_max_batch=memory(setup.seq_len, max_batch * per) if max_batch else None,
         seq_limit=seq_limit,
         headroom=headroom(gpu, layout.groups),
-        none_fit_at=memory(1, setup.micro_batch, False).peak_at if not max_seq else "",
+        none_fit_at=memory(below + 1, setup.micro_batch, False).peak_at if not max_seq else "",
     )

@@ -56,6 +56,12 @@ class Setup:
         return self.micro_batch // self.per_sample
 
     @property
+    def shortest_seq(self) -> int:
+        """The shortest sequence the job has: GRPO's completion and a prompt of one token; else one token."""
+        grpo = self.stack.grpo
+        return 1 if grpo is None else grpo.completion_len + 1
+
+    @property
     def tokens_per_micro_batch(self) -> int:
         return self.seq_len * self.micro_batch
 

@@ -57,6 +57,8 @@ class GPU:
     derived: str = ""  # what a --gpu file left out, and what memcalc derived for it or holds unknown (0)
     cuda_total_mib: int = 0  # torch.cuda.mem_get_info's total as published for the card; 0: none (cuda_total_bytes)
     sms: int = 0  # streaming multiprocessors (compute units on ROCm): multi_processor_count; 0: not known
+    colocated_bytes: int = 0  # held beside the step by an engine in its process (TRL's colocated vLLM: --rl grpo)
+    colocated: str = ""  # what holds them, for the headroom's line
 
     def __post_init__(self) -> None:
         check_gpu(self)

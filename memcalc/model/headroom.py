@@ -68,10 +68,12 @@ class Headroom:
     communicators: int  # NCCL communicators counted
     given: str  # --headroom as given ("" for memcalc's default)
     source: str
+    colocated_bytes: int = 0  # an engine's beside the step in its process (GPU.colocated_bytes: TRL's colocated vLLM)
+    colocated: str = ""
 
     @property
     def total_bytes(self) -> int:
-        return self.context_bytes + self.cublas_bytes + self.nccl_bytes + self.allocator_bytes
+        return self.context_bytes + self.cublas_bytes + self.nccl_bytes + self.allocator_bytes + self.colocated_bytes
 
 
 def parse_headroom(text: str) -> tuple[int | None, float | None]:
@@ -107,20 +109,25 @@ def headroom(gpu: GPU, groups: tuple[int, ...] = ()) -> Headroom:
     fixed, share = parse_headroom(gpu.headroom_spec) if gpu.headroom_spec else (None, None)
     memory = gpu.memory_bytes
     if fixed is not None:
-        if fixed >= memory:
+        if fixed + gpu.colocated_bytes >= memory:
             raise InputError(f"--headroom {gpu.headroom_spec} leaves nothing of the {gpu.name}'s {memory:,} bytes")
-        return Headroom(0, 0, 0, fixed, 0.0, 0, gpu.headroom_spec, f"--headroom {gpu.headroom_spec}, as given")
+        return Headroom(0, 0, 0, fixed, 0.0, 0, gpu.headroom_spec, f"--headroom {gpu.headroom_spec}, as given",
+                        gpu.colocated_bytes, gpu.colocated)  # fmt: skip
     comms = sum(1 for g in groups if g > 1)
     context, cublas = CONTEXT_BYTES, CUBLAS_THREADS * cublas_workspace(gpu.arch)
     nccl = comms * NCCL_CHANNELS * NCCL_PEERS * NCCL_BUFFSIZE
-    left = memory - context - cublas - nccl
+    left = memory - context - cublas - nccl - gpu.colocated_bytes
+    if left <= 0 and gpu.colocated_bytes:
+        raise InputError(f"the {gpu.name}'s {memory:,} bytes hold less than PyTorch's own context and workspaces "
+                         f"and {gpu.colocated} ({gpu.colocated_bytes:,} bytes) beside the step")  # fmt: skip
     if left <= 0:
         raise InputError(f"the {gpu.name}'s {memory:,} bytes hold less than PyTorch's own context, workspaces and "
                          f"NCCL buffers ({context + cublas + nccl:,} bytes)")  # fmt: skip
     share = ALLOCATOR_SHARE if share is None else share
     source = "; ".join((CONTEXT_SOURCE, CUBLAS_SOURCE, NCCL_SOURCE, ALLOCATOR_SOURCE if gpu.headroom_spec == ""
                         else f"allocator: {share:.0%} from --headroom {gpu.headroom_spec}"))  # fmt: skip
-    return Headroom(context, cublas, nccl, int(left * share), share, comms, gpu.headroom_spec, source)
+    return Headroom(context, cublas, nccl, int(left * share), share, comms, gpu.headroom_spec, source,
+                    gpu.colocated_bytes, gpu.colocated)  # fmt: skip
 
 
 def usable_bytes(gpu: GPU, groups: tuple[int, ...] = ()) -> int:

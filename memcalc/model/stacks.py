@@ -332,7 +332,7 @@ def trl_note(stack: Stack) -> str:
         ref = (", the reference's log-probs (beta > 0" + ("; a second model held" if second_model(stack) else "") +
                ")") if g.beta else ""  # fmt: skip
         read = ("vLLM's old log-probs and importance-sampling ratio" if g.vllm else "no old log-probs") + ref
-        return (f"TRL {releases(line)}'s GRPOTrainer (loss_type dapo): each completion's {g.completion_len} positions "
+        return (f"TRL 1.16's GRPOTrainer (loss_type dapo): each completion's {g.completion_len} positions "
                 f"scored through add_fused_lm_head (no logits), the prompt masked; the generation batch buffered "
                 f"with its advantages, {read}")  # fmt: skip
     if line in FUSED_HEAD and stack.rl == "dpo":

@@ -22,6 +22,7 @@ from .headroom import allocator_note, fragmentation_note, headroom_line
 from .layout import comm_section, sharding_text, time_section
 from .offload import offload_notes
 from .render import Section, sized
+from .rollout import rollout_section
 
 DETAIL_HINT = "--detail: every part; --bytes: exact bytes; --explain: the formulas; --exact: what PyTorch saves"
 
@@ -257,12 +258,14 @@ def sections(ans: Answer, units: str, detail: bool = False) -> list[Section]:
     replayed = any(v.replayed for v in ans.verdicts)
     summary = summary_section(ans, units) if replayed else textbook_summary_section(ans, units)
     summary.notes += textbook.host_note(ans.verdicts[0], units, ans.job.setup.optimizer.startswith("paged-"))
+    rollout = [] if ans.rollout is None else [rollout_section(ans.rollout, [v.tricks.label for v in ans.verdicts],
+                                                               units)]  # fmt: skip
     if not detail:
         summary.notes.append(DETAIL_HINT)
-        return [summary]
+        return [summary] + rollout
     state = textbook.state_section(est.model_state, units)
     state.notes = textbook.other_recipes(est, units)
-    out = [summary] + ([phases_section(ans, units)] if replayed else [])
+    out = [summary] + rollout + ([phases_section(ans, units)] if replayed else [])
     out += [state, textbook.activations_section(est, units), textbook.logits_section(est, units)]
     if ans.roofline is not None:
         from .roofline import roofline_sections

@@ -16,12 +16,15 @@ def headroom_line(h: Headroom, units: str, verdicts: Iterable) -> str:
     ...', each part with its source; the allocator's share named where a verdict keeps it back (keeps_share)."""
     total = u.size(h.total_bytes, units)
     if h.given and not h.context_bytes:
-        return f"Headroom {total} kept back of each GPU, as --headroom {h.given} gives it"
+        beside = f", and {h.colocated} {u.size(h.colocated_bytes, units)}" if h.colocated_bytes else ""
+        return f"Headroom {total} kept back of each GPU, as --headroom {h.given} gives it{beside}"
     parts = [f"CUDA context {u.size(h.context_bytes, units)} (unsloth-zoo#1053)",
              f"cuBLAS {u.size(h.cublas_bytes, units)} (CublasHandlePool.cpp)"]  # fmt: skip
     if h.communicators:
         plural = "s" if h.communicators > 1 else ""
         parts.append(f"NCCL {u.size(h.nccl_bytes, units)} ({h.communicators} communicator{plural}, NCCL_BUFFSIZE)")
+    if h.colocated_bytes:
+        parts.append(f"{h.colocated} {u.size(h.colocated_bytes, units)}")
     share = f"{h.allocator_share:.0%} {u.size(h.allocator_bytes, units)}"
     if h.given:
         return f"Headroom {total}: " + " + ".join(parts + [f"allocator {share} (--headroom {h.given})"]) + "; docs/gpus.md"

@@ -83,6 +83,6 @@ def answer_json(ans) -> dict:
         "time_model": first.time.time_model, "time": [layout_time(e.time) for e in ans.layouts],
         "roofline": [roofline_detail(t) for t in ans.roofline] if ans.roofline else [],
         "calibration": first.time.calibration, "assumptions": first.time.assumptions, "toolbox": ans.toolbox,
-        "runs": ans.runs, "exact": ans.exact, "timeline": ans.timelines,
+        "runs": ans.runs, "exact": ans.exact, "timeline": ans.timelines, "rollout": ans.rollout,
     }  # fmt: skip
     return to_jsonable(out)

@@ -1,0 +1,159 @@
+"""GRPO's rollout engine beside the trainer, and what one GPU holds in each phase of a step (--rl grpo --vllm).
+
+TRL 1.16 makes the engine in GRPOTrainer.__init__ (trl/generation/vllm_generation.py VLLMGeneration, the 1.16.0
+wheel): vllm_mode "colocate" builds vLLM's LLM in every training process, on its GPU, with
+gpu_memory_utilization = vllm_gpu_memory_utilization, max_model_len = vllm_max_model_length, max_num_seqs =
+per_device_train_batch_size x vllm_tensor_parallel_size (1) x steps_per_generation (gradient_accumulation_steps by
+default) and max_num_batched_tokens 4096; "server" talks to `trl vllm-serve` on GPUs of its own. vLLM sizes its KV
+cache by its own budget (memcalc.serve: total x utilization less weights, the profile run's peak, non-torch memory
+and the runner's tensors), so one GPU holds, phase by phase:
+
+  startup  vLLM's check as it starts, after the trainer loaded its weights: free memory (total less the CUDA context
+           and the trainer's weights) at least total x utilization (vllm/v1/worker/gpu_worker.py init_device)
+  rollout  the trainer's state between steps (weights, optimizer state, the generation batch) and the engine awake:
+           its weights, KV cache, runner's tensors and CUDA graphs, and its forward's peak
+  train    the step replayed (memcalc.exact.hf.grpo) beside the engine: awake, or with vllm_enable_sleep_mode
+           asleep (LLM.sleep(level=2): weights and KV cache released) keeping its runner's tensors and graphs
+
+The train phase is the verdict: the engine's bytes are the GPU's colocated_bytes, kept back with the headroom
+(memcalc.model.headroom), so fit, sweep and the toolbox see them too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.errors import InputError
+from memcalc.memory.setup import Setup
+from memcalc.model.gpus import GPU
+from memcalc.model.headroom import CONTEXT_BYTES
+from memcalc.model.shape import Model
+from memcalc.records import record
+
+TRL_VLLM = "0.31"  # trl 1.16.0's extra: vllm>=0.22.0,<=0.31.0; the newest it admits decides the budget's rule
+BATCHED_TOKENS = 4096  # VLLMGeneration's LLM(max_num_batched_tokens=4096)
+
+
+@record(frozen=True)
+class Engine:
+    """vLLM on one GPU as GRPOTrainer starts it (bytes are integers)."""
+
+    mode: str  # colocate | server
+    utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    release: str  # the span of releases whose budget applies
+    requested_bytes: int  # total x gpu_memory_utilization: what vLLM asks free at startup
+    weights_bytes: int
+    cache_bytes: int  # the KV cache's tensors
+    kept_bytes: int  # the model runner's tensors kept from its construction
+    graphs_bytes: int  # CUDA graphs as --cudagraph-memory gives them (0: not counted)
+    forward_bytes: int  # the profile run's activation peak: what a forward of 4,096 tokens adds while it runs
+    cache_tokens: int  # vLLM's "GPU KV cache size: N tokens"
+    longest_context: int  # the longest request the cache holds
+    shortfall_bytes: int  # by how much weights, forward and the rest exceed the budget (0: a cache is left)
+
+    @property
+    def awake_bytes(self) -> int:
+        return self.weights_bytes + self.cache_bytes + self.kept_bytes + self.graphs_bytes
+
+    @property
+    def asleep_bytes(self) -> int:
+        """LLM.sleep(level=2) releases the weights and the KV cache (CuMemAllocator's pools); the rest stays."""
+        return self.kept_bytes + self.graphs_bytes
+
+    @property
+    def failure(self) -> str:
+        """Why vLLM refuses to start with this budget ("" where it starts)."""
+        if self.shortfall_bytes:
+            return "no memory is left for the KV cache at this gpu_memory_utilization"
+        if self.longest_context < self.max_model_len:
+            return (f"its KV cache holds {self.longest_context:,} tokens of one request, less than max_model_len "
+                    f"{self.max_model_len:,} (--vllm-max-len)")  # fmt: skip
+        return ""
+
+
+def engine_for(model: Model, gpu: GPU, setup: Setup, graphs_bytes: int = 0) -> Engine | None:
+    """The engine --vllm asks for, on one GPU of the kind the trainer's (server: one of its own); None without."""
+    from memcalc.serve.answer import serve
+    from memcalc.serve.job import ServeJob
+    from memcalc.serve.releases import release_line
+    from memcalc.time.calibration import calibration_for
+
+    grpo = setup.stack.grpo
+    if grpo is None or not grpo.vllm:
+        return None
+    seqs = setup.micro_batch * setup.grad_accum  # steps_per_generation's default: the accumulation steps
+    length = grpo.max_model_len or setup.seq_len
+    line = release_line(TRL_VLLM)
+    try:
+        job = ServeJob(model, replace(gpu, colocated_bytes=0, colocated=""), length, calibration_for(gpu.key),
+                       "bf16" if gpu.bf16_tflops else "fp16", gpu_memory_utilization=grpo.vllm_util,
+                       max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=seqs, vllm=line,
+                       cudagraph_memory=graphs_bytes)  # fmt: skip
+        answer = serve(job, advise=False)
+    except InputError as e:
+        raise InputError(f"--vllm {grpo.vllm}: {e}") from None
+    b = answer.budget.binding
+    return Engine(grpo.vllm, job.utilization, length, seqs, answer.release, int(job.gpu.cuda_total_bytes *
+                  job.utilization), b.weights, answer.budget.cache_bytes, b.kept, b.cudagraphs,
+                  answer.activations.peak, answer.budget.cache_tokens, answer.longest_context, b.shortfall)  # fmt: skip
+
+
+def with_engine(model: Model, gpu: GPU, setup: Setup) -> GPU:
+    """The GPU as the step sees it: a colocated engine's bytes beside the step (asleep under --vllm-sleep) kept
+    back with the headroom; the GPU itself otherwise."""
+    engine = engine_for(model, gpu, setup)
+    if engine is None or engine.mode != "colocate":
+        return gpu
+    sleep = setup.stack.grpo.sleep
+    what = f"vLLM colocated ({'asleep' if sleep else 'awake'}, gpu_memory_utilization {engine.utilization:g})"
+    return replace(gpu, colocated_bytes=engine.asleep_bytes if sleep else engine.awake_bytes, colocated=what)
+
+
+@record(frozen=True)
+class Phases:
+    """One trick set's GPU in each phase of a GRPO step with vLLM (bytes; a limit each is held to)."""
+
+    startup_bytes: int  # CUDA context + the trainer's weights + what vLLM requests
+    startup_limit: int  # the card's total (torch.cuda.mem_get_info)
+    rollout_bytes: int  # the trainer's state + the engine awake + its forward
+    rollout_limit: int  # the card's usable bytes as the verdict counts them, no engine kept back
+    train_bytes: int  # the step's peak + the engine beside it: the verdict decides it
+    train_limit: int
+
+    @property
+    def fits(self) -> bool:
+        return (self.startup_bytes <= self.startup_limit and self.rollout_bytes <= self.rollout_limit
+                and self.train_bytes <= self.train_limit)  # fmt: skip
+
+
+@record(frozen=True)
+class Rollout:
+    """The engine and, for each trick set's verdict, the phases on one training GPU (colocate); server mode's
+    engine runs on GPUs of its own, so its phases are the step alone."""
+
+    engine: Engine
+    sleep: bool
+    phases: tuple[Phases, ...]
+
+
+def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout | None:
+    """The rollout's answer for an --rl grpo --vllm job: gpu is the job's (its colocated bytes set by with_engine)."""
+    bare = replace(gpu, colocated_bytes=0, colocated="")
+    engine = engine_for(model, bare, setup)
+    if engine is None:
+        return None
+    phases = tuple(phases_of(engine, bare, v, setup.stack.grpo.sleep) for v in verdicts)
+    return Rollout(engine, setup.stack.grpo.sleep, phases)
+
+
+def phases_of(engine: Engine, gpu: GPU, verdict, sleep: bool) -> Phases:
+    """startup, rollout and train on one GPU for one verdict (its phases: the trainer's weights and state)."""
+    beside = engine.mode == "colocate"
+    weights = verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes
+    startup = CONTEXT_BYTES + weights + (engine.requested_bytes if beside else 0)
+    rollout_bytes = verdict.state_bytes + (engine.awake_bytes + engine.forward_bytes if beside else 0)
+    held = (engine.asleep_bytes if sleep else engine.awake_bytes) if beside else 0  # the GPU's colocated_bytes
+    usable = verdict.usable_bytes + held  # the GPU's usable bytes as the verdict counts them, the engine's given back
+    return Phases(startup, gpu.cuda_total_bytes, rollout_bytes, usable, verdict.total_bytes + held, usable)

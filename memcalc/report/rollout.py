@@ -1,0 +1,45 @@
+"""--rl grpo --vllm: the rollout engine and each phase of a step on one GPU (memcalc.engine.rollout), as a section."""
+
+from __future__ import annotations
+
+from . import units as u
+from .render import Section, sized
+
+
+def rollout_section(rollout, tricks: list[str], units: str) -> Section:
+    """One row per trick set: the startup check, the rollout and the train phase against their limits; the engine's
+    parts in the notes."""
+    e = rollout.engine
+    colocated = e.mode == "colocate"
+    rows = []
+    for label, p in zip(tricks, rollout.phases, strict=True):
+        rows.append([label, sized(p.startup_bytes, units), sized(p.rollout_bytes, units), sized(p.train_bytes, units),
+                     "no: vLLM does not start" if e.failure else phase_verdict(p)])  # fmt: skip
+    where = (f"colocated in each training process at gpu_memory_utilization {e.utilization:g}" if colocated else
+             f"on GPUs of its own (trl vllm-serve, gpu_memory_utilization {e.utilization:g})")  # fmt: skip
+    notes = [f"vLLM {where}; {e.release}'s budget (memcalc serve): weights {u.size(e.weights_bytes, units)}, KV cache "
+             f"{u.size(e.cache_bytes, units)} ({e.cache_tokens:,} tokens; max_model_len {e.max_model_len:,}, "
+             f"max_num_seqs {e.max_num_seqs}), runner {u.size(e.kept_bytes, units)}, CUDA graphs "
+             + (u.size(e.graphs_bytes, units) if e.graphs_bytes else "not counted (--cudagraph-memory)")]  # fmt: skip
+    if e.failure:
+        notes.append(f"vLLM does not start: {e.failure}")
+    if colocated:
+        notes.append("startup: CUDA context + the trainer's weights + what vLLM asks free (total x utilization), "
+                     "against the card's total; rollout: the trainer's state + the engine awake + its forward of "
+                     f"{4096:,} tokens; train: the step's peak + the engine "
+                     + ("asleep (sleep mode: its runner's tensors and graphs)" if rollout.sleep else "awake")
+                     + " (the verdict above)")  # fmt: skip
+    else:
+        notes.append("the training GPUs hold no engine: startup is the trainer's weights, rollout its state, train "
+                     "the step (the verdict above); the engine's own GPUs hold its budget")  # fmt: skip
+    return Section("GRPO phases per GPU (vLLM " + e.mode + ")", ["tricks", "startup", "rollout", "train", "fits?"],
+                   rows, notes)  # fmt: skip
+
+
+def phase_verdict(p) -> str:
+    """'yes', or the first phase that does not fit."""
+    for name, used, limit in (("startup", p.startup_bytes, p.startup_limit), ("rollout", p.rollout_bytes,
+                              p.rollout_limit), ("train", p.train_bytes, p.train_limit)):  # fmt: skip
+        if used > limit:
+            return f"no: {name}"
+    return "yes"

@@ -107,6 +107,8 @@ def test_the_generation_batch_is_held():
     (["--rl", "grpo", "--lora", "8", "--num-generations", "1"], "at least 2"),
     (["--rl", "grpo", "--lora", "8", "--beta", "-1"], "--beta"),
     (["--rl", "grpo", "--lora", "8", "--completion-len", "0"], "--completion-len"),
+    (["--rl", "grpo", "--lora", "8", "--quantize", "nf4", "--vllm", "colocate"], "bitsandbytes"),
+    (["--rl", "grpo", "--lora", "8", "--cudagraph-memory", "0.5"], "give --vllm"),
 ])  # fmt: skip
 def test_refused(args, said):
     model = [] if "--model" in args else ["--model", "llama3.2-1b"]

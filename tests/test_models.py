@@ -32,6 +32,7 @@ EXACT = {
     "llama2-70b": 68_976_648_192,  # meta-llama/Llama-2-70b-hf
     "qwen3-8b": 8_190_735_360,  # Qwen3-8B
     "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
+    "qwen2.5-7b": 7_615_616_512,  # Qwen/Qwen2.5-7B (the model card's 7.61B)
     "gemma-7b": 8_537_680_896,  # google/gemma-7b
     "gemma2-9b": 9_241_705_984,  # google/gemma-2-9b
     "olmo2-7b": 7_298_617_344,  # allenai/OLMo-2-1124-7B
@@ -133,7 +134,7 @@ def test_example_configs_match_presets(name, preset_name):
         assert getattr(got, field) == getattr(want, field), field
 
 
-FAMILIES = [("mistral-7b", "mistral-7b"), ("gemma2-9b", "gemma2-9b"), ("gemma3-4b-text", "gemma3-4b"),
+FAMILIES = [("mistral-7b", "mistral-7b"), ("qwen2.5-7b", "qwen2.5-7b"), ("gemma2-9b", "gemma2-9b"), ("gemma3-4b-text", "gemma3-4b"),
             ("olmo2-7b", "olmo2-7b"), ("phi3-mini-4k", "phi3-mini"), ("pythia-6.9b", "pythia-6.9b")]
 
 

@@ -101,7 +101,7 @@ class StackOptions(OptionGroup):
     """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, --reentrant, the fine-tuning
     (--lora, --lora-targets, --lora-dropout, --dora, --modules-to-save, --quantize, --freeze) and RL's: --rl,
     --precompute-ref, and GRPOConfig's --completion-len, --num-generations, --beta, --vllm, --vllm-util,
-    --vllm-sleep, --vllm-max-len."""
+    --vllm-sleep, --vllm-max-len, --cudagraph-memory."""
 
     stack: str | None = None
     recipe: str | None = None
@@ -128,13 +128,17 @@ class StackOptions(OptionGroup):
     vllm_util: str | None = None
     vllm_sleep: bool = False
     vllm_max_len: str | None = None
+    cudagraph_memory: str | None = None
 
     def grpo(self):
         """GRPOConfig's settings (memcalc.model.rl.Grpo) where any is given or --rl grpo is; else None."""
         from memcalc.model.rl import Grpo
         from memcalc.model.sizes import parse_count, parse_seq
 
-        given = (self.completion_len, self.num_generations, self.beta, self.vllm, self.vllm_util, self.vllm_max_len)
+        from .serve import graph_bytes
+
+        given = (self.completion_len, self.num_generations, self.beta, self.vllm, self.vllm_util, self.vllm_max_len,
+                 self.cudagraph_memory)  # fmt: skip
         if all(x is None for x in given) and not self.vllm_sleep and (self.rl or "").strip().lower() != "grpo":
             return None
         if self.vllm_util is not None and self.vllm is None:
@@ -146,7 +150,7 @@ class StackOptions(OptionGroup):
         max_len = 0 if self.vllm_max_len is None else parse_seq(self.vllm_max_len, "--vllm-max-len")
         return Grpo(completion, generations, 0.0 if self.beta is None else parse_beta(self.beta), mode,
                     util if self.vllm_util is None else parse_fraction(self.vllm_util, "--vllm-util"),
-                    self.vllm_sleep, max_len)  # fmt: skip
+                    self.vllm_sleep, max_len, graph_bytes(self.cudagraph_memory) or 0)  # fmt: skip
 
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other

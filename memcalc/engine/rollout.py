@@ -73,7 +73,7 @@ class Engine:
         return ""
 
 
-def engine_for(model: Model, gpu: GPU, setup: Setup, graphs_bytes: int = 0) -> Engine | None:
+def engine_for(model: Model, gpu: GPU, setup: Setup) -> Engine | None:
     """The engine --vllm asks for, on one GPU of the kind the trainer's (server: one of its own); None without."""
     from memcalc.serve.answer import serve
     from memcalc.serve.job import ServeJob
@@ -90,7 +90,7 @@ def engine_for(model: Model, gpu: GPU, setup: Setup, graphs_bytes: int = 0) -> E
         job = ServeJob(model, replace(gpu, colocated_bytes=0, colocated=""), length, calibration_for(gpu.key),
                        "bf16" if gpu.bf16_tflops else "fp16", gpu_memory_utilization=grpo.vllm_util,
                        max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=seqs, vllm=line,
-                       cudagraph_memory=graphs_bytes)  # fmt: skip
+                       cudagraph_memory=grpo.graphs_bytes)  # fmt: skip
         answer = serve(job, advise=False)
     except InputError as e:
         raise InputError(f"--vllm {grpo.vllm}: {e}") from None

@@ -94,6 +94,8 @@ PRESETS: dict[str, ModelShape] = {
     "gemma3-4b": transformers_family("gemma3-4b", "gemma3_text", 34, 2560, 8, 4, 10240, 262208, True, 256,
                                      sliding_window=1024, global_layers=tuple(range(5, 34, 6))),
     # 3,880,263,168: google/gemma-3-4b-pt's text_config (its vision tower apart)
+    "qwen2.5-7b": transformers_family("qwen2.5-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064,
+                                      False),  # 7,615,616,512 (Qwen/Qwen2.5-7B; use_sliding_window false)
     "olmo2-7b": transformers_family("olmo2-7b", "olmo2", 32, 4096, 32, 32, 11008, 100352,
                                     False),  # 7,298,617,344 (allenai/OLMo-2-1124-7B)
     "phi3-mini": transformers_family("phi3-mini", "phi3", 32, 3072, 32, 32, 8192, 32064, False,

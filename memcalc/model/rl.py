@@ -22,6 +22,7 @@ class Grpo:
     vllm_util: float = 0.3  # vllm_gpu_memory_utilization: the colocated engine's share of each GPU
     sleep: bool = False  # vllm_enable_sleep_mode: the colocated engine sleeps (level 2) while the policy trains
     max_model_len: int = 0  # vllm_max_model_length; 0: the job's sequence
+    graphs_bytes: int = 0  # vLLM's CUDA graph estimate as its log prints it (--cudagraph-memory); 0: not counted
 
     def __post_init__(self) -> None:
         if self.completion_len < 1:
@@ -37,8 +38,9 @@ class Grpo:
             raise InputError(f"--vllm-util is a fraction of the GPU's memory in (0, 1], not {self.vllm_util}")
         if self.sleep and self.vllm != "colocate":
             raise InputError("--vllm-sleep is vllm_enable_sleep_mode, for the colocated engine: give --vllm colocate")
-        if self.max_model_len and not self.vllm:
-            raise InputError("--vllm-max-len is vllm_max_model_length: give --vllm colocate or server")
+        if (self.max_model_len or self.graphs_bytes) and not self.vllm:
+            raise InputError("--vllm-max-len and --cudagraph-memory describe the engine: give --vllm colocate or "
+                             "server")  # fmt: skip
 
     def step_key(self) -> Grpo:
         """What the training step's bytes depend on (the rest is the rollout's): the completion's length, whether

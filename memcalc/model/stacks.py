@@ -296,6 +296,9 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, grpo: Gr
     if stack.finetune.modules_to_save:
         raise InputError(f"--rl {key} with --modules-to-save: the reference then runs the original modules beside the "
                          "trained copies, which is not replayed")  # fmt: skip
+    if key == "grpo" and grpo is not None and grpo.vllm and stack.finetune.quantize:
+        raise InputError("--vllm with --quantize: TRL starts vLLM on the 4-bit model with quantization='bitsandbytes', "
+                         "whose weights memcalc serve does not size; drop --vllm (the policy generates itself)")  # fmt: skip
     if key == "grpo":  # GRPOConfig.disable_dropout is False: LoRA's dropout stays
         return replace(stack, rl=key, grpo=grpo or Grpo())
     finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0

@@ -20,7 +20,8 @@ def rollout_section(rollout, tricks: list[str], units: str) -> Section:
     notes = [f"vLLM {where}; {e.release}'s budget (memcalc serve): weights {u.size(e.weights_bytes, units)}, KV cache "
              f"{u.size(e.cache_bytes, units)} ({e.cache_tokens:,} tokens; max_model_len {e.max_model_len:,}, "
              f"max_num_seqs {e.max_num_seqs}), runner {u.size(e.kept_bytes, units)}, CUDA graphs "
-             + (u.size(e.graphs_bytes, units) if e.graphs_bytes else "not counted (--cudagraph-memory)")]  # fmt: skip
+             + (u.size(e.graphs_bytes, units) if e.graphs_bytes else "not counted (give --cudagraph-memory as its log prints "
+                                                               "them)")]  # fmt: skip
     if e.failure:
         notes.append(f"vLLM does not start: {e.failure}")
     if colocated:

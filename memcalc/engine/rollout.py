@@ -52,6 +52,8 @@ class Engine:
     cache_tokens: int  # vLLM's "GPU KV cache size: N tokens"
     longest_context: int  # the longest request the cache holds
     shortfall_bytes: int  # by how much weights, forward and the rest exceed the budget (0: a cache is left)
+    prefill_seconds: float  # the generation batch's prompts, one after another (memcalc.serve.timing's roofline)
+    decode_seconds: float  # the completion's tokens, one decode step each over the whole batch
 
     @property
     def awake_bytes(self) -> int:
@@ -92,12 +94,30 @@ def engine_for(model: Model, gpu: GPU, setup: Setup) -> Engine | None:
                        max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=seqs, vllm=line,
                        cudagraph_memory=grpo.graphs_bytes)  # fmt: skip
         answer = serve(job, advise=False)
+        prefill, decode = generation_seconds(job, setup.seq_len - grpo.completion_len, grpo.completion_len)
     except InputError as e:
         raise InputError(f"--vllm {grpo.vllm}: {e}") from None
     b = answer.budget.binding
     return Engine(grpo.vllm, job.utilization, length, seqs, answer.release, int(job.gpu.cuda_total_bytes *
                   job.utilization), b.weights, answer.budget.cache_bytes, b.kept, b.cudagraphs,
-                  answer.activations.peak, answer.budget.cache_tokens, answer.longest_context, b.shortfall)  # fmt: skip
+                  answer.activations.peak, answer.budget.cache_tokens, answer.longest_context, b.shortfall,
+                  prefill, decode)  # fmt: skip
+
+
+def generation_seconds(job, prompt: int, completion: int) -> tuple[float, float]:
+    """The rollout's time on memcalc serve's roofline (memcalc.serve.timing): each of the max_num_seqs prompts
+    prefilled, then `completion` decode steps over all of them at the mean context (prompt + completion / 2);
+    every completion taken to run to max_completion_length."""
+    from memcalc.serve.answer import stage_parts
+    from memcalc.serve.timing import serve_time
+
+    prompts = replace(job, context=prompt)
+    parts = stage_parts(prompts)
+    prefill = serve_time(prompts, tuple((p.weights, p.kv) for p in parts), job.seqs).prefill.seconds * job.seqs
+    decoding = replace(job, context=prompt + completion // 2)
+    parts = stage_parts(decoding)
+    step = serve_time(decoding, tuple((p.weights, p.kv) for p in parts), job.seqs).decode.seconds
+    return prefill, step * completion
 
 
 def with_engine(model: Model, gpu: GPU, setup: Setup) -> GPU:

@@ -24,6 +24,10 @@ def rollout_section(rollout, tricks: list[str], units: str) -> Section:
                                                                "them)")]  # fmt: skip
     if e.failure:
         notes.append(f"vLLM does not start: {e.failure}")
+    notes.append(f"rollout time per generation: {u.seconds(e.prefill_seconds + e.decode_seconds)} (the {e.max_num_seqs} "
+                 f"prompts prefilled {u.seconds(e.prefill_seconds)}, then one decode step per completion token over "
+                 f"all of them {u.seconds(e.decode_seconds)}, on memcalc serve's roofline), besides the steps' time "
+                 "above")  # fmt: skip
     if colocated:
         notes.append("startup: CUDA context + the trainer's weights + what vLLM asks free (total x utilization), "
                      "against the card's total; rollout: the trainer's state + the engine awake + its forward of "

@@ -175,17 +175,21 @@ def test_the_engine_is_kept_back_beside_the_step():
 
 
 def test_vllm_asks_free_what_the_trainer_holds():
-    """vLLM checks at startup that total x utilization is free beside the trainer's weights: 0.9 colocated does not
-    start beside an 8B model; the table says which phase fails."""
-    phases = answer("--vllm", "colocate", "--vllm-util", "0.9")["rollout"]["phases"][0]
-    assert phases["startup_bytes"] > phases["startup_limit"] and not phases["fits"]
-    table = run("estimate", *JOB, "--vllm", "colocate", "--vllm-util", "0.9")
-    assert "no: startup" in table.output
+    """vLLM checks at startup that total x utilization is free beside the trainer's weights: 0.99 of an H100 is not,
+    beside a 1B model, though the step would fit beside the engine asleep; the table says which phase fails."""
+    args = ["--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--tricks", "bf16,flash,ckpt",
+            "--vllm", "colocate", "--vllm-util", "0.99", "--vllm-sleep"]  # fmt: skip
+    data = json.loads(run("estimate", *args, "--format", "json").stdout)
+    phases = data["rollout"]["phases"][0]
+    assert phases["startup_bytes"] > phases["startup_limit"] and not phases["fits"] and data["verdict"][0]["fits"]
+    assert "no: startup" in run("estimate", *args).output
 
 
 def test_an_engine_that_does_not_start():
-    """On a 24 GB card 0.3 of it holds less than the 8B model's weights: vLLM has no room for a KV cache."""
-    r = run("estimate", *JOB[:-1], "rtx4090", "--vllm", "colocate")
+    """0.1 of a 24 GB card holds less than a 1B model's bf16 weights and the profile run: no room for a KV cache."""
+    args = ["--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--tricks", "bf16,flash,ckpt",
+            "--vllm", "colocate", "--vllm-util", "0.1", "--gpu", "rtx4090"]  # fmt: skip
+    r = run("estimate", *args)
     assert r.exit_code == 0 and "vLLM does not start" in r.output, r.output
 
 
@@ -199,3 +203,41 @@ def test_fit_holds_the_completion():
     assert longest > 1024
     at = run("estimate", *args, "--seq", str(longest), "--format", "json")
     assert json.loads(at.stdout)["verdict"][0]["fits"]
+
+
+GRPO_FILE = """model_name_or_path: Qwen/Qwen2.5-7B
+per_device_train_batch_size: 8
+bf16: true
+gradient_checkpointing: true
+num_generations: 8
+max_completion_length: 1024
+beta: 0.04
+use_vllm: true
+vllm_mode: colocate
+vllm_gpu_memory_utilization: 0.35
+vllm_enable_sleep_mode: true
+temperature: 0.9
+use_peft: true
+lora_r: 16
+lora_target_modules: all-linear
+"""
+
+
+def test_a_grpo_config_file(tmp_path):
+    """`trl grpo --config FILE`'s GRPOConfig under --rl grpo: the same answer as its options typed out (TRL's
+    ModelConfig keeps lora_dropout 0.05, GRPOConfig.disable_dropout is False); without --rl grpo its keys are
+    refused, and without --seq (GRPOConfig holds no prompt length) too."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text(GRPO_FILE)
+    r = run("estimate", "--from", str(path), "--rl", "grpo", "--model", "qwen2.5-7b", "--seq", "1536", "--format",
+            "json")  # fmt: skip
+    typed = run("estimate", "--model", "qwen2.5-7b", "--rl", "grpo", "--seq", "1536", "--micro-batch", "8", "--lora",
+                "16", "--lora-targets", "all-linear", "--lora-dropout", "0.05", "--tricks", "bf16,flash,ckpt",
+                "--completion-len", "1024", "--beta", "0.04", "--vllm", "colocate", "--vllm-util", "0.35",
+                "--vllm-sleep", "--format", "json")  # fmt: skip
+    assert r.exit_code == 0 and typed.exit_code == 0, r.output + typed.output
+    a, b = json.loads(r.stdout), json.loads(typed.stdout)
+    assert a["verdict"] == b["verdict"] and a["rollout"] == b["rollout"]
+    for args, said in ((["--seq", "1536"], "give --rl grpo"), (["--rl", "grpo"], "give --seq")):
+        refused = run("estimate", "--from", str(path), "--model", "qwen2.5-7b", *args)
+        assert refused.exit_code == 2 and said in refused.output and "Traceback" not in refused.output, refused.output

@@ -35,7 +35,7 @@ BATCHED_TOKENS = 4096  # VLLMGeneration's LLM(max_num_batched_tokens=4096)
 
 
 @record(frozen=True)
-class Engine:
+class RolloutEngine:
     """vLLM on one GPU as GRPOTrainer starts it (bytes are integers)."""
 
     mode: str  # colocate | server
@@ -75,7 +75,7 @@ class Engine:
         return ""
 
 
-def engine_for(model: Model, gpu: GPU, setup: Setup) -> Engine | None:
+def engine_for(model: Model, gpu: GPU, setup: Setup) -> RolloutEngine | None:
     """The engine --vllm asks for, on one GPU of the kind the trainer's (server: one of its own); None without."""
     from memcalc.serve.answer import serve
     from memcalc.serve.job import ServeJob
@@ -98,7 +98,7 @@ def engine_for(model: Model, gpu: GPU, setup: Setup) -> Engine | None:
     except InputError as e:
         raise InputError(f"--vllm {grpo.vllm}: {e}") from None
     b = answer.budget.binding
-    return Engine(grpo.vllm, job.utilization, length, seqs, answer.release, int(job.gpu.cuda_total_bytes *
+    return RolloutEngine(grpo.vllm, job.utilization, length, seqs, answer.release, int(job.gpu.cuda_total_bytes *
                   job.utilization), b.weights, answer.budget.cache_bytes, b.kept, b.cudagraphs,
                   answer.activations.peak, answer.budget.cache_tokens, answer.longest_context, b.shortfall,
                   prefill, decode)  # fmt: skip
@@ -132,7 +132,7 @@ def with_engine(model: Model, gpu: GPU, setup: Setup) -> GPU:
 
 
 @record(frozen=True)
-class Phases:
+class RolloutPhases:
     """One trick set's GPU in each phase of a GRPO step with vLLM (bytes; a limit each is held to)."""
 
     startup_bytes: int  # CUDA context + the trainer's weights + what vLLM requests
@@ -153,9 +153,9 @@ class Rollout:
     """The engine and, for each trick set's verdict, the phases on one training GPU (colocate); server mode's
     engine runs on GPUs of its own, so its phases are the step alone."""
 
-    engine: Engine
+    engine: RolloutEngine
     sleep: bool
-    phases: tuple[Phases, ...]
+    phases: tuple[RolloutPhases, ...]
 
 
 def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout | None:
@@ -168,7 +168,7 @@ def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout | 
     return Rollout(engine, setup.stack.grpo.sleep, phases)
 
 
-def phases_of(engine: Engine, gpu: GPU, verdict, sleep: bool) -> Phases:
+def phases_of(engine: RolloutEngine, gpu: GPU, verdict, sleep: bool) -> RolloutPhases:
     """startup, rollout and train on one GPU for one verdict (its phases: the trainer's weights and state)."""
     beside = engine.mode == "colocate"
     weights = verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes
@@ -176,4 +176,4 @@ def phases_of(engine: Engine, gpu: GPU, verdict, sleep: bool) -> Phases:
     rollout_bytes = verdict.state_bytes + (engine.awake_bytes + engine.forward_bytes if beside else 0)
     held = (engine.asleep_bytes if sleep else engine.awake_bytes) if beside else 0  # the GPU's colocated_bytes
     usable = verdict.usable_bytes + held  # the GPU's usable bytes as the verdict counts them, the engine's given back
-    return Phases(startup, gpu.cuda_total_bytes, rollout_bytes, usable, verdict.total_bytes + held, usable)
+    return RolloutPhases(startup, gpu.cuda_total_bytes, rollout_bytes, usable, verdict.total_bytes + held, usable)

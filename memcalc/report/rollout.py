@@ -5,6 +5,8 @@ from __future__ import annotations
 from . import units as u
 from .render import Section, sized
 
+GRAPHS_UNCOUNTED = "not counted (give --cudagraph-memory as its log prints them)"
+
 
 def rollout_section(rollout, tricks: list[str], units: str) -> Section:
     """One row per trick set: the startup check, the rollout and the train phase against their limits; the engine's
@@ -20,14 +22,14 @@ def rollout_section(rollout, tricks: list[str], units: str) -> Section:
     notes = [f"vLLM {where}; {e.release}'s budget (memcalc serve): weights {u.size(e.weights_bytes, units)}, KV cache "
              f"{u.size(e.cache_bytes, units)} ({e.cache_tokens:,} tokens; max_model_len {e.max_model_len:,}, "
              f"max_num_seqs {e.max_num_seqs}), runner {u.size(e.kept_bytes, units)}, CUDA graphs "
-             + (u.size(e.graphs_bytes, units) if e.graphs_bytes else "not counted (give --cudagraph-memory as its log prints "
-                                                               "them)")]  # fmt: skip
+             + (u.size(e.graphs_bytes, units) if e.graphs_bytes else GRAPHS_UNCOUNTED)]  # fmt: skip
     if e.failure:
         notes.append(f"vLLM does not start: {e.failure}")
-    notes.append(f"rollout time per generation: {u.seconds(e.prefill_seconds + e.decode_seconds)} (the {e.max_num_seqs} "
-                 f"prompts prefilled {u.seconds(e.prefill_seconds)}, then one decode step per completion token over "
-                 f"all of them {u.seconds(e.decode_seconds)}, on memcalc serve's roofline), besides the steps' time "
-                 "above")  # fmt: skip
+    prompts = f"{e.max_num_seqs} prompt" + ("s" if e.max_num_seqs > 1 else "")
+    notes.append(f"rollout time per generation: {u.seconds(e.prefill_seconds + e.decode_seconds)} ({prompts} "
+                 f"prefilled {u.seconds(e.prefill_seconds)}, then one decode step per "
+                 f"completion token over all of them {u.seconds(e.decode_seconds)}, on memcalc serve's roofline), "
+                 "besides the steps' time above")  # fmt: skip
     if colocated:
         notes.append("startup: CUDA context + the trainer's weights + what vLLM asks free (total x utilization), "
                      "against the card's total; rollout: the trainer's state + the engine awake + its forward of "

@@ -6,6 +6,7 @@ is read as for SFTConfig, whose keys and defaults DPOConfig shares (memcalc.cli.
 
 from __future__ import annotations
 
+from .grpo import GRPO_KEYS
 from .ledger import KeyLedger
 
 # keys DPOConfig has and neither TrainingArguments nor SFTConfig has: the file is a DPOConfig
@@ -33,7 +34,10 @@ REFUSED = (
 def dpo_config(ledger: KeyLedger, typed: dict) -> bool:
     """Whether the file is read as DPOTrainer's (--rl dpo typed). A file with DPOConfig's keys and no --rl dpo is
     refused at the first of them: memcalc would answer for SFT."""
-    dpo = (typed.get("rl") or "").strip().lower() == "dpo"
+    rl = (typed.get("rl") or "").strip().lower()
+    if rl == "grpo" or any(ledger.has(key) for key in GRPO_KEYS):  # a GRPOConfig: its beta is its own
+        return False
+    dpo = rl == "dpo"
     if not dpo:
         first = next((key for key in DPO_KEYS if ledger.has(key)), None)
         if first is not None:

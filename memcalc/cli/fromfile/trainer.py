@@ -20,6 +20,7 @@ from memcalc.model.stacks import CHUNKED_DEFAULT, CHUNKED_NLL, FUSED_HEAD, TRL_F
 from . import peft, sharding
 from .common import TrickSet, attention_flash, ckpt_typed_away, clipping, half_precision, model_option, optimizer_option
 from .dpo import DPO_KEYS, dpo_config
+from .grpo import GRPO_KEYS, grpo_config
 from .ledger import KeyLedger
 
 # keys only SFTConfig and TRL's ModelConfig have (TrainingArguments has none of them): the file is TRL's
@@ -35,7 +36,8 @@ STACK_REMARK = {
     "trl:0.25": "--stack trl:0.25: the TRL line memcalc replays whose SFTConfig takes these keys; the file does not "
                 "say which TRL ran it (--stack trl:1.2, trl:1.5, trl:1.13 or trl:1.16 for later lines, trl:0.14 or "
                 "trl:0.21 for older ones)",
-    "trl:1.16": "--stack trl:1.16: the TRL line whose DPOTrainer memcalc replays (--rl dpo)",
+    "trl:1.16": "--stack trl:1.16: the TRL line whose DPOTrainer and GRPOTrainer memcalc replays (--rl dpo, "
+                "--rl grpo)",
     "trl:0.21": "--stack trl:0.21: the newest TRL line memcalc replays whose SFTConfig takes max_seq_length or "
                 "use_liger (gone in 0.20); --stack trl:0.14 for 0.9-0.14",
 }  # fmt: skip
@@ -52,8 +54,9 @@ SAVERS = {
 
 
 def read_trainer(ledger: KeyLedger, typed: dict) -> None:
-    dpo = dpo_config(ledger, typed)  # DPOConfig's keys, under --rl dpo (memcalc.cli.fromfile.dpo)
-    stack, trl = stack_of(ledger, typed, dpo)
+    grpo = grpo_config(ledger, typed)  # GRPOConfig's keys, under --rl grpo (memcalc.cli.fromfile.grpo)
+    dpo = dpo_config(ledger, typed)  # DPOConfig's, under --rl dpo (memcalc.cli.fromfile.dpo)
+    stack, trl = stack_of(ledger, typed, dpo or grpo)
     model_option(ledger, "model_name_or_path")
     liger_option(ledger)
     for key, why in SAVERS.items():
@@ -75,7 +78,7 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
     lora = peft.lora_options(ledger)
     peft.quantize_options(ledger, lora)
     step_options(ledger, trl)
-    if not dpo:  # DPOConfig's loss_type is its own
+    if not dpo and not grpo:  # DPOConfig's and GRPOConfig's loss_type are their own
         loss_type(ledger, trl)
     clipping(ledger)
     tricks_and_recipe(ledger, trl, ckpt_typed_away(typed))
@@ -89,7 +92,7 @@ def read_trainer(ledger: KeyLedger, typed: dict) -> None:
             ledger.set("no_cache", True, key, "--no-cache")
     if stack:
         ledger.options["stack"] = stack
-        ledger.origin["stack"] = [key for key in TRL_KEYS + DPO_KEYS if key in ledger.data][:1]
+        ledger.origin["stack"] = [key for key in TRL_KEYS + DPO_KEYS + GRPO_KEYS if key in ledger.data][:1]
         ledger.remarks.append(STACK_REMARK[stack])
 
 
@@ -107,8 +110,8 @@ def liger_option(ledger: KeyLedger) -> None:
 
 
 def stack_of(ledger: KeyLedger, typed: dict, dpo: bool = False) -> tuple[str | None, str]:
-    """The stack and the TRL line whose defaults apply: the user's --stack; else under --rl dpo the line whose
-    DPOTrainer memcalc replays; else TRL's newest line memcalc replays whose SFTConfig takes the file's keys
+    """The stack and the TRL line whose defaults apply: the user's --stack; else under --rl dpo or grpo the line
+    whose DPOTrainer and GRPOTrainer memcalc replays; else TRL's newest line memcalc replays whose SFTConfig takes the file's keys
     (max_seq_length went in 0.20), or the Trainer alone (hf) without them."""
     if typed.get("stack"):
         given = typed["stack"].strip().lower()

@@ -5,10 +5,14 @@ by allocation on meta, and on CPU tensors under the Trainer's autocast with the 
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from memcalc.cli import app
@@ -16,6 +20,7 @@ from memcalc.errors import InputError
 from memcalc.model.finetune import Finetune
 from memcalc.model.rl import Grpo
 from memcalc.model.stacks import STACKS, stack_for, with_rl
+from tests.test_fuzz import examples
 
 LORA, QLORA = Finetune(4), Finetune(4, quantize="nf4")
 
@@ -241,3 +246,24 @@ def test_a_grpo_config_file(tmp_path):
     for args, said in ((["--seq", "1536"], "give --rl grpo"), (["--rl", "grpo"], "give --seq")):
         refused = run("estimate", "--from", str(path), "--model", "qwen2.5-7b", *args)
         assert refused.exit_code == 2 and said in refused.output and "Traceback" not in refused.output, refused.output
+
+
+@examples(3, slow=10)
+@given(model=st.sampled_from(["llama3.2-1b", "qwen3-0.6b"]), completion=st.sampled_from(["128", "768"]),
+       rows=st.sampled_from([1, 2]), how=st.sampled_from([["--lora", "8"], ["--lora", "8", "--quantize", "nf4"], []]),
+       engine=st.sampled_from([[], ["--vllm", "colocate"], ["--vllm", "colocate", "--vllm-sleep"]]))  # fmt: skip
+def test_grpo_jobs_say_one_verdict_and_grow_with_the_batch(model, completion, rows, how, engine):
+    """Every GRPO job: table, JSON and CSV give the same verdict and phases; one completion more never needs less."""
+    assume(not ("--quantize" in how and engine))  # refused: vLLM's bitsandbytes weights (test_refused)
+    args = ["estimate", "--model", model, "--seq", "1024", "--rl", "grpo", "--completion-len", completion, *how,
+            *engine, "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090"]  # fmt: skip
+    data = json.loads(run(*args, "--micro-batch", str(rows), "--format", "json").stdout)
+    more = json.loads(run(*args, "--micro-batch", str(rows + 1), "--format", "json").stdout)
+    v = data["verdict"][0]
+    assert more["verdict"][0]["peak_bytes"] > v["peak_bytes"]
+    table = run(*args, "--micro-batch", str(rows)).output
+    csv_rows = list(csv.DictReader(io.StringIO(run(*args, "--micro-batch", str(rows), "--format", "csv").stdout)))
+    assert (csv_rows[0]["fits"], int(csv_rows[0]["peak_bytes"])) == (str(v["fits"]), v["peak_bytes"])
+    if engine:
+        fits = data["rollout"]["phases"][0]["fits"] and not data["rollout"]["engine"]["failure"]
+        assert ("  yes\n" in table) == fits

@@ -51,6 +51,21 @@ def test_allocation_by_allocation(name, tricks, finetune, settings):
     assert_watched_meta(TINY[name], tricks, grpo(finetune, completion_len=23, **settings), batch=2)
 
 
+@pytest.mark.parametrize("name,tricks,finetune", [("llama", "bf16", LORA), ("qwen3", "bf16,flash,ckpt", QLORA),
+                                                  ("llama", "bf16,flash,ckpt", Finetune())])  # fmt: skip
+def test_liger_beside_the_fused_head(name, tricks, finetune):
+    """use_liger_kernel under GRPOTrainer: Liger's RMSNorm, RoPE and SwiGLU (fused_linear_cross_entropy False, TRL
+    sets it) beside the fused LM head; a full fine-tune's second model is held, not run, in the step."""
+    pytest.importorskip("liger_kernel")
+    from memcalc.model.savers import ON_META, Savers
+    from tests.replay import assert_watched_meta
+    from tests.test_stack_hf import TINY
+
+    stack = replace(grpo(finetune, completion_len=23, beta=0.04, vllm="server" if finetune.trains_all else ""),
+                    savers=Savers(liger=ON_META))  # fmt: skip
+    assert_watched_meta(TINY[name], tricks, stack, batch=2)
+
+
 @pytest.mark.parametrize("finetune,completion,settings", [
     (LORA, 20, {"beta": 0.04, "vllm": "server"}),
     (Finetune(), 12, {}),  # fp32 weights under autocast
@@ -102,7 +117,6 @@ def test_the_generation_batch_is_held():
 
 @pytest.mark.parametrize("args,said", [
     (["--rl", "grpo", "--stack", "hf", "--lora", "8"], "--rl grpo is TRL's GRPOTrainer"),
-    (["--rl", "grpo", "--lora", "8", "--liger"], "--rl grpo with --liger"),
     (["--rl", "grpo", "--model", "mistral-7b", "--lora", "8", "--completion-len", "256"], "sliding-window"),
     (["--rl", "ppo", "--lora", "8"], "not modelled yet"),
     (["--lora", "8", "--beta", "0.1"], "give --rl grpo"),

@@ -267,7 +267,7 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, grpo: Gr
     precompute_ref_log_probs (no reference in the step). --rl grpo: its GRPOTrainer (memcalc.exact.hf.grpo), grpo its
     settings. Refused where the step is not replayed: other stacks and TRL lines (before 1.15 the loss came from the
     logits), --modules-to-save (the reference runs the original modules, not the trained copies), activation
-    offloading, Liger beside a second model (and with GRPO at all)."""
+    offloading, Liger beside DPO's second model (its forward runs in the step, through Liger's RoPE too)."""
     key = (rl or "").strip().lower()
     if precompute_ref and key != "dpo":
         raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
@@ -287,9 +287,7 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, grpo: Gr
                          f"{stack.key}")  # fmt: skip
     if stack.savers.offload:
         raise InputError(f"--rl {key} with --offload-activations is not replayed")
-    if stack.savers.liger is not None and key == "grpo":
-        raise InputError("--rl grpo with --liger is not replayed")
-    if stack.savers.liger is not None and not stack.finetune.lora and not precompute_ref:
+    if stack.savers.liger is not None and key == "dpo" and not stack.finetune.lora and not precompute_ref:
         raise InputError("--rl dpo with --liger and a second model as the reference: Liger patches the trained model's "
                          "norms and MLP, but the modeling module's RoPE for every model, the reference's too, which "
                          "is not replayed; --precompute-ref or --lora")  # fmt: skip

@@ -42,6 +42,9 @@ def run(*args: str):
     ("qwen3", "bf16,flash,ckpt", LORA, {"beta": 0.04, "vllm": "server"}),
     ("llama", "bf16", Finetune(), {}),  # a full fine-tune
     ("llama", "bf16,flash,ckpt", Finetune(), {"beta": 0.04}),  # and its reference, a second model held
+    ("llama", "bf16", Finetune(4, dora=True), {"beta": 0.04}),
+    ("llama-mha-tied", "bf16", Finetune(), {}),  # the head tied to the embedding table
+    ("llama", "bf16,flash,ckpt", Finetune(4, lora_dropout=0.1), {"vllm": "server"}),  # GRPO keeps LoRA's dropout
 ])  # fmt: skip
 def test_allocation_by_allocation(name, tricks, finetune, settings):
     pytest.importorskip("trl")
@@ -49,6 +52,14 @@ def test_allocation_by_allocation(name, tricks, finetune, settings):
     from tests.test_stack_hf import TINY
 
     assert_watched_meta(TINY[name], tricks, grpo(finetune, completion_len=23, **settings), batch=2)
+
+
+def test_reentrant_checkpointing():
+    pytest.importorskip("trl")
+    from tests.replay import assert_watched_meta
+    from tests.test_stack_hf import TINY
+
+    assert_watched_meta(TINY["llama"], "bf16,flash,ckpt", replace(grpo(completion_len=23), reentrant=True), batch=2)
 
 
 @pytest.mark.parametrize("name,tricks,finetune", [("llama", "bf16", LORA), ("qwen3", "bf16,flash,ckpt", QLORA),

@@ -292,3 +292,9 @@ def test_grpo_jobs_say_one_verdict_and_grow_with_the_batch(model, completion, ro
     if engine:
         fits = data["rollout"]["phases"][0]["fits"] and not data["rollout"]["engine"]["failure"]
         assert ("  yes\n" in table) == fits
+
+
+def test_the_toolbox_keeps_to_what_vllm_loads():
+    """QLoRA is no fix beside vLLM (TRL starts it with bitsandbytes weights, refused): the toolbox does not offer it."""
+    r = run("estimate", *JOB[:-1], "rtx4090", "--vllm", "colocate", "--micro-batch", "2")
+    assert r.exit_code == 0 and "Does not fit" in r.output and "nf4" not in r.output, r.output

@@ -121,7 +121,8 @@ def test_grown_step_equals_the_full_depth_replay(tricks, layers, settings):
 def test_the_generation_batch_is_held():
     """The buffered generation batch (grad_accum micro-batches) stays between steps: more accumulation, more state."""
     args = ["estimate", "--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--vllm",
-            "colocate", "--tricks", "bf16,flash,ckpt", "--micro-batch", "4", "--format", "json"]  # fmt: skip
+            "colocate", "--tricks", "bf16,flash,ckpt", "--micro-batch", "4", "--num-generations", "4", "--format",
+            "json"]  # fmt: skip
     one, four = (json.loads(run(*args, "--grad-accum", a).stdout)["verdict"][0] for a in ("1", "4"))
     assert four["state_bytes"] > one["state_bytes"]
 
@@ -139,10 +140,12 @@ def test_the_generation_batch_is_held():
     (["--rl", "grpo", "--lora", "8", "--completion-len", "0"], "--completion-len"),
     (["--rl", "grpo", "--lora", "8", "--quantize", "nf4", "--vllm", "colocate"], "bitsandbytes"),
     (["--rl", "grpo", "--lora", "8", "--cudagraph-memory", "0.5"], "give --vllm"),
+    (["--rl", "grpo", "--lora", "8", "--num-generations", "16"], "generation batch of 8"),  # 8 x 1 x 1 GPU
+    (["--rl", "grpo", "--beta", "0.04", "--gpus", "8", "--zero", "2"], "GRPOTrainer prepares its second model"),
 ])  # fmt: skip
 def test_refused(args, said):
     model = [] if "--model" in args else ["--model", "llama3.2-1b"]
-    r = run("estimate", *model, "--seq", "1024", *args)
+    r = run("estimate", *model, "--seq", "1024", "--micro-batch", "8", *args)
     assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
 
 
@@ -156,7 +159,8 @@ def test_completion_within_the_sequence():
 
 
 def test_the_stack_is_trl_1_16_and_the_defaults_trls():
-    r = run("estimate", "--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--format", "json")
+    r = run("estimate", "--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--micro-batch", "8",
+            "--format", "json")  # fmt: skip
     assert r.exit_code == 0, r.output
     stack = json.loads(r.stdout)["setup"]["stack"]
     assert stack["key"] == "trl:1.16" and stack["grpo"]["completion_len"] == 512 and stack["grpo"]["beta"] == 0.0
@@ -167,7 +171,7 @@ def test_the_stack_is_trl_1_16_and_the_defaults_trls():
 # -- the rollout engine beside the step (memcalc.engine.rollout) ------------------------------------------------------
 
 JOB = ["--model", "llama3-8b", "--seq", "1024", "--completion-len", "512", "--lora", "16", "--rl", "grpo",
-       "--tricks", "bf16,flash,ckpt", "--micro-batch", "4", "--gpu", "h100-sxm"]  # fmt: skip
+       "--num-generations", "4", "--tricks", "bf16,flash,ckpt", "--micro-batch", "4", "--gpu", "h100-sxm"]  # fmt: skip
 
 
 def answer(*args: str) -> dict:
@@ -208,7 +212,7 @@ def test_vllm_asks_free_what_the_trainer_holds():
     """vLLM checks at startup that total x utilization is free beside the trainer's weights: 0.99 of an H100 is not,
     beside a 1B model, though the step would fit beside the engine asleep; the table says which phase fails."""
     args = ["--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--tricks", "bf16,flash,ckpt",
-            "--vllm", "colocate", "--vllm-util", "0.99", "--vllm-sleep"]  # fmt: skip
+            "--vllm", "colocate", "--vllm-util", "0.99", "--vllm-sleep", "--micro-batch", "8"]  # fmt: skip
     data = json.loads(run("estimate", *args, "--format", "json").stdout)
     phases = data["rollout"]["phases"][0]
     assert phases["startup_bytes"] > phases["startup_limit"] and not phases["fits"] and data["verdict"][0]["fits"]
@@ -218,19 +222,21 @@ def test_vllm_asks_free_what_the_trainer_holds():
 def test_an_engine_that_does_not_start():
     """0.1 of a 24 GB card holds less than a 1B model's bf16 weights and the profile run: no room for a KV cache."""
     args = ["--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--tricks", "bf16,flash,ckpt",
-            "--vllm", "colocate", "--vllm-util", "0.1", "--gpu", "rtx4090"]  # fmt: skip
+            "--vllm", "colocate", "--vllm-util", "0.1", "--gpu", "rtx4090", "--micro-batch", "8"]  # fmt: skip
     r = run("estimate", *args)
     assert r.exit_code == 0 and "vLLM does not start" in r.output, r.output
 
 
 def test_fit_holds_the_completion():
-    """fit's longest sequence keeps the completion's length and grows the prompt; the verdict at it fits."""
+    """fit's longest sequence keeps the completion's length and grows the prompt, the verdict at it fits; its largest
+    micro-batch is one GRPOConfig takes (whole prompt groups)."""
     args = ["--model", "llama3.2-1b", "--lora", "8", "--rl", "grpo", "--completion-len", "1024", "--vllm",
             "colocate", "--gpu", "rtx4090", "--tricks", "bf16,flash,ckpt", "--micro-batch", "8"]  # fmt: skip
     r = run("fit", *args, "--seq", "2048", "--format", "json")
     assert r.exit_code == 0, r.output
-    longest = json.loads(r.stdout)["max_seq_len"]
-    assert longest > 1024
+    limits = json.loads(r.stdout)
+    longest, most = limits["max_seq_len"], limits["max_micro_batch"]
+    assert longest > 1024 and most % 8 == 0  # whole groups of num_generations 8 (one GPU, no accumulation)
     at = run("estimate", *args, "--seq", str(longest), "--format", "json")
     assert json.loads(at.stdout)["verdict"][0]["fits"]
 
@@ -278,12 +284,13 @@ def test_a_grpo_config_file(tmp_path):
        rows=st.sampled_from([1, 2]), how=st.sampled_from([["--lora", "8"], ["--lora", "8", "--quantize", "nf4"], []]),
        engine=st.sampled_from([[], ["--vllm", "colocate"], ["--vllm", "colocate", "--vllm-sleep"]]))  # fmt: skip
 def test_grpo_jobs_say_one_verdict_and_grow_with_the_batch(model, completion, rows, how, engine):
-    """Every GRPO job: table, JSON and CSV give the same verdict and phases; one completion more never needs less."""
+    """Every GRPO job: table, JSON and CSV give the same verdict and phases; a prompt group more never needs less."""
     assume(not ("--quantize" in how and engine))  # refused: vLLM's bitsandbytes weights (test_refused)
     args = ["estimate", "--model", model, "--seq", "1024", "--rl", "grpo", "--completion-len", completion, *how,
-            *engine, "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090"]  # fmt: skip
+            *engine, "--num-generations", "2", "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090"]  # fmt: skip
+    rows *= 2  # whole prompt groups of 2
     data = json.loads(run(*args, "--micro-batch", str(rows), "--format", "json").stdout)
-    more = json.loads(run(*args, "--micro-batch", str(rows + 1), "--format", "json").stdout)
+    more = json.loads(run(*args, "--micro-batch", str(rows + 2), "--format", "json").stdout)
     v = data["verdict"][0]
     assert more["verdict"][0]["peak_bytes"] > v["peak_bytes"]
     table = run(*args, "--micro-batch", str(rows)).output
@@ -296,5 +303,5 @@ def test_grpo_jobs_say_one_verdict_and_grow_with_the_batch(model, completion, ro
 
 def test_the_toolbox_keeps_to_what_vllm_loads():
     """QLoRA is no fix beside vLLM (TRL starts it with bitsandbytes weights, refused): the toolbox does not offer it."""
-    r = run("estimate", *JOB[:-1], "rtx4090", "--vllm", "colocate", "--micro-batch", "2")
+    r = run("estimate", *JOB[:-1], "rtx4090", "--vllm", "colocate")
     assert r.exit_code == 0 and "Does not fit" in r.output and "nf4" not in r.output, r.output

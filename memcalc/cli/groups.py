@@ -296,7 +296,6 @@ class GpuOptions(OptionGroup):
         return card
 
 
-
 def parse_beta(text: str) -> float:
     """--beta: GRPOConfig.beta, 0 (no reference) or a positive coefficient."""
     from memcalc.model.sizes import parse_positive

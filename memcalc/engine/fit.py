@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from memcalc.memory.setup import Setup
+from memcalc.memory.setup import Setup, group_rows
 from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.headroom import Headroom, headroom
 from memcalc.model.layout import Layout
@@ -169,7 +169,9 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
     below = setup.shortest_seq - 1  # GRPO: the completion's length held, the prompt searched
     found = largest_reserved(lambda s, a=True: memory(s + below, setup.micro_batch, a), seq_limit - below)
     max_seq = found + below if found else 0
-    max_batch = largest_reserved(lambda b, a=True: memory(setup.seq_len, b * per, a), MAX_BATCH // per)
+    unit = group_rows(setup, layout.world)  # GRPO: whole prompt groups per generation batch
+    found = largest_reserved(lambda b, a=True: memory(setup.seq_len, b * per * unit, a), MAX_BATCH // (per * unit))
+    max_batch = found * unit
     return FitLimits(
         tricks=tricks,
         gpu=gpu.key,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from memcalc.errors import InputError
-from memcalc.memory.setup import Setup
+from memcalc.memory.setup import Setup, group_rows
 from memcalc.model.finetune import HEAD
 from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.shape import Model
-from memcalc.model.stacks import FUSED_HEAD
+from memcalc.model.stacks import FUSED_HEAD, second_model
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.parallel.verdict import sharded_data_parallel
 from memcalc.records import record
@@ -90,10 +90,17 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         raise InputError(f"--stack {setup.stack.key} is replayed on one GPU, or each GPU of data parallelism with the "
                          f"weights whole (ZeRO 0-2): {reads_head} reads lm_head.weight outside the head's forward "
                          "(FSDP2's full_tensor, ZeRO-3's gather around it), which is not replayed")  # fmt: skip
-    if setup.stack.rl == "dpo" and not ft.lora and not setup.stack.precompute_ref and lay.zero:
-        raise InputError("--rl dpo on a model that is not PEFT's under --zero: DPOTrainer prepares its second model "
+    if second_model(setup.stack) and lay.zero:
+        rl = setup.stack.rl
+        trainer, fix = ("DPOTrainer", "--precompute-ref") if rl == "dpo" else ("GRPOTrainer", "--beta 0")
+        raise InputError(f"--rl {rl} on a model that is not PEFT's under --zero: {trainer} prepares its second model "
                          "as a DeepSpeed engine of its own (trl prepare_deepspeed: stage 0 below ZeRO-3, in the "
-                         "engine's bf16), which is not replayed; --precompute-ref, --lora, or --zero 0")  # fmt: skip
+                         f"engine's bf16), which is not replayed; {fix}, --lora, or --zero 0")  # fmt: skip
+    if setup.micro_batch % group_rows(setup, lay.world):
+        generated = setup.micro_batch * setup.grad_accum * lay.world  # generation_batch_size's default
+        raise InputError(f"GRPOConfig refuses a generation batch of {generated} (micro-batch x accumulation x GPUs) "
+                         f"with --num-generations {setup.stack.grpo.num_generations}: it must hold whole prompt groups "
+                         "(generation_batch_size % num_generations == 0)")  # fmt: skip
     if setup.stack.model == "torchtune" and not (plain_split(lay) and lay.zero == 0):  # its single-device recipes
         raise InputError("--stack torchtune replays its single-device recipes (full_finetune_single_device, "
                          "lora_finetune_single_device): one GPU, or each GPU of plain data parallelism")  # fmt: skip

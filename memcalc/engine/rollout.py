@@ -22,6 +22,7 @@ The train phase is the verdict: the engine's bytes are the GPU's colocated_bytes
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
@@ -75,8 +76,10 @@ class RolloutEngine:
         return ""
 
 
+@lru_cache(maxsize=64)  # the CLI sets the GPU's colocated bytes by it, the answer lays out the phases: once
 def engine_for(model: Model, gpu: GPU, setup: Setup) -> RolloutEngine | None:
-    """The engine --vllm asks for, on one GPU of the kind the trainer's (server: one of its own); None without."""
+    """The engine --vllm asks for, on one GPU of the kind the trainer's (server: one of its own), gpu without an
+    engine beside the step; None without --vllm."""
     from memcalc.serve.answer import serve
     from memcalc.serve.job import ServeJob
     from memcalc.serve.releases import release_line
@@ -89,7 +92,7 @@ def engine_for(model: Model, gpu: GPU, setup: Setup) -> RolloutEngine | None:
     length = grpo.max_model_len or setup.seq_len
     line = release_line(TRL_VLLM)
     try:
-        job = ServeJob(model, replace(gpu, colocated_bytes=0, colocated=""), length, calibration_for(gpu.key),
+        job = ServeJob(model, gpu, length, calibration_for(gpu.key),
                        "bf16" if gpu.bf16_tflops else "fp16", gpu_memory_utilization=grpo.vllm_util,
                        max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=seqs, vllm=line,
                        cudagraph_memory=grpo.graphs_bytes)  # fmt: skip
@@ -97,11 +100,10 @@ def engine_for(model: Model, gpu: GPU, setup: Setup) -> RolloutEngine | None:
         prefill, decode = generation_seconds(job, setup.seq_len - grpo.completion_len, grpo.completion_len)
     except InputError as e:
         raise InputError(f"--vllm {grpo.vllm}: {e}") from None
-    b = answer.budget.binding
-    return RolloutEngine(grpo.vllm, job.utilization, length, seqs, answer.release, int(job.gpu.cuda_total_bytes *
-                  job.utilization), b.weights, answer.budget.cache_bytes, b.kept, b.cudagraphs,
-                  answer.activations.peak, answer.budget.cache_tokens, answer.longest_context, b.shortfall,
-                  prefill, decode)  # fmt: skip
+    b, requested = answer.budget.binding, int(job.gpu.cuda_total_bytes * job.utilization)
+    return RolloutEngine(grpo.vllm, job.utilization, length, seqs, answer.release, requested, b.weights,
+                         answer.budget.cache_bytes, b.kept, b.cudagraphs, answer.activations.peak,
+                         answer.budget.cache_tokens, answer.longest_context, b.shortfall, prefill, decode)  # fmt: skip
 
 
 def generation_seconds(job, prompt: int, completion: int) -> tuple[float, float]:
@@ -123,7 +125,7 @@ def generation_seconds(job, prompt: int, completion: int) -> tuple[float, float]
 def with_engine(model: Model, gpu: GPU, setup: Setup) -> GPU:
     """The GPU as the step sees it: a colocated engine's bytes beside the step (asleep under --vllm-sleep) kept
     back with the headroom; the GPU itself otherwise."""
-    engine = engine_for(model, gpu, setup)
+    engine = engine_for(model, replace(gpu, colocated_bytes=0, colocated=""), setup)
     if engine is None or engine.mode != "colocate":
         return gpu
     sleep = setup.stack.grpo.sleep
@@ -171,7 +173,7 @@ def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout | 
 def phases_of(engine: RolloutEngine, gpu: GPU, verdict, sleep: bool) -> RolloutPhases:
     """startup, rollout and train on one GPU for one verdict (its phases: the trainer's weights and state)."""
     beside = engine.mode == "colocate"
-    weights = verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes
+    weights = verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes  # textbook: all state
     startup = CONTEXT_BYTES + weights + (engine.requested_bytes if beside else 0)
     rollout_bytes = verdict.state_bytes + (engine.awake_bytes + engine.forward_bytes if beside else 0)
     held = (engine.asleep_bytes if sleep else engine.awake_bytes) if beside else 0  # the GPU's colocated_bytes

@@ -76,6 +76,16 @@ def per_sample_of(stack: Stack) -> int:
     return 2 if stack.rl == "dpo" else 1
 
 
+def group_rows(setup: Setup, world: int) -> int:
+    """The micro-batch's unit under --rl grpo: GRPOConfig takes a generation batch (micro-batch x accumulation x
+    processes) of whole prompt groups (generation_batch_size % num_generations == 0), so the micro-batch is a
+    multiple of num_generations / gcd(num_generations, accumulation x processes); 1 otherwise."""
+    grpo = setup.stack.grpo
+    if grpo is None:
+        return 1
+    return grpo.num_generations // math.gcd(grpo.num_generations, setup.grad_accum * world)
+
+
 def host_share(setup: Setup, layout: Layout) -> int:
     """One GPU's share of its node's host memory, which offload fills: the job's GPUs on a node split it."""
     return setup.host_memory // min(layout.world, layout.gpus_per_node)

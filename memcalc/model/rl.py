@@ -1,6 +1,6 @@
 """Online RL fine-tuning as TRL 1.16's GRPOTrainer runs it (trl/trainer/grpo_config.py GRPOConfig): the settings that
 change what a GPU holds. The record travels with the stack (memcalc.model.stacks.Stack.grpo), so the training step's
-replay (memcalc.exact.hf.grpo), the rollout's budget (memcalc.memory.rl) and verify read the same one.
+replay (memcalc.exact.hf.grpo), the rollout engine (memcalc.engine.rollout) and verify read the same one.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ from .render import Section, sized
 GRAPHS_UNCOUNTED = "not counted (give --cudagraph-memory as its log prints them)"
 
 
-def rollout_section(rollout, tricks: list[str], units: str) -> Section:
+def rollout_section(rollout, verdicts, units: str) -> Section:
     """One row per trick set: the startup check, the rollout and the train phase against their limits; the engine's
-    parts in the notes."""
+    parts and host memory in the notes."""
+    tricks = [v.tricks.label for v in verdicts]
     e = rollout.engine
     colocated = e.mode == "colocate"
     rows = []
@@ -30,6 +31,10 @@ def rollout_section(rollout, tricks: list[str], units: str) -> Section:
                  f"prefilled {u.seconds(e.prefill_seconds)}, then one decode step per "
                  f"completion token over all of them {u.seconds(e.decode_seconds)}, on memcalc serve's roofline), "
                  "besides the steps' time above")  # fmt: skip
+    host = max(v.host_bytes for v in verdicts)
+    notes.append(f"host memory: the trainer's {u.size(host, units)} (offloaded state and activations) in every phase; "
+                 + ("the engine keeps no weights or KV cache there (sleep level 2 copies none off the GPU)"
+                    if rollout.sleep else "the engine keeps no weights or KV cache there"))  # fmt: skip
     if colocated:
         notes.append("startup: CUDA context + the trainer's weights + what vLLM asks free (total x utilization), "
                      "against the card's total; rollout: the trainer's state + the engine awake + its forward of "

@@ -361,10 +361,10 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
 
         dpo = dpo_setup(model, tf, config, dtype, attention_for(tricks, device), device, finetune.lora,
                         precompute_ref, kwargs if reentrant else None)  # fmt: skip
-    if rl == "grpo":  # GRPOTrainer.__init__'s own: its reference where beta is not 0 (verify/trl_grpo.py)
+    if rl in ("grpo", "rloo"):  # GRPOTrainer's, RLOOTrainer's own: a reference where beta is not 0 (verify/trl_grpo.py)
         from .trl_grpo import grpo_setup
 
-        trainer = grpo_setup(tf, config, dtype, attention_for(tricks, device), device, finetune.lora, grpo)
+        trainer = grpo_setup(tf, config, dtype, attention_for(tricks, device), device, finetune.lora, grpo, rl)
     if loss == "chunked_nll":  # SFTTrainer.__init__ patches the forward for loss_type "chunked_nll" (verify/trl.py)
         from .trl_chunked import patch_chunked
 

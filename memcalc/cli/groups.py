@@ -132,23 +132,27 @@ class StackOptions(OptionGroup):
 
     def grpo(self):
         """GRPOConfig's settings (memcalc.model.rl.Grpo) where any is given or --rl grpo is; else None."""
-        from memcalc.model.rl import Grpo
+        from memcalc.model.rl import RLOO_DEFAULTS, Grpo
         from memcalc.model.sizes import parse_count, parse_seq
+        from memcalc.model.stacks import ONLINE
 
         from .serve import graph_bytes
 
         given = (self.completion_len, self.num_generations, self.beta, self.vllm, self.vllm_util, self.vllm_max_len,
                  self.cudagraph_memory)  # fmt: skip
-        if all(x is None for x in given) and not self.vllm_sleep and (self.rl or "").strip().lower() != "grpo":
+        rl = (self.rl or "").strip().lower()
+        if all(x is None for x in given) and not self.vllm_sleep and rl not in ONLINE:
             return None
+        base = RLOO_DEFAULTS if rl == "rloo" else Grpo()
         if self.vllm_util is not None and self.vllm is None:
             raise InputError("--vllm-util is vllm_gpu_memory_utilization: give --vllm colocate or server")
         mode = (self.vllm or "").strip().lower()
         util = 0.9 if mode == "server" else 0.3  # trl vllm-serve's default; GRPOConfig's for the colocated engine
         completion = 512 if self.completion_len is None else parse_seq(self.completion_len, "--completion-len")
-        generations = 8 if self.num_generations is None else parse_count(self.num_generations, "--num-generations")
+        generations = base.num_generations if self.num_generations is None else parse_count(self.num_generations,
+                                                                                             "--num-generations")
         max_len = 0 if self.vllm_max_len is None else parse_seq(self.vllm_max_len, "--vllm-max-len")
-        return Grpo(completion, generations, 0.0 if self.beta is None else parse_beta(self.beta), mode,
+        return Grpo(completion, generations, base.beta if self.beta is None else parse_beta(self.beta), mode,
                     util if self.vllm_util is None else parse_fraction(self.vllm_util, "--vllm-util"),
                     self.vllm_sleep, max_len, graph_bytes(self.cudagraph_memory) or 0)  # fmt: skip
 
@@ -164,7 +168,7 @@ class StackOptions(OptionGroup):
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip
         liger = (liger_for(gpu) if gpu is not None else ON_META) if self.liger else None
-        trainer = (self.rl or "").strip().lower() in ("dpo", "grpo")  # TRL's trainers: the TRL line they replay on
+        trainer = (self.rl or "").strip().lower() in ("dpo", "grpo", "rloo")  # TRL's trainers: the line they replay on
         default = f"trl:{FUSED_HEAD[-1]}" if trainer else "reference" if finetune.trains_all else "hf"
         chosen = stack_for(self.stack or default, self.recipe,
                            self.optimizer_impl, self.no_cache, self.offload_activations, liger,

@@ -1,6 +1,7 @@
-"""Online RL fine-tuning as TRL 1.16's GRPOTrainer runs it (trl/trainer/grpo_config.py GRPOConfig): the settings that
-change what a GPU holds. The record travels with the stack (memcalc.model.stacks.Stack.grpo), so the training step's
-replay (memcalc.exact.hf.grpo), the rollout engine (memcalc.engine.rollout) and verify read the same one.
+"""Online RL fine-tuning as TRL 1.16's GRPOTrainer and RLOOTrainer run it (trl/trainer/grpo_config.py GRPOConfig,
+rloo_config.py RLOOConfig, which shares these knobs): the settings that change what a GPU holds. The record travels
+with the stack (memcalc.model.stacks.Stack.grpo), so the training step's replay (memcalc.exact.hf.grpo, rloo), the
+rollout engine (memcalc.engine.rollout) and verify read the same one.
 """
 
 from __future__ import annotations
@@ -56,3 +57,6 @@ class Grpo:
             parts.append(f"vLLM {self.vllm}" + (f" at {self.vllm_util:g}" if self.vllm == "colocate" else "") +
                          (", sleep mode" if self.sleep else ""))  # fmt: skip
         return ", ".join(parts)
+
+
+RLOO_DEFAULTS = Grpo(num_generations=2, beta=0.05)  # RLOOConfig's (trl/trainer/rloo_config.py, trl 1.16.0); rest GRPO's

@@ -32,7 +32,7 @@ from memcalc.errors import InputError
 from memcalc.records import record
 
 from .finetune import FULL, Finetune
-from .rl import Grpo
+from .rl import RLOO_DEFAULTS, Grpo
 from .savers import NO_SAVERS, Liger, Savers, check_liger, check_offload, check_offload_tricks
 
 MODELS = ("reference", "hf", "torchtune")
@@ -41,7 +41,8 @@ MODELS = ("reference", "hf", "torchtune")
 # each upcast to fp32), or chunked_nll (TRL's loss_type "chunked_nll": the head and the loss 256 positions at a time,
 # each under checkpointing: memcalc.exact.hf.chunked_nll)
 LOSSES = ("full", "chunked", "chunked_nll")
-RL = ("", "dpo", "grpo")  # --rl: preference and online RL training as TRL's trainers run them ("": SFT)
+RL = ("", "dpo", "grpo", "rloo")  # --rl: preference and online RL training as TRL's trainers run them ("": SFT)
+ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.grpo)
 LOSS_SPELLINGS = {"nll": "full"}  # --loss nll: TRL's name for the cross-entropy over the whole logits
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
@@ -114,7 +115,7 @@ class Stack:
     reentrant: bool = False  # hf: ckpt's checkpoint with use_reentrant=True (gradient_checkpointing_kwargs)
     rl: str = ""  # RL: "dpo" or "grpo", TRL's DPOTrainer or GRPOTrainer in place of its SFTTrainer; "" for none
     precompute_ref: bool = False  # DPOConfig.precompute_ref_log_probs: the reference's log-probs come with the batch
-    grpo: Grpo | None = None  # under --rl grpo: GRPOConfig's settings (memcalc.model.rl)
+    grpo: Grpo | None = None  # under --rl grpo or rloo: GRPOConfig's settings, RLOOConfig's the same (memcalc.model.rl)
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
@@ -271,18 +272,19 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, grpo: Gr
     key = (rl or "").strip().lower()
     if precompute_ref and key != "dpo":
         raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
-    if grpo is not None and key != "grpo":
-        raise InputError("--completion-len, --num-generations, --beta and --vllm are GRPOConfig's: give --rl grpo")
+    if grpo is not None and key not in ONLINE:
+        raise InputError("--completion-len, --num-generations, --beta and --vllm are GRPOConfig's and RLOOConfig's: "
+                         "give --rl grpo or rloo")  # fmt: skip
     if rl is None:
         return stack
     if key == "ppo":
-        raise InputError("--rl ppo: PPO (a critic in training beside the policy) is not modelled yet; known: dpo, grpo "
+        raise InputError("--rl ppo: PPO (a critic in training beside the policy) is not modelled yet; known: dpo, grpo, rloo "
                          "(docs/rl.md)")  # fmt: skip
     if key not in RL or not key:
-        raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo")
+        raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo, rloo")
     if stack.trl not in FUSED_HEAD:
         lines = ", ".join("trl:" + x for x in FUSED_HEAD)
-        trainer = "DPOTrainer" if key == "dpo" else "GRPOTrainer"
+        trainer = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}[key]
         raise InputError(f"--rl {key} is TRL's {trainer}, replayed on --stack {lines} (its fused LM head), not --stack "
                          f"{stack.key}")  # fmt: skip
     if stack.savers.offload:
@@ -294,11 +296,11 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, grpo: Gr
     if stack.finetune.modules_to_save:
         raise InputError(f"--rl {key} with --modules-to-save: the reference then runs the original modules beside the "
                          "trained copies, which is not replayed")  # fmt: skip
-    if key == "grpo" and grpo is not None and grpo.vllm and stack.finetune.quantize:
+    if key in ONLINE and grpo is not None and grpo.vllm and stack.finetune.quantize:
         raise InputError("--vllm with --quantize: TRL starts vLLM on the 4-bit model with quantization='bitsandbytes', "
                          "whose weights memcalc serve does not size; drop --vllm (the policy generates itself)")  # fmt: skip
-    if key == "grpo":  # GRPOConfig.disable_dropout is False: LoRA's dropout stays
-        return replace(stack, rl=key, grpo=grpo or Grpo())
+    if key in ONLINE:  # GRPOConfig's and RLOOConfig's disable_dropout is False: LoRA's dropout stays
+        return replace(stack, rl=key, grpo=grpo or (Grpo() if key == "grpo" else RLOO_DEFAULTS))
     finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0
     return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref)
 
@@ -319,6 +321,20 @@ def dpo_reference(stack: Stack) -> str:
     return f"the reference's forward ({ref}, no_grad, no checkpointing) beside the policy's saved activations"
 
 
+def online_note(stack: Stack) -> str:
+    """GRPOTrainer's and RLOOTrainer's step in a line (memcalc.exact.hf.grpo, rloo)."""
+    g, held = stack.grpo, "; a second model held" if second_model(stack) else ""
+    scored = (f"each completion's {g.completion_len} positions scored through add_fused_lm_head (no logits), the "
+              "prompt masked; the generation batch buffered with its advantages")  # fmt: skip
+    if stack.rl == "rloo":
+        kl = f" (beta {g.beta:g}{held})" if g.beta else ""
+        return (f"TRL 1.16's RLOOTrainer: {scored} and old sequence log-probs; the loss per sequence, the "
+                f"reference's KL in the rewards{kl}")  # fmt: skip
+    ref = f", the reference's log-probs (beta > 0{held})" if g.beta else ""
+    read = ("vLLM's old log-probs and importance-sampling ratio" if g.vllm else "no old log-probs") + ref
+    return f"TRL 1.16's GRPOTrainer (loss_type dapo): {scored}, {read}"
+
+
 def trl_note(stack: Stack) -> str:
     """What the replay takes of TRL's SFTTrainer (memcalc.exact.hf.trl), in a line for the verdict's notes; ''
     without TRL."""
@@ -329,13 +345,7 @@ def trl_note(stack: Stack) -> str:
     if line in BF16_CAST and stack.finetune.quantize:
         parts.append("the 4-bit model's adapters cast to bf16, nothing else prepared")
     if line in FUSED_HEAD and stack.grpo is not None:
-        g = stack.grpo
-        ref = (", the reference's log-probs (beta > 0" + ("; a second model held" if second_model(stack) else "") +
-               ")") if g.beta else ""  # fmt: skip
-        read = ("vLLM's old log-probs and importance-sampling ratio" if g.vllm else "no old log-probs") + ref
-        return (f"TRL 1.16's GRPOTrainer (loss_type dapo): each completion's {g.completion_len} positions "
-                f"scored through add_fused_lm_head (no logits), the prompt masked; the generation batch buffered "
-                f"with its advantages, {read}")  # fmt: skip
+        return online_note(stack)
     if line in FUSED_HEAD and stack.rl == "dpo":
         parts.append(f"each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then "
                      f"{dpo_reference(stack)}; dropout disabled; every position a completion token")

@@ -258,7 +258,7 @@ def sections(ans: Answer, units: str, detail: bool = False) -> list[Section]:
     replayed = any(v.replayed for v in ans.verdicts)
     summary = summary_section(ans, units) if replayed else textbook_summary_section(ans, units)
     summary.notes += textbook.host_note(ans.verdicts[0], units, ans.job.setup.optimizer.startswith("paged-"))
-    rollout = [] if ans.rollout is None else [rollout_section(ans.rollout, ans.verdicts, units)]
+    rollout = [] if ans.rollout is None else [rollout_section(ans.rollout, ans.verdicts, units, ans.job.setup.stack.rl)]
     if not detail:
         summary.notes.append(DETAIL_HINT)
         return [summary] + rollout

@@ -8,7 +8,7 @@ from .render import Section, sized
 GRAPHS_UNCOUNTED = "not counted (give --cudagraph-memory as its log prints them)"
 
 
-def rollout_section(rollout, verdicts, units: str) -> Section:
+def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Section:
     """One row per trick set: the startup check, the rollout and the train phase against their limits; the engine's
     parts and host memory in the notes."""
     tricks = [v.tricks.label for v in verdicts]
@@ -44,7 +44,7 @@ def rollout_section(rollout, verdicts, units: str) -> Section:
     else:
         notes.append("the training GPUs hold no engine: startup is the trainer's weights, rollout its state, train "
                      "the step (the verdict above); the engine's own GPUs hold its budget")  # fmt: skip
-    return Section("GRPO phases per GPU (vLLM " + e.mode + ")", ["tricks", "startup", "rollout", "train", "fits?"],
+    return Section(f"{trainer.upper()} phases per GPU (vLLM {e.mode})", ["tricks", "startup", "rollout", "train", "fits?"],
                    rows, notes)  # fmt: skip
 
 

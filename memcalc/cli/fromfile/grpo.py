@@ -1,4 +1,5 @@
-"""TRL's GRPOConfig in a TRL arguments file (`trl grpo --config FILE`), read where --rl grpo is typed beside --from:
+"""TRL's GRPOConfig in a TRL arguments file (`trl grpo --config FILE`), read where --rl grpo is typed beside --from
+(and RLOOConfig's, the same keys, under --rl rloo):
 the keys GRPOConfig adds to TrainingArguments (huggingface/trl trl/trainer/grpo_config.py in the trl 1.16.0 wheel),
 as memcalc.exact.hf.grpo and memcalc.engine.rollout replay GRPOTrainer. The rest of the file (the batch, bf16,
 checkpointing, PEFT) is read as for SFTConfig (memcalc.cli.fromfile.trainer). GRPOConfig has no prompt length
@@ -44,12 +45,12 @@ REFUSED = (
 
 
 def grpo_config(ledger: KeyLedger, typed: dict) -> bool:
-    """Whether the file is read as GRPOTrainer's (--rl grpo typed). A file with GRPOConfig's keys and no --rl grpo is
-    refused at the first of them: memcalc would answer for SFT."""
-    if (typed.get("rl") or "").strip().lower() != "grpo":
+    """Whether the file is read as GRPOTrainer's or RLOOTrainer's (--rl grpo or rloo typed: RLOOConfig shares these
+    keys). A file with them and neither is refused at the first of them: memcalc would answer for SFT."""
+    if (typed.get("rl") or "").strip().lower() not in ("grpo", "rloo"):
         first = next((key for key in GRPO_KEYS if ledger.has(key)), None)
         if first is not None:
-            ledger.refuse(first, "a GRPOConfig key: give --rl grpo to answer for GRPOTrainer")
+            ledger.refuse(first, "a GRPOConfig key: give --rl grpo (or rloo) to answer for its trainer")
         return False
     if not typed.get("seq"):
         ledger.refuse("max_completion_length" if ledger.has("max_completion_length") else "num_generations",

@@ -44,7 +44,7 @@ VOCAB_CHUNK = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE: the til
 SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")  # SFTTrainer.__init__'s add_fused_lm_head(outputs=...)
 DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")  # DPOTrainer.__init__'s
 GRPO_OUTPUTS = ("log_probs", "entropy")  # GRPOTrainer.__init__'s
-RL_OUTPUTS = {"dpo": DPO_OUTPUTS, "grpo": GRPO_OUTPUTS}  # by --rl
+RL_OUTPUTS = {"dpo": DPO_OUTPUTS, "grpo": GRPO_OUTPUTS, "rloo": GRPO_OUTPUTS}  # by --rl (RLOOTrainer's as GRPO's)
 STATISTICS = ("full", "zeros", "zeros", "zeros", "zeros", "full", "zeros")  # running_max ... target_logit
 
 

@@ -60,10 +60,7 @@ def compute_loss(g: Graph, m: HFModel, idx: Tensor, attention_mask: Tensor, caus
     settings = m.cfg.stack.grpo
     C = settings.completion_len
     inputs = buffered(g, m, B, T)
-    with g.scoped("loss"):
-        input_ids = made(g, (B, T), "cat", idx, dtype="int64")  # torch.cat([prompt_ids, completion_ids], 1)
-        mask_2d = made(g, (B, T), "cat", attention_mask, dtype="int64")
-    per_token_logps, entropies = per_token_logps_and_entropies(g, m, input_ids, mask_2d, C, causal_lm)
+    input_ids, mask_2d, per_token_logps, entropies = scored(g, m, idx, attention_mask, causal_lm)
     with g.scoped("loss"):
         mask = g.view(attention_mask, (B, C))  # completion_mask
         advantages = g.view(inputs["advantages"], (B, 1))  # this micro-batch's rows, .unsqueeze(1)
@@ -99,6 +96,19 @@ def compute_loss(g: Graph, m: HFModel, idx: Tensor, attention_mask: Tensor, caus
         del policy_loss, per_token_logps, entropies, old, log_ratio, coef_1, coef_2, per_token_kl  # the frame's
         del per_token_loss1, per_token_loss2, per_token_loss, normalizer, input_ids, mask_2d  # locals, as it returns
         return loss
+
+
+def scored(g: Graph, m: HFModel, idx: Tensor, attention_mask: Tensor,
+           causal_lm: Callable) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The start GRPOTrainer's and RLOOTrainer's _compute_loss share: the prompt's and the completion's ids and
+    masks concatenated (new (B, T) int64 each, locals until it returns), then the completion's log-probs and
+    entropies (per_token_logps_and_entropies)."""
+    B, T = idx.shape
+    with g.scoped("loss"):
+        input_ids = made(g, (B, T), "cat", idx, dtype="int64")  # torch.cat([prompt_ids, completion_ids], 1)
+        mask_2d = made(g, (B, T), "cat", attention_mask, dtype="int64")
+    C = m.cfg.stack.grpo.completion_len
+    return input_ids, mask_2d, *per_token_logps_and_entropies(g, m, input_ids, mask_2d, C, causal_lm)
 
 
 def per_token_logps_and_entropies(g: Graph, m: HFModel, input_ids: Tensor, attention_mask: Tensor, C: int,

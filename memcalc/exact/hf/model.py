@@ -28,7 +28,7 @@ from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.offload import kept_on_gpu, offloader
 from ..sim.tensors import Tensor
-from . import chunked_nll, dpo, dynamic_cache, fused_head, grpo, liger, lora, qlora, trl
+from . import chunked_nll, dpo, dynamic_cache, fused_head, grpo, liger, lora, qlora, rloo, trl
 from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
 from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .gpt2 import gpt2_model
@@ -214,8 +214,8 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
     from the output's logits, and they die with them as it returns."""
     if m.cfg.stack.rl == "dpo":  # DPOTrainer's _compute_loss: its labels' slot holds the completion mask
         return dpo.compute_loss(g, m, idx, labels, causal_lm)
-    if m.cfg.stack.rl == "grpo":  # GRPOTrainer's _compute_loss: its labels' slot holds the attention mask
-        return grpo.compute_loss(g, m, idx, labels, causal_lm)
+    if m.cfg.stack.rl in ("grpo", "rloo"):  # GRPOTrainer's, RLOOTrainer's: the labels' slot holds the attention mask
+        return (grpo if m.cfg.stack.rl == "grpo" else rloo).compute_loss(g, m, idx, labels, causal_lm)
     if m.cfg.stack.savers.offload:  # TRL enters its OffloadActivations around training_step: forward and backward
         offloader(g, offload_mode(m.cfg.stack.trl), OFFLOAD_MIN_BYTES, OFFLOAD_STASH)
     with g.scoped("loss"):

@@ -143,10 +143,11 @@ class RolloutPhases:
     rollout_limit: int  # the card's usable bytes as the verdict counts them, no engine kept back
     train_bytes: int  # the step's peak + the engine beside it: the verdict decides it
     train_limit: int
+    starts: bool  # vLLM's budget leaves a KV cache that holds a request of max_model_len (RolloutEngine.failure)
 
     @property
     def fits(self) -> bool:
-        return (self.startup_bytes <= self.startup_limit and self.rollout_bytes <= self.rollout_limit
+        return (self.starts and self.startup_bytes <= self.startup_limit and self.rollout_bytes <= self.rollout_limit
                 and self.train_bytes <= self.train_limit)  # fmt: skip
 
 
@@ -178,4 +179,5 @@ def phases_of(engine: RolloutEngine, gpu: GPU, verdict, sleep: bool) -> RolloutP
     rollout_bytes = verdict.state_bytes + (engine.awake_bytes + engine.forward_bytes if beside else 0)
     held = (engine.asleep_bytes if sleep else engine.awake_bytes) if beside else 0  # the GPU's colocated_bytes
     usable = verdict.usable_bytes + held  # the GPU's usable bytes as the verdict counts them, the engine's given back
-    return RolloutPhases(startup, gpu.cuda_total_bytes, rollout_bytes, usable, verdict.total_bytes + held, usable)
+    return RolloutPhases(startup, gpu.cuda_total_bytes, rollout_bytes, usable, verdict.total_bytes + held, usable,
+                         not engine.failure)  # fmt: skip

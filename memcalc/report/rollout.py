@@ -17,7 +17,7 @@ def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Sec
     rows = []
     for label, p in zip(tricks, rollout.phases, strict=True):
         rows.append([label, sized(p.startup_bytes, units), sized(p.rollout_bytes, units), sized(p.train_bytes, units),
-                     "no: vLLM does not start" if e.failure else phase_verdict(p)])  # fmt: skip
+                     phase_verdict(p)])  # fmt: skip
     where = (f"colocated in each training process at gpu_memory_utilization {e.utilization:g}" if colocated else
              f"on GPUs of its own (trl vllm-serve, gpu_memory_utilization {e.utilization:g})")  # fmt: skip
     notes = [f"vLLM {where}; {e.release}'s budget (memcalc serve): weights {u.size(e.weights_bytes, units)}, KV cache "
@@ -49,7 +49,9 @@ def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Sec
 
 
 def phase_verdict(p) -> str:
-    """'yes', or the first phase that does not fit."""
+    """'yes', or why not: vLLM does not start, or the first phase that does not fit."""
+    if not p.starts:
+        return "no: vLLM does not start"
     for name, used, limit in (("startup", p.startup_bytes, p.startup_limit), ("rollout", p.rollout_bytes,
                               p.rollout_limit), ("train", p.train_bytes, p.train_limit)):  # fmt: skip
         if used > limit:

@@ -23,6 +23,8 @@ from memcalc.model.stacks import STACKS, stack_for, with_rl
 from tests.test_fuzz import examples
 
 LORA, QLORA = Finetune(4), Finetune(4, quantize="nf4")
+VARIANT = pytest.mark.slow("the same step on LoRA, a full fine-tune and Qwen3 (the variant's own stack tests: "
+                           "test_lora.py, test_dpo.py)")  # fmt: skip
 
 
 def grpo(finetune: Finetune = LORA, recipe: str = "pure", **settings):
@@ -42,8 +44,8 @@ def run(*args: str):
     ("qwen3", "bf16,flash,ckpt", LORA, {"beta": 0.04, "vllm": "server"}),
     ("llama", "bf16", Finetune(), {}),  # a full fine-tune
     ("llama", "bf16,flash,ckpt", Finetune(), {"beta": 0.04}),  # and its reference, a second model held
-    ("llama", "bf16", Finetune(4, dora=True), {"beta": 0.04}),
-    ("llama-mha-tied", "bf16", Finetune(), {}),  # the head tied to the embedding table
+    pytest.param("llama", "bf16", Finetune(4, dora=True), {"beta": 0.04}, marks=VARIANT),
+    pytest.param("llama-mha-tied", "bf16", Finetune(), {}, marks=VARIANT),  # the head tied to the embedding table
     ("llama", "bf16,flash,ckpt", Finetune(4, lora_dropout=0.1), {"vllm": "server"}),  # GRPO keeps LoRA's dropout
 ])  # fmt: skip
 def test_allocation_by_allocation(name, tricks, finetune, settings):
@@ -62,7 +64,8 @@ def test_reentrant_checkpointing():
     assert_watched_meta(TINY["llama"], "bf16,flash,ckpt", replace(grpo(completion_len=23), reentrant=True), batch=2)
 
 
-@pytest.mark.parametrize("name,tricks,finetune", [("llama", "bf16", LORA), ("qwen3", "bf16,flash,ckpt", QLORA),
+@pytest.mark.parametrize("name,tricks,finetune", [("llama", "bf16", LORA),
+                                                  pytest.param("qwen3", "bf16,flash,ckpt", QLORA, marks=VARIANT),
                                                   ("llama", "bf16,flash,ckpt", Finetune())])  # fmt: skip
 def test_liger_beside_the_fused_head(name, tricks, finetune):
     """use_liger_kernel under GRPOTrainer: Liger's RMSNorm, RoPE and SwiGLU (fused_linear_cross_entropy False, TRL
@@ -227,6 +230,20 @@ def test_an_engine_that_does_not_start():
     assert r.exit_code == 0 and "vLLM does not start" in r.output, r.output
 
 
+def test_group_rows():
+    """The micro-batch's unit GRPOConfig takes: whole groups of num_generations per generation batch (micro-batch x
+    accumulation x processes); fit searches in it, estimate refuses what is not a multiple of it."""
+    from memcalc.memory.setup import Setup, group_rows
+
+    def unit(generations: int, accumulation: int, world: int) -> int:
+        stack = with_rl(replace(STACKS["trl:1.16"], finetune=LORA), "grpo", grpo=Grpo(num_generations=generations))
+        return group_rows(Setup(seq_len=1024, micro_batch=8, grad_accum=accumulation, stack=stack), world)
+
+    assert (unit(8, 1, 1), unit(8, 2, 1), unit(8, 1, 8), unit(6, 4, 1), unit(2, 1, 1)) == (8, 4, 1, 3, 2)
+    assert group_rows(Setup(seq_len=1024, micro_batch=1), 1) == 1
+
+
+@pytest.mark.slow("test_group_rows (the unit fit searches in) and the replay's tests")
 def test_fit_holds_the_completion():
     """fit's longest sequence keeps the completion's length and grows the prompt, the verdict at it fits; its largest
     micro-batch is one GRPOConfig takes (whole prompt groups)."""
@@ -279,7 +296,7 @@ def test_a_grpo_config_file(tmp_path):
         assert refused.exit_code == 2 and said in refused.output and "Traceback" not in refused.output, refused.output
 
 
-@examples(3, slow=10)
+@examples(2, slow=10)
 @given(model=st.sampled_from(["llama3.2-1b", "qwen3-0.6b"]), completion=st.sampled_from(["128", "768"]),
        rows=st.sampled_from([1, 2]), how=st.sampled_from([["--lora", "8"], ["--lora", "8", "--quantize", "nf4"], []]),
        engine=st.sampled_from([[], ["--vllm", "colocate"], ["--vllm", "colocate", "--vllm-sleep"]]))  # fmt: skip

@@ -46,7 +46,6 @@ def test_cpu_under_autocast_with_the_prompt_masked():
     from tests.test_stack_hf import TINY
 
     assert_watched_cpu(TINY["llama"], rloo(recipe="autocast", completion_len=12), "bf16,flash,ckpt")
-    assert_watched_cpu(TINY["llama"], rloo(Finetune(), "autocast", completion_len=12), "bf16")
 
 
 def test_rloo_configs_defaults():

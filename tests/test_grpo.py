@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.model.finetune import Finetune
-from memcalc.model.rl import Grpo
+from memcalc.model.rl import OnlineRL
 from memcalc.model.stacks import STACKS, stack_for, with_rl
 from tests.test_fuzz import examples
 
@@ -28,7 +28,7 @@ VARIANT = pytest.mark.slow("the same step on LoRA, a full fine-tune and Qwen3 (t
 
 
 def grpo(finetune: Finetune = LORA, recipe: str = "pure", **settings):
-    return with_rl(replace(STACKS["trl:1.16"], finetune=finetune, recipe=recipe), "grpo", grpo=Grpo(**settings))
+    return with_rl(replace(STACKS["trl:1.16"], finetune=finetune, recipe=recipe), "grpo", online=OnlineRL(**settings))
 
 
 def run(*args: str):
@@ -166,7 +166,7 @@ def test_the_stack_is_trl_1_16_and_the_defaults_trls():
             "--format", "json")  # fmt: skip
     assert r.exit_code == 0, r.output
     stack = json.loads(r.stdout)["setup"]["stack"]
-    assert stack["key"] == "trl:1.16" and stack["grpo"]["completion_len"] == 512 and stack["grpo"]["beta"] == 0.0
+    assert stack["key"] == "trl:1.16" and stack["online"]["completion_len"] == 512 and stack["online"]["beta"] == 0.0
     assert with_rl(replace(stack_for("trl:1.16"), finetune=Finetune(8, lora_dropout=0.1)), "grpo").finetune \
         .lora_dropout == 0.1  # GRPOConfig.disable_dropout is False  # fmt: skip
 
@@ -236,7 +236,7 @@ def test_group_rows():
     from memcalc.memory.setup import Setup, group_rows
 
     def unit(generations: int, accumulation: int, world: int) -> int:
-        stack = with_rl(replace(STACKS["trl:1.16"], finetune=LORA), "grpo", grpo=Grpo(num_generations=generations))
+        stack = with_rl(replace(STACKS["trl:1.16"], finetune=LORA), "grpo", online=OnlineRL(num_generations=generations))
         return group_rows(Setup(seq_len=1024, micro_batch=8, grad_accum=accumulation, stack=stack), world)
 
     assert (unit(8, 1, 1), unit(8, 2, 1), unit(8, 1, 8), unit(6, 4, 1), unit(2, 1, 1)) == (8, 4, 1, 3, 2)

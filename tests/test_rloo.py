@@ -13,13 +13,13 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.model.finetune import Finetune
-from memcalc.model.rl import RLOO_DEFAULTS, Grpo
+from memcalc.model.rl import RLOO_DEFAULTS, OnlineRL
 from memcalc.model.stacks import STACKS, second_model, with_rl
 
 
 def rloo(finetune: Finetune = Finetune(4), recipe: str = "pure", **settings):
     settings = {"num_generations": 2, "beta": 0.05, **settings}
-    return with_rl(replace(STACKS["trl:1.16"], finetune=finetune, recipe=recipe), "rloo", grpo=Grpo(**settings))
+    return with_rl(replace(STACKS["trl:1.16"], finetune=finetune, recipe=recipe), "rloo", online=OnlineRL(**settings))
 
 
 def run(*args: str):
@@ -55,7 +55,7 @@ def test_rloo_configs_defaults():
             "bf16,flash,ckpt", "--vllm", "colocate", "--format", "json")  # fmt: skip
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert data["setup"]["stack"]["rl"] == "rloo" and data["setup"]["stack"]["grpo"]["num_generations"] == 2
+    assert data["setup"]["stack"]["rl"] == "rloo" and data["setup"]["stack"]["online"]["num_generations"] == 2
     assert data["rollout"]["phases"][0]["fits"]
     assert second_model(with_rl(STACKS["trl:1.16"], "rloo")) and RLOO_DEFAULTS.beta == 0.05
     lora = run("estimate", "--model", "llama3.2-1b", "--seq", "1024", "--rl", "rloo", "--lora", "8", "--micro-batch",
@@ -71,7 +71,7 @@ def test_the_loss_is_per_sequence():
     from memcalc.model.tricks import parse_tricks
 
     shape, tricks = replace(PRESETS["llama3.2-1b"], n_layers=2), parse_tricks("bf16,flash,ckpt")
-    grpo_stack = with_rl(replace(STACKS["trl:1.16"], finetune=Finetune(8)), "grpo", grpo=Grpo(completion_len=1024))
+    grpo_stack = with_rl(replace(STACKS["trl:1.16"], finetune=Finetune(8)), "grpo", online=OnlineRL(completion_len=1024))
     kept = [exact_step(shape, 2048, 4, tricks, stack=s).phases.retained_bytes
             for s in (rloo(Finetune(8), completion_len=1024, beta=0.0), grpo_stack)]  # fmt: skip
     assert kept[0] < kept[1]

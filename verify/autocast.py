@@ -153,7 +153,7 @@ def measure_autocast(shape: ModelShape, seq_len: int, micro_batch: int, tricks: 
         model = build_hf(shape, tricks, seq_len, device=device, autocast=device, use_cache=stack.use_cache,
                          finetune=stack.finetune, trl=stack.trl, liger=stack.savers.liger is not None,
                          reentrant=stack.reentrant, loss=stack.loss, rl=stack.rl,
-                         precompute_ref=stack.precompute_ref, grpo=stack.grpo)  # fmt: skip
+                         precompute_ref=stack.precompute_ref, online=stack.online)  # fmt: skip
     else:
         model = materialise(build(shape, kernels, seq_len, torch.float32), device)
     made = []
@@ -209,9 +209,9 @@ def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, st
 
     layers = min(shape.n_layers, max(tricks.ckpt_every + 1 if tricks.mixed else 2, stack.finetune.lead_blocks + 1))
     seq, batch = min(seq_len, MAX_CPU_SEQ), min(micro_batch, MAX_CPU_BATCH)
-    grpo = stack.grpo  # its completion the same share of the shorter sequence, a prompt of one token at least
-    completion = grpo and max(1, min(seq - 1, grpo.completion_len * seq // seq_len))
-    stack = replace(stack, grpo=replace(grpo, completion_len=completion)) if grpo else stack
+    online = stack.online  # its completion the same share of the shorter sequence, a prompt of one token at least
+    completion = online and max(1, min(seq - 1, online.completion_len * seq // seq_len))
+    stack = replace(stack, online=replace(online, completion_len=completion)) if online else stack
     small = replace(shape, n_layers=layers, vocab=min(shape.vocab, MAX_CPU_VOCAB))
     if small.positions == "learned":
         small = replace(small, max_positions=min(small.max_positions, seq))
@@ -232,7 +232,7 @@ def reduce(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, st
         ("hidden", shape.hidden, small.hidden), ("heads", shape.n_heads, small.n_heads),
         ("KV heads", shape.n_kv_heads, small.n_kv_heads), ("MLP width", shape.ffn, small.ffn),
         ("learned positions", shape.max_positions, small.max_positions),
-        ("completion tokens", grpo and grpo.completion_len, completion)) if old != new]  # fmt: skip
+        ("completion tokens", online and online.completion_len, completion)) if old != new]  # fmt: skip
     if small.dropout != shape.dropout:
         changes.append("dropout 0 (CPU's flash kernel takes none)")
     return Reduced(replace(small, name=shape.name), seq, batch, tuple(changes), stack)

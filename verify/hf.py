@@ -319,7 +319,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
              device: str = "meta", autocast: str | None = None, use_cache: bool = False,
              finetune: Finetune = FULL, trl: str = "", liger: bool = False,
              reentrant: bool = False, loss: str = "full", rl: str = "",
-             precompute_ref: bool = False, grpo=None) -> TrainerModel:  # fmt: skip
+             precompute_ref: bool = False, online=None) -> TrainerModel:  # fmt: skip
     """AutoModelForCausalLM.from_config on the device (meta: nothing allocated; cpu: the tests' real
     tensors), in the trick set's dtype, in training mode; activation checkpointing as the Trainer
     enables it (activation_checkpointing_enable with use_reentrant=False; gradient_checkpointing_enable,
@@ -364,7 +364,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     if rl in ("grpo", "rloo"):  # GRPOTrainer's, RLOOTrainer's own: a reference where beta is not 0 (verify/trl_grpo.py)
         from .trl_grpo import grpo_setup
 
-        trainer = grpo_setup(tf, config, dtype, attention_for(tricks, device), device, finetune.lora, grpo, rl)
+        trainer = grpo_setup(tf, config, dtype, attention_for(tricks, device), device, finetune.lora, online, rl)
     if loss == "chunked_nll":  # SFTTrainer.__init__ patches the forward for loss_type "chunked_nll" (verify/trl.py)
         from .trl_chunked import patch_chunked
 

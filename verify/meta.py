@@ -52,7 +52,7 @@ def build_model(shape: ModelShape, seq_len: int, tricks: Tricks, stack: Stack = 
         return build_hf(shape, tricks, seq_len, device=device, use_cache=stack.use_cache, finetune=stack.finetune,
                         trl=stack.trl, liger=stack.savers.liger is not None, reentrant=stack.reentrant,
                         loss=stack.loss, rl=stack.rl,
-                        precompute_ref=stack.precompute_ref, grpo=stack.grpo)  # fmt: skip
+                        precompute_ref=stack.precompute_ref, online=stack.online)  # fmt: skip
     return build(shape, meta_kernels(tricks), seq_len, DTYPES[tricks.precision])
 
 

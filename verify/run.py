@@ -73,7 +73,7 @@ def check_stack(setup: Setup, tricks: Tricks, device: str) -> None:
     tensors (recipes.check_recipe says which recipes and optimizers it trains)."""
     if setup.stack.model == "hf" and device != "meta" and not autocasts(setup.stack, tricks):
         raise InputError("--stack hf is measured on the meta device so far: give --device meta")
-    grpo = setup.stack.grpo
+    grpo = setup.stack.online
     if device == "meta" and grpo is not None and grpo.completion_len < setup.seq_len - 1:
         raise InputError(f"--rl grpo on meta: a boolean index keeps every position there (verify/trl.py fused_paths), "
                          f"so the prompt's positions would be scored: give --completion-len {setup.seq_len - 1} (a "

@@ -41,7 +41,7 @@ def grpo_setup(tf, config, dtype: torch.dtype, attention: str, device: str, lora
     """GRPOTrainer.__init__ beyond SFTTrainer's preparation (verify/trl.py prepare_after_peft, with GRPO's outputs):
     with beta not 0 and no PEFT a reference model, as DPOTrainer makes it (verify/trl_dpo.py reference_model); it is
     read only in the scoring pass before the steps, so in a step it is only held. GRPOConfig.disable_dropout is
-    False: nothing turned off. settings: memcalc.model.rl.Grpo."""
+    False: nothing turned off. settings: memcalc.model.rl.OnlineRL."""
     grpo = Grpo(settings.completion_len, settings.beta, bool(settings.vllm), rloo=rl == "rloo")
     if settings.beta and not lora:
         from .trl_dpo import reference_model

@@ -130,9 +130,9 @@ class StackOptions(OptionGroup):
     vllm_max_len: str | None = None
     cudagraph_memory: str | None = None
 
-    def grpo(self):
-        """GRPOConfig's settings (memcalc.model.rl.Grpo) where any is given or --rl grpo is; else None."""
-        from memcalc.model.rl import RLOO_DEFAULTS, Grpo
+    def online(self):
+        """GRPOConfig's settings (memcalc.model.rl.OnlineRL) where any is given or --rl grpo is; else None."""
+        from memcalc.model.rl import RLOO_DEFAULTS, OnlineRL
         from memcalc.model.sizes import parse_count, parse_seq
         from memcalc.model.stacks import ONLINE
 
@@ -143,7 +143,7 @@ class StackOptions(OptionGroup):
         rl = (self.rl or "").strip().lower()
         if all(x is None for x in given) and not self.vllm_sleep and rl not in ONLINE:
             return None
-        base = RLOO_DEFAULTS if rl == "rloo" else Grpo()
+        base = RLOO_DEFAULTS if rl == "rloo" else OnlineRL()
         if self.vllm_util is not None and self.vllm is None:
             raise InputError("--vllm-util is vllm_gpu_memory_utilization: give --vllm colocate or server")
         mode = (self.vllm or "").strip().lower()
@@ -152,7 +152,7 @@ class StackOptions(OptionGroup):
         generations = base.num_generations if self.num_generations is None else parse_count(self.num_generations,
                                                                                              "--num-generations")
         max_len = 0 if self.vllm_max_len is None else parse_seq(self.vllm_max_len, "--vllm-max-len")
-        return Grpo(completion, generations, base.beta if self.beta is None else parse_beta(self.beta), mode,
+        return OnlineRL(completion, generations, base.beta if self.beta is None else parse_beta(self.beta), mode,
                     util if self.vllm_util is None else parse_fraction(self.vllm_util, "--vllm-util"),
                     self.vllm_sleep, max_len, graph_bytes(self.cudagraph_memory) or 0)  # fmt: skip
 
@@ -182,7 +182,7 @@ class StackOptions(OptionGroup):
                                  f"{chosen.key}")  # fmt: skip
             chosen = replace(chosen, finetune=finetune)
         return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl, self.precompute_ref,
-                       self.grpo())  # fmt: skip
+                       self.online())  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
     if setup.micro_batch % group_rows(setup, lay.world):
         generated = setup.micro_batch * setup.grad_accum * lay.world  # generation_batch_size's default
         raise InputError(f"GRPOConfig refuses a generation batch of {generated} (micro-batch x accumulation x GPUs) "
-                         f"with --num-generations {setup.stack.grpo.num_generations}: it must hold whole prompt groups "
+                         f"with --num-generations {setup.stack.online.num_generations}: it must hold whole prompt groups "
                          "(generation_batch_size % num_generations == 0)")  # fmt: skip
     if setup.stack.model == "torchtune" and not (plain_split(lay) and lay.zero == 0):  # its single-device recipes
         raise InputError("--stack torchtune replays its single-device recipes (full_finetune_single_device, "

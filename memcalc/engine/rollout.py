@@ -85,23 +85,23 @@ def engine_for(model: Model, gpu: GPU, setup: Setup) -> RolloutEngine | None:
     from memcalc.serve.releases import release_line
     from memcalc.time.calibration import calibration_for
 
-    grpo = setup.stack.grpo
-    if grpo is None or not grpo.vllm:
+    online = setup.stack.online
+    if online is None or not online.vllm:
         return None
     seqs = setup.micro_batch * setup.grad_accum  # steps_per_generation's default: the accumulation steps
-    length = grpo.max_model_len or setup.seq_len
+    length = online.max_model_len or setup.seq_len
     line = release_line(TRL_VLLM)
     try:
         job = ServeJob(model, gpu, length, calibration_for(gpu.key),
-                       "bf16" if gpu.bf16_tflops else "fp16", gpu_memory_utilization=grpo.vllm_util,
+                       "bf16" if gpu.bf16_tflops else "fp16", gpu_memory_utilization=online.vllm_util,
                        max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=seqs, vllm=line,
-                       cudagraph_memory=grpo.graphs_bytes)  # fmt: skip
+                       cudagraph_memory=online.graphs_bytes)  # fmt: skip
         answer = serve(job, advise=False)
-        prefill, decode = generation_seconds(job, setup.seq_len - grpo.completion_len, grpo.completion_len)
+        prefill, decode = generation_seconds(job, setup.seq_len - online.completion_len, online.completion_len)
     except InputError as e:
-        raise InputError(f"--vllm {grpo.vllm}: {e}") from None
+        raise InputError(f"--vllm {online.vllm}: {e}") from None
     b, requested = answer.budget.binding, int(job.gpu.cuda_total_bytes * job.utilization)
-    return RolloutEngine(grpo.vllm, job.utilization, length, seqs, answer.release, requested, b.weights,
+    return RolloutEngine(online.vllm, job.utilization, length, seqs, answer.release, requested, b.weights,
                          answer.budget.cache_bytes, b.kept, b.cudagraphs, answer.activations.peak,
                          answer.budget.cache_tokens, answer.longest_context, b.shortfall, prefill, decode)  # fmt: skip
 
@@ -128,7 +128,7 @@ def with_engine(model: Model, gpu: GPU, setup: Setup) -> GPU:
     engine = engine_for(model, replace(gpu, colocated_bytes=0, colocated=""), setup)
     if engine is None or engine.mode != "colocate":
         return gpu
-    sleep = setup.stack.grpo.sleep
+    sleep = setup.stack.online.sleep
     what = f"vLLM colocated ({'asleep' if sleep else 'awake'}, gpu_memory_utilization {engine.utilization:g})"
     return replace(gpu, colocated_bytes=engine.asleep_bytes if sleep else engine.awake_bytes, colocated=what)
 
@@ -167,8 +167,8 @@ def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout | 
     engine = engine_for(model, bare, setup)
     if engine is None:
         return None
-    phases = tuple(phases_of(engine, bare, v, setup.stack.grpo.sleep) for v in verdicts)
-    return Rollout(engine, setup.stack.grpo.sleep, phases)
+    phases = tuple(phases_of(engine, bare, v, setup.stack.online.sleep) for v in verdicts)
+    return Rollout(engine, setup.stack.online.sleep, phases)
 
 
 def phases_of(engine: RolloutEngine, gpu: GPU, verdict, sleep: bool) -> RolloutPhases:

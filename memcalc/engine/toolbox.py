@@ -144,8 +144,8 @@ def use_checkpointing(model: Model, gpu: GPU, c: Combination, measure: Measure) 
 def use_quantized_base(model: Model, gpu: GPU, c: Combination, measure: Measure) -> tuple[str, Change, str] | None:
     """LoRA over a 16-bit base: the base in 4 bits, QLoRA (bitsandbytes nf4 with double quantisation: about half
     a byte a weight, memcalc.model.finetune.nf4_bytes), each 4-bit weight dequantised to run its matmuls."""
-    ft, grpo = c.setup.stack.finetune, c.setup.stack.grpo
-    if not ft.lora or ft.quantize or (grpo is not None and grpo.vllm):  # vLLM's bitsandbytes weights: refused
+    ft, online = c.setup.stack.finetune, c.setup.stack.online
+    if not ft.lora or ft.quantize or (online is not None and online.vllm):  # vLLM's bitsandbytes weights: refused
         return None
 
     def change(x: Combination) -> Combination:

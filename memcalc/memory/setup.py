@@ -58,8 +58,8 @@ class Setup:
     @property
     def shortest_seq(self) -> int:
         """The shortest sequence the job has: GRPO's completion and a prompt of one token; else one token."""
-        grpo = self.stack.grpo
-        return 1 if grpo is None else grpo.completion_len + 1
+        online = self.stack.online
+        return 1 if online is None else online.completion_len + 1
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -80,10 +80,10 @@ def group_rows(setup: Setup, world: int) -> int:
     """The micro-batch's unit under --rl grpo: GRPOConfig takes a generation batch (micro-batch x accumulation x
     processes) of whole prompt groups (generation_batch_size % num_generations == 0), so the micro-batch is a
     multiple of num_generations / gcd(num_generations, accumulation x processes); 1 otherwise."""
-    grpo = setup.stack.grpo
-    if grpo is None:
+    online = setup.stack.online
+    if online is None:
         return 1
-    return grpo.num_generations // math.gcd(grpo.num_generations, setup.grad_accum * world)
+    return online.num_generations // math.gcd(online.num_generations, setup.grad_accum * world)
 
 
 def host_share(setup: Setup, layout: Layout) -> int:

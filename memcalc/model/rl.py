@@ -1,6 +1,6 @@
 """Online RL fine-tuning as TRL 1.16's GRPOTrainer and RLOOTrainer run it (trl/trainer/grpo_config.py GRPOConfig,
 rloo_config.py RLOOConfig, which shares these knobs): the settings that change what a GPU holds. The record travels
-with the stack (memcalc.model.stacks.Stack.grpo), so the training step's replay (memcalc.exact.hf.grpo, rloo), the
+with the stack (memcalc.model.stacks.Stack.online), so the training step's replay (memcalc.exact.hf.grpo, rloo), the
 rollout engine (memcalc.engine.rollout) and verify read the same one.
 """
 
@@ -13,8 +13,8 @@ VLLM_MODES = ("", "colocate", "server")  # use_vllm False (the policy's own gene
 
 
 @record(frozen=True)
-class Grpo:
-    """GRPOConfig's memory-bearing settings, TRL 1.16's defaults where a field has one."""
+class OnlineRL:
+    """GRPOConfig's memory-bearing settings (RLOOConfig has the same), GRPOConfig's defaults where a field has one."""
 
     completion_len: int = 512  # max_completion_length: each row's last positions (the rest: its prompt)
     num_generations: int = 8  # completions per prompt: the generation batch is a multiple of it
@@ -43,10 +43,10 @@ class Grpo:
             raise InputError("--vllm-max-len and --cudagraph-memory describe the engine: give --vllm colocate or "
                              "server")  # fmt: skip
 
-    def step_key(self) -> Grpo:
+    def step_key(self) -> OnlineRL:
         """What the training step's bytes depend on (the rest is the rollout's): the completion's length, whether
         a reference's log-probs and vLLM's old log-probs and ratio come with the batch."""
-        return Grpo(self.completion_len, 2, self.beta and 1.0, "server" if self.vllm else "")
+        return OnlineRL(self.completion_len, 2, self.beta and 1.0, "server" if self.vllm else "")
 
     @property
     def label(self) -> str:
@@ -59,4 +59,4 @@ class Grpo:
         return ", ".join(parts)
 
 
-RLOO_DEFAULTS = Grpo(num_generations=2, beta=0.05)  # RLOOConfig's (trl/trainer/rloo_config.py, trl 1.16.0); rest GRPO's
+RLOO_DEFAULTS = OnlineRL(num_generations=2, beta=0.05)  # RLOOConfig's (trl/trainer/rloo_config.py, trl 1.16.0)

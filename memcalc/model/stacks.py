@@ -32,7 +32,7 @@ from memcalc.errors import InputError
 from memcalc.records import record
 
 from .finetune import FULL, Finetune
-from .rl import RLOO_DEFAULTS, Grpo
+from .rl import RLOO_DEFAULTS, OnlineRL
 from .savers import NO_SAVERS, Liger, Savers, check_liger, check_offload, check_offload_tricks
 
 MODELS = ("reference", "hf", "torchtune")
@@ -42,7 +42,7 @@ MODELS = ("reference", "hf", "torchtune")
 # each under checkpointing: memcalc.exact.hf.chunked_nll)
 LOSSES = ("full", "chunked", "chunked_nll")
 RL = ("", "dpo", "grpo", "rloo")  # --rl: preference and online RL training as TRL's trainers run them ("": SFT)
-ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.grpo)
+ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.online)
 LOSS_SPELLINGS = {"nll": "full"}  # --loss nll: TRL's name for the cross-entropy over the whole logits
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
@@ -113,9 +113,9 @@ class Stack:
     in_backward: bool = False  # torchtune's optimizer_in_bwd: each parameter stepped as its gradient is made
     savers: Savers = NO_SAVERS  # the memory savers on: activation offloading (memcalc.model.savers)
     reentrant: bool = False  # hf: ckpt's checkpoint with use_reentrant=True (gradient_checkpointing_kwargs)
-    rl: str = ""  # RL: "dpo" or "grpo", TRL's DPOTrainer or GRPOTrainer in place of its SFTTrainer; "" for none
+    rl: str = ""  # RL: "dpo", "grpo" or "rloo", that TRL trainer in place of its SFTTrainer; "" for none
     precompute_ref: bool = False  # DPOConfig.precompute_ref_log_probs: the reference's log-probs come with the batch
-    grpo: Grpo | None = None  # under --rl grpo or rloo: GRPOConfig's settings, RLOOConfig's the same (memcalc.model.rl)
+    online: OnlineRL | None = None  # under --rl grpo or rloo: GRPOConfig's and RLOOConfig's settings (memcalc.model.rl)
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
@@ -141,7 +141,7 @@ class Stack:
             changed.append("reentrant checkpointing")
         if self.rl:
             changed.append(self.rl.upper() + (", reference precomputed" if self.precompute_ref else "") +
-                           (f", {self.grpo.label}" if self.grpo else ""))  # fmt: skip
+                           (f", {self.online.label}" if self.online else ""))  # fmt: skip
         if self.finetune.label:
             changed.append(self.finetune.label)
         changed += self.savers.labels
@@ -263,23 +263,23 @@ def with_loop(stack: Stack, loss: str | None = None, in_backward: bool = False) 
     return replace(stack, **changes) if changes else stack
 
 
-def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, grpo: Grpo | None = None) -> Stack:
+def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: OnlineRL | None = None) -> Stack:
     """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); --precompute-ref: its
-    precompute_ref_log_probs (no reference in the step). --rl grpo: its GRPOTrainer (memcalc.exact.hf.grpo), grpo its
-    settings. Refused where the step is not replayed: other stacks and TRL lines (before 1.15 the loss came from the
-    logits), --modules-to-save (the reference runs the original modules, not the trained copies), activation
+    precompute_ref_log_probs (no reference in the step). --rl grpo and rloo: its GRPOTrainer and RLOOTrainer
+    (memcalc.exact.hf.grpo, rloo), online their settings. Refused where the step is not replayed: other stacks and
+    TRL lines (before 1.15 the loss came from the logits), --modules-to-save (the reference runs the original modules, not the trained copies), activation
     offloading, Liger beside DPO's second model (its forward runs in the step, through Liger's RoPE too)."""
     key = (rl or "").strip().lower()
     if precompute_ref and key != "dpo":
         raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
-    if grpo is not None and key not in ONLINE:
+    if online is not None and key not in ONLINE:
         raise InputError("--completion-len, --num-generations, --beta and --vllm are GRPOConfig's and RLOOConfig's: "
                          "give --rl grpo or rloo")  # fmt: skip
     if rl is None:
         return stack
     if key == "ppo":
-        raise InputError("--rl ppo: PPO (a critic in training beside the policy) is not modelled yet; known: dpo, grpo, rloo "
-                         "(docs/rl.md)")  # fmt: skip
+        raise InputError("--rl ppo: PPO (a critic in training beside the policy) is not modelled yet; known: dpo, grpo, "
+                         "rloo (docs/rl.md)")  # fmt: skip
     if key not in RL or not key:
         raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo, rloo")
     if stack.trl not in FUSED_HEAD:
@@ -296,11 +296,11 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, grpo: Gr
     if stack.finetune.modules_to_save:
         raise InputError(f"--rl {key} with --modules-to-save: the reference then runs the original modules beside the "
                          "trained copies, which is not replayed")  # fmt: skip
-    if key in ONLINE and grpo is not None and grpo.vllm and stack.finetune.quantize:
+    if key in ONLINE and online is not None and online.vllm and stack.finetune.quantize:
         raise InputError("--vllm with --quantize: TRL starts vLLM on the 4-bit model with quantization='bitsandbytes', "
                          "whose weights memcalc serve does not size; drop --vllm (the policy generates itself)")  # fmt: skip
     if key in ONLINE:  # GRPOConfig's and RLOOConfig's disable_dropout is False: LoRA's dropout stays
-        return replace(stack, rl=key, grpo=grpo or (Grpo() if key == "grpo" else RLOO_DEFAULTS))
+        return replace(stack, rl=key, online=online or (OnlineRL() if key == "grpo" else RLOO_DEFAULTS))
     finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0
     return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref)
 
@@ -310,7 +310,7 @@ def second_model(stack: Stack) -> bool:
     with its adapters disabled) whose DPO reference is not precomputed, or whose GRPO beta is not 0."""
     if stack.finetune.lora:
         return False
-    return (stack.rl == "dpo" and not stack.precompute_ref) or (stack.grpo is not None and stack.grpo.beta != 0)
+    return (stack.rl == "dpo" and not stack.precompute_ref) or (stack.online is not None and stack.online.beta != 0)
 
 
 def dpo_reference(stack: Stack) -> str:
@@ -323,7 +323,7 @@ def dpo_reference(stack: Stack) -> str:
 
 def online_note(stack: Stack) -> str:
     """GRPOTrainer's and RLOOTrainer's step in a line (memcalc.exact.hf.grpo, rloo)."""
-    g, held = stack.grpo, "; a second model held" if second_model(stack) else ""
+    g, held = stack.online, "; a second model held" if second_model(stack) else ""
     scored = (f"each completion's {g.completion_len} positions scored through add_fused_lm_head (no logits), the "
               "prompt masked; the generation batch buffered with its advantages")  # fmt: skip
     if stack.rl == "rloo":
@@ -344,7 +344,7 @@ def trl_note(stack: Stack) -> str:
     parts = []
     if line in BF16_CAST and stack.finetune.quantize:
         parts.append("the 4-bit model's adapters cast to bf16, nothing else prepared")
-    if line in FUSED_HEAD and stack.grpo is not None:
+    if line in FUSED_HEAD and stack.online is not None:
         return online_note(stack)
     if line in FUSED_HEAD and stack.rl == "dpo":
         parts.append(f"each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then "

@@ -27,7 +27,7 @@ def causal_mask(g: Graph, cfg: StepConfig, B: int, T: int, position_ids: Tensor,
     find_packed_sequence_indices; sdpa's mask is skipped (is_causal); eager's is built in
     inputs_embeds' dtype (dtype: fp32 under autocast, whose embedding is on no list). Where the trainer hands the
     model its 2-D attention mask (GRPOTrainer: padded_causal_mask) that path instead."""
-    if cfg.stack.grpo is not None:  # GRPOTrainer, RLOOTrainer
+    if cfg.stack.online is not None:  # GRPOTrainer, RLOOTrainer
         return padded_causal_mask(g, cfg, B, T, dtype)
     with g.scoped("mask"):
         if not dynamic_cache.kept(cfg):  # _preprocess_mask_arguments: only without a cache
@@ -70,7 +70,7 @@ def decoder_mask(g: Graph, cfg: StepConfig, B: int, T: int, position_ids: Tensor
     """MistralModel.forward, Phi3Model.forward: mask_function = create_sliding_window_causal_mask where
     config.sliding_window is set (every layer, the shape's window), else create_causal_mask (Llama's)."""
     window = cfg.shape.sliding_window
-    if window and cfg.stack.grpo is not None:
+    if window and cfg.stack.online is not None:
         raise InputError(f"--rl {cfg.stack.rl} on a sliding-window model: create_sliding_window_causal_mask beside "
                          "the 2-D attention mask the trainer hands the model is not replayed")  # fmt: skip
     if not window:

@@ -82,7 +82,7 @@ def fused_forward(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, lab
         shifted = sliced(g, hidden_states, (B, T - 1, H))
         shifted_labels = g.view(labels, (B, T - 1))
         mask = made(g, (B, T - 1), "ne", shifted_labels, dtype="bool")
-        kept = B * min(m.cfg.stack.grpo.completion_len, T - 1) if m.cfg.stack.grpo else None  # labels[:, :-C] = -100
+        kept = B * min(m.cfg.stack.online.completion_len, T - 1) if m.cfg.stack.online else None  # labels[:, :-C] = -100
         rows = index_rows(g, shifted, mask, watched, kept)
         targets = index_rows(g, shifted_labels, mask, watched, kept)
         compute = m.cfg.precision if m.autocast is not None else hidden_states.dtype

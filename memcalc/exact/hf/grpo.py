@@ -40,7 +40,7 @@ def buffered(g: Graph, m: HFModel, B: int, T: int) -> dict[str, Tensor]:
     old_per_token_logps (B, C) and importance_sampling_ratio (B, 1) (vllm_importance_sampling_mode "sequence_mask");
     at beta > 0 ref_per_token_logps (B, C), fp32; and the other micro-batches' prompt and completion ids and masks."""
     if not m.batch:
-        settings, C, A = m.cfg.stack.grpo, m.cfg.stack.grpo.completion_len, m.cfg.grad_accum
+        settings, C, A = m.cfg.stack.online, m.cfg.stack.online.completion_len, m.cfg.grad_accum
         rows = B * A
         m.batch["advantages"] = made(g, (rows,), "zeros")
         m.batch["num_items_in_batch"] = made(g, (), "ones", dtype="int64")
@@ -57,7 +57,7 @@ def buffered(g: Graph, m: HFModel, B: int, T: int) -> dict[str, Tensor]:
 def compute_loss(g: Graph, m: HFModel, idx: Tensor, attention_mask: Tensor, causal_lm: Callable) -> Tensor:
     """GRPOTrainer._compute_loss; locals live until it returns, as in its frame."""
     B, T = idx.shape
-    settings = m.cfg.stack.grpo
+    settings = m.cfg.stack.online
     C = settings.completion_len
     inputs = buffered(g, m, B, T)
     input_ids, mask_2d, per_token_logps, entropies = scored(g, m, idx, attention_mask, causal_lm)
@@ -107,7 +107,7 @@ def scored(g: Graph, m: HFModel, idx: Tensor, attention_mask: Tensor,
     with g.scoped("loss"):
         input_ids = made(g, (B, T), "cat", idx, dtype="int64")  # torch.cat([prompt_ids, completion_ids], 1)
         mask_2d = made(g, (B, T), "cat", attention_mask, dtype="int64")
-    C = m.cfg.stack.grpo.completion_len
+    C = m.cfg.stack.online.completion_len
     return input_ids, mask_2d, *per_token_logps_and_entropies(g, m, input_ids, mask_2d, C, causal_lm)
 
 

@@ -43,7 +43,7 @@ def compute_loss(g: Graph, m: HFModel, idx: Tensor, attention_mask: Tensor, caus
     """RLOOTrainer._compute_loss, then training_step's loss / gradient_accumulation_steps; locals live until it
     returns, as in its frame."""
     B, T = idx.shape
-    C = m.cfg.stack.grpo.completion_len
+    C = m.cfg.stack.online.completion_len
     inputs = buffered(g, m, B, T)
     input_ids, mask_2d, per_token_logps, entropies = scored(g, m, idx, attention_mask, causal_lm)
     with g.scoped("loss"):

@@ -268,6 +268,11 @@ def test_offload_is_charged_against_the_host_memory():
     assert "no, host 561.7 GB over" in out.stdout  # the stage table's verdict
     roomy = run(*args, "--host-memory", "8T")  # 8 TB for the node: 1 TB each
     assert "Fits:" in roomy.stdout
+
+
+@pytest.mark.slow("test_offload_is_charged_against_the_host_memory (the verdict plan ranks by)")
+def test_the_plan_says_offload_does_not_rescue_it():
+    """Defect 14's plan: no 405B layout on 8 GPUs fits with 1 TB of host memory for the node, and it says why."""
     plan = ["plan", "--model", "llama3.1-405b", "--gpus", "8", "--global-batch", "8", "--seq", "8192",
             "--host-memory", "1T"]  # fmt: skip
     assert as_json(*plan)["fitting"] == 0

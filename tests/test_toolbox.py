@@ -167,7 +167,8 @@ def test_largest_reserved_finds_the_allocators_limit_whatever_it_says_it_lacked(
     assert len(probes) <= 3 * (math.ceil(math.log2(tensors + 1)) + 1)
 
 
-@pytest.mark.parametrize("layout", [Layout(), Layout(dp=8, zero=3)])
+@pytest.mark.parametrize("layout", [Layout(), pytest.param(Layout(dp=8, zero=3), marks=pytest.mark.slow(
+    "the one-GPU case (the same search); the sharded verdict it searches with: tests/test_zero_monotone.py"))])
 def test_fit_limits_are_tight(layout):
     setup, tricks, h200 = Setup(seq_len=8192), parse_tricks("bf16,flash,ckpt"), gpu("h200")
     limits = fit_limits(MODEL_8B, setup, h200, tricks, layout)

@@ -8,7 +8,7 @@ from memcalc.model.finetune import HEAD
 from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.layout import ONE_GPU, Layout
 from memcalc.model.shape import Model
-from memcalc.model.stacks import FUSED_HEAD, second_model
+from memcalc.model.stacks import FUSED_HEAD, TRAINERS, second_model
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.parallel.verdict import sharded_data_parallel
 from memcalc.records import record
@@ -92,15 +92,15 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
                          "(FSDP2's full_tensor, ZeRO-3's gather around it), which is not replayed")  # fmt: skip
     if second_model(setup.stack) and lay.zero:
         rl = setup.stack.rl
-        trainer, fix = ("DPOTrainer", "--precompute-ref") if rl == "dpo" else ("GRPOTrainer", "--beta 0")
+        trainer, fix = TRAINERS[rl], "--precompute-ref" if rl == "dpo" else "--beta 0"
         raise InputError(f"--rl {rl} on a model that is not PEFT's under --zero: {trainer} prepares its second model "
                          "as a DeepSpeed engine of its own (trl prepare_deepspeed: stage 0 below ZeRO-3, in the "
                          f"engine's bf16), which is not replayed; {fix}, --lora, or --zero 0")  # fmt: skip
     if setup.micro_batch % group_rows(setup, lay.world):
         generated = setup.micro_batch * setup.grad_accum * lay.world  # generation_batch_size's default
         raise InputError(f"GRPOConfig refuses a generation batch of {generated} (micro-batch x accumulation x GPUs) "
-                         f"with --num-generations {setup.stack.online.num_generations}: it must hold whole prompt groups "
-                         "(generation_batch_size % num_generations == 0)")  # fmt: skip
+                         f"with --num-generations {setup.stack.online.num_generations}: it must hold whole prompt "
+                         "groups (generation_batch_size % num_generations == 0)")  # fmt: skip
     if setup.stack.model == "torchtune" and not (plain_split(lay) and lay.zero == 0):  # its single-device recipes
         raise InputError("--stack torchtune replays its single-device recipes (full_finetune_single_device, "
                          "lora_finetune_single_device): one GPU, or each GPU of plain data parallelism")  # fmt: skip

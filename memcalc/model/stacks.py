@@ -43,6 +43,7 @@ MODELS = ("reference", "hf", "torchtune")
 LOSSES = ("full", "chunked", "chunked_nll")
 RL = ("", "dpo", "grpo", "rloo")  # --rl: preference and online RL training as TRL's trainers run them ("": SFT)
 ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.online)
+TRAINERS = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}  # TRL's class for each --rl
 LOSS_SPELLINGS = {"nll": "full"}  # --loss nll: TRL's name for the cross-entropy over the whole logits
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
@@ -267,8 +268,9 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
     """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); --precompute-ref: its
     precompute_ref_log_probs (no reference in the step). --rl grpo and rloo: its GRPOTrainer and RLOOTrainer
     (memcalc.exact.hf.grpo, rloo), online their settings. Refused where the step is not replayed: other stacks and
-    TRL lines (before 1.15 the loss came from the logits), --modules-to-save (the reference runs the original modules, not the trained copies), activation
-    offloading, Liger beside DPO's second model (its forward runs in the step, through Liger's RoPE too)."""
+    TRL lines (before 1.15 the loss came from the logits), --modules-to-save (the reference runs the original
+    modules, not the trained copies), activation offloading, Liger beside DPO's second model (its forward runs in the
+    step, through Liger's RoPE too), vLLM beside a 4-bit model."""
     key = (rl or "").strip().lower()
     if precompute_ref and key != "dpo":
         raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
@@ -278,13 +280,13 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
     if rl is None:
         return stack
     if key == "ppo":
-        raise InputError("--rl ppo: PPO (a critic in training beside the policy) is not modelled yet; known: dpo, grpo, "
-                         "rloo (docs/rl.md)")  # fmt: skip
+        raise InputError("--rl ppo: PPO (a critic in training beside the policy) is not modelled yet; known: dpo, "
+                         "grpo, rloo (docs/rl.md)")  # fmt: skip
     if key not in RL or not key:
         raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo, rloo")
     if stack.trl not in FUSED_HEAD:
         lines = ", ".join("trl:" + x for x in FUSED_HEAD)
-        trainer = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}[key]
+        trainer = TRAINERS[key]
         raise InputError(f"--rl {key} is TRL's {trainer}, replayed on --stack {lines} (its fused LM head), not --stack "
                          f"{stack.key}")  # fmt: skip
     if stack.savers.offload:
@@ -298,7 +300,8 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
                          "trained copies, which is not replayed")  # fmt: skip
     if key in ONLINE and online is not None and online.vllm and stack.finetune.quantize:
         raise InputError("--vllm with --quantize: TRL starts vLLM on the 4-bit model with quantization='bitsandbytes', "
-                         "whose weights memcalc serve does not size; drop --vllm (the policy generates itself)")  # fmt: skip
+                         "whose weights memcalc serve does not size; drop --vllm (the policy generates "
+                         "itself)")  # fmt: skip
     if key in ONLINE:  # GRPOConfig's and RLOOConfig's disable_dropout is False: LoRA's dropout stays
         return replace(stack, rl=key, online=online or (OnlineRL() if key == "grpo" else RLOO_DEFAULTS))
     finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0

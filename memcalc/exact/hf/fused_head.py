@@ -9,7 +9,7 @@ each folded by a Triton kernel (which allocates nothing) into seven fp32 per-tok
 recomputes each tile, turns it into the logits' gradient in place and accumulates the two gradient GEMMs into fp32
 buffers (torch.addmm(..., out_dtype=torch.float32, out=acc) on CUDA). The per-token outputs are scattered back to
 (B, T - 1) (new_zeros(...).masked_scatter(mask, x)). Every position is taken to be scored (no padding, no prompt
-masked): the most the step holds.
+masked): the most the step holds. GRPOTrainer and RLOOTrainer mask the prompt: B x C completion positions scored.
 
 watched (StepConfig.watched): the step as verify's TorchDispatchMode measures it, on meta or CPU tensors. With a
 mode on, autograd takes every tensor as subclass-like (torch/csrc/autograd/FunctionsManual.cpp index_backward,
@@ -82,7 +82,8 @@ def fused_forward(g: Graph, m: HFModel, hidden_states: Tensor, head: Tensor, lab
         shifted = sliced(g, hidden_states, (B, T - 1, H))
         shifted_labels = g.view(labels, (B, T - 1))
         mask = made(g, (B, T - 1), "ne", shifted_labels, dtype="bool")
-        kept = B * min(m.cfg.stack.online.completion_len, T - 1) if m.cfg.stack.online else None  # labels[:, :-C] = -100
+        online = m.cfg.stack.online  # GRPO's and RLOO's labels[:, :-C] = -100: the completion's positions alone
+        kept = B * min(online.completion_len, T - 1) if online else None
         rows = index_rows(g, shifted, mask, watched, kept)
         targets = index_rows(g, shifted_labels, mask, watched, kept)
         compute = m.cfg.precision if m.autocast is not None else hidden_states.dtype

@@ -182,9 +182,10 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     if cfg.stack.rl and cfg.shape.dropout:  # disable_dropout_in_model zeroes nn.Dropout modules, not config dropout
         raise InputError("--rl dpo on a model with dropout: DPOConfig.disable_dropout turns its nn.Dropout modules "
                          "off but not every family's attention dropout, which is not replayed")  # fmt: skip
-    if cfg.stack.online and cfg.stack.online.completion_len >= cfg.seq_len:  # labels[:, :-C]: a prompt of one token at least
-        raise InputError(f"--completion-len {cfg.stack.online.completion_len} leaves no prompt in --seq {cfg.seq_len}: "
-                         "the sequence is the prompt and the completion together")  # fmt: skip
+    online = cfg.stack.online  # labels[:, :-C] = -100: a prompt of one token at least
+    if online and online.completion_len >= cfg.seq_len:
+        raise InputError(f"--completion-len {online.completion_len} leaves no prompt in --seq {cfg.seq_len}: the "
+                         "sequence is the prompt and the completion together")  # fmt: skip
     if cfg.finetune.modules_to_save and cfg.shape.tied_embeddings:  # PEFT would copy the shared table's module
         raise InputError("--modules-to-save with a head tied to the embedding table is not replayed")
     quant, params = {}, []

@@ -100,8 +100,8 @@ def seq_for(seq: str | None, model: Model | None) -> str:
 class StackOptions(OptionGroup):
     """--stack, --recipe, --optimizer-impl, --no-cache, --offload-activations, --liger, --reentrant, the fine-tuning
     (--lora, --lora-targets, --lora-dropout, --dora, --modules-to-save, --quantize, --freeze) and RL's: --rl,
-    --precompute-ref, and GRPOConfig's --completion-len, --num-generations, --beta, --vllm, --vllm-util,
-    --vllm-sleep, --vllm-max-len, --cudagraph-memory."""
+    --precompute-ref, and GRPOConfig's and RLOOConfig's --completion-len, --num-generations, --beta, --vllm,
+    --vllm-util, --vllm-sleep, --vllm-max-len, --cudagraph-memory."""
 
     stack: str | None = None
     recipe: str | None = None
@@ -131,7 +131,8 @@ class StackOptions(OptionGroup):
     cudagraph_memory: str | None = None
 
     def online(self):
-        """GRPOConfig's settings (memcalc.model.rl.OnlineRL) where any is given or --rl grpo is; else None."""
+        """GRPOConfig's (and RLOOConfig's) settings (memcalc.model.rl.OnlineRL) where any is given or --rl grpo or rloo
+        is, each trainer's defaults where not given; else None."""
         from memcalc.model.rl import RLOO_DEFAULTS, OnlineRL
         from memcalc.model.sizes import parse_count, parse_seq
         from memcalc.model.stacks import ONLINE
@@ -153,8 +154,8 @@ class StackOptions(OptionGroup):
                                                                                              "--num-generations")
         max_len = 0 if self.vllm_max_len is None else parse_seq(self.vllm_max_len, "--vllm-max-len")
         return OnlineRL(completion, generations, base.beta if self.beta is None else parse_beta(self.beta), mode,
-                    util if self.vllm_util is None else parse_fraction(self.vllm_util, "--vllm-util"),
-                    self.vllm_sleep, max_len, graph_bytes(self.cudagraph_memory) or 0)  # fmt: skip
+                        util if self.vllm_util is None else parse_fraction(self.vllm_util, "--vllm-util"),
+                        self.vllm_sleep, max_len, graph_bytes(self.cudagraph_memory) or 0)  # fmt: skip
 
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other

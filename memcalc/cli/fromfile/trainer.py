@@ -36,8 +36,8 @@ STACK_REMARK = {
     "trl:0.25": "--stack trl:0.25: the TRL line memcalc replays whose SFTConfig takes these keys; the file does not "
                 "say which TRL ran it (--stack trl:1.2, trl:1.5, trl:1.13 or trl:1.16 for later lines, trl:0.14 or "
                 "trl:0.21 for older ones)",
-    "trl:1.16": "--stack trl:1.16: the TRL line whose DPOTrainer and GRPOTrainer memcalc replays (--rl dpo, "
-                "--rl grpo)",
+    "trl:1.16": "--stack trl:1.16: the TRL line whose DPOTrainer, GRPOTrainer and RLOOTrainer memcalc replays (--rl "
+                "dpo, grpo, rloo)",
     "trl:0.21": "--stack trl:0.21: the newest TRL line memcalc replays whose SFTConfig takes max_seq_length or "
                 "use_liger (gone in 0.20); --stack trl:0.14 for 0.9-0.14",
 }  # fmt: skip
@@ -54,7 +54,7 @@ SAVERS = {
 
 
 def read_trainer(ledger: KeyLedger, typed: dict) -> None:
-    grpo = grpo_config(ledger, typed)  # GRPOConfig's keys, under --rl grpo (memcalc.cli.fromfile.grpo)
+    grpo = grpo_config(ledger, typed)  # GRPOConfig's keys, under --rl grpo or rloo (memcalc.cli.fromfile.grpo)
     dpo = dpo_config(ledger, typed)  # DPOConfig's, under --rl dpo (memcalc.cli.fromfile.dpo)
     stack, trl = stack_of(ledger, typed, dpo or grpo)
     model_option(ledger, "model_name_or_path")
@@ -110,8 +110,8 @@ def liger_option(ledger: KeyLedger) -> None:
 
 
 def stack_of(ledger: KeyLedger, typed: dict, dpo: bool = False) -> tuple[str | None, str]:
-    """The stack and the TRL line whose defaults apply: the user's --stack; else under --rl dpo or grpo the line
-    whose DPOTrainer and GRPOTrainer memcalc replays; else TRL's newest line memcalc replays whose SFTConfig takes the file's keys
+    """The stack and the TRL line whose defaults apply: the user's --stack; else under --rl dpo, grpo or rloo the
+    line whose trainers memcalc replays; else TRL's newest line memcalc replays whose SFTConfig takes the file's keys
     (max_seq_length went in 0.20), or the Trainer alone (hf) without them."""
     if typed.get("stack"):
         given = typed["stack"].strip().lower()

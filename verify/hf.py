@@ -283,7 +283,7 @@ class TrainerModel(nn.Module):
         self.trl = trl  # TRL's SFTTrainer's release line: its compute_loss's metrics (verify/trl.py)
         self.chunked = chunked  # its loss_type "chunked_nll": the patched forward's counts, no logits
         self.dpo = dpo  # DPOTrainer's (verify/trl_dpo.py Dpo): its _compute_loss; the labels' slot: the completion mask
-        self.grpo = grpo  # GRPOTrainer's (verify/trl_grpo.py Grpo): its _compute_loss; the labels' slot: the attention mask
+        self.grpo = grpo  # GRPOTrainer's or RLOOTrainer's (verify/trl_grpo.py Grpo); the labels' slot: the mask
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.dpo is not None:  # no labels in the batch: no count (Trainer._get_num_items_in_batch)
@@ -377,7 +377,8 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
         apply(model, {"fused_linear_cross_entropy": False} if trl in FUSED_HEAD else None)  # TRL's args from 1.15
     # TRL 0.15-0.25's compute_loss computes its metrics from the logits only without use_liger_kernel
     return TrainerModel(model, (autocast, DTYPES[tricks.precision]) if amp else None,
-                        "" if liger and trl not in FUSED_HEAD else trl, loss == "chunked_nll", dpo, trainer)  # fmt: skip
+                        "" if liger and trl not in FUSED_HEAD else trl, loss == "chunked_nll", dpo,
+                        trainer)  # fmt: skip
 
 
 def describe(shape: ModelShape) -> str:

@@ -73,11 +73,12 @@ def check_stack(setup: Setup, tricks: Tricks, device: str) -> None:
     tensors (recipes.check_recipe says which recipes and optimizers it trains)."""
     if setup.stack.model == "hf" and device != "meta" and not autocasts(setup.stack, tricks):
         raise InputError("--stack hf is measured on the meta device so far: give --device meta")
-    grpo = setup.stack.online
-    if device == "meta" and grpo is not None and grpo.completion_len < setup.seq_len - 1:
-        raise InputError(f"--rl grpo on meta: a boolean index keeps every position there (verify/trl.py fused_paths), "
-                         f"so the prompt's positions would be scored: give --completion-len {setup.seq_len - 1} (a "
-                         f"one-token prompt), or --recipe autocast to measure on CPU tensors")  # fmt: skip
+    online = setup.stack.online
+    if device == "meta" and online is not None and online.completion_len < setup.seq_len - 1:
+        raise InputError(f"--rl {setup.stack.rl} on meta: a boolean index keeps every position there (verify/trl.py "
+                         "fused_paths), so the prompt's positions would be scored: give --completion-len "
+                         f"{setup.seq_len - 1} (a one-token prompt), or --recipe autocast to measure on CPU "
+                         "tensors")  # fmt: skip
 
 
 def autocast_device(device: str | None) -> tuple[str, str]:

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.model.finetune import Finetune
-from memcalc.model.rl import OnlineRL
-from memcalc.model.stacks import STACKS, stack_for, with_rl
+from memcalc.model.rl import OnlineRL, with_rl
+from memcalc.model.stacks import STACKS, stack_for
 from tests.test_fuzz import examples
 
 LORA, QLORA = Finetune(4), Finetune(4, quantize="nf4")

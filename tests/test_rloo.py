@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.model.finetune import Finetune
-from memcalc.model.rl import RLOO_DEFAULTS, OnlineRL
-from memcalc.model.stacks import STACKS, second_model, with_rl
+from memcalc.model.rl import RLOO_DEFAULTS, OnlineRL, second_model, with_rl
+from memcalc.model.stacks import STACKS
 
 
 def rloo(finetune: Finetune = Finetune(4), recipe: str = "pure", **settings):

@@ -133,9 +133,8 @@ class StackOptions(OptionGroup):
     def online(self):
         """GRPOConfig's (and RLOOConfig's) settings (memcalc.model.rl.OnlineRL) where any is given or --rl grpo or rloo
         is, each trainer's defaults where not given; else None."""
-        from memcalc.model.rl import RLOO_DEFAULTS, OnlineRL
+        from memcalc.model.rl import ONLINE, RLOO_DEFAULTS, OnlineRL
         from memcalc.model.sizes import parse_count, parse_seq
-        from memcalc.model.stacks import ONLINE
 
         from .serve import graph_bytes
 
@@ -161,10 +160,12 @@ class StackOptions(OptionGroup):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
         stack is refused; without them, reference is the default (memcalc.model.finetune.finetune_for); under --rl
         dpo, trl:1.16, whose DPOTrainer is replayed. --liger
-        allocates by the GPU's kind (memcalc.model.savers.liger_for); without a GPU (verify), as on meta."""
+        allocates by the GPU's kind (memcalc.model.savers.liger_for); without a GPU (verify), as on meta. Under --rl
+        grpo or rloo trl:1.16 too."""
         from memcalc.model.finetune import finetune_for
+        from memcalc.model.rl import with_rl
         from memcalc.model.savers import ON_META, liger_for
-        from memcalc.model.stacks import FUSED_HEAD, stack_for, with_loop, with_rl
+        from memcalc.model.stacks import FUSED_HEAD, stack_for, with_loop
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip

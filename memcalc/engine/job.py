@@ -7,8 +7,9 @@ from memcalc.memory.setup import Setup, group_rows
 from memcalc.model.finetune import HEAD
 from memcalc.model.gpus import GPU, check_precision
 from memcalc.model.layout import ONE_GPU, Layout
+from memcalc.model.rl import TRAINERS, second_model
 from memcalc.model.shape import Model
-from memcalc.model.stacks import FUSED_HEAD, TRAINERS, second_model
+from memcalc.model.stacks import FUSED_HEAD
 from memcalc.model.tricks import PROGRESSION, Tricks
 from memcalc.parallel.verdict import sharded_data_parallel
 from memcalc.records import record

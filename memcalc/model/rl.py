@@ -1,14 +1,22 @@
-"""Online RL fine-tuning as TRL 1.16's GRPOTrainer and RLOOTrainer run it (trl/trainer/grpo_config.py GRPOConfig,
-rloo_config.py RLOOConfig, which shares these knobs): the settings that change what a GPU holds. The record travels
-with the stack (memcalc.model.stacks.Stack.online), so the training step's replay (memcalc.exact.hf.grpo, rloo), the
-rollout engine (memcalc.engine.rollout) and verify read the same one.
+"""RL fine-tuning as TRL 1.16's trainers run it: --rl on a stack (with_rl: DPOTrainer, GRPOTrainer, RLOOTrainer, and
+what each refuses), whether a second model is held (second_model), the note that says what is replayed, and the
+online trainers' settings (OnlineRL: trl/trainer/grpo_config.py GRPOConfig, and rloo_config.py RLOOConfig, which
+shares its knobs) that change what a GPU holds. The record travels with the stack (memcalc.model.stacks
+.Stack.online), so the training step's replay (memcalc.exact.hf.grpo, rloo), the rollout engine
+(memcalc.engine.rollout) and verify read the same one.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memcalc.errors import InputError
 from memcalc.records import record
 
+from .stacks import FUSED_HEAD, RL, Stack
+
+ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.online)
+TRAINERS = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}  # TRL's class for each --rl
 VLLM_MODES = ("", "colocate", "server")  # use_vllm False (the policy's own generate), vllm_mode's two
 
 
@@ -60,3 +68,77 @@ class OnlineRL:
 
 
 RLOO_DEFAULTS = OnlineRL(num_generations=2, beta=0.05)  # RLOOConfig's (trl/trainer/rloo_config.py, trl 1.16.0)
+
+
+def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: OnlineRL | None = None) -> Stack:
+    """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); --precompute-ref: its
+    precompute_ref_log_probs (no reference in the step). --rl grpo and rloo: its GRPOTrainer and RLOOTrainer
+    (memcalc.exact.hf.grpo, rloo), online their settings. Refused where the step is not replayed: other stacks and
+    TRL lines (before 1.15 the loss came from the logits), --modules-to-save (the reference runs the original
+    modules, not the trained copies), activation offloading, Liger beside DPO's second model (its forward runs in the
+    step, through Liger's RoPE too), vLLM beside a 4-bit model."""
+    key = (rl or "").strip().lower()
+    if precompute_ref and key != "dpo":
+        raise InputError("--precompute-ref is DPOConfig.precompute_ref_log_probs: give --rl dpo")
+    if online is not None and key not in ONLINE:
+        raise InputError("--completion-len, --num-generations, --beta and --vllm are GRPOConfig's and RLOOConfig's: "
+                         "give --rl grpo or rloo")  # fmt: skip
+    if rl is None:
+        return stack
+    if key == "ppo":
+        raise InputError("--rl ppo: PPO (a critic in training beside the policy) is not modelled yet; known: dpo, "
+                         "grpo, rloo (docs/rl.md)")  # fmt: skip
+    if key not in RL or not key:
+        raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo, rloo")
+    if stack.trl not in FUSED_HEAD:
+        lines = ", ".join("trl:" + x for x in FUSED_HEAD)
+        trainer = TRAINERS[key]
+        raise InputError(f"--rl {key} is TRL's {trainer}, replayed on --stack {lines} (its fused LM head), not --stack "
+                         f"{stack.key}")  # fmt: skip
+    if stack.savers.offload:
+        raise InputError(f"--rl {key} with --offload-activations is not replayed")
+    if stack.savers.liger is not None and key == "dpo" and not stack.finetune.lora and not precompute_ref:
+        raise InputError("--rl dpo with --liger and a second model as the reference: Liger patches the trained model's "
+                         "norms and MLP, but the modeling module's RoPE for every model, the reference's too, which "
+                         "is not replayed; --precompute-ref or --lora")  # fmt: skip
+    if stack.finetune.modules_to_save:
+        raise InputError(f"--rl {key} with --modules-to-save: the reference then runs the original modules beside the "
+                         "trained copies, which is not replayed")  # fmt: skip
+    if key in ONLINE and online is not None and online.vllm and stack.finetune.quantize:
+        raise InputError("--vllm with --quantize: TRL starts vLLM on the 4-bit model with quantization='bitsandbytes', "
+                         "whose weights memcalc serve does not size; drop --vllm (the policy generates "
+                         "itself)")  # fmt: skip
+    if key in ONLINE:  # GRPOConfig's and RLOOConfig's disable_dropout is False: LoRA's dropout stays
+        return replace(stack, rl=key, online=online or (OnlineRL() if key == "grpo" else RLOO_DEFAULTS))
+    finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0
+    return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref)
+
+
+def second_model(stack: Stack) -> bool:
+    """Whether TRL keeps a reference model beside the policy: a full fine-tune (under PEFT the reference is the policy
+    with its adapters disabled) whose DPO reference is not precomputed, or whose GRPO beta is not 0."""
+    if stack.finetune.lora:
+        return False
+    return (stack.rl == "dpo" and not stack.precompute_ref) or (stack.online is not None and stack.online.beta != 0)
+
+
+def dpo_reference(stack: Stack) -> str:
+    """Where DPOTrainer's reference comes from, for the note (memcalc.exact.hf.dpo)."""
+    if stack.precompute_ref:
+        return "the reference's log-probs from the batch (precompute_ref_log_probs: computed before training)"
+    ref = "the adapters disabled" if stack.finetune.lora else "a second copy of the model"
+    return f"the reference's forward ({ref}, no_grad, no checkpointing) beside the policy's saved activations"
+
+
+def online_note(stack: Stack) -> str:
+    """GRPOTrainer's and RLOOTrainer's step in a line (memcalc.exact.hf.grpo, rloo)."""
+    g, held = stack.online, "; a second model held" if second_model(stack) else ""
+    scored = (f"each completion's {g.completion_len} positions scored through add_fused_lm_head (no logits), the "
+              "prompt masked; the generation batch buffered with its advantages")  # fmt: skip
+    if stack.rl == "rloo":
+        kl = f" (beta {g.beta:g}{held})" if g.beta else ""
+        return (f"TRL 1.16's RLOOTrainer: {scored} and old sequence log-probs; the loss per sequence, the "
+                f"reference's KL in the rewards{kl}")  # fmt: skip
+    ref = f", the reference's log-probs (beta > 0{held})" if g.beta else ""
+    read = ("vLLM's old log-probs and importance-sampling ratio" if g.vllm else "no old log-probs") + ref
+    return f"TRL 1.16's GRPOTrainer (loss_type dapo): {scored}, {read}"

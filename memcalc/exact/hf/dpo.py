@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from memcalc.model.finetune import FULL
-from memcalc.model.stacks import second_model
+from memcalc.model.rl import second_model
 
 from .. import aten
 from ..aten.arithmetic import pointwise

@@ -219,7 +219,8 @@ def test_vllm_asks_free_what_the_trainer_holds():
     data = json.loads(run("estimate", *args, "--format", "json").stdout)
     phases = data["rollout"]["phases"][0]
     assert phases["startup_bytes"] > phases["startup_limit"] and not phases["fits"] and data["verdict"][0]["fits"]
-    assert "no: startup" in run("estimate", *args).output
+    table = run("estimate", *args).output
+    assert "no: startup" in table and "The step fits" in table and "but vLLM refuses to start" in table
 
 
 def test_an_engine_that_does_not_start():
@@ -227,7 +228,8 @@ def test_an_engine_that_does_not_start():
     args = ["--model", "llama3.2-1b", "--seq", "1024", "--lora", "8", "--rl", "grpo", "--tricks", "bf16,flash,ckpt",
             "--vllm", "colocate", "--vllm-util", "0.1", "--gpu", "rtx4090", "--micro-batch", "8"]  # fmt: skip
     r = run("estimate", *args)
-    assert r.exit_code == 0 and "vLLM does not start" in r.output, r.output
+    assert r.exit_code == 0 and "no: vLLM does not start" in r.output, r.output
+    assert "The step fits" in r.output and "but vLLM does not start" in r.output  # the verdict's sentence says it
 
 
 def test_group_rows():

@@ -22,7 +22,7 @@ from .headroom import allocator_note, fragmentation_note, headroom_line
 from .layout import comm_section, sharding_text, time_section
 from .offload import offload_notes
 from .render import Section, sized
-from .rollout import rollout_section
+from .rollout import rollout_clause, rollout_section
 
 DETAIL_HINT = "--detail: every part; --bytes: exact bytes; --explain: the formulas; --exact: what PyTorch saves"
 
@@ -209,13 +209,17 @@ def verdict(ans: Answer, units: str) -> str:
     if not tb.start.host_fits:
         host, share = u.size_pair(tb.start.host_bytes, tb.start.host_usable_bytes, units)
         start += f", and {host} of host memory per GPU, of its {share} share"
+    engine = "" if ans.rollout is None else rollout_clause(ans.rollout, ans.verdicts, tb.start.tricks, units)
     if tb.outcome == FITS_AS_IT_IS:
-        return f"Fits: {start}."
+        return f"The step fits: {start}; but {engine}." if engine else f"Fits: {start}."
     if tb.outcome == FITS_NOWHERE:
-        return f"Does not fit: {start}, and nothing in the toolbox makes it fit: {toolbox_reach(ans, units)}."
+        also = f" Besides, {engine}." if engine else ""
+        return f"Does not fit: {start}, and nothing in the toolbox makes it fit: {toolbox_reach(ans, units)}.{also}"
     chosen = tb.steps[tb.fits_at]
+    also = f" Besides, {engine}." if engine else ""
     return (f"Does not fit as it is: {start}. Cheapest combination that fits: {chosen.tricks.label}"
-            f"{setup_text(chosen, ans.job.setup)} -> {u.size(chosen.verdict.total_bytes, units)} per GPU.")  # fmt: skip
+            f"{setup_text(chosen, ans.job.setup)} -> {u.size(chosen.verdict.total_bytes, units)} per GPU."
+            f"{also}")  # fmt: skip
 
 
 def needs_phrase(v, needs: str, units: str) -> str:

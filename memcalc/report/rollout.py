@@ -44,7 +44,8 @@ def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Sec
     else:
         notes.append("the training GPUs hold no engine: startup is the trainer's weights, rollout its state, train "
                      "the step (the verdict above); the engine's own GPUs hold its budget")  # fmt: skip
-    return Section(f"{trainer.upper()} phases per GPU (vLLM {e.mode})", ["tricks", "startup", "rollout", "train", "fits?"],
+    headers = ["tricks", "startup", "rollout", "train", "fits?"]
+    return Section(f"{trainer.upper()} phases per GPU (vLLM {e.mode})", headers,
                    rows, notes)  # fmt: skip
 
 
@@ -57,3 +58,20 @@ def phase_verdict(p) -> str:
         if used > limit:
             return f"no: {name}"
     return "yes"
+
+
+def rollout_clause(rollout, verdicts, tricks, units: str) -> str:
+    """Why the phases of the trick set the verdict sentence names do not fit ("" where they do): vLLM does not
+    start, refuses at startup, or the rollout holds more than the GPU. verdicts: the answer's, one per phase."""
+    p = next((x for x, v in zip(rollout.phases, verdicts, strict=True) if v.tricks == tricks), None)
+    if p is None or p.fits:
+        return ""
+    if not p.starts:
+        return f"vLLM does not start: {rollout.engine.failure}"
+    if p.startup_bytes > p.startup_limit:
+        asked, total = u.size_pair(p.startup_bytes, p.startup_limit, units)
+        return f"vLLM refuses to start: the trainer's weights and what it asks free come to {asked}, of the {total}"
+    if p.rollout_bytes > p.rollout_limit:
+        held, usable = u.size_pair(p.rollout_bytes, p.rollout_limit, units)
+        return f"the rollout (the trainer's state beside the engine awake) needs {held}, of the {usable} usable"
+    return ""

@@ -316,7 +316,8 @@ def test_grpo_jobs_say_one_verdict_and_grow_with_the_batch(model, completion, ro
     csv_rows = list(csv.DictReader(io.StringIO(run(*args, "--micro-batch", str(rows), "--format", "csv").stdout)))
     assert (csv_rows[0]["fits"], int(csv_rows[0]["peak_bytes"])) == (str(v["fits"]), v["peak_bytes"])
     if engine:
-        assert ("  yes\n" in table) == data["rollout"]["phases"][0]["fits"]
+        fits = data["rollout"]["phases"][0]["fits"]
+        assert ("  yes\n" in table) == fits and csv_rows[0]["phases_fit"] == str(fits)
 
 
 def test_the_toolbox_keeps_to_what_vllm_loads():

@@ -287,22 +287,24 @@ CSV_HEADERS = [
     "tricks", "activations_per_layer_bytes", "activations_total_bytes", "activations_peak_bytes",
     "model_state_bytes", "logits_bytes", "memory_total_bytes", "replayed", "state_bytes", "peak_bytes", "fits",
     "model_flops_per_token", "hardware_flops_per_token", "time_model", "step_seconds", "tokens_per_second", "mfu",
-    "hfu", "mfu_causal", "hfu_causal", "recompute_seconds", "memory_bound_seconds",
+    "hfu", "mfu_causal", "hfu_causal", "recompute_seconds", "memory_bound_seconds", "phases_fit",
 ]  # fmt: skip
 
 
 def csv_rows(ans: Answer) -> list[list[object]]:
     """One row per trick set: the textbook's terms, then the verdict (what `fits` is), then the step time (the
-    roofline's one-GPU columns where the job is one GPU's step timed by it)."""
+    roofline's one-GPU columns where the job is one GPU's step timed by it), then under --rl grpo or rloo with vLLM
+    whether every phase fits beside the engine (phases_fit; empty otherwise)."""
     from .roofline import csv_columns
 
     rows, est = [], ans.textbook
     for i, (a, m, c, v, e) in enumerate(zip(est.activations, est.memory, est.compute, ans.verdicts, ans.layouts)):
         t, known = e.time, a.formula  # sac: the textbook's columns stay empty
         r = ans.roofline[i] if ans.roofline else None
+        phases = ans.rollout.phases[i].fits if ans.rollout is not None else ""
         rows.append(["+".join(a.tricks.names), a.per_layer_bytes if known else "", a.total_bytes if known else "",
                      a.peak_bytes if known else "", m.model_state_bytes, m.logits_bytes, m.total_bytes if known else "",
                      v.replayed, v.state_bytes, v.peak_bytes, v.fits, c.flops.model_per_token,
                      c.flops.hardware_per_token, t.time_model, f"{t.step_seconds:.6g}", f"{t.tokens_per_second:.6g}",
-                     f"{t.mfu:.4f}", f"{t.hfu:.4f}", *csv_columns(r)])  # fmt: skip
+                     f"{t.mfu:.4f}", f"{t.hfu:.4f}", *csv_columns(r), phases])  # fmt: skip
     return rows

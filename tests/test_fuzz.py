@@ -134,7 +134,7 @@ def sane(value, where: str, key: str = "") -> None:
 # ---- every call keeps the contract ------------------------------------------------------------------
 
 
-@examples(20, slow=60)
+@examples(14, slow=60)
 @given(model=model_options, options=estimate_options)
 def test_estimate_answers_or_says_why_in_one_line(model, options):
     args = ["estimate", *model, *options]
@@ -214,7 +214,7 @@ def valid_args(job: dict) -> list[str]:
     return args + (["--tricks", job["tricks"]] if job["tricks"] else []) + (["--offload"] if job["offload"] else [])
 
 
-@examples(4, slow=12)
+@examples(3, slow=12)
 @given(job=VALID)
 def test_the_jobs_people_run_give_one_verdict_in_every_format(job):
     """Issue 18: the defects lived in mostly valid combinations (ZeRO x GPUs x stack x tricks x offload): each

@@ -122,10 +122,15 @@ def generation_seconds(job, prompt: int, completion: int) -> tuple[float, float]
     return prefill, step * completion
 
 
+def bare(gpu: GPU) -> GPU:
+    """The GPU without an engine kept back beside the step (what vLLM's own budget is taken of)."""
+    return replace(gpu, colocated_bytes=0, colocated="")
+
+
 def with_engine(model: Model, gpu: GPU, setup: Setup) -> GPU:
     """The GPU as the step sees it: a colocated engine's bytes beside the step (asleep under --vllm-sleep) kept
     back with the headroom; the GPU itself otherwise."""
-    engine = engine_for(model, replace(gpu, colocated_bytes=0, colocated=""), setup)
+    engine = engine_for(model, bare(gpu), setup)
     if engine is None or engine.mode != "colocate":
         return gpu
     sleep = setup.stack.online.sleep
@@ -146,9 +151,19 @@ class RolloutPhases:
     starts: bool  # vLLM's budget leaves a KV cache that holds a request of max_model_len (RolloutEngine.failure)
 
     @property
+    def failed(self) -> str:
+        """What stops it, in the order it happens: "start" (vLLM has no room for its cache), "startup", "rollout",
+        "train"; "" where every phase fits."""
+        if not self.starts:
+            return "start"
+        over = ((name, used > limit) for name, used, limit in (
+            ("startup", self.startup_bytes, self.startup_limit), ("rollout", self.rollout_bytes, self.rollout_limit),
+            ("train", self.train_bytes, self.train_limit)))  # fmt: skip
+        return next((name for name, is_over in over if is_over), "")
+
+    @property
     def fits(self) -> bool:
-        return (self.starts and self.startup_bytes <= self.startup_limit and self.rollout_bytes <= self.rollout_limit
-                and self.train_bytes <= self.train_limit)  # fmt: skip
+        return not self.failed
 
 
 @record(frozen=True)
@@ -163,11 +178,10 @@ class Rollout:
 
 def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout | None:
     """The rollout's answer for an --rl grpo --vllm job: gpu is the job's (its colocated bytes set by with_engine)."""
-    bare = replace(gpu, colocated_bytes=0, colocated="")
-    engine = engine_for(model, bare, setup)
+    engine = engine_for(model, bare(gpu), setup)
     if engine is None:
         return None
-    phases = tuple(phases_of(engine, bare, v, setup.stack.online.sleep) for v in verdicts)
+    phases = tuple(phases_of(engine, bare(gpu), v, setup.stack.online.sleep) for v in verdicts)
     return Rollout(engine, setup.stack.online.sleep, phases)
 
 

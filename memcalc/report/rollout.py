@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from memcalc.engine.rollout import BATCHED_TOKENS
+
 from . import units as u
 from .render import Section, sized
 
@@ -38,7 +40,7 @@ def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Sec
     if colocated:
         notes.append("startup: CUDA context + the trainer's weights + what vLLM asks free (total x utilization), "
                      "against the card's total; rollout: the trainer's state + the engine awake + its forward of "
-                     f"{4096:,} tokens; train: the step's peak + the engine "
+                     f"{BATCHED_TOKENS:,} tokens; train: the step's peak + the engine "
                      + ("asleep (sleep mode: its runner's tensors and graphs)" if rollout.sleep else "awake")
                      + " (the verdict above)")  # fmt: skip
     else:
@@ -50,28 +52,20 @@ def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Sec
 
 
 def phase_verdict(p) -> str:
-    """'yes', or why not: vLLM does not start, or the first phase that does not fit."""
-    if not p.starts:
-        return "no: vLLM does not start"
-    for name, used, limit in (("startup", p.startup_bytes, p.startup_limit), ("rollout", p.rollout_bytes,
-                              p.rollout_limit), ("train", p.train_bytes, p.train_limit)):  # fmt: skip
-        if used > limit:
-            return f"no: {name}"
-    return "yes"
+    """'yes', or why not: vLLM does not start, or the first phase that does not fit (RolloutPhases.failed)."""
+    return "yes" if p.fits else "no: vLLM does not start" if p.failed == "start" else f"no: {p.failed}"
 
 
 def rollout_clause(rollout, verdicts, tricks, units: str) -> str:
-    """Why the phases of the trick set the verdict sentence names do not fit ("" where they do): vLLM does not
-    start, refuses at startup, or the rollout holds more than the GPU. verdicts: the answer's, one per phase."""
+    """Why the phases of the trick set the verdict sentence names do not fit ("" where they do), as
+    RolloutPhases.failed says; the train phase is the verdict's own sentence. verdicts: the answer's, one per phase."""
     p = next((x for x, v in zip(rollout.phases, verdicts, strict=True) if v.tricks == tricks), None)
-    if p is None or p.fits:
+    if p is None or p.failed in ("", "train"):
         return ""
-    if not p.starts:
+    if p.failed == "start":
         return f"vLLM does not start: {rollout.engine.failure}"
-    if p.startup_bytes > p.startup_limit:
+    if p.failed == "startup":
         asked, total = u.size_pair(p.startup_bytes, p.startup_limit, units)
         return f"vLLM refuses to start: the trainer's weights and what it asks free come to {asked}, of the {total}"
-    if p.rollout_bytes > p.rollout_limit:
-        held, usable = u.size_pair(p.rollout_bytes, p.rollout_limit, units)
-        return f"the rollout (the trainer's state beside the engine awake) needs {held}, of the {usable} usable"
-    return ""
+    held, usable = u.size_pair(p.rollout_bytes, p.rollout_limit, units)
+    return f"the rollout (the trainer's state beside the engine awake) needs {held}, of the {usable} usable"

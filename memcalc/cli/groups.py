@@ -133,7 +133,7 @@ class StackOptions(OptionGroup):
     def online(self):
         """GRPOConfig's (and RLOOConfig's) settings (memcalc.model.rl.OnlineRL) where any is given or --rl grpo or rloo
         is, each trainer's defaults where not given; else None."""
-        from memcalc.model.rl import ONLINE, RLOO_DEFAULTS, OnlineRL
+        from memcalc.model.rl import ONLINE, RLOO_DEFAULTS, SERVE_UTILIZATION, OnlineRL
         from memcalc.model.sizes import parse_count, parse_seq
 
         from .serve import graph_bytes
@@ -147,8 +147,9 @@ class StackOptions(OptionGroup):
         if self.vllm_util is not None and self.vllm is None:
             raise InputError("--vllm-util is vllm_gpu_memory_utilization: give --vllm colocate or server")
         mode = (self.vllm or "").strip().lower()
-        util = 0.9 if mode == "server" else 0.3  # trl vllm-serve's default; GRPOConfig's for the colocated engine
-        completion = 512 if self.completion_len is None else parse_seq(self.completion_len, "--completion-len")
+        util = SERVE_UTILIZATION if mode == "server" else base.vllm_util  # trl vllm-serve's, or GRPOConfig's
+        completion = base.completion_len if self.completion_len is None else parse_seq(self.completion_len,
+                                                                                       "--completion-len")
         generations = base.num_generations if self.num_generations is None else parse_count(self.num_generations,
                                                                                              "--num-generations")
         max_len = 0 if self.vllm_max_len is None else parse_seq(self.vllm_max_len, "--vllm-max-len")

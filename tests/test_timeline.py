@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.exact.step import step_phases
-from memcalc.exact.timeline import ranges, step_timeline
+from memcalc.exact.timeline import KINDS, ranges, step_timeline
 from memcalc.model.presets import PRESETS
 from memcalc.model.shape import ModelShape
 from memcalc.model.stacks import stack_for
@@ -48,6 +48,9 @@ def test_llama3_8b_peak_is_the_verdicts_to_the_byte(llama_json):
         n = len(t["ops"])
         assert all(len(t[k]) == n for k in ("nbytes", "live_bytes", "layers", "what"))
         assert t["phases"][-1]["end"] == n and sum(g["bytes"] for g in t["at_peak"]) == t["peak_bytes"]
+        assert [sum(x) for x in zip(*t["live_by_kind"], strict=True)] == t["live_bytes"]  # each point, by kind
+        at_peak = dict(zip(t["kinds"], (series[t["peak_index"]] for series in t["live_by_kind"]), strict=True))
+        assert at_peak["weights"] == sum(g["bytes"] for g in t["at_peak"] if g["what"] == "weights")
     forward, backward, _ = plain["phases"]
     assert plain["live_bytes"][forward["end"] - 1] - plain["start_bytes"] > 50e9  # the saved activations of 32 blocks
     assert plain["peak_phase"] == "backward" and plain["peak_index"] - backward["start"] < 8  # the loss's backward
@@ -74,6 +77,9 @@ def test_the_series_peaks_where_the_grown_step_does(layers, seq, micro_batch, tr
         [(p.forward_peak_bytes, p.forward_peak_at), (p.backward_peak_bytes, p.backward_peak_at),
          (p.optimizer_peak_bytes, p.optimizer_peak_at)], key=lambda x: x[0])[1])  # fmt: skip
     assert sum(g.bytes for g in tl.at_peak) == tl.peak_bytes and min(tl.live_bytes) > 0
+    assert tuple(map(sum, zip(*tl.live_by_kind, strict=True))) == tl.live_bytes  # what is live, kind by kind
+    assert all(min(series) >= 0 for series in tl.live_by_kind) and set(tl.kinds) <= set(KINDS)
+    assert ("saved for backward" in tl.kinds) and tl.kinds[0] == "weights"
     assert [sp.phase for sp in tl.phases] == ["forward", "backward"] * grad_accum + ["optimizer"]
 
 
@@ -84,6 +90,10 @@ def test_what_is_live_at_the_peak():
     assert groups["weights"].bytes == 2 * 8_030_261_248 and groups["weights"].layers == "0-31"
     assert groups["fp32 master weights"].bytes == 4 * 8_030_261_248
     assert groups["optimizer state"].bytes == 8 * 8_030_261_248  # AdamW's m and v
+    by_kind = {kind: series[t.peak_index] for kind, series in zip(t.kinds, t.live_by_kind, strict=True)}
+    for kind in ("weights", "fp32 master weights", "optimizer state"):  # the coarse kinds hold the groups' bytes
+        assert by_kind[kind] == groups[kind].bytes
+    assert by_kind["saved for backward"] == sum(g.bytes for g in t.at_peak if "saved for backward" in g.what)
     saved = [g for g in t.at_peak if g.what.startswith("saved for backward by mlp")]
     assert saved and all(g.layers == "0-31" and g.tensors == 32 for g in saved)
     assert ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and ranges([]) == ""

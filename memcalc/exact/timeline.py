@@ -84,6 +84,8 @@ class Timeline:
     peak_index: int  # the first point to reach the highest live bytes (an allocation)
     at_peak: tuple[LiveGroup, ...]  # what is live at the peak, grouped, the largest first
     storages: Storages | None = field(default=None, repr=False, compare=False, metadata={"json": False})  # exports'
+    kinds: tuple[str, ...] = ()  # what is live, coarsely (KINDS' order, those the step holds)
+    live_by_kind: tuple[tuple[int, ...], ...] = ()  # per kind, the bytes of it live just after each point
     micro_batches: int = 1  # the micro-batches drawn (forward and backward each)
     accumulated: int = 1  # the step's: from the third on each repeats the one before (memcalc.exact.reserved)
 
@@ -163,11 +165,47 @@ def from_events(timeline: list, recording, tricks: Tricks, stack: str) -> Timeli
         layers.append(layer)
     live = tuple(p[3] for p in points)
     peak = live.index(max(live))
+    kinds, by_kind = live_by_kind(timeline, origins, made, [p[4][-1] for p in points])
     return Timeline(tricks, stack, timeline[first][3] - timeline[first][2], points[-1][3],
                     tuple(p[1] for p in points), tuple(p[2] for p in points), live, tuple(layers), tuple(what),
                     tuple(labels), spans([p[0] for p in points]), peak,
                     live_at(points[peak][4][0], timeline, origins, freed),
-                    storages_of(timeline, recording, [p[4] for p in points]))  # fmt: skip
+                    storages_of(timeline, recording, [p[4] for p in points]), kinds, by_kind)  # fmt: skip
+
+
+KINDS = ("weights", "fp32 master weights", "optimizer state", "gradients", "saved for backward", "temporaries",
+         "inputs", "buffers")  # fmt: skip
+
+
+def kind_of(o: Origin) -> str:
+    """What describe() names an allocation, coarsely: one of KINDS."""
+    if o.kind == "param":
+        return "weights"
+    if o.kind in ("buffer", "input"):
+        return o.kind + "s"
+    if o.kind == "state":
+        return "fp32 master weights" if o.role == "master" else "optimizer state"
+    if o.role == "gradient":
+        return "gradients"
+    return "saved for backward" if o.role == "saved" or o.kind == "cached" else "temporaries"
+
+
+def live_by_kind(timeline: list, origins: dict[int, Origin], made: dict[int, int],
+                 ends: list[int]) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:  # fmt: skip
+    """The bytes of each kind live after each point (ends: each point's last event), summed event by event from
+    the model's build (a free counted as the kind of the storage it frees): together, each point's live bytes."""
+    totals = dict.fromkeys(KINDS, 0)
+    out: list[list[int]] = [[] for _ in KINDS]
+    k = 0
+    for i, (_, _, nbytes, _) in enumerate(timeline[: ends[-1] + 1]):
+        if nbytes:
+            totals[kind_of(origins[i] if nbytes > 0 else origins[made[i]])] += nbytes
+        while k < len(ends) and ends[k] == i:
+            for series, kind in zip(out, KINDS):
+                series.append(totals[kind])
+            k += 1
+    held = [j for j, series in enumerate(out) if any(series)]
+    return tuple(KINDS[j] for j in held), tuple(tuple(out[j]) for j in held)
 
 
 def storages_of(timeline: list, recording, point_events: list[list[int]]) -> Storages:

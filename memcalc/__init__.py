@@ -14,6 +14,7 @@ Its packages, lowest first; each may import only those before it (tests/test_lay
   engine         the entry point: a Job in, its Answer out; the toolbox, fit and sweeps around it
   verification   the torch-free side of `memcalc verify`: rows, results, one rank's prediction
   report         result objects formatted and laid out as tables, Markdown, CSV and JSON
+  web            `memcalc web`: a local page's server, the commands run as the command line runs them
   cli            the `memcalc` command line
 
 The names below are the public Python API, imported on first use so that `import memcalc` stays cheap:

@@ -27,6 +27,7 @@ LAYERS = [
     {"memcalc.engine"},
     {"memcalc.verification"},
     {"memcalc.report"},
+    {"memcalc.web"},  # the local page's server: runs the commands the CLI hands it
     {"memcalc.cli"},
 ]
 # memcalc.exact's rooms, lowest first (memcalc/exact/__init__.py); its entry points (kernels, step, growth,

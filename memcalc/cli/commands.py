@@ -26,6 +26,7 @@ from .options import (Calibration, CapacityFactor, ConfigPath, Cp, Detail, Dp, E
                       OffloadParams, Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt,
                       Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 from .serve import serve
+from .web import web
 
 HELP = "Memory and compute of training a transformer, with the formulas shown and checked."
 
@@ -325,6 +326,7 @@ def verify(
 
 
 app.command()(serve)  # `memcalc serve` (memcalc/cli/serve.py)
+app.command()(web)  # `memcalc web` (memcalc/cli/web.py)
 
 
 @app.command()

@@ -44,6 +44,16 @@ def offline() -> bool:
     return any((os.environ.get(v) or "").upper() in TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+def cached_repos() -> list[str]:
+    """The model ids (ORG/NAME) whose main revision's config.json is in the cache, sorted."""
+    try:
+        folders = sorted(p.name for p in cache_dir().iterdir() if p.name.startswith("models--"))
+    except OSError:
+        return []
+    ids = [name.removeprefix("models--").replace("--", "/", 1) for name in folders]
+    return [i for i in ids if HUB_ID.fullmatch(i) and cached_config(i) is not None]
+
+
 def cached_config(repo_id: str, revision: str = "main") -> Path | None:
     """config.json of the snapshot refs/<revision> names (or the snapshot <revision> is), if cached."""
     repo = cache_dir() / ("models--" + repo_id.replace("/", "--"))

@@ -16,7 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.model import hub
 from memcalc.web.calls import Calls, Printed, checked
@@ -65,6 +67,13 @@ def post(url: str, body: object) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def terminal(*argv: str) -> subprocess.CompletedProcess:
+    """`memcalc *argv` as typer's CliRunner runs it in this process (what a shell gets, without a process's
+    start): its exit code, stdout and stderr."""
+    got = CliRunner().invoke(app, list(argv), env={"COLUMNS": "400", "NO_COLOR": "1"})
+    return subprocess.CompletedProcess(argv, got.exit_code, got.stdout, got.stderr)
+
+
 def cli(*argv: str) -> subprocess.CompletedProcess:
     """`memcalc *argv` in a shell of its own, wide enough that no line of its tables wraps."""
     env = {**os.environ, "COLUMNS": "400"}
@@ -86,10 +95,10 @@ def test_the_page_and_its_files_come_from_the_package(url):
 def test_a_command_prints_on_the_page_what_it_prints_in_a_terminal(url):
     argv = ["estimate", *GPT2, "--format", "markdown"]
     status, got = post(url + "/api/run", {"argv": argv})
-    shell = cli(*argv)
+    shell = terminal(*argv)
     assert status == 200 and got == {"code": 0, "out": shell.stdout, "error": ""}
     fit = ["fit", *GPT2, "--tricks", "bf16,flash", "--format", "json"]
-    assert json.loads(post(url + "/api/run", {"argv": fit})[1]["out"]) == json.loads(cli(*fit).stdout)
+    assert json.loads(post(url + "/api/run", {"argv": fit})[1]["out"]) == json.loads(terminal(*fit).stdout)
 
 
 @pytest.mark.parametrize("argv", [
@@ -100,7 +109,7 @@ def test_a_command_prints_on_the_page_what_it_prints_in_a_terminal(url):
 ])
 def test_a_refusal_is_the_terminals_one_line(url, argv):
     status, got = post(url + "/api/run", {"argv": argv})
-    shell = cli(*argv)
+    shell = terminal(*argv)
     assert shell.returncode == 2 and len(shell.stderr.strip().splitlines()) == 1
     assert status == 200 and got["code"] == 2 and got["out"] == ""
     assert "error: " + got["error"] == shell.stderr.strip()
@@ -129,8 +138,8 @@ def test_choices_are_the_commands_lists_and_the_hub_cache(monkeypatch, tmp_path)
     with served() as url:
         status, body, _ = get(url + "/api/choices")
     choices = json.loads(body)
-    assert [p["name"] for p in json.loads(cli("presets", "--format", "json").stdout)] == choices["presets"]
-    assert [g["key"] for g in json.loads(cli("gpus", "--format", "json").stdout)] == [g["key"] for g in choices["gpus"]]
+    assert [p["name"] for p in json.loads(terminal("presets", "--format", "json").stdout)] == choices["presets"]
+    assert [g["key"] for g in json.loads(terminal("gpus", "--format", "json").stdout)] == [g["key"] for g in choices["gpus"]]
     assert choices["hub"] == ["meta-llama/Meta-Llama-3-8B"] == hub.cached_repos()
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "nowhere"))
     assert hub.cached_repos() == []
@@ -143,7 +152,7 @@ def test_an_uploaded_config_is_kept_by_its_content(url):
     assert post(url + "/api/config", text)[1] == kept
     argv = ["estimate", "--config", kept["path"], "--seq", "1024", "--tricks", "bf16,flash,ckpt", "--format", "json"]
     page = json.loads(post(url + "/api/run", {"argv": argv})[1]["out"])
-    assert page["verdict"] == json.loads(cli(*argv).stdout)["verdict"]
+    assert page["verdict"] == json.loads(terminal(*argv).stdout)["verdict"]
     assert post(url + "/api/config", b"[1, 2]") == (400, {"error": "config.json: not a JSON object"})
     assert post(url + "/api/config", b"{not json") == (400, {"error": "config.json: not a JSON object"})
 

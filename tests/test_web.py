@@ -139,7 +139,8 @@ def test_choices_are_the_commands_lists_and_the_hub_cache(monkeypatch, tmp_path)
         status, body, _ = get(url + "/api/choices")
     choices = json.loads(body)
     assert [p["name"] for p in json.loads(terminal("presets", "--format", "json").stdout)] == choices["presets"]
-    assert [g["key"] for g in json.loads(terminal("gpus", "--format", "json").stdout)] == [g["key"] for g in choices["gpus"]]
+    gpus = json.loads(terminal("gpus", "--format", "json").stdout)
+    assert [g["key"] for g in gpus] == [g["key"] for g in choices["gpus"]]
     assert choices["hub"] == ["meta-llama/Meta-Llama-3-8B"] == hub.cached_repos()
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "nowhere"))
     assert hub.cached_repos() == []

@@ -61,6 +61,9 @@ def main() -> None:
                 waited = ahead_done(url)
             rows.append(("micro-batch slider one step, after it ran ahead",
                          answer_ms(page, lambda: (page.focus("#micro-batch"), page.keyboard.press("ArrowRight")))))
+            rows.append(("the trick set for fit and the timeline", answer_ms(page, lambda: page.select_option("#tricks", "bf16+flash"))))
+            rows.append(("another GPU (an H100)", answer_ms(page, lambda: page.select_option("#gpu", "h100-sxm"))))
+            rows.append(("another model (Qwen3-8B, cold)", answer_ms(page, lambda: page.select_option("#preset", "qwen3-8b"))))
     finally:
         server.terminate()
         server.wait(10)

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +23,7 @@ from memcalc.cli import app
 from memcalc.errors import InputError
 from memcalc.model import hub
 from memcalc.web.calls import Calls, Printed, checked
+from memcalc.web.server import make_server
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = ["--model", "gpt2", "--seq", "512", "--gpu", "rtx4090"]
@@ -183,3 +185,38 @@ def test_ahead_runs_the_next_commands_into_the_disk_cache(url):
 def test_the_command_refuses_a_bad_port():
     shell = cli("web", "--port", "70000")
     assert shell.returncode == 2 and shell.stderr.startswith("error: ") and "port" in shell.stderr
+
+
+def test_what_is_kept_has_a_budget(monkeypatch):
+    import memcalc.web.calls as calls_module
+
+    monkeypatch.setattr(calls_module, "KEPT_BYTES", 10)
+    ran = []
+    calls = Calls(lambda argv: ran.append(argv) or Printed(0, "x" * 4, ""))
+    for n in range(5):
+        calls(("fit", str(n)))
+    assert list(calls.kept) == [("fit", "3"), ("fit", "4")] and calls.kept_bytes == 8  # the oldest go first
+    calls(("fit", "4"))
+    assert len(ran) == 5, "the newest is kept"
+
+
+def test_a_failure_is_one_line_and_the_server_goes_on(url):
+    def broken(argv):
+        raise RuntimeError("the timeline peaks at 1 B, the verdict's step at 2 B")
+
+    server = make_server(broken, port=0)  # a run that fails: prints nothing, so a thread of this process serves
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        status, got = post(f"http://127.0.0.1:{server.server_address[1]}/api/run", {"argv": ["fit"]})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 500 and got == {"code": 1, "out": "", "error": "memcalc failed: RuntimeError: the timeline "
+                                     "peaks at 1 B, the verdict's step at 2 B"}  # fmt: skip
+    status, got = post(url + "/api/run", {"argv": ["estimate", "--model", "gpt2", "--seq", "64"]})
+    assert status == 200 and got["code"] == 0
+    for size in ("-1", "x", str(2 << 20)):
+        request = urllib.request.Request(url + "/api/run", data=b"{}", method="POST", headers={"Content-Length": size})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 400 and "a request body of" in json.loads(refused.value.read())["error"]

@@ -2,7 +2,7 @@
 moves run ahead of it in a second process.
 
 A command's answer depends on its arguments and on memcalc's code, which does not change while the server
-runs, so what it printed is kept by its arguments (the last CACHED of them). Ahead of the page, the commands
+runs, so what it printed is kept by its arguments (the most recent, up to KEPT_BYTES). Ahead of the page, the commands
 its sliders would send next run in a `memcalc` process of their own, one at a time, on the other core: they
 leave their replays in memcalc's disk cache (memcalc.exact.base.cache), where this process finds them when
 the slider gets there.
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from memcalc.errors import InputError
 
 COMMANDS = ("estimate", "fit", "presets", "gpus")  # what the page asks for
-FILES = ("--from", "--png", "--svg", "--snapshot", "--trace")  # read or write files the page does not name
-CACHED = 512
+FILES = ("--from", "--png", "--svg", "--snapshot", "--trace")  # write files, or read a recipe: the page sends none
+KEPT_BYTES = 256 << 20  # what the commands printed, kept up to this many characters (an 8B timeline's is 1.4 MB)
 AHEAD_SECONDS = 300  # one command ahead that takes longer is given up
 
 
@@ -58,6 +58,7 @@ class Calls:
 
     def __init__(self, run: Callable[[tuple[str, ...]], Printed]):
         self.run, self.kept, self.lock = run, OrderedDict(), threading.Lock()
+        self.kept_bytes = 0
         self.ahead = Ahead()
 
     def __call__(self, argv: tuple[str, ...]) -> Printed:
@@ -67,9 +68,11 @@ class Calls:
                 return self.kept[argv]
         printed = self.run(argv)
         with self.lock:
-            self.kept[argv] = printed
-            while len(self.kept) > CACHED:
-                self.kept.popitem(last=False)
+            if argv not in self.kept:
+                self.kept[argv] = printed
+                self.kept_bytes += len(printed.out)
+            while self.kept_bytes > KEPT_BYTES and len(self.kept) > 1:
+                self.kept_bytes -= len(self.kept.popitem(last=False)[1].out)
         return printed
 
 

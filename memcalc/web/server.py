@@ -34,7 +34,8 @@ class Page:
 
     def __init__(self, run: Callable[[tuple[str, ...]], Printed]):
         self.calls = Calls(run)
-        self.configs = Path(tempfile.mkdtemp(prefix="memcalc-web-"))
+        self.folder = tempfile.TemporaryDirectory(prefix="memcalc-web-")  # removed as the server's process ends
+        self.configs = Path(self.folder.name)
 
     def choices(self) -> dict:
         presets, gpus = self.calls(("presets", "--format", "json")), self.calls(("gpus", "--format", "json"))
@@ -75,9 +76,12 @@ def handler(page: Page) -> type[BaseHTTPRequestHandler]:
             self.send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
 
         def do_POST(self) -> None:  # noqa: N802
-            size = int(self.headers.get("Content-Length") or 0)
-            if size > MAX_BODY:
-                too_big = {"error": f"a request of {size:,} bytes; at most {MAX_BODY:,}"}
+            try:
+                size = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                size = -1
+            if not 0 <= size <= MAX_BODY:
+                too_big = {"error": f"a request body of {size:,} bytes; 0 to {MAX_BODY:,}"}
                 return self.send_json(too_big, HTTPStatus.BAD_REQUEST)
             body = self.rfile.read(size)
             try:
@@ -85,7 +89,12 @@ def handler(page: Page) -> type[BaseHTTPRequestHandler]:
                     return self.send_json(page.keep_config(body))
                 asked = json.loads(body or b"{}")
                 if self.path == "/api/run":
-                    printed = page.calls(checked(asked.get("argv")))
+                    argv = checked(asked.get("argv"))
+                    try:
+                        printed = page.calls(argv)
+                    except Exception as e:  # a bug, not bad input: said on the page, and the server goes on
+                        failed = {"code": 1, "out": "", "error": f"memcalc failed: {type(e).__name__}: {e}"}
+                        return self.send_json(failed, HTTPStatus.INTERNAL_SERVER_ERROR)
                     return self.send_json({"code": printed.code, "out": printed.out,
                                            "error": printed.error if printed.code else ""})  # fmt: skip
                 if self.path == "/api/ahead":

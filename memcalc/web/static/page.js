@@ -49,6 +49,7 @@ function fromHash() {
   const read = new URLSearchParams(location.hash.slice(1));
   state = {...DEFAULTS};
   for (const key of Object.keys(DEFAULTS)) if (read.has(key)) state[key] = read.get(key);
+  if (!["preset", "hub", "file"].includes(state.source)) state.source = DEFAULTS.source;
 }
 
 function toForm() {
@@ -114,8 +115,12 @@ const quoted = (a) => /^[\w.,:/+=-]+$/.test(a) ? a : "'" + a.replaceAll("'", "'\
 const shell = (argv) => "memcalc " + argv.map(quoted).join(" ");
 
 async function post(path, body) {
-  const response = await fetch(path, {method: "POST", body: typeof body === "string" ? body : JSON.stringify(body)});
-  return response.json();
+  try {
+    const response = await fetch(path, {method: "POST", body: typeof body === "string" ? body : JSON.stringify(body)});
+    return await response.json();
+  } catch (e) {  // the server stopped, or answered no JSON
+    return {code: 1, out: "", error: `the memcalc web server does not answer (${e.message}): start it again`};
+  }
 }
 
 const run = (argv, format) => post("/api/run", {argv: [...argv, "--format", format]});

@@ -199,3 +199,18 @@ def test_a_long_accumulation_is_drawn_over_three_micro_batches():
     assert sum(span["phase"] == "forward" for span in tl["phases"]) == 3
     text = run(*args)
     assert text.exit_code == 0 and "the first 3 of its 512 micro-batches" in " ".join(text.output.split())
+
+
+@pytest.mark.parametrize("rl", ["grpo", "rloo"])
+def test_a_generation_batch_of_many_micro_batches_keeps_its_size_when_drawn_over_three(rl):
+    """GRPO's and RLOO's generation batch holds every micro-batch of the step (eight here) from the first: drawn
+    over three micro-batches, the timeline still holds all eight's, and peaks where the verdict does (it raised
+    the full depth's disagreement when the drawn three sized the batch)."""
+    out = run("estimate", "--model", "llama3.2-1b", "--lora", "16", "--seq", "512", "--grad-accum", "8", "--rl", rl,
+              "--num-generations", "8", "--completion-len", "256", "--tricks", "bf16,flash,ckpt", "--timeline",
+              "--format", "json")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    t, v = data["timeline"][0], data["verdict"][0]
+    assert (t["peak_bytes"], t["peak_at"]) == (v["peak_bytes"], v["peak_at"])
+    assert (t["micro_batches"], t["accumulated"]) == (3, 8)

@@ -32,7 +32,8 @@ def step_timelines(job, verdicts: tuple[Verdict, ...]) -> tuple[Timeline, ...]:
             raise InputError(f"--timeline: {v.tricks.label} is not replayed op by op: {v.textbook_reason}")
         drawn = min(s.grad_accum, MICRO_BATCHES)
         sharding = replay_sharding(s, layout, v.tricks.precision)  # DeepSpeed's bucket in the trick set's dtype
-        t = step_timeline(shape, s.seq_len, s.micro_batch, v.tricks, drawn, s.stack, s.optimizer, sharding)
+        t = step_timeline(shape, s.seq_len, s.micro_batch, v.tricks, s.grad_accum, s.stack, s.optimizer, sharding,
+                          drawn)  # the step's accumulation (GRPO's generation batch is sized by it), drawn over a few
         t = replace(t, micro_batches=drawn, accumulated=s.grad_accum)
         step = (v.phases.step_peak_bytes, step_peak_at(v.phases))  # the step's (a load may peak above it: zero.py)
         if (t.peak_bytes, t.peak_at) != step:  # the full depth and the grown step disagree: a bug

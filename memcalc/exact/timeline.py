@@ -112,16 +112,16 @@ def phase_at(spans: tuple[Span, ...], index: int) -> str:
 
 
 def step_timeline(shape: ModelShape, seq_len: int, micro_batch: int, tricks: Tricks, grad_accum: int = 1,
-                  stack: Stack = DEFAULT_STACK, optimizer: str = "adamw",
-                  sharding: Sharding | None = None) -> Timeline:  # fmt: skip
+                  stack: Stack = DEFAULT_STACK, optimizer: str = "adamw", sharding: Sharding | None = None,
+                  drawn: int | None = None) -> Timeline:  # fmt: skip
     """One GPU's step (sharding: one data-parallel rank's under ZeRO) replayed at full depth with every
     allocation recorded, as memcalc.exact.step's step_phases replays it (no warm-up where the reference
-    recipe makes its first step's state instead)."""
+    recipe makes its first step's state instead); drawn: its first micro-batches only (all by default)."""
     from .replay.meta import simulate
     from .step import config
 
     cfg = config(shape, seq_len, micro_batch, as_run(tricks, shape.n_layers), grad_accum, stack, optimizer)
-    _, g, mem = simulate(cfg, timeline=True, warm_up=False, sharding=sharding)
+    _, g, mem = simulate(cfg, timeline=True, warm_up=False, sharding=sharding, drawn=drawn)
     return timeline_of(g, mem, tricks, stack.label)
 
 

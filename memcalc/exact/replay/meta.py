@@ -141,25 +141,30 @@ def frozen_params(model) -> list[Tensor]:
 
 
 def simulate(cfg: StepConfig, timeline: bool = False, every_micro_batch: bool = False,
-             warm_up: bool = True, sharding: Sharding | None = None) -> tuple[Phases, Graph, LiveBytes]:  # fmt: skip
+             warm_up: bool = True, sharding: Sharding | None = None,
+             drawn: int | None = None) -> tuple[Phases, Graph, LiveBytes]:  # fmt: skip
     """Build, one warm-up step, then the measured step (its last micro-batch's phases; the saved
     terms, rebuilt bytes and FLOPs of its first). Each step simulates replayed(grad_accum)
     micro-batches, equal to the byte to replaying all of them (every_micro_batch, or a timeline,
     which records every allocation, replays all), so the time does not grow with grad_accum.
     warm_up=False makes the state a first step leaves (Recipe.first_step_state) instead of running
     one: the same phases for half the work (tests/test_exact_depth.py). sharding: one data-parallel rank's
-    step under ZeRO (memcalc.exact.replay.zero), None (or a trivial one) for one GPU's."""
+    step under ZeRO (memcalc.exact.replay.zero), None (or a trivial one) for one GPU's. drawn: with a timeline,
+    the first `drawn` of the step's micro-batches only (what the step holds for all of them, such as GRPO's
+    generation batch, still sized by cfg.grad_accum)."""
     with no_collection():
-        return simulated(cfg, timeline, every_micro_batch, warm_up, sharding)
+        return simulated(cfg, timeline, every_micro_batch, warm_up, sharding, drawn)
 
 
 def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up: bool,
-              sharding: Sharding | None) -> tuple[Phases, Graph, LiveBytes]:  # fmt: skip
+              sharding: Sharding | None, drawn: int | None = None) -> tuple[Phases, Graph, LiveBytes]:  # fmt: skip
     """simulate's step."""
     check_simulated(cfg)
     if timeline:  # it records every allocation: each expert's, none standing for another
         cfg = replace(cfg, collapse=False)
     micro_batches = cfg.grad_accum if timeline or every_micro_batch else replayed(cfg.grad_accum)
+    if timeline and drawn is not None:
+        micro_batches = min(drawn, cfg.grad_accum)
     mem = LiveBytes(timeline=[] if timeline else None)
     sharded = sharding is not None and not sharding.trivial
     g = ZeroGraph(mem) if sharded else Graph(mem)

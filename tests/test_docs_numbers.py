@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from test_docs import memcalc, prose, read
 
 
@@ -204,3 +205,22 @@ def test_trl_prose():
            for stack in ("", " --stack trl:0.25")]  # fmt: skip
     assert 1.25 < out[1] / out[0] < 1.42  # "about a third higher"
     assert_quoted("docs/finetune.md", [f"({out[0] / 1e9:.1f} GB against {out[1] / 1e9:.1f} GB today)"])
+
+
+@pytest.mark.slow("test_fit_solves_the_step_as_it_accumulates (the same rule on a small model)")
+def test_fit_with_accumulation_prose():
+    """docs/memory.md: what `memcalc fit` finds for Llama-3-8B on an H200 with and without --grad-accum 4."""
+    args = "fit --model llama3-8b --gpu h200 --seq 4096 --tricks bf16,flash,ckpt --format json"
+    four, one = json.loads(memcalc(args + " --grad-accum 4")), json.loads(memcalc(args))
+    assert four["max_seq_len"] < one["max_seq_len"]
+    assert_quoted("docs/memory.md", [f"{four['max_seq_len']:,} tokens with `--grad-accum 4`",
+                                     f"{one['max_seq_len']:,} without"])  # fmt: skip
+
+
+def test_fit_solves_the_step_as_it_accumulates():
+    """A later micro-batch's backward runs beside the gradients the earlier ones left: fit finds less room."""
+    args = ("fit --model llama3.2-1b --layers 2 --gpu rtx4090 --gpu-memory 12G --seq 1024 --tricks bf16,flash,ckpt "
+            "--format json")
+    four, one = json.loads(memcalc(args + " --grad-accum 4")), json.loads(memcalc(args))
+    assert (four["max_micro_batch"], four["max_seq_len"]) < (one["max_micro_batch"], one["max_seq_len"])
+    assert four["memory_at_max_batch"]["phases"]["grads_bytes"] == one["memory_at_max_batch"]["phases"]["grads_bytes"]

@@ -226,3 +226,23 @@ def test_an_uploaded_config_and_a_cached_hub_id_answer_as_the_command_line(url, 
     shell = cli("estimate", "--model", HUB_ID, "--gpu", "t4", "--seq", "512", "--format", "markdown")
     assert shell.returncode == 0  # the test process's HF_HUB_CACHE is the server's (the url fixture)
     assert page.text_content("#verdict") == last_paragraph(shell.stdout)
+
+
+def test_grpo_answers_as_the_command_line_phase_by_phase(url, page):
+    """The RL fields: GRPO with vLLM colocated, its generation batch over eight micro-batches; the verdict, the
+    phases' table, fit (which takes the accumulation too) and the timeline are the command line's."""
+    page.goto(url + "#preset=llama3.2-1b&gpu=rtx4090&method=lora&seq=1024&accum=8&rl=grpo&completion=256"
+              "&vllm=colocate")  # fmt: skip
+    answered(page)
+    assert page.is_visible("#online") and page.input_value("#completion") == "256"
+    argv = ["--model", "llama3.2-1b", "--gpu", "rtx4090", "--lora", "16", "--rl", "grpo", "--completion-len", "256",
+            "--vllm", "colocate", "--seq", "1024", "--micro-batch", "1", "--grad-accum", "8"]  # fmt: skip
+    shown = page.text_content("#commands").splitlines()
+    assert shown[0] == "memcalc estimate " + " ".join(argv)
+    estimate = cli("estimate", *argv, "--format", "markdown").stdout
+    assert page.text_content("#verdict") == last_paragraph(estimate)
+    assert page_tables(page, "#estimate") == markdown_tables(estimate)
+    assert "GRPO phases per GPU (vLLM colocate)" in page.text_content("#estimate h3:nth-of-type(2)")
+    assert page_tables(page, "#fit") == markdown_tables(cli("fit", *argv, *TRICKS, "--format", "markdown").stdout)
+    t = json.loads(cli("estimate", *argv, *TRICKS, "--timeline", "--format", "json").stdout)["timeline"][0]
+    assert page.text_content("#timeline-note").startswith(f"bf16+flash+ckpt: peak {size(t['peak_bytes'])} ")

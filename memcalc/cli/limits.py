@@ -14,7 +14,7 @@ from memcalc.report import render
 from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepOptions, seq_for
 from .inputs import check_format, explained, fail, render_units, resolve_tricks, show_file, warn, with_file
 from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, ExpandableSegments, Ffn, Format, Freeze,
-                      FromFile, GpuMemory, GpuOpt, HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers,
+                      FromFile, GpuMemory, GpuOpt, GradAccum, HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers,
                       Dora, Lora, LoraDropout, ModulesToSave, LoraTargets, LigerOpt, RlOpt, PrecomputeRef, CompletionLen, NumGenerations, BetaOpt, VllmOpt, VllmUtil, VllmSleep, VllmMaxLen, GraphMemory, LossOpt, ReentrantOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, Offload, OffloadActivations, Optimizer, Params,
                       Quantize, RecipeOpt, Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
 
@@ -25,7 +25,7 @@ def fit(
     config: ConfigPath = None,
     layers: Layers = None, hidden: Hidden = None, heads: Heads = None, kv_heads: KvHeads = None,
     ffn: Ffn = None, vocab: Vocab = None,
-    seq: Seq = None, micro_batch: MicroBatch = "1", tricks: Annotated[Optional[str], typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST", show_default=FIT_TRICKS)] = None,
+    seq: Seq = None, micro_batch: MicroBatch = "1", grad_accum: GradAccum = "1", tricks: Annotated[Optional[str], typer.Option("--tricks", help="The trick set to solve under.", metavar="LIST", show_default=FIT_TRICKS)] = None,
     optimizer: Optimizer = "adamw", gpus: DataParallelGpus = "1", zero: Zero = "0", offload: Offload = False,
     host_memory: HostMemory = "2T", stack: StackOpt = None, recipe: RecipeOpt = None,
     optimizer_impl: ImplOpt = None, no_cache: NoCache = False, offload_activations: OffloadActivations = False, gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None,

@@ -9,9 +9,11 @@ const SEQS = [128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16
 const BATCHES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128];
 const DEFAULTS = {source: "preset", preset: "llama3-8b", hub: "", config: "", config_name: "", gpu: "h100-sxm",
   gpus: "1", zero: "0", method: "full", rank: "16", optimizer: "adamw", accum: "1", seq: "4096", mb: "1",
-  tricks: "bf16+flash+ckpt"};
+  tricks: "bf16+flash+ckpt", rl: "", completion: "512", generations: "", vllm: ""};
 const FIELDS = {preset: "preset", hub: "hub", gpu: "gpu", gpus: "gpus", zero: "zero", method: "method",
-  rank: "rank", optimizer: "optimizer", accum: "grad-accum", tricks: "tricks"};
+  rank: "rank", optimizer: "optimizer", accum: "grad-accum", tricks: "tricks", rl: "rl", completion: "completion",
+  generations: "generations", vllm: "vllm"};
+const ONLINE = ["grpo", "rloo"];  // the trainers that generate: a completion length, generations, vLLM
 const $ = (id) => document.getElementById(id);
 let state = {...DEFAULTS};
 let asked = 0;  // the newest answer asked for: an older one arriving late is dropped
@@ -59,6 +61,7 @@ function toForm() {
   $("hub").hidden = state.source !== "hub";
   $("config").hidden = state.source !== "file";
   $("rank").disabled = state.method === "full";
+  $("online").hidden = !ONLINE.includes(state.rl);
   $("seq").max = SEQS.length - 1;
   $("micro-batch").max = BATCHES.length - 1;
   $("seq").value = nearest(SEQS, +state.seq);
@@ -93,22 +96,28 @@ function modelArgs(s, shown) {
   return ["--model", s.preset];
 }
 
-function jobArgs(s, shown, accumulation) {
+function jobArgs(s, shown) {
   const a = [...modelArgs(s, shown), "--gpu", s.gpu];
   if (s.gpus !== "1") a.push("--gpus", s.gpus);
   if (s.zero !== "0") a.push("--zero", s.zero);
   if (s.method !== "full") a.push("--lora", s.rank);
   if (s.method === "qlora") a.push("--quantize", "nf4");
   if (s.optimizer !== "adamw") a.push("--optimizer", s.optimizer);
+  if (s.rl) a.push("--rl", s.rl);
+  if (ONLINE.includes(s.rl)) {
+    a.push("--completion-len", s.completion);
+    if (s.generations) a.push("--num-generations", s.generations);
+    if (s.vllm) a.push("--vllm", s.vllm);
+  }
   a.push("--seq", s.seq, "--micro-batch", s.mb);
-  if (accumulation && s.accum !== "1") a.push("--grad-accum", s.accum);
+  if (s.accum !== "1") a.push("--grad-accum", s.accum);
   return a;
 }
 
-function commands(s, shown = false) {  // fit solves one micro-batch: it takes no --grad-accum
+function commands(s, shown = false) {
   const tricks = ["--tricks", s.tricks.replaceAll("+", ",")];
-  return {estimate: ["estimate", ...jobArgs(s, shown, true)], fit: ["fit", ...jobArgs(s, shown, false), ...tricks],
-    timeline: ["estimate", ...jobArgs(s, shown, true), ...tricks, "--timeline"]};
+  return {estimate: ["estimate", ...jobArgs(s, shown)], fit: ["fit", ...jobArgs(s, shown), ...tricks],
+    timeline: ["estimate", ...jobArgs(s, shown), ...tricks, "--timeline"]};
 }
 
 const quoted = (a) => /^[\w.,:/+=-]+$/.test(a) ? a : "'" + a.replaceAll("'", "'\\''") + "'";

@@ -107,6 +107,9 @@ def test_every_number_on_the_page_is_the_command_lines(url, page):
     assert page_tables(page, "#fit") == markdown_tables(fit_text)
     assert page_tables(page, "#fit")[0][1][1] == f"{fit['max_seq_len']:,}"
     assert page_tables(page, "#fit")[0][2][1] == f"{fit['max_micro_batch']:,}"
+    seqs = page.evaluate("SEQS")  # the slider's positions, green as far as the longest sequence that fits
+    share = 100 * sum(s <= fit["max_seq_len"] for s in seqs) / len(seqs)
+    assert f"#9fd8ae {share:g}%" in page.get_attribute("#seq", "style").replace("rgb(159, 216, 174)", "#9fd8ae")
     table = cli("estimate", *JOB, *TRICKS, "--timeline").stdout
     said = next(line for line in table.splitlines() if line.startswith("bf16+flash+ckpt: peak "))
     assert page.text_content("#timeline-note") == said

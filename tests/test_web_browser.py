@@ -19,7 +19,7 @@ import pytest
 from test_hub import cache_with
 from test_web import cli, get, served
 
-from memcalc.report.units import size
+from memcalc.report.units import seconds, size
 
 pytestmark = pytest.mark.slow("tests/test_web.py: the server's answers equal the command line's")
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +102,13 @@ def test_every_number_on_the_page_is_the_command_lines(url, page):
     estimate = cli("estimate", *JOB, "--format", "markdown").stdout
     assert page.text_content("#verdict") == last_paragraph(estimate)
     assert page_tables(page, "#estimate") == markdown_tables(estimate)
+    answer = json.loads(cli("estimate", *JOB, "--format", "json").stdout)  # and against the JSON, row by row
+    rows = page_tables(page, "#estimate")[0]
+    column = {name: rows[0].index(name) for name in ("tricks", "state", "= peak", "step time")}
+    for row, v, t in zip(rows[1:], answer["verdict"], answer["time"], strict=True):
+        assert row[column["tricks"]] == "+".join(v["tricks"])
+        assert (row[column["state"]], row[column["= peak"]]) == (size(v["state_bytes"]), size(v["peak_bytes"]))
+        assert row[column["step time"]] == seconds(t["step_seconds"])
     fit_text = cli("fit", *JOB, *TRICKS, "--format", "markdown").stdout
     fit = json.loads(cli("fit", *JOB, *TRICKS, "--format", "json").stdout)
     assert page_tables(page, "#fit") == markdown_tables(fit_text)

@@ -124,6 +124,7 @@ def test_a_quantized_model_loads_whole_before_zero3_shards_it(quantize, bucket):
     assert rank.run_peak_bytes == max(rank.step_peak_bytes, rank.load_bytes)
 
 
+@pytest.mark.slow("test_a_quantized_model_loads_whole_before_zero3_shards_it (the load's peak, the same rule)")
 def test_qlora_70b_under_zero3_peaks_as_it_loads():
     """PEFT's DeepSpeed ZeRO-3 QLoRA guide (Llama-2-70B on two 40 GB cards) says 36.6 GB per GPU: the whole 4-bit
     model before it is partitioned (benchmarks/finetune/). The verdict peaks at the load, says so, and `fit` on a

@@ -202,6 +202,7 @@ def test_fsdp2_with_pipeline_parallel_gathers_and_reduces_once_per_step():
         "fsdp2", dp=8)  # fmt: skip
 
 
+@pytest.mark.slow("test_fsdp2_with_pipeline_parallel_gathers_and_reduces_once_per_step (the layout the plan finds)")
 def test_plan_searches_fsdp_with_pipeline_parallel_for_405b():
     # FSDP2 (ZeRO-3 over dp × cp) with pipeline parallel over uneven stages: torchtitan's split gives the end
     # stages one layer fewer for the embedding and the head

@@ -129,7 +129,7 @@ def test_explain_shows_formulas_with_numbers():
     assert "peak = 2,415,919,104 + one layer rebuilt" in out.stdout
 
 
-@pytest.mark.slow("tests/test_docs_numbers.py::test_fit_solves_the_step_as_it_accumulates (fit's limits, a small model)")
+@pytest.mark.slow("test_docs_numbers.py::test_fit_solves_the_step_as_it_accumulates (fit's limits, a small model)")
 def test_fit_command():
     out = run("fit", "--params", "8e9", "--seq", "8192", "--tricks", "bf16,flash,ckpt", "--gpu", "h200",
               "--format", "json")  # fmt: skip

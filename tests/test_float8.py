@@ -123,6 +123,7 @@ def test_float8_matmuls_run_at_the_fp8_peak():
     assert {k.op for k in fp8} == {"_scaled_mm"} and {k.dtype for k in fp8} == {"fp8-e4m3", "fp8-e5m2"}
 
 
+@pytest.mark.slow("test_plan_keeps_fp8_and_compile (compile's kernels, in the plan's step)")
 def test_compile_fuses_the_elementwise_kernels():
     """One block's kernels: the matmuls and attention unchanged, fewer elementwise kernels moving fewer bytes;
     eager float8 is slower than bf16 (torchao's casts), compiled float8 faster than compiled bf16."""

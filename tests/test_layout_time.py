@@ -133,6 +133,7 @@ def test_pruning_changes_nothing(name, gpus, seq, batch):
     assert pruned.fitting == every.fitting
 
 
+@pytest.mark.slow("tests/test_cli.py::test_plan_ranks_layouts_that_fit (the plan's ranking by tokens/s)")
 def test_plan_ranks_flash_above_eager():
     # the issue: the FLOP count made eager attention (selective recompute) look faster than flash
     model = preset_model("llama3-8b")

@@ -164,14 +164,14 @@ class StackOptions(OptionGroup):
         allocates by the GPU's kind (memcalc.model.savers.liger_for); without a GPU (verify), as on meta. Under --rl
         grpo or rloo trl:1.16 too."""
         from memcalc.model.finetune import finetune_for
-        from memcalc.model.rl import with_rl
+        from memcalc.model.rl import TRAINERS, with_rl
         from memcalc.model.savers import ON_META, liger_for
         from memcalc.model.stacks import FUSED_HEAD, stack_for, with_loop
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip
         liger = (liger_for(gpu) if gpu is not None else ON_META) if self.liger else None
-        trainer = (self.rl or "").strip().lower() in ("dpo", "grpo", "rloo")  # TRL's trainers: the line they replay on
+        trainer = (self.rl or "").strip().lower() in TRAINERS  # TRL's trainers: the line they are replayed on
         default = f"trl:{FUSED_HEAD[-1]}" if trainer else "reference" if finetune.trains_all else "hf"
         chosen = stack_for(self.stack or default, self.recipe,
                            self.optimizer_impl, self.no_cache, self.offload_activations, liger,

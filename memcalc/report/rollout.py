@@ -28,7 +28,7 @@ def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Sec
              + (u.size(e.graphs_bytes, units) if e.graphs_bytes else GRAPHS_UNCOUNTED)]  # fmt: skip
     if e.failure:
         notes.append(f"vLLM does not start: {e.failure}")
-    prompts = f"{e.max_num_seqs} prompt" + ("s" if e.max_num_seqs > 1 else "")
+    prompts = u.plural(e.max_num_seqs, "prompt")
     notes.append(f"rollout time per generation: {u.seconds(e.prefill_seconds + e.decode_seconds)} ({prompts} "
                  f"prefilled {u.seconds(e.prefill_seconds)}, then one decode step per "
                  f"completion token over all of them {u.seconds(e.decode_seconds)}, on memcalc serve's roofline), "

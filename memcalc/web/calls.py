@@ -10,7 +10,6 @@ the slider gets there.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -89,7 +88,9 @@ class Ahead:
     def want(self, argvs: list[tuple[str, ...]]) -> int:
         """Queue these (those not run before); returns how many were queued. Nothing where the disk cache is
         off: a second process would keep its replays to itself."""
-        if os.environ.get("MEMCALC_CACHE", "").lower() in ("off", "0", "no", "false"):
+        from memcalc.exact.base.cache import folder
+
+        if folder() is None:
             return 0
         with self.wake:
             self.pending = [a for a in argvs if a not in self.done]

@@ -1,7 +1,7 @@
 // memcalc's page: the form becomes `memcalc` command lines, the server runs them as the shell would
 // (memcalc/web/server.py), and the page shows what they printed. No number here is computed: the tables and
 // sentences are the commands' Markdown, the chart is the timeline's JSON, and size() formats its bytes by
-// memcalc.report.units.size's rule (tests/test_web.py holds the two equal).
+// memcalc.report.units.size's rule (tests/test_web_browser.py holds the two equal).
 "use strict";
 
 const SEQS = [128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from memcalc.errors import InputError
 from memcalc.memory.setup import Setup
@@ -30,6 +31,9 @@ from memcalc.model.gpus import GPU
 from memcalc.model.headroom import CONTEXT_BYTES
 from memcalc.model.shape import Model
 from memcalc.records import record
+
+if TYPE_CHECKING:  # the replay's record: memcalc.exact is imported where a job asks for it
+    from memcalc.exact.hf.generate import Generation
 
 TRL_VLLM = "0.31"  # trl 1.16.0's extra: vllm>=0.22.0,<=0.31.0; the newest it admits decides the budget's rule
 BATCHED_TOKENS = 4096  # VLLMGeneration's LLM(max_num_batched_tokens=4096)
@@ -169,20 +173,58 @@ class RolloutPhases:
 @record(frozen=True)
 class Rollout:
     """The engine and, for each trick set's verdict, the phases on one training GPU (colocate); server mode's
-    engine runs on GPUs of its own, so its phases are the step alone."""
+    engine runs on GPUs of its own, so its phases are the step alone. Without --vllm the policy generates itself:
+    no engine, and each trick set's generate (memcalc.exact.hf.generate; None and no phases where it is not
+    replayed, not_sized says why)."""
 
-    engine: RolloutEngine
+    engine: RolloutEngine | None
     sleep: bool
-    phases: tuple[RolloutPhases, ...]
+    phases: tuple[RolloutPhases | None, ...]
+    generations: tuple[Generation | None, ...] = ()
+    not_sized: str = ""
 
 
-def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout | None:
-    """The rollout's answer for an --rl grpo --vllm job: gpu is the job's (its colocated bytes set by with_engine)."""
+def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout:
+    """The rollout's answer for an --rl grpo|rloo job: gpu is the job's (its colocated bytes set by with_engine)."""
     engine = engine_for(model, bare(gpu), setup)
     if engine is None:
-        return None
+        generations = tuple(own_generation(model, setup, v.tricks) for v in verdicts)
+        phases = tuple(None if isinstance(x, str) else generate_phases(gpu, v, x)
+                       for x, v in zip(generations, verdicts, strict=True))  # fmt: skip
+        why = next((x for x in generations if isinstance(x, str)), "")
+        return Rollout(None, False, phases, tuple(None if isinstance(x, str) else x for x in generations), why)
     phases = tuple(phases_of(engine, bare(gpu), v, setup.stack.online.sleep) for v in verdicts)
     return Rollout(engine, setup.stack.online.sleep, phases)
+
+
+def own_generation(model: Model, setup: Setup, tricks) -> Generation | str:
+    """The policy's own model.generate over one GPU's generation batch (per_device_train_batch_size x
+    steps_per_generation, the accumulation by default: the rows vLLM's max_num_seqs counts too), or why it is not
+    replayed."""
+    from memcalc.exact.base.config import StepConfig
+    from memcalc.exact.hf.generate import not_replayed
+
+    if setup.stack.model != "hf":
+        return "the policy's own generate is replayed on Transformers' models"
+    cfg = StepConfig(model.shape, setup.seq_len, setup.micro_batch, tricks, setup.stack, setup.optimizer,
+                     setup.grad_accum)  # fmt: skip
+    return not_replayed(cfg) or generated(cfg, setup.micro_batch * setup.grad_accum)
+
+
+@lru_cache(maxsize=64)  # the answer and the CLI's fit ask for the same job's
+def generated(cfg, rows: int) -> Generation:
+    from memcalc.exact.hf.generate import generation
+
+    return generation(cfg, rows)
+
+
+def generate_phases(gpu: GPU, verdict, generation: Generation) -> RolloutPhases:
+    """startup, rollout and train on one GPU where the policy generates itself: its weights as it starts; the
+    trainer's state between steps with generate's peak (the prompts, the cache, the loop's tensors); the step."""
+    weights = verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes
+    usable = verdict.usable_bytes
+    return RolloutPhases(CONTEXT_BYTES + weights, gpu.cuda_total_bytes, verdict.state_bytes + generation.peak_bytes,
+                         usable, verdict.total_bytes, usable, True)  # fmt: skip
 
 
 def phases_of(engine: RolloutEngine, gpu: GPU, verdict, sleep: bool) -> RolloutPhases:

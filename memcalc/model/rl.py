@@ -131,8 +131,8 @@ def dpo_reference(stack: Stack) -> str:
     return f"the reference's forward ({ref}, no_grad, no checkpointing) beside the policy's saved activations"
 
 
-NOT_SIZED = ("; without --vllm the policy generates itself (model.generate, its KV cache over the generation batch), "
-             "a phase not sized here")  # fmt: skip
+OWN_GENERATE = ("; without --vllm the policy generates itself (model.generate over the generation batch, its KV "
+                "cache: the rollout phase below)")  # fmt: skip
 
 
 def online_note(stack: Stack) -> str:
@@ -143,7 +143,7 @@ def online_note(stack: Stack) -> str:
     if stack.rl == "rloo":
         kl = f" (beta {g.beta:g}{held})" if g.beta else ""
         return (f"TRL 1.16's RLOOTrainer: {scored} and old sequence log-probs; the loss per sequence, the "
-                f"reference's KL in the rewards{kl}{NOT_SIZED if not g.vllm else ''}")  # fmt: skip
+                f"reference's KL in the rewards{kl}{OWN_GENERATE if not g.vllm else ''}")  # fmt: skip
     ref = f", the reference's log-probs (beta > 0{held})" if g.beta else ""
     read = ("vLLM's old log-probs and importance-sampling ratio" if g.vllm else "no old log-probs") + ref
-    return f"TRL 1.16's GRPOTrainer (loss_type dapo): {scored}, {read}{NOT_SIZED if not g.vllm else ''}"
+    return f"TRL 1.16's GRPOTrainer (loss_type dapo): {scored}, {read}{OWN_GENERATE if not g.vllm else ''}"

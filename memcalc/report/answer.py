@@ -293,15 +293,17 @@ CSV_HEADERS = [
 
 def csv_rows(ans: Answer) -> list[list[object]]:
     """One row per trick set: the textbook's terms, then the verdict (what `fits` is), then the step time (the
-    roofline's one-GPU columns where the job is one GPU's step timed by it), then under --rl grpo or rloo with vLLM
-    whether every phase fits beside the engine (phases_fit; empty otherwise)."""
+    roofline's one-GPU columns where the job is one GPU's step timed by it), then under --rl grpo or rloo whether
+    every phase fits, beside vLLM or the policy's own generate (phases_fit; empty otherwise, or where generate is not
+    sized)."""
     from .roofline import csv_columns
 
     rows, est = [], ans.textbook
     for i, (a, m, c, v, e) in enumerate(zip(est.activations, est.memory, est.compute, ans.verdicts, ans.layouts)):
         t, known = e.time, a.formula  # sac: the textbook's columns stay empty
         r = ans.roofline[i] if ans.roofline else None
-        phases = ans.rollout.phases[i].fits if ans.rollout is not None else ""
+        p = ans.rollout.phases[i] if ans.rollout is not None else None
+        phases = p.fits if p is not None else ""
         rows.append(["+".join(a.tricks.names), a.per_layer_bytes if known else "", a.total_bytes if known else "",
                      a.peak_bytes if known else "", m.model_state_bytes, m.logits_bytes, m.total_bytes if known else "",
                      v.replayed, v.state_bytes, v.peak_bytes, v.fits, c.flops.model_per_token,

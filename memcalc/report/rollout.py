@@ -1,4 +1,5 @@
-"""--rl grpo --vllm: the rollout engine and each phase of a step on one GPU (memcalc.engine.rollout), as a section."""
+"""--rl grpo|rloo: the rollout engine (--vllm) or the policy's own generate, and each phase of a step on one GPU
+(memcalc.engine.rollout), as a section."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ GRAPHS_UNCOUNTED = "not counted (give --cudagraph-memory as its log prints them)
 def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Section:
     """One row per trick set: the startup check, the rollout and the train phase against their limits; the engine's
     parts and host memory in the notes."""
+    if rollout.engine is None:
+        return generate_section(rollout, verdicts, units, trainer)
     tricks = [v.tricks.label for v in verdicts]
     e = rollout.engine
     colocated = e.mode == "colocate"
@@ -51,6 +54,32 @@ def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Sec
                    rows, notes)  # fmt: skip
 
 
+def generate_section(rollout, verdicts, units: str, trainer: str) -> Section:
+    """Without --vllm: the policy's own generate as the rollout phase (memcalc.exact.hf.generate), a row per trick
+    set; a trick set it is not replayed for says so."""
+    rows, notes = [], []
+    for v, p, gen in zip(verdicts, rollout.phases, rollout.generations, strict=True):
+        if p is None:
+            rows.append([v.tricks.label, "", "not sized", sized(v.total_bytes, units), ""])
+            continue
+        rows.append([v.tricks.label, sized(p.startup_bytes, units), sized(p.rollout_bytes, units),
+                     sized(p.train_bytes, units), phase_verdict(p)])  # fmt: skip
+    gen = next((x for x in rollout.generations if x is not None), None)
+    if gen is not None:
+        rows_of = u.plural(gen.rows, "row")
+        notes.append(f"the policy generates itself (use_vllm False: model.generate, no_grad, gradient checkpointing "
+                     f"off): {rows_of} of a {gen.prompt_len:,}-token prompt, each to {gen.completion_len:,} new "
+                     f"tokens, at once; its DynamicCache ends at {u.size(gen.cache_bytes, units)}, its peak "
+                     + ("in the prefill (the prompts' forward)" if gen.peak_at == "prefill" else
+                        "in the last decode step (the cache at its longest)"))  # fmt: skip
+        notes.append("startup: CUDA context + the weights; rollout: the trainer's state between steps + generate's "
+                     "peak (the prompts, the cache, the loop's tensors); train: the step (the verdict above)")
+    if rollout.not_sized:
+        notes.append(f"not sized: {rollout.not_sized}")
+    headers = ["tricks", "startup", "rollout", "train", "fits?"]
+    return Section(f"{trainer.upper()} phases per GPU (the policy's own generate)", headers, rows, notes)
+
+
 def phase_verdict(p) -> str:
     """'yes', or why not: vLLM does not start, or the first phase that does not fit (RolloutPhases.failed)."""
     return "yes" if p.fits else "no: vLLM does not start" if p.failed == "start" else f"no: {p.failed}"
@@ -62,6 +91,10 @@ def rollout_clause(rollout, verdicts, tricks, units: str) -> str:
     p = next((x for x, v in zip(rollout.phases, verdicts, strict=True) if v.tricks == tricks), None)
     if p is None or p.failed in ("", "train"):
         return ""
+    if rollout.engine is None:  # the policy's own generate
+        held, usable = u.size_pair(p.rollout_bytes, p.rollout_limit, units)
+        return (f"the rollout (the trainer's state beside the policy's own generate) needs {held}, of the {usable} "
+                "usable")
     if p.failed == "start":
         return f"vLLM does not start: {rollout.engine.failure}"
     if p.failed == "startup":

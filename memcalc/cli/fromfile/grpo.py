@@ -90,7 +90,7 @@ def vllm_options(ledger: KeyLedger) -> None:
     refused."""
     if not ledger.flag("use_vllm"):
         if ledger.has("use_vllm"):
-            ledger.used("use_vllm", "off: the policy generates itself (the rollout is not sized)")
+            ledger.used("use_vllm", "off: the policy generates itself (model.generate: the rollout phase)")
         for key in ("vllm_mode", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length",
                     "vllm_tensor_parallel_size"):  # fmt: skip
             if ledger.has(key):

@@ -14,6 +14,8 @@
   fused_head, chunked_nll
                  TRL's fused LM head (1.15-1.16) and loss_type chunked_nll (1.6-1.14): the loss without the logits
   dpo            TRL's DPOTrainer step (--rl dpo): chosen and rejected sequences, the reference's forward, the loss
+  grpo, rloo     TRL's GRPOTrainer and RLOOTrainer steps (--rl grpo, rloo): the buffered generation batch, the loss
+  generate       the policy's own model.generate as those trainers call it without vLLM: the rollout phase
   liger          Liger's kernels as the Trainer applies them (use_liger_kernel): RMSNorm, RoPE, SwiGLU, the head
                  fused with the cross-entropy (verify/liger.py)
 

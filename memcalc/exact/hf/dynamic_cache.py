@@ -60,6 +60,8 @@ def update(g: Graph, m: HFModel, key_states: Tensor, value_states: Tensor) -> tu
     states."""
     if m.cache is None:
         return key_states, value_states
+    if m.decoding:  # generate's later steps: DynamicLayer.update's cat onto the layer's keys and values
+        return grown(g, m, key_states, value_states)
     empty_keys = made(g, (0,), "tensor", dtype=key_states.dtype)
     empty_values = made(g, (0,), "tensor", dtype=value_states.dtype)
     sliding = m.cfg.shape.window_at(g.layer) and m.cfg.device != "cpu"
@@ -68,6 +70,17 @@ def update(g: Graph, m: HFModel, key_states: Tensor, value_states: Tensor) -> tu
     values = aten.cat(g, [value_states], 2)
     del empty_keys, empty_values  # self.keys, self.values rebound to the copies
     m.cache.append((keys, values) if window is None else (keys, values, window))
+    return keys, values
+
+
+def grown(g: Graph, m: HFModel, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+    """torch.cat([self.keys, key_states], dim=-2), the keys rebound to it (the old ones freed), then the values
+    (memcalc.exact.hf.generate's decode steps; the cache's entries are the layers' in order)."""
+    keys, values = m.cache[g.layer]
+    m.cache[g.layer] = None
+    keys = aten.cat(g, [keys, key_states], 2)
+    values = aten.cat(g, [values, value_states], 2)
+    m.cache[g.layer] = (keys, values)
     return keys, values
 
 

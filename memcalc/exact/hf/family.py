@@ -34,6 +34,7 @@ class HFModel:
     outputs: tuple[str, ...] = ()  # its fused LM head's, where not its trainer's (memcalc.exact.hf.fused_head)
     reference: HFModel | None = None  # DPO's reference model beside it (memcalc.exact.hf.dpo), if it has one
     batch: dict[str, Tensor] = field(default_factory=dict)  # GRPO's buffered generation batch (memcalc.exact.hf.grpo)
+    decoding: bool = False  # generate's decode steps: the cache grows a token (memcalc.exact.hf.generate)
 
     def checkpoint(self, g: Graph):
         """How a GradientCheckpointingLayer checkpoints itself: torch.utils.checkpoint with the use_reentrant the

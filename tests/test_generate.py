@@ -1,0 +1,117 @@
+"""The policy's own generate (--rl grpo|rloo without --vllm, TRL 1.16's default): memcalc.exact.hf.generate equals
+Transformers' model.generate as GRPOTrainer calls it (verify/trl_generate.py) allocation by allocation on CPU tensors,
+and the answer holds it as the rollout phase beside the trainer's state.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.exact.hf.generate import generation, replay
+from memcalc.model.finetune import FULL, Finetune
+from memcalc.model.rl import OnlineRL, with_rl
+from memcalc.model.stacks import STACKS
+from memcalc.model.tricks import parse_tricks
+from tests.test_lora import step_config
+from tests.test_stack_hf import TINY
+
+VARIANT = pytest.mark.slow("test_generate_allocation_by_allocation's llama cases (the same loop on another decoder, "
+                           "adapter or dtype)")  # fmt: skip
+
+
+def config(name: str, rows: int, prompt: int, completion: int, finetune: Finetune = FULL, recipe: str = "pure",
+           rl: str = "grpo"):  # fmt: skip
+    online = OnlineRL(completion_len=completion, num_generations=2, beta=0.0)
+    stack = with_rl(replace(STACKS["trl:1.16"], finetune=finetune, recipe=recipe), rl, online=online)
+    return replace(step_config(TINY[name], prompt + completion, rows, "bf16,flash", stack, device="cpu"), watched=True)
+
+
+@pytest.mark.parametrize("name,rows,prompt,completion,finetune,recipe", [
+    ("llama", 3, 5, 4, FULL, "pure"),  # the peak in the prefill
+    ("llama", 2, 3, 9, FULL, "pure"),  # the peak in the last decode step
+    ("llama", 2, 3, 6, Finetune(4, lora_dropout=0.1), "pure"),  # LoRA's dropout on: the model generates in training
+    pytest.param("llama", 1, 4, 6, FULL, "pure", marks=VARIANT),  # one row: no check of the last column
+    pytest.param("qwen3", 2, 3, 7, FULL, "pure", marks=VARIANT),  # q_norm and k_norm
+    pytest.param("qwen2", 2, 5, 3, FULL, "pure", marks=VARIANT),  # biases on q, k, v
+    pytest.param("llama-mha-tied", 2, 3, 6, FULL, "pure", marks=VARIANT),  # the head is the embedding table
+    pytest.param("llama", 2, 3, 6, FULL, "autocast", marks=VARIANT),  # fp32 weights: generate runs in fp32
+])  # fmt: skip
+def test_generate_allocation_by_allocation(name, rows, prompt, completion, finetune, recipe):
+    """Every allocation generate makes, its size and the live bytes at it, from the prompts to the last token."""
+    pytest.importorskip("trl")
+    from verify.trl_generate import measure_generate
+
+    cfg = config(name, rows, prompt, completion, finetune, recipe)
+    predicted, mem = replay(cfg, rows, every_step=True, timeline=True)
+    live = measure_generate(TINY[name], parse_tricks("bf16,flash"), rows, prompt, completion, finetune,
+                            recipe == "autocast", timeline=True)  # fmt: skip
+    start = next(i for i, e in enumerate(mem.timeline) if e[1] == "input")
+    base = mem.timeline[start - 1][3]
+    ours = [(size, at - base) for _, _, size, at in mem.timeline[start:] if size > 0]
+    theirs = [(size, at - live.base) for _, op, size, at in live.timeline if size > 0 and op != "registered"]
+    assert ours == theirs
+    assert predicted.peak_bytes == live.peak_bytes - live.base
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 4), prompt=st.integers(1, 6), completion=st.integers(1, 12),
+       lora=st.booleans())  # fmt: skip
+def test_the_steps_between_stand_for_one_another(rows, prompt, completion, lora):
+    """Replaying the first and the last decode step, the ones between grown over, equals replaying every step."""
+    cfg = config("llama", rows, prompt, completion, Finetune(4) if lora else FULL)
+    every = replay(cfg, rows, every_step=True)[0]
+    assert generation(cfg, rows) == every
+    assert every.cache_bytes == 2 * 2 * rows * 2 * 16 * (prompt + completion - 1) * 2  # layers, k and v, bf16
+
+
+def run(*args: str) -> dict:
+    result = CliRunner().invoke(app, ["estimate", *args, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+JOB = ("--model", "llama3-8b", "--rl", "grpo", "--lora", "16", "--seq", "2048", "--completion-len", "1536",
+       "--micro-batch", "2", "--num-generations", "4", "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090")  # fmt: skip
+
+
+def test_the_rollout_phase_is_the_state_and_generate():
+    """Rows: per_device_train_batch_size x steps_per_generation; the phase: the state between steps + generate's
+    peak; its cache: 2 x layers x kv heads x head_dim x 2 bytes per token of every row."""
+    out = run(*JOB, "--grad-accum", "8")
+    rollout, verdict = out["rollout"], out["verdict"][0]
+    gen, phase = rollout["generations"][0], rollout["phases"][0]
+    assert rollout["engine"] is None and gen["rows"] == 16 and (gen["prompt_len"], gen["completion_len"]) == (512,
+                                                                                                            1536)
+    assert gen["cache_bytes"] == 16 * (512 + 1536 - 1) * 2 * 32 * 8 * 128 * 2 and gen["peak_at"] == "decode"
+    assert phase["rollout_bytes"] == verdict["state_bytes"] + gen["peak_bytes"]
+    assert phase["rollout_bytes"] > phase["train_bytes"]  # the cache of 16 rows outgrows the step here
+
+
+def test_a_rollout_that_does_not_fit_is_said():
+    """Twice the accumulation: the generation batch doubles, the rollout no longer fits though the step does."""
+    out = CliRunner().invoke(app, ["estimate", *JOB, "--grad-accum", "16"])
+    assert out.exit_code == 0, out.output
+    assert "The step fits:" in out.output and "but the rollout (the trainer's state beside the policy's own " \
+        "generate) needs" in " ".join(out.output.split())  # fmt: skip
+
+
+def test_eager_attention_is_not_sized():
+    """A trick set without flash (eager attention, not replayed in generate): the section says why."""
+    result = CliRunner().invoke(app, ["estimate", *JOB[:-4], "--tricks", "bf16", "--gpu", "h100-sxm", "--grad-accum",
+                                      "2"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "not sized: the policy's own generate is replayed with SDPA's kernels" in " ".join(result.output.split())
+
+
+def test_rloo_generates_the_same():
+    """RLOOTrainer's generate is GRPOTrainer's (its _generate_single_turn): the same phase for the same batch."""
+    grpo = run(*JOB, "--grad-accum", "4")["rollout"]["generations"][0]
+    rloo = run(*JOB[:3], "rloo", *JOB[4:], "--grad-accum", "4")["rollout"]["generations"][0]
+    assert grpo == rloo

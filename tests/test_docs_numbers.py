@@ -90,8 +90,8 @@ def test_json_keys_table():
     data |= {"exact": json.loads(memcalc("estimate --model gpt2 --seq 1024 --exact --format json"))["exact"],
              "timeline": json.loads(memcalc("estimate --model gpt2 --seq 1024 --tricks bf16 --timeline --format json"))
              ["timeline"],
-             "rollout": json.loads(memcalc("estimate --model llama3.2-1b --seq 1024 --lora 8 --rl grpo --micro-batch 8 "
-                                           "--vllm colocate --format json"))["rollout"]}  # fmt: skip
+             "rollout": [json.loads(memcalc(f"estimate --model llama3.2-1b --seq 1024 --lora 8 --rl grpo --micro-batch "
+                                            f"8 {vllm}--format json"))["rollout"] for vllm in ("--vllm colocate ", "")]}
     layout = json.loads(memcalc("estimate --params 8e9 --seq 8192 --tp 2 --pp 2 --dp 2 --zero 1 --format json"))
     rows = table_rows(read("docs/output.md"), r"`[a-z_]+`")
     assert {r.strip("`") for r in rows} == set(data) == set(layout)

@@ -115,3 +115,15 @@ def test_rloo_generates_the_same():
     grpo = run(*JOB, "--grad-accum", "4")["rollout"]["generations"][0]
     rloo = run(*JOB[:3], "rloo", *JOB[4:], "--grad-accum", "4")["rollout"]["generations"][0]
     assert grpo == rloo
+
+
+@pytest.mark.slow("test_generate_allocation_by_allocation (the same measurement, the harness verify calls)")
+def test_verify_measures_generate():
+    """memcalc verify --rl grpo without --vllm: a row for generate, measured beside its replay, exact."""
+    pytest.importorskip("trl")
+    result = CliRunner().invoke(app, ["verify", "--model", "llama3.2-1b", "--layers", "2", "--seq", "128", "--lora",
+                                      "8", "--rl", "grpo", "--completion-len", "64", "--tricks", "bf16,flash,ckpt",
+                                      "--format", "json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = [r for r in json.loads(result.output)["rows"] if "own generate" in r["quantity"]]
+    assert len(rows) == 1 and rows[0]["exact"] == rows[0]["measured"] > 0 and rows[0]["passed"], rows

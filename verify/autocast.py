@@ -300,7 +300,31 @@ def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, tex
         Row("whole-step peak", "bytes", tb["peak"], ph.step_peak_bytes, step.step_peak_bytes, tol,
             "textbook: model state + activations + logits"),
     ]  # fmt: skip
+    rows += generate_rows(red, cfg, tricks, tol)
     skipped = ("GradScaler skipped the measured step (an inf or nan gradient)",) if recipe.skipped else ()
     notes = (red.note, recipe_note(cfg) + "; the exact column is the replay of this reduced step with CPU's "
              "autocast lists") + cpu_cuda_differences(cfg) + skipped  # fmt: skip
     return rows, notes, red, overlay
+
+
+def generate_rows(red: Reduced, cfg: StepConfig, tricks: Tricks, tol: float) -> list:
+    """--rl grpo|rloo without --vllm: the policy's own model.generate over the reduced micro-batch's rows (verify
+    measures one micro-batch per step: steps_per_generation 1), measured (verify/trl_generate.py) beside its replay
+    (memcalc.exact.hf.generate); none where there is no such phase or it is not replayed."""
+    from memcalc.exact.hf.generate import generation, not_replayed
+    from memcalc.report.units import plural
+    from memcalc.verification.results import Row
+
+    online = cfg.stack.online
+    if online is None or online.vllm or not_replayed(cfg):
+        return []
+    from .trl_generate import measure_generate
+
+    rows, C = cfg.micro_batch, online.completion_len
+    predicted = generation(cfg, rows)
+    live = measure_generate(red.shape, tricks, rows, cfg.seq_len - C, C, cfg.stack.finetune,
+                            cfg.stack.recipe == "autocast")  # fmt: skip
+    return [Row("the policy's own generate: peak above the model (prompts, cache, loop)", "bytes", None,
+                predicted.peak_bytes, live.peak_bytes - live.base, tol,
+                f"{plural(rows, 'row')} of {cfg.seq_len - C} + {C} tokens; exact: its peak in the "
+                f"{predicted.peak_at}")]  # fmt: skip

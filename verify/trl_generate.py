@@ -8,6 +8,7 @@ a large negative), as memcalc.exact.hf.generate takes it.
 from __future__ import annotations
 
 import tempfile
+import warnings
 
 import torch
 
@@ -27,8 +28,10 @@ def generation_config(completion_len: int):
     from transformers import GenerationConfig
     from trl import GRPOConfig
 
-    args = GRPOConfig(output_dir=tempfile.gettempdir(), report_to=[], use_cpu=True, bf16=False,
-                      max_completion_length=completion_len)
+    with warnings.catch_warnings():  # TrainingArguments' note on its deprecated gradient_checkpointing field
+        warnings.simplefilter("ignore", FutureWarning)
+        args = GRPOConfig(output_dir=tempfile.gettempdir(), report_to=[], use_cpu=True, bf16=False,
+                          max_completion_length=completion_len)
     return GenerationConfig(max_new_tokens=completion_len, do_sample=True, pad_token_id=PAD, bos_token_id=BOS,
                             eos_token_id=[EOS], temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, repetition_penalty=args.repetition_penalty,

@@ -37,6 +37,7 @@ def config(name: str, rows: int, prompt: int, completion: int, finetune: Finetun
     ("llama", 3, 5, 4, FULL, "pure"),  # the peak in the prefill
     ("llama", 2, 3, 9, FULL, "pure"),  # the peak in the last decode step
     ("llama", 2, 3, 6, Finetune(4, lora_dropout=0.1), "pure"),  # LoRA's dropout on: the model generates in training
+    ("llama", 2, 3, 5, Finetune(4, quantize="nf4"), "pure"),  # QLoRA: each 4-bit projection dequantised as it runs
     pytest.param("llama", 1, 4, 6, FULL, "pure", marks=VARIANT),  # one row: no check of the last column
     pytest.param("qwen3", 2, 3, 7, FULL, "pure", marks=VARIANT),  # q_norm and k_norm
     pytest.param("qwen2", 2, 5, 3, FULL, "pure", marks=VARIANT),  # biases on q, k, v
@@ -127,3 +128,26 @@ def test_verify_measures_generate():
     assert result.exit_code == 0, result.output
     rows = [r for r in json.loads(result.output)["rows"] if "own generate" in r["quantity"]]
     assert len(rows) == 1 and rows[0]["exact"] == rows[0]["measured"] > 0 and rows[0]["passed"], rows
+
+
+FIT_JOB = ("--model", "llama3.2-1b", "--rl", "grpo", "--lora", "16", "--seq", "4096", "--completion-len", "3584",
+           "--micro-batch", "4", "--grad-accum", "16", "--num-generations", "4", "--tricks", "bf16,flash,ckpt",
+           "--gpu", "rtx4090")  # fmt: skip
+
+
+def phases_fit(*args: str) -> bool:
+    return run(*args)["rollout"]["phases"][0]["fits"]
+
+
+@pytest.mark.slow("test_a_rollout_that_does_not_fit_is_said (the same phase the fit's search checks)")
+def test_fit_stops_where_the_rollout_does():
+    """fit's limits where the rollout, not the step, ends them: estimate's phases fit at each and not one past."""
+    result = CliRunner().invoke(app, ["fit", *FIT_JOB, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    limits = json.loads(result.output)
+    assert limits["seq_bound_by"] == limits["batch_bound_by"] == "rollout"
+    seq, batch = limits["max_seq_len"], limits["max_micro_batch"]
+    at_seq = [*FIT_JOB[:7], str(seq), *FIT_JOB[8:]]
+    assert phases_fit(*at_seq) and not phases_fit(*FIT_JOB[:7], str(seq + 1), *FIT_JOB[8:])
+    assert phases_fit(*FIT_JOB[:11], str(batch), *FIT_JOB[12:])
+    assert not phases_fit(*FIT_JOB[:11], str(batch + 1), *FIT_JOB[12:])  # one more row per micro-batch

@@ -34,6 +34,9 @@ class FitLimits:
     seq_limit: int  # the longest sequence the model embeds (a learned position table), else MAX_SEQ
     headroom: Headroom | None = None  # what usable_bytes keeps back, by part
     none_fit_at: str = ""  # where nothing fits: where one token's run peaks (a model's load: memcalc.exact.replay.zero)
+    # --rl grpo|rloo: "rollout" where a phase beside the step (memcalc.engine.rollout), not the step, ends the limit
+    seq_bound_by: str = ""
+    batch_bound_by: str = ""
 
     @property
     def seq_capped(self) -> bool:
@@ -165,12 +168,30 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
         at = replace(setup, seq_len=seq_len, micro_batch=micro_batch)
         return gpu_verdict(model, at, gpu, tricks, layout, allocator)
 
+    def beside(seq_len: int, micro_batch: int, margins: dict[int, int], n: int) -> bool:
+        """The phases beside the step at this size (GRPO's rollout: vLLM awake, or the policy's own generate)."""
+        from .rollout import beside_fits
+
+        at = replace(setup, seq_len=seq_len, micro_batch=micro_batch)
+        fits, margins[n] = beside_fits(model, gpu, at, memory(seq_len, micro_batch))
+        return fits
+
     seq_limit, per = longest_seq(model.shape), setup.per_sample  # DPO: the micro-batch in pairs, two sequences each
     below = setup.shortest_seq - 1  # GRPO: the completion's length held, the prompt searched
     found = largest_reserved(lambda s, a=True: memory(s + below, setup.micro_batch, a), seq_limit - below)
+    seq_bound = ""
+    if found and setup.stack.online is not None and not beside(found + below, setup.micro_batch, {}, found):
+        margins: dict[int, int] = {}
+        found, seq_bound = largest(lambda s: beside(s + below, setup.micro_batch, margins, s), found - 1, margins), \
+            "rollout"  # fmt: skip
     max_seq = found + below if found else 0
     unit = group_rows(setup, layout.world)  # GRPO: whole prompt groups per generation batch
     found = largest_reserved(lambda b, a=True: memory(setup.seq_len, b * per * unit, a), MAX_BATCH // (per * unit))
+    batch_bound = ""
+    if found and setup.stack.online is not None and not beside(setup.seq_len, found * unit, {}, found):
+        margins = {}
+        found, batch_bound = largest(lambda b: beside(setup.seq_len, b * unit, margins, b), found - 1, margins), \
+            "rollout"  # fmt: skip
     max_batch = found * unit
     return FitLimits(
         tricks=tricks,
@@ -185,4 +206,6 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
         seq_limit=seq_limit,
         headroom=headroom(gpu, layout.groups),
         none_fit_at=memory(below + 1, setup.micro_batch, False).peak_at if not max_seq else "",
+        seq_bound_by=seq_bound,
+        batch_bound_by=batch_bound,
     )

@@ -197,6 +197,22 @@ def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout:
     return Rollout(engine, setup.stack.online.sleep, phases)
 
 
+def beside_fits(model: Model, gpu: GPU, setup: Setup, verdict) -> tuple[bool, int]:
+    """Whether the phases beside a trick set's step fit (vLLM's start, its startup check, the rollout: what
+    RolloutPhases.failed checks before train), and the rollout's bytes over its limit (negative under: the margin
+    fit's search steps by); (True, 0) where the job has no phase beside its step or it is not sized. gpu: the job's,
+    as rollout() takes it."""
+    engine = engine_for(model, bare(gpu), setup)
+    if engine is None:
+        generation = own_generation(model, setup, verdict.tricks)
+        if isinstance(generation, str):
+            return True, 0
+        p = generate_phases(gpu, verdict, generation)
+    else:
+        p = phases_of(engine, bare(gpu), verdict, setup.stack.online.sleep)
+    return p.failed in ("", "train"), p.rollout_bytes - p.rollout_limit
+
+
 def own_generation(model: Model, setup: Setup, tricks) -> Generation | str:
     """The policy's own model.generate over one GPU's generation batch (per_device_train_batch_size x
     steps_per_generation, the accumulation by default: the rows vLLM's max_num_seqs counts too), or why it is not

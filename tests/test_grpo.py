@@ -326,3 +326,16 @@ def test_the_toolbox_keeps_to_what_vllm_loads():
     """QLoRA is no fix beside vLLM (TRL starts it with bitsandbytes weights, refused): the toolbox does not offer it."""
     r = run("estimate", *JOB[:-1], "rtx4090", "--vllm", "colocate")
     assert r.exit_code == 0 and "Does not fit" in r.output and "nf4" not in r.output, r.output
+
+
+@pytest.mark.parametrize("rows,said", [(8, "its default"), (32, "not modelled")])
+def test_generation_batch_size_in_a_file(tmp_path, rows, said):
+    """generation_batch_size sizes the buffered batch and the rows generated at once: its default
+    (per_device_train_batch_size x GPUs x accumulation) is what the answer holds, another value is said not
+    modelled."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text(GRPO_FILE.replace("use_vllm: true", "use_vllm: false") + f"generation_batch_size: {rows}\n")
+    r = run("estimate", "--from", str(path), "--rl", "grpo", "--model", "qwen2.5-7b", "--seq", "1536", "--detail")
+    assert r.exit_code == 0, r.output
+    row = " ".join(r.output.split("generation_batch_size", 1)[1].split("attn_implementation", 1)[0].split())
+    assert said in row and ("8 completions over the GPUs" in row) == (rows != 8), row

@@ -22,7 +22,6 @@ NO_BYTES = {  # keys that change the loss's or the sampler's numbers, not what a
     "top_p": "the sampler's", "top_k": "the sampler's", "scale_rewards": "the advantages' scaling",
     "reward_weights": "the rewards' weights", "mask_truncated_completions": "which completions count",
     "use_bias_correction_kl": "the KL term's correction (one (B, C) product)",
-    "generation_batch_size": "the completions generated at once (steps_per_generation's other spelling)",
 }  # fmt: skip
 OPTIONS = (("max_completion_length", "completion_len"), ("num_generations", "num_generations"))
 VLLM_OPTIONS = (("vllm_gpu_memory_utilization", "vllm_util"), ("vllm_max_model_length", "vllm_max_len"))
@@ -75,14 +74,32 @@ def grpo_config(ledger: KeyLedger, typed: dict) -> bool:
             ledger.refuse(key, why)
         elif ledger.has(key):
             ledger.used(key, f"{not refused}, GRPOConfig's default")
+    generation_batch(ledger, typed)
+    return True
+
+
+def generation_batch(ledger: KeyLedger, typed: dict) -> None:
+    """steps_per_generation, or generation_batch_size (the completions of one generation over every process:
+    per_device_train_batch_size x processes x steps_per_generation): the buffered batch and the rows the policy
+    generates at once are taken as the accumulation's micro-batches, GRPOConfig's default."""
     steps = ledger.count("steps_per_generation")
     accumulation = ledger.count("gradient_accumulation_steps") or 1
+    batches = f"{accumulation:,} micro-batch" + ("" if accumulation == 1 else "es")
+    taken = f"the buffered batch and the rows generated at once are taken as gradient_accumulation_steps' {batches}"
     if steps is not None and steps != accumulation:
-        ledger.unmodelled("steps_per_generation", f"the buffered batch is taken as gradient_accumulation_steps' "
-                                                  f"{accumulation} micro-batches")  # fmt: skip
+        ledger.unmodelled("steps_per_generation", taken)
     elif steps is not None:
         ledger.used("steps_per_generation", "the accumulation steps, its default")
-    return True
+    rows = ledger.count("generation_batch_size")
+    if rows is None:
+        return
+    per_device = ledger.count("per_device_train_batch_size") or 8  # TrainingArguments' default
+    default = per_device * int(typed.get("gpus") or 1) * accumulation
+    if rows != default:
+        ledger.unmodelled("generation_batch_size", f"{taken} ({default:,} completions over the GPUs)")
+    else:
+        ledger.used("generation_batch_size", "per_device_train_batch_size x GPUs x the accumulation steps, its "
+                                             "default")  # fmt: skip
 
 
 def vllm_options(ledger: KeyLedger) -> None:

@@ -30,6 +30,17 @@ def assert_same_step(phases, g, mem, step, live, label) -> None:
         assert a == b, (label, phase)
 
 
+def assert_same_allocations(mem, first_op: str, live) -> None:
+    """A replay's allocations from its first op of `first_op` on (its LiveBytes timeline) equal a measurement's after
+    the tensors it registered (verify/track.py LiveBytes, its base set): each size, and the live bytes above each
+    one's base at it."""
+    start = next(i for i, e in enumerate(mem.timeline) if e[1] == first_op)
+    base = mem.timeline[start - 1][3]
+    ours = [(size, at - base) for _, _, size, at in mem.timeline[start:] if size > 0]
+    theirs = [(size, at - live.base) for _, op, size, at in live.timeline if size > 0 and op != "registered"]
+    assert ours == theirs
+
+
 def assert_equal_at_width(shape, seq_len: int, tricks, stack) -> None:
     """memcalc.exact's step at full width equals the libraries' step on meta: every phase, the saved bytes and
     the FLOPs (verify.meta.measure_step; imported here so that only the tests that call it need torch)."""

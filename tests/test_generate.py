@@ -19,6 +19,7 @@ from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.rl import OnlineRL, with_rl
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import parse_tricks
+from tests.replay import assert_same_allocations
 from tests.test_lora import step_config
 from tests.test_stack_hf import TINY
 
@@ -53,11 +54,7 @@ def test_generate_allocation_by_allocation(name, rows, prompt, completion, finet
     predicted, mem = replay(cfg, rows, every_step=True, timeline=True)
     live = measure_generate(TINY[name], parse_tricks("bf16,flash"), rows, prompt, completion, finetune,
                             recipe == "autocast", timeline=True)  # fmt: skip
-    start = next(i for i, e in enumerate(mem.timeline) if e[1] == "input")
-    base = mem.timeline[start - 1][3]
-    ours = [(size, at - base) for _, _, size, at in mem.timeline[start:] if size > 0]
-    theirs = [(size, at - live.base) for _, op, size, at in live.timeline if size > 0 and op != "registered"]
-    assert ours == theirs
+    assert_same_allocations(mem, "input", live)
     assert predicted.peak_bytes == live.peak_bytes - live.base
 
 

@@ -32,8 +32,9 @@ from memcalc.model.headroom import CONTEXT_BYTES
 from memcalc.model.shape import Model
 from memcalc.records import record
 
-if TYPE_CHECKING:  # the replay's record: memcalc.exact is imported where a job asks for it
+if TYPE_CHECKING:  # the replays' records: memcalc.exact is imported where a job asks for it
     from memcalc.exact.hf.generate import Generation
+    from memcalc.exact.hf.scoring import Scoring
 
 TRL_VLLM = "0.31"  # trl 1.16.0's extra: vllm>=0.22.0,<=0.31.0; the newest it admits decides the budget's rule
 BATCHED_TOKENS = 4096  # VLLMGeneration's LLM(max_num_batched_tokens=4096)
@@ -144,30 +145,37 @@ def with_engine(model: Model, gpu: GPU, setup: Setup) -> GPU:
 
 @record(frozen=True)
 class RolloutPhases:
-    """One trick set's GPU in each phase of a GRPO step with vLLM (bytes; a limit each is held to)."""
+    """One trick set's GPU in each phase of a GRPO or RLOO step (bytes; a limit each is held to)."""
 
-    startup_bytes: int  # CUDA context + the trainer's weights + what vLLM requests
+    startup_bytes: int  # CUDA context + the trainer's weights (+ what vLLM requests)
     startup_limit: int  # the card's total (torch.cuda.mem_get_info)
-    rollout_bytes: int  # the trainer's state + the engine awake + its forward
+    rollout_bytes: int  # the trainer's state + the engine awake and its forward, or the policy's own generate
     rollout_limit: int  # the card's usable bytes as the verdict counts them, no engine kept back
     train_bytes: int  # the step's peak + the engine beside it: the verdict decides it
     train_limit: int
     starts: bool  # vLLM's budget leaves a KV cache that holds a request of max_model_len (RolloutEngine.failure)
+    score_bytes: int = 0  # the trainer's state + the engine beside it + the scoring passes (0: the trainer runs none)
+    score_limit: int = 0
 
     @property
     def failed(self) -> str:
         """What stops it, in the order it happens: "start" (vLLM has no room for its cache), "startup", "rollout",
-        "train"; "" where every phase fits."""
+        "score", "train"; "" where every phase fits."""
         if not self.starts:
             return "start"
         over = ((name, used > limit) for name, used, limit in (
             ("startup", self.startup_bytes, self.startup_limit), ("rollout", self.rollout_bytes, self.rollout_limit),
-            ("train", self.train_bytes, self.train_limit)))  # fmt: skip
+            ("score", self.score_bytes, self.score_limit), ("train", self.train_bytes, self.train_limit)))  # fmt: skip
         return next((name for name, is_over in over if is_over), "")
 
     @property
     def fits(self) -> bool:
         return not self.failed
+
+    def margin(self) -> int:
+        """The most bytes the rollout or the scoring passes are over their limit (negative: under)."""
+        rollout = self.rollout_bytes - self.rollout_limit
+        return max(rollout, self.score_bytes - self.score_limit) if self.score_bytes else rollout
 
 
 @record(frozen=True)
@@ -175,56 +183,77 @@ class Rollout:
     """The engine and, for each trick set's verdict, the phases on one training GPU (colocate); server mode's
     engine runs on GPUs of its own, so its phases are the step alone. Without --vllm the policy generates itself:
     no engine, and each trick set's generate (memcalc.exact.hf.generate; None and no phases where it is not
-    replayed, not_sized says why)."""
+    replayed, not_sized says why). scorings: each trick set's scoring passes (memcalc.exact.hf.scoring), None where
+    the trainer runs none."""
 
     engine: RolloutEngine | None
     sleep: bool
     phases: tuple[RolloutPhases | None, ...]
     generations: tuple[Generation | None, ...] = ()
     not_sized: str = ""
+    scorings: tuple[Scoring | None, ...] = ()
 
 
 def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout:
     """The rollout's answer for an --rl grpo|rloo job: gpu is the job's (its colocated bytes set by with_engine)."""
     engine = engine_for(model, bare(gpu), setup)
-    if engine is None:
-        generations = tuple(own_generation(model, setup, v.tricks) for v in verdicts)
-        phases = tuple(None if isinstance(x, str) else generate_phases(gpu, v, x)
-                       for x, v in zip(generations, verdicts, strict=True))  # fmt: skip
-        why = next((x for x in generations if isinstance(x, str)), "")
-        return Rollout(None, False, phases, tuple(None if isinstance(x, str) else x for x in generations), why)
-    phases = tuple(phases_of(engine, bare(gpu), v, setup.stack.online.sleep) for v in verdicts)
-    return Rollout(engine, setup.stack.online.sleep, phases)
+    each = [phases_for(model, gpu, setup, v, engine) for v in verdicts]
+    phases, scorings = tuple(p for p, _, _ in each), tuple(s for _, _, s in each)
+    if engine is not None:
+        return Rollout(engine, setup.stack.online.sleep, phases, scorings=scorings)
+    why = next((x for _, x, _ in each if isinstance(x, str)), "")
+    generations = tuple(None if isinstance(x, str) else x for _, x, _ in each)
+    return Rollout(None, False, phases, generations, why, scorings)
+
+
+def phases_for(model: Model, gpu: GPU, setup: Setup, verdict, engine: RolloutEngine | None) -> tuple:
+    """One verdict's (phases, the policy's own generate or why it is not replayed, the scoring passes): no phases
+    where generate is not replayed; no generate where an engine generates."""
+    scoring = own_scoring(model, setup, verdict)
+    if engine is not None:
+        return phases_of(engine, bare(gpu), verdict, setup.stack.online.sleep, scoring), None, scoring
+    generation = own_generation(model, setup, verdict.tricks)
+    if isinstance(generation, str):
+        return None, generation, scoring
+    return generate_phases(gpu, verdict, generation, scoring), generation, scoring
 
 
 def beside_fits(model: Model, gpu: GPU, setup: Setup, verdict) -> tuple[bool, int]:
-    """Whether the phases beside a trick set's step fit (vLLM's start, its startup check, the rollout: what
-    RolloutPhases.failed checks before train), and the rollout's bytes over its limit (negative under: the margin
-    fit's search steps by); (True, 0) where the job has no phase beside its step or it is not sized. gpu: the job's,
-    as rollout() takes it."""
-    engine = engine_for(model, bare(gpu), setup)
-    if engine is None:
-        generation = own_generation(model, setup, verdict.tricks)
-        if isinstance(generation, str):
-            return True, 0
-        p = generate_phases(gpu, verdict, generation)
-    else:
-        p = phases_of(engine, bare(gpu), verdict, setup.stack.online.sleep)
-    return p.failed in ("", "train"), p.rollout_bytes - p.rollout_limit
+    """Whether the phases beside a trick set's step fit (vLLM's start, its startup check, the rollout, the scoring
+    passes: what RolloutPhases.failed checks before train), and their bytes over their limit (negative under: the
+    margin fit's search steps by); (True, 0) where they are not sized. gpu: the job's, as rollout() takes it."""
+    p = phases_for(model, gpu, setup, verdict, engine_for(model, bare(gpu), setup))[0]
+    if p is None:
+        return True, 0
+    return p.failed in ("", "train"), p.margin()
+
+
+def step_config(model: Model, setup: Setup, tricks):
+    """The training step's configuration, from which generate and the scoring passes are replayed."""
+    from memcalc.exact.base.config import StepConfig
+
+    return StepConfig(model.shape, setup.seq_len, setup.micro_batch, tricks, setup.stack, setup.optimizer,
+                      setup.grad_accum)  # fmt: skip
 
 
 def own_generation(model: Model, setup: Setup, tricks) -> Generation | str:
     """The policy's own model.generate over one GPU's generation batch (per_device_train_batch_size x
     steps_per_generation, the accumulation by default: the rows vLLM's max_num_seqs counts too), or why it is not
     replayed."""
-    from memcalc.exact.base.config import StepConfig
     from memcalc.exact.hf.generate import not_replayed
 
     if setup.stack.model != "hf":
         return "the policy's own generate is replayed on Transformers' models"
-    cfg = StepConfig(model.shape, setup.seq_len, setup.micro_batch, tricks, setup.stack, setup.optimizer,
-                     setup.grad_accum)  # fmt: skip
+    cfg = step_config(model, setup, tricks)
     return not_replayed(cfg) or generated(cfg, setup.micro_batch * setup.grad_accum)
+
+
+def own_scoring(model: Model, setup: Setup, verdict) -> Scoring | None:
+    """The scoring passes between generating and training over one GPU's generation batch, in chunks of
+    per_device_train_batch_size rows; None where the trainer runs none or the step is not replayed."""
+    if setup.stack.model != "hf" or not verdict.replayed:
+        return None
+    return scored(step_config(model, setup, verdict.tricks), setup.micro_batch * setup.grad_accum)
 
 
 @lru_cache(maxsize=64)  # the answer and the CLI's fit ask for the same job's
@@ -234,22 +263,34 @@ def generated(cfg, rows: int) -> Generation:
     return generation(cfg, rows)
 
 
-def generate_phases(gpu: GPU, verdict, generation: Generation) -> RolloutPhases:
-    """startup, rollout and train on one GPU where the policy generates itself: its weights as it starts; the
-    trainer's state between steps with generate's peak (the prompts, the cache, the loop's tensors); the step."""
+@lru_cache(maxsize=64)
+def scored(cfg, rows: int) -> Scoring | None:
+    from memcalc.exact.hf.scoring import scoring
+
+    return scoring(cfg, rows)
+
+
+def generate_phases(gpu: GPU, verdict, generation: Generation, scoring: Scoring | None = None) -> RolloutPhases:
+    """startup, rollout, score and train on one GPU where the policy generates itself: its weights as it starts; the
+    trainer's state between steps with generate's peak (the prompts, the cache, the loop's tensors); with the
+    scoring passes' peak; the step."""
     weights = verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes
     usable = verdict.usable_bytes
+    score = verdict.state_bytes + scoring.peak_bytes if scoring is not None else 0
     return RolloutPhases(CONTEXT_BYTES + weights, gpu.cuda_total_bytes, verdict.state_bytes + generation.peak_bytes,
-                         usable, verdict.total_bytes, usable, True)  # fmt: skip
+                         usable, verdict.total_bytes, usable, True, score, usable if score else 0)  # fmt: skip
 
 
-def phases_of(engine: RolloutEngine, gpu: GPU, verdict, sleep: bool) -> RolloutPhases:
-    """startup, rollout and train on one GPU for one verdict (its phases: the trainer's weights and state)."""
+def phases_of(engine: RolloutEngine, gpu: GPU, verdict, sleep: bool, scoring: Scoring | None = None) -> RolloutPhases:
+    """startup, rollout, score and train on one GPU for one verdict (its phases: the trainer's weights and state);
+    the scoring passes run beside the engine as the step has it (asleep under sleep mode: TRL sleeps it as
+    generation ends, trl/generation/vllm_generation.py)."""
     beside = engine.mode == "colocate"
     weights = verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes  # textbook: all state
     startup = CONTEXT_BYTES + weights + (engine.requested_bytes if beside else 0)
     rollout_bytes = verdict.state_bytes + (engine.awake_bytes + engine.forward_bytes if beside else 0)
     held = (engine.asleep_bytes if sleep else engine.awake_bytes) if beside else 0  # the GPU's colocated_bytes
     usable = verdict.usable_bytes + held  # the GPU's usable bytes as the verdict counts them, the engine's given back
+    score = verdict.state_bytes + held + scoring.peak_bytes if scoring is not None else 0
     return RolloutPhases(startup, gpu.cuda_total_bytes, rollout_bytes, usable, verdict.total_bytes + held, usable,
-                         not engine.failure)  # fmt: skip
+                         not engine.failure, score, usable if score else 0)  # fmt: skip

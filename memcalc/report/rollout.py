@@ -19,10 +19,8 @@ def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Sec
     tricks = [v.tricks.label for v in verdicts]
     e = rollout.engine
     colocated = e.mode == "colocate"
-    rows = []
-    for label, p in zip(tricks, rollout.phases, strict=True):
-        rows.append([label, sized(p.startup_bytes, units), sized(p.rollout_bytes, units), sized(p.train_bytes, units),
-                     phase_verdict(p)])  # fmt: skip
+    scored = any(x is not None for x in rollout.scorings)
+    rows = [[label, *phase_cells(p, units, scored)] for label, p in zip(tricks, rollout.phases, strict=True)]
     where = (f"colocated in each training process at gpu_memory_utilization {e.utilization:g}" if colocated else
              f"on GPUs of its own (trl vllm-serve, gpu_memory_utilization {e.utilization:g})")  # fmt: skip
     notes = [f"vLLM {where}; {e.release}'s budget (memcalc serve): weights {u.size(e.weights_bytes, units)}, KV cache "
@@ -49,21 +47,19 @@ def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Sec
     else:
         notes.append("the training GPUs hold no engine: startup is the trainer's weights, rollout its state, train "
                      "the step (the verdict above); the engine's own GPUs hold its budget")  # fmt: skip
-    headers = ["tricks", "startup", "rollout", "train", "fits?"]
-    return Section(f"{trainer.upper()} phases per GPU (vLLM {e.mode})", headers,
-                   rows, notes)  # fmt: skip
+    beside = ("the engine " + ("asleep" if rollout.sleep else "awake")) if colocated else ""
+    notes += scoring_note(rollout, units, beside)
+    return Section(f"{trainer.upper()} phases per GPU (vLLM {e.mode})", headers_for(scored), rows, notes)
 
 
 def generate_section(rollout, verdicts, units: str, trainer: str) -> Section:
     """Without --vllm: the policy's own generate as the rollout phase (memcalc.exact.hf.generate), a row per trick
     set; a trick set it is not replayed for says so."""
     rows, notes = [], []
-    for v, p, gen in zip(verdicts, rollout.phases, rollout.generations, strict=True):
-        if p is None:
-            rows.append([v.tricks.label, "", "not sized", sized(v.total_bytes, units), ""])
-            continue
-        rows.append([v.tricks.label, sized(p.startup_bytes, units), sized(p.rollout_bytes, units),
-                     sized(p.train_bytes, units), phase_verdict(p)])  # fmt: skip
+    scored = any(x is not None for x in rollout.scorings)
+    for v, p in zip(verdicts, rollout.phases, strict=True):
+        unsized = ["", "not sized"] + ([""] if scored else []) + [sized(v.total_bytes, units), ""]
+        rows.append([v.tricks.label, *(unsized if p is None else phase_cells(p, units, scored))])
     gen = next((x for x in rollout.generations if x is not None), None)
     if gen is not None:
         rows_of = u.plural(gen.rows, "row")
@@ -74,10 +70,35 @@ def generate_section(rollout, verdicts, units: str, trainer: str) -> Section:
                         "in the last decode step (the cache at its longest)"))  # fmt: skip
         notes.append("startup: CUDA context + the weights; rollout: the trainer's state between steps + generate's "
                      "peak (the prompts, the cache, the loop's tensors); train: the step (the verdict above)")
+    notes += scoring_note(rollout, units, "")
     if rollout.not_sized:
         notes.append(f"not sized: {rollout.not_sized}")
-    headers = ["tricks", "startup", "rollout", "train", "fits?"]
-    return Section(f"{trainer.upper()} phases per GPU (the policy's own generate)", headers, rows, notes)
+    return Section(f"{trainer.upper()} phases per GPU (the policy's own generate)", headers_for(scored), rows, notes)
+
+
+def headers_for(scored: bool) -> list[str]:
+    return ["tricks", "startup", "rollout"] + (["score"] if scored else []) + ["train", "fits?"]
+
+
+def phase_cells(p, units: str, scored: bool) -> list[str]:
+    """startup, rollout, (score,) train, and whether they fit."""
+    score = [sized(p.score_bytes, units) if p.score_bytes else "-"] if scored else []
+    return [sized(p.startup_bytes, units), sized(p.rollout_bytes, units), *score, sized(p.train_bytes, units),
+            phase_verdict(p)]  # fmt: skip
+
+
+PASSES = {"old": "the policy's log-probs (old_per_token_logps)", "reference": "the reference's log-probs"}
+
+
+def scoring_note(rollout, units: str, beside: str) -> list[str]:
+    """What the score column holds (memcalc.exact.hf.scoring), where the trainer scores the batch."""
+    s = next((x for x in rollout.scorings if x is not None), None)
+    if s is None:
+        return []
+    passes = " then ".join(PASSES[k] for k in s.passes)
+    return [f"score: the trainer's state{' + ' + beside if beside else ''} + the scoring passes between generating "
+            f"and training, {passes}, over the {u.plural(s.rows, 'row')} in chunks of {s.chunk} (no_grad, "
+            f"checkpointing off): {u.size(s.peak_bytes, units)} at their peak with the batch's tensors"]
 
 
 def phase_verdict(p) -> str:
@@ -91,6 +112,9 @@ def rollout_clause(rollout, verdicts, tricks, units: str) -> str:
     p = next((x for x, v in zip(rollout.phases, verdicts, strict=True) if v.tricks == tricks), None)
     if p is None or p.failed in ("", "train"):
         return ""
+    if p.failed == "score":
+        held, usable = u.size_pair(p.score_bytes, p.score_limit, units)
+        return f"the scoring passes (the trainer's state beside them) need {held}, of the {usable} usable"
     if rollout.engine is None:  # the policy's own generate
         held, usable = u.size_pair(p.rollout_bytes, p.rollout_limit, units)
         return (f"the rollout (the trainer's state beside the policy's own generate) needs {held}, of the {usable} "

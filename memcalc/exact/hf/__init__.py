@@ -16,6 +16,7 @@
   dpo            TRL's DPOTrainer step (--rl dpo): chosen and rejected sequences, the reference's forward, the loss
   grpo, rloo     TRL's GRPOTrainer and RLOOTrainer steps (--rl grpo, rloo): the buffered generation batch, the loss
   generate       the policy's own model.generate as those trainers call it without vLLM: the rollout phase
+  scoring        their scoring passes between generating and training (the old and the reference's log-probs)
   liger          Liger's kernels as the Trainer applies them (use_liger_kernel): RMSNorm, RoPE, SwiGLU, the head
                  fused with the cross-entropy (verify/liger.py)
 

@@ -115,16 +115,19 @@ def test_rloo_generates_the_same():
     assert grpo == rloo
 
 
-@pytest.mark.slow("test_generate_allocation_by_allocation (the same measurement, the harness verify calls)")
-def test_verify_measures_generate():
-    """memcalc verify --rl grpo without --vllm: a row for generate, measured beside its replay, exact."""
+@pytest.mark.slow("test_generate_allocation_by_allocation and test_scoring.py's (the same measurements, the "
+                   "harnesses verify calls)")  # fmt: skip
+def test_verify_measures_generate_and_scoring():
+    """memcalc verify --rl rloo without --vllm: a row for generate and one for the scoring passes (RLOO's policy and
+    reference at its beta 0.05), each measured beside its replay, exact."""
     pytest.importorskip("trl")
     result = CliRunner().invoke(app, ["verify", "--model", "llama3.2-1b", "--layers", "2", "--seq", "128", "--lora",
-                                      "8", "--rl", "grpo", "--completion-len", "64", "--tricks", "bf16,flash,ckpt",
+                                      "8", "--rl", "rloo", "--completion-len", "64", "--tricks", "bf16,flash,ckpt",
                                       "--format", "json"])  # fmt: skip
     assert result.exit_code == 0, result.output
-    rows = [r for r in json.loads(result.output)["rows"] if "own generate" in r["quantity"]]
-    assert len(rows) == 1 and rows[0]["exact"] == rows[0]["measured"] > 0 and rows[0]["passed"], rows
+    rows = [r for r in json.loads(result.output)["rows"] if "own generate" in r["quantity"] or "scoring" in
+            r["quantity"]]  # fmt: skip
+    assert len(rows) == 2 and all(r["exact"] == r["measured"] > 0 and r["passed"] for r in rows), rows
 
 
 FIT_JOB = ("--model", "llama3.2-1b", "--rl", "grpo", "--lora", "16", "--seq", "4096", "--completion-len", "3584",

@@ -300,7 +300,7 @@ def cpu_rows(shape: ModelShape, setup, tricks: Tricks, tol: float, progress, tex
         Row("whole-step peak", "bytes", tb["peak"], ph.step_peak_bytes, step.step_peak_bytes, tol,
             "textbook: model state + activations + logits"),
     ]  # fmt: skip
-    rows += generate_rows(red, cfg, tricks, tol)
+    rows += generate_rows(red, cfg, tricks, tol) + scoring_rows(red, cfg, tricks, tol)
     skipped = ("GradScaler skipped the measured step (an inf or nan gradient)",) if recipe.skipped else ()
     notes = (red.note, recipe_note(cfg) + "; the exact column is the replay of this reduced step with CPU's "
              "autocast lists") + cpu_cuda_differences(cfg) + skipped  # fmt: skip
@@ -328,3 +328,22 @@ def generate_rows(red: Reduced, cfg: StepConfig, tricks: Tricks, tol: float) -> 
                 predicted.peak_bytes, live.peak_bytes - live.base, tol,
                 f"{plural(rows, 'row')} of {cfg.seq_len - C} + {C} tokens; exact: its peak in the "
                 f"{predicted.peak_at}")]  # fmt: skip
+
+
+def scoring_rows(red: Reduced, cfg: StepConfig, tricks: Tricks, tol: float) -> list:
+    """--rl grpo|rloo where the trainer scores the generation batch before training (RLOO; GRPO with vLLM or a
+    beta): its passes over the reduced micro-batch's rows, measured (verify/trl_scoring.py) beside their replay
+    (memcalc.exact.hf.scoring)."""
+    from memcalc.exact.hf.scoring import passes, scoring
+    from memcalc.verification.results import Row
+
+    if cfg.stack.online is None or not passes(cfg):
+        return []
+    from .trl_scoring import measure_scoring
+
+    rows = cfg.micro_batch
+    predicted = scoring(cfg, rows)
+    live = measure_scoring(red.shape, tricks, rows, rows, cfg.seq_len, cfg.stack.online, cfg.stack.rl,
+                           cfg.stack.finetune, cfg.stack.recipe == "autocast")  # fmt: skip
+    return [Row("the scoring passes before the steps: peak above the model (batch, log-probs, forward)", "bytes",
+                None, predicted.peak_bytes, live.peak_bytes - live.base, tol, " then ".join(predicted.passes))]

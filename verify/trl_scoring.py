@@ -9,6 +9,7 @@ between the passes (RLOO's old_logps, GRPO's importance-sampling ratio under vLL
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -44,7 +45,8 @@ def measure_scoring(shape: ModelShape, tricks: Tricks, rows: int, chunk: int, se
     live.base = live.live_bytes
     C, grpo = settings.completion_len, rl == "grpo"
     trainer, module = (GRPOTrainer, grpo_trainer) if grpo else (RLOOTrainer, rloo_trainer)
-    with live, torch.no_grad(), cuda_dropout(), fused_paths():  # the fused head's CUDA path (verify/trl.py)
+    with live, torch.no_grad(), cuda_dropout(), fused_paths(), warnings.catch_warnings():  # the fused head's
+        warnings.simplefilter("ignore", FutureWarning)  # CUDA path (verify/trl.py); is_gradient_checkpointing's note
         prompt_ids = torch.randint(EOS + 1, shape.vocab, (rows, seq - C))
         prompt_mask = torch.ones_like(prompt_ids)
         completion_ids = torch.randint(EOS + 1, shape.vocab, (rows, C))

@@ -23,8 +23,8 @@ from tests.replay import assert_same_allocations
 from tests.test_lora import step_config
 from tests.test_stack_hf import TINY
 
-VARIANT = pytest.mark.slow("test_generate_allocation_by_allocation's llama cases (the same loop on another decoder, "
-                           "adapter or dtype)")  # fmt: skip
+VARIANT = pytest.mark.slow("test_generate_allocation_by_allocation's quick cases (the same loop on another decoder, "
+                           "adapter or dtype, or peaking in the prefill)")  # fmt: skip
 
 
 def config(name: str, rows: int, prompt: int, completion: int, finetune: Finetune = FULL, recipe: str = "pure",
@@ -35,10 +35,10 @@ def config(name: str, rows: int, prompt: int, completion: int, finetune: Finetun
 
 
 @pytest.mark.parametrize("name,rows,prompt,completion,finetune,recipe", [
-    ("llama", 3, 5, 4, FULL, "pure"),  # the peak in the prefill
     ("llama", 2, 3, 9, FULL, "pure"),  # the peak in the last decode step
-    ("llama", 2, 3, 6, Finetune(4, lora_dropout=0.1), "pure"),  # LoRA's dropout on: the model generates in training
     ("llama", 2, 3, 5, Finetune(4, quantize="nf4"), "pure"),  # QLoRA: each 4-bit projection dequantised as it runs
+    pytest.param("llama", 3, 5, 4, FULL, "pure", marks=VARIANT),  # the peak in the prefill
+    pytest.param("llama", 2, 3, 6, Finetune(4, lora_dropout=0.1), "pure", marks=VARIANT),  # dropout on in training
     pytest.param("llama", 1, 4, 6, FULL, "pure", marks=VARIANT),  # one row: no check of the last column
     pytest.param("qwen3", 2, 3, 7, FULL, "pure", marks=VARIANT),  # q_norm and k_norm
     pytest.param("qwen2", 2, 5, 3, FULL, "pure", marks=VARIANT),  # biases on q, k, v
@@ -75,26 +75,26 @@ def run(*args: str) -> dict:
     return json.loads(result.output)
 
 
-JOB = ("--model", "llama3-8b", "--rl", "grpo", "--lora", "16", "--seq", "2048", "--completion-len", "1536",
-       "--micro-batch", "2", "--num-generations", "4", "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090")  # fmt: skip
+JOB = ("--model", "llama3.2-1b", "--rl", "grpo", "--lora", "16", "--seq", "4096", "--completion-len", "3584",
+       "--num-generations", "4", "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090")  # fmt: skip
 
 
 def test_the_rollout_phase_is_the_state_and_generate():
     """Rows: per_device_train_batch_size x steps_per_generation; the phase: the state between steps + generate's
     peak; its cache: 2 x layers x kv heads x head_dim x 2 bytes per token of every row."""
-    out = run(*JOB, "--grad-accum", "8")
+    out = run(*JOB, "--micro-batch", "4", "--grad-accum", "16")
     rollout, verdict = out["rollout"], out["verdict"][0]
     gen, phase = rollout["generations"][0], rollout["phases"][0]
-    assert rollout["engine"] is None and gen["rows"] == 16 and (gen["prompt_len"], gen["completion_len"]) == (512,
-                                                                                                            1536)
-    assert gen["cache_bytes"] == 16 * (512 + 1536 - 1) * 2 * 32 * 8 * 128 * 2 and gen["peak_at"] == "decode"
+    assert rollout["engine"] is None and gen["rows"] == 64 and (gen["prompt_len"], gen["completion_len"]) == (512,
+                                                                                                            3584)
+    assert gen["cache_bytes"] == 64 * (512 + 3584 - 1) * 2 * 16 * 8 * 64 * 2 and gen["peak_at"] == "decode"
     assert phase["rollout_bytes"] == verdict["state_bytes"] + gen["peak_bytes"]
-    assert phase["rollout_bytes"] > phase["train_bytes"]  # the cache of 16 rows outgrows the step here
+    assert phase["rollout_bytes"] > phase["train_bytes"]  # the cache of 64 rows outgrows the step here
 
 
 def test_a_rollout_that_does_not_fit_is_said():
-    """Twice the accumulation: the generation batch doubles, the rollout no longer fits though the step does."""
-    out = CliRunner().invoke(app, ["estimate", *JOB, "--grad-accum", "16"])
+    """Eleven rows per micro-batch: the step fits a 24 GB card, the generation batch's cache does not."""
+    out = CliRunner().invoke(app, ["estimate", *JOB, "--micro-batch", "11", "--grad-accum", "16"])
     assert out.exit_code == 0, out.output
     assert "The step fits:" in out.output and "but the rollout (the trainer's state beside the policy's own " \
         "generate) needs" in " ".join(out.output.split())  # fmt: skip
@@ -102,16 +102,16 @@ def test_a_rollout_that_does_not_fit_is_said():
 
 def test_eager_attention_is_not_sized():
     """A trick set without flash (eager attention, not replayed in generate): the section says why."""
-    result = CliRunner().invoke(app, ["estimate", *JOB[:-4], "--tricks", "bf16", "--gpu", "h100-sxm", "--grad-accum",
-                                      "2"])  # fmt: skip
+    result = CliRunner().invoke(app, ["estimate", *JOB[:-4], "--tricks", "bf16", "--gpu", "h100-sxm", "--seq", "1024",
+                                      "--completion-len", "512", "--micro-batch", "4"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "not sized: the policy's own generate is replayed with SDPA's kernels" in " ".join(result.output.split())
 
 
 def test_rloo_generates_the_same():
     """RLOOTrainer's generate is GRPOTrainer's (its _generate_single_turn): the same phase for the same batch."""
-    grpo = run(*JOB, "--grad-accum", "4")["rollout"]["generations"][0]
-    rloo = run(*JOB[:3], "rloo", *JOB[4:], "--grad-accum", "4")["rollout"]["generations"][0]
+    grpo = run(*JOB, "--micro-batch", "4", "--grad-accum", "4")["rollout"]["generations"][0]
+    rloo = run(*JOB[:3], "rloo", *JOB[4:], "--micro-batch", "4", "--grad-accum", "4")["rollout"]["generations"][0]
     assert grpo == rloo
 
 
@@ -130,9 +130,7 @@ def test_verify_measures_generate_and_scoring():
     assert len(rows) == 2 and all(r["exact"] == r["measured"] > 0 and r["passed"] for r in rows), rows
 
 
-FIT_JOB = ("--model", "llama3.2-1b", "--rl", "grpo", "--lora", "16", "--seq", "4096", "--completion-len", "3584",
-           "--micro-batch", "4", "--grad-accum", "16", "--num-generations", "4", "--tricks", "bf16,flash,ckpt",
-           "--gpu", "rtx4090")  # fmt: skip
+FIT_JOB = (*JOB[:10], "--micro-batch", "4", "--grad-accum", "16", *JOB[10:])
 
 
 def phases_fit(*args: str) -> bool:

@@ -36,7 +36,7 @@ def config(name: str, rl: str, chunk: int, seq: int, completion: int, beta: floa
 
 
 @pytest.mark.parametrize("name,rl,rows,beta,vllm,finetune,recipe", [
-    ("llama", "grpo", 4, 0.04, "", LORA, "autocast"),  # the reference's pass alone: the adapters disabled
+    pytest.param("llama", "grpo", 4, 0.04, "", LORA, "autocast", marks=VARIANT),  # the reference's: adapters off
     ("llama", "grpo", 8, 0.04, "colocate", FULL, "autocast"),  # the policy's, the ratio, a second model's
     ("llama", "rloo", 5, 0.05, "", LORA, "autocast"),  # RLOO's defaults; a last chunk of one row
     pytest.param("llama", "rloo", 6, 0.0, "", Finetune(4, lora_dropout=0.1), "autocast", marks=VARIANT),

@@ -149,3 +149,20 @@ def test_fit_stops_where_the_rollout_does():
     assert phases_fit(*at_seq) and not phases_fit(*FIT_JOB[:7], str(seq + 1), *FIT_JOB[8:])
     assert phases_fit(*FIT_JOB[:11], str(batch), *FIT_JOB[12:])
     assert not phases_fit(*FIT_JOB[:11], str(batch + 1), *FIT_JOB[12:])  # one more row per micro-batch
+
+
+@pytest.mark.parametrize("model,rows,seq,completion,finetune", [
+    ("llama3-8b", 16, 2048, 1536, Finetune(16)),  # the peak in the last decode step
+    ("qwen2.5-7b", 8, 1536, 1024, Finetune(16)),  # in the prefill
+    ("qwen3-8b", 4, 1024, 1, Finetune(16, quantize="nf4")),  # one new token: no decode step
+    ("llama3.2-1b", 3, 512, 2, FULL),
+])  # fmt: skip
+def test_two_depths_carry_to_the_full_depth(model, rows, seq, completion, finetune):
+    """generation's peaks from two short replays, carried along the depth, equal the full-depth replay's."""
+    from memcalc.exact.base.config import StepConfig
+    from memcalc.model.presets import PRESETS
+
+    online = OnlineRL(completion_len=completion, num_generations=2)
+    stack = with_rl(replace(STACKS["trl:1.16"], finetune=finetune, recipe="pure"), "grpo", online=online)
+    cfg = StepConfig(PRESETS[model], seq, 2, parse_tricks("bf16,flash,ckpt"), stack)
+    assert generation(cfg, rows) == replay(cfg, rows)[0]

@@ -96,3 +96,21 @@ def test_a_score_phase_that_does_not_fit_is_said():
 
     p = RolloutPhases(1, 10, 1, 10, 5, 10, True, 11, 10)
     assert p.failed == "score" and not p.fits and p.margin() == 1
+
+
+@pytest.mark.parametrize("model,finetune,beta,vllm", [
+    ("llama3-8b", Finetune(16), 0.04, "colocate"),
+    ("qwen2.5-7b", FULL, 0.04, ""),  # the reference a second model
+    ("qwen3-8b", Finetune(16, quantize="nf4"), 0.04, ""),
+])  # fmt: skip
+def test_two_depths_carry_to_the_full_depth(model, finetune, beta, vllm):
+    """scoring's peak from two short replays, carried along the depth, equals the full-depth replay's (under
+    autocast each layer's fp32 weights leave their 16-bit copies until the forward returns: a full fine-tune's
+    whole model)."""
+    from memcalc.exact.base.config import StepConfig
+    from memcalc.model.presets import PRESETS
+
+    online = OnlineRL(completion_len=1024, num_generations=2, beta=beta, vllm=vllm)
+    stack = with_rl(replace(STACKS["trl:1.16"], finetune=finetune, recipe="autocast"), "grpo", online=online)
+    cfg = StepConfig(PRESETS[model], 1536, 4, parse_tricks("bf16,flash,ckpt"), stack)
+    assert scoring(cfg, 16) == replay(cfg, 16)[0]

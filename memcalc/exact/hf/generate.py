@@ -45,22 +45,29 @@ class Generation:
     rows: int  # the generation batch on this GPU
     prompt_len: int
     completion_len: int  # max_new_tokens
-    peak_bytes: int  # the prompts, the cache and the loop's tensors at the phase's peak
-    peak_at: str  # "prefill" or "decode": where the peak is
+    prefill_bytes: int  # the prompts, the cache and the loop's tensors at the prefill's peak
+    decode_bytes: int  # ... at the last decode step's (0: one new token, no decode step)
     cache_bytes: int  # the DynamicCache's keys and values after the last token
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.prefill_bytes, self.decode_bytes)
+
+    @property
+    def peak_at(self) -> str:
+        """"prefill" or "decode": where the peak is."""
+        return "decode" if self.decode_bytes > self.prefill_bytes else "prefill"
 
 
 def not_replayed(cfg: StepConfig) -> str | None:
     """Why generate is not replayed for this job ("" where it is): the Llama family's decoder (Llama, Qwen2, Qwen3,
     Mistral) with SDPA's kernels, no sliding window, no Liger (its patched modules run in generate too)."""
-    from .llama import llama_model
-    from .model import FAMILIES, arch_for
+    from .model import arch_for
 
-    arch = arch_for(cfg.shape)
-    if FAMILIES[arch].decoder is not llama_model:
-        return f"the policy's own generate is replayed on the Llama family's decoder, not {arch}'s"
-    if cfg.shape.sliding_window:
-        return "the policy's own generate with a sliding window (DynamicSlidingWindowLayer) is not replayed"
+    if not alike(cfg):
+        if cfg.shape.sliding_window:
+            return "the policy's own generate with a sliding window (DynamicSlidingWindowLayer) is not replayed"
+        return f"the policy's own generate is replayed on the Llama family's decoder, not {arch_for(cfg.shape)}'s"
     if not cfg.flash:
         return "the policy's own generate is replayed with SDPA's kernels (flash in --tricks), not eager attention"
     if cfg.stack.savers.liger is not None:
@@ -68,10 +75,29 @@ def not_replayed(cfg: StepConfig) -> str | None:
     return None
 
 
+def alike(cfg: StepConfig) -> bool:
+    """Whether every layer runs the same ops on the same sizes: the Llama family's decoder (Llama, Qwen2, Qwen3,
+    Mistral), no sliding window."""
+    from .llama import llama_model
+    from .model import FAMILIES, arch_for
+
+    return FAMILIES[arch_for(cfg.shape)].decoder is llama_model and not cfg.shape.sliding_window
+
+
 def generation(cfg: StepConfig, rows: int) -> Generation:
-    """generate's peak for the job's model (cfg: the training step's; its online settings give the completion)
-    over `rows` prompts of seq_len - completion_len tokens, from a replay at full depth."""
-    return replay(cfg, rows)[0]
+    """generate's peaks for the job's model (cfg: the training step's; its online settings give the completion)
+    over `rows` prompts of seq_len - completion_len tokens. Every layer runs the same ops and adds its own keys and
+    values to the cache, so each peak is affine in the depth (the last layer's temporaries, or the head's, over every
+    layer's cache): replayed at two depths and carried to the model's (tests/test_generate.py holds it to the
+    full-depth replay)."""
+    L = cfg.shape.n_layers
+    if L <= 3:
+        return replay(cfg, rows)[0]
+    two, three = (replay(replace(cfg, shape=replace(cfg.shape, n_layers=n)), rows)[0] for n in (2, 3))
+    out = [a + (L - 2) * (b - a) for a, b in ((two.prefill_bytes, three.prefill_bytes),
+                                              (two.decode_bytes, three.decode_bytes),
+                                              (two.cache_bytes, three.cache_bytes))]  # fmt: skip
+    return Generation(rows, two.prompt_len, two.completion_len, *out)
 
 
 def replay(cfg: StepConfig, rows: int, every_step: bool = False,
@@ -106,8 +132,7 @@ def replay(cfg: StepConfig, rows: int, every_step: bool = False,
         decode(g, m, loop)
         decode_peak = max(decode_peak, g.mem.peak_bytes)
     cache = sum(t.storage.nbytes for entry in m.cache for t in entry)
-    at = "decode" if decode_peak > prefill_peak else "prefill"
-    return Generation(rows, P, C, max(prefill_peak, decode_peak) - base, at, cache), g.mem
+    return Generation(rows, P, C, prefill_peak - base, decode_peak - base if C > 1 else 0, cache), g.mem
 
 
 class Loop:

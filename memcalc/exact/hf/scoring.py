@@ -51,8 +51,19 @@ def passes(cfg: StepConfig) -> tuple[str, ...]:
 
 
 def scoring(cfg: StepConfig, rows: int) -> Scoring | None:
-    """The passes' peak for the job (cfg: the training step's, micro_batch the chunk), None where there are none."""
-    return replay(cfg, rows)[0]
+    """The passes' peak for the job (cfg: the training step's, micro_batch the chunk), None where there are none.
+    Where the layers are alike (memcalc.exact.hf.generate.alike) each keeps the same bytes until the forward returns
+    (under autocast, its fp32 weights' 16-bit copies; else nothing), so the peak is affine in the depth: replayed at
+    two depths and carried to the model's (tests/test_scoring.py holds it to the full-depth replay)."""
+    from .generate import alike
+
+    L = cfg.shape.n_layers
+    if not alike(cfg) or L <= 3:
+        return replay(cfg, rows)[0]
+    two, three = (replay(replace(cfg, shape=replace(cfg.shape, n_layers=n)), rows)[0] for n in (2, 3))
+    if two is None:
+        return None
+    return replace(two, peak_bytes=two.peak_bytes + (L - 2) * (three.peak_bytes - two.peak_bytes))
 
 
 def replay(cfg: StepConfig, rows: int, every_chunk: bool = False,

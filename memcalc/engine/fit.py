@@ -34,7 +34,8 @@ class FitLimits:
     seq_limit: int  # the longest sequence the model embeds (a learned position table), else MAX_SEQ
     headroom: Headroom | None = None  # what usable_bytes keeps back, by part
     none_fit_at: str = ""  # where nothing fits: where one token's run peaks (a model's load: memcalc.exact.replay.zero)
-    # --rl grpo|rloo: "rollout" where a phase beside the step (memcalc.engine.rollout), not the step, ends the limit
+    # --rl grpo|rloo: the phase beside the step that ends the limit where not the step (memcalc.engine.rollout:
+    # "rollout", "score", vLLM's "start" or "startup"), else ""
     seq_bound_by: str = ""
     batch_bound_by: str = ""
 
@@ -168,30 +169,33 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
         at = replace(setup, seq_len=seq_len, micro_batch=micro_batch)
         return gpu_verdict(model, at, gpu, tricks, layout, allocator)
 
-    def beside(seq_len: int, micro_batch: int, margins: dict[int, int], n: int) -> bool:
-        """The phases beside the step at this size (GRPO's rollout: vLLM awake, or the policy's own generate)."""
-        from .rollout import beside_fits
+    def beside(seq_len: int, micro_batch: int, margins: dict[int, int], n: int) -> str:
+        """The first phase beside the step that does not fit at this size ("" where they fit): GRPO's and RLOO's
+        rollout (vLLM awake, or the policy's own generate) and scoring passes."""
+        from .rollout import beside_fails
 
         at = replace(setup, seq_len=seq_len, micro_batch=micro_batch)
-        fits, margins[n] = beside_fits(model, gpu, at, memory(seq_len, micro_batch))
-        return fits
+        failed, margins[n] = beside_fails(model, gpu, at, memory(seq_len, micro_batch))
+        return failed
+
+    def within(found: int, size: Callable[[int], tuple[int, int]]) -> tuple[int, str]:
+        """found, or where a phase beside the step ends the search below it, and that phase's name."""
+        if not found or setup.stack.online is None:
+            return found, ""
+        failed = beside(*size(found), {}, found)
+        if not failed:
+            return found, ""
+        margins: dict[int, int] = {}
+        return largest(lambda n: not beside(*size(n), margins, n), found - 1, margins), failed
 
     seq_limit, per = longest_seq(model.shape), setup.per_sample  # DPO: the micro-batch in pairs, two sequences each
     below = setup.shortest_seq - 1  # GRPO: the completion's length held, the prompt searched
     found = largest_reserved(lambda s, a=True: memory(s + below, setup.micro_batch, a), seq_limit - below)
-    seq_bound = ""
-    if found and setup.stack.online is not None and not beside(found + below, setup.micro_batch, {}, found):
-        margins: dict[int, int] = {}
-        found, seq_bound = largest(lambda s: beside(s + below, setup.micro_batch, margins, s), found - 1, margins), \
-            "rollout"  # fmt: skip
+    found, seq_bound = within(found, lambda s: (s + below, setup.micro_batch))
     max_seq = found + below if found else 0
     unit = group_rows(setup, layout.world)  # GRPO: whole prompt groups per generation batch
     found = largest_reserved(lambda b, a=True: memory(setup.seq_len, b * per * unit, a), MAX_BATCH // (per * unit))
-    batch_bound = ""
-    if found and setup.stack.online is not None and not beside(setup.seq_len, found * unit, {}, found):
-        margins = {}
-        found, batch_bound = largest(lambda b: beside(setup.seq_len, b * unit, margins, b), found - 1, margins), \
-            "rollout"  # fmt: skip
+    found, batch_bound = within(found, lambda b: (setup.seq_len, b * per * unit))
     max_batch = found * unit
     return FitLimits(
         tricks=tricks,

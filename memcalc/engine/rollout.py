@@ -218,14 +218,14 @@ def phases_for(model: Model, gpu: GPU, setup: Setup, verdict, engine: RolloutEng
     return generate_phases(gpu, verdict, generation, scoring), generation, scoring
 
 
-def beside_fits(model: Model, gpu: GPU, setup: Setup, verdict) -> tuple[bool, int]:
-    """Whether the phases beside a trick set's step fit (vLLM's start, its startup check, the rollout, the scoring
-    passes: what RolloutPhases.failed checks before train), and their bytes over their limit (negative under: the
-    margin fit's search steps by); (True, 0) where they are not sized. gpu: the job's, as rollout() takes it."""
+def beside_fails(model: Model, gpu: GPU, setup: Setup, verdict) -> tuple[str, int]:
+    """The first phase beside a trick set's step that does not fit (vLLM's start, its startup check, the rollout,
+    the scoring passes: RolloutPhases.failed before train; "" where they fit or are not sized), and their bytes over
+    their limit (negative under: the margin fit's search steps by). gpu: the job's, as rollout() takes it."""
     p = phases_for(model, gpu, setup, verdict, engine_for(model, bare(gpu), setup))[0]
     if p is None:
-        return True, 0
-    return p.failed in ("", "train"), p.margin()
+        return "", 0
+    return ("" if p.failed == "train" else p.failed), p.margin()
 
 
 def step_config(model: Model, setup: Setup, tricks):

@@ -31,12 +31,11 @@ def fit_sections(limits: FitLimits, units: str, detail: bool = False) -> list[Se
                    sized(seq_mem.total_bytes, units) if seq_mem else "-"])  # fmt: skip
     s.rows.append([f"largest micro-batch at seq {limits.seq_len:,}", f"{limits.max_micro_batch:,}",
                    sized(batch_mem.total_bytes, units) if batch_mem else "-"])  # fmt: skip
-    bound = [name for name, by in (("the longest sequence", limits.seq_bound_by),
-                                   ("the largest micro-batch", limits.batch_bound_by)) if by]  # fmt: skip
-    if bound:
-        s.notes.append(f"{' and '.join(bound)}: the rollout phase beside the step (memcalc estimate's phases "
-                       f"section), not the step, ends {'them' if len(bound) > 1 else 'it'}; the memory shown is the "
-                       "step's")  # fmt: skip
+    for name, by in (("the longest sequence", limits.seq_bound_by), ("the largest micro-batch",
+                                                                      limits.batch_bound_by)):  # fmt: skip
+        if by:
+            s.notes.append(f"{name}: the {by} phase beside the step (memcalc estimate's phases section), not the "
+                           "step, ends it; the memory shown is the step's")  # fmt: skip
     if not detail:
         return [s]
     parts = Section("Memory per GPU at each limit: the step replayed op by op",

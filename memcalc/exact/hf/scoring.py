@@ -68,7 +68,7 @@ def scoring(cfg: StepConfig, rows: int) -> Scoring | None:
 
 def replay(cfg: StepConfig, rows: int, every_chunk: bool = False,
            timeline: bool = False) -> tuple[Scoring | None, LiveBytes | None]:  # fmt: skip
-    """scoring's replay at full depth, and its LiveBytes (every allocation and free under timeline)."""
+    """scoring's replay at the depth cfg gives, and its LiveBytes (every allocation and free under timeline)."""
     from .model import build, causal_lm
 
     kinds = passes(cfg)

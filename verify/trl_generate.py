@@ -1,8 +1,8 @@
 """TRL 1.16's GRPOTrainer generating without vLLM, measured: the policy's model.generate over the generation batch as
 _generate_single_turn calls it (its GenerationConfig from GRPOConfig's defaults, gradient checkpointing off,
 torch.no_grad(), the model in training mode), on CPU tensors at reduced size under verify/track.py's LiveBytes. Every
-row runs to max_new_tokens: the end-of-sequence token is kept out of the sample (its logit's row of the head set to
-a large negative), as memcalc.exact.hf.generate takes it.
+row runs to max_new_tokens: the end-of-sequence token is kept out of the sample (a hook on the head fills its logit
+with a large negative, in place: nothing allocated), as memcalc.exact.hf.generate takes it.
 """
 
 from __future__ import annotations

@@ -145,6 +145,7 @@ def test_the_generation_batch_is_held():
     (["--rl", "grpo", "--lora", "8", "--cudagraph-memory", "0.5"], "give --vllm"),
     (["--rl", "grpo", "--lora", "8", "--num-generations", "16"], "generation batch of 8"),  # 8 x 1 x 1 GPU
     (["--rl", "grpo", "--beta", "0.04", "--gpus", "8", "--zero", "2"], "GRPOTrainer prepares its second model"),
+    (["--rl", "rloo", "--model", "gpt2", "--completion-len", "256"], "RLOOConfig keeps it on"),  # its dropout
 ])  # fmt: skip
 def test_refused(args, said):
     model = [] if "--model" in args else ["--model", "llama3.2-1b"]

@@ -179,9 +179,12 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
            fused_head.not_replayed(cfg) or chunked_nll.not_replayed(cfg))  # fmt: skip
     if why:
         raise InputError(why)
-    if cfg.stack.rl and cfg.shape.dropout:  # disable_dropout_in_model zeroes nn.Dropout modules, not config dropout
+    if cfg.stack.rl == "dpo" and cfg.shape.dropout:  # disable_dropout_in_model zeroes nn.Dropout modules only
         raise InputError("--rl dpo on a model with dropout: DPOConfig.disable_dropout turns its nn.Dropout modules "
                          "off but not every family's attention dropout, which is not replayed")  # fmt: skip
+    if cfg.stack.rl and cfg.shape.dropout:  # GRPOConfig's and RLOOConfig's disable_dropout is False
+        raise InputError(f"--rl {cfg.stack.rl} on a model with dropout: {cfg.stack.rl.upper()}Config keeps it on "
+                         "(disable_dropout False), and a step with dropout is not replayed")  # fmt: skip
     online = cfg.stack.online  # labels[:, :-C] = -100: a prompt of one token at least
     if online and online.completion_len >= cfg.seq_len:
         raise InputError(f"--completion-len {online.completion_len} leaves no prompt in --seq {cfg.seq_len}: the "

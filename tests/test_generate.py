@@ -20,6 +20,7 @@ from memcalc.model.rl import OnlineRL, with_rl
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import parse_tricks
 from tests.replay import assert_same_allocations
+from tests.test_exact_verdict import estimate_json
 from tests.test_lora import step_config
 from tests.test_stack_hf import TINY
 
@@ -69,12 +70,6 @@ def test_the_steps_between_stand_for_one_another(rows, prompt, completion, lora)
     assert every.cache_bytes == 2 * 2 * rows * 2 * 16 * (prompt + completion - 1) * 2  # layers, k and v, bf16
 
 
-def run(*args: str) -> dict:
-    result = CliRunner().invoke(app, ["estimate", *args, "--format", "json"])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.output)
-
-
 JOB = ("--model", "llama3.2-1b", "--rl", "grpo", "--lora", "16", "--seq", "4096", "--completion-len", "3584",
        "--num-generations", "4", "--tricks", "bf16,flash,ckpt", "--gpu", "rtx4090")  # fmt: skip
 
@@ -82,7 +77,7 @@ JOB = ("--model", "llama3.2-1b", "--rl", "grpo", "--lora", "16", "--seq", "4096"
 def test_the_rollout_phase_is_the_state_and_generate():
     """Rows: per_device_train_batch_size x steps_per_generation; the phase: the state between steps + generate's
     peak; its cache: 2 x layers x kv heads x head_dim x 2 bytes per token of every row."""
-    out = run(*JOB, "--micro-batch", "4", "--grad-accum", "16")
+    out = estimate_json(*JOB, "--micro-batch", "4", "--grad-accum", "16")
     rollout, verdict = out["rollout"], out["verdict"][0]
     gen, phase = rollout["generations"][0], rollout["phases"][0]
     assert rollout["engine"] is None and gen["rows"] == 64 and (gen["prompt_len"], gen["completion_len"]) == (512,
@@ -110,8 +105,9 @@ def test_eager_attention_is_not_sized():
 
 def test_rloo_generates_the_same():
     """RLOOTrainer's generate is GRPOTrainer's (its _generate_single_turn): the same phase for the same batch."""
-    grpo = run(*JOB, "--micro-batch", "4", "--grad-accum", "4")["rollout"]["generations"][0]
-    rloo = run(*JOB[:3], "rloo", *JOB[4:], "--micro-batch", "4", "--grad-accum", "4")["rollout"]["generations"][0]
+    batch = ("--micro-batch", "4", "--grad-accum", "4")
+    grpo = estimate_json(*JOB, *batch)["rollout"]["generations"][0]
+    rloo = estimate_json(*JOB[:3], "rloo", *JOB[4:], *batch)["rollout"]["generations"][0]
     assert grpo == rloo
 
 
@@ -134,7 +130,7 @@ FIT_JOB = (*JOB[:10], "--micro-batch", "4", "--grad-accum", "16", *JOB[10:])
 
 
 def phases_fit(*args: str) -> bool:
-    return run(*args)["rollout"]["phases"][0]["fits"]
+    return estimate_json(*args)["rollout"]["phases"][0]["fits"]
 
 
 @pytest.mark.slow("test_a_rollout_that_does_not_fit_is_said (the same phase the fit's search checks)")

@@ -5,21 +5,19 @@ by allocation on CPU tensors, and shown as the phases' score column.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
-from memcalc.cli import app
 from memcalc.exact.hf.scoring import passes, replay, scoring
 from memcalc.model.finetune import FULL, Finetune
 from memcalc.model.rl import OnlineRL, with_rl
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import parse_tricks
 from tests.replay import assert_same_allocations
+from tests.test_exact_verdict import estimate_json
 from tests.test_lora import step_config
 from tests.test_stack_hf import TINY
 
@@ -66,12 +64,6 @@ def test_the_chunks_between_stand_for_one_another(rows, chunk, rl, beta):
     assert scoring(cfg, rows) == replay(cfg, rows, every_chunk=True)[0]
 
 
-def run(*args: str) -> dict:
-    result = CliRunner().invoke(app, ["estimate", *args, "--format", "json"])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.output)
-
-
 JOB = ("--model", "qwen2.5-7b", "--rl", "grpo", "--lora", "16", "--seq", "1536", "--completion-len", "1024",
        "--micro-batch", "8", "--tricks", "bf16,flash,ckpt", "--gpu", "h100-sxm")  # fmt: skip
 
@@ -79,10 +71,10 @@ JOB = ("--model", "qwen2.5-7b", "--rl", "grpo", "--lora", "16", "--seq", "1536",
 def test_the_score_phase_beside_the_engine():
     """With vLLM the policy's pass runs (importance sampling), beside the engine as the step has it; at --beta the
     reference's after it; GRPO's own generate at beta 0 runs none."""
-    awake = run(*JOB, "--vllm", "colocate")["rollout"]
-    asleep = run(*JOB, "--vllm", "colocate", "--vllm-sleep")["rollout"]
-    both = run(*JOB, "--vllm", "colocate", "--beta", "0.04")["rollout"]
-    none = run(*JOB)["rollout"]
+    awake = estimate_json(*JOB, "--vllm", "colocate")["rollout"]
+    asleep = estimate_json(*JOB, "--vllm", "colocate", "--vllm-sleep")["rollout"]
+    both = estimate_json(*JOB, "--vllm", "colocate", "--beta", "0.04")["rollout"]
+    none = estimate_json(*JOB)["rollout"]
     assert awake["scorings"][0]["passes"] == ["old"] and both["scorings"][0]["passes"] == ["old", "reference"]
     assert none["scorings"] == [None] and none["phases"][0]["score_bytes"] == 0
     gap = awake["engine"]["awake_bytes"] - awake["engine"]["asleep_bytes"]

@@ -274,11 +274,20 @@ def generate_phases(gpu: GPU, verdict, generation: Generation, scoring: Scoring 
     """startup, rollout, score and train on one GPU where the policy generates itself: its weights as it starts; the
     trainer's state between steps with generate's peak (the prompts, the cache, the loop's tensors); with the
     scoring passes' peak; the step."""
-    weights = verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes
-    usable = verdict.usable_bytes
-    score = verdict.state_bytes + scoring.peak_bytes if scoring is not None else 0
-    return RolloutPhases(CONTEXT_BYTES + weights, gpu.cuda_total_bytes, verdict.state_bytes + generation.peak_bytes,
-                         usable, verdict.total_bytes, usable, True, score, usable if score else 0)  # fmt: skip
+    usable, score = verdict.usable_bytes, scored_bytes(verdict, 0, scoring)
+    return RolloutPhases(CONTEXT_BYTES + weights_of(verdict), gpu.cuda_total_bytes,
+                         verdict.state_bytes + generation.peak_bytes, usable, verdict.total_bytes, usable, True, score,
+                         usable if score else 0)  # fmt: skip
+
+
+def weights_of(verdict) -> int:
+    """The trainer's weights as it starts: the replayed step's, or the textbook's whole state."""
+    return verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes
+
+
+def scored_bytes(verdict, held: int, scoring: Scoring | None) -> int:
+    """The score phase: the trainer's state, the engine's bytes beside it, the passes' peak; 0 where none runs."""
+    return verdict.state_bytes + held + scoring.peak_bytes if scoring is not None else 0
 
 
 def phases_of(engine: RolloutEngine, gpu: GPU, verdict, sleep: bool, scoring: Scoring | None = None) -> RolloutPhases:
@@ -286,11 +295,10 @@ def phases_of(engine: RolloutEngine, gpu: GPU, verdict, sleep: bool, scoring: Sc
     the scoring passes run beside the engine as the step has it (asleep under sleep mode: TRL sleeps it as
     generation ends, trl/generation/vllm_generation.py)."""
     beside = engine.mode == "colocate"
-    weights = verdict.phases.weights_bytes if verdict.phases is not None else verdict.state_bytes  # textbook: all state
-    startup = CONTEXT_BYTES + weights + (engine.requested_bytes if beside else 0)
+    startup = CONTEXT_BYTES + weights_of(verdict) + (engine.requested_bytes if beside else 0)
     rollout_bytes = verdict.state_bytes + (engine.awake_bytes + engine.forward_bytes if beside else 0)
     held = (engine.asleep_bytes if sleep else engine.awake_bytes) if beside else 0  # the GPU's colocated_bytes
     usable = verdict.usable_bytes + held  # the GPU's usable bytes as the verdict counts them, the engine's given back
-    score = verdict.state_bytes + held + scoring.peak_bytes if scoring is not None else 0
+    score = scored_bytes(verdict, held, scoring)
     return RolloutPhases(startup, gpu.cuda_total_bytes, rollout_bytes, usable, verdict.total_bytes + held, usable,
                          not engine.failure, score, usable if score else 0)  # fmt: skip

@@ -34,7 +34,7 @@ from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.tensors import LiveBytes, Tensor
 from .family import HFModel
-from .llama import cast, decoder_layer, decoder_layers, linear, rms_norm, scaled
+from .llama import decoder_layer, decoder_layers, rms_norm, rotary_embedding
 from .lora import lora_linear
 
 
@@ -175,7 +175,7 @@ def prefill(g: Graph, m: HFModel, loop: Loop, ids: Tensor, mask: Tensor) -> None
     B, P = ids.shape
     with g.scoped("prefill"):
         positions = made(g, (B, P), "clone", loop.position_ids, dtype="int64")
-        logits = forward(g, m, ids)
+        logits = forward(g, m, ids, positions)
         del positions
         loop.ids, loop.mask = ids, mask
         sample(g, m, loop, logits)
@@ -190,7 +190,7 @@ def decode(g: Graph, m: HFModel, loop: Loop) -> None:
         loop.inputs = inputs
         del inputs
         m.decoding = True
-        logits = forward(g, m, loop.inputs[0])
+        logits = forward(g, m, *loop.inputs)
         sample(g, m, loop, logits)
 
 
@@ -238,43 +238,28 @@ def sample(g: Graph, m: HFModel, loop: Loop, logits: Tensor) -> None:
     del most
 
 
-def forward(g: Graph, m: HFModel, ids: Tensor) -> Tensor:
+def forward(g: Graph, m: HFModel, ids: Tensor, positions: Tensor) -> Tensor:
     """LlamaForCausalLM.forward(input_ids, position_ids, past_key_values, use_cache, logits_to_keep=1): the
-    embedding, the rotary tables over every row's positions, the layers (each updating the cache), the final norm,
-    the head on the last position (a view of it: no copy); the model's locals dropped as it returns."""
+    embedding, the rotary tables over every row's positions (memcalc.exact.hf.llama.rotary_embedding), the layers
+    (each updating the cache), the final norm, the head on the last position (a view of it: no copy; a tied head
+    is the embedding table); the model's locals dropped as it returns."""
     B, T = ids.shape
+    table = m.p["model.embed_tokens.weight"]
     with g.scoped("embedding"):
-        inputs_embeds = aten.embedding(g, m.p["model.embed_tokens.weight"], ids)
+        inputs_embeds = aten.embedding(g, table, ids)
     with g.scoped("rope tables"):
-        cos, sin = rotary_embedding(g, m, B, T, inputs_embeds.dtype)
+        cos, sin = rotary_embedding(g, m, positions, T, inputs_embeds.dtype)
     hidden_states = decoder_layers(g, m, decoder_layer, inputs_embeds, None, cos, sin, ())
     hidden_states = rms_norm(g, hidden_states, m.p["model.norm.weight"], "final norm")
     del inputs_embeds, cos, sin
     last = g.view(hidden_states, (B, 1, hidden_states.shape[-1]))  # hidden_states[:, -1:, :]
     with g.scoped("logits"):
-        if "lm_head.lora_A.weight" in m.p:
+        if "lm_head.lora_A.weight" in m.p:  # LoRA on the head (target_modules lm_head)
             logits = lora_linear(g, m, "lm_head", last)
         else:
-            logits = linear(g, m, "lm_head", last) if "lm_head.weight" in m.p else \
-                aten.linear(g, last, m.p["model.embed_tokens.weight"], None, "logits")  # fmt: skip
+            logits = aten.linear(g, last, m.p.get("lm_head.weight") or table, None, "logits")
     del last, hidden_states
     return logits
-
-
-def rotary_embedding(g: Graph, m: HFModel, B: int, T: int, dtype: str) -> tuple[Tensor, Tensor]:
-    """LlamaRotaryEmbedding.forward on generate's (B, T) position ids: position_ids[:, None, :].float() (B, 1, T),
-    times inv_freq expanded over the rows (fp32, as the model registers it: no copy), (B, T, rope_dim / 2), then as
-    memcalc.exact.hf.llama.rotary_embedding: cat, cos and sin scaled, cast to the model's dtype."""
-    half, width = m.cfg.shape.rope_dim // 2, m.cfg.shape.rope_dim
-    position = made(g, (B, 1, T), "_to_copy", dtype="fp32")
-    freqs = made(g, (B, T, half), "mul", position, m.rope[0])
-    del position
-    emb = made(g, (B, T, width), "cat", freqs)
-    cos = scaled(g, made(g, (B, T, width), "cos", emb))
-    sin = scaled(g, made(g, (B, T, width), "sin", emb))
-    out = cast(g, cos, dtype), cast(g, sin, dtype)
-    del freqs, emb, cos, sin
-    return out
 
 
 def grown(g: Graph, m: HFModel, loop: Loop, tokens: int) -> None:

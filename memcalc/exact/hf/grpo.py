@@ -118,18 +118,28 @@ def per_token_logps_and_entropies(g: Graph, m: HFModel, input_ids: Tensor, atten
     returns."""
     B, T = input_ids.shape
     with g.scoped("loss"):
-        padding = made(g, (B, T), "eq", attention_mask, dtype="bool")  # attention_mask_batch == 0
-        labels = made(g, (B, T), "masked_fill", input_ids, padding, dtype="int64")
-        del padding
-        # labels[:, :-C] = -100: copied from a 0-d tensor on the device (indexing.h scalarToTensor; CPU lifts its own)
-        fill = made(g, (), "lift_fresh" if m.cfg.device == "cpu" else "scalar_tensor", dtype="int64")
-        del fill
+        labels = completion_labels(g, input_ids, attention_mask)
+        prompt_masked(g, m)
     outputs = model_call(g, m, input_ids, labels, causal_lm)
     with g.scoped("loss"):
         logps = aten.cat(g, [sliced(g, outputs.log_probs, (B, C))], 0)  # outputs.log_probs[:, -C:]
         entropies = aten.cat(g, [sliced(g, outputs.entropy, (B, C))], 0)  # a Function's output: it requires grad
         del outputs, labels
         return logps, entropies
+
+
+def completion_labels(g: Graph, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """_get_per_token_logps_and_entropies' labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)."""
+    padding = made(g, input_ids.shape, "eq", attention_mask, dtype="bool")
+    labels = made(g, input_ids.shape, "masked_fill", input_ids, padding, dtype="int64")
+    del padding
+    return labels
+
+
+def prompt_masked(g: Graph, m: HFModel) -> None:
+    """Then labels[:, :-logits_to_keep] = -100: copied from a 0-d tensor on the device (indexing.h scalarToTensor;
+    CPU lifts its own)."""
+    made(g, (), "lift_fresh" if m.cfg.device == "cpu" else "scalar_tensor", dtype="int64")
 
 
 def kl(g: Graph, logps: Tensor, ref: Tensor) -> Tensor:

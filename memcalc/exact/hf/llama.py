@@ -80,14 +80,16 @@ def rotary_embedding(g: Graph, m: HFModel, position_ids: Tensor, T: int, dtype: 
     """LlamaRotaryEmbedding.forward: position_ids[..., None].float() * inv_freq (fp32), cat with itself,
     cos() and sin() each times attention_scaling (1.0: a new tensor), then cast to the model's dtype. Over
     rope_dim: head_dim, or Phi-3's int(head_dim * partial_rotary_factor) (compute_default_rope_parameters:
-    inv_freq has rope_dim / 2 entries)."""
+    inv_freq has rope_dim / 2 entries). The tables have a row per row of position_ids: one in training (an
+    arange), each sequence's under generate (memcalc.exact.hf.generate)."""
     half, width = m.cfg.shape.rope_dim // 2, m.cfg.shape.rope_dim
-    position = made(g, (1, T, 1), "_to_copy", position_ids)
-    freqs = made(g, (1, T, half), "mul", position, m.rope[0])
+    rows = position_ids.shape[0] if len(position_ids.shape) == 2 else 1  # an arange, unsqueezed: one row
+    position = made(g, (rows, T, 1), "_to_copy", position_ids)
+    freqs = made(g, (rows, T, half), "mul", position, m.rope[0])
     del position
-    emb = made(g, (1, T, width), "cat", freqs)
-    cos = scaled(g, made(g, (1, T, width), "cos", emb))
-    sin = scaled(g, made(g, (1, T, width), "sin", emb))
+    emb = made(g, (rows, T, width), "cat", freqs)
+    cos = scaled(g, made(g, (rows, T, width), "cos", emb))
+    sin = scaled(g, made(g, (rows, T, width), "sin", emb))
     out = cast(g, cos, dtype), cast(g, sin, dtype)
     del freqs, emb, cos, sin
     return out

@@ -31,6 +31,7 @@ from ..sim.tensors import LiveBytes, Tensor
 from .dpo import model_call
 from .family import HFModel
 from .fused_head import sliced
+from .grpo import completion_labels, prompt_masked
 
 
 @record(frozen=True)
@@ -116,7 +117,7 @@ def reference(m: HFModel) -> HFModel:
 def score(g: Graph, m: HFModel, ids: Tensor, mask: Tensor, rows: int, B: int, C: int, causal_lm,
           every_chunk: bool) -> Tensor:  # fmt: skip
     """_get_per_token_logps_and_entropies(model, ids, mask, C, batch_size=B): per chunk the labels
-    (masked_fill where the mask is 0, then labels[:, :-C] = -100 from a 0-d tensor), the model through its fused
+    (memcalc.exact.hf.grpo.completion_labels, prompt_masked), the model through its fused
     head under the recipe's autocast, its log-probs' last C columns kept (a view); the last chunk's outputs and
     labels live until the next chunk's replace them; then the kept columns concatenated (rows, C)."""
     T = ids.shape[1]
@@ -127,15 +128,11 @@ def score(g: Graph, m: HFModel, ids: Tensor, mask: Tensor, rows: int, B: int, C:
         if not every_chunk and 2 <= k < len(chunks) - 1 and k != whole:  # as the one before: its log-probs left
             kept.append(sliced(g, made(g, (n, T - 1), "masked_scatter"), (n, C)))
             continue
+        chunk_ids, chunk_mask = g.view(ids, (n, T)), g.view(mask, (n, T))  # input_ids[start:end], its mask
         with g.scoped("scoring"):
-            padding = made(g, (n, T), "eq", mask, dtype="bool")  # attention_mask_batch == 0
-            filled = made(g, (n, T), "masked_fill", ids, padding, dtype="int64")
-            del padding
-            labels = filled
-            del filled
-            fill = made(g, (), "lift_fresh" if m.cfg.device == "cpu" else "scalar_tensor", dtype="int64")
-            del fill
-        result = model_call(g, m, g.view(ids, (n, T)), labels, causal_lm)
+            labels = completion_labels(g, chunk_ids, chunk_mask)  # the last chunk's freed as it is rebound
+            prompt_masked(g, m)
+        result = model_call(g, m, chunk_ids, labels, causal_lm)
         outputs = result
         del result
         kept.append(sliced(g, outputs.log_probs, (n, C)))  # outputs.log_probs[:, -logits_to_keep:]

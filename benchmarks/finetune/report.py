@@ -169,10 +169,12 @@ def reserved(args: list[str]) -> int:
                          setup.optimizer, expandable=gpu.expandable_segments).reserved_bytes  # fmt: skip
 
 
-def rows(runs: list[Run]) -> list[dict]:
+def rows(runs: list, describe=None) -> list[dict]:
+    """Each run: its figure beside memcalc's of the same kind (a band for an unknown kind), or why not. describe:
+    the corpus's command() (this corpus's by default; benchmarks/rl/report.py passes its own)."""
     out = []
     for run in runs:
-        args = command(run)
+        args = (describe or command)(run)
         row = {"run": f"{run.source.id}/{run.id}", "split": run.split, "kind": run.memory_kind,
                "published": run.memory_bytes}  # fmt: skip
         if isinstance(args, str):
@@ -207,8 +209,8 @@ def summary(table: list[dict]) -> list[str]:
     return [f"predicted: {len(done)} of {len(table)} runs (|predicted / published - 1| by memory kind)"] + lines
 
 
-def main() -> None:
-    table = rows(load())
+def main(runs: list | None = None, describe=None) -> None:
+    table = rows(load() if runs is None else runs, describe)
     if "--summary" not in sys.argv:
         for r in table:
             if "predicted" in r:

@@ -1,0 +1,52 @@
+"""benchmarks/rl/report.py: each published RL run is predicted by the `memcalc estimate` that describes it, or says
+why not (what the run does not give, or memcalc's refusal); TRL versions map to memcalc's release lines."""
+
+from dataclasses import replace
+from types import MappingProxyType
+
+import pytest
+
+from benchmarks.rl import report
+from benchmarks.rl.corpus import load
+from tests.test_exact_verdict import estimate_json
+
+RUNS = {r.id: r for r in load()}
+
+
+@pytest.mark.parametrize("version,line", [
+    ("1.16.0", "1.16"), ("1.15.0", "1.16"), ("1.6.0", "1.6"), ("1.9.2", "1.10"), ("1.3.0", "1.5"), ("0.12.0", "0.14"),
+    ("1.6.0.dev0+8e4d5e9c", "1.5"),  # the Before of TRL PR #5926: 1.5.1's DPOTrainer._compute_loss
+    ("1.6.0.dev0+c3f21ede", "1.6"), ("1.6.0.dev0", None), ("2.0.0", None), ("main", None),
+])  # fmt: skip
+def test_trl_versions_map_to_release_lines(version, line):
+    assert report.trl_line(version) == line
+
+
+def test_every_run_is_predicted_or_says_why():
+    table = report.report.rows(list(RUNS.values()), report.command)
+    assert len(table) == len(RUNS)
+    assert all(("predicted" in r) != ("reason" in r) for r in table)
+    pr = {r["run"]: r for r in table if r["run"].startswith("trl_pr_5926/")}
+    for r in pr.values():  # described; memcalc replays DPO on the fused-head line only, and says so
+        assert r["command"].startswith("memcalc estimate --config benchmarks/rl/configs/Qwen2.5-0.5B-Instruct.json")
+        assert "replayed on --stack trl:1.16" in r["reason"]
+    assert "--stack trl:1.5 " in pr["trl_pr_5926/dpo-full-qwen2.5-0.5b-a100-before"]["command"]
+
+
+def test_a_run_on_a_replayed_line_is_predicted_by_its_estimate():
+    """The PR's run as TRL 1.16 would run it: the band's low end is estimate's allocated peak for the command, the
+    prediction inside the band (memory kind unknown)."""
+    run = replace(RUNS["dpo-full-qwen2.5-0.5b-a100-after"], versions=MappingProxyType({"trl": "1.16.0"}))
+    args = report.command(run)
+    assert args[args.index("--stack") + 1] == "trl:1.16" and args[args.index("--rl") + 1] == "dpo"
+    [row] = report.report.rows([run], report.command)
+    low, high = row["band"]
+    assert low == estimate_json(*args[1:])["verdict"][0]["peak_bytes"] and low <= row["predicted"] <= high
+    assert report.report.error(row) >= 0
+
+
+def test_what_a_run_does_not_give_is_the_reason():
+    run = RUNS["dpo-full-qwen2.5-0.5b-a100-after"]
+    assert "version not given" in report.command(replace(run, versions=None))
+    assert "micro-batch" in report.command(replace(run, micro_batch=None))
+    assert "not this trainer" in report.command(RUNS["dpo-lora-qwen2.5-7b-1gpu"])

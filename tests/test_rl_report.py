@@ -27,10 +27,14 @@ def test_every_run_is_predicted_or_says_why():
     assert len(table) == len(RUNS)
     assert all(("predicted" in r) != ("reason" in r) for r in table)
     pr = {r["run"]: r for r in table if r["run"].startswith("trl_pr_5926/")}
-    for r in pr.values():  # described; memcalc replays DPO on the fused-head line only, and says so
+    for r in pr.values():  # described and predicted: its DPOTrainer's line replayed (memcalc.exact.hf.dpo_logits)
         assert r["command"].startswith("memcalc estimate --config benchmarks/rl/configs/Qwen2.5-0.5B-Instruct.json")
-        assert "replayed on --stack trl:1.16" in r["reason"]
-    assert "--stack trl:1.5 " in pr["trl_pr_5926/dpo-full-qwen2.5-0.5b-a100-before"]["command"]
+        low, high = r["band"]
+        assert 0 < low < high and "reason" not in r
+    before = pr["trl_pr_5926/dpo-full-qwen2.5-0.5b-a100-before"]
+    after = pr["trl_pr_5926/dpo-full-qwen2.5-0.5b-a100-after"]
+    assert "--stack trl:1.5 " in before["command"] and "--stack trl:1.6 " in after["command"]
+    assert before["band"][0] > after["band"][0]  # the PR removed the shifted logits' .contiguous() copies
 
 
 def test_a_run_on_a_replayed_line_is_predicted_by_its_estimate():

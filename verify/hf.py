@@ -360,7 +360,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
         from .trl_dpo import dpo_setup
 
         dpo = dpo_setup(model, tf, config, dtype, attention_for(tricks, device), device, finetune.lora,
-                        precompute_ref, kwargs if reentrant else None)  # fmt: skip
+                        precompute_ref, kwargs if reentrant else None, trl)  # fmt: skip
     if rl in ("grpo", "rloo"):  # GRPOTrainer's, RLOOTrainer's own: a reference where beta is not 0 (verify/trl_grpo.py)
         from .trl_grpo import grpo_setup
 

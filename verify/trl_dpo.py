@@ -1,5 +1,7 @@
-"""TRL 1.16's DPOTrainer (--stack trl:1.16 --rl dpo) as itself: its preparation of the model and its _compute_loss,
-run over Transformers and PEFT (memcalc.exact.hf.dpo replays the same).
+"""TRL's DPOTrainer (--rl dpo) as itself: its preparation of the model and its _compute_loss, run over Transformers
+and PEFT: 1.16's through its fused LM head (memcalc.exact.hf.dpo replays the same), or an earlier release's over the
+full logits (--stack trl:1.5 to trl:1.13, memcalc.exact.hf.dpo_logits), whichever trl is installed: the test extra's
+1.16, or an earlier release put first on the path (tests/test_dpo_logits.py).
 
 The batch is DataCollatorForPreference's: the chosen rows, then the rejected ones, input_ids and completion_mask
 (the harness's two inputs: the labels' slot holds the completion mask, filled with ones in place, every position
@@ -18,6 +20,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from memcalc.errors import InputError
+from memcalc.model.stacks import FUSED_HEAD, TRL_FIRST, releases
+
 
 @dataclass
 class Dpo:
@@ -29,14 +34,29 @@ class Dpo:
 
 
 def dpo_setup(model: nn.Module, tf, config, dtype: torch.dtype, attention: str, device: str, lora: bool,
-              precompute_ref: bool, checkpoint_kwargs: dict | None) -> Dpo:  # fmt: skip
+              precompute_ref: bool, checkpoint_kwargs: dict | None, line: str = "1.16") -> Dpo:  # fmt: skip
     """DPOTrainer.__init__ beyond SFTTrainer's preparation (verify/trl.py prepare_after_peft, with DPO's outputs):
     disable_dropout_in_model (DPOConfig.disable_dropout True: every nn.Dropout's p set to 0, PEFT's lora_dropout
-    too; it runs before the head is patched in, which no byte depends on), and its reference model."""
+    too; it runs before the head is patched in, which no byte depends on), and its reference model. The installed
+    trl must be a release of the stack's line: its _compute_loss is what runs."""
+    installed_line(line)
     disable_dropout(model)
     second = not lora and not precompute_ref
-    reference = reference_model(tf, config, dtype, attention, device) if second else None
+    reference = reference_model(tf, config, dtype, attention, device, line in FUSED_HEAD) if second else None
     return Dpo(precompute_ref, reference, checkpoint_kwargs)
+
+
+def installed_line(line: str) -> None:
+    """Refuse a stack whose TRL line is not the installed trl's (verify runs the installed DPOTrainer)."""
+    import trl
+
+    def key(version: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in version.split(".")[:2])
+
+    if not key(TRL_FIRST[line]) <= key(trl.__version__) <= key(line):
+        raise InputError(f"--stack trl:{line} --rl dpo on verify runs the installed trl's DPOTrainer, {trl.__version__}"
+                         f", not a {releases(line)} release: pip install trl=={line}.* (apart: pip install --target "
+                         f"DIR, then PYTHONPATH=DIR)")  # fmt: skip
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -83,7 +103,7 @@ class Inputs(dict):
 
 def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
              autocast: tuple[str, torch.dtype] | None, dpo: Dpo) -> torch.Tensor:  # fmt: skip
-    """trl 1.16's DPOTrainer._compute_loss itself (loss_type sigmoid, beta 0.1, reverse KL, no ld_alpha, no
+    """The installed trl's DPOTrainer._compute_loss itself (loss_type sigmoid, beta 0.1, reverse KL, no ld_alpha, no
     weighting), its self a stand-in holding what it reads on one process in training (dpo: its reference and
     arguments); then the Trainer's
     training_step division by the accumulation steps (1). autocast: the forward Accelerator.prepare_model sets on
@@ -116,16 +136,17 @@ def dpo_loss(model: nn.Module, idx: torch.Tensor, completion_mask: torch.Tensor,
     return loss / 1  # Trainer.training_step: loss / current_gradient_accumulation_steps
 
 
-def reference_model(tf, config, dtype: torch.dtype, attention: str, device: str) -> nn.Module:
+def reference_model(tf, config, dtype: torch.dtype, attention: str, device: str, fused: bool = True) -> nn.Module:
     """DPOTrainer's ref_model where the policy is not PEFT's: create_model_from_path in the policy's dtype (loaded
-    as from_pretrained leaves it, in eval mode), disable_dropout_in_model, add_fused_lm_head with its default
-    outputs (log_probs); Accelerator.prepare_model(evaluation_mode=True) wraps its forward in the same autocast
-    (dpo_loss)."""
-    from trl.trainer.utils import add_fused_lm_head
-
+    as from_pretrained leaves it, in eval mode), disable_dropout_in_model, from 1.15 (fused) add_fused_lm_head with
+    its default outputs (log_probs); Accelerator.prepare_model(evaluation_mode=True) wraps its forward in the same
+    autocast (dpo_loss)."""
     with torch.device(device):
         ref = tf.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     ref.eval()
     disable_dropout(ref)
-    add_fused_lm_head(ref)
+    if fused:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(ref)
     return ref

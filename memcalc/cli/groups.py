@@ -160,19 +160,24 @@ class StackOptions(OptionGroup):
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
         stack is refused; without them, reference is the default (memcalc.model.finetune.finetune_for); under --rl
-        dpo, trl:1.16, whose DPOTrainer is replayed. --liger
-        allocates by the GPU's kind (memcalc.model.savers.liger_for); without a GPU (verify), as on meta. Under --rl
-        grpo or rloo trl:1.16 too."""
+        dpo, trl:1.16 (its DPOTrainer is replayed there and on trl:1.5 to trl:1.13); under --rl grpo or rloo trl:1.16
+        too; --loss is refused under --rl. --liger allocates by the GPU's kind (memcalc.model.savers.liger_for);
+        without a GPU (verify), as on meta."""
         from memcalc.model.finetune import finetune_for
         from memcalc.model.rl import TRAINERS, with_rl
         from memcalc.model.savers import ON_META, liger_for
-        from memcalc.model.stacks import FUSED_HEAD, stack_for, with_loop
+        from memcalc.model.stacks import DPO_LOGITS, FUSED_HEAD, stack_for, with_loop
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip
         liger = (liger_for(gpu) if gpu is not None else ON_META) if self.liger else None
         trainer = (self.rl or "").strip().lower() in TRAINERS  # TRL's trainers: the line they are replayed on
         default = f"trl:{FUSED_HEAD[-1]}" if trainer else "reference" if finetune.trains_all else "hf"
+        key = (self.stack or "").strip().lower()
+        if self.liger and (self.rl or "").strip().lower() == "dpo" and key in [f"trl:{x}" for x in DPO_LOGITS]:
+            # refused here, before stack_for gives its SFTTrainer's reason
+            raise InputError(f"--liger with --rl dpo on --stack {key}: its DPOTrainer's Liger loss "
+                             "(_compute_loss_liger, LigerFusedLinearDPOLoss) is not replayed; on trl:1.16 it is")
         chosen = stack_for(self.stack or default, self.recipe,
                            self.optimizer_impl, self.no_cache, self.offload_activations, liger,
                            self.reentrant)  # fmt: skip
@@ -184,6 +189,9 @@ class StackOptions(OptionGroup):
                                  f"wrapped by PEFT (--stack hf) and torchtune's (--stack torchtune), not --stack "
                                  f"{chosen.key}")  # fmt: skip
             chosen = replace(chosen, finetune=finetune)
+        if trainer and self.loss is not None:  # DPOTrainer and the online trainers compute their own loss
+            raise InputError(f"--loss is SFTTrainer's loss_type (and torchtune's loss); --rl {self.rl.strip().lower()}"
+                             f" trains with {TRAINERS[self.rl.strip().lower()]}'s own loss")  # fmt: skip
         return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl, self.precompute_ref,
                        self.online())  # fmt: skip
 

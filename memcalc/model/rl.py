@@ -13,7 +13,7 @@ from dataclasses import replace
 from memcalc.errors import InputError
 from memcalc.records import record
 
-from .stacks import FUSED_HEAD, RL, Stack
+from .stacks import DPO_LOGITS, FUSED_HEAD, RL, Stack
 
 ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.online)
 TRAINERS = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}  # TRL's class for each --rl
@@ -91,11 +91,10 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
                          "grpo, rloo (docs/rl.md)")  # fmt: skip
     if key not in RL or not key:
         raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo, rloo")
-    if stack.trl not in FUSED_HEAD:
-        lines = ", ".join("trl:" + x for x in FUSED_HEAD)
+    if stack.trl not in FUSED_HEAD + (DPO_LOGITS if key == "dpo" else ()):
+        lines = ", ".join("trl:" + x for x in (DPO_LOGITS if key == "dpo" else ()) + FUSED_HEAD)
         trainer = TRAINERS[key]
-        raise InputError(f"--rl {key} is TRL's {trainer}, replayed on --stack {lines} (its fused LM head), not --stack "
-                         f"{stack.key}")  # fmt: skip
+        raise InputError(f"--rl {key} is TRL's {trainer}, replayed on --stack {lines}, not --stack {stack.key}")
     if stack.savers.offload:
         raise InputError(f"--rl {key} with --offload-activations is not replayed")
     if stack.savers.liger is not None and key == "dpo" and not stack.finetune.lora and not precompute_ref:
@@ -112,7 +111,8 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
     if key in ONLINE:  # GRPOConfig's and RLOOConfig's disable_dropout is False: LoRA's dropout stays
         return replace(stack, rl=key, online=online or (OnlineRL() if key == "grpo" else RLOO_DEFAULTS))
     finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0
-    return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref)
+    # DPOTrainer calls the model without labels (its log-probabilities from the logits): no loss_type chunked_nll
+    return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref, loss="full")
 
 
 def second_model(stack: Stack) -> bool:

@@ -79,6 +79,9 @@ def releases(line: str) -> str:
 
 KBIT_PREPARED = ("0.14", "0.21", "0.25")  # the lines whose SFTTrainer runs peft's prepare_model_for_kbit_training
 FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fused LM head (memcalc.exact.hf.fused_head)
+# the lines whose DPOTrainer takes its log-probabilities from the full logits (selective_log_softmax: memcalc.exact.hf
+# .dpo_logits): 1.3-1.5 over .contiguous() copies of the shifted logits (DPO_COPIES), 1.6-1.13 over views of them
+DPO_LOGITS, DPO_COPIES = ("1.5", "1.6", "1.7", "1.10", "1.12", "1.13"), ("1.5",)
 # the lines whose SFTTrainer casts a 4-bit model's trainable parameters to bf16: whether DoRA's magnitudes too
 BF16_CAST = {"1.2": True, "1.5": True, "1.6": True, "1.7": True, "1.10": True, "1.12": True, "1.13": True, "1.14": True,
              "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
@@ -283,6 +286,15 @@ def trl_note(stack: Stack) -> str:
 
         parts.append(f"each pair's chosen and rejected sequences through add_fused_lm_head (no logits), then "
                      f"{dpo_reference(stack)}; dropout disabled; every position a completion token")
+        return f"TRL {releases(line)}'s DPOTrainer (sigmoid loss): " + "; ".join(parts)
+    if line in DPO_LOGITS and stack.rl == "dpo":
+        from .rl import dpo_reference
+
+        copies = ", .contiguous() copies of the shifted logits" if line in DPO_COPIES else ""
+        parts.append(f"each pair's chosen and rejected sequences to their full logits (Accelerate's fp32 copy under "
+                     f"autocast{copies}), selective_log_softmax row by row, then {dpo_reference(stack)} to its "
+                     f"logits; entropy, mean logits and accuracy from the logits; dropout disabled; every position a "
+                     f"completion token")  # fmt: skip
         return f"TRL {releases(line)}'s DPOTrainer (sigmoid loss): " + "; ".join(parts)
     if line in FUSED_HEAD:
         parts.append("the loss from add_fused_lm_head's chunked log-probabilities (no logits: 4096 x 32768 tiles, "

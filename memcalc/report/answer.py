@@ -190,7 +190,7 @@ def setup_text(step, start: Setup | None = None) -> str:
     finetune = step.setup.stack.finetune
     if start is not None and finetune != start.stack.finetune:
         parts.append(finetune.label)
-    if step.setup.micro_batch == 1 and step.setup.grad_accum > 1:
+    if step.setup.samples == 1 and step.setup.grad_accum > 1:  # DPO counts pairs (Setup.samples)
         parts.append(f"micro-batch 1 x {step.setup.grad_accum} accumulation")
     if lay.zero:
         parts.append(f"ZeRO-{lay.zero} over {u.plural(lay.dp, 'GPU')}")

@@ -36,8 +36,8 @@ STACK_REMARK = {
     "trl:0.25": "--stack trl:0.25: the TRL line memcalc replays whose SFTConfig takes these keys; the file does not "
                 "say which TRL ran it (--stack trl:1.2, trl:1.5, trl:1.13 or trl:1.16 for later lines, trl:0.14 or "
                 "trl:0.21 for older ones)",
-    "trl:1.16": "--stack trl:1.16: the TRL line whose DPOTrainer, GRPOTrainer and RLOOTrainer memcalc replays (--rl "
-                "dpo, grpo, rloo)",
+    "trl:1.16": "--stack trl:1.16: the newest TRL line memcalc replays, whose DPOTrainer, GRPOTrainer and RLOOTrainer "
+                "it replays (--rl dpo, grpo, rloo); --stack trl:1.5 to trl:1.13 for an earlier DPOTrainer",
     "trl:0.21": "--stack trl:0.21: the newest TRL line memcalc replays whose SFTConfig takes max_seq_length or "
                 "use_liger (gone in 0.20); --stack trl:0.14 for 0.9-0.14",
 }  # fmt: skip

@@ -66,22 +66,31 @@ def compute_loss(g: Graph, m: HFModel, idx: Tensor, completion_mask: Tensor, cau
             ref_logps = made(g, (B2,), "sum", ref_per_token_logps)
             ref_chosen_logps, ref_rejected_logps = g.view(ref_logps, halves), g.view(ref_logps, halves)
     with g.scoped("loss"):
-        chosen_logratios = aten.sub(g, chosen_logps, ref_chosen_logps)
-        rejected_logratios = aten.sub(g, rejected_logps, ref_rejected_logps)
-        delta_score = aten.sub(g, chosen_logratios, rejected_logratios)
-        scaled = aten.mul_scalar(g, delta_score)  # self.beta * delta_score
-        per_sequence_loss = aten.neg(g, log_sigmoid(g, scaled, m.cfg.watched))
-        del scaled
-        mean = mean_all(g, per_sequence_loss)
-        weighted = aten.mul_scalar(g, mean)  # * loss_weight
-        del mean
-        loss = aten.add_scalar(g, weighted)  # 0.0 + it
-        del weighted
-        held = metrics(g, m, outputs, completion_mask, chosen_logratios, rejected_logratios, chosen_logps, halves)
-        del held, outputs, ref_outputs, labels, per_token_logps, ref_per_token_logps, logps, ref_logps  # the frame's
-        del chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_logratios, rejected_logratios
-        del delta_score, per_sequence_loss  # locals, as it returns
+        loss, frame = sigmoid_loss(g, m, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+        held = metrics(g, m, outputs, completion_mask)
+        held += reward_metrics(g, frame["chosen_logratios"], frame["rejected_logratios"], chosen_logps)
+        del held, frame, outputs, ref_outputs, labels, per_token_logps, ref_per_token_logps, logps  # the frame's
+        del ref_logps, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps  # locals, as it returns
         return pointwise(g, loss, "div", "div")  # training_step: loss / current_gradient_accumulation_steps
+
+
+def sigmoid_loss(g: Graph, m: HFModel, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
+                 ref_rejected_logps: Tensor) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """The log-ratios, reverse KL's scores, loss_type sigmoid's -logsigmoid(beta * delta_score) and `loss = 0.0;
+    loss += per_sequence_loss.mean() * loss_weight`: the loss, and the locals _compute_loss keeps until it returns."""
+    chosen_logratios = aten.sub(g, chosen_logps, ref_chosen_logps)
+    rejected_logratios = aten.sub(g, rejected_logps, ref_rejected_logps)
+    delta_score = aten.sub(g, chosen_logratios, rejected_logratios)
+    scaled = aten.mul_scalar(g, delta_score)  # self.beta * delta_score
+    per_sequence_loss = aten.neg(g, log_sigmoid(g, scaled, m.cfg.watched))
+    del scaled
+    mean = mean_all(g, per_sequence_loss)
+    weighted = aten.mul_scalar(g, mean)  # * loss_weight
+    del mean
+    loss = aten.add_scalar(g, weighted)  # 0.0 + it
+    del weighted
+    return loss, dict(chosen_logratios=chosen_logratios, rejected_logratios=rejected_logratios,
+                      delta_score=delta_score, per_sequence_loss=per_sequence_loss)  # fmt: skip
 
 
 def model_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, causal_lm: Callable) -> FusedOutput:
@@ -113,10 +122,12 @@ def reference_model(g: Graph, cfg, arch: str, family, autocast) -> HFModel | Non
     return HFModel(ref_cfg, arch, params, rope, [], autocast, outputs=("log_probs",))
 
 
-def reference_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, causal_lm: Callable) -> FusedOutput:
+def reference_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor | None, causal_lm: Callable,
+                   call: Callable | None = None) -> FusedOutput | Tensor:  # fmt: skip
     """The reference forward, under torch.no_grad() and disable_gradient_checkpointing: DPOTrainer's ref_model
     (reference_model), or under PEFT the policy with its adapters disabled (each LoRA layer runs its base layer
-    alone), through the same fused LM head."""
+    alone), through the same fused LM head (model_call), or before 1.15 to its logits (call: memcalc.exact.hf.
+    dpo_logits.model_logits)."""
     ref = m.reference or replace(m, p={k: v for k, v in m.p.items() if ".lora_" not in k},
                                  cfg=replace(m.cfg, tricks=replace(m.cfg.tricks, recompute="none")))  # fmt: skip
     outer, g.grad_enabled = g.grad_enabled, False
@@ -125,7 +136,7 @@ def reference_call(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, causal_lm:
     mem.segment_peaks = {"start": (mem.live_bytes, f"{mem.phase}: (the reference's start)")}
     mem.blocks_seen, mem.segment = [], "before"
     try:
-        return model_call(g, ref, idx, labels, causal_lm)
+        return model_call(g, ref, idx, labels, causal_lm) if call is None else call(g, ref, idx, causal_lm)
     finally:
         g.grad_enabled = outer
         mem.segments["reference"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
@@ -147,9 +158,9 @@ def log_sigmoid(g: Graph, x: Tensor, watched: bool) -> Tensor:
     return out
 
 
-def metrics(g: Graph, m: HFModel, outputs: FusedOutput, completion_mask: Tensor, chosen_logratios: Tensor,
-            rejected_logratios: Tensor, chosen_logps: Tensor, halves: tuple) -> list[Tensor]:  # fmt: skip
-    """_compute_loss's logged metrics, in its order; what stays bound in its frame until it returns is returned."""
+def metrics(g: Graph, m: HFModel, outputs: FusedOutput, completion_mask: Tensor) -> list[Tensor]:
+    """_compute_loss's logged metrics from the fused head's outputs, in its order (the rewards follow:
+    reward_metrics); what stays bound in its frame until it returns is returned."""
     B2, T = completion_mask.shape
     rows, half_rows = (B2, T - 1), (B2 // 2, T - 1)
     shift_mask = g.view(completion_mask, rows)  # completion_mask[..., 1:]
@@ -189,6 +200,13 @@ def metrics(g: Graph, m: HFModel, outputs: FusedOutput, completion_mask: Tensor,
     correct_sum = made(g, (), "sum", correct_tokens, dtype="int64")
     item_of(made(g, (), "div", correct_sum, total_sum))
     del correct_sum
+    return [entropy_sum, total_tokens, correct_predictions, correct_tokens, total_sum]
+
+
+def reward_metrics(g: Graph, chosen_logratios: Tensor, rejected_logratios: Tensor, chosen_logps: Tensor) -> list:
+    """The rewards, their accuracy and margins, the log-probs' means (each gathered, .mean().item()'d); what stays
+    bound in _compute_loss's frame is returned."""
+    halves = chosen_logratios.shape
     chosen_rewards = made(g, halves, "mul", chosen_logratios)  # self.beta * chosen_logratios.detach()
     rejected_rewards = made(g, halves, "mul", rejected_logratios)
     item_of(made(g, (), "mean", chosen_rewards))
@@ -201,8 +219,7 @@ def metrics(g: Graph, m: HFModel, outputs: FusedOutput, completion_mask: Tensor,
     item_of(made(g, (), "mean", margins))
     item_of(made(g, (), "mean", chosen_logps))  # logps/chosen
     item_of(made(g, (), "mean", chosen_logps))  # logps/rejected (its size)
-    return [total_tokens, correct_predictions, correct_tokens, total_sum, chosen_rewards, rejected_rewards,
-            reward_accuracies, margins]  # fmt: skip
+    return [chosen_rewards, rejected_rewards, reward_accuracies, margins]
 
 
 def mean_all(g: Graph, x: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.offload import kept_on_gpu, offloader
 from ..sim.tensors import Tensor
-from . import chunked_nll, dpo, dynamic_cache, fused_head, grpo, liger, lora, qlora, rloo, trl
+from . import chunked_nll, dpo, dpo_logits, dynamic_cache, fused_head, grpo, liger, lora, qlora, rloo, trl
 from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
 from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .gpt2 import gpt2_model
@@ -217,7 +217,8 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
     compute_loss has taken the loss. Under TRL (memcalc.exact.hf.trl) compute_loss then computes its metrics
     from the output's logits, and they die with them as it returns."""
     if m.cfg.stack.rl == "dpo":  # DPOTrainer's _compute_loss: its labels' slot holds the completion mask
-        return dpo.compute_loss(g, m, idx, labels, causal_lm)
+        trainer = dpo if m.cfg.stack.trl in FUSED_HEAD else dpo_logits  # before 1.15: from the full logits
+        return trainer.compute_loss(g, m, idx, labels, causal_lm)
     if m.cfg.stack.rl in ("grpo", "rloo"):  # GRPOTrainer's, RLOOTrainer's: the labels' slot holds the attention mask
         return (grpo if m.cfg.stack.rl == "grpo" else rloo).compute_loss(g, m, idx, labels, causal_lm)
     if m.cfg.stack.savers.offload:  # TRL enters its OffloadActivations around training_step: forward and backward
@@ -298,6 +299,9 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
             logits = aten.div_scalar(g, logits)
             logits = aten.tanh(g, logits)
             logits = aten.mul_scalar(g, logits)
+    if labels is None:  # called without labels (DPOTrainer before 1.15): the logits alone
+        del kwargs, hidden_states
+        return None, logits
     with g.scoped("loss"):
         loss = for_causal_lm_loss(g, logits, labels, num_items_in_batch)
     del kwargs, hidden_states

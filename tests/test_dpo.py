@@ -248,10 +248,12 @@ def test_a_dpo_config_it_does_not_replay(tmp_path):
 @given(model=st.sampled_from(["llama3.2-1b", "qwen3-0.6b"]), seq=st.sampled_from(["256", "1024"]),
        pairs=st.sampled_from([1, 2]), how=st.sampled_from([["--lora", "8"], ["--lora", "8", "--quantize", "nf4"],
                                                             ["--precompute-ref"], []]),
-       tricks=st.sampled_from(["bf16,flash,ckpt", "bf16,flash"]))  # fmt: skip
-def test_dpo_jobs_say_one_verdict_and_grow_with_the_pairs(model, seq, pairs, how, tricks):
-    """Every DPO job: table, JSON and CSV give the same verdict; one pair more never needs less."""
-    args = ["estimate", "--model", model, "--seq", seq, "--stack", "trl:1.16", "--rl", "dpo", *how, "--tricks",
+       tricks=st.sampled_from(["bf16,flash,ckpt", "bf16,flash"]),
+       stack=st.sampled_from(["trl:1.16", "trl:1.6", "trl:1.5"]))  # fmt: skip
+def test_dpo_jobs_say_one_verdict_and_grow_with_the_pairs(model, seq, pairs, how, tricks, stack):
+    """Every DPO job, on the fused head (1.16) or the full logits (1.3-1.13): table, JSON and CSV give the same
+    verdict; one pair more never needs less."""
+    args = ["estimate", "--model", model, "--seq", seq, "--stack", stack, "--rl", "dpo", *how, "--tricks",
             tricks, "--gpu", "rtx4090"]  # fmt: skip
     data = json.loads(run(*args, "--micro-batch", str(pairs), "--format", "json").stdout)
     more = json.loads(run(*args, "--micro-batch", str(pairs + 1), "--format", "json").stdout)

@@ -49,19 +49,19 @@ def assert_release(version: str, *cases: str) -> None:
     assert run.returncode == 0, "\n".join(said[-20:])
 
 
+@pytest.mark.slow("test_selective_log_softmax_as_trl (the log-probabilities, forward and backward, as TRL runs them)")
 def test_trl_1_6_itself():
     """1.6-1.13's _compute_loss (views of the shifted logits): a full fine-tune beside its reference model, LoRA
-    beside its disabled adapters."""
-    assert_release("1.6.0", "dpo:1.6:llama:bf16:full", "dpo:1.6:llama:bf16,flash,ckpt:lora")
-
-
-@pytest.mark.slow("test_trl_1_6_itself")
-def test_trl_1_5_itself():
-    """1.3-1.5's (their .contiguous() copies), and 1.6's with QLoRA, Qwen3's norms, a tied head and the reference's
-    log-probs precomputed."""
-    assert_release("1.5.1", "dpo:1.5:llama:bf16:full", "dpo:1.5:qwen3:bf16,flash,ckpt:lora")
-    assert_release("1.6.0", "dpo:1.6:llama:bf16,flash,ckpt:qlora", "dpo:1.6:llama-mha-tied:bf16:full",
+    beside its disabled adapters, QLoRA, a tied head, the reference's log-probs precomputed."""
+    assert_release("1.6.0", "dpo:1.6:llama:bf16:full", "dpo:1.6:llama:bf16,flash,ckpt:lora",
+                   "dpo:1.6:llama:bf16,flash,ckpt:qlora", "dpo:1.6:llama-mha-tied:bf16:full",
                    "dpo:1.6:llama:bf16,flash,ckpt:full:precompute")
+
+
+@pytest.mark.slow("test_selective_log_softmax_as_trl")
+def test_trl_1_5_itself():
+    """1.3-1.5's (their .contiguous() copies), with Qwen3's norms too."""
+    assert_release("1.5.1", "dpo:1.5:llama:bf16:full", "dpo:1.5:qwen3:bf16,flash,ckpt:lora")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -141,7 +141,7 @@ def test_refused(args, said):
 
 def test_the_toolbox_names_the_pairs_it_keeps():
     """A DPO step that fits once its micro-batch is one pair says so (Setup.samples counts pairs)."""
-    r = run("estimate", "--model", "llama3-8b", "--seq", "2048", "--lora", "16", "--rl", "dpo", "--tricks",
-            "bf16,flash,ckpt", "--gpu", "rtx4090", "--micro-batch", "8")  # fmt: skip
+    r = run("estimate", "--model", "llama3.2-1b", "--seq", "2048", "--lora", "16", "--rl", "dpo", "--tricks",
+            "bf16,flash,ckpt", "--gpu", "l4", "--micro-batch", "32")  # fmt: skip
     said = " ".join(r.output.split())
-    assert "Cheapest combination that fits: bf16+flash+ckpt, micro-batch 1 x 8 accumulation" in said
+    assert "Cheapest combination that fits: bf16+flash+ckpt, micro-batch 1 x 32 accumulation" in said

@@ -186,10 +186,9 @@ def zero_masked(g: Graph, x: Tensor, mask: Tensor, device: str) -> None:
     bool test, the 0.0 as a 0-d tensor of x's dtype (python_variable_indexing.cpp valueToTensor: scalar_tensor on the
     device; on the CPU made outside the dispatcher, which first sees it from lift_fresh), index_put_ in place, which
     autograd records on the view's base (CopySlices around IndexPutBackward0, which saves the bool index) and
-    regenerates the view's own node
-    (AsStridedBackward0). Backward: the view's gradient into a zero buffer of the base's size (as_strided_backward),
-    then CopySlices: the base's gradient copied into a new one, the slice's clone, index_put of a zero into it (out of
-    place), copied back."""
+    regenerates the view's own node (AsStridedBackward0). Backward: the view's gradient into a zero buffer of the
+    base's size (as_strided_backward), then CopySlices: the base's gradient copied into a new one, the slice's clone,
+    index_put of a zero into it (out of place), copied back."""
     shape = x.shape
 
     def copy_slices(gs):

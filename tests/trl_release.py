@@ -14,7 +14,7 @@ import sys
 from dataclasses import replace
 
 from memcalc.model.finetune import Finetune
-from memcalc.model.stacks import STACKS
+from memcalc.model.stacks import STACKS, line_of
 
 FINETUNES = {"full": Finetune(), "lora": Finetune(4), "qlora": Finetune(4, quantize="nf4")}
 
@@ -28,8 +28,8 @@ def main(*cases: str) -> int:
     failed = 0
     for case in cases:
         rl, line, model, tricks, finetune, *precompute = case.split(":")
-        if not trl.__version__.startswith(f"{line}.") and line != "1.5":  # 1.5: the 1.3-1.5 line
-            print(f"trl {trl.__version__} is not a {line} release")
+        if line_of(trl.__version__) != line:
+            print(f"trl {trl.__version__} is not a release of the {line} line")
             return 1
         stack = replace(STACKS[f"trl:{line}"], finetune=FINETUNES[finetune], rl=rl, loss="full",
                         precompute_ref=precompute == ["precompute"])  # fmt: skip

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memcalc.errors import InputError
-from memcalc.model.stacks import FUSED_HEAD, TRL_FIRST, releases
+from memcalc.model.stacks import FUSED_HEAD, line_of, releases
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Dpo:
 
 
 def dpo_setup(model: nn.Module, tf, config, dtype: torch.dtype, attention: str, device: str, lora: bool,
-              precompute_ref: bool, checkpoint_kwargs: dict | None, line: str = "1.16") -> Dpo:  # fmt: skip
+              precompute_ref: bool, checkpoint_kwargs: dict | None, line: str) -> Dpo:  # fmt: skip
     """DPOTrainer.__init__ beyond SFTTrainer's preparation (verify/trl.py prepare_after_peft, with DPO's outputs):
     disable_dropout_in_model (DPOConfig.disable_dropout True: every nn.Dropout's p set to 0, PEFT's lora_dropout
     too; it runs before the head is patched in, which no byte depends on), and its reference model. The installed
@@ -50,10 +50,7 @@ def installed_line(line: str) -> None:
     """Refuse a stack whose TRL line is not the installed trl's (verify runs the installed DPOTrainer)."""
     import trl
 
-    def key(version: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in version.split(".")[:2])
-
-    if not key(TRL_FIRST[line]) <= key(trl.__version__) <= key(line):
+    if line_of(trl.__version__.split("+")[0]) != line:
         raise InputError(f"--stack trl:{line} --rl dpo on verify runs the installed trl's DPOTrainer, {trl.__version__}"
                          f", not a {releases(line)} release: pip install trl=={line}.* (apart: pip install --target "
                          f"DIR, then PYTHONPATH=DIR)")  # fmt: skip

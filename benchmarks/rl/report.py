@@ -15,7 +15,6 @@ follows the engine as it learns them.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -34,20 +33,13 @@ DEV_BUILDS = {"8e4d5e9c": "1.5", "c3f21ede": "1.6"}
 
 
 def trl_line(version: str) -> str | None:
-    """memcalc's --stack trl:LINE for a TRL version ("1.6.0", or a development build "1.6.0.dev0+<commit>"), or None
-    where no line holds it."""
-    from memcalc.model.stacks import TRL_FIRST
+    """memcalc's --stack trl:LINE for a TRL version ("1.6.0", or a development build "1.6.0.dev0+<commit>" that
+    DEV_BUILDS places), or None where no line holds it."""
+    from memcalc.model.stacks import line_of
 
     if "+" in version:
         return DEV_BUILDS.get(version.split("+", 1)[1][:8])
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m is None or ".dev" in version:
-        return None
-    at = (int(m[1]), int(m[2]))
-    for line, first in TRL_FIRST.items():
-        if tuple(map(int, first.split("."))) <= at <= tuple(map(int, line.split("."))):
-            return line
-    return None
+    return line_of(version)
 
 
 def model_args(run: Run) -> list[str] | str:

@@ -171,11 +171,11 @@ class StackOptions(OptionGroup):
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip
         liger = (liger_for(gpu) if gpu is not None else ON_META) if self.liger else None
-        trainer = (self.rl or "").strip().lower() in TRAINERS  # TRL's trainers: the line they are replayed on
+        rl = (self.rl or "").strip().lower()
+        trainer = rl in TRAINERS  # TRL's trainers: the line they are replayed on
         default = f"trl:{FUSED_HEAD[-1]}" if trainer else "reference" if finetune.trains_all else "hf"
         key = (self.stack or "").strip().lower()
-        if self.liger and (self.rl or "").strip().lower() == "dpo" and key in [f"trl:{x}" for x in DPO_LOGITS]:
-            # refused here, before stack_for gives its SFTTrainer's reason
+        if self.liger and rl == "dpo" and key.removeprefix("trl:") in DPO_LOGITS:  # before stack_for's SFT reason
             raise InputError(f"--liger with --rl dpo on --stack {key}: its DPOTrainer's Liger loss "
                              "(_compute_loss_liger, LigerFusedLinearDPOLoss) is not replayed; on trl:1.16 it is")
         chosen = stack_for(self.stack or default, self.recipe,
@@ -190,8 +190,8 @@ class StackOptions(OptionGroup):
                                  f"{chosen.key}")  # fmt: skip
             chosen = replace(chosen, finetune=finetune)
         if trainer and self.loss is not None:  # DPOTrainer and the online trainers compute their own loss
-            raise InputError(f"--loss is SFTTrainer's loss_type (and torchtune's loss); --rl {self.rl.strip().lower()}"
-                             f" trains with {TRAINERS[self.rl.strip().lower()]}'s own loss")  # fmt: skip
+            raise InputError(f"--loss is SFTTrainer's loss_type (and torchtune's loss); --rl {rl} trains with "
+                             f"{TRAINERS[rl]}'s own loss")  # fmt: skip
         return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl, self.precompute_ref,
                        self.online())  # fmt: skip
 

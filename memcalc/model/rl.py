@@ -91,10 +91,10 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
                          "grpo, rloo (docs/rl.md)")  # fmt: skip
     if key not in RL or not key:
         raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo, rloo")
-    if stack.trl not in FUSED_HEAD + (DPO_LOGITS if key == "dpo" else ()):
-        lines = ", ".join("trl:" + x for x in (DPO_LOGITS if key == "dpo" else ()) + FUSED_HEAD)
-        trainer = TRAINERS[key]
-        raise InputError(f"--rl {key} is TRL's {trainer}, replayed on --stack {lines}, not --stack {stack.key}")
+    lines = (DPO_LOGITS if key == "dpo" else ()) + FUSED_HEAD  # the TRL lines whose trainer is replayed
+    if stack.trl not in lines:
+        raise InputError(f"--rl {key} is TRL's {TRAINERS[key]}, replayed on --stack "
+                         f"{', '.join('trl:' + x for x in lines)}, not --stack {stack.key}")  # fmt: skip
     if stack.savers.offload:
         raise InputError(f"--rl {key} with --offload-activations is not replayed")
     if stack.savers.liger is not None and key == "dpo" and not stack.finetune.lora and not precompute_ref:

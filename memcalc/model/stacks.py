@@ -26,6 +26,7 @@ DeepSpeed ZeRO an fp32 copy of the gradient partition (grad_partition).
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,21 @@ ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.5", "1.6", "1.7", "1.10", "1.12", "1.13", "1.14", "1.16")
 TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.2": "0.26", "1.5": "1.3", "1.6": "1.6", "1.7": "1.7",
              "1.10": "1.8", "1.12": "1.11", "1.13": "1.13", "1.14": "1.14", "1.16": "1.15"}  # each line's first release
+
+
+def line_of(version: str) -> str | None:
+    """The --stack trl:LINE whose releases hold a TRL version ("1.6.0", "1.9.2"), or None (a development build,
+    "1.6.0.dev0", sits between releases; a version outside every line)."""
+    m = re.match(r"(\d+)\.(\d+)(\.\d+)*$", version.strip())
+    if m is None:
+        return None
+    at = (int(m[1]), int(m[2]))
+    return next((line for line, first in TRL_FIRST.items() if minor(first) <= at <= minor(line)), None)
+
+
+def minor(version: str) -> tuple[int, int]:
+    major, minor_, *_ = version.split(".")
+    return int(major), int(minor_)
 
 
 def releases(line: str) -> str:

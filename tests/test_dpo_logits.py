@@ -70,9 +70,11 @@ def test_selective_log_softmax_as_trl(dtype):
     view, then the masked zeroing and the sum, forward and backward: the same allocations as the replay's."""
     torch = pytest.importorskip("torch")
     utils = pytest.importorskip("trl.trainer.utils")
+    from memcalc.exact import aten
     from memcalc.exact.hf import dpo_logits
     from memcalc.exact.sim.graph import Graph
     from memcalc.exact.sim.tensors import LiveBytes
+    from tests.replay import assert_same_allocations
     from verify.track import LiveBytes as Tracker
 
     B, T, V, types = 4, 9, 32, {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -92,17 +94,8 @@ def test_selective_log_softmax_as_trl(dtype):
         shifted = dpo_logits.shifted_logits(g, x, copy=False)
         per_token = dpo_logits.selective_log_softmax(g, shifted, g.view(idx, (B, T - 1)), watched=True)
         dpo_logits.zero_masked(g, per_token, g.view(m, (B, T - 1)), "cpu")
-        g.backward(made_sum(g, per_token))
-    start = next(i for i, e in enumerate(g.mem.timeline) if e[1] != "input") - 1
-    ours = [(size, at - g.mem.timeline[start][3]) for _, op, size, at in g.mem.timeline[start + 1:] if size > 0]
-    theirs = [(size, at - live.base) for _, op, size, at in live.timeline if size > 0 and op != "registered"]
-    assert ours == theirs
-
-
-def made_sum(g, per_token):
-    from memcalc.exact import aten
-
-    return aten.sum_all(g, aten.sum_last(g, per_token))
+        g.backward(aten.sum_all(g, aten.sum_last(g, per_token)))
+    assert_same_allocations(g.mem, "gather" if dtype == "fp32" else "_log_softmax", live)
 
 
 def run(*args: str):

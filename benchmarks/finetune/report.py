@@ -30,6 +30,7 @@ PRESET = {
     "meta-llama/Llama-2-70b-hf": "llama2-70b", "meta-llama/Llama-3.2-3B": "llama3.2-3b",
     "meta-llama/Llama-3.2-3B-Instruct": "llama3.2-3b", "meta-llama/Meta-Llama-3.1-8B-Instruct": "llama3.1-8b",
     "meta-llama/Meta-Llama-3.1-70B-Instruct": "llama3.1-70b", "meta-llama/Meta-Llama-3.1-405B-Instruct": "llama3.1-405b",
+    "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
 }  # fmt: skip
 # the optimizers as memcalc names them: (--optimizer, --optimizer-impl); torch.optim.AdamW is foreach on CUDA
 OPTIMIZERS = {

@@ -25,8 +25,6 @@ from benchmarks.finetune import report  # noqa: E402
 from benchmarks.rl.corpus import Run, load  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # a Hub config.json per model without a memcalc preset
-PRESET = {"Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b", "meta-llama/Meta-Llama-3.1-8B-Instruct": "llama3.1-8b"}
-TRAINERS = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer"}  # the algorithms memcalc's --rl names, as TRL's trainers
 # development builds between releases, as the release line whose trainer code they run: trl/trainer/dpo_trainer.py
 # DPOTrainer._compute_loss at each commit diffed against the releases' wheels (identical to the line's)
 DEV_BUILDS = {"8e4d5e9c": "1.5", "c3f21ede": "1.6"}
@@ -44,8 +42,8 @@ def trl_line(version: str) -> str | None:
 
 def model_args(run: Run) -> list[str] | str:
     """--model PRESET, or --config FILE of the Hub's config.json kept beside this file; or why neither."""
-    if run.hf_id in PRESET:
-        return ["--model", PRESET[run.hf_id]]
+    if run.hf_id in report.PRESET:  # the fine-tuning report's Hub ids as memcalc's presets
+        return ["--model", report.PRESET[run.hf_id]]
     config = CONFIGS / f"{(run.hf_id or '').rsplit('/', 1)[-1]}.json"
     if run.hf_id and config.exists():
         return ["--config", str(config.relative_to(ROOT))]
@@ -55,6 +53,7 @@ def model_args(run: Run) -> list[str] | str:
 def command(run: Run) -> list[str] | str:
     """The `memcalc estimate` arguments that describe the run, or why memcalc cannot describe it."""
     from memcalc.model.gpus import GPUS
+    from memcalc.model.rl import TRAINERS
 
     if not run.framework.startswith("TRL "):
         return f"{run.framework}: memcalc replays TRL's trainers over Transformers, not this trainer's step"

@@ -102,6 +102,8 @@ def run(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
+@pytest.mark.slow("test_the_full_logits_cost_more_than_the_fused_head (trl:1.6), tests/test_dpo.py's property test and "
+                  "tests/test_rl_report.py (trl:1.5 and 1.6)")
 @pytest.mark.parametrize("line", DPO_LOGITS)
 def test_every_line_answers(line):
     r = run("estimate", "--model", "llama3.2-1b", "--seq", "512", "--micro-batch", "2", "--lora", "8", "--tricks",

@@ -132,8 +132,8 @@ def test_the_stack_is_trl_1_16_unless_typed():
 def test_unknown_rl():
     with pytest.raises(InputError, match="unknown --rl"):
         with_rl(replace(stack_for("trl:1.16"), finetune=LORA), "sft")
-    with pytest.raises(InputError, match="not modelled yet"):
-        with_rl(replace(stack_for("trl:1.16"), finetune=LORA), "ppo")
+    with pytest.raises(InputError, match="QLoRA, DoRA"):
+        with_rl(replace(stack_for("trl:1.12"), finetune=replace(LORA, dora=True)), "ppo")
 
 
 def test_dropout_is_disabled():

@@ -7,46 +7,12 @@ answers on those lines and refuses what it does not replay.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.model.stacks import DPO_LOGITS
-
-ROOT = Path(__file__).resolve().parent.parent
-TRIMMED = ("Warn", "warn", "kernels-community", "torchao", "_pytree", "Failed to load")
-
-
-def release(version: str) -> Path:
-    """trl `version` installed apart (no dependencies: the test extra's Transformers, PEFT and torch serve it), once
-    per machine; an install that fails (no package index) skips."""
-    folder = Path(tempfile.gettempdir()) / f"memcalc-trl-{version}"
-    if not (folder / "trl").is_dir():
-        partial = folder.with_name(f"{folder.name}.{os.getpid()}")
-        run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial),
-                              f"trl=={version}"], capture_output=True, text=True)  # fmt: skip
-        if run.returncode != 0:
-            pytest.skip(f"trl {version} could not be installed apart: {run.stderr.strip()[-200:]}")
-        try:
-            partial.rename(folder)
-        except OSError:  # another worker installed it first
-            pass
-    return folder
-
-
-def assert_release(version: str, *cases: str) -> None:
-    pytest.importorskip("peft")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(release(version)), str(ROOT)]))
-    run = subprocess.run([sys.executable, "-m", "tests.trl_release", *cases], capture_output=True, text=True, env=env,
-                         cwd=ROOT)  # fmt: skip
-    said = [x for x in (run.stdout + run.stderr).splitlines() if not any(t in x for t in TRIMMED)]
-    assert run.returncode == 0, "\n".join(said[-20:])
+from tests.trl_release import assert_release
 
 
 @pytest.mark.slow("test_selective_log_softmax_as_trl (the log-probabilities, forward and backward, as TRL runs them)")

@@ -133,7 +133,7 @@ def test_the_generation_batch_is_held():
 @pytest.mark.parametrize("args,said", [
     (["--rl", "grpo", "--stack", "hf", "--lora", "8"], "--rl grpo is TRL's GRPOTrainer"),
     (["--rl", "grpo", "--model", "mistral-7b", "--lora", "8", "--completion-len", "256"], "sliding-window"),
-    (["--rl", "ppo", "--lora", "8"], "not modelled yet"),
+    (["--rl", "ppo", "--lora", "8", "--quantize", "nf4"], "QLoRA, DoRA"),
     (["--lora", "8", "--beta", "0.1"], "give --rl grpo"),
     (["--rl", "grpo", "--lora", "8", "--vllm", "colocated"], "unknown --vllm"),
     (["--rl", "grpo", "--lora", "8", "--vllm-sleep"], "give --vllm colocate"),

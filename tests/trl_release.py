@@ -1,28 +1,65 @@
 """An earlier TRL release's step beside memcalc's replay of it, run in a process whose path puts that release first
-(tests/test_dpo_logits.py installs it apart with `pip install --target`; the test extra's trl is 1.16):
+(assert_release installs it apart with `pip install --target`, for tests/test_dpo_logits.py and tests/test_ppo.py;
+the test extra's trl is 1.16):
 
     PYTHONPATH=<trl 1.6.0's folder>:. python -m tests.trl_release dpo:1.6:llama:bf16:full [more cases]
 
 each case --rl, the stack's line, a tests/test_stack_hf.py TINY model, a trick set, full, lora or qlora, and
-optionally precompute (DPOConfig.precompute_ref_log_probs): it says
+optionally precompute (DPOConfig.precompute_ref_log_probs), or under ppo the accumulation steps: it says
 which case differs (tests/replay.py assert_watched_cpu: allocation by allocation on CPU tensors under the Trainer's
-autocast) and exits 1, else 0."""
+autocast; under ppo assert_same_ppo: PPOTrainer.train() itself) and exits 1, else 0."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
+
+import pytest
 
 from memcalc.model.finetune import Finetune
 from memcalc.model.stacks import STACKS, line_of
 
 FINETUNES = {"full": Finetune(), "lora": Finetune(4), "qlora": Finetune(4, quantize="nf4")}
 
+ROOT = Path(__file__).resolve().parent.parent
+TRIMMED = ("Warn", "warn", "kernels-community", "torchao", "_pytree", "Failed to load")
+
+
+def release(version: str) -> Path:
+    """trl `version` installed apart (no dependencies: the test extra's Transformers, PEFT and torch serve it), once
+    per machine; an install that fails (no package index) skips."""
+    folder = Path(tempfile.gettempdir()) / f"memcalc-trl-{version}"
+    if not (folder / "trl").is_dir():
+        partial = folder.with_name(f"{folder.name}.{os.getpid()}")
+        run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial),
+                              f"trl=={version}"], capture_output=True, text=True)  # fmt: skip
+        if run.returncode != 0:
+            pytest.skip(f"trl {version} could not be installed apart: {run.stderr.strip()[-200:]}")
+        try:
+            partial.rename(folder)
+        except OSError:  # another worker installed it first
+            pass
+    return folder
+
+
+def assert_release(version: str, *cases: str) -> None:
+    """The cases (main's) run in a process of their own with trl `version` first on the path."""
+    pytest.importorskip("peft")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(release(version)), str(ROOT)]))
+    run = subprocess.run([sys.executable, "-m", "tests.trl_release", *cases], capture_output=True, text=True, env=env,
+                         cwd=ROOT)  # fmt: skip
+    said = [x for x in (run.stdout + run.stderr).splitlines() if not any(t in x for t in TRIMMED)]
+    assert run.returncode == 0, "\n".join(said[-20:])
+
 
 def main(*cases: str) -> int:
     import trl
 
-    from tests.replay import assert_watched_cpu
+    from tests.replay import assert_same_ppo, assert_watched_cpu
     from tests.test_stack_hf import TINY
 
     failed = 0
@@ -34,7 +71,10 @@ def main(*cases: str) -> int:
         stack = replace(STACKS[f"trl:{line}"], finetune=FINETUNES[finetune], rl=rl, loss="full",
                         precompute_ref=precompute == ["precompute"])  # fmt: skip
         try:
-            assert_watched_cpu(TINY[model], stack, tricks)
+            if rl == "ppo":
+                assert_same_ppo(TINY[model], tricks, int(precompute[0]) if precompute else 2, FINETUNES[finetune])
+            else:
+                assert_watched_cpu(TINY[model], stack, tricks)
         except AssertionError as e:
             print(f"trl {trl.__version__}, {case}: the replay differs: {e!r}")
             failed = 1

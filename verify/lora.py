@@ -53,14 +53,9 @@ def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool, trl: str = "", 
             model = prepare_kbit(model, checkpointing)
     if finetune.lora:
         lib = peft()
-        config = lib.LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha,
-                                lora_dropout=finetune.lora_dropout,
-                                target_modules=list(peft_targets(model.config.model_type, finetune)),
-                                use_dora=finetune.dora, modules_to_save=list(finetune.modules_to_save) or None,
-                                task_type="CAUSAL_LM")  # fmt: skip
         with warnings.catch_warnings():  # PeftModel.__init__ asks the deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
-            model = lib.get_peft_model(model, config)
+            model = lib.get_peft_model(model, lora_config(model.config.model_type, finetune))
         if trl in KBIT_PREPARED and finetune.quantize and bf16_args:  # args.bf16, the model loaded in 4 bits
             from .trl import peft_module_casting_to_bf16
 
@@ -70,6 +65,14 @@ def fine_tuned(model: nn.Module, finetune: Finetune, tied: bool, trl: str = "", 
         if not trainable(name, finetune, tied):
             p.requires_grad_(False)
     return model
+
+
+def lora_config(model_type: str, finetune: Finetune):
+    """The LoraConfig the job names (peft's)."""
+    return peft().LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha, lora_dropout=finetune.lora_dropout,
+                             target_modules=list(peft_targets(model_type, finetune)), use_dora=finetune.dora,
+                             modules_to_save=list(finetune.modules_to_save) or None,
+                             task_type="CAUSAL_LM")  # fmt: skip
 
 
 def held_tensors(model: nn.Module) -> list:

@@ -142,6 +142,8 @@ def estimate(
         layout = LayoutOptions.of(options).resolve()
         if tricks is None and layout.cp > 1:  # the progression drops the sets context parallel cannot run
             trick_sets = tuple(t for t in trick_sets if t.flash)
+        if tricks is None and setup.stack.rl == "ppo":  # and those PPOTrainer cannot: it never checkpoints
+            trick_sets = tuple(t for t in trick_sets if t.recompute == "none")
         timing = setup.mfu if mfu is not None else roofline_calibration(the_gpu, calibration)
         tokens_n, price_x = run or (None, None)
         job = Job(model=the_model, setup=setup, gpu=the_gpu, layout=layout, trick_sets=trick_sets, timing=timing,

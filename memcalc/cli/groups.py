@@ -141,6 +141,11 @@ class StackOptions(OptionGroup):
         given = (self.completion_len, self.num_generations, self.beta, self.vllm, self.vllm_util, self.vllm_max_len,
                  self.cudagraph_memory)  # fmt: skip
         rl = (self.rl or "").strip().lower()
+        if rl == "ppo":  # PPOConfig's response_length is --completion-len (ppo()); the rest are GRPOConfig's
+            if any(x is not None for x in given[1:]) or self.vllm_sleep:
+                raise InputError("--num-generations, --beta and the --vllm options are GRPOConfig's and RLOOConfig's; "
+                                 "--rl ppo (PPOConfig, no vLLM) takes --completion-len")  # fmt: skip
+            return None
         if all(x is None for x in given) and not self.vllm_sleep and rl not in ONLINE:
             return None
         base = RLOO_DEFAULTS if rl == "rloo" else OnlineRL()
@@ -157,6 +162,16 @@ class StackOptions(OptionGroup):
                         util if self.vllm_util is None else parse_fraction(self.vllm_util, "--vllm-util"),
                         self.vllm_sleep, max_len, graph_bytes(self.cudagraph_memory) or 0)  # fmt: skip
 
+    def ppo(self):
+        """PPOConfig's settings (memcalc.model.rl.Ppo) under --rl ppo: --completion-len its response_length, the rest
+        its defaults; else None."""
+        from memcalc.model.rl import Ppo
+        from memcalc.model.sizes import parse_seq
+
+        if (self.rl or "").strip().lower() != "ppo":
+            return None
+        return Ppo() if self.completion_len is None else Ppo(parse_seq(self.completion_len, "--completion-len"))
+
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other
         stack is refused; without them, reference is the default (memcalc.model.finetune.finetune_for); under --rl
@@ -164,7 +179,7 @@ class StackOptions(OptionGroup):
         too; --loss is refused under --rl. --liger allocates by the GPU's kind (memcalc.model.savers.liger_for);
         without a GPU (verify), as on meta."""
         from memcalc.model.finetune import finetune_for
-        from memcalc.model.rl import TRAINERS, with_rl
+        from memcalc.model.rl import PPO_LINE, TRAINERS, with_rl
         from memcalc.model.savers import ON_META, liger_for
         from memcalc.model.stacks import DPO_LOGITS, FUSED_HEAD, stack_for, with_loop
 
@@ -173,7 +188,11 @@ class StackOptions(OptionGroup):
         liger = (liger_for(gpu) if gpu is not None else ON_META) if self.liger else None
         rl = (self.rl or "").strip().lower()
         trainer = rl in TRAINERS  # TRL's trainers: the line they are replayed on
-        default = f"trl:{FUSED_HEAD[-1]}" if trainer else "reference" if finetune.trains_all else "hf"
+        default = f"trl:{PPO_LINE if rl == 'ppo' else FUSED_HEAD[-1]}" if trainer else (
+            "reference" if finetune.trains_all else "hf")
+        if rl == "ppo" and (self.recipe or "pure").strip().lower() != "pure":
+            raise InputError(f"--rl ppo with --recipe {self.recipe}: PPOTrainer builds its Accelerator without "
+                             "mixed_precision, so the models train in the dtype they are loaded in (--recipe pure)")
         key = (self.stack or "").strip().lower()
         if self.liger and rl == "dpo" and key.removeprefix("trl:") in DPO_LOGITS:  # before stack_for's SFT reason
             raise InputError(f"--liger with --rl dpo on --stack {key}: its DPOTrainer's Liger loss "
@@ -193,7 +212,7 @@ class StackOptions(OptionGroup):
             raise InputError(f"--loss is SFTTrainer's loss_type (and torchtune's loss); --rl {rl} trains with "
                              f"{TRAINERS[rl]}'s own loss")  # fmt: skip
         return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl, self.precompute_ref,
-                       self.online())  # fmt: skip
+                       self.online(), self.ppo())  # fmt: skip
 
 
 @dataclass(frozen=True)

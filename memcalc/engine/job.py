@@ -91,6 +91,10 @@ def check_finetune(model: Model, setup: Setup, lay: Layout, trick_sets: tuple[Tr
         raise InputError(f"--stack {setup.stack.key} is replayed on one GPU, or each GPU of data parallelism with the "
                          f"weights whole (ZeRO 0-2): {reads_head} reads lm_head.weight outside the head's forward "
                          "(FSDP2's full_tensor, ZeRO-3's gather around it), which is not replayed")  # fmt: skip
+    if setup.stack.rl == "ppo" and not (plain_split(lay) and lay.zero == 0):
+        raise InputError("--rl ppo is replayed on one GPU, or each GPU of plain data parallelism: PPOTrainer prepares "
+                         "its reward and reference models as DeepSpeed engines of their own under ZeRO (trl "
+                         "prepare_deepspeed), and gathers ZeRO-3's weights to generate, which is not replayed")  # fmt: skip
     if second_model(setup.stack) and lay.zero:
         rl = setup.stack.rl
         trainer, fix = TRAINERS[rl], "--precompute-ref" if rl == "dpo" else "--beta 0"

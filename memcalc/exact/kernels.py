@@ -129,7 +129,7 @@ def traced_stack(stack: Stack, optimizer: str, tricks: Tricks, shape: ModelShape
     code = replace(DEFAULT_STACK, model=stack.model, recipe=stack.recipe, impl=stack.impl, use_cache=stack.use_cache,
                    finetune=traced_finetune(stack.finetune), trl=stack.trl, rl=stack.rl,
                    precompute_ref=stack.precompute_ref,
-                   online=stack.online and stack.online.step_key())  # fmt: skip
+                   online=stack.online and stack.online.step_key(), ppo=stack.ppo)  # fmt: skip
     return code, optimizer
 
 

@@ -57,9 +57,10 @@ class Setup:
 
     @property
     def shortest_seq(self) -> int:
-        """The shortest sequence the job has: GRPO's completion and a prompt of one token; else one token."""
-        online = self.stack.online
-        return 1 if online is None else online.completion_len + 1
+        """The shortest sequence the job has: GRPO's completion (PPO's response) and a prompt of one token; else one
+        token."""
+        generated = self.stack.online or self.stack.ppo
+        return 1 if generated is None else generated.completion_len + 1
 
     @property
     def tokens_per_micro_batch(self) -> int:

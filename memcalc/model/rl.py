@@ -16,7 +16,8 @@ from memcalc.records import record
 from .stacks import DPO_LOGITS, FUSED_HEAD, RL, Stack
 
 ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.online)
-TRAINERS = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}  # TRL's class for each --rl
+TRAINERS = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "ppo": "PPOTrainer"}  # TRL's, by --rl
+PPO_LINE = "1.12"  # trl.experimental.ppo's last line (removed in 1.13): 1.10.0's and 1.12.0's ppo_trainer.py are one
 VLLM_MODES = ("", "colocate", "server")  # use_vllm False (the policy's own generate), vllm_mode's two
 SERVE_UTILIZATION = 0.9  # trl vllm-serve's gpu_memory_utilization default (trl/scripts/vllm_serve.py ScriptArguments)
 
@@ -68,10 +69,30 @@ class OnlineRL:
         return ", ".join(parts)
 
 
+@record(frozen=True)
+class Ppo:
+    """PPOConfig's memory-bearing settings, its defaults (trl/experimental/ppo/ppo_config.py, trl 1.12.0)."""
+
+    completion_len: int = 53  # response_length: every response's positions (the rest of the sequence: its prompt)
+    rollout_batch: int = 64  # local_rollout_forward_batch_size: the rows generated and scored at once
+    epochs: int = 4  # num_ppo_epochs: passes over the rollout, each an optimizer step per mini-batch
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--completion-len", self.completion_len), ("--rollout-batch", self.rollout_batch),
+                            ("--ppo-epochs", self.epochs)):  # fmt: skip
+            if value < 1:
+                raise InputError(f"{flag} must be at least 1, not {value}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.completion_len}-token responses, rollout chunks of {self.rollout_batch}, {self.epochs} epochs"
+
+
 RLOO_DEFAULTS = OnlineRL(num_generations=2, beta=0.05)  # RLOOConfig's (trl/trainer/rloo_config.py, trl 1.16.0)
 
 
-def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: OnlineRL | None = None) -> Stack:
+def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: OnlineRL | None = None,
+            ppo: Ppo | None = None) -> Stack:  # fmt: skip
     """--rl dpo: TRL 1.16's DPOTrainer in place of its SFTTrainer (memcalc.exact.hf.dpo); --precompute-ref: its
     precompute_ref_log_probs (no reference in the step). --rl grpo and rloo: its GRPOTrainer and RLOOTrainer
     (memcalc.exact.hf.grpo, rloo), online their settings. Refused where the step is not replayed: other stacks and
@@ -86,11 +107,10 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
                          "give --rl grpo or rloo")  # fmt: skip
     if rl is None:
         return stack
-    if key == "ppo":
-        raise InputError("--rl ppo: PPO (a critic in training beside the policy) is not modelled yet; known: dpo, "
-                         "grpo, rloo (docs/rl.md)")  # fmt: skip
     if key not in RL or not key:
-        raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo, rloo")
+        raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo, rloo, ppo")
+    if key == "ppo":
+        return with_ppo(stack, ppo or Ppo())
     lines = (DPO_LOGITS if key == "dpo" else ()) + FUSED_HEAD  # the TRL lines whose trainer is replayed
     if stack.trl not in lines:
         raise InputError(f"--rl {key} is TRL's {TRAINERS[key]}, replayed on --stack "
@@ -113,6 +133,26 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
     finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0
     # DPOTrainer calls the model without labels (its log-probabilities from the logits): no loss_type chunked_nll
     return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref, loss="full")
+
+
+def with_ppo(stack: Stack, ppo: Ppo) -> Stack:
+    """--rl ppo: TRL 1.12's PPOTrainer (trl.experimental.ppo; memcalc.exact.hf.ppo) in place of its SFTTrainer, on
+    the models as its example script loads them in the trick set's dtype: its Accelerator has no mixed_precision,
+    so nothing autocasts (the pure recipe), and the models' config.use_cache stays on (forward passes none); under
+    LoRA the policy alone is PEFT's, its dropout disabled like every model's. Refused where the step is not
+    replayed: other lines, QLoRA, DoRA, --modules-to-save and frozen weights, activation offloading, Liger."""
+    if stack.trl != PPO_LINE:
+        raise InputError(f"--rl ppo is TRL's PPOTrainer (trl.experimental.ppo, removed in 1.13), replayed on --stack "
+                         f"trl:{PPO_LINE} (1.10 and 1.12 ship the same trainer), not --stack {stack.key}")  # fmt: skip
+    ft = stack.finetune
+    if not ft.trains_all and not ft.lora or ft.quantize or ft.dora or ft.modules_to_save:
+        raise InputError(f"--rl ppo with {ft.label}: replayed for a full fine-tune and LoRA (PPOTrainer wraps the "
+                         "policy alone in PEFT; the value model trains whole); QLoRA, DoRA, --modules-to-save and "
+                         "frozen weights are not")  # fmt: skip
+    if stack.savers.offload or stack.savers.liger is not None:
+        raise InputError("--rl ppo with --offload-activations or --liger: PPOTrainer applies neither")
+    finetune = replace(ft, lora_dropout=0.0)  # disable_dropout_in_model after get_peft_model: LoRA's dropout too
+    return replace(stack, rl="ppo", recipe="pure", use_cache=True, loss="full", ppo=ppo, finetune=finetune)
 
 
 def second_model(stack: Stack) -> bool:
@@ -147,3 +187,14 @@ def online_note(stack: Stack) -> str:
     ref = f", the reference's log-probs (beta > 0{held})" if g.beta else ""
     read = ("vLLM's old log-probs and importance-sampling ratio" if g.vllm else "no old log-probs") + ref
     return f"TRL 1.16's GRPOTrainer (loss_type dapo): {scored}, {read}{OWN_GENERATE if not g.vllm else ''}"
+
+
+def ppo_note(stack: Stack) -> str:
+    """PPOTrainer's step in a line (memcalc.exact.hf.ppo)."""
+    C = stack.ppo.completion_len
+    return (f"TRL 1.10-1.12's PPOTrainer (trl.experimental.ppo): the policy and a value model of its architecture "
+            f"trained under one optimizer (no clipping, no autocast, no checkpointing), a reference and a reward model "
+            f"held; each micro-batch the policy's full logits (temperature in place), its {C}-token responses' "
+            f"log-probs, the clipped value and policy losses, softmax entropy after backward; the loop's locals kept "
+            f"to the next micro-batch; the rollout's fp32 scores of every response token held through the update")
+

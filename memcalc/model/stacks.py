@@ -37,7 +37,7 @@ from .finetune import FULL, Finetune
 from .savers import NO_SAVERS, Liger, Savers, check_liger, check_offload, check_offload_tricks
 
 if TYPE_CHECKING:
-    from .rl import OnlineRL
+    from .rl import OnlineRL, Ppo
 
 MODELS = ("reference", "hf", "torchtune")
 # the loss over the logits: full (cross-entropy over the whole logits, the head's output in one tensor: TRL's
@@ -45,7 +45,7 @@ MODELS = ("reference", "hf", "torchtune")
 # each upcast to fp32), or chunked_nll (TRL's loss_type "chunked_nll": the head and the loss 256 positions at a time,
 # each under checkpointing: memcalc.exact.hf.chunked_nll)
 LOSSES = ("full", "chunked", "chunked_nll")
-RL = ("", "dpo", "grpo", "rloo")  # --rl: preference and online RL training as TRL's trainers run them ("": SFT)
+RL = ("", "dpo", "grpo", "rloo", "ppo")  # --rl: preference and online RL training as TRL's trainers run them ("": SFT)
 LOSS_SPELLINGS = {"nll": "full"}  # --loss nll: TRL's name for the cross-entropy over the whole logits
 RECIPES = ("master", "autocast", "pure", "main_grad", "grad_partition")
 IMPLS = ("reference", "loop", "foreach", "fused")
@@ -137,6 +137,7 @@ class Stack:
     rl: str = ""  # RL: "dpo", "grpo" or "rloo", that TRL trainer in place of its SFTTrainer; "" for none
     precompute_ref: bool = False  # DPOConfig.precompute_ref_log_probs: the reference's log-probs come with the batch
     online: OnlineRL | None = None  # under --rl grpo or rloo: GRPOConfig's and RLOOConfig's settings (memcalc.model.rl)
+    ppo: Ppo | None = None  # under --rl ppo: PPOConfig's settings (memcalc.model.rl)
 
     def __post_init__(self) -> None:
         for what, value, known in (("model", self.model, MODELS), ("recipe", self.recipe, RECIPES),
@@ -162,7 +163,8 @@ class Stack:
             changed.append("reentrant checkpointing")
         if self.rl:
             changed.append(self.rl.upper() + (", reference precomputed" if self.precompute_ref else "") +
-                           (f", {self.online.label}" if self.online else ""))  # fmt: skip
+                           (f", {self.online.label}" if self.online else "") +
+                           (f", {self.ppo.label}" if self.ppo else ""))  # fmt: skip
         if self.finetune.label:
             changed.append(self.finetune.label)
         changed += self.savers.labels
@@ -290,6 +292,10 @@ def trl_note(stack: Stack) -> str:
     line = stack.trl
     if not line:
         return ""
+    if stack.rl == "ppo":
+        from .rl import ppo_note
+
+        return ppo_note(stack)
     parts = []
     if line in BF16_CAST and stack.finetune.quantize:
         parts.append("the 4-bit model's adapters cast to bf16, nothing else prepared")

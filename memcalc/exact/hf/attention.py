@@ -35,14 +35,15 @@ def causal_mask(g: Graph, cfg: StepConfig, B: int, T: int, position_ids: Tensor,
         return None if cfg.flash else eager_mask(g, B, T, dtype)
 
 
-def padded_causal_mask(g: Graph, cfg: StepConfig, B: int, T: int, dtype: str) -> Tensor | None:
+def padded_causal_mask(g: Graph, cfg: StepConfig, B: int, T: int, dtype: str,
+                       given: Tensor | None = None) -> Tensor | None:  # fmt: skip
     """create_causal_mask given a 2-D attention mask of ones (no padding: the most the step holds):
     _preprocess_mask_arguments' attention_mask.to(bool) (no packed-sequence check beside a mask); sdpa's
     _ignore_causal_mask_sdpa finds no position masked (fast_all: mask.sum() == numel) and skips the mask; eager's
     sdpa_mask ands the causal mask with padding_mask_function's padding_mask[batch_idx, kv_idx], then eager_mask's
     torch.where. The bool copy goes as create_causal_mask returns."""
     with g.scoped("mask"):
-        padding = made(g, (B, T), "_to_copy", dtype="bool")
+        padding = made(g, (B, T), "_to_copy", dtype="bool") if given is None else given
         if cfg.flash:
             counted = made(g, (), "sum", padding, dtype="int64")
             every = made(g, (), "eq", counted, dtype="bool")
@@ -66,10 +67,14 @@ def padded_causal_mask(g: Graph, cfg: StepConfig, B: int, T: int, dtype: str) ->
         return out
 
 
-def decoder_mask(g: Graph, cfg: StepConfig, B: int, T: int, position_ids: Tensor, dtype: str) -> Tensor | None:
+def decoder_mask(g: Graph, cfg: StepConfig, B: int, T: int, position_ids: Tensor, dtype: str,
+                 given: Tensor | None = None) -> Tensor | None:  # fmt: skip
     """MistralModel.forward, Phi3Model.forward: mask_function = create_sliding_window_causal_mask where
-    config.sliding_window is set (every layer, the shape's window), else create_causal_mask (Llama's)."""
+    config.sliding_window is set (every layer, the shape's window), else create_causal_mask (Llama's). given: the
+    caller's bool attention mask (PPO's forward), which .to(bool) leaves as it is."""
     window = cfg.shape.sliding_window
+    if given is not None:
+        return padded_causal_mask(g, cfg, B, T, dtype, given)
     if window and cfg.stack.online is not None:
         raise InputError(f"--rl {cfg.stack.rl} on a sliding-window model: create_sliding_window_causal_mask beside "
                          "the 2-D attention mask the trainer hands the model is not replayed")  # fmt: skip

@@ -35,6 +35,10 @@ class HFModel:
     reference: HFModel | None = None  # DPO's reference model beside it (memcalc.exact.hf.dpo), if it has one
     batch: dict[str, Tensor] = field(default_factory=dict)  # GRPO's buffered generation batch (memcalc.exact.hf.grpo)
     decoding: bool = False  # generate's decode steps: the cache grows a token (memcalc.exact.hf.generate)
+    position_ids: Tensor | None = None  # the caller's (PPO's forward): no arange, rotary tables a row per sequence
+    mask: Tensor | None = None  # the caller's 2-D bool attention mask (PPO's forward), read as it is
+    captured: list[Tensor] | None = None  # output_hidden_states: each layer's input, then the normed output
+    own_loop: object | None = None  # a trainer's own loop around the step (memcalc.exact.hf.ppo): what runs after
 
     def checkpoint(self, g: Graph):
         """How a GradientCheckpointingLayer checkpoints itself: torch.utils.checkpoint with the use_reentrant the

@@ -174,20 +174,28 @@ def clamp(g: Graph, x: Tensor) -> Tensor:
 
 def minimum(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     """torch.min(a, b) (MinimumBackward0): saves both; backward: each gradient where its input is the smaller."""
+    return extremum(g, a, b, "minimum")
+
+
+def extremum(g: Graph, a: Tensor, b: Tensor, op: str) -> Tensor:
+    """torch.min(a, b) or torch.max(a, b) (op minimum or maximum; MinimumBackward0, MaximumBackward0): saves both;
+    backward (min_max_other_backward): other's gradient first, where(a == b, grad / 2, grad) masked where a is the
+    one kept, then a's the same way."""
     shape = a.shape
+    compares = ("lt", "gt") if op == "minimum" else ("gt", "lt")
 
     def rule(gs):
         grads = []
-        for compare in ("lt", "gt"):  # other's first: where(a == b, grad / 2, grad).masked_fill_(a < b, 0), then a's
+        for compare in compares:
             half = made(g, shape, "div", gs[0], dtype=gs[0].dtype)
             tie = made(g, shape, "eq", dtype="bool")
             grads.append(made(g, shape, "where", tie, half, gs[0], dtype=gs[0].dtype))
-            larger = made(g, shape, compare, dtype="bool")
-            del half, tie, larger
+            kept = made(g, shape, compare, dtype="bool")
+            del half, tie, kept
         return grads[::-1]
 
-    node = g.begin("minimum", [a, b], rule, [(a, "self"), (b, "other")])
-    out = made(g, shape, "minimum", a, b, dtype=a.dtype)
+    node = g.begin(op, [a, b], rule, [(a, "self"), (b, "other")])
+    out = made(g, shape, op, a, b, dtype=a.dtype)
     g.end(node, [out])
     return out
 

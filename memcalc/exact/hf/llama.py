@@ -50,13 +50,15 @@ def decoder_forward(g: Graph, m: HFModel, input_ids: Tensor, kwargs: tuple, laye
     with g.scoped("embedding"):
         inputs_embeds = embedded(g, m, aten.embedding(g, m.p["model.embed_tokens.weight"], input_ids))
         dynamic_cache.construct(g, m)  # cache = DynamicCache(config=self.config)
-        position_ids = arange_plus(g, T)  # .unsqueeze(0): (1, T)
-    causal = decoder_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype)
+        position_ids = arange_plus(g, T) if m.position_ids is None else m.position_ids  # .unsqueeze(0): (1, T)
+    causal = decoder_mask(g, cfg, B, T, position_ids, inputs_embeds.dtype, m.mask)
     hidden_states = inputs_embeds
     with g.scoped("rope tables"):
         cos, sin = rotary_embedding(g, m, position_ids, T, rope_dtype or hidden_states.dtype)
     hidden_states = decoder_layers(g, m, layer, hidden_states, causal, cos, sin, (position_ids,) + kwargs)
     hidden_states = norm(g, hidden_states, m.p["model.norm.weight"], "final norm")
+    if m.captured is not None:  # capture_outputs: the last hidden state is the normed one
+        m.captured.append(hidden_states)
     del position_ids, inputs_embeds, causal, cos, sin  # the frame's locals, in order
     return hidden_states
 
@@ -67,6 +69,8 @@ def decoder_layers(g: Graph, m: HFModel, layer, hidden_states: Tensor, causal, c
     the lambda's defaults are the partial's kwargs, which live until its recompute)."""
     for i in range(m.cfg.shape.n_layers):
         g.layer = i
+        if m.captured is not None:  # output_hidden_states (utils/output_capturing.py): each layer's input
+            m.captured.append(hidden_states)
         if m.cfg.recompute == "full":
             hidden_states = m.checkpoint(g)(lambda x, i=i, causal=causal, cos=cos, sin=sin, kw=kwargs:
                                             layer(g, m, i, x, causal, cos, sin, kw), hidden_states)  # fmt: skip

@@ -28,7 +28,7 @@ from ..base.config import StepConfig
 from ..sim.graph import Graph
 from ..sim.offload import kept_on_gpu, offloader
 from ..sim.tensors import Tensor
-from . import chunked_nll, dpo, dpo_logits, dynamic_cache, fused_head, grpo, liger, lora, qlora, rloo, trl
+from . import chunked_nll, dpo, dpo_logits, dynamic_cache, fused_head, grpo, liger, lora, ppo, qlora, rloo, trl
 from .family import NORM_EPS, Family, HFModel, decoder_config, decoder_params, rope_buffers
 from .gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from .gpt2 import gpt2_model
@@ -179,6 +179,8 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
            fused_head.not_replayed(cfg) or chunked_nll.not_replayed(cfg))  # fmt: skip
     if why:
         raise InputError(why)
+    if cfg.stack.rl == "ppo":
+        ppo.check(cfg, family, arch)
     if cfg.stack.rl == "dpo" and cfg.shape.dropout:  # disable_dropout_in_model zeroes nn.Dropout modules only
         raise InputError("--rl dpo on a model with dropout: DPOConfig.disable_dropout turns its nn.Dropout modules "
                          "off but not every family's attention dropout, which is not replayed")  # fmt: skip
@@ -204,8 +206,12 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     autocast = autocast_for(cfg.recipe, cfg.precision, cfg.device)
     trained = [p for p in params if p.requires_grad]  # what the optimizer holds: all but frozen weights
     reference = dpo.reference_model(g, cfg, arch, family, autocast)
+    loop = None
+    if cfg.stack.rl == "ppo":  # PolicyAndValueWrapper: the value model trains beside the policy, under one optimizer
+        loop = ppo.loop_for(g, cfg, family, arch)
+        trained = ppo.decay_first(trained + loop.critic.params)
     return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast, quant=quant, held=shared,
-                   reference=reference)  # fmt: skip
+                   reference=reference, own_loop=loop)  # fmt: skip
 
 
 def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
@@ -219,6 +225,8 @@ def forward(g: Graph, m: HFModel, idx: Tensor, labels: Tensor) -> Tensor:
     if m.cfg.stack.rl == "dpo":  # DPOTrainer's _compute_loss: its labels' slot holds the completion mask
         trainer = dpo if m.cfg.stack.trl in FUSED_HEAD else dpo_logits  # before 1.15: from the full logits
         return trainer.compute_loss(g, m, idx, labels, causal_lm)
+    if m.cfg.stack.rl == "ppo":  # PPOTrainer.train's micro-batch: its own loop (memcalc.exact.hf.ppo)
+        return ppo.compute_loss(g, m, idx, labels, causal_lm)
     if m.cfg.stack.rl in ("grpo", "rloo"):  # GRPOTrainer's, RLOOTrainer's: the labels' slot holds the attention mask
         return (grpo if m.cfg.stack.rl == "grpo" else rloo).compute_loss(g, m, idx, labels, causal_lm)
     if m.cfg.stack.savers.offload:  # TRL enters its OffloadActivations around training_step: forward and backward

@@ -41,8 +41,9 @@ def forward(g: Graph, model: Transformer | hf.HFModel, idx: Tensor, targets: Ten
 def recipe_for(g: Graph, model: Transformer, sharded: bool = False) -> Recipe | TorchRecipe | AutocastRecipe:
     """How the step trains: torch.amp's loop where the model autocasts, else verify/recipes.py's; on Transformers'
     classes with a library's optimizer the Trainer's, which clips the gradients (memcalc.exact.train.clip) but where
-    the model is sharded (memcalc's reference AdamW is its lesson's loop, which does not)."""
-    clip = model.cfg.model == "hf" and model.cfg.impl != "reference" and not sharded
+    the model is sharded (memcalc's reference AdamW is its lesson's loop, which does not) or PPOTrainer's loop runs
+    the step (it never clips)."""
+    clip = model.cfg.model == "hf" and model.cfg.impl != "reference" and not sharded and model.cfg.stack.rl != "ppo"
     if getattr(model, "autocast", None) is None:
         return recipes.recipe_for(g, model, clip)
     return AutocastRecipe(g, model, clip)
@@ -51,11 +52,22 @@ def recipe_for(g: Graph, model: Transformer, sharded: bool = False) -> Recipe | 
 def micro_step(g: Graph, model: Transformer, recipe: Recipe | TorchRecipe | AutocastRecipe, idx: Tensor,
                targets: Tensor, grad_accum: int, zero: Zero | None = None) -> None:  # fmt: skip
     """grad_accum forward-backward passes (grads add up in place), then the optimizer step."""
-    for _ in range(grad_accum):
+    for k in range(grad_accum):
         loss = forward_pass(g, model, idx, targets, zero)
         backward_pass(recipe, loss, zero)
         del loss
+        if k < grad_accum - 1:
+            after(g, model, "backward_done")
     update(recipe, zero)
+    after(g, model, "stepped")
+
+
+def after(g: Graph, model, when: str) -> None:
+    """What a trainer's own loop runs after a micro-batch's backward (backward_done) or the optimizer step (stepped):
+    PPO's metrics and its mini-batch's `del` (memcalc.exact.hf.ppo.Loop); nothing for the others."""
+    loop = getattr(model, "own_loop", None)
+    if loop is not None:
+        getattr(loop, when)(g, model)
 
 
 def forward_pass(g: Graph, model, idx: Tensor, targets: Tensor, zero: Zero | None) -> Tensor:
@@ -124,12 +136,14 @@ def traced_step(cfg: StepConfig) -> list[Kernel]:
     return fused(g) if cfg.compile else g.kernels
 
 
-def replayed(grad_accum: int) -> int:
+def replayed(grad_accum: int, cfg: StepConfig | None = None) -> int:
     """How many of a step's micro-batches must be simulated: the first, whose gradients AccumulateGrad
     steals into .grad, and one later one, which adds its gradients into them in place. Every later
     micro-batch starts from the same live bytes and allocates and frees the same tensors in the same
-    order (nothing marks the last one), so the second stands for the middle ones and the last."""
-    return min(grad_accum, 2)
+    order (nothing marks the last one), so the second stands for the middle ones and the last. Under PPO's own
+    loop the last is marked (its metrics follow the optimizer step, the others' precede the next forward): a
+    middle one and the last."""
+    return min(grad_accum, 3 if cfg is not None and cfg.stack.rl == "ppo" else 2)
 
 
 def frozen_params(model) -> list[Tensor]:
@@ -162,7 +176,7 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     check_simulated(cfg)
     if timeline:  # it records every allocation: each expert's, none standing for another
         cfg = replace(cfg, collapse=False)
-    micro_batches = cfg.grad_accum if timeline or every_micro_batch else replayed(cfg.grad_accum)
+    micro_batches = cfg.grad_accum if timeline or every_micro_batch else replayed(cfg.grad_accum, cfg)
     if timeline and drawn is not None:
         micro_batches = min(drawn, cfg.grad_accum)
     mem = LiveBytes(timeline=[] if timeline else None)
@@ -205,6 +219,8 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
         mem.reset_peak()
         backward_pass(recipe, loss, zero)
         del loss
+        if k < micro_batches - 1:
+            after(g, model, "backward_done")
         peaks["backward"] = (mem.peak_bytes, mem.peak_at)
         mem.segments["backward"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
         if k == 0:
@@ -214,6 +230,7 @@ def simulated(cfg: StepConfig, timeline: bool, every_micro_batch: bool, warm_up:
     mem.phase = "optimizer"
     mem.reset_peak()
     update(recipe, zero)
+    after(g, model, "stepped")
     peaks["optimizer"] = (mem.peak_bytes, mem.peak_at)
     mem.segments["optimizer"] = (dict(mem.segment_peaks), list(mem.blocks_seen))
     mem.phase = ""

@@ -1,0 +1,115 @@
+"""--rl ppo: TRL 1.12's PPOTrainer (trl.experimental.ppo; memcalc.exact.hf.ppo). The replay's PPO epoch equals
+PPOTrainer.train() itself, trl 1.12.0 installed apart and run in its own process (tests/trl_release.py: every
+allocation of a steady epoch on CPU tensors, and what the trainer holds when it starts); what it holds between steps
+is the trainer's four models, the trained two's AdamW state and the rollout's tensors, counted here from the
+trainer's code; the CLI answers and refuses what is not replayed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.exact.base.config import StepConfig
+from memcalc.exact.replay.meta import simulate
+from memcalc.model.params import n_params
+from memcalc.model.rl import PPO_LINE, Ppo
+from memcalc.model.stacks import STACKS
+from memcalc.model.tricks import parse_tricks
+from tests.test_stack_hf import TINY
+from tests.trl_release import assert_release
+
+
+@pytest.mark.slow("test_what_the_trainer_holds (its models, their state and the rollout's tensors)")
+def test_trl_1_12_itself():
+    """Llama at fp32 with SDPA, Qwen2's biases (their own optimizer group) in bf16 over three micro-batches, Qwen3's
+    norms at one, a tied head over four; LoRA (PEFT's policy, no reference model, the value model whole) on Llama
+    and Qwen3."""
+    assert_release("1.12.0", "ppo:1.12:llama:fp32,flash:full:2", "ppo:1.12:qwen2:bf16:full:3",
+                   "ppo:1.12:qwen3:bf16,flash:full:1", "ppo:1.12:llama-mha-tied:bf16,flash:full:4",
+                   "ppo:1.12:llama:bf16,flash:lora:2", "ppo:1.12:qwen3:bf16:lora:3")
+
+
+def config(shape, tricks: str = "bf16,flash", batch: int = 2, accumulation: int = 2, seq: int = 48,
+           ppo: Ppo = Ppo(16)) -> StepConfig:  # fmt: skip
+    stack = replace(STACKS[f"trl:{PPO_LINE}"], rl="ppo", loss="full", use_cache=True, recipe="pure", ppo=ppo)
+    return StepConfig(shape, seq, batch, parse_tricks(tricks), stack, "adamw", accumulation, device="cuda")
+
+
+def test_what_the_trainer_holds():
+    """Between steps (trl/experimental/ppo/ppo_trainer.py @ 1.12.0, PPOTrainer.__init__ and train()): the policy,
+    its reference copy, the value and reward models (AutoModelForSequenceClassification: the backbone and a
+    1 x hidden score, no LM head), each with its two fp32 rotary buffers; AdamW's exp_avg and exp_avg_sq in the
+    weights' dtype and a 0-d fp32 step per tensor for the two that train; and the rollout's tensors: the stats
+    (seven (epochs, 1, accumulation) fp32), the loader's batch and the one it prefetched, the generated ids, the
+    generation's fp32 scores (B x C x V: the largest), the last chunk's locals, fourteen (B, C) and five (B,)
+    tensors, each GAE step's advantage and its delta, the previous mini-batch's vf_loss_max."""
+    shape = TINY["llama"]
+    B, A, T, C = 2, 3, 48, 16
+    phases = simulate(config(shape, accumulation=A), warm_up=False)[0]
+    h, V, rows = shape.hidden, shape.vocab, B * A
+    policy, critic = n_params(shape), n_params(shape) - V * h + h
+    rope = 2 * (shape.head_dim // 2) * 4
+    weights = 2 * (2 * policy + 2 * critic) + 4 * rope
+    tensors = 2 * (shape.n_layers * 9 + 3)  # each model's: embedding, 9 per layer, norm, head (or score)
+    adam = 2 * 2 * (policy + critic) + 4 * tensors
+    by_dtype = {"fp32": 4, "bf16": 2, "int64": 8, "bool": 1}
+    held = [("fp32", 7 * 4 * 1 * A), ("int64", 2 * rows * (T - C)), ("int64", rows * T), ("fp32", rows * C * V),
+            ("int64", rows * T + 2 * rows)]  # fmt: skip
+    held += [(d, rows * C) for d in ("int64", "int64", "int64", "bool", "fp32", "bf16", "bool", "bf16", "fp32",
+                                     "fp32", "fp32", "fp32", "fp32", "fp32")]  # fmt: skip
+    held += [(d, rows) for d in ("int64", "bf16", "bool", "int64", "int64", "int64")]
+    held += [("fp32", rows * (C + 1)), ("fp32", B * C)]
+    rollout = sum(by_dtype[d] * n for d, n in held)
+    assert phases.weights_bytes == weights
+    assert phases.state_bytes == weights + adam + rollout
+
+
+def test_three_micro_batches_stand_for_all():
+    """The replay runs the first micro-batch, a middle one and the last (whose metrics follow the optimizer step):
+    equal, every phase, to running all five."""
+    cfg = config(TINY["qwen3"], accumulation=5)
+    assert simulate(cfg)[0] == simulate(cfg, every_micro_batch=True)[0]
+
+
+def test_longer_responses_hold_more():
+    """The full logits, the rollout's scores and the response's losses grow with response_length."""
+    peaks = [simulate(config(TINY["llama"], ppo=Ppo(c)), warm_up=False)[0].step_peak_bytes for c in (8, 16, 32)]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 3
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_estimate_answers_on_its_line():
+    """The default stack under --rl ppo is trl:1.12, pure; --completion-len is response_length."""
+    r = run("estimate", "--model", "qwen3-0.6b", "--seq", "512", "--rl", "ppo", "--completion-len", "64",
+            "--format", "json")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    stack = json.loads(r.output)["setup"]["stack"]
+    assert (stack["key"], stack["recipe"], stack["rl"], stack["ppo"]["completion_len"]) == ("trl:1.12", "pure",
+                                                                                           "ppo", 64)
+
+
+@pytest.mark.parametrize("args, said", [
+    (("--stack", "trl:1.16"), "replayed on --stack trl:1.12"),
+    (("--lora", "8", "--quantize", "nf4"), "QLoRA, DoRA"),
+    (("--tricks", "bf16,flash,ckpt"), "never enables it"),
+    (("--recipe", "autocast"), "without mixed_precision"),
+    (("--num-generations", "4"), "GRPOConfig's"),
+    (("--gpus", "8", "--zero", "3"), "one GPU, or each GPU of plain data parallelism"),
+    (("--completion-len", "512"), "leaves no prompt"),
+])  # fmt: skip
+def test_refused(args, said):
+    r = run("estimate", "--model", "qwen3-0.6b", "--seq", "512", "--rl", "ppo", *args)
+    assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
+
+
+def test_verify_refuses():
+    r = run("verify", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "64", "--rl", "ppo")
+    assert r.exit_code == 2 and "tests/test_ppo.py" in r.output

@@ -16,6 +16,8 @@ micro-batch of the last).
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -93,11 +95,12 @@ def run_ppo(shape: ModelShape, seq_len: int, completion: int, micro_batch: int, 
     rows = micro_batch * grad_accum
     data = Dataset.from_dict({"input_ids": [[1 + (i + j) % (shape.vocab - 1) for j in range(prompt)]
                                            for i in range(3 * rows)]})  # fmt: skip
-    args = PPOConfig(output_dir="/tmp/memcalc-ppo", per_device_train_batch_size=micro_batch,
-                     gradient_accumulation_steps=grad_accum, num_ppo_epochs=epochs, num_mini_batches=1,
-                     response_length=completion, local_rollout_forward_batch_size=rollout_batch, total_episodes=rows,
-                     use_cpu=True, bf16=tricks.precision == "bf16", report_to=[], num_sample_generations=0,
-                     save_strategy="no", logging_steps=1, disable_tqdm=True)  # fmt: skip
+    args = PPOConfig(output_dir=os.path.join(tempfile.gettempdir(), "memcalc-ppo"),
+                     per_device_train_batch_size=micro_batch, gradient_accumulation_steps=grad_accum,
+                     num_ppo_epochs=epochs, num_mini_batches=1, response_length=completion,
+                     local_rollout_forward_batch_size=rollout_batch, total_episodes=rows, use_cpu=True,
+                     bf16=tricks.precision == "bf16", report_to=[], num_sample_generations=0, save_strategy="no",
+                     logging_steps=1, disable_tqdm=True)  # fmt: skip
     peft_config = lora_config(policy.config.model_type, finetune) if finetune.lora else None
     ppo = PPOTrainer(args=args, processing_class=tokens, model=policy, ref_model=None if peft_config else ref,
                      reward_model=reward, value_model=value, train_dataset=data, data_collator=tokens,

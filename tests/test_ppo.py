@@ -2,7 +2,7 @@
 PPOTrainer.train() itself, trl 1.12.0 installed apart and run in its own process (tests/trl_release.py: every
 allocation of a steady epoch on CPU tensors, and what the trainer holds when it starts); what it holds between steps
 is the trainer's four models, the trained two's AdamW state and the rollout's tensors, counted here from the
-trainer's code; the CLI answers and refuses what is not replayed.
+trainer's code, a smaller critic's included; the CLI answers and refuses what is not replayed.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from tests.trl_release import assert_release
 def test_trl_1_12_itself():
     """Llama at fp32 with SDPA, Qwen2's biases (their own optimizer group) in bf16 over three micro-batches, Qwen3's
     norms at one, a tied head over four; LoRA (PEFT's policy, no reference model, the value model whole) on Llama
-    and Qwen3."""
+    and Qwen3; a critic (--critic) narrower and shallower than the policy, and one of another architecture."""
     assert_release("1.12.0", "ppo:1.12:llama:fp32,flash:full:2", "ppo:1.12:qwen2:bf16:full:3",
                    "ppo:1.12:qwen3:bf16,flash:full:1", "ppo:1.12:llama-mha-tied:bf16,flash:full:4",
-                   "ppo:1.12:llama:bf16,flash:lora:2", "ppo:1.12:qwen3:bf16:lora:3")
+                   "ppo:1.12:llama:bf16,flash:lora:2", "ppo:1.12:qwen3:bf16:lora:3",
+                   "ppo:1.12:llama:bf16,flash:lora:2:narrow", "ppo:1.12:qwen3:bf16:full:2:llama-mha-tied")
 
 
 def config(shape, tricks: str = "bf16,flash", batch: int = 2, accumulation: int = 2, seq: int = 48,
@@ -67,6 +68,18 @@ def test_what_the_trainer_holds():
     rollout = sum(by_dtype[d] * n for d, n in held)
     assert phases.weights_bytes == weights
     assert phases.state_bytes == weights + adam + rollout
+
+
+def test_a_smaller_critic_holds_less():
+    """--critic: the value and reward models' architecture; a smaller one shrinks what the trainer holds by theirs
+    (weights of both, AdamW's state of the value model), nothing else."""
+    shape = TINY["llama"]
+    small = replace(shape, n_layers=1, hidden=32, n_heads=2, n_kv_heads=1, ffn=48)
+    same, smaller = (simulate(config(shape, ppo=Ppo(16, critic=c)), warm_up=False)[0] for c in (None, small))
+    scoring = n_params(shape) - shape.vocab * shape.hidden + shape.hidden  # the backbone and a 1 x hidden score
+    less = scoring - (n_params(small) - small.vocab * small.hidden + small.hidden)
+    tensors = (shape.n_layers - small.n_layers) * 9  # AdamW's 0-d step per tensor of the value model
+    assert same.state_bytes - smaller.state_bytes == 2 * 2 * less + 2 * 2 * less + 4 * tensors
 
 
 def test_three_micro_batches_stand_for_all():
@@ -108,6 +121,11 @@ def test_estimate_answers_on_its_line():
 def test_refused(args, said):
     r = run("estimate", "--model", "qwen3-0.6b", "--seq", "512", "--rl", "ppo", *args)
     assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
+
+
+def test_the_critic_is_ppos():
+    r = run("estimate", "--model", "qwen3-0.6b", "--seq", "512", "--rl", "grpo", "--critic", "qwen3-0.6b")
+    assert r.exit_code == 2 and "give --rl ppo" in r.output
 
 
 def test_verify_refuses():

@@ -51,19 +51,20 @@ class PpoRun:
         return first, last, base
 
 
-def models(shape: ModelShape, seq_len: int, tricks: Tricks):
-    """The policy, its reference, the value and reward models as the example loads them, in the trick set's dtype,
-    with the trick set's attention, in training mode."""
+def models(shape: ModelShape, seq_len: int, tricks: Tricks, critic: ModelShape | None = None):
+    """The policy, its reference, the value and reward models (critic's architecture, else the policy's) as the
+    example loads them, in the trick set's dtype, with the trick set's attention, in training mode."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     register_attention()
     config = hf_config(shape, seq_len, use_cache=True)  # every config's default: PPO's forward passes none
-    config.num_labels = 1
+    scoring = hf_config(critic or shape, seq_len, use_cache=True)
+    scoring.num_labels = 1
     kwargs = dict(dtype=DTYPES[tricks.precision], attn_implementation=attention_for(tricks, "cpu"))
     torch.manual_seed(0)
     return (AutoModelForCausalLM.from_config(config, **kwargs), AutoModelForCausalLM.from_config(config, **kwargs),
-            AutoModelForSequenceClassification.from_config(config, **kwargs),
-            AutoModelForSequenceClassification.from_config(config, **kwargs))  # fmt: skip
+            AutoModelForSequenceClassification.from_config(scoring, **kwargs),
+            AutoModelForSequenceClassification.from_config(scoring, **kwargs))  # fmt: skip
 
 
 class Tokens:
@@ -81,24 +82,26 @@ class Tokens:
 
 
 def run_ppo(shape: ModelShape, seq_len: int, completion: int, micro_batch: int, grad_accum: int, tricks: Tricks,
-            finetune: Finetune = FULL, rollout_batch: int = 64, epochs: int = 2) -> PpoRun:  # fmt: skip
+            finetune: Finetune = FULL, critic: ModelShape | None = None, rollout_batch: int = 64, epochs: int = 2,
+            updates: int = 1) -> PpoRun:  # fmt: skip
     """One update of PPOTrainer.train() (total_episodes = micro_batch x grad_accum: one rollout, `epochs` PPO epochs
     of one mini-batch), watched from the moment train() is called. finetune: LoRA as PPOTrainer applies it (its
-    peft_config: the policy alone wrapped, no reference model passed, the policy's disabled adapters in its place)."""
+    peft_config: the policy alone wrapped, no reference model passed, the policy's disabled adapters in its place);
+    critic: the value and reward models' shape (--critic)."""
     from datasets import Dataset
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trainer_module
 
-    policy, ref, value, reward = models(shape, seq_len, tricks)
+    policy, ref, value, reward = models(shape, seq_len, tricks, critic)
     tokens = Tokens(shape.vocab)
     prompt = seq_len - completion
     rows = micro_batch * grad_accum
     data = Dataset.from_dict({"input_ids": [[1 + (i + j) % (shape.vocab - 1) for j in range(prompt)]
-                                           for i in range(3 * rows)]})  # fmt: skip
+                                           for i in range((updates + 2) * rows)]})  # fmt: skip
     args = PPOConfig(output_dir=os.path.join(tempfile.gettempdir(), "memcalc-ppo"),
                      per_device_train_batch_size=micro_batch, gradient_accumulation_steps=grad_accum,
                      num_ppo_epochs=epochs, num_mini_batches=1, response_length=completion,
-                     local_rollout_forward_batch_size=rollout_batch, total_episodes=rows, use_cpu=True,
+                     local_rollout_forward_batch_size=rollout_batch, total_episodes=rows * updates, use_cpu=True,
                      bf16=tricks.precision == "bf16", report_to=[], num_sample_generations=0, save_strategy="no",
                      logging_steps=1, disable_tqdm=True)  # fmt: skip
     peft_config = lora_config(policy.config.model_type, finetune) if finetune.lora else None
@@ -121,6 +124,13 @@ def marked(run: PpoRun, ppo, module):
     accelerator, optimizer = ppo.accelerator, ppo.optimizer
     shuffle, accumulate, backward = module.np.random.permutation, accelerator.accumulate, accelerator.backward
     step, zero_grad, empty_cache = optimizer.step, optimizer.zero_grad, module.empty_cache
+    generate = module.batch_generation
+
+    def generation(*args, **kwargs):
+        run.mark("rollout")
+        out = generate(*args, **kwargs)
+        run.mark("scoring")
+        return out
 
     def permutation(n):
         run.mark("epoch")
@@ -148,11 +158,11 @@ def marked(run: PpoRun, ppo, module):
         run.mark("emptied")
         empty_cache()
 
-    module.np.random.permutation, module.empty_cache = permutation, emptied
+    module.np.random.permutation, module.empty_cache, module.batch_generation = permutation, emptied, generation
     accelerator.accumulate, accelerator.backward = accumulating, backwards
     optimizer.step, optimizer.zero_grad = stepped, zeroed
     try:
         yield
     finally:
-        module.np.random.permutation, module.empty_cache = shuffle, empty_cache
+        module.np.random.permutation, module.empty_cache, module.batch_generation = shuffle, empty_cache, generate
         del accelerator.accumulate, accelerator.backward, optimizer.step, optimizer.zero_grad

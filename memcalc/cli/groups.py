@@ -129,6 +129,7 @@ class StackOptions(OptionGroup):
     vllm_sleep: bool = False
     vllm_max_len: str | None = None
     cudagraph_memory: str | None = None
+    critic: str | None = None
 
     def online(self):
         """GRPOConfig's (and RLOOConfig's) settings (memcalc.model.rl.OnlineRL) where any is given or --rl grpo or rloo
@@ -163,14 +164,18 @@ class StackOptions(OptionGroup):
                         self.vllm_sleep, max_len, graph_bytes(self.cudagraph_memory) or 0)  # fmt: skip
 
     def ppo(self):
-        """PPOConfig's settings (memcalc.model.rl.Ppo) under --rl ppo: --completion-len its response_length, the rest
-        its defaults; else None."""
+        """PPOConfig's settings (memcalc.model.rl.Ppo) under --rl ppo: --completion-len its response_length, --critic
+        the value and reward models, the rest its defaults; else None."""
         from memcalc.model.rl import Ppo
         from memcalc.model.sizes import parse_seq
 
         if (self.rl or "").strip().lower() != "ppo":
+            if self.critic is not None:
+                raise InputError("--critic is PPOTrainer's value and reward model: give --rl ppo")
             return None
-        return Ppo() if self.completion_len is None else Ppo(parse_seq(self.completion_len, "--completion-len"))
+        completion = Ppo().completion_len if self.completion_len is None else parse_seq(self.completion_len,
+                                                                                        "--completion-len")
+        return Ppo(completion, critic=None if self.critic is None else named_model(self.critic, None).shape)
 
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other

@@ -13,10 +13,13 @@ from dataclasses import replace
 from memcalc.errors import InputError
 from memcalc.records import record
 
+from .shape import ModelShape
 from .stacks import DPO_LOGITS, FUSED_HEAD, RL, Stack
 
 ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.online)
 TRAINERS = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "ppo": "PPOTrainer"}  # TRL's, by --rl
+PPO_FINETUNES = ("--rl ppo with {}: replayed for a full fine-tune and LoRA (PPOTrainer wraps the policy alone in "
+                 "PEFT; the value model trains whole); QLoRA, DoRA, --modules-to-save and frozen weights are not")
 PPO_LINE = "1.12"  # trl.experimental.ppo's last line (removed in 1.13): 1.10.0's and 1.12.0's ppo_trainer.py are one
 VLLM_MODES = ("", "colocate", "server")  # use_vllm False (the policy's own generate), vllm_mode's two
 SERVE_UTILIZATION = 0.9  # trl vllm-serve's gpu_memory_utilization default (trl/scripts/vllm_serve.py ScriptArguments)
@@ -76,6 +79,7 @@ class Ppo:
     completion_len: int = 53  # response_length: every response's positions (the rest of the sequence: its prompt)
     rollout_batch: int = 64  # local_rollout_forward_batch_size: the rows generated and scored at once
     epochs: int = 4  # num_ppo_epochs: passes over the rollout, each an optimizer step per mini-batch
+    critic: ModelShape | None = None  # the value and reward models' (--critic); None: the policy's
 
     def __post_init__(self) -> None:
         for flag, value in (("--completion-len", self.completion_len), ("--rollout-batch", self.rollout_batch),
@@ -85,7 +89,8 @@ class Ppo:
 
     @property
     def label(self) -> str:
-        return f"{self.completion_len}-token responses, rollout chunks of {self.rollout_batch}, {self.epochs} epochs"
+        critic = f", critic {self.critic.name}" if self.critic is not None else ""
+        return f"{self.completion_len}-token responses, rollout chunks of {self.rollout_batch}, {self.epochs} epochs" + critic
 
 
 RLOO_DEFAULTS = OnlineRL(num_generations=2, beta=0.05)  # RLOOConfig's (trl/trainer/rloo_config.py, trl 1.16.0)
@@ -146,9 +151,7 @@ def with_ppo(stack: Stack, ppo: Ppo) -> Stack:
                          f"trl:{PPO_LINE} (1.10 and 1.12 ship the same trainer), not --stack {stack.key}")  # fmt: skip
     ft = stack.finetune
     if not ft.trains_all and not ft.lora or ft.quantize or ft.dora or ft.modules_to_save:
-        raise InputError(f"--rl ppo with {ft.label}: replayed for a full fine-tune and LoRA (PPOTrainer wraps the "
-                         "policy alone in PEFT; the value model trains whole); QLoRA, DoRA, --modules-to-save and "
-                         "frozen weights are not")  # fmt: skip
+        raise InputError(PPO_FINETUNES.format(ft.label))
     if stack.savers.offload or stack.savers.liger is not None:
         raise InputError("--rl ppo with --offload-activations or --liger: PPOTrainer applies neither")
     finetune = replace(ft, lora_dropout=0.0)  # disable_dropout_in_model after get_peft_model: LoRA's dropout too
@@ -192,9 +195,13 @@ def online_note(stack: Stack) -> str:
 def ppo_note(stack: Stack) -> str:
     """PPOTrainer's step in a line (memcalc.exact.hf.ppo)."""
     C = stack.ppo.completion_len
-    return (f"TRL 1.10-1.12's PPOTrainer (trl.experimental.ppo): the policy and a value model of its architecture "
-            f"trained under one optimizer (no clipping, no autocast, no checkpointing), a reference and a reward model "
+    critic = stack.ppo.critic.name if stack.ppo.critic is not None else "the policy's architecture"
+    reference = "" if stack.finetune.lora else "a reference and "
+    return (f"TRL 1.10-1.12's PPOTrainer (trl.experimental.ppo): the policy and a value model ({critic}) trained "
+            f"under one optimizer (no clipping, no autocast, no checkpointing), {reference}a reward model ({critic}) "
             f"held; each micro-batch the policy's full logits (temperature in place), its {C}-token responses' "
             f"log-probs, the clipped value and policy losses, softmax entropy after backward; the loop's locals kept "
-            f"to the next micro-batch; the rollout's fp32 scores of every response token held through the update")
+            f"to the next micro-batch; the rollout's fp32 scores of every response token held through the update. "
+            f"The training phase: the rollout (generate, the reference's, value's and reward's forwards) is not "
+            f"replayed")  # fmt: skip
 

@@ -154,7 +154,7 @@ class Stack:
         changed = [x for x, y in ((self.recipe, base and base.recipe), (self.impl, base and base.impl)) if x != y]
         if base and self.use_cache != base.use_cache:
             changed.append("cache" if self.use_cache else "no cache")
-        if base and self.loss != base.loss:
+        if base and self.loss != base.loss and not self.rl:  # an RL trainer computes its own loss
             trl_name = f"loss_type {'nll' if self.loss == 'full' else self.loss}"
             changed.append(trl_name if self.trl else f"{self.loss} loss")
         if self.in_backward:

@@ -179,8 +179,10 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
            fused_head.not_replayed(cfg) or chunked_nll.not_replayed(cfg))  # fmt: skip
     if why:
         raise InputError(why)
-    if cfg.stack.rl == "ppo":
-        ppo.check(cfg, family, arch)
+    if cfg.stack.rl == "ppo":  # its value and reward models: --critic's architecture, else the policy's
+        critic_shape = cfg.stack.ppo.critic or cfg.shape
+        critic = ppo.Critic(critic_shape, arch_for(critic_shape), FAMILIES[arch_for(critic_shape)])
+        ppo.check(cfg, family, arch, critic)
     if cfg.stack.rl == "dpo" and cfg.shape.dropout:  # disable_dropout_in_model zeroes nn.Dropout modules only
         raise InputError("--rl dpo on a model with dropout: DPOConfig.disable_dropout turns its nn.Dropout modules "
                          "off but not every family's attention dropout, which is not replayed")  # fmt: skip
@@ -208,7 +210,7 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     reference = dpo.reference_model(g, cfg, arch, family, autocast)
     loop = None
     if cfg.stack.rl == "ppo":  # PolicyAndValueWrapper: the value model trains beside the policy, under one optimizer
-        loop = ppo.loop_for(g, cfg, family, arch)
+        loop = ppo.loop_for(g, cfg, family, critic)
         trained = ppo.decay_first(trained + loop.critic.params)
     return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast, quant=quant, held=shared,
                    reference=reference, own_loop=loop)  # fmt: skip

@@ -21,7 +21,7 @@ The rollout's tensors (rollout_batch) are made before the first micro-batch and 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from .. import aten
@@ -45,24 +45,41 @@ DROPPED = ("output", "vpred_temp", "logits", "new_logprobs", "vpred", "vpredclip
 STATS = 7  # approxkl, pg_clipfrac, pg_loss, vf_loss, vf_clipfrac, entropy, ratio: (epochs, mini-batches, accumulation)
 
 
-def check(cfg, family, arch: str) -> None:
-    """Refuse what the replay does not run as PPOTrainer does: checkpointing (nothing enables it: PPOTrainer never
+@dataclass(frozen=True)
+class Critic:
+    """The value and reward models' architecture: its shape, model_type and family."""
+
+    shape: object
+    arch: str
+    family: object
+
+
+def check(cfg, family, arch: str, critic: Critic) -> None:
+    """Refuse what the replay does not run as PPOTrainer does: QLoRA, DoRA, modules to save and frozen weights (with_ppo
+    says so first; the toolbox's variants meet it here), checkpointing (nothing enables it: PPOTrainer never
     runs Trainer.__init__, which reads PPOConfig.gradient_checkpointing), decoders other than Llama's (position_ids
     and the bool mask as the callers hand them), a sliding window, dropout (disable_dropout_in_model turns
     nn.Dropout off, not every family's attention dropout), a prompt of no token."""
     from memcalc.errors import InputError
+    from memcalc.model.rl import PPO_FINETUNES
 
     from .llama import llama_model
 
+    ft = cfg.finetune
+    if not ft.trains_all and not ft.lora or ft.quantize or ft.dora or ft.modules_to_save:
+        raise InputError(PPO_FINETUNES.format(ft.label))
     if cfg.recompute != "none":
         raise InputError("--rl ppo with activation checkpointing: TRL 1.12's PPOTrainer never enables it (it does not "
                          "run Trainer.__init__, which reads PPOConfig.gradient_checkpointing); drop ckpt")  # fmt: skip
-    if family.decoder is not llama_model or cfg.shape.sliding_window:
-        raise InputError(f"--rl ppo is replayed on Llama's decoder (Llama, Qwen2, Qwen3, Mistral without a window), "
-                         f"not {arch}" + (" with a sliding window" if cfg.shape.sliding_window else ""))  # fmt: skip
-    if cfg.shape.dropout:
-        raise InputError("--rl ppo on a model with dropout: disable_dropout_in_model turns its nn.Dropout modules off "
-                         "but not every family's attention dropout, which is not replayed")  # fmt: skip
+    for what, fam, name, shape in (("", family, arch, cfg.shape), (" (--critic)", critic.family, critic.arch,
+                                                                     critic.shape)):  # fmt: skip
+        if fam.decoder is not llama_model or shape.sliding_window:
+            raise InputError(f"--rl ppo is replayed on Llama's decoder (Llama, Qwen2, Qwen3, Mistral without a window), "
+                             f"not {name}{what}" + (" with a sliding window" if shape.sliding_window else ""))
+        if shape.dropout:
+            raise InputError(f"--rl ppo on a model with dropout{what}: disable_dropout_in_model turns its nn.Dropout "
+                             "modules off but not every family's attention dropout, which is not replayed")
+
     if cfg.stack.ppo.completion_len >= cfg.seq_len:
         raise InputError(f"--completion-len {cfg.stack.ppo.completion_len} leaves no prompt in --seq {cfg.seq_len}: "
                          "the sequence is the prompt and the response together")  # fmt: skip
@@ -81,36 +98,32 @@ def value_params(family, shape) -> list[tuple[str, tuple]]:
     return [(n, s) for n, s in family.params(shape) if n != "lm_head.weight"] + [("score.weight", (1, shape.hidden))]
 
 
-def loop_for(g: Graph, cfg, family, arch: str) -> PpoLoop:
+def loop_for(g: Graph, cfg, family, critic: Critic) -> PpoLoop:
     """PPOTrainer's models beside the policy, each in the model's dtype with its own rotary buffers: the value model
-    (trained with the policy under one optimizer, whatever the policy's fine-tuning), and what is only held in the
-    step: the reward model, and the reference (a copy of the policy where it is not PEFT's; under PEFT the policy
-    with its adapters disabled)."""
+    (the critic's architecture, trained with the policy under one optimizer, whatever the policy's fine-tuning), and
+    what is only held in the step: the reward model (the critic's), and the reference (a copy of the policy where it
+    is not PEFT's; under PEFT the policy with its adapters disabled)."""
     from memcalc.model.finetune import FULL
 
     from .family import HFModel
 
     dtype = cfg.weights_dtype
 
-    def buffers(label: str) -> list[Tensor]:
+    def buffers(label: str, fam, shape) -> list[Tensor]:
         return [g.empty(b[1], dtype if b[2:] == ("weights",) else "fp32", f"{label} buffer {b[0]}", kind="buffer")
-                for b in family.buffers(cfg.shape)]  # fmt: skip
+                for b in fam.buffers(shape)]  # fmt: skip
 
-    value = {name: g.param(shape, dtype, "value_model." + name) for name, shape in value_params(family, cfg.shape)}
-    critic = HFModel(replace(cfg, stack=replace(cfg.stack, finetune=FULL)), arch, value, buffers("value"))
-    critic.params = list(value.values())
-    return PpoLoop(critic, reward_and_reference(g, cfg, family, buffers), family.decoder)
-
-
-def reward_and_reference(g: Graph, cfg, family, buffers: Callable) -> list[Tensor]:
-    """The reward model, and the reference where the policy is not PEFT's: held in the step, weights and buffers."""
-    dtype = cfg.weights_dtype
-    held = [g.empty(s, dtype, "reward_model." + name, kind="weights") for name, s in value_params(family, cfg.shape)]
-    held += buffers("reward")
+    value = {name: g.param(s, dtype, "value_model." + name) for name, s in value_params(critic.family, critic.shape)}
+    value_cfg = replace(cfg, shape=critic.shape, stack=replace(cfg.stack, finetune=FULL))
+    model = HFModel(value_cfg, critic.arch, value, buffers("value", critic.family, critic.shape))
+    model.params = list(value.values())
+    held = [g.empty(s, dtype, "reward_model." + name, kind="weights")
+            for name, s in value_params(critic.family, critic.shape)]  # fmt: skip
+    held += buffers("reward", critic.family, critic.shape)
     if not cfg.finetune.lora:
         held += [g.empty(s, dtype, "ref_policy." + name, kind="weights") for name, s in family.params(cfg.shape)]
-        held += buffers("ref")
-    return held
+        held += buffers("ref", family, cfg.shape)
+    return PpoLoop(model, held, critic.family.decoder)
 
 
 def decay_first(params: list[Tensor]) -> list[Tensor]:

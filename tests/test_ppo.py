@@ -7,10 +7,14 @@ trainer's code, a smaller critic's included; the CLI answers and refuses what is
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from memcalc.cli import app
@@ -20,6 +24,7 @@ from memcalc.model.params import n_params
 from memcalc.model.rl import PPO_LINE, Ppo
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import parse_tricks
+from tests.test_fuzz import examples
 from tests.test_stack_hf import TINY
 from tests.trl_release import assert_release
 
@@ -131,3 +136,26 @@ def test_the_critic_is_ppos():
 def test_verify_refuses():
     r = run("verify", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "64", "--rl", "ppo")
     assert r.exit_code == 2 and "tests/test_ppo.py" in r.output
+
+
+@pytest.mark.slow("test_estimate_answers_on_its_line, test_longer_responses_hold_more (the replay's growth)")
+@examples(3, slow=10)
+@given(model=st.sampled_from(["llama3.2-1b", "qwen3-0.6b"]), seq=st.sampled_from(["256", "1024"]),
+       micro=st.sampled_from([1, 2]), accumulation=st.sampled_from(["1", "3"]),
+       how=st.sampled_from([[], ["--lora", "8"], ["--lora", "8", "--critic", "qwen3-0.6b"]]),
+       tricks=st.sampled_from(["bf16,flash", "fp32,flash"]))  # fmt: skip
+def test_ppo_jobs_say_one_verdict_and_grow_with_the_rows(model, seq, micro, accumulation, how, tricks):
+    """Every PPO job: table, JSON and CSV give the same verdict; a row more per micro-batch never needs less, nor
+    does a response longer by half."""
+    args = ["estimate", "--model", model, "--seq", seq, "--rl", "ppo", *how, "--tricks", tricks, "--grad-accum",
+            accumulation, "--gpu", "rtx4090"]  # fmt: skip
+    data = json.loads(run(*args, "--micro-batch", str(micro), "--format", "json").stdout)
+    more = json.loads(run(*args, "--micro-batch", str(micro + 1), "--format", "json").stdout)
+    longer = json.loads(run(*args, "--micro-batch", str(micro), "--completion-len", "80", "--format", "json").stdout)
+    v = data["verdict"][0]
+    assert more["verdict"][0]["peak_bytes"] > v["peak_bytes"] < longer["verdict"][0]["peak_bytes"]
+    rows = list(csv.DictReader(io.StringIO(run(*args, "--micro-batch", str(micro), "--format", "csv").stdout)))
+    assert (rows[0]["fits"], int(rows[0]["peak_bytes"])) == (str(v["fits"]), v["peak_bytes"])
+    table = " ".join(run(*args, "--micro-batch", str(micro)).stdout.split())
+    assert ("Fits: " in table) == v["fits"]
+

@@ -128,6 +128,14 @@ def test_refused(args, said):
     assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
 
 
+@pytest.mark.parametrize("view", ["--exact", "--timeline", "--explain"])
+def test_every_view_answers(view):
+    """The views beside the verdict read the same replay (the value head's FLOPs among the step's)."""
+    r = run("estimate", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "256", "--rl", "ppo", "--tricks",
+            "bf16,flash", view)  # fmt: skip
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+
+
 def test_the_critic_is_ppos():
     r = run("estimate", "--model", "qwen3-0.6b", "--seq", "512", "--rl", "grpo", "--critic", "qwen3-0.6b")
     assert r.exit_code == 2 and "give --rl ppo" in r.output

@@ -227,7 +227,8 @@ def split_layers(saved, like_first: int = 1) -> tuple[list, list]:
 
 def flop_terms(flops: dict) -> tuple[Term, ...]:
     """FlopCounterMode's count by phase (forward, backward, recompute) and kind of matmul."""
-    names = {"linear": "layer matmuls", "logits": "lm head matmul", "attention": "attention matmuls"}
+    names = {"linear": "layer matmuls", "logits": "lm head matmul", "attention": "attention matmuls",
+             "score": "value head matmul"}  # score: PPO's value model (memcalc.exact.hf.ppo)
     return tuple(Term(f"{phase}: {names[kind]}", n, "", "FlopCounterMode's count, replayed by " + SIM)
                  for (phase, kind), n in sorted(flops.items()))  # fmt: skip
 

@@ -96,29 +96,41 @@ def launches(kernels) -> list[tuple]:
 def assert_same_ppo(shape, tricks: str, grad_accum: int, finetune=None, critic=None, seq: int = 12,
                     completion: int = 5) -> None:  # fmt: skip
     """memcalc.exact.hf.ppo's PPO epoch against trl's PPOTrainer.train() itself on CPU tensors (verify/trl_ppo.py:
-    one update, two epochs, micro-batch 2; critic: the value and reward models' shape): every allocation of the second epoch (its optimizer state made), in
-    order, with the live bytes above the epoch's start at each, and what the trainer holds at that start (the
-    replay's state; the replay's two (B, T) int64 inputs, which PPO's loop does not have, aside)."""
+    two updates of two epochs, micro-batch 2; critic: the value and reward models' shape): every allocation of the
+    first update's second epoch (its optimizer state made), in order, with the live bytes above the epoch's start at
+    each, and what the trainer holds at that start (the replay's state; the replay's two (B, T) int64 inputs, which
+    PPO's loop does not have, aside); with flash, the same of the second update's rollout."""
     from dataclasses import replace
 
     from memcalc.exact.base.config import StepConfig
     from memcalc.exact.replay.meta import simulate
+    from memcalc.model.finetune import FULL
     from memcalc.model.rl import PPO_LINE, Ppo
     from memcalc.model.stacks import STACKS
     from memcalc.model.tricks import parse_tricks
     from verify.trl_ppo import run_ppo
-
-    from memcalc.model.finetune import FULL
 
     finetune = replace(finetune or FULL, lora_dropout=0.0)  # PPOTrainer disables every dropout
     stack = replace(STACKS[f"trl:{PPO_LINE}"], rl="ppo", loss="full", use_cache=True, recipe="pure",
                     ppo=Ppo(completion, epochs=2, critic=critic), finetune=finetune)  # fmt: skip
     cfg = StepConfig(shape, seq, 2, parse_tricks(tricks), stack, "adamw", grad_accum, device="cpu", watched=True)
     phases, _, mem = simulate(cfg, timeline=True)
-    run = run_ppo(shape, seq, completion, 2, grad_accum, parse_tricks(tricks), finetune, critic)
+    run = run_ppo(shape, seq, completion, 2, grad_accum, parse_tricks(tricks), finetune, critic, updates=2)
     first, last, base = run.region("epoch", 1, "emptied")
-    theirs = [(size, live - base) for _, _, size, live in run.live.timeline[first:last] if size > 0]
-    start = next(i for i, e in enumerate(mem.timeline) if e[0] == "forward")
-    ours = [(size, live - mem.timeline[start - 1][3]) for _, _, size, live in mem.timeline[start:] if size > 0]
     assert phases.state_bytes == base, (tricks, grad_accum, phases.state_bytes, base)
-    assert ours == theirs, (tricks, grad_accum)
+    assert allocated(mem.timeline, "forward") == allocated(run.live.timeline[first:last]), (tricks, grad_accum)
+    if cfg.flash:  # the second update's rollout (memcalc.exact.replay.ppo), beside what the first left
+        from memcalc.exact.replay.ppo import simulate_rollout
+
+        rollout, mem = simulate_rollout(cfg, timeline=True)
+        first, last, base = run.region("rollout", 1, "epoch")
+        assert rollout.start_bytes == base, (tricks, grad_accum, rollout.start_bytes, base)
+        assert allocated(mem.timeline, "rollout") == allocated(run.live.timeline[first:last]), (tricks, grad_accum)
+
+
+def allocated(timeline, phase: str | None = None) -> list[tuple[int, int]]:
+    """Each allocation from the first of `phase` on (the whole timeline: None), with the live bytes above those
+    before it."""
+    start = 0 if phase is None else next(i for i, e in enumerate(timeline) if e[0] == phase)
+    base = timeline[start - 1][3] if start else timeline[0][3] - timeline[0][2]
+    return [(size, live - base) for _, _, size, live in timeline[start:] if size > 0]

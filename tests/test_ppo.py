@@ -1,6 +1,7 @@
-"""--rl ppo: TRL 1.12's PPOTrainer (trl.experimental.ppo; memcalc.exact.hf.ppo). The replay's PPO epoch equals
-PPOTrainer.train() itself, trl 1.12.0 installed apart and run in its own process (tests/trl_release.py: every
-allocation of a steady epoch on CPU tensors, and what the trainer holds when it starts); what it holds between steps
+"""--rl ppo: TRL 1.12's PPOTrainer (trl.experimental.ppo; memcalc.exact.hf.ppo, ppo_rollout). The replay's PPO epoch
+and rollout equal PPOTrainer.train() itself, trl 1.12.0 installed apart and run in its own process
+(tests/trl_release.py: every allocation of a steady epoch and of the next update's rollout on CPU tensors, and what
+the trainer holds when each starts); what it holds between steps
 is the trainer's four models, the trained two's AdamW state and the rollout's tensors, counted here from the
 trainer's code, a smaller critic's included; the CLI answers and refuses what is not replayed.
 """
@@ -29,11 +30,13 @@ from tests.test_stack_hf import TINY
 from tests.trl_release import assert_release
 
 
-@pytest.mark.slow("test_what_the_trainer_holds (its models, their state and the rollout's tensors)")
+@pytest.mark.slow("test_what_the_trainer_holds (its models, their state and the rollout's tensors), "
+                  "test_the_rollout_grows_its_middle_steps")
 def test_trl_1_12_itself():
     """Llama at fp32 with SDPA, Qwen2's biases (their own optimizer group) in bf16 over three micro-batches, Qwen3's
     norms at one, a tied head over four; LoRA (PEFT's policy, no reference model, the value model whole) on Llama
-    and Qwen3; a critic (--critic) narrower and shallower than the policy, and one of another architecture."""
+    and Qwen3; a critic (--critic) narrower and shallower than the policy, and one of another architecture. With
+    flash, the second update's rollout too (generate, the scoring loop, GAE), beside what the first update left."""
     assert_release("1.12.0", "ppo:1.12:llama:fp32,flash:full:2", "ppo:1.12:qwen2:bf16:full:3",
                    "ppo:1.12:qwen3:bf16,flash:full:1", "ppo:1.12:llama-mha-tied:bf16,flash:full:4",
                    "ppo:1.12:llama:bf16,flash:lora:2", "ppo:1.12:qwen3:bf16:lora:3",
@@ -87,6 +90,15 @@ def test_a_smaller_critic_holds_less():
     assert same.state_bytes - smaller.state_bytes == 2 * 2 * less + 2 * 2 * less + 4 * tensors
 
 
+def test_the_rollout_grows_its_middle_steps():
+    """rollout_peaks grows the decode steps between the second and the last (memcalc.exact.hf.generate.grown, the
+    warped scores they keep too): the same start and peaks as replaying every step."""
+    from memcalc.exact.replay.ppo import simulate_rollout
+
+    cfg = config(TINY["qwen3"], accumulation=3, ppo=Ppo(9, rollout_batch=4))  # two chunks, the second of two rows
+    assert simulate_rollout(cfg, every_step=False)[0] == simulate_rollout(cfg)[0]
+
+
 def test_three_micro_batches_stand_for_all():
     """The replay runs the first micro-batch, a middle one and the last (whose metrics follow the optimizer step):
     equal, every phase, to running all five."""
@@ -134,6 +146,25 @@ def test_every_view_answers(view):
     r = run("estimate", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "256", "--rl", "ppo", "--tricks",
             "bf16,flash", view)  # fmt: skip
     assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+
+
+def test_the_rollout_is_a_phase():
+    """A local batch of 64 rows (the rollout chunk): the reference's logits over the whole chunk outgrow the step."""
+    r = run("estimate", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "512", "--rl", "ppo", "--tricks",
+            "bf16,flash", "--micro-batch", "4", "--grad-accum", "16", "--format", "json")  # fmt: skip
+    data = json.loads(r.stdout)
+    phase, rollout = data["rollout"]["phases"][0], data["rollout"]["ppos"][0]
+    assert (rollout["rows"], rollout["chunk"]) == (64, 64)
+    assert phase["score_bytes"] == rollout["score_bytes"] > phase["train_bytes"] == data["verdict"][0]["peak_bytes"]
+    table = run("estimate", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "512", "--rl", "ppo", "--tricks",
+                "bf16,flash", "--micro-batch", "4", "--grad-accum", "16").stdout  # fmt: skip
+    assert "PPO phases per GPU" in table and "rollout peaks higher" in " ".join(table.split())
+
+
+def test_an_eager_rollout_is_not_sized():
+    r = run("estimate", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "256", "--rl", "ppo", "--tricks", "bf16")
+    assert r.exit_code == 0 and "not sized: PPOTrainer's generate is replayed with SDPA's kernels" in " ".join(
+        r.stdout.split())  # fmt: skip
 
 
 def test_the_critic_is_ppos():

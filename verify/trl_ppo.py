@@ -58,6 +58,7 @@ def models(shape: ModelShape, seq_len: int, tricks: Tricks, critic: ModelShape |
 
     register_attention()
     config = hf_config(shape, seq_len, use_cache=True)  # every config's default: PPO's forward passes none
+    config.bos_token_id = 1  # a begin token, as a checkpoint's config has (generate makes a tensor of it)
     scoring = hf_config(critic or shape, seq_len, use_cache=True)
     scoring.num_labels = 1
     kwargs = dict(dtype=DTYPES[tricks.precision], attn_implementation=attention_for(tricks, "cpu"))

@@ -59,7 +59,7 @@ def answer(job: Job) -> Answer:
 
         timelines = step_timelines(job, tuple(e.verdict for e in layouts))
     verdicts = tuple(e.verdict for e in layouts)
-    engine = rollout(m, g, s, verdicts) if s.stack.online is not None else None
+    engine = rollout(m, g, s, verdicts) if s.stack.online is not None or s.stack.ppo is not None else None
     return Answer(job, layouts, textbook, one_gpu_roofline(job), tb, runs, exact_terms(job, layouts), timelines,
                   engine)  # fmt: skip
 

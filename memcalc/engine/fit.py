@@ -180,7 +180,7 @@ def fit_limits(model: Model, setup: Setup, gpu: GPU, tricks: Tricks, layout: Lay
 
     def within(found: int, size: Callable[[int], tuple[int, int]]) -> tuple[int, str]:
         """found, or where a phase beside the step ends the search below it, and that phase's name."""
-        if not found or setup.stack.online is None:
+        if not found or setup.stack.online is None and setup.stack.ppo is None:
             return found, ""
         failed = beside(*size(found), {}, found)
         if not failed:

@@ -35,6 +35,7 @@ from memcalc.records import record
 if TYPE_CHECKING:  # the replays' records: memcalc.exact is imported where a job asks for it
     from memcalc.exact.hf.generate import Generation
     from memcalc.exact.hf.scoring import Scoring
+    from memcalc.exact.replay.ppo import PpoRollout
 
 TRL_VLLM = "0.31"  # trl 1.16.0's extra: vllm>=0.22.0,<=0.31.0; the newest it admits decides the budget's rule
 BATCHED_TOKENS = 4096  # VLLMGeneration's LLM(max_num_batched_tokens=4096)
@@ -192,10 +193,17 @@ class Rollout:
     generations: tuple[Generation | None, ...] = ()
     not_sized: str = ""
     scorings: tuple[Scoring | None, ...] = ()
+    ppos: tuple[PpoRollout | None, ...] = ()  # --rl ppo: each trick set's rollout (memcalc.exact.replay.ppo)
 
 
 def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout:
-    """The rollout's answer for an --rl grpo|rloo job: gpu is the job's (its colocated bytes set by with_engine)."""
+    """The rollout's answer for an --rl grpo|rloo|ppo job: gpu is the job's (its colocated bytes set by
+    with_engine)."""
+    if setup.stack.ppo is not None:
+        each = [ppo_phases(model, gpu, setup, v) for v in verdicts]
+        why = next((x for _, x in each if isinstance(x, str)), "")
+        return Rollout(None, False, tuple(p for p, _ in each), not_sized=why,
+                       ppos=tuple(None if isinstance(x, str) else x for _, x in each))  # fmt: skip
     engine = engine_for(model, bare(gpu), setup)
     each = [phases_for(model, gpu, setup, v, engine) for v in verdicts]
     phases, scorings = tuple(p for p, _, _ in each), tuple(s for _, _, s in each)
@@ -208,7 +216,9 @@ def rollout(model: Model, gpu: GPU, setup: Setup, verdicts: tuple) -> Rollout:
 
 def phases_for(model: Model, gpu: GPU, setup: Setup, verdict, engine: RolloutEngine | None) -> tuple:
     """One verdict's (phases, the policy's own generate or why it is not replayed, the scoring passes): no phases
-    where generate is not replayed; no generate where an engine generates."""
+    where generate is not replayed; no generate where an engine generates. Under --rl ppo its rollout's phases."""
+    if setup.stack.ppo is not None:
+        return ppo_phases(model, gpu, setup, verdict)[0], None, None
     scoring = own_scoring(model, setup, verdict)
     if engine is not None:
         return phases_of(engine, bare(gpu), verdict, setup.stack.online.sleep, scoring), None, scoring
@@ -216,6 +226,22 @@ def phases_for(model: Model, gpu: GPU, setup: Setup, verdict, engine: RolloutEng
     if isinstance(generation, str):
         return None, generation, scoring
     return generate_phases(gpu, verdict, generation, scoring), generation, scoring
+
+
+def ppo_phases(model: Model, gpu: GPU, setup: Setup, verdict) -> tuple[RolloutPhases | None, PpoRollout | str]:
+    """--rl ppo: startup, the rollout's generate and score and the PPO epochs on one GPU: the weights as it starts,
+    the peaks of PPOTrainer's batch_generation and of its scoring loop (memcalc.exact.replay.ppo: each beside the
+    trainer's state and what the previous update left), the step; or why the rollout is not replayed."""
+    from memcalc.exact.hf.generate import not_replayed
+    from memcalc.exact.replay.ppo import rollout_peaks
+
+    cfg = step_config(model, setup, verdict.tricks)
+    why = "the rollout is replayed where the step is" if not verdict.replayed else not_replayed(cfg)
+    if why:
+        return None, why.replace("the policy's own generate", "PPOTrainer's generate")
+    r, usable = rollout_peaks(cfg), verdict.usable_bytes
+    return RolloutPhases(CONTEXT_BYTES + weights_of(verdict), gpu.cuda_total_bytes, r.generate_bytes, usable,
+                         verdict.total_bytes, usable, True, r.score_bytes, usable), r  # fmt: skip
 
 
 def beside_fails(model: Model, gpu: GPU, setup: Setup, verdict) -> tuple[str, int]:

@@ -90,7 +90,8 @@ class Ppo:
     @property
     def label(self) -> str:
         critic = f", critic {self.critic.name}" if self.critic is not None else ""
-        return f"{self.completion_len}-token responses, rollout chunks of {self.rollout_batch}, {self.epochs} epochs" + critic
+        return (f"{self.completion_len}-token responses, rollout chunks of {self.rollout_batch}, {self.epochs} epochs"
+                + critic)
 
 
 RLOO_DEFAULTS = OnlineRL(num_generations=2, beta=0.05)  # RLOOConfig's (trl/trainer/rloo_config.py, trl 1.16.0)
@@ -201,7 +202,6 @@ def ppo_note(stack: Stack) -> str:
             f"under one optimizer (no clipping, no autocast, no checkpointing), {reference}a reward model ({critic}) "
             f"held; each micro-batch the policy's full logits (temperature in place), its {C}-token responses' "
             f"log-probs, the clipped value and policy losses, softmax entropy after backward; the loop's locals kept "
-            f"to the next micro-batch; the rollout's fp32 scores of every response token held through the update. "
-            f"The training phase: the rollout (generate, the reference's, value's and reward's forwards) is not "
-            f"replayed")  # fmt: skip
+            f"to the next micro-batch; the rollout's fp32 scores of every response token held through the update "
+            f"(the rollout itself: the phases below)")  # fmt: skip
 

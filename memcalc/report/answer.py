@@ -211,7 +211,7 @@ def verdict(ans: Answer, units: str) -> str:
         start += f", and {host} of host memory per GPU, of its {share} share"
     engine = "" if ans.rollout is None else rollout_clause(ans.rollout, ans.verdicts, tb.start.tricks, units)
     if tb.outcome == FITS_AS_IT_IS:
-        return f"The step fits: {start}; but {engine}." if engine else f"Fits: {start}."
+        return f"The step fits: {start}; but {engine}." if engine else f"Fits: {start}{higher(ans, units)}."
     if tb.outcome == FITS_NOWHERE:
         also = f" Besides, {engine}." if engine else ""
         return f"Does not fit: {start}, and nothing in the toolbox makes it fit: {toolbox_reach(ans, units)}.{also}"
@@ -220,6 +220,19 @@ def verdict(ans: Answer, units: str) -> str:
     return (f"Does not fit as it is: {start}. Cheapest combination that fits: {chosen.tricks.label}"
             f"{setup_text(chosen, ans.job.setup)} -> {u.size(chosen.verdict.total_bytes, units)} per GPU."
             f"{also}")  # fmt: skip
+
+
+def higher(ans: Answer, units: str) -> str:
+    """'; each update's rollout peaks higher, at 42.96 GB (scoring)' where PPO's rollout (memcalc.engine.rollout)
+    holds more than the step the sentence names, and fits; '' otherwise."""
+    tricks = ans.toolbox.start.tricks
+    r = ans.rollout
+    p = None if r is None or not r.ppos else next(
+        (x for x, v in zip(r.phases, ans.verdicts, strict=True) if v.tricks == tricks), None)  # fmt: skip
+    if p is None or max(p.rollout_bytes, p.score_bytes) <= p.train_bytes:
+        return ""
+    at, where = max((p.rollout_bytes, "generating"), (p.score_bytes, "scoring"))
+    return f"; each update's rollout peaks higher, at {u.size(at, units)} ({where})"
 
 
 def needs_phrase(v, needs: str, units: str) -> str:

@@ -1,5 +1,5 @@
 """--rl grpo|rloo: the rollout engine (--vllm) or the policy's own generate, and each phase of a step on one GPU
-(memcalc.engine.rollout), as a section."""
+(memcalc.engine.rollout), as a section; --rl ppo: PPOTrainer's rollout and its PPO epochs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ GRAPHS_UNCOUNTED = "not counted (give --cudagraph-memory as its log prints them)
 def rollout_section(rollout, verdicts, units: str, trainer: str = "grpo") -> Section:
     """One row per trick set: the startup check, the rollout and the train phase against their limits; the engine's
     parts and host memory in the notes."""
+    if rollout.ppos:
+        return ppo_section(rollout, verdicts, units)
     if rollout.engine is None:
         return generate_section(rollout, verdicts, units, trainer)
     tricks = [v.tricks.label for v in verdicts]
@@ -74,6 +76,30 @@ def generate_section(rollout, verdicts, units: str, trainer: str) -> Section:
     if rollout.not_sized:
         notes.append(f"not sized: {rollout.not_sized}")
     return Section(f"{trainer.upper()} phases per GPU (the policy's own generate)", headers_for(scored), rows, notes)
+
+
+def ppo_section(rollout, verdicts, units: str) -> Section:
+    """--rl ppo: each update's rollout (generate, then score) before its PPO epochs (train), a row per trick set;
+    a trick set whose rollout is not replayed says so."""
+    rows = []
+    for v, p in zip(verdicts, rollout.phases, strict=True):
+        unsized = ["", "not sized", "", sized(v.total_bytes, units), ""]
+        rows.append([v.tricks.label, *(unsized if p is None else phase_cells(p, units, True))])
+    notes = []
+    r = next((x for x in rollout.ppos if x is not None), None)
+    if r is not None:
+        notes += [f"rollout: batch_generation, the policy's generate over the {u.plural(r.rows, 'row')} in chunks of "
+                  f"{r.chunk} (no_grad), beside the trainer's state and what the previous update left (its fp32 "
+                  "scores among them, until train() rebinds them): the cache, each step's fp32 scores kept "
+                  "(output_scores), their stack and the padding over the chunks",
+                  "score: the scoring loop over the chunks: the policy's log-probs from the scores, the reference's "
+                  "forward to its logits (a chunk's every position, every hidden state kept), the value and reward "
+                  "models' backbones, then the masks, the rewards, GAE and the advantages whitened",
+                  "startup: CUDA context + the models' weights (the reference's too unless the policy is PEFT's); "
+                  "train: a PPO epoch's step (the verdict above)"]  # fmt: skip
+    if rollout.not_sized:
+        notes.append(f"not sized: {rollout.not_sized}")
+    return Section("PPO phases per GPU (each update's rollout, then its PPO epochs)", headers_for(True), rows, notes)
 
 
 def headers_for(scored: bool) -> list[str]:

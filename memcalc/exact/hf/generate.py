@@ -140,23 +140,29 @@ class Loop:
     its own), the position ids and the special tokens, unfinished_sequences, the last step's model inputs, next-token
     logits, probabilities and tokens."""
 
-    def __init__(self, special: list[Tensor], position_ids: Tensor, unfinished: Tensor):
+    def __init__(self, special: list[Tensor], position_ids: Tensor, unfinished: Tensor, eos: bool = True,
+                 scores: list[Tensor] | None = None):  # fmt: skip
         self.special, self.position_ids, self.unfinished = special, position_ids, unfinished
         self.ids = self.mask = self.inputs = self.logits = self.probs = self.tokens = None
+        self.eos = eos  # an end token: EosTokenCriteria, and finished rows' tokens replaced by the pad
+        self.scores = scores  # output_scores under a temperature warper (PPO's): each step's warped scores, kept
 
 
-def setup(g: Graph, B: int, P: int) -> Loop:
+def setup(g: Graph, B: int, P: int, eos: bool = True, scores: list[Tensor] | None = None) -> Loop:
     """generate before the prefill: _prepare_special_tokens' tensors (bos, eos, pad: (1,) int64 each) and their
     checks, the last column's for a batch of rows; the position ids from the attention mask (cumsum - 1, masked_fill
     where it is 0: (B, P) int64, kept in model_kwargs); the mask's checks (all ones, none negative);
-    unfinished_sequences = torch.ones(B) int64."""
-    special = [made(g, (1,), "lift_fresh", dtype="int64") for _ in range(3)]
+    unfinished_sequences = torch.ones(B) int64. Without an end token (eos False: PPO's, a bool mask) one special
+    token, no checks of them, and the mask's .long() copy for the cumsum."""
+    special = [made(g, (1,), "lift_fresh", dtype="int64") for _ in range(3 if eos else 1)]
     last_column = ((B,),) if B > 1 else ()  # (ids[:, -1] == pad).any(): the padding side's check, for a batch
-    for shape in ((1,), (1,)) + last_column:  # isin(eos, pad).any(), (eos < 0).any()
+    for shape in ((1,), (1,)) + last_column if eos else ():  # isin(eos, pad).any(), (eos < 0).any()
         check = made(g, shape, "check", dtype="bool")
         made(g, (), "any", check, dtype="bool")
         del check
+    longs = None if eos else made(g, (B, P), "_to_copy", dtype="int64")  # a bool mask's .long()
     total = made(g, (B, P), "cumsum", dtype="int64")
+    del longs
     shifted = made(g, (B, P), "sub", total, dtype="int64")
     del total
     zero = made(g, (B, P), "eq", shifted, dtype="bool")
@@ -166,7 +172,7 @@ def setup(g: Graph, B: int, P: int) -> Loop:
         check = made(g, (B, P), "check", dtype="bool")
         made(g, (), "all", check, dtype="bool")
         del check
-    return Loop(special, position_ids, made(g, (B,), "ones", dtype="int64"))
+    return Loop(special, position_ids, made(g, (B,), "ones", dtype="int64"), eos, scores)
 
 
 def prefill(g: Graph, m: HFModel, loop: Loop, ids: Tensor, mask: Tensor) -> None:
@@ -209,24 +215,34 @@ def sample(g: Graph, m: HFModel, loop: Loop, logits: Tensor) -> None:
     loop.mask = made(g, (B, T + 1), "cat", loop.mask, dtype="int64")
     del second
     loop.logits = made(g, (B, V), "_to_copy", logits)
-    loop.probs = made(g, (B, V), "_softmax", loop.logits)
+    scores = loop.logits
+    if loop.scores is not None:  # TemperatureLogitsWarper: scores / temperature, kept by output_scores
+        scores = made(g, (B, V), "div", loop.logits)
+        loop.scores.append(scores)
+    loop.probs = made(g, (B, V), "_softmax", scores)
+    del scores
     drawn = made(g, (B,), "multinomial", loop.probs, dtype="int64")
-    loop.tokens = None
-    kept = made(g, (B,), "mul", drawn, dtype="int64")
-    finished = made(g, (B,), "rsub", dtype="int64")
-    padded = made(g, (B,), "mul", finished, dtype="int64")
-    del finished
-    loop.tokens = made(g, (B,), "add", kept, padded, dtype="int64")
-    del kept, padded, drawn
+    if loop.eos:  # finished rows' tokens replaced by the pad
+        loop.tokens = None
+        kept = made(g, (B,), "mul", drawn, dtype="int64")
+        finished = made(g, (B,), "rsub", dtype="int64")
+        padded = made(g, (B,), "mul", finished, dtype="int64")
+        del finished
+        loop.tokens = made(g, (B,), "add", kept, padded, dtype="int64")
+        del kept, padded
+    else:
+        loop.tokens = drawn
+    del drawn
     loop.ids = made(g, (B, T + 1), "cat", loop.ids, dtype="int64")
     longest, eos = made(g, (B,), "full", dtype="bool"), made(g, (B,), "full", dtype="bool")
     done = made(g, (B,), "bitwise_or", longest, eos, dtype="bool")
     del longest, eos
-    found = made(g, (B,), "isin", dtype="bool")
-    seen = made(g, (B,), "any", found, dtype="bool")
-    del found
-    done = made(g, (B,), "bitwise_or", done, seen, dtype="bool")
-    del seen
+    if loop.eos:  # EosTokenCriteria
+        found = made(g, (B,), "isin", dtype="bool")
+        seen = made(g, (B,), "any", found, dtype="bool")
+        del found
+        done = made(g, (B,), "bitwise_or", done, seen, dtype="bool")
+        del seen
     not_done = made(g, (B,), "bitwise_not", done, dtype="bool")
     del done
     unfinished = made(g, (B,), "bitwise_and", loop.unfinished, not_done, dtype="int64")
@@ -264,7 +280,11 @@ def forward(g: Graph, m: HFModel, ids: Tensor, positions: Tensor) -> Tensor:
 
 def grown(g: Graph, m: HFModel, loop: Loop, tokens: int) -> None:
     """The decode steps between the first and the last, whose tensors the loop carries are the same but `tokens`
-    shorter: each layer's keys and values, the ids and the mask, each freed and made `tokens` longer."""
+    shorter: each layer's keys and values, the ids and the mask, each freed and made `tokens` longer; the warped
+    scores each of those steps keeps (output_scores)."""
+    if loop.scores is not None:
+        B, V = loop.scores[-1].shape
+        loop.scores += [made(g, (B, V), "div") for _ in range(tokens)]
     for i, entry in enumerate(m.cache):
         shapes = [t.shape[:2] + (t.shape[2] + tokens,) + t.shape[3:] for t in entry]
         dtype, m.cache[i] = entry[0].dtype, None

@@ -210,7 +210,7 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     reference = dpo.reference_model(g, cfg, arch, family, autocast)
     loop = None
     if cfg.stack.rl == "ppo":  # PolicyAndValueWrapper: the value model trains beside the policy, under one optimizer
-        loop = ppo.loop_for(g, cfg, family, critic)
+        loop = ppo.loop_for(g, cfg, family, arch, critic)
         trained = ppo.decay_first(trained + loop.critic.params)
     return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast, quant=quant, held=shared,
                    reference=reference, own_loop=loop)  # fmt: skip

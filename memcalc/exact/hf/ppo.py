@@ -74,8 +74,8 @@ def check(cfg, family, arch: str, critic: Critic) -> None:
     for what, fam, name, shape in (("", family, arch, cfg.shape), (" (--critic)", critic.family, critic.arch,
                                                                      critic.shape)):  # fmt: skip
         if fam.decoder is not llama_model or shape.sliding_window:
-            raise InputError(f"--rl ppo is replayed on Llama's decoder (Llama, Qwen2, Qwen3, Mistral without a window), "
-                             f"not {name}{what}" + (" with a sliding window" if shape.sliding_window else ""))
+            raise InputError(f"--rl ppo is replayed on Llama's decoder (Llama, Qwen2, Qwen3, Mistral without a "
+                             f"window), not {name}{what}" + (" with a sliding window" if shape.sliding_window else ""))
         if shape.dropout:
             raise InputError(f"--rl ppo on a model with dropout{what}: disable_dropout_in_model turns its nn.Dropout "
                              "modules off but not every family's attention dropout, which is not replayed")
@@ -98,7 +98,7 @@ def value_params(family, shape) -> list[tuple[str, tuple]]:
     return [(n, s) for n, s in family.params(shape) if n != "lm_head.weight"] + [("score.weight", (1, shape.hidden))]
 
 
-def loop_for(g: Graph, cfg, family, critic: Critic) -> PpoLoop:
+def loop_for(g: Graph, cfg, family, arch: str, critic: Critic) -> PpoLoop:
     """PPOTrainer's models beside the policy, each in the model's dtype with its own rotary buffers: the value model
     (the critic's architecture, trained with the policy under one optimizer, whatever the policy's fine-tuning), and
     what is only held in the step: the reward model (the critic's), and the reference (a copy of the policy where it
@@ -117,13 +117,15 @@ def loop_for(g: Graph, cfg, family, critic: Critic) -> PpoLoop:
     value_cfg = replace(cfg, shape=critic.shape, stack=replace(cfg.stack, finetune=FULL))
     model = HFModel(value_cfg, critic.arch, value, buffers("value", critic.family, critic.shape))
     model.params = list(value.values())
-    held = [g.empty(s, dtype, "reward_model." + name, kind="weights")
-            for name, s in value_params(critic.family, critic.shape)]  # fmt: skip
-    held += buffers("reward", critic.family, critic.shape)
+    reward = {name: g.empty(s, dtype, "reward_model." + name, kind="weights")
+              for name, s in value_params(critic.family, critic.shape)}  # fmt: skip
+    scorer = HFModel(value_cfg, critic.arch, reward, buffers("reward", critic.family, critic.shape))
+    reference = None
     if not cfg.finetune.lora:
-        held += [g.empty(s, dtype, "ref_policy." + name, kind="weights") for name, s in family.params(cfg.shape)]
-        held += buffers("ref", family, cfg.shape)
-    return PpoLoop(model, held, critic.family.decoder)
+        copy = {name: g.empty(s, dtype, "ref_policy." + name, kind="weights") for name, s in family.params(cfg.shape)}
+        reference = HFModel(replace(cfg, stack=replace(cfg.stack, finetune=FULL)), arch, copy,
+                            buffers("ref", family, cfg.shape))  # fmt: skip
+    return PpoLoop(model, scorer, reference, critic.family.decoder)
 
 
 def decay_first(params: list[Tensor]) -> list[Tensor]:
@@ -135,11 +137,12 @@ def decay_first(params: list[Tensor]) -> list[Tensor]:
 
 
 class PpoLoop:
-    """PPOTrainer.train's loop around the step: the value model beside the policy (its backbone run by the family's
-    decoder), the models only held, and the loop's locals (frame), which outlive each micro-batch."""
+    """PPOTrainer.train's loop around the step: the value model beside the policy (its backbone run by the critic's
+    decoder), the reward model and the reference (None under PEFT) only held in the step, and the loop's locals
+    (frame), which outlive each micro-batch."""
 
-    def __init__(self, critic: HFModel, held: list[Tensor], decoder: Callable):
-        self.critic, self.held, self.decoder = critic, held, decoder
+    def __init__(self, critic: HFModel, reward: HFModel, reference: HFModel | None, decoder: Callable):
+        self.critic, self.reward, self.reference, self.decoder = critic, reward, reference, decoder
         self.frame: dict[str, object] = {}
 
     def backward_done(self, g: Graph, m: HFModel) -> None:
@@ -154,12 +157,14 @@ class PpoLoop:
 
 
 def rollout_batch(g: Graph, m: HFModel, B: int, T: int) -> dict:
-    """What train() holds through the update from its rollout, made once (in the order it makes them): the seven
-    stats tensors, the loader's batch and the one it prefetched (on the GPU: DataLoaderShard moves both), the
-    generation's ids and its scores (torch.stack of output_scores: fp32 logits of every response position, padded
-    over the local_rollout_forward_batch_size chunks: kept whole while its view is the loop's), the last chunk's
-    locals, the concatenated responses, log-probs, values and scores, the masks, the KL and rewards, each GAE step's
-    advantage (the reversed list outlives the stack), returns and whitened advantages."""
+    """What train() holds through the update from its rollout, made once, by the names of its locals and in the
+    order it makes them (memcalc.exact.hf.ppo_rollout replays the rollout that makes them): the seven stats tensors,
+    the loader's batch and the one it prefetched (on the GPU: DataLoaderShard moves both), the generation's ids and
+    its scores (torch.stack of output_scores: fp32 logits of every response position, padded over the
+    local_rollout_forward_batch_size chunks: kept whole while its view is the loop's), the last chunk's locals (views
+    of the ids keep them), the concatenated responses, log-probs, values and scores, the masks, the KL and rewards,
+    each GAE step's advantage (the reversed list outlives the stack; nextvalues, a view, keeps the values), returns
+    and whitened advantages."""
     if m.batch:
         return m.batch
     ppo, shape = m.cfg.stack.ppo, m.cfg.shape
@@ -172,21 +177,27 @@ def rollout_batch(g: Graph, m: HFModel, B: int, T: int) -> dict:
     b["stats"] = [made(g, (ppo.epochs, 1, A), "zeros") for _ in range(STATS)]
     loaded = "lift_fresh" if m.cfg.device == "cpu" else "_to_copy"
     b["data"] = [made(g, (rows, T - C), loaded, dtype="int64") for _ in range(2)]
+    b["queries"] = b["query"] = g.view(b["data"][0], (last, T - C))
     b["query_responses"] = g.view(made(g, (chunks, chunk, T), "full", dtype="int64"), (rows, T))
     b["logitss"] = made(g, (chunks, chunk, C, shape.vocab), "full")
-    b["chunk"] = [made(g, (last, T), "cat", dtype="int64"), made(g, (last,), "sub", dtype="int64"),
-                  made(g, (last,), "add", dtype="int64")]  # postprocessed_query_response, sequence_length, _
-    for name, size, op, kind in (("responses", C, "cat", "int64"), ("postprocessed", C, "cat", "int64"),
+    b["query_response"] = g.view(b["query_responses"], (last, T))
+    b["response"] = b["postprocessed_response"] = g.view(b["query_responses"], (last, C))
+    b["postprocessed_query_response"] = made(g, (last, T), "cat", dtype="int64")
+    b["sequence_length"] = made(g, (last,), "sub", dtype="int64")
+    b["_"] = made(g, (last,), "add", dtype="int64")  # get_reward's sequence_lengths, the last `_` bound
+    for name, size, op, kind in (("responses", C, "cat", "int64"), ("postprocessed_responses", C, "cat", "int64"),
                                  ("sequence_lengths", 0, "cat", "int64"), ("scores", 0, "cat", dtype),
-                                 ("contain_eos", 0, "any", "bool"), ("response_idxs", C, "repeat", "int64"),
+                                 ("contain_eos_token", 0, "any", "bool"), ("response_idxs", C, "repeat", "int64"),
                                  ("padding_mask", C, "gt", "bool"), ("logprobs", C, "masked_fill", "fp32"),
-                                 ("ref_logprobs", C, "masked_fill", dtype), ("lengths_p1", 0, "add", "int64"),
+                                 ("ref_logprobs", C, "masked_fill", dtype), ("sequence_lengths_p1", 0, "add", "int64"),
                                  ("padding_mask_p1", C, "gt", "bool"), ("values", C, "masked_fill", dtype),
                                  ("logr", C, "sub", "fp32"), ("kl", C, "neg", "fp32"),
                                  ("non_score_reward", C, "mul", "fp32"), ("rewards", C, "clone", "fp32"),
                                  ("actual_start", 0, "arange", "int64"), ("actual_end", 0, "where", "int64")):
         b[name] = made(g, (rows, size) if size else (rows,), op, dtype=kind)  # fmt: skip
-    b["gae"] = [made(g, (rows,), "add") for _ in range(C)] + [made(g, (rows,), "sub")]  # lastgaelam each, delta
+    b["advantages_reversed"] = [made(g, (rows,), "add") for _ in range(C)]  # lastgaelam at each step
+    b["lastgaelam"], b["delta"] = b["advantages_reversed"][-1], made(g, (rows,), "sub")
+    b["nextvalues"] = g.view(b["values"], (rows,))  # values[:, 1], bound at the last step
     b["returns"] = made(g, (rows, C), "add")
     b["advantages"] = made(g, (rows, C), "masked_fill")
     return b
@@ -241,6 +252,18 @@ def forward(g: Graph, m: HFModel, query_responses: Tensor, causal_lm: Callable) 
     """ppo_trainer.forward: the mask, position_ids and ids, then PolicyAndValueWrapper.forward: the value model's
     backbone (critic_backbone) and score head, then the policy; the backbone's output goes as the wrapper returns,
     the mask and position_ids as forward() does (the ids stay: both embeddings save them)."""
+    attention_mask, position_ids, input_ids = model_inputs(g, query_responses)
+    critic = m.own_loop.critic
+    backbone = run_backbone(g, critic, m.own_loop.decoder, input_ids, attention_mask, position_ids)
+    vpred_temp = score_head(g, critic, backbone.hidden[-1])
+    output, logits = run_causal_lm(g, m, input_ids, attention_mask, position_ids, causal_lm)
+    del backbone, attention_mask, position_ids, input_ids
+    return output, logits, vpred_temp
+
+
+def model_inputs(g: Graph, query_responses: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """What forward() and get_reward hand a model: attention_mask = query_responses != pad_token_id, position_ids =
+    attention_mask.cumsum(1) - attention_mask.long(), input_ids = query_responses.masked_fill(~attention_mask, 0)."""
     B, T = query_responses.shape
     with g.scoped("loss"):
         attention_mask = made(g, (B, T), "ne", query_responses, dtype="bool")
@@ -251,20 +274,38 @@ def forward(g: Graph, m: HFModel, query_responses: Tensor, causal_lm: Callable) 
         padding = made(g, (B, T), "bitwise_not", attention_mask, dtype="bool")
         input_ids = made(g, (B, T), "masked_fill", query_responses, padding, dtype="int64")
         del padding
-    critic = m.own_loop.critic
-    critic.position_ids, critic.mask, critic.captured = position_ids, attention_mask, []
-    start(critic)
-    m.own_loop.decoder(g, critic, input_ids, ())
+    return attention_mask, position_ids, input_ids
+
+
+def run_backbone(g: Graph, model: HFModel, decoder: Callable, input_ids: Tensor, mask: Tensor,
+                 position_ids: Tensor, use_cache: bool = True) -> Output:  # fmt: skip
+    """A sequence-classification model's backbone (getattr(model, base_model_prefix)) with output_hidden_states, its
+    cache as its config's use_cache has it, or none (get_reward passes use_cache=False)."""
+    model.position_ids, model.mask, model.captured = position_ids, mask, []
+    start(model)
+    if not use_cache:
+        model.cache = None
+    decoder(g, model, input_ids, ())
+    out = Output(model.cache, model.captured)
+    model.cache = model.captured = model.position_ids = model.mask = None
+    return out
+
+
+def score_head(g: Graph, model: HFModel, hidden: Tensor) -> Tensor:
+    """model.score(hidden_states[-1]): Linear(hidden, 1, bias=False), (B, T, 1)."""
     with g.scoped("value head"):
-        vpred_temp = aten.linear(g, critic.captured[-1], critic.p["score.weight"], None, "score")
-    backbone = Output(critic.cache, critic.captured)
-    critic.cache = critic.captured = critic.position_ids = critic.mask = None
-    m.position_ids, m.mask, m.captured = position_ids, attention_mask, []
+        return aten.linear(g, hidden, model.p["score.weight"], None, "score")
+
+
+def run_causal_lm(g: Graph, m: HFModel, input_ids: Tensor, mask: Tensor, position_ids: Tensor,
+                  causal_lm: Callable) -> tuple[Output, Tensor]:  # fmt: skip
+    """A causal LM called with the mask, position_ids and output_hidden_states: its output (cache, hidden states)
+    and its logits."""
+    m.position_ids, m.mask, m.captured = position_ids, mask, []
     logits = causal_lm(g, m, input_ids, None, None)[1]
     output = Output(m.cache, m.captured)
     m.cache = m.captured = m.position_ids = m.mask = None
-    del backbone, attention_mask, position_ids, input_ids
-    return output, logits, vpred_temp
+    return output, logits
 
 
 def tempered(g: Graph, logits: Tensor, C: int) -> Tensor:

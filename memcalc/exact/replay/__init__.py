@@ -6,6 +6,7 @@
   fsdp2        one rank of FSDP2 as torchtitan runs it (fsdp2_units: its units, groups and their hooks)
   fsdp2_lora   one rank of FSDP2 over PEFT's LoRA model as accelerate shards it, on zero's unit boundaries
   inductor     torch.compile's fused kernels, from the eager step's
+  ppo          PPOTrainer's rollout (--rl ppo) beside what the previous update left (memcalc.exact.hf.ppo_rollout)
 
 May import: memcalc.exact.train, memcalc.exact.hf, memcalc.exact.builder, memcalc.exact.aten,
 memcalc.exact.sim, memcalc.exact.base, and what they may.

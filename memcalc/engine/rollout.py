@@ -236,7 +236,7 @@ def ppo_phases(model: Model, gpu: GPU, setup: Setup, verdict) -> tuple[RolloutPh
     from memcalc.exact.replay.ppo import rollout_peaks
 
     cfg = step_config(model, setup, verdict.tricks)
-    why = "the rollout is replayed where the step is" if not verdict.replayed else not_replayed(cfg)
+    why = "the step is not replayed, nor is its rollout" if not verdict.replayed else not_replayed(cfg)
     if why:
         return None, why.replace("the policy's own generate", "PPOTrainer's generate")
     r, usable = rollout_peaks(cfg), verdict.usable_bytes

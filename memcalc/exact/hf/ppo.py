@@ -16,7 +16,8 @@ mixed_precision), no gradient clipping, no gradient checkpointing (nothing enabl
              the clip fraction, softmax(logits) over the response (B, C, V), its entropy, the approx KL
   carry      the loop's locals live until the next micro-batch rebinds them; at the mini-batch's end `del` drops
              them all but vf_loss_max, which the next mini-batch's first rebinds
-The rollout's tensors (rollout_batch) are made before the first micro-batch and held by train() through the update.
+The rollout's tensors (rollout_batch) are made before the first micro-batch and held by train() through the update
+(memcalc.exact.hf.ppo_rollout replays the rollout that makes them).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from .dynamic_cache import start
 from .grpo import clamp, extremum
 
 if TYPE_CHECKING:
-    from .family import HFModel
+    from memcalc.model.shape import ModelShape
+
+    from .family import Family, HFModel
 
 ROWS = ("mb_advantage", "advantages"), ("mb_responses", "responses"), ("mb_query_responses", "query_responses"), \
     ("mb_logprobs", "logprobs"), ("mb_return", "returns"), ("mb_values", "values")  # the loop's picks, in order
@@ -49,9 +52,9 @@ STATS = 7  # approxkl, pg_clipfrac, pg_loss, vf_loss, vf_clipfrac, entropy, rati
 class Critic:
     """The value and reward models' architecture: its shape, model_type and family."""
 
-    shape: object
+    shape: ModelShape
     arch: str
-    family: object
+    family: Family
 
 
 def check(cfg, family, arch: str, critic: Critic) -> None:
@@ -79,7 +82,6 @@ def check(cfg, family, arch: str, critic: Critic) -> None:
         if shape.dropout:
             raise InputError(f"--rl ppo on a model with dropout{what}: disable_dropout_in_model turns its nn.Dropout "
                              "modules off but not every family's attention dropout, which is not replayed")
-
     if cfg.stack.ppo.completion_len >= cfg.seq_len:
         raise InputError(f"--completion-len {cfg.stack.ppo.completion_len} leaves no prompt in --seq {cfg.seq_len}: "
                          "the sequence is the prompt and the response together")  # fmt: skip

@@ -64,7 +64,7 @@ def micro_step(g: Graph, model: Transformer, recipe: Recipe | TorchRecipe | Auto
 
 def after(g: Graph, model, when: str) -> None:
     """What a trainer's own loop runs after a micro-batch's backward (backward_done) or the optimizer step (stepped):
-    PPO's metrics and its mini-batch's `del` (memcalc.exact.hf.ppo.Loop); nothing for the others."""
+    PPO's metrics and its mini-batch's `del` (memcalc.exact.hf.ppo.PpoLoop); nothing for the others."""
     loop = getattr(model, "own_loop", None)
     if loop is not None:
         getattr(loop, when)(g, model)

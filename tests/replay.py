@@ -93,10 +93,11 @@ def launches(kernels) -> list[tuple]:
     return [(tuple(row[:-2]), row[-1]) for row in merged(kernels)]
 
 
-def assert_same_ppo(shape, tricks: str, grad_accum: int, finetune=None, critic=None, seq: int = 12,
+def assert_same_ppo(shape, tricks: str, grad_accum: int, finetune=None, critic=None, chunk: int = 64, seq: int = 12,
                     completion: int = 5) -> None:  # fmt: skip
     """memcalc.exact.hf.ppo's PPO epoch against trl's PPOTrainer.train() itself on CPU tensors (verify/trl_ppo.py:
-    two updates of two epochs, micro-batch 2; critic: the value and reward models' shape): every allocation of the
+    two updates of two epochs, micro-batch 2; critic: the value and reward models' shape; chunk:
+    local_rollout_forward_batch_size): every allocation of the
     first update's second epoch (its optimizer state made), in order, with the live bytes above the epoch's start at
     each, and what the trainer holds at that start (the replay's state; the replay's two (B, T) int64 inputs, which
     PPO's loop does not have, aside); with flash, the same of the second update's rollout."""
@@ -112,10 +113,10 @@ def assert_same_ppo(shape, tricks: str, grad_accum: int, finetune=None, critic=N
 
     finetune = replace(finetune or FULL, lora_dropout=0.0)  # PPOTrainer disables every dropout
     stack = replace(STACKS[f"trl:{PPO_LINE}"], rl="ppo", loss="full", use_cache=True, recipe="pure",
-                    ppo=Ppo(completion, epochs=2, critic=critic), finetune=finetune)  # fmt: skip
+                    ppo=Ppo(completion, chunk, epochs=2, critic=critic), finetune=finetune)  # fmt: skip
     cfg = StepConfig(shape, seq, 2, parse_tricks(tricks), stack, "adamw", grad_accum, device="cpu", watched=True)
     phases, _, mem = simulate(cfg, timeline=True)
-    run = run_ppo(shape, seq, completion, 2, grad_accum, parse_tricks(tricks), finetune, critic, updates=2)
+    run = run_ppo(shape, seq, completion, 2, grad_accum, parse_tricks(tricks), finetune, critic, chunk, updates=2)
     first, last, base = run.region("epoch", 1, "emptied")
     assert phases.state_bytes == base, (tricks, grad_accum, phases.state_bytes, base)
     assert allocated(mem.timeline, "forward") == allocated(run.live.timeline[first:last]), (tricks, grad_accum)

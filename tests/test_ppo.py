@@ -36,11 +36,13 @@ def test_trl_1_12_itself():
     """Llama at fp32 with SDPA, Qwen2's biases (their own optimizer group) in bf16 over three micro-batches, Qwen3's
     norms at one, a tied head over four; LoRA (PEFT's policy, no reference model, the value model whole) on Llama
     and Qwen3; a critic (--critic) narrower and shallower than the policy, and one of another architecture. With
-    flash, the second update's rollout too (generate, the scoring loop, GAE), beside what the first update left."""
+    flash, the second update's rollout too (generate, the scoring loop, GAE), beside what the first update left, in
+    one chunk and in several (local_rollout_forward_batch_size 3 of 4 rows: the last padded; 2 of 6)."""
     assert_release("1.12.0", "ppo:1.12:llama:fp32,flash:full:2", "ppo:1.12:qwen2:bf16:full:3",
                    "ppo:1.12:qwen3:bf16,flash:full:1", "ppo:1.12:llama-mha-tied:bf16,flash:full:4",
                    "ppo:1.12:llama:bf16,flash:lora:2", "ppo:1.12:qwen3:bf16:lora:3",
-                   "ppo:1.12:llama:bf16,flash:lora:2:narrow", "ppo:1.12:qwen3:bf16:full:2:llama-mha-tied")
+                   "ppo:1.12:llama:bf16,flash:lora:2:narrow", "ppo:1.12:qwen3:bf16:full:2:llama-mha-tied",
+                   "ppo:1.12:llama:bf16,flash:full:2:chunk3", "ppo:1.12:qwen3:bf16,flash:lora:3:narrow:chunk2")
 
 
 def config(shape, tricks: str = "bf16,flash", batch: int = 2, accumulation: int = 2, seq: int = 48,

@@ -6,7 +6,7 @@ the test extra's trl is 1.16):
 
 each case --rl, the stack's line, a tests/test_stack_hf.py TINY model, a trick set, full, lora or qlora, and
 optionally precompute (DPOConfig.precompute_ref_log_probs), or under ppo the accumulation steps and optionally the
-value and reward models' TINY model: it says
+value and reward models' TINY model and chunkN (local_rollout_forward_batch_size): it says
 which case differs (tests/replay.py assert_watched_cpu: allocation by allocation on CPU tensors under the Trainer's
 autocast; under ppo assert_same_ppo: PPOTrainer.train() itself) and exits 1, else 0."""
 
@@ -72,12 +72,13 @@ def main(*cases: str) -> int:
         stack = replace(STACKS[f"trl:{line}"], finetune=FINETUNES[finetune], rl=rl, loss="full",
                         precompute_ref=precompute == ["precompute"])  # fmt: skip
         try:
-            if rl == "ppo":  # its accumulation steps, then the critic's TINY model
-                accumulation, *critic = precompute or ["2"]
+            if rl == "ppo":  # its accumulation steps, then the critic's TINY model and chunkN, the rollout's rows
+                accumulation, *more = precompute or ["2"]
                 critics = dict(TINY, narrow=replace(TINY["llama"], n_layers=1, hidden=32, n_heads=2, n_kv_heads=1,
                                                     ffn=48))  # a critic smaller than the policy  # fmt: skip
-                assert_same_ppo(TINY[model], tricks, int(accumulation), FINETUNES[finetune],
-                                critics[critic[0]] if critic else None)  # fmt: skip
+                critic = next((critics[x] for x in more if not x.startswith("chunk")), None)
+                chunk = next((int(x.removeprefix("chunk")) for x in more if x.startswith("chunk")), 64)
+                assert_same_ppo(TINY[model], tricks, int(accumulation), FINETUNES[finetune], critic, chunk)
             else:
                 assert_watched_cpu(TINY[model], stack, tricks)
         except AssertionError as e:

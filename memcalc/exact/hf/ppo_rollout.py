@@ -135,9 +135,10 @@ def score_all(g: Graph, m: HFModel, causal_lm) -> None:
     for start in range(0, rows, chunk):
         R = min(chunk, rows - start)
         score_chunk(g, m, R, T, C, causal_lm, lists)
-    for name, parts in lists.items():  # torch.cat(x, 0) of each list
+    for name in list(lists):  # x = torch.cat(x, 0) of each list: the list goes, with the earlier chunks' tensors
+        parts = lists.pop(name)
         b[name] = made(g, (rows,) + tuple(parts[0].shape[1:]), "cat", *parts, dtype=parts[0].dtype)
-    lists.clear()
+        del parts
     for name in ("logprob", "ref_logprob", "full_value", "value", "score"):  # del (logprob, ..., unwrapped_model)
         b.pop(name, None)
     g.grad_enabled = outer

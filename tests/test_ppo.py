@@ -119,13 +119,14 @@ def run(*args: str):
 
 
 def test_estimate_answers_on_its_line():
-    """The default stack under --rl ppo is trl:1.12, pure; --completion-len is response_length."""
+    """The default stack under --rl ppo is trl:1.12, pure; --completion-len is response_length, --rollout-batch
+    local_rollout_forward_batch_size."""
     r = run("estimate", "--model", "qwen3-0.6b", "--seq", "512", "--rl", "ppo", "--completion-len", "64",
-            "--format", "json")  # fmt: skip
+            "--rollout-batch", "8", "--format", "json")  # fmt: skip
     assert r.exit_code == 0, r.output
     stack = json.loads(r.output)["setup"]["stack"]
-    assert (stack["key"], stack["recipe"], stack["rl"], stack["ppo"]["completion_len"]) == ("trl:1.12", "pure",
-                                                                                           "ppo", 64)
+    assert (stack["key"], stack["recipe"], stack["rl"]) == ("trl:1.12", "pure", "ppo")
+    assert (stack["ppo"]["completion_len"], stack["ppo"]["rollout_batch"]) == (64, 8)
 
 
 @pytest.mark.parametrize("args, said", [
@@ -163,14 +164,24 @@ def test_the_rollout_is_a_phase():
     assert "PPO phases per GPU" in table and "rollout peaks higher" in " ".join(table.split())
 
 
+def test_a_smaller_rollout_chunk_holds_less():
+    """--rollout-batch: the reference's logits over fewer rows at once."""
+    args = ("estimate", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "512", "--rl", "ppo", "--tricks",
+            "bf16,flash", "--micro-batch", "4", "--grad-accum", "4", "--format", "json")  # fmt: skip
+    peaks = [json.loads(run(*args, "--rollout-batch", n).stdout)["rollout"]["ppos"][0]["score_bytes"]
+             for n in ("16", "4")]  # fmt: skip
+    assert peaks[0] > peaks[1]
+
+
 def test_an_eager_rollout_is_not_sized():
     r = run("estimate", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "256", "--rl", "ppo", "--tricks", "bf16")
     assert r.exit_code == 0 and "not sized: PPOTrainer's generate is replayed with SDPA's kernels" in " ".join(
         r.stdout.split())  # fmt: skip
 
 
-def test_the_critic_is_ppos():
-    r = run("estimate", "--model", "qwen3-0.6b", "--seq", "512", "--rl", "grpo", "--critic", "qwen3-0.6b")
+@pytest.mark.parametrize("option", [["--critic", "qwen3-0.6b"], ["--rollout-batch", "8"]])
+def test_ppo_options_are_ppos(option):
+    r = run("estimate", "--model", "qwen3-0.6b", "--seq", "512", "--rl", "grpo", *option)
     assert r.exit_code == 2 and "give --rl ppo" in r.output
 
 

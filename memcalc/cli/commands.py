@@ -22,7 +22,7 @@ from .limits import fit, mfu
 from .options import (Calibration, CapacityFactor, ConfigPath, Cp, Detail, Dp, Ep, EstimateMfu, Etp, ExactBytes,
                       ExpandableSegments, ExpertImbalance, Ffn, Format, FromFile, Freeze, GpuMemory, GpuOpt, Gpus,
                       GpusPerNode, GradAccum, HeadroomOpt, Heads, Hidden, HostMemory, Hybrid, ImplOpt, KvHeads,
-                      Layers, Dora, Lora, LoraDropout, ModulesToSave, LoraTargets, LigerOpt, RlOpt, PrecomputeRef, CompletionLen, NumGenerations, CriticOpt, BetaOpt, VllmOpt, VllmUtil, VllmSleep, VllmMaxLen, GraphMemory, LossOpt, ReentrantOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, NoOffload, Offload, OffloadActivations,
+                      Layers, Dora, Lora, LoraDropout, ModulesToSave, LoraTargets, LigerOpt, RlOpt, PrecomputeRef, CompletionLen, NumGenerations, CriticOpt, RolloutBatch, BetaOpt, VllmOpt, VllmUtil, VllmSleep, VllmMaxLen, GraphMemory, LossOpt, ReentrantOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, NoOffload, Offload, OffloadActivations,
                       OffloadParams, Optimizer, Params, Pp, PpLayers, Quantize, RecipeOpt, Reshard, Seq, Sp, StackOpt,
                       Tp, TricksOpt, Units, Vocab, Vpp, Without, Zero)  # fmt: skip
 from .serve import serve
@@ -83,7 +83,7 @@ def estimate(
     optimizer_impl: ImplOpt = None, no_cache: NoCache = False, offload_activations: OffloadActivations = False, tp: Tp = None, pp: Pp = None, cp: Cp = None, dp: Dp = None, sp: Sp = False, vpp: Vpp = None,
     ep: Ep = None, etp: Etp = None,
     lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, dora: Dora = False, modules_to_save: ModulesToSave = None, quantize: Quantize = None,
-    freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False, liger: LigerOpt = False, reentrant: ReentrantOpt = False, rl: RlOpt = None, precompute_ref: PrecomputeRef = False, completion_len: CompletionLen = None, num_generations: NumGenerations = None, beta: BetaOpt = None, vllm: VllmOpt = None, vllm_util: VllmUtil = None, vllm_sleep: VllmSleep = False, vllm_max_len: VllmMaxLen = None, cudagraph_memory: GraphMemory = None, critic: CriticOpt = None,
+    freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False, liger: LigerOpt = False, reentrant: ReentrantOpt = False, rl: RlOpt = None, precompute_ref: PrecomputeRef = False, completion_len: CompletionLen = None, num_generations: NumGenerations = None, beta: BetaOpt = None, vllm: VllmOpt = None, vllm_util: VllmUtil = None, vllm_sleep: VllmSleep = False, vllm_max_len: VllmMaxLen = None, cudagraph_memory: GraphMemory = None, critic: CriticOpt = None, rollout_batch: RolloutBatch = None,
     hybrid: Hybrid = False, offload_params: OffloadParams = False, gpus_per_node: GpusPerNode = None,
     pp_layers: PpLayers = None, reshard: Reshard = None,
     gpu: GpuOpt = "h100-sxm", gpu_memory: GpuMemory = None, headroom: HeadroomOpt = None,
@@ -235,7 +235,7 @@ def verify(
     tricks: Annotated[str, typer.Option("--tricks", help="The trick set to build and measure.", metavar="LIST")] = "bf16",
     stack: StackOpt = None, recipe: RecipeOpt = None, optimizer_impl: ImplOpt = None, no_cache: NoCache = False,
     lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, dora: Dora = False, modules_to_save: ModulesToSave = None, quantize: Quantize = None,
-    freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False, liger: LigerOpt = False, reentrant: ReentrantOpt = False, rl: RlOpt = None, precompute_ref: PrecomputeRef = False, completion_len: CompletionLen = None, num_generations: NumGenerations = None, beta: BetaOpt = None, vllm: VllmOpt = None, vllm_util: VllmUtil = None, vllm_sleep: VllmSleep = False, vllm_max_len: VllmMaxLen = None, cudagraph_memory: GraphMemory = None, critic: CriticOpt = None,
+    freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False, liger: LigerOpt = False, reentrant: ReentrantOpt = False, rl: RlOpt = None, precompute_ref: PrecomputeRef = False, completion_len: CompletionLen = None, num_generations: NumGenerations = None, beta: BetaOpt = None, vllm: VllmOpt = None, vllm_util: VllmUtil = None, vllm_sleep: VllmSleep = False, vllm_max_len: VllmMaxLen = None, cudagraph_memory: GraphMemory = None, critic: CriticOpt = None, rollout_batch: RolloutBatch = None,
     optimizer: Optimizer = "adamw", matrix: Annotated[bool, typer.Option("--matrix", help="Every trick set in one run, and one summary table.")] = False,
     steps: Annotated[str, typer.Option("--steps", help="Timed steps after warm-up (CUDA).", metavar="N")] = "3",
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or meta.", metavar="DEV", show_default="cuda when present, else meta")] = None,

@@ -130,6 +130,7 @@ class StackOptions(OptionGroup):
     vllm_max_len: str | None = None
     cudagraph_memory: str | None = None
     critic: str | None = None
+    rollout_batch: str | None = None
 
     def online(self):
         """GRPOConfig's (and RLOOConfig's) settings (memcalc.model.rl.OnlineRL) where any is given or --rl grpo or rloo
@@ -164,18 +165,21 @@ class StackOptions(OptionGroup):
                         self.vllm_sleep, max_len, graph_bytes(self.cudagraph_memory) or 0)  # fmt: skip
 
     def ppo(self):
-        """PPOConfig's settings (memcalc.model.rl.Ppo) under --rl ppo: --completion-len its response_length, --critic
-        the value and reward models, the rest its defaults; else None."""
+        """PPOConfig's settings (memcalc.model.rl.Ppo) under --rl ppo: --completion-len its response_length,
+        --rollout-batch its local_rollout_forward_batch_size, --critic the value and reward models, the rest its
+        defaults; else None."""
         from memcalc.model.rl import Ppo
-        from memcalc.model.sizes import parse_seq
+        from memcalc.model.sizes import parse_count, parse_seq
 
         if (self.rl or "").strip().lower() != "ppo":
-            if self.critic is not None:
-                raise InputError("--critic is PPOTrainer's value and reward model: give --rl ppo")
+            if self.critic is not None or self.rollout_batch is not None:
+                raise InputError("--critic and --rollout-batch are PPOConfig's: give --rl ppo")
             return None
-        completion = Ppo().completion_len if self.completion_len is None else parse_seq(self.completion_len,
-                                                                                        "--completion-len")
-        return Ppo(completion, critic=None if self.critic is None else named_model(self.critic, None).shape)
+        base = Ppo()
+        completion = base.completion_len if self.completion_len is None else parse_seq(self.completion_len,
+                                                                                       "--completion-len")
+        rows = base.rollout_batch if self.rollout_batch is None else parse_count(self.rollout_batch, "--rollout-batch")
+        return Ppo(completion, rows, critic=None if self.critic is None else named_model(self.critic, None).shape)
 
     def resolve(self, gpu=None):
         """PEFT and frozen weights are replayed on Transformers' classes, so hf is the default there and any other

@@ -15,7 +15,7 @@ from .groups import GpuOptions, LayoutOptions, ModelOptions, StackOptions, StepO
 from .inputs import check_format, explained, fail, render_units, resolve_tricks, show_file, warn, with_file
 from .options import (ConfigPath, DataParallelGpus, Detail, ExactBytes, ExpandableSegments, Ffn, Format, Freeze,
                       FromFile, GpuMemory, GpuOpt, GradAccum, HeadroomOpt, Heads, Hidden, HostMemory, ImplOpt, KvHeads, Layers,
-                      Dora, Lora, LoraDropout, ModulesToSave, LoraTargets, LigerOpt, RlOpt, PrecomputeRef, CompletionLen, NumGenerations, CriticOpt, BetaOpt, VllmOpt, VllmUtil, VllmSleep, VllmMaxLen, GraphMemory, LossOpt, ReentrantOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, Offload, OffloadActivations, Optimizer, Params,
+                      Dora, Lora, LoraDropout, ModulesToSave, LoraTargets, LigerOpt, RlOpt, PrecomputeRef, CompletionLen, NumGenerations, CriticOpt, RolloutBatch, BetaOpt, VllmOpt, VllmUtil, VllmSleep, VllmMaxLen, GraphMemory, LossOpt, ReentrantOpt, OptimizerInBackward, MicroBatch, ModelName, NoCache, Offload, OffloadActivations, Optimizer, Params,
                       Quantize, RecipeOpt, Seq, StackOpt, Units, Vocab, Zero)  # fmt: skip
 
 FIT_TRICKS, MFU_TRICKS = "bf16,flash", "bf16"  # without --tricks; fp16 in place of bf16 where a card lacks it
@@ -33,7 +33,7 @@ def fit(
     exact_bytes: ExactBytes = False, fmt: Format = "table",
     units: Units = "gb", lora: Lora = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None, dora: Dora = False, modules_to_save: ModulesToSave = None,
     quantize: Quantize = None, freeze: Freeze = None, loss: LossOpt = None, optimizer_in_backward: OptimizerInBackward = False,
-    liger: LigerOpt = False, reentrant: ReentrantOpt = False, rl: RlOpt = None, precompute_ref: PrecomputeRef = False, completion_len: CompletionLen = None, num_generations: NumGenerations = None, beta: BetaOpt = None, vllm: VllmOpt = None, vllm_util: VllmUtil = None, vllm_sleep: VllmSleep = False, vllm_max_len: VllmMaxLen = None, cudagraph_memory: GraphMemory = None, critic: CriticOpt = None,
+    liger: LigerOpt = False, reentrant: ReentrantOpt = False, rl: RlOpt = None, precompute_ref: PrecomputeRef = False, completion_len: CompletionLen = None, num_generations: NumGenerations = None, beta: BetaOpt = None, vllm: VllmOpt = None, vllm_util: VllmUtil = None, vllm_sleep: VllmSleep = False, vllm_max_len: VllmMaxLen = None, cudagraph_memory: GraphMemory = None, critic: CriticOpt = None, rollout_batch: RolloutBatch = None,
 ) -> None:  # fmt: skip
     """The longest sequence and the largest micro-batch that fit one GPU under a trick set."""
     options, source = locals(), None  # every option by name, for the groups (memcalc.cli.groups)

@@ -93,11 +93,11 @@ def launches(kernels) -> list[tuple]:
     return [(tuple(row[:-2]), row[-1]) for row in merged(kernels)]
 
 
-def assert_same_ppo(shape, tricks: str, grad_accum: int, finetune=None, critic=None, chunk: int = 64, seq: int = 12,
-                    completion: int = 5) -> None:  # fmt: skip
+def assert_same_ppo(shape, tricks: str, grad_accum: int, finetune=None, critic=None, chunk: int = 64, line: str = "",
+                    seq: int = 12, completion: int = 5) -> None:  # fmt: skip
     """memcalc.exact.hf.ppo's PPO epoch against trl's PPOTrainer.train() itself on CPU tensors (verify/trl_ppo.py:
     two updates of two epochs, micro-batch 2; critic: the value and reward models' shape; chunk:
-    local_rollout_forward_batch_size): every allocation of the
+    local_rollout_forward_batch_size; line: the stack's TRL line, the installed release's): every allocation of the
     first update's second epoch (its optimizer state made), in order, with the live bytes above the epoch's start at
     each, and what the trainer holds at that start (the replay's state; the replay's two (B, T) int64 inputs, which
     PPO's loop does not have, aside); with flash, the same of the second update's rollout."""
@@ -112,7 +112,7 @@ def assert_same_ppo(shape, tricks: str, grad_accum: int, finetune=None, critic=N
     from verify.trl_ppo import run_ppo
 
     finetune = replace(finetune or FULL, lora_dropout=0.0)  # PPOTrainer disables every dropout
-    stack = replace(STACKS[f"trl:{PPO_LINE}"], rl="ppo", loss="full", use_cache=True, recipe="pure",
+    stack = replace(STACKS[f"trl:{line or PPO_LINE}"], rl="ppo", loss="full", use_cache=True, recipe="pure",
                     ppo=Ppo(completion, chunk, epochs=2, critic=critic), finetune=finetune)  # fmt: skip
     cfg = StepConfig(shape, seq, 2, parse_tricks(tricks), stack, "adamw", grad_accum, device="cpu", watched=True)
     phases, _, mem = simulate(cfg, timeline=True)

@@ -22,7 +22,7 @@ from memcalc.cli import app
 from memcalc.exact.base.config import StepConfig
 from memcalc.exact.replay.meta import simulate
 from memcalc.model.params import n_params
-from memcalc.model.rl import PPO_LINE, Ppo
+from memcalc.model.rl import PPO_LINE, PPO_LINES, Ppo
 from memcalc.model.stacks import STACKS
 from memcalc.model.tricks import parse_tricks
 from tests.test_fuzz import examples
@@ -43,6 +43,23 @@ def test_trl_1_12_itself():
                    "ppo:1.12:llama:bf16,flash:lora:2", "ppo:1.12:qwen3:bf16:lora:3",
                    "ppo:1.12:llama:bf16,flash:lora:2:narrow", "ppo:1.12:qwen3:bf16:full:2:llama-mha-tied",
                    "ppo:1.12:llama:bf16,flash:full:2:chunk3", "ppo:1.12:qwen3:bf16,flash:lora:3:narrow:chunk2")
+
+
+@pytest.mark.slow("test_every_line_answers (the same loop on each line, the replay the same)")
+def test_trl_1_5_itself():
+    """1.3-1.5's release, whose helpers (get_reward, first_true_indices, selective_log_softmax) are the oldest the
+    lines replay: the PPO epoch and, over several chunks, the rollout."""
+    assert_release("1.5.1", "ppo:1.5:llama:bf16,flash:full:2:chunk3", "ppo:1.5:qwen3:bf16,flash:lora:2")
+
+
+@pytest.mark.parametrize("line", PPO_LINES)
+def test_every_line_answers(line):
+    """1.3.0 to 1.12.0 ship the same PPO loop (diffed; 1.3.0, 1.5.1, 1.6.0, 1.7.0, 1.8.0, 1.9.2, 1.10.0, 1.11.0 and
+    1.12.0 each held to the replay by tests.trl_release), so every line answers alike."""
+    args = ("estimate", "--model", "qwen3-0.6b", "--layers", "2", "--seq", "256", "--rl", "ppo", "--tricks",
+            "bf16,flash", "--format", "json")  # fmt: skip
+    on_line = json.loads(run(*args, "--stack", f"trl:{line}").stdout)["verdict"][0]["peak_bytes"]
+    assert on_line == json.loads(run(*args).stdout)["verdict"][0]["peak_bytes"]
 
 
 def config(shape, tricks: str = "bf16,flash", batch: int = 2, accumulation: int = 2, seq: int = 48,
@@ -130,7 +147,7 @@ def test_estimate_answers_on_its_line():
 
 
 @pytest.mark.parametrize("args, said", [
-    (("--stack", "trl:1.16"), "replayed on --stack trl:1.12"),
+    (("--stack", "trl:1.16"), "replayed on --stack trl:1.5, trl:1.6, trl:1.7, trl:1.10, trl:1.12"),
     (("--lora", "8", "--quantize", "nf4"), "QLoRA, DoRA"),
     (("--tricks", "bf16,flash,ckpt"), "never enables it"),
     (("--recipe", "autocast"), "without mixed_precision"),

@@ -78,7 +78,7 @@ def main(*cases: str) -> int:
                                                     ffn=48))  # a critic smaller than the policy  # fmt: skip
                 critic = next((critics[x] for x in more if not x.startswith("chunk")), None)
                 chunk = next((int(x.removeprefix("chunk")) for x in more if x.startswith("chunk")), 64)
-                assert_same_ppo(TINY[model], tricks, int(accumulation), FINETUNES[finetune], critic, chunk)
+                assert_same_ppo(TINY[model], tricks, int(accumulation), FINETUNES[finetune], critic, chunk, line)
             else:
                 assert_watched_cpu(TINY[model], stack, tricks)
         except AssertionError as e:

@@ -14,13 +14,17 @@ from memcalc.errors import InputError
 from memcalc.records import record
 
 from .shape import ModelShape
-from .stacks import DPO_LOGITS, FUSED_HEAD, RL, Stack
+from .stacks import DPO_LOGITS, FUSED_HEAD, RL, Stack, releases
 
 ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.online)
 TRAINERS = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "ppo": "PPOTrainer"}  # TRL's, by --rl
 PPO_FINETUNES = ("--rl ppo with {}: replayed for a full fine-tune and LoRA (PPOTrainer wraps the policy alone in "
                  "PEFT; the value model trains whole); QLoRA, DoRA, --modules-to-save and frozen weights are not")
-PPO_LINE = "1.12"  # trl.experimental.ppo's last line (removed in 1.13): 1.10.0's and 1.12.0's ppo_trainer.py are one
+# the lines whose PPOTrainer (trl.experimental.ppo, 1.0 to 1.12; removed in 1.13) is replayed: the same PPO loop in
+# every release from 1.3.0 to 1.12.0 (diffed: imports, type hints, DeepSpeed's preparation, a logged mean), each
+# release held to the replay (tests/test_ppo.py); PPO_LINE, the newest, is --rl ppo's default
+PPO_LINES = ("1.5", "1.6", "1.7", "1.10", "1.12")
+PPO_LINE = PPO_LINES[-1]
 VLLM_MODES = ("", "colocate", "server")  # use_vllm False (the policy's own generate), vllm_mode's two
 SERVE_UTILIZATION = 0.9  # trl vllm-serve's gpu_memory_utilization default (trl/scripts/vllm_serve.py ScriptArguments)
 
@@ -142,14 +146,15 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
 
 
 def with_ppo(stack: Stack, ppo: Ppo) -> Stack:
-    """--rl ppo: TRL 1.12's PPOTrainer (trl.experimental.ppo; memcalc.exact.hf.ppo) in place of its SFTTrainer, on
+    """--rl ppo: TRL 1.3-1.12's PPOTrainer (trl.experimental.ppo; memcalc.exact.hf.ppo) in place of its SFTTrainer, on
     the models as its example script loads them in the trick set's dtype: its Accelerator has no mixed_precision,
     so nothing autocasts (the pure recipe), and the models' config.use_cache stays on (forward passes none); under
     LoRA the policy alone is PEFT's, its dropout disabled like every model's. Refused where the step is not
     replayed: other lines, QLoRA, DoRA, --modules-to-save and frozen weights, activation offloading, Liger."""
-    if stack.trl != PPO_LINE:
+    if stack.trl not in PPO_LINES:
+        lines = ", ".join("trl:" + x for x in PPO_LINES)
         raise InputError(f"--rl ppo is TRL's PPOTrainer (trl.experimental.ppo, removed in 1.13), replayed on --stack "
-                         f"trl:{PPO_LINE} (1.10 and 1.12 ship the same trainer), not --stack {stack.key}")  # fmt: skip
+                         f"{lines} (1.3 to 1.12), not --stack {stack.key}")
     ft = stack.finetune
     if not ft.trains_all and not ft.lora or ft.quantize or ft.dora or ft.modules_to_save:
         raise InputError(PPO_FINETUNES.format(ft.label))
@@ -198,8 +203,9 @@ def ppo_note(stack: Stack) -> str:
     C = stack.ppo.completion_len
     critic = stack.ppo.critic.name if stack.ppo.critic is not None else "the policy's architecture"
     reference = "" if stack.finetune.lora else "a reference and "
-    return (f"TRL 1.10-1.12's PPOTrainer (trl.experimental.ppo): the policy and a value model ({critic}) trained "
-            f"under one optimizer (no clipping, no autocast, no checkpointing), {reference}a reward model ({critic}) "
+    return (f"TRL {releases(stack.trl)}'s PPOTrainer (trl.experimental.ppo): the policy and a value model "
+            f"({critic}) trained under one optimizer (no clipping, no autocast, no checkpointing), {reference}a reward "
+            f"model ({critic}) "
             f"held; each micro-batch the policy's full logits (temperature in place), its {C}-token responses' "
             f"log-probs, the clipped value and policy losses, softmax entropy after backward; the loop's locals kept "
             f"to the next micro-batch; the rollout's fp32 scores of every response token held through the update "

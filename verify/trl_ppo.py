@@ -1,12 +1,13 @@
-"""TRL 1.12's PPOTrainer (trl.experimental.ppo, --stack trl:1.12 --rl ppo) as itself: PPOTrainer.train() run for one
-update on real CPU tensors, every allocation watched (verify/track.py LiveBytes), the trainer's own regions marked
-where its code calls out: the PPO epoch's shuffle, each micro-batch's accumulate(), accelerator.backward, the
-optimizer's step and zero_grad, and the empty_cache() after each mini-batch's `del`. memcalc.exact.hf.ppo replays
-the same micro-batches; tests/test_ppo.py sets them side by side.
+"""TRL 1.3-1.12's PPOTrainer (trl.experimental.ppo, --rl ppo) as itself, whichever release is first on the path:
+PPOTrainer.train() run for its updates on real CPU tensors, every allocation watched (verify/track.py LiveBytes), the
+trainer's own regions marked where its code calls out: batch_generation (the rollout, then its scoring), the PPO
+epoch's shuffle, each micro-batch's accumulate(), accelerator.backward, the optimizer's step and zero_grad, and the
+empty_cache() after each mini-batch's `del`. memcalc.exact.hf.ppo and ppo_rollout replay the same;
+tests/test_ppo.py sets them side by side.
 
 The recipe is TRL's examples/scripts/ppo/ppo.py: a causal LM policy and its reference, a value model and a reward
-model (AutoModelForSequenceClassification, num_labels 1), all of one architecture and size, loaded in one dtype; the
-trainer's Accelerator is built without mixed_precision (Transformers 5's TrainingArguments no longer sets
+model (AutoModelForSequenceClassification, num_labels 1) of the policy's architecture or the critic's, loaded in one
+dtype; the trainer's Accelerator is built without mixed_precision (Transformers 5's TrainingArguments no longer sets
 ACCELERATE_MIXED_PRECISION): nothing autocasts. The pad token is outside the vocabulary and no stop token is set, so
 every prompt and response position is real (the most a step holds) and each response is response_length long. The
 dataset holds three batches, so that the update's is not the loader's last (Accelerate syncs, and so steps, at every

@@ -1,7 +1,8 @@
-"""TRL 1.12's PPOTrainer training step (--stack trl:1.12 --rl ppo), op by op in bytes: trl/experimental/ppo/
-ppo_trainer.py PPOTrainer.train's PPO epochs as the trl 1.10.0 and 1.12.0 wheels ship them (the same file;
-verify/trl_ppo.py runs it), over Transformers' Llama decoder. No autocast (the trainer builds its Accelerator without
-mixed_precision), no gradient clipping, no gradient checkpointing (nothing enables it). Each micro-batch:
+"""TRL 1.3-1.12's PPOTrainer training step (--rl ppo, --stack trl:1.5 to trl:1.12), op by op in bytes:
+trl/experimental/ppo/ppo_trainer.py PPOTrainer.train's PPO epochs as the trl 1.3.0 to 1.12.0 wheels ship them (the
+same loop in each; verify/trl_ppo.py runs it), over Transformers' Llama decoder. No autocast (the trainer builds its
+Accelerator without mixed_precision), no gradient clipping, no gradient checkpointing (nothing enables it). Each
+micro-batch:
   batch      six rows picked from the rollout's tensors by a numpy index (a new tensor each: advantages, responses,
              query_responses, logprobs, returns, values), as its loop's locals rebind them
   forward    forward(model, ...): the mask (!= pad), position_ids (cumsum - long), the ids (masked_fill); then

@@ -1,7 +1,7 @@
-"""TRL 1.12's PPOTrainer rollout (--rl ppo), op by op in bytes: the start of each update in trl/experimental/ppo/
-ppo_trainer.py PPOTrainer.train, under torch.no_grad (verify/trl_ppo.py runs it; memcalc.exact.hf.ppo replays the
-PPO epochs after it). Every prompt position real and every response response_length long (no stop token: the most
-it holds). In train()'s order:
+"""TRL 1.3-1.12's PPOTrainer rollout (--rl ppo), op by op in bytes: the start of each update in trl/experimental/ppo/
+ppo_trainer.py PPOTrainer.train, under torch.no_grad (verify/trl_ppo.py runs it; memcalc.exact.hf.ppo replays the PPO
+epochs after it; memcalc.exact.replay.ppo runs generate_all, score_all and process in turn). Every prompt position
+real and every response response_length long (no stop token: the most it holds). In train()'s order:
   generate  batch_generation: for each local_rollout_forward_batch_size chunk of the local batch, ppo_trainer.generate
             (the mask != pad, the ids masked) and the policy's model.generate with return_dict_in_generate and
             output_scores (memcalc.exact.hf.generate's loop: no end token, so no pad bookkeeping; the temperature's
@@ -56,13 +56,6 @@ def next_batch(g: Graph, m: HFModel) -> None:
     b["data"] = [prefetched, made(g, old.shape, loaded, dtype="int64")]
     del old
     b["queries"] = b["data"][0]
-
-
-def rollout(g: Graph, m: HFModel, causal_lm) -> None:
-    """The update's rollout into m.batch (train()'s locals): generate, score, process."""
-    generate_all(g, m)
-    score_all(g, m, causal_lm)
-    process(g, m)
 
 
 def generate_all(g: Graph, m: HFModel, every_step: bool = True) -> None:

@@ -1,9 +1,9 @@
-"""--rl ppo: TRL 1.12's PPOTrainer (trl.experimental.ppo; memcalc.exact.hf.ppo, ppo_rollout). The replay's PPO epoch
-and rollout equal PPOTrainer.train() itself, trl 1.12.0 installed apart and run in its own process
+"""--rl ppo: TRL 1.3-1.12's PPOTrainer (trl.experimental.ppo; memcalc.exact.hf.ppo, ppo_rollout). The replay's PPO
+epoch and rollout equal PPOTrainer.train() itself, trl 1.12.0 and 1.5.1 installed apart and run in their own process
 (tests/trl_release.py: every allocation of a steady epoch and of the next update's rollout on CPU tensors, and what
-the trainer holds when each starts); what it holds between steps
-is the trainer's four models, the trained two's AdamW state and the rollout's tensors, counted here from the
-trainer's code, a smaller critic's included; the CLI answers and refuses what is not replayed.
+the trainer holds when each starts); what it holds between steps is the trainer's four models, the trained two's
+AdamW state and the rollout's tensors, counted here from the trainer's code, a smaller critic's included; the CLI
+answers on every line and refuses what is not replayed.
 """
 
 from __future__ import annotations

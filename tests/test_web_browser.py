@@ -238,6 +238,23 @@ def test_an_uploaded_config_and_a_cached_hub_id_answer_as_the_command_line(url, 
     assert page.text_content("#verdict") == last_paragraph(shell.stdout)
 
 
+def test_ppo_answers_as_the_command_line_phase_by_phase(url, page):
+    """PPO: the completion field alone (no generations, no vLLM), the trick set without its checkpointing for fit
+    and the timeline (PPOTrainer never checkpoints); the verdict and the phases' table are the command line's."""
+    page.goto(url + "#preset=llama3.2-1b&gpu=rtx4090&method=lora&seq=1024&accum=4&rl=ppo&completion=64")
+    answered(page)
+    assert page.is_visible("#completion") and not page.is_visible("#generations") and not page.is_visible("#vllm")
+    argv = ["--model", "llama3.2-1b", "--gpu", "rtx4090", "--lora", "16", "--rl", "ppo", "--completion-len", "64",
+            "--seq", "1024", "--micro-batch", "1", "--grad-accum", "4"]  # fmt: skip
+    shown = page.text_content("#commands").splitlines()
+    assert shown[0] == "memcalc estimate " + " ".join(argv)
+    assert shown[1] == "memcalc fit " + " ".join(argv) + " --tricks bf16,flash"
+    estimate = cli("estimate", *argv, "--format", "markdown").stdout
+    assert page.text_content("#verdict") == last_paragraph(estimate)
+    assert page_tables(page, "#estimate") == markdown_tables(estimate)
+    assert "PPO phases per GPU" in page.text_content("#estimate")
+
+
 def test_grpo_answers_as_the_command_line_phase_by_phase(url, page):
     """The RL fields: GRPO with vLLM colocated, its generation batch over eight micro-batches; the verdict, the
     phases' table, fit (which takes the accumulation too) and the timeline are the command line's."""

@@ -14,6 +14,7 @@ const FIELDS = {preset: "preset", hub: "hub", gpu: "gpu", gpus: "gpus", zero: "z
   rank: "rank", optimizer: "optimizer", accum: "grad-accum", tricks: "tricks", rl: "rl", completion: "completion",
   generations: "generations", vllm: "vllm"};
 const ONLINE = ["grpo", "rloo"];  // the trainers that generate: a completion length, generations, vLLM
+const GENERATES = [...ONLINE, "ppo"];  // and PPO, a completion length alone (PPOConfig's response_length)
 const $ = (id) => document.getElementById(id);
 let state = {...DEFAULTS};
 let asked = 0;  // the newest answer asked for: an older one arriving late is dropped
@@ -61,7 +62,8 @@ function toForm() {
   $("hub").hidden = state.source !== "hub";
   $("config").hidden = state.source !== "file";
   $("rank").disabled = state.method === "full";
-  $("online").hidden = !ONLINE.includes(state.rl);
+  $("online").hidden = !GENERATES.includes(state.rl);
+  $("generations-label").hidden = $("vllm-label").hidden = !ONLINE.includes(state.rl);
   $("seq").max = SEQS.length - 1;
   $("micro-batch").max = BATCHES.length - 1;
   $("seq").value = nearest(SEQS, +state.seq);
@@ -104,8 +106,8 @@ function jobArgs(s, shown) {
   if (s.method === "qlora") a.push("--quantize", "nf4");
   if (s.optimizer !== "adamw") a.push("--optimizer", s.optimizer);
   if (s.rl) a.push("--rl", s.rl);
+  if (GENERATES.includes(s.rl)) a.push("--completion-len", s.completion);
   if (ONLINE.includes(s.rl)) {
-    a.push("--completion-len", s.completion);
     if (s.generations) a.push("--num-generations", s.generations);
     if (s.vllm) a.push("--vllm", s.vllm);
   }
@@ -115,7 +117,9 @@ function jobArgs(s, shown) {
 }
 
 function commands(s, shown = false) {
-  const tricks = ["--tricks", s.tricks.replaceAll("+", ",")];
+  // PPOTrainer never checkpoints (memcalc refuses ckpt and selective under --rl ppo): the set without them
+  const set = s.rl === "ppo" ? s.tricks.replace("+ckpt", "").replace("+selective", "") : s.tricks;
+  const tricks = ["--tricks", set.replaceAll("+", ",")];
   return {estimate: ["estimate", ...jobArgs(s, shown)], fit: ["fit", ...jobArgs(s, shown), ...tricks],
     timeline: ["estimate", ...jobArgs(s, shown), ...tricks, "--timeline"]};
 }

@@ -97,6 +97,10 @@ def ppo_section(rollout, verdicts, units: str) -> Section:
                   "models' backbones, then the masks, the rewards, GAE and the advantages whitened",
                   "startup: CUDA context + the models' weights (the reference's too unless the policy is PEFT's); "
                   "train: a PPO epoch's step (the verdict above)"]  # fmt: skip
+        host = max(v.host_bytes for v in verdicts)
+        held = f"the trainer's {u.size(host, units)}" if host else "none of the trainer's"
+        notes.append(f"host memory: {held} in every phase (PPOTrainer offloads nothing: its models, their state and "
+                     "the rollout stay on the GPU)")  # fmt: skip
     if rollout.not_sized:
         notes.append(f"not sized: {rollout.not_sized}")
     return Section("PPO phases per GPU (each update's rollout, then its PPO epochs)", headers_for(True), rows, notes)

@@ -15,9 +15,10 @@
                  TRL's fused LM head (1.15-1.16) and loss_type chunked_nll (1.6-1.14): the loss without the logits
   dpo            TRL's DPOTrainer step (--rl dpo): chosen and rejected sequences, the reference's forward, the loss
   grpo, rloo     TRL's GRPOTrainer and RLOOTrainer steps (--rl grpo, rloo): the buffered generation batch, the loss
-  ppo, ppo_rollout
-                 TRL 1.12's PPOTrainer (--rl ppo): the PPO epochs (the value model beside the policy, the loop's
-                 locals), and each update's rollout before them (generate with output_scores, the scoring loop)
+  ppo, ppo_rollout, ppo_models
+                 TRL 1.3-1.12's PPOTrainer (--rl ppo): the PPO epochs (the value model beside the policy, the loop's
+                 locals), each update's rollout before them (generate with output_scores, the scoring loop), and
+                 its models (the critic, what is refused, how forward() and get_reward call a model)
   generate       the policy's own model.generate as those trainers call it without vLLM: the rollout phase
   scoring        their scoring passes between generating and training (the old and the reference's log-probs)
   liger          Liger's kernels as the Trainer applies them (use_liger_kernel): RMSNorm, RoPE, SwiGLU, the head

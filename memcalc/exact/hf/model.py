@@ -36,6 +36,7 @@ from .gpt_neox import GPT_NEOX
 from .llama import llama_model
 from .olmo2 import OLMO2
 from .phi3 import PHI3
+from .ppo_models import Critic, check_ppo, decay_first
 
 
 def finetune_not_replayed(finetune: Finetune, arch: str, model: str) -> str | None:
@@ -181,8 +182,8 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
         raise InputError(why)
     if cfg.stack.rl == "ppo":  # its value and reward models: --critic's architecture, else the policy's
         critic_shape = cfg.stack.ppo.critic or cfg.shape
-        critic = ppo.Critic(critic_shape, arch_for(critic_shape), FAMILIES[arch_for(critic_shape)])
-        ppo.check(cfg, family, arch, critic)
+        critic = Critic(critic_shape, arch_for(critic_shape), FAMILIES[arch_for(critic_shape)])
+        check_ppo(cfg, family, arch, critic)
     if cfg.stack.rl == "dpo" and cfg.shape.dropout:  # disable_dropout_in_model zeroes nn.Dropout modules only
         raise InputError("--rl dpo on a model with dropout: DPOConfig.disable_dropout turns its nn.Dropout modules "
                          "off but not every family's attention dropout, which is not replayed")  # fmt: skip
@@ -211,7 +212,7 @@ def build(g: Graph, cfg: StepConfig) -> HFModel:
     loop = None
     if cfg.stack.rl == "ppo":  # PolicyAndValueWrapper: the value model trains beside the policy, under one optimizer
         loop = ppo.loop_for(g, cfg, family, arch, critic)
-        trained = ppo.decay_first(trained + loop.critic.params)
+        trained = decay_first(trained + loop.critic.params)
     return HFModel(cfg, arch, {p.name: p for p in params}, rope, trained, autocast, quant=quant, held=shared,
                    reference=reference, own_loop=loop)  # fmt: skip
 

@@ -28,7 +28,8 @@ from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from .dpo_logits import selective_log_softmax
 from .generate import Loop, decode, grown, prefill, setup
-from .ppo import model_inputs, run_backbone, run_causal_lm, score_head
+from .ppo import masked_mean_no_grad
+from .ppo_models import model_inputs, run_backbone, run_causal_lm, score_head
 
 if TYPE_CHECKING:
     from .family import HFModel
@@ -264,25 +265,14 @@ def advantages(g: Graph, b: dict, rows: int, C: int) -> None:
     del whitened
 
 
-def masked_mean(g: Graph, values: Tensor, mask: Tensor) -> Tensor:
-    """(values * mask).sum() / mask.sum(), no gradient: its temporaries go as it returns."""
-    product = made(g, values.shape, "mul", values, mask)
-    summed = made(g, (), "sum", product)
-    del product
-    count = made(g, (), "sum", mask, dtype="int64")
-    out = made(g, (), "div", summed, count)
-    del summed, count
-    return out
-
-
 def masked_whiten(g: Graph, values: Tensor, mask: Tensor) -> Tensor:
     """masked_whiten(values, mask) with shift_mean: the mean, the unbiased masked variance (mask.sum() checked
     against 0, Bessel's correction), (values - mean) * rsqrt(var + 1e-8)."""
-    mean = masked_mean(g, values, mask)
-    inner = masked_mean(g, values, mask)  # masked_var's own mean
+    mean = masked_mean_no_grad(g, values, mask)
+    inner = masked_mean_no_grad(g, values, mask)  # masked_var's own mean
     centered = made(g, values.shape, "sub", values, inner)
     squared = made(g, values.shape, "pow", centered)
-    variance = masked_mean(g, squared, mask)
+    variance = masked_mean_no_grad(g, squared, mask)
     del squared
     mask_sum = made(g, (), "sum", mask, dtype="int64")
     made(g, (), "eq", mask_sum, dtype="bool")  # if mask_sum == 0

@@ -71,9 +71,6 @@ def check_setup(setup: Setup) -> None:
 def check_stack(setup: Setup, tricks: Tricks, device: str) -> None:
     """Where verify measures Transformers' model so far: on the meta device, and under autocast on CPU
     tensors (recipes.check_recipe says which recipes and optimizers it trains)."""
-    if setup.stack.rl == "ppo":  # its loop is train() itself, not a step the harness can call
-        raise InputError("--rl ppo: verify does not run PPOTrainer's loop; tests/test_ppo.py holds the replay to trl "
-                         "1.12's PPOTrainer.train() on CPU tensors, allocation by allocation (verify/trl_ppo.py)")
     if setup.stack.model == "hf" and device != "meta" and not autocasts(setup.stack, tricks):
         raise InputError("--stack hf is measured on the meta device so far: give --device meta")
     online = setup.stack.online

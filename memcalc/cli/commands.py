@@ -272,6 +272,9 @@ def verify(
         the_model = models.resolve() if models.given or step is None else None  # --step measures its own
         # its --grad-accum is a pipeline's micro-batches (with --pp): the step itself is one micro-batch
         setup = StepOptions.of(options, grad_accum="1").resolve(the_model, StackOptions.of(options).resolve())
+        if setup.stack.rl == "ppo":  # its loop is PPOTrainer.train() itself, not a step the harness can call
+            raise InputError("--rl ppo: verify does not run PPOTrainer's loop; tests/test_ppo.py holds the replay to "
+                             "TRL's PPOTrainer.train() on CPU tensors, allocation by allocation (verify/trl_ppo.py)")
         (the_tricks,), said = resolve_tricks([tricks], None)
         check_measurable(the_tricks)
         n_steps = parse_count(steps, "steps", 1000)

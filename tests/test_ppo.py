@@ -147,7 +147,7 @@ def test_estimate_answers_on_its_line():
 
 
 @pytest.mark.parametrize("args, said", [
-    (("--stack", "trl:1.16"), "replayed on --stack trl:1.5, trl:1.6, trl:1.7, trl:1.10, trl:1.12"),
+    (("--stack", "trl:1.16"), "replayed on --stack trl:1.5, trl:1.6, trl:1.7, trl:1.8, trl:1.9, trl:1.10, trl:1.12"),
     (("--lora", "8", "--quantize", "nf4"), "QLoRA, DoRA"),
     (("--tricks", "bf16,flash,ckpt"), "never enables it"),
     (("--recipe", "autocast"), "without mixed_precision"),

@@ -23,7 +23,7 @@ PPO_FINETUNES = ("--rl ppo with {}: replayed for a full fine-tune and LoRA (PPOT
 # the lines whose PPOTrainer (trl.experimental.ppo, 1.0 to 1.12; removed in 1.13) is replayed: the same PPO loop in
 # every release from 1.3.0 to 1.12.0 (diffed: imports, type hints, DeepSpeed's preparation, a logged mean), each
 # release held to the replay (tests/test_ppo.py); PPO_LINE, the newest, is --rl ppo's default
-PPO_LINES = ("1.5", "1.6", "1.7", "1.10", "1.12")
+PPO_LINES = ("1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.12")
 PPO_LINE = PPO_LINES[-1]
 VLLM_MODES = ("", "colocate", "server")  # use_vllm False (the policy's own generate), vllm_mode's two
 SERVE_UTILIZATION = 0.9  # trl vllm-serve's gpu_memory_utilization default (trl/scripts/vllm_serve.py ScriptArguments)

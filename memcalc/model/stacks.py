@@ -62,15 +62,20 @@ ENGINES = ("none", "fsdp2", "megatron", "deepspeed")
 #   1.6   1.6: one block over the shifted views (entropy_from_logits' reshape copies them); loss_type "chunked_nll"
 #         (from 1.4, not the default) keeps the labelled positions (hidden[valid]) and runs each chunk's head in fp32
 #   1.7   1.7: the same, chunked_nll the default (sft_config.py __post_init__, unless use_liger_kernel)
-#   1.10  1.8-1.10: chunked_nll orders every position by the label mask (argsort) and tests the count against 0
+#   1.8   1.8: chunked_nll orders every position by the label mask (argsort) and tests the count against 0
+#   1.9   1.9: the same (GRPOTrainer's loss rescales its normalizer to one accumulation window from 1.9.1, and
+#         divides the logits by the temperature in place, logits.div_, up to 1.9)
+#   1.10  1.10: the same (GRPOTrainer divides out of place: logits / temperature)
 #   1.12  1.11-1.12: chunked_nll clamps the chunk count instead
 #   1.13  1.13: chunked_nll's matmul in the rows' dtype (w.to(h.dtype)), its logits upcast after
 #   1.14  1.14: the nll block's entropy by trl's Triton kernel (selective_log_softmax_and_entropy)
 #   1.16  1.15-1.16: the same cast but for DoRA's magnitudes, and the loss from add_fused_lm_head's chunked
 #         log-probabilities (no logits)
-TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.5", "1.6", "1.7", "1.10", "1.12", "1.13", "1.14", "1.16")
+TRL_RELEASES = ("", "0.14", "0.21", "0.25", "1.2", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.12", "1.13", "1.14",
+                "1.16")  # fmt: skip
 TRL_FIRST = {"0.14": "0.9", "0.21": "0.15", "0.25": "0.22", "1.2": "0.26", "1.5": "1.3", "1.6": "1.6", "1.7": "1.7",
-             "1.10": "1.8", "1.12": "1.11", "1.13": "1.13", "1.14": "1.14", "1.16": "1.15"}  # each line's first release
+             "1.8": "1.8", "1.9": "1.9", "1.10": "1.10", "1.12": "1.11", "1.13": "1.13", "1.14": "1.14",
+             "1.16": "1.15"}  # each line's first release  # fmt: skip
 
 
 def line_of(version: str) -> str | None:
@@ -89,7 +94,7 @@ def minor(version: str) -> tuple[int, int]:
 
 
 def releases(line: str) -> str:
-    """'1.8-1.10', or '1.13' for a line of one release."""
+    """'1.11-1.12', or '1.13' for a line of one release."""
     return line if TRL_FIRST[line] == line else f"{TRL_FIRST[line]}-{line}"
 
 
@@ -97,22 +102,22 @@ KBIT_PREPARED = ("0.14", "0.21", "0.25")  # the lines whose SFTTrainer runs peft
 FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fused LM head (memcalc.exact.hf.fused_head)
 # the lines whose DPOTrainer takes its log-probabilities from the full logits (selective_log_softmax: memcalc.exact.hf
 # .dpo_logits): 1.3-1.5 over .contiguous() copies of the shifted logits (DPO_COPIES), 1.6-1.13 over views of them
-DPO_LOGITS, DPO_COPIES = ("1.5", "1.6", "1.7", "1.10", "1.12", "1.13"), ("1.5",)
+DPO_LOGITS, DPO_COPIES = ("1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.12", "1.13"), ("1.5",)
 # the lines whose SFTTrainer casts a 4-bit model's trainable parameters to bf16: whether DoRA's magnitudes too
-BF16_CAST = {"1.2": True, "1.5": True, "1.6": True, "1.7": True, "1.10": True, "1.12": True, "1.13": True, "1.14": True,
-             "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
+BF16_CAST = {"1.2": True, "1.5": True, "1.6": True, "1.7": True, "1.8": True, "1.9": True, "1.10": True, "1.12": True,
+             "1.13": True, "1.14": True, "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
 # the lines whose SFTTrainer runs loss_type="chunked_nll" (--loss chunked_nll; 1.4-1.5 have it too, inside the 1.3-1.5
 # line, whose 1.3 has not), those where it is SFTConfig's default (1.7-1.14: the stack's loss), and those whose chunk
 # runs the head in fp32 (h.float() @ w.float().t(), up to 1.12)
-CHUNKED_NLL = ("1.6", "1.7", "1.10", "1.12", "1.13", "1.14")
-CHUNKED_DEFAULT = ("1.7", "1.10", "1.12", "1.13", "1.14")
-CHUNKED_FP32 = ("1.6", "1.7", "1.10", "1.12")
+CHUNKED_NLL = ("1.6", "1.7", "1.8", "1.9", "1.10", "1.12", "1.13", "1.14")
+CHUNKED_DEFAULT = ("1.7", "1.8", "1.9", "1.10", "1.12", "1.13", "1.14")
+CHUNKED_FP32 = ("1.6", "1.7", "1.8", "1.9", "1.10", "1.12")
 # what each line's compute_loss computes from the logits beside the loss (memcalc.exact.hf.trl)
 METRICS = {"0.21": "token accuracy", "0.25": "entropy of the logits and token accuracy",
            "1.2": "entropy of the logits and token accuracy",
            "1.5": "entropy of the shifted logits (a copy) and token accuracy (another)",
            **{line: "entropy and token accuracy of the shifted logits (entropy_from_logits' reshape copies them)"
-              for line in ("1.6", "1.7", "1.10", "1.12", "1.13")},
+              for line in ("1.6", "1.7", "1.8", "1.9", "1.10", "1.12", "1.13")},
            "1.14": "entropy (trl's Triton kernel) and token accuracy of the shifted logits"}  # fmt: skip
 
 
@@ -197,7 +202,8 @@ STACKS: dict[str, Stack] = {
                    f"its {METRICS[line]})" if line in CHUNKED_DEFAULT else f"compute_loss's {METRICS[line]}"), trl=line,
                 loss="chunked_nll" if line in CHUNKED_DEFAULT else "full")
           for line, wheels in (("1.2", "0.26.2 to 1.2.0"), ("1.5", "1.3.0 to 1.5.1"), ("1.6", "1.6.0"),
-                               ("1.7", "1.7.1"), ("1.10", "1.8.0, 1.9.2 and 1.10.0"), ("1.12", "1.11.0 and 1.12.0"),
+                               ("1.7", "1.7.1"), ("1.8", "1.8.0"), ("1.9", "1.9.0 to 1.9.2"), ("1.10", "1.10.0"),
+                               ("1.12", "1.11.0 and 1.12.0"),
                                ("1.13", "1.13.0"), ("1.14", "1.14.0 to 1.14.2"))),
         # fmt: skip
         Stack("trl:1.16", "Hugging Face TRL 1.15-1.16's SFTTrainer", "hf", "autocast", "fused",

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 CHUNK = 256  # sft_trainer.py _CHUNKED_LM_HEAD_CHUNK_SIZE
 DROPPED = ("1.6", "1.7")  # 1.4-1.7: hidden[valid], n_valid on the host
-TESTED = ("1.10",)  # 1.8-1.10: `if n_valid_tensor == 0`, a 0-d bool on the device
+TESTED = ("1.8", "1.9", "1.10")  # 1.8-1.10: `if n_valid_tensor == 0`, a 0-d bool on the device
 
 
 def not_replayed(cfg) -> str | None:

@@ -43,7 +43,7 @@ from .fused_head import FusedOutput
 CAST_TO_BF16 = ("lm_head", "embed_tokens", "wte", "wpe")  # trl/trainer/utils.py peft_module_casting_to_bf16
 ENTROPY_CHUNK = 128  # trl/trainer/utils.py entropy_from_logits(logits, chunk_size=128)
 IGNORE_INDEX = -100
-ONE_BLOCK = ("1.6", "1.7", "1.10", "1.12", "1.13", "1.14")  # the lines whose metrics are one block (one_block)
+ONE_BLOCK = ("1.6", "1.7", "1.8", "1.9", "1.10", "1.12", "1.13", "1.14")  # the lines whose metrics are one block (one_block)
 
 
 def prepared(cfg: StepConfig) -> bool:

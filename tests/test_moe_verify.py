@@ -64,7 +64,7 @@ def test_tiny_models_allocation_by_allocation(name, batch, trick_sets):
     the FLOPs counted in that step are the replay's."""
     for tricks in trick_sets:
         t = parse_tricks(tricks)
-        phases, g, mem = simulate(StepConfig(TINY[name], 32, batch, t), timeline=True)
+        phases, g, mem = simulate(StepConfig(TINY[name], 32, batch, t, watched=True), timeline=True)  # as measured
         step, live = measure_step(TINY[name], 32, batch, t, timeline=True)
         assert_same_step(phases, g, mem, step, live, tricks)
         assert step.flops == exact_step(TINY[name], 32, batch, t).flops.counted, tricks
@@ -119,7 +119,7 @@ def test_uneven_shares_are_exact_too(tricks):
     """3 experts, 32·2 routed slots: the first expert gets one more (a stable sort orders the slots), as any
     sequence length fit or a sweep tries may need."""
     odd, t = replace(QWEN_LIKE, n_experts=3), parse_tricks(tricks)
-    phases, _, mem = simulate(StepConfig(odd, 32, 1, t), timeline=True)
+    phases, _, mem = simulate(StepConfig(odd, 32, 1, t, watched=True), timeline=True)
     step, live = measure_step(odd, 32, 1, t, timeline=True, count_flops=False)
     for f in FIELDS:
         assert getattr(phases, f) == getattr(step, f), f

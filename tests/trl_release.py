@@ -79,6 +79,13 @@ def main(*cases: str) -> int:
                 critic = next((critics[x] for x in more if not x.startswith("chunk")), None)
                 chunk = next((int(x.removeprefix("chunk")) for x in more if x.startswith("chunk")), 64)
                 assert_same_ppo(TINY[model], tricks, int(accumulation), FINETUNES[finetune], critic, chunk, line)
+            elif rl == "grpo":  # the completion's positions, completionN (of the step's 24)
+                from memcalc.model.rl import OnlineRL, with_rl
+
+                C = next((int(x.removeprefix("completion")) for x in precompute if x.startswith("completion")), 12)
+                online = with_rl(replace(STACKS[f"trl:{line}"], finetune=FINETUNES[finetune]), "grpo",
+                                 online=OnlineRL(completion_len=C))  # fmt: skip
+                assert_watched_cpu(TINY[model], online, tricks)
             else:
                 assert_watched_cpu(TINY[model], stack, tricks)
         except AssertionError as e:

@@ -364,7 +364,7 @@ def build_hf(shape: ModelShape, tricks: Tricks, seq_len: int, arch: str | None =
     if rl in ("grpo", "rloo"):  # GRPOTrainer's, RLOOTrainer's own: a reference where beta is not 0 (verify/trl_grpo.py)
         from .trl_grpo import grpo_setup
 
-        trainer = grpo_setup(tf, config, dtype, attention_for(tricks, device), device, finetune.lora, online, rl)
+        trainer = grpo_setup(tf, config, dtype, attention_for(tricks, device), device, finetune.lora, online, rl, trl)
     if loss == "chunked_nll":  # SFTTrainer.__init__ patches the forward for loss_type "chunked_nll" (verify/trl.py)
         from .trl_chunked import patch_chunked
 

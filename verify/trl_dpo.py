@@ -46,14 +46,14 @@ def dpo_setup(model: nn.Module, tf, config, dtype: torch.dtype, attention: str, 
     return Dpo(precompute_ref, reference, checkpoint_kwargs)
 
 
-def installed_line(line: str) -> None:
-    """Refuse a stack whose TRL line is not the installed trl's (verify runs the installed DPOTrainer)."""
+def installed_line(line: str, rl: str = "dpo", trainer: str = "DPOTrainer") -> None:
+    """Refuse a stack whose TRL line is not the installed trl's (verify runs the installed trainer)."""
     import trl
 
     if line_of(trl.__version__.split("+")[0]) != line:
-        raise InputError(f"--stack trl:{line} --rl dpo on verify runs the installed trl's DPOTrainer, {trl.__version__}"
-                         f", not a {releases(line)} release: pip install trl=={line}.* (apart: pip install --target "
-                         f"DIR, then PYTHONPATH=DIR)")  # fmt: skip
+        raise InputError(f"--stack trl:{line} --rl {rl} on verify runs the installed trl's {trainer}, "
+                         f"{trl.__version__}, not a {releases(line)} release: pip install trl=={line}.* (apart: pip "
+                         "install --target DIR, then PYTHONPATH=DIR)")  # fmt: skip
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -37,11 +37,16 @@ class Grpo:
     rloo: bool = False  # RLOOTrainer's step: old_logps and advantages in the batch, its own loss
 
 
-def grpo_setup(tf, config, dtype: torch.dtype, attention: str, device: str, lora: bool, settings, rl: str) -> Grpo:
+def grpo_setup(tf, config, dtype: torch.dtype, attention: str, device: str, lora: bool, settings, rl: str,
+               line: str) -> Grpo:  # fmt: skip
     """GRPOTrainer.__init__ beyond SFTTrainer's preparation (verify/trl.py prepare_after_peft, with GRPO's outputs):
     with beta not 0 and no PEFT a reference model, as DPOTrainer makes it (verify/trl_dpo.py reference_model); it is
     read only in the scoring pass before the steps, so in a step it is only held. GRPOConfig.disable_dropout is
-    False: nothing turned off. settings: memcalc.model.rl.OnlineRL."""
+    False: nothing turned off. settings: memcalc.model.rl.OnlineRL. The installed trl must be a release of the
+    stack's line: its _compute_loss is what runs."""
+    from .trl_dpo import installed_line
+
+    installed_line(line, rl, "GRPOTrainer" if rl == "grpo" else "RLOOTrainer")
     grpo = Grpo(settings.completion_len, settings.beta, bool(settings.vllm), rloo=rl == "rloo")
     if settings.beta and not lora:
         from .trl_dpo import reference_model
@@ -87,10 +92,11 @@ def buffered(grpo: Grpo, rows: int, device: torch.device) -> dict:
 
 def grpo_loss(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor,
               autocast: tuple[str, torch.dtype] | None, grpo: Grpo) -> torch.Tensor:  # fmt: skip
-    """trl 1.16's GRPOTrainer._compute_loss itself (loss_type "dapo", importance_sampling_level "token", epsilon 0.2,
-    no entropy mask, off-policy mask, entropy bonus or aux loss), its self a stand-in holding what it reads on one
-    process in training (stand_in). The Trainer then calls backward on the loss as it is (dapo's normalizer already
-    counts the accumulation). Under RLOO (grpo.rloo) rloo_loss instead."""
+    """The installed trl's GRPOTrainer._compute_loss itself (1.16's over its fused LM head; 1.9-1.12's from the logits,
+    logits_to_keep and temperature 1.0 as GRPOConfig's default; loss_type "dapo", importance_sampling_level "token",
+    epsilon 0.2, no entropy mask, off-policy mask, entropy bonus or aux loss), its self a stand-in holding what it
+    reads on one process in training (stand_in). The Trainer then calls backward on the loss as it is (dapo's
+    normalizer already counts the accumulation). Under RLOO (grpo.rloo) rloo_loss instead."""
     from trl import GRPOTrainer
     from trl.trainer import grpo_trainer
 
@@ -100,9 +106,19 @@ def grpo_loss(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor,
     this = stand_in(GRPOTrainer, model, idx, autocast, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
                     importance_sampling_level="token", beta=grpo.beta, loss_type="dapo", args=args,
                     use_vllm=grpo.use_vllm, vllm_importance_sampling_correction=True,
-                    current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False)  # fmt: skip
+                    current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, temperature=1.0,
+                    model_kwarg_keys=forward_keys(model))  # fmt: skip
     with prepared(model, autocast, grpo_trainer):
         return GRPOTrainer._compute_loss(this, model, batch_of(idx, attention_mask, grpo))
+
+
+def forward_keys(model: nn.Module):
+    """GRPOTrainer.__init__'s model_kwarg_keys before 1.15 (read where the model supports logits_to_keep): the
+    parameters of the model's forward, the base model's under PEFT, read before the wrappers replace it."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inspect.signature(type(base).forward).parameters.keys()
 
 
 def rloo_loss(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor,

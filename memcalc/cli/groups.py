@@ -132,10 +132,10 @@ class StackOptions(OptionGroup):
     critic: str | None = None
     rollout_batch: str | None = None
 
-    def online(self):
+    def online(self, line: str = ""):
         """GRPOConfig's (and RLOOConfig's) settings (memcalc.model.rl.OnlineRL) where any is given or --rl grpo or rloo
         is, each trainer's defaults where not given; else None."""
-        from memcalc.model.rl import ONLINE, RLOO_DEFAULTS, SERVE_UTILIZATION, OnlineRL
+        from memcalc.model.rl import COMPLETION_DEFAULT, ONLINE, RLOO_DEFAULTS, SERVE_UTILIZATION, OnlineRL
         from memcalc.model.sizes import parse_count, parse_seq
 
         from .serve import graph_bytes
@@ -150,7 +150,7 @@ class StackOptions(OptionGroup):
             return None
         if all(x is None for x in given) and not self.vllm_sleep and rl not in ONLINE:
             return None
-        base = RLOO_DEFAULTS if rl == "rloo" else OnlineRL()
+        base = RLOO_DEFAULTS if rl == "rloo" else OnlineRL(COMPLETION_DEFAULT.get(line, OnlineRL.completion_len))
         if self.vllm_util is not None and self.vllm is None:
             raise InputError("--vllm-util is vllm_gpu_memory_utilization: give --vllm colocate or server")
         mode = (self.vllm or "").strip().lower()
@@ -190,7 +190,7 @@ class StackOptions(OptionGroup):
         from memcalc.model.finetune import finetune_for
         from memcalc.model.rl import PPO_LINE, TRAINERS, with_rl
         from memcalc.model.savers import ON_META, liger_for
-        from memcalc.model.stacks import DPO_LOGITS, FUSED_HEAD, stack_for, with_loop
+        from memcalc.model.stacks import DPO_LOGITS, FUSED_HEAD, GRPO_LOGITS, stack_for, with_loop
 
         finetune = finetune_for(self.lora, self.lora_targets, self.lora_dropout, self.quantize, self.freeze, self.dora,
                                 self.modules_to_save)  # fmt: skip
@@ -206,6 +206,9 @@ class StackOptions(OptionGroup):
         if self.liger and rl == "dpo" and key.removeprefix("trl:") in DPO_LOGITS:  # before stack_for's SFT reason
             raise InputError(f"--liger with --rl dpo on --stack {key}: its DPOTrainer's Liger loss "
                              "(_compute_loss_liger, LigerFusedLinearDPOLoss) is not replayed; on trl:1.16 it is")
+        if self.liger and rl == "grpo" and key.removeprefix("trl:") in GRPO_LOGITS:
+            raise InputError(f"--liger with --rl grpo on --stack {key}: its GRPOTrainer's LigerFusedLinearGRPOLoss is "
+                             "not replayed; on trl:1.16 Liger's layers beside the fused head are")
         chosen = stack_for(self.stack or default, self.recipe,
                            self.optimizer_impl, self.no_cache, self.offload_activations, liger,
                            self.reentrant)  # fmt: skip
@@ -221,7 +224,7 @@ class StackOptions(OptionGroup):
             raise InputError(f"--loss is SFTTrainer's loss_type (and torchtune's loss); --rl {rl} trains with "
                              f"{TRAINERS[rl]}'s own loss")  # fmt: skip
         return with_rl(with_loop(chosen, self.loss, self.optimizer_in_backward), self.rl, self.precompute_ref,
-                       self.online(), self.ppo())  # fmt: skip
+                       self.online(chosen.trl), self.ppo())  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from memcalc.errors import InputError
 from memcalc.records import record
 
 from .shape import ModelShape
-from .stacks import DPO_LOGITS, FUSED_HEAD, RL, Stack, releases
+from .stacks import DPO_LOGITS, FUSED_HEAD, GRPO_DIV_IN_PLACE, GRPO_LOGITS, RL, Stack, releases
 
 ONLINE = ("grpo", "rloo")  # the trainers that generate: GRPOTrainer, RLOOTrainer (their settings: Stack.online)
 TRAINERS = {"dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "ppo": "PPOTrainer"}  # TRL's, by --rl
@@ -25,6 +25,8 @@ PPO_FINETUNES = ("--rl ppo with {}: replayed for a full fine-tune and LoRA (PPOT
 # release held to the replay (tests/test_ppo.py); PPO_LINE, the newest, is --rl ppo's default
 PPO_LINES = ("1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.12")
 PPO_LINE = PPO_LINES[-1]
+# GRPOConfig's max_completion_length default where it is not 512 (trl/trainer/grpo_config.py): 256 up to 1.9
+COMPLETION_DEFAULT = {"1.8": 256, "1.9": 256}
 VLLM_MODES = ("", "colocate", "server")  # use_vllm False (the policy's own generate), vllm_mode's two
 SERVE_UTILIZATION = 0.9  # trl vllm-serve's gpu_memory_utilization default (trl/scripts/vllm_serve.py ScriptArguments)
 
@@ -121,7 +123,7 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
         raise InputError(f"unknown --rl {rl!r}; known: dpo, grpo, rloo, ppo")
     if key == "ppo":
         return with_ppo(stack, ppo or Ppo())
-    lines = (DPO_LOGITS if key == "dpo" else ()) + FUSED_HEAD  # the TRL lines whose trainer is replayed
+    lines = {"dpo": DPO_LOGITS, "grpo": GRPO_LOGITS}.get(key, ()) + FUSED_HEAD  # the lines whose trainer is replayed
     if stack.trl not in lines:
         raise InputError(f"--rl {key} is TRL's {TRAINERS[key]}, replayed on --stack "
                          f"{', '.join('trl:' + x for x in lines)}, not --stack {stack.key}")  # fmt: skip
@@ -138,11 +140,30 @@ def with_rl(stack: Stack, rl: str | None, precompute_ref: bool = False, online: 
         raise InputError("--vllm with --quantize: TRL starts vLLM on the 4-bit model with quantization='bitsandbytes', "
                          "whose weights memcalc serve does not size; drop --vllm (the policy generates "
                          "itself)")  # fmt: skip
-    if key in ONLINE:  # GRPOConfig's and RLOOConfig's disable_dropout is False: LoRA's dropout stays
-        return replace(stack, rl=key, online=online or (OnlineRL() if key == "grpo" else RLOO_DEFAULTS))
+    if key == "grpo" and stack.trl in GRPO_LOGITS:
+        logits_refusals(stack, online)
+    if key in ONLINE:  # GRPOConfig's and RLOOConfig's disable_dropout is False: LoRA's dropout stays; the model is
+        # called without labels (the log-probabilities from its logits or its fused head): no loss_type chunked_nll
+        online = online or (OnlineRL() if key == "grpo" else RLOO_DEFAULTS)
+        return replace(stack, rl=key, online=online, loss="full")
     finetune = replace(stack.finetune, lora_dropout=0.0)  # DPOConfig.disable_dropout: every nn.Dropout's p = 0
     # DPOTrainer calls the model without labels (its log-probabilities from the logits): no loss_type chunked_nll
     return replace(stack, rl=key, finetune=finetune, precompute_ref=precompute_ref, loss="full")
+
+
+def logits_refusals(stack: Stack, online: OnlineRL | None) -> None:
+    """What GRPOTrainer before 1.15 (its log-probabilities from the logits: memcalc.exact.hf.grpo_logits) is not
+    replayed with: vLLM (each release's own generation code, not diffed), Liger's fused GRPO loss (use_liger_kernel),
+    LoRA on the head."""
+    lines = f"--stack trl:{stack.trl} ({releases(stack.trl)})"
+    if online is not None and online.vllm:
+        raise InputError(f"--rl grpo --vllm on {lines}: its vLLM generation is not replayed; the policy's own "
+                         "generate is (drop --vllm), and vLLM beside the trainer on --stack trl:1.16")  # fmt: skip
+    if stack.savers.liger is not None:
+        raise InputError(f"--rl grpo --liger on {lines}: its LigerFusedLinearGRPOLoss is not replayed")
+    if "lm_head" in stack.finetune.targets:
+        raise InputError(f"--rl grpo on {lines} with LoRA on lm_head: the head's adapter over logits_to_keep's "
+                         "positions is not replayed")  # fmt: skip
 
 
 def with_ppo(stack: Stack, ppo: Ppo) -> Stack:
@@ -185,17 +206,25 @@ OWN_GENERATE = ("; without --vllm the policy generates itself (model.generate ov
 
 
 def online_note(stack: Stack) -> str:
-    """GRPOTrainer's and RLOOTrainer's step in a line (memcalc.exact.hf.grpo, rloo)."""
+    """GRPOTrainer's and RLOOTrainer's step in a line (memcalc.exact.hf.grpo, rloo; before 1.15 grpo_logits)."""
     g, held = stack.online, "; a second model held" if second_model(stack) else ""
-    scored = (f"each completion's {g.completion_len} positions scored through add_fused_lm_head (no logits), the "
-              "prompt masked; the generation batch buffered with its advantages")  # fmt: skip
+    C = g.completion_len
+    if stack.trl in GRPO_LOGITS:
+        divided = "in place (logits.div_)" if stack.trl in GRPO_DIV_IN_PLACE else "into a new tensor"
+        scored = (f"each completion's {C} positions scored from the logits (logits_to_keep {C + 1}, Accelerate's fp32 "
+                  f"copy under autocast, divided by the temperature {divided}, selective_log_softmax, the entropy "
+                  "without grad); the generation batch buffered with its advantages")  # fmt: skip
+    else:
+        scored = (f"each completion's {C} positions scored through add_fused_lm_head (no logits), the prompt masked; "
+                  "the generation batch buffered with its advantages")  # fmt: skip
     if stack.rl == "rloo":
         kl = f" (beta {g.beta:g}{held})" if g.beta else ""
         return (f"TRL 1.16's RLOOTrainer: {scored} and old sequence log-probs; the loss per sequence, the "
                 f"reference's KL in the rewards{kl}{OWN_GENERATE if not g.vllm else ''}")  # fmt: skip
     ref = f", the reference's log-probs (beta > 0{held})" if g.beta else ""
     read = ("vLLM's old log-probs and importance-sampling ratio" if g.vllm else "no old log-probs") + ref
-    return f"TRL 1.16's GRPOTrainer (loss_type dapo): {scored}, {read}{OWN_GENERATE if not g.vllm else ''}"
+    trl = f"TRL {'1.16' if stack.trl in FUSED_HEAD else releases(stack.trl)}'s GRPOTrainer"  # 1.16.0's: held to it
+    return f"{trl} (loss_type dapo): {scored}, {read}{OWN_GENERATE if not g.vllm else ''}"
 
 
 def ppo_note(stack: Stack) -> str:

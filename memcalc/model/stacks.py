@@ -103,6 +103,9 @@ FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fus
 # the lines whose DPOTrainer takes its log-probabilities from the full logits (selective_log_softmax: memcalc.exact.hf
 # .dpo_logits): 1.3-1.5 over .contiguous() copies of the shifted logits (DPO_COPIES), 1.6-1.13 over views of them
 DPO_LOGITS, DPO_COPIES = ("1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.12", "1.13"), ("1.5",)
+# the lines whose GRPOTrainer takes its log-probabilities from the logits (memcalc.exact.hf.grpo_logits), and those
+# that divide them by the temperature in place (logits.div_)
+GRPO_LOGITS, GRPO_DIV_IN_PLACE = ("1.9", "1.10", "1.12"), ("1.9",)
 # the lines whose SFTTrainer casts a 4-bit model's trainable parameters to bf16: whether DoRA's magnitudes too
 BF16_CAST = {"1.2": True, "1.5": True, "1.6": True, "1.7": True, "1.8": True, "1.9": True, "1.10": True, "1.12": True,
              "1.13": True, "1.14": True, "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)
@@ -305,7 +308,7 @@ def trl_note(stack: Stack) -> str:
     parts = []
     if line in BF16_CAST and stack.finetune.quantize:
         parts.append("the 4-bit model's adapters cast to bf16, nothing else prepared")
-    if line in FUSED_HEAD and stack.online is not None:
+    if (line in FUSED_HEAD or line in GRPO_LOGITS) and stack.online is not None:
         from .rl import online_note
 
         return online_note(stack)

@@ -49,24 +49,29 @@ def nll_loss(g: Graph, logp: Tensor, target: Tensor) -> Tensor:
 
 def gather(g: Graph, x: Tensor, index: Tensor) -> Tensor:
     """x.gather(1, index) (GatherBackward0): saves x (gather_backward takes it) and the index. Backward: a zero
-    x-shaped tensor and an out-of-place scatter_add into a second one."""
+    x-shaped tensor and scatter_add_ of the gradient into it (out of place where watched: indexed)."""
     return indexed(g, "gather", "scatter_add", x, index, index.shape, [(x, "self"), (index, "index")])
 
 
 def index_select(g: Graph, x: Tensor, index: Tensor) -> Tensor:
     """x.index_select(0, index) (IndexSelectBackward0): saves the index. Backward: index_select_backward, a zero
-    x-shaped tensor and an out-of-place index_add into a second one."""
+    x-shaped tensor and index_add_ of the gradient into it (out of place where watched: indexed)."""
     return indexed(g, "index_select", "index_add", x, index, index.shape + x.shape[1:], [(index, "index")])
 
 
 def indexed(g: Graph, op: str, backward_op: str, x: Tensor, index: Tensor, shape: tuple, saved: list) -> Tensor:
     """An op that picks x's elements at index into a new tensor of that shape, reading as many bytes as it
-    writes; its node saves `saved`. Backward: a zero x-shaped tensor (new_zeros), then an out-of-place
-    backward_op (scatter_add, index_add) of the gradient at index into a second one; the zeros freed."""
+    writes; its node saves `saved`. Backward: a zero x-shaped tensor (new_zeros), then backward_op (scatter_add,
+    index_add) of the gradient at index into it, in place (FunctionsManual.cpp gather_backward,
+    index_select_backward_symint); where a dispatch mode watches (Graph.watched) the tensors are subclass-like and
+    it runs out of place, into a second one, the zeros freed."""
     x_shape, index_bytes = x.shape, nbytes(index)
 
     def rule(gs):
         zeros = made(g, x_shape, "new_zeros", dtype=gs[0].dtype)
+        if not g.watched:  # result.scatter_add_(dim, index, grad): nothing more allocated
+            g.kernel(backward_op, (zeros, index_bytes, gs[0]), (zeros,))
+            return [zeros, None]
         out = made(g, x_shape, backward_op, zeros, index_bytes, gs[0], dtype=gs[0].dtype)
         del zeros
         return [out, None]

@@ -71,7 +71,7 @@ def addmm(g: Graph, bias: Tensor, a: Tensor, b: Tensor, kind: str = "linear") ->
     return out
 
 
-def bmm(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+def bmm(g: Graph, a: Tensor, b: Tensor, kind: str = "attention") -> Tensor:
     """Batched a @ b (BmmBackward0): saves both; backward makes b's gradient, then a's."""
     sa, sb, ga, gb = a.shape, b.shape, a.requires_grad, b.requires_grad
     a_bytes, b_bytes, dt = nbytes(a), nbytes(b), a.dtype
@@ -82,25 +82,34 @@ def bmm(g: Graph, a: Tensor, b: Tensor) -> Tensor:
         db = da = None
         if gb:  # aᵀ · grad
             db = g.empty(sb, gs[0].dtype, "bmm")
-            g.kernel("bmm", (a_bytes, gs[0]), (db,), "tensor", fl, "attention", dtype=dt)
+            g.kernel("bmm", (a_bytes, gs[0]), (db,), "tensor", fl, kind, dtype=dt)
         if ga:  # grad · bᵀ
             da = g.empty(sa, gs[0].dtype, "bmm")
-            g.kernel("bmm", (gs[0], b_bytes), (da,), "tensor", fl, "attention", dtype=dt)
+            g.kernel("bmm", (gs[0], b_bytes), (da,), "tensor", fl, kind, dtype=dt)
         return [da, db]
 
     # BmmBackward0 packs mat2 before self, as MmBackward0 does
     node = g.begin("bmm", [a, b], rule, ([(b, "mat2")] if ga else []) + ([(a, "self")] if gb else []))
     out = g.empty((a.shape[0], a.shape[1], b.shape[2]), a.dtype, "bmm")
-    g.kernel("bmm", (a, b), (out,), "tensor", fl, "attention", dtype=dt)
+    g.kernel("bmm", (a, b), (out,), "tensor", fl, kind, dtype=dt)
     g.end(node, [out])
     return out
 
 
-def linear(g: Graph, x: Tensor, w: Tensor, b: Tensor | None, kind: str = "linear") -> Tensor:
+def linear(g: Graph, x: Tensor, w: Tensor, b: Tensor | None, kind: str = "linear", strided: bool = False) -> Tensor:
     """F.linear on a contiguous (B, T, in) x: with a bias, reshape to 2-D + addmm + view
-    (_flatten_nd_linear); without, matmul's fold: reshape (a view) + mm + _unsafe_view."""
+    (_flatten_nd_linear); without, matmul's fold: reshape (a view) + mm + _unsafe_view. strided: x is a view with
+    gaps between its rows (logits_to_keep's last positions of each sequence), which matmul does not fold
+    (LinearAlgebra.cpp should_fold: not without a copy) unless autocast cast it (a cast of such a view is laid out
+    anew, contiguous): x and w.t() expanded to a batch (views), bmm, _unsafe_view; no bias then."""
+    dtype = x.dtype
     x, w, b = autocast(g, "linear", x, w, b)
     lead = x.shape[:-1]
+    if b is None and strided and x.dtype == dtype:
+        wt = t(g, w)
+        batched = expand(g, wt, (lead[0],) + wt.shape)  # tensor2.expand(batch, in, out): the batch's stride 0
+        y3 = bmm(g, expand(g, x, x.shape), batched, kind)
+        return view(g, y3, lead + (w.shape[0],))
     if b is None:  # matmul(x, w.t()): w.t() is made first, then x folds inside matmul
         wt = t(g, w)
         x2 = view(g, x, (math.prod(lead), x.shape[-1]))

@@ -72,13 +72,14 @@ def compute_loss(g: Graph, m: HFModel, idx: Tensor, completion_mask: Tensor, cau
         return pointwise(g, loss, "div", "div")  # training_step: loss / current_gradient_accumulation_steps
 
 
-def model_logits(g: Graph, m: HFModel, idx: Tensor, causal_lm: Callable) -> Tensor:
+def model_logits(g: Graph, m: HFModel, idx: Tensor, causal_lm: Callable, keep: int = 0) -> Tensor:
     """model(**model_kwargs).logits, through Accelerate's prepared forward where the recipe autocasts: the forward in
-    the autocast region, then convert_to_fp32 (an fp32 copy; the model's own output goes as the wrapper returns)."""
+    the autocast region, then convert_to_fp32 (an fp32 copy; the model's own output goes as the wrapper returns).
+    keep: logits_to_keep, the last positions the head runs on (0: all)."""
     if m.autocast is None:
-        return causal_lm(g, m, idx, None, None)[1]
+        return causal_lm(g, m, idx, None, None, keep)[1]
     with m.autocast.region(g):
-        half = causal_lm(g, m, idx, None, None)[1]
+        half = causal_lm(g, m, idx, None, None, keep)[1]
     with g.scoped("logits"):
         logits = aten.to(g, half, "fp32")
     del half

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from memcalc.model.stacks import FUSED_HEAD
+
 from .. import aten
 from ..aten.operands import made
 from ..sim.graph import Graph
 from ..sim.tensors import Tensor
+from . import grpo_logits
 from .dpo import item_of, model_call
 from .fused_head import sliced
 
@@ -90,9 +93,9 @@ def compute_loss(g: Graph, m: HFModel, idx: Tensor, attention_mask: Tensor, caus
         del summed
         policy_loss = Tensor(loss.storage, (), loss.dtype)  # loss.detach()
         if settings.beta:
-            global_masked_mean(g, per_token_kl, mask)
-        global_masked_mean(g, entropies, mask)
-        clip_metrics(g, coef_1, advantages, mask)
+            global_masked_mean(g, per_token_kl, mask, m.cfg.device)
+        global_masked_mean(g, entropies, mask, m.cfg.device)
+        clip_metrics(g, coef_1, advantages, mask, m.cfg.device)
         del policy_loss, per_token_logps, entropies, old, log_ratio, coef_1, coef_2, per_token_kl  # the frame's
         del per_token_loss1, per_token_loss2, per_token_loss, normalizer, input_ids, mask_2d  # locals, as it returns
         return loss
@@ -102,13 +105,15 @@ def scored(g: Graph, m: HFModel, idx: Tensor, attention_mask: Tensor,
            causal_lm: Callable) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The start GRPOTrainer's and RLOOTrainer's _compute_loss share: the prompt's and the completion's ids and
     masks concatenated (new (B, T) int64 each, locals until it returns), then the completion's log-probs and
-    entropies (per_token_logps_and_entropies)."""
+    entropies (per_token_logps_and_entropies; before 1.15 from the logits: memcalc.exact.hf.grpo_logits)."""
     B, T = idx.shape
     with g.scoped("loss"):
         input_ids = made(g, (B, T), "cat", idx, dtype="int64")  # torch.cat([prompt_ids, completion_ids], 1)
         mask_2d = made(g, (B, T), "cat", attention_mask, dtype="int64")
     C = m.cfg.stack.online.completion_len
-    return input_ids, mask_2d, *per_token_logps_and_entropies(g, m, input_ids, mask_2d, C, causal_lm)
+    fused = m.cfg.stack.trl in FUSED_HEAD
+    scoring = per_token_logps_and_entropies if fused else grpo_logits.per_token_logps_and_entropies
+    return input_ids, mask_2d, *scoring(g, m, input_ids, mask_2d, C, causal_lm)
 
 
 def per_token_logps_and_entropies(g: Graph, m: HFModel, input_ids: Tensor, attention_mask: Tensor, C: int,
@@ -200,19 +205,26 @@ def extremum(g: Graph, a: Tensor, b: Tensor, op: str) -> Tensor:
     return out
 
 
-def global_masked_mean(g: Graph, x: Tensor, mask: Tensor) -> None:
+def global_masked_mean(g: Graph, x: Tensor, mask: Tensor, device: str) -> None:
     """_compute_loss's global_masked_mean: (x * mask).sum(), mask.sum().float(), stacked, reduced (one process: the
-    same), totals[0] / totals[1].clamp(min=1.0), .item(). Where x requires grad (the fused head's entropy, the KL)
-    autograd records it all, never run: the clamp saves the stacked totals, the division its two operands."""
-    if x.requires_grad:
+    same), totals[0] / totals[1].clamp(min=1.0), .item(); of a (B, 1) x (one value per sequence: a one-token
+    completion too) x.sum() and torch.tensor(float(B), device=...) instead. Where x requires grad (the fused head's
+    entropy, the KL) autograd records it all, never run: the clamp saves the stacked totals, the division its two
+    operands."""
+    B, C = x.shape
+    if C == 1:
+        local_sum = aten.sum_all(g, x) if x.requires_grad else made(g, (), "sum", x)
+        local_count = made(g, (), "lift_fresh" if device == "cpu" else "_to_copy")
+    elif x.requires_grad:
         local_sum = aten.sum_all(g, aten.mul(g, x, mask))
     else:
         product = made(g, x.shape, "mul", x, mask)
         local_sum = made(g, (), "sum", product)
         del product
-    counted = made(g, (), "sum", mask, dtype="int64")
-    local_count = made(g, (), "_to_copy", counted)
-    del counted
+    if C > 1:
+        counted = made(g, (), "sum", mask, dtype="int64")
+        local_count = made(g, (), "_to_copy", counted)
+        del counted
     totals = stack(g, local_sum, local_count)  # the locals live until it returns
     if totals.requires_grad:
         first, second = selected(g, totals), selected(g, totals)
@@ -241,7 +253,7 @@ def selected(g: Graph, x: Tensor) -> Tensor:
     return out
 
 
-def clip_metrics(g: Graph, coef_1: Tensor, advantages: Tensor, mask: Tensor) -> None:
+def clip_metrics(g: Graph, coef_1: Tensor, advantages: Tensor, mask: Tensor, device: str) -> None:
     """The clip ratios dapo logs: is_low_clipped and is_high_clipped ((B, C) bool), their union, the global masked
     mean of each as a float, and each row's masked mean of the first two, gathered, nanmin / nanmax'd, .item()."""
     shape = coef_1.shape
@@ -254,7 +266,7 @@ def clip_metrics(g: Graph, coef_1: Tensor, advantages: Tensor, mask: Tensor) -> 
     region = made(g, shape, "bitwise_or", *clipped, dtype="bool")
     for x in (*clipped, region):
         as_float = made(g, shape, "_to_copy", x)
-        global_masked_mean(g, as_float, mask)
+        global_masked_mean(g, as_float, mask, device)
         del as_float
     gathered = []  # gathered_low_clip, gathered_high_clip: the frame's locals
     for x, extreme in zip(clipped, ("min", "max")):
@@ -266,8 +278,10 @@ def clip_metrics(g: Graph, coef_1: Tensor, advantages: Tensor, mask: Tensor) -> 
 
 
 def masked_seq_mean(g: Graph, x: Tensor, mask: Tensor) -> Tensor:
-    """(x * mask).sum(-1) / mask.sum(-1): one value per row."""
+    """(x * mask).sum(-1) / mask.sum(-1): one value per row; of a (B, 1) x, x.squeeze(1) (a view)."""
     B = x.shape[0]
+    if x.shape[1] == 1:
+        return g.view(x, (B,))
     product = made(g, x.shape, "mul", x, mask)
     sums = made(g, (B,), "sum", product)
     del product

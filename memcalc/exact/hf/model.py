@@ -275,12 +275,13 @@ def num_items(g: Graph, labels: Tensor) -> Tensor:
     return total
 
 
-def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
-              num_items_in_batch: Tensor) -> tuple[Tensor | fused_head.FusedOutput, Tensor | None]:  # fmt: skip
+def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor, num_items_in_batch: Tensor,
+              keep: int = 0) -> tuple[Tensor | fused_head.FusedOutput, Tensor | None]:  # fmt: skip
     """LlamaForCausalLM.forward / GPT2LMHeadModel.forward: the decoder, the head on every position
-    (slice_logits_to_keep(h, 0) keeps all: no op), the loss. Its output holds the loss and the logits,
-    which live until compute_loss has taken the loss from it. Under TRL's fused LM head
-    (memcalc.exact.hf.fused_head) its forward, with no logits, and no cache (it passes use_cache=False)."""
+    (slice_logits_to_keep(h, 0) keeps all: no op) or on the last `keep` (logits_to_keep: kept_positions), the
+    loss. Its output holds the loss and the logits, which live until compute_loss has taken the loss from it. Under
+    TRL's fused LM head (memcalc.exact.hf.fused_head) its forward, with no logits, and no cache (it passes
+    use_cache=False)."""
     fused = m.cfg.stack.trl in FUSED_HEAD  # SFTTrainer calls it without num_items_in_batch
     chunked = m.cfg.stack.loss == "chunked_nll"  # TRL's patched forward takes it for its own division
     kwargs = () if fused or chunked else (num_items_in_batch,)  # **kwargs: on to the layers and attention interface
@@ -301,10 +302,12 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
         del kwargs, hidden_states
         return loss, None
     with g.scoped("logits"), kept_on_gpu(g):
+        kept, strided = kept_positions(g, hidden_states, keep)
         if "lm_head.lora_A.weight" in m.p:  # LoRA on the head (target_modules lm_head): PEFT's Linear around it
-            logits = lora.lora_linear(g, m, "lm_head", hidden_states)
+            logits = lora.lora_linear(g, m, "lm_head", kept)
         else:
-            logits = aten.linear(g, hidden_states, head, None, "logits")  # (B, T, V)
+            logits = aten.linear(g, kept, head, None, "logits", strided)  # (B, T, V), or (B, keep, V)
+        del kept
     with g.scoped("logits"):
         if m.cfg.shape.logit_softcap:  # Gemma2ForCausalLM.forward: / final_logit_softcapping, tanh, * it
             logits = aten.div_scalar(g, logits)
@@ -317,6 +320,20 @@ def causal_lm(g: Graph, m: HFModel, idx: Tensor, labels: Tensor,
         loss = for_causal_lm_loss(g, logits, labels, num_items_in_batch)
     del kwargs, hidden_states
     return loss, logits  # CausalLMOutputWithPast(loss, logits)
+
+
+def kept_positions(g: Graph, hidden_states: Tensor, keep: int) -> tuple[Tensor, bool]:
+    """hidden_states[:, slice(-keep, None), :] (logits_to_keep): all of them where keep is 0 (slice(0, None): indexing
+    returns the tensor itself); else a view of each sequence's last `keep` positions, which autograd records even
+    where they are all of them (a negative start is not the whole-slice shortcut's 0): SliceBackward0, backward
+    slice_backward, a zero (B, T, H) with the gradient copied in. Strided where B > 1 and it leaves positions out."""
+    B, T, H = full = hidden_states.shape
+    if not keep:
+        return hidden_states, False
+    node = g.begin("slice", [hidden_states], lambda gs: [made(g, full, "slice_backward", gs[0], dtype=gs[0].dtype)])
+    out = g.view(hidden_states, (B, min(keep, T), H))
+    g.end(node, [out])
+    return out, B > 1 and keep < T
 
 
 def for_causal_lm_loss(g: Graph, logits: Tensor, labels: Tensor, num_items_in_batch: Tensor) -> Tensor:

@@ -32,6 +32,7 @@ from ..sim.graph import Graph
 from ..sim.tensors import Tensor
 from .dpo_logits import logsumexp, selective_log_softmax
 from .grpo import clamp, extremum
+from .grpo_logits import tempered
 from .ppo_models import Critic, Output, model_inputs, models_for, run_backbone, run_causal_lm, score_head
 
 if TYPE_CHECKING:
@@ -175,28 +176,6 @@ def forward(g: Graph, m: HFModel, query_responses: Tensor, causal_lm: Callable) 
     output, logits = run_causal_lm(g, m, input_ids, attention_mask, position_ids, causal_lm)
     del backbone, attention_mask, position_ids, input_ids
     return output, logits, vpred_temp
-
-
-def tempered(g: Graph, logits: Tensor, C: int) -> Tensor:
-    """logits[:, P - 1:-1] /= temperature + 1e-7: in place on a view of a tensor autograd tracks, so the base's node
-    becomes CopySlices around DivBackward0 (backward: the base's gradient copied into a new one, the slice cloned and
-    divided, copied back) and the view's AsStridedBackward0 (backward: a zero buffer the base's size)."""
-    B, T, V = full = logits.shape
-    dtype = logits.dtype
-
-    def copy_slices(gs):
-        result = made(g, full, "new_empty_strided", gs[0], dtype=dtype)
-        sliced = made(g, (B, C, V), "clone", result, dtype=dtype)
-        divided = made(g, (B, C, V), "div", sliced, dtype=dtype)
-        del sliced, divided
-        return [result]
-
-    node = g.begin("div_", [logits], copy_slices)
-    g.end(node, [logits])
-    view = g.view(logits, (B, C, V))
-    node = g.begin("as_strided", [logits], lambda gs: [made(g, full, "new_zeros", gs[0], dtype=dtype)])
-    g.end(node, [view])
-    return view
 
 
 def value_slice(g: Graph, vpred_temp: Tensor, C: int) -> Tensor:

@@ -27,7 +27,9 @@ from .zero import Sharding, Zero, ZeroGraph
 
 def build(g: Graph, cfg: StepConfig) -> Transformer | hf.HFModel:
     """Whose model the stack trains (cfg.model): memcalc's reference layer, Transformers' classes, or torchtune's
-    TransformerDecoder."""
+    TransformerDecoder. The graph takes the config's watched: some backward formulas run as a dispatch mode sees them
+    (memcalc.exact.sim.graph.Graph.watched)."""
+    g.watched = cfg.watched
     return {"hf": hf.build, "torchtune": torchtune.build}.get(cfg.model, reference.build)(g, cfg)
 
 

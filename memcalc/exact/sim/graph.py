@@ -107,6 +107,9 @@ class Graph(Checkpointing, Backward):
         self.stream = 0  # the CUDA stream allocations are made on: the default, unless a library switches (FSDP2)
         self.post_accumulate = None  # a parameter's post-accumulate-grad hook (torchtune's optimizer in backward)
         self.offload: Offloader | None = None  # an activation offloading context's hooks (memcalc.exact.sim.offload)
+        # the step as verify's TorchDispatchMode sees it (StepConfig.watched): there every tensor is subclass-like, and
+        # backward formulas that branch on it (gather's, index_select's) run out of place
+        self.watched = False
 
     @property
     def copies(self) -> int:

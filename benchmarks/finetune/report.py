@@ -30,7 +30,8 @@ PRESET = {
     "meta-llama/Llama-2-70b-hf": "llama2-70b", "meta-llama/Llama-3.2-3B": "llama3.2-3b",
     "meta-llama/Llama-3.2-3B-Instruct": "llama3.2-3b", "meta-llama/Meta-Llama-3.1-8B-Instruct": "llama3.1-8b",
     "meta-llama/Meta-Llama-3.1-70B-Instruct": "llama3.1-70b", "meta-llama/Meta-Llama-3.1-405B-Instruct": "llama3.1-405b",
-    "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
+    "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b", "Qwen/Qwen3-1.7B": "qwen3-1.7b", "Qwen/Qwen3-4B": "qwen3-4b",
+    "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3-14B": "qwen3-14b",
 }  # fmt: skip
 # the optimizers as memcalc names them: (--optimizer, --optimizer-impl); torch.optim.AdamW is foreach on CUDA
 OPTIMIZERS = {
@@ -170,9 +171,10 @@ def reserved(args: list[str]) -> int:
                          setup.optimizer, expandable=gpu.expandable_segments).reserved_bytes  # fmt: skip
 
 
-def rows(runs: list, describe=None) -> list[dict]:
+def rows(runs: list, describe=None, predict=None) -> list[dict]:
     """Each run: its figure beside memcalc's of the same kind (a band for an unknown kind), or why not. describe:
-    the corpus's command() (this corpus's by default; benchmarks/rl/report.py passes its own)."""
+    the corpus's command() and predict its predicted() (this corpus's by default; benchmarks/rl/report.py passes its
+    own)."""
     out = []
     for run in runs:
         args = (describe or command)(run)
@@ -181,7 +183,7 @@ def rows(runs: list, describe=None) -> list[dict]:
         if isinstance(args, str):
             row["reason"] = args
         else:
-            got = predicted(args, run.memory_kind)
+            got = (predict or predicted)(args, run.memory_kind)
             row["command"] = "memcalc " + " ".join(args)
             if isinstance(got, str):
                 row["reason"] = f"memcalc refuses: {got}"
@@ -210,8 +212,8 @@ def summary(table: list[dict]) -> list[str]:
     return [f"predicted: {len(done)} of {len(table)} runs (|predicted / published - 1| by memory kind)"] + lines
 
 
-def main(runs: list | None = None, describe=None) -> None:
-    table = rows(load() if runs is None else runs, describe)
+def main(runs: list | None = None, describe=None, predict=None) -> None:
+    table = rows(load() if runs is None else runs, describe, predict)
     if "--summary" not in sys.argv:
         for r in table:
             if "predicted" in r:

@@ -27,9 +27,9 @@ CorpusError, UNITS = files.CorpusError, files.UNITS
 
 HERE = Path(__file__).resolve().parent
 
-# memcalc's GPU keys, and two it has no card for: an A100 whose memory the source does not give, and a GPU the
-# source does not name.
-GPUS = files.MEMCALC_GPUS | {"a100", "unstated"}
+# memcalc's GPU keys, the cards described beside this file (gpus/KEY.json, memcalc's --gpu FILE), and two it has no
+# card for: an A100 whose memory the source does not give, and a GPU the source does not name.
+GPUS = files.MEMCALC_GPUS | {"a100", "unstated"} | {p.stem for p in (HERE / "gpus").glob("*.json")}
 SPLITS = ("fit", "held-out")
 ALGORITHMS = ("grpo", "ppo", "dpo", "kto", "orpo", "simpo")
 PARALLEL = ("single", "ddp", "fsdp", "deepspeed", "megatron")
@@ -74,6 +74,7 @@ class Run(files.Measured):
     dtype: str | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
+    lora_dropout: float | None = None  # LoraConfig's lora_dropout (0 where not given: PEFT's default)
     grad_checkpointing: bool | None = None
     packing: bool | None = None  # packed or padding-free batches
     gpu_memory_utilization: float | None = None  # the rollout engine's fraction of the card
@@ -94,7 +95,7 @@ RUN_FIELDS: dict[str, tuple[type, bool]] = {
     **{k: (str, False) for k in ("notes", "hf_id", "dtype")},
     **{k: (int, False) for k in ("unit_bytes", "zero", "tp", "ep", "lora_rank", "micro_batch", "grad_accum",
                                  "global_batch", "num_generations", "seq", "prompt_len", "response_len")},
-    **{k: (float, False) for k in ("lora_alpha", "gpu_memory_utilization", "step_time_s")},
+    **{k: (float, False) for k in ("lora_alpha", "lora_dropout", "gpu_memory_utilization", "step_time_s")},
     **{k: (bool, False) for k in ("grad_checkpointing", "packing")},
 }  # fmt: skip
 POSITIVE = ("gpus", "unit_bytes", "memory", "tp", "ep", "lora_rank", "lora_alpha", "micro_batch", "grad_accum",
@@ -116,7 +117,9 @@ def _check_run(r: dict, where: str) -> dict:
     for k in ("tp", "ep"):
         if k in r and r["parallel"] != "megatron":
             bad(f"{k} is Megatron's: parallel must be 'megatron'")
-    if r["method"] == "full" and ("lora_rank" in r or "lora_alpha" in r):
+    if "lora_dropout" in r and not 0 <= r["lora_dropout"] < 1:
+        bad(f"lora_dropout = {r['lora_dropout']} is not a probability in [0, 1)")
+    if r["method"] == "full" and ("lora_rank" in r or "lora_alpha" in r or "lora_dropout" in r):
         bad("LoRA settings on method 'full'")
     online = r["algorithm"] in ONLINE
     if online == (r["rollout"] == "none"):

@@ -25,6 +25,7 @@ from benchmarks.finetune import report  # noqa: E402
 from benchmarks.rl.corpus import Run, load  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # a Hub config.json per model without a memcalc preset
+GPU_FILES = Path(__file__).resolve().parent / "gpus"  # a --gpu FILE.json per card memcalc's table does not have
 # development builds between releases, as the release line whose trainer code they run: trl/trainer/dpo_trainer.py
 # DPOTrainer._compute_loss at each commit diffed against the releases' wheels (identical to the line's)
 DEV_BUILDS = {"8e4d5e9c": "1.5", "c3f21ede": "1.6"}
@@ -68,7 +69,9 @@ def command(run: Run) -> list[str] | str:
     if run.micro_batch is None or run.seq is None:
         return "the run does not give its micro-batch and length"
     gpu = "a100-80gb" if run.gpu == "a100" else run.gpu  # an A100 of unstated memory: the step's bytes are the same
-    if gpu not in GPUS:
+    if gpu not in GPUS and (GPU_FILES / f"{gpu}.json").exists():  # a card described beside this file
+        gpu = str((GPU_FILES / f"{gpu}.json").relative_to(ROOT))
+    elif gpu not in GPUS:
         return f"GPU {run.gpu!r} is not in memcalc's table"
     model = model_args(run)
     if isinstance(model, str):
@@ -81,6 +84,7 @@ def command(run: Run) -> list[str] | str:
     if run.method in ("lora", "qlora"):
         args += ["--lora", str(run.lora_rank)] if run.lora_rank else []
         args += ["--quantize", "nf4"] if run.method == "qlora" else []
+        args += ["--lora-dropout", str(run.lora_dropout)] if run.lora_dropout else []
     if run.parallel in ("ddp", "deepspeed", "fsdp"):
         args += ["--gpus", str(run.gpus)] + (["--zero", str(run.zero)] if run.zero is not None else [])
     if run.algorithm == "grpo":
@@ -92,8 +96,31 @@ def command(run: Run) -> list[str] | str:
     return args
 
 
+def predicted(args: list[str], kind: str) -> int | tuple[int, int] | str:
+    """benchmarks/finetune/report.py's figure of the kind, where the policy generates itself (GRPO without vLLM, PPO)
+    over the whole run: torch's allocated peak is then the highest of the phases, each of them PyTorch's tensors
+    (the trainer's state with generate's peak, with the scoring passes', the step's), as the measurements that reset
+    it before the trainer read it; the other kinds as that report takes them."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    own = "--vllm" not in args and any(x in args for x in ("grpo", "ppo", "rloo"))
+    if kind != "peak_allocated" or not own:
+        return report.predicted(args, kind)
+    r = CliRunner().invoke(app, [*args, "--format", "json"])
+    if r.exit_code != 0:
+        return (r.stderr or r.output).strip().removeprefix("error: ")
+    answer = json.loads(r.stdout)
+    phase = ((answer.get("rollout") or {}).get("phases") or [None])[0] or {}
+    step = answer["verdict"][0]["peak_bytes"]
+    return max(step, phase.get("rollout_bytes", 0), phase.get("score_bytes", 0))
+
+
 def main() -> None:
-    report.main(load(), command)
+    report.main(load(), command, predicted)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""TRL 1.9-1.12's GRPOTrainer (--stack trl:1.9, trl:1.10, trl:1.12 --rl grpo): memcalc.exact.hf.grpo_logits, the
+"""TRL 1.9-1.13's GRPOTrainer (--stack trl:1.9, trl:1.10, trl:1.12, trl:1.13 --rl grpo): memcalc.exact.hf.grpo_logits, the
 log-probabilities from the logits, equals each release itself, installed apart (`pip install --target`) and run in its
 own process (tests/trl_release.py: verify/trl_grpo.py's GRPOTrainer._compute_loss of that release, allocation by
 allocation on CPU tensors under the Trainer's autocast); gather's backward runs in place outside a dispatch mode, as the
@@ -33,9 +33,10 @@ def run(*args: str):
 
 @pytest.mark.slow("test_gather_backward_in_place_outside_a_dispatch_mode and test_every_line_answers (the line's "
                   "replay on the CLI)")  # fmt: skip
-@pytest.mark.parametrize("version,line", [("1.12.0", "1.12"), ("1.10.0", "1.10"), ("1.9.2", "1.9")])
+@pytest.mark.parametrize("version,line", [("1.13.0", "1.13"), ("1.12.0", "1.12"), ("1.10.0", "1.10"),
+                                          ("1.9.2", "1.9")])  # fmt: skip
 def test_each_release_itself(version, line):
-    """1.10-1.12 divide the logits into a new tensor, 1.9 in place (CopySlices): every case, each release."""
+    """1.10-1.13 divide the logits into a new tensor, 1.9 in place (CopySlices): every case, each release."""
     assert_release(version, *(f"grpo:{line}:{case}" for case in CASES))
 
 
@@ -99,7 +100,7 @@ def test_each_line_has_its_grpo_config_defaults(line, completion):
 
 
 @pytest.mark.parametrize("args,said", [
-    (("--stack", "trl:1.8"), "replayed on --stack trl:1.9, trl:1.10, trl:1.12, trl:1.16"),
+    (("--stack", "trl:1.8"), "replayed on --stack trl:1.9, trl:1.10, trl:1.12, trl:1.13, trl:1.16"),
     (("--stack", "trl:1.7"), "replayed on --stack trl:1.9"),
     (("--stack", "trl:1.12", "--vllm", "colocate"), "its vLLM generation is not replayed"),
     (("--stack", "trl:1.10", "--liger"), "GRPOTrainer's LigerFusedLinearGRPOLoss is not replayed"),

@@ -92,7 +92,7 @@ def buffered(grpo: Grpo, rows: int, device: torch.device) -> dict:
 
 def grpo_loss(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor,
               autocast: tuple[str, torch.dtype] | None, grpo: Grpo) -> torch.Tensor:  # fmt: skip
-    """The installed trl's GRPOTrainer._compute_loss itself (1.16's over its fused LM head; 1.9-1.12's from the logits,
+    """The installed trl's GRPOTrainer._compute_loss itself (1.16's over its fused LM head; 1.9-1.13's from the logits,
     logits_to_keep and temperature 1.0 as GRPOConfig's default; loss_type "dapo", importance_sampling_level "token",
     epsilon 0.2, no entropy mask, off-policy mask, entropy bonus or aux loss), its self a stand-in holding what it
     reads on one process in training (stand_in). The Trainer then calls backward on the loss as it is (dapo's

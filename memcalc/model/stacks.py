@@ -105,7 +105,7 @@ FUSED_HEAD = ("1.16",)  # the lines whose SFTTrainer takes the loss from its fus
 DPO_LOGITS, DPO_COPIES = ("1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.12", "1.13"), ("1.5",)
 # the lines whose GRPOTrainer takes its log-probabilities from the logits (memcalc.exact.hf.grpo_logits), and those
 # that divide them by the temperature in place (logits.div_)
-GRPO_LOGITS, GRPO_DIV_IN_PLACE = ("1.9", "1.10", "1.12"), ("1.9",)
+GRPO_LOGITS, GRPO_DIV_IN_PLACE = ("1.9", "1.10", "1.12", "1.13"), ("1.9",)
 # the lines whose SFTTrainer casts a 4-bit model's trainable parameters to bf16: whether DoRA's magnitudes too
 BF16_CAST = {"1.2": True, "1.5": True, "1.6": True, "1.7": True, "1.8": True, "1.9": True, "1.10": True, "1.12": True,
              "1.13": True, "1.14": True, "1.16": False}  # excluded from 1.15 (huggingface/trl #7268)

@@ -16,7 +16,7 @@
   dpo            TRL's DPOTrainer step (--rl dpo): chosen and rejected sequences, the reference's forward, the loss
   dpo_logits     TRL 1.3-1.13's DPOTrainer: its log-probabilities from the full logits
   grpo, rloo     TRL's GRPOTrainer and RLOOTrainer steps (--rl grpo, rloo): the buffered generation batch, the loss
-  grpo_logits    TRL 1.9-1.12's GRPOTrainer: its log-probabilities from the logits (logits_to_keep, the temperature)
+  grpo_logits    TRL 1.9-1.13's GRPOTrainer: its log-probabilities from the logits (logits_to_keep, the temperature)
   ppo, ppo_rollout, ppo_models
                  TRL 1.3-1.12's PPOTrainer (--rl ppo): the PPO epochs (the value model beside the policy, the loop's
                  locals), each update's rollout before them (generate with output_scores, the scoring loop), and

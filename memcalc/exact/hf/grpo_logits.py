@@ -1,7 +1,8 @@
-"""TRL 1.9-1.12's GRPOTrainer step (--stack trl:1.9, trl:1.10, trl:1.12 --rl grpo) where it differs from 1.16's
-(memcalc.exact.hf.grpo, whose _compute_loss it shares: the same code from 1.9.1 to 1.16): the log-probabilities come
-from the logits. trl/trainer/grpo_trainer.py _get_per_token_logps_and_entropies as the 1.9.2, 1.10.0 and 1.12.0 wheels
-ship it (verify/trl_grpo.py runs it), the whole micro-batch one chunk:
+"""TRL 1.9-1.13's GRPOTrainer step (--stack trl:1.9, trl:1.10, trl:1.12, trl:1.13 --rl grpo) where it differs from
+1.16's (memcalc.exact.hf.grpo, whose _compute_loss it shares: the same code from 1.9.1 to 1.16): the log-probabilities
+come from the logits. trl/trainer/grpo_trainer.py _get_per_token_logps_and_entropies as the 1.9.2, 1.10.0, 1.12.0 and
+1.13.0 wheels ship it (verify/trl_grpo.py runs it), the whole micro-batch one chunk (1.14 runs its Triton kernel
+instead: not replayed):
   logits     model(input_ids, attention_mask, logits_to_keep=C + 1, use_cache=False) through Accelerate's prepared
              forward: the head on each row's last C + 1 positions (a strided view of the hidden states, which
              matmul's fold copies), then under autocast convert_to_fp32's copy of the 16-bit logits

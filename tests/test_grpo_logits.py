@@ -1,9 +1,9 @@
-"""TRL 1.9-1.13's GRPOTrainer (--stack trl:1.9, trl:1.10, trl:1.12, trl:1.13 --rl grpo): memcalc.exact.hf.grpo_logits, the
-log-probabilities from the logits, equals each release itself, installed apart (`pip install --target`) and run in its
-own process (tests/trl_release.py: verify/trl_grpo.py's GRPOTrainer._compute_loss of that release, allocation by
-allocation on CPU tensors under the Trainer's autocast); gather's backward runs in place outside a dispatch mode, as the
-replay's prediction takes it; the CLI answers on those lines, with each line's defaults, and refuses what it does not
-replay.
+"""TRL 1.9-1.13's GRPOTrainer (--stack trl:1.9, trl:1.10, trl:1.12, trl:1.13 --rl grpo): memcalc.exact.hf.
+grpo_logits, the log-probabilities from the logits, equals each release itself, installed apart (`pip install
+--target`) and run in its own process (tests/trl_release.py: verify/trl_grpo.py's GRPOTrainer._compute_loss of that
+release, allocation by allocation on CPU tensors under the Trainer's autocast); gather's backward runs in place
+outside a dispatch mode, as the replay's prediction takes it; the CLI answers on those lines, with each line's
+defaults, and refuses what it does not replay.
 """
 
 from __future__ import annotations

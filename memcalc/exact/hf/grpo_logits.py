@@ -4,8 +4,9 @@ come from the logits. trl/trainer/grpo_trainer.py _get_per_token_logps_and_entro
 1.13.0 wheels ship it (verify/trl_grpo.py runs it), the whole micro-batch one chunk (1.14 runs its Triton kernel
 instead: not replayed):
   logits     model(input_ids, attention_mask, logits_to_keep=C + 1, use_cache=False) through Accelerate's prepared
-             forward: the head on each row's last C + 1 positions (a strided view of the hidden states, which
-             matmul's fold copies), then under autocast convert_to_fp32's copy of the 16-bit logits
+             forward: the head on each row's last C + 1 positions (a strided view of the hidden states, which matmul
+             does not fold: a batched bmm, memcalc.exact.aten.linear's strided), then under autocast
+             convert_to_fp32's copy of the 16-bit logits
   tempered   logits[:, :-1, :] then logits[:, -C:, :] (each a SliceBackward0, the second of every position: its
              backward still a zero tensor of the logits' size), then divided by the temperature: in place up to 1.9
              (logits.div_: CopySlices on the fp32 logits, which stay held through backward), a new tensor from 1.10
@@ -41,7 +42,7 @@ def per_token_logps_and_entropies(g: Graph, m: HFModel, input_ids: Tensor, atten
     outputs = model_logits(g, m, input_ids, causal_lm, keep=C + 1)  # outputs.logits: (B, C + 1, V)
     in_place = m.cfg.stack.trl in GRPO_DIV_IN_PLACE
     with g.scoped("loss"):
-        if in_place:  # logits = logits[:, :-1, :]; logits.div_(self.temperature)
+        if in_place:  # logits[:, :-1, :], then [:, -logits_to_keep:, :], then logits.div_(self.temperature)
             logits = tempered(g, outputs, C)
         else:  # logits = logits[:, :-1, :]; logits = logits[:, -logits_to_keep:, :]; logits = logits / temperature
             shifted = whole_slice(g, shifted_logits(g, outputs, copy=False))

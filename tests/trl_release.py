@@ -83,9 +83,9 @@ def main(*cases: str) -> int:
                 from memcalc.model.rl import OnlineRL, with_rl
 
                 C = next((int(x.removeprefix("completion")) for x in precompute if x.startswith("completion")), 12)
-                online = with_rl(replace(STACKS[f"trl:{line}"], finetune=FINETUNES[finetune]), "grpo",
-                                 online=OnlineRL(completion_len=C))  # fmt: skip
-                assert_watched_cpu(TINY[model], online, tricks)
+                grpo = with_rl(replace(STACKS[f"trl:{line}"], finetune=FINETUNES[finetune]), "grpo",
+                               online=OnlineRL(completion_len=C))  # fmt: skip
+                assert_watched_cpu(TINY[model], grpo, tricks)
             else:
                 assert_watched_cpu(TINY[model], stack, tricks)
         except AssertionError as e:

@@ -116,11 +116,12 @@ def _gpus():
     return GPUS
 
 
-def predicted(args: list[str], kind: str = "peak_allocated") -> int | tuple[int, int] | str:
+def predicted(args: list[str], kind: str = "peak_allocated", allocated=None) -> int | tuple[int, int] | str:
     """The verdict's figure of the run's kind, or memcalc's refusal. peak_allocated and peak_active: the peak of
-    allocated bytes. peak_reserved: torch.cuda.max_memory_reserved() of one GPU's step, the caching allocator's
-    reserve over it (reserved). nvidia_smi: the device's used memory, that reserve plus what lives outside the
-    allocator (the CUDA context, cuBLAS's workspaces, NCCL's buffers: the verdict's headroom). unknown: the
+    allocated bytes (allocated(answer): the step's, the verdict's peak, unless the corpus reads it over more than the
+    step: benchmarks/rl/report.py). peak_reserved: torch.cuda.max_memory_reserved() of one GPU's step, the caching
+    allocator's reserve over it (reserved). nvidia_smi: the device's used memory, that reserve plus what lives outside
+    the allocator (the CUDA context, cuBLAS's workspaces, NCCL's buffers: the verdict's headroom). unknown: the
     figure is one of those, which the source does not say: (the allocated peak, the device's used memory)."""
     from typer.testing import CliRunner
 
@@ -131,15 +132,16 @@ def predicted(args: list[str], kind: str = "peak_allocated") -> int | tuple[int,
         return (r.stderr if hasattr(r, "stderr") and r.stderr else r.output).strip().removeprefix("error: ")
     answer = json.loads(r.stdout)
     verdict = answer["verdict"][0]
+    peak = verdict["peak_bytes"] if allocated is None else allocated(answer)
     if kind in ("peak_allocated", "peak_active"):
-        return verdict["peak_bytes"]
+        return peak
     reserve = (verdict["total_bytes"] if verdict["reserved"] or "--gpus" in args else
                max(reserved(args), verdict["peak_bytes"]))  # the step's reserve, or the model's load where it peaks
     if kind == "peak_reserved":
         return reserve
     headroom = answer["headroom"]
     used = reserve + headroom["context_bytes"] + headroom["cublas_bytes"] + headroom["nccl_bytes"]
-    return used if kind == "nvidia_smi" else (verdict["peak_bytes"], used)
+    return used if kind == "nvidia_smi" else (peak, max(peak, used))
 
 
 def error(row: dict) -> float:

@@ -96,27 +96,22 @@ def command(run: Run) -> list[str] | str:
     return args
 
 
-def predicted(args: list[str], kind: str) -> int | tuple[int, int] | str:
-    """benchmarks/finetune/report.py's figure of the kind, where the policy generates itself (GRPO without vLLM, PPO)
-    over the whole run: torch's allocated peak is then the highest of the phases, each of them PyTorch's tensors
-    (the trainer's state with generate's peak, with the scoring passes', the step's), as the measurements that reset
-    it before the trainer read it; the other kinds as that report takes them."""
-    import json
-
-    from typer.testing import CliRunner
-
-    from memcalc.cli import app
-
-    own = "--vllm" not in args and any(x in args for x in ("grpo", "ppo", "rloo"))
-    if kind != "peak_allocated" or not own:
-        return report.predicted(args, kind)
-    r = CliRunner().invoke(app, [*args, "--format", "json"])
-    if r.exit_code != 0:
-        return (r.stderr or r.output).strip().removeprefix("error: ")
-    answer = json.loads(r.stdout)
-    phase = ((answer.get("rollout") or {}).get("phases") or [None])[0] or {}
+def run_peak(answer: dict) -> int:
+    """The allocated peak of a run read over more than its step: where the policy generates itself (no vLLM engine:
+    GRPO's and RLOO's own generate, PPO's rollout) the highest of the phases, each of them PyTorch's tensors (the
+    trainer's state with generate's peak, with the scoring passes', the step's), as the measurements that reset the
+    peak before the trainer read it; else the step's."""
     step = answer["verdict"][0]["peak_bytes"]
-    return max(step, phase.get("rollout_bytes", 0), phase.get("score_bytes", 0))
+    rollout = answer.get("rollout") or {}
+    phase = (rollout.get("phases") or [None])[0]
+    if phase is None or rollout.get("engine") is not None:
+        return step
+    return max(step, phase["rollout_bytes"], phase["score_bytes"])
+
+
+def predicted(args: list[str], kind: str) -> int | tuple[int, int] | str:
+    """benchmarks/finetune/report.py's figure of the kind, its allocated peak the run's (run_peak)."""
+    return report.predicted(args, kind, run_peak)
 
 
 def main() -> None:

@@ -188,7 +188,7 @@ class StackOptions(OptionGroup):
         too; --loss is refused under --rl. --liger allocates by the GPU's kind (memcalc.model.savers.liger_for);
         without a GPU (verify), as on meta."""
         from memcalc.model.finetune import finetune_for
-        from memcalc.model.rl import PPO_LINE, TRAINERS, with_rl
+        from memcalc.model.rl import PPO_LINE, TRAINERS, liger_refused, with_rl
         from memcalc.model.savers import ON_META, liger_for
         from memcalc.model.stacks import DPO_LOGITS, FUSED_HEAD, GRPO_LOGITS, stack_for, with_loop
 
@@ -207,8 +207,7 @@ class StackOptions(OptionGroup):
             raise InputError(f"--liger with --rl dpo on --stack {key}: its DPOTrainer's Liger loss "
                              "(_compute_loss_liger, LigerFusedLinearDPOLoss) is not replayed; on trl:1.16 it is")
         if self.liger and rl == "grpo" and key.removeprefix("trl:") in GRPO_LOGITS:
-            raise InputError(f"--liger with --rl grpo on --stack {key}: its GRPOTrainer's LigerFusedLinearGRPOLoss is "
-                             "not replayed; on trl:1.16 Liger's layers beside the fused head are")
+            raise InputError(liger_refused(key.removeprefix("trl:")))
         chosen = stack_for(self.stack or default, self.recipe,
                            self.optimizer_impl, self.no_cache, self.offload_activations, liger,
                            self.reentrant)  # fmt: skip

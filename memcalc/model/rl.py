@@ -160,10 +160,16 @@ def logits_refusals(stack: Stack, online: OnlineRL | None) -> None:
         raise InputError(f"--rl grpo --vllm on {lines}: its vLLM generation is not replayed; the policy's own "
                          "generate is (drop --vllm), and vLLM beside the trainer on --stack trl:1.16")  # fmt: skip
     if stack.savers.liger is not None:
-        raise InputError(f"--rl grpo --liger on {lines}: its LigerFusedLinearGRPOLoss is not replayed")
+        raise InputError(liger_refused(stack.trl))
     if "lm_head" in stack.finetune.targets:
         raise InputError(f"--rl grpo on {lines} with LoRA on lm_head: the head's adapter over logits_to_keep's "
                          "positions is not replayed")  # fmt: skip
+
+
+def liger_refused(line: str) -> str:
+    """--liger under --rl grpo before 1.15 (the CLI says it before stack_for's SFTTrainer reason)."""
+    return (f"--liger with --rl grpo on --stack trl:{line}: its GRPOTrainer's LigerFusedLinearGRPOLoss is not "
+            "replayed; on trl:1.16 Liger's layers beside the fused head are")
 
 
 def with_ppo(stack: Stack, ppo: Ppo) -> Stack:

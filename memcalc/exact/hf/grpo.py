@@ -211,17 +211,16 @@ def global_masked_mean(g: Graph, x: Tensor, mask: Tensor, device: str) -> None:
     completion too) x.sum() and torch.tensor(float(B), device=...) instead. Where x requires grad (the fused head's
     entropy, the KL) autograd records it all, never run: the clamp saves the stacked totals, the division its two
     operands."""
-    B, C = x.shape
-    if C == 1:
+    if x.shape[1] == 1:
         local_sum = aten.sum_all(g, x) if x.requires_grad else made(g, (), "sum", x)
         local_count = made(g, (), "lift_fresh" if device == "cpu" else "_to_copy")
-    elif x.requires_grad:
-        local_sum = aten.sum_all(g, aten.mul(g, x, mask))
     else:
-        product = made(g, x.shape, "mul", x, mask)
-        local_sum = made(g, (), "sum", product)
-        del product
-    if C > 1:
+        if x.requires_grad:
+            local_sum = aten.sum_all(g, aten.mul(g, x, mask))
+        else:
+            product = made(g, x.shape, "mul", x, mask)
+            local_sum = made(g, (), "sum", product)
+            del product
         counted = made(g, (), "sum", mask, dtype="int64")
         local_count = made(g, (), "_to_copy", counted)
         del counted
